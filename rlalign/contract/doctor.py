@@ -1,0 +1,272 @@
+"""``rlalign doctor``: check, on this machine, every invariance the strict profile relies on.
+
+Two kinds of checks, each with fresh random inputs (a new seed every run):
+
+* *library assumptions* -- exactly the properties listed in ``spec.cpu_backend_assumptions``
+  (fixed-shape GEMMs are row/column/item invariant, exp/log are position invariant, all of it
+  deterministic run to run), on the shapes the torch backend issues;
+* *op invariances* -- each strict op's contract end to end (batch size, row position, packing,
+  prefill vs decode, chunk sizes, TP partition), through the public ops.
+
+Strict relies on the doctor being green on the machine that runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import time
+from typing import Callable
+
+import torch
+
+from rlalign.contract import spec
+
+
+@dataclasses.dataclass
+class CheckResult:
+    op: str
+    invariance: str
+    holds: bool
+    seconds: float
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class Check:
+    op: str
+    invariance: str
+    run: Callable[[torch.device, torch.Generator], "bool | tuple[bool, str]"]
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+
+def _randn(gen, *shape, device, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+# ---- library assumptions ----------------------------------------------------------------------
+
+def _gemm_row_position(device, gen):
+    for k, n in ((64, 64), (256, 768), (1024, 1024), (128, 1024)):
+        w = _randn(gen, n, k, device=device)
+        row = _randn(gen, 1, k, device=device)
+        ref = None
+        for pos in (0, 1, 7, spec.ROW_BLOCK // 2, spec.ROW_BLOCK - 1):
+            blk = _randn(gen, spec.ROW_BLOCK, k, device=device) * 10
+            blk[pos] = row[0]
+            out = torch.mm(blk, w.t())[pos]
+            if ref is None:
+                ref = out
+            elif not _same(out, ref):
+                return False, f"K={k} N={n}: row at block position {pos} differs"
+    return True
+
+
+def _gemm_column_invariance(device, gen):
+    k = 256
+    a = _randn(gen, spec.ROW_BLOCK, k, device=device)
+    w = _randn(gen, spec.VOCAB_BLOCK, k, device=device)
+    ref = torch.mm(a, w.t())
+    for n, off in ((2 * spec.VOCAB_BLOCK, 0), (3 * spec.VOCAB_BLOCK, spec.VOCAB_BLOCK), (spec.VOCAB_BLOCK + 37, 37)):
+        big = _randn(gen, n, k, device=device)
+        big[off:off + spec.VOCAB_BLOCK] = w
+        if not _same(torch.mm(a, big.t())[:, off:off + spec.VOCAB_BLOCK], ref):
+            return False, f"columns differ when N={n}, offset {off}"
+    return True
+
+
+def _bmm_item_invariance(device, gen):
+    q, b = spec.ATTN_Q_TILE, spec.ATTN_KV_BLOCK
+    for d in (32, 64, 128):
+        for shape_a, shape_b in (((q, d), (d, b)), ((q, b), (b, d))):
+            a1, b1 = _randn(gen, 1, *shape_a, device=device), _randn(gen, 1, *shape_b, device=device)
+            ref = torch.bmm(a1, b1)[0]
+            for count in (2, 9, 100):
+                a, bb = _randn(gen, count, *shape_a, device=device), _randn(gen, count, *shape_b, device=device)
+                i = count // 2
+                a[i], bb[i] = a1[0], b1[0]
+                if not _same(torch.bmm(a, bb)[i], ref):
+                    return False, f"D={d}: item differs at batch count {count}"
+    return True
+
+
+def _elementwise_position(device, gen):
+    x = _randn(gen, 4096, 32, device=device) * 8
+    pos = torch.rand(4096, 32, generator=gen).to(device) * 100 + 1e-6
+    for name, fn, arg in (("exp", torch.exp, -x.abs()), ("log", torch.log, pos)):
+        body = fn(arg)
+        tail = fn(arg[:, :17])            # on a 16-lane loop, element 16 of each row takes the tail path
+        single = torch.stack([fn(arg[i, 16:17]) for i in range(64)])[:, 0]
+        if not (_same(body[:, :17], tail) and _same(body[:64, 16], single)):
+            return False, f"{name}: vector body, tail and single-element results differ"
+    return True
+
+
+def _determinism(device, gen):
+    a, w = _randn(gen, spec.ROW_BLOCK, 512, device=device), _randn(gen, 512, 512, device=device)
+    return _same(torch.mm(a, w.t()), torch.mm(a, w.t()))
+
+
+# ---- op invariances ---------------------------------------------------------------------------
+
+def _op_linear_batch(device, gen):
+    from rlalign import ops
+    for dtype in (torch.float32, torch.bfloat16):
+        w = _randn(gen, 256, 512, device=device, dtype=dtype)
+        x = _randn(gen, 512, 512, device=device, dtype=dtype)
+        full = ops.linear(x, w, profile="strict")
+        for m in (1, 3, 5, 63, 64, 65, 200):
+            if not _same(ops.linear(x[:m], w, profile="strict"), full[:m]):
+                return False, f"{dtype}: rows differ at M={m} vs M=512"
+    return True
+
+
+def _op_linear_tp(device, gen):
+    from rlalign import ops
+    k = 1024
+    w = _randn(gen, 64, k, device=device, dtype=torch.bfloat16)
+    x = _randn(gen, 33, k, device=device, dtype=torch.bfloat16)
+    full = ops.linear(x, w, k_segments=spec.K_SEGMENTS, profile="strict")
+    for tp in (2, 4, 8):
+        shard = k // tp
+        parts = [ops.linear(x[:, r * shard:(r + 1) * shard].float(), w[:, r * shard:(r + 1) * shard].float(),
+                            k_segments=spec.K_SEGMENTS // tp, profile="strict") for r in range(tp)]
+        while len(parts) > 1:
+            parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+        if not _same(parts[0].to(torch.bfloat16), full):
+            return False, f"TP={tp} differs from TP=1"
+    return True
+
+
+def _op_rms_norm(device, gen):
+    from rlalign import ops
+    x = _randn(gen, 300, 1024, device=device, dtype=torch.bfloat16)
+    w = _randn(gen, 1024, device=device, dtype=torch.bfloat16)
+    full = ops.rms_norm(x, w, 1e-6, profile="strict")
+    return all(_same(ops.rms_norm(x[i:i + 1], w, 1e-6, profile="strict"), full[i:i + 1]) for i in (0, 17, 299))
+
+
+def _op_attention_prefill_decode(device, gen):
+    from rlalign import ops
+    hq, hkv, d, page = 4, 2, 64, 16
+    lens = [1, 70, 130]
+    total = sum(lens)
+    q = _randn(gen, total, hq, d, device=device, dtype=torch.bfloat16)
+    k = _randn(gen, total, hkv, d, device=device, dtype=torch.bfloat16)
+    v = _randn(gen, total, hkv, d, device=device, dtype=torch.bfloat16)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+    packed = ops.attention_varlen(q, k, v, cu, profile="strict")
+    # decode the last sequence token by token against a paged cache with shuffled pages
+    s0, n = cu[2].item(), lens[2]
+    pages = -(-n // page)
+    perm = torch.randperm(pages + 3, generator=gen)[:pages].to(device)
+    kc = torch.zeros(pages + 3, page, hkv, d, device=device, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    table = perm.to(torch.int32).unsqueeze(0)
+    for t in range(n):
+        slot = (perm[t // page] * page + t % page).view(1).long()
+        ops.write_kv_cache(k[s0 + t:s0 + t + 1], v[s0 + t:s0 + t + 1], kc, vc, slot)
+        out = ops.attention_paged(q[s0 + t:s0 + t + 1], kc, vc, table,
+                                  torch.tensor([t + 1], dtype=torch.int32, device=device),
+                                  torch.tensor([0, 1], dtype=torch.int32, device=device), profile="strict")
+        if not _same(out[0], packed[s0 + t]):
+            return False, f"token {t}: decode differs from packed forward"
+    alone = ops.attention_varlen(q[s0:], k[s0:], v[s0:], cu[2:] - cu[2], profile="strict")
+    if not _same(alone, packed[s0:]):
+        return False, "sequence alone differs from packed with others"
+    return True
+
+
+def _op_logprob_chunks(device, gen):
+    from rlalign import ops
+    h = _randn(gen, 200, 128, device=device, dtype=torch.bfloat16)
+    w = _randn(gen, 5000, 128, device=device, dtype=torch.bfloat16)
+    tgt = torch.randint(0, 5000, (200,), generator=gen).to(device)
+    ref_lp, ref_ent = ops.logprob_entropy(h, w, tgt, profile="strict")
+    for tc, vc in ((64, 1024), (128, 4096), (256, 2048)):
+        lp, ent = ops.logprob_entropy(h, w, tgt, token_chunk=tc, vocab_chunk=vc, profile="strict")
+        if not (_same(lp, ref_lp) and _same(ent, ref_ent)):
+            return False, f"chunks ({tc}, {vc}) change the result"
+    lp1, _ = ops.logprob_entropy(h[7:8], w, tgt[7:8], profile="strict")
+    return _same(lp1, ref_lp[7:8]) or (False, "a token alone differs from the same token in a batch")
+
+
+def _op_sample_batch(device, gen):
+    from rlalign import ops
+    logits = _randn(gen, 64, 3000, device=device) * 3
+    n = logits.shape[0]
+    kw = dict(seeds=torch.full((n,), 1234, device=device), seq_ids=torch.arange(n, device=device),
+              positions=torch.arange(n, device=device) * 7, temperature=0.9, top_k=50, top_p=0.9)
+    full = ops.sample(logits, profile="strict", **kw)
+    for i in (0, 31, 63):
+        one = ops.sample(logits[i:i + 1], profile="strict",
+                         **{k: (v[i:i + 1] if torch.is_tensor(v) else v) for k, v in kw.items()})
+        if not _same(one, full[i:i + 1]):
+            return False, f"row {i} alone samples a different token"
+    return True
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("gemm (library)", f"row position in a fixed {spec.ROW_BLOCK}-row block", _gemm_row_position),
+    Check("gemm (library)", "column value independent of N and column offset", _gemm_column_invariance),
+    Check("bmm (library)", "item independent of batch count and index", _bmm_item_invariance),
+    Check("exp/log (library)", "vector body == tail == single element", _elementwise_position),
+    Check("gemm (library)", "run to run", _determinism),
+    Check("linear", "batch size 1..512 (bf16, fp32)", _op_linear_batch),
+    Check("linear", "canonical K partition: TP 1/2/4/8", _op_linear_tp),
+    Check("rms_norm", "row alone == row in batch", _op_rms_norm),
+    Check("attention", "packed == decode vs paged cache == sequence alone", _op_attention_prefill_decode),
+    Check("logprob/entropy", "token/vocab chunk sizes, batch", _op_logprob_chunks),
+    Check("sample", "token independent of batch", _op_sample_batch),
+)
+
+
+def run_checks(device: str = "cpu", seed: int | None = None, progress: Callable[[str], None] | None = None):
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    gen = torch.Generator().manual_seed(seed)
+    results = []
+    for check in CHECKS:
+        if dev.type not in check.devices:
+            continue
+        if progress:
+            progress(f"{check.op}: {check.invariance}")
+        t0 = time.perf_counter()
+        try:
+            out = check.run(dev, gen)
+        except Exception as exc:  # a check that crashes does not hold; say why
+            out = (False, f"{type(exc).__name__}: {exc}")
+        holds, detail = out if isinstance(out, tuple) else (bool(out), "")
+        results.append(CheckResult(check.op, check.invariance, holds, time.perf_counter() - t0, detail))
+    return results, seed
+
+
+def environment(device: str) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "cpu": _cpu_name(), "cpu_capability": getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

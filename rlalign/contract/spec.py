@@ -1,0 +1,185 @@
+"""The strict profile's numerical contract, as data the code uses.
+
+Every constant below is read by the backends (``rlalign.ops``); ``docs/contract.md`` is rendered
+from this module (``python -m rlalign.contract.spec > docs/contract.md``) and a test keeps the two
+in step. Change a constant here and every engine changes with it; that is the point: the
+rollout engine and the trainer can only agree if they read the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# ---- partitions shared by the backends -------------------------------------------------------
+# GEMM row tile: every strict GEMM on the torch backend is issued on row blocks of exactly this
+# many rows (zero-padded), so the library never sees a batch-dependent M.
+ROW_BLOCK = 64
+# Canonical K partition of row-parallel layers (o_proj, down_proj): K is cut into this many equal
+# segments (when K allows), each reduced from zero, merged by a fixed balanced binary tree.
+K_SEGMENTS = 8
+# Attention: keys are visited in blocks of this many absolute positions (0, B, 2B, ...);
+# queries are processed in tiles of (query, head) rows of exactly ATTN_Q_TILE rows.
+ATTN_KV_BLOCK = 64
+ATTN_Q_TILE = 16
+# Fused logprob/entropy: the vocab is reduced in blocks of VOCAB_BLOCK entries (tree sum inside a
+# block, then blocks folded left to right). User chunk sizes are rounded to multiples of these.
+VOCAB_BLOCK = 1024
+TOKEN_BLOCK = ROW_BLOCK
+# RMSNorm epsilon is the model's; the reduction is a balanced tree over the hidden dim.
+
+STRICT_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpContract:
+    op: str
+    reduction: str        # what is reduced
+    partition: str        # how the reduction domain is cut
+    merge: str            # in what order partial results are merged
+    accumulate: str       # precision of each stage
+    rounding: str         # where results are rounded to the output dtype
+    primitives: str       # math primitives used
+    invariant_to: str     # what the per-row result does not depend on
+
+
+CONTRACT: tuple[OpContract, ...] = (
+    OpContract(
+        "linear", "K (input features) of each output element",
+        f"rows issued in blocks of exactly {ROW_BLOCK} (zero padded); K not split; no split-K, no atomics",
+        "K order fixed by the GEMM kernel for the fixed block shape; independent of M",
+        "inputs upcast to fp32 (bf16 products are exact in fp32); fp32 accumulation",
+        "one rounding to the input dtype after bias add (bias added in fp32)",
+        "fp32 GEMM on a fixed-shape tile",
+        "number of rows, row position, content of other rows",
+    ),
+    OpContract(
+        "linear (canonical K partition)", "K of each output element",
+        f"K cut into P={K_SEGMENTS} equal contiguous segments (fewer when K is not divisible: the largest P' <= P dividing K, a power of two)",
+        "segment partials (each reduced from zero) merged by a balanced binary tree: ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))",
+        "fp32 partials, fp32 tree merge",
+        "one rounding after the tree merge (and bias)",
+        "fp32 GEMM per segment, fp32 add",
+        "everything linear is invariant to, and the tensor-parallel degree (a TP rank owns a subtree)",
+    ),
+    OpContract(
+        "rms_norm", "sum of squares over the hidden dim",
+        "whole row", "balanced pairwise tree (halving, odd element carried)",
+        "fp32", "one rounding of x * inv_rms * weight to the input dtype; fused residual: (x + residual) rounded to the input dtype first, that sum is returned as the new residual",
+        "fp32 mul/add, sqrt and division (IEEE correctly rounded)",
+        "number of rows, row position",
+    ),
+    OpContract(
+        "rope", "none (elementwise rotation)", "-", "-",
+        "cos/sin tables computed in float64 from positions and inv_freq, stored as fp32; rotation in fp32",
+        "one rounding of the rotated value", "fp32 mul/add (rotate-half layout, as in Llama/Qwen)",
+        "everything: elementwise, tables indexed by absolute position",
+    ),
+    OpContract(
+        "silu_mul", "none (elementwise)", "-", "-", "fp32: silu(g) = g / (1 + exp(-g)), times up",
+        "one rounding", "fp32 exp, add, div, mul", "everything: elementwise",
+    ),
+    OpContract(
+        "embedding", "none (gather)", "-", "-", "-", "none (exact copy)", "index gather", "everything",
+    ),
+    OpContract(
+        "attention", "keys of the query's own sequence (softmax and weighted sum of values)",
+        f"keys visited in blocks of {ATTN_KV_BLOCK} aligned to absolute positions 0, {ATTN_KV_BLOCK}, ...; "
+        f"queries in tiles of {ATTN_Q_TILE} (query, head) rows; masked keys get score -inf and value 0",
+        "online softmax over key blocks in increasing position order; a block a query cannot see leaves its state untouched (selected, not multiplied by 1)",
+        "scores, running max, running sum and output accumulator in fp32; inside a block: fixed-shape fp32 GEMMs for q.k and p.v, balanced tree for the row sum",
+        "one rounding of acc / sum to the input dtype",
+        "fp32 GEMM on fixed-shape tiles, exp, max, div",
+        "number of sequences, packing vs padding, prefill vs decode, prefill chunking, KV page layout and page size",
+    ),
+    OpContract(
+        "logprob / entropy", "vocab (log-sum-exp, expected logit)",
+        f"tokens in blocks of {TOKEN_BLOCK}, vocab in blocks of {VOCAB_BLOCK}; chunk sizes are multiples of these and only set memory",
+        "per vocab block: max, tree sum of exp(z - max); blocks folded left to right with online rescaling",
+        "logits in fp32 (fp32 GEMM), divided by temperature in fp32; all statistics fp32",
+        "outputs fp32; the [tokens, vocab] logits are never materialised (peak extra O(token_chunk x vocab_chunk))",
+        "fp32 GEMM on fixed-shape tiles, exp, log, max",
+        "number of tokens, token position, token/vocab chunk sizes",
+    ),
+    OpContract(
+        "sample", "vocab (argmax of perturbed logits)",
+        "whole vocab", "argmax; ties broken by the lowest token id",
+        "fp32 logits / temperature + Gumbel noise from a counter-based hash RNG keyed by (seed, sequence id, position, token id)",
+        "-", "64-bit integer hash (splitmix64), fp32 log", "batch composition: the token depends on (seed, sequence id, position) and the row's logits only",
+    ),
+    OpContract(
+        "collectives", "ranks", "fixed rank order", "all-reduce as all-gather then the same fixed tree on every rank",
+        "fp32", "one rounding after the merge", "fp32 add", "which rank computes; identical on every rank",
+    ),
+)
+
+
+def cpu_backend_assumptions() -> tuple[str, ...]:
+    """What the torch backend on the CPU relies on; ``rlalign doctor`` checks exactly these."""
+    return (
+        f"A fp32 GEMM `a @ b.T` of a fixed shape ({ROW_BLOCK} x K) x (K x N) gives each row the same bits "
+        "wherever the row sits in the block and whatever the other rows hold.",
+        "The same GEMM gives each column the same bits whatever N is and wherever the column sits "
+        "(so vocab chunks and tensor-parallel column shards agree).",
+        f"A batched fp32 GEMM of fixed per-item shapes ({ATTN_Q_TILE} x D) x (D x {ATTN_KV_BLOCK}) and "
+        f"({ATTN_Q_TILE} x {ATTN_KV_BLOCK}) x ({ATTN_KV_BLOCK} x D) gives each item the same bits whatever the batch count "
+        "and the item's index.",
+        "Elementwise exp and log give the same bits for a value wherever it sits in a tensor "
+        "(vectorised body, vector tail, single element). sigmoid and rsqrt are NOT used: sigmoid's "
+        "scalar tail differs from its vector body on AVX2 (measured), so silu is written as g / (1 + exp(-g)).",
+        "Elementwise +, -, *, /, sqrt are IEEE correctly rounded; max is exact. Sums are never left to a "
+        "library reduction: they are written as balanced trees of elementwise adds.",
+        "All of the above is deterministic run to run at a fixed thread count.",
+    )
+
+
+def render_markdown() -> str:
+    lines = [
+        "# The numerical contract (strict profile)",
+        "",
+        "Rendered from `rlalign/contract/spec.py` by `python -m rlalign.contract.spec`; do not edit by hand.",
+        "",
+        "For every op the strict profile fixes the reduction domain, its partition, the merge order, the",
+        "precision of each stage, where rounding happens and which primitives are used. A row's (token's)",
+        "result then depends only on that row's inputs (and, for attention, on its own sequence's keys",
+        "and values).",
+        "",
+        "## Constants",
+        "",
+        "| name | value |",
+        "|---|---|",
+    ]
+    for name in ("ROW_BLOCK", "K_SEGMENTS", "ATTN_KV_BLOCK", "ATTN_Q_TILE", "VOCAB_BLOCK", "TOKEN_BLOCK"):
+        lines.append(f"| `{name}` | {globals()[name]} |")
+    lines.append(f"| strict dtypes | {', '.join(STRICT_DTYPES)} |")
+    lines += ["", "## Per op", ""]
+    for c in CONTRACT:
+        lines += [f"### {c.op}", ""]
+        for field in dataclasses.fields(OpContract):
+            if field.name == "op":
+                continue
+            lines.append(f"- **{field.name.replace('_', ' ')}**: {getattr(c, field.name)}")
+        lines.append("")
+    lines += [
+        "## What the CPU (torch) backend relies on",
+        "",
+        "Strict on the CPU is invariant by construction given these properties of the machine's",
+        "libraries; `rlalign doctor --device cpu` checks each of them with fresh random inputs on the",
+        "shapes the backend issues, and strict relies on it being green:",
+        "",
+    ]
+    lines += [f"{i}. {a}" for i, a in enumerate(cpu_backend_assumptions(), 1)]
+    lines += [
+        "",
+        "CPU and GPU need not agree bit for bit; each device agrees with itself across engines.",
+        "",
+        "## What the native profile promises",
+        "",
+        "Nothing beyond the accuracy tolerances: vendor kernels (MKL/oneDNN, cuBLAS, SDPA), whatever",
+        "reduction order they pick for the shape at hand.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")

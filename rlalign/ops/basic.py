@@ -1,0 +1,125 @@
+"""Public dense ops: linear, rms_norm, rope, silu_mul, embedding.
+
+Each validates its inputs (strict fails closed with a message naming the op), then runs the
+strict backend for the tensors' device or, in the native profile, the vendor path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from rlalign.contract.profiles import Profile, as_profile
+from rlalign.ops import _checks as chk
+from rlalign.ops._dispatch import strict_impl
+from rlalign.contract.errors import fail
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           k_segments: int | None = None, profile=None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias). x [..., K], weight [N, K], bias [N].
+
+    ``k_segments=P`` selects the canonical K partition of row-parallel layers (o_proj, down_proj):
+    P segments reduced from zero, merged by a fixed balanced tree, so tensor-parallel degrees
+    1..P give the same bits.
+    """
+    if as_profile(profile) is Profile.NATIVE:
+        return F.linear(x, weight, bias)
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    chk.dtype_ok("linear", *tensors)
+    chk.same_device("linear", *tensors)
+    chk.ndim("linear", "weight", weight, 2)
+    if x.shape[-1] != weight.shape[1]:
+        raise fail("linear", f"x has {x.shape[-1]} input features but weight is {tuple(weight.shape)} ([N, K])")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise fail("linear", f"bias shape {tuple(bias.shape)} does not match N={weight.shape[0]}")
+    chk.finite("linear", "x", x)
+    return strict_impl("linear", x.device)(x, weight, bias, k_segments)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
+             profile=None):
+    """RMSNorm over the last dim. With ``residual``: h = x + residual (rounded to x.dtype) is
+    normalised and ``(normed, h)`` is returned, h being the new residual stream."""
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise fail("rms_norm", f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        x = x + residual  # one rounding to the stream dtype, the same in both profiles
+    if as_profile(profile) is Profile.NATIVE:
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    else:
+        chk.dtype_ok("rms_norm", x, weight)
+        chk.same_device("rms_norm", x, weight)
+        if weight.shape != x.shape[-1:]:
+            raise fail("rms_norm", f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
+        chk.finite("rms_norm", "x", x)
+        out = strict_impl("rms_norm", x.device)(x, weight, float(eps))
+    return out if residual is None else (out, x)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies in float64 (default RoPE, or ``rope_type: llama3`` scaling)."""
+    if head_dim % 2:
+        raise fail("rope", f"head_dim must be even, got {head_dim}")
+    inv = 1.0 / (float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return inv
+    if kind != "llama3":
+        raise fail("rope", f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    """cos/sin tables [T, D/2] for absolute ``positions``: computed in float64, stored fp32."""
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(device=positions.device, dtype=torch.float64)
+    return ((torch.cos(angles) * attention_scaling).float(), (torch.sin(angles) * attention_scaling).float())
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, profile=None) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, H, D] with per-token tables cos/sin [T, D/2] (fp32)."""
+    chk.ndim("rope", "x", x, 3)
+    if cos.shape != (x.shape[0], x.shape[2] // 2) or sin.shape != cos.shape:
+        raise fail("rope", f"cos/sin must be [T, D/2] = {(x.shape[0], x.shape[2] // 2)}, got {tuple(cos.shape)}")
+    if as_profile(profile) is not Profile.NATIVE:
+        chk.dtype_ok("rope", x)
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            raise fail("rope", "cos/sin tables must be float32 (build them with rope_cos_sin)")
+        return strict_impl("rope", x.device)(x, cos, sin)
+    half = x.shape[-1] // 2
+    c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, profile=None) -> torch.Tensor:
+    """silu(gate) * up (the SwiGLU MLP's activation)."""
+    if gate.shape != up.shape:
+        raise fail("silu_mul", f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    if as_profile(profile) is Profile.NATIVE:
+        return F.silu(gate) * up
+    chk.dtype_ok("silu_mul", gate, up)
+    return strict_impl("silu_mul", gate.device)(gate, up)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, *, profile=None) -> torch.Tensor:
+    """Row gather (exact in every profile). Out-of-range ids raise naming the id."""
+    chk.index_dtype("embedding", "ids", ids)
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= weight.shape[0]:
+            bad = lo if lo < 0 else hi
+            raise fail("embedding", f"token id {bad} is outside the vocabulary [0, {weight.shape[0]})")
+    return F.embedding(ids, weight)

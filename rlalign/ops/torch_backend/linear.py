@@ -1,0 +1,66 @@
+"""Strict linear on the torch backend: fixed row blocks, fp32 accumulation, one rounding."""
+
+from __future__ import annotations
+
+import torch
+
+from rlalign.contract import spec
+from rlalign.ops.torch_backend.primitives import tile_mm, tree_merge
+
+
+def segment_count(k: int, segments: int) -> int:
+    """Largest power of two <= ``segments`` that divides K (the canonical partition)."""
+    p = 1
+    while p * 2 <= segments and k % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor, k_segments: int | None) -> torch.Tensor:
+    """x [M, K] fp32, w [N, K] fp32 -> fp32 [M, N], unrounded."""
+    if not k_segments or k_segments == 1:
+        return tile_mm(x, w)
+    p = segment_count(x.shape[1], k_segments)
+    seg = x.shape[1] // p
+    # Each segment is reduced from zero on its own, then the fixed tree merges the partials;
+    # a tensor-parallel rank holding segments [r*P/tp, (r+1)*P/tp) computes exactly one subtree.
+    parts = [tile_mm(x[:, i * seg:(i + 1) * seg].contiguous(), w[:, i * seg:(i + 1) * seg].contiguous())
+             for i in range(p)]
+    return tree_merge(parts)
+
+
+class _StrictLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, w, bias, k_segments):
+        out = linear_fp32(x2d.float(), w.float(), k_segments)
+        if bias is not None:
+            out = out + bias.float()
+        ctx.save_for_backward(x2d, w)
+        ctx.has_bias = bias is not None
+        return out.to(x2d.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, w = ctx.saved_tensors
+        g = grad_out.float()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dX = dY @ W: row-blocked like the forward, so each token's input gradient is also
+            # independent of the batch it was computed in.
+            grad_x = tile_mm(g, w.float().t().contiguous()).to(x2d.dtype)
+        if ctx.needs_input_grad[1]:
+            # dW = dY^T @ X reduces over tokens: one fp32 GEMM, deterministic run to run for a
+            # given shape (not invariant to how tokens are split into micro-batches).
+            grad_w = (g.t() @ x2d.float()).to(w.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0).to(w.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k_segments: int | None) -> torch.Tensor:
+    shape = x.shape
+    out = _StrictLinear.apply(x.reshape(-1, shape[-1]), w, bias, k_segments)
+    return out.reshape(*shape[:-1], w.shape[0])
+
+
+__all__ = ["linear", "linear_fp32", "segment_count", "spec"]

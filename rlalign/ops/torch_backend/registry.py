@@ -1,0 +1,14 @@
+"""Registers the torch backend's strict implementations with the dispatcher."""
+
+from rlalign.ops._dispatch import register
+from rlalign.ops.torch_backend import elementwise, linear, norm
+
+register("linear", "torch")(linear.linear)
+register("rms_norm", "torch")(norm.rms_norm)
+register("rope", "torch")(elementwise.rope)
+register("silu_mul", "torch")(elementwise.silu_mul)
+
+# attention, logprob and sample register themselves from their modules
+from rlalign.ops.torch_backend import attention as _attention  # noqa: E402,F401
+from rlalign.ops.torch_backend import logprob as _logprob  # noqa: E402,F401
+from rlalign.ops.torch_backend import sample as _sample  # noqa: E402,F401
