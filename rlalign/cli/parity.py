@@ -1,0 +1,95 @@
+"""``rlalign parity``: generate with the rollout side, score the same tokens with the training side,
+compare every token's logprob bitwise; exit 0 iff zero mismatches (1 otherwise, 2 on errors)."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("parity", help="compare rollout and training logprobs bit for bit",
+                              description=__doc__)
+    p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (the embedded model)")
+    p.add_argument("--rollout", default="rlalign", choices=["rlalign"], help="rollout side")
+    p.add_argument("--train", default="rlalign", choices=["rlalign", "transformers"],
+                   help="training side: rlalign's trainer forward, or a Hugging Face model (patched in strict, "
+                        "stock transformers in native)")
+    p.add_argument("--prompts", type=int, default=4, help="number of prompts")
+    p.add_argument("--samples", type=int, default=2, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--profile", default="strict", choices=["strict", "native"])
+    p.add_argument("--localize", action="store_true", help="on a mismatch, find the first op/layer/token that differs")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--report", metavar="DIR", help="write parity.json, parity.md and logprob_diff_hist.png here")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: the checkpoint's")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--train-batch", type=int, default=None, help="sequences per training forward (default: all)")
+    p.add_argument("--record", metavar="FILE", help="write the rollout (tokens, seeds, logprobs) to this JSONL file")
+    p.add_argument("--replay", metavar="FILE", help="score a recorded rollout instead of generating")
+    p.set_defaults(func=run)
+
+
+def options_from_args(args):
+    from rlalign.parity.run import ParityOptions
+    return ParityOptions(model=args.model, rollout=args.rollout, train=args.train, prompts=args.prompts,
+                         samples=args.samples, max_new_tokens=args.max_new_tokens, profile=args.profile,
+                         localize=args.localize, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         seed=args.seed, dtype=args.dtype, device=args.device, train_batch=args.train_batch,
+                         record=args.record, replay=args.replay)
+
+
+def run(args) -> int:
+    from rlalign.parity.run import run_parity
+
+    result = run_parity(options_from_args(args))
+    if args.report:
+        from rlalign.parity.report import write_report
+        write_report(result, args.report)
+    if args.json:
+        print(json.dumps(result.summary()))
+    else:
+        _print(result, args.report)
+    return 0 if result.ok else 1
+
+
+def _print(result, report_dir) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlalign.parity.report import _localized_sentence
+
+    console = Console(soft_wrap=True)
+    d, t = result.details(), result.tokens
+    console.print(f"[bold]rlalign parity[/bold]: rollout {d['rollout']} vs train {d['train']}, profile {d['profile']}, "
+                  f"model {d['model']}")
+    console.print(f"  {d['sequences']} sequences ({d['prompts']} prompts), {t.tokens_compared} tokens compared: "
+                  f"{t.mismatches} mismatches, max |Δ| {t.max_abs_diff:.3g}, mean |Δ| {t.mean_abs_diff:.3g}")
+    first = d["first_divergence"]
+    if first:
+        console.print(f"  first divergence: sequence {first['sequence']} position {first['position']} token "
+                      f"{first['token']}: rollout {first['rollout_logprob']!r} vs train {first['train_logprob']!r}")
+        if first.get("localized"):
+            console.print("  " + _localized_sentence(first["localized"]))
+    if result.localization is not None:
+        table = Table(title=f"boundaries ({result.localization.verdict})")
+        for col in ("boundary", "rows", "differ", "max ulp", "note"):
+            table.add_column(col)
+        for b in result.localization.boundaries:
+            if b.compared:
+                table.add_row(b.name, str(b.rows), str(b.mismatches), str(b.max_ulp), "")
+        skipped = [b for b in result.localization.boundaries if not b.compared]
+        if skipped:
+            table.add_row(f"({len(skipped)} more)", "", "", "", f"not compared: {skipped[0].note}, ...")
+        console.print(table)
+    if report_dir:
+        console.print(f"  report: {report_dir}/parity.md")
+    if result.ok:
+        console.print("[green]OK: every token's logprob is bitwise identical[/green]")
+    elif t.not_comparable:
+        console.print(f"[red]NOT COMPARABLE: {t.not_comparable}[/red]")
+    else:
+        console.print(f"[red]MISMATCH: {t.mismatches} of {t.tokens_compared} token logprobs differ[/red]")

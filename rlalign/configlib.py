@@ -1,0 +1,145 @@
+"""Dataclass configs from YAML plus dotted command-line overrides, validated.
+
+``load_config(Schema, "cfg.yaml", ["algo.kl_coef=0.01", "run.dir=runs/x"])`` returns a ``Schema``
+instance. An unknown key fails with the nearest valid names; a value of the wrong type names the
+field and the type it wants. Values in overrides are parsed as YAML scalars (``0.01``, ``true``,
+``null``, ``[1, 2]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlalign.contract.errors import RLAlignError
+
+
+class ConfigError(RLAlignError, ValueError):
+    """A config file or override is wrong; the message names the key and the fix."""
+
+
+def load_config(schema: type, path: "str | Path | None" = None, overrides: "list[str] | None" = None):
+    raw: dict = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: cannot parse value ({exc.__class__.__name__})") from None
+        _set_dotted(raw, key.strip(), parsed)
+    return build(schema, raw, prefix="")
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {part} is a value, not a section")
+    node[parts[-1]] = value
+
+
+def build(schema: type, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            near = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(prefix + n for n in near)}?" if near else \
+                f"; valid keys: {', '.join(prefix + n for n in fields)}"
+            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
+        kwargs[key] = _coerce(hints[key], value, prefix + key)
+    try:
+        obj = schema(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from None
+    validate = getattr(obj, "validate", None)
+    if validate:
+        problem = validate()
+        if problem:
+            raise ConfigError(f"{prefix}{problem}")
+    return obj
+
+
+def _coerce(hint, value, name: str):
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value if value is not None else {}, prefix=name + ".")
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, name)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{name}: bad value {value!r}")
+    if origin is typing.Literal:
+        if value not in args:
+            near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            extra = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{name} must be one of {list(args)}, got {value!r}{extra}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list, got {value!r}")
+        inner = args[0] if args else Any
+        return [_coerce(inner, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if hint is Any:
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-2" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def to_dict(obj) -> dict:
+    return dataclasses.asdict(obj)

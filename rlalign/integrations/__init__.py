@@ -1,0 +1,1 @@
+"""Integrations with other engines: ``rlalign.integrations.transformers`` (Hugging Face models on rlalign ops)."""

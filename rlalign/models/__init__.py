@@ -1,0 +1,22 @@
+"""The dense decoder family (Llama / Qwen2 / Qwen3) on ``rlalign.ops``, and HF checkpoints in and out.
+
+    config      ModelConfig.from_hf_dict / to_hf_dict (unsupported features raise ModelConfigError)
+    batch       ForwardBatch (packed | prefill | decode | extend), KVCache
+    decoder     CausalLM: forward_hidden, logprobs, logits
+    checkpoint  load_model, save_model, load_tokenizer, weights_hash, CheckpointError
+    generate    generate (simple prefill + decode loop), Completion
+    testing     make_tiny_checkpoint, tiny_model (import rlalign.models.testing)
+"""
+
+from rlalign.models.batch import ForwardBatch, KVCache, contiguous_block_tables, next_token_targets
+from rlalign.models.checkpoint import CheckpointError, load_config, load_model, load_tokenizer, save_model, weights_hash
+from rlalign.models.config import ModelConfig, ModelConfigError
+from rlalign.models.decoder import CausalLM
+from rlalign.models.generate import Completion, generate
+from rlalign.models.tokenizer import Tokenizer, TokenizerError
+
+__all__ = [
+    "ForwardBatch", "KVCache", "contiguous_block_tables", "next_token_targets",
+    "CheckpointError", "load_config", "load_model", "load_tokenizer", "save_model", "weights_hash",
+    "ModelConfig", "ModelConfigError", "CausalLM", "Completion", "generate", "Tokenizer", "TokenizerError",
+]

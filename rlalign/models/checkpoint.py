@@ -1,0 +1,216 @@
+"""Hugging Face checkpoint directories in and out: config.json + safetensors (single or sharded).
+
+Loading checks every tensor: a missing, unexpected or wrongly shaped tensor, a corrupt file or a
+missing config raises :class:`CheckpointError` with one line naming the tensor and the file.
+Tolerated extras, as in transformers: ``lm_head.weight`` when embeddings are tied, and the
+``rotary_emb.inv_freq`` buffers some old checkpoints carry (rope tables are always recomputed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rlalign.contract.errors import RLAlignError
+from rlalign.models.config import ModelConfig, ModelConfigError
+from rlalign.models.decoder import CausalLM
+from rlalign.models.tokenizer import Tokenizer, load_tokenizer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(RLAlignError, RuntimeError):
+    """A checkpoint directory cannot be read or written as a model (message names tensor and file)."""
+
+
+def load_config(directory: str | os.PathLike) -> ModelConfig:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing config.json (is {directory} a Hugging Face checkpoint directory?)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot parse config.json: {exc}") from None
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except ModelConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.")
+    key = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(key, key)
+    if key not in _DTYPES:
+        raise CheckpointError(f"unsupported dtype {name!r} (choose one of {', '.join(_DTYPES)})")
+    return _DTYPES[key]
+
+
+def load_model(directory: str | os.PathLike, dtype: str | torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> tuple[CausalLM, ModelConfig]:
+    """Build the decoder from ``directory`` (config.json + safetensors). ``dtype`` None: the
+    config's ``torch_dtype``; tensors are cast to it exactly as ``Tensor.to`` does."""
+    config = load_config(directory)
+    model = CausalLM(config, dtype=resolve_dtype(dtype or config.dtype), device=device)
+    expected = dict(model.named_parameters())
+    seen: set[str] = set()
+    for file, names in _tensor_files(Path(directory)).items():
+        _load_file(file, names, expected, seen, config, device)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    model.eval()
+    return model, config
+
+
+def _tensor_files(directory: Path) -> dict[Path, list[str] | None]:
+    """{file: tensor names it must hold (from the index), or None (single file: whatever it holds)}."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        files: dict[Path, list[str]] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(directory / fname, []).append(name)
+        for file, names in files.items():
+            if not file.is_file():
+                raise CheckpointError(f"{file}: missing shard (listed in {INDEX_FILE} for tensor {names[0]!r})")
+        return files
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        return {single: None}
+    found = sorted(directory.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"{directory}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
+    return {f: None for f in found}
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+    return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def _load_file(file: Path, names: list[str] | None, expected: dict, seen: set, config: ModelConfig, device) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            present = set(f.keys())
+            for name in names if names is not None else sorted(present):
+                if name not in present:
+                    raise CheckpointError(f"{file}: tensor {name!r} is listed in {INDEX_FILE} but not in the file")
+                if _ignored(name, config):
+                    continue
+                if name not in expected:
+                    raise CheckpointError(f"{file}: unexpected tensor {name!r} (not a parameter of this "
+                                          f"{config.family} model)")
+                if name in seen:
+                    raise CheckpointError(f"{file}: tensor {name!r} appears in more than one file")
+                shape = tuple(f.get_slice(name).get_shape())
+                param = expected[name]
+                if shape != tuple(param.shape):
+                    raise CheckpointError(f"{file}: tensor {name!r} has shape {shape}, the config implies "
+                                          f"{tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(f.get_tensor(name).to(param.dtype))
+                seen.add(name)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers/data
+        raise CheckpointError(f"{file}: cannot read safetensors file ({type(exc).__name__}: {exc})") from None
+
+
+def save_model(model: CausalLM, directory: str | os.PathLike, *, max_shard_bytes: int | None = None,
+               tokenizer_from: str | os.PathLike | None = None) -> Path:
+    """Write config.json + safetensors (sharded with an index when larger than ``max_shard_bytes``)
+    atomically: everything goes to a temporary sibling directory that is then renamed into place
+    (an existing ``directory`` is replaced). ``tokenizer_from``: copy the tokenizer files found there."""
+    target = Path(directory).resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _write_config(model, tmp)
+        _write_tensors(model, tmp, max_shard_bytes)
+        if tokenizer_from is not None:
+            for name in TOKENIZER_FILES:
+                src = Path(tokenizer_from) / name
+                if src.is_file():
+                    shutil.copy2(src, tmp / name)
+        _replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _write_config(model: CausalLM, out: Path) -> None:
+    hf = model.config.to_hf_dict()
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+
+
+def _write_tensors(model: CausalLM, out: Path, max_shard_bytes: int | None) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
+    shards = _split_shards(tensors, max_shard_bytes)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata=meta)
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _split_shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    shards, size = [{}], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if max_bytes and shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    if not target.exists():
+        os.replace(tmp, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.replace(target, old / "d")
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """sha256 (hex) over every parameter, in name order: name, dtype, shape, then raw bytes."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+__all__ = ["CheckpointError", "load_config", "load_model", "save_model", "load_tokenizer", "weights_hash",
+           "resolve_dtype", "Tokenizer"]

@@ -1,0 +1,200 @@
+"""ModelConfig: the subset of a Hugging Face ``config.json`` the dense decoder needs.
+
+Supported: ``llama`` (Llama 2/3, rope scaling ``llama3``), ``qwen2`` (Qwen2/2.5: q/k/v bias),
+``qwen3`` (dense Qwen3: q/k RMSNorm). Anything the decoder would silently compute differently
+from the reference implementation (MoE, sliding window, other rope scalings, extra biases, other
+activations, partial rotary) is refused with a :class:`ModelConfigError` naming the feature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rlalign.contract.errors import RLAlignError
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_ROPE_TYPES = ("default", "llama3")
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+# Keys this module owns: parsed on the way in, written canonically on the way out.
+_OWNED_KEYS = {
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "rope_parameters", "tie_word_embeddings", "max_position_embeddings", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act", "attention_bias", "mlp_bias",
+}
+
+
+class ModelConfigError(RLAlignError, ValueError):
+    """A config.json describes a model this decoder does not implement (message names the feature)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str                    # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None   # None (default rope) or the llama3 dict
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"             # checkpoint dtype name ("float32", "bfloat16", ...)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    extra: dict = dataclasses.field(default_factory=dict)  # other config.json keys, kept for round trips
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2 has biases on q/k/v (not o); the others have none."""
+        return self.family == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 applies RMSNorm over head_dim to q and k (before rope)."""
+        return self.family == "qwen3"
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else (self.eos_token_id,)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Parse a Hugging Face config dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x
+        ``rope_parameters`` layout); raise ModelConfigError for anything unsupported."""
+        family = _family(d)
+        _reject_unsupported(d, family)
+        heads = _required(d, "num_attention_heads")
+        hidden = _required(d, "hidden_size")
+        kv_heads = d.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        head_dim = d.get("head_dim") or (128 if family == "qwen3" and "head_dim" not in d else hidden // heads)
+        theta, scaling = _rope(d)
+        return cls(
+            family=family,
+            vocab_size=_required(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required(d, "intermediate_size"),
+            num_layers=_required(d, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            dtype=_dtype_name(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+            extra={k: v for k, v in d.items() if k not in _OWNED_KEYS},
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json dict that transformers 4.x and 5.x both load (legacy rope keys)."""
+        arch = {v: k for k, v in _ARCHITECTURES.items()}[self.family]
+        out = dict(self.extra)
+        out.update({
+            "architectures": [arch],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "torch_dtype": self.dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        })
+        if self.family in ("llama", "qwen3"):
+            out["attention_bias"] = False
+        if self.family == "llama":
+            out["mlp_bias"] = False
+        return out
+
+
+def _required(d: dict, key: str):
+    if d.get(key) is None:
+        raise ModelConfigError(f"config.json is missing required key {key!r}")
+    return d[key]
+
+
+def _family(d: dict) -> str:
+    model_type = d.get("model_type")
+    archs = d.get("architectures") or []
+    if model_type is None and archs:
+        model_type = _ARCHITECTURES.get(archs[0])
+    if model_type not in FAMILIES:
+        found = f"model_type {d.get('model_type')!r}" + (f" (architectures {archs})" if archs else "")
+        raise ModelConfigError(f"unsupported {found}: supported are dense {', '.join(FAMILIES)} decoders")
+    for arch in archs:
+        if _ARCHITECTURES.get(arch) != model_type:
+            raise ModelConfigError(f"unsupported architecture {arch!r} for model_type {model_type!r} "
+                                   f"(supported: {', '.join(_ARCHITECTURES)})")
+    return model_type
+
+
+def _reject_unsupported(d: dict, family: str) -> None:
+    for key in _MOE_KEYS:
+        if d.get(key):
+            raise ModelConfigError(f"mixture-of-experts is not supported ({key}={d[key]!r})")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
+    if d.get("use_sliding_window"):
+        raise ModelConfigError("sliding-window attention is not supported (use_sliding_window=true)")
+    other_layers = sorted({t for t in (d.get("layer_types") or []) if t != "full_attention"})
+    if other_layers:
+        raise ModelConfigError(f"layer types {other_layers} are not supported (only 'full_attention')")
+    if d.get("attention_bias") and family != "qwen2":
+        raise ModelConfigError(f"attention_bias=true is not supported for {family}")
+    if d.get("mlp_bias"):
+        raise ModelConfigError("mlp_bias=true is not supported")
+
+
+def _rope(d: dict) -> tuple[float, dict | None]:
+    """(theta, scaling-or-None) from either config layout; only default and llama3 rope."""
+    params = d.get("rope_parameters")
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise ModelConfigError("per-layer-type rope_parameters are not supported")
+    scaling = dict(d.get("rope_scaling") or params or {})
+    theta = float(scaling.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    if float(scaling.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelConfigError("partial_rotary_factor != 1 is not supported")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise ModelConfigError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+    if kind == "default":
+        return theta, None
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+               if k not in scaling]
+    if missing:
+        raise ModelConfigError(f"llama3 rope scaling is missing {missing}")
+    scaling.pop("type", None)
+    scaling["rope_type"] = "llama3"
+    return theta, scaling
+
+
+def _dtype_name(value) -> str:
+    name = str(value).removeprefix("torch.")
+    aliases = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16"}
+    return aliases.get(name, name)

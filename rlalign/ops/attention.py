@@ -1,0 +1,231 @@
+"""Public attention ops: packed varlen (trainer), paged KV (rollout engine), KV-cache writes.
+
+Strict: keys in blocks of ``ATTN_KV_BLOCK`` absolute positions, queries in tiles of
+``ATTN_Q_TILE`` (query, head) rows, fp32 online softmax (see
+:mod:`rlalign.ops.torch_backend.attention` for the exact formula), so a token's output has the
+same bits in a packed training forward, a one-shot or chunked prefill and step-by-step decode,
+whatever the page layout, page size or the other sequences in the call.
+Native: ``torch.nn.functional.scaled_dot_product_attention`` per sequence, no guarantee.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlalign.contract.errors import fail
+from rlalign.contract.profiles import Profile, as_profile
+from rlalign.ops import _checks as chk
+from rlalign.ops._dispatch import strict_impl
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+# ---- validation ------------------------------------------------------------------------------------
+
+def _check_heads(op: str, q: torch.Tensor, hkv: int, d: int) -> None:
+    if q.shape[2] != d:
+        raise fail(op, f"q head_dim {q.shape[2]} does not match the keys' head_dim {d}")
+    if d == 0 or d % 2:
+        raise fail(op, f"head_dim must be even and > 0, got {d}")
+    if hkv == 0 or q.shape[1] % hkv:
+        raise fail(op, f"query heads ({q.shape[1]}) must be a multiple of kv heads ({hkv})")
+
+
+def _check_dtypes(op: str, strict: bool, *tensors: torch.Tensor) -> None:
+    if strict:
+        chk.dtype_ok(op, *tensors)
+        return
+    for t in tensors:
+        if t.dtype not in _FLOAT_DTYPES or t.dtype != tensors[0].dtype:
+            raise fail(op, f"q/k/v must share one floating dtype, got {[x.dtype for x in tensors]}")
+
+
+def _check_cu(op: str, name: str, cu: torch.Tensor, total: int) -> list[int]:
+    """cu_seqlens: int, 1-D, starts at 0, non-decreasing, ends at ``total``; returns it as a list."""
+    chk.index_dtype(op, name, cu)
+    chk.ndim(op, name, cu, 1)
+    if cu.numel() == 0:
+        raise fail(op, f"{name} must have S + 1 >= 1 entries")
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise fail(op, f"{name}[0] must be 0, got {vals[0]}")
+    for s in range(len(vals) - 1):
+        if vals[s + 1] < vals[s]:
+            raise fail(op, f"{name} must be non-decreasing; {name}[{s + 1}]={vals[s + 1]} < {name}[{s}]={vals[s]}")
+    if vals[-1] != total:
+        raise fail(op, f"{name}[-1]={vals[-1]} does not match the {total} query tokens")
+    return vals
+
+
+def _check_varlen(q, k, v, cu_seqlens, strict: bool) -> None:
+    op = "attention_varlen"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        chk.ndim(op, name, t, 3)
+    if k.shape != v.shape:
+        raise fail(op, f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape [T, Hkv, D]")
+    if q.shape[0] != k.shape[0]:
+        raise fail(op, f"q has {q.shape[0]} tokens but k/v have {k.shape[0]}")
+    _check_heads(op, q, k.shape[1], k.shape[2])
+    _check_dtypes(op, strict, q, k, v)
+    chk.same_device(op, q, k, v)
+    _check_cu(op, "cu_seqlens", cu_seqlens, q.shape[0])
+    if strict:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            chk.finite(op, name, t)
+
+
+def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, strict: bool) -> None:
+    op = "attention_paged"
+    chk.ndim(op, "q", q, 3)
+    chk.ndim(op, "k_cache", k_cache, 4)
+    if k_cache.shape != v_cache.shape:
+        raise fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
+                       "shape [num_pages, page_size, Hkv, D]")
+    num_pages, page_size, hkv, d = k_cache.shape
+    if page_size == 0:
+        raise fail(op, "page_size must be > 0")
+    _check_heads(op, q, hkv, d)
+    _check_dtypes(op, strict, q, k_cache, v_cache)
+    chk.same_device(op, q, k_cache, v_cache)
+    chk.contiguous(op, "k_cache", k_cache)
+    chk.contiguous(op, "v_cache", v_cache)
+    chk.index_dtype(op, "block_table", block_table)
+    chk.ndim(op, "block_table", block_table, 2)
+    chk.index_dtype(op, "seq_lens", seq_lens)
+    chk.ndim(op, "seq_lens", seq_lens, 1)
+    cu = _check_cu(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    n_seq = len(cu) - 1
+    if seq_lens.shape[0] != n_seq or block_table.shape[0] != n_seq:
+        raise fail(op, f"seq_lens {tuple(seq_lens.shape)} and block_table {tuple(block_table.shape)} must have "
+                       f"S={n_seq} rows (from cu_seqlens_q)")
+    lens = seq_lens.tolist()
+    pages_needed = [-(-n // page_size) for n in lens]
+    for s, n in enumerate(lens):
+        if n < cu[s + 1] - cu[s]:
+            raise fail(op, f"sequence {s} has {cu[s + 1] - cu[s]} queries but seq_lens[{s}]={n} "
+                           "(seq_lens counts the whole context, new queries included)")
+        if pages_needed[s] > block_table.shape[1]:
+            raise fail(op, f"block_table has {block_table.shape[1]} pages per sequence but sequence {s} "
+                           f"needs {pages_needed[s]} (seq_lens={n}, page_size={page_size})")
+    if n_seq and max(pages_needed):
+        used = torch.arange(block_table.shape[1], device=block_table.device) < torch.tensor(
+            pages_needed, device=block_table.device).unsqueeze(1)
+        ids = block_table[used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+            s, col = (used & ((block_table < 0) | (block_table >= num_pages))).nonzero()[0].tolist()
+            raise fail(op, f"block_table[{s}, {col}]={int(block_table[s, col])} is not a page id in "
+                           f"[0, {num_pages})")
+    if strict:
+        chk.finite(op, "q", q)
+
+
+# ---- public ops ------------------------------------------------------------------------------------
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                     scale: float | None = None, profile=None) -> torch.Tensor:
+    """Causal self-attention over a packed batch -> [T, Hq, D] in q's dtype.
+
+    q [T, Hq, D], k/v [T, Hkv, D] (GQA: query head h uses kv head h // (Hq // Hkv));
+    sequence s is rows cu_seqlens[s]:cu_seqlens[s+1], its tokens at positions 0..len-1.
+    out[t, h] = sum_{u <= t} softmax_u(scale * q[t, h] . k[u, h']) v[u, h'], scale = D ** -0.5
+    by default. Differentiable (strict backward: flash-style recompute, deterministic).
+    """
+    strict = as_profile(profile) is not Profile.NATIVE
+    _check_varlen(q, k, v, cu_seqlens, strict)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not strict:
+        return _native_varlen(q, k, v, cu_seqlens.tolist(), scale)
+    return strict_impl("attention_varlen", q.device)(q, k, v, cu_seqlens, scale)
+
+
+def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
+                    profile=None) -> torch.Tensor:
+    """Queries of S sequences against a paged KV cache (prefill chunks and decode) -> [T, Hq, D].
+
+    k_cache/v_cache [num_pages, page_size, Hkv, D]; block_table [S, max_pages] page ids in order;
+    seq_lens[s] = context length INCLUDING the new queries (whose K/V are already in the cache);
+    queries of s are rows cu_seqlens_q[s]:cu_seqlens_q[s+1], the last n_s tokens of its context
+    (positions seq_lens[s]-n_s .. seq_lens[s]-1), causal. No autograd.
+    """
+    strict = as_profile(profile) is not Profile.NATIVE
+    _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, strict)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not strict:
+        return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(), scale)
+    return strict_impl("attention_paged", q.device)(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                                                     scale)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """In place: token t's k/v [Hkv, D] go to page slot_mapping[t] // page_size, offset
+    slot_mapping[t] % page_size. An exact copy in every profile (dtypes must match)."""
+    op = "write_kv_cache"
+    for name, t in (("k", k), ("v", v)):
+        chk.ndim(op, name, t, 3)
+    chk.ndim(op, "k_cache", k_cache, 4)
+    if k.shape != v.shape or k_cache.shape != v_cache.shape:
+        raise fail(op, f"k {tuple(k.shape)} / v {tuple(v.shape)} and k_cache {tuple(k_cache.shape)} / "
+                       f"v_cache {tuple(v_cache.shape)} must match pairwise")
+    if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
+        raise fail(op, f"k/v [T, Hkv, D]={tuple(k.shape)} do not match the cache's [.., .., Hkv, D]="
+                       f"{tuple(k_cache.shape)}")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise fail(op, f"k/v dtype {k.dtype} differs from the cache dtype {k_cache.dtype} (the copy must be exact)")
+    chk.same_device(op, k, v, k_cache, v_cache)
+    chk.contiguous(op, "k_cache", k_cache)
+    chk.contiguous(op, "v_cache", v_cache)
+    chk.index_dtype(op, "slot_mapping", slot_mapping)
+    if tuple(slot_mapping.shape) != (k.shape[0],):
+        raise fail(op, f"slot_mapping must be [T]=[{k.shape[0]}], got {tuple(slot_mapping.shape)}")
+    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.numel() == 0:
+        return
+    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    if lo < 0 or hi >= n_slots:
+        raise fail(op, f"slot {lo if lo < 0 else hi} is outside the cache's [0, {n_slots}) slots")
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    if torch.unique(slots).numel() != slots.numel():
+        raise fail(op, "slot_mapping writes the same slot twice")
+    k_cache.view(n_slots, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(n_slots, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+# ---- native profile --------------------------------------------------------------------------------
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int, scale: float) -> torch.Tensor:
+    """q [n, Hq, D] at positions q_pos0.., k/v [L, Hkv, D] at 0..L-1 -> causal SDPA [n, Hq, D]."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    n, length = q.shape[0], k.shape[0]
+    if q_pos0 == 0 and n == length:
+        mask, causal = None, True
+    else:  # bottom-right aligned causal mask (chunked prefill / decode)
+        q_pos = q_pos0 + torch.arange(n, device=q.device)
+        mask, causal = torch.arange(length, device=q.device) <= q_pos.unsqueeze(1), False
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, is_causal=causal, scale=scale)
+    return out.transpose(0, 1)
+
+
+def _native_varlen(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
+    parts = [_sdpa(q[a:b], k[a:b], v[a:b], 0, scale) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    return torch.cat(parts) if parts else q.new_empty(q.shape)
+
+
+def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[int], scale: float) -> torch.Tensor:
+    page_size = k_cache.shape[1]
+    parts = []
+    for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        if b == a:
+            continue
+        pos = torch.arange(lens[s], device=q.device)
+        pages = block_table[s].to(q.device).long()[pos // page_size]
+        k, v = k_cache[pages, pos % page_size], v_cache[pages, pos % page_size]
+        parts.append(_sdpa(q[a:b], k, v, lens[s] - (b - a), scale))
+    return torch.cat(parts) if parts else q.new_empty(q.shape)
+
+
+__all__ = ["attention_varlen", "attention_paged", "write_kv_cache"]

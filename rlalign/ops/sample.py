@@ -1,0 +1,167 @@
+"""Public sampling op and the shared seed derivation.
+
+``sample`` picks one token per row of fp32 logits. In the strict profile the token is a pure
+function of the row's logits, its (seed, seq_id, position) and its own temperature / top_k /
+top_p (Gumbel-max with a counter-based splitmix64 RNG; exact formulas in
+:mod:`rlalign.ops.torch_backend.sample`), so it never depends on the batch. In the native
+profile it is what vLLM-style engines do: softmax, torch.multinomial with one torch.Generator
+per call seeded from ``seeds[0]``; the draw of a row depends on the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlalign.contract.errors import fail
+from rlalign.contract.profiles import Profile, as_profile
+from rlalign.ops import _checks as chk
+from rlalign.ops._dispatch import strict_impl
+from rlalign.ops.torch_backend.sample import GAMMA, MASK64, mix64_int
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def derive_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:
+    """Per-sequence seed in [0, 2**63): a pure hash of (run seed, prompt index, sample index).
+
+    With mix64 the splitmix64 finaliser, G = 0x9E3779B97F4A7C15, all arithmetic mod 2**64
+    (negative inputs are taken mod 2**64):
+
+        h = mix64(run_seed + G); h = mix64((h ^ prompt_index) + G); h = mix64((h ^ sample_index) + G)
+        return h >> 1
+
+    For a fixed run seed and prompt, distinct sample indices give distinct seeds up to the
+    dropped low bit; the result fits int64, so it can be passed as ``seeds`` to :func:`sample`.
+    """
+    for name, value in (("run_seed", run_seed), ("prompt_index", prompt_index), ("sample_index", sample_index)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"derive_seed: {name} must be an int, got {type(value).__name__}")
+    h = mix64_int(run_seed + GAMMA)
+    h = mix64_int((h ^ (prompt_index & MASK64)) + GAMMA)
+    h = mix64_int((h ^ (sample_index & MASK64)) + GAMMA)
+    return h >> 1
+
+
+def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, top_k=0, top_p=1.0,
+           profile=None) -> torch.Tensor:
+    """Sample one token id per row of ``logits`` (fp32 [S, V], raw, not temperature-scaled).
+
+    seeds, seq_ids, positions: int64 [S] tensors (int32 accepted) or Python ints for every row.
+    temperature: float or fp32 [S]; 0 = greedy (argmax of the logits, ties -> lowest id).
+    top_k: int or int [S]; 0 (or >= V) = off. top_p: float or fp32 [S] in (0, 1]; 1 = off.
+    Python floats are rounded to fp32 once. Returns int64 [S] on the logits' device.
+
+    strict: z = logits / temperature (fp32); keep the top-k of the order (z desc, id asc), then the
+    smallest prefix of that order whose probability reaches top_p (exact integer prefix sums of
+    fp32 probabilities); token = argmax over kept tokens of z + Gumbel(u(seed, seq_id, position,
+    token)), ties -> lowest id. Logits may hold -inf (masked tokens) but no NaN or +inf, and
+    every row needs a finite logit; anything else raises ContractError.
+
+    native: vendor path (softmax + torch.multinomial, generator seeded from seeds[0]); batch
+    dependent, no invariance promise.
+    """
+    native = as_profile(profile) is Profile.NATIVE
+    _check_logits(logits, strict=not native)
+    rows = logits.shape[0]
+    params = _row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p)
+    _check_values(*params)
+    if native:
+        return _native_sample(logits, *params)
+    if rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    return strict_impl("sample", logits.device)(logits, *params)
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+def _check_logits(logits: torch.Tensor, strict: bool) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise fail("sample", f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    chk.ndim("sample", "logits", logits, 2)
+    if logits.shape[1] == 0:
+        raise fail("sample", "logits has an empty vocab dimension")
+    if not strict:
+        return
+    if logits.dtype != torch.float32:
+        raise fail("sample", f"logits must be float32 in strict, got {logits.dtype} (cast with .float())")
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+        bad = (torch.isnan(logits) | torch.isposinf(logits)).nonzero()[0].tolist()
+        raise fail("sample", f"logits contains NaN or +inf (first at index {bad}, value {logits[tuple(bad)].item()}); "
+                             "only -inf is allowed, for masked tokens")
+    if logits.shape[0] and not bool(torch.isfinite(logits).any(-1).all()):
+        row = int((~torch.isfinite(logits).any(-1)).nonzero()[0])
+        raise fail("sample", f"row {row} of logits is all -inf: no token can be sampled")
+
+
+def _row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p):
+    dev = logits.device
+    return (_per_row("seeds", seeds, rows, dev, integer=True),
+            _per_row("seq_ids", seq_ids, rows, dev, integer=True),
+            _per_row("positions", positions, rows, dev, integer=True),
+            _per_row("temperature", temperature, rows, dev, integer=False),
+            _per_row("top_k", top_k, rows, dev, integer=True),
+            _per_row("top_p", top_p, rows, dev, integer=False))
+
+
+def _per_row(name: str, value, rows: int, device: torch.device, *, integer: bool) -> torch.Tensor:
+    """A scalar broadcast to [rows] or a [rows] tensor, as int64 (integer) or fp32 (not integer)."""
+    dtype = torch.int64 if integer else torch.float32
+    if isinstance(value, torch.Tensor):
+        return _per_row_tensor(name, value, rows, device, integer)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        kind = "an int" if integer else "a float"
+        raise fail("sample", f"{name} must be {kind} or a [S] tensor, got {type(value).__name__}")
+    if integer and not _INT64_MIN <= value <= _INT64_MAX:
+        raise fail("sample", f"{name}={value} does not fit in int64")
+    return torch.full((rows,), value, dtype=dtype, device=device)
+
+
+def _per_row_tensor(name, value, rows, device, integer) -> torch.Tensor:
+    if value.dim() > 1 or (value.dim() == 1 and value.shape[0] != rows):
+        raise fail("sample", f"{name} must be a scalar or have shape [{rows}] (one per row), got {tuple(value.shape)}")
+    if value.device != device:
+        raise fail("sample", f"{name} is on {value.device} but logits are on {device}")
+    if integer and value.dtype not in (torch.int32, torch.int64):
+        raise fail("sample", f"{name} must be an int32/int64 tensor, got {value.dtype}")
+    if not integer and value.dtype != torch.float32:
+        raise fail("sample", f"{name} must be a float32 tensor, got {value.dtype}")
+    return value.to(torch.int64 if integer else torch.float32).expand(rows).contiguous()
+
+
+def _check_values(seeds, seq_ids, positions, temperature, top_k, top_p) -> None:
+    bad_t = ~torch.isfinite(temperature) | (temperature < 0)
+    if bool(bad_t.any()):
+        raise fail("sample", f"temperature must be finite and >= 0 (0 = greedy), got {_first_bad(temperature, bad_t)}")
+    bad_p = ~((top_p > 0) & (top_p <= 1))  # also catches NaN
+    if bool(bad_p.any()):
+        raise fail("sample", f"top_p must be in (0, 1] (1 = off), got {_first_bad(top_p, bad_p)}")
+    if bool((top_k < 0).any()):
+        raise fail("sample", f"top_k must be >= 0 (0 = off), got {_first_bad(top_k, top_k < 0)}")
+
+
+def _first_bad(values: torch.Tensor, bad: torch.Tensor) -> str:
+    row = int(bad.nonzero()[0])
+    return f"{values[row].item()} at row {row}"
+
+
+# ---- native profile -----------------------------------------------------------------------------
+
+def _native_sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p) -> torch.Tensor:
+    """softmax(z) with top-k/top-p filtering, torch.multinomial with a per-call generator."""
+    rows, vocab = logits.shape
+    if rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    greedy = temperature == 0
+    z = logits.float() / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    sorted_z, order = torch.sort(z, dim=-1, descending=True)
+    rank = torch.arange(vocab, device=z.device)
+    drop = (top_k > 0).unsqueeze(-1) & (rank >= top_k.unsqueeze(-1))
+    sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_z, dim=-1)
+    drop |= ((torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(-1)) & (top_p < 1).unsqueeze(-1)
+    sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+    z = torch.empty_like(z).scatter_(1, order, sorted_z)
+    gen = torch.Generator(device=logits.device)
+    gen.manual_seed(int(seeds[0]) & MASK64)
+    drawn = torch.multinomial(torch.softmax(z, dim=-1), 1, generator=gen).squeeze(1)
+    return torch.where(greedy, torch.argmax(logits, dim=-1), drawn)

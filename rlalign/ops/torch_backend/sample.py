@@ -1,0 +1,248 @@
+"""Strict sampling: Gumbel-max with a counter-based hash RNG, top-k / top-p with an exact order.
+
+The sampled token of a row is a pure function of that row's logits, its (seed, seq_id, position)
+and its own temperature / top_k / top_p; never of the other rows, their number or their order.
+
+RNG (all 64-bit integer arithmetic modulo 2**64, written with torch int64 ops: add and multiply
+wrap in two's complement; right shifts on int64 are arithmetic, so ``_srl`` masks off the
+sign-extended bits to get a logical shift):
+
+    G = 0x9E3779B97F4A7C15,  mix64 = the splitmix64 finaliser
+        z ^= z >>> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >>> 27; z *= 0x94D049BB133111EB; z ^= z >>> 31
+    key(seed, seq_id, pos) = mix64((mix64((mix64(seed + G) ^ seq_id) + G) ^ pos) + G)
+    bits(row, v)           = mix64(key + (v + 1) * G)     (splitmix64's (v+1)-th output for state key)
+    u(row, v)              = (2 * (bits >>> 41) + 1) / 2**24,  exact in fp32, in [2**-24, 1 - 2**-24]
+    g(row, v)              = -log(-log(u))                   (fp32 log, twice)
+
+For a fixed seed each stage is a bijection of its new input, so distinct (seq_id, position)
+pairs of one sequence never share a key. u uses the top 23 bits of bits; those bits are not
+touched by mix64's last xor-shift, which is therefore skipped.
+
+Sampling of one row (strict), z = logits / temperature in fp32:
+
+- greedy (temperature == 0): argmax of the raw logits, ties -> lowest token id. No RNG.
+- top-k (0 = off, k >= V = off): keep the first k tokens of the total order (z desc, id asc).
+- top-p (1.0 = off): m = max z; e_v = exp(z_v - m) for top-k-kept tokens, else 0;
+  Z = tree_sum(e) over the whole row in token-id order (a balanced pairwise tree whose shape
+  depends on V only); p_v = e_v / Z in fp32; q_v = trunc(p_v * 2**60) as int64 (exact: scaling
+  by a power of two). In the total order, keep a token iff the int64 sum of q over the tokens
+  before it is < top_p * 2**60. Integer prefix sums are exact and associative, so the nucleus
+  does not depend on the scan order, the device, or on how many candidates were sorted; this
+  is what lets the fast path (top-k candidates) and the full stable sort give the same bits.
+- Gumbel-max: token = argmax over kept tokens of z + g (ties -> lowest token id).
+
+A row without top-k/top-p gets the same arithmetic whether or not other rows filter: the
+filter only replaces scores of dropped tokens by -inf (torch.where), never recomputes kept ones.
+Relies on the CPU backend assumption that elementwise exp/log give the same bits for a value
+wherever it sits in a tensor (``spec.cpu_backend_assumptions``, checked by ``rlalign doctor``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlalign.contract.errors import fail
+from rlalign.ops._dispatch import register
+from rlalign.ops.torch_backend.primitives import tree_sum
+
+MASK64 = (1 << 64) - 1
+GAMMA = 0x9E3779B97F4A7C15
+MIX_1 = 0xBF58476D1CE4E5B9
+MIX_2 = 0x94D049BB133111EB
+NUCLEUS_BITS = 60          # fixed point of the top-p prefix sums (sum of p <= 1.01 stays < 2**63)
+ROW_CHUNK_ELEMS = 1 << 20  # rows are processed in chunks of about this many logits (memory only)
+MIN_CANDIDATES = 1024      # top-k/top-p fast path: order only the largest candidates first ...
+CANDIDATE_GROWTH = 8       # ... and 8x more for rows they do not decide, finally the whole row
+
+
+def _signed(c: int) -> int:
+    """A 64-bit pattern as the int64 value torch stores."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_G, _M1, _M2 = _signed(GAMMA), _signed(MIX_1), _signed(MIX_2)
+
+
+# ---- the hash, on Python ints (reference, derive_seed) and on int64 tensors ------------------
+
+def mix64_int(z: int) -> int:
+    """splitmix64 finaliser on a Python int, modulo 2**64 (the definition the tensors follow)."""
+    z &= MASK64
+    z = ((z ^ (z >> 30)) * MIX_1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX_2) & MASK64
+    return z ^ (z >> 31)
+
+
+def row_key_int(seed: int, seq_id: int, position: int) -> int:
+    """key(seed, seq_id, pos) on Python ints, as an unsigned 64-bit value."""
+    h = mix64_int(seed + GAMMA)
+    h = mix64_int((h ^ (seq_id & MASK64)) + GAMMA)
+    return mix64_int((h ^ (position & MASK64)) + GAMMA)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 by s (torch's >> is arithmetic)."""
+    return torch.bitwise_right_shift(x, s).bitwise_and_((1 << (64 - s)) - 1)
+
+
+def _mix64_head_(x: torch.Tensor) -> torch.Tensor:
+    """mix64 without its final ``z ^= z >>> 31``, in place (bits 63..33 equal mix64's)."""
+    x.bitwise_xor_(_srl(x, 30)).mul_(_M1)
+    return x.bitwise_xor_(_srl(x, 27)).mul_(_M2)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors (two's complement, wrapping)."""
+    x = _mix64_head_(x.clone())
+    return x.bitwise_xor_(_srl(x, 31))
+
+
+def row_keys(seeds: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """key(seed, seq_id, position) per row, int64 [S] (the bit pattern of the unsigned key)."""
+    h = mix64(seeds + _G)
+    h = mix64((h ^ seq_ids) + _G)
+    return mix64((h ^ positions) + _G)
+
+
+def token_offsets(vocab: int, device: torch.device) -> torch.Tensor:
+    """(v + 1) * G mod 2**64 for v in [0, vocab), int64 [V]."""
+    return (torch.arange(1, vocab + 1, dtype=torch.int64, device=device)).mul_(_G)
+
+
+def uniforms(keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """u(row, v) = (2 * (bits >>> 41) + 1) / 2**24 in fp32, [R, V]; strictly inside (0, 1)."""
+    x = _mix64_head_(keys[:, None] + offsets[None, :])
+    x = x.bitwise_right_shift_(40).bitwise_and_(0xFFFFFF).bitwise_or_(1)
+    return x.to(torch.float32).mul_(2.0 ** -24)
+
+
+def perturbed(z: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """z + g with g = -log(-log(u)), computed as z - log(-log(u)) in fp32."""
+    return z - uniforms(keys, offsets).log_().neg_().log_()
+
+
+# ---- top-k / top-p keep masks ---------------------------------------------------------------
+
+def _ordered_prefix(z: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``count`` largest z per row, ordered by (z desc, id asc), and how many of them are exact.
+
+    Returns (vals, ids, n_exact): positions < n_exact hold exactly the first n_exact tokens of the
+    row's total order. With count == V that is the whole row (a full stable sort). Otherwise
+    tokens tied with the smallest candidate may be missing, so only the candidates strictly
+    above it are exact.
+    """
+    rows, vocab = z.shape
+    if count >= vocab:
+        vals, ids = torch.sort(z, dim=-1, descending=True, stable=True)
+        return vals, ids, torch.full((rows,), vocab, dtype=torch.int64, device=z.device)
+    vals, ids = torch.topk(z, count, dim=-1, sorted=True)
+    ids, by_id = torch.sort(ids, dim=-1)
+    vals, order = torch.sort(vals.gather(1, by_id), dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    return vals, ids, (vals > vals[:, -1:]).sum(-1)
+
+
+def _nucleus(z, vals, ids, in_k, k_on, top_p):
+    """Top-p in sorted order: (keep flags, inclusive int64 prefix sums, limit); see module doc."""
+    m = vals[:, :1]
+    in_k_by_id = torch.zeros_like(z, dtype=torch.bool).scatter_(1, ids, in_k) | ~k_on[:, None]
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    norm = tree_sum(torch.where(in_k_by_id, torch.exp(z - m), zero)).unsqueeze(-1)
+    p = torch.where(in_k, torch.exp(vals - m), zero) / norm
+    q = (p * 2.0 ** NUCLEUS_BITS).to(torch.int64)
+    cum = torch.cumsum(q, dim=-1)
+    limit = torch.ceil(top_p.double() * 2.0 ** NUCLEUS_BITS).to(torch.int64).unsqueeze(-1)
+    return (cum - q) < limit, cum, limit
+
+
+def _keep_sorted(z, vals, ids, n_exact, k, top_p):
+    """Keep flags in sorted order [R, C], and per row whether they are exact (see _ordered_prefix).
+
+    A top-k row is exact when its k tokens lie in the exact part; a top-p-only row when the
+    nucleus cut falls inside it (top-p can only shrink a top-k set, so top-k + top-p rows need
+    no more than the top-k condition).
+    """
+    rank = torch.arange(vals.shape[1], device=z.device)
+    k_on, p_on = k > 0, top_p < 1
+    in_k = ~k_on[:, None] | (rank < k[:, None])
+    if not bool(p_on.any()):
+        return in_k, k <= n_exact
+    in_p, cum, limit = _nucleus(z, vals, ids, in_k, k_on, top_p)
+    reached = ((cum >= limit) & (rank < n_exact[:, None])).any(-1)
+    keep = in_k & (~p_on[:, None] | in_p)
+    exact = torch.where(k_on, k <= n_exact, reached | (n_exact == z.shape[1]))
+    return keep, exact
+
+
+def _candidate_counts(k: torch.Tensor, vocab: int, first: int | None) -> list[int]:
+    """Growing candidate counts for the fast path, ending with the whole vocab (a full sort).
+
+    Starts at max(max k + 1, MIN_CANDIDATES) (or ``first``) and grows by CANDIDATE_GROWTH; a
+    count within a factor CANDIDATE_GROWTH of the vocab is replaced by the full sort.
+    """
+    count = max(int(k.max()) + 1, MIN_CANDIDATES) if first is None else max(1, int(first))
+    counts = []
+    while count * CANDIDATE_GROWTH < vocab:
+        counts.append(count)
+        count *= CANDIDATE_GROWTH
+    return counts + [vocab]
+
+
+def keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
+    """[R, V] bool: tokens kept by top-k then top-p (k: int64 [R], 0 = off; top_p: fp32 [R]).
+
+    Fast path: order only the largest candidates of each row; rows whose cut is not decided
+    inside the exact part of the candidates are retried with more candidates, finally with a
+    full stable sort. Every candidate count gives the same bits (integer prefix sums are exact),
+    so a row's mask does not depend on which rows share the call. ``candidates`` sets the first
+    count (tests use it to force each path).
+    """
+    unfiltered = (k == 0) & (top_p >= 1)
+    keep = unfiltered.unsqueeze(-1).expand_as(z).clone()
+    todo = (~unfiltered).nonzero().squeeze(1)
+    if todo.numel() == 0:
+        return keep
+    for count in _candidate_counts(k, z.shape[1], candidates):
+        zt = z[todo]
+        vals, ids, n_exact = _ordered_prefix(zt, count)
+        keep_sorted, exact = _keep_sorted(zt, vals, ids, n_exact, k[todo], top_p[todo])
+        keep[todo] = torch.zeros_like(zt, dtype=torch.bool).scatter_(1, ids, keep_sorted)
+        todo = todo[~exact]
+        if todo.numel() == 0:
+            break
+    return keep
+
+
+# ---- the op ----------------------------------------------------------------------------------
+
+def _sample_chunk(logits, keys, offsets, greedy, temperature, k, top_p, filtered):
+    z = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    if not bool(torch.isfinite(z.amax(-1)).all()):
+        raise fail("sample", "logits / temperature overflows fp32 (temperature too small for these logits)")
+    score = perturbed(z, keys, offsets)
+    if bool(filtered.any()):
+        rows = filtered.nonzero().squeeze(1)
+        keep = keep_mask(z[rows], k[rows], top_p[rows])
+        score[rows] = torch.where(keep, score[rows], float("-inf"))
+    score = torch.where(greedy.unsqueeze(-1), logits, score)
+    return torch.argmax(score, dim=-1)  # documented: first (lowest) index among equal maxima
+
+
+@register("sample", "torch")
+def sample(logits: torch.Tensor, seeds: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
+           temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Strict sample. logits fp32 [S, V] (validated: no NaN/+inf, a finite logit per row);
+    seeds/seq_ids/positions/top_k int64 [S]; temperature/top_p fp32 [S]. Returns int64 [S]."""
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    greedy = temperature == 0
+    k = torch.where(top_k >= vocab, 0, top_k)
+    filtered = ~greedy & ((k > 0) | (top_p < 1))
+    keys = row_keys(seeds, seq_ids, positions)
+    offsets = token_offsets(vocab, logits.device)
+    step = max(1, ROW_CHUNK_ELEMS // vocab)
+    for r in range(0, rows, step):
+        sl = slice(r, r + step)
+        out[sl] = _sample_chunk(logits[sl], keys[sl], offsets, greedy[sl], temperature[sl], k[sl],
+                                top_p[sl], filtered[sl])
+    return out

@@ -1,0 +1,50 @@
+"""Triton backend (CUDA): the strict ops as Triton kernels at vendor speed.
+
+Importing this package registers its implementations with the dispatcher; it raises ImportError
+when Triton or a CUDA device is missing (the dispatcher then uses the torch backend). On CUDA an
+op this backend does not register, or one named in ``RLALIGN_TRITON_DISABLE`` (comma-separated op
+names, e.g. ``attention_paged,sample``), runs on the torch backend, which honours the same
+contract. Disable an op for both engines of a run alike (it is read once, at import).
+
+Kernels: :mod:`.gemm` (linear, LM head GEMMs), :mod:`.attention`, :mod:`.logprob`,
+:mod:`.elementwise` (rms_norm, rope, silu_mul), :mod:`.sample`. docs/gpu.md says what was
+verified on the H200 and which tile shapes are bitwise interchangeable.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import torch
+    import triton  # noqa: F401
+    import triton.language  # noqa: F401
+except Exception as exc:  # pragma: no cover - depends on the machine
+    raise ImportError(f"rlalign triton backend: triton is not importable ({exc})") from exc
+
+# Under the CPU interpreter (TRITON_INTERPRET=1, the CI's indexing tests) the kernels import but
+# nothing is registered: strict ops on CPU tensors always use the torch backend.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not torch.cuda.is_available() and not _INTERPRET:
+    raise ImportError("rlalign triton backend: no CUDA device")
+
+from rlalign.ops._dispatch import register  # noqa: E402
+from rlalign.ops.triton_backend import attention, elementwise, linear, logprob, sample  # noqa: E402
+
+IMPLEMENTATIONS = {
+    "linear": linear.linear,
+    "rms_norm": elementwise.rms_norm,
+    "rope": elementwise.rope,
+    "silu_mul": elementwise.silu_mul,
+    "attention_varlen": attention.attention_varlen,
+    "attention_paged": attention.attention_paged,
+    "logprob_entropy": logprob.logprob_entropy,
+    "lm_logits": logprob.lm_logits,
+    "sample": sample.sample,
+}
+DISABLED = frozenset(op.strip() for op in os.environ.get("RLALIGN_TRITON_DISABLE", "").split(",") if op.strip())
+
+if torch.cuda.is_available():
+    for _op, _fn in IMPLEMENTATIONS.items():
+        if _op not in DISABLED:
+            register(_op, "triton")(_fn)

@@ -1,0 +1,109 @@
+"""Shared helpers of the Triton backend: device facts, TMA descriptors, the fp32 split dot.
+
+The one matrix primitive every kernel here uses is :func:`mma`: ``tl.dot`` of bf16 operands
+with an fp32 accumulator (Hopper: ``wgmma`` when the tile has >= 64 rows and the program a
+multiple of 4 warps). fp32 operands are split as ``x = hi + lo`` with ``hi = bf16(x)`` and
+``lo = bf16(x - hi)`` and accumulated as ``acc += a_hi.b_lo; acc += a_lo.b_hi; acc += a_hi.b_hi``
+("bf16x3", relative error about 1e-5). When the fp32 inputs hold bf16 values, ``lo`` is exactly
+zero, the first two dots add exact zeros and the result has the bits of the bf16 path: a
+tensor-parallel rank may hand fp32 copies of bf16 shards to the strict ops and still get the
+bits of the bf16 call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (Triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer path is used everywhere
+    TensorDescriptor = None
+
+BLOCK_K = 64  # the one K step of every strict GEMM (see docs/gpu.md)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 4  # the interpreter: any small number
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(t: torch.Tensor) -> int:
+    return num_sms(t.device.index if t.device.type == "cuda" and t.device.index is not None else 0)
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor a TMA descriptor can address: last dim contiguous, 16-byte aligned base and row stride."""
+    if TensorDescriptor is None or t.dim() != 2 or t.stride(1) != 1 or t.shape[0] == 0 or t.shape[1] == 0:
+        return False
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with a 16-byte aligned base (a copy only when it is not), so the kernel path
+    chosen for a tensor depends on its shape alone, never on where a view happens to start."""
+    t = t.contiguous()
+    if t.data_ptr() % 16:
+        t = t.clone()
+    return t
+
+
+def descriptor(t: torch.Tensor, block: list[int]):
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+
+def is_interpreter() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def split_bf16(x):
+    """fp32 x -> (hi, lo) bf16 with hi = bf16(x), lo = bf16(x - hi) (both round to nearest even)."""
+    hi = x.to(tl.bfloat16)
+    lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    return hi, lo
+
+
+@triton.jit
+def mma(a, b, acc, SPLIT: tl.constexpr):
+    """acc + a @ b with an fp32 accumulator; bf16 operands, or fp32 operands split bf16x3.
+
+    bf16x3 order: acc += a_hi.b_lo, acc += a_lo.b_hi, acc += a_hi.b_hi (small terms first; with
+    bf16-valued fp32 inputs the first two add exact zeros, giving the bf16 path's bits).
+    """
+    if SPLIT:
+        a_hi, a_lo = split_bf16(a)
+        b_hi, b_lo = split_bf16(b)
+        acc = tl.dot(a_hi, b_lo, acc)
+        acc = tl.dot(a_lo, b_hi, acc)
+        acc = tl.dot(a_hi, b_hi, acc)
+    else:
+        # bf16 operands; fp32 only under the CPU interpreter (exact fp32, see split_for)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+def split_for(dtype: torch.dtype) -> bool:
+    """Whether fp32 operands take the bf16x3 split. The CPU interpreter mis-rounds bf16, so its
+    fp32 kernels use an exact fp32 dot instead (it only checks indexing and masking)."""
+    return dtype == torch.float32 and not is_interpreter()
+
+
+def check_dtype(t: torch.Tensor) -> bool:
+    """True for fp32 (bf16x3 split), False for bf16."""
+    if t.dtype == torch.float32:
+        return True
+    if t.dtype == torch.bfloat16:
+        return False
+    raise TypeError(f"triton backend: unsupported dtype {t.dtype}")
+
+
+def tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}[dtype]

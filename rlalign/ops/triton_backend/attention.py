@@ -1,0 +1,353 @@
+"""Strict attention on the Triton backend: packed varlen (training) and paged KV (rollout).
+
+One forward kernel serves both; a query's arithmetic is the same whichever it is and whatever
+else shares its tile, so its output has the same bits in a packed training forward, a one-shot
+or chunked prefill and step-by-step decode, for any page size and page layout:
+
+* Rows. A program owns one (sequence, kv head, tile) item: ``BLOCK_M`` rows, each a (query
+  token, query head of the GQA group) pair, token-major, so the ``G = Hq / Hkv`` heads of one
+  kv head share every K/V load. Padding rows get position -1 and are never stored.
+* Keys are visited in blocks of ``KV_BLOCK`` = 64 ABSOLUTE positions (0..63, 64..127, ...), in
+  increasing order, up to the block of the tile's last query. Keys past the context (or past a
+  page table's end) are loaded as exact zeros.
+* Per block (fp32, base-2 exponent; c = scale * log2(e)):
+
+      s     = mma(q, k^T) * c                         (the D reduction in the dot's fixed order)
+      s     = where(key_pos <= row_pos, s, -inf)
+      m'    = max(m, rowmax(s));  m_u = where(sees, m', 0)       sees = row_pos >= block start
+      p     = exp2(s - m_u);  alpha = where(sees, exp2(m - m_u), 1)
+      l     = l * alpha + rowsum(p)
+      acc   = mma(p, v, acc * alpha)                  p rounded to the input dtype (bf16) first
+      m     = where(sees, m', m)
+
+  A block a row cannot see leaves its state bit-identical: its scores are all -inf, so p is
+  exactly 0 and alpha is selected to exactly 1; x * 1 == x and x + 0 == x in IEEE arithmetic
+  (up to the sign of an accumulator entry that is exactly zero, which the final + 0.0 removes).
+  Such blocks only come after all the blocks a row sees, so decode (which never visits them)
+  and prefill (which does, for the other rows of its tile) give the same bits.
+* out = acc / l + 0.0 (the + 0.0 maps -0.0 to +0.0), rounded once to the input dtype;
+  lse2 = m + log2(l) is kept for the backward.
+
+``mma`` always sees a 64-key block and a tile of >= 64 rows on 4 or 8 warps laid along the rows,
+so Hopper issues the same ``wgmma`` shapes per row and ``rowsum`` reduces each row in the same
+order (per-thread, then within the 4 lanes that share a row) for prefill and decode tiles alike.
+
+Backward (varlen only, deterministic, no atomics): dQ by a kernel per query tile walking key
+blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlalign.contract.errors import fail
+from rlalign.ops.triton_backend._common import mma, split_for
+
+KV_BLOCK = 64
+LOG2E = 1.4426950408889634
+# (BLOCK_M, num_warps, num_stages): prefill/training and decode tiles. Both lay warps along rows
+# only (BLOCK_M >= 16 * warps), which is what makes them interchangeable (docs/gpu.md).
+PREFILL_TILE = (128, 8, 3)
+DECODE_TILE = (64, 4, 3)
+BWD_TILE = (64, 4, 2)
+DKDV_WARPS = 8
+
+
+@triton.jit
+def _kv_rows(s, kp, k_ok, q_start, bt_ptr, stride_bt, PS: tl.constexpr, PAGED: tl.constexpr):
+    """Row index (into the [rows, Hkv, D] view) of key positions kp of sequence s."""
+    if PAGED:
+        page = tl.load(bt_ptr + s.to(tl.int64) * stride_bt + kp // PS, mask=k_ok, other=0)
+        return page.to(tl.int64) * PS + (kp % PS)
+    else:
+        return (q_start + kp).to(tl.int64)
+
+
+@triton.jit
+def _load_rows(base, rows, head, ok, dcol, stride_row, stride_head, D: tl.constexpr):
+    offs = rows[:, None] * stride_row + head * stride_head + dcol[None, :]
+    return tl.load(base + offs, mask=ok[:, None] & (dcol[None, :] < D), other=0.0)
+
+
+@triton.jit
+def attn_fwd_kernel(Q, K, V, O, LSE, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, qk_scale2,
+                    stride_qt, stride_qh, stride_kr, stride_kh, stride_ot, stride_oh, stride_bt,
+                    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    PS: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr, SPLIT: tl.constexpr):
+    TPT: tl.constexpr = BM // G                       # query tokens per tile
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_q + s)
+    n_q = tl.load(cu_q + s + 1) - q_start
+    if tile * TPT >= n_q:
+        return
+    pos0 = tl.load(pos0_ptr + s)
+    kv_len = tl.load(kvlen_ptr + s)
+    r = tl.arange(0, BM)
+    tok = tile * TPT + r // G
+    head = h * G + r % G
+    row_ok = (r < TPT * G) & (tok < n_q)
+    pos = tl.where(row_ok, pos0 + tok, -1)
+    dcol = tl.arange(0, DP)
+    q_rows = (q_start + tok).to(tl.int64)
+    q_offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
+    q = tl.load(Q + q_offs, mask=row_ok[:, None] & (dcol[None, :] < D), other=0.0)
+
+    last_pos = pos0 + tl.minimum(n_q, (tile + 1) * TPT) - 1
+    m = tl.full((BM,), float("-inf"), tl.float32)
+    l = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, DP), tl.float32)
+    for j in range(last_pos // BN + 1):
+        kp = j * BN + tl.arange(0, BN)
+        k_ok = kp < kv_len
+        kv_rows = _kv_rows(s, kp, k_ok, q_start, bt_ptr, stride_bt, PS, PAGED)
+        k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+        v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+        sc = mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), SPLIT) * qk_scale2
+        sc = tl.where(kp[None, :] <= pos[:, None], sc, float("-inf"))
+        sees = pos >= j * BN
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        m_used = tl.where(sees, m_new, 0.0)
+        p = tl.exp2(sc - m_used[:, None])             # exactly 0 on every column of a row that sees nothing
+        alpha = tl.where(sees, tl.exp2(m - m_used), 1.0)
+        l = l * alpha + tl.sum(p, 1)                   # l * 1 + 0 == l exactly
+        if SPLIT:
+            acc = mma(p, v, acc * alpha[:, None], SPLIT)
+        else:
+            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], SPLIT)   # acc * 1 + 0-products == acc
+        m = tl.where(sees, m_new, m)
+    out = acc / tl.where(l > 0, l, 1.0)[:, None] + 0.0   # padding rows (l = 0) are never stored
+    o_offs = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dcol[None, :]
+    tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dcol[None, :] < D))
+    if STORE_LSE:
+        # LSE is [T, Hq] fp32, base 2
+        tl.store(LSE + q_rows * (stride_qt // stride_qh) + head, m + tl.log2(tl.where(l > 0, l, 1.0)),
+                 mask=row_ok)
+
+
+@triton.jit
+def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, qk_scale2, scale,
+                       stride_qt, stride_qh, stride_kr, stride_kh,
+                       G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, SPLIT: tl.constexpr):
+    """dQ of one query tile: sum over key blocks in increasing order of dS @ K, times scale."""
+    TPT: tl.constexpr = BM // G
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_q + s)
+    n = tl.load(cu_q + s + 1) - q_start
+    if tile * TPT >= n:
+        return
+    r = tl.arange(0, BM)
+    tok = tile * TPT + r // G
+    head = h * G + r % G
+    row_ok = (r < TPT * G) & (tok < n)
+    pos = tl.where(row_ok, tok, -1)
+    dcol = tl.arange(0, DP)
+    q_rows = (q_start + tok).to(tl.int64)
+    offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
+    msk = row_ok[:, None] & (dcol[None, :] < D)
+    q = tl.load(Q + offs, mask=msk, other=0.0)
+    do = tl.load(DO + offs, mask=msk, other=0.0)
+    hq_total = stride_qt // stride_qh
+    lse2 = tl.load(LSE + q_rows * hq_total + head, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + q_rows * hq_total + head, mask=row_ok, other=0.0)
+    dq = tl.zeros((BM, DP), tl.float32)
+    last_pos = tl.minimum(n, (tile + 1) * TPT) - 1
+    for j in range(last_pos // BN + 1):
+        kp = j * BN + tl.arange(0, BN)
+        k_ok = kp < n
+        kv_rows = (q_start + kp).to(tl.int64)
+        k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+        v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+        sc = mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), SPLIT) * qk_scale2
+        vis = kp[None, :] <= pos[:, None]
+        p = tl.where(vis, tl.exp2(sc - lse2[:, None]), 0.0)
+        dp = mma(do, tl.trans(v), tl.zeros((BM, BN), tl.float32), SPLIT)
+        ds = p * (dp - delta[:, None])
+        if SPLIT:
+            dq = mma(ds, k, dq, SPLIT)
+        else:
+            dq = mma(ds.to(k.dtype), k, dq, SPLIT)
+    dq = dq * scale
+    tl.store(DQ + offs, dq.to(DQ.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale,
+                         stride_qt, stride_qh, stride_kr, stride_kh,
+                         G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BMQ: tl.constexpr,
+                         BN: tl.constexpr, SPLIT: tl.constexpr):
+    """dK, dV of one 64-key block: sums over the query rows (token-major, g heads each) that can
+    see it, in increasing row order, BMQ rows at a time."""
+    j = tl.num_programs(0) - 1 - tl.program_id(0)
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_q + s)
+    n = tl.load(cu_q + s + 1) - q_start
+    if j * BN >= n:
+        return
+    kp = j * BN + tl.arange(0, BN)
+    k_ok = kp < n
+    dcol = tl.arange(0, DP)
+    kv_rows = (q_start + kp).to(tl.int64)
+    k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+    v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+    dk = tl.zeros((BN, DP), tl.float32)
+    dv = tl.zeros((BN, DP), tl.float32)
+    hq_total = stride_qt // stride_qh
+    first_row = j * BN * G
+    for i in range(tl.cdiv(n * G - first_row, BMQ)):
+        r = first_row + i * BMQ + tl.arange(0, BMQ)
+        tok = r // G
+        head = h * G + r % G
+        row_ok = r < n * G
+        q_rows = (q_start + tok).to(tl.int64)
+        offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
+        msk = row_ok[:, None] & (dcol[None, :] < D)
+        q = tl.load(Q + offs, mask=msk, other=0.0)
+        do = tl.load(DO + offs, mask=msk, other=0.0)
+        lse2 = tl.load(LSE + q_rows * hq_total + head, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + q_rows * hq_total + head, mask=row_ok, other=0.0)
+        st = mma(k, tl.trans(q), tl.zeros((BN, BMQ), tl.float32), SPLIT) * qk_scale2
+        vis = (kp[:, None] <= tok[None, :]) & row_ok[None, :]
+        pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
+        dpt = mma(v, tl.trans(do), tl.zeros((BN, BMQ), tl.float32), SPLIT)
+        dst = pt * (dpt - delta[None, :])
+        if SPLIT:
+            dv = mma(pt, do, dv, SPLIT)
+            dk = mma(dst, q, dk, SPLIT)
+        else:
+            dv = mma(pt.to(do.dtype), do, dv, SPLIT)
+            dk = mma(dst.to(q.dtype), q, dk, SPLIT)
+    dk = dk * scale
+    offs = kv_rows[:, None] * stride_kr + h * stride_kh + dcol[None, :]
+    msk = k_ok[:, None] & (dcol[None, :] < D)
+    tl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=msk)
+    tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=msk)
+
+
+# ---- launchers -------------------------------------------------------------------------------------
+
+def _dpad(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale, paged, tile, store_lse,
+             max_q_tokens):
+    t, hq, d = q.shape
+    hkv = k_src.shape[-2]
+    g = hq // hkv
+    bm, warps, stages = tile
+    if g > bm:
+        raise fail("attention_paged" if paged else "attention_varlen",
+                   f"{g} query heads per kv head exceed the tile of {bm} rows")
+    out = torch.empty_like(q)
+    lse = torch.empty((t, hq), dtype=torch.float32, device=q.device) if store_lse else out
+    n_seq = cu_q.shape[0] - 1
+    tiles = triton.cdiv(max_q_tokens, bm // g)
+    if t == 0 or n_seq == 0 or tiles == 0:
+        return out, lse
+    bt = block_table if paged else cu_q
+    stride_kr = k_src.stride(-3)
+    attn_fwd_kernel[(tiles, n_seq, hkv)](
+        q, k_src, v_src, out, lse, cu_q, pos0, kv_len, bt, scale * LOG2E,
+        q.stride(0), q.stride(1), stride_kr, k_src.stride(-2), out.stride(0), out.stride(1),
+        bt.stride(0) if paged else 0,
+        G=g, D=d, DP=_dpad(d), BM=bm, BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged,
+        STORE_LSE=store_lse, SPLIT=split_for(q.dtype), num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def _seq_info(cu_seqlens: torch.Tensor, device):
+    cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+    lens = (cu[1:] - cu[:-1])
+    return cu, lens
+
+
+def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=PREFILL_TILE):
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cu, lens = _seq_info(cu_seqlens, q.device)
+    max_len = int(lens.max()) if lens.numel() else 0
+    zeros = torch.zeros_like(lens)
+    return _forward(q, k, v, cu, zeros, lens, None, 1, scale, False, tile, store_lse, max_len)
+
+
+def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile=None):
+    q = q.contiguous()
+    cu, n_q = _seq_info(cu_seqlens_q, q.device)
+    kv_len = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
+    pos0 = (kv_len - n_q).contiguous()
+    max_q = int(n_q.max()) if n_q.numel() else 0
+    if tile is None:
+        tile = DECODE_TILE if max_q * (q.shape[1] // k_cache.shape[2]) <= DECODE_TILE[0] else PREFILL_TILE
+    bt = block_table.to(device=q.device, dtype=torch.int32).contiguous()
+    out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, k_cache.shape[1], scale, True, tile, False,
+                      max_q)
+    return out
+
+
+def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=BWD_TILE):
+    q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    cu, lens = _seq_info(cu_seqlens, q.device)
+    max_len = int(lens.max()) if lens.numel() else 0
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()   # [T, Hq]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if t == 0 or max_len == 0:
+        return dq, dk, dv
+    bm, warps, stages = tile
+    n_seq = cu.shape[0] - 1
+    common = dict(G=g, D=d, DP=_dpad(d), BN=KV_BLOCK, SPLIT=split_for(q.dtype), num_warps=warps,
+                  num_stages=stages)
+    attn_bwd_dq_kernel[(triton.cdiv(max_len, bm // g), n_seq, hkv)](
+        q, k, v, grad_out, lse, delta, dq, cu, scale * LOG2E, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), BM=bm, **common)
+    common["num_warps"] = DKDV_WARPS   # no row reductions here: warps may split the columns
+    attn_bwd_dkdv_kernel[(triton.cdiv(max_len, KV_BLOCK), n_seq, hkv)](
+        q, k, v, grad_out, lse, delta, dk, dv, cu, scale * LOG2E, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), BMQ=bm, **common)
+    return dq, dk, dv
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        out, lse = varlen_forward(q, k, v, cu_seqlens, scale, store_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def attention_varlen(q, k, v, cu_seqlens, scale):
+    """Validated inputs (rlalign.ops.attention_varlen)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenAttention.apply(q, k, v, cu_seqlens, float(scale))
+    return varlen_forward(q, k, v, cu_seqlens, float(scale))[0]
+
+
+def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale):
+    """Validated inputs (rlalign.ops.attention_paged). Non-finite K/V inside a context make the
+    output non-finite, which is detected here and raised (the cache outside contexts is never read
+    into the math)."""
+    out = paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, float(scale))
+    if out.numel() and not bool(torch.isfinite(out).all()):
+        raise fail("attention_paged", "k_cache/v_cache contain NaN or inf within a sequence's context "
+                                      "(or the scores overflow fp32)")
+    return out
+
+
+__all__ = ["attention_varlen", "attention_paged", "varlen_forward", "paged_forward", "varlen_backward",
+           "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK"]

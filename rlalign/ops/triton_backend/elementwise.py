@@ -1,0 +1,229 @@
+"""rms_norm, rope and silu_mul on the Triton backend (forward and deterministic backward).
+
+rms_norm (rows of H): ss = sum of x^2 over the row by one ``tl.sum`` over a [ROWS, BLOCK_H] tile
+whose shape depends on H only (so a row's reduction order does not depend on T);
+inv = 1 / sqrt_rn(ss / H + eps) (IEEE sqrt and division); y = (x * inv) * w in fp32, one rounding.
+Backward: dx = inv * (w dy) - x * inv^3 * (sum(x w dy) / H) per row; dw = sum over rows of
+dy x inv, as per-program partials over fixed row groups summed in program order.
+
+rope (rotate-half): y1 = x1 c - x2 s, y2 = x2 c + x1 s in fp32 (cos/sin fp32 tables), one rounding;
+backward: dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s.
+
+silu_mul: y = g / (1 + exp(-g)) * u in fp32, one rounding; backward dg = dy u sig (1 + g (1 - sig)),
+du = dy silu(g), sig = 1 / (1 + exp(-g)).
+
+All elementwise: a value's result does not depend on where it sits (the compiled code is the
+same for every element; contraction of a*b+c into an fma, if any, is the same everywhere).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ELEM_BLOCK = 1024
+
+
+def _rows_per_program(block_h: int) -> int:
+    return max(1, 4096 // block_h)
+
+
+@triton.jit
+def rms_fwd_kernel(X, W, Y, INV, n_rows, H, eps, ROWS: tl.constexpr, BH: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BH)
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < H)
+    offs = rows[:, None].to(tl.int64) * H + cols[None, :]
+    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
+    ss = tl.sum(x * x, 1)
+    inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(ss, H * 1.0) + eps))
+    y = (x * inv[:, None]) * w[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
+    tl.store(INV + rows, inv, mask=rows < n_rows)
+
+
+@triton.jit
+def rms_bwd_kernel(X, W, DY, INV, DX, DWP, n_rows, H, ROWS: tl.constexpr, BH: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BH)
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < H)
+    offs = rows[:, None].to(tl.int64) * H + cols[None, :]
+    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
+    inv = tl.load(INV + rows, mask=rows < n_rows, other=0.0)
+    gw = w[None, :] * dy
+    c = tl.math.div_rn(tl.sum(x * gw, 1), H * 1.0)
+    dx = inv[:, None] * gw - x * (inv * inv * inv * c)[:, None]
+    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok)
+    dw = tl.sum(dy * x * inv[:, None], 0)
+    tl.store(DWP + pid.to(tl.int64) * H + cols, dw, mask=cols < H)
+
+
+@triton.jit
+def rope_kernel(X, C, S, Y, n_rows, HEADS, HALF, SIGN: tl.constexpr, ROWS: tl.constexpr,
+                BHALF: tl.constexpr):
+    """Rows are (token, head) pairs of x [T, HEADS, 2*HALF]; SIGN=+1 forward, -1 backward (transpose)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BHALF)
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < HALF)
+    base = rows[:, None].to(tl.int64) * (2 * HALF) + cols[None, :]
+    tok = (rows // HEADS).to(tl.int64)
+    t_offs = tok[:, None] * HALF + cols[None, :]
+    c = tl.load(C + t_offs, mask=ok, other=0.0)
+    s = tl.load(S + t_offs, mask=ok, other=0.0) * SIGN
+    x1 = tl.load(X + base, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(X + base + HALF, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + base, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + base + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def silu_mul_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
+    y = tl.math.div_rn(g, 1.0 + tl.exp(-g)) * u
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def silu_mul_bwd_kernel(G, U, DY, DG, DU, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=ok, other=0.0).to(tl.float32)
+    sig = tl.math.div_rn(1.0, 1.0 + tl.exp(-g))
+    silu = g * sig
+    tl.store(DG + offs, (dy * u * (sig * (1.0 + g * (1.0 - sig)))).to(DG.dtype.element_ty), mask=ok)
+    tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=ok)
+
+
+# ---- launchers -------------------------------------------------------------------------------------
+
+def _rms_launch_shape(h: int):
+    bh = triton.next_power_of_2(h)
+    rows = _rows_per_program(bh)
+    warps = 4 if bh * rows <= 4096 else 8
+    return bh, rows, warps
+
+
+def rms_forward(x2d: torch.Tensor, w: torch.Tensor, eps: float):
+    n, h = x2d.shape
+    y = torch.empty_like(x2d)
+    inv = torch.empty(n, dtype=torch.float32, device=x2d.device)
+    if n:
+        bh, rows, warps = _rms_launch_shape(h)
+        rms_fwd_kernel[(triton.cdiv(n, rows),)](x2d, w, y, inv, n, h, float(eps), ROWS=rows, BH=bh,
+                                                num_warps=warps)
+    return y, inv
+
+
+def rms_backward(x2d, w, dy, inv):
+    n, h = x2d.shape
+    dx = torch.empty_like(x2d)
+    bh, rows, warps = _rms_launch_shape(h)
+    progs = triton.cdiv(n, rows)
+    partial = torch.empty((max(progs, 1), h), dtype=torch.float32, device=x2d.device)
+    if n:
+        rms_bwd_kernel[(progs,)](x2d, w, dy, inv, dx, partial, n, h, ROWS=rows, BH=bh, num_warps=warps)
+    else:
+        partial.zero_()
+    return dx, partial.sum(0).to(w.dtype)
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, w, eps):
+        y, inv = rms_forward(x2d, w, eps)
+        ctx.save_for_backward(x2d, w, inv)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, w, inv = ctx.saved_tensors
+        dx, dw = rms_backward(x2d, w, dy.contiguous().to(x2d.dtype), inv)
+        return dx, dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    shape = x.shape
+    x2d = x.reshape(-1, shape[-1]).contiguous()
+    w = weight.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        y = _RmsNorm.apply(x2d, w, float(eps))
+    else:
+        y = rms_forward(x2d, w, float(eps))[0]
+    return y.reshape(shape)
+
+
+def _rope_launch(x, cos, sin, sign):
+    t, heads, d = x.shape
+    half = d // 2
+    y = torch.empty_like(x)
+    n = t * heads
+    if n:
+        bhalf = triton.next_power_of_2(half)
+        rows = max(1, 2048 // bhalf)
+        rope_kernel[(triton.cdiv(n, rows),)](x, cos, sin, y, n, heads, half, SIGN=sign, ROWS=rows, BHALF=bhalf,
+                                             num_warps=4)
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_launch(x, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _rope_launch(dy.contiguous(), cos, sin, -1.0), None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rope.apply(x, cos, sin)
+    return _rope_launch(x, cos, sin, 1.0)
+
+
+def _silu_fwd(g, u):
+    y = torch.empty_like(g)
+    n = g.numel()
+    if n:
+        silu_mul_fwd_kernel[(triton.cdiv(n, ELEM_BLOCK),)](g, u, y, n, BLOCK=ELEM_BLOCK, num_warps=4)
+    return y
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return _silu_fwd(g, u)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, u = ctx.saved_tensors
+        dy = dy.contiguous().to(g.dtype)
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        n = g.numel()
+        if n:
+            silu_mul_bwd_kernel[(triton.cdiv(n, ELEM_BLOCK),)](g, u, dy, dg, du, n, BLOCK=ELEM_BLOCK, num_warps=4)
+        return dg, du
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g, u = gate.contiguous(), up.contiguous()
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluMul.apply(g, u)
+    return _silu_fwd(g, u)
+
+
+__all__ = ["rms_norm", "rope", "silu_mul", "rms_forward", "rms_backward"]

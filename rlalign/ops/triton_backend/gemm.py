@@ -1,0 +1,348 @@
+"""The strict GEMM of the Triton backend: C = A @ B (+ bias), one fixed K order for every M.
+
+Numerics of one output element C[m, n] (whatever the tile shape, the number of rows M, the
+row's position, the number of warps or pipeline stages):
+
+* K is cut into P canonical segments of SEG_K = K / P columns (P = 1 when not asked for).
+  Segment s is reduced from zero in steps of exactly ``BLOCK_K`` = 64 columns starting at
+  ``s * SEG_K``, in increasing order: ``acc = mma(A[m, k:k+64], B[k:k+64, n], acc)``; columns
+  past the segment (or past K) are exact zeros. ``mma`` is ``tl.dot`` with an fp32 accumulator
+  (bf16 operands; fp32 operands split bf16x3, see :mod:`._common`).
+* The P segment partials merge in the balanced binary tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))
+  in fp32 (a stack of completed subtrees, merged as soon as both halves exist).
+* Then ``+ bias[n]`` in fp32 and one rounding to the output dtype (or an fp32 store). With
+  ``acc_in`` the accumulator starts from the fp32 values already in C (P = 1 only): a reduction
+  split across calls at multiples of 64 columns gives the bits of one call.
+
+Tile shape (BLOCK_M in {64, 128}, BLOCK_N in {32..256}), warps (4/8, all along M for BLOCK_M >=
+16 * warps), pipeline depth and persistent scheduling only change which program computes an
+element and when, not its sequence of operations; docs/gpu.md says what was verified on the H200.
+BLOCK_M is never below 64 so that Hopper always issues the same ``wgmma`` family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from rlalign.ops.triton_backend._common import BLOCK_K, aligned, descriptor, device_sms, mma, split_for, tma_ok
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    flatten: bool = False
+    reg_levels: int = 4   # tree-stack levels kept in registers; deeper ones go to a per-program scratch
+
+    def acc_regs(self) -> int:
+        """fp32 accumulator registers per thread for one [block_m, block_n] tile."""
+        return self.block_m * self.block_n // (32 * self.num_warps)
+
+
+# Candidate tiles, most efficient first; the launcher takes the first that fills the GPU.
+_LARGE = (GemmConfig(128, 256, 8, 3, flatten=True), GemmConfig(128, 128, 8, 4, flatten=True))
+_MEDIUM = (GemmConfig(64, 128, 4, 4), GemmConfig(64, 64, 4, 5))
+_SMALL_M = (GemmConfig(64, 128, 4, 6), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 8))
+# Segmented (k_segments > 1) tiles: up to log2(P)+1 accumulators live at once, so the tiles are
+# narrower. Compiled for sm_90a (ptxas -v, P=8): 128x64/8 warps 235 registers, 64x64 249, 64x32 166,
+# no spills; 128x128 spills unless every level goes to the scratch (7 fp32 tile stores + loads).
+_SEG_LARGE = (GemmConfig(128, 64, 8, 4),)
+_SEG_SMALL = (GemmConfig(64, 64, 4, 5), GemmConfig(64, 32, 4, 6))
+# fp32 operands (bf16x3 split in registers): modest tiles (128x128 uses 224 KiB of shared memory).
+_FP32 = (GemmConfig(128, 128, 8, 3), GemmConfig(64, 64, 4, 3))
+_FP32_SEG = (GemmConfig(64, 64, 4, 3), GemmConfig(64, 32, 4, 3))
+
+
+def candidate_configs(m: int, n: int, segments: int, fp32: bool) -> tuple[GemmConfig, ...]:
+    if fp32:
+        return _FP32_SEG if segments > 1 else _FP32
+    if segments > 1:
+        return _SEG_SMALL if m <= 64 else _SEG_LARGE + _SEG_SMALL
+    if m <= 64:
+        return _SMALL_M
+    return _LARGE + _MEDIUM + _SMALL_M[1:]
+
+
+def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int) -> GemmConfig:
+    """The first candidate with at least one tile per SM (else the one with the most tiles)."""
+    cands = candidate_configs(m, n, segments, fp32)
+    for cfg in cands:
+        if triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) >= sms:
+            return cfg
+    return cands[-1]
+
+
+def all_configs(segments: int, fp32: bool) -> tuple[GemmConfig, ...]:
+    """Every tile shape the launcher may pick (the CUDA tests check they agree bit for bit)."""
+    if fp32:
+        return _FP32_SEG if segments > 1 else _FP32
+    if segments > 1:
+        return _SEG_LARGE + _SEG_SMALL
+    return _LARGE + _MEDIUM + _SMALL_M + (GemmConfig(128, 256, 8, 3, flatten=False),)
+
+
+# ---- kernel --------------------------------------------------------------------------------------
+
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row tiles sweep the column tiles together (L2 reuse of B)."""
+    width = GROUP_M * num_pid_n
+    group = tile // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % width) % size_m
+    pid_n = (tile % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak,
+            BM: tl.constexpr, BK: tl.constexpr, A_TRANS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Logical A[off_m:off_m+BM, k:k+BK] (A is [M, K]; stored [K, M] when A_TRANS); 0 past k_end / M."""
+    if USE_TMA:
+        if A_TRANS:
+            return a_src.load([k, off_m]).T
+        else:
+            return a_src.load([off_m, k])
+    else:
+        rm = off_m + tl.arange(0, BM)
+        rk = k + tl.arange(0, BK)
+        ptrs = a_src + rm[:, None].to(tl.int64) * stride_am + rk[None, :].to(tl.int64) * stride_ak
+        return tl.load(ptrs, mask=(rm[:, None] < M) & (rk[None, :] < k_end), other=0.0)
+
+
+@triton.jit
+def _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn,
+            BN: tl.constexpr, BK: tl.constexpr, B_TRANS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Logical B[k:k+BK, off_n:off_n+BN] (B is [K, N]; stored [N, K] when B_TRANS); 0 past k_end / N."""
+    if USE_TMA:
+        if B_TRANS:
+            return b_src.load([off_n, k]).T
+        else:
+            return b_src.load([k, off_n])
+    else:
+        rk = k + tl.arange(0, BK)
+        rn = off_n + tl.arange(0, BN)
+        ptrs = b_src + rk[:, None].to(tl.int64) * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+        return tl.load(ptrs, mask=(rk[:, None] < k_end) & (rn[None, :] < N), other=0.0)
+
+
+@triton.jit
+def _reduce_segment(acc, a_src, b_src, off_m, off_n, k0, k_end, steps, M, N,
+                    stride_am, stride_ak, stride_bk, stride_bn,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_TRANS: tl.constexpr,
+                    B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr):
+    """acc + sum over k-steps k0, k0+BK, ... (``steps`` of them, masked to k_end) in order."""
+    for j in range(steps):
+        k = k0 + j * BK
+        a = _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
+        b = _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
+        acc = mma(a, b, acc, SPLIT)
+    return acc
+
+
+@triton.jit
+def _scratch_ptrs(scratch, slot, level: tl.constexpr, REG_LEVELS: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr):
+    base = scratch + (slot.to(tl.int64) * 4 + (level - REG_LEVELS)) * (BM * BN)
+    return base + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+
+
+@triton.jit
+def _push(v, scratch, slot, level: tl.constexpr, LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr):
+    """Keep a completed subtree of 2**level segments until its right sibling exists (fp32 exact)."""
+    if level < REG_LEVELS or level == LOG2P:
+        return v
+    else:
+        tl.debug_barrier()
+        tl.store(_scratch_ptrs(scratch, slot, level, REG_LEVELS, BM, BN), v)
+        tl.debug_barrier()
+        return v
+
+
+@triton.jit
+def _pop(v, scratch, slot, level: tl.constexpr, REG_LEVELS: tl.constexpr, BM: tl.constexpr,
+         BN: tl.constexpr):
+    if level < REG_LEVELS:
+        return v
+    else:
+        tl.debug_barrier()
+        return tl.load(_scratch_ptrs(scratch, slot, level, REG_LEVELS, BM, BN))
+
+
+@triton.jit
+def _segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
+                  stride_am, stride_ak, stride_bk, stride_bn,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
+                  LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr,
+                  B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr):
+    """P (2, 4 or 8) segment partials merged ((s0+s1)+(s2+s3))+... via a binary-counter stack."""
+    zero = tl.zeros((BM, BN), dtype=tl.float32)
+    st0 = zero
+    st1 = zero
+    st2 = zero
+    st3 = zero
+    for s in tl.static_range(P):
+        v = _reduce_segment(zero, a_src, b_src, off_m, off_n, s * SEG_K, (s + 1) * SEG_K, steps, M, N,
+                            stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, A_TRANS, B_TRANS,
+                            USE_TMA, SPLIT)
+        if s % 2 == 0:
+            st0 = _push(v, scratch, slot, 0, LOG2P, REG_LEVELS, BM, BN)
+        else:
+            v = _pop(st0, scratch, slot, 0, REG_LEVELS, BM, BN) + v
+            if (s // 2) % 2 == 0:
+                st1 = _push(v, scratch, slot, 1, LOG2P, REG_LEVELS, BM, BN)
+            else:
+                v = _pop(st1, scratch, slot, 1, REG_LEVELS, BM, BN) + v
+                if (s // 4) % 2 == 0:
+                    st2 = _push(v, scratch, slot, 2, LOG2P, REG_LEVELS, BM, BN)
+                else:
+                    v = _pop(st2, scratch, slot, 2, REG_LEVELS, BM, BN) + v
+                    st3 = v
+    if LOG2P == 1:
+        return st1
+    elif LOG2P == 2:
+        return st2
+    else:
+        return st3
+
+
+@triton.jit(do_not_specialize=["M", "num_progs"])
+def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
+                M, N, K, SEG_K, steps, num_progs,
+                stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr,
+                REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
+                USE_TMA: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_IN: tl.constexpr,
+                OUT_BF16: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    """Persistent: program ``pid`` computes tiles pid, pid + num_progs, ... (see module docstring)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in tl.range(pid, num_tiles, num_progs, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        rm = off_m + tl.arange(0, BM)
+        rn = off_n + tl.arange(0, BN)
+        c_mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if P == 1:
+            if ACC_IN:
+                if USE_TMA:
+                    acc = c_src.load([off_m, off_n])
+                else:
+                    c_ptrs = c_src + rm[:, None].to(tl.int64) * stride_cm + rn[None, :].to(tl.int64) * stride_cn
+                    acc = tl.load(c_ptrs, mask=c_mask, other=0.0)
+            else:
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+            acc = _reduce_segment(acc, a_src, b_src, off_m, off_n, 0, K, steps, M, N,
+                                  stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, A_TRANS, B_TRANS,
+                                  USE_TMA, SPLIT)
+        else:
+            acc = _segment_tree(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
+                                stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P, REG_LEVELS,
+                                A_TRANS, B_TRANS, USE_TMA, SPLIT)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        if OUT_BF16:
+            out = acc.to(tl.bfloat16)
+        else:
+            out = acc
+        if USE_TMA:
+            c_src.store([off_m, off_n], out)
+        else:
+            c_ptrs = c_src + rm[:, None].to(tl.int64) * stride_cm + rn[None, :].to(tl.int64) * stride_cn
+            tl.store(c_ptrs, out, mask=c_mask)
+
+
+# ---- launcher ------------------------------------------------------------------------------------
+
+def _logical(t: torch.Tensor, trans: bool) -> tuple[int, int, int, int]:
+    """(rows, cols, row stride, col stride) of the logical matrix stored in t (transposed if trans)."""
+    if trans:
+        return t.shape[1], t.shape[0], t.stride(1), t.stride(0)
+    return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bool = False,
+         out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+         bias: torch.Tensor | None = None, segments: int = 1, acc_in: bool = False,
+         config: GemmConfig | None = None, use_tma: bool | None = None) -> torch.Tensor:
+    """C[M, N] = A @ B (+ bias) with the numerics of the module docstring.
+
+    a: A [M, K] (or A^T stored [K, M] with ``a_trans``); b: B [K, N] (or B^T stored [N, K] with
+    ``b_trans``, the nn.Linear weight layout). a and b share one dtype (bf16, or fp32 -> bf16x3).
+    ``out``: an existing [M, N] output (required with ``acc_in``; fp32 then). ``segments`` = P,
+    a power of two <= 8 dividing K. ``config`` / ``use_tma`` override the automatic choice
+    (tests and benchmarks: every choice gives the same bits).
+    """
+    if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"gemm: operands must share bf16 or fp32, got {a.dtype} and {b.dtype}")
+    a, b = aligned(a), aligned(b)
+    m, k, s_am, s_ak = _logical(a, a_trans)
+    k2, n, s_bk, s_bn = _logical(b, b_trans)
+    if k != k2:
+        raise ValueError(f"gemm: inner dims differ ({k} vs {k2})")
+    if segments not in (1, 2, 4, 8) or k % segments:
+        raise ValueError(f"gemm: segments must be 1, 2, 4 or 8 and divide K={k}, got {segments}")
+    if acc_in and (segments != 1 or out is None or out.dtype != torch.float32):
+        raise ValueError("gemm: acc_in needs segments == 1 and an fp32 out")
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype or a.dtype, device=a.device)
+    if out.shape != (m, n) or out.dtype not in (torch.float32, torch.bfloat16) or out.stride(1) != 1:
+        raise ValueError(f"gemm: out must be a row-major [{m}, {n}] fp32/bf16 tensor")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        if not acc_in:
+            out.zero_()
+            if bias is not None:
+                out.add_(bias.to(out.dtype))
+        return out
+    fp32 = a.dtype == torch.float32
+    cfg = config or pick_config(m, n, segments, fp32, device_sms(a))
+    seg_k = k // segments
+    steps = triton.cdiv(seg_k, BLOCK_K)
+    # TMA needs segment boundaries on k-steps (it cannot mask inside the tensor); the choice
+    # depends on shapes only, and both paths compute the same sequence of dots.
+    tma = (segments == 1 or seg_k % BLOCK_K == 0) and tma_ok(a) and tma_ok(b) and tma_ok(out)
+    if use_tma is not None:
+        tma = tma and use_tma
+    bm, bn = cfg.block_m, cfg.block_n
+    if tma:
+        a_src = descriptor(a, [BLOCK_K, bm] if a_trans else [bm, BLOCK_K])
+        b_src = descriptor(b, [bn, BLOCK_K] if b_trans else [BLOCK_K, bn])
+        c_src = descriptor(out, [bm, bn])
+    else:
+        a_src, b_src, c_src = a, b, out
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    progs = max(1, min(tiles, device_sms(a)))
+    log2p = segments.bit_length() - 1
+    scratch_levels = max(0, log2p - cfg.reg_levels)
+    scratch = (torch.empty(progs * 4 * bm * bn, dtype=torch.float32, device=a.device)
+               if scratch_levels else out)
+    bias_arg = bias if bias is not None else out
+    gemm_kernel[(progs,)](
+        a_src, b_src, c_src, bias_arg, scratch,
+        m, n, k, seg_k, steps, progs,
+        s_am, s_ak, s_bk, s_bn, out.stride(0), out.stride(1),
+        BM=bm, BN=bn, BK=BLOCK_K, P=segments, LOG2P=log2p, REG_LEVELS=cfg.reg_levels,
+        A_TRANS=a_trans, B_TRANS=b_trans, USE_TMA=tma, SPLIT=split_for(a.dtype), HAS_BIAS=bias is not None,
+        ACC_IN=acc_in, OUT_BF16=out.dtype == torch.bfloat16, GROUP_M=cfg.group_m,
+        FLATTEN=cfg.flatten and segments == 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+__all__ = ["GemmConfig", "gemm", "gemm_kernel", "pick_config", "all_configs", "candidate_configs"]

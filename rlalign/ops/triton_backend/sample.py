@@ -1,0 +1,110 @@
+"""Strict sampling on the Triton backend: the torch backend's Gumbel-max, fused per row.
+
+Same formulas as :mod:`rlalign.ops.torch_backend.sample` (splitmix64 counter hash keyed by
+(seed, seq_id, position), u = (2 (bits >>> 41) + 1) / 2**24, score = z - log(-log(u)),
+z = logits / temperature with IEEE division, argmax with ties to the lowest id; greedy rows take
+the argmax of the raw logits). One program per row walks the vocab in blocks, so the [S, V]
+noise is never materialised. ``log`` is libdevice's logf, the function torch's CUDA ``log``
+uses, so both backends perturb a logit identically. Rows with top-k / top-p get their keep mask
+from the torch backend's exact integer nucleus (:func:`keep_mask`), then the same fused argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlalign.ops.torch_backend.sample import keep_mask, row_keys
+from rlalign.ops.triton_backend._common import is_interpreter
+
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    from triton.language.extra.cuda import libdevice
+
+BLOCK_V = 2048
+
+
+@triton.jit
+def _noise_bits(key, cols):
+    """mix64 without its final xor-shift of key + (v + 1) * G, as uint64 (wrapping)."""
+    x = key + (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    return x
+
+
+@triton.jit
+def _log(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.log(x)
+    else:  # the CPU interpreter has no libdevice
+        return tl.log(x)
+
+
+@triton.jit
+def sample_kernel(LOGITS, KEYS, TEMP, KEEP, OUT, V, stride_l, stride_keep,
+                  HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    row = tl.program_id(0)
+    key = tl.load(KEYS + row).to(tl.uint64, bitcast=True)
+    temp = tl.load(TEMP + row)
+    greedy = temp == 0.0
+    if HAS_KEEP:
+        unfiltered = tl.load(KEEP + row.to(tl.int64) * stride_keep + V) == 0
+    best = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.full((), 0, tl.int32)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        ok = cols < V
+        x = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=ok, other=float("-inf"))
+        z = tl.math.div_rn(x, tl.where(greedy, 1.0, temp))
+        bits = _noise_bits(key, cols)
+        u = (((bits >> 40) & 0xFFFFFF) | 1).to(tl.float32) * (2.0 ** -24)
+        score = z - _log(-_log(u, LIBDEVICE), LIBDEVICE)
+        if HAS_KEEP:
+            keep = tl.load(KEEP + row.to(tl.int64) * stride_keep + cols, mask=ok, other=0) != 0
+            score = tl.where(keep | unfiltered, score, float("-inf"))
+        score = tl.where(greedy, x, score)
+        score = tl.where(ok, score, float("-inf"))
+        b_max = tl.max(score, 0)
+        b_idx = tl.argmax(score, 0, tie_break_left=True)
+        take = b_max > best
+        best_idx = tl.where(take, v0 + b_idx, best_idx)
+        best = tl.where(take, b_max, best)
+    tl.store(OUT + row, best_idx.to(tl.int64))
+
+
+def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
+    """Validated inputs (rlalign.ops.sample): logits fp32 [S, V]; per-row int64 / fp32 params."""
+    rows, vocab = logits.shape
+    logits = logits.contiguous()
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    greedy = temperature == 0
+    k = torch.where(top_k >= vocab, 0, top_k)
+    filtered = ~greedy & ((k > 0) | (top_p < 1))
+    z = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    if not bool(torch.isfinite(z.amax(-1)).all()):
+        from rlalign.contract.errors import fail
+        raise fail("sample", "logits / temperature overflows fp32 (temperature too small for these logits)")
+    keys = row_keys(seeds, seq_ids, positions).contiguous()
+    has_keep = bool(filtered.any())
+    if has_keep:
+        # [S, V + 1] int8: the keep mask, and in column V whether the row is filtered at all
+        keep = torch.zeros((rows, vocab + 1), dtype=torch.int8, device=logits.device)
+        idx = filtered.nonzero().squeeze(1)
+        keep[idx, :vocab] = keep_mask(z[idx], k[idx], top_p[idx]).to(torch.int8)
+        keep[:, vocab] = filtered.to(torch.int8)
+    else:
+        keep = out
+    sample_kernel[(rows,)](logits, keys, temperature.contiguous(), keep, out, vocab, logits.stride(0),
+                           keep.stride(0) if has_keep else 0, HAS_KEEP=has_keep, BLOCK=BLOCK_V,
+                           LIBDEVICE=not is_interpreter(), num_warps=8)
+    return out
+
+
+__all__ = ["sample"]

@@ -1,0 +1,274 @@
+"""One parity run: generate with the rollout side, score the same tokens with the training side,
+compare every token's logprob bitwise, and (``localize``) find the first op, layer and token that differ.
+
+    result = run_parity(ParityOptions(model="ckpt/", train="transformers"))
+    result.ok, result.summary()       # summary(): the ``rlalign parity --json`` object
+
+Localization re-runs both sides under :func:`rlalign.parity.capture.capture`, keeping only rows at
+positions before the first mismatching token (bounded memory), and compares every captured
+boundary bitwise (:func:`rlalign.parity.compare.compare_captures`, training side = side a).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import torch
+
+from rlalign.contract.errors import RLAlignError
+from rlalign.parity.capture import prefix_keys
+from rlalign.parity.compare import CaptureComparison, TokenComparison, TokenMismatch, compare_captures, compare_logprobs
+from rlalign.parity.replay import RolloutRecord
+
+ROLLOUT_SIDES = ("rlalign",)
+TRAIN_SIDES = ("rlalign", "transformers")
+
+
+class ParityError(RLAlignError):
+    """A parity run cannot start (missing model, bad options)."""
+
+
+@dataclasses.dataclass
+class ParityOptions:
+    model: str = "default"
+    rollout: str = "rlalign"
+    train: str = "rlalign"
+    prompts: int = 4
+    samples: int = 2
+    max_new_tokens: int = 16
+    profile: str = "strict"
+    localize: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    dtype: str | None = None
+    device: str = "cpu"
+    train_batch: int | None = None       # sequences per training forward (default: all in one)
+    record: str | None = None            # write the rollout record here
+    replay: str | None = None            # score this recorded rollout instead of generating
+
+
+@dataclasses.dataclass
+class ParityResult:
+    options: ParityOptions
+    record: RolloutRecord
+    tokens: TokenComparison
+    train_weights_hash: str
+    localization: CaptureComparison | None = None
+    model_dir: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.tokens.ok
+
+    def first_divergence(self) -> dict | None:
+        first = self.tokens.first
+        if first is None:
+            return None
+        seq = self.record.sequences[first.sequence]
+        out = {"sequence": first.sequence, "prompt_index": seq.prompt_index, "sample": seq.sample,
+               "position": first.position, "token": first.token, "rollout_logprob": first.rollout,
+               "train_logprob": first.train, "abs_diff": first.abs_diff, "localized": None}
+        if self.localization is not None:
+            out["localized"] = self._localized()
+        return out
+
+    def _localized(self) -> dict:
+        loc = self.localization
+        if loc.first_divergence is None:
+            # every captured boundary agrees: the difference is made after the final norm (LM head / logprob)
+            return {"verdict": loc.verdict, "reason": loc.reason,
+                    "boundary": "logprob" if loc.verdict == "identical" else None,
+                    "layer": None, "op": "logprob" if loc.verdict == "identical" else None}
+        d = loc.first_divergence
+        sequence = _sequence_of_key(self.record, d.key)
+        return {"verdict": loc.verdict, "boundary": d.name, "layer": d.layer, "op": d.boundary,
+                "sequence": sequence, "position": d.position, "token": d.token, "feature": d.feature,
+                "train_value": d.value_a, "rollout_value": d.value_b, "ulp": d.ulp}
+
+    def summary(self) -> dict:
+        """The ``--json`` object: ok, tokens_compared, mismatches, max_abs_diff, mean_abs_diff, first_divergence."""
+        return {"ok": self.ok, "tokens_compared": self.tokens.tokens_compared, "mismatches": self.tokens.mismatches,
+                "max_abs_diff": self.tokens.max_abs_diff, "mean_abs_diff": self.tokens.mean_abs_diff,
+                "first_divergence": self.first_divergence()}
+
+    def details(self) -> dict:
+        """Everything a report shows: the summary plus run settings and the localization table."""
+        return {**self.summary(),
+                "not_comparable": self.tokens.not_comparable or None,
+                "model": self.model_dir, "rollout": self.options.rollout, "train": self.options.train,
+                "profile": self.options.profile, "prompts": len({s.prompt_index for s in self.record.sequences}),
+                "sequences": len(self.record.sequences), "sampling": self.record.sampling,
+                "rollout_weights_hash": self.record.weights_hash, "train_weights_hash": self.train_weights_hash,
+                "rollout_model": self.record.model, "environment": self.record.environment,
+                "localization": self.localization.as_dict() if self.localization else None}
+
+
+def _sequence_of_key(record: RolloutRecord, key_hex: str | None) -> int | None:
+    if not key_hex:
+        return None
+    key = bytes.fromhex(key_hex)
+    for i, seq in enumerate(record.sequences):
+        if key in prefix_keys(seq.all_tokens):
+            return i
+    return None
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+
+def resolve_model_dir(model: str) -> Path:
+    if model == "default":
+        path = Path(__file__).resolve().parents[1] / "assets" / "default_model"
+        if not (path / "config.json").is_file():
+            raise ParityError(f"the embedded default model is missing ({path}); pass --model DIR")
+        return path
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ParityError(f"{model}: not a checkpoint directory (no config.json)")
+    return path
+
+
+def default_prompts(count: int, directory: Path, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of varied lengths: short additions ``"a+b="`` through the checkpoint's
+    tokenizer when it has one, else random token ids in [3, vocab)."""
+    rng = random.Random(seed)
+    tokenizer = _try_tokenizer(directory)
+    prompts = []
+    for _ in range(count):
+        if tokenizer is not None:
+            a, b = rng.randint(0, 10 ** rng.randint(1, 6)), rng.randint(0, 10 ** rng.randint(1, 6))
+            ids = list(tokenizer.encode(f"{a}+{b}="))
+            if ids and all(0 <= t < vocab_size for t in ids):
+                prompts.append(ids)
+                continue
+        prompts.append([rng.randrange(3, vocab_size) for _ in range(rng.randint(3, 24))])
+    return prompts
+
+
+def _try_tokenizer(directory: Path):
+    if not (directory / "tokenizer.json").is_file():
+        return None
+    try:
+        from rlalign.models.tokenizer import load_tokenizer
+        return load_tokenizer(directory)
+    except Exception:  # noqa: BLE001 -- any unreadable tokenizer: fall back to random prompts
+        return None
+
+
+def _check_options(o: ParityOptions) -> None:
+    if o.rollout not in ROLLOUT_SIDES:
+        raise ParityError(f"--rollout {o.rollout!r} is not supported (choose {', '.join(ROLLOUT_SIDES)})")
+    if o.train not in TRAIN_SIDES:
+        raise ParityError(f"--train {o.train!r} is not supported (choose {', '.join(TRAIN_SIDES)})")
+    for name in ("prompts", "samples", "max_new_tokens"):
+        if getattr(o, name) < 1:
+            raise ParityError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
+
+
+def build_rollout(o: ParityOptions, model):
+    from rlalign.parity.sides import RLAlignRollout
+    return RLAlignRollout(model, o.profile)
+
+
+def build_trainer(o: ParityOptions, model, model_dir: Path):
+    """rlalign: the same CausalLM; transformers: the checkpoint loaded by transformers, patched
+    (strict) or stock (native, the baseline a TRL/verl trainer runs today)."""
+    from rlalign.parity.sides import RLAlignTrainer, TransformersTrainer
+    if o.train == "rlalign":
+        return RLAlignTrainer(model, o.profile, o.train_batch)
+    from transformers import AutoModelForCausalLM
+
+    from rlalign.integrations.transformers import from_pretrained
+    from rlalign.models.checkpoint import resolve_dtype
+    _quiet_transformers()
+    dtype = resolve_dtype(model.dtype)
+    if o.profile == "strict":
+        hf = from_pretrained(model_dir, dtype=dtype, device=o.device)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(o.device)
+    return TransformersTrainer(hf.eval(), o.train_batch)
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001 -- cosmetics only
+        pass
+
+
+def run_parity(o: ParityOptions) -> ParityResult:
+    from rlalign.models.checkpoint import load_model
+
+    _check_options(o)
+    model_dir = resolve_model_dir(o.model)
+    model, config = load_model(model_dir, dtype=o.dtype, device=o.device)
+    rollout = build_rollout(o, model)
+    if o.replay:
+        record = RolloutRecord.load(o.replay)
+    else:
+        prompts = default_prompts(o.prompts, model_dir, config.vocab_size, o.seed)
+        record = rollout.generate(prompts, n=o.samples, max_new_tokens=o.max_new_tokens, temperature=o.temperature,
+                                  top_k=o.top_k, top_p=o.top_p, seed=o.seed)
+        record.model["path"] = str(model_dir)
+    if o.record:
+        record.save(o.record)
+    trainer = build_trainer(o, model, model_dir)
+    result = ParityResult(o, record, compare_tokens(record, trainer), trainer.weights_hash, None, str(model_dir))
+    if o.localize and result.tokens.first is not None:
+        result.localization = localize(record, rollout, trainer, result.tokens.first)
+    return result
+
+
+def compare_tokens(record: RolloutRecord, trainer) -> TokenComparison:
+    """Score ``record`` with ``trainer`` and compare bitwise (not comparable if the weights differ)."""
+    train_hash = trainer.weights_hash
+    if record.weights_hash and train_hash != record.weights_hash:
+        return TokenComparison(0, 0, 0.0, 0.0, [], None,
+                               f"different weights: rollout {record.weights_hash[:12]} vs train {train_hash[:12]}")
+    train = trainer.score(record)
+    seqs = record.sequences
+    return compare_logprobs([s.logprobs for s in seqs], train, [s.tokens for s in seqs],
+                            [len(s.prompt_tokens) for s in seqs])
+
+
+def replay(record: RolloutRecord | str, trainer) -> TokenComparison:
+    """Score a recorded rollout (or the path of one) with a training side and compare bitwise."""
+    if not isinstance(record, RolloutRecord):
+        record = RolloutRecord.load(record)
+    return compare_tokens(record, trainer)
+
+
+def regenerate(record: RolloutRecord, rollout) -> RolloutRecord:
+    """Run the record's prompts through ``rollout`` again with its sampling settings."""
+    prompts: dict[int, list[int]] = {}
+    for s in record.sequences:
+        prompts.setdefault(s.prompt_index, s.prompt_tokens)
+    order = sorted(prompts)
+    sp = record.sampling
+    redo = rollout.generate([prompts[i] for i in order], n=int(sp.get("n", 1)),
+                            max_new_tokens=int(sp.get("max_new_tokens", 16)), temperature=float(sp.get("temperature", 1.0)),
+                            top_k=int(sp.get("top_k", 0)), top_p=float(sp.get("top_p", 1.0)), seed=int(sp.get("seed", 0)))
+    return redo
+
+
+def localize(record: RolloutRecord, rollout, trainer, first: TokenMismatch | None = None) -> CaptureComparison:
+    """Capture both sides (rows at positions before the first mismatching token, or all rows when
+    ``first`` is None) and compare every boundary; the training side is side a."""
+    positions = range(0, first.position) if first is not None else None
+    with rollout.capture(positions=positions) as rollout_cap:
+        redo = regenerate(record, rollout)
+    if sorted(s.all_tokens for s in redo.sequences) != sorted(s.all_tokens for s in record.sequences):
+        return CaptureComparison("not comparable", "re-running the rollout did not reproduce the recorded tokens",
+                                 [], None)
+    with trainer.capture(positions=positions) as train_cap, torch.no_grad():
+        trainer.score(record)
+    return compare_captures(train_cap, rollout_cap, labels=("train", "rollout"))
+
+
+__all__ = ["ParityOptions", "ParityResult", "ParityError", "run_parity", "compare_tokens", "replay", "localize",
+           "regenerate", "default_prompts", "resolve_model_dir", "build_trainer", "build_rollout"]

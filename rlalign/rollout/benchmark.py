@@ -1,0 +1,345 @@
+"""Rollout throughput: the rlalign engine (strict and native profiles) vs transformers ``generate``, one run.
+
+    rlalign bench rollout [--device cpu|cuda] [--model DIR | --preset NAME] [--prompts 64] [--samples 8]
+                          [--new-tokens 64] [--prompt-len 32:128] [--engines strict,native,transformers] [--json]
+    python bench/rollout.py ...   (the same)
+
+Workload (GRPO-shaped): ``--prompts`` random prompts (token ids drawn with a fixed seed, lengths
+uniform in ``--prompt-len``), ``--samples`` samples each, exactly ``--new-tokens`` new tokens per
+sample (eos ignored: every engine generates the same number of tokens), temperature 1, no top-k/p.
+
+* rlalign: ``RolloutEngine(model, RolloutConfig(profile=...)).generate(prompts, SamplingParams(n=...))``
+  (prompt prefilled once per group, pages shared, per-token logprobs computed);
+* transformers: the same weights saved as a Hugging Face checkpoint and loaded with
+  ``AutoModelForCausalLM``; ``generate(do_sample=True, num_return_sequences=n, top_k=0,
+  min_new_tokens=max_new_tokens=...)`` on left-padded prompts, all prompts in one call by default
+  (``--hf-batch-prompts`` splits it; logprobs are not requested from it).
+
+tokens/s = generated tokens / wall seconds of the generate call (model load, engine construction
+and a short warm-up run excluded). ``--verify`` also recomputes every strict-engine logprob with
+the trainer's packed forward and counts the tokens whose bits differ (must be 0).
+
+Model: ``--model DIR``; else ``--preset``; by default the embedded default model
+(rlalign/assets/default_model) when it exists on the CPU, the ``cpu-small`` preset otherwise, and
+``qwen3-0.6b`` (random init, bf16) on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HELP = "rollout tokens/s: rlalign engine (strict, native) vs transformers generate"
+ENGINES = ("strict", "native", "transformers")
+
+_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu", attention_bias=False,
+              rms_norm_eps=1e-6)
+PRESETS = {
+    # a small Qwen3-shaped model for CPU runs
+    "cpu-small": dict(_QWEN3, vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0),
+    # for tests and smoke runs
+    "tiny": dict(_QWEN3, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                 rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=1, pad_token_id=0),
+    # Qwen3-0.6B's shape (random init)
+    "qwen3-0.6b": dict(_QWEN3, vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=151645, pad_token_id=151643),
+}
+DEFAULTS = {
+    "cpu": dict(prompts=64, samples=8, new_tokens=64, prompt_len="32:128", dtype="float32"),
+    "cuda": dict(prompts=256, samples=8, new_tokens=512, prompt_len="64:192", dtype="bfloat16", preset="qwen3-0.6b"),
+}
+
+
+def default_model_dir() -> Path:
+    return Path(__file__).resolve().parents[1] / "assets" / "default_model"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: see --preset)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="random-init model shape (default: the embedded default model if present on the CPU, else "
+                        "cpu-small; qwen3-0.6b on CUDA)")
+    p.add_argument("--prompts", type=int, help="number of prompts (default 64 on the CPU, 256 on CUDA)")
+    p.add_argument("--samples", type=int, help="samples per prompt (default 8)")
+    p.add_argument("--new-tokens", type=int, help="new tokens per sample (default 64 on the CPU, 512 on CUDA)")
+    p.add_argument("--prompt-len", metavar="MIN:MAX", help="prompt length range (default 32:128 CPU, 64:192 CUDA)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default float32 on the CPU, bfloat16 on CUDA")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=1024, help="engine decode batch (default 1024)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
+    p.add_argument("--kv-cache-gb", type=float, help="engine KV cache size (default: 1 GiB CPU, 80%% of free GPU memory)")
+    p.add_argument("--hf-batch-prompts", type=int, help="prompts per transformers generate call (default all)")
+    p.add_argument("--hf-prompts", type=int, help="run transformers on the first N prompts only (default all)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default torch's)")
+    p.add_argument("--verify", action="store_true", help="check every strict logprob against the trainer's forward")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]
+    samples: int
+    new_tokens: int
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.prompts) * self.samples * self.new_tokens
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    defaults = DEFAULTS[args.device]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("rlalign bench rollout: --device cuda but no CUDA device is visible")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        raise SystemExit(f"rlalign bench rollout: unknown engines {sorted(unknown)} (choose from {ENGINES})")
+    dtype = args.dtype or defaults["dtype"]
+    with tempfile.TemporaryDirectory(prefix="rlalign-bench-") as tmp:
+        model_dir, model_name = _model_dir(args, defaults, dtype, Path(tmp))
+        workload = _workload(args, defaults, model_dir)
+        rows = []
+        for engine in engines:
+            _progress(f"{engine} ...")
+            if engine == "transformers":
+                rows.append(_bench_transformers(model_dir, workload, args, dtype))
+            else:
+                rows.append(_bench_engine(model_dir, workload, args, dtype, engine))
+            _progress(f"{engine}: {rows[-1]['tokens_per_s']:.1f} tokens/s in {rows[-1]['seconds']:.1f} s")
+    by_name = {r["profile"] if r["engine"] == "rlalign" else r["engine"]: r["tokens_per_s"] for r in rows}
+    ratios = {f"{a}_vs_{b}": round(by_name[a] / by_name[b], 3)
+              for a, b in (("strict", "native"), ("strict", "transformers"), ("native", "transformers"))
+              if a in by_name and b in by_name}
+    return {"name": "rollout", "rows": rows, "ratios": ratios,
+            "workload": {"model": model_name, "dtype": dtype, "device": args.device, "prompts": len(workload.prompts),
+                         "samples": workload.samples, "new_tokens": workload.new_tokens,
+                         "prompt_tokens": sum(len(p) for p in workload.prompts),
+                         "prompt_len": args.prompt_len or defaults["prompt_len"]},
+            "environment": _environment(args.device)}
+
+
+def _progress(message: str) -> None:
+    print(f"[bench rollout] {message}", file=sys.stderr, flush=True)
+
+
+# ---- model and workload --------------------------------------------------------------------------
+
+def _model_dir(args, defaults, dtype: str, tmp: Path) -> tuple[Path, str]:
+    if args.model:
+        return Path(args.model), str(args.model)
+    preset = args.preset or defaults.get("preset")
+    if preset is None and default_model_dir().joinpath("config.json").is_file():
+        return default_model_dir(), "rlalign/assets/default_model"
+    preset = preset or "cpu-small"
+    import torch
+    from rlalign.models.checkpoint import resolve_dtype, save_model
+    from rlalign.models.config import ModelConfig
+    from rlalign.models.decoder import CausalLM
+
+    config = ModelConfig.from_hf_dict(PRESETS[preset])
+    model = CausalLM(config, dtype=resolve_dtype(dtype), device="cpu").init_random_(seed=args.seed)
+    path = save_model(model, tmp / preset)
+    del model
+    torch.manual_seed(args.seed)
+    return path, f"preset {preset} (random init, seed {args.seed})"
+
+
+def _workload(args, defaults, model_dir: Path) -> Workload:
+    import torch
+    from rlalign.models.checkpoint import load_config
+
+    config = load_config(model_dir)
+    low, high = (int(x) for x in (args.prompt_len or defaults["prompt_len"]).split(":"))
+    count = args.prompts or defaults["prompts"]
+    new_tokens = args.new_tokens or defaults["new_tokens"]
+    if high + new_tokens > config.max_position_embeddings:
+        high = max(low, config.max_position_embeddings - new_tokens)
+        low = min(low, high)
+    gen = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    return Workload(prompts, args.samples or defaults["samples"], new_tokens)
+
+
+# ---- the engines ---------------------------------------------------------------------------------
+
+def _sync(device: str) -> None:
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _bench_engine(model_dir: Path, workload: Workload, args, dtype: str, profile: str) -> dict:
+    import gc
+
+    import torch
+    from rlalign.models.checkpoint import load_model
+    from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+    model, _ = load_model(model_dir, dtype=dtype, device=args.device)
+    config = RolloutConfig(profile=profile, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None)
+    engine = RolloutEngine(model, config)
+    sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed, ignore_eos=True)
+    engine.generate(workload.prompts[:2], dataclasses.replace(sampling, max_new_tokens=4))   # warm-up
+    engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, forward_seconds=0.0)
+    _sync(args.device)
+    t0 = time.perf_counter()
+    completions = engine.generate(workload.prompts, sampling)
+    _sync(args.device)
+    seconds = time.perf_counter() - t0
+    generated = sum(len(c.tokens) for c in completions)
+    stats = engine.stats()
+    row = {"engine": "rlalign", "profile": profile, "tokens_per_s": round(generated / seconds, 2),
+           "seconds": round(seconds, 3), "generated_tokens": generated, "steps": stats["steps"],
+           "forward_tokens": stats["forward_tokens"], "preemptions": stats["preemptions"],
+           "kv_pages": stats["num_pages"], "page_size": args.page_size}
+    if args.verify and profile == "strict":
+        row.update(_verify(model, completions))
+    del engine, model, completions
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _verify(model, completions, token_budget: int = 8192) -> dict:
+    """Recompute each completion's logprobs with the trainer's packed forward; count differing tokens."""
+    import torch
+    from rlalign.contract import use_profile
+    from rlalign.models.batch import ForwardBatch
+
+    mismatches = checked = 0
+    batch: list = []
+    for c in completions + [None]:
+        if c is not None and (not batch or sum(len(b.prompt_tokens) + len(b.tokens) for b in batch)
+                              + len(c.prompt_tokens) + len(c.tokens) <= token_budget):
+            batch.append(c)
+            continue
+        seqs = [b.prompt_tokens + b.tokens for b in batch]
+        targets = torch.tensor([t for s in seqs for t in s[1:] + [0]], device=model.device)
+        with use_profile("strict"), torch.no_grad():
+            lp, _ = model.logprobs(ForwardBatch.packed(seqs, device=model.device), targets)
+        offset = 0
+        for b, s in zip(batch, seqs):
+            first = offset + len(b.prompt_tokens) - 1
+            ref = lp[first:first + len(b.tokens)].cpu()
+            got = torch.tensor(b.logprobs, dtype=torch.float32)
+            mismatches += int((ref.view(torch.int32) != got.view(torch.int32)).sum())
+            checked += len(b.tokens)
+            offset += len(s)
+        batch = [c]
+    return {"logprob_tokens_checked": checked, "logprob_mismatches": mismatches}
+
+
+def _bench_transformers(model_dir: Path, workload: Workload, args, dtype: str) -> dict:
+    import gc
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
+    except TypeError:  # transformers 4.x
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch_dtype)
+    hf = hf.to(args.device).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    eos = hf.config.eos_token_id if hf.config.eos_token_id is not None else pad
+    prompts = workload.prompts[:args.hf_prompts] if args.hf_prompts else workload.prompts
+    per_call = args.hf_batch_prompts or len(prompts)
+
+    def run(batch_prompts, new_tokens):
+        width = max(len(p) for p in batch_prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=args.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=args.device)
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              num_return_sequences=workload.samples, pad_token_id=pad, eos_token_id=eos)
+        return (out.shape[1] - width) * out.shape[0]
+
+    run(prompts[:2], 4)   # warm-up
+    _sync(args.device)
+    t0 = time.perf_counter()
+    generated = sum(run(prompts[i:i + per_call], workload.new_tokens) for i in range(0, len(prompts), per_call))
+    _sync(args.device)
+    seconds = time.perf_counter() - t0
+    del hf
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return {"engine": "transformers", "profile": "native", "tokens_per_s": round(generated / seconds, 2),
+            "seconds": round(seconds, 3), "generated_tokens": generated, "prompts": len(prompts),
+            "prompts_per_call": per_call, "version": transformers.__version__}
+
+
+# ---- output --------------------------------------------------------------------------------------
+
+def _environment(device: str) -> dict:
+    import torch
+    from rlalign.contract.doctor import environment
+    env = environment(device)
+    env.update(date=datetime.date.today().isoformat(), machine=platform.machine(), cpus=os.cpu_count())
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    env["threads"] = torch.get_num_threads()
+    return env
+
+
+def print_table(result: dict) -> None:
+    w = result["workload"]
+    print(f"rollout benchmark: {w['model']}, {w['dtype']} on {w['device']}; {w['prompts']} prompts x {w['samples']} "
+          f"samples x {w['new_tokens']} new tokens (prompt tokens {w['prompt_tokens']}, lengths {w['prompt_len']})")
+    print(f"{'engine':<14}{'profile':<9}{'tokens/s':>12}{'seconds':>10}{'tokens':>10}  notes")
+    for r in result["rows"]:
+        notes = {k: v for k, v in r.items() if k not in ("engine", "profile", "tokens_per_s", "seconds",
+                                                          "generated_tokens")}
+        print(f"{r['engine']:<14}{r['profile']:<9}{r['tokens_per_s']:>12.1f}{r['seconds']:>10.2f}"
+              f"{r['generated_tokens']:>10}  {json.dumps(notes)}")
+    print("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
+    env = result["environment"]
+    print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlalign bench rollout", description=HELP)
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,417 @@
+"""The rollout engine: continuous batching over a paged KV cache, strict sampling, weight updates.
+
+Per step: the scheduler picks chunks (prefill chunks, decode tokens, recomputes); page copies for
+copy-on-write are done; ONE :class:`ForwardBatch` describes every chunk; ONE model forward gives
+the hidden rows; the rows of the sequences that reached their last token are sampled together:
+
+    logits   = ops.lm_logits(h, W)                                   (fp32, temperature 1)
+    token    = ops.sample(logits, seeds=s, seq_ids=s, positions=p, temperature=T, top_k, top_p)
+    logprob  = ops.logprob_entropy(h, W, token, temperature=T')[0]   (T' = T, or 1.0 when greedy)
+
+with h the sequence's last hidden row, s its per-sample seed (:func:`ops.derive_seed` of the
+request's seed, prompt key and sample index), p the absolute position the token will occupy.
+``logprob`` is the same op on the same hidden row as the trainer's packed forward
+(``model.logprobs(ForwardBatch.packed(...), targets, temperature=T')``), and in the strict profile
+a row does not depend on the batch, the chunking or the page layout: the engine's logprobs equal
+the trainer's bit for bit, and the tokens do not depend on any engine setting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from rlalign import ops
+from rlalign.contract.profiles import use_profile
+from rlalign.models.batch import ForwardBatch, KVCache
+from rlalign.ops.sample import derive_seed
+from rlalign.rollout.block_manager import BlockManager, pages_for
+from rlalign.rollout.config import DEFAULT_CPU_KV_CACHE_BYTES, RolloutConfig, SamplingParams
+from rlalign.rollout.errors import KVCacheTooSmallError, RequestError, RolloutError, WeightsUpdateError
+from rlalign.rollout.scheduler import Scheduler, SchedulerOutput
+from rlalign.rollout.sequence import Completion, Request, Sequence, SeqStatus, StepOutput
+
+STOP_STRING_SLACK_TOKENS = 8
+
+
+class RolloutEngine:
+    """``RolloutEngine(model, config, tokenizer=None)``; ``model`` is a :class:`rlalign.models.CausalLM`.
+
+    Batch API: :meth:`generate`. Step-wise API: :meth:`add_request`, :meth:`step`,
+    :meth:`has_unfinished`, :meth:`abort`. Weights: :meth:`update_weights`, :attr:`weights_version`.
+    """
+
+    def __init__(self, model, config: RolloutConfig | None = None, tokenizer=None, *, weights_version: int = 0):
+        self.model = model
+        self.config = config or RolloutConfig()
+        self.tokenizer = tokenizer
+        self.weights_version = weights_version
+        self.device = model.device
+        mc = model.config
+        self.max_model_len = self.config.max_model_len or mc.max_position_embeddings
+        self.page_size = self.config.page_size
+        num_pages = self._num_pages()
+        self.kv_cache = KVCache.for_model(mc, num_pages, self.page_size, model.dtype, self.device)
+        self.blocks = BlockManager(num_pages, self.page_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.blocks)
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        self._weights_broken = False
+        self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, forward_seconds=0.0)
+
+    # ---- KV cache size -------------------------------------------------------------------------
+
+    @property
+    def bytes_per_page(self) -> int:
+        mc = self.model.config
+        elem = torch.empty((), dtype=self.model.dtype).element_size()
+        return 2 * mc.num_layers * self.page_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def _num_pages(self) -> int:
+        """config.num_pages, else the byte budget (kv_cache_bytes; default 1 GiB on the CPU,
+        gpu_memory_fraction of the free GPU memory) over bytes_per_page, capped at what max_num_seqs
+        sequences of max_model_len tokens can use."""
+        cfg = self.config
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        if cfg.kv_cache_bytes is not None:
+            budget = cfg.kv_cache_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.gpu_memory_fraction)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        pages = min(budget // self.bytes_per_page, cfg.max_num_seqs * pages_for(self.max_model_len, self.page_size))
+        if pages < 1:
+            raise KVCacheTooSmallError(f"a KV budget of {budget} bytes holds no page of {self.page_size} tokens "
+                                       f"({self.bytes_per_page} bytes each); raise kv_cache_bytes")
+        return int(pages)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int] | str, sampling: SamplingParams | None = None, *,
+                    request_id: str | None = None, prompt_index: int | None = None) -> str:
+        """Queue ``sampling.n`` samples of ``prompt`` (token ids, or text with a tokenizer); returns the request id.
+
+        ``prompt_index`` labels the completions and, with ``seed_by="index"``, keys their seeds
+        (default: the engine's running request count; pass it for reproducible seeds).
+        """
+        sampling = sampling or SamplingParams()
+        if self._weights_broken:
+            raise WeightsUpdateError("a previous update_weights failed half-way, so the model holds a mix of old and "
+                                     "new tensors; call update_weights again with a complete set of weights")
+        ids, text = self._encode(prompt)
+        self._check_request(ids, sampling)
+        counter = next(self._request_counter)
+        request_id = str(counter) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in flight")
+        prompt_index = counter if prompt_index is None else int(prompt_index)
+        request = Request(request_id, prompt_index, ids, text, sampling, self.weights_version,
+                          frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids))
+        key = prompt_index if sampling.seed_by == "index" else _prompt_key(ids)
+        request.seqs = [Sequence(request, j, derive_seed(sampling.seed, key, j), ids) for j in range(sampling.n)]
+        self._requests[request_id] = request
+        if self.config.share_prefix and sampling.n > 1:
+            request.pending_forks = request.seqs[1:]
+            for seq in request.pending_forks:
+                seq.status = SeqStatus.FORK_PENDING
+            self.scheduler.add(request.seqs[0])
+        else:
+            for seq in request.seqs:
+                self.scheduler.add(seq)
+        return request_id
+
+    def _encode(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("text prompts need a tokenizer: RolloutEngine(model, config, tokenizer=...) "
+                                   "or pass token id lists")
+            return list(self.tokenizer.encode(prompt)), prompt
+        try:
+            return [int(t) for t in prompt], None
+        except (TypeError, ValueError):
+            raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+
+    def _check_request(self, ids: list[int], sampling: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise RequestError("the prompt has no tokens")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
+                               "to generate (raise RolloutConfig.max_model_len or shorten the prompt)")
+        if sampling.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer (RolloutEngine(..., tokenizer=...)); "
+                               "use stop_token_ids otherwise")
+        longest = min(len(ids) + sampling.max_new_tokens, self.max_model_len) - 1  # the last token is never fed
+        needed = pages_for(max(longest, len(ids)), self.page_size)
+        if needed > self.blocks.num_pages:
+            raise KVCacheTooSmallError(
+                f"one sequence of up to {longest} cached tokens needs {needed} pages of {self.page_size} tokens but "
+                f"the KV cache has {self.blocks.num_pages} ({self.blocks.num_pages * self.bytes_per_page} bytes); "
+                "raise RolloutConfig.kv_cache_bytes / num_pages or lower max_new_tokens")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def abort(self, request_id: str) -> list[StepOutput]:
+        """Stop a request now; its unfinished samples end with finish_reason "abort" (returned)."""
+        request = self._requests.get(str(request_id))
+        if request is None:
+            raise RequestError(f"unknown request id {request_id!r} (finished, aborted or never added)")
+        open_seqs = [s for s in request.seqs if s.status is not SeqStatus.FINISHED]
+        request.pending_forks = []
+        for seq in open_seqs:
+            seq.finish_reason = "abort"
+        self.scheduler.finish(open_seqs)
+        return [self._finished_output(seq, None, None) for seq in open_seqs]
+
+    def abort_all(self) -> list[StepOutput]:
+        return [out for rid in list(self._requests) for out in self.abort(rid)]
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        """Run one scheduling step (one forward); returns a StepOutput per token sampled (with the
+        Completion when a sample ends)."""
+        if not self._requests:
+            return []
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            raise RolloutError("internal: the scheduler found nothing to run with requests in flight")
+        t0 = time.perf_counter()
+        with use_profile(self.config.profile):
+            self._copy_pages(plan.copies)
+            batch = self._build_batch(plan)
+            hidden = self.model.forward_hidden(batch)
+            self.scheduler.mark_computed(plan)
+            rows, seqs = self._sampling_rows(plan, batch)
+            tokens, logprobs = self._sample(hidden, rows, seqs) if seqs else ([], [])
+        self.counters["steps"] += 1
+        self.counters["forward_tokens"] += batch.num_tokens
+        self.counters["sampled_tokens"] += len(seqs)
+        self.counters["forward_seconds"] += time.perf_counter() - t0
+        return self._append(seqs, tokens, logprobs)
+
+    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
+        for cache in (*self.kv_cache.k, *self.kv_cache.v):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    def _build_batch(self, plan: SchedulerOutput) -> ForwardBatch:
+        chunks, ps = plan.chunks, self.page_size
+        count = len(chunks)
+        starts = np.fromiter((c.start for c in chunks), np.int64, count)
+        lengths = np.fromiter((c.length for c in chunks), np.int64, count)
+        cu = np.zeros(count + 1, np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        if cu[-1] == count:  # decode-only step
+            ids = [c.seq.tokens[c.start] for c in chunks]
+        else:
+            ids = list(itertools.chain.from_iterable(c.seq.tokens[c.start:c.start + c.length] for c in chunks))
+        owner = np.repeat(np.arange(count), lengths)
+        positions = np.arange(cu[-1], dtype=np.int64) - cu[:-1][owner] + starts[owner]
+        table = np.zeros((count, max(len(c.seq.block_table) for c in chunks)), np.int32)
+        for k, c in enumerate(chunks):
+            table[k, :len(c.seq.block_table)] = c.seq.block_table
+        slots = table[owner, positions // ps].astype(np.int64) * ps + positions % ps
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            kv_cache=self.kv_cache,
+            block_table=torch.from_numpy(table).to(dev),
+            seq_lens=torch.from_numpy((starts + lengths).astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+        )
+
+    def _sampling_rows(self, plan: SchedulerOutput, batch: ForwardBatch) -> tuple[list[int], list[Sequence]]:
+        """The hidden row each sampling sequence samples from; a leader's forked siblings share its row."""
+        rows, seqs = [], []
+        ends = np.cumsum([c.length for c in plan.chunks]) - 1
+        for chunk, row in zip(plan.chunks, ends.tolist()):
+            if not chunk.samples:
+                continue
+            seq = chunk.seq
+            rows.append(row)
+            seqs.append(seq)
+            if seq.request.pending_forks and seq is seq.request.seqs[0]:
+                siblings = self.scheduler.fork(seq)
+                rows += [row] * len(siblings)
+                seqs += siblings
+        return rows, seqs
+
+    def _sample(self, hidden: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        for seq in seqs:
+            if seq.request.weights_version != self.weights_version:
+                raise WeightsUpdateError(f"request {seq.request.request_id!r} started with weights version "
+                                         f"{seq.request.weights_version} but the engine now has {self.weights_version}")
+        dev = hidden.device
+        h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
+        weight = self.model.lm_head_weight
+        params = [s.request.sampling for s in seqs]
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
+        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=dev)
+        tokens = ops.sample(ops.lm_logits(h, weight), seeds=seeds, seq_ids=seeds, positions=positions,
+                            temperature=_per_row([p.temperature for p in params], torch.float32, dev),
+                            top_k=_per_row([p.top_k for p in params], torch.int64, dev),
+                            top_p=_per_row([p.top_p for p in params], torch.float32, dev))
+        logprobs = torch.empty(len(seqs), dtype=torch.float32, device=dev)
+        temps = [p.logprob_temperature for p in params]
+        for temp in sorted(set(temps)):
+            idx = [i for i, t in enumerate(temps) if t == temp]
+            sel = torch.tensor(idx, dtype=torch.int64, device=dev) if len(idx) < len(seqs) else None
+            lp, _ = ops.logprob_entropy(h if sel is None else h[sel], weight, tokens if sel is None else tokens[sel],
+                                        temperature=temp, with_entropy=False)
+            if sel is None:
+                logprobs = lp
+            else:
+                logprobs[sel] = lp
+        return tokens.tolist(), logprobs.tolist()
+
+    def _append(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[StepOutput]:
+        outputs, finished = [], []
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            if self._check_stop(seq, token):
+                finished.append(seq)
+            else:
+                outputs.append(StepOutput(seq.request.request_id, seq.request.prompt_index, seq.sample_index,
+                                          token, logprob, False))
+        self.scheduler.finish(finished)
+        outputs += [self._finished_output(seq, seq.tokens[-1], seq.logprobs[-1]) for seq in finished]
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        request = seq.request
+        if token in request.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif request.sampling.stop and (hit := self._stop_string(seq)) is not None:
+            seq.finish_reason, seq.stop_reason = "stop", hit
+        elif seq.num_output_tokens >= request.sampling.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _stop_string(self, seq: Sequence) -> str | None:
+        """The first stop string in the decoded text of the last (longest stop string + 8) generated tokens
+        (a token decodes to at least one byte, so a stop string just completed lies in that window)."""
+        stops = seq.request.sampling.stop
+        window = max(len(s) for s in stops) + STOP_STRING_SLACK_TOKENS
+        text = self.tokenizer.decode(seq.tokens[max(seq.num_prompt_tokens, seq.num_tokens - window):])
+        return next((s for s in stops if s in text), None)
+
+    def _finished_output(self, seq: Sequence, token, logprob) -> StepOutput:
+        request = seq.request
+        completion = Completion(
+            request_id=request.request_id, prompt_index=request.prompt_index, sample_index=seq.sample_index,
+            prompt_tokens=request.prompt_tokens, tokens=seq.output_tokens, logprobs=list(seq.logprobs),
+            finish_reason=seq.finish_reason, weights_version=request.weights_version, seed=seq.seed,
+            stop_reason=seq.stop_reason, prompt=request.prompt_text,
+            text=self.tokenizer.decode(seq.output_tokens) if self.tokenizer is not None else None,
+            num_preemptions=seq.num_preemptions)
+        seq.status = SeqStatus.FINISHED
+        if request.finished:
+            self._requests.pop(request.request_id, None)
+        return StepOutput(request.request_id, request.prompt_index, seq.sample_index, token, logprob, True, completion)
+
+    # ---- batch API -----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]] | list[str], sampling: SamplingParams | None = None, *,
+                 prompt_indices: list[int] | None = None) -> list[Completion]:
+        """Sample ``sampling.n`` completions for every prompt; returned prompt by prompt, then by sample index.
+
+        Prompt i gets ``prompt_index = prompt_indices[i]`` (default i), which keys its seeds with
+        ``seed_by="index"``. Needs an idle engine (no request added through add_request in flight).
+        """
+        if self.has_unfinished():
+            raise RolloutError(f"generate() needs an idle engine but {len(self._requests)} requests are in flight; "
+                               "run step() until has_unfinished() is False, or abort_all()")
+        sampling = sampling or SamplingParams()
+        indices = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
+        if len(indices) != len(prompts):
+            raise RequestError(f"got {len(prompts)} prompts but {len(indices)} prompt_indices")
+        done: dict[tuple[str, int], Completion] = {}
+        try:
+            ids = [self.add_request(p, sampling, prompt_index=i) for p, i in zip(prompts, indices)]
+            while self.has_unfinished():
+                for out in self.step():
+                    if out.completion is not None:
+                        done[(out.request_id, out.sample_index)] = out.completion
+        except BaseException:
+            self.abort_all()
+            raise
+        return [done[(rid, j)] for rid in ids for j in range(sampling.n)]
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                       version: int | None = None) -> int:
+        """Copy new values into the model's parameters in place (cast to their dtype/device); returns the new
+        weights version (``version``, default the old one + 1). All or some parameters may be given, by
+        their Hugging Face names. Refused while requests are in flight (a request never mixes versions):
+        finish them or :meth:`abort_all` first. The prefix cache is emptied (its K/V belong to the old weights).
+        """
+        if self._requests:
+            raise WeightsUpdateError(
+                f"cannot update weights with {len(self._requests)} requests in flight (ids "
+                f"{sorted(self._requests)[:5]}): one request never mixes weight versions; run step() until "
+                "has_unfinished() is False, or abort_all(), then update")
+        params = dict(self.model.named_parameters())
+        tied_head = self.model.lm_head is None
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        self._weights_broken = True  # until every tensor is in
+        count = 0
+        for name, tensor in items:
+            if tied_head and name == "lm_head.weight":
+                continue  # tied to the embedding, as checkpoints do
+            param = params.get(name)
+            if param is None:
+                raise WeightsUpdateError(f"update_weights: unknown parameter {name!r} (expected Hugging Face names "
+                                         f"such as {next(iter(params))!r})")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise WeightsUpdateError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is "
+                                         f"{tuple(param.shape)}")
+            param.copy_(tensor)
+            count += 1
+        self._weights_broken = False
+        self.blocks.reset_prefix_cache()
+        self.weights_version = self.weights_version + 1 if version is None else int(version)
+        return self.weights_version
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return dict(self.counters, num_pages=self.blocks.num_pages, free_pages=self.blocks.num_free,
+                    preemptions=self.scheduler.num_preemptions, prefix_cache_hit_pages=self.blocks.prefix_hits,
+                    cow_copies=self.blocks.cow_copies, weights_version=self.weights_version)
+
+
+def _per_row(values: list, dtype: torch.dtype, device):
+    """A Python scalar when every row shares the value (cheaper), else a [S] tensor."""
+    first = values[0]
+    if all(v == first for v in values):
+        return first
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _prompt_key(ids: list[int]) -> int:
+    from rlalign.models.generate import prompt_key
+    return prompt_key(ids)

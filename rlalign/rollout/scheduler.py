@@ -1,0 +1,190 @@
+"""Continuous batching: which sequences run this step, how many new tokens each, and on which pages.
+
+One step = one forward over a list of chunks, a chunk being ``tokens[start:start + length]`` of one
+sequence (a whole prompt, a prefill chunk, one decode token, or a recompute after preemption).
+Policy, per step, with a token budget ``max_num_batched_tokens``:
+
+1. running sequences in admission order, each ``min(uncomputed, max_prefill_chunk, budget left)``
+   tokens. When pages run out, the most recently admitted running sequence is preempted (its
+   pages freed, back to the front of the queue; it is recomputed from its tokens later) until
+   the chunk fits, or the sequence preempts itself if it is the newest.
+2. waiting sequences in queue order while the budget, ``max_num_seqs`` and the pages allow
+   (a watermark of free pages is kept for the running ones). With prefix caching, a newly
+   admitted sequence first takes the cached pages of its longest cached full-page prefix
+   (never its last token: that row must be computed to sample from it).
+
+The scheduler never influences a token or a logprob: those depend on the sequence's own tokens
+and its (seed, position) only.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from rlalign.rollout.block_manager import BlockManager
+from rlalign.rollout.config import RolloutConfig
+from rlalign.rollout.sequence import Sequence, SeqStatus
+
+
+@dataclasses.dataclass
+class Chunk:
+    seq: Sequence
+    start: int      # = seq.num_computed when scheduled
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk ends at the sequence's last token (its last row is sampled from)."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    chunks: list[Chunk]
+    copies: list[tuple[int, int]]   # (src page, dst page) K/V copies to do before the forward
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: RolloutConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._watermark = int(config.admission_watermark * block_manager.num_pages)
+
+    # ---- queue ---------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [], [])
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk_length(seq, budget)
+            if self._reserve(seq, n, out, reserve=0) or self._preempt_for(i, n, out):
+                budget -= n
+                i += 1
+        occupied = sum(1 + _pending_forks(s) for s in self.running)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if occupied and occupied + 1 + _pending_forks(seq) > self.config.max_num_seqs:
+                break
+            self._take_cached_prefix(seq)
+            n = self._chunk_length(seq, budget)
+            reserve = self._watermark if self.running else 0
+            if not self._reserve(seq, n, out, reserve):
+                self._release(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            occupied += 1 + _pending_forks(seq)
+            budget -= n
+        return out
+
+    def _chunk_length(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed, budget)
+        return n if self.config.max_prefill_chunk is None else min(n, self.config.max_prefill_chunk)
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput, reserve: int) -> bool:
+        copies = self.blocks.append(seq.block_table, seq.num_computed, seq.num_computed + n, reserve)
+        if copies is None:
+            return False
+        out.copies += copies
+        out.chunks.append(Chunk(seq, seq.num_computed, n))
+        return True
+
+    def _preempt_for(self, i: int, n: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences (after index i) until running[i] gets its pages;
+        preempt running[i] itself when it is the newest. Returns whether running[i] was scheduled."""
+        seq = self.running[i]
+        while len(self.running) > i + 1:
+            self._preempt(self.running.pop(), out)
+            if self._reserve(seq, n, out, reserve=0):
+                return True
+        self._preempt(self.running.pop(i), out)
+        return False
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.num_computed = 0
+        seq.num_registered_pages = 0
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        if not self.blocks.enable_prefix_caching or seq.block_table:
+            return
+        ps = self.blocks.page_size
+        pages = self.blocks.match_prefix(seq.page_digests(ps, (seq.num_tokens - 1) // ps))
+        seq.block_table = pages
+        seq.num_computed = seq.num_registered_pages = len(pages)
+        seq.num_computed *= ps
+
+    # ---- after the forward ---------------------------------------------------------------------
+
+    def mark_computed(self, out: SchedulerOutput) -> None:
+        """The chunks' K/V are in the cache: advance the counters and offer newly full pages to the prefix cache."""
+        ps = self.blocks.page_size
+        caching = self.blocks.enable_prefix_caching
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed = chunk.start + chunk.length
+            if caching:
+                full = seq.num_computed // ps
+                if full > seq.num_registered_pages:
+                    digests = seq.page_digests(ps, full)
+                    for b in range(seq.num_registered_pages, full):
+                        self.blocks.register(seq.block_table[b], digests[b])
+                    seq.num_registered_pages = full
+
+    def fork(self, leader: Sequence) -> list[Sequence]:
+        """Start the leader's pending siblings on its pages (prompt computed once, pages shared)."""
+        siblings = leader.request.pending_forks
+        leader.request.pending_forks = []
+        for sib in siblings:
+            sib.block_table = self.blocks.fork(leader.block_table)
+            sib.num_computed = leader.num_computed
+            sib.num_registered_pages = leader.num_registered_pages
+            sib.status = SeqStatus.RUNNING
+            self.running.append(sib)
+        return siblings
+
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Free the pages of finished (or aborted) sequences and drop them from the queues."""
+        if not seqs:
+            return
+        for seq in seqs:
+            self.blocks.free(seq.block_table)
+            seq.status = SeqStatus.FINISHED
+        gone = set(map(id, seqs))
+        self.running = [s for s in self.running if id(s) not in gone]
+        if any(id(s) in gone for s in self.waiting):
+            self.waiting = collections.deque(s for s in self.waiting if id(s) not in gone)
+
+
+def _pending_forks(seq: Sequence) -> int:
+    """Samples a group leader will fork into once its prompt is prefilled (they count towards max_num_seqs)."""
+    return len(seq.request.pending_forks) if seq is seq.request.seqs[0] else 0

@@ -1,0 +1,134 @@
+"""Requests, their sequences (one per sample) and what the engine hands back.
+
+A :class:`Sequence` is one sample of one request: its tokens (prompt then completion) and
+explicit counters. ``num_computed`` is the length of the prefix whose K/V are in the cache; the
+tokens ``tokens[num_computed:]`` are fed by the next forwards (a whole prompt, a prefill chunk,
+the one token sampled last step, or everything again after a preemption). When a forward brings
+``num_computed`` up to ``num_tokens``, the last row's hidden state samples the next token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+from array import array
+
+from rlalign.rollout.config import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"        # queued (new, or preempted: its pages were freed, recomputed on return)
+    RUNNING = "running"        # holds pages, scheduled every step while the budget allows
+    FORK_PENDING = "fork_pending"  # a sample waiting for its group leader's prompt prefill
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sample: ``tokens`` = prompt + generated, ``block_table`` = its KV pages in position order."""
+
+    __slots__ = ("request", "sample_index", "seed", "tokens", "num_prompt_tokens", "num_computed", "block_table",
+                 "logprobs", "status", "finish_reason", "stop_reason", "num_preemptions", "num_registered_pages",
+                 "_digests")
+
+    def __init__(self, request: "Request", sample_index: int, seed: int, prompt_tokens: list[int]):
+        self.request = request
+        self.sample_index = sample_index
+        self.seed = seed
+        self.tokens = list(prompt_tokens)
+        self.num_prompt_tokens = len(prompt_tokens)
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.logprobs: list[float] = []
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.num_registered_pages = 0   # leading full pages already offered to the prefix cache
+        self._digests: list[bytes] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    def page_digests(self, page_size: int, count: int) -> list[bytes]:
+        """Digests of the first ``count`` full pages of tokens: d_i = blake2b-128(d_{i-1} || int64 tokens of page i),
+        d_{-1} = b"". Equal digests mean equal token prefixes (up to a 2**-128 collision)."""
+        while len(self._digests) < count:
+            i = len(self._digests)
+            prev = self._digests[-1] if i else b""
+            page = array("q", self.tokens[i * page_size:(i + 1) * page_size]).tobytes()
+            self._digests.append(hashlib.blake2b(prev + page, digest_size=16).digest())
+        return self._digests[:count]
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request.request_id}/{self.sample_index}, {self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed}, pages={len(self.block_table)})")
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_index: int
+    prompt_tokens: list[int]
+    prompt_text: str | None
+    sampling: SamplingParams
+    weights_version: int
+    stop_token_ids: frozenset[int]
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    pending_forks: list[Sequence] = dataclasses.field(default_factory=list)  # siblings of seqs[0] awaiting its prefill
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished sample.
+
+    tokens: generated ids (a stop token that ended the sample is included); logprobs[i] = log p(tokens[i])
+    under softmax(logits / T) at the request's logprob temperature, fp32 values (exact as Python floats).
+    finish_reason: "stop" (stop token or string), "length" (max_new_tokens or max_model_len) or "abort".
+    stop_reason: the stop token id or stop string that ended it (None otherwise).
+    weights_version: the engine's weights version every token of the request was sampled with.
+    """
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_tokens: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weights_version: int
+    seed: int
+    stop_reason: int | str | None = None
+    prompt: str | None = None
+    text: str | None = None
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One token produced by :meth:`RolloutEngine.step` (or an abort); ``completion`` is set once the sample ends."""
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    token: int | None
+    logprob: float | None
+    finished: bool
+    completion: Completion | None = None

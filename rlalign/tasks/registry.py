@@ -1,0 +1,144 @@
+"""Reward functions by name or import path, and safe scoring.
+
+A reward function has the signature ``fn(prompt: str, completion: str, answer: str) -> float``.
+:func:`load_reward` accepts a built-in name (:data:`BUILTIN_REWARDS`), an import path
+``"package.module:function"`` (a dotted attribute after the colon is allowed:
+``"mod:Class.method"``), or a file path ``"path/to/file.py:function"``. Every load problem is a
+one-line :class:`RewardLoadError` naming the path. :func:`score` calls a reward on a batch and
+turns an exception or a non-finite / non-numeric return into a :class:`RewardError` naming the
+sample (index and prompt excerpt).
+"""
+
+from __future__ import annotations
+
+from rlalign.contract.errors import RLAlignError
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from rlalign.tasks.arithmetic import arithmetic_reward
+from rlalign.tasks.rewards import gsm8k_reward, gsm8k_reward_fallback, gsm8k_reward_last_number
+
+RewardFn = Callable[[str, str, str], float]
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "arithmetic": arithmetic_reward,
+    "gsm8k": gsm8k_reward,
+    "gsm8k_fallback": gsm8k_reward_fallback,
+    "gsm8k_last_number": gsm8k_reward_last_number,
+}
+
+
+class RewardLoadError(RLAlignError, ValueError):
+    """A reward function could not be loaded; the one-line message names the path."""
+
+
+class RewardError(RLAlignError, ValueError):
+    """A reward function raised or returned a non-finite / non-numeric value on a sample."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _import_module(spec: str, module_name: str) -> ModuleType:
+    if module_name.endswith(".py"):
+        file = Path(module_name)
+        if not file.is_file():
+            raise RewardLoadError(f"reward {spec!r}: file {module_name!r} not found")
+        name = f"rlalign_user_reward_{abs(hash(str(file.resolve())))}"
+        loader_spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[name]
+            raise RewardLoadError(f"reward {spec!r}: importing {module_name!r} failed: {_one_line(e)}") from e
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise RewardLoadError(f"reward {spec!r}: module {module_name!r} not found") from e
+        raise RewardLoadError(f"reward {spec!r}: importing {module_name!r} failed: {_one_line(e)}") from e
+    except Exception as e:
+        raise RewardLoadError(f"reward {spec!r}: importing {module_name!r} failed: {_one_line(e)}") from e
+
+
+def load_reward(spec: str) -> RewardFn:
+    """Resolve a built-in name, ``module:function`` or ``file.py:function`` to a callable."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise RewardLoadError(f"reward {spec!r}: expected a built-in name "
+                              f"({', '.join(BUILTIN_REWARDS)}) or 'module:function'")
+    spec = spec.strip()
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise RewardLoadError(f"reward {spec!r}: not a built-in name ({', '.join(BUILTIN_REWARDS)}) "
+                              f"and not of the form 'module:function'")
+    obj = _import_module(spec, module_name)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardLoadError(f"reward {spec!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardLoadError(f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def _excerpt(text: str, limit: int = 60) -> str:
+    return repr(_shorten(text, limit))
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _name(fn: Callable) -> str:
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    return f"{module}:{name}" if module else name
+
+
+def _as_float(value: object) -> float | None:
+    if isinstance(value, (numbers.Real, np.bool_)):
+        return float(value)
+    return None
+
+
+def score(reward_fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
+          answers: Sequence[str]) -> list[float]:
+    """``[float(reward_fn(p, c, a)) for each sample]``, checked.
+
+    Raises :class:`RewardError` naming the reward, the sample index and a prompt excerpt when
+    the function raises, returns something that is not a real number (bool counts as 0/1), or
+    returns NaN or +-inf; raises ``ValueError`` when the three lists differ in length.
+    """
+    if not len(prompts) == len(completions) == len(answers):
+        raise ValueError(f"score: lengths differ: {len(prompts)} prompts, {len(completions)} completions, "
+                         f"{len(answers)} answers")
+    name = _name(reward_fn)
+    out = []
+    for i, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers, strict=True)):
+        where = f"reward {name} on sample {i} (prompt {_excerpt(prompt)})"
+        try:
+            value = reward_fn(prompt, completion, answer)
+        except Exception as e:
+            raise RewardError(f"{where} raised {_one_line(e)}") from e
+        number = _as_float(value)
+        if number is None:
+            raise RewardError(f"{where} returned {type(value).__name__} {_shorten(repr(value), 60)}, expected a float")
+        if not math.isfinite(number):
+            raise RewardError(f"{where} returned {number}, expected a finite float")
+        out.append(number)
+    return out

@@ -1,0 +1,1 @@
+"""The trainer: packing, fused loss, optimizer, checkpoints, the GRPO/PPO loop."""

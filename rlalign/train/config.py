@@ -1,0 +1,119 @@
+"""The training config: one dataclass per section, loaded from YAML + dotted overrides.
+
+``rlalign train`` with no arguments uses these defaults: GRPO on the embedded default model and
+the built-in addition task, on the CPU, in the strict profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass
+class ModelSection:
+    path: str = "default"              # a Hugging Face checkpoint dir, or "default" (the embedded model)
+    dtype: str | None = None           # float32 | bfloat16; None: the checkpoint's
+    device: str = "cpu"                # cpu | cuda
+
+    def validate(self):
+        if self.dtype not in (None, "float32", "bfloat16"):
+            return f"dtype must be float32 or bfloat16 (strict), got {self.dtype!r}"
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            return f"device must be cpu or cuda, got {self.device!r}"
+
+
+@dataclasses.dataclass
+class TaskSection:
+    name: Literal["arithmetic", "dataset"] = "arithmetic"
+    reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function
+    min_digits: int = 1                # arithmetic
+    max_digits: int = 3
+    eval_size: int = 200
+    path: str | None = None            # dataset: a .jsonl / .json / .parquet file
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    template: str | None = None        # e.g. "Question: {prompt}\nAnswer:"
+    eval_fraction: float = 0.1
+    chat: bool = False                 # apply the tokenizer's chat template to prompts
+
+    def validate(self):
+        if self.name == "dataset" and not self.path:
+            return "path is required when name is 'dataset' (task.path=data.jsonl)"
+
+
+@dataclasses.dataclass
+class RolloutSection:
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    page_size: int = 16
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 8192
+    kv_cache_bytes: int | None = None
+
+    def validate(self):
+        if self.prompts_per_step < 1 or self.samples_per_prompt < 1 or self.max_new_tokens < 1:
+            return "prompts_per_step, samples_per_prompt and max_new_tokens must be >= 1"
+        if self.temperature <= 0:
+            return f"temperature must be > 0 for RL rollouts, got {self.temperature}"
+
+
+@dataclasses.dataclass
+class AlgoSection:
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.28            # DAPO clip-higher
+    dual_clip: float | None = None     # e.g. 3.0
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    dynamic_sampling: bool = False     # DAPO: drop zero-variance groups, draw more
+    max_draw_rounds: int = 3
+    overlong_filter: bool = False      # mask truncated completions
+    mismatch_correction: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "none"
+    mismatch_cap: float = 2.0          # TIS cap C / MIS upper bound
+    ppo_epochs: int = 1
+
+
+@dataclasses.dataclass
+class OptimSection:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.99])
+    warmup_steps: int = 5
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 4096
+    activation_checkpointing: bool = False
+
+
+@dataclasses.dataclass
+class RunSection:
+    dir: str | None = None             # default: runs/<timestamp>
+    steps: int = 120
+    seed: int = 0
+    profile: Literal["strict", "native"] = "strict"
+    on_mismatch: Literal["warn", "stop"] = "warn"
+    eval_every: int = 10
+    eval_samples: int = 1              # 1: greedy eval accuracy
+    checkpoint_every: int = 20
+    resume: bool = False
+    progress: bool = True
+    max_minutes: float | None = None   # stop (after a checkpoint) when exceeded
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    task: TaskSection = dataclasses.field(default_factory=TaskSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    run: RunSection = dataclasses.field(default_factory=RunSection)

@@ -1,0 +1,363 @@
+"""The RL loop, single process, colocated: rollout -> rewards -> advantages -> update -> push weights.
+
+Objective (GRPO defaults; every term is a function of :mod:`rlalign.algos` with its exact formula):
+for each step, ``P`` prompts x ``K`` samples are drawn from the rollout engine at temperature
+``T``; each sample gets a scalar reward; the advantage of sample i is group-normalised
+(``(r_i - mean_g) / (std_g + eps)``, unbiased std; ``dr_grpo`` drops the std); every completion
+token carries its sample's advantage. The loss is the clipped surrogate
+``max(-A r_t, -A clamp(r_t, 1 - clip_low, 1 + clip_high))`` with ``r_t = exp(logp_t - logp_old_t)``,
+aggregated by ``algo.loss_agg`` with the *step-global* normaliser (so the gradient does not depend
+on how the batch is cut into micro-batches), plus ``kl_coef * KL_k(pi || ref)`` and
+``- entropy_coef * H`` when enabled.
+
+``logp_old`` is the trainer's own forward on the sampled tokens before the update. In the strict
+profile it equals the rollout engine's logprobs bit for bit; every step compares the two on every
+token and logs ``mismatch/*``. In the native profile they differ, and ``algo.mismatch_correction``
+(TIS / MIS) can correct for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from rlalign import algos
+from rlalign.contract.errors import RLAlignError
+from rlalign.contract.profiles import use_profile
+from rlalign.ops.sample import derive_seed
+from rlalign.rollout.config import RolloutConfig, SamplingParams
+from rlalign.rollout.engine import RolloutEngine
+from rlalign.train.config import TrainConfig
+from rlalign.train.packing import micro_batches, score_completions, score_in_micro_batches
+from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
+from rlalign.train.setup import build_task, load_policy
+
+
+class MismatchError(RLAlignError):
+    pass
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's samples, flattened sample by sample (group = prompt)."""
+    samples: list[tuple[list[int], int]]       # (prompt + completion tokens, prompt_len)
+    rollout_logprobs: torch.Tensor             # fp32 [completion tokens]
+    rewards: torch.Tensor                      # fp32 [N]
+    group_ids: torch.Tensor                    # int64 [N]
+    truncated: torch.Tensor                    # bool [N]
+    completion_lens: list[int]
+    texts: list[str]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, console=None):
+        self.cfg = cfg
+        self.console = console
+        self.run_dir = Path(cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        self.device = torch.device(cfg.model.device)
+        self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
+        self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
+        self.engine = RolloutEngine(copy.deepcopy(self.policy).eval(), self._rollout_config(), tokenizer=self.tokenizer)
+        self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                           weight_decay=cfg.optim.weight_decay, foreach=False)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.step = 0
+        self.data_pos = 0
+        if cfg.optim.activation_checkpointing:
+            _checkpoint_layers(self.policy)
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def _rollout_config(self) -> RolloutConfig:
+        r = self.cfg.rollout
+        return RolloutConfig(profile=self.cfg.run.profile, page_size=r.page_size, max_num_seqs=r.max_num_seqs,
+                             max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=r.kv_cache_bytes)
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warmup over ``warmup_steps``, then cosine down to ``min_lr_ratio`` at ``run.steps``."""
+        o, total = self.cfg.optim, max(self.cfg.run.steps, 1)
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        progress = min((step - o.warmup_steps) / max(total - o.warmup_steps, 1), 1.0)
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def resume_if_asked(self) -> None:
+        state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
+        if state is None:
+            self.metrics = MetricsWriter(self.run_dir)
+            return
+        self.policy.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.data_pos = state["step"], state["data_pos"]
+        self.engine.update_weights(self.policy.state_dict())
+        self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step)
+
+    def save(self) -> None:
+        save_checkpoint(self.run_dir, self.step, {
+            "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(), "torch_rng": torch.get_rng_state(),
+            "step": self.step, "data_pos": self.data_pos, "config": dataclasses.asdict(self.cfg)})
+
+    def save_policy(self) -> Path:
+        from rlalign.models.checkpoint import save_model
+        out = save_model(self.policy, self.run_dir / "policy")
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+            src = Path(self.model_dir) / name
+            if src.exists():
+                atomic_write(out / name, src.read_bytes())
+        return out
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def rollout(self, step: int) -> Rollout:
+        cfg = self.cfg
+        problems = self.task.train(self.data_pos, cfg.rollout.prompts_per_step)
+        self.data_pos += len(problems)
+        prompts = [self.task.encode(p.prompt) for p in problems]
+        sampling = SamplingParams(n=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature,
+                                  top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=derive_seed(cfg.run.seed, step, 0))
+        completions = self.engine.generate(prompts, sampling)
+        texts = [self.tokenizer.decode(c.tokens) for c in completions]
+        rewards = self.task.score([problems[c.prompt_index].prompt for c in completions], texts,
+                                  [problems[c.prompt_index].answer for c in completions])
+        return Rollout(
+            samples=[(c.prompt_tokens + c.tokens, len(c.prompt_tokens)) for c in completions],
+            rollout_logprobs=torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32),
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            group_ids=torch.tensor([c.prompt_index for c in completions], dtype=torch.int64),
+            truncated=torch.tensor([c.finish_reason == "length" for c in completions]),
+            completion_lens=[len(c.tokens) for c in completions], texts=texts)
+
+    def token_advantages(self, ro: Rollout, seq_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Per-token advantages [T]: a sequence-level advantage copied to its tokens, or REINFORCE++'s."""
+        a = self.cfg.algo
+        if a.advantage in ("grpo", "dr_grpo"):
+            adv = algos.grpo_advantages(ro.rewards, ro.group_ids, scale_by_std=a.advantage == "grpo")
+        elif a.advantage == "rloo":
+            adv = algos.rloo_advantages(ro.rewards, ro.group_ids)
+        else:
+            return algos.reinforce_pp_advantages(ro.rewards, seq_ids, mask, group_ids=ro.group_ids)[0]
+        return algos.expand_to_tokens(adv, seq_ids, mask)
+
+    def train_step(self, step: int) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        with use_profile(cfg.run.profile):
+            ro = self.rollout(step)
+            t_rollout = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            temp = cfg.rollout.temperature
+            mb_tokens = cfg.optim.micro_batch_tokens
+            old_lp, old_ent = score_in_micro_batches(self.policy, ro.samples, temperature=temp, max_tokens=mb_tokens,
+                                                     with_entropy=True)
+            lens = torch.tensor(ro.completion_lens)
+            seq_ids = algos.seq_ids_from_lengths(lens)
+            mask = torch.ones(seq_ids.shape[0], dtype=torch.bool)
+            if cfg.algo.overlong_filter:
+                mask = algos.overlong_filter(mask, seq_ids, ro.truncated)
+            mism = algos.logprob_mismatch_stats(old_lp, ro.rollout_logprobs, torch.ones_like(mask))
+            record = {"step": step, **self._mismatch_record(mism)}
+            self._check_mismatch(step, record)
+            token_adv = self.token_advantages(ro, seq_ids, mask)
+            ref_lp = (score_in_micro_batches(self.ref, ro.samples, temperature=temp, max_tokens=mb_tokens)[0]
+                      if self.ref is not None else None)
+            is_weights, corr_stats = self._mismatch_correction(old_lp, ro.rollout_logprobs, mask, seq_ids)
+            update = self._update(ro, old_lp, token_adv, ref_lp, mask, seq_ids, is_weights)
+        t_train = time.perf_counter() - t1
+        self.engine.update_weights(self.policy.state_dict())
+        n_tokens = int(lens.sum())
+        record.update({
+            "reward/mean": float(ro.rewards.mean()), "reward/std": float(ro.rewards.std()) if len(ro.rewards) > 1 else 0.0,
+            "entropy": float(old_ent.mean()), "completion/mean_len": float(lens.float().mean()),
+            "completion/truncated_frac": float(ro.truncated.float().mean()),
+            "time/rollout_s": t_rollout, "time/train_s": t_train,
+            "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9), "lr": self.schedule.get_last_lr()[0],
+            "memory/peak_mb": _peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
+            **update, **corr_stats,
+        })
+        return record
+
+    def _mismatch_record(self, mism: dict) -> dict:
+        return {"mismatch/tokens": int(mism["tokens"]), "mismatch/count": int(mism["count"]),
+                "mismatch/max_abs": float(mism["max_abs"]), "mismatch/mean_abs": float(mism["mean_abs"]),
+                "rollout_corr/kl_k3": float(mism["kl_k3"])}
+
+    def _check_mismatch(self, step: int, record: dict) -> None:
+        if self.cfg.run.profile != "strict" or record["mismatch/count"] == 0:
+            return
+        msg = (f"step {step}: {record['mismatch/count']} of {record['mismatch/tokens']} token logprobs differ between "
+               f"the rollout engine and the trainer (max |diff| {record['mismatch/max_abs']:.3g}) in the strict profile; "
+               "run `rlalign parity --localize` on this model to find the first diverging op")
+        if self.cfg.run.on_mismatch == "stop":
+            raise MismatchError(msg)
+        if self.console is not None:
+            self.console.print(f"[bold red]MISMATCH[/bold red] {msg}")
+
+    def _mismatch_correction(self, old_lp, rollout_lp, mask, seq_ids):
+        kind = self.cfg.algo.mismatch_correction
+        if kind == "none":
+            return None, {}
+        fn = {"token_tis": algos.token_tis, "seq_tis": algos.sequence_tis,
+              "token_mis": algos.token_mis, "seq_mis": algos.sequence_mis}[kind]
+        args = (old_lp, rollout_lp, mask) + ((seq_ids,) if kind.startswith("seq") else ())
+        kw = {"cap": self.cfg.algo.mismatch_cap} if kind.endswith("tis") else {"high": self.cfg.algo.mismatch_cap}
+        corr = fn(*args, **kw)
+        stats = {f"rollout_corr/{k}": float(v) for k, v in corr.stats.items()}
+        weights = corr.weights if corr.weights is not None else corr.mask.to(torch.float32)
+        return weights, stats
+
+    def _update(self, ro, old_lp, token_adv, ref_lp, mask, seq_ids, is_weights) -> dict:
+        """``ppo_epochs`` passes over the step's samples, micro-batch by micro-batch, one optimizer step each."""
+        cfg = self.cfg
+        bounds = torch.tensor([0] + ro.completion_lens).cumsum(0).tolist()
+        n_tok, n_seq = algos.batch_counts(mask, seq_ids)
+        totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+        for _ in range(cfg.algo.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            stats_acc = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0}
+            for mb in micro_batches([len(t) for t, _ in ro.samples], cfg.optim.micro_batch_tokens):
+                lo, hi = bounds[mb[0]], bounds[mb[-1] + 1]
+                sl = slice(lo, hi)
+                local_ids = seq_ids[sl] - mb[0]
+                lp, ent = score_completions(self.policy, [ro.samples[i] for i in mb],
+                                            temperature=cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0)
+                out = self._policy_loss(lp, old_lp[sl], token_adv[sl], mask[sl], local_ids, len(mb),
+                                        None if is_weights is None else is_weights[sl])
+                agg = dict(num_tokens=n_tok, num_seqs=n_seq, max_len=cfg.rollout.max_new_tokens)
+                loss = algos.aggregate_loss(out.loss, mask[sl], local_ids, cfg.algo.loss_agg, **agg)
+                stats_acc["loss/policy"] += float(loss.detach())
+                if ref_lp is not None:
+                    kl = algos.kl_estimate(lp, ref_lp[sl], cfg.algo.kl_estimator)
+                    kl_term = algos.aggregate_loss(kl, mask[sl], local_ids, cfg.algo.loss_agg, **agg)
+                    stats_acc["loss/kl"] += float(kl_term.detach())
+                    loss = loss + cfg.algo.kl_coef * kl_term
+                if ent is not None:
+                    loss = loss - cfg.algo.entropy_coef * algos.aggregate_loss(ent, mask[sl], local_ids,
+                                                                               cfg.algo.loss_agg, **agg)
+                w = int(mask[sl].sum())
+                stats_acc["clip_frac"] += float(out.stats.get("clip_frac", torch.tensor(0.0))) * w / max(n_tok, 1)
+                loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.grad_clip, foreach=False)
+            if not torch.isfinite(grad_norm):
+                raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {self.step}: lower optim.lr or check "
+                                   "the rewards; the last checkpoint is intact")
+            self.optimizer.step()
+            for k, v in stats_acc.items():
+                totals[k] += v / cfg.algo.ppo_epochs
+            totals["grad_norm"] += float(grad_norm) / cfg.algo.ppo_epochs
+        self.schedule.step()
+        return totals
+
+    def _policy_loss(self, lp, old_lp, adv, mask, local_ids, num_seqs, is_weights):
+        a = self.cfg.algo
+        if a.policy_loss == "ppo_clip":
+            return algos.ppo_clip_loss(lp, old_lp, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
+                                       clip_c=a.dual_clip, is_weights=is_weights)
+        if a.policy_loss == "gspo":
+            return algos.gspo_loss(lp, old_lp, adv, mask, local_ids, num_seqs=num_seqs, is_weights=is_weights)
+        return algos.cispo_loss(lp, old_lp, adv, mask, is_weights=is_weights)
+
+    # ---- eval --------------------------------------------------------------------------------------
+
+    def evaluate(self) -> float:
+        """Greedy accuracy on the held-out split (temperature 0, one sample per problem)."""
+        problems = self.task.eval_problems()
+        if not problems:
+            return float("nan")
+        with use_profile(self.cfg.run.profile):
+            prompts = [self.task.encode(p.prompt) for p in problems]
+            sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
+            completions = self.engine.generate(prompts, sampling)
+        texts = [self.tokenizer.decode(c.tokens) for c in completions]
+        rewards = self.task.score([p.prompt for p in problems], texts, [p.answer for p in problems])
+        return sum(1.0 for r in rewards if r >= 1.0) / len(rewards)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _checkpoint_layers(model) -> None:
+    """Recompute each decoder layer in backward (activation checkpointing, non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+    for layer in model.model.layers:
+        forward = layer.forward
+        layer.forward = lambda *args, _f=forward: checkpoint(_f, *args, use_reentrant=False) \
+            if torch.is_grad_enabled() else _f(*args)
+
+
+def run_training(cfg: TrainConfig, console=None) -> Path:
+    """Run (or resume) the whole job; returns the run directory."""
+    trainer = Trainer(cfg, console)
+    trainer.resume_if_asked()
+    progress = _Progress(cfg, console, trainer.step)
+    started = time.perf_counter()
+    try:
+        if trainer.step == 0:
+            trainer.metrics.write({"step": 0, "eval/accuracy": trainer.evaluate(), "phase": "initial_eval"})
+        while trainer.step < cfg.run.steps:
+            step = trainer.step + 1
+            record = trainer.train_step(step)
+            trainer.step = step
+            last = step == cfg.run.steps
+            if step % cfg.run.eval_every == 0 or last:
+                record["eval/accuracy"] = trainer.evaluate()
+            trainer.metrics.write(record)
+            if step % cfg.run.checkpoint_every == 0 or last:
+                trainer.save()
+            progress.update(record)
+            if cfg.run.max_minutes and (time.perf_counter() - started) / 60 > cfg.run.max_minutes and not last:
+                trainer.save()
+                progress.note(f"stopping at step {step}: run.max_minutes={cfg.run.max_minutes} reached "
+                              "(resume with run.resume=true)")
+                break
+    finally:
+        progress.close()
+    trainer.save_policy()
+    return trainer.run_dir
+
+
+class _Progress:
+    """A rich progress bar: step, reward, mismatch count, ETA."""
+
+    def __init__(self, cfg: TrainConfig, console, start_step: int):
+        self.bar = None
+        if not cfg.run.progress or console is None:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        self.bar = Progress(TextColumn("[bold]train[/bold]"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("reward {task.fields[reward]}  mismatches {task.fields[mism]}  "
+                                       "eval {task.fields[eval]}"), TimeRemainingColumn(), console=console)
+        self.task = self.bar.add_task("train", total=cfg.run.steps, completed=start_step, reward="-", mism="-",
+                                      eval="-")
+        self.bar.start()
+
+    def update(self, record: dict) -> None:
+        if self.bar is None:
+            return
+        fields = {"reward": f"{record['reward/mean']:.3f}", "mism": str(record["mismatch/count"])}
+        if "eval/accuracy" in record:
+            fields["eval"] = f"{record['eval/accuracy']:.3f}"
+        self.bar.update(self.task, completed=record["step"], **fields)
+
+    def note(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+__all__ = ["Trainer", "run_training", "MismatchError"]

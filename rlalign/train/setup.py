@@ -1,0 +1,97 @@
+"""Building what a run needs from its config: the policy + tokenizer, and the task."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Sequence
+
+from rlalign.contract.errors import RLAlignError
+from rlalign.train.config import ModelSection, TaskSection
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "default_model"
+
+
+class SetupError(RLAlignError):
+    pass
+
+
+def resolve_model_dir(path: str) -> Path:
+    if path == "default":
+        if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+            raise SetupError(f"the embedded default model is missing from {DEFAULT_MODEL_DIR}; "
+                             "rebuild it with `rlalign pretrain` (see docs/default_model.md)")
+        return DEFAULT_MODEL_DIR
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise SetupError(f"model.path {path!r} is not a directory (give a Hugging Face checkpoint dir, or 'default')")
+    return d
+
+
+def load_policy(section: ModelSection):
+    """(model in train mode, tokenizer, model dir). Checks tokenizer and model agree on the vocab."""
+    from rlalign.models.checkpoint import load_model
+    from rlalign.models.tokenizer import load_tokenizer
+
+    model_dir = resolve_model_dir(section.path)
+    if section.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise SetupError("model.device is cuda but no CUDA device is visible; use model.device=cpu")
+    model, config = load_model(model_dir, dtype=section.dtype, device=section.device)
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise SetupError(f"tokenizer/model mismatch in {model_dir}: the tokenizer has {tokenizer.vocab_size} tokens "
+                         f"but the model's vocab_size is {config.vocab_size}; use the tokenizer the model was trained with")
+    if not tokenizer.eos_token_ids:
+        raise SetupError(f"{model_dir}: no eos token (tokenizer_config.json eos_token or config.json eos_token_id); "
+                         "completions could never stop")
+    model.train()
+    return model, tokenizer, model_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+class TaskData:
+    """Train stream (indexable by data position), held-out problems, encoding and checked scoring."""
+
+    def __init__(self, train_fn, eval_list: Sequence, reward_fn, tokenizer, chat: bool):
+        self._train_fn = train_fn
+        self._eval = [Problem(p.prompt, p.answer) for p in eval_list]
+        self.reward_fn = reward_fn
+        self.tokenizer = tokenizer
+        self.chat = chat
+
+    def train(self, start: int, count: int) -> list[Problem]:
+        return [Problem(p.prompt, p.answer) for p in (self._train_fn(i) for i in range(start, start + count))]
+
+    def eval_problems(self) -> list[Problem]:
+        return self._eval
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, chat=self.chat)
+
+    def score(self, prompts, completions, answers) -> list[float]:
+        from rlalign.tasks import score
+        return score(self.reward_fn, prompts, completions, answers)
+
+
+def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:
+    from rlalign.tasks import ArithmeticTask, arithmetic_reward, load_dataset, load_reward
+
+    if section.name == "arithmetic":
+        task = ArithmeticTask(seed=seed, min_digits=section.min_digits, max_digits=section.max_digits,
+                              eval_size=section.eval_size)
+        reward = arithmetic_reward if section.reward == "builtin" else load_reward(section.reward)
+        return TaskData(task.train_problem, task.eval_problems, reward, tokenizer, section.chat)
+    if section.reward == "builtin":
+        raise SetupError("task.reward must name a reward for a dataset task (gsm8k, gsm8k_last_number, or module:function)")
+    train, held_out = load_dataset(section.path, prompt_field=section.prompt_field, answer_field=section.answer_field,
+                                   prompt_template=section.template, eval_fraction=section.eval_fraction, seed=seed)
+    if section.eval_size:
+        held_out = held_out[:section.eval_size]
+    return TaskData(lambda i: train[i % len(train)], held_out, load_reward(section.reward), tokenizer, section.chat)

@@ -1,0 +1,181 @@
+"""CUDA: strict linear on the Triton backend -- invariance (bitwise), tile interchangeability, accuracy.
+
+Bitwise (torch.equal on raw bits, first difference reported): a row's output does not depend on
+the number of rows M (1..4096, which moves the launcher across tile shapes), the row's position,
+the other rows' content, the run; every tile config and the TMA / pointer paths give the same
+bits; k_segments=8 small-M and large-M kernels agree; TP partitions (fp32 shard partials merged by
+the tree) equal the TP=1 bf16 call; dX rows are batch invariant; backward is deterministic.
+Accuracy vs float64: bf16 ||out-ref||/||ref|| < 4e-3 (output rounding), fp32 (bf16x3) < 2e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlalign import ops
+from rlalign.contract import spec
+from tests.bitwise import assert_bitwise_equal
+from tests.cuda.conftest import rand, rel_err
+
+pytestmark = pytest.mark.cuda
+
+N, K = 4096, 1024
+M_VALUES = (1, 2, 3, 7, 16, 33, 64, 65, 100, 128, 255, 256, 511, 512, 1000, 4096)
+
+
+@pytest.fixture(scope="module")
+def big(triton_backend):
+    return rand(4096, K, seed=1), rand(N, K, seed=2)
+
+
+@pytest.mark.parametrize("k_segments", [None, spec.K_SEGMENTS])
+def test_rows_do_not_depend_on_batch_size(big, k_segments):
+    x, w = big
+    full = ops.linear(x, w, k_segments=k_segments)
+    for m in M_VALUES:
+        assert_bitwise_equal(ops.linear(x[:m], w, k_segments=k_segments), full[:m], f"M={m} vs M=4096")
+    for i in (0, 5, 4095):
+        assert_bitwise_equal(ops.linear(x[i:i + 1], w, k_segments=k_segments), full[i:i + 1], f"row {i} alone")
+
+
+def test_row_position_and_other_rows(big):
+    x, w = big
+    x = x[:300]
+    full = ops.linear(x, w)
+    perm = torch.randperm(300, device="cuda")
+    assert_bitwise_equal(ops.linear(x[perm], w), full[perm], "permuted rows")
+    y = x.clone()
+    y[1:] = rand(299, K, seed=9, scale=100.0)
+    assert_bitwise_equal(ops.linear(y, w)[0], full[0], "row 0 with other rows replaced")
+    assert_bitwise_equal(ops.linear(x, w), full, "run to run")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("segments", [1, 8])
+def test_every_tile_config_and_path_gives_the_same_bits(triton_backend, dtype, segments):
+    from rlalign.ops.triton_backend.gemm import all_configs, gemm
+    x, w, b = rand(300, 1024, dtype=dtype, seed=3), rand(520, 1024, dtype=dtype, seed=4), rand(520, dtype=dtype, seed=5)
+    ref = None
+    for cfg in all_configs(segments, dtype == torch.float32):
+        for tma in (True, False):
+            out = gemm(x, w, b_trans=True, bias=b, segments=segments, config=cfg, use_tma=tma)
+            if ref is None:
+                ref, ref_name = out, f"{cfg} tma={tma}"
+            else:
+                assert_bitwise_equal(out, ref, f"{cfg} tma={tma} vs {ref_name}")
+
+
+def test_bf16_configs_use_wgmma(triton_backend):
+    """Every bf16 tile config compiles to Hopper's wgmma (the same instruction family for every M)."""
+    from rlalign.ops.triton_backend.gemm import all_configs, gemm, gemm_kernel
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma is Hopper's")
+    x, w = rand(130, 256, seed=6), rand(200, 256, seed=7)
+    for segments in (1, 8):
+        for cfg in all_configs(segments, False):
+            gemm(x, w, b_trans=True, segments=segments, config=cfg)
+    missing = []
+    compiled = _compiled_kernels(gemm_kernel)
+    assert compiled, "found no compiled gemm_kernel variants to inspect"
+    for kern in compiled:
+        ptx = kern.asm["ptx"]
+        if "wgmma" not in ptx:
+            missing.append(kern.name)
+    assert not missing, f"{len(missing)} of {len(compiled)} GEMM variants compiled without wgmma"
+
+
+def _compiled_kernels(kernel):
+    """Compiled variants of a @triton.jit function (Triton 3.x keeps them per device)."""
+    cache = getattr(kernel, "device_caches", None)
+    out = []
+    if cache:
+        for dev_cache in cache.values():
+            kernels = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+            out += list(kernels.values())
+    return out
+
+
+def test_k_segments_equal_tree_of_segment_partials(triton_backend):
+    """linear(k_segments=8) == the 8 segment GEMMs (fp32 out, each from zero) merged by the tree."""
+    from rlalign.ops.triton_backend.gemm import gemm
+    x, w = rand(70, 1024, seed=11), rand(256, 1024, seed=12)
+    seg = 1024 // 8
+    parts = [gemm(x[:, i * seg:(i + 1) * seg], w[:, i * seg:(i + 1) * seg], b_trans=True, out_dtype=torch.float32)
+             for i in range(8)]
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    assert_bitwise_equal(ops.linear(x, w, k_segments=8), parts[0].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallel_partition_gives_tp1_bits(triton_backend, tp):
+    """Each rank reduces its subtree from fp32 copies of its bf16 shard (bf16x3 with exact-zero low
+    parts == the bf16 path); merging rank partials by the top of the tree gives the TP=1 bits."""
+    k = 4096
+    x, w = rand(33, k, seed=13), rand(512, k, seed=14)
+    full = ops.linear(x, w, k_segments=spec.K_SEGMENTS)
+    shard = k // tp
+    parts = [ops.linear(x[:, r * shard:(r + 1) * shard].float(), w[:, r * shard:(r + 1) * shard].float(),
+                        k_segments=spec.K_SEGMENTS // tp) for r in range(tp)]
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    assert_bitwise_equal(parts[0].to(torch.bfloat16), full, f"TP={tp}")
+
+
+def test_backward_rows_invariant_and_deterministic(triton_backend):
+    w = rand(1024, 512, seed=15).requires_grad_()
+    x = rand(600, 512, seed=16).requires_grad_()
+    g = rand(600, 1024, seed=17)
+    runs = []
+    for _ in range(2):
+        x.grad = w.grad = None
+        ops.linear(x, w, k_segments=8).backward(g)
+        runs.append((x.grad.clone(), w.grad.clone()))
+    for a, b in zip(*runs):
+        assert_bitwise_equal(a, b, "backward run to run")
+    for m in (1, 64, 65):
+        xs = x.detach()[:m].clone().requires_grad_()
+        ops.linear(xs, w, k_segments=8).backward(g[:m])
+        assert_bitwise_equal(xs.grad, runs[0][0][:m], f"dX rows of M={m} vs M=600")
+
+
+def test_bias_grad_deterministic(triton_backend):
+    w, b = rand(96, 128, seed=18).requires_grad_(), rand(96, seed=19).requires_grad_()
+    x = rand(1000, 128, seed=20)
+    grads = []
+    for _ in range(2):
+        b.grad = None
+        ops.linear(x, w, b).float().pow(2).sum().backward()
+        grads.append(b.grad.clone())
+    assert_bitwise_equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 4e-3), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("k_segments", [None, 8])
+def test_accuracy_vs_float64(triton_backend, dtype, tol, k_segments):
+    x, w, b = rand(300, 1024, dtype=dtype, seed=21), rand(520, 1024, dtype=dtype, seed=22), rand(520, dtype=dtype, seed=23)
+    out = ops.linear(x, w, b, k_segments=k_segments)
+    ref = x.double() @ w.double().T + b.double()
+    err = rel_err(out, ref)
+    assert err < tol, f"rel err {err:.3g}"
+
+
+def test_backward_accuracy_vs_float64(triton_backend):
+    x = rand(300, 256, seed=24).requires_grad_()
+    w = rand(384, 256, seed=25).requires_grad_()
+    g = rand(300, 384, seed=26)
+    ops.linear(x, w).backward(g)
+    xd, wd = x.detach().double(), w.detach().double()
+    assert rel_err(x.grad, g.double() @ wd) < 4e-3
+    assert rel_err(w.grad, g.double().T @ xd) < 4e-3
+
+
+def test_unaligned_shapes_take_the_pointer_path(triton_backend):
+    """K and N not multiples of 8 (no TMA): still correct and batch invariant."""
+    x, w = rand(200, 100, seed=27), rand(77, 100, seed=28)
+    full = ops.linear(x, w)
+    assert rel_err(full, x.double() @ w.double().T) < 4e-3
+    assert_bitwise_equal(ops.linear(x[7:8], w), full[7:8])
+    view = rand(50, 101, seed=29)[:, 1:]   # a misaligned view
+    assert_bitwise_equal(ops.linear(view[3:4], w), ops.linear(view, w)[3:4])

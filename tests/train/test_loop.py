@@ -1,0 +1,101 @@
+"""The RL loop end to end on a tiny random model: metrics, zero mismatches, report, errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlalign.configlib import load_config
+from rlalign.train.config import TrainConfig
+from rlalign.train.loop import Trainer, run_training
+from rlalign.train.report import write_report
+from rlalign.train.runio import read_metrics
+from tests.train.conftest import tiny_overrides
+
+REQUIRED = ["step", "reward/mean", "reward/std", "mismatch/tokens", "mismatch/count", "mismatch/max_abs",
+            "mismatch/mean_abs", "rollout_corr/kl_k3", "loss/policy", "loss/kl", "entropy", "clip_frac", "grad_norm",
+            "time/rollout_s", "time/train_s", "tokens_per_s/rollout", "memory/peak_mb"]
+
+
+def test_strict_run_has_zero_mismatches_and_full_metrics(arithmetic_model_dir, tmp_path):
+    cfg = load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / "run") + ["algo.kl_coef=0.01"])
+    run_dir = run_training(cfg)
+    records = read_metrics(run_dir)
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert set(REQUIRED) <= set(r), set(REQUIRED) - set(r)
+        assert r["mismatch/count"] == 0 and r["mismatch/tokens"] > 0
+        assert r["mismatch/max_abs"] == 0.0
+    assert records[0]["step"] == 0 and "eval/accuracy" in records[0]
+    assert "eval/accuracy" in steps[1] and "eval/accuracy" in steps[2]
+    png, md = write_report(run_dir)
+    assert png.stat().st_size > 10_000 and "mismatches: 0 of" in md.read_text()
+    assert (run_dir / "policy" / "config.json").exists() and (run_dir / "policy" / "tokenizer.json").exists()
+
+
+def test_native_profile_reports_and_corrects(arithmetic_model_dir, tmp_path):
+    over = tiny_overrides(arithmetic_model_dir, tmp_path / "run", steps=1) + [
+        "run.profile=native", "algo.mismatch_correction=token_tis"]
+    records = read_metrics(run_training(load_config(TrainConfig, None, over)))
+    step = records[-1]
+    assert step["mismatch/tokens"] > 0 and "rollout_corr/truncated_frac" in step
+
+
+@pytest.mark.parametrize("algo", [["algo.advantage=rloo", "algo.policy_loss=gspo", "algo.loss_agg=seq-mean-token-mean"],
+                                  ["algo.advantage=dr_grpo", "algo.policy_loss=cispo", "algo.entropy_coef=0.01"],
+                                  ["algo.advantage=reinforce_pp", "algo.dual_clip=3.0", "algo.overlong_filter=true",
+                                   "algo.loss_agg=seq-mean-token-sum-norm"]])
+def test_algorithm_variants_run(arithmetic_model_dir, tmp_path, algo):
+    records = read_metrics(run_training(load_config(TrainConfig, None,
+                                                    tiny_overrides(arithmetic_model_dir, tmp_path / "r", 1) + algo)))
+    assert records[-1]["mismatch/count"] == 0 and torch.isfinite(torch.tensor(records[-1]["loss/policy"]))
+
+
+def test_update_is_reproducible_and_close_across_micro_batch_splits(arithmetic_model_dir, tmp_path):
+    """Run to run: bitwise. Across micro-batch splits: equal to fp32 rounding, NOT bitwise (docs/training.md)."""
+    def weights_after(mb_tokens, name):
+        over = tiny_overrides(arithmetic_model_dir, tmp_path / name, 1) + [f"optim.micro_batch_tokens={mb_tokens}"]
+        trainer = Trainer(load_config(TrainConfig, None, over))
+        trainer.resume_if_asked()
+        trainer.train_step(1)
+        return {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+
+    a, b, c = weights_after(64, "a"), weights_after(64, "b"), weights_after(10_000, "c")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+        torch.testing.assert_close(a[k], c[k], rtol=1e-4, atol=1e-6)
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "rlalign.cli.main", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def test_bad_config_key_is_one_line_error(tmp_path):
+    out = _cli("train", "algo.kl_coeff=0.1")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "rlalign train: error: unknown config key algo.kl_coeff; did you mean algo.kl_coef, algo.entropy_coef?"]
+
+
+def test_nan_reward_names_the_sample(arithmetic_model_dir, tmp_path):
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text("def reward(prompt, completion, answer):\n    return float('nan')\n")
+    out = _cli("train", *tiny_overrides(arithmetic_model_dir, tmp_path / "run", 1), f"task.reward={reward}:reward")
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "returned nan" in last and "sample 0" in last, last
+
+
+def test_missing_model_dir_is_clear(tmp_path):
+    out = _cli("train", f"model.path={tmp_path / 'nope'}")
+    assert out.returncode == 2 and "is not a directory" in out.stderr
+
+
+def test_metrics_lines_are_json(arithmetic_model_dir, tmp_path):
+    run_dir = run_training(load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / "run", 1)))
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)
