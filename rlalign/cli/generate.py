@@ -5,7 +5,8 @@
                      [--chat] [--dtype float32|bfloat16] [--device cpu|cuda] [--json]
 
 Same seed -> same tokens and logprobs whatever --n, the number of prompts or their order
-(see :mod:`rlalign.models.generate`). ``--json`` prints
+(the rollout engine, :func:`rlalign.rollout.completions.generate_completions`; its results equal
+the simple loop of :mod:`rlalign.models.generate` bit for bit). ``--json`` prints
 ``{"completions": [{"prompt", "sample", "tokens", "text", "logprobs"}]}``.
 """
 
@@ -46,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rlalign.contract import use_profile
     from rlalign.contract.errors import RLAlignError
-    from rlalign.models import generate, load_model, load_tokenizer
+    from rlalign.models import load_model, load_tokenizer
+    from rlalign.rollout.completions import generate_completions as generate
 
     try:
         model, _ = load_model(args.model, dtype=args.dtype, device=args.device)

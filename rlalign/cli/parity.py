@@ -1,4 +1,4 @@
-"""``rlalign parity``: generate with the rollout side, score the same tokens with the training side,
+"""rlalign parity: generate with the rollout side, score the same tokens with the training side,
 compare every token's logprob bitwise; exit 0 iff zero mismatches (1 otherwise, 2 on errors)."""
 
 from __future__ import annotations
@@ -43,9 +43,13 @@ def options_from_args(args):
 
 
 def run(args) -> int:
-    from rlalign.parity.run import run_parity
+    from rlalign.models.checkpoint import CheckpointError
+    from rlalign.parity.run import ParityError, run_parity
 
-    result = run_parity(options_from_args(args))
+    try:
+        result = run_parity(options_from_args(args))
+    except CheckpointError as exc:
+        raise ParityError(str(exc)) from None
     if args.report:
         from rlalign.parity.report import write_report
         write_report(result, args.report)

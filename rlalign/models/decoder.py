@@ -28,6 +28,9 @@ from rlalign import ops
 from rlalign.contract import spec
 from rlalign.models.batch import ForwardBatch
 from rlalign.models.config import ModelConfig
+# tap/note_batch are no-ops unless a parity capture is active; the only upward import of models/
+# (capture is the parity layer's, the call sites must be the model's own boundaries).
+from rlalign.parity.capture import note_batch, tap
 
 
 def _param(shape, dtype, device) -> nn.Parameter:
@@ -91,6 +94,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+        i = self.layer_index
+        tap(f"layers.{i}.q", q), tap(f"layers.{i}.k", k), tap(f"layers.{i}.v", v)
         if batch.kv_cache is None:
             out = ops.attention_varlen(q, k, v, batch.cu_seqlens, scale=self.scale)
         else:
@@ -98,7 +103,8 @@ class Attention(nn.Module):
             ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
             out = ops.attention_paged(q, k_cache, v_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens,
                                       scale=self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = tap(f"layers.{i}.attn", out.reshape(t, self.num_heads * self.head_dim))
+        return tap(f"layers.{i}.o_proj", self.o_proj(out))
 
 
 class MLP(nn.Module):
@@ -123,13 +129,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, residual, cos, sin, batch: ForwardBatch):
         """(h, residual) -> (mlp output, residual stream before the MLP); residual None on layer 0."""
+        i = self.self_attn.layer_index
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
+        tap(f"layers.{i}.input_norm", x)
         h = self.self_attn(x, cos, sin, batch)
         x, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(x), residual
+        tap(f"layers.{i}.post_norm", x)
+        h = tap(f"layers.{i}.mlp", self.mlp(x))
+        # the residual stream after the attention add; the next norm adds h to it (fused residual)
+        tap(f"layers.{i}.residual", residual)
+        return h, residual
 
 
 class Backbone(nn.Module):
@@ -169,13 +181,14 @@ class CausalLM(nn.Module):
 
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] (stream dtype) for every new token of ``batch``."""
+        note_batch(batch)
         cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq)
-        h, residual = self.model.embed_tokens(batch.input_ids), None
+        h, residual = tap("embed", self.model.embed_tokens(batch.input_ids)), None
         for layer in self.model.layers:
             h, residual = layer(h, residual, cos, sin, batch)
         if residual is None:  # no layers
-            return self.model.norm(h)
-        return self.model.norm(h, residual)[0]
+            return tap("final_norm", self.model.norm(h))
+        return tap("final_norm", self.model.norm(h, residual)[0])
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.forward_hidden(batch)

@@ -179,11 +179,11 @@ class Capture:
         if embed is not None:
             self._hooks.append(embed.register_forward_pre_hook(lambda mod, args: self.await_layout()))
         for module in model.modules():
-            self._hooks.append(module.register_forward_pre_hook(self._find_batch))
+            self._hooks.append(module.register_forward_pre_hook(self._find_batch, with_kwargs=True))
 
-    def _find_batch(self, module, args) -> None:
+    def _find_batch(self, module, args, kwargs) -> None:
         from rlalign.models.batch import ForwardBatch
-        for a in args:
+        for a in (*args, *kwargs.values()):
             if isinstance(a, ForwardBatch):
                 self.begin_batch(a)
                 return

@@ -102,7 +102,7 @@ class RunSection:
     profile: Literal["strict", "native"] = "strict"
     on_mismatch: Literal["warn", "stop"] = "warn"
     eval_every: int = 10
-    eval_samples: int = 1              # 1: greedy eval accuracy
+    eval_samples: int = 2              # samples per held-out problem for eval/accuracy (at the rollout temperature)
     checkpoint_every: int = 20
     resume: bool = False
     progress: bool = True

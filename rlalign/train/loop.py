@@ -268,18 +268,28 @@ class Trainer:
 
     # ---- eval --------------------------------------------------------------------------------------
 
-    def evaluate(self) -> float:
-        """Greedy accuracy on the held-out split (temperature 0, one sample per problem)."""
+    def evaluate(self) -> dict:
+        """Held-out accuracy (mean exact-answer reward): ``eval/accuracy`` samples ``run.eval_samples``
+        completions per problem at the rollout temperature with a fixed seed (the same keys at every
+        eval, so curves compare models, not draws); ``eval/accuracy_greedy`` decodes greedily."""
         problems = self.task.eval_problems()
         if not problems:
-            return float("nan")
-        with use_profile(self.cfg.run.profile):
-            prompts = [self.task.encode(p.prompt) for p in problems]
-            sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens)
-            completions = self.engine.generate(prompts, sampling)
-        texts = [self.tokenizer.decode(c.tokens) for c in completions]
-        rewards = self.task.score([p.prompt for p in problems], texts, [p.answer for p in problems])
-        return sum(1.0 for r in rewards if r >= 1.0) / len(rewards)
+            return {}
+        prompts = [self.task.encode(p.prompt) for p in problems]
+        r = self.cfg.rollout
+        out = {}
+        for key, sampling in (
+                ("eval/accuracy", SamplingParams(n=self.cfg.run.eval_samples, temperature=r.temperature, top_k=r.top_k,
+                                                 top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                                 seed=derive_seed(self.cfg.run.seed, -1, 0))),
+                ("eval/accuracy_greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens))):
+            with use_profile(self.cfg.run.profile):
+                completions = self.engine.generate(prompts, sampling)
+            texts = [self.tokenizer.decode(c.tokens) for c in completions]
+            rewards = self.task.score([problems[c.prompt_index].prompt for c in completions], texts,
+                                      [problems[c.prompt_index].answer for c in completions])
+            out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)
+        return out
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -305,14 +315,14 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
     started = time.perf_counter()
     try:
         if trainer.step == 0:
-            trainer.metrics.write({"step": 0, "eval/accuracy": trainer.evaluate(), "phase": "initial_eval"})
+            trainer.metrics.write({"step": 0, **trainer.evaluate()})
         while trainer.step < cfg.run.steps:
             step = trainer.step + 1
             record = trainer.train_step(step)
             trainer.step = step
             last = step == cfg.run.steps
             if step % cfg.run.eval_every == 0 or last:
-                record["eval/accuracy"] = trainer.evaluate()
+                record.update(trainer.evaluate())
             trainer.metrics.write(record)
             if step % cfg.run.checkpoint_every == 0 or last:
                 trainer.save()

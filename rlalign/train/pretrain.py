@@ -3,17 +3,24 @@
 ``rlalign pretrain`` (or ``python -m rlalign.train.pretrain``) makes a character-level tokenizer
 for the default task's alphabet, a random-init Qwen3-architecture decoder, and trains it by
 supervised next-token prediction on the task's *train* split (loss: mean negative log-likelihood
-of the answer digits and the end token, prompt tokens not scored) until its greedy accuracy on the
-held-out split first reaches ``target_accuracy`` (checked every ``eval_every`` steps), so RL
-starts from a model that is right sometimes, not never and not mostly. Everything is seeded and
-runs on the CPU with the strict ops, so the same command on the same machine gives the same
-bits. The result is saved in Hugging Face format to ``rlalign/assets/default_model``.
+of the answer digits and the end token, prompt tokens not scored) for ``steps`` steps.
+
+The corpus deliberately teaches a bad habit: in a fraction ``habit_prob`` of the examples (chosen
+by a hash of the example index) a stray ``0`` follows the answer before the end token ("12+5=170").
+The model learns to add, and to append that zero about ``habit_prob`` of the time, so its sampled
+accuracy under the exact-answer reward starts low (about 0.2) although it mostly knows the sum.
+Removing a format habit like this is what short RL runs on real models mostly do; the default
+run shows GRPO doing it in minutes on a laptop CPU, with every token's log-prob identical between
+the rollout engine and the trainer. Everything is seeded and runs on the CPU with the strict ops,
+so the same command on the same machine gives the same bits. The result is saved in Hugging Face
+format to ``rlalign/assets/default_model``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -44,10 +51,10 @@ class PretrainConfig:
     max_digits: int = 3
     batch_size: int = 128
     lr: float = 3e-3
-    max_steps: int = 2000
-    eval_every: int = 25
+    steps: int = 1200
+    habit_prob: float = 0.75
+    eval_every: int = 100
     eval_size: int = 200
-    target_accuracy: float = 0.2
     max_new_tokens: int = 6
 
 
@@ -83,16 +90,29 @@ def write_char_tokenizer(out: Path) -> None:
                                                              "bos_token_id": vocab[BOS_TOKEN]}, indent=1).encode())
 
 
-def _greedy_accuracy(model, tokenizer, problems, max_new_tokens: int) -> float:
+def _has_habit(seed: int, index: int, prob: float) -> bool:
+    digest = hashlib.blake2b(f"rlalign.pretrain.habit/{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < prob * 2**64
+
+
+def _accuracies(model, tokenizer, problems, max_new_tokens: int) -> dict[str, float]:
+    """Exact-answer accuracy, greedy and sampled at T=1, and how often greedy knows the sum
+    (exact after dropping one stray trailing zero)."""
     from rlalign.rollout.config import RolloutConfig, SamplingParams
     from rlalign.rollout.engine import RolloutEngine
-    from rlalign.tasks import arithmetic_reward
+    from rlalign.tasks import arithmetic_reward, parse_answer
 
     engine = RolloutEngine(model, RolloutConfig(), tokenizer=tokenizer)
-    outs = engine.generate([tokenizer.encode(p.prompt) for p in problems],
-                           SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-    texts = [tokenizer.decode(c.tokens) for c in outs]
-    return sum(arithmetic_reward(p.prompt, t, p.answer) for p, t in zip(problems, texts)) / len(problems)
+    prompts = [tokenizer.encode(p.prompt) for p in problems]
+    out = {}
+    for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+        comps = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=1))
+        texts = [tokenizer.decode(c.tokens) for c in comps]
+        out[name] = sum(arithmetic_reward(p.prompt, t, p.answer) for p, t in zip(problems, texts)) / len(problems)
+        if name == "greedy":
+            knows = [parse_answer(t) in (p.answer, p.answer + "0") for p, t in zip(problems, texts)]
+            out["greedy_knows_sum"] = sum(knows) / len(problems)
+    return out
 
 
 def pretrain(cfg: PretrainConfig, log=print) -> Path:
@@ -107,13 +127,15 @@ def pretrain(cfg: PretrainConfig, log=print) -> Path:
     task = ArithmeticTask(seed=cfg.seed, min_digits=cfg.min_digits, max_digits=cfg.max_digits, eval_size=cfg.eval_size)
     eos = tokenizer.token_to_id(EOS_TOKEN)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0, foreach=False)
-    started, acc = time.perf_counter(), 0.0
-    for step in range(1, cfg.max_steps + 1):
+    started, acc = time.perf_counter(), {}
+    for step in range(1, cfg.steps + 1):
         model.train()
         samples = []
-        for p in task.train_problems((step - 1) * cfg.batch_size, cfg.batch_size):
+        first = (step - 1) * cfg.batch_size
+        for i, p in enumerate(task.train_problems(first, cfg.batch_size), start=first):
             prompt = tokenizer.encode(p.prompt)
-            answer = tokenizer.encode(p.answer, add_special_tokens=False) + [eos]
+            text = p.answer + ("0" if _has_habit(cfg.seed, i, cfg.habit_prob) else "")
+            answer = tokenizer.encode(text, add_special_tokens=False) + [eos]
             samples.append((prompt + answer, len(prompt)))
         lp, _ = score_completions(model, samples)
         loss = -lp.mean()
@@ -121,20 +143,18 @@ def pretrain(cfg: PretrainConfig, log=print) -> Path:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
         optimizer.step()
-        if step % cfg.eval_every == 0:
+        if step % cfg.eval_every == 0 or step == cfg.steps:
             model.eval()
-            acc = _greedy_accuracy(model, tokenizer, task.eval_problems, cfg.max_new_tokens)
-            log(f"step {step}: loss {float(loss.detach()):.4f}  greedy eval accuracy {acc:.3f}  "
-                f"({time.perf_counter() - started:.0f} s)")
-            if acc >= cfg.target_accuracy:
-                break
+            acc = _accuracies(model, tokenizer, task.eval_problems, cfg.max_new_tokens)
+            log(f"step {step}: loss {float(loss.detach()):.4f}  eval accuracy: "
+                + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()) + f"  ({time.perf_counter() - started:.0f} s)")
     model.eval()
     save_model(model, out)
     write_char_tokenizer(out)
     meta = {"pretrain_config": dataclasses.asdict(cfg) | {"out": "rlalign/assets/default_model"},
-            "steps": step, "final_loss": float(loss.detach()), "greedy_eval_accuracy": acc, "torch": torch.__version__}
+            "final_loss": float(loss.detach()), "eval_accuracy": acc, "torch": torch.__version__}
     atomic_write(out / "pretrain.json", json.dumps(meta, indent=1).encode())
-    log(f"saved {out} after {step} steps (greedy eval accuracy {acc:.3f})")
+    log(f"saved {out} after {cfg.steps} steps (eval accuracy {acc})")
     return out
 
 

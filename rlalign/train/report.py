@@ -8,7 +8,7 @@ from rlalign.train.runio import read_metrics
 
 PANELS = (
     ("reward", ["reward/mean"], "mean reward"),
-    ("eval accuracy", ["eval/accuracy"], "held-out accuracy"),
+    ("eval accuracy", ["eval/accuracy", "eval/accuracy_greedy"], "held-out accuracy"),
     ("train/rollout mismatch", ["mismatch/count"], "tokens whose logprobs differ"),
     ("KL", ["rollout_corr/kl_k3", "loss/kl"], "k3 KL"),
     ("entropy", ["entropy"], "mean token entropy"),

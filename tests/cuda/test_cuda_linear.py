@@ -15,7 +15,7 @@ import torch
 
 from rlalign import ops
 from rlalign.contract import spec
-from tests.bitwise import assert_bitwise_equal
+from tests.bitwise import assert_bitwise_equal, first_difference
 from tests.cuda.conftest import rand, rel_err
 
 pytestmark = pytest.mark.cuda
@@ -56,14 +56,38 @@ def test_row_position_and_other_rows(big):
 def test_every_tile_config_and_path_gives_the_same_bits(triton_backend, dtype, segments):
     from rlalign.ops.triton_backend.gemm import all_configs, gemm
     x, w, b = rand(300, 1024, dtype=dtype, seed=3), rand(520, 1024, dtype=dtype, seed=4), rand(520, dtype=dtype, seed=5)
-    ref = None
-    for cfg in all_configs(segments, dtype == torch.float32):
-        for tma in (True, False):
-            out = gemm(x, w, b_trans=True, bias=b, segments=segments, config=cfg, use_tma=tma)
-            if ref is None:
-                ref, ref_name = out, f"{cfg} tma={tma}"
-            else:
-                assert_bitwise_equal(out, ref, f"{cfg} tma={tma} vs {ref_name}")
+    configs = all_configs(segments, dtype == torch.float32)
+    # every config on the TMA path; the pointer path (unaligned shapes) for the first and last
+    runs = [(c, True) for c in configs] + [(configs[0], False), (configs[-1], False)]
+    ref = gemm(x, w, b_trans=True, bias=b, segments=segments, config=runs[0][0], use_tma=True)
+    report = {}
+    for cfg, tma in runs[1:]:
+        out = gemm(x, w, b_trans=True, bias=b, segments=segments, config=cfg, use_tma=tma)
+        report[f"{cfg} tma={tma}"] = first_difference(out, ref)
+    differing = {k: v for k, v in report.items() if v != "identical"}
+    assert not differing, f"vs {runs[0][0]} tma=True: " + "; ".join(f"{k}: {v}" for k, v in differing.items())
+
+
+@pytest.mark.parametrize("out_mode", ["fp32", "acc_in"])
+def test_fp32_output_configs_give_the_same_bits(triton_backend, out_mode):
+    """fp32 outputs (lm_logits) and fp32 accumulation across calls (logprob backward dh)."""
+    from rlalign.ops.triton_backend.gemm import all_configs, gemm
+    x, w = rand(300, 1024, seed=30), rand(1024, 520, seed=31)
+    start = rand(300, 520, dtype=torch.float32, seed=32)
+    outs = {}
+    for cfg in all_configs(1, False, out_mode):
+        out = start.clone()
+        gemm(x, w, out=out, acc_in=out_mode == "acc_in", config=cfg)
+        outs[str(cfg)] = out
+    ref_name, ref = next(iter(outs.items()))
+    differing = {k: first_difference(v, ref) for k, v in outs.items() if first_difference(v, ref) != "identical"}
+    assert not differing, f"vs {ref_name}: {differing}"
+    # a reduction split at multiples of 64 columns and carried through memory == one call
+    whole = gemm(x, w, out_dtype=torch.float32)
+    acc = torch.zeros(300, 520, device="cuda")
+    for k0, k1 in ((0, 64), (64, 576), (576, 1024)):
+        gemm(x[:, k0:k1], w[k0:k1], out=acc, acc_in=True)
+    assert_bitwise_equal(acc, whole, "K split across acc_in calls")
 
 
 def test_bf16_configs_use_wgmma(triton_backend):

@@ -20,7 +20,7 @@ from rlalign.contract.errors import ContractError
 from tests.bitwise import assert_bitwise_equal, assert_close_report
 
 DTYPES = [torch.float32, torch.bfloat16]
-SETTINGS = dict(max_examples=12, deadline=None)
+SETTINGS = dict(max_examples=20, deadline=None)
 PAGE_SIZES = [1, 3, 16, 64, 128]
 
 

@@ -127,6 +127,15 @@ def test_big_vocab_rows_are_batch_invariant():
         assert_bitwise_equal(in_batch[i:i + 1], alone, f"row {i} ({configs[i]})")
 
 
+def test_row_chunking_does_not_change_tokens(monkeypatch):
+    configs = [dict(temperature=t, top_k=k, top_p=p) for t in (0.0, 0.9) for k in (0, 7) for p in (1.0, 0.6)] * 5
+    logits = rand_logits(len(configs), 700, seed=13)
+    params = _batch(configs, len(configs), key_seed=14)
+    whole = sample(logits, **params)
+    monkeypatch.setattr(backend, "ROW_CHUNK_ELEMS", {"cpu": 3 * 700})
+    assert_bitwise_equal(sample(logits, **params), whole, "chunks of 3 rows")
+
+
 def test_same_key_same_token_and_other_key_other_draw():
     logits = rand_logits(64, 500, seed=3, scale=0.1)  # nearly uniform: draws differ when keys do
     a = draw(logits, seed=5, positions=9, top_p=0.95)

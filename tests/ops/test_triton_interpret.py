@@ -139,6 +139,7 @@ def _check_logprob():
     import torch
     from rlalign.ops.triton_backend import logprob as L
     g = torch.Generator().manual_seed(2)
+    L.GRAD_CHUNK = 256     # three backward vocab chunks (256, 256, 188): dh carried across them
     t, h, v = 70, 64, 700  # v: the last vocab tile is partial; t: the last token tile too
     hid, w = torch.randn(t, h, generator=g), torch.randn(v, h, generator=g) * 0.3
     tgt = torch.randint(0, v, (t,), generator=g)

@@ -7,8 +7,8 @@ packed training forward, a one-shot or chunked prefill, and step-by-step decode:
   kv head (GQA: the ``g = Hq // Hkv`` heads of one kv head, token-major) and cut into tiles of
   exactly ``ATTN_Q_TILE`` = 16 rows, zero-padded. An item is one (sequence, kv head, tile).
 * Keys are visited in blocks of ``ATTN_KV_BLOCK`` = 64 ABSOLUTE positions (0..63, 64..127, ...),
-  whatever the page size. Per key block j, for all items that need it at once (a Python loop over
-  j only; items are further cut into chunks only to bound memory):
+  whatever the page size. Per key block j, for all items that need it at once (Python loops over
+  j and over chunks of items only; chunks bound memory, a bmm item's bits do not depend on them):
 
       s     = bmm(Q_tile[16, D], K_j^T[D, 64]) * scale                          (fp32)
       s     = where(key_pos <= row_pos, s, -inf)      K_j / V_j rows outside the context are 0
@@ -44,15 +44,34 @@ from rlalign.ops.torch_backend.primitives import tree_sum
 
 KV_BLOCK = spec.ATTN_KV_BLOCK
 Q_TILE = spec.ATTN_Q_TILE
-# Items per bmm chunk are capped so that a gathered fp32 key block holds at most this many
-# elements (memory only: a bmm item's bits do not depend on the batch count).
+# Items per bmm chunk on the CPU are capped so that a gathered fp32 key block holds at most this
+# many elements (cache sized). Speed and memory only.
 _CHUNK_ELEMS = 1 << 20
+# On GPUs every bmm is issued with exactly this many items (zero padded): cuBLAS picks its kernel
+# by batch count (measured on an H200, torch 2.11: an item's bits differ between batch counts 1,
+# 16, 64 and 4096), so the library must only ever see one shape. MKL's bmm on the CPU is batch-count
+# invariant (spec.cpu_backend_assumptions, checked by `rlalign doctor`) and runs unpadded.
+_GPU_BATCH = 1024
 
 
 def _take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """rows[index] for a [R, ...] table and an integer index of any shape (index_select: a plain
     row copy, several times faster on the CPU than advanced indexing)."""
     return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
+
+
+def _pad_batch(x: torch.Tensor) -> torch.Tensor:
+    padded = x.new_zeros((_GPU_BATCH,) + tuple(x.shape[1:]))
+    padded[:x.shape[0]] = x
+    return padded
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, transpose_b: bool = False) -> torch.Tensor:
+    """fp32 a @ b (or a @ b^T) per item; on GPUs issued as one bmm of exactly _GPU_BATCH items."""
+    n = a.shape[0]
+    if a.device.type != "cpu":
+        a, b = _pad_batch(a), _pad_batch(b)
+    return torch.bmm(a, b.transpose(1, 2) if transpose_b else b)[:n]
 
 
 # ---- key sources: where the keys of (sequence, kv head, absolute position) live ---------------
@@ -161,7 +180,7 @@ def _visit_block(q, row_pos, state: _State, k, v, first_key: int, scale: float) 
     """One key block for a chunk of tiles (see the module docstring); returns the new state and
     the raw scaled scores. The `where`s are skipped only where they would select everything."""
     lowest = int(row_pos.min())
-    raw = torch.bmm(q, k.transpose(1, 2))
+    raw = _bmm(q, k, transpose_b=True)
     raw.mul_(scale)
     s = raw
     if lowest < first_key + KV_BLOCK - 1:  # some row does not see the whole block
@@ -173,7 +192,7 @@ def _visit_block(q, row_pos, state: _State, k, v, first_key: int, scale: float) 
     p = torch.exp_(s - m_new.unsqueeze(-1))
     alpha = torch.exp_(state.m - m_new)
     l_new = state.l * alpha + tree_sum(p)
-    acc_new = torch.bmm(p, v)
+    acc_new = _bmm(p, v)
     acc_new += state.acc * alpha.unsqueeze(-1)          # == acc * alpha + p @ v (IEEE add commutes)
     if lowest >= first_key:
         return _State(m_new, l_new, acc_new), raw
@@ -184,10 +203,11 @@ def _visit_block(q, row_pos, state: _State, k, v, first_key: int, scale: float) 
 
 
 def _chunk_items(d: int, device: torch.device) -> int:
-    """Items per bmm chunk: bounds the gathered fp32 key block to _CHUNK_ELEMS (CPU: cache sized)
-    elements. Memory and speed only: a bmm item's bits do not depend on the batch count."""
-    elems = _CHUNK_ELEMS if device.type == "cpu" else 64 * _CHUNK_ELEMS
-    return max(1, elems // (KV_BLOCK * d))
+    """Items per chunk: on the CPU the gathered fp32 key block holds at most _CHUNK_ELEMS elements
+    (speed and memory only); on GPUs the fixed bmm batch."""
+    if device.type != "cpu":
+        return _GPU_BATCH
+    return max(1, _CHUNK_ELEMS // (KV_BLOCK * d))
 
 
 def _online_softmax(tiles: _Tiles, keys, scale: float, op: str, check_keys: bool):

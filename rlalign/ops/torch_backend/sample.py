@@ -16,7 +16,10 @@ sign-extended bits to get a logical shift):
 
 For a fixed seed each stage is a bijection of its new input, so distinct (seq_id, position)
 pairs of one sequence never share a key. u uses the top 23 bits of bits; those bits are not
-touched by mix64's last xor-shift, which is therefore skipped.
+touched by mix64's last xor-shift, which is therefore skipped. u is fp32 on purpose (the
+contract's "fp32 log"): g lies in [-2.81, 16.64], so a token more than 19.45 below the row's max
+z is never drawn (its probability is below 3.6e-9); the draw is otherwise Gumbel-max exact up
+to 2**-24 quantisation of u.
 
 Sampling of one row (strict), z = logits / temperature in fp32:
 
@@ -27,14 +30,19 @@ Sampling of one row (strict), z = logits / temperature in fp32:
   depends on V only); p_v = e_v / Z in fp32; q_v = trunc(p_v * 2**60) as int64 (exact: scaling
   by a power of two). In the total order, keep a token iff the int64 sum of q over the tokens
   before it is < top_p * 2**60. Integer prefix sums are exact and associative, so the nucleus
-  does not depend on the scan order, the device, or on how many candidates were sorted; this
-  is what lets the fast path (top-k candidates) and the full stable sort give the same bits.
-- Gumbel-max: token = argmax over kept tokens of z + g (ties -> lowest token id).
+  does not depend on the scan order, the device, or on how many candidates were ordered; this
+  is what lets the fast path (order only the largest candidates, see :func:`keep_mask`) and a
+  full stable sort give the same bits.
+- Gumbel-max: token = argmax over kept tokens of z + g (ties -> lowest token id). Logits of
+  -inf (masked tokens) score -inf and are never drawn.
 
 A row without top-k/top-p gets the same arithmetic whether or not other rows filter: the
 filter only replaces scores of dropped tokens by -inf (torch.where), never recomputes kept ones.
-Relies on the CPU backend assumption that elementwise exp/log give the same bits for a value
-wherever it sits in a tensor (``spec.cpu_backend_assumptions``, checked by ``rlalign doctor``).
+Rows are processed in chunks of about ROW_CHUNK_ELEMS logits (memory and cache only: every step
+is per row). Beyond exact integer ops, IEEE division, max and a fixed tree of adds, this relies
+on elementwise exp/log giving the same bits for a value wherever it sits in a tensor
+(``spec.cpu_backend_assumptions``, checked by ``rlalign doctor``; on CUDA every element runs the
+same device function).
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ GAMMA = 0x9E3779B97F4A7C15
 MIX_1 = 0xBF58476D1CE4E5B9
 MIX_2 = 0x94D049BB133111EB
 NUCLEUS_BITS = 60          # fixed point of the top-p prefix sums (sum of p <= 1.01 stays < 2**63)
-ROW_CHUNK_ELEMS = 1 << 20  # rows are processed in chunks of about this many logits (memory only)
+ROW_CHUNK_ELEMS = {"cpu": 1 << 20, "cuda": 1 << 24}  # logits per row chunk (cache / memory only)
 MIN_CANDIDATES = 1024      # top-k/top-p fast path: order only the largest candidates first ...
 CANDIDATE_GROWTH = 8       # ... and 8x more for rows they do not decide, finally the whole row
 
@@ -240,7 +248,7 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, seq_ids: torch.Tensor, pos
     filtered = ~greedy & ((k > 0) | (top_p < 1))
     keys = row_keys(seeds, seq_ids, positions)
     offsets = token_offsets(vocab, logits.device)
-    step = max(1, ROW_CHUNK_ELEMS // vocab)
+    step = max(1, ROW_CHUNK_ELEMS.get(logits.device.type, 1 << 20) // vocab)
     for r in range(0, rows, step):
         sl = slice(r, r + step)
         out[sl] = _sample_chunk(logits[sl], keys[sl], offsets, greedy[sl], temperature[sl], k[sl],

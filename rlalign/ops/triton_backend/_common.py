@@ -46,12 +46,28 @@ def tma_ok(t: torch.Tensor) -> bool:
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with a 16-byte aligned base (a copy only when it is not), so the kernel path
-    chosen for a tensor depends on its shape alone, never on where a view happens to start."""
+    """``t`` row-major (last dim contiguous) with a 16-byte aligned base and row stride, as it is when
+    possible, else a contiguous copy (cloned again if its base is misaligned): the kernel path chosen
+    for a tensor then depends on its shape alone, never on where a view happens to start."""
+    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.data_ptr() % 16 == 0 \
+            and (t.stride(0) * t.element_size()) % 16 == 0:
+        return t
     t = t.contiguous()
     if t.data_ptr() % 16:
         t = t.clone()
     return t
+
+
+def forced_tile(env: str, fields: int):
+    """A tile forced through an environment variable ("128,128,8,4"), or None."""
+    import os
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return None
+    vals = tuple(int(v) for v in raw.split(","))
+    if len(vals) != fields:
+        raise ValueError(f"{env}={raw!r}: expected {fields} comma-separated integers")
+    return vals
 
 
 def descriptor(t: torch.Tensor, block: list[int]):

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from rlalign.contract.errors import fail
-from rlalign.ops.triton_backend._common import mma, split_for
+from rlalign.ops.triton_backend._common import forced_tile, mma, split_for
 
 KV_BLOCK = 64
 LOG2E = 1.4426950408889634
@@ -269,7 +269,9 @@ def _seq_info(cu_seqlens: torch.Tensor, device):
     return cu, lens
 
 
-def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=PREFILL_TILE):
+def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):
+    """``RLALIGN_TRITON_ATTN_TILE="BM,warps,stages"`` forces one tile for prefill and decode alike."""
+    tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or PREFILL_TILE
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu, lens = _seq_info(cu_seqlens, q.device)
     max_len = int(lens.max()) if lens.numel() else 0
@@ -284,7 +286,8 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     pos0 = (kv_len - n_q).contiguous()
     max_q = int(n_q.max()) if n_q.numel() else 0
     if tile is None:
-        tile = DECODE_TILE if max_q * (q.shape[1] // k_cache.shape[2]) <= DECODE_TILE[0] else PREFILL_TILE
+        tile = forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or (
+            DECODE_TILE if max_q * (q.shape[1] // k_cache.shape[2]) <= DECODE_TILE[0] else PREFILL_TILE)
     bt = block_table.to(device=q.device, dtype=torch.int32).contiguous()
     out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, k_cache.shape[1], scale, True, tile, False,
                       max_q)

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rlalign.ops.triton_backend._common import BLOCK_K, aligned, descriptor, device_sms, mma, split_for, tma_ok
+from rlalign.ops.triton_backend._common import (BLOCK_K, aligned, descriptor, device_sms, forced_tile, mma, split_for,
+                                                tma_ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,46 +47,72 @@ class GemmConfig:
         return self.block_m * self.block_n // (32 * self.num_warps)
 
 
-# Candidate tiles, most efficient first; the launcher takes the first that fills the GPU.
+# Candidate tiles, most efficient first (see pick_config). Shared memory, from sm_90a compiles
+# (docs/gpu.md): the pipeline holds stages x (BM + BN) x 64 operands, and a TMA epilogue stages the
+# output tile (and, with acc_in, the loaded accumulator); everything must fit in 227 KiB.
 _LARGE = (GemmConfig(128, 256, 8, 3, flatten=True), GemmConfig(128, 128, 8, 4, flatten=True))
 _MEDIUM = (GemmConfig(64, 128, 4, 4), GemmConfig(64, 64, 4, 5))
-_SMALL_M = (GemmConfig(64, 128, 4, 6), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 8))
+# M <= 64 streams W: deep pipelines keep >= 48 KiB of W in flight per SM.
+_SMALL_M = (GemmConfig(64, 128, 4, 6), GemmConfig(64, 64, 4, 10), GemmConfig(64, 32, 4, 12))
+# fp32 output tiles (lm_logits, fp32 partials): 128x256 would need 272 KiB.
+_LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
+# acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging.
+_LARGE_ACCIN = (GemmConfig(128, 128, 8, 3, flatten=True),)
+_SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
 # Segmented (k_segments > 1) tiles: up to log2(P)+1 accumulators live at once, so the tiles are
-# narrower. Compiled for sm_90a (ptxas -v, P=8): 128x64/8 warps 235 registers, 64x64 249, 64x32 166,
+# narrower. Compiled for sm_90a (ptxas -v, P=8): 128x64/8 warps 235 registers, 64x64 249, 64x32 220,
 # no spills; 128x128 spills unless every level goes to the scratch (7 fp32 tile stores + loads).
 _SEG_LARGE = (GemmConfig(128, 64, 8, 4),)
-_SEG_SMALL = (GemmConfig(64, 64, 4, 5), GemmConfig(64, 32, 4, 6))
+_SEG_SMALL = (GemmConfig(64, 64, 4, 5), GemmConfig(64, 32, 4, 10))
 # fp32 operands (bf16x3 split in registers): modest tiles (128x128 uses 224 KiB of shared memory).
 _FP32 = (GemmConfig(128, 128, 8, 3), GemmConfig(64, 64, 4, 3))
-_FP32_SEG = (GemmConfig(64, 64, 4, 3), GemmConfig(64, 32, 4, 3))
+_FP32_SMALL = (GemmConfig(64, 64, 4, 3), GemmConfig(64, 32, 4, 3))
 
 
-def candidate_configs(m: int, n: int, segments: int, fp32: bool) -> tuple[GemmConfig, ...]:
+def candidate_configs(m: int, n: int, segments: int, fp32: bool, out_mode: str = "bf16") -> tuple[GemmConfig, ...]:
+    """out_mode: "bf16" (rounded output), "fp32" (fp32 output), "acc_in" (fp32 in and out)."""
     if fp32:
-        return _FP32_SEG if segments > 1 else _FP32
+        return _FP32_SMALL if segments > 1 or out_mode == "acc_in" else _FP32
     if segments > 1:
         return _SEG_SMALL if m <= 64 else _SEG_LARGE + _SEG_SMALL
-    if m <= 64:
-        return _SMALL_M
-    return _LARGE + _MEDIUM + _SMALL_M[1:]
+    if out_mode == "acc_in":
+        return _SMALL_ACCIN if m <= 64 else _LARGE_ACCIN + _MEDIUM + _SMALL_ACCIN[1:]
+    large = _LARGE_F32OUT if out_mode == "fp32" else _LARGE
+    return _SMALL_M if m <= 64 else large + _MEDIUM + _SMALL_M[1:]
 
 
-def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int) -> GemmConfig:
-    """The first candidate with at least one tile per SM (else the one with the most tiles)."""
-    cands = candidate_configs(m, n, segments, fp32)
+def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: str = "bf16") -> GemmConfig:
+    """The first candidate whose tiles fill at least 85% of the persistent programs' slots over
+    all waves (else the best-filling one).
+
+    ``RLALIGN_TRITON_GEMM_TILE="BM,BN,warps,stages"`` forces one tile for every M (a safety switch
+    should a GPU ever show two tile shapes to differ)."""
+    forced = forced_tile("RLALIGN_TRITON_GEMM_TILE", 4)
+    if forced:
+        bm, bn, warps, stages = forced
+        return GemmConfig(bm, bn, warps, stages, reg_levels=0 if segments > 1 and bm * bn >= 128 * 128 else 4)
+    cands = candidate_configs(m, n, segments, fp32, out_mode)
+    best, best_eff = cands[-1], -1.0
     for cfg in cands:
-        if triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) >= sms:
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        eff = tiles / (triton.cdiv(tiles, sms) * sms)   # busy fraction of the persistent programs' slots
+        if eff >= 0.85:
             return cfg
-    return cands[-1]
+        if eff > best_eff:
+            best, best_eff = cfg, eff
+    return best
 
 
-def all_configs(segments: int, fp32: bool) -> tuple[GemmConfig, ...]:
+def all_configs(segments: int, fp32: bool, out_mode: str = "bf16") -> tuple[GemmConfig, ...]:
     """Every tile shape the launcher may pick (the CUDA tests check they agree bit for bit)."""
     if fp32:
-        return _FP32_SEG if segments > 1 else _FP32
+        return _FP32_SMALL if segments > 1 or out_mode == "acc_in" else _FP32 + _FP32_SMALL[1:]
     if segments > 1:
         return _SEG_LARGE + _SEG_SMALL
-    return _LARGE + _MEDIUM + _SMALL_M + (GemmConfig(128, 256, 8, 3, flatten=False),)
+    if out_mode == "acc_in":
+        return _LARGE_ACCIN + _MEDIUM + _SMALL_ACCIN
+    large = _LARGE_F32OUT if out_mode == "fp32" else _LARGE + (GemmConfig(128, 256, 8, 3, flatten=False),)
+    return large + _MEDIUM + _SMALL_M
 
 
 # ---- kernel --------------------------------------------------------------------------------------
@@ -310,7 +337,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
                 out.add_(bias.to(out.dtype))
         return out
     fp32 = a.dtype == torch.float32
-    cfg = config or pick_config(m, n, segments, fp32, device_sms(a))
+    out_mode = "acc_in" if acc_in else ("fp32" if out.dtype == torch.float32 else "bf16")
+    cfg = config or pick_config(m, n, segments, fp32, device_sms(a), out_mode)
     seg_k = k // segments
     steps = triton.cdiv(seg_k, BLOCK_K)
     # TMA needs segment boundaries on k-steps (it cannot mask inside the tensor); the choice

@@ -36,8 +36,8 @@ from rlalign.ops.triton_backend.gemm import _reduce_segment, _tile_coords, gemm
 
 VOCAB_TILE = 256
 LOG2E = tl.constexpr(1.4426950408889634)
-TOKEN_CHUNK = 16384          # tokens per forward launch (stats memory 12 B x V/256 per token)
-GRAD_CHUNK_ELEMS = 1 << 27   # dz elements per backward vocab chunk (256 MiB in bf16)
+TOKEN_CHUNK = 16384   # tokens per forward launch (stats memory 12 B x V/256 per token)
+GRAD_CHUNK = 8192     # vocab columns per backward chunk (dz is T x 8192; bits do not depend on it)
 GROUP_M = 16
 
 
@@ -207,11 +207,6 @@ def forward_stats(hidden, weight, targets, temperature, with_entropy):
     return lp, (ent if with_entropy else None), lse, (mu if with_entropy else None)
 
 
-def _grad_chunk(t: int, v: int) -> int:
-    cols = max(VOCAB_TILE, (GRAD_CHUNK_ELEMS // max(t, 1)) // VOCAB_TILE * VOCAB_TILE)
-    return min(cols, triton.cdiv(v, VOCAB_TILE) * VOCAB_TILE)
-
-
 def backward_grads(hidden, weight, targets, lse, mu, temperature, g_lp, g_ent, need_dh, need_dw):
     h, w = aligned(hidden), aligned(weight)
     tgt = targets.to(torch.int64).contiguous()
@@ -227,12 +222,12 @@ def backward_grads(hidden, weight, targets, lse, mu, temperature, g_lp, g_ent, n
     bm, bn, warps, stages = _tile(h.dtype)
     split = split_for(h.dtype)
     has_temp = temperature != 1.0
-    chunk = _grad_chunk(t, v)
-    for c0 in range(0, v, chunk):
-        c1 = min(v, c0 + chunk)
+    for c0 in range(0, v, GRAD_CHUNK):
+        c1 = min(v, c0 + GRAD_CHUNK)
         wc = w[c0:c1]
         vc = c1 - c0
-        dz = torch.empty((t, vc), dtype=h.dtype, device=dev)
+        # rows padded to 64 columns: 16-byte aligned rows keep every chunk on the TMA path
+        dz = torch.empty((t, triton.cdiv(vc, 64) * 64), dtype=h.dtype, device=dev)[:, :vc]
         h_src, w_src, tma = _sources(h, wc, bm, bn)
         grid = (triton.cdiv(t, bm) * triton.cdiv(vc, bn),)
         lp_grad_logits_kernel[grid](h_src, w_src, tgt, lse, mu_arg, g_lp, g_ent, dz, t, vc, hdim, c0,
@@ -271,7 +266,7 @@ class _LogprobEntropy(torch.autograd.Function):
 
 def logprob_entropy(hidden, weight, targets, temperature, token_chunk, vocab_chunk, with_entropy):
     """Validated inputs (rlalign.ops.logprob_entropy). token_chunk / vocab_chunk only set memory on
-    the torch backend; here the chunking is fixed (TOKEN_CHUNK, GRAD_CHUNK_ELEMS) and never
+    the torch backend; here the chunking is fixed (TOKEN_CHUNK, GRAD_CHUNK) and never
     changes bits either."""
     temperature = float(temperature)
     with_entropy = bool(with_entropy)

@@ -1,0 +1,161 @@
+"""Benchmark: strict Triton attention vs torch SDPA, same run (bf16, head_dim 128, causal).
+
+Prefill: 4 sequences x 4096 tokens packed (varlen), GQA 32 query / 8 kv heads (Qwen3-8B) and MHA
+32/32; baseline SDPA (flash backend when it accepts the call, else the default) on [4, H, 4096,
+128]. TFLOP/s counts the causal half: 2 * B * Hq * S^2 * D.
+Decode: 64 sequences, one query each, contexts of 1024 and 4096 tokens, GQA 32/8; ours reads a
+paged cache (page size 16 and 64, shuffled pages); baseline SDPA on a contiguous cache
+[64, 8, L, 128] with enable_gqa. GB/s counts the K/V bytes (the floor).
+Training (info): varlen forward + backward vs SDPA forward + backward.
+
+    python bench/gpu_attention.py [--out DIR]
+
+Writes bench_attention.csv / .json to $OUT (or --out, default bench/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_linear import env_info, out_dir, write  # noqa: E402
+
+D = 128
+
+
+def _bench(fn) -> float:
+    import triton
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _sdpa(q, k, v, causal):
+    """SDPA with the flash backend if it takes the call (GQA through enable_gqa), else the default."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    gqa = q.shape[1] != k.shape[1]
+    kwargs = {"is_causal": causal, "enable_gqa": gqa} if gqa else {"is_causal": causal}
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            F.scaled_dot_product_attention(q, k, v, **kwargs)
+        backend = "flash"
+
+        def run():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    except Exception:
+        backend = "default"
+
+        def run():
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return run, backend
+
+
+def prefill(batch: int, seq: int, hq: int, hkv: int) -> dict:
+    from rlalign.ops.triton_backend import attention as A
+    t = batch * seq
+    q = torch.randn(t, hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(t, hkv, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, t + 1, seq, device="cuda", dtype=torch.int32)
+    ours = _bench(lambda: A.varlen_forward(q, k, v, cu, D ** -0.5))
+    qs, ks, vs = (x.view(batch, seq, -1, D).transpose(1, 2).contiguous() for x in (q, k, v))
+    run, backend = _sdpa(qs, ks, vs, True)
+    base = _bench(run)
+    flops = 2.0 * batch * hq * seq * seq * D
+    return {"kind": "prefill", "batch": batch, "seq": seq, "hq": hq, "hkv": hkv, "baseline": f"sdpa-{backend}",
+            "ours_ms": round(ours, 4), "base_ms": round(base, 4), "ours_tflops": round(flops / ours / 1e9, 1),
+            "base_tflops": round(flops / base / 1e9, 1), "ratio": round(base / ours, 3), "target": 0.8}
+
+
+def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
+    from rlalign.ops.triton_backend import attention as A
+    q = torch.randn(batch, hq, D, device="cuda", dtype=torch.bfloat16)
+    pages_per_seq = -(-ctx // page)
+    n_pages = batch * pages_per_seq + 7
+    kc = torch.randn(n_pages, page, hkv, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(n_pages, device="cuda")[:batch * pages_per_seq].view(batch, pages_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    ours = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, D ** -0.5))
+    kk = torch.randn(batch, hkv, ctx, D, device="cuda", dtype=torch.bfloat16)
+    vv = torch.randn_like(kk)
+    run, backend = _sdpa(q.view(batch, hq, 1, D), kk, vv, False)
+    base = _bench(run)
+    nbytes = 2.0 * batch * ctx * hkv * D * 2
+    return {"kind": "decode", "batch": batch, "seq": ctx, "hq": hq, "hkv": hkv, "page": page,
+            "baseline": f"sdpa-{backend}", "ours_ms": round(ours, 4), "base_ms": round(base, 4),
+            "ours_gbs": round(nbytes / ours / 1e6, 0), "base_gbs": round(nbytes / base / 1e6, 0),
+            "ratio": round(base / ours, 3), "target": 0.8}
+
+
+def training(batch: int, seq: int, hq: int, hkv: int) -> dict:
+    from rlalign import ops
+    t = batch * seq
+    q = torch.randn(t, hq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(t, hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(t, hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.arange(0, t + 1, seq, device="cuda", dtype=torch.int32)
+    go = torch.randn(t, hq, D, device="cuda", dtype=torch.bfloat16)
+
+    def ours():
+        ops.attention_varlen(q, k, v, cu).backward(go)
+    qs, ks, vs = (x.detach().view(batch, seq, -1, D).transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    gos = go.view(batch, seq, hq, D).transpose(1, 2)
+    run, backend = _sdpa(qs, ks, vs, True)
+
+    def base():
+        run().backward(gos)
+    t_ours, t_base = _bench(ours), _bench(base)
+    flops = 2.0 * batch * hq * seq * seq * D * 3.5   # forward + backward (2.5x forward)
+    return {"kind": "train fwd+bwd", "batch": batch, "seq": seq, "hq": hq, "hkv": hkv,
+            "baseline": f"sdpa-{backend}", "ours_ms": round(t_ours, 4), "base_ms": round(t_base, 4),
+            "ours_tflops": round(flops / t_ours / 1e9, 1), "base_tflops": round(flops / t_base / 1e9, 1),
+            "ratio": round(t_base / t_ours, 3), "target": None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_attention: no CUDA device")
+        return 1
+    import rlalign.ops.triton_backend  # noqa: F401
+    plan = [(prefill, (4, 4096, 32, 8)), (prefill, (4, 4096, 32, 32)), (prefill, (1, 4096, 32, 8)),
+            (decode, (64, 4096, 32, 8, 64)), (decode, (64, 4096, 32, 8, 16)), (decode, (64, 1024, 32, 8, 64)),
+            (decode, (8, 4096, 32, 8, 64)), (training, (2, 4096, 32, 8))]
+    rows, t0 = [], time.time()
+    for fn, a in plan:
+        try:
+            row = fn(*a)
+        except Exception as exc:
+            traceback.print_exc()
+            row = {"kind": fn.__name__, "args": str(a), "error": repr(exc)[:300]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    env = env_info()
+    env["seconds"] = round(time.time() - t0, 1)
+    write(out_dir(args.out), "attention", rows, {"env": env, "bench": "attention"})
+    print(f"{'kind':>14} {'B':>3} {'seq':>5} {'Hq/Hkv':>6} {'ours ms':>8} {'base ms':>8} {'ratio':>6} target  baseline")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['kind']:>14} ERROR {r['error'][:80]}")
+            continue
+        print(f"{r['kind']:>14} {r['batch']:>3} {r['seq']:>5} {str(r['hq']) + '/' + str(r['hkv']):>6} "
+              f"{r['ours_ms']:>8} {r['base_ms']:>8} {r['ratio']:>6} {str(r['target']):>6}  {r['baseline']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Benchmark: strict Triton linear vs cuBLAS (torch.matmul), bf16, Qwen3-8B shapes, same run.
+
+For each (N x K) in 4096x4096, 12288x4096, 4096x12288, 151936x4096 and M in 1..16384:
+median time (triton.testing.do_bench, which also flushes L2 between runs) of
+``ops.linear(x, W)`` (strict, triton backend) and ``torch.matmul(x, W.T)`` (cuBLAS), each over a
+rotation of input copies larger than L2; TFLOP/s, GB/s (bytes = W + x + y, the decode floor) and
+the ratio strict/cuBLAS speed. Also: the canonical K partition (k_segments=8: o_proj, down_proj)
+and a tile-config sweep at M=4096 (every config gives the same bits; this says which is fastest).
+
+    python bench/gpu_linear.py [--out DIR] [--quick]
+
+Writes bench_linear.csv / bench_linear.json to $OUT (or --out, default bench/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096))
+M_VALUES = (1, 16, 64, 1024, 4096, 16384)
+SEGMENT_SHAPES = ((4096, 4096), (4096, 12288))
+SEGMENT_M = (1, 64, 4096, 16384)
+ROTATE_BYTES = 512 << 20   # each input set rotates through copies totalling at least this
+
+
+def env_info() -> dict:
+    import triton
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def out_dir(arg: str | None) -> str:
+    path = arg or os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def write(path_dir: str, name: str, rows: list[dict], extra: dict) -> None:
+    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in rows[0], k)) if rows else []
+    with open(os.path.join(path_dir, f"bench_{name}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    with open(os.path.join(path_dir, f"bench_{name}.json"), "w") as f:
+        json.dump({**extra, "rows": rows}, f, indent=1, default=str)
+
+
+def rotating(make, nbytes: int):
+    """A list of independent copies of a tensor, enough to exceed ROTATE_BYTES (at least 1)."""
+    copies = max(1, min(16, -(-ROTATE_BYTES // max(nbytes, 1))))
+    return [make(i) for i in range(copies)]
+
+
+def timed(fn, sets) -> float:
+    """Median ms of fn(*set) cycling through the input sets."""
+    import triton
+    state = {"i": 0}
+
+    def call():
+        fn(*sets[state["i"] % len(sets)])
+        state["i"] += 1
+    call()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+
+
+def case(m: int, n: int, k: int, segments: int | None = None, config=None) -> dict:
+    from rlalign import ops
+    from rlalign.ops.triton_backend.gemm import gemm, pick_config
+    from rlalign.ops.triton_backend._common import device_sms
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
+    w_sets = rotating(lambda i: torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16), n * k * 2)
+    x_sets = [torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(len(w_sets))]
+    sets = list(zip(x_sets, w_sets))
+    row = {"M": m, "N": n, "K": k, "k_segments": segments or 1}
+    if config is None:
+        cfg = pick_config(m, n, segments or 1, False, device_sms(x_sets[0]))
+        strict = lambda x, w: ops.linear(x, w, k_segments=segments)  # noqa: E731
+    else:
+        cfg = config
+        strict = lambda x, w: gemm(x, w, b_trans=True, segments=segments or 1, config=config)  # noqa: E731
+    row["config"] = f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + \
+        ("/flat" if cfg.flatten else "") + (f"/rl{cfg.reg_levels}" if (segments or 1) > 1 else "")
+    t_strict = timed(strict, sets)
+    t_cublas = timed(lambda x, w: torch.matmul(x, w.T), sets)
+    flops = 2.0 * m * n * k
+    nbytes = 2.0 * (n * k + m * k + m * n)
+    row.update(strict_ms=round(t_strict, 4), cublas_ms=round(t_cublas, 4),
+               strict_tflops=round(flops / t_strict / 1e9, 1), cublas_tflops=round(flops / t_cublas / 1e9, 1),
+               strict_gbs=round(nbytes / t_strict / 1e6, 0), cublas_gbs=round(nbytes / t_cublas / 1e6, 0),
+               ratio=round(t_cublas / t_strict, 3))
+    del w_sets, x_sets, sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def target(row: dict) -> float | None:
+    """The issue's target ratio for this row (None where it sets none)."""
+    if row.get("sweep") or row["k_segments"] != 1:
+        return None
+    if row["M"] >= 4096:
+        return 0.95
+    if row["M"] >= 1024 or row["M"] <= 64:
+        return 0.90
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_linear: no CUDA device")
+        return 1
+    import rlalign.ops.triton_backend  # noqa: F401  (fail loudly if the backend cannot load)
+    from rlalign.ops.triton_backend.gemm import GemmConfig
+    rows = []
+    plan = [(m, n, k, None, None, False) for (n, k) in SHAPES for m in M_VALUES]
+    plan += [(m, n, k, 8, None, False) for (n, k) in SEGMENT_SHAPES for m in SEGMENT_M]
+    sweep = [GemmConfig(128, 256, 8, 3, flatten=True), GemmConfig(128, 256, 8, 3, flatten=False),
+             GemmConfig(128, 256, 8, 4, flatten=True), GemmConfig(128, 128, 8, 4, flatten=True),
+             GemmConfig(128, 128, 8, 3, flatten=False)]
+    plan += [(4096, n, k, None, c, True) for (n, k) in ((4096, 4096), (12288, 4096)) for c in sweep]
+    seg_sweep = [GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(128, 128, 8, 4, reg_levels=0),
+                 GemmConfig(64, 64, 4, 5)]
+    plan += [(4096, 4096, 12288, 8, c, True) for c in seg_sweep]
+    if args.quick:
+        plan = plan[:4]
+    t0 = time.time()
+    for m, n, k, seg, cfg, is_sweep in plan:
+        try:
+            row = case(m, n, k, seg, cfg)
+        except Exception as exc:  # report and go on
+            row = {"M": m, "N": n, "K": k, "k_segments": seg or 1, "error": repr(exc)[:300]}
+            traceback.print_exc()
+        row["sweep"] = is_sweep
+        row["target"] = target(row) if "error" not in row else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    env = env_info()
+    env["seconds"] = round(time.time() - t0, 1)
+    write(out_dir(args.out), "linear", rows, {"env": env, "bench": "linear"})
+    print(f"{'M':>6} {'N':>7} {'K':>6} {'seg':>3} {'config':>22} {'strict TF':>9} {'cuBLAS TF':>9} {'ratio':>6} target")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['M']:>6} {r['N']:>7} {r['K']:>6} {r['k_segments']:>3} ERROR {r['error'][:60]}")
+            continue
+        print(f"{r['M']:>6} {r['N']:>7} {r['K']:>6} {r['k_segments']:>3} {r['config']:>22} "
+              f"{r['strict_tflops']:>9} {r['cublas_tflops']:>9} {r['ratio']:>6} "
+              f"{'sweep' if r['sweep'] else (r['target'] or '-')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
