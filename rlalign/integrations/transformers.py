@@ -233,6 +233,8 @@ def _linear_forward(self, x):
 
 
 def _norm_forward(self, x):
+    if self._rlalign_tap_input:  # post-attention norm: its input is the residual stream after the attention add
+        tap(self._rlalign_tap_input, x)
     y = ops.rms_norm(x, self.weight, self._rlalign_eps)
     name = self._rlalign_tap
     return tap(name, y) if name else y
@@ -267,8 +269,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     out, _ = _attention_function()(self, q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                    v.transpose(0, 1).unsqueeze(0), None, scaling=self.scaling, dropout=0.0,
                                    cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-    out = tap(f"layers.{i}.attn", out[0])
-    return tap(f"layers.{i}.o_proj", self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim))), None
+    out = tap(f"layers.{i}.attn", out[0].reshape(t, cfg.num_heads * cfg.head_dim))
+    return tap(f"layers.{i}.o_proj", self.o_proj(out)), None
 
 
 def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -306,7 +308,7 @@ def _packed_hidden(backbone, state: PatchState, batch: ForwardBatch, embeds=None
     for i, layer in enumerate(backbone.layers):
         out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin),
                     rlalign_batch=batch)
-        h = tap(f"layers.{i}.residual", out[0] if isinstance(out, tuple) else out)
+        h = out[0] if isinstance(out, tuple) else out
         if keep_layers:
             per_layer.append(h)
     h = backbone.norm(h)
@@ -495,8 +497,8 @@ def _patch_modules(model, state: PatchState) -> None:
     config, backbone = state.config, model.model
     eps = config.rms_norm_eps
 
-    def norm(module, tap_name):
-        _bind(module, _norm_forward, state, eps=_norm_eps(module, eps), tap=tap_name)
+    def norm(module, tap_name, tap_input=None):
+        _bind(module, _norm_forward, state, eps=_norm_eps(module, eps), tap=tap_name, tap_input=tap_input)
 
     _bind(backbone.embed_tokens, _embedding_forward, state)
     for i, layer in enumerate(backbone.layers):
@@ -506,7 +508,7 @@ def _patch_modules(model, state: PatchState) -> None:
         for proj in (attn.o_proj, mlp.down_proj):
             _bind(proj, _linear_forward, state, k_segments=spec.K_SEGMENTS)
         norm(layer.input_layernorm, f"layers.{i}.input_norm")
-        norm(layer.post_attention_layernorm, f"layers.{i}.post_norm")
+        norm(layer.post_attention_layernorm, f"layers.{i}.post_norm", f"layers.{i}.residual")
         if config.qk_norm:
             norm(attn.q_norm, None)
             norm(attn.k_norm, None)

@@ -6,9 +6,9 @@ the forward in packed order):
 
     embed
     layers.{i}.input_norm  layers.{i}.q  layers.{i}.k  layers.{i}.v   (q/k after qk-norm and rope, [T, H, D])
-    layers.{i}.attn (before o_proj)  layers.{i}.o_proj  layers.{i}.post_norm
-    layers.{i}.mlp (down_proj output)  layers.{i}.residual (residual stream after the layer)
-    final_norm  logprob
+    layers.{i}.attn (before o_proj, [T, H*D])  layers.{i}.o_proj
+    layers.{i}.residual (residual stream after the attention add = post_norm's input)  layers.{i}.post_norm
+    layers.{i}.mlp (down_proj output)  final_norm  logprob
 
 Row identity. A rollout computes a sequence's tokens over many forwards (prefill chunks, then one
 token per decode step), a trainer in one packed forward; rows are matched by what determines

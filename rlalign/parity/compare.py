@@ -18,7 +18,8 @@ import torch
 
 from rlalign.parity.capture import Capture, CapturedRows
 
-LAYER_BOUNDARIES = ("input_norm", "q", "k", "v", "attn", "o_proj", "post_norm", "mlp", "residual")
+# forward order inside a layer; "residual" is the residual stream after the attention add (post_norm's input)
+LAYER_BOUNDARIES = ("input_norm", "q", "k", "v", "attn", "o_proj", "residual", "post_norm", "mlp")
 _BITS = {torch.float32: (torch.int32, 31), torch.bfloat16: (torch.int16, 15), torch.float16: (torch.int16, 15),
          torch.float64: (torch.int64, 63)}
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -32,7 +33,7 @@ def split_name(name: str) -> tuple[int | None, str]:
 
 def forward_order(names: Sequence[str]) -> list[str]:
     """Names in the order a forward computes them: embed, layer 0 (input_norm, q, k, v, attn, o_proj,
-    post_norm, mlp, residual), layer 1, ..., final_norm, logprob; other names after their layer."""
+    residual, post_norm, mlp), layer 1, ..., final_norm, logprob; other names after their layer."""
     appearance = {n: i for i, n in enumerate(names)}
 
     def key(name: str):

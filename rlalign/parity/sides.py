@@ -171,7 +171,8 @@ class TransformersTrainer:
 
     def _stock_hooks(self) -> list:
         """Forward hooks giving a stock transformers model the boundaries hooks can see (no q/k after rope):
-        embed, input_norm, v (v_proj, no rope), attn (o_proj input), o_proj, post_norm, mlp, residual, final_norm."""
+        embed, input_norm, v (v_proj, no rope), attn (o_proj input), o_proj, residual (post-attention norm
+        input), post_norm, mlp, final_norm."""
         backbone = self.model.model
 
         def rows(x):
@@ -195,9 +196,9 @@ class TransformersTrainer:
                       attn.v_proj.register_forward_hook(out_hook(f"layers.{i}.v")),
                       attn.o_proj.register_forward_pre_hook(in_hook(f"layers.{i}.attn")),
                       attn.o_proj.register_forward_hook(out_hook(f"layers.{i}.o_proj")),
+                      layer.post_attention_layernorm.register_forward_pre_hook(in_hook(f"layers.{i}.residual")),
                       layer.post_attention_layernorm.register_forward_hook(out_hook(f"layers.{i}.post_norm")),
-                      layer.mlp.register_forward_hook(out_hook(f"layers.{i}.mlp")),
-                      layer.register_forward_hook(out_hook(f"layers.{i}.residual"))]
+                      layer.mlp.register_forward_hook(out_hook(f"layers.{i}.mlp"))]
         return hooks
 
 

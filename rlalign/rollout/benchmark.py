@@ -12,8 +12,9 @@ sample (eos ignored: every engine generates the same number of tokens), temperat
   (prompt prefilled once per group, pages shared, per-token logprobs computed);
 * transformers: the same weights saved as a Hugging Face checkpoint and loaded with
   ``AutoModelForCausalLM``; ``generate(do_sample=True, num_return_sequences=n, top_k=0,
-  min_new_tokens=max_new_tokens=...)`` on left-padded prompts, all prompts in one call by default
-  (``--hf-batch-prompts`` splits it; logprobs are not requested from it).
+  min_new_tokens=max_new_tokens=...)`` on left-padded prompts, all prompts in one call on the CPU
+  and 64 per call on CUDA (``--hf-batch-prompts``; its dense per-sequence KV cache would not fit
+  otherwise); logprobs are not requested from it.
 
 tokens/s = generated tokens / wall seconds of the generate call (model load, engine construction
 and a short warm-up run excluded). ``--verify`` also recomputes every strict-engine logprob with
@@ -58,8 +59,15 @@ PRESETS = {
 }
 DEFAULTS = {
     "cpu": dict(prompts=64, samples=8, new_tokens=64, prompt_len="32:128", dtype="float32"),
-    "cuda": dict(prompts=256, samples=8, new_tokens=512, prompt_len="64:192", dtype="bfloat16", preset="qwen3-0.6b"),
+    # transformers keeps a dense KV cache per sequence: 64 prompts (512 sequences) per generate call fit an H200
+    "cuda": dict(prompts=256, samples=8, new_tokens=512, prompt_len="64:192", dtype="bfloat16", preset="qwen3-0.6b",
+                 hf_batch_prompts=64),
 }
+
+
+# models with a short context (the embedded default model has 64 positions) get a shorter workload
+SHORT_CONTEXT_LIMIT = 256
+SHORT_CONTEXT_DEFAULTS = dict(prompt_len="8:16", new_tokens=32)
 
 
 def default_model_dir() -> Path:
@@ -74,8 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cpu-small; qwen3-0.6b on CUDA)")
     p.add_argument("--prompts", type=int, help="number of prompts (default 64 on the CPU, 256 on CUDA)")
     p.add_argument("--samples", type=int, help="samples per prompt (default 8)")
-    p.add_argument("--new-tokens", type=int, help="new tokens per sample (default 64 on the CPU, 512 on CUDA)")
-    p.add_argument("--prompt-len", metavar="MIN:MAX", help="prompt length range (default 32:128 CPU, 64:192 CUDA)")
+    p.add_argument("--new-tokens", type=int,
+                   help="new tokens per sample (default 64 on the CPU, 512 on CUDA, 32 for models of < 256 positions)")
+    p.add_argument("--prompt-len", metavar="MIN:MAX",
+                   help="prompt length range (default 32:128 CPU, 64:192 CUDA, 8:16 for models of < 256 positions)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
     p.add_argument("--seed", type=int, default=0)
@@ -83,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=1024, help="engine decode batch (default 1024)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
     p.add_argument("--kv-cache-gb", type=float, help="engine KV cache size (default: 1 GiB CPU, 80%% of free GPU memory)")
-    p.add_argument("--hf-batch-prompts", type=int, help="prompts per transformers generate call (default all)")
+    p.add_argument("--hf-batch-prompts", type=int,
+                   help="prompts per transformers generate call (default all on the CPU, 64 on CUDA)")
     p.add_argument("--hf-prompts", type=int, help="run transformers on the first N prompts only (default all)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default torch's)")
     p.add_argument("--verify", action="store_true", help="check every strict logprob against the trainer's forward")
@@ -142,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
             "workload": {"model": model_name, "dtype": dtype, "device": args.device, "prompts": len(workload.prompts),
                          "samples": workload.samples, "new_tokens": workload.new_tokens,
                          "prompt_tokens": sum(len(p) for p in workload.prompts),
-                         "prompt_len": args.prompt_len or defaults["prompt_len"]},
+                         "prompt_len": f"{min(map(len, workload.prompts))}:{max(map(len, workload.prompts))}"},
             "environment": _environment(args.device)}
 
 
@@ -177,12 +188,14 @@ def _workload(args, defaults, model_dir: Path) -> Workload:
     from rlalign.models.checkpoint import load_config
 
     config = load_config(model_dir)
+    if config.max_position_embeddings < SHORT_CONTEXT_LIMIT:   # e.g. the embedded default model (64 positions)
+        defaults = dict(defaults, **SHORT_CONTEXT_DEFAULTS)
     low, high = (int(x) for x in (args.prompt_len or defaults["prompt_len"]).split(":"))
     count = args.prompts or defaults["prompts"]
     new_tokens = args.new_tokens or defaults["new_tokens"]
     if high + new_tokens > config.max_position_embeddings:
-        high = max(low, config.max_position_embeddings - new_tokens)
-        low = min(low, high)
+        raise SystemExit(f"rlalign bench rollout: prompts up to {high} tokens + {new_tokens} new tokens exceed the "
+                         f"model's max_position_embeddings={config.max_position_embeddings}")
     gen = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
@@ -211,7 +224,7 @@ def _bench_engine(model_dir: Path, workload: Workload, args, dtype: str, profile
     engine = RolloutEngine(model, config)
     sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed, ignore_eos=True)
     engine.generate(workload.prompts[:2], dataclasses.replace(sampling, max_new_tokens=4))   # warm-up
-    engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, forward_seconds=0.0)
+    engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0)
     _sync(args.device)
     t0 = time.perf_counter()
     completions = engine.generate(workload.prompts, sampling)
@@ -277,7 +290,7 @@ def _bench_transformers(model_dir: Path, workload: Workload, args, dtype: str) -
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     eos = hf.config.eos_token_id if hf.config.eos_token_id is not None else pad
     prompts = workload.prompts[:args.hf_prompts] if args.hf_prompts else workload.prompts
-    per_call = args.hf_batch_prompts or len(prompts)
+    per_call = args.hf_batch_prompts or DEFAULTS[args.device].get("hf_batch_prompts") or len(prompts)
 
     def run(batch_prompts, new_tokens):
         width = max(len(p) for p in batch_prompts)

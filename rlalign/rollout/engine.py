@@ -62,7 +62,7 @@ class RolloutEngine:
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._weights_broken = False
-        self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, forward_seconds=0.0)
+        self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0)
 
     # ---- KV cache size -------------------------------------------------------------------------
 
@@ -202,7 +202,7 @@ class RolloutEngine:
         self.counters["steps"] += 1
         self.counters["forward_tokens"] += batch.num_tokens
         self.counters["sampled_tokens"] += len(seqs)
-        self.counters["forward_seconds"] += time.perf_counter() - t0
+        self.counters["compute_seconds"] += time.perf_counter() - t0
         return self._append(seqs, tokens, logprobs)
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:

@@ -8,8 +8,8 @@ Policy, per step, with a token budget ``max_num_batched_tokens``:
    tokens. When pages run out, the most recently admitted running sequence is preempted (its
    pages freed, back to the front of the queue; it is recomputed from its tokens later) until
    the chunk fits, or the sequence preempts itself if it is the newest.
-2. waiting sequences in queue order while the budget, ``max_num_seqs`` and the pages allow
-   (a watermark of free pages is kept for the running ones). With prefix caching, a newly
+2. unless step 1 preempted, waiting sequences in queue order while the budget, ``max_num_seqs``
+   and the pages allow (a watermark of free pages is kept for the running ones). With prefix caching, a newly
    admitted sequence first takes the cached pages of its longest cached full-page prefix
    (never its last token: that row must be computed to sample from it).
 
@@ -80,6 +80,8 @@ class Scheduler:
             if self._reserve(seq, n, out, reserve=0) or self._preempt_for(i, n, out):
                 budget -= n
                 i += 1
+        if out.preempted and out.chunks:
+            return out  # pages are short: admitting now would only preempt again
         occupied = sum(1 + _pending_forks(s) for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]

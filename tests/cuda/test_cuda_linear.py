@@ -132,6 +132,24 @@ def test_k_segments_equal_tree_of_segment_partials(triton_backend):
     assert_bitwise_equal(ops.linear(x, w, k_segments=8), parts[0].to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [64, 192, 384])
+def test_tiny_k_segments_tree_and_batch_invariance(triton_backend, dtype, k):
+    """Tiny-model shapes: segments of 8..48 columns (one masked k-step each, the pointer path) give
+    the tree of per-segment partials, and a row's bits do not depend on M (1..600)."""
+    from rlalign.ops.triton_backend.gemm import gemm
+    x, w = rand(600, k, dtype=dtype, seed=40), rand(256, k, dtype=dtype, seed=41)
+    seg = k // 8
+    parts = [gemm(x[:, i * seg:(i + 1) * seg], w[:, i * seg:(i + 1) * seg], b_trans=True, out_dtype=torch.float32)
+             for i in range(8)]
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    full = ops.linear(x, w, k_segments=8)
+    assert_bitwise_equal(full, parts[0].to(dtype), f"K={k}: tree of segment partials")
+    for m in (1, 63, 64, 65, 200):
+        assert_bitwise_equal(ops.linear(x[:m], w, k_segments=8), full[:m], f"K={k}: M={m} vs M=600")
+
+
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tensor_parallel_partition_gives_tp1_bits(triton_backend, tp):
     """Each rank reduces its subtree from fp32 copies of its bf16 shard (bf16x3 with exact-zero low

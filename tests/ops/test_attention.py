@@ -9,6 +9,7 @@ Tier 3: bad inputs raise ContractError naming the op and the problem.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from rlalign.contract.errors import ContractError
 from tests.bitwise import assert_bitwise_equal, assert_close_report
 
 DTYPES = [torch.float32, torch.bfloat16]
-SETTINGS = dict(max_examples=20, deadline=None)
+SETTINGS = dict(max_examples=15, deadline=None)
 PAGE_SIZES = [1, 3, 16, 64, 128]
 
 
@@ -339,7 +340,6 @@ def test_varlen_bad_inputs_raise(change, message):
 
 
 def _re(text):
-    import re
     return re.escape(text)
 
 

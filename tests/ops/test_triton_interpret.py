@@ -10,6 +10,15 @@ Bitwise invariance is a property of the GPU's instructions and is tested in test
 
 All checks run in ONE subprocess (the interpreter must be switched on before triton is
 imported); each test below reports one check's result.
+
+A second subprocess (run concurrently) compiles the default kernels for Hopper (sm_90a) without a
+GPU: Triton ships ptxas, so given a target the whole pipeline (TTIR -> TTGIR -> LLVM -> PTX ->
+cubin) runs anywhere. It installs a stand-in active driver reporting an sm_90 device, turns every
+launch into a compile-only ``warmup`` and runs the real launchers on CPU tensors. Checked per
+variant: it compiles, every dot kernel uses ``wgmma`` (the instruction family the bitwise
+interchangeability of tile shapes relies on, docs/gpu.md), its shared memory fits the 227 KiB of an
+sm_90 block. It relies on Triton internals (the driver hook, JITFunction.run): if those are not as
+expected the sm_90a tests skip rather than fail.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import traceback
 import pytest
 
 TOL = 2e-5  # fp32 kernels vs float64 (relative to the reference's max magnitude)
+SMEM_LIMIT = 232448   # bytes of shared memory per block on sm_90
 
 
 # ---- worker side (runs in the subprocess) ------------------------------------------------------------
@@ -63,6 +73,8 @@ def _check_gemm():
         (70, 48, 128, 1, True, False, GemmConfig(64, 32, 4, 2), None, False),  # dW layout
         (70, 48, 128, 1, False, False, GemmConfig(64, 32, 4, 2), False, False),  # dX layout
         (1, 33, 64, 1, False, True, GemmConfig(128, 64, 8, 2, flatten=True), None, True),
+        (65, 40, 64, 8, False, True, GemmConfig(64, 32, 4, 2), None, True),     # 8-column segments
+        (70, 48, 1024, 8, False, True, GemmConfig(64, 32, 4, 2), True, False),  # 2 k-steps per segment
     ]
     for m, n, k, seg, at, bt, cfg, tma, has_bias in cases:
         a = torch.randn((k, m) if at else (m, k), generator=g)
@@ -232,19 +244,197 @@ def _worker() -> None:
     print("RESULTS " + json.dumps(results))
 
 
+# Shapes whose dispatcher-chosen GEMM config must fit in shared memory: the tiny test models (hidden
+# 64..256, K 64..384, k_segments 8 so segments of 8..48 columns, i.e. one k-step), Qwen3-8B-sized
+# layers, decode and prefill M, bf16 and fp32 (bf16x3) operands, every output mode.
+GRID_M = (1, 64, 65, 600, 4096)
+GRID_NK = ((64, 64), (256, 64), (96, 128), (384, 256), (256, 384), (1000, 256), (4096, 4096), (12288, 4096),
+           (4096, 12288))
+GRID_SEGMENTS = (1, 8)   # P = 2 and 4 take the same loop structure as 8
+
+
+def _gemm_grid_variants():
+    """One representative call per distinct compiled variant the dispatcher can choose for the grid:
+    {(config, segments, dtype, out mode, TMA, one k-step): (m, n, k)}."""
+    import torch
+    from rlalign.ops.triton_backend.gemm import pick_config
+    seen = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        for call in ("linear", "fp32_out", "acc_in"):   # linear: the output has the operands' dtype
+            out_mode = call if call != "linear" else ("bf16" if dtype == torch.bfloat16 else "fp32")
+            for seg in GRID_SEGMENTS if call == "linear" else (1,):
+                for m in GRID_M:
+                    for n, k in GRID_NK:
+                        if k % seg:
+                            continue
+                        cfg = pick_config(m, n, seg, dtype == torch.float32, 132, out_mode)
+                        seg_k = k // seg
+                        key = (cfg, seg, str(dtype), call, seg == 1 or seg_k % 64 == 0, seg_k <= 64)
+                        seen.setdefault(key, (m, n, k))
+    return seen
+
+
+def _compile_gemm_grid(G) -> None:
+    """Compile (sm_90a) every variant of :func:`_gemm_grid_variants` through the real launcher."""
+    import torch
+    for (cfg, seg, dtype, call, _, _), (m, n, k) in _gemm_grid_variants().items():
+        dt = getattr(torch, dtype.split(".")[-1])
+        x, w = torch.empty(m, k, dtype=dt), torch.empty(n, k, dtype=dt)
+        if call == "acc_in":
+            G.gemm(x, w.T.contiguous(), out=torch.zeros(m, n), acc_in=True)
+        else:
+            G.gemm(x, w, b_trans=True, segments=seg, out_dtype=dt if call == "linear" else torch.float32)
+
+
+def _sm90_worker() -> None:
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    driver.set_active(_Sm90())
+    torch.cuda.is_available = lambda: True   # let the backend package import
+    compiled = []
+    original = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, {k: str(v) for k, v in kwargs.items()}, kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+    import rlalign.ops.triton_backend._common as common
+    common.num_sms = lambda index: 132
+    from rlalign.ops.triton_backend import attention as A, elementwise as E, gemm as G, logprob as L, sample as S
+
+    bf = torch.bfloat16
+    errors = []
+
+    def attempt(what, fn):
+        try:
+            fn()
+        except Exception:
+            errors.append(f"{what}: {traceback.format_exc(limit=3)[-1500:]}")
+
+    x, w = torch.empty(4096, 4096, dtype=bf), torch.empty(4096, 4096, dtype=bf)
+    for m in (1, 4096):
+        attempt(f"linear M={m}", lambda: G.gemm(x[:m], w, b_trans=True))
+        attempt(f"linear P=8 M={m}", lambda: G.gemm(x[:m], w, b_trans=True, segments=8))
+    attempt("dW", lambda: G.gemm(x, x, a_trans=True))
+    attempt("acc_in", lambda: G.gemm(x, w, out=torch.zeros(4096, 4096), acc_in=True))
+    attempt("fp32 out", lambda: G.gemm(x, w, b_trans=True, out_dtype=torch.float32))
+    q, k = torch.empty(4096, 32, 128, dtype=bf), torch.empty(4096, 8, 128, dtype=bf)
+    cu = torch.tensor([0, 4096], dtype=torch.int32)
+    attempt("attention varlen", lambda: A.varlen_forward(q, k, k, cu, 0.1, store_lse=True))
+    cache, table = torch.empty(64, 64, 8, 128, dtype=bf), torch.zeros(1, 64, dtype=torch.int32)
+    attempt("attention decode", lambda: A.paged_forward(q[:1], cache, cache, table, torch.tensor([9], dtype=torch.int32),
+                                                        torch.tensor([0, 1], dtype=torch.int32), 0.1))
+    attempt("attention backward", lambda: A.varlen_backward(q, k, k, q, torch.empty(4096, 32), cu, q, 0.1))
+    h, lm = torch.empty(256, 4096, dtype=bf), torch.empty(151936, 4096, dtype=bf)
+    tgt, zeros = torch.zeros(256, dtype=torch.int64), torch.zeros(256)
+    attempt("logprob forward", lambda: L.forward_stats(h, lm, tgt, 1.0, True))
+    attempt("logprob backward", lambda: L.backward_grads(h, lm, tgt, zeros, zeros, 1.0, zeros, zeros, True, True))
+    xe = torch.empty(64, 4096, dtype=bf)
+    attempt("rms_norm", lambda: (E.rms_forward(xe, xe[0], 1e-6), E.rms_backward(xe, xe[0], xe, zeros[:64])))
+    attempt("silu_mul", lambda: E._silu_fwd(xe, xe))
+    attempt("rope", lambda: E._rope_launch(q[:4], torch.empty(4, 64), torch.empty(4, 64), 1.0))
+    ints = torch.zeros(4, dtype=torch.int64)
+    attempt("sample", lambda: S.sample(torch.randn(4, 1000), ints, ints, ints, torch.ones(4), ints, torch.ones(4)))
+    before = len(compiled)
+    attempt("gemm shape grid", lambda: _compile_gemm_grid(G))
+    grid_variants = len(compiled) - before
+    variants = []
+    for name, kwargs, kernel in compiled:
+        ptx = kernel.asm["ptx"]
+        variants.append({"kernel": name, "args": {k: v for k, v in kwargs.items() if k.isupper()},
+                         "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx})
+    print("RESULTS " + json.dumps({"errors": errors, "variants": variants, "grid_variants": grid_variants}))
+
+
 # ---- pytest side --------------------------------------------------------------------------------------
 
+def _root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _spawn(flag: str, interpret: bool) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=_root() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), flag], env=env, cwd=_root(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _results(proc: subprocess.Popen):
+    out, err = proc.communicate(timeout=900)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULTS ")]
+    return (json.loads(lines[-1][len("RESULTS "):]) if lines else None), proc.returncode, out, err
+
+
 @pytest.fixture(scope="module")
-def interpreter_results():
+def workers():
+    """Both subprocesses, started together: (interpreter results, sm_90a compile results or a skip reason)."""
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"interpreter worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULTS "):])
+    import torch
+    sm90 = None if torch.cuda.is_available() else _spawn("--sm90-worker", interpret=False)
+    interp = _results(_spawn("--worker", interpret=True))
+    compiled = _results(sm90) if sm90 is not None else (None, 0, "", "a CUDA device is here: tests/cuda compiles and runs these kernels for real")
+    return interp, compiled
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(workers):
+    res, rc, out, err = workers[0]
+    if res is None:
+        pytest.fail(f"interpreter worker failed (rc {rc}):\n{out[-3000:]}\n{err[-3000:]}")
+    return res
+
+
+@pytest.fixture(scope="module")
+def sm90(workers):
+    res, rc, out, err = workers[1]
+    if res is None:
+        pytest.skip(f"sm_90a compile worker did not run: {err[-800:]}")
+    return res
+
+
+def test_kernels_compile_for_sm90(sm90):
+    assert not sm90["errors"], "\n".join(sm90["errors"])
+    assert len(sm90["variants"]) >= 15
+
+
+def test_dot_kernels_use_wgmma(sm90):
+    missing = [v for v in sm90["variants"] if v["has_dot"] and not v["wgmma"]]
+    assert not missing, f"compiled with mma.sync instead of wgmma: {missing}"
+
+
+def test_shared_memory_fits_sm90(sm90):
+    over = [v for v in sm90["variants"] if v["smem"] > SMEM_LIMIT]
+    assert not over, f"shared memory over {SMEM_LIMIT} B: {over}"
+
+
+def test_dispatched_gemm_configs_cover_the_shape_grid(sm90):
+    """The shape grid (tiny models with one-k-step segments, fp32 operands, every output mode) was
+    compiled: test_shared_memory_fits_sm90 then covers every config the dispatcher picks for it."""
+    assert sm90["grid_variants"] >= 30, f"only {sm90['grid_variants']} grid variants compiled"
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -256,3 +446,5 @@ def test_kernel_under_interpreter(interpreter_results, name):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()
+if __name__ == "__main__" and "--sm90-worker" in sys.argv:
+    _sm90_worker()

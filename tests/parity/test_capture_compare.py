@@ -15,7 +15,6 @@ from rlalign.parity.capture import capture, note_batch, note_rows, packed_layout
 from rlalign.parity.compare import (compare_captures, compare_logprobs, differing, forward_order, ordered_ints,
                                     split_name)
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tests.parity.conftest import tapped
 
 
 def test_tap_is_identity_and_free_without_capture():
@@ -77,6 +76,8 @@ def test_forward_order_and_names():
     names = ["final_norm", "layers.10.mlp", "layers.2.q", "embed", "layers.2.input_norm", "logprob", "layers.2.residual"]
     assert forward_order(names) == ["embed", "layers.2.input_norm", "layers.2.q", "layers.2.residual",
                                     "layers.10.mlp", "final_norm", "logprob"]
+    assert forward_order(["layers.0.mlp", "layers.0.post_norm", "layers.0.residual", "layers.0.o_proj"]) == \
+        ["layers.0.o_proj", "layers.0.residual", "layers.0.post_norm", "layers.0.mlp"]
     assert split_name("layers.3.o_proj") == (3, "o_proj") and split_name("embed") == (None, "embed")
 
 
@@ -102,15 +103,14 @@ def test_rollout_rows_match_training_rows(checkpoints, explicit_note):
         model.forward_hidden = noted
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [5, 6, 7, 8, 9, 10, 11, 40, 41]]
     sampling = SamplingParams(n=3, max_new_tokens=5, seed=4)
-    with tapped(model):
-        rollout, completions = _engine_capture(model, prompts, sampling, page_size=4, max_prefill_chunk=3)
-        seqs = [c.prompt_tokens + c.tokens for c in completions]
-        with capture(model=model) as train, torch.no_grad():
-            model.logprobs(ForwardBatch.packed(seqs), next_token_targets(seqs))
+    rollout, completions = _engine_capture(model, prompts, sampling, page_size=4, max_prefill_chunk=3)
+    seqs = [c.prompt_tokens + c.tokens for c in completions]
+    with capture(model=model) as train, torch.no_grad():
+        model.logprobs(ForwardBatch.packed(seqs), next_token_targets(seqs))
     result = compare_captures(train, rollout, labels=("train", "rollout"))
     assert result.verdict == "identical", result.reason
     compared = [b for b in result.boundaries if b.compared]
-    assert {"embed", "layers.0.mlp", "layers.2.residual", "final_norm"} <= {b.name for b in compared}
+    assert {"embed", "layers.0.q", "layers.0.mlp", "layers.2.residual", "final_norm"} <= {b.name for b in compared}
     distinct_rows = len({k for s in seqs for k in prefix_keys(s[:-1])})   # the last token is never fed
     assert all(b.rows == distinct_rows for b in compared if b.name != "logprob"), \
         [(b.name, b.rows, distinct_rows) for b in compared]

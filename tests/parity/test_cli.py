@@ -46,7 +46,6 @@ def test_native_shows_mismatches_and_report(checkpoints, capsys, tmp_path, train
 
 
 def test_localize_names_the_planted_defect(checkpoints, capsys, monkeypatch):
-    from tests.parity.conftest import tapped
     build = parity_run.build_trainer
 
     def with_defect(o, model, model_dir):
@@ -59,24 +58,10 @@ def test_localize_names_the_planted_defect(checkpoints, capsys, monkeypatch):
             with use_profile("native"):
                 return strict_forward(x)
         mlp.forward = native_forward
-        stack.append(tapped(trainer.model))
-        stack[-1].__enter__()
         return trainer
 
-    stack = []
     monkeypatch.setattr(parity_run, "build_trainer", with_defect)
-    load = parity_run.build_rollout
-
-    def tapped_rollout(o, model):
-        stack.append(tapped(model))
-        stack[-1].__enter__()
-        return load(o, model)
-    monkeypatch.setattr(parity_run, "build_rollout", tapped_rollout)
-    try:
-        rc, summary = _parity(capsys, "--model", str(checkpoints["qwen3-bf16"]), "--localize", "--json", *SMALL)
-    finally:
-        for ctx in reversed(stack):
-            ctx.__exit__(None, None, None)
+    rc, summary = _parity(capsys, "--model", str(checkpoints["qwen3-bf16"]), "--localize", "--json", *SMALL)
     assert rc == 1
     localized = summary["first_divergence"]["localized"]
     assert (localized["boundary"], localized["layer"], localized["op"]) == ("layers.1.mlp", 1, "mlp")

@@ -3,8 +3,6 @@ the tool must name that op/boundary and layer as the first divergence."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -13,7 +11,6 @@ from rlalign.contract.profiles import use_profile
 from rlalign.models import load_model
 from rlalign.parity.run import ParityOptions, ParityResult, compare_tokens, localize
 from rlalign.parity.sides import RLAlignRollout, RLAlignTrainer, TransformersTrainer
-from tests.parity.conftest import tapped
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [5, 6, 7, 20, 21, 22, 23, 24]]
 
@@ -40,8 +37,7 @@ def _two_roundings(norm: torch.nn.Module) -> None:
     norm.forward = forward
 
 
-def _run(rollout_model, trainer, stack: contextlib.ExitStack):
-    stack.enter_context(tapped(rollout_model))
+def _run(rollout_model, trainer):
     rollout = RLAlignRollout(rollout_model)
     record = rollout.generate(PROMPTS, n=2, max_new_tokens=6, temperature=1.0, seed=3)
     tokens = compare_tokens(record, trainer)
@@ -62,9 +58,7 @@ def test_native_mlp_on_the_training_side(checkpoints):
     rollout_model, _ = load_model(checkpoints["qwen3-bf16"])
     train_model, _ = load_model(checkpoints["qwen3-bf16"])
     _native(train_model.model.layers[1].mlp)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(tapped(train_model))
-        record, tokens, loc = _run(rollout_model, RLAlignTrainer(train_model), stack)
+    record, tokens, loc = _run(rollout_model, RLAlignTrainer(train_model))
     assert tokens.mismatches > 0
     _assert_first(loc, "layers.1.mlp", 1, "mlp")
     first = ParityResult(ParityOptions(localize=True), record, tokens, "", loc).first_divergence()
@@ -78,9 +72,7 @@ def test_moved_rounding_point_in_a_norm(checkpoints):
     rollout_model, _ = load_model(checkpoints["qwen3-bf16"])
     train_model, _ = load_model(checkpoints["qwen3-bf16"])
     _two_roundings(train_model.model.layers[2].post_attention_layernorm)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(tapped(train_model))
-        _, tokens, loc = _run(rollout_model, RLAlignTrainer(train_model), stack)
+    _, tokens, loc = _run(rollout_model, RLAlignTrainer(train_model))
     assert tokens.mismatches > 0
     _assert_first(loc, "layers.2.post_norm", 2, "post_norm")
 
@@ -94,9 +86,7 @@ def test_native_paged_attention_on_the_rollout_side(checkpoints, monkeypatch):
     def native_paged(*args, **kwargs):
         return strict_paged(*args, **{**kwargs, "profile": "native"})
     monkeypatch.setattr(ops, "attention_paged", native_paged)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(tapped(train_model))
-        _, tokens, loc = _run(rollout_model, RLAlignTrainer(train_model), stack)
+    _, tokens, loc = _run(rollout_model, RLAlignTrainer(train_model))
     _assert_first(loc, "layers.0.attn", 0, "attn")
 
 
@@ -107,13 +97,24 @@ def test_native_o_proj_in_the_transformers_trainer(checkpoints):
     rollout_model, _ = load_model(checkpoints["qwen2"])
     hf = from_pretrained(checkpoints["qwen2"])
     _native(hf.model.layers[1].self_attn.o_proj)
-    with contextlib.ExitStack() as stack:
-        _, tokens, loc = _run(rollout_model, TransformersTrainer(hf), stack)
+    _, tokens, loc = _run(rollout_model, TransformersTrainer(hf))
     _assert_first(loc, "layers.1.o_proj", 1, "o_proj")
 
 
 def test_no_defect_is_identical(checkpoints):
     rollout_model, _ = load_model(checkpoints["qwen2"])
-    with contextlib.ExitStack() as stack:
-        _, tokens, loc = _run(rollout_model, RLAlignTrainer(rollout_model), stack)
+    _, tokens, loc = _run(rollout_model, RLAlignTrainer(rollout_model))
     assert tokens.ok and loc.verdict == "identical", loc.reason
+
+
+def test_no_defect_with_transformers_every_boundary_identical(checkpoints):
+    """The patched transformers model taps the same tensors as rlalign's model: all compared, all equal."""
+    pytest.importorskip("transformers")
+    from rlalign.integrations.transformers import from_pretrained
+    rollout_model, _ = load_model(checkpoints["qwen3"])
+    _, tokens, loc = _run(rollout_model, TransformersTrainer(from_pretrained(checkpoints["qwen3"])))
+    assert tokens.ok and loc.verdict == "identical", loc.reason
+    compared = {b.name for b in loc.boundaries if b.compared}
+    per_layer = {f"layers.{i}.{b}" for i in range(3) for b in
+                 ("input_norm", "q", "k", "v", "attn", "o_proj", "residual", "post_norm", "mlp")}
+    assert per_layer | {"embed", "final_norm"} <= compared, sorted(per_layer - compared)

@@ -110,7 +110,7 @@ def test_engine_logprobs_equal_the_trainers(model, reference, name):
         assert all(a.tokens == b.tokens for a, b in zip(completions[::2], completions[1::2]))
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(10))
 def test_tokens_and_logprobs_do_not_depend_on_the_engine_configuration(model, prompts, reference, seed):
     rng = random.Random(seed)
     name = list(SAMPLINGS)[seed % len(SAMPLINGS)]

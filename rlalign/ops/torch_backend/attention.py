@@ -22,9 +22,11 @@ packed training forward, a one-shot or chunked prefill, and step-by-step decode:
   changes nothing else: keys past a row's position but inside the block contribute 0 * V, whose
   sign of zero depends on whether V is a real row (packed forward) or a masked 0 (decode).
 
-What is left to the libraries (bmm of fixed per-item shapes is invariant to the batch count, the
-item's index and the row's position in the tile; exp is position invariant) is listed in
-:func:`rlalign.contract.spec.cpu_backend_assumptions` and checked by ``rlalign doctor``.
+What is left to the libraries (a bmm of fixed per-item shapes gives an item the same bits whatever
+its index, the row's position in the tile and the other rows; exp is position invariant) is listed
+in :func:`rlalign.contract.spec.cpu_backend_assumptions` and checked by ``rlalign doctor``. On the
+CPU the bmm batch count may vary too (MKL, checked); on GPUs every bmm is padded to one fixed
+batch count, because cuBLAS chooses kernels by batch count.
 
 The varlen backward (:class:`_VarlenAttention`) recomputes probabilities flash-style from the
 saved log-sum-exp; it is deterministic run to run (fixed-shape GEMMs, no atomics, no
@@ -52,6 +54,9 @@ _CHUNK_ELEMS = 1 << 20
 # 16, 64 and 4096), so the library must only ever see one shape. MKL's bmm on the CPU is batch-count
 # invariant (spec.cpu_backend_assumptions, checked by `rlalign doctor`) and runs unpadded.
 _GPU_BATCH = 1024
+# The varlen backward works on [groups, rows, 64] fp32 score tiles; groups are chunked so that
+# one such temporary holds about this many elements (memory only; fixed by the shapes).
+_BWD_ELEMS = 1 << 23
 
 
 def _take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -320,16 +325,20 @@ def _backward_bucket(seqs, start, length, src, grads, hq: int, hkv: int, scale: 
     dkp, dvp = torch.zeros_like(kp), torch.zeros_like(vp)
     active = [int((ln > j * KV_BLOCK).sum()) * hkv for j in range(n_blocks)]
     for j in range(n_blocks):
-        ga, r0, k0 = active[j], j * KV_BLOCK * g, j * KV_BLOCK
-        qs, dos = qp[:ga, r0:], dop[:ga, r0:]
-        kb, vb = kp[:ga, k0:k0 + KV_BLOCK], vp[:ga, k0:k0 + KV_BLOCK]
-        s = torch.bmm(qs, kb.transpose(1, 2)) * scale
-        visible = kpos[k0:k0 + KV_BLOCK] <= row_pos[:ga, r0:].unsqueeze(-1)
-        p = torch.where(visible, torch.exp(s - lse[:ga, r0:].unsqueeze(-1)), 0.0)
-        dvp[:ga, k0:k0 + KV_BLOCK] = torch.bmm(p.transpose(1, 2), dos)
-        ds = p * (torch.bmm(dos, vb.transpose(1, 2)) - delta[:ga, r0:].unsqueeze(-1))
-        dqp[:ga, r0:] += torch.bmm(ds, kb) * scale
-        dkp[:ga, k0:k0 + KV_BLOCK] = torch.bmm(ds.transpose(1, 2), qs) * scale
+        r0, k0 = j * KV_BLOCK * g, j * KV_BLOCK
+        # groups in chunks so that a [groups, rows, 64] fp32 temporary stays near _BWD_ELEMS
+        step = max(1, _BWD_ELEMS // ((n_rows - r0) * KV_BLOCK))
+        for c0 in range(0, active[j], step):
+            c = slice(c0, min(active[j], c0 + step))
+            qs, dos = qp[c, r0:], dop[c, r0:]
+            kb, vb = kp[c, k0:k0 + KV_BLOCK], vp[c, k0:k0 + KV_BLOCK]
+            s = torch.bmm(qs, kb.transpose(1, 2)) * scale
+            visible = kpos[k0:k0 + KV_BLOCK] <= row_pos[c, r0:].unsqueeze(-1)
+            p = torch.where(visible, torch.exp(s - lse[c, r0:].unsqueeze(-1)), 0.0)
+            dvp[c, k0:k0 + KV_BLOCK] = torch.bmm(p.transpose(1, 2), dos)
+            ds = p * (torch.bmm(dos, vb.transpose(1, 2)) - delta[c, r0:].unsqueeze(-1))
+            dqp[c, r0:] += torch.bmm(ds, kb) * scale
+            dkp[c, k0:k0 + KV_BLOCK] = torch.bmm(ds.transpose(1, 2), qs) * scale
     # every real row belongs to exactly one group: plain (unique-index) writes; padding -> dump row
     dq.index_copy_(0, q_idx.reshape(-1), dqp.reshape(-1, d))
     dk.index_copy_(0, k_idx.reshape(-1), dkp.reshape(-1, d))
@@ -364,6 +373,7 @@ class _VarlenAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         dq, dk, dv = _varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out.contiguous(), ctx.scale)

@@ -9,7 +9,9 @@ row's position, the number of warps or pipeline stages):
   past the segment (or past K) are exact zeros. ``mma`` is ``tl.dot`` with an fp32 accumulator
   (bf16 operands; fp32 operands split bf16x3, see :mod:`._common`).
 * The P segment partials merge in the balanced binary tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))
-  in fp32 (a stack of completed subtrees, merged as soon as both halves exist).
+  in fp32 (a stack of completed subtrees, merged as soon as both halves exist). The kernel walks
+  all P segments in one loop of P * steps k-steps; the accumulator restarts from zero at each
+  segment start (an exact zero, so a segment's partial is that of a separate call on its columns).
 * Then ``+ bias[n]`` in fp32 and one rounding to the output dtype (or an fp32 store). With
   ``acc_in`` the accumulator starts from the fp32 values already in C (P = 1 only): a reduction
   split across calls at multiples of 64 columns gives the bits of one call.
@@ -52,16 +54,21 @@ class GemmConfig:
 # output tile (and, with acc_in, the loaded accumulator); everything must fit in 227 KiB.
 _LARGE = (GemmConfig(128, 256, 8, 3, flatten=True), GemmConfig(128, 128, 8, 4, flatten=True))
 _MEDIUM = (GemmConfig(64, 128, 4, 4), GemmConfig(64, 64, 4, 5))
-# M <= 64 streams W: deep pipelines keep >= 48 KiB of W in flight per SM.
-_SMALL_M = (GemmConfig(64, 128, 4, 6), GemmConfig(64, 64, 4, 10), GemmConfig(64, 32, 4, 12))
+# M <= 64 streams W: deep pipelines keep >= 48 KiB of W in flight per SM; flatten keeps the pipeline
+# streaming across a program's successive tiles (the LM head: ~9 tiles per program) instead of
+# draining it at each tile's end.
+_SMALL_M = (GemmConfig(64, 128, 4, 6, flatten=True), GemmConfig(64, 64, 4, 10, flatten=True),
+            GemmConfig(64, 32, 4, 12, flatten=True))
 # fp32 output tiles (lm_logits, fp32 partials): 128x256 would need 272 KiB.
 _LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
 # acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging.
 _LARGE_ACCIN = (GemmConfig(128, 128, 8, 3, flatten=True),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
-# Segmented (k_segments > 1) tiles: up to log2(P)+1 accumulators live at once, so the tiles are
-# narrower. Compiled for sm_90a (ptxas -v, P=8): 128x64/8 warps 235 registers, 64x64 249, 64x32 220,
-# no spills; 128x128 spills unless every level goes to the scratch (7 fp32 tile stores + loads).
+# Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see _segment_tree),
+# so shared memory is that of the plain kernel whatever P and K (an unrolled loop per segment got
+# its own stage buffers when a segment was one k-step: 8x, 964 KiB, on the H200). Up to log2(P)+1
+# accumulators are live at once, so the tiles are narrower. sm_90a, P=8 (ptxas -v): 128x64/8 warps
+# 228 registers, 112 KiB, no spills; 128x128 spills even with only 2 levels in registers.
 _SEG_LARGE = (GemmConfig(128, 64, 8, 4),)
 _SEG_SMALL = (GemmConfig(64, 64, 4, 5), GemmConfig(64, 32, 4, 10))
 # fp32 operands (bf16x3 split in registers): modest tiles (128x128 uses 224 KiB of shared memory).
@@ -183,16 +190,18 @@ def _scratch_ptrs(scratch, slot, level: tl.constexpr, REG_LEVELS: tl.constexpr, 
 
 
 @triton.jit
-def _push(v, scratch, slot, level: tl.constexpr, LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr,
-          BM: tl.constexpr, BN: tl.constexpr):
-    """Keep a completed subtree of 2**level segments until its right sibling exists (fp32 exact)."""
-    if level < REG_LEVELS or level == LOG2P:
+def _push(v, held, scratch, slot, level: tl.constexpr, REG_LEVELS: tl.constexpr, BM: tl.constexpr,
+          BN: tl.constexpr):
+    """Keep a completed subtree of 2**level segments until its right sibling exists (fp32 exact):
+    in registers (level < REG_LEVELS: returned) or in the program's scratch slot (``held``, the
+    untouched register stand-in, is returned so that no register tile stays live for it)."""
+    if level < REG_LEVELS:
         return v
     else:
         tl.debug_barrier()
         tl.store(_scratch_ptrs(scratch, slot, level, REG_LEVELS, BM, BN), v)
         tl.debug_barrier()
-        return v
+        return held
 
 
 @triton.jit
@@ -206,40 +215,62 @@ def _pop(v, scratch, slot, level: tl.constexpr, REG_LEVELS: tl.constexpr, BM: tl
 
 
 @triton.jit
+def _merge_segment(v, st0, st1, st2, s, scratch, slot, LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr):
+    """Segment ``s``'s partial ``v`` joins the binary-counter stack of completed subtrees.
+
+    Bit ``l`` of s says whether v's subtree (2**l segments) is a left child (pushed to level l)
+    or a right child (added to the left sibling's sum, ``left + right``, and carried up). Returns
+    (v, st0, st1, st2): after the last segment v is the whole tree ((s0+s1)+(s2+s3))+(...)."""
+    if s % 2 == 0:
+        st0 = _push(v, st0, scratch, slot, 0, REG_LEVELS, BM, BN)
+    else:
+        v = _pop(st0, scratch, slot, 0, REG_LEVELS, BM, BN) + v
+        if LOG2P > 1:
+            if (s // 2) % 2 == 0:
+                st1 = _push(v, st1, scratch, slot, 1, REG_LEVELS, BM, BN)
+            else:
+                v = _pop(st1, scratch, slot, 1, REG_LEVELS, BM, BN) + v
+                if LOG2P > 2:
+                    if (s // 4) % 2 == 0:
+                        st2 = _push(v, st2, scratch, slot, 2, REG_LEVELS, BM, BN)
+                    else:
+                        v = _pop(st2, scratch, slot, 2, REG_LEVELS, BM, BN) + v
+    return v, st0, st1, st2
+
+
+@triton.jit
 def _segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
                   stride_am, stride_ak, stride_bk, stride_bn,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
                   LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr,
                   B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr):
-    """P (2, 4 or 8) segment partials merged ((s0+s1)+(s2+s3))+... via a binary-counter stack."""
+    """P (2, 4 or 8) segment partials merged ((s0+s1)+(s2+s3))+... via a binary-counter stack.
+
+    ONE loop over all P * steps k-steps (one software pipeline, one set of shared-memory stage
+    buffers, no pipeline drain between segments); at a segment's last step its partial is merged
+    into the stack and the accumulator restarts from zero. Per element this is exactly: each
+    segment reduced from zero in 64-column steps in order, then the fixed tree."""
     zero = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = zero
     st0 = zero
     st1 = zero
     st2 = zero
-    st3 = zero
-    for s in tl.static_range(P):
-        v = _reduce_segment(zero, a_src, b_src, off_m, off_n, s * SEG_K, (s + 1) * SEG_K, steps, M, N,
-                            stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, A_TRANS, B_TRANS,
-                            USE_TMA, SPLIT)
-        if s % 2 == 0:
-            st0 = _push(v, scratch, slot, 0, LOG2P, REG_LEVELS, BM, BN)
-        else:
-            v = _pop(st0, scratch, slot, 0, REG_LEVELS, BM, BN) + v
-            if (s // 2) % 2 == 0:
-                st1 = _push(v, scratch, slot, 1, LOG2P, REG_LEVELS, BM, BN)
+    for i in range(P * steps):
+        s = i // steps
+        j = i - s * steps
+        k_end = (s + 1) * SEG_K
+        k = s * SEG_K + j * BK
+        a = _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
+        b = _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
+        acc = mma(a, b, acc, SPLIT)
+        if j == steps - 1:
+            v, st0, st1, st2 = _merge_segment(acc, st0, st1, st2, s, scratch, slot, LOG2P, REG_LEVELS, BM, BN)
+            if s == P - 1:
+                acc = v       # the whole tree: the loop ends here
             else:
-                v = _pop(st1, scratch, slot, 1, REG_LEVELS, BM, BN) + v
-                if (s // 4) % 2 == 0:
-                    st2 = _push(v, scratch, slot, 2, LOG2P, REG_LEVELS, BM, BN)
-                else:
-                    v = _pop(st2, scratch, slot, 2, REG_LEVELS, BM, BN) + v
-                    st3 = v
-    if LOG2P == 1:
-        return st1
-    elif LOG2P == 2:
-        return st2
-    else:
-        return st3
+                acc = zero    # the next segment starts from zero
+    return acc
 
 
 @triton.jit(do_not_specialize=["M", "num_progs"])
