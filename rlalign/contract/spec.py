@@ -171,6 +171,10 @@ def render_markdown() -> str:
     lines += [
         "",
         "CPU and GPU need not agree bit for bit; each device agrees with itself across engines.",
+        "The triton backend (CUDA) fixes the same kinds of choices with its own constants (BLOCK_K=64 for",
+        "every GEMM, 256-column vocab tiles, base-2 exponent, bf16x3 for fp32 inputs); they are listed in",
+        "[docs/gpu.md](gpu.md). On CUDA the library checks above are not run: strict does not rely on",
+        "cuBLAS, which is neither row- nor batch-count-invariant there (measured).",
         "",
         "## What the native profile promises",
         "",

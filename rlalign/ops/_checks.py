@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from rlalign.contract.errors import ContractError, fail
@@ -32,11 +34,42 @@ def ndim(op: str, name: str, t: torch.Tensor, n: int) -> None:
         raise fail(op, f"{name} must have {n} dims, got shape {tuple(t.shape)}")
 
 
+_pending = threading.local()
+
+
 def finite(op: str, name: str, t: torch.Tensor) -> None:
-    """Strict ops refuse NaN/inf inputs: they would poison every reduction they enter."""
-    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-        bad = (~torch.isfinite(t)).nonzero()[0].tolist()
-        raise fail(op, f"{name} contains NaN or inf (first at index {bad}, value {t[tuple(bad)].item()})")
+    """Strict ops refuse NaN/inf inputs: they would poison every reduction they enter.
+
+    On the CPU the check is immediate. On a GPU an immediate check would make the host wait for
+    the device at every op, so the verdict is kept on the device and :func:`flush` (called by the
+    ops whose results go to the host anyway: logprob_entropy, lm_logits) raises for the *first*
+    op that saw a non-finite input -- still an error naming the op, one sync per forward.
+    """
+    if not (t.is_floating_point() and t.numel()):
+        return
+    if t.device.type == "cpu":
+        if not bool(torch.isfinite(t).all()):
+            bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+            raise fail(op, f"{name} contains NaN or inf (first at index {bad}, value {t[tuple(bad)].item()})")
+        return
+    queue = getattr(_pending, "items", None)
+    if queue is None:
+        queue = _pending.items = []
+    queue.append((op, name, torch.isfinite(t).all()))
+    if len(queue) >= 4096:  # bound the queue on long runs without a flushing op
+        flush()
+
+
+def flush() -> None:
+    """Raise for the first deferred GPU finiteness check that failed (see :func:`finite`)."""
+    queue = getattr(_pending, "items", None)
+    if not queue:
+        return
+    _pending.items = []
+    verdicts = torch.stack([ok.to(queue[0][2].device) for _, _, ok in queue]).tolist()
+    for (op, name, _), ok in zip(queue, verdicts):
+        if not ok:
+            raise fail(op, f"{name} contains NaN or inf (detected on the device at the next sync point)")
 
 
 def contiguous(op: str, name: str, t: torch.Tensor) -> None:
@@ -49,4 +82,4 @@ def index_dtype(op: str, name: str, t: torch.Tensor) -> None:
         raise fail(op, f"{name} must be an int32/int64 tensor, got {t.dtype}")
 
 
-__all__ = ["ContractError", "dtype_ok", "same_device", "ndim", "finite", "contiguous", "index_dtype"]
+__all__ = ["ContractError", "dtype_ok", "same_device", "ndim", "finite", "flush", "contiguous", "index_dtype"]

@@ -126,6 +126,7 @@ def _check_strict_inputs(op: str, hidden, weight, targets=None) -> None:
     chk.dtype_ok(op, hidden, weight)
     chk.same_device(op, hidden, weight, *(() if targets is None else (targets,)))
     chk.finite(op, "hidden", hidden)
+    chk.flush()  # results go to the host next: raise for any deferred GPU finiteness failure now
 
 
 def _round_chunk(op: str, name: str, value, default: int, multiple: int) -> int:
