@@ -64,7 +64,7 @@ class RolloutSection:
 
 @dataclasses.dataclass
 class AlgoSection:
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"   # gae: PPO with a value model
     policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
     clip_low: float = 0.2
     clip_high: float = 0.28            # DAPO clip-higher
@@ -80,6 +80,10 @@ class AlgoSection:
     mismatch_correction: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "none"
     mismatch_cap: float = 2.0          # TIS cap C / MIS upper bound
     ppo_epochs: int = 1
+    gamma: float = 1.0                 # gae
+    lam: float = 0.95                  # gae
+    value_lr: float = 1e-3             # gae: AdamW lr of the value model
+    value_clip: float | None = 0.2     # gae: PPO2 value clipping around the old values
 
 
 @dataclasses.dataclass

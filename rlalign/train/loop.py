@@ -37,6 +37,7 @@ from rlalign.train.config import TrainConfig
 from rlalign.train.packing import micro_batches, score_completions, score_in_micro_batches
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import build_task, load_policy
+from rlalign.train.value import value_loss
 
 
 class MismatchError(RLAlignError):
@@ -45,14 +46,37 @@ class MismatchError(RLAlignError):
 
 @dataclasses.dataclass
 class Rollout:
-    """One step's samples, flattened sample by sample (group = prompt)."""
+    """One step's samples, sequence by sequence (group = prompt)."""
     samples: list[tuple[list[int], int]]       # (prompt + completion tokens, prompt_len)
-    rollout_logprobs: torch.Tensor             # fp32 [completion tokens]
-    rewards: torch.Tensor                      # fp32 [N]
-    group_ids: torch.Tensor                    # int64 [N]
-    truncated: torch.Tensor                    # bool [N]
-    completion_lens: list[int]
+    logprobs: list[list[float]]                # rollout engine's logprob of each completion token
+    rewards: list[float]
+    group_ids: list[int]
+    truncated: list[bool]
     texts: list[str]
+
+    @property
+    def completion_lens(self) -> list[int]:
+        return [len(t) - p for t, p in self.samples]
+
+    @property
+    def rollout_logprobs(self) -> torch.Tensor:
+        return torch.tensor([x for lps in self.logprobs for x in lps], dtype=torch.float32)
+
+    def reward_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.rewards, dtype=torch.float32)
+
+    def group_tensor(self) -> torch.Tensor:
+        """Group ids renumbered 0..G-1 in order of first appearance."""
+        order = {g: i for i, g in enumerate(dict.fromkeys(self.group_ids))}
+        return torch.tensor([order[g] for g in self.group_ids], dtype=torch.int64)
+
+    def select(self, keep: list[bool]) -> "Rollout":
+        pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
+        return Rollout(pick(self.samples), pick(self.logprobs), pick(self.rewards), pick(self.group_ids),
+                       pick(self.truncated), pick(self.texts))
+
+    def __add__(self, other: "Rollout") -> "Rollout":
+        return Rollout(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(Rollout)))
 
 
 class Trainer:
@@ -68,6 +92,11 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, foreach=False)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.value = self.value_optimizer = None
+        if cfg.algo.advantage == "gae":
+            from rlalign.train.value import ValueModel
+            self.value = ValueModel(self.policy)
+            self.value_optimizer = torch.optim.AdamW(self.value.parameters(), lr=cfg.algo.value_lr, foreach=False)
         self.step = 0
         self.data_pos = 0
         if cfg.optim.activation_checkpointing:
@@ -98,6 +127,9 @@ class Trainer:
         self.schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.data_pos = state["step"], state["data_pos"]
+        if self.value is not None:
+            self.value.load_state_dict(state["value"])
+            self.value_optimizer.load_state_dict(state["value_optimizer"])
         self.engine.update_weights(self.policy.state_dict())
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step)
 
@@ -105,7 +137,9 @@ class Trainer:
         save_checkpoint(self.run_dir, self.step, {
             "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(), "torch_rng": torch.get_rng_state(),
-            "step": self.step, "data_pos": self.data_pos, "config": dataclasses.asdict(self.cfg)})
+            "step": self.step, "data_pos": self.data_pos, "config": dataclasses.asdict(self.cfg),
+            **({"value": self.value.state_dict(), "value_optimizer": self.value_optimizer.state_dict()}
+               if self.value is not None else {})})
 
     def save_policy(self) -> Path:
         from rlalign.models.checkpoint import save_model
@@ -118,41 +152,78 @@ class Trainer:
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def rollout(self, step: int) -> Rollout:
+    def _draw(self, step: int, draw_round: int, count: int, first_group: int) -> Rollout:
+        """``count`` prompts from the data stream x ``samples_per_prompt`` samples, scored."""
         cfg = self.cfg
-        problems = self.task.train(self.data_pos, cfg.rollout.prompts_per_step)
+        problems = self.task.train(self.data_pos, count)
         self.data_pos += len(problems)
         prompts = [self.task.encode(p.prompt) for p in problems]
         sampling = SamplingParams(n=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature,
                                   top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=derive_seed(cfg.run.seed, step, 0))
+                                  max_new_tokens=cfg.rollout.max_new_tokens,
+                                  seed=derive_seed(cfg.run.seed, step, draw_round))
         completions = self.engine.generate(prompts, sampling)
         texts = [self.tokenizer.decode(c.tokens) for c in completions]
         rewards = self.task.score([problems[c.prompt_index].prompt for c in completions], texts,
                                   [problems[c.prompt_index].answer for c in completions])
-        return Rollout(
-            samples=[(c.prompt_tokens + c.tokens, len(c.prompt_tokens)) for c in completions],
-            rollout_logprobs=torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32),
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            group_ids=torch.tensor([c.prompt_index for c in completions], dtype=torch.int64),
-            truncated=torch.tensor([c.finish_reason == "length" for c in completions]),
-            completion_lens=[len(c.tokens) for c in completions], texts=texts)
+        return Rollout(samples=[(c.prompt_tokens + c.tokens, len(c.prompt_tokens)) for c in completions],
+                       logprobs=[list(c.logprobs) for c in completions], rewards=rewards,
+                       group_ids=[first_group + c.prompt_index for c in completions],
+                       truncated=[c.finish_reason == "length" for c in completions], texts=texts)
 
-    def token_advantages(self, ro: Rollout, seq_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Per-token advantages [T]: a sequence-level advantage copied to its tokens, or REINFORCE++'s."""
+    def rollout(self, step: int) -> tuple[Rollout, dict]:
+        """The step's rollout. With ``algo.dynamic_sampling`` (DAPO): groups whose rewards are all equal
+        are dropped and more prompts drawn (at most ``algo.max_draw_rounds`` rounds) until
+        ``prompts_per_step`` informative groups are kept; extra groups are trimmed, first drawn first kept."""
+        target = self.cfg.rollout.prompts_per_step
+        ro = self._draw(step, 0, target, 0)
+        if not self.cfg.algo.dynamic_sampling:
+            return ro, {}
+        drawn, kept_ro, rounds = target, None, 1
+        while True:
+            keep = algos.informative_groups(ro.reward_tensor(), ro.group_tensor())
+            kept_ro = ro.select(keep.tolist())
+            kept = len(set(kept_ro.group_ids))
+            more = algos.groups_to_draw(target, kept, drawn, max_draw=4 * target)
+            if more == 0 or rounds >= self.cfg.algo.max_draw_rounds:
+                break
+            ro = ro + self._draw(step, rounds, more, drawn)
+            drawn += more
+            rounds += 1
+        stats = {"dynamic_sampling/drawn_groups": drawn, "dynamic_sampling/kept_groups": min(kept, target),
+                 "dynamic_sampling/rounds": rounds}
+        if kept == 0:  # nothing informative: every advantage is 0, the update is a no-op
+            return ro, stats
+        trimmed = algos.first_groups(kept_ro.group_tensor(), torch.ones(len(kept_ro.rewards), dtype=torch.bool), target)
+        return kept_ro.select(trimmed.tolist()), stats
+
+    def token_advantages(self, ro: Rollout, seq_ids: torch.Tensor, mask: torch.Tensor,
+                         kl: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """Per-token advantages [T] (a sequence-level advantage copied to its tokens, or REINFORCE++'s /
+        GAE's per-token ones) and, for GAE, the value targets. ``kl`` (per token, or None) is the KL
+        penalty folded into the reward when ``algo.kl_in_reward``."""
         a = self.cfg.algo
+        rewards, groups = ro.reward_tensor(), ro.group_tensor()
+        coef = a.kl_coef if kl is not None else 0.0
+        if a.advantage == "gae":
+            token_r = algos.token_rewards(rewards, seq_ids, mask, kl=kl, kl_coef=coef)
+            old_values = self.value.values_in_micro_batches(ro.samples, self.cfg.optim.micro_batch_tokens)
+            adv, returns = algos.gae_advantages(token_r, old_values, seq_ids, mask, gamma=a.gamma, lam=a.lam)
+            return algos.whiten(adv, mask), {"returns": returns, "old_values": old_values}
+        if a.advantage == "reinforce_pp":
+            return algos.reinforce_pp_advantages(rewards, seq_ids, mask, group_ids=groups, kl=kl, kl_coef=coef)[0], {}
+        if kl is not None:  # sequence-level reward minus the summed per-token KL penalty
+            rewards = rewards - coef * torch.zeros_like(rewards).index_add_(0, seq_ids, torch.where(mask, kl, 0.0))
         if a.advantage in ("grpo", "dr_grpo"):
-            adv = algos.grpo_advantages(ro.rewards, ro.group_ids, scale_by_std=a.advantage == "grpo")
-        elif a.advantage == "rloo":
-            adv = algos.rloo_advantages(ro.rewards, ro.group_ids)
+            adv = algos.grpo_advantages(rewards, groups, scale_by_std=a.advantage == "grpo")
         else:
-            return algos.reinforce_pp_advantages(ro.rewards, seq_ids, mask, group_ids=ro.group_ids)[0]
-        return algos.expand_to_tokens(adv, seq_ids, mask)
+            adv = algos.rloo_advantages(rewards, groups)
+        return algos.expand_to_tokens(adv, seq_ids, mask), {}
 
     def train_step(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         with use_profile(cfg.run.profile):
-            ro = self.rollout(step)
+            ro, sampling_stats = self.rollout(step)
             t_rollout = time.perf_counter() - t0
             t1 = time.perf_counter()
             temp = cfg.rollout.temperature
@@ -163,22 +234,26 @@ class Trainer:
             seq_ids = algos.seq_ids_from_lengths(lens)
             mask = torch.ones(seq_ids.shape[0], dtype=torch.bool)
             if cfg.algo.overlong_filter:
-                mask = algos.overlong_filter(mask, seq_ids, ro.truncated)
+                mask = algos.overlong_filter(mask, seq_ids, torch.tensor(ro.truncated))
             mism = algos.logprob_mismatch_stats(old_lp, ro.rollout_logprobs, torch.ones_like(mask))
             record = {"step": step, **self._mismatch_record(mism)}
             self._check_mismatch(step, record)
-            token_adv = self.token_advantages(ro, seq_ids, mask)
             ref_lp = (score_in_micro_batches(self.ref, ro.samples, temperature=temp, max_tokens=mb_tokens)[0]
                       if self.ref is not None else None)
+            kl_reward = (algos.kl_estimate(old_lp, ref_lp, self.cfg.algo.kl_estimator)
+                         if ref_lp is not None and self.cfg.algo.kl_in_reward else None)
+            token_adv, value_targets = self.token_advantages(ro, seq_ids, mask, kl_reward)
             is_weights, corr_stats = self._mismatch_correction(old_lp, ro.rollout_logprobs, mask, seq_ids)
-            update = self._update(ro, old_lp, token_adv, ref_lp, mask, seq_ids, is_weights)
+            update = self._update(ro, old_lp, token_adv, None if kl_reward is not None else ref_lp, mask, seq_ids,
+                                  is_weights, value_targets)
         t_train = time.perf_counter() - t1
         self.engine.update_weights(self.policy.state_dict())
         n_tokens = int(lens.sum())
         record.update({
-            "reward/mean": float(ro.rewards.mean()), "reward/std": float(ro.rewards.std()) if len(ro.rewards) > 1 else 0.0,
+            "reward/mean": float(ro.reward_tensor().mean()),
+            "reward/std": float(ro.reward_tensor().std()) if len(ro.rewards) > 1 else 0.0,
             "entropy": float(old_ent.mean()), "completion/mean_len": float(lens.float().mean()),
-            "completion/truncated_frac": float(ro.truncated.float().mean()),
+            "completion/truncated_frac": sum(ro.truncated) / len(ro.truncated), **sampling_stats,
             "time/rollout_s": t_rollout, "time/train_s": t_train,
             "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9), "lr": self.schedule.get_last_lr()[0],
             "memory/peak_mb": _peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
@@ -215,15 +290,19 @@ class Trainer:
         weights = corr.weights if corr.weights is not None else corr.mask.to(torch.float32)
         return weights, stats
 
-    def _update(self, ro, old_lp, token_adv, ref_lp, mask, seq_ids, is_weights) -> dict:
+    def _update(self, ro, old_lp, token_adv, ref_lp, mask, seq_ids, is_weights, value_targets) -> dict:
         """``ppo_epochs`` passes over the step's samples, micro-batch by micro-batch, one optimizer step each."""
         cfg = self.cfg
         bounds = torch.tensor([0] + ro.completion_lens).cumsum(0).tolist()
         n_tok, n_seq = algos.batch_counts(mask, seq_ids)
         totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+        if self.value is not None:
+            totals["loss/value"] = 0.0
         for _ in range(cfg.algo.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            stats_acc = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0}
+            if self.value is not None:
+                self.value_optimizer.zero_grad(set_to_none=True)
+            stats_acc = {k: 0.0 for k in totals if k != "grad_norm"}
             for mb in micro_batches([len(t) for t, _ in ro.samples], cfg.optim.micro_batch_tokens):
                 lo, hi = bounds[mb[0]], bounds[mb[-1] + 1]
                 sl = slice(lo, hi)
@@ -243,6 +322,12 @@ class Trainer:
                 if ent is not None:
                     loss = loss - cfg.algo.entropy_coef * algos.aggregate_loss(ent, mask[sl], local_ids,
                                                                                cfg.algo.loss_agg, **agg)
+                if self.value is not None:
+                    v = self.value.values([ro.samples[i] for i in mb])
+                    vl = algos.aggregate_loss(value_loss(v, value_targets["old_values"][sl], value_targets["returns"][sl],
+                                                         cfg.algo.value_clip), mask[sl], local_ids, cfg.algo.loss_agg, **agg)
+                    vl.backward()
+                    stats_acc["loss/value"] += float(vl.detach())
                 w = int(mask[sl].sum())
                 stats_acc["clip_frac"] += float(out.stats.get("clip_frac", torch.tensor(0.0))) * w / max(n_tok, 1)
                 loss.backward()
@@ -251,6 +336,9 @@ class Trainer:
                 raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {self.step}: lower optim.lr or check "
                                    "the rewards; the last checkpoint is intact")
             self.optimizer.step()
+            if self.value is not None:
+                torch.nn.utils.clip_grad_norm_(self.value.parameters(), cfg.optim.grad_clip, foreach=False)
+                self.value_optimizer.step()
             for k, v in stats_acc.items():
                 totals[k] += v / cfg.algo.ppo_epochs
             totals["grad_norm"] += float(grad_norm) / cfg.algo.ppo_epochs

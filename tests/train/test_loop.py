@@ -47,11 +47,34 @@ def test_native_profile_reports_and_corrects(arithmetic_model_dir, tmp_path):
 @pytest.mark.parametrize("algo", [["algo.advantage=rloo", "algo.policy_loss=gspo", "algo.loss_agg=seq-mean-token-mean"],
                                   ["algo.advantage=dr_grpo", "algo.policy_loss=cispo", "algo.entropy_coef=0.01"],
                                   ["algo.advantage=reinforce_pp", "algo.dual_clip=3.0", "algo.overlong_filter=true",
-                                   "algo.loss_agg=seq-mean-token-sum-norm"]])
+                                   "algo.loss_agg=seq-mean-token-sum-norm"],
+                                  ["algo.advantage=gae", "algo.kl_coef=0.05", "algo.kl_in_reward=true",
+                                   "optim.activation_checkpointing=true"],
+                                  ["algo.dynamic_sampling=true", "algo.kl_coef=0.05", "algo.kl_estimator=k2"]],
+                         ids=["rloo-gspo", "drgrpo-cispo-entropy", "rpp-dualclip-overlong", "ppo-gae-klreward-ckpt",
+                              "dapo-dynamic-sampling"])
 def test_algorithm_variants_run(arithmetic_model_dir, tmp_path, algo):
     records = read_metrics(run_training(load_config(TrainConfig, None,
                                                     tiny_overrides(arithmetic_model_dir, tmp_path / "r", 1) + algo)))
-    assert records[-1]["mismatch/count"] == 0 and torch.isfinite(torch.tensor(records[-1]["loss/policy"]))
+    last = records[-1]
+    assert last["mismatch/count"] == 0 and torch.isfinite(torch.tensor(last["loss/policy"]))
+    if "algo.advantage=gae" in algo:
+        assert torch.isfinite(torch.tensor(last["loss/value"]))
+    if "algo.dynamic_sampling=true" in algo:
+        assert last["dynamic_sampling/kept_groups"] <= 4 and last["dynamic_sampling/drawn_groups"] >= 4
+
+
+def test_activation_checkpointing_gives_the_same_bits(arithmetic_model_dir, tmp_path):
+    """Recomputing layers in backward runs the same ops on the same inputs: identical update."""
+    def weights(extra, name):
+        trainer = Trainer(load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / name, 1) + extra))
+        trainer.resume_if_asked()
+        trainer.train_step(1)
+        return trainer.policy.state_dict()
+
+    plain, ckpt = weights([], "a"), weights(["optim.activation_checkpointing=true"], "b")
+    for k in plain:
+        assert torch.equal(plain[k], ckpt[k]), k
 
 
 def test_update_is_reproducible_and_close_across_micro_batch_splits(arithmetic_model_dir, tmp_path):
