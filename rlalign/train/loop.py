@@ -130,7 +130,7 @@ class Trainer:
         if self.value is not None:
             self.value.load_state_dict(state["value"])
             self.value_optimizer.load_state_dict(state["value_optimizer"])
-        self.engine.update_weights(self.policy.state_dict())
+        self.engine.update_weights(self.policy.state_dict(), version=self.step)  # version = optimizer steps taken
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step)
 
     def save(self) -> None:
@@ -247,7 +247,7 @@ class Trainer:
             update = self._update(ro, old_lp, token_adv, None if kl_reward is not None else ref_lp, mask, seq_ids,
                                   is_weights, value_targets)
         t_train = time.perf_counter() - t1
-        self.engine.update_weights(self.policy.state_dict())
+        self.engine.update_weights(self.policy.state_dict(), version=step)
         n_tokens = int(lens.sum())
         record.update({
             "reward/mean": float(ro.reward_tensor().mean()),

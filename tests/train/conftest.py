@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from rlalign.models.checkpoint import save_model
@@ -20,8 +22,12 @@ def arithmetic_model_dir(tmp_path_factory):
     return make_arithmetic_checkpoint(tmp_path_factory.mktemp("arith_model") / "model")
 
 
-def tiny_overrides(model_dir, run_dir, steps=3):
-    return [f"model.path={model_dir}", f"run.dir={run_dir}", f"run.steps={steps}", "run.eval_every=2",
+DENSE_REWARD = f"{Path(__file__).with_name('rewards.py')}:first_digit"
+
+
+def tiny_overrides(model_dir, run_dir, steps=3, dense_reward=False):
+    """Overrides for a few fast steps; ``dense_reward`` makes a random model's updates non-zero."""
+    return ([f"task.reward={DENSE_REWARD}"] if dense_reward else []) + [f"model.path={model_dir}", f"run.dir={run_dir}", f"run.steps={steps}", "run.eval_every=2",
             "run.checkpoint_every=1", "run.progress=false", "rollout.prompts_per_step=4",
             "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4", "task.eval_size=8",
             "optim.micro_batch_tokens=64", "optim.lr=1e-2"]

@@ -27,10 +27,10 @@ def _stable(records):
 def test_sigkill_then_resume_matches_uninterrupted_run(arithmetic_model_dir, tmp_path):
     steps = 5
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
-    full = _train(tiny_overrides(arithmetic_model_dir, full_dir, steps))
+    full = _train(tiny_overrides(arithmetic_model_dir, full_dir, steps, dense_reward=True))
     assert full.wait(timeout=600) == 0, full.stderr.read()
 
-    cut = _train(tiny_overrides(arithmetic_model_dir, cut_dir, steps))
+    cut = _train(tiny_overrides(arithmetic_model_dir, cut_dir, steps, dense_reward=True))
     metrics = cut_dir / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and cut.poll() is None:
@@ -43,10 +43,12 @@ def test_sigkill_then_resume_matches_uninterrupted_run(arithmetic_model_dir, tmp
     killed_at = load_latest_checkpoint(cut_dir)["step"]
     assert 1 <= killed_at < steps
 
-    resumed = _train(tiny_overrides(arithmetic_model_dir, cut_dir, steps) + ["run.resume=true"])
+    resumed = _train(tiny_overrides(arithmetic_model_dir, cut_dir, steps, dense_reward=True) + ["run.resume=true"])
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
 
     assert _stable(read_metrics(cut_dir)) == _stable(read_metrics(full_dir))
+    nonzero = sum(r["grad_norm"] > 0 for r in read_metrics(full_dir) if "grad_norm" in r)
+    assert nonzero >= 3, f"only {nonzero} of {steps} steps updated the weights: the test would prove little"
     a, b = load_latest_checkpoint(full_dir), load_latest_checkpoint(cut_dir)
     assert a["step"] == b["step"] == steps
     for name in a["model"]:
