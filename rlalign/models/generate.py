@@ -71,7 +71,7 @@ def generate(model: CausalLM, prompts: Sequence[str] | Sequence[Sequence[int]], 
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"n and max_new_tokens must be >= 1 (got n={n}, max_new_tokens={max_new_tokens})")
-    encoded = [_encode(p, tokenizer, chat) for p in prompts]
+    encoded = [encode_prompt(p, tokenizer, chat) for p in prompts]
     stops = set(stop_token_ids if stop_token_ids is not None else _default_stops(model, tokenizer))
     capacities = [len(ids) + max_new_tokens for ids in encoded for _ in range(n)]
     tables = contiguous_block_tables(capacities, page_size)
@@ -124,7 +124,8 @@ def _step(model: CausalLM, seqs: list[_Seq], rows: torch.Tensor, temperature: fl
     return still
 
 
-def _encode(prompt, tokenizer, chat: bool) -> list[int]:
+def encode_prompt(prompt, tokenizer, chat: bool) -> list[int]:
+    """Token ids of a text prompt (through the tokenizer, chat template if asked) or of an id list."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer (or pass token id lists)")

@@ -24,11 +24,11 @@ def generate_completions(model, prompts: Sequence[str] | Sequence[Sequence[int]]
     ``config`` defaults to ``RolloutConfig(page_size=page_size, profile=<current profile>)``.
     ``stop_token_ids`` given: exactly those end a sample; None: the eos ids. ``stop``: stop strings.
     """
-    from rlalign.models.generate import Completion
+    from rlalign.models.generate import Completion, encode_prompt
 
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"n and max_new_tokens must be >= 1 (got n={n}, max_new_tokens={max_new_tokens})")
-    encoded = [_encode(p, tokenizer, chat) for p in prompts]
+    encoded = [encode_prompt(p, tokenizer, chat) for p in prompts]
     if config is None:
         longest = max(len(ids) for ids in encoded) + max_new_tokens
         config = RolloutConfig(page_size=page_size, profile=current_profile().value,
@@ -45,14 +45,3 @@ def generate_completions(model, prompts: Sequence[str] | Sequence[Sequence[int]]
                               c.finish_reason))
     return out
 
-
-def _encode(prompt, tokenizer, chat: bool) -> list[int]:
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("text prompts need a tokenizer (or pass token id lists)")
-        ids = tokenizer.encode(prompt, chat=chat)
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise ValueError(f"prompt {prompt!r} encodes to zero tokens")
-    return ids

@@ -1,14 +1,4 @@
 import pytest
-import torch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Thousands of tiny GEMMs: one thread is much faster on a busy 2-core machine (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
