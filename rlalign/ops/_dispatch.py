@@ -49,6 +49,8 @@ def strict_impl(op: str, device: torch.device) -> Callable:
     """
     import rlalign.ops.torch_backend.registry  # noqa: F401
     name = backend_name(device)
+    if name == "triton":
+        _triton_available()  # importing the package registers its kernels (also when forced by env)
     fn = _REGISTRY.get((op, name))
     if fn is None and name == "triton" and not os.environ.get("RLALIGN_BACKEND"):
         fn = _REGISTRY.get((op, "torch"))
