@@ -36,8 +36,8 @@ from rlalign.rollout.engine import RolloutEngine
 from rlalign.train.config import TrainConfig
 from rlalign.train.packing import micro_batches, score_completions, score_in_micro_batches
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
-from rlalign.train.setup import build_task, load_policy
-from rlalign.train.value import value_loss
+from rlalign.train.setup import SetupError, build_task, load_policy
+from rlalign.train.value import ValueModel, value_loss
 
 
 class MismatchError(RLAlignError):
@@ -94,7 +94,6 @@ class Trainer:
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.value = self.value_optimizer = None
         if cfg.algo.advantage == "gae":
-            from rlalign.train.value import ValueModel
             self.value = ValueModel(self.policy)
             self.value_optimizer = torch.optim.AdamW(self.value.parameters(), lr=cfg.algo.value_lr, foreach=False)
         self.step = 0
@@ -118,6 +117,9 @@ class Trainer:
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def resume_if_asked(self) -> None:
+        if not self.cfg.run.resume and (self.run_dir / "checkpoints" / "latest.json").exists():
+            raise SetupError(f"run directory {self.run_dir} already holds a run with checkpoints; continue it with "
+                             "run.resume=true, or choose a new run.dir (nothing was overwritten)")
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
             self.metrics = MetricsWriter(self.run_dir)

@@ -134,6 +134,15 @@ def test_nan_reward_names_the_sample(arithmetic_model_dir, tmp_path):
     assert "returned nan" in last and "sample 0" in last, last
 
 
+def test_fresh_run_refuses_to_overwrite_an_existing_run(arithmetic_model_dir, tmp_path):
+    over = tiny_overrides(arithmetic_model_dir, tmp_path / "run", 1)
+    run_training(load_config(TrainConfig, None, over))
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    out = _cli("train", *over)
+    assert out.returncode == 2 and "already holds a run" in out.stderr.strip().splitlines()[-1]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+
+
 def test_missing_model_dir_is_clear(tmp_path):
     out = _cli("train", f"model.path={tmp_path / 'nope'}")
     assert out.returncode == 2 and "is not a directory" in out.stderr
