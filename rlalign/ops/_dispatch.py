@@ -41,20 +41,22 @@ def _triton_available() -> bool:
 
 
 def strict_impl(op: str, device: torch.device) -> Callable:
-    """The strict implementation of ``op`` for ``device``.
+    """The strict implementation of ``op`` for ``device``; raises if the selected backend has none.
 
-    On CUDA an op the triton backend does not implement runs on the torch backend, which honours
-    the same contract (fixed-shape cuBLAS tiles): both engines resolve ops identically, so they
-    still agree. A forced ``RLALIGN_BACKEND`` never mixes.
+    No fallback across backends: the torch backend on CUDA rests on cuBLAS properties that do not
+    hold on an H200 (a bmm item's bits change with the batch count; a GEMM column's with N -- both
+    measured), so an op the triton backend lacks must fail closed, not run elsewhere.
+    ``RLALIGN_BACKEND=torch`` selects the torch backend on CUDA explicitly, and
+    ``RLALIGN_TRITON_DISABLE=op1,op2`` sends the named ops there (explicit opt-ins, for debugging).
     """
     import rlalign.ops.torch_backend.registry  # noqa: F401
     name = backend_name(device)
     if name == "triton":
         _triton_available()  # importing the package registers its kernels (also when forced by env)
+        if op in os.environ.get("RLALIGN_TRITON_DISABLE", "").replace(" ", "").split(","):
+            name = "torch"
     fn = _REGISTRY.get((op, name))
-    if fn is None and name == "triton" and not os.environ.get("RLALIGN_BACKEND"):
-        fn = _REGISTRY.get((op, "torch"))
     if fn is None:
         raise fail(op, f"no strict implementation on backend {name!r} for device {device} "
-                       "(strict never falls back; set RLALIGN_BACKEND=torch to use the reference backend)")
+                       "(strict never falls back to another backend)")
     return fn

@@ -2,9 +2,10 @@
 
 Importing this package registers its implementations with the dispatcher; it raises ImportError
 when Triton or a CUDA device is missing (the dispatcher then uses the torch backend). On CUDA an
-op this backend does not register, or one named in ``RLALIGN_TRITON_DISABLE`` (comma-separated op
-names, e.g. ``attention_paged,sample``), runs on the torch backend, which honours the same
-contract. Disable an op for both engines of a run alike (it is read once, at import).
+op this backend does not register raises in strict (no fallback); one named in
+``RLALIGN_TRITON_DISABLE`` (comma-separated op names, e.g. ``attention_paged,sample``) runs on the
+torch backend instead -- a debugging switch: cuBLAS on an H200 breaks properties the torch backend
+relies on, so the contract is not guaranteed for those ops. Set it for both engines of a run alike.
 
 Kernels: :mod:`.gemm` (linear, LM head GEMMs), :mod:`.attention`, :mod:`.logprob`,
 :mod:`.elementwise` (rms_norm, rope, silu_mul), :mod:`.sample`. docs/gpu.md says what was
