@@ -5,7 +5,8 @@ Strict: keys in blocks of ``ATTN_KV_BLOCK`` absolute positions, queries in tiles
 :mod:`rlalign.ops.torch_backend.attention` for the exact formula), so a token's output has the
 same bits in a packed training forward, a one-shot or chunked prefill and step-by-step decode,
 whatever the page layout, page size or the other sequences in the call.
-Native: ``torch.nn.functional.scaled_dot_product_attention`` per sequence, no guarantee.
+Native: ``torch.nn.functional.scaled_dot_product_attention`` (per sequence for varlen, one padded
+call for paged), no guarantee.
 """
 
 from __future__ import annotations
@@ -216,16 +217,34 @@ def _native_varlen(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
 
 
 def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[int], scale: float) -> torch.Tensor:
-    page_size = k_cache.shape[1]
-    parts = []
-    for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-        if b == a:
-            continue
-        pos = torch.arange(lens[s], device=q.device)
-        pages = block_table[s].to(q.device).long()[pos // page_size]
-        k, v = k_cache[pages, pos % page_size], v_cache[pages, pos % page_size]
-        parts.append(_sdpa(q[a:b], k, v, lens[s] - (b - a), scale))
-    return torch.cat(parts) if parts else q.new_empty(q.shape)
+    """One padded SDPA call for every sequence (the vendor baseline, as batched engines do): each
+    sequence's context is gathered from its pages into [S, Hq, L_max, D], its queries into
+    [S, Hq, n_max, D]; the mask is bottom-right causal and hides padding. Padding and the batch
+    shape change the kernel's reduction, so results depend on the batch: no guarantee."""
+    n_seq = len(lens)
+    if n_seq == 0 or q.shape[0] == 0:
+        return q.new_empty(q.shape)
+    dev, page_size = q.device, k_cache.shape[1]
+    lens_t = torch.tensor(lens, device=dev)
+    cu_t = torch.tensor(cu, device=dev)
+    n_q = cu_t[1:] - cu_t[:-1]
+    l_max, n_max = int(lens_t.max()), int(n_q.max())
+    pos = torch.arange(l_max, device=dev).expand(n_seq, l_max)
+    valid_k = pos < lens_t.unsqueeze(1)
+    pos_c = torch.where(valid_k, pos, 0)
+    pages = block_table.to(dev).long().gather(1, pos_c // page_size)
+    k, v = k_cache[pages, pos_c % page_size], v_cache[pages, pos_c % page_size]     # [S, L, Hkv, D]
+    g = q.shape[1] // k_cache.shape[2]
+    k, v = (t.repeat_interleave(g, dim=2).transpose(1, 2) for t in (k, v))          # [S, Hq, L, D]
+    qi = torch.arange(n_max, device=dev).expand(n_seq, n_max)
+    valid_q = qi < n_q.unsqueeze(1)
+    rows = torch.where(valid_q, cu_t[:-1].unsqueeze(1) + qi, 0)
+    qb = q[rows].transpose(1, 2)                                                     # [S, Hq, n, D]
+    q_pos = lens_t.unsqueeze(1) - n_q.unsqueeze(1) + qi                              # [S, n]
+    mask = valid_k.unsqueeze(1) & (pos.unsqueeze(1) <= q_pos.unsqueeze(2))           # [S, n, L]
+    mask = mask | ~valid_q.unsqueeze(2)  # padded query rows attend to everything (no NaN); dropped below
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask.unsqueeze(1), scale=scale)
+    return out.transpose(1, 2)[valid_q]
 
 
 __all__ = ["attention_varlen", "attention_paged", "write_kv_cache"]
