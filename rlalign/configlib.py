@@ -139,7 +139,3 @@ def _coerce(hint, value, name: str):
             return value
         raise ConfigError(f"{name} must be a string, got {value!r}")
     return value
-
-
-def to_dict(obj) -> dict:
-    return dataclasses.asdict(obj)

@@ -1,9 +1,5 @@
-import os
-
 import pytest
 import torch
-
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(autouse=True, scope="session")

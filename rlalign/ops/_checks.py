@@ -6,9 +6,10 @@ import threading
 
 import torch
 
+from rlalign.contract import spec
 from rlalign.contract.errors import ContractError, fail
 
-STRICT_DTYPES = (torch.float32, torch.bfloat16)
+STRICT_DTYPES = tuple(getattr(torch, name) for name in spec.STRICT_DTYPES)
 
 
 def dtype_ok(op: str, *tensors: torch.Tensor) -> torch.dtype:

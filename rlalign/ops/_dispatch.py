@@ -6,6 +6,7 @@ they do, because they call the same ops in the same process configuration.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -24,10 +25,16 @@ def register(op: str, backend: str):
 
 
 def backend_name(device: torch.device) -> str:
-    forced = os.environ.get("RLALIGN_BACKEND")
+    return _resolve_backend(device.type, os.environ.get("RLALIGN_BACKEND", ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_backend(device_type: str, forced: str) -> str:
     if forced:
+        if forced == "triton":
+            _triton_available()  # importing the package registers its kernels
         return forced
-    if device.type == "cuda" and _triton_available():
+    if device_type == "cuda" and _triton_available():
         return "triton"
     return "torch"
 
@@ -48,15 +55,20 @@ def strict_impl(op: str, device: torch.device) -> Callable:
     measured), so an op the triton backend lacks must fail closed, not run elsewhere.
     ``RLALIGN_BACKEND=torch`` selects the torch backend on CUDA explicitly, and
     ``RLALIGN_TRITON_DISABLE=op1,op2`` sends the named ops there (explicit opt-ins, for debugging).
+    Resolved once per (op, device type, environment): this runs on every op call.
     """
+    return _resolve_impl(op, device.type, os.environ.get("RLALIGN_BACKEND", ""),
+                         os.environ.get("RLALIGN_TRITON_DISABLE", ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_impl(op: str, device_type: str, forced: str, disabled: str) -> Callable:
     import rlalign.ops.torch_backend.registry  # noqa: F401
-    name = backend_name(device)
-    if name == "triton":
-        _triton_available()  # importing the package registers its kernels (also when forced by env)
-        if op in os.environ.get("RLALIGN_TRITON_DISABLE", "").replace(" ", "").split(","):
-            name = "torch"
+    name = _resolve_backend(device_type, forced)
+    if name == "triton" and op in disabled.replace(" ", "").split(","):
+        name = "torch"
     fn = _REGISTRY.get((op, name))
     if fn is None:
-        raise fail(op, f"no strict implementation on backend {name!r} for device {device} "
+        raise fail(op, f"no strict implementation on backend {name!r} for device {device_type} "
                        "(strict never falls back to another backend)")
     return fn

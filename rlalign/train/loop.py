@@ -58,17 +58,17 @@ class Rollout:
     def completion_lens(self) -> list[int]:
         return [len(t) - p for t, p in self.samples]
 
-    @property
-    def rollout_logprobs(self) -> torch.Tensor:
-        return torch.tensor([x for lps in self.logprobs for x in lps], dtype=torch.float32)
+    def logprob_tensor(self, device="cpu") -> torch.Tensor:
+        """The rollout engine's logprobs of every completion token, sample by sample (fp32, exact)."""
+        return torch.tensor([x for lps in self.logprobs for x in lps], dtype=torch.float32, device=device)
 
-    def reward_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.rewards, dtype=torch.float32)
+    def reward_tensor(self, device="cpu") -> torch.Tensor:
+        return torch.tensor(self.rewards, dtype=torch.float32, device=device)
 
-    def group_tensor(self) -> torch.Tensor:
+    def group_tensor(self, device="cpu") -> torch.Tensor:
         """Group ids renumbered 0..G-1 in order of first appearance."""
         order = {g: i for i, g in enumerate(dict.fromkeys(self.group_ids))}
-        return torch.tensor([order[g] for g in self.group_ids], dtype=torch.int64)
+        return torch.tensor([order[g] for g in self.group_ids], dtype=torch.int64, device=device)
 
     def select(self, keep: list[bool]) -> "Rollout":
         pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
@@ -205,7 +205,7 @@ class Trainer:
         GAE's per-token ones) and, for GAE, the value targets. ``kl`` (per token, or None) is the KL
         penalty folded into the reward when ``algo.kl_in_reward``."""
         a = self.cfg.algo
-        rewards, groups = ro.reward_tensor(), ro.group_tensor()
+        rewards, groups = ro.reward_tensor(seq_ids.device), ro.group_tensor(seq_ids.device)
         coef = a.kl_coef if kl is not None else 0.0
         if a.advantage == "gae":
             token_r = algos.token_rewards(rewards, seq_ids, mask, kl=kl, kl_coef=coef)
@@ -232,12 +232,14 @@ class Trainer:
             mb_tokens = cfg.optim.micro_batch_tokens
             old_lp, old_ent = score_in_micro_batches(self.policy, ro.samples, temperature=temp, max_tokens=mb_tokens,
                                                      with_entropy=True)
-            lens = torch.tensor(ro.completion_lens)
+            dev = old_lp.device  # every per-token tensor of the update lives with the model
+            lens = torch.tensor(ro.completion_lens, device=dev)
             seq_ids = algos.seq_ids_from_lengths(lens)
-            mask = torch.ones(seq_ids.shape[0], dtype=torch.bool)
+            mask = torch.ones(seq_ids.shape[0], dtype=torch.bool, device=dev)
             if cfg.algo.overlong_filter:
-                mask = algos.overlong_filter(mask, seq_ids, torch.tensor(ro.truncated))
-            mism = algos.logprob_mismatch_stats(old_lp, ro.rollout_logprobs, torch.ones_like(mask))
+                mask = algos.overlong_filter(mask, seq_ids, torch.tensor(ro.truncated, device=dev))
+            rollout_lp = ro.logprob_tensor(dev)
+            mism = algos.logprob_mismatch_stats(old_lp, rollout_lp, torch.ones_like(mask))
             record = {"step": step, **self._mismatch_record(mism)}
             self._check_mismatch(step, record)
             ref_lp = (score_in_micro_batches(self.ref, ro.samples, temperature=temp, max_tokens=mb_tokens)[0]
@@ -245,15 +247,15 @@ class Trainer:
             kl_reward = (algos.kl_estimate(old_lp, ref_lp, self.cfg.algo.kl_estimator)
                          if ref_lp is not None and self.cfg.algo.kl_in_reward else None)
             token_adv, value_targets = self.token_advantages(ro, seq_ids, mask, kl_reward)
-            is_weights, corr_stats = self._mismatch_correction(old_lp, ro.rollout_logprobs, mask, seq_ids)
+            is_weights, corr_stats = self._mismatch_correction(old_lp, rollout_lp, mask, seq_ids)
             update = self._update(ro, old_lp, token_adv, None if kl_reward is not None else ref_lp, mask, seq_ids,
                                   is_weights, value_targets)
         t_train = time.perf_counter() - t1
         self.engine.update_weights(self.policy.state_dict(), version=step)
         n_tokens = int(lens.sum())
+        rewards = ro.reward_tensor()
         record.update({
-            "reward/mean": float(ro.reward_tensor().mean()),
-            "reward/std": float(ro.reward_tensor().std()) if len(ro.rewards) > 1 else 0.0,
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "entropy": float(old_ent.mean()), "completion/mean_len": float(lens.float().mean()),
             "completion/truncated_frac": sum(ro.truncated) / len(ro.truncated), **sampling_stats,
             "time/rollout_s": t_rollout, "time/train_s": t_train,

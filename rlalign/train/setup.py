@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Sequence
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.tasks.arithmetic import Problem
 from rlalign.train.config import ModelSection, TaskSection
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "default_model"
@@ -48,12 +48,6 @@ def load_policy(section: ModelSection):
                          "completions could never stop")
     model.train()
     return model, tokenizer, model_dir
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
 
 
 class TaskData:

@@ -55,7 +55,6 @@ def test_canonical_partition_equals_tree_of_segment_partials(dtype, k):
     w, x = _rand(64, k, dtype=dtype, seed=5), _rand(37, k, dtype=dtype, seed=6)
     p = segment_count(k, spec.K_SEGMENTS)
     seg = k // p
-    partials = [(x[:, i * seg:(i + 1) * seg].float() @ w[:, i * seg:(i + 1) * seg].float().t()) for i in range(p)]
     # per-segment partials from the strict op itself, so the test checks the merge, not the GEMM
     partials = [ops.linear(x[:, i * seg:(i + 1) * seg].float(), w[:, i * seg:(i + 1) * seg].float()) for i in range(p)]
     while len(partials) > 1:
