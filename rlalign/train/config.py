@@ -54,8 +54,12 @@ class RolloutSection:
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 8192
     kv_cache_bytes: int | None = None
+    engine: str = "rlalign"            # which rollout engine (rlalign.train.engines.ENGINES)
 
     def validate(self):
+        from rlalign.train.engines import ENGINES
+        if self.engine not in ENGINES:
+            return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}"
         if self.prompts_per_step < 1 or self.samples_per_prompt < 1 or self.max_new_tokens < 1:
             return "prompts_per_step, samples_per_prompt and max_new_tokens must be >= 1"
         if self.temperature <= 0:

@@ -31,8 +31,8 @@ from rlalign import algos
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import use_profile
 from rlalign.ops.sample import derive_seed
-from rlalign.rollout.config import RolloutConfig, SamplingParams
-from rlalign.rollout.engine import RolloutEngine
+from rlalign.rollout.config import SamplingParams
+from rlalign.train.engines import build_rollout_engine
 from rlalign.train.config import TrainConfig
 from rlalign.train.packing import micro_batches, score_completions, score_in_micro_batches
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
@@ -87,7 +87,7 @@ class Trainer:
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
-        self.engine = RolloutEngine(copy.deepcopy(self.policy).eval(), self._rollout_config(), tokenizer=self.tokenizer)
+        self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir)
         self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, foreach=False)
@@ -102,11 +102,6 @@ class Trainer:
             _checkpoint_layers(self.policy)
 
     # ---- setup ---------------------------------------------------------------------------------
-
-    def _rollout_config(self) -> RolloutConfig:
-        r = self.cfg.rollout
-        return RolloutConfig(profile=self.cfg.run.profile, page_size=r.page_size, max_num_seqs=r.max_num_seqs,
-                             max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=r.kv_cache_bytes)
 
     def _lr_factor(self, step: int) -> float:
         """Linear warmup over ``warmup_steps``, then cosine down to ``min_lr_ratio`` at ``run.steps``."""
