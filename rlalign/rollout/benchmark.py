@@ -56,6 +56,10 @@ PRESETS = {
     "qwen3-0.6b": dict(_QWEN3, vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                        rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=151645, pad_token_id=151643),
+    # Qwen3-8B's shape (random init)
+    "qwen3-8b": dict(_QWEN3, vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                     rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=151645, pad_token_id=151643),
 }
 DEFAULTS = {
     "cpu": dict(prompts=64, samples=8, new_tokens=64, prompt_len="32:128", dtype="float32"),
