@@ -26,6 +26,7 @@ from torch import nn
 
 from rlalign import ops
 from rlalign.contract import spec
+from rlalign.contract.errors import RLAlignError
 from rlalign.models.batch import ForwardBatch
 from rlalign.models.config import ModelConfig
 # tap/note_batch are no-ops unless a parity capture is active; the only upward import of models/
@@ -198,11 +199,24 @@ class CausalLM(nn.Module):
         """(logprob fp32 [T], entropy fp32 [T] | None): log softmax(lm_head(hidden) / temperature)[targets],
         fused (ops.logprob_entropy), differentiable."""
         hidden = self.forward_hidden(batch)
+        return self.head_logprobs(hidden, targets, temperature=temperature, with_entropy=with_entropy,
+                                  token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+
+    def head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                      with_entropy: bool = False, token_chunk: int | None = None, vocab_chunk: int | None = None):
+        """The fused LM head (ops.logprob_entropy) on final hidden rows; vocab-parallel (same forward
+        bits) once rlalign.distributed.parallelize has installed ``parallel_head``."""
+        head = self.__dict__.get("parallel_head")
+        if head is not None:
+            return head(hidden, targets, temperature=temperature, with_entropy=with_entropy)
         return ops.logprob_entropy(hidden, self.lm_head_weight, targets, temperature=temperature,
                                    token_chunk=token_chunk, vocab_chunk=vocab_chunk, with_entropy=with_entropy)
 
     def logits(self, hidden_rows: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """fp32 [S, V] logits / temperature of a few hidden rows (e.g. each sequence's last token)."""
+        if self.__dict__.get("parallel_head") is not None:
+            raise RLAlignError("CausalLM.logits: a tensor-parallel model has no full LM head; sample with an "
+                               "unsharded copy of the weights (the rollout engine)")
         return ops.lm_logits(hidden_rows, self.lm_head_weight, temperature=temperature)
 
     @torch.no_grad()

@@ -2,7 +2,7 @@
 
 A training sample is ``tokens = prompt + completion`` with ``prompt_len``; only completion tokens
 are scored. Token ``t`` of the completion (absolute position ``prompt_len + t``) is predicted by
-the hidden row of position ``prompt_len + t - 1``; those rows go to ``ops.logprob_entropy`` and
+the hidden row of position ``prompt_len + t - 1``; those rows go to ``model.head_logprobs`` (ops.logprob_entropy) and
 the [tokens, vocab] logits are never built.
 """
 
@@ -12,7 +12,6 @@ from typing import Sequence
 
 import torch
 
-from rlalign import ops
 from rlalign.models.batch import ForwardBatch
 
 
@@ -57,8 +56,8 @@ def score_completions(model, samples: Sequence[tuple[Sequence[int], int]], *, te
     batch = ForwardBatch.packed([list(t) for t, _ in samples], device=model.device)
     rows, targets = scored_rows(samples, model.device)
     hidden = model.forward_hidden(batch)
-    return ops.logprob_entropy(hidden.index_select(0, rows), model.lm_head_weight, targets,
-                               temperature=temperature, with_entropy=with_entropy)
+    return model.head_logprobs(hidden.index_select(0, rows), targets, temperature=temperature,
+                               with_entropy=with_entropy)
 
 
 @torch.no_grad()

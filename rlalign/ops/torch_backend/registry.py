@@ -12,3 +12,4 @@ register("silu_mul", "torch")(elementwise.silu_mul)
 from rlalign.ops.torch_backend import attention as _attention  # noqa: E402,F401
 from rlalign.ops.torch_backend import logprob as _logprob  # noqa: E402,F401
 from rlalign.ops.torch_backend import sample as _sample  # noqa: E402,F401
+from rlalign.ops.torch_backend import shard as _shard  # noqa: E402,F401

@@ -30,7 +30,7 @@ if not torch.cuda.is_available() and not _INTERPRET:
     raise ImportError("rlalign triton backend: no CUDA device")
 
 from rlalign.ops._dispatch import register  # noqa: E402
-from rlalign.ops.triton_backend import attention, elementwise, linear, logprob, sample  # noqa: E402
+from rlalign.ops.triton_backend import attention, elementwise, linear, logprob, sample, shard  # noqa: E402
 
 IMPLEMENTATIONS = {
     "linear": linear.linear,
@@ -42,6 +42,7 @@ IMPLEMENTATIONS = {
     "logprob_entropy": logprob.logprob_entropy,
     "lm_logits": logprob.lm_logits,
     "sample": sample.sample,
+    **shard.IMPLEMENTATIONS,   # tensor-parallel shard entries (rlalign.ops.shard)
 }
 DISABLED = frozenset(op.strip() for op in os.environ.get("RLALIGN_TRITON_DISABLE", "").split(",") if op.strip())
 

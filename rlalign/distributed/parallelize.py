@@ -1,0 +1,83 @@
+"""parallelize(model, tp): shard a CausalLM in place for tensor parallelism (Megatron layout).
+
+Per decoder layer, in this fixed order: q_proj, k_proj, v_proj -> column-parallel (heads split
+into contiguous groups: rank r holds query heads [r*H/t, (r+1)*H/t) and kv heads likewise);
+o_proj -> row-parallel; gate_proj, up_proj -> column-parallel; down_proj -> row-parallel.
+Norms, embeddings and the residual stream stay replicated (every rank computes them identically).
+The LM head becomes vocab-parallel (:mod:`.vocab_head`); with untied embeddings ``lm_head.weight``
+is replaced by the rank's rows.
+
+Parameter names do not change; a sharded parameter carries ``tp_dim`` (0: rows, 1: columns),
+and :func:`full_state` rebuilds the unsharded tensors (state or gradients) on every rank.
+tp=1 (``Group.single()``) applies the same modules without any process group: it is the
+reference the TP degrees agree with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlalign.contract.errors import RLAlignError
+from rlalign.distributed.collectives import gather_ranks_varlen
+from rlalign.distributed.launch import Group
+from rlalign.distributed.layers import ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear
+from rlalign.distributed.vocab_head import VocabParallelHead
+
+SUPPORTED_TP = (1, 2, 4, 8)
+
+
+def check_tp(config, tp: int) -> None:
+    """Raise a one-line error when ``config``'s shapes cannot be split over ``tp`` ranks."""
+    if tp not in SUPPORTED_TP:
+        raise RLAlignError(f"tp={tp} is not supported (choose one of {', '.join(map(str, SUPPORTED_TP))})")
+    for what, n in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads)):
+        if n % tp:
+            raise RLAlignError(f"tp={tp} does not divide the model's {what}={n}; choose a tp that divides it")
+
+
+def parallelize(model, group: Group):
+    """Shard ``model`` (a CausalLM) over ``group`` in place and return it."""
+    if getattr(model, "tp_group", None) is not None:
+        raise RLAlignError("model is already parallelized")
+    check_tp(model.config, group.size)
+    t = group.size
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, f"layers.{i}.self_attn.{name}"))
+        attn.o_proj = RowParallelLinear(attn.o_proj, group, f"layers.{i}.self_attn.o_proj")
+        if attn.q_norm is not None:
+            attn.q_norm = HeadGroupedRMSNorm(attn.q_norm, attn.num_heads, group, f"layers.{i}.self_attn.q_norm")
+            attn.k_norm = HeadGroupedRMSNorm(attn.k_norm, attn.num_kv_heads, group, f"layers.{i}.self_attn.k_norm")
+        attn.num_heads //= t
+        attn.num_kv_heads //= t
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), group, f"layers.{i}.mlp.{name}"))
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, group, f"layers.{i}.mlp.down_proj")
+    head = VocabParallelHead(model, group)
+    if model.lm_head is not None:
+        start, stop = head.shard_range()
+        weight = torch.nn.Parameter(model.lm_head.weight.detach()[start:stop].clone())
+        weight.tp_dim = 0
+        model.lm_head.weight = weight
+    model.parallel_head = head
+    model.tp_group = group
+    return model
+
+
+@torch.no_grad()
+def full_state(model, grads: bool = False) -> dict[str, torch.Tensor]:
+    """name -> the unsharded parameter (or its gradient with ``grads``), rebuilt on every rank by
+    exact all-gathers; replicated parameters are returned as they are."""
+    group = getattr(model, "tp_group", None) or Group.single()
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p.detach()
+        if t is None:
+            continue
+        dim = getattr(p, "tp_dim", None)
+        out[name] = t if dim is None else torch.cat(gather_ranks_varlen(t.contiguous(), group, dim=dim), dim=dim)
+    return out
+
+
+__all__ = ["parallelize", "full_state", "check_tp", "SUPPORTED_TP"]
