@@ -22,6 +22,8 @@ def run(args) -> int:
         config, overrides = None, [config] + overrides   # `rlalign train run.steps=5`: overrides only
     cfg = load_config(TrainConfig, config, overrides)
     console = Console(stderr=True)
+    if cfg.launcher == "ray":   # the trainer and the rollout workers as Ray actors (docs/ray.md)
+        from rlalign.integrations.ray import run_training_on_ray as run_training
     run_dir = run_training(cfg, console)
     from rlalign.train.report import write_report
     png, md = write_report(run_dir)

@@ -118,6 +118,22 @@ class RunSection:
 
 
 @dataclasses.dataclass
+class RaySection:
+    """``launcher=ray``: the trainer and the rollout workers run as Ray actors (docs/ray.md)."""
+    address: str | None = None         # None: start a local cluster; "auto", "HOST:6379" or "ray://HOST:10001": join one
+    num_rollout_workers: int = 2
+    cpus_per_actor: float = 1.0        # Ray CPUs of the trainer and of each worker (also its torch threads)
+    gpus_per_actor: float = 0.0        # 1 with model.device=cuda
+    weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"   # auto: broadcast on cuda (NCCL), object store on cpu
+
+    def validate(self):
+        if self.num_rollout_workers < 1:
+            return f"num_rollout_workers must be >= 1, got {self.num_rollout_workers}"
+        if self.cpus_per_actor <= 0 or self.gpus_per_actor < 0:
+            return "cpus_per_actor must be > 0 and gpus_per_actor >= 0"
+
+
+@dataclasses.dataclass
 class TrainConfig:
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
@@ -125,3 +141,5 @@ class TrainConfig:
     algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
     run: RunSection = dataclasses.field(default_factory=RunSection)
+    launcher: Literal["local", "ray"] = "local"   # ray: trainer + rollout workers as Ray actors (`launcher=ray`)
+    ray: RaySection = dataclasses.field(default_factory=RaySection)

@@ -29,4 +29,7 @@ ENGINES: dict[str, Callable] = {"rlalign": _rlalign_engine}
 
 
 def build_rollout_engine(cfg, policy, tokenizer, model_dir):
+    if cfg.launcher == "ray":  # a pool of Ray actors, each holding one engine built here with launcher=local
+        from rlalign.integrations.ray.pool import RolloutPool
+        return RolloutPool(cfg, policy)
     return ENGINES[cfg.rollout.engine](cfg, policy, tokenizer, Path(model_dir))

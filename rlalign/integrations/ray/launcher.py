@@ -1,0 +1,148 @@
+"""The driver of ``rlalign train ... launcher=ray``.
+
+It starts a local Ray cluster (``ray.address`` unset) or joins one, places the trainer as a Ray actor
+on the driver's own node (so ``run.dir`` is on the user's disk), and the trainer's
+:class:`~rlalign.integrations.ray.pool.RolloutPool` places the rollout workers. The trainer runs the
+ordinary loop (``rlalign.train.loop.run_training``): only its engine differs, so metrics, checkpoints
+and weights are those of the single-process run, bit for bit (docs/ray.md). While it runs, the driver
+follows ``metrics.jsonl`` for the progress bar. A dead actor ends the run with one line naming it and
+the last checkpoint, which a dead actor never touches (checkpoints are written atomically).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from rlalign.contract.errors import RLAlignError
+from rlalign.integrations.ray.errors import ActorDiedError, RayLaunchError, last_checkpoint_note
+
+
+class TrainerActor:
+    def __init__(self, threads: int):
+        torch.set_num_threads(threads)
+
+    def run(self, cfg) -> str:
+        from rlalign.train.loop import run_training
+        return str(run_training(cfg, console=None))
+
+
+def run_training_on_ray(cfg, console=None) -> Path:
+    """Run (or resume) the job with the trainer and rollout workers as Ray actors; returns the run directory."""
+    ray = _import_ray()
+    cfg = with_absolute_paths(cfg)
+    started_here = connect(ray, cfg.ray)
+    trainer = None
+    try:
+        check_resources(ray, cfg.ray)
+        trainer = ray.remote(TrainerActor).options(
+            name=f"rlalign-trainer-{uuid.uuid4().hex[:8]}", num_cpus=cfg.ray.cpus_per_actor,
+            num_gpus=cfg.ray.gpus_per_actor, max_restarts=0, scheduling_strategy=_this_node(ray),
+        ).remote(max(1, int(cfg.ray.cpus_per_actor)))
+        done = trainer.run.remote(cfg)
+        _follow(ray, done, cfg, console)
+        return Path(ray.get(done))
+    except ray.exceptions.RayActorError as exc:
+        raise ActorDiedError(f"the trainer actor died ({str(exc).strip().splitlines()[0].rstrip('.')}); the run "
+                             f"stopped; {last_checkpoint_note(cfg.run.dir)}") from None
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, RLAlignError):
+            raise exc.cause from None
+        raise
+    finally:
+        if trainer is not None:
+            ray.kill(trainer)   # its rollout workers are owned by it and go with it
+        if started_here:
+            ray.shutdown()
+
+
+def _import_ray():
+    try:
+        import ray
+    except ModuleNotFoundError:
+        raise RayLaunchError("launcher=ray needs Ray: pip install 'rlalign[ray]' (or pip install 'ray>=2.40')") from None
+    return ray
+
+
+def connect(ray, section) -> bool:
+    """Start a local cluster or join ``section.address``; True when this call started Ray (and stops it)."""
+    if ray.is_initialized():
+        return False
+    kwargs = dict(include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+    if section.address is None:
+        # Logical CPUs only schedule actors: a small machine still gets one trainer + N workers.
+        needed = section.cpus_per_actor * (section.num_rollout_workers + 1)
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, int(needed + 0.999))
+    else:
+        kwargs["address"] = section.address
+    try:
+        ray.init(**kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = section.address or "a local cluster"
+        raise RayLaunchError(f"cannot start or reach Ray at {where}: {str(exc).strip().splitlines()[0]} "
+                             "(check ray.address, or leave it unset for a local cluster)") from None
+    return True
+
+
+def check_resources(ray, section) -> None:
+    """Refuse up front a cluster that can never hold the actors (Ray would otherwise wait forever)."""
+    have = ray.cluster_resources()
+    actors = section.num_rollout_workers + 1
+    for key, per_actor in (("CPU", section.cpus_per_actor), ("GPU", section.gpus_per_actor)):
+        want = per_actor * actors
+        if want > have.get(key, 0.0) + 1e-9:
+            raise RayLaunchError(
+                f"the Ray cluster has {have.get(key, 0.0):g} {key}s but the trainer and {section.num_rollout_workers} "
+                f"rollout workers ask for {want:g} (ray.cpus_per_actor / ray.gpus_per_actor x {actors}); lower "
+                "ray.num_rollout_workers or the per-actor amount, or add nodes")
+
+
+def with_absolute_paths(cfg):
+    """Actors do not share the driver's working directory: make every local path absolute first."""
+    run_dir = Path(cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
+    model = cfg.model.path if cfg.model.path == "default" else str(Path(cfg.model.path).expanduser().resolve())
+    task = cfg.task
+    if task.path:
+        task = dataclasses.replace(task, path=str(Path(task.path).expanduser().resolve()))
+    file_reward, sep, fn = task.reward.rpartition(":")
+    if sep and file_reward.endswith(".py"):
+        task = dataclasses.replace(task, reward=f"{Path(file_reward).expanduser().resolve()}:{fn}")
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)),
+                               model=dataclasses.replace(cfg.model, path=model), task=task)
+
+
+def _this_node(ray):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    # soft: a Ray-client driver (ray://) is not itself a node; the trainer then goes where Ray puts it.
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+
+
+def _follow(ray, done, cfg, console) -> None:
+    """Update the progress bar from metrics.jsonl until the trainer's ``run`` call returns (or fails)."""
+    from rlalign.train.loop import _Progress
+
+    progress = _Progress(cfg, console, 0)
+    path, seen = Path(cfg.run.dir) / "metrics.jsonl", 0
+    try:
+        while not ray.wait([done], timeout=1.0)[0]:
+            seen = _show_new_records(path, seen, progress)
+        _show_new_records(path, seen, progress)
+    finally:
+        progress.close()
+
+
+def _show_new_records(path: Path, seen: int, progress) -> int:
+    if not path.exists():
+        return seen
+    lines = [line for line in path.read_text().split("\n")[:-1] if line.strip()]   # complete lines only
+    for line in lines[seen:]:
+        record = json.loads(line)
+        if "reward/mean" in record:
+            progress.update(record)
+    return len(lines)
