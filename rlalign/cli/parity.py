@@ -30,6 +30,9 @@ def register(subparsers) -> None:
     p.add_argument("--train-batch", type=int, default=None, help="sequences per training forward (default: all)")
     p.add_argument("--record", metavar="FILE", help="write the rollout (tokens, seeds, logprobs) to this JSONL file")
     p.add_argument("--replay", metavar="FILE", help="score a recorded rollout instead of generating")
+    p.add_argument("--tp", metavar="DEGREES", default=None,
+                   help="also score with the training side sharded over these tensor-parallel degrees, e.g. 1,2,4 "
+                        "(gloo processes on CPU, NCCL on GPU); mismatches are counted against TP=1 and the rollout")
     p.set_defaults(func=run)
 
 
@@ -39,7 +42,14 @@ def options_from_args(args):
                          samples=args.samples, max_new_tokens=args.max_new_tokens, profile=args.profile,
                          localize=args.localize, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          seed=args.seed, dtype=args.dtype, device=args.device, train_batch=args.train_batch,
-                         record=args.record, replay=args.replay)
+                         record=args.record, replay=args.replay, tp=_tp_degrees(args.tp))
+
+
+def _tp_degrees(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return ()
+    from rlalign.distributed.parity import parse_degrees
+    return parse_degrees(text)
 
 
 def run(args) -> int:
@@ -89,6 +99,9 @@ def _print(result, report_dir) -> None:
         if skipped:
             table.add_row(f"({len(skipped)} more)", "", "", "", f"not compared: {skipped[0].note}, ...")
         console.print(table)
+    for degree, r in (result.tp or {}).get("tp", {}).items():
+        console.print(f"  TP={degree}: {r['tokens_compared']} tokens, {r['mismatches']} mismatches vs TP=1, "
+                      f"{r['rollout_mismatches']} vs the rollout")
     if report_dir:
         console.print(f"  report: {report_dir}/parity.md")
     if result.ok:

@@ -20,7 +20,8 @@ import torch
 from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.collectives import gather_ranks_varlen
 from rlalign.distributed.launch import Group
-from rlalign.distributed.layers import ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear
+from rlalign.distributed.layers import (MIN_SHARD_COLUMNS, ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear,
+                                       local_segments)
 from rlalign.distributed.vocab_head import VocabParallelHead
 
 SUPPORTED_TP = (1, 2, 4, 8)
@@ -33,6 +34,15 @@ def check_tp(config, tp: int) -> None:
     for what, n in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads)):
         if n % tp:
             raise RLAlignError(f"tp={tp} does not divide the model's {what}={n}; choose a tp that divides it")
+    if tp == 1:
+        return
+    d = config.head_dim
+    for what, n in (("q_proj", config.num_heads * d), ("k_proj/v_proj", config.num_kv_heads * d),
+                    ("gate_proj/up_proj/down_proj", config.intermediate_size)):
+        if n // tp < MIN_SHARD_COLUMNS:
+            raise RLAlignError(f"tp={tp} leaves {n // tp} of {what}'s {n} features per rank; shards narrower than "
+                               f"{MIN_SHARD_COLUMNS} change the CPU GEMM's column bits (measured): choose a smaller tp")
+        local_segments(n, tp, what)
 
 
 def parallelize(model, group: Group):

@@ -49,6 +49,7 @@ class ParityOptions:
     train_batch: int | None = None       # sequences per training forward (default: all in one)
     record: str | None = None            # write the rollout record here
     replay: str | None = None            # score this recorded rollout instead of generating
+    tp: tuple[int, ...] = ()             # also score at these tensor-parallel degrees (rlalign.distributed.parity)
 
 
 @dataclasses.dataclass
@@ -59,10 +60,11 @@ class ParityResult:
     train_weights_hash: str
     localization: CaptureComparison | None = None
     model_dir: str = ""
+    tp: dict | None = None               # rlalign.distributed.parity.tp_parity's report, with --tp
 
     @property
     def ok(self) -> bool:
-        return self.tokens.ok
+        return self.tokens.ok and (self.tp is None or self.tp["ok"])
 
     def first_divergence(self) -> dict | None:
         first = self.tokens.first
@@ -93,7 +95,7 @@ class ParityResult:
         """The ``--json`` object: ok, tokens_compared, mismatches, max_abs_diff, mean_abs_diff, first_divergence."""
         return {"ok": self.ok, "tokens_compared": self.tokens.tokens_compared, "mismatches": self.tokens.mismatches,
                 "max_abs_diff": self.tokens.max_abs_diff, "mean_abs_diff": self.tokens.mean_abs_diff,
-                "first_divergence": self.first_divergence()}
+                "first_divergence": self.first_divergence(), **({"tp": self.tp["tp"]} if self.tp else {})}
 
     def details(self) -> dict:
         """Everything a report shows: the summary plus run settings and the localization table."""
@@ -166,6 +168,8 @@ def _check_options(o: ParityOptions) -> None:
     for name in ("prompts", "samples", "max_new_tokens"):
         if getattr(o, name) < 1:
             raise ParityError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
+    if o.tp and (o.train != "rlalign" or o.profile != "strict"):
+        raise ParityError("--tp shards rlalign's training side in the strict profile: use --train rlalign --profile strict")
 
 
 def build_rollout(o: ParityOptions, model):
@@ -207,6 +211,10 @@ def run_parity(o: ParityOptions) -> ParityResult:
     _check_options(o)
     model_dir = resolve_model_dir(o.model)
     model, config = load_model(model_dir, dtype=o.dtype, device=o.device)
+    if o.tp:
+        from rlalign.distributed.parallelize import check_tp
+        for degree in o.tp:
+            check_tp(config, degree)   # fail before generating
     rollout = build_rollout(o, model)
     if o.replay:
         record = RolloutRecord.load(o.replay)
@@ -221,6 +229,9 @@ def run_parity(o: ParityOptions) -> ParityResult:
     result = ParityResult(o, record, compare_tokens(record, trainer), trainer.weights_hash, None, str(model_dir))
     if o.localize and result.tokens.first is not None:
         result.localization = localize(record, rollout, trainer, result.tokens.first)
+    if o.tp:
+        from rlalign.distributed.parity import tp_parity
+        result.tp = tp_parity(record, str(model_dir), o.dtype, o.device, o.tp)
     return result
 
 

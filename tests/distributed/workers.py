@@ -21,7 +21,7 @@ FAMILIES = {
     "qwen3": dict(vocab_size=3000, tie_word_embeddings=True),    # qk-norm, tied head
 }
 SHAPE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, hidden_size=64, intermediate_size=128)
-TP_DEGREES = (1, 2, 4)
+CASES = (("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"), ("qwen3", "bfloat16"))
 
 
 def _batch(vocab: int):
@@ -41,19 +41,21 @@ def _step(model, seqs, targets, weights):
     return {"lp": lp.detach(), "ent": ent.detach(), "loss": loss.detach(), "grads": full_state(model, grads=True)}
 
 
-def tp_matrix(world: Group, dtype: str) -> dict:
-    """{family: {tp: results}} on this rank; tp=1 is the parallelized model without a group,
-    "plain" the unparallelized model (the rollout side's ops)."""
+def tp_matrix(world: Group, cases, degrees) -> dict:
+    """{(family, dtype): {degree: results}} on this rank. Degree 1 is the parallelized model
+    without a process group; "plain" is the unparallelized model (the rollout side's ops)."""
     groups = {1: Group.single()}
-    for tp in TP_DEGREES[1:]:
-        groups[tp] = split(world, tp)[0]
+    for tp in degrees:
+        if tp > 1:
+            groups[tp] = split(world, tp)[0]
     out = {}
-    for family, extra in FAMILIES.items():
-        base = tiny_model(family, seed=3, dtype=dtype, init_std=0.05, norm_jitter=0.1, **SHAPE, **extra).train()
+    for family, dtype in cases:
+        base = tiny_model(family, seed=3, dtype=dtype, init_std=0.05, norm_jitter=0.1, **SHAPE,
+                          **FAMILIES[family]).train()
         seqs, targets, weights = _batch(base.config.vocab_size)
-        out[family] = {"plain": _step(copy.deepcopy(base), seqs, targets, weights)}
+        res = out[(family, dtype)] = {"plain": _step(copy.deepcopy(base), seqs, targets, weights)}
         for tp, group in groups.items():
-            out[family][tp] = _step(parallelize(copy.deepcopy(base), group), seqs, targets, weights)
+            res[tp] = _step(parallelize(copy.deepcopy(base), group), seqs, targets, weights)
     return out
 
 
@@ -67,20 +69,42 @@ def collectives(world: Group) -> dict:
             "ragged": torch.cat(gather_ranks_varlen(ragged, world))}
 
 
-def dp_step(world: Group, repeats: int) -> dict:
-    """A DP training step (each rank its share of the samples), repeated: grads after the all-reduce."""
-    base = tiny_model("qwen3", seed=5, init_std=0.05, **SHAPE, vocab_size=700).train()
+DP_SAMPLES = 8
+
+
+def dp_model():
+    return tiny_model("qwen3", seed=5, init_std=0.05, **SHAPE, vocab_size=700).train()
+
+
+def dp_samples() -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
-    samples = [torch.randint(3, 700, (n,), generator=gen).tolist() for n in (12, 40, 7, 25, 33, 19, 8, 50)]
+    return [torch.randint(3, 700, (n,), generator=gen).tolist() for n in (12, 40, 7, 25, 33, 19, 8, 50)]
+
+
+def accumulate(model, samples, micro_batches: int) -> dict[str, torch.Tensor]:
+    """Backward over ``samples`` in ``micro_batches`` consecutive micro-batches, accumulating .grad."""
+    per = -(-len(samples) // micro_batches)
+    for i in range(0, len(samples), per):
+        mb = samples[i:i + per]
+        targets = torch.tensor([t for s in mb for t in s[1:] + [0]])
+        lp, _ = model.logprobs(ForwardBatch.packed(mb), targets)
+        (-lp.sum() / 1000.0).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def dp_step(world: Group, repeats: int) -> dict:
+    """A DP step repeated ``repeats`` times from the same weights: each rank back-propagates its
+    share of the samples in two micro-batches, then the deterministic all-reduce."""
     runs = []
     for _ in range(repeats):
-        model = copy.deepcopy(base)
-        mine = shard_for_rank(samples, world)
-        for mb in (mine[:len(mine) // 2], mine[len(mine) // 2:]):   # two micro-batches per rank
-            targets = torch.tensor([t for s in mb for t in s[1:] + [0]])
-            lp, _ = model.logprobs(ForwardBatch.packed(mb), targets)
-            (-lp.sum() / 1000.0).backward()
-        local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model = dp_model()
+        local = accumulate(model, shard_for_rank(dp_samples(), world), micro_batches=2)
         all_reduce_gradients_(model.parameters(), world)
         runs.append({"local": local, "reduced": {n: p.grad.clone() for n, p in model.named_parameters()}})
     return {"runs": runs}
+
+
+def two_rank_suite(world: Group) -> dict:
+    """Everything the 2-process test module checks, from one spawn."""
+    return {"collectives": collectives(world), "dp": dp_step(world, repeats=2),
+            "tp": tp_matrix(world, [("llama", "float32")], (1, 2))}

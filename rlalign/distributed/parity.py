@@ -1,0 +1,77 @@
+"""``rlalign parity --tp 1,2,4``: score a recorded rollout with the training side sharded over
+t processes (gloo on CPU, NCCL on GPU: one process per GPU) and compare every token's logprob
+bitwise with TP=1 and with the rollout side.
+
+TP=1 is the parallelized model without a process group (run in this process); each degree > 1
+spawns t fresh processes that load the checkpoint, shard it with :func:`parallelize`, score the
+record (RLAlignTrainer's packed forward) and return rank 0's logprobs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlalign.contract.errors import RLAlignError
+from rlalign.distributed.launch import Group, default_backend, spawn
+from rlalign.distributed.parallelize import check_tp, parallelize
+
+
+def parse_degrees(text: str) -> tuple[int, ...]:
+    try:
+        degrees = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RLAlignError(f"--tp {text!r}: expected comma-separated degrees such as 1,2,4") from None
+    if not degrees:
+        raise RLAlignError("--tp: give at least one degree, e.g. --tp 1,2,4")
+    return degrees
+
+
+def _score(model_dir: str, dtype: str | None, device: str, record, group: Group) -> list[list[float]]:
+    from rlalign.models.checkpoint import load_model
+    from rlalign.parity.sides import RLAlignTrainer
+
+    model, _ = load_model(Path(model_dir), dtype=dtype, device=device)
+    return RLAlignTrainer(parallelize(model, group), "strict").score(record)
+
+
+def _score_worker(world: Group, model_dir: str, dtype: str | None, device: str, record):
+    if device.startswith("cuda"):
+        device = f"cuda:{world.rank}"
+    scores = _score(model_dir, dtype, device, record, world)
+    return scores if world.rank == 0 else None
+
+
+def score_at_degrees(model_dir: str, dtype: str | None, device: str, record, degrees) -> dict[int, list[list[float]]]:
+    """{degree: per-sequence completion logprobs} for every requested degree (and 1, the reference)."""
+    from rlalign.models.checkpoint import load_config
+    config = load_config(model_dir)
+    for t in degrees:
+        check_tp(config, t)
+    out = {1: _score(model_dir, dtype, device, record, Group.single())}
+    for t in sorted(set(degrees) - {1}):
+        out[t] = spawn(_score_worker, t, model_dir, dtype, device, record, backend=default_backend(device))[0]
+    return out
+
+
+def tp_parity(record, model_dir: str, dtype: str | None, device: str, degrees) -> dict:
+    """{"ok": bool, "tp": {"t": {"tokens_compared", "mismatches" (vs TP=1), "rollout_mismatches",
+    "max_abs_diff" (vs TP=1)}}}."""
+    from rlalign.parity.compare import compare_logprobs
+
+    seqs = record.sequences
+    tokens, prompt_lens = [s.tokens for s in seqs], [len(s.prompt_tokens) for s in seqs]
+    scores = score_at_degrees(model_dir, dtype, device, record, degrees)
+    report = {}
+    for t in sorted(set(degrees) | {1}):
+        vs_tp1 = compare_logprobs(scores[1], scores[t], tokens, prompt_lens)
+        vs_rollout = compare_logprobs([s.logprobs for s in seqs], scores[t], tokens, prompt_lens)
+        report[str(t)] = {"tokens_compared": vs_tp1.tokens_compared, "mismatches": vs_tp1.mismatches,
+                          "max_abs_diff": vs_tp1.max_abs_diff, "rollout_mismatches": vs_rollout.mismatches,
+                          "rollout_max_abs_diff": vs_rollout.max_abs_diff,
+                          "not_comparable": vs_tp1.not_comparable or vs_rollout.not_comparable or None}
+    ok = all(r["mismatches"] == 0 and r["rollout_mismatches"] == 0 and not r["not_comparable"]
+             for r in report.values())
+    return {"ok": ok, "tp": report}
+
+
+__all__ = ["parse_degrees", "score_at_degrees", "tp_parity"]
