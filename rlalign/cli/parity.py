@@ -10,7 +10,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("parity", help="compare rollout and training logprobs bit for bit",
                               description=__doc__)
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (the embedded model)")
-    p.add_argument("--rollout", default="rlalign", choices=["rlalign"], help="rollout side")
+    p.add_argument("--rollout", default="rlalign", choices=["rlalign", "vllm"],
+                   help="rollout side: rlalign's engine, or vLLM (needs the vllm extra; docs/vllm.md)")
+    p.add_argument("--vllm-plugin", default="on", choices=["on", "off"],
+                   help="--rollout vllm: run vLLM with rlalign's plugin (strict ops) or stock (the baseline)")
     p.add_argument("--train", default="rlalign", choices=["rlalign", "transformers"],
                    help="training side: rlalign's trainer forward, or a Hugging Face model (patched in strict, "
                         "stock transformers in native)")
@@ -42,7 +45,8 @@ def options_from_args(args):
                          samples=args.samples, max_new_tokens=args.max_new_tokens, profile=args.profile,
                          localize=args.localize, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          seed=args.seed, dtype=args.dtype, device=args.device, train_batch=args.train_batch,
-                         record=args.record, replay=args.replay, tp=_tp_degrees(args.tp))
+                         record=args.record, replay=args.replay, tp=_tp_degrees(args.tp),
+                         vllm_plugin=args.vllm_plugin == "on")
 
 
 def _tp_degrees(text: str | None) -> tuple[int, ...]:

