@@ -24,8 +24,13 @@ def _rlalign_engine(cfg, policy, tokenizer, model_dir: Path):
     return RolloutEngine(copy.deepcopy(policy).eval(), config, tokenizer=tokenizer)
 
 
+def _vllm_engine(cfg, policy, tokenizer, model_dir: Path):
+    from rlalign.integrations.vllm.engine import build_training_engine
+    return build_training_engine(cfg, policy, tokenizer, model_dir)
+
+
 # name -> builder(cfg, policy, tokenizer, model_dir); integrations add their engines here.
-ENGINES: dict[str, Callable] = {"rlalign": _rlalign_engine}
+ENGINES: dict[str, Callable] = {"rlalign": _rlalign_engine, "vllm": _vllm_engine}
 
 
 def build_rollout_engine(cfg, policy, tokenizer, model_dir):

