@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
-from rlalign.distributed.collectives import all_reduce_fixed
+from rlalign.distributed.collectives import all_reduce_fixed, gather_ranks, tree_reduce
 from rlalign.distributed.launch import Group
 
 
@@ -40,6 +41,22 @@ def all_reduce_gradients_(params: Iterable[torch.nn.Parameter], group: Group) ->
         offset += n
 
 
+def sum_scalars(values: dict[str, float], group: Group) -> dict[str, float]:
+    """Per-key sum of Python floats over ``group`` (float64, fixed tree in rank order): logging stats."""
+    if group.size == 1:
+        return dict(values)
+    keys = sorted(values)
+    mine = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_device(group))
+    total = tree_reduce(gather_ranks(mine, group)).tolist()
+    return dict(zip(keys, total))
+
+
+def _device(group: Group) -> torch.device:
+    # NCCL moves only CUDA tensors; gloo only CPU ones
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group.pg) == "nccl" \
+        else torch.device("cpu")
+
+
 def shard_for_rank(items: list, group: Group) -> list:
     """The contiguous share of ``items`` that data-parallel rank ``group.rank`` processes."""
     per, extra = divmod(len(items), group.size)
@@ -47,4 +64,4 @@ def shard_for_rank(items: list, group: Group) -> list:
     return items[start:start + per + (group.rank < extra)]
 
 
-__all__ = ["all_reduce_gradients_", "shard_for_rank"]
+__all__ = ["all_reduce_gradients_", "sum_scalars", "shard_for_rank"]

@@ -83,8 +83,12 @@ def _worker(rank: int, size: int, backend: str, rendezvous: str, out_dir: str, f
         result = fn(Group.world(), *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
+    except RLAlignError as exc:   # bad input: the parent reports the one-line message, no traceback
+        (Path(out_dir) / f"rank{rank}.error").write_text(str(exc))
+        os._exit(2)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def spawn(fn: Callable, nprocs: int, *args, backend: str = "gloo") -> list:
@@ -94,8 +98,14 @@ def spawn(fn: Callable, nprocs: int, *args, backend: str = "gloo") -> list:
         raise RLAlignError(f"{nprocs} NCCL processes need {nprocs} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="rlalign-dist-") as tmp:
         rendezvous = str(Path(tmp) / "rendezvous")
-        mp.start_processes(_worker, args=(nprocs, backend, rendezvous, tmp, fn, args), nprocs=nprocs,
-                           start_method="spawn", join=True)
+        try:
+            mp.start_processes(_worker, args=(nprocs, backend, rendezvous, tmp, fn, args), nprocs=nprocs,
+                               start_method="spawn", join=True)
+        except mp.ProcessExitedException:
+            errors = sorted(Path(tmp).glob("rank*.error"))
+            if errors:
+                raise RLAlignError(f"{errors[0].stem}: {errors[0].read_text()}") from None
+            raise
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
 
 

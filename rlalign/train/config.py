@@ -134,6 +134,18 @@ class RaySection:
 
 
 @dataclasses.dataclass
+class ParallelSection:
+    """Data parallelism of the trainer (docs/distributed.md): ``dp`` processes (gloo on CPU, NCCL on GPU)
+    each back-propagate a share of every step's micro-batches; a deterministic all-reduce sums the
+    gradients. ``rlalign train parallel.dp=2`` spawns the processes; under torchrun dp must equal WORLD_SIZE."""
+    dp: int = 1
+
+    def validate(self):
+        if self.dp < 1:
+            return f"dp must be >= 1, got {self.dp}"
+
+
+@dataclasses.dataclass
 class TrainConfig:
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
@@ -143,3 +155,4 @@ class TrainConfig:
     run: RunSection = dataclasses.field(default_factory=RunSection)
     launcher: Literal["local", "ray"] = "local"   # ray: trainer + rollout workers as Ray actors (`launcher=ray`)
     ray: RaySection = dataclasses.field(default_factory=RaySection)
+    parallel: ParallelSection = dataclasses.field(default_factory=ParallelSection)

@@ -30,6 +30,9 @@ import torch
 from rlalign import algos
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import use_profile
+from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_rank, sum_scalars
+from rlalign.distributed.trainer import NoMetrics, data_parallel_group, needs_launch, shared_run_dir
+from rlalign.distributed.trainer import launch as launch_data_parallel
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.train.engines import build_rollout_engine
@@ -83,7 +86,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, console=None):
         self.cfg = cfg
         self.console = console
-        self.run_dir = Path(cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        self.dp = data_parallel_group(cfg)   # parallel.dp > 1: this rank back-propagates a share of the micro-batches
+        self.run_dir = Path(shared_run_dir(cfg, self.dp))
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
@@ -117,7 +121,7 @@ class Trainer:
                              "run.resume=true, or choose a new run.dir (nothing was overwritten)")
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
-            self.metrics = MetricsWriter(self.run_dir)
+            self.metrics = MetricsWriter(self.run_dir) if not self.dp.rank else NoMetrics()
             return
         self.policy.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -128,9 +132,11 @@ class Trainer:
             self.value.load_state_dict(state["value"])
             self.value_optimizer.load_state_dict(state["value_optimizer"])
         self.engine.update_weights(self.policy.state_dict(), version=self.step)  # version = optimizer steps taken
-        self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step)
+        self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if not self.dp.rank else NoMetrics()
 
     def save(self) -> None:
+        if self.dp.rank:   # rank 0 writes for every data-parallel rank (all hold the same state)
+            return
         save_checkpoint(self.run_dir, self.step, {
             "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(), "torch_rng": torch.get_rng_state(),
@@ -140,6 +146,8 @@ class Trainer:
 
     def save_policy(self) -> Path:
         from rlalign.models.checkpoint import save_model
+        if self.dp.rank:
+            return self.run_dir / "policy"
         out = save_model(self.policy, self.run_dir / "policy")
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
             src = Path(self.model_dir) / name
@@ -302,7 +310,8 @@ class Trainer:
             if self.value is not None:
                 self.value_optimizer.zero_grad(set_to_none=True)
             stats_acc = {k: 0.0 for k in totals if k != "grad_norm"}
-            for mb in micro_batches([len(t) for t, _ in ro.samples], cfg.optim.micro_batch_tokens):
+            for mb in shard_for_rank(micro_batches([len(t) for t, _ in ro.samples], cfg.optim.micro_batch_tokens),
+                                     self.dp):
                 lo, hi = bounds[mb[0]], bounds[mb[-1] + 1]
                 sl = slice(lo, hi)
                 local_ids = seq_ids[sl] - mb[0]
@@ -330,6 +339,11 @@ class Trainer:
                 w = int(mask[sl].sum())
                 stats_acc["clip_frac"] += float(out.stats.get("clip_frac", torch.tensor(0.0))) * w / max(n_tok, 1)
                 loss.backward()
+            if self.dp.size > 1:   # deterministic sum over the data-parallel ranks (rank order, fixed tree)
+                all_reduce_gradients_(self.policy.parameters(), self.dp)
+                if self.value is not None:
+                    all_reduce_gradients_(self.value.parameters(), self.dp)
+                stats_acc = sum_scalars(stats_acc, self.dp)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.grad_clip, foreach=False)
             if not torch.isfinite(grad_norm):
                 raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {self.step}: lower optim.lr or check "
@@ -396,6 +410,8 @@ def _checkpoint_layers(model) -> None:
 
 def run_training(cfg: TrainConfig, console=None) -> Path:
     """Run (or resume) the whole job; returns the run directory."""
+    if needs_launch(cfg):   # parallel.dp > 1 without torchrun: spawn the data-parallel processes
+        return launch_data_parallel(cfg)
     trainer = Trainer(cfg, console)
     trainer.resume_if_asked()
     progress = _Progress(cfg, console, trainer.step)
