@@ -29,7 +29,9 @@ from rlalign import ops
 from rlalign.contract import spec
 from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.collectives import merge_ranks, tree_reduce
+from rlalign.contract.profiles import Profile, current_profile
 from rlalign.distributed.launch import Group
+from rlalign.distributed.native import NativeColumn, NativeRow
 from rlalign.ops.shard import linear_partial, linear_weight_grad
 from rlalign.ops.torch_backend.linear import segment_count
 from rlalign.ops.torch_backend.primitives import tree_sum
@@ -119,6 +121,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if current_profile() is Profile.NATIVE:
+            out = NativeColumn.apply(x.reshape(-1, shape[-1]), self.weight, self.bias, self.group)
+            return out.reshape(*shape[:-1], self.weight.shape[0])
         out = _ColumnParallel.apply(x.reshape(-1, shape[-1]), self.weight, self.bias, self.group, self.dx_segments)
         return out.reshape(*shape[:-1], self.weight.shape[0])
 
@@ -140,6 +145,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if current_profile() is Profile.NATIVE:
+            out = NativeRow.apply(x.reshape(-1, shape[-1]), self.weight, self.group)
+            return out.reshape(*shape[:-1], self.weight.shape[0])
         out = _RowParallel.apply(x.reshape(-1, shape[-1]), self.weight, self.group, self.segments)
         return out.reshape(*shape[:-1], self.weight.shape[0])
 
@@ -164,7 +172,7 @@ class _GroupedWeight(torch.autograd.Function):
 
 
 class HeadGroupedRMSNorm(nn.Module):
-    """q_norm / k_norm under TP: the shared [head_dim] weight's gradient is a sum over every head,
+    """q_norm / k_norm under TP (both profiles): the shared [head_dim] weight's gradient is a sum over every head,
     and heads live on different ranks. The heads are cut into G = segment_count(heads, 8) canonical
     groups; each group is normalised by its own ops.rms_norm call (rows are independent, so the
     output bits do not change) and the G per-group weight gradients are merged by the fixed tree,

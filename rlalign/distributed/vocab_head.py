@@ -32,7 +32,10 @@ import torch
 from rlalign.contract import spec
 from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.collectives import gather_ranks, gather_ranks_varlen, merge_ranks, tree_reduce
+from rlalign.contract.profiles import Profile, current_profile
 from rlalign.distributed.launch import Group
+from rlalign.distributed.native import NativeVocabLogprob
+from rlalign.ops.logprob import _check_strict_inputs, _check_targets, _check_temperature
 from rlalign.ops.shard import (linear_partial, linear_weight_grad, logprob_merge_stats, logprob_shard_dlogits,
                                logprob_shard_stats)
 
@@ -140,7 +143,16 @@ class VocabParallelHead:
         return self.layout.rank_range(self.group.rank, self.group.size)
 
     def __call__(self, hidden, targets, *, temperature: float = 1.0, with_entropy: bool = False):
+        op = "logprob_entropy"
         weight = self.model.lm_head_weight
+        _check_targets(op, targets, hidden.shape[0], self.layout.vocab)
+        temperature = _check_temperature(op, temperature)
+        if current_profile() is Profile.NATIVE:
+            start, stop = self.shard_range()
+            out = NativeVocabLogprob.apply(hidden, weight, targets.long(), start, stop, temperature, bool(with_entropy),
+                                           self.group, self.tied)
+            return out if with_entropy else (out, None)
+        _check_strict_inputs(op, hidden, weight, targets)
         out = _VocabParallelLogprob.apply(hidden, weight, targets.long(), float(temperature), bool(with_entropy),
                                           self.group, self.layout, self.tied)
         return out if with_entropy else (out, None)

@@ -71,3 +71,14 @@ def test_dp2_vs_plain_accumulation_close_not_bitwise(ranks):
     for name, grad in reduced.items():
         assert_close_report(grad, plain[name], atol=1e-6 * (float(plain[name].abs().max()) or 1.0), rtol=1e-5,
                             what=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_native_profile_tp2_agrees_with_the_unsharded_native_model_to_rounding(ranks, family):
+    """The native baseline (vendor GEMMs, stock all-reduce) is correct but promises no bits."""
+    res = ranks[0]["native"][family]
+    assert_close_report(res[2]["lp"], res["plain"]["lp"], atol=1e-4, rtol=1e-5, what="logprob")
+    assert_close_report(res[2]["ent"], res["plain"]["ent"], atol=1e-4, rtol=1e-5, what="entropy")
+    for name, grad in res[2]["grads"].items():
+        plain = res["plain"]["grads"][name]
+        assert_close_report(grad, plain, atol=1e-4 * (float(plain.abs().max()) or 1.0), rtol=1e-4, what=name)

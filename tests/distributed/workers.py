@@ -104,7 +104,20 @@ def dp_step(world: Group, repeats: int) -> dict:
     return {"runs": runs}
 
 
+def native_tp(world: Group) -> dict:
+    """The native-profile (Megatron-style, stock all-reduce) TP=2 step and the unsharded native step."""
+    from rlalign.contract.profiles import use_profile
+    out = {}
+    for family in ("llama", "qwen3"):
+        base = tiny_model(family, seed=3, init_std=0.05, norm_jitter=0.1, **SHAPE, **FAMILIES[family]).train()
+        seqs, targets, weights = _batch(base.config.vocab_size)
+        with use_profile("native"):
+            out[family] = {"plain": _step(copy.deepcopy(base), seqs, targets, weights),
+                           2: _step(parallelize(copy.deepcopy(base), world), seqs, targets, weights)}
+    return out
+
+
 def two_rank_suite(world: Group) -> dict:
     """Everything the 2-process test module checks, from one spawn."""
     return {"collectives": collectives(world), "dp": dp_step(world, repeats=2),
-            "tp": tp_matrix(world, [("llama", "float32")], (1, 2))}
+            "tp": tp_matrix(world, [("llama", "float32")], (1, 2)), "native": native_tp(world)}
