@@ -28,8 +28,8 @@ from torch import nn
 from rlalign import ops
 from rlalign.contract import spec
 from rlalign.contract.errors import RLAlignError
-from rlalign.distributed.collectives import merge_ranks, tree_reduce
 from rlalign.contract.profiles import Profile, current_profile
+from rlalign.distributed.collectives import merge_ranks, tree_reduce
 from rlalign.distributed.launch import Group
 from rlalign.distributed.native import NativeColumn, NativeRow
 from rlalign.ops.shard import linear_partial, linear_weight_grad
