@@ -196,24 +196,21 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 # ---- native profile --------------------------------------------------------------------------------
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] at positions q_pos0.., k/v [L, Hkv, D] at 0..L-1 -> causal SDPA [n, Hq, D]."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    n, length = q.shape[0], k.shape[0]
-    if q_pos0 == 0 and n == length:
-        mask, causal = None, True
-    else:  # bottom-right aligned causal mask (chunked prefill / decode)
-        q_pos = q_pos0 + torch.arange(n, device=q.device)
-        mask, causal = torch.arange(length, device=q.device) <= q_pos.unsqueeze(1), False
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, is_causal=causal, scale=scale)
-    return out.transpose(0, 1)
-
-
 def _native_varlen(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
-    parts = [_sdpa(q[a:b], k[a:b], v[a:b], 0, scale) for a, b in zip(cu[:-1], cu[1:]) if b > a]
-    return torch.cat(parts) if parts else q.new_empty(q.shape)
+    """One padded SDPA call (flash on CUDA): sequences right-padded to the longest, so the plain
+    causal mask already hides the padding from every real query; padded rows are dropped."""
+    starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
+    if not lens or q.shape[0] == 0:
+        return q.new_empty(q.shape)
+    dev, l_max = q.device, max(lens)
+    lens_t = torch.tensor(lens, device=dev)
+    idx = torch.arange(l_max, device=dev).expand(len(lens), l_max)
+    valid = idx < lens_t.unsqueeze(1)
+    rows = torch.where(valid, torch.tensor(starts, device=dev).unsqueeze(1) + idx, 0)
+    qb, kb, vb = (t[rows].transpose(1, 2) for t in (q, k, v))                      # [S, H, L, D]
+    out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)[valid]
 
 
 def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[int], scale: float) -> torch.Tensor:
@@ -234,8 +231,7 @@ def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[in
     pos_c = torch.where(valid_k, pos, 0)
     pages = block_table.to(dev).long().gather(1, pos_c // page_size)
     k, v = k_cache[pages, pos_c % page_size], v_cache[pages, pos_c % page_size]     # [S, L, Hkv, D]
-    g = q.shape[1] // k_cache.shape[2]
-    k, v = (t.repeat_interleave(g, dim=2).transpose(1, 2) for t in (k, v))          # [S, Hq, L, D]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)                                      # [S, Hkv, L, D]
     qi = torch.arange(n_max, device=dev).expand(n_seq, n_max)
     valid_q = qi < n_q.unsqueeze(1)
     rows = torch.where(valid_q, cu_t[:-1].unsqueeze(1) + qi, 0)
@@ -243,7 +239,8 @@ def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[in
     q_pos = lens_t.unsqueeze(1) - n_q.unsqueeze(1) + qi                              # [S, n]
     mask = valid_k.unsqueeze(1) & (pos.unsqueeze(1) <= q_pos.unsqueeze(2))           # [S, n, L]
     mask = mask | ~valid_q.unsqueeze(2)  # padded query rows attend to everything (no NaN); dropped below
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask.unsqueeze(1), scale=scale)
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask.unsqueeze(1), scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)[valid_q]
 
 
