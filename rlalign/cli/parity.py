@@ -82,7 +82,9 @@ def _print(result, report_dir) -> None:
 
     console = Console(soft_wrap=True)
     d, t = result.details(), result.tokens
-    console.print(f"[bold]rlalign parity[/bold]: rollout {d['rollout']} vs train {d['train']}, profile {d['profile']}, "
+    plugin = (d["environment"] or {}).get("vllm_plugin")
+    rollout = f"{d['rollout']} (plugin {plugin})" if plugin else d["rollout"]
+    console.print(f"[bold]rlalign parity[/bold]: rollout {rollout} vs train {d['train']}, profile {d['profile']}, "
                   f"model {d['model']}")
     console.print(f"  {d['sequences']} sequences ({d['prompts']} prompts), {t.tokens_compared} tokens compared: "
                   f"{t.mismatches} mismatches, max |Δ| {t.max_abs_diff:.3g}, mean |Δ| {t.mean_abs_diff:.3g}")

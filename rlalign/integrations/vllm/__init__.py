@@ -35,7 +35,11 @@ def is_enabled() -> bool:
 
 
 def enable() -> None:
-    """Turn the plugin on for this process and the vLLM processes it starts; registers at once if vLLM is imported."""
+    """Turn the plugin on for this process and the vLLM processes it starts (registers the model classes and
+    the sampler hook now)."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        raise UnsupportedVLLMConfigError("vLLM is not installed: pip install 'rlalign[vllm]' (see docs/vllm.md)")
     os.environ[ENV] = "1"
     register()
 

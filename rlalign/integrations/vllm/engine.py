@@ -34,8 +34,9 @@ from rlalign.rollout.sequence import Completion
 @dataclasses.dataclass
 class VLLMEngineConfig:
     """plugin: run with rlalign's ops (True) or stock vLLM (False, the baseline).
-    dtype: None = the checkpoint's. kv_cache_gib: VLLM_CPU_KVCACHE_SPACE on CPU (GiB).
-    max_model_len: None = the checkpoint's max_position_embeddings."""
+    dtype: None = the checkpoint's. kv_cache_gib: VLLM_CPU_KVCACHE_SPACE on CPU (GiB), an upper bound: when
+    max_num_seqs full-length sequences need fewer blocks, only those are allocated (the plugin's own cache is
+    as large as vLLM's). max_model_len: None = the checkpoint's max_position_embeddings."""
 
     plugin: bool = True
     dtype: str | None = None
@@ -43,6 +44,7 @@ class VLLMEngineConfig:
     max_num_seqs: int = 256
     kv_cache_gib: int = 1
     enable_prefix_caching: bool = True
+    block_size: int = 128                                    # tokens per KV block (vLLM CPU: a multiple of 32)
     extra: dict = dataclasses.field(default_factory=dict)    # more vllm.LLM keyword arguments
 
 
@@ -106,6 +108,12 @@ class VLLMEngine:
                           tokens=tokens, logprobs=logprobs, finish_reason=str(c.finish_reason),
                           weights_version=self.weights_version, seed=seed, stop_reason=c.stop_reason)
 
+    def close(self) -> None:
+        """Stop vLLM's engine core (another engine can then be started in this process)."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
     # ---- weights ----------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -127,18 +135,28 @@ def _vllm_sampling(sampling: SamplingParams, seed: int, stops: list[int]):
                                ignore_eos=True, stop_token_ids=stops, detokenize=False)
 
 
+_PROCESS_MODE: list[bool] = []    # the plugin setting of the first engine started in this process
+
+
 def _build_llm(model_dir: Path, config: VLLMEngineConfig, model_config):
     """vllm.LLM in this process, with the plugin switched on or off for it."""
     import rlalign.integrations.vllm as plugin
+    if _PROCESS_MODE and _PROCESS_MODE[0] != config.plugin:
+        state = "on" if _PROCESS_MODE[0] else "off"
+        raise UnsupportedVLLMConfigError(f"this process already ran vLLM with the plugin {state}, and vLLM resolves "
+                                         "model classes once per process: start the other mode in a new process")
+    _PROCESS_MODE[:] = [config.plugin]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     plugin.enable() if config.plugin else plugin.disable()
     import vllm
     dtype = config.dtype or model_config.dtype
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
     try:
         return vllm.LLM(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
-                        max_model_len=config.max_model_len or model_config.max_position_embeddings,
-                        max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
+                        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+                        enable_prefix_caching=config.enable_prefix_caching, block_size=config.block_size,
+                        num_gpu_blocks_override=_blocks_needed(config, model_config, dtype, max_model_len),
                         seed=0, **config.extra)
     except UnsupportedVLLMConfigError:
         raise
@@ -147,6 +165,15 @@ def _build_llm(model_dir: Path, config: VLLMEngineConfig, model_config):
         if cause is not None:
             raise cause from None
         raise
+
+
+def _blocks_needed(config: VLLMEngineConfig, model_config, dtype: str, max_model_len: int) -> int | None:
+    """KV blocks for max_num_seqs sequences of max_model_len tokens, if fewer than kv_cache_gib holds; else None."""
+    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * \
+        (4 if dtype == "float32" else 2)
+    blocks = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+    fits = config.kv_cache_gib * (1 << 30) // (per_token * config.block_size)
+    return blocks if blocks < fits else None
 
 
 def _our_error(exc: BaseException) -> UnsupportedVLLMConfigError | None:
