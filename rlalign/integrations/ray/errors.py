@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
@@ -26,3 +27,15 @@ def last_checkpoint_note(run_dir: "str | Path | None") -> str:
     step = json.loads(latest.read_text()).get("step")
     return (f"the last checkpoint (step {step} in {run_dir}/checkpoints) is intact; continue with "
             f"run.dir={run_dir} run.resume=true")
+
+
+def short_reason(exc) -> str:
+    """The first line of a Ray error, without its terminal colour codes."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()
+    return text[0].strip().rstrip(".") if text else type(exc).__name__
+
+
+def death_errors():
+    """The Ray errors that mean an actor (its process or node) is gone, not that its code raised."""
+    from ray import exceptions as rx
+    return (rx.RayActorError, rx.OutOfMemoryError, rx.WorkerCrashedError, rx.NodeDiedError)

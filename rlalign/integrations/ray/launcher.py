@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.integrations.ray.errors import ActorDiedError, RayLaunchError, last_checkpoint_note
+from rlalign.integrations.ray.errors import ActorDiedError, RayLaunchError, death_errors, last_checkpoint_note, short_reason
 
 
 class TrainerActor:
@@ -36,6 +37,7 @@ class TrainerActor:
 def run_training_on_ray(cfg, console=None) -> Path:
     """Run (or resume) the job with the trainer and rollout workers as Ray actors; returns the run directory."""
     ray = _import_ray()
+    check_gpu_request(cfg.ray, cfg.model.device)
     cfg = with_absolute_paths(cfg)
     started_here = connect(ray, cfg.ray)
     trainer = None
@@ -48,8 +50,8 @@ def run_training_on_ray(cfg, console=None) -> Path:
         done = trainer.run.remote(cfg)
         _follow(ray, done, cfg, console)
         return Path(ray.get(done))
-    except ray.exceptions.RayActorError as exc:
-        raise ActorDiedError(f"the trainer actor died ({str(exc).strip().splitlines()[0].rstrip('.')}); the run "
+    except death_errors() as exc:
+        raise ActorDiedError(f"the trainer actor died ({short_reason(exc)}); the run "
                              f"stopped; {last_checkpoint_note(cfg.run.dir)}") from None
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, RLAlignError):
@@ -80,6 +82,7 @@ def connect(ray, section) -> bool:
         needed = section.cpus_per_actor * (section.num_rollout_workers + 1)
         kwargs["num_cpus"] = max(os.cpu_count() or 1, int(needed + 0.999))
     else:
+        probe(section.address)
         kwargs["address"] = section.address
     try:
         ray.init(**kwargs)
@@ -88,6 +91,29 @@ def connect(ray, section) -> bool:
         raise RayLaunchError(f"cannot start or reach Ray at {where}: {str(exc).strip().splitlines()[0]} "
                              "(check ray.address, or leave it unset for a local cluster)") from None
     return True
+
+
+def probe(address: str, timeout_s: float = 5.0) -> None:
+    """A HOST:PORT that does not answer fails in seconds (ray.init itself retries for minutes)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if address == "auto" or not sep or not port.isdigit():
+        return   # "auto": Ray finds the local cluster's address itself, and says so quickly when there is none
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise RayLaunchError(f"cannot reach the Ray cluster at ray.address={address} ({exc.strerror or exc}); start it "
+                             "with `ray start --head` there, fix ray.address, or leave it unset for a local cluster") from None
+
+
+def check_gpu_request(section, device: str) -> None:
+    if not device.startswith("cuda"):
+        return
+    if section.gpus_per_actor == 0:
+        raise RayLaunchError("model.device=cuda under launcher=ray needs GPUs for the actors: set ray.gpus_per_actor "
+                             "(1 per actor; a fraction shares a GPU, with ray.weight_sync=object_store)")
+    if section.gpus_per_actor < 1 and section.weight_sync != "object_store":
+        raise RayLaunchError(f"ray.gpus_per_actor={section.gpus_per_actor:g} puts several actors on one GPU, where "
+                             "NCCL cannot broadcast between them: set ray.weight_sync=object_store, or 1 GPU per actor")
 
 
 def check_resources(ray, section) -> None:

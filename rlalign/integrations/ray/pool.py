@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Mapping
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.integrations.ray.errors import ActorDiedError, last_checkpoint_note
+from rlalign.integrations.ray.errors import ActorDiedError, death_errors, last_checkpoint_note, short_reason
 from rlalign.integrations.ray.weight_sync import choose_weight_sync
 
 WORKER_NAME_PREFIX = "rlalign-rollout-"
@@ -60,7 +60,7 @@ class RolloutPool:
     def _wait(self, futures, what: str, worker_indices=None) -> list:
         """Results in the order of ``futures``; the first worker to fail is reported at once, by name."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayTaskError
 
         worker_of = dict(zip(futures, range(len(futures)) if worker_indices is None else worker_indices))
         pending, results = list(futures), {}
@@ -68,7 +68,7 @@ class RolloutPool:
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 results[done[0]] = ray.get(done[0])
-            except RayActorError as exc:
+            except death_errors() as exc:   # killed, crashed, out of memory, node lost
                 raise self._died(worker_of[done[0]], what, exc) from None
             except RayTaskError as exc:
                 if isinstance(exc.cause, RLAlignError):
@@ -77,12 +77,9 @@ class RolloutPool:
         return [results[f] for f in futures]
 
     def _died(self, index: int, what: str, exc) -> RLAlignError:
-        init_error = _creation_error(exc)
-        if init_error is not None:   # the worker raised in its constructor: that is the user's error
-            return init_error
         return ActorDiedError(f"rollout worker {index} of {len(self.workers)} (Ray actor {self.names[index]}) died "
                               f"during {what} at weights version {getattr(self, 'weights_version', 0)} "
-                              f"({_short_reason(exc)}); the run stopped; {last_checkpoint_note(self.run_dir)}")
+                              f"({short_reason(exc)}); the run stopped; {last_checkpoint_note(self.run_dir)}")
 
 
 def even_shards(count: int, parts: int) -> list[tuple[int, int]]:
@@ -92,14 +89,3 @@ def even_shards(count: int, parts: int) -> list[tuple[int, int]]:
     for i in range(parts):
         bounds.append(bounds[-1] + base + (1 if i < extra else 0))
     return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _creation_error(exc) -> RLAlignError | None:
-    cause = getattr(exc, "cause", None)   # ActorDiedError keeps the constructor's RayTaskError here
-    inner = getattr(cause, "cause", None)
-    return inner if isinstance(inner, RLAlignError) else None
-
-
-def _short_reason(exc) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0].strip().rstrip(".") if text else type(exc).__name__

@@ -13,19 +13,28 @@ class RolloutWorker:
     then overwritten by the trainer's before the first rollout, so the two never start apart."""
 
     def __init__(self, cfg, index: int, threads: int):
+        from rlalign.contract.errors import RLAlignError
+
+        torch.set_num_threads(threads)
+        self.index, self.cfg, self.group = index, cfg, None
+        self.setup_error = None
+        try:
+            self._build(cfg)
+        except RLAlignError as exc:   # Ray keeps only the text of a constructor's error; ready() re-raises this one
+            self.setup_error = exc
+
+    def _build(self, cfg) -> None:
         from rlalign.train.engines import build_rollout_engine
         from rlalign.train.setup import load_policy
 
-        torch.set_num_threads(threads)
-        self.index = index
-        self.cfg = cfg
         policy, tokenizer, model_dir = load_policy(cfg.model)
         self.device = next(policy.parameters()).device
         self.engine = build_rollout_engine(dataclasses.replace(cfg, launcher="local"), policy, tokenizer, model_dir)
         _check_prompt_indices(self.engine, cfg.rollout.engine)
-        self.group = None
 
     def ready(self) -> int:
+        if self.setup_error is not None:
+            raise self.setup_error
         return self.index
 
     def generate(self, prompts, sampling, prompt_indices):

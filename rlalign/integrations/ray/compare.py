@@ -1,0 +1,63 @@
+"""``python -m rlalign.integrations.ray.compare RUN_A RUN_B``: are two runs the same bits?
+
+Compares every ``metrics.jsonl`` field except wall-clock timings and the process's peak memory
+(``time/*``, ``tokens_per_s/*``, ``memory/*``), and every tensor of the final ``policy/`` (raw bits).
+Prints one line per difference (at most 20) and a summary; exit code 0 when identical, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+VOLATILE = ("time/", "tokens_per_s/", "memory/")
+
+
+def metric_differences(run_a: Path, run_b: Path) -> list[str]:
+    from rlalign.train.runio import read_metrics
+    a, b = read_metrics(run_a), read_metrics(run_b)
+    out = [] if len(a) == len(b) else [f"metrics.jsonl: {len(a)} records vs {len(b)}"]
+    for ra, rb in zip(a, b):
+        for key in sorted(set(ra) | set(rb)):
+            if not key.startswith(VOLATILE) and ra.get(key) != rb.get(key):
+                out.append(f"step {ra.get('step')} {key}: {ra.get(key)!r} vs {rb.get(key)!r}")
+    return out
+
+
+def weight_differences(run_a: Path, run_b: Path) -> list[str]:
+    from safetensors.torch import load_file
+    a, b = (load_file(Path(r) / "policy" / "model.safetensors") for r in (run_a, run_b))
+    out = [f"policy: tensor {name} only in one run" for name in sorted(set(a) ^ set(b))]
+    for name in sorted(set(a) & set(b)):
+        x, y = a[name], b[name]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            out.append(f"policy {name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
+        elif not _same_bits(x, y):
+            first = (x.flatten() != y.flatten()).nonzero()[0].item()
+            out.append(f"policy {name}: first differing element {first}: {x.flatten()[first].item()!r} vs "
+                       f"{y.flatten()[first].item()!r}")
+    return out
+
+
+def _same_bits(x, y) -> bool:
+    import torch
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}.get(x.dtype)
+    return torch.equal(x.view(view), y.view(view)) if view is not None else torch.equal(x, y)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m rlalign.integrations.ray.compare RUN_A RUN_B", file=sys.stderr)
+        return 2
+    a, b = (Path(x) for x in argv)
+    diffs = metric_differences(a, b) + weight_differences(a, b)
+    for line in diffs[:20]:
+        print(line)
+    from rlalign.train.runio import read_metrics
+    print(f"{a} vs {b}: {len(read_metrics(a))} metric records, {len(diffs)} differences "
+          f"({'bitwise identical' if not diffs else 'NOT identical'}; timings and peak memory not compared)")
+    return 0 if not diffs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
