@@ -32,6 +32,9 @@ def check_vllm_config(vllm_config, config: ModelConfig) -> None:
         names = ", ".join(spec.STRICT_DTYPES)
         raise UnsupportedVLLMConfigError(f"dtype={str(dtype).removeprefix('torch.')} is not supported in the strict "
                                          f"profile (pass dtype= one of {names})")
+    if str(vllm_config.device_config.device_type) != "cpu" and not vllm_config.model_config.enforce_eager:
+        raise UnsupportedVLLMConfigError("CUDA graphs are not supported (the strict ops validate their inputs on "
+                                         "the host): pass enforce_eager=True")
     _check_head_dim(vllm_config, config)
 
 

@@ -148,6 +148,7 @@ def _build_llm(model_dir: Path, config: VLLMEngineConfig, model_config):
     _PROCESS_MODE[:] = [config.plugin]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # vLLM's INFO lines drown rlalign's output
     plugin.enable() if config.plugin else plugin.disable()
     import vllm
     dtype = config.dtype or model_config.dtype

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations.vllm.conftest import VLLM_MARKS, run_cli, tail
+from tests.integrations.vllm.helpers import VLLM_MARKS, run_cli, tail
 
 pytestmark = VLLM_MARKS
 

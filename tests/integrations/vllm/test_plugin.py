@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations.vllm.conftest import FAMILIES, VLLM_MARKS, run_child, tail
+from tests.integrations.vllm.helpers import FAMILIES, VLLM_MARKS, run_child, tail
 
 pytestmark = VLLM_MARKS
 
