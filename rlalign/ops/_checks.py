@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import torch
@@ -38,25 +39,26 @@ def ndim(op: str, name: str, t: torch.Tensor, n: int) -> None:
 _pending = threading.local()
 
 
-def finite(op: str, name: str, t: torch.Tensor) -> None:
+def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> None:
     """Strict ops refuse NaN/inf inputs: they would poison every reduction they enter.
 
     On the CPU the check is immediate. On a GPU an immediate check would make the host wait for
     the device at every op, so the verdict is kept on the device and :func:`flush` (called by the
     ops whose results go to the host anyway: logprob_entropy, lm_logits) raises for the *first*
     op that saw a non-finite input -- still an error naming the op, one sync per forward.
+    ``message`` replaces the default "<name> contains NaN or inf".
     """
     if not (t.is_floating_point() and t.numel()):
         return
     if t.device.type == "cpu":
         if not bool(torch.isfinite(t).all()):
             bad = (~torch.isfinite(t)).nonzero()[0].tolist()
-            raise fail(op, f"{name} contains NaN or inf (first at index {bad}, value {t[tuple(bad)].item()})")
+            raise fail(op, message or f"{name} contains NaN or inf (first at index {bad}, value {t[tuple(bad)].item()})")
         return
     queue = getattr(_pending, "items", None)
     if queue is None:
         queue = _pending.items = []
-    queue.append((op, name, torch.isfinite(t).all()))
+    queue.append((op, message or f"{name} contains NaN or inf", torch.isfinite(t).all()))
     if len(queue) >= 4096:  # bound the queue on long runs without a flushing op
         flush()
 
@@ -68,9 +70,32 @@ def flush() -> None:
         return
     _pending.items = []
     verdicts = torch.stack([ok.to(queue[0][2].device) for _, _, ok in queue]).tolist()
-    for (op, name, _), ok in zip(queue, verdicts):
+    for (op, message, _), ok in zip(queue, verdicts):
         if not ok:
-            raise fail(op, f"{name} contains NaN or inf (detected on the device at the next sync point)")
+            raise fail(op, f"{message} (detected on the device at the next sync point)")
+
+
+_memo: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_MEMO_SIZE = 16
+
+
+def memo(kind: str, compute, *tensors: torch.Tensor, extra: tuple = ()):
+    """``compute()`` once per (kind, tensors, extra): a batch's index tensors (cu_seqlens, seq_lens,
+    block_table, slot_mapping) are the same objects in every layer of a forward, so their
+    validation and the host values derived from them need one device sync per forward, not one
+    per layer. The key is each tensor's identity, storage and in-place version counter; the entry
+    holds the tensors themselves, so an id cannot be reused by another tensor while it is cached.
+    A failing ``compute`` raises and caches nothing."""
+    key = (kind, extra) + tuple((id(t), t.data_ptr(), t._version) for t in tensors)
+    hit = _memo.get(key)
+    if hit is not None:
+        _memo.move_to_end(key)
+        return hit[1]
+    value = compute()
+    _memo[key] = (tensors, value)
+    if len(_memo) > _MEMO_SIZE:
+        _memo.popitem(last=False)
+    return value
 
 
 def contiguous(op: str, name: str, t: torch.Tensor) -> None:
@@ -83,4 +108,4 @@ def index_dtype(op: str, name: str, t: torch.Tensor) -> None:
         raise fail(op, f"{name} must be an int32/int64 tensor, got {t.dtype}")
 
 
-__all__ = ["ContractError", "dtype_ok", "same_device", "ndim", "finite", "flush", "contiguous", "index_dtype"]
+__all__ = ["ContractError", "dtype_ok", "same_device", "ndim", "finite", "flush", "memo", "contiguous", "index_dtype"]

@@ -70,32 +70,16 @@ def _check_varlen(q, k, v, cu_seqlens, strict: bool) -> None:
     _check_heads(op, q, k.shape[1], k.shape[2])
     _check_dtypes(op, strict, q, k, v)
     chk.same_device(op, q, k, v)
-    _check_cu(op, "cu_seqlens", cu_seqlens, q.shape[0])
+    chk.memo("cu_seqlens", lambda: _check_cu(op, "cu_seqlens", cu_seqlens, q.shape[0]), cu_seqlens,
+             extra=(q.shape[0],))
     if strict:
         for name, t in (("q", q), ("k", k), ("v", v)):
             chk.finite(op, name, t)
 
 
-def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, strict: bool) -> None:
-    op = "attention_paged"
-    chk.ndim(op, "q", q, 3)
-    chk.ndim(op, "k_cache", k_cache, 4)
-    if k_cache.shape != v_cache.shape:
-        raise fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
-                       "shape [num_pages, page_size, Hkv, D]")
-    num_pages, page_size, hkv, d = k_cache.shape
-    if page_size == 0:
-        raise fail(op, "page_size must be > 0")
-    _check_heads(op, q, hkv, d)
-    _check_dtypes(op, strict, q, k_cache, v_cache)
-    chk.same_device(op, q, k_cache, v_cache)
-    chk.contiguous(op, "k_cache", k_cache)
-    chk.contiguous(op, "v_cache", v_cache)
-    chk.index_dtype(op, "block_table", block_table)
-    chk.ndim(op, "block_table", block_table, 2)
-    chk.index_dtype(op, "seq_lens", seq_lens)
-    chk.ndim(op, "seq_lens", seq_lens, 1)
-    cu = _check_cu(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0])
+def _check_tables(op, block_table, seq_lens, cu_seqlens_q, n_queries: int, num_pages: int, page_size: int) -> bool:
+    """The paged batch's index tensors (device syncs: run once per forward through chk.memo)."""
+    cu = _check_cu(op, "cu_seqlens_q", cu_seqlens_q, n_queries)
     n_seq = len(cu) - 1
     if seq_lens.shape[0] != n_seq or block_table.shape[0] != n_seq:
         raise fail(op, f"seq_lens {tuple(seq_lens.shape)} and block_table {tuple(block_table.shape)} must have "
@@ -117,8 +101,44 @@ def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, stric
             s, col = (used & ((block_table < 0) | (block_table >= num_pages))).nonzero()[0].tolist()
             raise fail(op, f"block_table[{s}, {col}]={int(block_table[s, col])} is not a page id in "
                            f"[0, {num_pages})")
+    return True
+
+
+def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, strict: bool) -> None:
+    op = "attention_paged"
+    chk.ndim(op, "q", q, 3)
+    chk.ndim(op, "k_cache", k_cache, 4)
+    if k_cache.shape != v_cache.shape:
+        raise fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
+                       "shape [num_pages, page_size, Hkv, D]")
+    num_pages, page_size, hkv, d = k_cache.shape
+    if page_size == 0:
+        raise fail(op, "page_size must be > 0")
+    _check_heads(op, q, hkv, d)
+    _check_dtypes(op, strict, q, k_cache, v_cache)
+    chk.same_device(op, q, k_cache, v_cache)
+    chk.contiguous(op, "k_cache", k_cache)
+    chk.contiguous(op, "v_cache", v_cache)
+    chk.index_dtype(op, "block_table", block_table)
+    chk.ndim(op, "block_table", block_table, 2)
+    chk.index_dtype(op, "seq_lens", seq_lens)
+    chk.ndim(op, "seq_lens", seq_lens, 1)
+    chk.memo("paged_tables", lambda: _check_tables(op, block_table, seq_lens, cu_seqlens_q, q.shape[0], num_pages,
+                                                   page_size), block_table, seq_lens, cu_seqlens_q,
+             extra=(q.shape[0], num_pages, page_size))
     if strict:
         chk.finite(op, "q", q)
+
+
+def _checked_slots(slot_mapping: torch.Tensor, n_slots: int, device) -> torch.Tensor:
+    op = "write_kv_cache"
+    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    if lo < 0 or hi >= n_slots:
+        raise fail(op, f"slot {lo if lo < 0 else hi} is outside the cache's [0, {n_slots}) slots")
+    slots = slot_mapping.to(device=device, dtype=torch.int64)
+    if torch.unique(slots).numel() != slots.numel():
+        raise fail(op, "slot_mapping writes the same slot twice")
+    return slots
 
 
 # ---- public ops ------------------------------------------------------------------------------------
@@ -184,12 +204,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     n_slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.numel() == 0:
         return
-    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-    if lo < 0 or hi >= n_slots:
-        raise fail(op, f"slot {lo if lo < 0 else hi} is outside the cache's [0, {n_slots}) slots")
-    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
-    if torch.unique(slots).numel() != slots.numel():
-        raise fail(op, "slot_mapping writes the same slot twice")
+    slots = chk.memo("slot_mapping", lambda: _checked_slots(slot_mapping, n_slots, k_cache.device), slot_mapping,
+                     extra=(n_slots, k_cache.device))
     k_cache.view(n_slots, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(n_slots, *v_cache.shape[2:]).index_copy_(0, slots, v)
 

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from rlalign.contract.errors import fail
+from rlalign.ops import _checks as chk
 from rlalign.ops.triton_backend._common import forced_tile, mma, split_for
 
 KV_BLOCK = 64
@@ -274,7 +275,7 @@ def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):
     tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or PREFILL_TILE
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu, lens = _seq_info(cu_seqlens, q.device)
-    max_len = int(lens.max()) if lens.numel() else 0
+    max_len = chk.memo("max_len", lambda: int(lens.max()) if lens.numel() else 0, cu_seqlens)
     zeros = torch.zeros_like(lens)
     return _forward(q, k, v, cu, zeros, lens, None, 1, scale, False, tile, store_lse, max_len)
 
@@ -284,7 +285,7 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     cu, n_q = _seq_info(cu_seqlens_q, q.device)
     kv_len = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
     pos0 = (kv_len - n_q).contiguous()
-    max_q = int(n_q.max()) if n_q.numel() else 0
+    max_q = chk.memo("max_q", lambda: int(n_q.max()) if n_q.numel() else 0, cu_seqlens_q)
     if tile is None:
         tile = forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or (
             DECODE_TILE if max_q * (q.shape[1] // k_cache.shape[2]) <= DECODE_TILE[0] else PREFILL_TILE)
@@ -300,7 +301,7 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=BWD_TIL
     hkv = k.shape[1]
     g = hq // hkv
     cu, lens = _seq_info(cu_seqlens, q.device)
-    max_len = int(lens.max()) if lens.numel() else 0
+    max_len = chk.memo("max_len", lambda: int(lens.max()) if lens.numel() else 0, cu_seqlens)
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()   # [T, Hq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if t == 0 or max_len == 0:
@@ -346,9 +347,9 @@ def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sc
     output non-finite, which is detected here and raised (the cache outside contexts is never read
     into the math)."""
     out = paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, float(scale))
-    if out.numel() and not bool(torch.isfinite(out).all()):
-        raise fail("attention_paged", "k_cache/v_cache contain NaN or inf within a sequence's context "
-                                      "(or the scores overflow fp32)")
+    # deferred to the next sync point (chk.flush, called by the logprob ops): no host wait per layer
+    chk.finite("attention_paged", "out", out, "k_cache/v_cache contain NaN or inf within a sequence's context "
+                                              "(or the scores overflow fp32)")
     return out
 
 
