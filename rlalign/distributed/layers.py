@@ -95,8 +95,11 @@ class _RowParallel(torch.autograd.Function):
 
 
 def _shard(t: torch.Tensor, dim: int, group: Group) -> nn.Parameter:
+    """This rank's equal slice of ``t`` along ``dim``, tagged with ``tp_dim`` and ``tp_range``."""
     size = t.shape[dim] // group.size
-    return nn.Parameter(t.detach().narrow(dim, group.rank * size, size).clone())
+    p = nn.Parameter(t.detach().narrow(dim, group.rank * size, size).clone())
+    p.tp_dim, p.tp_range = dim, (group.rank * size, (group.rank + 1) * size)
+    return p
 
 
 class ColumnParallelLinear(nn.Module):
@@ -115,9 +118,6 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.weight = _shard(linear.weight, 0, group)
         self.bias = None if linear.bias is None else _shard(linear.bias, 0, group)
-        self.weight.tp_dim = 0
-        if self.bias is not None:
-            self.bias.tp_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -140,7 +140,6 @@ class RowParallelLinear(nn.Module):
         self.segments = local_segments(k, group.size, name)
         self.group = group
         self.weight = _shard(linear.weight, 1, group)
-        self.weight.tp_dim = 1
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

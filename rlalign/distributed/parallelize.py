@@ -7,8 +7,8 @@ Norms, embeddings and the residual stream stay replicated (every rank computes t
 The LM head becomes vocab-parallel (:mod:`.vocab_head`); with untied embeddings ``lm_head.weight``
 is replaced by the rank's rows.
 
-Parameter names do not change; a sharded parameter carries ``tp_dim`` (0: rows, 1: columns),
-and :func:`full_state` rebuilds the unsharded tensors (state or gradients) on every rank.
+Parameter names do not change; a sharded parameter carries ``tp_dim`` (0: rows, 1: columns) and
+``tp_range`` (its [start, stop) along that dim), and :func:`full_state` rebuilds the unsharded tensors (state or gradients) on every rank.
 tp=1 (``Group.single()``) applies the same modules without any process group: it is the
 reference the TP degrees agree with.
 """
@@ -68,7 +68,7 @@ def parallelize(model, group: Group):
     if model.lm_head is not None:
         start, stop = head.shard_range()
         weight = torch.nn.Parameter(model.lm_head.weight.detach()[start:stop].clone())
-        weight.tp_dim = 0
+        weight.tp_dim, weight.tp_range = 0, (start, stop)
         model.lm_head.weight = weight
     model.parallel_head = head
     model.tp_group = group

@@ -1,12 +1,20 @@
-"""Data-parallel training runs: process set-up for ``rlalign train parallel.dp=N``.
+"""Parallel training runs: process set-up and the trainer's parallel-aware steps.
 
-``rlalign train parallel.dp=2`` (no torchrun): :func:`launch` spawns 2 processes (gloo on CPU,
-NCCL on GPU, one per GPU) that each run the ordinary training loop. Under
-``torchrun --nproc-per-node 2 -m rlalign.cli.main train parallel.dp=2`` each process joins the
-job torchrun set up. Either way every rank holds identical weights: rollouts and scoring are
-replicated, each rank back-propagates its contiguous share of the step's micro-batches, and
-:func:`rlalign.distributed.all_reduce_gradients_` sums the gradients (deterministic, rank order).
-Rank 0 alone writes metrics, checkpoints and the final policy; the others resume from them.
+``rlalign train parallel.dp=2 parallel.tp=2`` (no torchrun) spawns dp * tp processes (gloo on CPU,
+NCCL on GPU, one per GPU) that each run the ordinary training loop; under
+``torchrun --nproc-per-node 4 -m rlalign.cli.main train parallel.dp=2 parallel.tp=2`` each process
+joins torchrun's job. Ranks are laid out TP-major: TP groups are consecutive ranks.
+
+- dp: every rank holds the same weights; rollouts and scoring are replicated; each DP rank
+  back-propagates a contiguous share of the step's micro-batches and
+  :func:`rlalign.distributed.all_reduce_gradients_` sums the gradients (deterministic, rank order).
+- tp: the policy is parallelized (canonical partitions, docs/distributed.md); the rollout engine
+  and the reference model keep unsharded copies (their forward bits are the TP bits); the engine
+  receives the gathered full weights after each step; gradient clipping uses the norm of the
+  gathered full gradients (the same bits at every tp); checkpoints hold the full weights and each
+  TP rank's optimizer state.
+- The writer (global rank 0) alone writes metrics, checkpoints and the final policy; every rank
+  resumes from them.
 """
 
 from __future__ import annotations
@@ -16,39 +24,117 @@ import os
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.distributed.launch import Group, default_backend, init_from_env, spawn
+from rlalign.distributed.launch import Group, default_backend, init_from_env, spawn, split
+from rlalign.distributed.parallelize import full_state
 
 
 def needs_launch(cfg) -> bool:
-    """True when this process must start the data-parallel job (dp > 1, no process group, no torchrun)."""
-    return cfg.parallel.dp > 1 and not dist.is_initialized() and "RANK" not in os.environ
+    """True when this process must start the parallel job (dp * tp > 1, no process group, no torchrun)."""
+    return cfg.parallel.world_size > 1 and not dist.is_initialized() and "RANK" not in os.environ
 
 
-def data_parallel_group(cfg) -> Group:
-    """The trainer's DP group (joining torchrun's job when needed); Group.single() for dp=1."""
-    if cfg.parallel.dp == 1:
-        return Group.single()
+def parallel_groups(cfg) -> tuple[Group | None, Group]:
+    """(tp group, or None when parallel.tp is unset; dp group), joining torchrun's job when needed."""
+    tp = cfg.parallel.tp
+    if cfg.parallel.world_size == 1:
+        return (Group.single() if tp else None), Group.single()
     if cfg.launcher != "local":
-        raise RLAlignError(f"parallel.dp={cfg.parallel.dp} runs with launcher=local (got launcher={cfg.launcher})")
+        raise RLAlignError(f"parallel.dp/tp > 1 run with launcher=local (got launcher={cfg.launcher})")
     world = Group.world() if dist.is_initialized() else init_from_env(cfg.model.device)
-    if world.size != cfg.parallel.dp:
-        raise RLAlignError(f"parallel.dp={cfg.parallel.dp} but the job has {world.size} processes: make them equal")
-    return world
+    if world.size != cfg.parallel.world_size:
+        raise RLAlignError(f"parallel.dp * parallel.tp = {cfg.parallel.world_size} but the job has {world.size} "
+                           "processes: make them equal")
+    tp_group, dp_group = split(world, tp or 1)
+    return (tp_group if tp else None), dp_group
 
 
-def shared_run_dir(cfg, group: Group) -> str:
+def is_writer(tp: Group | None, dp: Group) -> bool:
+    return dp.rank == 0 and (tp is None or tp.rank == 0)
+
+
+def shared_run_dir(cfg) -> str:
     """Rank 0's run directory on every rank (a default timestamped name could differ across ranks)."""
     chosen = [cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"]
-    if group.size > 1:
-        dist.broadcast_object_list(chosen, src=0, group=group.pg)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(chosen, src=0)
     return chosen[0]
 
 
+# ---- the policy under TP ----------------------------------------------------------------------------
+
+def parallelized(policy) -> bool:
+    return getattr(policy, "tp_group", None) is not None
+
+
+def policy_weights(policy) -> dict[str, torch.Tensor]:
+    """The full (unsharded) weights by name: what the rollout engine and checkpoints take."""
+    return full_state(policy) if parallelized(policy) else policy.state_dict()
+
+
+@torch.no_grad()
+def load_policy_weights(policy, weights: dict[str, torch.Tensor]) -> None:
+    """Load full weights into a (possibly parallelized) policy: each rank copies its slice."""
+    if not parallelized(policy):
+        policy.load_state_dict(weights)
+        return
+    for name, p in policy.named_parameters():
+        full = weights[name]
+        if getattr(p, "tp_dim", None) is not None:
+            start, stop = p.tp_range
+            full = full.narrow(p.tp_dim, start, stop - start)
+        p.copy_(full)
+
+
+def clip_grad_norm_(policy, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ (foreach=False); under TP the total norm is taken over the gathered
+    full gradients in parameter order, so it has the tp=1 bits, and each rank scales its shards."""
+    params = list(policy.parameters())
+    if not parallelized(policy):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+    grads = list(full_state(policy, grads=True).values())
+    total = torch.nn.utils.get_total_norm(grads, foreach=False)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return total
+
+
+def optimizer_state(optimizer, tp: Group | None):
+    """What a checkpoint stores: the state dict, or under TP every TP rank's (a list in rank order)."""
+    state = optimizer.state_dict()
+    if tp is None:
+        return state
+    states = [None] * tp.size
+    if tp.size > 1:
+        dist.all_gather_object(states, state, group=tp.pg)
+    else:
+        states = [state]
+    return states
+
+
+def load_optimizer_state(optimizer, stored, tp: Group | None) -> None:
+    if isinstance(stored, list) != (tp is not None) or (tp is not None and len(stored) != tp.size):
+        raise RLAlignError("the checkpoint's optimizer state was written with another parallel.tp: resume with the "
+                           "same parallel.tp")
+    optimizer.load_state_dict(stored if tp is None else stored[tp.rank])
+
+
+def unsharded_policy(policy):
+    """The policy as an ordinary CausalLM (a new one with the gathered weights under TP)."""
+    if not parallelized(policy):
+        return policy
+    from rlalign.models.decoder import CausalLM
+    model = CausalLM(policy.config, dtype=policy.dtype, device=policy.device)
+    model.load_state_dict(full_state(policy))
+    return model
+
+
+# ---- launching ------------------------------------------------------------------------------------------
+
 class NoMetrics:
-    """The metrics sink of data-parallel ranks > 0 (rank 0 writes metrics.jsonl)."""
+    """The metrics sink of the ranks that do not write (the writer writes metrics.jsonl)."""
 
     def write(self, record: dict) -> None:
         pass
@@ -62,12 +148,14 @@ def _worker(world: Group, cfg):
 
 
 def launch(cfg) -> Path:
-    """Spawn ``parallel.dp`` training processes; returns the run directory when they are done."""
+    """Spawn ``parallel.dp * parallel.tp`` training processes; returns the run directory when they finish."""
     if cfg.launcher != "local":
-        raise RLAlignError(f"parallel.dp={cfg.parallel.dp} runs with launcher=local (got launcher={cfg.launcher})")
+        raise RLAlignError(f"parallel.dp/tp > 1 run with launcher=local (got launcher={cfg.launcher})")
     run = dataclasses.replace(cfg.run, dir=cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = dataclasses.replace(cfg, run=run)
-    return Path(spawn(_worker, cfg.parallel.dp, cfg, backend=default_backend(cfg.model.device))[0])
+    return Path(spawn(_worker, cfg.parallel.world_size, cfg, backend=default_backend(cfg.model.device))[0])
 
 
-__all__ = ["NoMetrics", "needs_launch", "data_parallel_group", "shared_run_dir", "launch"]
+__all__ = ["NoMetrics", "needs_launch", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
+           "load_policy_weights", "clip_grad_norm_", "optimizer_state", "load_optimizer_state", "unsharded_policy",
+           "launch"]

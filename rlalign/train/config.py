@@ -135,14 +135,23 @@ class RaySection:
 
 @dataclasses.dataclass
 class ParallelSection:
-    """Data parallelism of the trainer (docs/distributed.md): ``dp`` processes (gloo on CPU, NCCL on GPU)
-    each back-propagate a share of every step's micro-batches; a deterministic all-reduce sums the
-    gradients. ``rlalign train parallel.dp=2`` spawns the processes; under torchrun dp must equal WORLD_SIZE."""
+    """Trainer parallelism (docs/distributed.md); dp * tp processes (gloo on CPU, NCCL on GPU), spawned by
+    ``rlalign train parallel.dp=2`` or started by torchrun (WORLD_SIZE must equal dp * tp).
+    dp: each rank back-propagates a share of every step's micro-batches; a deterministic all-reduce sums
+    the gradients. tp: the policy is sharded (rlalign.distributed.parallelize); None keeps the unsharded
+    model, 1/2/4/8 use the canonical partitions, and every tp gives the same bits as tp=1."""
     dp: int = 1
+    tp: int | None = None
 
     def validate(self):
         if self.dp < 1:
             return f"dp must be >= 1, got {self.dp}"
+        if self.tp is not None and self.tp not in (1, 2, 4, 8):
+            return f"tp must be 1, 2, 4 or 8 (or unset), got {self.tp}"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * (self.tp or 1)
 
 
 @dataclasses.dataclass
@@ -156,3 +165,9 @@ class TrainConfig:
     launcher: Literal["local", "ray"] = "local"   # ray: trainer + rollout workers as Ray actors (`launcher=ray`)
     ray: RaySection = dataclasses.field(default_factory=RaySection)
     parallel: ParallelSection = dataclasses.field(default_factory=ParallelSection)
+
+    def validate(self):
+        if self.parallel.world_size > 1 and self.launcher != "local":
+            return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
+        if self.parallel.tp is not None and self.algo.advantage == "gae":
+            return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"

@@ -31,8 +31,8 @@ from rlalign import algos
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import use_profile
 from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_rank, sum_scalars
-from rlalign.distributed.trainer import NoMetrics, data_parallel_group, needs_launch, shared_run_dir
-from rlalign.distributed.trainer import launch as launch_data_parallel
+from rlalign.distributed import trainer as par
+from rlalign.distributed.parallelize import parallelize
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.train.engines import build_rollout_engine
@@ -86,13 +86,19 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, console=None):
         self.cfg = cfg
         self.console = console
-        self.dp = data_parallel_group(cfg)   # parallel.dp > 1: this rank back-propagates a share of the micro-batches
-        self.run_dir = Path(shared_run_dir(cfg, self.dp))
+        # parallel.dp/tp (rlalign.distributed.trainer): tp shards the policy, each dp rank back-propagates a share
+        self.tp, self.dp = par.parallel_groups(cfg)
+        self.writer = par.is_writer(self.tp, self.dp)
+        self.run_dir = Path(par.shared_run_dir(cfg))
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
         self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir)
         self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        if self.tp is not None:
+            if cfg.algo.advantage == "gae":
+                raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
+            self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, foreach=False)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -121,24 +127,25 @@ class Trainer:
                              "run.resume=true, or choose a new run.dir (nothing was overwritten)")
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
-            self.metrics = MetricsWriter(self.run_dir) if not self.dp.rank else NoMetrics()
+            self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()
             return
-        self.policy.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        par.load_policy_weights(self.policy, state["model"])
+        par.load_optimizer_state(self.optimizer, state["optimizer"], self.tp)
         self.schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.data_pos = state["step"], state["data_pos"]
         if self.value is not None:
             self.value.load_state_dict(state["value"])
             self.value_optimizer.load_state_dict(state["value_optimizer"])
-        self.engine.update_weights(self.policy.state_dict(), version=self.step)  # version = optimizer steps taken
-        self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if not self.dp.rank else NoMetrics()
+        self.engine.update_weights(par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
+        self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
 
     def save(self) -> None:
-        if self.dp.rank:   # rank 0 writes for every data-parallel rank (all hold the same state)
+        model, optimizer = par.policy_weights(self.policy), par.optimizer_state(self.optimizer, self.tp)
+        if not self.writer:   # the writer saves for every rank (TP state gathered above)
             return
         save_checkpoint(self.run_dir, self.step, {
-            "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "model": model, "optimizer": optimizer,
             "schedule": self.schedule.state_dict(), "torch_rng": torch.get_rng_state(),
             "step": self.step, "data_pos": self.data_pos, "config": dataclasses.asdict(self.cfg),
             **({"value": self.value.state_dict(), "value_optimizer": self.value_optimizer.state_dict()}
@@ -146,9 +153,10 @@ class Trainer:
 
     def save_policy(self) -> Path:
         from rlalign.models.checkpoint import save_model
-        if self.dp.rank:
+        policy = par.unsharded_policy(self.policy)
+        if not self.writer:
             return self.run_dir / "policy"
-        out = save_model(self.policy, self.run_dir / "policy")
+        out = save_model(policy, self.run_dir / "policy")
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
             src = Path(self.model_dir) / name
             if src.exists():
@@ -254,7 +262,7 @@ class Trainer:
             update = self._update(ro, old_lp, token_adv, None if kl_reward is not None else ref_lp, mask, seq_ids,
                                   is_weights, value_targets)
         t_train = time.perf_counter() - t1
-        self.engine.update_weights(self.policy.state_dict(), version=step)
+        self.engine.update_weights(par.policy_weights(self.policy), version=step)
         n_tokens = int(lens.sum())
         rewards = ro.reward_tensor()
         record.update({
@@ -344,7 +352,7 @@ class Trainer:
                 if self.value is not None:
                     all_reduce_gradients_(self.value.parameters(), self.dp)
                 stats_acc = sum_scalars(stats_acc, self.dp)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.grad_clip, foreach=False)
+            grad_norm = par.clip_grad_norm_(self.policy, cfg.optim.grad_clip)
             if not torch.isfinite(grad_norm):
                 raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {self.step}: lower optim.lr or check "
                                    "the rewards; the last checkpoint is intact")
@@ -410,8 +418,8 @@ def _checkpoint_layers(model) -> None:
 
 def run_training(cfg: TrainConfig, console=None) -> Path:
     """Run (or resume) the whole job; returns the run directory."""
-    if needs_launch(cfg):   # parallel.dp > 1 without torchrun: spawn the data-parallel processes
-        return launch_data_parallel(cfg)
+    if par.needs_launch(cfg):   # parallel.dp/tp > 1 without torchrun: spawn the processes
+        return par.launch(cfg)
     trainer = Trainer(cfg, console)
     trainer.resume_if_asked()
     progress = _Progress(cfg, console, trainer.step)

@@ -1,6 +1,7 @@
 """`rlalign parity --tp`: the training side sharded over gloo processes, compared with TP=1 and the rollout."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -8,6 +9,8 @@ import pytest
 
 from rlalign.models.testing import make_tiny_checkpoint
 
+# the CLI in a subprocess: one OpenMP thread, like the spawned ranks (and fast on a busy 2-core machine)
+ONE_THREAD = dict(os.environ, OMP_NUM_THREADS="1")
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -17,7 +20,7 @@ def checkpoint(tmp_path_factory):
 
 def _parity(*args):
     return subprocess.run([sys.executable, "-m", "rlalign.cli.main", "parity", *args], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=ONE_THREAD)
 
 
 def test_parity_tp_json(checkpoint):
