@@ -3,7 +3,8 @@
 #   GPU 0: the 200-step strict GRPO run (configs/gpu-grpo-200.yaml), stopping after
 #          E2E_TRAIN_MINUTES and resumable by running this script again (RESUME=1);
 #   GPU 1: SIDE_JOBS=a: doctor, parity on Qwen3-0.6B- and 8B-shaped models, a short native-profile
-#          run of the same config (strict/native step time); SIDE_JOBS=b: the rollout benchmark.
+#          run of the same config (strict/native step time); SIDE_JOBS=b: the rollout benchmark;
+#          SIDE_JOBS=c: the CUDA test suite, a smaller rollout benchmark, scripts/gpu_tp.py (2 GPUs).
 # Files to $OUT: doctor_cuda.json parity_06b.json parity_8b.json rollout.json
 #                gpu200_metrics.jsonl native_metrics.jsonl e2e.log
 set -u
@@ -44,6 +45,13 @@ a)
   cp runs/native/metrics.jsonl "$OUT/native_metrics.jsonl" 2>/dev/null ;;
 b)
   side rollout 400 bash -c "$PY bench/rollout.py --device cuda --verify --hf-prompts 64 --json > $OUT/rollout.json" ;;
+c)  # the CUDA test suite, a rollout bench of 64 x 8 x 256, then TP=2 vs TP=1 (both GPUs)
+  XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 6 --dist loadfile"
+  side cuda_tests 250 bash -c "$PY -m pytest tests -m cuda -q -rfE -p no:cacheprovider $XDIST > $OUT/cuda_tests.log 2>&1"
+  tail -n 3 "$OUT/cuda_tests.log" >> "$LOG"
+  side rollout 150 bash -c "$PY bench/rollout.py --device cuda --verify --prompts 64 --new-tokens 256 --json > $OUT/rollout.json"
+  echo "== gpu_tp (t=$SECONDS s)" >> "$LOG"
+  timeout 150 $PY scripts/gpu_tp.py --out "$OUT/tp" >> "$LOG" 2>&1; echo "== gpu_tp rc=$? (t=$SECONDS s)" >> "$LOG" ;;
 esac
 wait $TRAIN_PID
 cat "$OUT/train.log" >> "$LOG"; rm -f "$OUT/train.log"
