@@ -47,11 +47,11 @@ b)
   side rollout 400 bash -c "$PY bench/rollout.py --device cuda --verify --hf-prompts 64 --json > $OUT/rollout.json" ;;
 c)  # the CUDA test suite, a rollout bench of 64 x 8 x 256, then TP=2 vs TP=1 (both GPUs)
   XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 6 --dist loadfile"
-  side cuda_tests 250 bash -c "$PY -m pytest tests -m cuda -q -rfE -p no:cacheprovider $XDIST > $OUT/cuda_tests.log 2>&1"
+  side cuda_tests 230 bash -c "$PY -m pytest tests -m cuda -q -rfE -p no:cacheprovider $XDIST > $OUT/cuda_tests.log 2>&1"
   tail -n 3 "$OUT/cuda_tests.log" >> "$LOG"
-  side rollout 150 bash -c "$PY bench/rollout.py --device cuda --verify --prompts 64 --new-tokens 256 --json > $OUT/rollout.json"
+  side rollout 130 bash -c "$PY bench/rollout.py --device cuda --verify --prompts 64 --new-tokens 256 --json > $OUT/rollout.json"
   echo "== gpu_tp (t=$SECONDS s)" >> "$LOG"
-  timeout 150 $PY scripts/gpu_tp.py --out "$OUT/tp" >> "$LOG" 2>&1; echo "== gpu_tp rc=$? (t=$SECONDS s)" >> "$LOG" ;;
+  timeout 140 $PY scripts/gpu_tp.py --out "$OUT/tp" >> "$LOG" 2>&1; echo "== gpu_tp rc=$? (t=$SECONDS s)" >> "$LOG" ;;
 esac
 wait $TRAIN_PID
 cat "$OUT/train.log" >> "$LOG"; rm -f "$OUT/train.log"
