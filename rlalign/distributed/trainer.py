@@ -59,7 +59,7 @@ def is_writer(tp: Group | None, dp: Group) -> bool:
 def shared_run_dir(cfg) -> str:
     """Rank 0's run directory on every rank (a default timestamped name could differ across ranks)."""
     chosen = [cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if cfg.parallel.world_size > 1:   # only this job's default group (the Ray launcher's groups are its own)
         dist.broadcast_object_list(chosen, src=0)
     return chosen[0]
 
