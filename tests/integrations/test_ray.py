@@ -55,7 +55,8 @@ def test_sharded_generate_equals_one_engine():
     prompts = [[5 + i, 9, 12 + i % 3] for i in range(7)]
     sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=123)
     whole = RolloutEngine(model, RolloutConfig()).generate(prompts, sampling)
-    parts = [RolloutEngine(model, RolloutConfig()).generate(prompts[lo:hi], sampling, prompt_indices=list(range(lo, hi)))
+    parts = [RolloutEngine(model, RolloutConfig()).generate(prompts[lo:hi], sampling,
+                                                            prompt_indices=list(range(lo, hi)))
              for lo, hi in even_shards(len(prompts), 3)]
     split = [c for part in parts for c in part]
     assert [(c.prompt_index, c.sample_index, c.seed, c.tokens) for c in split] == \
@@ -90,7 +91,8 @@ def test_ray_run_equals_single_process_run(single_process_run, tmp_path, sync, w
     assert not ray.is_initialized(), "the launcher stops the local cluster it started"
     assert len(read_metrics(run_dir)) == STEPS + 1
     assert metric_differences(run_dir, single_process_run) == []   # every field but time/*, tokens_per_s/*, memory/*
-    ours, theirs = load_model(run_dir / "policy")[0].state_dict(), load_model(single_process_run / "policy")[0].state_dict()
+    ours = load_model(run_dir / "policy")[0].state_dict()
+    theirs = load_model(single_process_run / "policy")[0].state_dict()
     assert list(ours) == list(theirs)
     for name in theirs:
         assert_bitwise_equal(ours[name], theirs[name], f"final weights {name}")

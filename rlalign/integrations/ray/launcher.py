@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.integrations.ray.errors import ActorDiedError, RayLaunchError, death_errors, last_checkpoint_note, short_reason
+from rlalign.integrations.ray.errors import (ActorDiedError, RayLaunchError, death_errors, last_checkpoint_note,
+                                            short_reason)
 
 
 class TrainerActor:
@@ -68,7 +69,7 @@ def _import_ray():
     try:
         import ray
     except ModuleNotFoundError:
-        raise RayLaunchError("launcher=ray needs Ray: pip install 'rlalign[ray]' (or pip install 'ray>=2.40')") from None
+        raise RayLaunchError("launcher=ray needs Ray: pip install 'rlalign[ray]' (or 'ray>=2.60')") from None
     return ray
 
 
@@ -101,8 +102,9 @@ def probe(address: str, timeout_s: float = 5.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as exc:
-        raise RayLaunchError(f"cannot reach the Ray cluster at ray.address={address} ({exc.strerror or exc}); start it "
-                             "with `ray start --head` there, fix ray.address, or leave it unset for a local cluster") from None
+        raise RayLaunchError(f"cannot reach the Ray cluster at ray.address={address} ({exc.strerror or exc}); start "
+                             "it with `ray start --head` there, fix ray.address, or leave it unset for a local cluster"
+                             ) from None
 
 
 def check_gpu_request(section, device: str) -> None:
