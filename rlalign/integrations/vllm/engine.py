@@ -16,6 +16,7 @@ baseline whose logprobs do not match.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Iterable, Mapping
@@ -149,10 +150,28 @@ def _build_llm(model_dir: Path, config: VLLMEngineConfig, model_config):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # vLLM's INFO lines drown rlalign's output
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")   # the engine shares this process with the caller
     plugin.enable() if config.plugin else plugin.disable()
-    import vllm
     dtype = config.dtype or model_config.dtype
     max_model_len = config.max_model_len or model_config.max_position_embeddings
+    with _keep_torch_threads():
+        return _start_llm(model_dir, config, model_config, dtype, max_model_len)
+
+
+@contextlib.contextmanager
+def _keep_torch_threads():
+    """vLLM's CPU worker sets torch to 1 thread and disables torch.set_num_threads for the whole process
+    (it expects a process of its own); the engine shares the trainer's process, so both come back."""
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+
+
+def _start_llm(model_dir: Path, config: VLLMEngineConfig, model_config, dtype: str, max_model_len: int):
+    import vllm
     try:
         return vllm.LLM(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
                         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,

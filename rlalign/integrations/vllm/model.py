@@ -36,18 +36,22 @@ from rlalign.models.decoder import CausalLM
 @dataclasses.dataclass
 class PendingSample:
     """What ``compute_logits`` leaves for the sampler: the logits object it returned (identity is the
-    handshake), the final hidden rows behind them, the positions the sampled tokens will occupy and
-    the LM head weight."""
+    handshake), the final hidden rows behind them, the positions the sampled tokens will occupy (None
+    when they are unknown: the rows are not one per sequence of the last forward) and the LM head weight.
+    ``warmup``: logits of vLLM's dummy runs (no sequences), sampled by vLLM's own sampler and discarded."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor | None
     lm_head_weight: torch.Tensor
     profile: Profile
+    warmup: bool = False
 
 
-# The sampler hook reads this (one engine per process: vLLM runs one model per worker).
+# The sampler hook reads this (vLLM runs one model per worker process).
 PENDING: dict[str, PendingSample] = {}
+# How many rlalign models this process built: once one exists, the sampler never falls back to vLLM's.
+MODELS_BUILT: list[int] = [0]
 
 
 class RLAlignForCausalLM(CausalLM):
@@ -66,6 +70,7 @@ class RLAlignForCausalLM(CausalLM):
             for i in range(config.num_layers))
         self.kv_cache: KVCache | None = None
         self._next_positions: torch.Tensor | None = None
+        MODELS_BUILT[0] += 1
 
     # ---- vLLM model interface ---------------------------------------------------------------------
 
@@ -97,8 +102,10 @@ class RLAlignForCausalLM(CausalLM):
         with use_profile(self.profile):
             logits = ops.lm_logits(hidden_states, self.lm_head_weight)
         positions = self._next_positions
-        if positions is not None and positions.shape[0] == hidden_states.shape[0]:
-            PENDING["sample"] = PendingSample(logits, hidden_states, positions, self.lm_head_weight, self.profile)
+        warmup = positions is None
+        if positions is not None and positions.shape[0] != hidden_states.shape[0]:
+            positions = None
+        PENDING["sample"] = PendingSample(logits, hidden_states, positions, self.lm_head_weight, self.profile, warmup)
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -21,18 +21,24 @@ import torch
 from rlalign import ops
 from rlalign.contract.profiles import use_profile
 from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
-from rlalign.integrations.vllm.model import PENDING, PendingSample
+from rlalign.integrations.vllm.model import MODELS_BUILT, PENDING, PendingSample
 
 _SAMPLING_EPS = 1e-5        # vLLM's: temperatures below it are greedy
 _ORIGINAL = "_rlalign_original_forward"
 
 
+_ORIGINAL_LOGPROBS = "_rlalign_original_compute_logprobs"
+
+
 def install() -> None:
-    """Route ``vllm.v1.sample.sampler.Sampler.forward`` through :func:`_forward` (idempotent)."""
+    """Route ``Sampler.forward`` through :func:`_forward` and ``Sampler.compute_logprobs`` (vLLM's
+    prompt-logprob path) through :func:`_compute_logprobs` (idempotent)."""
     from vllm.v1.sample.sampler import Sampler
     if getattr(Sampler, _ORIGINAL, None) is None:
         setattr(Sampler, _ORIGINAL, Sampler.forward)
+        setattr(Sampler, _ORIGINAL_LOGPROBS, Sampler.compute_logprobs)
         Sampler.forward = _forward
+        Sampler.compute_logprobs = staticmethod(_compute_logprobs)
 
 
 def uninstall() -> None:
@@ -40,16 +46,36 @@ def uninstall() -> None:
     original = getattr(Sampler, _ORIGINAL, None)
     if original is not None:
         Sampler.forward = original
+        Sampler.compute_logprobs = staticmethod(getattr(Sampler, _ORIGINAL_LOGPROBS))
         delattr(Sampler, _ORIGINAL)
+        delattr(Sampler, _ORIGINAL_LOGPROBS)
 
 
 def _forward(self, logits: torch.Tensor, sampling_metadata, predict_bonus_token: bool = False,
              logprobs_mode_override=None):
     pending = PENDING.pop("sample", None)
-    if pending is None or pending.logits is not logits:
+    ours = pending is not None and pending.logits is logits
+    if (ours and pending.warmup) or (not ours and not MODELS_BUILT[0]):
         return getattr(type(self), _ORIGINAL)(self, logits, sampling_metadata, predict_bonus_token,
                                               logprobs_mode_override)
+    if not ours or pending.positions is None:
+        raise UnsupportedVLLMConfigError("vLLM's sampler got logits that are not one row per sequence of the rlalign "
+                                         "model's last forward (speculative decoding, pipeline parallelism or another "
+                                         "feature that re-samples logits is not supported)")
     return strict_sample(self, pending, sampling_metadata)
+
+
+def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    pending = PENDING.get("sample")
+    if pending is not None and pending.logits is logits and not pending.warmup:
+        raise UnsupportedVLLMConfigError("prompt_logprobs is not supported (vLLM would compute them with its own "
+                                         "log_softmax, not bitwise): score prompts with rlalign's trainer forward")
+    return getattr(_sampler_class(), _ORIGINAL_LOGPROBS)(logits)
+
+
+def _sampler_class():
+    from vllm.v1.sample.sampler import Sampler
+    return Sampler
 
 
 def strict_sample(sampler, pending: PendingSample, meta):

@@ -18,10 +18,11 @@ FAMILIES = ("qwen3", "qwen2", "llama")
 
 
 def vllm_env() -> dict:
-    """Environment of a child that runs vLLM on CPU: 1 GiB of KV cache, no usage reporting."""
+    """Environment of a child that runs vLLM on CPU: 1 GiB of KV cache, no usage reporting, one torch thread
+    (as the suite's own fixture: on a busy 2-core machine a second OpenMP thread mostly waits)."""
     env = dict(os.environ)
     env.pop("RLALIGN_VLLM", None)   # the plugin is off unless a child turns it on
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
     return env
 
 

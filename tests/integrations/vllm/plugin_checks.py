@@ -107,7 +107,8 @@ def main(out_path: str, root: str) -> None:
         # a refused request fails the engine step that runs it: one fresh engine per refused request
         for name, params in (("logprobs=3", dict(temperature=1.0, seed=1, logprobs=3)),
                              ("no seed", dict(temperature=1.0, logprobs=0)),
-                             ("repetition_penalty=1.3", dict(temperature=1.0, seed=1, repetition_penalty=1.3))):
+                             ("repetition_penalty=1.3", dict(temperature=1.0, seed=1, repetition_penalty=1.3)),
+                             ("prompt_logprobs=1", dict(temperature=1.0, seed=1, logprobs=0, prompt_logprobs=1))):
             engine = VLLMEngine(ckpt)
             refusals[name] = refusal(engine, **params)
             engine.close()

@@ -51,6 +51,7 @@ def test_vllm_samples_equal_rlalign_engine(report, family):
     ("logprobs=3", "logprobs=3 is not supported"),
     ("no seed", "pass SamplingParams(seed=...)"),
     ("repetition_penalty=1.3", "a request uses a logits transform"),
+    ("prompt_logprobs=1", "prompt_logprobs is not supported"),
 ])
 def test_unsupported_settings_are_refused(report, setting, message):
     got = report["refusals"][setting]
