@@ -57,6 +57,41 @@ def family_report(directory: Path) -> dict:
     return out
 
 
+def prefix_cache_report(directory: Path) -> dict:
+    """The same prompts twice through one engine with 32-token blocks: the second round reads the prompts'
+    full blocks from vLLM's prefix cache (the plugin's K/V written by the first round) and must still
+    equal rlalign's engine."""
+    from rlalign.integrations.vllm.engine import VLLMEngine, VLLMEngineConfig
+    from rlalign.integrations.vllm.model import RLAlignForCausalLM
+    from rlalign.models.checkpoint import load_model
+    from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+    long = list(range(3, 80))
+    prompts, sampling = [long, long + [5], long[:40]], SamplingParams(n=3, max_new_tokens=8, seed=5, ignore_eos=True)
+    engine = VLLMEngine(directory, VLLMEngineConfig(block_size=32))
+    first = engine.generate(prompts, sampling)
+    computed = []
+    build = RLAlignForCausalLM._batch
+
+    def counting(self, *args):
+        batch = build(self, *args)
+        computed.append((batch.num_tokens, int(batch.seq_lens.sum())))
+        return batch
+    RLAlignForCausalLM._batch = counting
+    try:
+        second = engine.generate(prompts, sampling)
+    finally:
+        RLAlignForCausalLM._batch = build
+        engine.close()
+    model, _ = load_model(directory)
+    ref = RolloutEngine(model, RolloutConfig()).generate(prompts, sampling)
+
+    def key(completions):
+        return [(c.tokens, c.logprobs) for c in completions]
+    return {"first_equal": key(first) == key(ref), "cached_equal": key(second) == key(ref),
+            "second_round_first_forward": {"computed": computed[0][0], "context": computed[0][1]}}
+
+
 def refusal(engine, **params) -> str:
     """The message a request with these vLLM SamplingParams is refused with ('' if it ran)."""
     import vllm
@@ -99,6 +134,10 @@ def main(out_path: str, root: str) -> None:
         except Exception:  # noqa: BLE001 -- the test prints it
             report["errors"].append(traceback.format_exc())
     ckpt = Path(root) / "qwen3"
+    try:
+        report["prefix_cache"] = prefix_cache_report(Path(root) / "llama")
+    except Exception:  # noqa: BLE001
+        report["errors"].append(traceback.format_exc())
     try:
         refusals = report["refusals"]
         refusals["tensor_parallel_size=2"] = config_refusal(ckpt, tensor_parallel_size=2)

@@ -44,6 +44,13 @@ def test_vllm_samples_equal_rlalign_engine(report, family):
     assert r["logprobs_equal_rlalign_engine"]
 
 
+def test_prefix_cached_prompts_still_equal_rlalign_engine(report):
+    r = report["prefix_cache"]
+    seen = r["second_round_first_forward"]
+    assert seen["computed"] < seen["context"] / 2, seen   # the prompts' full blocks came from the prefix cache
+    assert r["first_equal"] and r["cached_equal"]
+
+
 @pytest.mark.parametrize("setting, message", [
     ("tensor_parallel_size=2", "tensor_parallel_size=2 is not supported"),
     ("kv_cache_dtype=fp8", "kv_cache_dtype='fp8' is not supported"),
