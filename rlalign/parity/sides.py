@@ -77,14 +77,12 @@ def _micro_batches(n: int, size: int | None) -> list[range]:
     return [range(i, min(n, i + size)) for i in range(0, n, size)]
 
 
-class RLAlignTrainer:
-    """Score with rlalign's model: packed forward (``ForwardBatch.packed``) + fused ``CausalLM.logprobs``."""
+class _ChunkedTrainer:
+    """A training side: scores a record's sequences ``micro_batch`` at a time (all at once by default);
+    each subclass computes the completion-token logprobs of one chunk."""
 
-    name = "rlalign"
-
-    def __init__(self, model, profile: str = "strict", micro_batch: int | None = None):
+    def __init__(self, model, micro_batch: int | None = None):
         self.model = model
-        self.profile = as_profile(profile).value
         self.micro_batch = micro_batch
 
     @property
@@ -93,29 +91,42 @@ class RLAlignTrainer:
         return weights_hash(self.model)
 
     def score(self, record: RolloutRecord) -> list[list[float]]:
-        from rlalign.models.batch import ForwardBatch, next_token_targets
-
         out: list[list[float]] = []
         seqs = record.sequences
         for chunk in _micro_batches(len(seqs), self.micro_batch):
-            part = [seqs[i] for i in chunk]
-            tokens = [s.all_tokens for s in part]
-            batch = ForwardBatch.packed(tokens, device=self.model.device)
-            targets = next_token_targets(tokens).to(self.model.device)
-            with torch.no_grad(), use_profile(self.profile):
-                lp, _ = self.model.logprobs(batch, targets, temperature=record.logprob_temperature,
-                                            with_entropy=False)
-            lp = lp.cpu()
-            offsets = batch.cu_seqlens.tolist()
-            for start, rows in zip(offsets, _completion_rows(part)):
-                out.append(lp[[start + r for r in rows]].tolist())
+            out += self._score_chunk([seqs[i] for i in chunk], record.logprob_temperature)
         return out
+
+    def _score_chunk(self, part: list[RecordedSequence], temperature: float) -> list[list[float]]:
+        raise NotImplementedError
+
+
+class RLAlignTrainer(_ChunkedTrainer):
+    """Score with rlalign's model: packed forward (``ForwardBatch.packed``) + fused ``CausalLM.logprobs``."""
+
+    name = "rlalign"
+
+    def __init__(self, model, profile: str = "strict", micro_batch: int | None = None):
+        super().__init__(model, micro_batch)
+        self.profile = as_profile(profile).value
+
+    def _score_chunk(self, part, temperature):
+        from rlalign.models.batch import ForwardBatch, next_token_targets
+
+        tokens = [s.all_tokens for s in part]
+        batch = ForwardBatch.packed(tokens, device=self.model.device)
+        targets = next_token_targets(tokens).to(self.model.device)
+        with torch.no_grad(), use_profile(self.profile):
+            lp, _ = self.model.logprobs(batch, targets, temperature=temperature, with_entropy=False)
+        lp = lp.cpu()
+        offsets = batch.cu_seqlens.tolist()
+        return [lp[[start + r for r in rows]].tolist() for start, rows in zip(offsets, _completion_rows(part))]
 
     def capture(self, **kwargs):
         return capture(model=self.model, **kwargs)
 
 
-class TransformersTrainer:
+class TransformersTrainer(_ChunkedTrainer):
     """Score with a Hugging Face model on a right-padded batch.
 
     ``patched`` (strict parity): :func:`rlalign.integrations.transformers.token_logprobs`.
@@ -125,31 +136,16 @@ class TransformersTrainer:
 
     name = "transformers"
 
-    def __init__(self, model, micro_batch: int | None = None):
-        self.model = model
-        self.micro_batch = micro_batch
-
     @property
     def patched(self) -> bool:
         from rlalign.integrations.transformers import is_patched
         return is_patched(self.model)
 
-    @property
-    def weights_hash(self) -> str:
-        from rlalign.models.checkpoint import weights_hash
-        return weights_hash(self.model)
-
-    def score(self, record: RolloutRecord) -> list[list[float]]:
-        out: list[list[float]] = []
-        seqs = record.sequences
-        for chunk in _micro_batches(len(seqs), self.micro_batch):
-            part = [seqs[i] for i in chunk]
-            ids, mask = padded_batch([s.all_tokens for s in part], self.model.device)
-            with torch.no_grad():
-                lp = self._logprobs(ids, mask, record.logprob_temperature).cpu()
-            for b, rows in enumerate(_completion_rows(part)):
-                out.append(lp[b, rows].tolist())
-        return out
+    def _score_chunk(self, part, temperature):
+        ids, mask = padded_batch([s.all_tokens for s in part], self.model.device)
+        with torch.no_grad():
+            lp = self._logprobs(ids, mask, temperature).cpu()
+        return [lp[b, rows].tolist() for b, rows in enumerate(_completion_rows(part))]
 
     def _logprobs(self, ids, mask, temperature: float) -> torch.Tensor:
         if self.patched:
