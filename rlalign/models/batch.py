@@ -60,10 +60,6 @@ class ForwardBatch:
         return int(self.cu_seqlens.shape[0]) - 1
 
     @property
-    def is_paged(self) -> bool:
-        return self.kv_cache is not None
-
-    @property
     def last_token_rows(self) -> torch.Tensor:
         """Row index of each sequence's last new token (int64 [S]): the rows to sample from."""
         return self.cu_seqlens[1:].long() - 1

@@ -110,16 +110,3 @@ def split_for(dtype: torch.dtype) -> bool:
     """Whether fp32 operands take the bf16x3 split. The CPU interpreter mis-rounds bf16, so its
     fp32 kernels use an exact fp32 dot instead (it only checks indexing and masking)."""
     return dtype == torch.float32 and not is_interpreter()
-
-
-def check_dtype(t: torch.Tensor) -> bool:
-    """True for fp32 (bf16x3 split), False for bf16."""
-    if t.dtype == torch.float32:
-        return True
-    if t.dtype == torch.bfloat16:
-        return False
-    raise TypeError(f"triton backend: unsupported dtype {t.dtype}")
-
-
-def tl_dtype(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}[dtype]

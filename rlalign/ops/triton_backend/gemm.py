@@ -44,10 +44,6 @@ class GemmConfig:
     flatten: bool = False
     reg_levels: int = 4   # tree-stack levels kept in registers; deeper ones go to a per-program scratch
 
-    def acc_regs(self) -> int:
-        """fp32 accumulator registers per thread for one [block_m, block_n] tile."""
-        return self.block_m * self.block_n // (32 * self.num_warps)
-
 
 # Candidate tiles, most efficient first (see pick_config). Shared memory, from sm_90a compiles
 # (docs/gpu.md): the pipeline holds stages x (BM + BN) x 64 operands, and a TMA epilogue stages the
