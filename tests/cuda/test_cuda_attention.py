@@ -10,13 +10,13 @@ per sequence (alone == packed). Accuracy vs float64: ||out-ref||/||ref|| < 1e-2 
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from rlalign import ops
 from tests.bitwise import assert_bitwise_equal
+from tests.references import causal_attention_float64
 from tests.cuda.conftest import rand, rel_err
 
 pytestmark = pytest.mark.cuda
@@ -121,17 +121,7 @@ def test_tile_configs_are_interchangeable(triton_backend, d):
         assert_bitwise_equal(out, ref, f"paged tile {tile}")
 
 
-def _reference(q, k, v, lens, scale):
-    outs, st, g = [], 0, q.shape[1] // k.shape[1]
-    for n in lens:
-        qq = q[st:st + n].double()
-        kk = k[st:st + n].double().repeat_interleave(g, 1)
-        vv = v[st:st + n].double().repeat_interleave(g, 1)
-        s = torch.einsum("thd,uhd->htu", qq, kk) * scale
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), -math.inf)
-        outs.append(torch.einsum("htu,uhd->thd", s.softmax(-1), vv))
-        st += n
-    return torch.cat(outs)
+_reference = causal_attention_float64
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])

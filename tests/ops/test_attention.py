@@ -19,6 +19,7 @@ from rlalign import ops
 from rlalign.contract import spec
 from rlalign.contract.errors import ContractError
 from tests.bitwise import assert_bitwise_equal, assert_close_report
+from tests.references import causal_attention_float64
 
 DTYPES = [torch.float32, torch.bfloat16]
 SETTINGS = dict(max_examples=15, deadline=None)
@@ -44,16 +45,8 @@ def _pack(seqs):
 
 def _naive(q, k, v, cu, scale=None):
     """float64 causal softmax attention per sequence (GQA by repeating kv heads)."""
-    g = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    outs = []
-    cu = cu.tolist()
-    for a, b in zip(cu[:-1], cu[1:]):
-        qs, ks, vs = q[a:b].double(), k[a:b].double().repeat_interleave(g, 1), v[a:b].double().repeat_interleave(g, 1)
-        s = torch.einsum("thd,uhd->htu", qs, ks) * scale
-        causal = torch.ones(b - a, b - a, dtype=torch.bool).tril()
-        outs.append(torch.einsum("htu,uhd->thd", s.masked_fill(~causal, float("-inf")).softmax(-1), vs))
-    return torch.cat(outs)
+    return causal_attention_float64(q, k, v, cu.diff().tolist(), scale)
 
 
 class _PagedCache:

@@ -24,7 +24,6 @@ expected the sm_90a tests skip rather than fail.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -97,17 +96,8 @@ def _check_gemm():
 
 
 def _attn_ref(q, k, v, lens, scale):
-    import torch
-    outs, st, g = [], 0, q.shape[1] // k.shape[1]
-    for n in lens:
-        qq = q[st:st + n].double()
-        kk = k[st:st + n].double().repeat_interleave(g, 1)
-        vv = v[st:st + n].double().repeat_interleave(g, 1)
-        s = torch.einsum("thd,uhd->htu", qq, kk) * scale
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
-        outs.append(torch.einsum("htu,uhd->thd", s.softmax(-1), vv))
-        st += n
-    return torch.cat(outs)
+    from tests.references import causal_attention_float64
+    return causal_attention_float64(q, k, v, lens, scale)
 
 
 def _check_attention():
