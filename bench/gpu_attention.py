@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_linear import env_info, out_dir, write  # noqa: E402
+from gpu_linear import write  # noqa: E402
 
 D = 128
 
@@ -144,9 +144,7 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
-    env = env_info()
-    env["seconds"] = round(time.time() - t0, 1)
-    write(out_dir(args.out), "attention", rows, {"env": env, "bench": "attention"})
+    write(args.out, "attention", rows, t0)
     print(f"{'kind':>14} {'B':>3} {'seq':>5} {'Hq/Hkv':>6} {'ours ms':>8} {'base ms':>8} {'ratio':>6} target  baseline")
     for r in rows:
         if "error" in r:

@@ -49,14 +49,17 @@ def out_dir(arg: str | None) -> str:
     return path
 
 
-def write(path_dir: str, name: str, rows: list[dict], extra: dict) -> None:
+def write(out_arg: str | None, name: str, rows: list[dict], started: float) -> None:
+    """bench_<name>.csv and .json (rows + GPU/versions/date and the run's seconds) under --out / $OUT."""
+    env = {**env_info(), "seconds": round(time.time() - started, 1)}
+    path_dir = out_dir(out_arg)
     keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in rows[0], k)) if rows else []
     with open(os.path.join(path_dir, f"bench_{name}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
     with open(os.path.join(path_dir, f"bench_{name}.json"), "w") as f:
-        json.dump({**extra, "rows": rows}, f, indent=1, default=str)
+        json.dump({"env": env, "bench": name, "rows": rows}, f, indent=1, default=str)
 
 
 def rotating(make, nbytes: int):
@@ -153,9 +156,7 @@ def main() -> int:
         row["target"] = target(row) if "error" not in row else None
         rows.append(row)
         print(json.dumps(row), flush=True)
-    env = env_info()
-    env["seconds"] = round(time.time() - t0, 1)
-    write(out_dir(args.out), "linear", rows, {"env": env, "bench": "linear"})
+    write(args.out, "linear", rows, t0)
     print(f"{'M':>6} {'N':>7} {'K':>6} {'seg':>3} {'config':>22} {'strict TF':>9} {'cuBLAS TF':>9} {'ratio':>6} {'op ratio':>8} target")
     for r in rows:
         if "error" in r:

@@ -24,7 +24,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_linear import env_info, out_dir, write  # noqa: E402
+from gpu_linear import write  # noqa: E402
 
 H, V = 4096, 151936
 
@@ -104,9 +104,7 @@ def main() -> int:
         rows.append({"case": "check |ours - fp32 ref| max (512 tokens)", "value": float((lp - ref_lp).abs().max())})
     except Exception as exc:
         rows.append({"case": "check", "error": repr(exc)[:300]})
-    env = env_info()
-    env["seconds"] = round(time.time() - t0, 1)
-    write(out_dir(args.out), "logprob", rows, {"env": env, "bench": "logprob"})
+    write(args.out, "logprob", rows, t0)
     print(f"{'case':>26} {'ms':>9} {'peak GiB':>9} {'time x':>7} {'mem x':>7}")
     for r in rows:
         if "error" in r:
