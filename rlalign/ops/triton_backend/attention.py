@@ -270,26 +270,42 @@ def _seq_info(cu_seqlens: torch.Tensor, device):
     return cu, lens
 
 
+# The index tensors of a batch are the same objects in every layer (and in the backward), so what
+# is derived from them -- int32 copies, positions, the longest length, which needs a host sync --
+# is computed once per forward (chk.memo: keyed by tensor identity and version).
+
+def _varlen_meta(cu_seqlens, device):
+    """(cu int32, lens, zeros, max_len) of a packed batch."""
+    def build():
+        cu, lens = _seq_info(cu_seqlens, device)
+        return cu, lens, torch.zeros_like(lens), int(lens.max()) if lens.numel() else 0
+    return chk.memo("varlen_meta", build, cu_seqlens, extra=(device,))
+
+
+def _paged_meta(block_table, seq_lens, cu_seqlens_q, device):
+    """(cu int32, kv_len, pos0 = first query position, block table int32, max queries per sequence)."""
+    def build():
+        cu, n_q = _seq_info(cu_seqlens_q, device)
+        kv_len = seq_lens.to(device=device, dtype=torch.int32).contiguous()
+        bt = block_table.to(device=device, dtype=torch.int32).contiguous()
+        return cu, kv_len, (kv_len - n_q).contiguous(), bt, int(n_q.max()) if n_q.numel() else 0
+    return chk.memo("paged_meta", build, block_table, seq_lens, cu_seqlens_q, extra=(device,))
+
+
 def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):
     """``RLALIGN_TRITON_ATTN_TILE="BM,warps,stages"`` forces one tile for prefill and decode alike."""
     tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or PREFILL_TILE
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    cu, lens = _seq_info(cu_seqlens, q.device)
-    max_len = chk.memo("max_len", lambda: int(lens.max()) if lens.numel() else 0, cu_seqlens)
-    zeros = torch.zeros_like(lens)
+    cu, lens, zeros, max_len = _varlen_meta(cu_seqlens, q.device)
     return _forward(q, k, v, cu, zeros, lens, None, 1, scale, False, tile, store_lse, max_len)
 
 
 def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile=None):
     q = q.contiguous()
-    cu, n_q = _seq_info(cu_seqlens_q, q.device)
-    kv_len = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
-    pos0 = (kv_len - n_q).contiguous()
-    max_q = chk.memo("max_q", lambda: int(n_q.max()) if n_q.numel() else 0, cu_seqlens_q)
+    cu, kv_len, pos0, bt, max_q = _paged_meta(block_table, seq_lens, cu_seqlens_q, q.device)
     if tile is None:
         tile = forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or (
             DECODE_TILE if max_q * (q.shape[1] // k_cache.shape[2]) <= DECODE_TILE[0] else PREFILL_TILE)
-    bt = block_table.to(device=q.device, dtype=torch.int32).contiguous()
     out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, k_cache.shape[1], scale, True, tile, False,
                       max_q)
     return out
@@ -300,8 +316,7 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=BWD_TIL
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    cu, lens = _seq_info(cu_seqlens, q.device)
-    max_len = chk.memo("max_len", lambda: int(lens.max()) if lens.numel() else 0, cu_seqlens)
+    cu, _, _, max_len = _varlen_meta(cu_seqlens, q.device)
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()   # [T, Hq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if t == 0 or max_len == 0:
