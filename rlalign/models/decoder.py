@@ -183,7 +183,7 @@ class CausalLM(nn.Module):
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] (stream dtype) for every new token of ``batch``."""
         note_batch(batch)
-        cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq)
+        cos, sin = ops.rope_cos_sin(batch.positions, self._inv_freq_on(batch.positions.device))
         h, residual = tap("embed", self.model.embed_tokens(batch.input_ids)), None
         for layer in self.model.layers:
             h, residual = layer(h, residual, cos, sin, batch)
@@ -193,6 +193,15 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.forward_hidden(batch)
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """inv_freq on the batch's device, copied once (a forward captured into a CUDA graph may not
+        copy from host memory)."""
+        src, copy = self.__dict__.get("_inv_freq_device", (None, None))
+        if src is not self.inv_freq or copy.device != device:
+            copy = self.inv_freq.to(device)
+            self.__dict__["_inv_freq_device"] = (self.inv_freq, copy)
+        return copy
 
     def logprobs(self, batch: ForwardBatch, targets: torch.Tensor, temperature: float = 1.0,
                  with_entropy: bool = False, token_chunk: int | None = None, vocab_chunk: int | None = None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 
 import torch
@@ -50,6 +51,10 @@ def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> N
     """
     if not (t.is_floating_point() and t.numel()):
         return
+    capture = getattr(_capture, "state", None)
+    if capture is not None:  # recorded into the graph; the caller re-queues it after each replay
+        capture.verdicts.append((op, message or f"{name} contains NaN or inf", torch.isfinite(t).all()))
+        return
     if t.device.type == "cpu":
         if not bool(torch.isfinite(t).all()):
             bad = (~torch.isfinite(t)).nonzero()[0].tolist()
@@ -61,6 +66,15 @@ def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> N
     queue.append((op, message or f"{name} contains NaN or inf", torch.isfinite(t).all()))
     if len(queue) >= 4096:  # bound the queue on long runs without a flushing op
         flush()
+
+
+def requeue(verdicts: list) -> None:
+    """Queue deferred verdicts recorded while capturing a CUDA graph (their tensors are refreshed by
+    every replay); the next :func:`flush` checks them."""
+    queue = getattr(_pending, "items", None)
+    if queue is None:
+        queue = _pending.items = []
+    queue.extend(verdicts)
 
 
 def flush() -> None:
@@ -79,13 +93,57 @@ _memo: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
 _MEMO_SIZE = 16
 
 
-def memo(kind: str, compute, *tensors: torch.Tensor, extra: tuple = ()):
+class _CaptureState:
+    def __init__(self, hints: dict):
+        self.hints = hints
+        self.verdicts: list = []
+
+
+_capture = threading.local()
+
+
+@contextlib.contextmanager
+def capturing_graph(**hints):
+    """While a CUDA graph is captured no op may wait for the device, and nothing host-side runs at
+    replay. Inside this context: the index validations of :func:`memo` are skipped (the caller --
+    the rollout engine, which built the batch -- validates it on the host before every replay),
+    host values an op would read from the device come from ``hints`` (:func:`capture_hint`), and
+    deferred finiteness verdicts are recorded into the graph instead of queued: the context yields
+    the list of them, for :func:`requeue` after each replay."""
+    if getattr(_capture, "state", None) is not None:
+        raise ContractError("capturing_graph: already capturing")
+    state = _capture.state = _CaptureState(hints)
+    try:
+        yield state.verdicts
+    finally:
+        _capture.state = None
+
+
+def is_capturing() -> bool:
+    return getattr(_capture, "state", None) is not None
+
+
+def capture_hint(name: str):
+    """A host value given to :func:`capturing_graph` (raises if the capture did not provide it)."""
+    hints = _capture.state.hints
+    if name not in hints:
+        raise ContractError(f"capturing a CUDA graph needs the host value {name!r} (pass it to capturing_graph)")
+    return hints[name]
+
+
+def memo(kind: str, compute, *tensors: torch.Tensor, extra: tuple = (), capturing=None):
     """``compute()`` once per (kind, tensors, extra): a batch's index tensors (cu_seqlens, seq_lens,
     block_table, slot_mapping) are the same objects in every layer of a forward, so their
     validation and the host values derived from them need one device sync per forward, not one
     per layer. The key is each tensor's identity, storage and in-place version counter; the entry
     holds the tensors themselves, so an id cannot be reused by another tensor while it is cached.
-    A failing ``compute`` raises and caches nothing."""
+    A failing ``compute`` raises and caches nothing.
+
+    While a CUDA graph is captured (:func:`capturing_graph`) nothing is cached and ``compute`` (which
+    may sync) is not called: the result is ``capturing()``, which must not sync (None when omitted:
+    validation only)."""
+    if is_capturing():
+        return None if capturing is None else capturing()
     key = (kind, extra) + tuple((id(t), t.data_ptr(), t._version) for t in tensors)
     hit = _memo.get(key)
     if hit is not None:
@@ -108,4 +166,5 @@ def index_dtype(op: str, name: str, t: torch.Tensor) -> None:
         raise fail(op, f"{name} must be an int32/int64 tensor, got {t.dtype}")
 
 
-__all__ = ["ContractError", "dtype_ok", "same_device", "ndim", "finite", "flush", "memo", "contiguous", "index_dtype"]
+__all__ = ["ContractError", "dtype_ok", "same_device", "ndim", "finite", "flush", "requeue", "memo", "capturing_graph",
+           "is_capturing", "capture_hint", "contiguous", "index_dtype"]

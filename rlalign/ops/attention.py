@@ -205,7 +205,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     if slot_mapping.numel() == 0:
         return
     slots = chk.memo("slot_mapping", lambda: _checked_slots(slot_mapping, n_slots, k_cache.device), slot_mapping,
-                     extra=(n_slots, k_cache.device))
+                     extra=(n_slots, k_cache.device),
+                     capturing=lambda: slot_mapping.to(device=k_cache.device, dtype=torch.int64))
     k_cache.view(n_slots, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(n_slots, *v_cache.shape[2:]).index_copy_(0, slots, v)
 

@@ -9,7 +9,8 @@ uniform in ``--prompt-len``), ``--samples`` samples each, exactly ``--new-tokens
 sample (eos ignored: every engine generates the same number of tokens), temperature 1, no top-k/p.
 
 * rlalign: ``RolloutEngine(model, RolloutConfig(profile=...)).generate(prompts, SamplingParams(n=...))``
-  (prompt prefilled once per group, pages shared, per-token logprobs computed);
+  (prompt prefilled once per group, pages shared, per-token logprobs computed; on CUDA the strict
+  profile replays decode steps from CUDA graphs, captured during the warm-up, ``--decode-graphs``);
 * transformers: the same weights saved as a Hugging Face checkpoint and loaded with
   ``AutoModelForCausalLM``; ``generate(do_sample=True, num_return_sequences=n, top_k=0,
   min_new_tokens=max_new_tokens=...)`` on left-padded prompts, all prompts in one call on the CPU
@@ -96,6 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=1024, help="engine decode batch (default 1024)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
+    p.add_argument("--decode-graphs", default="auto", choices=("auto", "on", "off"),
+                   help="replay decode steps from CUDA graphs (auto: strict profile on CUDA; RolloutConfig.decode_graphs)")
     p.add_argument("--kv-cache-gb", type=float, help="engine KV cache size (default: 1 GiB CPU, 80%% of free GPU memory)")
     p.add_argument("--hf-batch-prompts", type=int,
                    help="prompts per transformers generate call (default all on the CPU, 64 on CUDA)")
@@ -224,11 +227,13 @@ def _bench_engine(model_dir: Path, workload: Workload, args, dtype: str, profile
     model, _ = load_model(model_dir, dtype=dtype, device=args.device)
     config = RolloutConfig(profile=profile, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
-                           kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None)
+                           kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
+                           decode_graphs=args.decode_graphs if profile == "strict" else "auto")
     engine = RolloutEngine(model, config)
     sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed, ignore_eos=True)
-    engine.generate(workload.prompts[:2], dataclasses.replace(sampling, max_new_tokens=4))   # warm-up
-    engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0)
+    # warm-up: compiles kernels and, with decode graphs, captures them (as an engine's start-up does)
+    engine.generate(workload.prompts[:2], dataclasses.replace(sampling, max_new_tokens=4))
+    engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
     _sync(args.device)
     t0 = time.perf_counter()
     completions = engine.generate(workload.prompts, sampling)
@@ -239,7 +244,7 @@ def _bench_engine(model_dir: Path, workload: Workload, args, dtype: str, profile
     row = {"engine": "rlalign", "profile": profile, "tokens_per_s": round(generated / seconds, 2),
            "seconds": round(seconds, 3), "generated_tokens": generated, "steps": stats["steps"],
            "forward_tokens": stats["forward_tokens"], "preemptions": stats["preemptions"],
-           "kv_pages": stats["num_pages"], "page_size": args.page_size}
+           "kv_pages": stats["num_pages"], "page_size": args.page_size, "graph_steps": stats["graph_steps"]}
     if args.verify and profile == "strict":
         row.update(_verify(model, completions))
     del engine, model, completions

@@ -16,6 +16,7 @@ from rlalign.rollout.errors import RequestError, RolloutConfigError
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 SEED_KEYS = ("index", "content")
+DECODE_GRAPH_MODES = ("auto", "on", "off", "padded")
 
 
 @dataclasses.dataclass
@@ -36,6 +37,11 @@ class RolloutConfig:
     num_pages: exact number of KV pages (overrides the byte budget; tests use it to force preemption).
     max_model_len: longest sequence (prompt + completion); default the model's max_position_embeddings.
     admission_watermark: fraction of pages kept free when admitting new sequences (fewer preemptions).
+    decode_graphs: ``"auto"`` replays decode steps from CUDA graphs in the strict profile on a GPU
+        (:mod:`rlalign.rollout.decode_graphs`) and runs eagerly otherwise; ``"on"`` requires them (a
+        CUDA device and the strict profile); ``"off"`` always eager; ``"padded"`` runs the graphs'
+        padded static batches eagerly (any device; tests use it to show padding changes no bit).
+    decode_graph_max_batch: largest decode batch with a graph (bigger decode steps run eagerly).
     """
 
     profile: str = "strict"
@@ -50,10 +56,15 @@ class RolloutConfig:
     num_pages: int | None = None
     max_model_len: int | None = None
     admission_watermark: float = 0.01
+    decode_graphs: str = "auto"
+    decode_graph_max_batch: int = 1024
 
     def __post_init__(self) -> None:
         self.profile = as_profile(self.profile).value
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise RolloutConfigError(f"RolloutConfig.decode_graphs must be one of {DECODE_GRAPH_MODES}, "
+                                     f"got {self.decode_graphs!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "decode_graph_max_batch"):
             _positive(f"RolloutConfig.{name}", getattr(self, name), RolloutConfigError)
         for name in ("max_prefill_chunk", "kv_cache_bytes", "num_pages", "max_model_len"):
             if getattr(self, name) is not None:

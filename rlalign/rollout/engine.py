@@ -2,7 +2,9 @@
 
 Per step: the scheduler picks chunks (prefill chunks, decode tokens, recomputes); page copies for
 copy-on-write are done; ONE :class:`ForwardBatch` describes every chunk; ONE model forward gives
-the hidden rows; the rows of the sequences that reached their last token are sampled together:
+the hidden rows (a decode-only step on a GPU: a CUDA graph replay of that forward on a padded batch,
+:mod:`rlalign.rollout.decode_graphs`); the rows of the sequences that reached their last token are
+sampled together:
 
     logits   = ops.lm_logits(h, W)                                   (fp32, temperature 1)
     token    = ops.sample(logits, seeds=s, seq_ids=s, positions=p, temperature=T, top_k, top_p)
@@ -31,7 +33,9 @@ from rlalign.models.batch import ForwardBatch, KVCache
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.block_manager import BlockManager, pages_for
 from rlalign.rollout.config import DEFAULT_CPU_KV_CACHE_BYTES, RolloutConfig, SamplingParams
-from rlalign.rollout.errors import KVCacheTooSmallError, RequestError, RolloutError, WeightsUpdateError
+from rlalign.rollout.decode_graphs import DecodeGraphs, HostDecode
+from rlalign.rollout.errors import (KVCacheTooSmallError, RequestError, RolloutConfigError, RolloutError,
+                                    WeightsUpdateError)
 from rlalign.rollout.scheduler import Scheduler, SchedulerOutput
 from rlalign.rollout.sequence import Completion, Request, Sequence, SeqStatus, StepOutput
 
@@ -55,14 +59,32 @@ class RolloutEngine:
         self.max_model_len = self.config.max_model_len or mc.max_position_embeddings
         self.page_size = self.config.page_size
         num_pages = self._num_pages()
-        self.kv_cache = KVCache.for_model(mc, num_pages, self.page_size, model.dtype, self.device)
+        graph_mode = self._decode_graph_mode()
+        graph_batch = min(self.config.decode_graph_max_batch, self.config.max_num_seqs)
+        scratch = pages_for(graph_batch, self.page_size) if graph_mode else 0
+        # scratch pages (for the graphs' padding rows) lie past the block manager's pages
+        self.kv_cache = KVCache.for_model(mc, num_pages + scratch, self.page_size, model.dtype, self.device)
         self.blocks = BlockManager(num_pages, self.page_size, self.config.enable_prefix_caching)
+        self.decode_graphs = None if not graph_mode else DecodeGraphs(
+            model, self.kv_cache, list(range(num_pages, num_pages + scratch)), graph_batch,
+            pages_for(self.max_model_len, self.page_size), mode=graph_mode)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._weights_broken = False
-        self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0)
+        self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
+
+    def _decode_graph_mode(self) -> str | None:
+        """"graphs", "padded" or None (eager), from config.decode_graphs (see RolloutConfig)."""
+        setting = self.config.decode_graphs
+        strict_gpu = self.device.type == "cuda" and self.config.profile == "strict"
+        if setting == "on" and not strict_gpu:
+            raise RolloutConfigError(f"decode_graphs='on' needs a CUDA model and the strict profile (got device "
+                                     f"{self.device}, profile {self.config.profile!r}); use 'auto' or 'off'")
+        if setting == "padded":
+            return "padded"
+        return "graphs" if setting == "on" or (setting == "auto" and strict_gpu) else None
 
     # ---- KV cache size -------------------------------------------------------------------------
 
@@ -194,13 +216,12 @@ class RolloutEngine:
         t0 = time.perf_counter()
         with use_profile(self.config.profile):
             self._copy_pages(plan.copies)
-            batch = self._build_batch(plan)
-            hidden = self.model.forward_hidden(batch)
+            hidden = self._forward(plan)
             self.scheduler.mark_computed(plan)
-            rows, seqs = self._sampling_rows(plan, batch)
+            rows, seqs = self._sampling_rows(plan)
             tokens, logprobs = self._sample(hidden, rows, seqs) if seqs else ([], [])
         self.counters["steps"] += 1
-        self.counters["forward_tokens"] += batch.num_tokens
+        self.counters["forward_tokens"] += plan.num_tokens
         self.counters["sampled_tokens"] += len(seqs)
         self.counters["compute_seconds"] += time.perf_counter() - t0
         return self._append(seqs, tokens, logprobs)
@@ -213,7 +234,26 @@ class RolloutEngine:
         for cache in (*self.kv_cache.k, *self.kv_cache.v):
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
-    def _build_batch(self, plan: SchedulerOutput) -> ForwardBatch:
+    def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
+        """Hidden rows of every new token of the plan: a graph replay for a decode step that fits
+        one, else one eager forward."""
+        host = self._host_arrays(plan)
+        ids, positions, cu, table, seq_lens, slots = host
+        graphs = self.decode_graphs
+        if graphs is not None and cu[-1] == len(plan.chunks) and graphs.bucket(len(plan.chunks)) is not None:
+            decode = HostDecode(ids, positions, table, seq_lens, slots)
+            graphs.check(decode, self.blocks.num_pages)
+            self.counters["graph_steps"] += 1
+            return graphs.run(decode)
+        dev = self.device
+        return self.model.forward_hidden(ForwardBatch(
+            input_ids=torch.from_numpy(ids).to(dev), positions=torch.from_numpy(positions).to(dev),
+            cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(dev), kv_cache=self.kv_cache,
+            block_table=torch.from_numpy(table).to(dev), seq_lens=torch.from_numpy(seq_lens).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev)))
+
+    def _host_arrays(self, plan: SchedulerOutput):
+        """(ids int64, positions int64, cu_seqlens int64, block table int32, seq_lens int32, slots int64)."""
         chunks, ps = plan.chunks, self.page_size
         count = len(chunks)
         starts = np.fromiter((c.start for c in chunks), np.int64, count)
@@ -221,27 +261,19 @@ class RolloutEngine:
         cu = np.zeros(count + 1, np.int64)
         np.cumsum(lengths, out=cu[1:])
         if cu[-1] == count:  # decode-only step
-            ids = [c.seq.tokens[c.start] for c in chunks]
+            ids = np.fromiter((c.seq.tokens[c.start] for c in chunks), np.int64, count)
         else:
-            ids = list(itertools.chain.from_iterable(c.seq.tokens[c.start:c.start + c.length] for c in chunks))
+            ids = np.fromiter(itertools.chain.from_iterable(c.seq.tokens[c.start:c.start + c.length] for c in chunks),
+                              np.int64, int(cu[-1]))
         owner = np.repeat(np.arange(count), lengths)
         positions = np.arange(cu[-1], dtype=np.int64) - cu[:-1][owner] + starts[owner]
         table = np.zeros((count, max(len(c.seq.block_table) for c in chunks)), np.int32)
         for k, c in enumerate(chunks):
             table[k, :len(c.seq.block_table)] = c.seq.block_table
         slots = table[owner, positions // ps].astype(np.int64) * ps + positions % ps
-        dev = self.device
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            kv_cache=self.kv_cache,
-            block_table=torch.from_numpy(table).to(dev),
-            seq_lens=torch.from_numpy((starts + lengths).astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-        )
+        return ids, positions, cu, table, (starts + lengths).astype(np.int32), slots
 
-    def _sampling_rows(self, plan: SchedulerOutput, batch: ForwardBatch) -> tuple[list[int], list[Sequence]]:
+    def _sampling_rows(self, plan: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
         """The hidden row each sampling sequence samples from; a leader's forked siblings share its row."""
         rows, seqs = [], []
         ends = np.cumsum([c.length for c in plan.chunks]) - 1

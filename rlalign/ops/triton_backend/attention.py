@@ -283,13 +283,23 @@ def _varlen_meta(cu_seqlens, device):
 
 
 def _paged_meta(block_table, seq_lens, cu_seqlens_q, device):
-    """(cu int32, kv_len, pos0 = first query position, block table int32, max queries per sequence)."""
-    def build():
+    """(cu int32, kv_len, pos0 = first query position, block table int32, max queries per sequence).
+    While a CUDA graph is captured the tensors are derived inside the graph (every replay) and the
+    longest query count is the capture's ``max_query_len`` hint."""
+    def tensors():
         cu, n_q = _seq_info(cu_seqlens_q, device)
         kv_len = seq_lens.to(device=device, dtype=torch.int32).contiguous()
         bt = block_table.to(device=device, dtype=torch.int32).contiguous()
-        return cu, kv_len, (kv_len - n_q).contiguous(), bt, int(n_q.max()) if n_q.numel() else 0
-    return chk.memo("paged_meta", build, block_table, seq_lens, cu_seqlens_q, extra=(device,))
+        return cu, kv_len, (kv_len - n_q).contiguous(), bt, n_q
+
+    def build():
+        cu, kv_len, pos0, bt, n_q = tensors()
+        return cu, kv_len, pos0, bt, int(n_q.max()) if n_q.numel() else 0
+
+    def captured():
+        cu, kv_len, pos0, bt, _ = tensors()
+        return cu, kv_len, pos0, bt, int(chk.capture_hint("max_query_len"))
+    return chk.memo("paged_meta", build, block_table, seq_lens, cu_seqlens_q, extra=(device,), capturing=captured)
 
 
 def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):

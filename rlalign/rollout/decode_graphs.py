@@ -1,0 +1,169 @@
+"""Decode steps as CUDA graph replays: one captured forward per batch-size bucket.
+
+A decode step (every running sequence feeds one token) is the same ~15 launches per layer every
+step; issued from Python they cost far more host time than the GPU needs for them. So the model's
+``forward_hidden`` is captured once per bucket size b (1, 2, 4, 8, 16, 20, 24, 28, 32, 40, 48, ...
+up to ``max_batch``; all of them at the first decode step) on static input buffers and replayed;
+the sampler and the logprob op stay eager.
+
+Why padding cannot change a bit: a step with n < b sequences fills rows n..b-1 with padding
+sequences, and in the strict profile a row's result does not depend on the other rows of the batch
+(the contract every strict op keeps; the rollout bitwise tests check it with this path too). The
+padding rows are self-contained: padding row j (j = 0, 1, ...) is token 0 at position
+p = j % page_size of its own scratch page ``scratch[j // page_size]``, so its context (keys 0..p)
+is written by padding rows j - p .. j of the same step. Scratch pages lie beyond the block
+manager's pages: no real sequence ever reads or writes them.
+
+The static buffers are the forward's only inputs besides the weights and the KV cache, which are
+updated in place (:meth:`RolloutEngine.update_weights` copies into the parameters), so the graphs
+stay valid across weight updates. The batch is built by the engine, so the ops' index validations
+(host syncs, impossible inside a graph) are replaced by :meth:`check` on the host arrays, and the
+strict finiteness verdicts recorded in the graph are re-queued after every replay
+(:func:`rlalign.ops._checks.requeue`), raised by the next logprob op as in an eager step.
+
+``mode="padded"`` runs the same padded static batches eagerly, without capture: the CPU tests
+check with it that padding leaves every token and logprob unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from rlalign.models.batch import ForwardBatch, KVCache
+from rlalign.ops import _checks as chk
+from rlalign.rollout.errors import RolloutError
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    """Batch sizes with a graph: powers of two to 16, then steps of 4 to 32, 8 to 64, 16 to 128, ...
+    (above 16 at most a fifth of a replayed batch is padding), always ending with ``max_batch``."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b = b * 2 if b < 16 else b + (1 << (b.bit_length() - 3))
+    return sizes + [max_batch]
+
+
+@dataclasses.dataclass
+class HostDecode:
+    """One decode step's inputs on the host (n sequences, one token each)."""
+    ids: np.ndarray          # int64 [n]
+    positions: np.ndarray    # int64 [n]
+    table: np.ndarray        # int32 [n, w] page ids (0 past a sequence's pages)
+    seq_lens: np.ndarray     # int32 [n] = positions + 1
+    slots: np.ndarray        # int64 [n]
+
+
+class DecodeGraphs:
+    """Static buffers for up to ``max_batch`` decode rows and one captured graph per bucket."""
+
+    def __init__(self, model, kv_cache: KVCache, scratch_pages: list[int], max_batch: int, max_pages: int,
+                 mode: str = "graphs"):
+        if mode not in ("graphs", "padded"):
+            raise ValueError(f"DecodeGraphs mode must be 'graphs' or 'padded', got {mode!r}")
+        ps = kv_cache.page_size
+        if len(scratch_pages) * ps < max_batch:
+            raise ValueError(f"{len(scratch_pages)} scratch pages of {ps} slots cannot hold {max_batch} padding rows")
+        self.model, self.kv_cache, self.mode = model, kv_cache, mode
+        self.max_batch, self.max_pages, self.page_size = max_batch, max_pages, ps
+        self.buckets = buckets_up_to(max_batch)
+        dev = model.device
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)   # one token each: fixed
+        self.block_table = torch.zeros((max_batch, max_pages), dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        # padding row j: position j % ps of scratch page j // ps
+        j = np.arange(max_batch)
+        self._pad_pos = (j % ps).astype(np.int64)
+        self._pad_page = np.asarray(scratch_pages, dtype=np.int64)[j // ps]
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
+        self._pool = None
+        self.replays = 0
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest bucket holding n rows, or None when n exceeds max_batch (run eagerly)."""
+        if n > self.max_batch:
+            return None
+        return next(b for b in self.buckets if b >= n)
+
+    def check(self, host: HostDecode, num_pages: int) -> None:
+        """What the ops would validate, on the host arrays: pages and slots inside the cache,
+        every context's pages present, one slot per row (a batch the engine built passes)."""
+        n, w = host.table.shape
+        if w > self.max_pages:
+            raise RolloutError(f"internal: a decode batch needs {w} pages per sequence, the graphs hold {self.max_pages}")
+        need = (host.seq_lens.astype(np.int64) + self.page_size - 1) // self.page_size
+        used = np.arange(w) < need[:, None]
+        if np.any(need > w) or np.any(used & ((host.table < 0) | (host.table >= num_pages))):
+            raise RolloutError("internal: a decode batch's block table points outside the KV cache")
+        if np.any(host.slots < 0) or np.any(host.slots >= num_pages * self.page_size) or \
+                np.unique(host.slots).size != n or np.any(host.positions + 1 != host.seq_lens):
+            raise RolloutError("internal: a decode batch's slots or positions are inconsistent")
+
+    def run(self, host: HostDecode) -> torch.Tensor:
+        """Final hidden rows [n, H] of the n decode rows (valid until the next run)."""
+        n = host.ids.shape[0]
+        b = self.bucket(n)
+        self._fill(host, b)
+        if self.mode == "padded":
+            return self.model.forward_hidden(self._batch(b))[:n]
+        if not self._graphs:
+            self.capture_all()
+            self._fill(host, b)   # the captures ran padding batches through the buffers: refill
+        graph, hidden, verdicts = self._graphs[b]
+        graph.replay()
+        chk.requeue(verdicts)
+        self.replays += 1
+        return hidden[:n]
+
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first (the shared memory pool is sized by the first)."""
+        for b in sorted(self.buckets, reverse=True):
+            self._graphs[b] = self._capture(b)
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _batch(self, b: int) -> ForwardBatch:
+        return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
+                            cu_seqlens=self.cu_seqlens[:b + 1], kv_cache=self.kv_cache,
+                            block_table=self.block_table[:b], seq_lens=self.seq_lens[:b],
+                            slot_mapping=self.slot_mapping[:b])
+
+    def _fill(self, host: HostDecode, b: int) -> None:
+        n, w = host.table.shape
+        pad = b - n
+        pos = np.concatenate([host.positions, self._pad_pos[:pad]])
+        page = self._pad_page[:pad]
+        table = np.zeros((b, max(w, 1)), np.int32)
+        table[:n, :w] = host.table
+        table[n:, 0] = page
+        ps = self.page_size
+        self.input_ids[:b].copy_(torch.from_numpy(np.concatenate([host.ids, np.zeros(pad, np.int64)])))
+        self.positions[:b].copy_(torch.from_numpy(pos))
+        self.seq_lens[:b].copy_(torch.from_numpy((pos + 1).astype(np.int32)))
+        self.slot_mapping[:b].copy_(torch.from_numpy(np.concatenate([host.slots, page * ps + self._pad_pos[:pad]])))
+        self.block_table[:b, :table.shape[1]].copy_(torch.from_numpy(table))
+
+    def _capture(self, b: int):
+        """Warm up (compiles kernels, fills the ops' caches) on a side stream, then capture."""
+        pad_only = HostDecode(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 1), np.int32),
+                              np.zeros(0, np.int32), np.zeros(0, np.int64))
+        self._fill(pad_only, b)
+        batch = self._batch(b)
+        stream = torch.cuda.Stream(device=self.input_ids.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.model.forward_hidden(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        chk.flush()
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with chk.capturing_graph(max_query_len=1) as verdicts, torch.cuda.graph(graph, pool=self._pool):
+            hidden = self.model.forward_hidden(batch)
+        return graph, hidden, list(verdicts)

@@ -1,0 +1,119 @@
+"""Decode steps replayed from CUDA graphs (rlalign.rollout.decode_graphs) change no token and no logprob.
+
+CPU (CI): ``decode_graphs="padded"`` runs the graphs' padded static batches eagerly; every token and
+logprob equals the eager engine's across random engine configurations, and steps larger than the
+biggest bucket fall back to eager forwards. CUDA (skipped without a GPU): captured graphs give the
+same completions as eager steps, also after a weight update, and a NaN in the weights still raises.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rlalign.contract.errors import ContractError
+from rlalign.models.testing import tiny_model
+from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from rlalign.rollout.decode_graphs import buckets_up_to
+from rlalign.rollout.errors import RolloutConfigError
+from tests.rollout.test_engine_bitwise import (MAX_NEW, SAMPLINGS, assert_matches_trainer, assert_same_completions,
+                                               make_prompts, random_config)
+
+
+def test_buckets_cover_every_batch_size_with_little_padding():
+    sizes = buckets_up_to(512)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512 and sizes == sorted(set(sizes))
+    for n in range(1, 513):
+        b = next(s for s in sizes if s >= n)
+        assert n > 16 and b - n < b / 5 or b <= 16, (n, b)
+    assert buckets_up_to(1) == [1] and buckets_up_to(20)[-1] == 20
+
+
+def test_config_refuses_impossible_graph_settings():
+    model = tiny_model("qwen3", seed=0)
+    with pytest.raises(RolloutConfigError, match="decode_graphs must be one of"):
+        RolloutConfig(decode_graphs="yes")
+    with pytest.raises(RolloutConfigError, match="needs a CUDA model and the strict profile"):
+        RolloutEngine(model, RolloutConfig(decode_graphs="on", num_pages=16))
+    # auto on the CPU: eager, no scratch pages
+    engine = RolloutEngine(model, RolloutConfig(num_pages=16))
+    assert engine.decode_graphs is None and engine.kv_cache.num_pages == 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3", seed=3, init_std=0.1)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_padded_decode_batches_change_nothing(model, prompts, seed):
+    rng = random.Random(100 + seed)
+    name = list(SAMPLINGS)[seed % len(SAMPLINGS)]
+    sampling = SAMPLINGS[name]
+    config = random_config(rng, max(len(p) for p in prompts) + MAX_NEW)
+    want = RolloutEngine(model, config).generate(prompts, sampling)
+    config.decode_graphs = "padded"
+    config.decode_graph_max_batch = rng.choice([3, 8, 64])   # 3: larger decode steps run eagerly
+    engine = RolloutEngine(model, config)
+    got = engine.generate(prompts, sampling)
+    assert_same_completions(got, want)
+    assert engine.counters["graph_steps"] > 0
+    assert engine.stats()["free_pages"] == engine.stats()["num_pages"]
+
+
+# ---- CUDA -----------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def cuda_model():
+    return tiny_model("qwen3", seed=5, init_std=0.1, dtype="bfloat16", device="cuda")
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_graph_replays_equal_eager_steps_and_the_trainer(cuda_model):
+    prompts = make_prompts(2, count=9)
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=7)
+    eager = RolloutEngine(cuda_model, RolloutConfig(num_pages=512, decode_graphs="off")).generate(prompts, sampling)
+    engine = RolloutEngine(cuda_model, RolloutConfig(num_pages=512, decode_graphs="on", decode_graph_max_batch=48))
+    got = engine.generate(prompts, sampling)
+    assert_same_completions(got, eager)
+    assert engine.counters["graph_steps"] > 0 and engine.decode_graphs.replays > 0
+    assert_matches_trainer(cuda_model, got, 1.0)
+    # a second, smaller generate reuses the captured graphs (other buckets)
+    again = engine.generate(prompts[:3], sampling)
+    assert_same_completions(again, eager[:12])
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_graphs_follow_weight_updates_and_fail_closed_on_nan():
+    model = tiny_model("llama", seed=6, init_std=0.1, dtype="bfloat16", device="cuda")
+    other = tiny_model("llama", seed=7, init_std=0.1, dtype="bfloat16", device="cuda")
+    prompts = make_prompts(3, count=5)
+    sampling = SamplingParams(n=3, max_new_tokens=12, seed=1)
+    engine = RolloutEngine(model, RolloutConfig(num_pages=256, decode_graphs="on", decode_graph_max_batch=16))
+    engine.generate(prompts, sampling)
+    engine.update_weights(other.state_dict())
+    got = engine.generate(prompts, sampling)
+    want = RolloutEngine(other, RolloutConfig(num_pages=256, decode_graphs="off")).generate(prompts, sampling)
+    assert_same_completions(got, want)
+    steps_before = engine.counters["graph_steps"]
+    # a NaN appearing between two replayed decode steps is caught by the verdicts recorded in the graph
+    for i, p in enumerate(prompts):
+        engine.add_request(p, sampling, prompt_index=i)
+    while engine.counters["graph_steps"] == steps_before:
+        engine.step()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ContractError, match="NaN"):
+        engine.step()
