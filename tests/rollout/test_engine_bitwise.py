@@ -36,7 +36,9 @@ def trainer_logprobs(model, completions, temperature: float) -> list[torch.Tenso
     for s in seqs:
         targets += s[1:] + [0]
     with use_profile("strict"), torch.no_grad():
-        lp, _ = model.logprobs(ForwardBatch.packed(seqs), torch.tensor(targets), temperature=temperature)
+        lp, _ = model.logprobs(ForwardBatch.packed(seqs, device=model.device),
+                               torch.tensor(targets, device=model.device), temperature=temperature)
+    lp = lp.cpu()
     out, offset = [], 0
     for c, s in zip(completions, seqs):
         first = offset + len(c.prompt_tokens) - 1
