@@ -55,6 +55,7 @@ class RolloutSection:
     max_num_batched_tokens: int = 8192
     kv_cache_bytes: int | None = None
     engine: str = "rlalign"            # which rollout engine (rlalign.train.engines.ENGINES)
+    decode_graphs: str = "auto"        # CUDA-graph decode steps (RolloutConfig.decode_graphs): auto | on | off
 
     def validate(self):
         from rlalign.train.engines import ENGINES
@@ -64,6 +65,8 @@ class RolloutSection:
             return "prompts_per_step, samples_per_prompt and max_new_tokens must be >= 1"
         if self.temperature <= 0:
             return f"temperature must be > 0 for RL rollouts, got {self.temperature}"
+        if self.decode_graphs not in ("auto", "on", "off"):
+            return f"decode_graphs must be one of auto, on, off, got {self.decode_graphs!r}"
 
 
 @dataclasses.dataclass

@@ -20,7 +20,8 @@ def _rlalign_engine(cfg, policy, tokenizer, model_dir: Path):
 
     r = cfg.rollout
     config = RolloutConfig(profile=cfg.run.profile, page_size=r.page_size, max_num_seqs=r.max_num_seqs,
-                           max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=r.kv_cache_bytes)
+                           max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=r.kv_cache_bytes,
+                           decode_graphs=r.decode_graphs)
     return RolloutEngine(copy.deepcopy(policy).eval(), config, tokenizer=tokenizer)
 
 
