@@ -232,7 +232,10 @@ def _bench_engine(model_dir: Path, workload: Workload, args, dtype: str, profile
     engine = RolloutEngine(model, config)
     sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed, ignore_eos=True)
     # warm-up: compiles kernels and, with decode graphs, captures them (as an engine's start-up does)
+    t0 = time.perf_counter()
     engine.generate(workload.prompts[:2], dataclasses.replace(sampling, max_new_tokens=4))
+    _sync(args.device)
+    warmup = time.perf_counter() - t0
     engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
     _sync(args.device)
     t0 = time.perf_counter()
@@ -244,7 +247,7 @@ def _bench_engine(model_dir: Path, workload: Workload, args, dtype: str, profile
     row = {"engine": "rlalign", "profile": profile, "tokens_per_s": round(generated / seconds, 2),
            "seconds": round(seconds, 3), "generated_tokens": generated, "steps": stats["steps"],
            "forward_tokens": stats["forward_tokens"], "preemptions": stats["preemptions"],
-           "kv_pages": stats["num_pages"], "page_size": args.page_size, "graph_steps": stats["graph_steps"]}
+           "kv_pages": stats["num_pages"], "page_size": args.page_size, "graph_steps": stats["graph_steps"], "warmup_seconds": round(warmup, 2)}
     if args.verify and profile == "strict":
         row.update(_verify(model, completions))
     del engine, model, completions
