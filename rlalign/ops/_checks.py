@@ -56,7 +56,9 @@ def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> N
         capture.verdicts.append((op, message or f"{name} contains NaN or inf", torch.isfinite(t).all()))
         return
     if t.device.type == "cpu":
-        if not bool(torch.isfinite(t).all()):
+        # A sum is non-finite iff an element is (NaN and inf propagate) or the finite elements overflow;
+        # one reduction is ~10x cheaper than isfinite().all() here, which then only runs to tell the two apart.
+        if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
             bad = (~torch.isfinite(t)).nonzero()[0].tolist()
             raise fail(op, message or f"{name} contains NaN or inf (first at index {bad}, value {t[tuple(bad)].item()})")
         return

@@ -37,3 +37,36 @@ def test_block_table_edited_in_place_between_layers_is_checked_again():
     table[0, 1] = 9                                    # not a page of a 4-page cache
     with pytest.raises(ContractError, match=r"block_table\[0, 1\]=9 is not a page id"):
         ops.attention_paged(q, kc, vc, table, lens, cu)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_finiteness_check_finds_every_nonfinite_element(bad, dtype):
+    for index in [(0, 0), (3, 7), (4, 12)]:
+        t = torch.randn(5, 13).to(dtype)
+        t[index] = bad
+        with pytest.raises(ContractError, match=rf"x contains NaN or inf \(first at index \[{index[0]}, {index[1]}\]"):
+            chk.finite("op", "x", t)
+
+
+def test_cpu_finiteness_check_accepts_finite_values_whose_sum_overflows():
+    chk.finite("op", "x", torch.full((8,), 3e38))               # the quick sum is inf; the exact check passes
+    chk.finite("op", "x", torch.tensor([3e38, -3e38, 3e38, 3e38]))
+
+
+def test_capture_mode_records_verdicts_and_skips_validation():
+    """While a graph is captured: memo'd validations are skipped, finiteness verdicts are collected (not
+    queued, not raised), and a missing host hint is a clear error."""
+    t = torch.tensor([1.0, float("nan")])
+    with chk.capturing_graph(max_query_len=1) as verdicts:
+        assert chk.is_capturing()
+        assert chk.memo("validate", lambda: 1 / 0, t) is None
+        assert chk.memo("derive", lambda: 1 / 0, t, capturing=lambda: "captured") == "captured"
+        assert chk.capture_hint("max_query_len") == 1
+        with pytest.raises(ContractError, match="needs the host value 'other'"):
+            chk.capture_hint("other")
+        chk.finite("op", "x", t)                                 # recorded, not raised
+    assert not chk.is_capturing() and len(verdicts) == 1
+    chk.requeue(verdicts)
+    with pytest.raises(ContractError, match="x contains NaN or inf"):
+        chk.flush()
