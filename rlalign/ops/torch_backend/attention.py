@@ -28,6 +28,11 @@ in :func:`rlalign.contract.spec.cpu_backend_assumptions` and checked by ``rlalig
 CPU the bmm batch count may vary too (MKL, checked); on GPUs every bmm is padded to one fixed
 batch count, because cuBLAS chooses kernels by batch count.
 
+Speed only (no bit depends on it): the index work of a call (tiles, their order, key rows, masks)
+is a plan built once per forward from the batch's index tensors (``chk.memo``: every layer passes
+the same ones); on the CPU the big temporaries are per-thread scratch buffers; rows that are padding
+in every tile of a chunk are not pushed through the elementwise math (see :func:`_online_softmax`).
+
 The varlen backward (:class:`_VarlenAttention`) recomputes probabilities flash-style from the
 saved log-sum-exp; it is deterministic run to run (fixed-shape GEMMs, no atomics, no
 index_add) but, like dW of a linear, not invariant to how sequences are packed.
@@ -36,11 +41,13 @@ index_add) but, like dW of a linear, not invariant to how sequences are packed.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import torch
 
 from rlalign.contract import spec
 from rlalign.contract.errors import fail
+from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import register
 from rlalign.ops.torch_backend.primitives import tree_sum
 
@@ -71,84 +78,55 @@ def _pad_batch(x: torch.Tensor) -> torch.Tensor:
     return padded
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor, transpose_b: bool = False) -> torch.Tensor:
-    """fp32 a @ b (or a @ b^T) per item; on GPUs issued as one bmm of exactly _GPU_BATCH items."""
-    n = a.shape[0]
-    if a.device.type != "cpu":
-        a, b = _pad_batch(a), _pad_batch(b)
-    return torch.bmm(a, b.transpose(1, 2) if transpose_b else b)[:n]
-
-
-# ---- key sources: where the keys of (sequence, kv head, absolute position) live ---------------
-
-@dataclasses.dataclass
-class _PackedKeys:
-    """K/V of a packed batch [T, Hkv, D]; sequence s owns rows start[s] .. start[s] + length[s]."""
-    k_rows: torch.Tensor   # [T * Hkv + 1, D] fp32, the last row all zeros
-    v_rows: torch.Tensor
-    start: torch.Tensor    # [S] int64
-    length: torch.Tensor   # [S] int64
-    hkv: int
-
-    def block(self, seq: torch.Tensor, head: torch.Tensor, pos: torch.Tensor):
-        """fp32 K, V [n, 64, D] of items (seq, head) at positions ``pos`` [64]; 0 outside the context."""
-        valid = pos < self.length[seq].unsqueeze(1)
-        rows = (self.start[seq].unsqueeze(1) + pos) * self.hkv + head.unsqueeze(1)
-        rows = torch.where(valid, rows, self.k_rows.shape[0] - 1)
-        return _take(self.k_rows, rows), _take(self.v_rows, rows)
-
-
-@dataclasses.dataclass
-class _PagedKeys:
-    """K/V in a paged cache [num_pages, page_size, Hkv, D] addressed through a block table."""
-    k_rows: torch.Tensor        # the cache viewed as [num_pages * page_size * Hkv, D]
-    v_rows: torch.Tensor
-    block_table: torch.Tensor   # [S, max_pages] int64
-    length: torch.Tensor        # [S] int64 context length
-    page_size: int
-    hkv: int
-
-    def block(self, seq: torch.Tensor, head: torch.Tensor, pos: torch.Tensor):
-        valid = pos < self.length[seq].unsqueeze(1)
-        page_col = torch.clamp(pos // self.page_size, max=self.block_table.shape[1] - 1)
-        page = self.block_table[seq.unsqueeze(1), page_col.unsqueeze(0)]
-        rows = (page * self.page_size + pos % self.page_size) * self.hkv + head.unsqueeze(1)
-        rows = torch.where(valid, rows, 0)
-        k, v = _take(self.k_rows, rows).float(), _take(self.v_rows, rows).float()
-        if not bool(valid.all()):
-            # Outside the context the cache may hold anything: those rows become exact zeros
-            # (an assignment, i.e. a select; never a multiplication by 0).
-            outside = (~valid).nonzero(as_tuple=True)
-            k[outside] = 0.0
-            v[outside] = 0.0
-        return k, v
-
-
-# ---- work items --------------------------------------------------------------------------------
+# ---- the forward plan: tiles, chunks and key rows, derived from the batch's index tensors only ----------
 
 # Padding rows of a tile (q = 0) are given this position: they "see" every key, so their running
 # state stays finite (scores 0) without a special case; their results are dropped.
 _PAD_POS = 1 << 62
+# A plan keeps its per-block key rows and masks (reused by every layer of a forward) while they
+# cover at most this many (item, key) slots; beyond that they are rebuilt per block (memory only).
+_PLAN_SLOTS = 1 << 20
 
 
 @dataclasses.dataclass
-class _Tiles:
-    """Query tiles of all (sequence, kv head, tile) items, sorted by the position of their last
-    real row (descending), so that the items needing key block j are the prefix [:block_counts[j]]."""
-    q: torch.Tensor          # [N, 16, D] fp32, padding rows 0
-    row_pos: torch.Tensor    # [N, 16] int64 absolute position of the row's token; _PAD_POS for padding
-    row_dest: torch.Tensor   # [N, 16] int64 row of the flattened [T * Hq] output; T * Hq for padding
-    seq: torch.Tensor        # [N] int64
+class _BlockPlan:
+    """Key block j for the chunk's items [0, c) (a prefix: items are sorted by their last position)."""
+    j: int
+    c: int
+    lowest: int                       # lowest position of a row < r among the c items
+    data: tuple | None = None         # (key_rows, inside, mask, sees) when kept, see _block_data
+
+
+@dataclasses.dataclass
+class _ChunkPlan:
+    """Items [a, b) of the sorted item list, processed together (memory only; an item's bits do not
+    depend on the chunk). Rows >= ``r`` of every tile of the chunk are padding rows."""
+    a: int
+    b: int
+    r: int
+    q_src: torch.Tensor      # [(b - a) * 16] int64 row of the query table (the zero row for padding rows)
+    dest: torch.Tensor       # [(b - a) * r] int64 output row of rows 0..r-1 (the dump row for padding)
+    row_pos: torch.Tensor    # [b - a, r] int64
+    blocks: list
+
+
+@dataclasses.dataclass
+class _Plan:
+    seq: torch.Tensor        # [N] int64 sequence of each (sorted) item
     head: torch.Tensor       # [N] int64 kv head
-    block_counts: list[int]
+    key_rows: object         # (seq [n], head [n], pos [64]) -> (rows [n, 64] into the key table, valid [n, 64])
+    zero_outside: bool       # whether the table lacks a zero row for the slots outside the contexts
+    chunks: list
 
 
-def _build_tiles(q: torch.Tensor, hkv: int, n_q: torch.Tensor, q_start: torch.Tensor,
-                 pos0: torch.Tensor) -> _Tiles:
-    """Tiles for sequences whose n_q[s] queries are rows q_start[s].. of q, at positions pos0[s].."""
-    t, hq, d = q.shape
+def _tile_layout(hq: int, hkv: int, n_q: torch.Tensor, q_start: torch.Tensor, pos0: torch.Tensor, t: int):
+    """Every (sequence, kv head, tile) item of ``ATTN_Q_TILE`` (query, head) rows (token-major, the g heads
+    of the kv head), sorted by the position of its last real row (descending, stable), so that the items
+    needing key block j are the prefix [:block_counts[j]].
+    -> (row_pos [N, 16] (_PAD_POS for padding), dest [N, 16] (t * hq for padding), seq [N], head [N],
+    real rows per item [N], block_counts)."""
     g = hq // hkv
-    dev = q.device
+    dev = n_q.device
     tiles = (n_q * g + Q_TILE - 1) // Q_TILE
     per_seq = tiles * hkv
     n_items = int(per_seq.sum())
@@ -163,49 +141,148 @@ def _build_tiles(q: torch.Tensor, hkv: int, n_q: torch.Tensor, q_start: torch.Te
     dest = (q_start[seq].unsqueeze(1) + tok) * hq + head.unsqueeze(1) * g + head_in_group
     dest = torch.where(valid, dest, t * hq)
     order = torch.argsort(last, descending=True, stable=True)
-    q_rows = torch.cat([q.reshape(t * hq, d).float(), q.new_zeros((1, d), dtype=torch.float32)])
-    dest = dest[order]
     n_blocks = int(last.max()) // KV_BLOCK + 1
     hist = torch.bincount(last // KV_BLOCK, minlength=n_blocks)
     counts = torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0])
-    return _Tiles(_take(q_rows, dest), torch.where(valid, pos, _PAD_POS)[order], dest, seq[order], head[order],
-                  counts.tolist())
+    return (torch.where(valid, pos, _PAD_POS)[order], dest[order], seq[order], head[order],
+            valid.sum(1)[order], counts.tolist())
+
+
+def _build_plan(hq: int, hkv: int, d: int, n_q, q_start, pos0, t: int, key_rows, zero_outside: bool) -> _Plan:
+    """The plan of one attention call (index tensors only: one per forward, shared by its layers).
+    ``key_rows(seq, head, pos [64]) -> (rows [n, 64], valid [n, 64])`` addresses the key table; with
+    ``zero_outside`` the slots outside the contexts get zeros by a second gather (paged: the cache may
+    hold anything there), else ``rows`` already point at a zero row there."""
+    row_pos, dest, seq, head, real, counts = _tile_layout(hq, hkv, n_q, q_start, pos0, t)
+    n, dev = dest.shape[0], dest.device
+    chunk = _chunk_items(d, dev)
+    starts = list(range(0, n, chunk))
+    # per chunk: the most real rows of one of its tiles (real rows are a prefix of each tile)
+    r_max = torch.stack([real[a:a + chunk].amax() for a in starts]).tolist()
+    # lowest position of a real row per item, and per chunk prefix [:c] for each block
+    lowest_item = row_pos.amin(1)
+    plan = _Plan(seq, head, key_rows, zero_outside, [])
+    keep = n * len(counts) * KV_BLOCK <= _PLAN_SLOTS
+    for a, r in zip(starts, r_max):
+        b = min(n, a + chunk)
+        # off the CPU every tile keeps its 16 rows (the GPU path is the plain one)
+        r = int(r) if dev.type == "cpu" else Q_TILE
+        cs = [min(b, count) - a for count in counts]
+        cs = [c for c in cs if c > 0]
+        # lowest over items [a, a + c) for each block's prefix: a running min from the front
+        lows = torch.cummin(lowest_item[a:b], 0).values[torch.tensor(cs, device=dev) - 1].tolist()
+        ch = _ChunkPlan(a, b, r, dest[a:b].reshape(-1), dest[a:b, :r].reshape(-1), row_pos[a:b, :r],
+                        [_BlockPlan(j, c, int(low)) for j, (c, low) in enumerate(zip(cs, lows))])
+        if keep:
+            for blk in ch.blocks:
+                blk.data = _block_data(plan, ch, blk)
+        plan.chunks.append(ch)
+    return plan
+
+
+def _block_data(plan: _Plan, ch: _ChunkPlan, blk: _BlockPlan):
+    """(rows [c * 64], inside, mask, sees): ``rows`` index the key table, or with ``inside`` (the
+    table rows of the slots inside the contexts, when some slot is outside one and the table has no
+    zero row) the small table [table[inside]; 0] (see _gather); mask [c, r, 64] key_pos <= row_pos,
+    None when every row sees the whole block; sees [c, r] row_pos >= 64 j, None when every row sees
+    the block."""
+    if blk.data is not None:
+        return blk.data
+    a, c, first = ch.a, blk.c, blk.j * KV_BLOCK
+    key_pos = first + torch.arange(KV_BLOCK, device=plan.seq.device)
+    rows, valid = plan.key_rows(plan.seq[a:a + c], plan.head[a:a + c], key_pos)
+    rows, valid = rows.reshape(-1), valid.reshape(-1)
+    inside = None
+    if plan.zero_outside and not bool(valid.all()):
+        # two gathers, no fill: the rows inside the contexts into a small table whose extra last
+        # row is zero, then every slot from that table (outside slots from the zero row)
+        inside = rows[valid]
+        rows = torch.full_like(rows, inside.numel())
+        rows[valid] = torch.arange(inside.numel(), device=rows.device)
+    rp = ch.row_pos[:c]
+    mask = (key_pos <= rp.unsqueeze(-1)) if blk.lowest < first + KV_BLOCK - 1 else None
+    sees = (rp >= first) if blk.lowest < first else None
+    return rows, inside, mask, sees
+
+
+def _packed_rows(start: torch.Tensor, length: torch.Tensor, hkv: int, zero_row: int):
+    """Key rows of a packed batch [T * Hkv (+ 1 zero row), D]: sequence s owns tokens start[s] ..."""
+    def rows(seq, head, pos):
+        valid = pos < length[seq].unsqueeze(1)
+        r = (start[seq].unsqueeze(1) + pos) * hkv + head.unsqueeze(1)
+        return torch.where(valid, r, zero_row), valid
+    return rows
+
+
+def _paged_rows(block_table: torch.Tensor, length: torch.Tensor, page_size: int, hkv: int):
+    """Key rows of a paged cache viewed as [num_pages * page_size * Hkv, D], through the block table;
+    row 0 outside the context (replaced by zeros, see _gather)."""
+    def rows(seq, head, pos):
+        valid = pos < length[seq].unsqueeze(1)
+        page_col = torch.clamp(pos // page_size, max=block_table.shape[1] - 1)
+        page = block_table[seq.unsqueeze(1), page_col.unsqueeze(0)]
+        r = (page * page_size + pos % page_size) * hkv + head.unsqueeze(1)
+        return torch.where(valid, r, 0), valid
+    return rows
+
+
+# ---- scratch buffers (CPU): the big per-call temporaries are reused instead of allocated --------
+
+_scratch = threading.local()
+
+
+def _buffer(name: str, shape: tuple, device: torch.device) -> torch.Tensor:
+    """A contiguous fp32 [shape] view of a per-thread scratch buffer (contents undefined). Fresh off
+    the CPU (the caching allocator is cheap there). One name is one buffer: a caller never holds two
+    views of one name at once."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    numel = 1
+    for s in shape:
+        numel *= s
+    buf = bufs.get(name)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[name] = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf[:numel].view(shape)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, transpose_b: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 a @ b (or a @ b^T) per item; on GPUs issued as one bmm of exactly _GPU_BATCH items
+    (``out`` unused there)."""
+    n = a.shape[0]
+    if a.device.type != "cpu":
+        a, b = _pad_batch(a), _pad_batch(b)
+        return torch.bmm(a, b.transpose(1, 2) if transpose_b else b)[:n]
+    b = b.transpose(1, 2) if transpose_b else b
+    return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
+
+
+def _gather(table: torch.Tensor, rows: torch.Tensor, inside: torch.Tensor | None, name: str,
+            shape: tuple) -> torch.Tensor:
+    """fp32 [c, 64, D] key (or value) block: ``table[rows]``, or with ``inside`` (rows of the slots
+    inside the contexts) ``[table[inside]; 0][rows]``: the slots outside the contexts are exact zeros
+    (a select; never a multiplication by 0)."""
+    d, dev = shape[-1], table.device
+    if inside is not None:
+        small = _buffer(name + "_in", (inside.numel() + 1, d), dev)
+        if table.dtype == torch.float32:
+            torch.index_select(table, 0, inside, out=small[:-1])
+        else:
+            small[:-1] = table.index_select(0, inside)
+        small[-1] = 0.0
+        table = small
+    out = _buffer(name, shape, dev)
+    if table.dtype == torch.float32:
+        torch.index_select(table, 0, rows, out=out.view(-1, d))
+    else:
+        out.view(-1, d).copy_(table.index_select(0, rows))
+    return out
 
 
 # ---- the online softmax --------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class _State:
-    m: torch.Tensor     # [n, 16] running max
-    l: torch.Tensor     # [n, 16] running sum of exp
-    acc: torch.Tensor   # [n, 16, D] running sum of p * v
-
-
-def _visit_block(q, row_pos, state: _State, k, v, first_key: int, scale: float) -> tuple[_State, torch.Tensor]:
-    """One key block for a chunk of tiles (see the module docstring); returns the new state and
-    the raw scaled scores. The `where`s are skipped only where they would select everything."""
-    lowest = int(row_pos.min())
-    raw = _bmm(q, k, transpose_b=True)
-    raw.mul_(scale)
-    s = raw
-    if lowest < first_key + KV_BLOCK - 1:  # some row does not see the whole block
-        key_pos = first_key + torch.arange(KV_BLOCK, device=q.device)
-        s = torch.where(key_pos <= row_pos.unsqueeze(-1), raw, float("-inf"))
-    m_new = torch.maximum(state.m, s.amax(-1))
-    # Every real row sees block 0 and padding rows see every block, so a row that cannot see this
-    # block has a finite m and all-(-inf) scores: m_new = m, p = 0, alpha = 1 (no NaN).
-    p = torch.exp_(s - m_new.unsqueeze(-1))
-    alpha = torch.exp_(state.m - m_new)
-    l_new = state.l * alpha + tree_sum(p)
-    acc_new = _bmm(p, v)
-    acc_new += state.acc * alpha.unsqueeze(-1)          # == acc * alpha + p @ v (IEEE add commutes)
-    if lowest >= first_key:
-        return _State(m_new, l_new, acc_new), raw
-    # rows that cannot see the block keep their state bits: selected, not multiplied by 1 + 0
-    sees = row_pos >= first_key
-    return _State(torch.where(sees, m_new, state.m), torch.where(sees, l_new, state.l),
-                  torch.where(sees.unsqueeze(-1), acc_new, state.acc)), raw
-
 
 def _chunk_items(d: int, device: torch.device) -> int:
     """Items per chunk: on the CPU the gathered fp32 key block holds at most _CHUNK_ELEMS elements
@@ -215,51 +292,81 @@ def _chunk_items(d: int, device: torch.device) -> int:
     return max(1, _CHUNK_ELEMS // (KV_BLOCK * d))
 
 
-def _online_softmax(tiles: _Tiles, keys, scale: float, op: str, check_keys: bool):
-    """Runs every key block over the tiles, chunk by chunk of items; returns fp32
-    (acc / l + 0.0) [N, 16, D] and the log-sum-exp m + log(l) [N, 16]."""
-    n, _, d = tiles.q.shape
-    dev = tiles.q.device
-    out = torch.empty((n, Q_TILE, d), device=dev)
-    lse = torch.empty((n, Q_TILE), device=dev)
+def _online_softmax(plan: _Plan, q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, scale: float,
+                    check_keys: bool, out_rows: torch.Tensor, lse_rows: torch.Tensor | None) -> bool:
+    """Every key block over the plan's items, chunk by chunk (the module docstring's formula).
+    Writes acc / l + 0.0 of rows < r into ``out_rows`` [T * Hq + 1, D] (and m + log(l) into
+    ``lse_rows``); the last row is the dump row of padding rows. With ``check_keys`` returns whether
+    a score or accumulator sum was non-finite (a non-finite K/V within a context, or an overflow).
+
+    Rows >= r of a chunk's tiles are padding in every tile (q = 0; they see every key). With finite
+    keys their scores are +-0, so p = exp(+-0 - +-0) = 1 for every key of every block, m = +-0 and
+    alpha = 1 after block 0 (alpha = 0 at block 0, against an accumulator of 0): their p rows are set
+    to 1 rather than computed, and only the p @ V GEMM (whose operand keeps all 16 rows: the library
+    call is unchanged) and the accumulator (read by the finiteness check) carry them, up to the sign
+    of zeros, which no check can see; their results are dropped. A non-finite key within a context
+    makes the score sum non-finite (that check is on the full tiles), so it is reported either way.
+    Rows < r are computed exactly as the formula says.
+    """
+    d, dev = q_rows.shape[1], q_rows.device
     bad = torch.zeros((), dtype=torch.bool, device=dev)
-    chunk = _chunk_items(d, dev)
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        st = _State(torch.full((b - a, Q_TILE), float("-inf"), device=dev),
-                    torch.zeros((b - a, Q_TILE), device=dev), torch.zeros((b - a, Q_TILE, d), device=dev))
-        for j, count in enumerate(tiles.block_counts):
-            c = min(b, count) - a          # the chunk's items that need block j: a prefix
-            if c <= 0:
-                break
-            pos = j * KV_BLOCK + torch.arange(KV_BLOCK, device=dev)
-            k, v = keys.block(tiles.seq[a:a + c], tiles.head[a:a + c], pos)
-            part = st if c == b - a else _State(st.m[:c], st.l[:c], st.acc[:c])
-            new, raw = _visit_block(tiles.q[a:a + c], tiles.row_pos[a:a + c], part, k, v, j * KV_BLOCK, scale)
-            if c == b - a:
-                st = new
-            else:
-                st.m[:c], st.l[:c], st.acc[:c] = new.m, new.l, new.acc
+    for ch in plan.chunks:
+        n, r = ch.b - ch.a, ch.r
+        qt = torch.index_select(q_rows, 0, ch.q_src, out=_buffer("q", (n * Q_TILE, d), dev)).view(n, Q_TILE, d)
+        m = torch.full((n, r), float("-inf"), device=dev)
+        l = torch.zeros((n, r), device=dev)
+        acc = None
+        for blk in ch.blocks:
+            c = blk.c
+            rows, inside, mask, sees = _block_data(plan, ch, blk)
+            k = _gather(k_rows, rows, inside, "k", (c, KV_BLOCK, d))
+            v = _gather(v_rows, rows, inside, "v", (c, KV_BLOCK, d))
+            raw = _bmm(qt[:c], k, transpose_b=True, out=_buffer("s", (c, Q_TILE, KV_BLOCK), dev))
+            raw.mul_(scale)
             if check_keys:
                 # a non-finite key in a context makes its whole score column non-finite
                 bad |= ~torch.isfinite(raw.sum())
+            s = raw[:, :r]
+            if mask is not None:  # some row does not see the whole block
+                s = torch.where(mask, s, float("-inf"))
+            m_old, l_old = m[:c], l[:c]
+            m_new = torch.maximum(m_old, s.amax(-1))
+            # Every real row sees block 0 and padding rows see every block, so a row that cannot see
+            # this block has a finite m and all-(-inf) scores: m_new = m, p = 0, alpha = 1 (no NaN).
+            p_full = _buffer("p", (c, Q_TILE, KV_BLOCK), dev)
+            if r == Q_TILE:
+                p = torch.exp_(torch.sub(s, m_new.unsqueeze(-1), out=p_full))
+            else:
+                p = torch.exp_(s - m_new.unsqueeze(-1))
+                p_full[:, :r] = p
+                p_full[:, r:] = 1.0
+            alpha = torch.exp_(m_old - m_new)
+            l_new = l_old * alpha + tree_sum(p)
+            acc_new = _bmm(p_full, v)
+            if acc is None:   # block 0: acc = 0 before it (padding rows: 0 * 0, a zero's sign at most)
+                acc_new[:, :r] += (0.0 * alpha).unsqueeze(-1)
+            else:
+                acc_new[:, :r] += acc[:c, :r] * alpha.unsqueeze(-1)   # == acc * alpha + p @ v (IEEE add commutes)
+                if r < Q_TILE:
+                    acc_new[:, r:] += acc[:c, r:]                       # padding rows: alpha = 1
+            if sees is not None:
+                # rows that cannot see the block keep their state bits: selected, not multiplied by 1 + 0
+                m_new = torch.where(sees, m_new, m_old)
+                l_new = torch.where(sees, l_new, l_old)
+                acc_new[:, :r] = torch.where(sees.unsqueeze(-1), acc_new[:, :r], acc[:c, :r])
+            if c == n:
+                m, l, acc = m_new, l_new, acc_new
+            else:
+                m[:c], l[:c], acc[:c] = m_new, l_new, acc_new
         if check_keys:
             # a non-finite value reaches the accumulator of its sequence's last row (it sees every key)
-            bad |= ~torch.isfinite(st.acc.sum())
-        torch.div(st.acc, st.l.unsqueeze(-1), out=out[a:b])
-        out[a:b] += 0.0
-        lse[a:b] = st.m + torch.log(st.l)
-    if check_keys and bool(bad):
-        raise fail(op, "k_cache/v_cache contain NaN or inf within a sequence's context (or the scores overflow fp32)")
-    return out, lse
-
-
-def _scatter_rows(tiles: _Tiles, rows: torch.Tensor, total: int) -> torch.Tensor:
-    """Tile rows [N, 16, ...] back to the flattened [total, ...] layout (padding rows dropped)."""
-    flat = rows.new_zeros((total + 1,) + tuple(rows.shape[2:]))
-    # padding rows all go to the dump row `total`; every real row is written exactly once
-    flat.index_copy_(0, tiles.row_dest.reshape(-1), rows.reshape((-1,) + tuple(rows.shape[2:])))
-    return flat[:total]
+            bad |= ~torch.isfinite(acc.sum())
+        res = torch.div(acc[:, :r], l.unsqueeze(-1))
+        res += 0.0
+        out_rows.index_copy_(0, ch.dest, res.reshape(-1, d))
+        if lse_rows is not None:
+            lse_rows.index_copy_(0, ch.dest, (m + torch.log(l)).reshape(-1))
+    return check_keys and bool(bad)
 
 
 # ---- varlen (training) ----------------------------------------------------------------------------
@@ -273,15 +380,22 @@ def _ext_rows(x: torch.Tensor) -> torch.Tensor:
 def _varlen_forward(q, k, v, cu_seqlens, scale: float):
     """Returns (out [T, Hq, D] in q.dtype, lse [T, Hq] fp32)."""
     t, hq, d = q.shape
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    start, length = cu[:-1], cu[1:] - cu[:-1]
+    hkv = k.shape[1]
     if t == 0:
         return q.new_empty(q.shape), q.new_empty((0, hq), dtype=torch.float32)
-    tiles = _build_tiles(q, k.shape[1], length, start, torch.zeros_like(start))
-    keys = _PackedKeys(_ext_rows(k), _ext_rows(v), start, length, k.shape[1])
-    out, lse = _online_softmax(tiles, keys, scale, "attention_varlen", check_keys=False)
-    out = _scatter_rows(tiles, out, t * hq).reshape(t, hq, d).to(q.dtype)
-    return out, _scatter_rows(tiles, lse, t * hq).reshape(t, hq)
+
+    def build():
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
+        start, length = cu[:-1], cu[1:] - cu[:-1]
+        return _build_plan(hq, hkv, d, length, start, torch.zeros_like(start), t,
+                           _packed_rows(start, length, hkv, t * hkv), zero_outside=False)
+
+    plan = chk.memo("torch_attention_varlen_plan", build, cu_seqlens, extra=(t, hq, hkv, d, q.device),
+                    capturing=build)
+    out = torch.empty((t * hq + 1, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((t * hq + 1,), dtype=torch.float32, device=q.device)
+    _online_softmax(plan, _ext_rows(q), _ext_rows(k), _ext_rows(v), scale, False, out, lse)
+    return out[:t * hq].reshape(t, hq, d).to(q.dtype), lse[:t * hq].reshape(t, hq)
 
 
 def _length_buckets(length: torch.Tensor) -> list[torch.Tensor]:
@@ -402,14 +516,24 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return q.new_empty(q.shape)
     _, page_size, hkv, _ = k_cache.shape
     dev = q.device
-    cu = cu_seqlens_q.to(device=dev, dtype=torch.int64)
-    ctx_len = seq_lens.to(device=dev, dtype=torch.int64)
-    n_q = cu[1:] - cu[:-1]
-    tiles = _build_tiles(q, hkv, n_q, cu[:-1], ctx_len - n_q)
-    keys = _PagedKeys(k_cache.reshape(-1, d), v_cache.reshape(-1, d),
-                      block_table.to(device=dev, dtype=torch.int64), ctx_len, page_size, hkv)
-    out, _ = _online_softmax(tiles, keys, scale, "attention_paged", check_keys=True)
-    return _scatter_rows(tiles, out, t * hq).reshape(t, hq, d).to(q.dtype)
+
+    def build():
+        cu = cu_seqlens_q.to(device=dev, dtype=torch.int64)
+        ctx_len = seq_lens.to(device=dev, dtype=torch.int64)
+        n_q = cu[1:] - cu[:-1]
+        table = block_table.to(device=dev, dtype=torch.int64)
+        return _build_plan(hq, hkv, d, n_q, cu[:-1], ctx_len - n_q, t, _paged_rows(table, ctx_len, page_size, hkv),
+                           zero_outside=True)
+
+    # one plan per forward: every layer gets the same index tensors
+    plan = chk.memo("torch_attention_paged_plan", build, block_table, seq_lens, cu_seqlens_q,
+                    extra=(t, hq, hkv, d, page_size, dev), capturing=build)
+    q_rows = torch.cat([q.reshape(t * hq, d).float(), q.new_zeros((1, d), dtype=torch.float32)])
+    out = torch.empty((t * hq + 1, d), dtype=torch.float32, device=dev)
+    if _online_softmax(plan, q_rows, k_cache.reshape(-1, d), v_cache.reshape(-1, d), scale, True, out, None):
+        raise fail("attention_paged", "k_cache/v_cache contain NaN or inf within a sequence's context "
+                                      "(or the scores overflow fp32)")
+    return out[:t * hq].reshape(t, hq, d).to(q.dtype)
 
 
 register("attention_varlen", "torch")(attention_varlen)
