@@ -96,6 +96,29 @@ def _bmm_item_invariance(device, gen):
     return True
 
 
+def _bmm_equals_mm(device, gen):
+    """The row blocks of tile_mm (and of every K segment) are the items of one torch.bmm on the CPU:
+    each item must have the bits of the plain torch.mm of its block, for a weight broadcast to every
+    item (stride 0; given transposed as linear does, or as a plain [K, N] matrix as the logprob
+    backward does) and for distinct per-item weights (the K-segment copies)."""
+    b = spec.ROW_BLOCK
+    for k, n in ((16, 128), (48, 128), (128, 15), (64, 1024), (256, 768), (1024, 1024)):
+        for count in (2, 5, 33):
+            a = _randn(gen, count, b, k, device=device)
+            w = _randn(gen, n, k, device=device)
+            for wt in (w.t(), w.t().contiguous()):
+                out = torch.bmm(a, wt.expand(count, k, n))
+                for i in (0, count // 2, count - 1):
+                    if not _same(out[i], torch.mm(a[i], wt)):
+                        return False, f"K={k} N={n}: item {i} of {count} (shared weight) differs from mm"
+            ws = _randn(gen, count, n, k, device=device)
+            out = torch.bmm(a, ws.transpose(1, 2))
+            for i in (0, count - 1):
+                if not _same(out[i], torch.mm(a[i], ws[i].t())):
+                    return False, f"K={k} N={n}: item {i} of {count} (own weight) differs from mm"
+    return True
+
+
 def _elementwise_position(device, gen):
     x = _randn(gen, 4096, 32, device=device) * 8
     pos = torch.rand(4096, 32, generator=gen).to(device) * 100 + 1e-6
@@ -216,6 +239,8 @@ CHECKS: tuple[Check, ...] = (
     Check("gemm (library)", f"row position in a fixed {spec.ROW_BLOCK}-row block", _gemm_row_position, torch_backend_only=True),
     Check("gemm (library)", "column value independent of N and column offset", _gemm_column_invariance, torch_backend_only=True),
     Check("bmm (library)", "item independent of batch count and index", _bmm_item_invariance, torch_backend_only=True),
+    Check("bmm (library)", f"item == mm of its {spec.ROW_BLOCK}-row block (shared or own weight)", _bmm_equals_mm,
+          devices=("cpu",), torch_backend_only=True),
     Check("exp/log (library)", "vector body == tail == single element", _elementwise_position, torch_backend_only=True),
     Check("gemm (library)", "run to run", _determinism, torch_backend_only=True),
     Check("linear", "batch size 1..512 (bf16, fp32)", _op_linear_batch),

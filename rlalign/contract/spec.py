@@ -123,6 +123,10 @@ def cpu_backend_assumptions() -> tuple[str, ...]:
         f"A batched fp32 GEMM of fixed per-item shapes ({ATTN_Q_TILE} x D) x (D x {ATTN_KV_BLOCK}) and "
         f"({ATTN_Q_TILE} x {ATTN_KV_BLOCK}) x ({ATTN_KV_BLOCK} x D) gives each item the same bits whatever the batch count "
         "and the item's index.",
+        f"A batched fp32 GEMM (torch.bmm) whose items have the fixed shape ({ROW_BLOCK} x K) x (K x N) gives each "
+        "item the same bits as that GEMM issued alone (torch.mm), whatever the batch count, the item's index "
+        "and whether the items share one (broadcast) weight matrix: the linear op issues its row blocks "
+        "(and K segments) as one batched GEMM.",
         "Elementwise exp and log give the same bits for a value wherever it sits in a tensor "
         "(vectorised body, vector tail, single element). sigmoid and rsqrt are NOT used: sigmoid's "
         "scalar tail differs from its vector body on AVX2 (measured), so silu is written as g / (1 + exp(-g)).",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlalign.contract import spec
-from rlalign.ops.torch_backend.primitives import tile_mm, tree_merge
+from rlalign.ops.torch_backend.primitives import tile_mm, tile_mm_segments, tree_merge
 
 
 def segment_count(k: int, segments: int) -> int:
@@ -21,23 +21,27 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor, k_segments: int | None) -> tor
     if not k_segments or k_segments == 1:
         return tile_mm(x, w)
     p = segment_count(x.shape[1], k_segments)
-    seg = x.shape[1] // p
+    if p == 1:
+        return tile_mm(x.contiguous(), w.contiguous())
     # Each segment is reduced from zero on its own, then the fixed tree merges the partials;
     # a tensor-parallel rank holding segments [r*P/tp, (r+1)*P/tp) computes exactly one subtree.
-    parts = [tile_mm(x[:, i * seg:(i + 1) * seg].contiguous(), w[:, i * seg:(i + 1) * seg].contiguous())
-             for i in range(p)]
-    return tree_merge(parts)
+    return tree_merge(tile_mm_segments(x, w, p))
+
+
+def _forward(x2d, w, bias, k_segments):
+    out = linear_fp32(x2d.float(), w.float(), k_segments)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x2d.dtype)
 
 
 class _StrictLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, w, bias, k_segments):
-        out = linear_fp32(x2d.float(), w.float(), k_segments)
-        if bias is not None:
-            out = out + bias.float()
+        out = _forward(x2d, w, bias, k_segments)
         ctx.save_for_backward(x2d, w)
         ctx.has_bias = bias is not None
-        return out.to(x2d.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -59,7 +63,11 @@ class _StrictLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k_segments: int | None) -> torch.Tensor:
     shape = x.shape
-    out = _StrictLinear.apply(x.reshape(-1, shape[-1]), w, bias, k_segments)
+    x2d = x.reshape(-1, shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
+        out = _StrictLinear.apply(x2d, w, bias, k_segments)
+    else:  # no graph to record (rollout, no_grad): the same forward without the autograd.Function
+        out = _forward(x2d, w, bias, k_segments)
     return out.reshape(*shape[:-1], w.shape[0])
 
 

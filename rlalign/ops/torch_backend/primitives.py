@@ -34,11 +34,63 @@ def tile_mm(a: torch.Tensor, w: torch.Tensor, row_block: int = spec.ROW_BLOCK) -
     if m == 0:
         return a.new_zeros((0, w.shape[0]))
     a = pad_rows(a, row_block)
-    wt = w.t()
     out = torch.empty((a.shape[0], w.shape[0]), dtype=a.dtype, device=a.device)
-    for start in range(0, a.shape[0], row_block):
-        torch.mm(a[start:start + row_block], wt, out=out[start:start + row_block])
+    _tiles_into(a, w.t(), out, row_block)
     return out[:m]
+
+
+def _tiles_into(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, row_block: int) -> None:
+    """out[i:i+B] = a[i:i+B] @ wt for every block of B rows (M a multiple of B; ``out`` contiguous).
+
+    On the CPU, for a contiguous ``a`` and a ``wt`` that is a matrix or a transposed one, the blocks
+    are the items of ONE batched GEMM (the weight broadcast, stride 0): an item has the bits of the
+    single GEMM of its block (spec.cpu_backend_assumptions, checked by ``rlalign doctor``), without
+    one library call (and thread hand-off) per block. Elsewhere (GPUs: cuBLAS items change with the
+    batch count) one GEMM per block."""
+    t = a.shape[0] // row_block
+    if t == 1:
+        torch.mm(a, wt, out=out)
+        return
+    if a.device.type == "cpu" and a.is_contiguous() and (wt.is_contiguous() or wt.t().is_contiguous()):
+        torch.bmm(a.view(t, row_block, a.shape[1]), wt.expand(t, *wt.shape), out=out.view(t, row_block, out.shape[1]))
+        return
+    mm = torch.mm
+    for a_t, o_t in zip(a.split(row_block), out.split(row_block)):
+        mm(a_t, wt, out=o_t)
+
+
+def tile_mm_segments(a: torch.Tensor, w: torch.Tensor, parts: int, row_block: int = spec.ROW_BLOCK) -> torch.Tensor:
+    """[parts, M, N]: part s = tile_mm(a[:, s].contiguous(), w[:, s].contiguous()) for the ``parts``
+    equal K segments s, with the same GEMM operands (each segment of ``a`` contiguous and zero-padded
+    to whole row blocks, each of ``w`` a contiguous [N, K / parts] matrix used transposed), built
+    with one copy of ``a`` (and on the CPU, while small, one of ``w`` per row block: all segments'
+    blocks then form one batched GEMM, see :func:`_tiles_into`)."""
+    m, k = a.shape
+    n, seg = w.shape[0], k // parts
+    if m == 0:
+        return a.new_zeros((parts, 0, n))
+    mp = -(-m // row_block) * row_block
+    t = mp // row_block
+    segs = torch.empty((parts, mp, seg), dtype=a.dtype, device=a.device)
+    segs[:, :m] = a.reshape(m, parts, seg).transpose(0, 1)
+    if mp > m:
+        segs[:, m:] = 0.0
+    out = torch.empty((parts, mp, n), dtype=a.dtype, device=a.device)
+    if a.device.type == "cpu" and t > 1 and t * n * k <= _ONE_BATCH_ELEMS and (n * seg) % 16 == 0:
+        # item (s, block) = segs[s, block] @ w_s^T; w_s repeated per block (a copy: a batch dim has
+        # one stride), each copy a contiguous [N, K / parts] matrix starting 64-byte aligned like the
+        # per-segment copies
+        w_items = w.reshape(n, parts, seg).transpose(0, 1).unsqueeze(1).expand(parts, t, n, seg).reshape(-1, n, seg)
+        torch.bmm(segs.view(-1, row_block, seg), w_items.transpose(1, 2), out=out.view(-1, row_block, n))
+    else:
+        for i in range(parts):
+            _tiles_into(segs[i], w[:, i * seg:(i + 1) * seg].contiguous().t(), out[i], row_block)
+    return out[:, :m]
+
+
+# Above this many elements (the weight copied once per row block) tile_mm_segments issues one
+# batched GEMM per segment instead of one for all (memory only).
+_ONE_BATCH_ELEMS = 1 << 20
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -56,13 +108,18 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
-def tree_merge(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Merge a list of partials by the fixed balanced binary tree ((p0+p1)+(p2+p3))+...
+def tree_merge(parts) -> torch.Tensor:
+    """Merge partials by the fixed balanced binary tree ((p0+p1)+(p2+p3))+...
 
-    The list length must be a power of two (the canonical partition guarantees it).
+    ``parts``: a list of tensors, or one tensor stacked along dim 0 (then each level is one add of
+    its even and odd halves: the same elementwise adds). The count must be a power of two (the
+    canonical partition guarantees it).
     """
+    if isinstance(parts, torch.Tensor):
+        while parts.shape[0] > 1:
+            pairs = parts.unflatten(0, (parts.shape[0] // 2, 2))
+            parts = pairs[:, 0] + pairs[:, 1]
+        return parts[0]
     while len(parts) > 1:
         parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     return parts[0]
-
-
