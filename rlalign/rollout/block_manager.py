@@ -101,6 +101,17 @@ class BlockManager:
         will be written into become private (shared ones are replaced by a copy). Returns the
         (src, dst) page copies to do before the write, or None (nothing changed) when fewer than
         the needed pages + ``reserve`` are available."""
+        ps = self.page_size
+        first, end = num_computed // ps, -(-upto // ps)
+        if end <= len(table):
+            # the common step (a decode token, or a chunk inside pages held already): nothing to
+            # allocate; nothing to copy unless one of the written pages is shared
+            ref = self._ref
+            for b in range(first, end):
+                if ref[table[b]] > 1:
+                    break
+            else:
+                return None if reserve > len(self._free) + len(self._evictable) else []
         if self.pages_needed(table, num_computed, upto) + reserve > self.num_free:
             return None
         copies = []

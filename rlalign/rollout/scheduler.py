@@ -74,14 +74,27 @@ class Scheduler:
         out = SchedulerOutput([], [], [])
         budget = self.config.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = self._chunk_length(seq, budget)
-            if self._reserve(seq, n, out, reserve=0) or self._preempt_for(i, n, out):
-                budget -= n
-                i += 1
+        running, append, chunk_cap = self.running, self.blocks.append, self.config.max_prefill_chunk
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            # = _chunk_length and _reserve (reserve 0), inlined: this runs for every sequence every step
+            start = seq.num_computed
+            n = min(len(seq.tokens) - start, budget)
+            if chunk_cap is not None:
+                n = min(n, chunk_cap)
+            copies = append(seq.block_table, start, start + n, 0)
+            if copies is not None:
+                if copies:
+                    out.copies += copies
+                out.chunks.append(Chunk(seq, start, n))
+            elif not self._preempt_for(i, n, out):
+                continue
+            budget -= n
+            i += 1
         if out.preempted and out.chunks:
             return out  # pages are short: admitting now would only preempt again
+        if not self.waiting:
+            return out
         occupied = sum(1 + _pending_forks(s) for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
