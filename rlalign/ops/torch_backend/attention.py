@@ -231,22 +231,52 @@ def _paged_rows(block_table: torch.Tensor, length: torch.Tensor, page_size: int,
 _scratch = threading.local()
 
 
-def _buffer(name: str, shape: tuple, device: torch.device) -> torch.Tensor:
-    """A contiguous fp32 [shape] view of a per-thread scratch buffer (contents undefined). Fresh off
-    the CPU (the caching allocator is cheap there). One name is one buffer: a caller never holds two
-    views of one name at once."""
+class _Scratch:
+    """One per-thread scratch buffer: the storage, its views by shape, and what is known of its
+    contents: ``fill`` = (trailing shape, value, r, n) when view[:n, r:] holds ``value``."""
+
+    def __init__(self, numel: int, device: torch.device):
+        self.buf = torch.empty(numel, dtype=torch.float32, device=device)
+        self.views: dict = {}
+        self.fill = None
+
+
+def _buffer(name: str, shape: tuple, device: torch.device, fill: tuple | None = None) -> torch.Tensor:
+    """A contiguous fp32 [shape] view of a per-thread scratch buffer, contents undefined; with
+    ``fill`` = (value, r), rows r.. of dim 1 hold ``value`` (the caller then writes only rows < r, so
+    the next call with the same trailing shape and value finds them still there and skips the fill).
+    Fresh off the CPU (the caching allocator is cheap there). One name is one buffer: a caller
+    never holds two views of one name at once."""
     if device.type != "cpu":
-        return torch.empty(shape, dtype=torch.float32, device=device)
+        out = torch.empty(shape, dtype=torch.float32, device=device)
+        if fill is not None:
+            out[:, fill[1]:] = fill[0]
+        return out
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = {}
-    numel = 1
-    for s in shape:
-        numel *= s
-    buf = bufs.get(name)
-    if buf is None or buf.numel() < numel:
-        buf = bufs[name] = torch.empty(numel, dtype=torch.float32, device=device)
-    return buf[:numel].view(shape)
+    entry = bufs.get(name)
+    view = None if entry is None else entry.views.get(shape)
+    if view is None:
+        numel = 1
+        for s in shape:
+            numel *= s
+        if entry is None or entry.buf.numel() < numel:
+            entry = bufs[name] = _Scratch(numel, device)
+        if len(entry.views) >= 32:
+            entry.views.clear()
+        view = entry.views[shape] = entry.buf[:numel].view(shape)
+    if fill is None:
+        entry.fill = None
+        return view
+    value, r = fill
+    known = entry.fill
+    if known is not None and known[0] == shape[1:] and known[1] == value and r >= known[2] and shape[0] <= known[3]:
+        entry.fill = (shape[1:], value, r, known[3])
+    else:
+        view[:, r:] = value
+        entry.fill = (shape[1:], value, r, shape[0])
+    return view
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, transpose_b: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -312,7 +342,11 @@ def _online_softmax(plan: _Plan, q_rows: torch.Tensor, k_rows: torch.Tensor, v_r
     bad = torch.zeros((), dtype=torch.bool, device=dev)
     for ch in plan.chunks:
         n, r = ch.b - ch.a, ch.r
-        qt = torch.index_select(q_rows, 0, ch.q_src, out=_buffer("q", (n * Q_TILE, d), dev)).view(n, Q_TILE, d)
+        if r == Q_TILE:
+            qt = torch.index_select(q_rows, 0, ch.q_src, out=_buffer("q", (n * Q_TILE, d), dev)).view(n, Q_TILE, d)
+        else:  # rows >= r are padding (q = 0) in every tile of the chunk: only rows < r are gathered
+            qt = _buffer("q", (n, Q_TILE, d), dev, fill=(0.0, r))
+            qt[:, :r] = q_rows.index_select(0, ch.dest).view(n, r, d)
         m = torch.full((n, r), float("-inf"), device=dev)
         l = torch.zeros((n, r), device=dev)
         acc = None
@@ -333,13 +367,13 @@ def _online_softmax(plan: _Plan, q_rows: torch.Tensor, k_rows: torch.Tensor, v_r
             m_new = torch.maximum(m_old, s.amax(-1))
             # Every real row sees block 0 and padding rows see every block, so a row that cannot see
             # this block has a finite m and all-(-inf) scores: m_new = m, p = 0, alpha = 1 (no NaN).
-            p_full = _buffer("p", (c, Q_TILE, KV_BLOCK), dev)
             if r == Q_TILE:
+                p_full = _buffer("p", (c, Q_TILE, KV_BLOCK), dev)
                 p = torch.exp_(torch.sub(s, m_new.unsqueeze(-1), out=p_full))
             else:
+                p_full = _buffer("p", (c, Q_TILE, KV_BLOCK), dev, fill=(1.0, r))
                 p = torch.exp_(s - m_new.unsqueeze(-1))
                 p_full[:, :r] = p
-                p_full[:, r:] = 1.0
             alpha = torch.exp_(m_old - m_new)
             l_new = l_old * alpha + tree_sum(p)
             acc_new = _bmm(p_full, v)
