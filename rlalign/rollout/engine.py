@@ -237,8 +237,7 @@ class RolloutEngine:
     def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Hidden rows of every new token of the plan: a graph replay for a decode step that fits
         one, else one eager forward."""
-        host = self._host_arrays(plan)
-        ids, positions, cu, table, seq_lens, slots = host
+        ids, positions, cu, table, seq_lens, slots = self._host_arrays(plan)
         graphs = self.decode_graphs
         if graphs is not None and cu[-1] == len(plan.chunks) and graphs.bucket(len(plan.chunks)) is not None:
             decode = HostDecode(ids, positions, table, seq_lens, slots)
