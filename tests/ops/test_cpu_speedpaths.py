@@ -8,6 +8,8 @@
   caches holding NaN/inf outside every context, multi-block contexts and chunks of items.
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -200,3 +202,18 @@ def test_varlen_forward_equals_paged_prefill_formula(dtype):
     ref = _reference_paged(q, k.unsqueeze(1), v.unsqueeze(1), bt, torch.tensor(lens, dtype=torch.int32), cu,
                            d ** -0.5)
     assert_same_bits(out, ref)
+
+
+def test_scratch_buffers_across_inference_mode(monkeypatch):
+    """Scratch buffers first made under torch.inference_mode (vLLM runs the ops there) must not be
+    reused for in-place writes outside it, and vice versa."""
+    monkeypatch.setattr(A, "_scratch", threading.local())  # none made yet
+    gen = torch.Generator().manual_seed(13)
+    case = _paged_case(gen, [5, 70], [1, 1], 4, 2, 32, 16, torch.float32, False)
+    with torch.inference_mode():
+        inside = ops.attention_paged(*case, profile="strict")
+    outside = ops.attention_paged(*case, profile="strict")
+    with torch.inference_mode():
+        again = ops.attention_paged(*case, profile="strict")
+    assert_same_bits(inside, outside)
+    assert_same_bits(again, outside)

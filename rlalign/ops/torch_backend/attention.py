@@ -255,6 +255,8 @@ def _buffer(name: str, shape: tuple, device: torch.device, fill: tuple | None = 
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = {}
+    # a buffer made under torch.inference_mode is an inference tensor: no in-place writes outside it
+    name = (name, torch.is_inference_mode_enabled())
     entry = bufs.get(name)
     view = None if entry is None else entry.views.get(shape)
     if view is None:
