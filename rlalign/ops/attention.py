@@ -173,10 +173,11 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     strict = as_profile(profile) is not Profile.NATIVE
     _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if not strict:
-        return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(), scale)
-    return strict_impl("attention_paged", q.device)(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-                                                     scale)
+    with torch.no_grad():  # documented: no autograd (a q that requires grad gives a plain result)
+        if not strict:
+            return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(), scale)
+        return strict_impl("attention_paged", q.device)(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                                                         scale)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -207,8 +208,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     slots = chk.memo("slot_mapping", lambda: _checked_slots(slot_mapping, n_slots, k_cache.device), slot_mapping,
                      extra=(n_slots, k_cache.device),
                      capturing=lambda: slot_mapping.to(device=k_cache.device, dtype=torch.int64))
-    k_cache.view(n_slots, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(n_slots, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    # the cache holds values, never a place in an autograd graph
+    k_cache.view(n_slots, *k_cache.shape[2:]).index_copy_(0, slots, k.detach())
+    v_cache.view(n_slots, *v_cache.shape[2:]).index_copy_(0, slots, v.detach())
 
 
 # ---- native profile --------------------------------------------------------------------------------

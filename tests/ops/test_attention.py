@@ -408,3 +408,24 @@ def test_write_kv_cache_is_an_exact_copy():
         assert_bitwise_equal(kc[slot // 4, slot % 4], k[t])
         assert_bitwise_equal(vc[slot // 4, slot % 4], v[t])
     assert int((kc != 0).any(-1).any(-1).sum()) == 3
+
+
+def test_paged_forward_with_grad_enabled_is_the_no_grad_forward():
+    """The paged path has no autograd (documented): with grad enabled and parameters that require grad,
+    a model's paged forward still runs, gives the same bits, and leaves the KV cache a plain tensor."""
+    from rlalign.models.batch import ForwardBatch, KVCache, contiguous_block_tables
+    from rlalign.models.testing import tiny_model
+
+    model = tiny_model("qwen3", seed=0)
+    seqs = [[1, 2, 3, 4, 5], [6, 7]]
+
+    def forward():
+        cache = KVCache.for_model(model.config, 16, 4, torch.float32)
+        batch = ForwardBatch.prefill(seqs, cache, contiguous_block_tables([len(s) for s in seqs], 4))
+        return model.forward_hidden(batch), cache
+
+    with_grad, cache = forward()
+    with torch.no_grad():
+        without, _ = forward()
+    assert torch.equal(with_grad.detach(), without)
+    assert not cache.k[0].requires_grad

@@ -117,3 +117,35 @@ def test_cuda_graphs_follow_weight_updates_and_fail_closed_on_nan():
         model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
     with pytest.raises(ContractError, match="NaN"):
         engine.step()
+
+
+def test_the_host_check_refuses_what_the_ops_would():
+    """Inside a graph the ops cannot validate their index tensors; DecodeGraphs.check does it on the host."""
+    import numpy as np
+
+    from rlalign.models.batch import KVCache
+    from rlalign.rollout.decode_graphs import DecodeGraphs, HostDecode
+    from rlalign.rollout.errors import RolloutError
+
+    model = tiny_model("qwen3", seed=0)
+    cfg = model.config
+    cache = KVCache(cfg.num_layers, 10, 4, cfg.num_kv_heads, cfg.head_dim)
+    graphs = DecodeGraphs(model, cache, scratch_pages=[8, 9], max_batch=8, max_pages=3, mode="padded")
+
+    def host(table, seq_lens, slots):
+        n = len(seq_lens)
+        return HostDecode(np.zeros(n, np.int64), np.asarray(seq_lens, np.int64) - 1, np.asarray(table, np.int32),
+                          np.asarray(seq_lens, np.int32), np.asarray(slots, np.int64))
+
+    good = host([[0, 1], [2, 0]], [6, 3], [1 * 4 + 1, 2 * 4 + 2])
+    graphs.check(good, num_pages=8)
+    with pytest.raises(RolloutError, match="block table points outside"):
+        graphs.check(host([[0, 8], [2, 0]], [6, 3], [8 * 4 + 1, 10]), num_pages=8)     # a scratch page
+    with pytest.raises(RolloutError, match="block table points outside"):
+        graphs.check(host([[0], [2]], [6, 3], [5, 10]), num_pages=8)                     # a page missing
+    with pytest.raises(RolloutError, match="slots or positions"):
+        graphs.check(host([[0, 1], [2, 0]], [6, 3], [5, 5]), num_pages=8)                # one slot twice
+    with pytest.raises(RolloutError, match="graphs hold 3"):
+        graphs.check(host([[0, 1, 2, 3]], [14], [13]), num_pages=8)
+    hidden = graphs.run(good)                                                           # padded to bucket 2
+    assert hidden.shape == (2, cfg.hidden_size) and torch.isfinite(hidden).all()
