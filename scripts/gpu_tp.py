@@ -1,6 +1,7 @@
-"""TP=2 vs TP=1 on a Qwen3-8B-shaped random-init model, and strict vs native TP=2 step time.
+"""TP=N (default 2) vs TP=1 on a Qwen3-8B-shaped random-init model, and strict vs native TP=N step time.
 
     python scripts/gpu_tp.py --out /tmp/tp                 # 2 GPUs, NCCL, bf16, --layers 8 (of 36)
+    python scripts/gpu_tp.py --out /tmp/tp --tp 4          # 4 GPUs (keys say tp4 instead of tp2)
     python scripts/gpu_tp.py --out /tmp/tp --layers 36     # the full depth (slower to build and step)
     python scripts/gpu_tp.py --out /tmp/tp --smoke         # CPU + gloo, a tiny Qwen3 shape (what CI can run)
 
@@ -10,12 +11,12 @@ the device), then each:
 1. scores one packed batch (``--seqs`` x ``--seq-len`` tokens) with the unsharded model (the
    rollout side's ops) and with ``parallelize(model, Group.single())`` (TP=1): logprob, entropy,
    and the gradients of a loss that uses both;
-2. shards the model over the two ranks (TP=2) and does the same;
-3. times ``--steps`` training steps (forward + backward, after ``--warmup``) at TP=2 in the strict
+2. shards the model over the N ranks (TP=N) and does the same;
+3. times ``--steps`` training steps (forward + backward, after ``--warmup``) at TP=N in the strict
    profile and in the native profile (cuBLAS, stock NCCL all-reduce), and at TP=1 for reference.
 
 Rank 0 writes ``gpu_tp.json`` under ``--out``: mismatch counts (logprob, entropy, loss, every
-gradient) of TP=2 vs TP=1 and of TP=1 vs the unsharded model, the step times and the
+gradient) of TP=N vs TP=1 and of TP=1 vs the unsharded model, the step times and the
 strict/native ratio. A phase that raises is recorded with its error and the rest still runs.
 ``--layers`` cuts the depth (36 for the real 8B); the JSON says which depth ran. Nothing is
 downloaded; NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -140,6 +141,7 @@ def worker(world: Group, args) -> dict | None:
     batch, targets, weights = make_batch(config, args.seqs, args.seq_len, device)
     report: dict = {}
     results: dict = {}
+    tpn_key = f"tp{args.tp}"
 
     def unsharded():
         results["plain"] = step(build(config, dtype, device, args.seed), batch, targets, weights, want_grads=True)
@@ -150,16 +152,16 @@ def worker(world: Group, args) -> dict | None:
                               weights, want_grads=True)
         return "ok"
 
-    def tp2():
-        results["tp2"] = step(parallelize(build(config, dtype, device, args.seed), world), batch, targets, weights,
+    def tpn():
+        results[tpn_key] = step(parallelize(build(config, dtype, device, args.seed), world), batch, targets, weights,
                               want_grads=True)
         return "ok"
 
     phase(report, "unsharded_step", unsharded)
     phase(report, "tp1_step", tp1)
-    phase(report, "tp2_step", tp2)
-    if "tp1" in results and "tp2" in results:
-        report["tp2_vs_tp1"] = mismatches(results["tp2"], results["tp1"])
+    phase(report, f"{tpn_key}_step", tpn)
+    if "tp1" in results and tpn_key in results:
+        report[f"{tpn_key}_vs_tp1"] = mismatches(results[tpn_key], results["tp1"])
     if "tp1" in results and "plain" in results:
         report["tp1_vs_unsharded"] = mismatches(results["tp1"], results["plain"])
     results.clear()
@@ -168,7 +170,7 @@ def worker(world: Group, args) -> dict | None:
 
     model = parallelize(build(config, dtype, device, args.seed), world)
     for profile in ("strict", "native"):
-        phase(report, f"time_tp2_{profile}",
+        phase(report, f"time_{tpn_key}_{profile}",
               lambda: timed_steps(model, batch, targets, weights, profile, args.warmup, args.steps, device))
     del model
     if args.tp1_timing:
@@ -177,9 +179,9 @@ def worker(world: Group, args) -> dict | None:
             phase(report, f"time_tp1_{profile}",
                   lambda: timed_steps(model, batch, targets, weights, profile, args.warmup, args.steps, device))
         del model
-    strict, native = report.get("time_tp2_strict", {}), report.get("time_tp2_native", {})
+    strict, native = report.get(f"time_{tpn_key}_strict", {}), report.get(f"time_{tpn_key}_native", {})
     if "median_s" in strict and "median_s" in native:
-        report["tp2_strict_over_native"] = strict["median_s"] / native["median_s"]
+        report[f"{tpn_key}_strict_over_native"] = strict["median_s"] / native["median_s"]
     if device.type == "cuda":
         report["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
     return report if world.rank == 0 else None
@@ -202,6 +204,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory for gpu_tp.json")
     p.add_argument("--layers", type=int, default=8, help="decoder layers of the 8B shape (36 = full depth)")
+    p.add_argument("--tp", type=int, default=2, choices=(2, 4, 8), help="tensor-parallel degree (GPUs)")
     p.add_argument("--seqs", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
@@ -213,30 +216,32 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.seqs, args.seq_len, args.steps, args.warmup = min(args.seqs, 4), min(args.seq_len, 48), 2, 1
-    elif torch.cuda.device_count() < 2:
-        print(f"gpu_tp.py: needs 2 GPUs, found {torch.cuda.device_count()} (use --smoke on a CPU)", file=sys.stderr)
+    elif torch.cuda.device_count() < args.tp:
+        print(f"gpu_tp.py: needs {args.tp} GPUs, found {torch.cuda.device_count()} (use --smoke on a CPU)", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = model_config(args)
     started = time.perf_counter()
-    report = spawn(worker, 2, args, backend="gloo" if args.smoke else "nccl")[0]
+    report = spawn(worker, args.tp, args, backend="gloo" if args.smoke else "nccl")[0]
     doc = {"environment": environment(args), "model": {"shape": "qwen3-8b" if not args.smoke else "tiny qwen3",
                                                        "layers": config.num_layers, "full_depth_layers": 36,
                                                        "dtype": "float32" if args.smoke else "bfloat16"},
            "batch": {"seqs": args.seqs, "seq_len": args.seq_len, "tokens": args.seqs * args.seq_len},
            "timing": {"steps": args.steps, "warmup": args.warmup}, "wall_s": time.perf_counter() - started,
            **report}
-    tp = doc.get("tp2_vs_tp1", {})
-    doc["tp2_equals_tp1_bitwise"] = bool(tp) and all(tp[k]["differ"] == 0 for k in ("lp", "ent", "loss")) \
+    key = f"tp{args.tp}"
+    tp = doc.get(f"{key}_vs_tp1", {})
+    doc["tp"] = args.tp
+    doc[f"{key}_equals_tp1_bitwise"] = bool(tp) and all(tp[k]["differ"] == 0 for k in ("lp", "ent", "loss")) \
         and tp.get("grads_differ_total", 1) == 0
     (out / "gpu_tp.json").write_text(json.dumps(doc, indent=2))
-    summary = {k: doc.get(k) for k in ("tp2_equals_tp1_bitwise", "tp2_strict_over_native")}
-    summary["logprob_mismatches_tp2_vs_tp1"] = tp.get("lp", {}).get("differ")
+    summary = {k: doc.get(k) for k in (f"{key}_equals_tp1_bitwise", f"{key}_strict_over_native")}
+    summary[f"logprob_mismatches_{key}_vs_tp1"] = tp.get("lp", {}).get("differ")
     summary["logprob_mismatches_tp1_vs_unsharded"] = doc.get("tp1_vs_unsharded", {}).get("lp", {}).get("differ")
     print(json.dumps(summary))
     print(f"wrote {out / 'gpu_tp.json'}")
-    return 0 if doc["tp2_equals_tp1_bitwise"] else 1
+    return 0 if doc[f"{key}_equals_tp1_bitwise"] else 1
 
 
 if __name__ == "__main__":
