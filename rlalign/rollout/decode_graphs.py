@@ -109,6 +109,8 @@ class DecodeGraphs:
         """Final hidden rows [n, H] of the n decode rows (valid until the next run)."""
         n = host.ids.shape[0]
         b = self.bucket(n)
+        if b is None:
+            raise RolloutError(f"internal: a decode batch of {n} rows exceeds the graphs' {self.max_batch}")
         self._fill(host, b)
         if self.mode == "padded":
             return self.model.forward_hidden(self._batch(b))[:n]
