@@ -84,16 +84,6 @@ SAMPLINGS = {
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3", seed=3, init_std=0.1)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return make_prompts(0)
-
-
-@pytest.fixture(scope="module")
 def reference(model, prompts):
     """Completions from a default engine, per sampling setting."""
     out = {}
