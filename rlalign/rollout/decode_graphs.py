@@ -92,8 +92,10 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def check(self, host: HostDecode, num_pages: int) -> None:
-        """What the ops would validate, on the host arrays: pages and slots inside the cache,
-        every context's pages present, one slot per row (a batch the engine built passes)."""
+        """What the ops would validate, on the host arrays: token ids in the vocabulary, pages and
+        slots inside the cache, every context's pages present, one slot per row (a batch the engine
+        built passes). Vectorised numpy: it runs before every replay, where the ops' own validators
+        (per-sequence Python loops, with device syncs) cannot run."""
         n, w = host.table.shape
         if w > self.max_pages:
             raise RolloutError(f"internal: a decode batch needs {w} pages per sequence, the graphs hold {self.max_pages}")
@@ -101,6 +103,8 @@ class DecodeGraphs:
         used = np.arange(w) < need[:, None]
         if np.any(need > w) or np.any(used & ((host.table < 0) | (host.table >= num_pages))):
             raise RolloutError("internal: a decode batch's block table points outside the KV cache")
+        if n and (host.ids.min() < 0 or host.ids.max() >= self.model.config.vocab_size):
+            raise RolloutError("internal: a decode batch has a token id outside the vocabulary")
         if np.any(host.slots < 0) or np.any(host.slots >= num_pages * self.page_size) or \
                 np.unique(host.slots).size != n or np.any(host.positions + 1 != host.seq_lens):
             raise RolloutError("internal: a decode batch's slots or positions are inconsistent")
@@ -111,12 +115,11 @@ class DecodeGraphs:
         b = self.bucket(n)
         if b is None:
             raise RolloutError(f"internal: a decode batch of {n} rows exceeds the graphs' {self.max_batch}")
+        if self.mode == "graphs" and not self._graphs:
+            self.capture_all()    # fills the buffers with padding batches: before this step's fill
         self._fill(host, b)
         if self.mode == "padded":
             return self.model.forward_hidden(self._batch(b))[:n]
-        if not self._graphs:
-            self.capture_all()
-            self._fill(host, b)   # the captures ran padding batches through the buffers: refill
         graph, hidden, verdicts = self._graphs[b]
         graph.replay()
         chk.requeue(verdicts)

@@ -42,16 +42,6 @@ def test_config_refuses_impossible_graph_settings():
     assert engine.decode_graphs is None and engine.kv_cache.num_pages == 16
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3", seed=3, init_std=0.1)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return make_prompts(0)
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_padded_decode_batches_change_nothing(model, prompts, seed):
     rng = random.Random(100 + seed)
@@ -145,6 +135,10 @@ def test_the_host_check_refuses_what_the_ops_would():
         graphs.check(host([[0], [2]], [6, 3], [5, 10]), num_pages=8)                     # a page missing
     with pytest.raises(RolloutError, match="slots or positions"):
         graphs.check(host([[0, 1], [2, 0]], [6, 3], [5, 5]), num_pages=8)                # one slot twice
+    bad_id = host([[0, 1], [2, 0]], [6, 3], [5, 10])
+    bad_id.ids[1] = cfg.vocab_size
+    with pytest.raises(RolloutError, match="token id outside the vocabulary"):
+        graphs.check(bad_id, num_pages=8)
     with pytest.raises(RolloutError, match="graphs hold 3"):
         graphs.check(host([[0, 1, 2, 3]], [14], [13]), num_pages=8)
     hidden = graphs.run(good)                                                           # padded to bucket 2
