@@ -7,20 +7,7 @@
 #   ROLLOUT_FULL=1 bash scripts/gpu_rollout.sh       # also the issue's 256 x 8 x 512 workload
 #
 # Files: rollout_tests.log, rollout_*.json, summary.txt.
-set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-bench/gpu_out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-SUMMARY="$OUT/summary.txt"
-START=$(date +%s)
-elapsed() { echo $(( $(date +%s) - START )); }
-{
-  echo "# rlalign GPU rollout  $(date -Is)"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1
-  $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__)" 2>&1
-} | tee "$SUMMARY"
+source "$(dirname "$0")/gpu_common.sh" "GPU rollout"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== tests (t=$(elapsed)s)"

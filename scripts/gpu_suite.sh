@@ -6,22 +6,7 @@
 #
 # Files written (8): cuda_tests.log, bench_{linear,attention,logprob}.{csv,json}, summary.txt.
 # The summary table is printed last.
-set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-bench/gpu_out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-SUMMARY="$OUT/summary.txt"
-START=$(date +%s)
-elapsed() { echo $(( $(date +%s) - START )); }
-
-{
-  echo "# rlalign GPU suite  $(date -Is)"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1 | head -2
-  $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.version.cuda)" 2>&1
-  git log -1 --format='commit %h %s' 2>/dev/null || true
-} | tee "$SUMMARY"
+source "$(dirname "$0")/gpu_common.sh" "GPU suite"
 
 # ---- 1. CUDA tests: one pytest worker per file (compilation runs in parallel; a crash stays in its file)
 TEST_ARGS=(tests/cuda -q -rfE -p no:cacheprovider)
