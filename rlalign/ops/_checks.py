@@ -143,9 +143,12 @@ def memo(kind: str, compute, *tensors: torch.Tensor, extra: tuple = (), capturin
 
     While a CUDA graph is captured (:func:`capturing_graph`) nothing is cached and ``compute`` (which
     may sync) is not called: the result is ``capturing()``, which must not sync (None when omitted:
-    validation only)."""
+    validation only). Inference tensors (made under torch.inference_mode, e.g. by vLLM) carry no
+    version counter, so they are never cached: ``compute()`` runs on every call."""
     if is_capturing():
         return None if capturing is None else capturing()
+    if any(t.is_inference() for t in tensors):
+        return compute()   # inference tensors have no version counter: nothing safe to key on
     key = (kind, extra) + tuple((id(t), t.data_ptr(), t._version) for t in tensors)
     hit = _memo.get(key)
     if hit is not None:

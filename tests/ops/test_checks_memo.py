@@ -70,3 +70,16 @@ def test_capture_mode_records_verdicts_and_skips_validation():
     chk.requeue(verdicts)
     with pytest.raises(ContractError, match="x contains NaN or inf"):
         chk.flush()
+
+
+def test_inference_tensors_are_validated_on_every_call():
+    """No version counter under torch.inference_mode: the memo must not cache (an in-place change
+    would go unseen), and must not fail."""
+    with torch.inference_mode():
+        t = torch.tensor([0, 3, 5])
+    calls = []
+    compute = lambda: calls.append(1) or len(calls)  # noqa: E731
+    assert chk.memo("test-inference", compute, t) == 1
+    assert chk.memo("test-inference", compute, t) == 2
+    with torch.inference_mode():
+        ops.embedding(t, torch.zeros(6, 2))   # the embedding's id check goes through the memo
