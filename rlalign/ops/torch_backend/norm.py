@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rlalign.ops.torch_backend import clib
 from rlalign.ops.torch_backend.primitives import tree_sum
 
 
@@ -11,10 +12,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight, all in fp32, rounded once to x.dtype.
 
     Written in differentiable torch ops (autograd gives a deterministic backward). The mean is
-    a tree sum divided by H; 1/sqrt is sqrt then a division (both correctly rounded), never
-    rsqrt, whose vector and scalar paths need not agree.
+    a tree sum divided by H; 1/sqrt is torch's sqrt then a division, never rsqrt, whose vector and
+    scalar paths need not agree. Without autograd on the CPU the same operations run compiled
+    (csrc/norm.c; torch's sqrt in between: the same bits).
     """
+    out = _compiled(x, weight, eps)
+    if out is not None:
+        return out
     xf = x.float()
     ms = tree_sum(xf * xf) / x.shape[-1]
     inv = 1.0 / torch.sqrt(ms + eps)
     return (xf * inv.unsqueeze(-1) * weight.float()).to(x.dtype)
+
+
+def _compiled(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """csrc/norm.c's rl_rms_norm when it applies (CPU, no autograd, rows it takes), else None."""
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return None
+    lib = clib.library()
+    if lib is None or x.shape[-1] > clib.MAX_NORM_SIZE or x.numel() == 0:
+        return None
+    x, weight = x.contiguous(), weight.contiguous()
+    h = x.shape[-1]
+    rows, bf16 = x.numel() // h, int(x.dtype == torch.bfloat16)
+    root = torch.empty(rows)
+    # non-finite inputs are refused by the op's own check before this (ops.rms_norm)
+    lib.rl_rms_norm_stats(x.data_ptr(), rows, h, eps, bf16, root.data_ptr())
+    torch.sqrt_(root)
+    out = torch.empty_like(x)
+    lib.rl_rms_norm_apply(x.data_ptr(), weight.data_ptr(), root.data_ptr(), rows, h, bf16, out.data_ptr())
+    return out

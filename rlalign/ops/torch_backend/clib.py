@@ -1,0 +1,125 @@
+"""The compiled C kernels of the CPU strict path (``csrc/*.c``), built on first use with the system C
+compiler and loaded with ctypes.
+
+They are a speed path only: each computes exactly the IEEE operations of the torch formulation it
+replaces, in the same order (the tests and ``rlalign doctor`` compare the two with ``torch.equal``),
+so a machine without a compiler -- or ``RLALIGN_CPU_KERNELS=0`` -- runs the torch formulation and gets
+the same bits, only slower (one warning says so).
+
+The library is cached under ``$RLALIGN_CACHE_DIR`` (default ``~/.cache/rlalign``), keyed by the
+sources, the flags, the compiler and the CPU (``-march=native``), and written atomically (compiled to
+a temporary file, then renamed), so concurrent first uses (test workers, Ray actors) are safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("attention.c", "norm.c"))
+# -ffp-contract=off: no fused multiply-add but the explicit fmaf calls (each a*b+c rounded as written);
+# no -ffast-math: no reassociation, so vectorised loops keep every row's order of operations.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC", "-shared",
+         "-pthread")
+
+
+class Layout(ctypes.Structure):
+    """csrc/attention.c's ``layout``: where a call's queries, keys and values are."""
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("kv_bf16", ctypes.c_int64),
+                ("q_start", ctypes.c_void_p), ("n_q", ctypes.c_void_p), ("pos0", ctypes.c_void_p),
+                ("ctx_len", ctypes.c_void_p), ("block_table", ctypes.c_void_p), ("bt_stride", ctypes.c_int64),
+                ("page_size", ctypes.c_int64), ("key_start", ctypes.c_void_p), ("n_seq", ctypes.c_int64),
+                ("hq", ctypes.c_int64), ("hkv", ctypes.c_int64), ("d", ctypes.c_int64)]
+
+
+# largest head_dim / normalised size the kernels take (csrc/attention.c MAX_D, csrc/norm.c MAX_H)
+MAX_HEAD_DIM = 256
+MAX_NORM_SIZE = 16384
+
+
+def enabled() -> bool:
+    return os.environ.get("RLALIGN_CPU_KERNELS", "1") != "0"
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (disabled, or no working compiler: warned once)."""
+    if not enabled():
+        return None
+    return _load()
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> ctypes.CDLL | None:
+    try:
+        path = _build()
+    except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+        warnings.warn(f"rlalign: the CPU strict kernels could not be built ({e}); strict attention on the CPU "
+                      "runs its torch formulation (the same bits, slower). Install a C compiler (cc/gcc) "
+                      "or set RLALIGN_CPU_KERNELS=0 to silence this.", RuntimeWarning, stacklevel=3)
+        return None
+    lib = ctypes.CDLL(str(path))
+    layout_p, f32_p, i64 = ctypes.POINTER(Layout), ctypes.c_void_p, ctypes.c_int64
+    # the last argument of each: threads
+    lib.rl_attn_scores.argtypes = [layout_p, f32_p, ctypes.c_float, i64, f32_p, f32_p, f32_p, f32_p, i64]
+    lib.rl_attn_scores.restype = ctypes.c_int
+    lib.rl_attn_update.argtypes = [layout_p, i64, f32_p, f32_p, f32_p, f32_p, f32_p, f32_p, i64]
+    lib.rl_attn_update.restype = None
+    lib.rl_attn_finish.argtypes = [layout_p, f32_p, f32_p, f32_p, i64]
+    lib.rl_attn_finish.restype = ctypes.c_int
+    lib.rl_rms_norm_stats.argtypes = [f32_p, i64, i64, ctypes.c_float, i64, f32_p]
+    lib.rl_rms_norm_stats.restype = ctypes.c_int
+    lib.rl_rms_norm_apply.argtypes = [f32_p, f32_p, f32_p, i64, i64, i64, f32_p]
+    lib.rl_rms_norm_apply.restype = None
+    return lib
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise RuntimeError("no C compiler on PATH")
+    return cc
+
+
+def _cpu_id() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _build() -> Path:
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256()
+    for part in [*(p.read_bytes() for p in SOURCES), " ".join(FLAGS).encode(), version.encode(),
+                 _cpu_id().encode(), platform.machine().encode()]:
+        digest.update(part)
+    cache = Path(os.environ.get("RLALIGN_CACHE_DIR") or Path.home() / ".cache" / "rlalign")
+    target = cache / f"cpu_kernels_{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+__all__ = ["Layout", "MAX_HEAD_DIM", "enabled", "library"]

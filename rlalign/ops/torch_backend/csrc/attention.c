@@ -1,0 +1,333 @@
+/* Strict attention on the CPU, row by row: the arithmetic of rlalign.ops.torch_backend.attention
+ * (its module docstring has the formula), without its 16-row tiles, key gathers and index plans.
+ *
+ * Bits. A query row's result is made of the same IEEE operations, in the same order, as in the
+ * torch formulation:
+ *   - q.k and p.v are fp32 FMA chains over d (resp. over the 64 keys of the block) in increasing
+ *     order, starting from 0: what the fixed-shape fp32 GEMM tiles of the torch formulation compute
+ *     on this library (checked by `rlalign doctor` and the tests, which compare the two paths with
+ *     torch.equal);
+ *   - the row sum of p is the balanced pairwise tree of 64 leaves; every other step is one
+ *     correctly rounded fp32 operation (compiled with -ffp-contract=off: no fused multiply-add
+ *     other than the explicit fmaf);
+ *   - exp is not computed here: the caller applies torch's exp between rl_attn_scores and
+ *     rl_attn_update, so it is the very function the torch formulation uses.
+ * Terms the torch formulation multiplies out but that cannot change a bit are skipped: a key past
+ * the row's position has score -inf and p = 0 (see rl_attn_scores, rl_attn_update). A row only ever
+ * reads keys and values of its own sequence up to its own position, so its bits cannot depend on
+ * the other rows, sequences or the page layout.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KB 64        /* keys per block (spec.ATTN_KV_BLOCK) */
+#define MAX_D 256    /* largest head_dim handled here (the caller checks) */
+#define MAX_THREADS 64
+/* below this much work (query rows x keys) a call runs on one thread: a thread start costs ~20 us */
+#define PARALLEL_MIN_WORK 16384.0
+
+typedef struct {
+    const void *k, *v;               /* key/value tables, rows [token * hkv + head][d] */
+    int64_t kv_bf16;                 /* 1: the tables hold bfloat16, else float32 */
+    const int64_t *q_start;          /* per sequence: first query row (token) of the call */
+    const int64_t *n_q;              /* number of query tokens */
+    const int64_t *pos0;             /* absolute position of its first query token */
+    const int64_t *ctx_len;          /* keys in its context (positions 0 .. ctx_len - 1) */
+    const int64_t *block_table;      /* paged: [n_seq, bt_stride] page ids; NULL: packed */
+    int64_t bt_stride, page_size;
+    const int64_t *key_start;        /* packed: token index of position 0 */
+    int64_t n_seq, hq, hkv, d;
+} layout;
+
+/* one call's arguments, shared by the threads (each fills its own copy's ``bad``) */
+typedef struct {
+    const layout *L;
+    int64_t j;
+    float scale;
+    const float *q, *m_in, *p, *alpha;
+    float *p_arg, *a_arg, *m_out, *l, *acc, *out;
+    int bad;
+} task;
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Pointers to the rows of keys first .. first + n - 1 of (sequence s, kv head h), all inside the
+ * context; bf16 rows are widened (exactly) into buf [n][d]. */
+static void block_rows(const layout *L, const void *table, int64_t s, int64_t h, int64_t first, int64_t n,
+                       float *buf, const float **rows) {
+    const int64_t d = L->d, ps = L->page_size;
+    /* paged: walk the pages (one division per block, not per key) */
+    const int64_t *pages = L->block_table ? L->block_table + s * L->bt_stride + first / ps : NULL;
+    int64_t off_in_page = L->block_table ? first % ps : 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t tok;
+        if (pages) {
+            tok = *pages * ps + off_in_page;
+            if (++off_in_page == ps) {
+                off_in_page = 0;
+                pages++;
+            }
+        } else {
+            tok = L->key_start[s] + first + i;
+        }
+        const int64_t off = (tok * L->hkv + h) * d;
+        if (L->kv_bf16) {
+            const uint16_t *src = (const uint16_t *)table + off;
+            float *dst = buf + i * d;
+            for (int64_t x = 0; x < d; x++) dst[x] = bf16_to_f32(src[x]);
+            rows[i] = dst;
+        } else {
+            rows[i] = (const float *)table + off;
+        }
+    }
+}
+
+/* The work of block j for sequence s: query tokens t0 .. nq - 1 see it (position >= 64 j), and keys
+ * first .. first + nk - 1 are the ones any of them sees (all inside the context: a query's position
+ * is below its context length). Returns 0 when no query of s sees the block. */
+static int block_span(const layout *L, int64_t s, int64_t j, int64_t *t0, int64_t *nk) {
+    const int64_t first = j * KB, nq = L->n_q[s], last = L->pos0[s] + nq - 1;
+    if (nq == 0 || last < first) return 0;
+    *t0 = first > L->pos0[s] ? first - L->pos0[s] : 0;
+    *nk = last - first + 1 < KB ? last - first + 1 : KB;
+    return 1;
+}
+
+/* q . k_i for all 64 columns of the transposed key block kt [d][64]: per key one FMA chain over x in
+ * increasing order from 0 (64 independent chains, x outermost). */
+static inline __attribute__((always_inline)) void score_row(const float *qr, const float *kt, int64_t d,
+                                                            float *sc) {
+    float v[KB];
+    for (int i = 0; i < KB; i++) v[i] = 0.0f;
+    for (int64_t x = 0; x < d; x++) {
+        const float qx = qr[x], *kr = kt + x * KB;
+        for (int i = 0; i < KB; i++) v[i] = fmaf(qx, kr[i], v[i]);
+    }
+    memcpy(sc, v, sizeof v);
+}
+
+/* p . V over keys 0 .. seen - 1: per output element one FMA chain over the keys in increasing order
+ * from 0. */
+static inline __attribute__((always_inline)) void pv_row(const float *pr, const float *const *rows, int64_t seen,
+                                                         int64_t d, float *pv) {
+    for (int64_t x = 0; x < d; x++) pv[x] = 0.0f;
+    for (int64_t i = 0; i < seen; i++) {
+        const float pi = pr[i], *vr = rows[i];
+        for (int64_t x = 0; x < d; x++) pv[x] = fmaf(pi, vr[x], pv[x]);
+    }
+}
+
+/* run CALL with D_ a compile-time constant for the common head dims (the same operations; constant
+ * trip counts let the compiler keep a row's accumulators in registers) */
+#define SPECIALISE_D(d, CALL)                                     \
+    switch (d) {                                                  \
+        case 32: { const int64_t D_ = 32; CALL; break; }          \
+        case 64: { const int64_t D_ = 64; CALL; break; }          \
+        case 128: { const int64_t D_ = 128; CALL; break; }        \
+        default: { const int64_t D_ = (d); CALL; break; }         \
+    }
+
+/* Block j, scores: for every query row that sees block j (position >= 64 j):
+ *   raw_i = (q . k_i) * scale;  s_i = raw_i if key position <= row position else -inf
+ *   m_new = max(m, max_i s_i);  p_arg[row, i] = s_i - m_new;  a_arg[row] = m - m_new
+ * Keys past the row's position are not multiplied out: their score is -inf whatever the key holds
+ * (and a key inside the context is seen by the context's last query, whose check covers it).
+ * Returns 1 if a computed raw score is not finite (a non-finite key in a context, or an overflow). */
+static void scores_range(task *T, int64_t s0, int64_t s1) {
+    const layout *L = T->L;
+    const float *q = T->q, *m = T->m_in, scale = T->scale;
+    float *p_arg = T->p_arg, *a_arg = T->a_arg, *m_new = T->m_out;
+    const int64_t d = L->d, g = L->hq / L->hkv, j = T->j, first = j * KB;
+    float kt[MAX_D * KB], buf[KB * MAX_D];
+    const float *rows[KB];
+    int bad = 0;
+    /* columns past a block's keys are multiplied out but never used: start them finite */
+    memset(kt, 0, sizeof kt);
+    for (int64_t s = s0; s < s1; s++) {
+        int64_t t0, nk;
+        if (!block_span(L, s, j, &t0, &nk)) continue;
+        for (int64_t h = 0; h < L->hkv; h++) {
+            block_rows(L, L->k, s, h, first, nk, buf, rows);
+            for (int64_t i = 0; i < nk; i++)           /* transposed: kt[x][i] = k_i[x] */
+                for (int64_t x = 0; x < d; x++) kt[x * KB + i] = rows[i][x];
+            for (int64_t t = t0; t < L->n_q[s]; t++) {
+                const int64_t pos = L->pos0[s] + t;
+                const int64_t seen = pos - first + 1 < KB ? pos - first + 1 : KB;   /* keys <= pos */
+                for (int64_t e = 0; e < g; e++) {
+                    const int64_t row = (L->q_start[s] + t) * L->hq + h * g + e;
+                    const float *qr = q + row * d;
+                    float sc[KB];
+                    SPECIALISE_D(d, score_row(qr, kt, D_, sc));
+                    float mx = -INFINITY;
+                    for (int64_t i = 0; i < seen; i++) {
+                        sc[i] = sc[i] * scale;
+                        if (!isfinite(sc[i])) bad = 1;
+                        if (sc[i] > mx || isnan(sc[i])) mx = sc[i];
+                    }
+                    const float mo = m[row];
+                    const float mn = (mo > mx || isnan(mo)) ? mo : mx;
+                    float *pr = p_arg + row * KB;
+                    for (int64_t i = 0; i < seen; i++) pr[i] = sc[i] - mn;
+                    for (int64_t i = seen; i < KB; i++) pr[i] = -INFINITY;
+                    a_arg[row] = mo - mn;
+                    m_new[row] = mn;
+                }
+            }
+        }
+    }
+    T->bad = bad;
+}
+
+/* Block j, update, after the caller's p = exp(p_arg), alpha = exp(a_arg):
+ *   l = l * alpha + tree_sum(p);  acc = (p . V) + acc * alpha  (block 0: (p . V) + 0 * alpha);  m = m_new
+ * The p . V chain skips the keys past the row's position: their p is exactly 0, so a term would add
+ * a zero, which can only change the sign of a zero sum -- and the final + 0.0 maps that away. */
+static void update_range(task *T, int64_t s0, int64_t s1) {
+    const layout *L = T->L;
+    const float *p = T->p, *alpha = T->alpha, *m_new = T->m_in;
+    float *m = T->m_out, *l = T->l, *acc = T->acc;
+    const int64_t d = L->d, g = L->hq / L->hkv, j = T->j, first = j * KB;
+    float buf[KB * MAX_D];
+    const float *rows[KB];
+    for (int64_t s = s0; s < s1; s++) {
+        int64_t t0, nk;
+        if (!block_span(L, s, j, &t0, &nk)) continue;
+        for (int64_t h = 0; h < L->hkv; h++) {
+            block_rows(L, L->v, s, h, first, nk, buf, rows);
+            for (int64_t t = t0; t < L->n_q[s]; t++) {
+                const int64_t pos = L->pos0[s] + t;
+                const int64_t seen = pos - first + 1 < KB ? pos - first + 1 : KB;
+                for (int64_t e = 0; e < g; e++) {
+                    const int64_t row = (L->q_start[s] + t) * L->hq + h * g + e;
+                    const float *pr = p + row * KB;
+                    const float al = alpha[row];
+                    float a[KB / 2], b[KB / 4];
+                    /* tree_sum: pairs (2i, 2i + 1), level by level */
+                    for (int i = 0; i < KB / 2; i++) a[i] = pr[2 * i] + pr[2 * i + 1];
+                    for (int n = KB / 2; n > 1; n /= 2) {
+                        for (int i = 0; i < n / 2; i++) b[i] = a[2 * i] + a[2 * i + 1];
+                        memcpy(a, b, (size_t)(n / 2) * sizeof(float));
+                    }
+                    const float scaled = l[row] * al;
+                    l[row] = scaled + a[0];
+                    float pv[MAX_D];
+                    SPECIALISE_D(d, pv_row(pr, rows, seen, D_, pv));
+                    float *ar = acc + row * d;
+                    if (j == 0) {
+                        const float zero = 0.0f * al;
+                        for (int64_t x = 0; x < d; x++) ar[x] = pv[x] + zero;
+                    } else {
+                        for (int64_t x = 0; x < d; x++) {
+                            const float kept = ar[x] * al;
+                            ar[x] = pv[x] + kept;
+                        }
+                    }
+                    m[row] = m_new[row];
+                }
+            }
+        }
+    }
+}
+
+static void finish_range(task *T, int64_t s0, int64_t s1) {
+    const layout *L = T->L;
+    const int64_t d = L->d;
+    int bad = 0;
+    for (int64_t s = s0; s < s1; s++) {
+        const int64_t rows = L->n_q[s] * L->hq, base = L->q_start[s] * L->hq;
+        for (int64_t r = base; r < base + rows; r++) {
+            const float lr = T->l[r];
+            for (int64_t x = 0; x < d; x++) {
+                const float a = T->acc[r * d + x];
+                if (!isfinite(a)) bad = 1;
+                T->out[r * d + x] = a / lr + 0.0f;
+            }
+        }
+    }
+    T->bad = bad;
+}
+
+/* ---- threads: the sequences are cut into contiguous ranges of about equal work (rows x keys);
+ * a row's arithmetic does not depend on which thread runs it. */
+
+typedef struct {
+    task *T;
+    void (*body)(task *, int64_t, int64_t);
+    int64_t s0, s1;
+    task local;
+} part;
+
+static void *run_part(void *arg) {
+    part *P = (part *)arg;
+    P->local = *P->T;
+    P->body(&P->local, P->s0, P->s1);
+    return NULL;
+}
+
+static int parallel(task *T, void (*body)(task *, int64_t, int64_t), int64_t threads) {
+    const layout *L = T->L;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    double total = 0.0;
+    for (int64_t s = 0; s < L->n_seq; s++) total += (double)L->n_q[s] * (double)(L->pos0[s] + L->n_q[s] + KB);
+    if (threads <= 1 || L->n_seq < 2 || total < PARALLEL_MIN_WORK) {
+        T->bad = 0;
+        body(T, 0, L->n_seq);
+        return T->bad;
+    }
+    part parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    double acc = 0.0;
+    int64_t s = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        const double goal = total * (double)(t + 1) / (double)threads;
+        parts[t].T = T;
+        parts[t].body = body;
+        parts[t].s0 = s;
+        while (s < L->n_seq && (t == threads - 1 || acc < goal)) {
+            acc += (double)L->n_q[s] * (double)(L->pos0[s] + L->n_q[s] + KB);
+            s++;
+        }
+        parts[t].s1 = s;
+    }
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, run_part, &parts[t]) == 0;
+    run_part(&parts[0]);
+    int bad = parts[0].local.bad;
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else run_part(&parts[t]);   /* no thread could be started: run it here */
+        bad |= parts[t].local.bad;
+    }
+    return bad;
+}
+
+/* ---- entry points (ctypes) ---- */
+
+/* Block j, scores (see scores_range). Returns 1 if a computed raw score is not finite. */
+int rl_attn_scores(const layout *L, const float *q, float scale, int64_t j, const float *m,
+                   float *p_arg, float *a_arg, float *m_new, int64_t threads) {
+    task T = {.L = L, .q = q, .scale = scale, .j = j, .m_in = m, .p_arg = p_arg, .a_arg = a_arg, .m_out = m_new};
+    return parallel(&T, scores_range, threads);
+}
+
+/* Block j, update (see update_range), after the caller's p = exp(p_arg), alpha = exp(a_arg). */
+void rl_attn_update(const layout *L, int64_t j, const float *p, const float *alpha, const float *m_new,
+                    float *m, float *l, float *acc, int64_t threads) {
+    task T = {.L = L, .j = j, .p = p, .alpha = alpha, .m_in = m_new, .m_out = m, .l = l, .acc = acc};
+    parallel(&T, update_range, threads);
+}
+
+/* out = acc / l + 0.0 (maps -0.0 to +0.0) for every query row. Returns 1 if an accumulator is not
+ * finite (a non-finite value in a context). */
+int rl_attn_finish(const layout *L, const float *acc, const float *l, float *out, int64_t threads) {
+    task T = {.L = L, .acc = (float *)acc, .l = (float *)l, .out = out};
+    return parallel(&T, finish_range, threads);
+}

@@ -1,0 +1,168 @@
+"""The compiled CPU kernels (rlalign/ops/torch_backend/csrc) give the bits of the torch formulation
+they replace: attention (paged and packed, with the log-sum-exp) and RMSNorm.
+
+Both paths are called directly and compared with torch.equal on their bit patterns; on a failure the
+first differing index and both values are printed. Skipped where the kernels cannot be built (no C
+compiler): the formulation then runs everywhere, and the other tests cover it.
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlalign import ops
+from rlalign.ops.torch_backend import attention as A
+from rlalign.ops.torch_backend import clib, norm
+
+pytestmark = pytest.mark.skipif(clib.library() is None, reason="the CPU kernels could not be built here")
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape, got.dtype, want.dtype)
+    view = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+    diff = got.contiguous().view(view) != want.contiguous().view(view)
+    if bool(diff.any()):
+        first = tuple(diff.nonzero()[0].tolist())
+        raise AssertionError(f"{what}: {int(diff.sum())} elements differ; first at {first}: compiled "
+                             f"{got[first].item()!r} vs formulation {want[first].item()!r}")
+
+
+def _paged_case(gen, lens, n_new, hq, hkv, d, ps, dtype):
+    n_pages = sum(-(-n // ps) for n in lens) + 2
+    perm = torch.randperm(n_pages, generator=gen).tolist()
+    tables, nxt = [], 0
+    for n in lens:
+        tables.append(perm[nxt:nxt + -(-n // ps)])
+        nxt += len(tables[-1])
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    kc = (torch.randn(n_pages, ps, hkv, d, generator=gen) * 3).to(dtype)
+    vc = torch.randn(n_pages, ps, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(sum(n_new), hq, d, generator=gen).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(n_new).cumsum(0).tolist(), dtype=torch.int32)
+    return q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), cu
+
+
+_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_SETTINGS
+@given(data=st.data(), d=st.sampled_from([16, 32, 64, 128]), groups=st.sampled_from([(1, 1), (2, 1), (4, 2), (6, 3)]),
+       ps=st.sampled_from([1, 5, 16, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_paged_compiled_equals_formula(data, d, groups, ps, dtype):
+    if not A._compiled_matches(d):
+        pytest.skip(f"the kernels do not reproduce the library's GEMM tiles for head_dim {d} on this machine")
+    hq, hkv = groups
+    lens = data.draw(st.lists(st.integers(1, 200), min_size=1, max_size=6))
+    n_new = [data.draw(st.integers(1, n)) if data.draw(st.booleans()) else 1 for n in lens]
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    case = _paged_case(gen, lens, n_new, hq, hkv, d, ps, dtype)
+    args = (*case, d ** -0.5)
+    assert_same_bits(A._paged_compiled(*args), A._paged_formula(*args), f"paged lens={lens} n_new={n_new}")
+
+
+@_SETTINGS
+@given(data=st.data(), d=st.sampled_from([16, 32, 64, 128]), groups=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_varlen_compiled_equals_formula(data, d, groups, dtype):
+    if not A._compiled_matches(d):
+        pytest.skip(f"the kernels do not reproduce the library's GEMM tiles for head_dim {d} on this machine")
+    hq, hkv = groups
+    lens = data.draw(st.lists(st.integers(1, 150), min_size=1, max_size=5))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    (out_c, lse_c), (out_f, lse_f) = (f(q, k, v, cu, d ** -0.5) for f in (A._varlen_compiled, A._varlen_formula))
+    assert_same_bits(out_c, out_f, f"varlen out lens={lens}")
+    assert_same_bits(lse_c, lse_f, f"varlen lse lens={lens}")
+
+
+def test_the_op_runs_the_kernels_for_a_matching_head_dim(monkeypatch):
+    """ops.attention_paged on the CPU goes through the compiled path when it applies."""
+    calls = []
+    real = A._paged_compiled
+    monkeypatch.setattr(A, "_paged_compiled", lambda *a: calls.append(1) or real(*a))
+    case = _paged_case(torch.Generator().manual_seed(0), [5, 70], [1, 2], 4, 2, 32, 16, torch.float32)
+    if not A._compiled_matches(32):
+        pytest.skip("head_dim 32 does not match here")
+    ops.attention_paged(*case, profile="strict")
+    assert calls
+
+
+def test_a_head_dim_whose_bits_differ_runs_the_formulation(monkeypatch):
+    """The self-check refuses kernels that disagree with the formulation by a single bit; the op then
+    runs the formulation (the same bits as everywhere else)."""
+    def off_by_one_ulp(*args):
+        res = real(*args)
+        return (res.view(torch.int32) + 1).view(torch.float32) if res.numel() else res
+
+    real = A._paged_compiled
+    monkeypatch.setattr(A, "_paged_compiled", off_by_one_ulp)
+    A._compiled_matches.cache_clear()
+    try:
+        assert not A._compiled_matches(32)
+        assert not A._compiled_applies(torch.device("cpu"), 32)
+        case = _paged_case(torch.Generator().manual_seed(1), [9, 64], [1, 1], 2, 1, 32, 16, torch.float32)
+        assert_same_bits(ops.attention_paged(*case, profile="strict"), A._paged_formula(*case, 32 ** -0.5), "op")
+    finally:
+        A._compiled_matches.cache_clear()
+
+
+@pytest.mark.parametrize("h", [1, 2, 3, 7, 32, 100, 128, 129, 1024, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_compiled_equals_formula(h, dtype, monkeypatch):
+    gen = torch.Generator().manual_seed(h)
+    for scale, eps in ((1e-3, 1e-6), (1.0, 1e-5), (30.0, 0.1)):
+        x = (torch.randn(37, h, generator=gen) * scale).to(dtype)
+        w = torch.randn(h, generator=gen).to(dtype)
+        compiled = norm._compiled(x, w, eps)
+        assert compiled is not None
+        monkeypatch.setenv("RLALIGN_CPU_KERNELS", "0")
+        formula = norm.rms_norm(x, w, eps)
+        monkeypatch.delenv("RLALIGN_CPU_KERNELS")
+        assert_same_bits(compiled, formula, f"rms_norm h={h} scale={scale} eps={eps}")
+
+
+def test_rms_norm_with_autograd_runs_the_formulation_and_agrees():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(10, 64, generator=gen, requires_grad=True)
+    w = torch.randn(64, generator=gen)
+    assert norm._compiled(x, w, 1e-6) is None            # a graph to record: torch ops
+    y = norm.rms_norm(x, w, 1e-6)
+    y.sum().backward()
+    assert x.grad is not None
+    assert_same_bits(y.detach(), norm._compiled(x.detach(), w, 1e-6), "rms_norm with/without autograd")
+
+
+def test_disabled_or_no_compiler_runs_the_formulation(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLALIGN_CPU_KERNELS", "0")
+    assert clib.library() is None
+    monkeypatch.delenv("RLALIGN_CPU_KERNELS")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("RLALIGN_CACHE_DIR", str(tmp_path / "cache"))
+    clib._load.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert clib.library() is None
+        assert any("could not be built" in str(w.message) for w in caught)
+        case = _paged_case(torch.Generator().manual_seed(2), [5, 70], [1, 3], 4, 2, 32, 16, torch.float32)
+        assert not A._compiled_applies(torch.device("cpu"), 32)
+        ops.attention_paged(*case, profile="strict")       # runs (the formulation)
+    finally:
+        clib._load.cache_clear()
+
+
+def test_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLALIGN_CACHE_DIR", str(tmp_path))
+    path = clib._build()
+    assert path.parent == tmp_path and path.exists()
+    stamp = path.stat().st_mtime_ns
+    assert clib._build() == path and path.stat().st_mtime_ns == stamp   # cached: not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]          # no temporary left behind
+    assert os.access(path, os.R_OK)
