@@ -166,3 +166,35 @@ def test_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
     assert clib._build() == path and path.stat().st_mtime_ns == stamp   # cached: not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [path.name]          # no temporary left behind
     assert os.access(path, os.R_OK)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_silu_mul_compiled_equal_formula(dtype, monkeypatch):
+    from rlalign.ops.torch_backend import elementwise as E
+    gen = torch.Generator().manual_seed(4)
+    for t, h, d in ((1, 1, 2), (37, 3, 32), (5, 8, 128)):
+        x = (torch.randn(t, h, d, generator=gen) * 5).to(dtype)
+        cos, sin = torch.randn(t, d // 2, generator=gen), torch.randn(t, d // 2, generator=gen)
+        gate = (torch.randn(t, h * d, generator=gen) * 20).to(dtype)
+        up = torch.randn(t, h * d, generator=gen).to(dtype)
+        compiled = (E.rope(x, cos, sin), E.silu_mul(gate, up))
+        monkeypatch.setenv("RLALIGN_CPU_KERNELS", "0")
+        formula = (E.rope(x, cos, sin), E.silu_mul(gate, up))
+        monkeypatch.delenv("RLALIGN_CPU_KERNELS")
+        assert_same_bits(compiled[0], formula[0], f"rope {t}x{h}x{d}")
+        assert_same_bits(compiled[1], formula[1], f"silu_mul {t}x{h * d}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_finiteness_check_finds_every_nonfinite_value(dtype, bad):
+    from rlalign.contract.errors import ContractError
+    from rlalign.ops import _checks as chk
+    for n, at in ((1, 0), (17, 16), (1000, 3), (1000, 999)):
+        x = torch.randn(n).to(dtype)
+        chk.finite("op", "x", x)                        # finite: no error
+        x[at] = bad
+        with pytest.raises(ContractError, match=rf"first at index \[{at}\]"):
+            chk.finite("op", "x", x)
+    big = torch.full((1000,), 3e38)                     # finite values whose sum overflows: not an error
+    chk.finite("op", "x", big)

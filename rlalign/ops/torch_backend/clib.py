@@ -24,7 +24,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("attention.c", "norm.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("attention.c", "norm.c", "elementwise.c"))
 # -ffp-contract=off: no fused multiply-add but the explicit fmaf calls (each a*b+c rounded as written);
 # no -ffast-math: no reassociation, so vectorised loops keep every row's order of operations.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC", "-shared",
@@ -78,6 +78,12 @@ def _load() -> ctypes.CDLL | None:
     lib.rl_rms_norm_stats.restype = ctypes.c_int
     lib.rl_rms_norm_apply.argtypes = [f32_p, f32_p, f32_p, i64, i64, i64, f32_p]
     lib.rl_rms_norm_apply.restype = None
+    lib.rl_any_nonfinite.argtypes = [f32_p, i64, i64]
+    lib.rl_any_nonfinite.restype = ctypes.c_int
+    lib.rl_rope.argtypes = [f32_p, f32_p, f32_p, i64, i64, i64, i64, f32_p]
+    lib.rl_rope.restype = None
+    lib.rl_silu_mul.argtypes = [f32_p, f32_p, f32_p, i64, i64, f32_p]
+    lib.rl_silu_mul.restype = None
     return lib
 
 

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from rlalign.ops.torch_backend import clib
+
+
+def _no_autograd_on_cpu(*tensors: torch.Tensor) -> bool:
+    return tensors[0].device.type == "cpu" and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [T, H, D]; cos/sin [T, D/2] fp32 (from float64 tables)."""
+    """Rotate-half RoPE. x [T, H, D]; cos/sin [T, D/2] fp32 (from float64 tables). Without autograd on
+    the CPU the same operations run compiled (csrc/elementwise.c, the same bits)."""
+    lib = clib.library() if _no_autograd_on_cpu(x) and x.numel() else None
+    if lib is not None:
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        out = torch.empty_like(x)
+        lib.rl_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1], x.shape[2],
+                    int(x.dtype == torch.bfloat16), out.data_ptr())
+        return out
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
@@ -16,6 +30,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in fp32; silu(g) = g / (1 + exp(-g)) (not torch.sigmoid: see contract)."""
+    """silu(gate) * up in fp32; silu(g) = g / (1 + exp(-g)) (not torch.sigmoid: see contract). Without
+    autograd on the CPU: torch's exp(-g), then the rest compiled (csrc/elementwise.c, the same bits)."""
     g = gate.float()
+    lib = clib.library() if _no_autograd_on_cpu(gate, up) and gate.numel() else None
+    if lib is not None:
+        gate, up = gate.contiguous(), up.contiguous()
+        e = torch.exp(-g).contiguous()
+        out = torch.empty_like(gate)
+        lib.rl_silu_mul(gate.data_ptr(), e.data_ptr(), up.data_ptr(), gate.numel(), int(gate.dtype == torch.bfloat16),
+                        out.data_ptr())
+        return out
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)

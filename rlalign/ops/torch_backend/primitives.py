@@ -9,6 +9,8 @@ position invariant) is listed in ``spec.cpu_backend_assumptions`` and checked by
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from rlalign.contract import spec
@@ -80,7 +82,7 @@ def tile_mm_segments(a: torch.Tensor, w: torch.Tensor, parts: int, row_block: in
         # item (s, block) = segs[s, block] @ w_s^T; w_s repeated per block (a copy: a batch dim has
         # one stride), each copy a contiguous [N, K / parts] matrix starting 64-byte aligned like the
         # per-segment copies
-        w_items = w.reshape(n, parts, seg).transpose(0, 1).unsqueeze(1).expand(parts, t, n, seg).reshape(-1, n, seg)
+        w_items = _segment_items(w, parts, t)
         torch.bmm(segs.view(-1, row_block, seg), w_items.transpose(1, 2), out=out.view(-1, row_block, n))
     else:
         for i in range(parts):
@@ -91,6 +93,32 @@ def tile_mm_segments(a: torch.Tensor, w: torch.Tensor, parts: int, row_block: in
 # Above this many elements (the weight copied once per row block) tile_mm_segments issues one
 # batched GEMM per segment instead of one for all (memory only).
 _ONE_BATCH_ELEMS = 1 << 20
+
+# The per-block weight copies of the last few weights (rollout calls every layer's with the same row
+# count, step after step): keyed by the weight's identity, storage and version counter, like chk.memo.
+_segment_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_SEGMENT_CACHE_SIZE = 16
+
+
+def _segment_items(w: torch.Tensor, parts: int, t: int) -> torch.Tensor:
+    """[parts * t, N, K / parts]: item (s, block) = segment s of w, a contiguous copy per row block."""
+    n, seg = w.shape[0], w.shape[1] // parts
+
+    def build():
+        return w.reshape(n, parts, seg).transpose(0, 1).unsqueeze(1).expand(parts, t, n, seg).reshape(-1, n, seg)
+
+    if w.is_inference():   # no version counter to key on
+        return build()
+    key = (id(w), w.data_ptr(), w._version, parts, t)
+    hit = _segment_cache.get(key)
+    if hit is not None and hit[0] is w:
+        _segment_cache.move_to_end(key)
+        return hit[1]
+    items = build()
+    _segment_cache[key] = (w, items)
+    if len(_segment_cache) > _SEGMENT_CACHE_SIZE:
+        _segment_cache.popitem(last=False)
+    return items
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
