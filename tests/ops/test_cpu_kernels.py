@@ -198,3 +198,14 @@ def test_finiteness_check_finds_every_nonfinite_value(dtype, bad):
             chk.finite("op", "x", x)
     big = torch.full((1000,), 3e38)                     # finite values whose sum overflows: not an error
     chk.finite("op", "x", big)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 16])
+def test_tree_merge_compiled_equals_the_adds(p):
+    from rlalign.ops.torch_backend import primitives as P
+    gen = torch.Generator().manual_seed(p)
+    stacked = torch.randn(p, 70, 130, generator=gen) * torch.logspace(-3, 3, 130)
+    for parts in (stacked, stacked[:, :33]):              # whole parts, and a row prefix of each
+        merged = P._tree_merge_compiled(parts)
+        assert merged is not None
+        assert_same_bits(merged, P.tree_merge(list(parts.unbind(0))), f"tree_merge p={p}")

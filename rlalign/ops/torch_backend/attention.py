@@ -43,7 +43,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import os
 import threading
 
 import torch
@@ -491,7 +490,7 @@ def _c_online_softmax(lay: _CLayout, q: torch.Tensor, k: torch.Tensor, v: torch.
     if k.dtype not in (torch.float32, torch.bfloat16):   # strict dtypes only; the C side reads fp32 or bf16
         raise fail("attention", f"unsupported K/V dtype {k.dtype}")
     layout = ctypes.byref(lay.struct(k, v, hq, hkv, d))
-    threads = int(os.environ.get("RLALIGN_CPU_KERNEL_THREADS", "1"))
+    threads = torch.get_num_threads()
     # per-thread scratch (the per-row state; every entry a row reads is written first)
     m = _buffer("c_m", (rows,), q.device)
     m.fill_(float("-inf"))

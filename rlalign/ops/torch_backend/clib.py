@@ -27,8 +27,10 @@ from pathlib import Path
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("attention.c", "norm.c", "elementwise.c"))
 # -ffp-contract=off: no fused multiply-add but the explicit fmaf calls (each a*b+c rounded as written);
 # no -ffast-math: no reassociation, so vectorised loops keep every row's order of operations.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC", "-shared",
-         "-pthread")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC", "-shared")
+# Threads: OpenMP, whose runtime (libgomp.so.1) resolves to the copy torch has loaded, so the kernels run
+# on torch's own thread pool. Without OpenMP support the pragmas are ignored (one thread, the same bits).
+OPENMP = ("-fopenmp",)
 
 
 class Layout(ctypes.Structure):
@@ -74,16 +76,18 @@ def _load() -> ctypes.CDLL | None:
     lib.rl_attn_update.restype = None
     lib.rl_attn_finish.argtypes = [layout_p, f32_p, f32_p, f32_p, i64]
     lib.rl_attn_finish.restype = ctypes.c_int
-    lib.rl_rms_norm_stats.argtypes = [f32_p, i64, i64, ctypes.c_float, i64, f32_p]
-    lib.rl_rms_norm_stats.restype = ctypes.c_int
-    lib.rl_rms_norm_apply.argtypes = [f32_p, f32_p, f32_p, i64, i64, i64, f32_p]
+    lib.rl_rms_norm_stats.argtypes = [f32_p, i64, i64, ctypes.c_float, i64, f32_p, i64]
+    lib.rl_rms_norm_stats.restype = None
+    lib.rl_rms_norm_apply.argtypes = [f32_p, f32_p, f32_p, i64, i64, i64, f32_p, i64]
     lib.rl_rms_norm_apply.restype = None
     lib.rl_any_nonfinite.argtypes = [f32_p, i64, i64]
     lib.rl_any_nonfinite.restype = ctypes.c_int
     lib.rl_rope.argtypes = [f32_p, f32_p, f32_p, i64, i64, i64, i64, f32_p]
     lib.rl_rope.restype = None
-    lib.rl_silu_mul.argtypes = [f32_p, f32_p, f32_p, i64, i64, f32_p]
+    lib.rl_silu_mul.argtypes = [f32_p, f32_p, f32_p, i64, i64, f32_p, i64]
     lib.rl_silu_mul.restype = None
+    lib.rl_tree_merge.argtypes = [f32_p, i64, i64, i64, f32_p, i64]
+    lib.rl_tree_merge.restype = None
     return lib
 
 
@@ -107,7 +111,7 @@ def _build() -> Path:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256()
-    for part in [*(p.read_bytes() for p in SOURCES), " ".join(FLAGS).encode(), version.encode(),
+    for part in [*(p.read_bytes() for p in SOURCES), " ".join(FLAGS + OPENMP).encode(), version.encode(),
                  _cpu_id().encode(), platform.machine().encode()]:
         digest.update(part)
     cache = Path(os.environ.get("RLALIGN_CACHE_DIR") or Path.home() / ".cache" / "rlalign")
@@ -118,7 +122,11 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+        for extra in (OPENMP, ()):
+            result = subprocess.run([cc, *FLAGS, *extra, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+                                    text=True)
+            if not result.returncode:
+                break
         if result.returncode:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-500:]}")
         os.replace(tmp, target)

@@ -39,6 +39,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         e = torch.exp(-g).contiguous()
         out = torch.empty_like(gate)
         lib.rl_silu_mul(gate.data_ptr(), e.data_ptr(), up.data_ptr(), gate.numel(), int(gate.dtype == torch.bfloat16),
-                        out.data_ptr())
+                        out.data_ptr(), torch.get_num_threads())
         return out
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)

@@ -37,8 +37,9 @@ def _compiled(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     rows, bf16 = x.numel() // h, int(x.dtype == torch.bfloat16)
     root = torch.empty(rows)
     # non-finite inputs are refused by the op's own check before this (ops.rms_norm)
-    lib.rl_rms_norm_stats(x.data_ptr(), rows, h, eps, bf16, root.data_ptr())
+    threads = torch.get_num_threads()
+    lib.rl_rms_norm_stats(x.data_ptr(), rows, h, eps, bf16, root.data_ptr(), threads)
     torch.sqrt_(root)
     out = torch.empty_like(x)
-    lib.rl_rms_norm_apply(x.data_ptr(), weight.data_ptr(), root.data_ptr(), rows, h, bf16, out.data_ptr())
+    lib.rl_rms_norm_apply(x.data_ptr(), weight.data_ptr(), root.data_ptr(), rows, h, bf16, out.data_ptr(), threads)
     return out

@@ -14,6 +14,7 @@ import collections
 import torch
 
 from rlalign.contract import spec
+from rlalign.ops.torch_backend import clib
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -144,6 +145,9 @@ def tree_merge(parts) -> torch.Tensor:
     canonical partition guarantees it).
     """
     if isinstance(parts, torch.Tensor):
+        merged = _tree_merge_compiled(parts)
+        if merged is not None:
+            return merged
         while parts.shape[0] > 1:
             pairs = parts.unflatten(0, (parts.shape[0] // 2, 2))
             parts = pairs[:, 0] + pairs[:, 1]
@@ -151,3 +155,18 @@ def tree_merge(parts) -> torch.Tensor:
     while len(parts) > 1:
         parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     return parts[0]
+
+
+def _tree_merge_compiled(parts: torch.Tensor) -> torch.Tensor | None:
+    """csrc/elementwise.c's rl_tree_merge (the same adds in the same tree) for stacked fp32 CPU partials
+    without autograd whose parts are each one contiguous block; else None."""
+    p = parts.shape[0]
+    if (parts.device.type != "cpu" or parts.dtype != torch.float32 or p < 2 or p > 64 or p & (p - 1)
+            or (torch.is_grad_enabled() and parts.requires_grad) or parts[0].numel() == 0 or not parts[0].is_contiguous()):
+        return None
+    lib = clib.library()
+    if lib is None:
+        return None
+    out = torch.empty(parts.shape[1:], dtype=torch.float32)
+    lib.rl_tree_merge(parts.data_ptr(), p, parts.stride(0), out.numel(), out.data_ptr(), torch.get_num_threads())
+    return out

@@ -18,14 +18,13 @@
  * the other rows, sequences or the page layout.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
 #define KB 64        /* keys per block (spec.ATTN_KV_BLOCK) */
 #define MAX_D 256    /* largest head_dim handled here (the caller checks) */
 #define MAX_THREADS 64
-/* below this much work (query rows x keys) a call runs on one thread: a thread start costs ~20 us */
+/* below this much work (query rows x keys) a call runs on one thread */
 #define PARALLEL_MIN_WORK 16384.0
 
 typedef struct {
@@ -134,6 +133,26 @@ static inline __attribute__((always_inline)) void pv_row(const float *pr, const 
         default: { const int64_t D_ = (d); CALL; break; }         \
     }
 
+/* Ask the memory system for the key (or value) rows of a sequence's block j ahead of their use: the
+ * rows of one call are scattered over the cache's pages, so the loads would otherwise wait on
+ * memory one by one. Speed only. */
+static inline __attribute__((always_inline)) void prefetch_block(const layout *L, const void *table, int64_t s, int64_t j) {
+    int64_t t0, nk;
+    if (s >= L->n_seq || !block_span(L, s, j, &t0, &nk)) return;
+    const int64_t first = j * KB, ps = L->page_size, elem = L->kv_bf16 ? 2 : 4;
+    const int64_t span = L->hkv * L->d * elem;   /* one token's rows, every head */
+    for (int64_t i = 0; i < nk; i++) {
+        const int64_t p = first + i;
+        const int64_t tok = L->block_table
+            ? L->block_table[s * L->bt_stride + p / ps] * ps + p % ps
+            : L->key_start[s] + p;
+        const char *row = (const char *)table + tok * span;
+        for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(row + b);
+    }
+}
+
+#define PREFETCH_AHEAD 4   /* sequences */
+
 /* Block j, scores: for every query row that sees block j (position >= 64 j):
  *   raw_i = (q . k_i) * scale;  s_i = raw_i if key position <= row position else -inf
  *   m_new = max(m, max_i s_i);  p_arg[row, i] = s_i - m_new;  a_arg[row] = m - m_new
@@ -153,6 +172,7 @@ static void scores_range(task *T, int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; s++) {
         int64_t t0, nk;
         if (!block_span(L, s, j, &t0, &nk)) continue;
+        prefetch_block(L, L->k, s + PREFETCH_AHEAD, j);
         for (int64_t h = 0; h < L->hkv; h++) {
             block_rows(L, L->k, s, h, first, nk, buf, rows);
             for (int64_t i = 0; i < nk; i++)           /* transposed: kt[x][i] = k_i[x] */
@@ -199,6 +219,7 @@ static void update_range(task *T, int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; s++) {
         int64_t t0, nk;
         if (!block_span(L, s, j, &t0, &nk)) continue;
+        prefetch_block(L, L->v, s + PREFETCH_AHEAD, j);
         for (int64_t h = 0; h < L->hkv; h++) {
             block_rows(L, L->v, s, h, first, nk, buf, rows);
             for (int64_t t = t0; t < L->n_q[s]; t++) {
@@ -254,22 +275,9 @@ static void finish_range(task *T, int64_t s0, int64_t s1) {
     T->bad = bad;
 }
 
-/* ---- threads: the sequences are cut into contiguous ranges of about equal work (rows x keys);
- * a row's arithmetic does not depend on which thread runs it. */
-
-typedef struct {
-    task *T;
-    void (*body)(task *, int64_t, int64_t);
-    int64_t s0, s1;
-    task local;
-} part;
-
-static void *run_part(void *arg) {
-    part *P = (part *)arg;
-    P->local = *P->T;
-    P->body(&P->local, P->s0, P->s1);
-    return NULL;
-}
+/* ---- threads: the sequences are cut into contiguous ranges of about equal work (rows x keys), run by
+ * the OpenMP threads -- torch's own pool: the library links libgomp.so.1, which resolves to the copy
+ * torch already loaded. A row's arithmetic does not depend on which thread runs it. */
 
 static int parallel(task *T, void (*body)(task *, int64_t, int64_t), int64_t threads) {
     const layout *L = T->L;
@@ -281,31 +289,25 @@ static int parallel(task *T, void (*body)(task *, int64_t, int64_t), int64_t thr
         body(T, 0, L->n_seq);
         return T->bad;
     }
-    part parts[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
+    int64_t bounds[MAX_THREADS + 1];
+    task local[MAX_THREADS];
     double acc = 0.0;
     int64_t s = 0;
+    bounds[0] = 0;
     for (int64_t t = 0; t < threads; t++) {
         const double goal = total * (double)(t + 1) / (double)threads;
-        parts[t].T = T;
-        parts[t].body = body;
-        parts[t].s0 = s;
         while (s < L->n_seq && (t == threads - 1 || acc < goal)) {
             acc += (double)L->n_q[s] * (double)(L->pos0[s] + L->n_q[s] + KB);
             s++;
         }
-        parts[t].s1 = s;
+        bounds[t + 1] = s;
+        local[t] = *T;
+        local[t].bad = 0;
     }
-    for (int64_t t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, run_part, &parts[t]) == 0;
-    run_part(&parts[0]);
-    int bad = parts[0].local.bad;
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else run_part(&parts[t]);   /* no thread could be started: run it here */
-        bad |= parts[t].local.bad;
-    }
+    #pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int64_t t = 0; t < threads; t++) body(&local[t], bounds[t], bounds[t + 1]);
+    int bad = 0;
+    for (int64_t t = 0; t < threads; t++) bad |= local[t].bad;
     return bad;
 }
 

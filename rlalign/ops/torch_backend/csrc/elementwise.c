@@ -5,6 +5,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* below this many elements a call runs on one thread (torch's grain size) */
+#define PARALLEL_MIN 32768
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -66,7 +69,9 @@ void rl_rope(const void *x, const float *cos_t, const float *sin_t, int64_t t, i
 
 /* SwiGLU after the caller's e = exp(-gate) (torch's exp, as in the formulation):
  *   out = round((g / (1 + e)) * up)   (fp32) */
-void rl_silu_mul(const void *gate, const float *e, const void *up, int64_t n, int64_t bf16, void *out) {
+void rl_silu_mul(const void *gate, const float *e, const void *up, int64_t n, int64_t bf16, void *out,
+                 int64_t threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
     for (int64_t i = 0; i < n; i++) {
         float g, u;
         if (bf16) {
@@ -81,5 +86,24 @@ void rl_silu_mul(const void *gate, const float *e, const void *up, int64_t n, in
         const float y = silu * u;
         if (bf16) ((uint16_t *)out)[i] = f32_to_bf16(y);
         else ((float *)out)[i] = y;
+    }
+}
+
+/* The canonical K partition's merge: out = the balanced binary tree ((p0 + p1) + (p2 + p3)) + ... over
+ * the P partials (P a power of two) of each of n elements; partial i at parts + i * stride (fp32). The
+ * same adds, in the same tree, as primitives.tree_merge. */
+void rl_tree_merge(const float *parts, int64_t p, int64_t stride, int64_t n, float *out, int64_t threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n * p >= PARALLEL_MIN)
+    for (int64_t c = 0; c < n; c += 256) {
+        const int64_t len = n - c < 256 ? n - c : 256;
+        float level[64][256];     /* p <= 64 */
+        for (int64_t i = 0; i < p / 2; i++) {
+            const float *a = parts + (2 * i) * stride + c, *b = parts + (2 * i + 1) * stride + c;
+            for (int64_t x = 0; x < len; x++) level[i][x] = a[x] + b[x];
+        }
+        for (int64_t width = p / 2; width > 1; width /= 2)
+            for (int64_t i = 0; i < width / 2; i++)
+                for (int64_t x = 0; x < len; x++) level[i][x] = level[2 * i][x] + level[2 * i + 1][x];
+        for (int64_t x = 0; x < len; x++) out[c + x] = p == 1 ? parts[c + x] : level[0][x];
     }
 }

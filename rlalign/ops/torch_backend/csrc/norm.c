@@ -35,16 +35,19 @@ static inline float load(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* below this many elements a call runs on one thread (torch's grain size) */
+#define PARALLEL_MIN 32768
+
 /* Phase 1, per row: ms_eps[r] = tree_sum(x * x) / H + eps. x rows [rows][h] (bf16 != 0: bfloat16, else
- * float32). Returns 1 if an input element is not finite. */
-int rl_rms_norm_stats(const void *x, int64_t rows, int64_t h, float eps, int64_t bf16, float *ms_eps) {
-    float t[MAX_H];
-    int bad = 0;
-    if (h > MAX_H) return -1;
+ * float32). Rows are independent: OpenMP threads (torch's pool) take contiguous ranges. */
+void rl_rms_norm_stats(const void *x, int64_t rows, int64_t h, float eps, int64_t bf16, float *ms_eps,
+                       int64_t threads) {
+    if (h > MAX_H) return;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * h >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
+        float t[MAX_H];
         for (int64_t c = 0; c < h; c++) {
             const float xc = load(x, (int)bf16, r * h + c);
-            if (!isfinite(xc)) bad = 1;
             t[c] = xc * xc;
         }
         int64_t n = h;
@@ -57,21 +60,19 @@ int rl_rms_norm_stats(const void *x, int64_t rows, int64_t h, float eps, int64_t
         const float ms = t[0] / (float)h;
         ms_eps[r] = ms + eps;
     }
-    return bad;
 }
 
 /* Phase 2, after the caller's root = sqrt(ms_eps) (torch's sqrt, as in the torch formulation):
  * y = round((x * (1 / root)) * w); x, w and out share one dtype. */
 void rl_rms_norm_apply(const void *x, const void *w, const float *root, int64_t rows, int64_t h, int64_t bf16,
-                       void *out) {
-    float wf[MAX_H];
+                       void *out, int64_t threads) {
     if (h > MAX_H) return;
-    for (int64_t c = 0; c < h; c++) wf[c] = load(w, (int)bf16, c);
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * h >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float inv = 1.0f / root[r];
         for (int64_t c = 0; c < h; c++) {
             const float scaled = load(x, (int)bf16, r * h + c) * inv;
-            const float y = scaled * wf[c];
+            const float y = scaled * load(w, (int)bf16, c);
             if (bf16) ((uint16_t *)out)[r * h + c] = f32_to_bf16(y);
             else ((float *)out)[r * h + c] = y;
         }
