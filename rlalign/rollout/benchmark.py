@@ -1,4 +1,4 @@
-"""Rollout throughput: the rlalign engine (strict and native profiles) vs transformers ``generate``, one run.
+"""Rollout throughput: the rlalign engine (strict and native profiles) vs transformers ``generate``.
 
     rlalign bench rollout [--device cpu|cuda] [--model DIR | --preset NAME] [--prompts 64] [--samples 8]
                           [--new-tokens 64] [--prompt-len 32:128] [--engines strict,native,transformers] [--json]
@@ -18,7 +18,10 @@ sample (eos ignored: every engine generates the same number of tokens), temperat
   otherwise); logprobs are not requested from it.
 
 tokens/s = generated tokens / wall seconds of the generate call (model load, engine construction
-and a short warm-up run excluded). ``--verify`` also recomputes every strict-engine logprob with
+and a warm-up excluded: on the CPU the whole workload once, so that the engine measured first does not
+pay for the process's allocator settling; on CUDA 2 prompts x 4 tokens), the median of ``--repeat`` timed calls per engine (default 3 on the
+CPU, whose shared machines are noisy, 1 on CUDA); each row lists every call's seconds. The engine's
+prefix cache is emptied before each call, so no call reuses an earlier one's prompts. ``--verify`` also recomputes every strict-engine logprob with
 the trainer's packed forward and counts the tokens whose bits differ (must be 0).
 
 Model: ``--model DIR``; else ``--preset``; by default the embedded default model
@@ -34,6 +37,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -63,10 +67,10 @@ PRESETS = {
                      rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=151645, pad_token_id=151643),
 }
 DEFAULTS = {
-    "cpu": dict(prompts=64, samples=8, new_tokens=64, prompt_len="32:128", dtype="float32"),
+    "cpu": dict(prompts=64, samples=8, new_tokens=64, prompt_len="32:128", dtype="float32", repeat=3, warmup="full"),
     # transformers keeps a dense KV cache per sequence: 64 prompts (512 sequences) per generate call fit an H200
     "cuda": dict(prompts=256, samples=8, new_tokens=512, prompt_len="64:192", dtype="bfloat16", preset="qwen3-0.6b",
-                 hf_batch_prompts=64),
+                 hf_batch_prompts=64, repeat=1, warmup="short"),
 }
 
 
@@ -104,6 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts per transformers generate call (default all on the CPU, 64 on CUDA)")
     p.add_argument("--hf-prompts", type=int, help="run transformers on the first N prompts only (default all)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default torch's)")
+    p.add_argument("--repeat", type=int, help="timed calls per engine, the median reported (default 3 CPU, 1 CUDA)")
+    p.add_argument("--warmup", choices=("full", "short"),
+                   help="untimed warm-up per engine: the whole workload once (default on the CPU: the process's "
+                        "allocator and caches settle, whichever engine runs first) or 2 prompts x 4 tokens (CUDA)")
     p.add_argument("--verify", action="store_true", help="check every strict logprob against the trainer's forward")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -211,6 +219,14 @@ def _workload(args, defaults, model_dir: Path) -> Workload:
 
 # ---- the engines ---------------------------------------------------------------------------------
 
+def _full_warmup(args) -> bool:
+    return (args.warmup or DEFAULTS[args.device]["warmup"]) == "full"
+
+
+def _repeats(args) -> int:
+    return max(1, args.repeat or DEFAULTS[args.device]["repeat"])
+
+
 def _sync(device: str) -> None:
     import torch
     if device == "cuda":
@@ -233,21 +249,29 @@ def _bench_engine(model_dir: Path, workload: Workload, args, dtype: str, profile
     sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed, ignore_eos=True)
     # warm-up: compiles kernels and, with decode graphs, captures them (as an engine's start-up does)
     t0 = time.perf_counter()
-    engine.generate(workload.prompts[:2], dataclasses.replace(sampling, max_new_tokens=4))
+    if _full_warmup(args):
+        engine.generate(workload.prompts, sampling)
+    else:
+        engine.generate(workload.prompts[:2], dataclasses.replace(sampling, max_new_tokens=4))
     _sync(args.device)
     warmup = time.perf_counter() - t0
-    engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
-    _sync(args.device)
-    t0 = time.perf_counter()
-    completions = engine.generate(workload.prompts, sampling)
-    _sync(args.device)
-    seconds = time.perf_counter() - t0
+    runs = []
+    for _ in range(_repeats(args)):
+        engine.blocks.reset_prefix_cache()   # no call reuses an earlier call's prompt pages
+        engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
+        _sync(args.device)
+        t0 = time.perf_counter()
+        completions = engine.generate(workload.prompts, sampling)
+        _sync(args.device)
+        runs.append(time.perf_counter() - t0)
+    seconds = statistics.median(runs)
     generated = sum(len(c.tokens) for c in completions)
     stats = engine.stats()
     row = {"engine": "rlalign", "profile": profile, "tokens_per_s": round(generated / seconds, 2),
            "seconds": round(seconds, 3), "generated_tokens": generated, "steps": stats["steps"],
            "forward_tokens": stats["forward_tokens"], "preemptions": stats["preemptions"],
-           "kv_pages": stats["num_pages"], "page_size": args.page_size, "graph_steps": stats["graph_steps"], "warmup_seconds": round(warmup, 2)}
+           "kv_pages": stats["num_pages"], "page_size": args.page_size, "graph_steps": stats["graph_steps"],
+           "warmup_seconds": round(warmup, 2), "runs_seconds": [round(r, 3) for r in runs]}
     if args.verify and profile == "strict":
         row.update(_verify(model, completions))
     del engine, model, completions
@@ -314,19 +338,26 @@ def _bench_transformers(model_dir: Path, workload: Workload, args, dtype: str) -
                               num_return_sequences=workload.samples, pad_token_id=pad, eos_token_id=eos)
         return (out.shape[1] - width) * out.shape[0]
 
-    run(prompts[:2], 4)   # warm-up
-    _sync(args.device)
-    t0 = time.perf_counter()
-    generated = sum(run(prompts[i:i + per_call], workload.new_tokens) for i in range(0, len(prompts), per_call))
-    _sync(args.device)
-    seconds = time.perf_counter() - t0
+    if _full_warmup(args):   # warm-up
+        for i in range(0, len(prompts), per_call):
+            run(prompts[i:i + per_call], workload.new_tokens)
+    else:
+        run(prompts[:2], 4)
+    runs = []
+    for _ in range(_repeats(args)):
+        _sync(args.device)
+        t0 = time.perf_counter()
+        generated = sum(run(prompts[i:i + per_call], workload.new_tokens) for i in range(0, len(prompts), per_call))
+        _sync(args.device)
+        runs.append(time.perf_counter() - t0)
+    seconds = statistics.median(runs)
     del hf
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return {"engine": "transformers", "profile": "native", "tokens_per_s": round(generated / seconds, 2),
             "seconds": round(seconds, 3), "generated_tokens": generated, "prompts": len(prompts),
-            "prompts_per_call": per_call, "version": transformers.__version__}
+            "prompts_per_call": per_call, "version": transformers.__version__, "runs_seconds": [round(r, 3) for r in runs]}
 
 
 # ---- output --------------------------------------------------------------------------------------
