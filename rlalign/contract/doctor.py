@@ -3,8 +3,9 @@
 Two kinds of checks, each with fresh random inputs (a new seed every run):
 
 * *library assumptions* -- exactly the properties listed in ``spec.cpu_backend_assumptions``
-  (fixed-shape GEMMs are row/column/item invariant, exp/log are position invariant, all of it
-  deterministic run to run), on the shapes the torch backend issues;
+  (fixed-shape GEMMs are row/column/item invariant, exp/log/sqrt are position invariant, all of it
+  deterministic run to run), on the shapes the torch backend issues, and that the compiled CPU
+  kernels (a speed path) give the torch formulation's bits;
 * *op invariances* -- each strict op's contract end to end (batch size, row position, packing,
   prefill vs decode, chunk sizes, TP partition), through the public ops.
 
@@ -122,7 +123,7 @@ def _bmm_equals_mm(device, gen):
 def _elementwise_position(device, gen):
     x = _randn(gen, 4096, 32, device=device) * 8
     pos = torch.rand(4096, 32, generator=gen).to(device) * 100 + 1e-6
-    for name, fn, arg in (("exp", torch.exp, -x.abs()), ("log", torch.log, pos)):
+    for name, fn, arg in (("exp", torch.exp, -x.abs()), ("log", torch.log, pos), ("sqrt", torch.sqrt, pos)):
         body = fn(arg)
         tail = fn(arg[:, :17])            # on a 16-lane loop, element 16 of each row takes the tail path
         single = torch.stack([fn(arg[i, 16:17]) for i in range(64)])[:, 0]
@@ -134,6 +135,31 @@ def _elementwise_position(device, gen):
 def _determinism(device, gen):
     a, w = _randn(gen, spec.ROW_BLOCK, 512, device=device), _randn(gen, 512, 512, device=device)
     return _same(torch.mm(a, w.t()), torch.mm(a, w.t()))
+
+
+def _compiled_kernels(device, gen):
+    """The compiled CPU kernels (a speed path) give the torch formulation's bits on fresh inputs."""
+    from rlalign.ops.torch_backend import attention, clib, elementwise, norm, primitives
+    if clib.library() is None:
+        return True, "not built here (no C compiler, or RLALIGN_CPU_KERNELS=0): the torch formulation runs"
+    dims = [d for d in (16, 32, 64, 128) if attention._compiled_matches(d)]
+    for d in dims:
+        lens = torch.randint(1, 200, (5,), generator=gen).tolist()
+        n_new = [1 if i % 2 else int(torch.randint(1, n + 1, (1,), generator=gen)) for i, n in enumerate(lens)]
+        if not attention.compiled_agrees(d, gen, lens, n_new):
+            return False, f"attention, head_dim {d}: the kernels' bits differ from the formulation's"
+    x, w = _randn(gen, 300, 129, device=device) * 4, _randn(gen, 129, device=device)
+    cos, sin = _randn(gen, 300, 32, device=device), _randn(gen, 300, 32, device=device)
+    q, up = _randn(gen, 300, 3, 64, device=device), _randn(gen, 300, 129, device=device)
+    parts = _randn(gen, 8, 300, 129, device=device)
+    pairs = (("rms_norm", norm._compiled(x, w, 1e-6), norm.rms_norm_formula(x, w, 1e-6)),
+             ("rope", elementwise.rope(q, cos, sin), elementwise.rope_formula(q, cos, sin)),
+             ("silu_mul", elementwise.silu_mul(x, up), elementwise.silu_mul_formula(x, up)),
+             ("tree_merge", primitives._tree_merge_compiled(parts), primitives.tree_merge(list(parts.unbind(0)))))
+    for name, got, want in pairs:
+        if got is None or not _same(got, want):
+            return False, f"{name}: the kernel's bits differ from the formulation's"
+    return True, f"attention on the kernels for head_dim {dims} (others: the formulation)"
 
 
 # ---- op invariances ---------------------------------------------------------------------------
@@ -241,7 +267,10 @@ CHECKS: tuple[Check, ...] = (
     Check("bmm (library)", "item independent of batch count and index", _bmm_item_invariance, torch_backend_only=True),
     Check("bmm (library)", f"item == mm of its {spec.ROW_BLOCK}-row block (shared or own weight)", _bmm_equals_mm,
           devices=("cpu",), torch_backend_only=True),
-    Check("exp/log (library)", "vector body == tail == single element", _elementwise_position, torch_backend_only=True),
+    Check("exp/log/sqrt (library)", "vector body == tail == single element", _elementwise_position,
+          torch_backend_only=True),
+    Check("CPU kernels (compiled)", "== the torch formulation, bit for bit", _compiled_kernels, devices=("cpu",),
+          torch_backend_only=True),
     Check("gemm (library)", "run to run", _determinism, torch_backend_only=True),
     Check("linear", "batch size 1..512 (bf16, fp32)", _op_linear_batch),
     Check("linear", "canonical K partition: TP 1/2/4/8", _op_linear_tp),

@@ -65,7 +65,8 @@ CONTRACT: tuple[OpContract, ...] = (
         "rms_norm", "sum of squares over the hidden dim",
         "whole row", "balanced pairwise tree (halving, odd element carried)",
         "fp32", "one rounding of x * inv_rms * weight to the input dtype; fused residual: (x + residual) rounded to the input dtype first, that sum is returned as the new residual",
-        "fp32 mul/add, sqrt and division (IEEE correctly rounded)",
+        "fp32 mul/add and division (IEEE correctly rounded), the library's sqrt (position invariant; not "
+        "necessarily correctly rounded: torch 2.13's CPU sqrt is 1 ulp off for ~16% of fp32 inputs, measured)",
         "number of rows, row position",
     ),
     OpContract(
@@ -127,12 +128,17 @@ def cpu_backend_assumptions() -> tuple[str, ...]:
         "item the same bits as that GEMM issued alone (torch.mm), whatever the batch count, the item's index "
         "and whether the items share one (broadcast) weight matrix: the linear op issues its row blocks "
         "(and K segments) as one batched GEMM.",
-        "Elementwise exp and log give the same bits for a value wherever it sits in a tensor "
-        "(vectorised body, vector tail, single element). sigmoid and rsqrt are NOT used: sigmoid's "
-        "scalar tail differs from its vector body on AVX2 (measured), so silu is written as g / (1 + exp(-g)).",
-        "Elementwise +, -, *, /, sqrt are IEEE correctly rounded; max is exact. Sums are never left to a "
+        "Elementwise exp, log and sqrt give the same bits for a value wherever it sits in a tensor "
+        "(vectorised body, vector tail, single element); they need not be correctly rounded (torch 2.13's "
+        "CPU sqrt is not). sigmoid and rsqrt are NOT used: sigmoid's scalar tail differs from its vector "
+        "body on AVX2 (measured), so silu is written as g / (1 + exp(-g)).",
+        "Elementwise +, -, *, / are IEEE correctly rounded; max is exact. Sums are never left to a "
         "library reduction: they are written as balanced trees of elementwise adds.",
         "All of the above is deterministic run to run at a fixed thread count.",
+        "The compiled CPU kernels (rlalign/ops/torch_backend/csrc: attention, RMSNorm, RoPE, the SwiGLU "
+        "product, the K-partition merge) give the torch formulation's bits: they perform its operations in "
+        "its order (q.k and p.v as increasing-order FMA chains from 0, which is what 3. computes here), call "
+        "torch for exp and sqrt, and are used for a head_dim only after reproducing the formulation on it.",
     )
 
 

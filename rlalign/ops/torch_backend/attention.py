@@ -424,8 +424,14 @@ def _compiled_matches(d: int) -> bool:
     but not for every one (d = 8: p.v is ordered otherwise; d = 256: q.k is split). So before the first
     use for a head_dim, both paths run a paged call (decode, prefill chunks, contexts of 1 to 3 key
     blocks) and a packed one on random inputs; the kernels are used only if every bit agrees."""
-    gen = torch.Generator().manual_seed(1000 + d)
-    lens, n_new, ps, hq, hkv = [1, 70, 150, 9, 64], [1, 6, 1, 9, 2], 16, 2, 1
+    return compiled_agrees(d, torch.Generator().manual_seed(1000 + d), [1, 70, 150, 9, 64], [1, 6, 1, 9, 2])
+
+
+def compiled_agrees(d: int, gen: torch.Generator, lens: list[int], n_new: list[int]) -> bool:
+    """Whether the kernels give the formulation's bits (out, and lse of the packed call) on random fp32
+    inputs of head_dim d: a paged call (2 query heads on 1 kv head, page size 16; sequence s has context
+    ``lens[s]``, of which the last ``n_new[s]`` tokens are queries) and a packed call of the same lengths."""
+    ps, hq, hkv = 16, 2, 1
     n_pages = sum(-(-n // ps) for n in lens)
     table = torch.randperm(n_pages, generator=gen)
     rows, nxt = [], 0
@@ -437,14 +443,13 @@ def _compiled_matches(d: int) -> bool:
     kc, vc = (torch.randn(n_pages, ps, hkv, d, generator=gen) * 2 for _ in range(2))
     q = torch.randn(sum(n_new), hq, d, generator=gen)
     cu = torch.tensor([0] + torch.tensor(n_new).cumsum(0).tolist(), dtype=torch.int32)
-    sl = torch.tensor(lens, dtype=torch.int32)
-    args = (q, kc, vc, bt, sl, cu, d ** -0.5)
+    args = (q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), cu, d ** -0.5)
     same = torch.equal(_paged_compiled(*args).view(torch.int32), _paged_formula(*args).view(torch.int32))
     qv, kv, vv = (torch.randn(sum(lens), h, d, generator=gen) for h in (hq, hkv, hkv))
     cuv = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    (oc, lc), (of, lf) = (f(qv, kv, vv, cuv, d ** -0.5) for f in (_varlen_compiled, _varlen_formula))
-    return same and torch.equal(oc.view(torch.int32), of.view(torch.int32)) and torch.equal(lc.view(torch.int32),
-                                                                                              lf.view(torch.int32))
+    (oc, lc), (of, lf) = (path(qv, kv, vv, cuv, d ** -0.5) for path in (_varlen_compiled, _varlen_formula))
+    return same and torch.equal(oc.view(torch.int32), of.view(torch.int32)) and torch.equal(
+        lc.view(torch.int32), lf.view(torch.int32))
 
 
 @dataclasses.dataclass

@@ -21,6 +21,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         lib.rl_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1], x.shape[2],
                     int(x.dtype == torch.bfloat16), out.data_ptr())
         return out
+    return rope_formula(x, cos, sin)
+
+
+def rope_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The definition, in differentiable torch ops."""
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
@@ -32,13 +37,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in fp32; silu(g) = g / (1 + exp(-g)) (not torch.sigmoid: see contract). Without
     autograd on the CPU: torch's exp(-g), then the rest compiled (csrc/elementwise.c, the same bits)."""
-    g = gate.float()
     lib = clib.library() if _no_autograd_on_cpu(gate, up) and gate.numel() else None
     if lib is not None:
         gate, up = gate.contiguous(), up.contiguous()
-        e = torch.exp(-g).contiguous()
+        e = torch.exp(-gate.float()).contiguous()
         out = torch.empty_like(gate)
         lib.rl_silu_mul(gate.data_ptr(), e.data_ptr(), up.data_ptr(), gate.numel(), int(gate.dtype == torch.bfloat16),
                         out.data_ptr(), torch.get_num_threads())
         return out
+    return silu_mul_formula(gate, up)
+
+
+def silu_mul_formula(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The definition, in differentiable torch ops."""
+    g = gate.float()
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)

@@ -17,8 +17,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     (csrc/norm.c; torch's sqrt in between: the same bits).
     """
     out = _compiled(x, weight, eps)
-    if out is not None:
-        return out
+    return out if out is not None else rms_norm_formula(x, weight, eps)
+
+
+def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The definition, in differentiable torch ops."""
     xf = x.float()
     ms = tree_sum(xf * xf) / x.shape[-1]
     inv = 1.0 / torch.sqrt(ms + eps)
