@@ -195,7 +195,9 @@ static void scores_range(task *T, int64_t s0, int64_t s1) {
                     const float mn = (mo > mx || isnan(mo)) ? mo : mx;
                     float *pr = p_arg + row * KB;
                     for (int64_t i = 0; i < seen; i++) pr[i] = sc[i] - mn;
-                    for (int64_t i = seen; i < KB; i++) pr[i] = -INFINITY;
+                    /* keys past the row: exp(-inf - m) = 0 in the formulation; the update uses 0 for them
+                     * and never reads these entries (0 here keeps the caller's exp off its slow path) */
+                    for (int64_t i = seen; i < KB; i++) pr[i] = 0.0f;
                     a_arg[row] = mo - mn;
                     m_new[row] = mn;
                 }
@@ -227,9 +229,10 @@ static void update_range(task *T, int64_t s0, int64_t s1) {
                 const int64_t seen = pos - first + 1 < KB ? pos - first + 1 : KB;
                 for (int64_t e = 0; e < g; e++) {
                     const int64_t row = (L->q_start[s] + t) * L->hq + h * g + e;
-                    const float *pr = p + row * KB;
                     const float al = alpha[row];
-                    float a[KB / 2], b[KB / 4];
+                    float pr[KB], a[KB / 2], b[KB / 4];
+                    memcpy(pr, p + row * KB, (size_t)seen * sizeof(float));
+                    for (int64_t i = seen; i < KB; i++) pr[i] = 0.0f;   /* exp(-inf - m): keys past the row */
                     /* tree_sum: pairs (2i, 2i + 1), level by level */
                     for (int i = 0; i < KB / 2; i++) a[i] = pr[2 * i] + pr[2 * i + 1];
                     for (int n = KB / 2; n > 1; n /= 2) {
