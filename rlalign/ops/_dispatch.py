@@ -1,7 +1,8 @@
 """Which backend runs a strict op: ``torch`` (reference, CPU and CUDA) or ``triton`` (CUDA, fast).
 
 ``RLALIGN_BACKEND=torch|triton`` forces one. Both engines of a run must use the same backend;
-they do, because they call the same ops in the same process configuration.
+they do, because they call the same ops in the same process configuration. The environment is read
+once, at the first op (this runs on every op call); :func:`refresh_env` re-reads it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,21 @@ def register(op: str, backend: str):
     return deco
 
 
+@functools.lru_cache(maxsize=1)
+def _env() -> tuple[str, str]:
+    return os.environ.get("RLALIGN_BACKEND", ""), os.environ.get("RLALIGN_TRITON_DISABLE", "")
+
+
+def refresh_env() -> None:
+    """Re-read ``RLALIGN_BACKEND``, ``RLALIGN_TRITON_DISABLE`` and ``RLALIGN_CPU_KERNELS`` (after changing
+    them at run time; they are read once, at first use)."""
+    from rlalign.ops.torch_backend import clib
+    _env.cache_clear()
+    clib.enabled.cache_clear()
+
+
 def backend_name(device: torch.device) -> str:
-    return _resolve_backend(device.type, os.environ.get("RLALIGN_BACKEND", ""))
+    return _resolve_backend(device.type, _env()[0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,8 +71,7 @@ def strict_impl(op: str, device: torch.device) -> Callable:
     ``RLALIGN_TRITON_DISABLE=op1,op2`` sends the named ops there (explicit opt-ins, for debugging).
     Resolved once per (op, device type, environment): this runs on every op call.
     """
-    return _resolve_impl(op, device.type, os.environ.get("RLALIGN_BACKEND", ""),
-                         os.environ.get("RLALIGN_TRITON_DISABLE", ""))
+    return _resolve_impl(op, device.type, *_env())
 
 
 @functools.lru_cache(maxsize=None)

@@ -137,9 +137,15 @@ def test_rms_norm_with_autograd_runs_the_formulation_and_agrees():
 
 
 def test_disabled_or_no_compiler_runs_the_formulation(monkeypatch, tmp_path):
+    from rlalign.ops._dispatch import refresh_env
     monkeypatch.setenv("RLALIGN_CPU_KERNELS", "0")
-    assert clib.library() is None
-    monkeypatch.delenv("RLALIGN_CPU_KERNELS")
+    refresh_env()
+    try:
+        assert clib.library() is None
+    finally:
+        monkeypatch.delenv("RLALIGN_CPU_KERNELS")
+        refresh_env()
+    assert clib.library() is not None
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("RLALIGN_CACHE_DIR", str(tmp_path / "cache"))
     clib._load.cache_clear()

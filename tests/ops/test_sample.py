@@ -372,6 +372,17 @@ def test_empty_batch():
     assert draw(torch.zeros(0, 7)).shape == (0,)
 
 
+@pytest.fixture
+def torch_backend_env(monkeypatch):
+    """RLALIGN_BACKEND=torch for one test (the environment is read once: refreshed on the way in and out)."""
+    from rlalign.ops._dispatch import refresh_env
+    monkeypatch.setenv("RLALIGN_BACKEND", "torch")
+    refresh_env()
+    yield
+    monkeypatch.undo()
+    refresh_env()
+
+
 # ---- native profile ---------------------------------------------------------------------------
 
 def test_native_profile_is_the_vendor_path():
@@ -385,8 +396,7 @@ def test_native_profile_is_the_vendor_path():
 
 
 @pytest.mark.cuda
-def test_cuda_row_token_is_batch_invariant(monkeypatch):
-    monkeypatch.setenv("RLALIGN_BACKEND", "torch")
+def test_cuda_row_token_is_batch_invariant(torch_backend_env):
     configs = [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=50, top_p=0.9),
                dict(temperature=1.3, top_k=0, top_p=0.95), dict(temperature=0.0, top_k=0, top_p=1.0)] * 40
     logits = rand_logits(len(configs), BIG_V, seed=21).cuda()

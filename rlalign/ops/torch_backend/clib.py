@@ -47,7 +47,9 @@ MAX_HEAD_DIM = 256
 MAX_NORM_SIZE = 16384
 
 
+@functools.lru_cache(maxsize=1)
 def enabled() -> bool:
+    """``RLALIGN_CPU_KERNELS`` != 0, read once (``rlalign.ops._dispatch.refresh_env`` re-reads it)."""
     return os.environ.get("RLALIGN_CPU_KERNELS", "1") != "0"
 
 

@@ -79,7 +79,7 @@ def tile_mm_segments(a: torch.Tensor, w: torch.Tensor, parts: int, row_block: in
     if mp > m:
         segs[:, m:] = 0.0
     out = torch.empty((parts, mp, n), dtype=a.dtype, device=a.device)
-    if a.device.type == "cpu" and t > 1 and t * n * k <= _ONE_BATCH_ELEMS and (n * seg) % 16 == 0:
+    if a.device.type == "cpu" and t * n * k <= _ONE_BATCH_ELEMS and (n * seg) % 16 == 0:
         # item (s, block) = segs[s, block] @ w_s^T; w_s repeated per block (a copy: a batch dim has
         # one stride), each copy a contiguous [N, K / parts] matrix starting 64-byte aligned like the
         # per-segment copies
