@@ -24,7 +24,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("attention.c", "norm.c", "elementwise.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("attention.c", "norm.c", "elementwise.c", "gemm.c"))
 # -ffp-contract=off: no fused multiply-add but the explicit fmaf calls (each a*b+c rounded as written);
 # no -ffast-math: no reassociation, so vectorised loops keep every row's order of operations.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC", "-shared")
@@ -90,6 +90,8 @@ def _load() -> ctypes.CDLL | None:
     lib.rl_silu_mul.restype = None
     lib.rl_tree_merge.argtypes = [f32_p, i64, i64, i64, f32_p, i64]
     lib.rl_tree_merge.restype = None
+    lib.rl_small_gemm.argtypes = [f32_p, i64, i64, f32_p, i64, i64, f32_p, i64]
+    lib.rl_small_gemm.restype = None
     return lib
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from rlalign.contract import spec
-from rlalign.ops.torch_backend.primitives import tile_mm, tile_mm_segments, tree_merge
+from rlalign.contract.spec import ROW_BLOCK
+from rlalign.ops.torch_backend.primitives import small_rows, tile_mm, tile_mm_segments, tree_merge
 
 
 def segment_count(k: int, segments: int) -> int:
@@ -17,10 +18,23 @@ def segment_count(k: int, segments: int) -> int:
 
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor, k_segments: int | None) -> torch.Tensor:
-    """x [M, K] fp32, w [N, K] fp32 -> fp32 [M, N], unrounded."""
-    if not k_segments or k_segments == 1:
-        return tile_mm(x, w)
-    p = segment_count(x.shape[1], k_segments)
+    """x [M, K] fp32, w [N, K] fp32 -> fp32 [M, N], unrounded.
+
+    Speed only: on the CPU the rows past the last whole 64-row block, when few, are computed without
+    their zero padding (primitives.small_rows, the same bits)."""
+    p = segment_count(x.shape[1], k_segments) if k_segments and k_segments > 1 else 1
+    m = x.shape[0]
+    full = m - m % ROW_BLOCK
+    if full < m:
+        tail = small_rows(x[full:], w, p)
+        if tail is not None:
+            if full == 0:
+                return tail
+            return torch.cat([_blocks(x[:full], w, p), tail])
+    return _blocks(x, w, p)
+
+
+def _blocks(x: torch.Tensor, w: torch.Tensor, p: int) -> torch.Tensor:
     if p == 1:
         return tile_mm(x.contiguous(), w.contiguous())
     # Each segment is reduced from zero on its own, then the fixed tree merges the partials;

@@ -10,6 +10,7 @@ position invariant) is listed in ``spec.cpu_backend_assumptions`` and checked by
 from __future__ import annotations
 
 import collections
+import functools
 
 import torch
 
@@ -95,31 +96,71 @@ def tile_mm_segments(a: torch.Tensor, w: torch.Tensor, parts: int, row_block: in
 # batched GEMM per segment instead of one for all (memory only).
 _ONE_BATCH_ELEMS = 1 << 20
 
-# The per-block weight copies of the last few weights (rollout calls every layer's with the same row
-# count, step after step): keyed by the weight's identity, storage and version counter, like chk.memo.
-_segment_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
-_SEGMENT_CACHE_SIZE = 16
+# Copies derived from a weight (per-block segment copies, the transpose) for the last few weights:
+# rollout calls every layer's with the same shapes, step after step. Keyed by the weight's identity,
+# storage and version counter, like chk.memo (a weight updated in place gets new copies).
+_weight_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_WEIGHT_CACHE_SIZE = 32
+
+
+def _derived(kind: tuple, w: torch.Tensor, build) -> torch.Tensor:
+    if w.is_inference():   # no version counter to key on
+        return build()
+    key = (kind, id(w), w.data_ptr(), w._version)
+    hit = _weight_cache.get(key)
+    if hit is not None and hit[0] is w:
+        _weight_cache.move_to_end(key)
+        return hit[1]
+    value = build()
+    _weight_cache[key] = (w, value)
+    if len(_weight_cache) > _WEIGHT_CACHE_SIZE:
+        _weight_cache.popitem(last=False)
+    return value
 
 
 def _segment_items(w: torch.Tensor, parts: int, t: int) -> torch.Tensor:
     """[parts * t, N, K / parts]: item (s, block) = segment s of w, a contiguous copy per row block."""
     n, seg = w.shape[0], w.shape[1] // parts
+    return _derived(("segments", parts, t), w, lambda: w.reshape(n, parts, seg).transpose(0, 1).unsqueeze(1)
+                    .expand(parts, t, n, seg).reshape(-1, n, seg))
 
-    def build():
-        return w.reshape(n, parts, seg).transpose(0, 1).unsqueeze(1).expand(parts, t, n, seg).reshape(-1, n, seg)
 
-    if w.is_inference():   # no version counter to key on
-        return build()
-    key = (id(w), w.data_ptr(), w._version, parts, t)
-    hit = _segment_cache.get(key)
-    if hit is not None and hit[0] is w:
-        _segment_cache.move_to_end(key)
-        return hit[1]
-    items = build()
-    _segment_cache[key] = (w, items)
-    if len(_segment_cache) > _SEGMENT_CACHE_SIZE:
-        _segment_cache.popitem(last=False)
-    return items
+# ---- a few rows without their padding (CPU) ------------------------------------------------------
+
+# Rows past the last whole 64-row block, up to this many, go through csrc/gemm.c instead of a padded
+# block: the kernel's cost grows with the rows, the padded tile's does not (measured break-even ~8-16).
+SMALL_ROWS = 8
+
+
+def small_rows(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor | None:
+    """The unrounded fp32 linear (``parts`` K segments, tree-merged) of a few rows a [m, K] with
+    w [N, K], by csrc/gemm.c: each row's bits are those of the padded 64-row tile (checked per
+    (K, N, parts) before first use, :func:`_small_matches`); None when the kernel does not apply."""
+    m, k = a.shape
+    if (a.device.type != "cpu" or a.dtype != torch.float32 or w.dtype != torch.float32 or not 0 < m <= SMALL_ROWS
+            or parts > 64 or clib.library() is None or not _small_matches(k, w.shape[0], parts)):
+        return None
+    return _small_gemm(a, w, parts)
+
+
+def _small_gemm(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
+    a = a.contiguous()
+    wt = _derived(("transposed",), w, lambda: w.t().contiguous())
+    out = torch.empty((a.shape[0], w.shape[0]), dtype=torch.float32)
+    clib.library().rl_small_gemm(a.data_ptr(), a.shape[0], a.shape[1], wt.data_ptr(), w.shape[0], parts,
+                                 out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _small_matches(k: int, n: int, parts: int) -> bool:
+    """Whether the kernel's FMA chains are the library's 64-row tile for this shape (they are for the
+    shapes measured, MKL on AVX2 and AVX-512, but the library may order some shapes otherwise):
+    random rows through both, every bit compared."""
+    gen = torch.Generator().manual_seed(k * 7919 + n * 31 + parts)
+    a, w = torch.randn(SMALL_ROWS, k, generator=gen), torch.randn(n, k, generator=gen)
+    tile = tile_mm(a, w) if parts == 1 else tree_merge(tile_mm_segments(a, w, parts))
+    return torch.equal(_small_gemm(a, w, parts).view(torch.int32), tile.view(torch.int32))
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
