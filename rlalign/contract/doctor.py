@@ -156,6 +156,11 @@ def _compiled_kernels(device, gen):
              ("rope", elementwise.rope(q, cos, sin), elementwise.rope_formula(q, cos, sin)),
              ("silu_mul", elementwise.silu_mul(x, up), elementwise.silu_mul_formula(x, up)),
              ("tree_merge", primitives._tree_merge_compiled(parts), primitives.tree_merge(list(parts.unbind(0)))))
+    for k, n, p in ((128, 384, 1), (384, 128, 8), (512, 96, 4)):
+        if primitives._small_matches(k, n, p):
+            a, wk = _randn(gen, primitives.SMALL_ROWS, k, device=device), _randn(gen, n, k, device=device)
+            tile = primitives.tile_mm(a, wk) if p == 1 else primitives.tree_merge(primitives.tile_mm_segments(a, wk, p))
+            pairs += ((f"linear rows ({k}x{n}, {p} segments)", primitives._small_gemm(a, wk, p), tile),)
     for name, got, want in pairs:
         if got is None or not _same(got, want):
             return False, f"{name}: the kernel's bits differ from the formulation's"
