@@ -19,10 +19,13 @@ sample (eos ignored: every engine generates the same number of tokens), temperat
 
 tokens/s = generated tokens / wall seconds of the generate call (model load, engine construction
 and a warm-up excluded: on the CPU the whole workload once, so that the engine measured first does not
-pay for the process's allocator settling; on CUDA 2 prompts x 4 tokens), the median of ``--repeat`` timed calls per engine (default 3 on the
-CPU, whose shared machines are noisy, 1 on CUDA); each row lists every call's seconds. The engine's
-prefix cache is emptied before each call, so no call reuses an earlier one's prompts. ``--verify`` also recomputes every strict-engine logprob with
-the trainer's packed forward and counts the tokens whose bits differ (must be 0).
+pay for the process's allocator settling; on CUDA 2 prompts x 4 tokens), the median of ``--repeat`` timed
+calls per engine (default 3 on the CPU, whose shared machines are noisy, 1 on CUDA); each row lists every
+call's seconds. On the CPU the engines' calls are interleaved (strict, native, transformers, strict, ...),
+so that a slow phase of a shared machine falls on all of them; on CUDA one engine at a time. The engine's
+prefix cache is emptied before each call, so no call reuses an earlier one's prompts. ``--verify`` also
+recomputes every strict-engine logprob with the trainer's packed forward and counts the tokens whose bits
+differ (must be 0).
 
 Model: ``--model DIR``; else ``--preset``; by default the embedded default model
 (rlalign/assets/default_model) when it exists on the CPU, the ``cpu-small`` preset otherwise, and
@@ -152,14 +155,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlalign-bench-") as tmp:
         model_dir, model_name = _model_dir(args, defaults, dtype, Path(tmp))
         workload = _workload(args, defaults, model_dir)
-        rows = []
-        for engine in engines:
-            _progress(f"{engine} ...")
-            if engine == "transformers":
-                rows.append(_bench_transformers(model_dir, workload, args, dtype))
-            else:
-                rows.append(_bench_engine(model_dir, workload, args, dtype, engine))
-            _progress(f"{engine}: {rows[-1]['tokens_per_s']:.1f} tokens/s in {rows[-1]['seconds']:.1f} s")
+        rows = _measure(engines, model_dir, workload, args, dtype)
     by_name = {r["profile"] if r["engine"] == "rlalign" else r["engine"]: r["tokens_per_s"] for r in rows}
     ratios = {f"{a}_vs_{b}": round(by_name[a] / by_name[b], 3)
               for a, b in (("strict", "native"), ("strict", "transformers"), ("native", "transformers"))
@@ -233,52 +229,98 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _bench_engine(model_dir: Path, workload: Workload, args, dtype: str, profile: str) -> dict:
+def _measure(engines: list[str], model_dir: Path, workload: Workload, args, dtype: str) -> list[dict]:
+    """Each engine set up and warmed up, then ``--repeat`` timed calls. On the CPU the engines are all
+    kept and their calls interleaved (strict, native, transformers, strict, ...): a shared machine's
+    slow phases then fall on every engine alike. On CUDA one engine at a time (each takes most of the
+    GPU's memory)."""
+    make = lambda name: _TransformersRun(model_dir, workload, args, dtype) if name == "transformers" else \
+        _EngineRun(model_dir, workload, args, dtype, name)
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    rows = []
+    if args.device == "cpu":
+        runners = {}
+        for name in engines:
+            _progress(f"{name}: set-up and warm-up ...")
+            runners[name] = make(name)
+        for _ in range(_repeats(args)):
+            for name in engines:
+                runs[name].append(runners[name].timed())
+        for name in engines:
+            rows.append(runners[name].row(runs[name]))
+            runners[name].close()
+            _progress(f"{name}: {rows[-1]['tokens_per_s']:.1f} tokens/s (median of {runs[name]})")
+        return rows
+    for name in engines:
+        _progress(f"{name} ...")
+        runner = make(name)
+        runs[name] = [runner.timed() for _ in range(_repeats(args))]
+        rows.append(runner.row(runs[name]))
+        runner.close()
+        _progress(f"{name}: {rows[-1]['tokens_per_s']:.1f} tokens/s in {rows[-1]['seconds']:.1f} s")
+    return rows
+
+
+class _EngineRun:
+    """The rlalign engine in one profile: set up and warmed up on creation; :meth:`timed` is one call."""
+
+    def __init__(self, model_dir: Path, workload: Workload, args, dtype: str, profile: str):
+        from rlalign.models.checkpoint import load_model
+        from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
+
+        self.args, self.workload, self.profile = args, workload, profile
+        self.model, _ = load_model(model_dir, dtype=dtype, device=args.device)
+        config = RolloutConfig(profile=profile, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                               max_num_batched_tokens=args.max_num_batched_tokens,
+                               kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
+                               decode_graphs=args.decode_graphs if profile == "strict" else "auto")
+        self.engine = RolloutEngine(self.model, config)
+        self.sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed,
+                                       ignore_eos=True)
+        # warm-up: compiles kernels and, with decode graphs, captures them (as an engine's start-up does)
+        t0 = time.perf_counter()
+        if _full_warmup(args):
+            self.engine.generate(workload.prompts, self.sampling)
+        else:
+            self.engine.generate(workload.prompts[:2], dataclasses.replace(self.sampling, max_new_tokens=4))
+        _sync(args.device)
+        self.warmup = time.perf_counter() - t0
+        self.completions = None
+
+    def timed(self) -> float:
+        self.engine.blocks.reset_prefix_cache()   # no call reuses an earlier call's prompt pages
+        self.engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
+        _sync(self.args.device)
+        t0 = time.perf_counter()
+        self.completions = self.engine.generate(self.workload.prompts, self.sampling)
+        _sync(self.args.device)
+        return time.perf_counter() - t0
+
+    def row(self, runs: list[float]) -> dict:
+        seconds = statistics.median(runs)
+        generated = sum(len(c.tokens) for c in self.completions)
+        stats = self.engine.stats()
+        row = {"engine": "rlalign", "profile": self.profile, "tokens_per_s": round(generated / seconds, 2),
+               "seconds": round(seconds, 3), "generated_tokens": generated, "steps": stats["steps"],
+               "forward_tokens": stats["forward_tokens"], "preemptions": stats["preemptions"],
+               "kv_pages": stats["num_pages"], "page_size": self.args.page_size, "graph_steps": stats["graph_steps"],
+               "warmup_seconds": round(self.warmup, 2), "runs_seconds": [round(r, 3) for r in runs]}
+        if self.args.verify and self.profile == "strict":
+            row.update(_verify(self.model, self.completions))
+        return row
+
+    def close(self) -> None:
+        _release(self, self.args.device)
+
+
+def _release(runner, device: str) -> None:
     import gc
 
     import torch
-    from rlalign.models.checkpoint import load_model
-    from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
-
-    model, _ = load_model(model_dir, dtype=dtype, device=args.device)
-    config = RolloutConfig(profile=profile, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens,
-                           kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
-                           decode_graphs=args.decode_graphs if profile == "strict" else "auto")
-    engine = RolloutEngine(model, config)
-    sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed, ignore_eos=True)
-    # warm-up: compiles kernels and, with decode graphs, captures them (as an engine's start-up does)
-    t0 = time.perf_counter()
-    if _full_warmup(args):
-        engine.generate(workload.prompts, sampling)
-    else:
-        engine.generate(workload.prompts[:2], dataclasses.replace(sampling, max_new_tokens=4))
-    _sync(args.device)
-    warmup = time.perf_counter() - t0
-    runs = []
-    for _ in range(_repeats(args)):
-        engine.blocks.reset_prefix_cache()   # no call reuses an earlier call's prompt pages
-        engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
-        _sync(args.device)
-        t0 = time.perf_counter()
-        completions = engine.generate(workload.prompts, sampling)
-        _sync(args.device)
-        runs.append(time.perf_counter() - t0)
-    seconds = statistics.median(runs)
-    generated = sum(len(c.tokens) for c in completions)
-    stats = engine.stats()
-    row = {"engine": "rlalign", "profile": profile, "tokens_per_s": round(generated / seconds, 2),
-           "seconds": round(seconds, 3), "generated_tokens": generated, "steps": stats["steps"],
-           "forward_tokens": stats["forward_tokens"], "preemptions": stats["preemptions"],
-           "kv_pages": stats["num_pages"], "page_size": args.page_size, "graph_steps": stats["graph_steps"],
-           "warmup_seconds": round(warmup, 2), "runs_seconds": [round(r, 3) for r in runs]}
-    if args.verify and profile == "strict":
-        row.update(_verify(model, completions))
-    del engine, model, completions
+    runner.__dict__.clear()
     gc.collect()
-    if args.device == "cuda":
+    if device == "cuda":
         torch.cuda.empty_cache()
-    return row
 
 
 def _verify(model, completions, token_budget: int = 8192) -> dict:
@@ -310,54 +352,64 @@ def _verify(model, completions, token_budget: int = 8192) -> dict:
     return {"logprob_tokens_checked": checked, "logprob_mismatches": mismatches}
 
 
-def _bench_transformers(model_dir: Path, workload: Workload, args, dtype: str) -> dict:
-    import gc
+class _TransformersRun:
+    """transformers ``generate`` on the same weights: set up and warmed up on creation; :meth:`timed` is
+    one pass over every prompt."""
 
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
+    def __init__(self, model_dir: Path, workload: Workload, args, dtype: str):
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    torch_dtype = getattr(torch, dtype)
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
-    except TypeError:  # transformers 4.x
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch_dtype)
-    hf = hf.to(args.device).eval()
-    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    eos = hf.config.eos_token_id if hf.config.eos_token_id is not None else pad
-    prompts = workload.prompts[:args.hf_prompts] if args.hf_prompts else workload.prompts
-    per_call = args.hf_batch_prompts or DEFAULTS[args.device].get("hf_batch_prompts") or len(prompts)
+        torch_dtype = getattr(torch, dtype)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
+        except TypeError:  # transformers 4.x
+            hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch_dtype)
+        self.hf = hf.to(args.device).eval()
+        self.args, self.workload = args, workload
+        self.pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+        self.eos = hf.config.eos_token_id if hf.config.eos_token_id is not None else self.pad
+        self.prompts = workload.prompts[:args.hf_prompts] if args.hf_prompts else workload.prompts
+        self.per_call = args.hf_batch_prompts or DEFAULTS[args.device].get("hf_batch_prompts") or len(self.prompts)
+        if _full_warmup(args):
+            self._all()
+        else:
+            self._call(self.prompts[:2], 4)
+        self.generated = 0
 
-    def run(batch_prompts, new_tokens):
+    def _call(self, batch_prompts, new_tokens) -> int:
+        import torch
+        dev, pad = self.args.device, self.pad
         width = max(len(p) for p in batch_prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=args.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=args.device)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=dev)
         with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              num_return_sequences=workload.samples, pad_token_id=pad, eos_token_id=eos)
+            out = self.hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                   top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                   num_return_sequences=self.workload.samples, pad_token_id=pad, eos_token_id=self.eos)
         return (out.shape[1] - width) * out.shape[0]
 
-    if _full_warmup(args):   # warm-up
-        for i in range(0, len(prompts), per_call):
-            run(prompts[i:i + per_call], workload.new_tokens)
-    else:
-        run(prompts[:2], 4)
-    runs = []
-    for _ in range(_repeats(args)):
-        _sync(args.device)
+    def _all(self) -> int:
+        n = self.workload.new_tokens
+        return sum(self._call(self.prompts[i:i + self.per_call], n) for i in range(0, len(self.prompts), self.per_call))
+
+    def timed(self) -> float:
+        _sync(self.args.device)
         t0 = time.perf_counter()
-        generated = sum(run(prompts[i:i + per_call], workload.new_tokens) for i in range(0, len(prompts), per_call))
-        _sync(args.device)
-        runs.append(time.perf_counter() - t0)
-    seconds = statistics.median(runs)
-    del hf
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    return {"engine": "transformers", "profile": "native", "tokens_per_s": round(generated / seconds, 2),
-            "seconds": round(seconds, 3), "generated_tokens": generated, "prompts": len(prompts),
-            "prompts_per_call": per_call, "version": transformers.__version__, "runs_seconds": [round(r, 3) for r in runs]}
+        self.generated = self._all()
+        _sync(self.args.device)
+        return time.perf_counter() - t0
+
+    def row(self, runs: list[float]) -> dict:
+        import transformers
+        seconds = statistics.median(runs)
+        return {"engine": "transformers", "profile": "native", "tokens_per_s": round(self.generated / seconds, 2),
+                "seconds": round(seconds, 3), "generated_tokens": self.generated, "prompts": len(self.prompts),
+                "prompts_per_call": self.per_call, "version": transformers.__version__,
+                "runs_seconds": [round(r, 3) for r in runs]}
+
+    def close(self) -> None:
+        _release(self, self.args.device)
 
 
 # ---- output --------------------------------------------------------------------------------------

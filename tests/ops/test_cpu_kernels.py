@@ -212,8 +212,9 @@ def test_tree_merge_compiled_equals_the_adds(p):
 
 @pytest.mark.parametrize("k,n,ks", [(128, 384, None), (128, 15, None), (128, 128, 8), (384, 128, 8), (96, 40, 2)])
 def test_few_rows_without_padding_equal_the_padded_tile(k, n, ks):
-    """linear_fp32's rows past the last whole 64-row block (up to SMALL_ROWS) come from csrc/gemm.c
-    when the shape passed its check: the same bits as the zero-padded 64-row tile."""
+    """linear_fp32's rows past the last whole 64-row block (up to SMALL_ROWS), and every row of a K
+    partition, come from csrc/gemm.c when the shape passed its check: the same bits as the zero-padded
+    64-row tiles."""
     from rlalign.ops.torch_backend import primitives as P
     from rlalign.ops.torch_backend.linear import _blocks, linear_fp32, segment_count
     p = segment_count(k, ks) if ks else 1
@@ -221,7 +222,7 @@ def test_few_rows_without_padding_equal_the_padded_tile(k, n, ks):
         pytest.skip(f"the library orders ({k}, {n}, {p}) otherwise on this machine: the padded tile runs")
     gen = torch.Generator().manual_seed(k + n)
     w = torch.randn(n, k, generator=gen)
-    for m in (1, 3, 8, 64 + 1, 128 + 7, 9):        # 9: past SMALL_ROWS, the padded tile
+    for m in (1, 3, 8, 64 + 1, 128 + 7, 9, 64, 512 + 13):
         x = torch.randn(m, k, generator=gen) * 3
         assert_same_bits(linear_fp32(x, w, ks), _blocks(x, w, p), f"linear m={m} k={k} n={n} segments={p}")
 
@@ -234,6 +235,6 @@ def test_few_rows_check_refuses_a_kernel_that_differs(monkeypatch):
     try:
         assert not P._small_matches(128, 64, 1)
         x, w = torch.randn(3, 128), torch.randn(64, 128)
-        assert P.small_rows(x, w, 1) is None              # refused: linear pads the rows instead
+        assert P.compiled_rows(x, w, 1) is None           # refused: linear pads the rows instead
     finally:
         P._small_matches.cache_clear()

@@ -90,8 +90,8 @@ def _load() -> ctypes.CDLL | None:
     lib.rl_silu_mul.restype = None
     lib.rl_tree_merge.argtypes = [f32_p, i64, i64, i64, f32_p, i64]
     lib.rl_tree_merge.restype = None
-    lib.rl_small_gemm.argtypes = [f32_p, i64, i64, f32_p, i64, i64, f32_p, i64]
-    lib.rl_small_gemm.restype = None
+    lib.rl_gemm.argtypes = [f32_p, i64, i64, f32_p, i64, i64, f32_p, i64]
+    lib.rl_gemm.restype = None
     return lib
 
 

@@ -6,7 +6,7 @@ import torch
 
 from rlalign.contract import spec
 from rlalign.contract.spec import ROW_BLOCK
-from rlalign.ops.torch_backend.primitives import small_rows, tile_mm, tile_mm_segments, tree_merge
+from rlalign.ops.torch_backend.primitives import SMALL_ROWS, compiled_rows, tile_mm, tile_mm_segments, tree_merge
 
 
 def segment_count(k: int, segments: int) -> int:
@@ -20,17 +20,20 @@ def segment_count(k: int, segments: int) -> int:
 def linear_fp32(x: torch.Tensor, w: torch.Tensor, k_segments: int | None) -> torch.Tensor:
     """x [M, K] fp32, w [N, K] fp32 -> fp32 [M, N], unrounded.
 
-    Speed only: on the CPU the rows past the last whole 64-row block, when few, are computed without
-    their zero padding (primitives.small_rows, the same bits)."""
+    Speed only, on the CPU (primitives.compiled_rows, the same bits): the canonical K partition runs
+    compiled (8 segment chains and the tree per output, instead of 8 narrow GEMMs and a merge pass), and
+    so do the rows past the last whole 64-row block when they are few (no zero padding multiplied out)."""
     p = segment_count(x.shape[1], k_segments) if k_segments and k_segments > 1 else 1
+    if p > 1:
+        out = compiled_rows(x, w, p)
+        if out is not None:
+            return out
     m = x.shape[0]
     full = m - m % ROW_BLOCK
     if full < m:
-        tail = small_rows(x[full:], w, p)
+        tail = compiled_rows(x[full:], w, p, max_rows=SMALL_ROWS)
         if tail is not None:
-            if full == 0:
-                return tail
-            return torch.cat([_blocks(x[:full], w, p), tail])
+            return tail if full == 0 else torch.cat([_blocks(x[:full], w, p), tail])
     return _blocks(x, w, p)
 
 

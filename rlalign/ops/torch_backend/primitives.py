@@ -125,20 +125,22 @@ def _segment_items(w: torch.Tensor, parts: int, t: int) -> torch.Tensor:
                     .expand(parts, t, n, seg).reshape(-1, n, seg))
 
 
-# ---- a few rows without their padding (CPU) ------------------------------------------------------
+# ---- the linear's GEMM compiled (CPU): a few rows without their padding, and the K partition ----------
 
 # Rows past the last whole 64-row block, up to this many, go through csrc/gemm.c instead of a padded
 # block: the kernel's cost grows with the rows, the padded tile's does not (measured break-even ~8-16).
 SMALL_ROWS = 8
 
 
-def small_rows(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor | None:
-    """The unrounded fp32 linear (``parts`` K segments, tree-merged) of a few rows a [m, K] with
-    w [N, K], by csrc/gemm.c: each row's bits are those of the padded 64-row tile (checked per
-    (K, N, parts) before first use, :func:`_small_matches`); None when the kernel does not apply."""
+def compiled_rows(a: torch.Tensor, w: torch.Tensor, parts: int, max_rows: int | None = None) -> torch.Tensor | None:
+    """The unrounded fp32 linear (``parts`` K segments, tree-merged) of the rows a [m, K] with w [N, K], by
+    csrc/gemm.c: each row's bits are those of the 64-row tile (checked per (K, N, parts) before first
+    use, :func:`_small_matches`); None when the kernel does not apply (not the CPU, not fp32, more than
+    ``max_rows`` rows, no compiler, or the check failed)."""
     m, k = a.shape
-    if (a.device.type != "cpu" or a.dtype != torch.float32 or w.dtype != torch.float32 or not 0 < m <= SMALL_ROWS
-            or parts > 64 or clib.library() is None or not _small_matches(k, w.shape[0], parts)):
+    if (a.device.type != "cpu" or a.dtype != torch.float32 or w.dtype != torch.float32 or m == 0
+            or (max_rows is not None and m > max_rows) or parts > 64 or clib.library() is None
+            or not _small_matches(k, w.shape[0], parts)):
         return None
     return _small_gemm(a, w, parts)
 
@@ -147,8 +149,8 @@ def _small_gemm(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
     a = a.contiguous()
     wt = _derived(("transposed",), w, lambda: w.t().contiguous())
     out = torch.empty((a.shape[0], w.shape[0]), dtype=torch.float32)
-    clib.library().rl_small_gemm(a.data_ptr(), a.shape[0], a.shape[1], wt.data_ptr(), w.shape[0], parts,
-                                 out.data_ptr(), torch.get_num_threads())
+    clib.library().rl_gemm(a.data_ptr(), a.shape[0], a.shape[1], wt.data_ptr(), w.shape[0], parts, out.data_ptr(),
+                           torch.get_num_threads())
     return out
 
 

@@ -1,47 +1,109 @@
-/* The strict linear's GEMM for a few rows, on the CPU: what the torch formulation computes with a
- * 64-row MKL tile (rows zero-padded to the block), without multiplying out the padding rows.
+/* The strict linear's GEMM on the CPU, for the shapes where it beats the library path: a few rows (what
+ * the torch formulation computes with a zero-padded 64-row MKL tile, without multiplying out the
+ * padding) and the canonical K partition (8 segment GEMMs of K/8 plus a tree merge, which MKL runs at a
+ * fraction of its speed).
  *
  * Bits. Each output element is, per K segment, an fp32 FMA chain over the segment's k in increasing
  * order starting from 0 -- what MKL's fixed-shape tile computes for the shapes measured (the caller
  * checks it for each (K, N, segments) before first use) -- and the segments' partials are merged by
- * the canonical balanced tree ((s0 + s1) + (s2 + s3)) + ..., as primitives.tree_merge does.
+ * the canonical balanced tree ((s0 + s1) + (s2 + s3)) + ..., as primitives.tree_merge does. Rows are
+ * computed in blocks of RB for speed; a row's operations do not depend on its block or neighbours.
  * -ffp-contract=off: no fused operation but the explicit fmaf.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
-#define NV 16         /* output columns per inner block */
+#define NV 16         /* output columns per block (two 8-wide vectors) */
+#define RB 4          /* rows per block */
 #define MAX_PARTS 64
 
-/* out[r][c] for rows r < m: x [m][k] fp32, wt [k][n] fp32 (the weight transposed), k = parts * seg */
-void rl_small_gemm(const float *x, int64_t m, int64_t k, const float *wt, int64_t n, int64_t parts, float *out,
-                   int64_t threads) {
+/* one segment's chains for RB rows x NV columns into acc: kept in 8 vector registers (with AVX2 + FMA;
+ * _mm256_fmadd_ps rounds each lane exactly as fmaf does) */
+static inline __attribute__((always_inline)) void chains(const float *x0, const float *x1, const float *x2,
+                                                         const float *x3, int64_t k0, int64_t k1, const float *wt,
+                                                         int64_t n, float acc[RB][NV]) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
+           a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
+           a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
+    for (int64_t kk = k0; kk < k1; kk++) {
+        const float *wr = wt + kk * n;
+        const __m256 w0 = _mm256_loadu_ps(wr), w1 = _mm256_loadu_ps(wr + 8);
+        __m256 v = _mm256_broadcast_ss(x0 + kk);
+        a00 = _mm256_fmadd_ps(v, w0, a00);
+        a01 = _mm256_fmadd_ps(v, w1, a01);
+        v = _mm256_broadcast_ss(x1 + kk);
+        a10 = _mm256_fmadd_ps(v, w0, a10);
+        a11 = _mm256_fmadd_ps(v, w1, a11);
+        v = _mm256_broadcast_ss(x2 + kk);
+        a20 = _mm256_fmadd_ps(v, w0, a20);
+        a21 = _mm256_fmadd_ps(v, w1, a21);
+        v = _mm256_broadcast_ss(x3 + kk);
+        a30 = _mm256_fmadd_ps(v, w0, a30);
+        a31 = _mm256_fmadd_ps(v, w1, a31);
+    }
+    _mm256_storeu_ps(acc[0], a00), _mm256_storeu_ps(acc[0] + 8, a01);
+    _mm256_storeu_ps(acc[1], a10), _mm256_storeu_ps(acc[1] + 8, a11);
+    _mm256_storeu_ps(acc[2], a20), _mm256_storeu_ps(acc[2] + 8, a21);
+    _mm256_storeu_ps(acc[3], a30), _mm256_storeu_ps(acc[3] + 8, a31);
+#else
+    const float *xs[RB] = {x0, x1, x2, x3};
+    for (int r = 0; r < RB; r++)
+        for (int i = 0; i < NV; i++) acc[r][i] = 0.0f;
+    for (int64_t kk = k0; kk < k1; kk++)
+        for (int r = 0; r < RB; r++)
+            for (int i = 0; i < NV; i++) acc[r][i] = fmaf(xs[r][kk], wt[kk * n + i], acc[r][i]);
+#endif
+}
+
+/* rows r0 .. r0 + rows - 1 (rows <= RB; missing rows read row r0, their results are dropped), columns
+ * c0 .. c0 + NV - 1 (all inside n) */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t k, const float *wt, int64_t n,
+                                                       int64_t parts, int64_t r0, int64_t rows, int64_t c0,
+                                                       float *out) {
     const int64_t seg = k / parts;
-    const int64_t blocks = (n + NV - 1) / NV;
+    const float *xr[RB];
+    for (int r = 0; r < RB; r++) xr[r] = x + (r0 + (r < rows ? r : 0)) * k;
+    float part[MAX_PARTS][RB][NV];
+    for (int64_t s = 0; s < parts; s++)
+        chains(xr[0], xr[1], xr[2], xr[3], s * seg, (s + 1) * seg, wt + c0, n, part[s]);
+    for (int64_t live = parts; live > 1; live /= 2)       /* the canonical tree, level by level */
+        for (int64_t s = 0; s < live / 2; s++)
+            for (int r = 0; r < RB; r++)
+                for (int i = 0; i < NV; i++) part[s][r][i] = part[2 * s][r][i] + part[2 * s + 1][r][i];
+    for (int64_t r = 0; r < rows; r++) memcpy(out + (r0 + r) * n + c0, part[0][r], NV * sizeof(float));
+}
+
+/* the last n % NV columns, row by row */
+static void tail_columns(const float *x, int64_t k, const float *wt, int64_t n, int64_t parts, int64_t r,
+                         int64_t c0, float *out) {
+    const int64_t seg = k / parts, width = n - c0;
+    float part[MAX_PARTS][NV];
+    for (int64_t s = 0; s < parts; s++) {
+        float acc[NV] = {0};
+        for (int64_t kk = s * seg; kk < (s + 1) * seg; kk++)
+            for (int64_t i = 0; i < width; i++) acc[i] = fmaf(x[r * k + kk], wt[kk * n + c0 + i], acc[i]);
+        memcpy(part[s], acc, sizeof acc);
+    }
+    for (int64_t live = parts; live > 1; live /= 2)
+        for (int64_t s = 0; s < live / 2; s++)
+            for (int i = 0; i < NV; i++) part[s][i] = part[2 * s][i] + part[2 * s + 1][i];
+    memcpy(out + r * n + c0, part[0], (size_t)width * sizeof(float));
+}
+
+/* out[r][c] for rows r < m: x [m][k] fp32, wt [k][n] fp32 (the weight transposed), k = parts * seg */
+void rl_gemm(const float *x, int64_t m, int64_t k, const float *wt, int64_t n, int64_t parts, float *out,
+             int64_t threads) {
+    const int64_t row_blocks = (m + RB - 1) / RB, col_blocks = n / NV;
     #pragma omp parallel for schedule(static) num_threads(threads) if (m * k * n >= (1 << 18))
-    for (int64_t job = 0; job < m * blocks; job++) {
-        const int64_t r = job / blocks, c0 = (job % blocks) * NV;
-        const int64_t width = n - c0 < NV ? n - c0 : NV;
-        const float *xr = x + r * k;
-        float part[MAX_PARTS][NV];
-        for (int64_t s = 0; s < parts; s++) {
-            float acc[NV];
-            for (int i = 0; i < NV; i++) acc[i] = 0.0f;
-            for (int64_t kk = s * seg; kk < (s + 1) * seg; kk++) {
-                const float xv = xr[kk];
-                const float *wr = wt + kk * n + c0;
-                if (width == NV) {
-                    for (int i = 0; i < NV; i++) acc[i] = fmaf(xv, wr[i], acc[i]);
-                } else {
-                    for (int64_t i = 0; i < width; i++) acc[i] = fmaf(xv, wr[i], acc[i]);
-                }
-            }
-            memcpy(part[s], acc, sizeof acc);
-        }
-        for (int64_t live = parts; live > 1; live /= 2)       /* the canonical tree, level by level */
-            for (int64_t s = 0; s < live / 2; s++)
-                for (int i = 0; i < NV; i++) part[s][i] = part[2 * s][i] + part[2 * s + 1][i];
-        memcpy(out + r * n + c0, part[0], (size_t)width * sizeof(float));
+    for (int64_t rb = 0; rb < row_blocks; rb++) {
+        const int64_t r0 = rb * RB, rows = m - r0 < RB ? m - r0 : RB;
+        for (int64_t cb = 0; cb < col_blocks; cb++) tile(x, k, wt, n, parts, r0, rows, cb * NV, out);
+        if (n % NV)
+            for (int64_t r = r0; r < r0 + rows; r++) tail_columns(x, k, wt, n, parts, r, col_blocks * NV, out);
     }
 }
