@@ -103,8 +103,32 @@ def flush() -> None:
             raise fail(op, f"{message} (detected on the device at the next sync point)")
 
 
-_memo: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
-_MEMO_SIZE = 16
+class TensorCache:
+    """A small LRU of values derived from tensors, keyed by ``kind``, ``extra`` and each tensor's identity,
+    storage and in-place version counter (a tensor written in place gets a new entry). An entry holds
+    its tensors, so an id cannot be reused by another tensor while it is cached. Inference tensors
+    (torch.inference_mode, e.g. vLLM's) carry no version counter: never cached, computed every time."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.entries: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+
+    def get(self, kind, compute, tensors: tuple, extra: tuple = ()):
+        if any(t.is_inference() for t in tensors):
+            return compute()
+        key = (kind, extra) + tuple((id(t), t.data_ptr(), t._version) for t in tensors)
+        hit = self.entries.get(key)
+        if hit is not None:
+            self.entries.move_to_end(key)
+            return hit[1]
+        value = compute()    # a failing compute raises and caches nothing
+        self.entries[key] = (tensors, value)
+        if len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
+
+
+_memo = TensorCache(16)
 
 
 class _CaptureState:
@@ -149,28 +173,14 @@ def memo(kind: str, compute, *tensors: torch.Tensor, extra: tuple = (), capturin
     """``compute()`` once per (kind, tensors, extra): a batch's index tensors (cu_seqlens, seq_lens,
     block_table, slot_mapping) are the same objects in every layer of a forward, so their
     validation and the host values derived from them need one device sync per forward, not one
-    per layer. The key is each tensor's identity, storage and in-place version counter; the entry
-    holds the tensors themselves, so an id cannot be reused by another tensor while it is cached.
-    A failing ``compute`` raises and caches nothing.
+    per layer. Cached in a :class:`TensorCache` (a failing ``compute`` raises and caches nothing).
 
     While a CUDA graph is captured (:func:`capturing_graph`) nothing is cached and ``compute`` (which
     may sync) is not called: the result is ``capturing()``, which must not sync (None when omitted:
-    validation only). Inference tensors (made under torch.inference_mode, e.g. by vLLM) carry no
-    version counter, so they are never cached: ``compute()`` runs on every call."""
+    validation only)."""
     if is_capturing():
         return None if capturing is None else capturing()
-    if any(t.is_inference() for t in tensors):
-        return compute()   # inference tensors have no version counter: nothing safe to key on
-    key = (kind, extra) + tuple((id(t), t.data_ptr(), t._version) for t in tensors)
-    hit = _memo.get(key)
-    if hit is not None:
-        _memo.move_to_end(key)
-        return hit[1]
-    value = compute()
-    _memo[key] = (tensors, value)
-    if len(_memo) > _MEMO_SIZE:
-        _memo.popitem(last=False)
-    return value
+    return _memo.get(kind, compute, tensors, extra)
 
 
 def contiguous(op: str, name: str, t: torch.Tensor) -> None:
@@ -183,5 +193,5 @@ def index_dtype(op: str, name: str, t: torch.Tensor) -> None:
         raise fail(op, f"{name} must be an int32/int64 tensor, got {t.dtype}")
 
 
-__all__ = ["ContractError", "dtype_ok", "same_device", "ndim", "finite", "flush", "requeue", "memo", "capturing_graph",
+__all__ = ["ContractError", "TensorCache", "dtype_ok", "same_device", "ndim", "finite", "flush", "requeue", "memo", "capturing_graph",
            "is_capturing", "capture_hint", "contiguous", "index_dtype"]

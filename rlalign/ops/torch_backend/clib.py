@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("attention.c", "norm.c", "elementwise.c", "gemm.c"))
+HEADERS = (Path(__file__).with_name("csrc") / "common.h",)
 # -ffp-contract=off: no fused multiply-add but the explicit fmaf calls (each a*b+c rounded as written);
 # no -ffast-math: no reassociation, so vectorised loops keep every row's order of operations.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC", "-shared")
@@ -115,7 +116,7 @@ def _build() -> Path:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256()
-    for part in [*(p.read_bytes() for p in SOURCES), " ".join(FLAGS + OPENMP).encode(), version.encode(),
+    for part in [*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(FLAGS + OPENMP).encode(), version.encode(),
                  _cpu_id().encode(), platform.machine().encode()]:
         digest.update(part)
     cache = Path(os.environ.get("RLALIGN_CACHE_DIR") or Path.home() / ".cache" / "rlalign")

@@ -9,12 +9,12 @@ position invariant) is listed in ``spec.cpu_backend_assumptions`` and checked by
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import torch
 
 from rlalign.contract import spec
+from rlalign.ops import _checks as chk
 from rlalign.ops.torch_backend import clib
 
 
@@ -97,25 +97,13 @@ def tile_mm_segments(a: torch.Tensor, w: torch.Tensor, parts: int, row_block: in
 _ONE_BATCH_ELEMS = 1 << 20
 
 # Copies derived from a weight (per-block segment copies, the transpose) for the last few weights:
-# rollout calls every layer's with the same shapes, step after step. Keyed by the weight's identity,
-# storage and version counter, like chk.memo (a weight updated in place gets new copies).
-_weight_cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
-_WEIGHT_CACHE_SIZE = 32
+# rollout calls every layer's with the same shapes, step after step (a weight updated in place gets
+# new copies: the cache keys on its version counter).
+_weight_copies = chk.TensorCache(32)
 
 
 def _derived(kind: tuple, w: torch.Tensor, build) -> torch.Tensor:
-    if w.is_inference():   # no version counter to key on
-        return build()
-    key = (kind, id(w), w.data_ptr(), w._version)
-    hit = _weight_cache.get(key)
-    if hit is not None and hit[0] is w:
-        _weight_cache.move_to_end(key)
-        return hit[1]
-    value = build()
-    _weight_cache[key] = (w, value)
-    if len(_weight_cache) > _WEIGHT_CACHE_SIZE:
-        _weight_cache.popitem(last=False)
-    return value
+    return _weight_copies.get(kind, build, (w,))
 
 
 def _segment_items(w: torch.Tensor, parts: int, t: int) -> torch.Tensor:

@@ -17,9 +17,7 @@
  * reads keys and values of its own sequence up to its own position, so its bits cannot depend on
  * the other rows, sequences or the page layout.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "common.h"
 
 #define KB 64        /* keys per block (spec.ATTN_KV_BLOCK) */
 #define MAX_D 256    /* largest head_dim handled here (the caller checks) */
@@ -49,13 +47,6 @@ typedef struct {
     float *p_arg, *a_arg, *m_out, *l, *acc, *out;
     int bad;
 } task;
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* Pointers to the rows of keys first .. first + n - 1 of (sequence s, kv head h), all inside the
  * context; bf16 rows are widened (exactly) into buf [n][d]. */

@@ -1,26 +1,7 @@
 /* Strict elementwise helpers on the CPU: the finiteness check of the ops' inputs, RoPE and the SwiGLU
  * product, written out as the torch formulation's operations in the same order (-ffp-contract=off;
  * torch's exp is applied by the caller where the formulation uses it). */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-/* below this many elements a call runs on one thread (torch's grain size) */
-#define PARALLEL_MIN 32768
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if (isnan(f)) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "common.h"
 
 /* 1 if any of the n values is NaN or +-inf (all exponent bits set), else 0 */
 int rl_any_nonfinite(const void *x, int64_t n, int64_t bf16) {

@@ -10,9 +10,7 @@
  * computed in blocks of RB for speed; a row's operations do not depend on its block or neighbours.
  * -ffp-contract=off: no fused operation but the explicit fmaf.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "common.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif

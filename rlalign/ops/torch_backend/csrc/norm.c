@@ -10,33 +10,13 @@
  * Every step is one correctly rounded fp32 operation, in the order written (-ffp-contract=off), so
  * the bits equal the torch formulation's; the tests compare the two with torch.equal.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "common.h"
 
 #define MAX_H 16384   /* larger rows: the caller runs the torch formulation */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* fp32 -> bf16, round to nearest even (NaN -> a quiet NaN), as torch's .to(torch.bfloat16) */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if (isnan(f)) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 static inline float load(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
-
-/* below this many elements a call runs on one thread (torch's grain size) */
-#define PARALLEL_MIN 32768
 
 /* Phase 1, per row: ms_eps[r] = tree_sum(x * x) / H + eps. x rows [rows][h] (bf16 != 0: bfloat16, else
  * float32). Rows are independent: OpenMP threads (torch's pool) take contiguous ranges. */
