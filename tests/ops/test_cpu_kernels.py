@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from rlalign import ops
 from rlalign.ops.torch_backend import attention as A
 from rlalign.ops.torch_backend import clib, norm
+from tests.ops.test_cpu_speedpaths import _paged_case as paged_case
 
 pytestmark = pytest.mark.skipif(clib.library() is None, reason="the CPU kernels could not be built here")
 
@@ -32,19 +33,7 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str = "") -> N
 
 
 def _paged_case(gen, lens, n_new, hq, hkv, d, ps, dtype):
-    n_pages = sum(-(-n // ps) for n in lens) + 2
-    perm = torch.randperm(n_pages, generator=gen).tolist()
-    tables, nxt = [], 0
-    for n in lens:
-        tables.append(perm[nxt:nxt + -(-n // ps)])
-        nxt += len(tables[-1])
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    kc = (torch.randn(n_pages, ps, hkv, d, generator=gen) * 3).to(dtype)
-    vc = torch.randn(n_pages, ps, hkv, d, generator=gen).to(dtype)
-    q = torch.randn(sum(n_new), hq, d, generator=gen).to(dtype)
-    cu = torch.tensor([0] + torch.tensor(n_new).cumsum(0).tolist(), dtype=torch.int32)
-    return q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), cu
+    return paged_case(gen, lens, n_new, hq, hkv, d, ps, dtype, garbage=False)
 
 
 _SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
