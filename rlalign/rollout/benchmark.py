@@ -232,13 +232,13 @@ def _sync(device: str) -> None:
 def _measure(engines: list[str], model_dir: Path, workload: Workload, args, dtype: str) -> list[dict]:
     """Each engine set up and warmed up, then ``--repeat`` timed calls. On the CPU the engines are all
     kept and their calls interleaved (strict, native, transformers, strict, ...): a shared machine's
-    slow phases then fall on every engine alike. On CUDA one engine at a time (each takes most of the
-    GPU's memory)."""
+    slow phases then fall on every engine alike (unless their weights would take over a third of the
+    memory). On CUDA one engine at a time (each takes most of the GPU's memory)."""
     make = lambda name: _TransformersRun(model_dir, workload, args, dtype) if name == "transformers" else \
         _EngineRun(model_dir, workload, args, dtype, name)
     runs: dict[str, list[float]] = {name: [] for name in engines}
     rows = []
-    if args.device == "cpu":
+    if args.device == "cpu" and _fits_all_at_once(model_dir, len(engines)):
         runners = {}
         for name in engines:
             _progress(f"{name}: set-up and warm-up ...")
@@ -259,6 +259,17 @@ def _measure(engines: list[str], model_dir: Path, workload: Workload, args, dtyp
         runner.close()
         _progress(f"{name}: {rows[-1]['tokens_per_s']:.1f} tokens/s in {rows[-1]['seconds']:.1f} s")
     return rows
+
+
+def _fits_all_at_once(model_dir: Path, count: int) -> bool:
+    """Whether ``count`` copies of the checkpoint's weights (one per engine kept at once) stay under a
+    third of this machine's memory (else the engines run one at a time)."""
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return count * weights < memory / 3
 
 
 class _EngineRun:
