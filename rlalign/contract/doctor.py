@@ -142,7 +142,8 @@ def _compiled_kernels(device, gen):
     from rlalign.ops.torch_backend import attention, clib, elementwise, norm, primitives
     if clib.library() is None:
         return True, "not built here (no C compiler, or RLALIGN_CPU_KERNELS=0): the torch formulation runs"
-    dims = [d for d in (16, 32, 64, 128) if attention._compiled_matches(d)]
+    threads = torch.get_num_threads()
+    dims = [d for d in (16, 32, 64, 128) if attention._compiled_matches(d, threads)]
     for d in dims:
         lens = torch.randint(1, 200, (5,), generator=gen).tolist()
         n_new = [1 if i % 2 else int(torch.randint(1, n + 1, (1,), generator=gen)) for i, n in enumerate(lens)]
@@ -157,10 +158,10 @@ def _compiled_kernels(device, gen):
              ("silu_mul", elementwise.silu_mul(x, up), elementwise.silu_mul_formula(x, up)),
              ("tree_merge", primitives._tree_merge_compiled(parts), primitives.tree_merge(list(parts.unbind(0)))))
     for k, n, p in ((128, 384, 1), (384, 128, 8), (512, 96, 4)):
-        if primitives._small_matches(k, n, p):
+        if primitives._gemm_matches(k, n, p, threads):
             a, wk = _randn(gen, 70, k, device=device), _randn(gen, n, k, device=device)
             tile = primitives.tile_mm(a, wk) if p == 1 else primitives.tree_merge(primitives.tile_mm_segments(a, wk, p))
-            pairs += ((f"linear rows ({k}x{n}, {p} segments)", primitives._small_gemm(a, wk, p), tile),)
+            pairs += ((f"linear rows ({k}x{n}, {p} segments)", primitives._gemm(a, wk, p), tile),)
     for name, got, want in pairs:
         if got is None or not _same(got, want):
             return False, f"{name}: the kernel's bits differ from the formulation's"

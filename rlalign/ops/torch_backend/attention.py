@@ -414,16 +414,18 @@ def _compiled_applies(device: torch.device, d: int) -> bool:
     """Whether csrc/attention.c runs this call: on the CPU, when the kernels are built and reproduced
     the torch formulation bit for bit for this head_dim on this machine (:func:`_compiled_matches`).
     Otherwise the torch formulation runs -- the same bits, slower."""
-    return device.type == "cpu" and d <= clib.MAX_HEAD_DIM and clib.library() is not None and _compiled_matches(d)
+    return (device.type == "cpu" and d <= clib.MAX_HEAD_DIM and clib.library() is not None
+            and _compiled_matches(d, torch.get_num_threads()))
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_matches(d: int) -> bool:
+def _compiled_matches(d: int, threads: int) -> bool:
     """The kernels compute q.k and p.v as increasing-order FMA chains, which is what the library's
     fixed-shape GEMM tiles of the formulation compute for the head dims seen (MKL, AVX2: 16 to 128) --
     but not for every one (d = 8: p.v is ordered otherwise; d = 256: q.k is split). So before the first
     use for a head_dim, both paths run a paged call (decode, prefill chunks, contexts of 1 to 3 key
-    blocks) and a packed one on random inputs; the kernels are used only if every bit agrees."""
+    blocks) and a packed one on random inputs; the kernels are used only if every bit agrees. Per
+    thread count too: the library's tiles may depend on it."""
     return compiled_agrees(d, torch.Generator().manual_seed(1000 + d), [1, 70, 150, 9, 64], [1, 6, 1, 9, 2])
 
 
@@ -491,9 +493,7 @@ def _c_online_softmax(lay: _CLayout, q: torch.Tensor, k: torch.Tensor, v: torch.
     d = q.shape[-1]
     q_rows = q.reshape(-1, d).float().contiguous()
     rows = q_rows.shape[0]
-    k, v = k.contiguous(), v.contiguous()
-    if k.dtype not in (torch.float32, torch.bfloat16):   # strict dtypes only; the C side reads fp32 or bf16
-        raise fail("attention", f"unsupported K/V dtype {k.dtype}")
+    k, v = k.contiguous(), v.contiguous()   # fp32 or bf16: the op validated the strict dtypes
     layout = ctypes.byref(lay.struct(k, v, hq, hkv, d))
     threads = torch.get_num_threads()
     # per-thread scratch (the per-row state; every entry a row reads is written first)

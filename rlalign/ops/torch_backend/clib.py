@@ -24,6 +24,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("attention.c", "norm.c", "elementwise.c", "gemm.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "common.h",)
 # -ffp-contract=off: no fused multiply-add but the explicit fmaf calls (each a*b+c rounded as written);
@@ -52,6 +54,17 @@ MAX_NORM_SIZE = 16384
 def enabled() -> bool:
     """``RLALIGN_CPU_KERNELS`` != 0, read once (``rlalign.ops._dispatch.refresh_env`` re-reads it)."""
     return os.environ.get("RLALIGN_CPU_KERNELS", "1") != "0"
+
+
+def for_tensors(*tensors):
+    """The kernels, when they may run on these tensors: CPU, non-empty, nothing for autograd to record
+    (with autograd the differentiable formulation runs: the same bits); else None."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.numel() == 0:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return library()
 
 
 def library() -> ctypes.CDLL | None:
@@ -141,4 +154,4 @@ def _build() -> Path:
     return target
 
 
-__all__ = ["Layout", "MAX_HEAD_DIM", "enabled", "library"]
+__all__ = ["Layout", "MAX_HEAD_DIM", "MAX_NORM_SIZE", "enabled", "for_tensors", "library"]

@@ -7,14 +7,10 @@ import torch
 from rlalign.ops.torch_backend import clib
 
 
-def _no_autograd_on_cpu(*tensors: torch.Tensor) -> bool:
-    return tensors[0].device.type == "cpu" and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x [T, H, D]; cos/sin [T, D/2] fp32 (from float64 tables). Without autograd on
     the CPU the same operations run compiled (csrc/elementwise.c, the same bits)."""
-    lib = clib.library() if _no_autograd_on_cpu(x) and x.numel() else None
+    lib = clib.for_tensors(x)
     if lib is not None:
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty_like(x)
@@ -37,7 +33,7 @@ def rope_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in fp32; silu(g) = g / (1 + exp(-g)) (not torch.sigmoid: see contract). Without
     autograd on the CPU: torch's exp(-g), then the rest compiled (csrc/elementwise.c, the same bits)."""
-    lib = clib.library() if _no_autograd_on_cpu(gate, up) and gate.numel() else None
+    lib = clib.for_tensors(gate, up)
     if lib is not None:
         gate, up = gate.contiguous(), up.contiguous()
         e = torch.exp(-gate.float()).contiguous()

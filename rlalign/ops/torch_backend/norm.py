@@ -30,10 +30,8 @@ def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
 
 def _compiled(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """csrc/norm.c's rl_rms_norm when it applies (CPU, no autograd, rows it takes), else None."""
-    if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return None
-    lib = clib.library()
-    if lib is None or x.shape[-1] > clib.MAX_NORM_SIZE or x.numel() == 0:
+    lib = clib.for_tensors(x, weight)
+    if lib is None or x.shape[-1] > clib.MAX_NORM_SIZE:
         return None
     x, weight = x.contiguous(), weight.contiguous()
     h = x.shape[-1]
