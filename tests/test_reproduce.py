@@ -31,7 +31,7 @@ COMMANDS = sorted({c.command for c in CLAIMS})
 
 def _forms(value: float) -> set[str]:
     """The ways a published value may be written in prose (117933 -> '117,933'; 7.1 -> '7.10')."""
-    forms = {f"{value:g}", f"{value:.2f}", f"{value:.3f}", f"{value:.4f}"}
+    forms = {f"{value:g}", f"{value:.1f}", f"{value:.2f}", f"{value:.3f}", f"{value:.4f}"}
     if float(value).is_integer():
         forms |= {f"{int(value):,}", str(int(value))}
     return forms
