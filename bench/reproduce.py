@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -213,8 +212,9 @@ PARITY_06B = ("python scripts/shaped_model.py qwen3-0.6b {out}/m && rlalign pari
               "--prompts 16 --samples 4 --max-new-tokens 64 --json")
 PARITY_8B = ("python scripts/shaped_model.py qwen3-8b {out}/m && rlalign parity --model {out}/m --device cuda "
              "--prompts 8 --samples 4 --max-new-tokens 32 --json")
-PARITY_06B_NATIVE = ("python scripts/shaped_model.py qwen3-0.6b {out}/m && rlalign parity --model {out}/m --device cuda "
-                     "--profile native --train transformers --prompts 16 --samples 4 --max-new-tokens 16 --json")
+PARITY_06B_NATIVE = ("python scripts/shaped_model.py qwen3-0.6b {out}/m && rlalign parity --model {out}/m "
+                     "--device cuda --profile native --train transformers --prompts 16 --samples 4 "
+                     "--max-new-tokens 16 --json")
 PARITY_CPU_NATIVE = "rlalign parity --profile native --train transformers --prompts 16 --samples 4 --json"
 TIMING_REL = Check("rel", 0.15)   # a shared CPU's runs spread about this much; the GPU's less
 GPU_REL = Check("rel", 0.10)
@@ -233,14 +233,15 @@ CLAIMS: tuple[Claim, ...] = (
           ("differing", "compared"), DEFAULT_TRAIN, "run/metrics.jsonl", train_mismatches, "cpu", 1,
           DETERMINISTIC, EXACT, DEFAULT_TRAIN_RECORDED, recorded_matches=False,
           note="rollout vs trainer log-prob of every sampled token of every step"),
-    Claim("cpu-native-parity", "README.md", "differ on **470 of 618** sampled tokens", (470, 618), ("differing", "compared"),
-          PARITY_CPU_NATIVE, "stdout", parity_counts, "cpu", 1,
+    Claim("cpu-native-parity", "README.md", "differ on **470 of 618** sampled tokens", (470, 618),
+          ("differing", "compared"), PARITY_CPU_NATIVE, "stdout", parity_counts, "cpu", 1,
           "deterministic at a fixed thread count on one machine (stock kernels do not change from run to run; "
           "they change with the batch): one run", EXACT, "bench/runs/parity_cpu_native.json",
           note="native profile: the engine's log-probs vs transformers' training forward, embedded model",
           exit_ok=(0, 1)),   # rlalign parity exits 1 when log-probs differ: here that is the finding
-    Claim("h200-native-parity", "README.md", "[pending H200 run, `python bench/reproduce.py --only h200-native-parity`]",
-          None, ("differing", "compared"), PARITY_06B_NATIVE, "stdout", parity_counts, "cuda", 1,
+    Claim("h200-native-parity", "README.md",
+          "[pending H200 run, `python bench/reproduce.py --only h200-native-parity`]", None,
+          ("differing", "compared"), PARITY_06B_NATIVE, "stdout", parity_counts, "cuda", 1,
           "deterministic at a fixed machine and batch (stock kernels repeat themselves run to run): one run", EXACT,
           "bench/runs/parity_cpu_native.json", recorded_matches=False, exit_ok=(0, 1),
           note="native profile: the engine's log-probs vs transformers' training forward, Qwen3-0.6B shape, bf16"),
@@ -361,7 +362,7 @@ class Run:
     error: str | None = None
 
 
-def run_command(command: str, output: str, exit_ok: tuple[int, ...] = (0,)) -> Run:
+def run_command(command: str, output: str, exit_ok: tuple[int, ...] = (0,), timeout: float | None = None) -> Run:
     """One run of ``command`` in a fresh folder; its output's text (stdout or the named file)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory(prefix="rlalign-reproduce-") as tmp:
@@ -369,7 +370,11 @@ def run_command(command: str, output: str, exit_ok: tuple[int, ...] = (0,)) -> R
         load_before, t0, stdout = os.getloadavg()[0], time.perf_counter(), ""
         steps = argv_steps(command, out)
         for i, argv in enumerate(steps):
-            proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+            try:
+                proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return Run(None, time.perf_counter() - t0, load_before, os.getloadavg()[0],
+                           f"timed out after {timeout:g} s in `{shlex.join(argv)}`")
             if proc.returncode not in (exit_ok if i == len(steps) - 1 else (0,)):
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
                 return Run(None, time.perf_counter() - t0, load_before, os.getloadavg()[0],
@@ -420,6 +425,8 @@ def _fmt(values) -> str:
 def print_result(claim: Claim, r: dict) -> None:
     published = _fmt(claim.published) if claim.published is not None else "(not published)"
     print(f"{claim.id}  [{claim.device}]  {' / '.join(claim.labels)}")
+    if claim.note:
+        print(f"    what:       {claim.note}")
     print(f"    command:    {claim.command}")
     if "median" in r:
         print(f"    published:  {published}")
@@ -469,16 +476,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="runs per timing claim (default: each claim's own, >= 3); "
                                                "deterministic claims always run once")
     p.add_argument("--json", metavar="OUT", help="also write every claim's result to this JSON file")
-    p.add_argument("--save-outputs", metavar="DIR", help="keep each run's raw output here (to record under bench/runs/)")
+    p.add_argument("--save-outputs", metavar="DIR",
+                   help="keep each run's raw output here, as <claim id>_<run>.<ext> (to record under bench/runs/)")
+    p.add_argument("--timeout", type=float, metavar="S", help="give up on a command run after S seconds")
     p.add_argument("--list", action="store_true", help="print the claims table and exit")
     args = p.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         raise SystemExit("reproduce: --repeats must be >= 1")
     if args.list:
         for c in CLAIMS:
-            print(f"{c.id:32} {c.device:7} x{c.repeats}  {_fmt(c.published) if c.published else '-':>16}  {c.command}")
+            published = _fmt(c.published) if c.published else "-"
+            print(f"{c.id:32} {c.device:7} x{c.repeats}  {published:>16}  {c.command}")
         return 0
     chosen = select(args.only, args.device)
+    if not chosen:
+        raise SystemExit("reproduce: no claim to run here (their device is not present); --list shows the table")
     print(f"reproduce: {len(chosen)} claims; {environment()}", flush=True)
     results, runs_of = [], {}
     for claim in chosen:
@@ -486,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         key = (claim.command, claim.output)
         runs = runs_of.setdefault(key, [])
         while len(runs) < wanted:   # claims on one command share its runs
-            runs.append(run_command(claim.command, claim.output, claim.exit_ok))
+            runs.append(run_command(claim.command, claim.output, claim.exit_ok, args.timeout))
             if args.save_outputs and runs[-1].text is not None:
                 save_output(Path(args.save_outputs), claim, len(runs), runs[-1].text)
         result = summarize(claim, runs[:wanted])
