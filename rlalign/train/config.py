@@ -116,6 +116,7 @@ class RunSection:
     eval_samples: int = 2              # samples per held-out problem for eval/accuracy (at the rollout temperature)
     checkpoint_every: int = 20
     resume: bool = False
+    overwrite: bool = False            # a fresh run may replace the files of a previous run in run.dir
     progress: bool = True
     max_minutes: float | None = None   # stop (after a checkpoint) when exceeded
 

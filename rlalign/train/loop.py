@@ -38,6 +38,7 @@ from rlalign.rollout.config import SamplingParams
 from rlalign.train.engines import build_rollout_engine
 from rlalign.train.config import TrainConfig
 from rlalign.train.packing import micro_batches, score_completions, score_in_micro_batches
+from rlalign.train.rundir import open_run_dir
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
 from rlalign.train.value import ValueModel, value_loss
@@ -122,9 +123,13 @@ class Trainer:
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def resume_if_asked(self) -> None:
-        if not self.cfg.run.resume and (self.run_dir / "checkpoints" / "latest.json").exists():
-            raise SetupError(f"run directory {self.run_dir} already holds a run with checkpoints; continue it with "
-                             "run.resume=true, or choose a new run.dir (nothing was overwritten)")
+        """Lock and prepare the run directory (rlalign.train.rundir), then load the last checkpoint when
+        ``run.resume``: a fresh run needs an empty directory (or ``run.overwrite``), a resume a checkpoint."""
+        self.run_lock = None
+        if self.writer:
+            self.run_lock = open_run_dir(self.run_dir, resume=self.cfg.run.resume, overwrite=self.cfg.run.overwrite)
+            self._note(f"removed leftovers of an interrupted run: {', '.join(self.run_lock.removed)}"
+                       if self.run_lock.removed else None)
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
             self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()
@@ -139,6 +144,11 @@ class Trainer:
             self.value_optimizer.load_state_dict(state["value_optimizer"])
         self.engine.update_weights(par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
+        self._note(getattr(self.metrics, "note", None))
+
+    def _note(self, text: "str | None") -> None:
+        if text and self.console is not None:
+            self.console.print(f"note: {text}")
 
     def save(self) -> None:
         model, optimizer = par.policy_weights(self.policy), par.optimizer_state(self.optimizer, self.tp)
@@ -422,6 +432,16 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
         return par.launch(cfg)
     trainer = Trainer(cfg, console)
     trainer.resume_if_asked()
+    try:
+        _train_to_end(trainer, cfg, console)
+        trainer.save_policy()
+    finally:
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()
+    return trainer.run_dir
+
+
+def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
     progress = _Progress(cfg, console, trainer.step)
     started = time.perf_counter()
     try:
@@ -445,8 +465,6 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
                 break
     finally:
         progress.close()
-    trainer.save_policy()
-    return trainer.run_dir
 
 
 class _Progress:
