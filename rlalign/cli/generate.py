@@ -50,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
     from rlalign.models import load_model, load_tokenizer
     from rlalign.rollout.completions import generate_completions as generate
 
+    from rlalign.cli._device import require_device
+
     try:
+        require_device(args.device)
         model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
         tokenizer = load_tokenizer(args.model)
         with use_profile(args.profile):
