@@ -92,9 +92,11 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int =
     path = ckpt_dir / checkpoint_name(step)
     atomic_write(path, data)
     previous = _read_manifest(ckpt_dir / "latest.json", missing_ok=True) or {}
-    history = [f for f in previous.get("history", []) if f != path.name] + [path.name]
+    # Files of this run still on disk, oldest first; the manifest lists them before the old ones are
+    # deleted, so a kill between the two leaves them recorded and the next save deletes them.
+    history = [f for f in previous.get("history", []) if f != path.name and (ckpt_dir / f).exists()] + [path.name]
     manifest = {"step": step, "file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                "history": history[-keep:]}
+                "history": history}
     atomic_write(ckpt_dir / "latest.json", json.dumps(manifest, indent=1).encode())
     for old in history[:-keep]:
         (ckpt_dir / old).unlink(missing_ok=True)
