@@ -56,7 +56,7 @@ _RESUME_HINT = {"train": "; the last checkpoint is intact: fix this and continue
 def os_error_line(exc: OSError) -> str:
     """``No space left on device: /runs/x/metrics.jsonl`` (strerror and the file(s) involved)."""
     where = ", ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
-    return f"{exc.strerror or exc.__class__.__name__}" + (f": {where}" if where else f" ({exc})")
+    return (exc.strerror or str(exc) or exc.__class__.__name__) + (f": {where}" if where else "")
 
 
 if __name__ == "__main__":

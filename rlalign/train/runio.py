@@ -55,11 +55,18 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
+        raise _naming(exc, path) from None
     _fsync_dir(path.parent)
+
+
+def _naming(exc: BaseException, path: Path) -> BaseException:
+    """An OSError from write()/fsync() carries no file name: add it, so the user sees which file (and disk)."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+        return OSError(exc.errno, exc.strerror, str(path))
+    return exc
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -200,10 +207,13 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps({k: _finite(v) for k, v in record.items()}, sort_keys=True, allow_nan=False) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise _naming(exc, self.path) from None
 
 
 def read_metrics(run_dir: Path, notes: "list[str] | None" = None) -> list[dict[str, Any]]:
