@@ -45,6 +45,9 @@ class RunDirectory:
     lock_fd: int
     removed: list[str]          # leftovers cleaned at start (relative paths), for the log
 
+    def __del__(self):
+        self.release()
+
     def release(self) -> None:
         if self.lock_fd >= 0:
             os.close(self.lock_fd)   # closing the descriptor drops the flock

@@ -67,11 +67,28 @@ class TaskData:
         return self._eval
 
     def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids; a character the tokenizer can only map to its unknown token is an
+        error (it would silently become ``<unk>``/``<pad>`` and the task would be unlearnable)."""
+        unknown = _unencodable(self.tokenizer, prompt)
+        if unknown:
+            raise SetupError(f"the model's tokenizer cannot encode {''.join(unknown)!r} in the prompt {prompt[:60]!r} "
+                             "(it maps them to its unknown token); use a tokenizer that covers the task's characters")
         return self.tokenizer.encode(prompt, chat=self.chat)
 
     def score(self, prompts, completions, answers) -> list[float]:
         from rlalign.tasks import score
         return score(self.reward_fn, prompts, completions, answers)
+
+
+def _unencodable(tokenizer, text: str) -> list[str]:
+    """Characters of ``text`` that the tokenizer maps to its unknown token (which does not occur in ``text``)."""
+    model = getattr(getattr(tokenizer, "backend", None), "model", None)
+    unk = getattr(model, "unk_token", None)
+    if not unk or unk in text:
+        return []
+    unk_id = tokenizer.token_to_id(unk)
+    enc = tokenizer.backend.encode(text, add_special_tokens=False)
+    return list(dict.fromkeys(text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk_id and b > a))
 
 
 def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:

@@ -115,3 +115,33 @@ def test_cuda_without_a_gpu_is_one_line(command, capsys):
         pytest.skip("a GPU is visible")
     assert main([*command, "--device", "cuda"]) == 2
     assert "no CUDA device is visible here" in capsys.readouterr().err
+
+
+def test_a_tokenizer_that_cannot_encode_the_prompt_is_refused():
+    from rlalign.models.tokenizer import load_tokenizer
+    from rlalign.train.setup import DEFAULT_MODEL_DIR, SetupError, TaskData
+    task = TaskData(lambda i: None, [], None, load_tokenizer(DEFAULT_MODEL_DIR), chat=False)
+    assert task.encode("1+2=") == load_tokenizer(DEFAULT_MODEL_DIR).encode("1+2=")
+    with pytest.raises(SetupError, match="cannot encode 'é' in the prompt '1\\+é='"):
+        task.encode("1+é=")
+
+
+def test_generate_refuses_a_prompt_longer_than_the_model_positions(capsys):
+    assert main(["generate", "--model", "rlalign/assets/default_model", "--prompt", "1+2=" * 40,
+                 "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "exceeds the model's 64 positions" in err, err
+
+
+def test_generate_refuses_a_model_without_eos(tmp_path, capsys):
+    import json
+    from tests.train.conftest import make_arithmetic_checkpoint
+    model = make_arithmetic_checkpoint(tmp_path / "m")
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        path = model / name
+        if path.exists():
+            d = json.loads(path.read_text())
+            d.pop("eos_token_id", None), d.pop("eos_token", None)
+            path.write_text(json.dumps(d))
+    assert main(["generate", "--model", str(model), "--prompt", "1+2="]) == 2
+    assert "no eos token" in capsys.readouterr().err
