@@ -38,6 +38,7 @@ def load_policy(section: ModelSection):
         import torch
         if not torch.cuda.is_available():
             raise SetupError("model.device is cuda but no CUDA device is visible; use model.device=cpu")
+    _refuse_float16(model_dir, section.dtype)
     model, config = load_model(model_dir, dtype=section.dtype, device=section.device)
     tokenizer = load_tokenizer(model_dir)
     if tokenizer.vocab_size > config.vocab_size:
@@ -48,6 +49,14 @@ def load_policy(section: ModelSection):
                          "completions could never stop")
     model.train()
     return model, tokenizer, model_dir
+
+
+def _refuse_float16(model_dir: Path, dtype: "str | None") -> None:
+    """Training computes in float32 or bfloat16 (both profiles); a float16 checkpoint must pick one
+    explicitly instead of training in float16 (strict refuses fp16 ops; native would overflow silently)."""
+    from rlalign.models.checkpoint import load_config
+    if dtype is None and str(load_config(model_dir).dtype).removeprefix("torch.") in ("float16", "fp16", "half"):
+        raise SetupError(f"{model_dir} is a float16 checkpoint; train it in model.dtype=bfloat16 or model.dtype=float32")
 
 
 class TaskData:

@@ -145,3 +145,20 @@ def test_generate_refuses_a_model_without_eos(tmp_path, capsys):
             path.write_text(json.dumps(d))
     assert main(["generate", "--model", str(model), "--prompt", "1+2="]) == 2
     assert "no eos token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("profile", ["strict", "native"])
+def test_float16_checkpoint_must_choose_a_training_dtype(tmp_path, profile):
+    import json
+    import torch
+    from rlalign.train.config import ModelSection
+    from rlalign.train.setup import SetupError, load_policy
+    from tests.train.conftest import make_arithmetic_checkpoint
+    model = make_arithmetic_checkpoint(tmp_path / "m")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["torch_dtype"] = "float16"
+    cfg.pop("dtype", None)
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SetupError, match="float16 checkpoint; train it in model.dtype=bfloat16"):
+        load_policy(ModelSection(path=str(model)))
+    assert next(load_policy(ModelSection(path=str(model), dtype="float32"))[0].parameters()).dtype == torch.float32
