@@ -71,7 +71,9 @@ def within(low, high, *, low_open=False, high_open=False, optional=False) -> Rul
 
 
 def one_of(*choices, optional=False) -> Rule:
-    return Rule(f"one of {', '.join(map(str, choices))}", lambda x: x in choices, ("bogus",), optional)
+    names = [str(c) for c in choices]
+    listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+    return Rule(listed, lambda x: x in choices, ("bogus",), optional)
 
 
 def non_empty(what="a non-empty string", *, optional=False, bad=("", "  ")) -> Rule:
