@@ -41,6 +41,7 @@ class RunDirError(RLAlignError):
 
 @dataclass
 class RunDirectory:
+    """The locked run directory; the lock lasts until :meth:`release` or until this object is dropped."""
     path: Path
     lock_fd: int
     removed: list[str]          # leftovers cleaned at start (relative paths), for the log

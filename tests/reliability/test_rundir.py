@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -78,7 +77,7 @@ HOLD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from rlalign.train.rundir import open_run_dir
-    open_run_dir(Path(sys.argv[1]), resume=False, overwrite=False)
+    handle = open_run_dir(Path(sys.argv[1]), resume=False, overwrite=False)   # kept: dropping it unlocks
     print("locked", flush=True)
     time.sleep(600)
 """)

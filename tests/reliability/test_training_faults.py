@@ -12,7 +12,7 @@ import time
 import pytest
 
 from rlalign.train.runio import load_latest_checkpoint, read_metrics
-from tests.train.conftest import arithmetic_model_dir, tiny_overrides  # noqa: F401 (fixture)
+from tests.train.conftest import tiny_overrides
 
 
 def _train(args):
