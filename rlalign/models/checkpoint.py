@@ -71,13 +71,13 @@ def load_model(directory: str | os.PathLike, dtype: str | torch.dtype | None = N
     expected = dict(model.named_parameters())
     seen: set[str] = set()
     files = _tensor_files(Path(directory))
-    verify_checksums(Path(directory), files)
     for file, names in files.items():
         _load_file(file, names, expected, seen, config, device)
     missing = sorted(set(expected) - seen)
     if missing:
         raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    verify_checksums(Path(directory), files)   # after the structural checks, whose messages are more precise
     model.eval()
     return model, config
 
