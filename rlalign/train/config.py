@@ -244,6 +244,8 @@ class TrainConfig:
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
         if self.parallel.tp is not None and self.algo.advantage == "gae":
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
+        if self.run.resume and self.run.overwrite:
+            return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
         if self.algo.advantage in GROUP_BASELINES and self.rollout.samples_per_prompt < 2:
             return (f"algo.advantage={self.algo.advantage} compares the samples of a prompt: with "
                     "rollout.samples_per_prompt=1 every advantage is 0 and training does nothing; use >= 2")

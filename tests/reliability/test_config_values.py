@@ -56,10 +56,11 @@ def test_every_field_has_a_rule_and_its_bad_values_fail_with_the_key(section, na
     ("run.steps=-3", "run.steps must be an integer >= 1"),
     ("run.max_minutes=0", "run.max_minutes must be a finite number > 0"),
     ("rollout.prompts_per_step=100000000", "sequences per step would take about"),
+    ("run.resume=true run.overwrite=true", "choose one"),
 ])
 def test_issue_cases_fail_at_load_with_one_line(override, expected):
     with pytest.raises(ConfigError) as err:
-        load_config(TrainConfig, None, [override])
+        load_config(TrainConfig, None, override.split())
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
