@@ -95,7 +95,8 @@ class RolloutSection:
         from rlalign.train.engines import ENGINES
         if self.engine not in ENGINES:
             return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}"
-        return step_memory_problem(self)
+        return memory_problem("prompts_per_step x samples_per_prompt (per step)",
+                              self.prompts_per_step * self.samples_per_prompt, self.max_new_tokens)
 
 
 @dataclasses.dataclass
@@ -246,6 +247,10 @@ class TrainConfig:
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
         if self.run.resume and self.run.overwrite:
             return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
+        evals = memory_problem("task.eval_size x run.eval_samples (per evaluation)",
+                               self.task.eval_size * self.run.eval_samples, self.rollout.max_new_tokens)
+        if evals:
+            return evals
         if self.algo.advantage in GROUP_BASELINES and self.rollout.samples_per_prompt < 2:
             return (f"algo.advantage={self.algo.advantage} compares the samples of a prompt: with "
                     "rollout.samples_per_prompt=1 every advantage is 0 and training does nothing; use >= 2")
@@ -257,17 +262,16 @@ GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")
 SEQUENCE_BYTES, TOKEN_BYTES = 2048, 256
 
 
-def step_memory_problem(r: RolloutSection) -> "str | None":
-    """A step whose sequences would not fit in half of this machine's memory is refused at load
-    (instead of hanging while its prompt list is built)."""
-    sequences = r.prompts_per_step * r.samples_per_prompt
-    need = sequences * (SEQUENCE_BYTES + TOKEN_BYTES * r.max_new_tokens)
+def memory_problem(what: str, sequences: int, max_new_tokens: int) -> "str | None":
+    """Sequences that would not fit in half of this machine's memory are refused at load (instead of
+    hanging while their prompt list is built)."""
+    need = sequences * (SEQUENCE_BYTES + TOKEN_BYTES * max_new_tokens)
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
     if need > have // 2:
-        return (f"prompts_per_step x samples_per_prompt = {sequences} sequences per step would take about "
-                f"{need / 2**30:.0f} GiB of host memory (estimated {SEQUENCE_BYTES} B + {TOKEN_BYTES} B per new token "
-                f"each), more than half of this machine's {have / 2**30:.0f} GiB; lower them")
+        return (f"{what} = {sequences} sequences would take about {need / 2**30:.0f} GiB of host memory (estimated "
+                f"{SEQUENCE_BYTES} B + {TOKEN_BYTES} B per new token each), more than half of this machine's "
+                f"{have / 2**30:.0f} GiB; lower them")
     return None

@@ -55,7 +55,9 @@ def test_every_field_has_a_rule_and_its_bad_values_fail_with_the_key(section, na
     ("run.steps=0", "run.steps must be an integer >= 1"),
     ("run.steps=-3", "run.steps must be an integer >= 1"),
     ("run.max_minutes=0", "run.max_minutes must be a finite number > 0"),
-    ("rollout.prompts_per_step=100000000", "sequences per step would take about"),
+    ("rollout.prompts_per_step=100000000", "samples_per_prompt (per step) = 800000000 sequences would take about"),
+    ("task.eval_size=1000000000", "run.eval_samples (per evaluation) = 2000000000 sequences would take about"),
+    ("rollout.max_new_tokens=1000000000", "sequences would take about"),
     ("run.resume=true run.overwrite=true", "choose one"),
 ])
 def test_issue_cases_fail_at_load_with_one_line(override, expected):
