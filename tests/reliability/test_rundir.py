@@ -7,6 +7,8 @@ import sys
 import textwrap
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from rlalign.train.rundir import RunDirError, open_run_dir
@@ -208,3 +210,24 @@ class _Ctx:
 
     def __exit__(self, *exc):
         self.inner.f.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(["reward/mean", "loss/policy", "text"]),
+                                st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8)),
+                                max_size=3), min_size=1, max_size=5), st.data())
+def test_any_cut_of_the_last_line_drops_only_that_line(tmp_path_factory, records, data):
+    """Whatever byte the last append stops at, the earlier records read back whole."""
+    run = tmp_path_factory.mktemp("cut")
+    w = MetricsWriter(run)
+    for step, record in enumerate(records):
+        w.write({"step": step, **record})
+    raw = (run / "metrics.jsonl").read_bytes()
+    last_start = raw.rstrip(b"\n").rfind(b"\n") + 1
+    cut = data.draw(st.integers(last_start, len(raw)))
+    (run / "metrics.jsonl").write_bytes(raw[:cut])
+    notes = []
+    got = [r["step"] for r in read_metrics(run, notes)]
+    whole_last = cut >= len(raw) - 1   # only the newline missing: the line is complete JSON
+    assert got == list(range(len(records) if whole_last else len(records) - 1))
+    assert bool(notes) == (not whole_last and cut > last_start)
