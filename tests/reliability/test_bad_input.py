@@ -162,3 +162,29 @@ def test_float16_checkpoint_must_choose_a_training_dtype(tmp_path, profile):
     with pytest.raises(SetupError, match="float16 checkpoint; train it in model.dtype=bfloat16"):
         load_policy(ModelSection(path=str(model)))
     assert next(load_policy(ModelSection(path=str(model), dtype="float32"))[0].parameters()).dtype == torch.float32
+
+
+@pytest.fixture()
+def read_only_dir(tmp_path):
+    """A read-only filesystem (a tmpfs mounted ro): unlike file modes, root cannot write there either."""
+    import shutil
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root to mount a read-only tmpfs")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield path
+    subprocess.run(["umount", str(path)])
+
+
+def test_run_dir_on_a_read_only_filesystem_is_one_line(read_only_dir):
+    from rlalign.train.rundir import RunDirError, open_run_dir
+    with pytest.raises(RunDirError, match="cannot create run.dir .*: Read-only file system"):
+        open_run_dir(read_only_dir / "run", resume=False, overwrite=False)
+
+
+def test_parity_report_on_a_read_only_filesystem_fails_before_the_work(read_only_dir, capsys):
+    assert main(["parity", "--report", str(read_only_dir / "out"), "--prompts", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"rlalign parity: error: --report {read_only_dir / 'out'}: cannot create it (Read-only file system)"
