@@ -91,6 +91,18 @@ class Trainer:
         self.tp, self.dp = par.parallel_groups(cfg)
         self.writer = par.is_writer(self.tp, self.dp)
         self.run_dir = Path(par.shared_run_dir(cfg))
+        # The writer locks and prepares the run directory before any work (rlalign.train.rundir): a fresh
+        # run needs an empty directory (or run.overwrite), a resume a checkpoint.
+        self.run_lock = (open_run_dir(self.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
+                         if self.writer else None)
+        try:
+            self._build(cfg)
+        except BaseException:
+            if self.run_lock is not None:
+                self.run_lock.abandon()
+            raise
+
+    def _build(self, cfg: TrainConfig) -> None:
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
@@ -123,13 +135,10 @@ class Trainer:
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def resume_if_asked(self) -> None:
-        """Lock and prepare the run directory (rlalign.train.rundir), then load the last checkpoint when
-        ``run.resume``: a fresh run needs an empty directory (or ``run.overwrite``), a resume a checkpoint."""
-        self.run_lock = None
-        if self.writer:
-            self.run_lock = open_run_dir(self.run_dir, resume=self.cfg.run.resume, overwrite=self.cfg.run.overwrite)
-            self._note(f"removed leftovers of an interrupted run: {', '.join(self.run_lock.removed)}"
-                       if self.run_lock.removed else None)
+        """Open metrics.jsonl, and with ``run.resume`` load the last checkpoint (the run directory was
+        locked and checked in ``__init__``)."""
+        if self.run_lock is not None and self.run_lock.removed:
+            self._note(f"removed leftovers of an interrupted run: {', '.join(self.run_lock.removed)}")
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
             self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()

@@ -45,6 +45,18 @@ class RunDirectory:
     path: Path
     lock_fd: int
     removed: list[str]          # leftovers cleaned at start (relative paths), for the log
+    created: bool = False       # this call made the directory
+
+    def abandon(self) -> None:
+        """Release, and remove the directory again if this run made it and wrote nothing but the lock
+        (a run that failed during setup leaves no empty run directory behind)."""
+        self.release()
+        if self.created and [p.name for p in self.path.iterdir()] == [LOCK_NAME]:
+            (self.path / LOCK_NAME).unlink(missing_ok=True)
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
 
     def __del__(self):
         self.release()
@@ -62,6 +74,7 @@ def open_run_dir(path: Path, *, resume: bool, overwrite: bool) -> RunDirectory:
         raise RunDirError(f"run.dir {path} is a file, not a directory; choose another run.dir")
     if resume and not path.is_dir():
         raise RunDirError(f"run.resume=true but run.dir {path} does not exist; fix run.dir or start a fresh run")
+    created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -78,7 +91,7 @@ def open_run_dir(path: Path, *, resume: bool, overwrite: bool) -> RunDirectory:
     except BaseException:
         os.close(fd)
         raise
-    return RunDirectory(path, fd, removed)
+    return RunDirectory(path, fd, removed, created)
 
 
 def _lock(path: Path) -> int:

@@ -188,3 +188,18 @@ def test_parity_report_on_a_read_only_filesystem_fails_before_the_work(read_only
     assert main(["parity", "--report", str(read_only_dir / "out"), "--prompts", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"rlalign parity: error: --report {read_only_dir / 'out'}: cannot create it (Read-only file system)"
+
+
+def test_setup_failure_leaves_no_empty_run_dir_and_a_used_dir_fails_before_the_model_loads(tmp_path, monkeypatch):
+    from rlalign.train import loop
+    from rlalign.train.rundir import RunDirError
+    from rlalign.train.setup import SetupError
+    cfg = load_config(TrainConfig, None, [f"model.path={tmp_path / 'no_model'}", f"run.dir={tmp_path / 'run'}"])
+    with pytest.raises(SetupError, match="is not a directory"):
+        loop.Trainer(cfg)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.setattr(loop, "load_policy", lambda section: pytest.fail("the model loaded before the run dir check"))
+    with pytest.raises(RunDirError, match="is not empty"):
+        loop.Trainer(cfg)
