@@ -68,6 +68,13 @@ class RolloutSection:
         if self.decode_graphs not in ("auto", "on", "off"):
             return f"decode_graphs must be one of auto, on, off, got {self.decode_graphs!r}"
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the trainer scores rollout tokens at: the rollout engine's reported-logprob
+        temperature for a sample drawn at ``temperature`` (the one rule, ops.logprob_temperature)."""
+        from rlalign.ops.temperature import logprob_temperature
+        return logprob_temperature(self.temperature)
+
 
 @dataclasses.dataclass
 class AlgoSection:

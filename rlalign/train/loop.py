@@ -239,7 +239,7 @@ class Trainer:
             ro, sampling_stats = self.rollout(step)
             t_rollout = time.perf_counter() - t0
             t1 = time.perf_counter()
-            temp = cfg.rollout.temperature
+            temp = cfg.rollout.logprob_temperature
             mb_tokens = cfg.optim.micro_batch_tokens
             old_lp, old_ent = score_in_micro_batches(self.policy, ro.samples, temperature=temp, max_tokens=mb_tokens,
                                                      with_entropy=True)
@@ -324,7 +324,7 @@ class Trainer:
                 sl = slice(lo, hi)
                 local_ids = seq_ids[sl] - mb[0]
                 lp, ent = score_completions(self.policy, [ro.samples[i] for i in mb],
-                                            temperature=cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0)
+                                            temperature=cfg.rollout.logprob_temperature, with_entropy=cfg.algo.entropy_coef > 0)
                 out = self._policy_loss(lp, old_lp[sl], token_adv[sl], mask[sl], local_ids, len(mb),
                                         None if is_weights is None else is_weights[sl])
                 agg = dict(num_tokens=n_tok, num_seqs=n_seq, max_len=cfg.rollout.max_new_tokens)
