@@ -28,7 +28,8 @@ import torch
 
 from rlalign.ops.logprob import lm_logits, logprob_entropy
 from rlalign.ops.sample import sample
-from rlalign.ops.temperature import logprob_temperature
+# the rule is read from its module at each call, so every user sees one definition (a test plants a wrong one)
+from rlalign.ops import temperature as temperature_rule
 
 
 def sample_and_score(hidden: torch.Tensor, weight: torch.Tensor, *, seeds, positions, temperature=1.0, top_k=0,
@@ -79,7 +80,7 @@ def _logprob_temperatures(temperature, rows: int) -> list[float]:
         values = list(temperature)
     else:
         values = [temperature] * rows
-    return [logprob_temperature(t) for t in values]
+    return [temperature_rule.logprob_temperature(t) for t in values]
 
 
 def _uniform_or_rows(value, dtype: torch.dtype, device: torch.device):

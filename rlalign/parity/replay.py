@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.ops.temperature import logprob_temperature
+from rlalign.ops import temperature as temperature_rule
 
 FORMAT = "rlalign-rollout"
 VERSION = 1
@@ -77,7 +77,7 @@ class RolloutRecord:
         temperature (missing or null: 1.0)."""
         t = self.sampling.get("logprob_temperature")
         if t is None:
-            t = logprob_temperature(float(self.sampling.get("temperature") or 0.0))
+            t = temperature_rule.logprob_temperature(float(self.sampling.get("temperature") or 0.0))
         return float(t)
 
     @property

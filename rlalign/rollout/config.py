@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from rlalign.contract.profiles import as_profile
-from rlalign.ops.temperature import logprob_temperature
+from rlalign.ops import temperature as temperature_rule
 from rlalign.rollout.errors import RequestError, RolloutConfigError
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -126,7 +126,7 @@ class SamplingParams:
     @property
     def logprob_temperature(self) -> float:
         """The temperature logprobs are reported at (the sampling one; 1.0 for greedy): ops.logprob_temperature."""
-        return logprob_temperature(self.temperature)
+        return temperature_rule.logprob_temperature(self.temperature)
 
 
 def _positive(name: str, value, error: type = RequestError) -> None:

@@ -72,8 +72,8 @@ class RolloutSection:
     def logprob_temperature(self) -> float:
         """The temperature the trainer scores rollout tokens at: the rollout engine's reported-logprob
         temperature for a sample drawn at ``temperature`` (the one rule, ops.logprob_temperature)."""
-        from rlalign.ops.temperature import logprob_temperature
-        return logprob_temperature(self.temperature)
+        from rlalign.ops import temperature as temperature_rule   # lazy: the config is read before torch is needed
+        return temperature_rule.logprob_temperature(self.temperature)
 
 
 @dataclasses.dataclass
