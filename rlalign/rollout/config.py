@@ -81,8 +81,9 @@ class SamplingParams:
     """How to sample one request.
 
     n: samples per prompt (a GRPO group). Sample j of the prompt with key k uses the per-sample seed
-        ``s = ops.derive_seed(seed, k, j)``; the token at absolute position p is
-        ``ops.sample_and_score(h, W, seeds=s, positions=p, ...)`` (``ops.sample`` with ``seq_ids=s``). The key k is the prompt index
+        ``s = ops.derive_seed(seed, k, j)``; the token at absolute position p (and its logprob) is
+        ``ops.sample_and_score(h, W, seeds=s, positions=p, ...)`` (``ops.sample`` with ``seq_ids=s``).
+        The key k is the prompt index
         (``seed_by="index"``) or a 63-bit hash of the prompt's token ids (``seed_by="content"``,
         :func:`rlalign.models.generate.prompt_key`, as ``rlalign.models.generate`` does).
     temperature: 0 = greedy. Logprobs are reported at this temperature (at 1.0 when greedy).
