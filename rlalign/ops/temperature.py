@@ -52,7 +52,8 @@ def temperature_divisor(temperature: float | torch.Tensor, device: torch.device)
     return torch.tensor(temperature, dtype=torch.float32, device=device)
 
 
-def divide_by_temperature(logits: torch.Tensor, divisor: torch.Tensor | None, *, in_place: bool = False) -> torch.Tensor:
+def divide_by_temperature(logits: torch.Tensor, divisor: torch.Tensor | None, *,
+                          in_place: bool = False) -> torch.Tensor:
     """z = logits / divisor (fp32 IEEE division), or the logits themselves when ``divisor`` is None.
     ``in_place`` overwrites ``logits`` (for a freshly computed chunk)."""
     if divisor is None:

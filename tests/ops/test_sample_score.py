@@ -69,9 +69,9 @@ def test_each_row_is_the_documented_composition_computed_alone(data, rows, vocab
     if rows == 0 and form == "tensor":
         form = "list"
     tokens, logprobs = ops.sample_and_score(
-        hidden, weight, seeds=torch.tensor(seeds, dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
-        temperature=as_form(temps, form, torch.float32), top_k=as_form(ks, form, torch.int64),
-        top_p=as_form(ps, form, torch.float32))
+        hidden, weight, seeds=torch.tensor(seeds, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64), temperature=as_form(temps, form, torch.float32),
+        top_k=as_form(ks, form, torch.int64), top_p=as_form(ps, form, torch.float32))
     want_tokens, want_lp = reference(hidden, weight, seeds, positions, temps, ks, ps)
     assert_bitwise_equal(tokens, want_tokens, "tokens")
     assert_bitwise_equal(logprobs, want_lp, "logprobs")
