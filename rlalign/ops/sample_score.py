@@ -26,10 +26,14 @@ from collections.abc import Sequence
 
 import torch
 
+from rlalign.contract.errors import fail
+from rlalign.ops import _checks as chk
 from rlalign.ops.logprob import lm_logits, logprob_entropy
 from rlalign.ops.sample import sample
 # the rule is read from its module at each call, so every user sees one definition (a test plants a wrong one)
 from rlalign.ops import temperature as temperature_rule
+
+OP = "sample_and_score"
 
 
 def sample_and_score(hidden: torch.Tensor, weight: torch.Tensor, *, seeds, positions, temperature=1.0, top_k=0,
@@ -45,16 +49,20 @@ def sample_and_score(hidden: torch.Tensor, weight: torch.Tensor, *, seeds, posit
     tokens in place with -inf: those are then sampled as masked, the logprob stays the policy's);
     computed here otherwise. ``profile`` is passed to every op (None: the current one).
     """
+    chk.ndim(OP, "hidden", hidden, 2)
+    rows = hidden.shape[0]
     if logits is None:
         logits = lm_logits(hidden, weight, profile=profile)
+    elif logits.dim() != 2 or logits.shape[0] != rows:
+        raise fail(OP, f"logits must be [S, V] with one row per hidden row (S = {rows}), got {tuple(logits.shape)}")
     dev = logits.device
     tokens = sample(logits, seeds=seeds, seq_ids=seeds, positions=positions,
-                    temperature=_uniform_or_rows(temperature, torch.float32, dev),
-                    top_k=_uniform_or_rows(top_k, torch.int64, dev), top_p=_uniform_or_rows(top_p, torch.float32, dev),
-                    profile=profile)
+                    temperature=_uniform_or_rows("temperature", temperature, rows, torch.float32, dev),
+                    top_k=_uniform_or_rows("top_k", top_k, rows, torch.int64, dev),
+                    top_p=_uniform_or_rows("top_p", top_p, rows, torch.float32, dev), profile=profile)
     if not with_logprobs:
         return tokens, None
-    return tokens, _score(hidden, weight, tokens, _logprob_temperatures(temperature, tokens.shape[0]), profile)
+    return tokens, _score(hidden, weight, tokens, _logprob_temperatures(temperature, rows), profile)
 
 
 def _score(hidden, weight, tokens, temps: list[float], profile) -> torch.Tensor:
@@ -83,12 +91,14 @@ def _logprob_temperatures(temperature, rows: int) -> list[float]:
     return [temperature_rule.logprob_temperature(t) for t in values]
 
 
-def _uniform_or_rows(value, dtype: torch.dtype, device: torch.device):
+def _uniform_or_rows(name: str, value, rows: int, dtype: torch.dtype, device: torch.device):
     """A per-row list as ops.sample takes it: its one value when every row shares it (cheaper), else a
-    [S] ``dtype`` tensor on ``device``; a number or a tensor passes through."""
+    [S] ``dtype`` tensor on ``device``; a number or a tensor passes through (ops.sample checks them)."""
     if not isinstance(value, Sequence):
         return value
     values = list(value)
+    if len(values) != rows:
+        raise fail(OP, f"{name} has {len(values)} values for {rows} rows (give one per row, or one number)")
     if values and all(v == values[0] for v in values):
         return values[0]
     return torch.tensor(values, dtype=dtype, device=device)

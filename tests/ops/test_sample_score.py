@@ -168,3 +168,15 @@ def test_divide_in_place_overwrites_only_when_asked():
     y = divide_by_temperature(x, d)
     assert x.tolist() == [[1.0, 3.0]] and y.tolist() == [[2.0, 6.0]]
     assert divide_by_temperature(x, d, in_place=True) is x and x.tolist() == [[2.0, 6.0]]
+
+
+def test_mis_sized_inputs_fail_closed():
+    hidden, weight = head(3, 50, 8, torch.float32, 5)
+    with pytest.raises(ContractError, match="temperature has 2 values for 3 rows"):
+        ops.sample_and_score(hidden, weight, seeds=1, positions=0, temperature=[0.5, 0.5])
+    with pytest.raises(ContractError, match="top_k has 4 values for 3 rows"):
+        ops.sample_and_score(hidden, weight, seeds=1, positions=0, top_k=[1, 1, 1, 1])
+    with pytest.raises(ContractError, match=r"logits must be \[S, V\] with one row per hidden row \(S = 3\)"):
+        ops.sample_and_score(hidden, weight, seeds=1, positions=0, logits=ops.lm_logits(hidden[:2], weight))
+    with pytest.raises(ContractError, match="hidden"):
+        ops.sample_and_score(hidden[0], weight, seeds=1, positions=0)
