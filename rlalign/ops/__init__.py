@@ -9,7 +9,7 @@ Functional API (the only way models and engines compute):
     sample_and_score: a rollout's sampled token and its logprob, the one owner  (ops.sample_score)
     logprob_temperature: the temperature a sampled token is scored at           (ops.temperature)
 
-Each takes ``profile=`` (``"strict"`` | ``"native"`` | None for the current context, see
+Each op takes ``profile=`` (``"strict"`` | ``"native"`` | None for the current context, see
 :func:`rlalign.contract.use_profile`).
 """
 
