@@ -65,3 +65,26 @@ def test_readers_apply_the_greedy_rule(sampling, scored):
     assert SamplingParams(temperature=sampling).logprob_temperature == scored
     record = RolloutRecord(sequences=[], weights_hash="0" * 64, sampling={"temperature": sampling})
     assert record.logprob_temperature == scored
+
+
+def test_requests_of_different_temperatures_share_steps_without_changing_a_bit(model, prompts):
+    """Greedy, T=0.7 (top-k/top-p) and T=1 requests in flight together: each step samples and scores rows of
+    several logprob temperatures in one call of the owner; every completion equals its request run alone
+    and the trainer's logprobs at its own logprob temperature."""
+    samplings = [SamplingParams(n=2, temperature=0.0, max_new_tokens=5, seed=1),
+                 SamplingParams(**SAMPLING),
+                 SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=2)]
+    engine = RolloutEngine(model, RolloutConfig())
+    ids = [engine.add_request(p, s, prompt_index=i) for i, (p, s) in enumerate(zip(prompts, samplings))]
+    together = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.completion is not None:
+                together[(out.request_id, out.sample_index)] = out.completion
+    for i, (rid, prompt, sampling) in enumerate(zip(ids, prompts, samplings)):
+        mixed = [together[(rid, j)] for j in range(sampling.n)]
+        alone = RolloutEngine(model, RolloutConfig()).generate([prompt], sampling, prompt_indices=[i])
+        assert [c.tokens for c in mixed] == [c.tokens for c in alone], f"request {i}: tokens"
+        for k, (c, want) in enumerate(zip(mixed, trainer_logprobs(model, mixed, sampling.logprob_temperature))):
+            assert_bitwise_equal(torch.tensor(c.logprobs, dtype=torch.float32), want, f"request {i} sample {k}")
+            assert c.logprobs == alone[k].logprobs, f"request {i} sample {k}: logprobs vs alone"
