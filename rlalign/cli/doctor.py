@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Console
+from rich.table import Table
+
+from rlalign.doctor import environment, run_checks
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="check every strict-profile invariance on this machine")
@@ -14,12 +19,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from rlalign.contract.doctor import environment, run_checks
-
     if args.json:
         results, seed = run_checks(args.device, args.seed)
     else:
-        from rich.console import Console
         console = Console(stderr=True)
         with console.status("checking") as status:
             results, seed = run_checks(args.device, args.seed, progress=lambda m: status.update(f"checking {m}"))
@@ -34,9 +36,6 @@ def run(args) -> int:
 
 
 def _print_table(results, env, seed, ok, device) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"rlalign doctor --device {device}  (seed {seed})")
     for col in ("op", "invariance", "result", "time"):
         table.add_column(col)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rlalign.train.report import write_report
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="plot a run's metrics (PNG) and write a Markdown summary")
@@ -10,7 +12,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from rlalign.train.report import write_report
     png, md = write_report(args.run_dir)
     print(f"wrote {png}\nwrote {md}")
     return 0

@@ -30,6 +30,7 @@ import torch
 from rlalign import ops
 from rlalign.contract.profiles import use_profile
 from rlalign.models.batch import ForwardBatch, KVCache
+from rlalign.models.generate import prompt_key
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.block_manager import BlockManager, pages_for
 from rlalign.rollout.config import DEFAULT_CPU_KV_CACHE_BYTES, RolloutConfig, SamplingParams
@@ -444,5 +445,4 @@ def _per_row(values: list, dtype: torch.dtype, device):
 
 
 def _prompt_key(ids: list[int]) -> int:
-    from rlalign.models.generate import prompt_key
     return prompt_key(ids)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from rlalign.train.engines import ENGINES, INTEGRATIONS_HINT
+
 
 @dataclasses.dataclass
 class ModelSection:
@@ -58,9 +60,8 @@ class RolloutSection:
     decode_graphs: str = "auto"        # CUDA-graph decode steps (RolloutConfig.decode_graphs): auto | on | off
 
     def validate(self):
-        from rlalign.train.engines import ENGINES
         if self.engine not in ENGINES:
-            return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}"
+            return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r} ({INTEGRATIONS_HINT})"
         if self.prompts_per_step < 1 or self.samples_per_prompt < 1 or self.max_new_tokens < 1:
             return "prompts_per_step, samples_per_prompt and max_new_tokens must be >= 1"
         if self.temperature <= 0:

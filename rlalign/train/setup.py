@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from rlalign import tasks
 from rlalign.contract.errors import RLAlignError
+from rlalign.models.checkpoint import load_model
+from rlalign.models.tokenizer import load_tokenizer
+from rlalign.tasks import ArithmeticTask, arithmetic_reward, load_dataset, load_reward
 from rlalign.tasks.arithmetic import Problem
 from rlalign.train.config import ModelSection, TaskSection
 
@@ -30,8 +34,6 @@ def resolve_model_dir(path: str) -> Path:
 
 def load_policy(section: ModelSection):
     """(model in train mode, tokenizer, model dir). Checks tokenizer and model agree on the vocab."""
-    from rlalign.models.checkpoint import load_model
-    from rlalign.models.tokenizer import load_tokenizer
 
     model_dir = resolve_model_dir(section.path)
     if section.device.startswith("cuda"):
@@ -70,12 +72,10 @@ class TaskData:
         return self.tokenizer.encode(prompt, chat=self.chat)
 
     def score(self, prompts, completions, answers) -> list[float]:
-        from rlalign.tasks import score
-        return score(self.reward_fn, prompts, completions, answers)
+        return tasks.score(self.reward_fn, prompts, completions, answers)
 
 
 def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:
-    from rlalign.tasks import ArithmeticTask, arithmetic_reward, load_dataset, load_reward
 
     if section.name == "arithmetic":
         task = ArithmeticTask(seed=seed, min_digits=section.min_digits, max_digits=section.max_digits,

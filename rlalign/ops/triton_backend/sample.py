@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.contract.errors import fail
 from rlalign.ops.torch_backend.sample import keep_mask, row_keys
 from rlalign.ops.triton_backend._common import is_interpreter
 
@@ -89,7 +90,6 @@ def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
     filtered = ~greedy & ((k > 0) | (top_p < 1))
     z = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
     if not bool(torch.isfinite(z.amax(-1)).all()):
-        from rlalign.contract.errors import fail
         raise fail("sample", "logits / temperature overflows fp32 (temperature too small for these logits)")
     keys = row_keys(seeds, seq_ids, positions).contiguous()
     has_keep = bool(filtered.any())

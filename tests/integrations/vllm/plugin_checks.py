@@ -108,10 +108,10 @@ def config_refusal(directory: Path, **engine_args) -> str:
     from vllm.engine.arg_utils import EngineArgs
 
     from rlalign.integrations.vllm.checks import check_vllm_config
-    from rlalign.models.checkpoint import load_config
+    from rlalign.models.checkpoint import load_model_config
     vllm_config = EngineArgs(model=str(directory), skip_tokenizer_init=True, **engine_args).create_engine_config()
     try:
-        check_vllm_config(vllm_config, load_config(directory))
+        check_vllm_config(vllm_config, load_model_config(directory))
     except Exception as exc:  # noqa: BLE001
         return _message(exc)
     return ""
