@@ -36,6 +36,7 @@ def switch_report() -> dict:
 
 
 def family_report(directory: Path) -> dict:
+    import rlalign.integrations  # noqa: F401  (registers the vllm rollout side and the transformers training side)
     from rlalign.models.checkpoint import load_model
     from rlalign.parity.run import ParityOptions, build_rollout, build_trainer, compare_tokens
     from rlalign.parity.sides import RLAlignRollout
