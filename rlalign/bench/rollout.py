@@ -83,7 +83,7 @@ PRESETS = {
 }
 DEFAULTS = {
     "cpu": dict(prompts=64, samples=8, new_tokens=64, prompt_len="32:128", dtype="float32", repeat=3, warmup="full"),
-    # transformers keeps a dense KV cache per sequence: 64 prompts (512 sequences) per generate call fit an H200
+    # transformers keeps a dense KV cache per sequence: its generate calls take 64 prompts (512 sequences) each
     "cuda": dict(prompts=256, samples=8, new_tokens=512, prompt_len="64:192", dtype="bfloat16", preset="qwen3-0.6b",
                  hf_batch_prompts=64, repeat=1, warmup="short"),
 }

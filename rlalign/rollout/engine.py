@@ -185,9 +185,6 @@ class RolloutEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
     def abort(self, request_id: str) -> list[StepOutput]:
         """Stop a request now; its unfinished samples end with finish_reason "abort" (returned)."""
         request = self._requests.get(str(request_id))

@@ -62,7 +62,7 @@ _LARGE_ACCIN = (GemmConfig(128, 128, 8, 3, flatten=True),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
 # Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see _segment_tree),
 # so shared memory is that of the plain kernel whatever P and K (an unrolled loop per segment got
-# its own stage buffers when a segment was one k-step: 8x, 964 KiB, on the H200). Up to log2(P)+1
+# its own stage buffers when a segment was one k-step; docs/LOG.md). Up to log2(P)+1
 # accumulators are live at once, so the tiles are narrower. sm_90a, P=8 (ptxas -v): 128x64/8 warps
 # 228 registers, 112 KiB, no spills; 128x128 spills even with only 2 levels in registers.
 _SEG_LARGE = (GemmConfig(128, 64, 8, 4),)
