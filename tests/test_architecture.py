@@ -22,7 +22,7 @@ PACKAGE = ROOT / "rlalign"
 
 def _run_lint_imports() -> subprocess.CompletedProcess:
     code = ("import sys, rlalign\n"
-            f"assert rlalign.__file__.startswith({str(PACKAGE)!r}), 'analysing ' + rlalign.__file__ + ', not this checkout'\n"
+            f"assert rlalign.__file__.startswith({str(PACKAGE)!r}), 'not this checkout: ' + rlalign.__file__\n"
             "from importlinter.cli import lint_imports\n"
             "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -8,7 +8,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-import rlalign.integrations  # noqa: F401  (registers the integrations' parity sides: --rollout vllm, --train transformers)
+import rlalign.integrations  # noqa: F401  (registers the parity sides --rollout vllm, --train transformers)
 from rlalign.models.checkpoint import CheckpointError
 from rlalign.parity.report import localized_sentence, write_report
 from rlalign.parity.run import ParityError, ParityOptions, run_parity

@@ -63,7 +63,8 @@ def test_logprobs_equal_training_forward(loaded):
     start = 0
     for c, seq in zip(completions, seqs):
         rows = lp[start + len(c.prompt_tokens) - 1: start + len(seq) - 1]
-        assert_bitwise_equal(torch.tensor(c.logprobs, dtype=torch.float32), rows, f"{c.prompt!r} sample {c.sample_index}")
+        assert_bitwise_equal(torch.tensor(c.logprobs, dtype=torch.float32), rows,
+                             f"{c.prompt!r} sample {c.sample_index}")
         assert c.text == tok.decode(c.tokens)
         start += len(seq)
 
