@@ -7,6 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from rlalign.cli._device import DeviceUnavailable, require_device
 from rlalign.doctor import environment, run_checks
 
 
@@ -19,6 +20,13 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    try:
+        require_device(args.device)
+    except DeviceUnavailable as exc:
+        if not args.json:
+            raise
+        print(json.dumps({"ok": False, "device": args.device, "error": str(exc), "checks": []}))
+        return 2
     if args.json:
         results, seed = run_checks(args.device, args.seed)
     else:

@@ -4,11 +4,14 @@ compare every token's logprob bitwise; exit 0 iff zero mismatches (1 otherwise, 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 import rlalign.integrations  # noqa: F401  (registers the parity sides --rollout vllm, --train transformers)
+from rlalign.cli._device import require_device
 from rlalign.models.checkpoint import CheckpointError
 from rlalign.parity.report import localized_sentence, write_report
 from rlalign.parity.run import ParityError, ParityOptions, run_parity
@@ -58,6 +61,17 @@ def options_from_args(args):
                          vllm_plugin=args.vllm_plugin == "on")
 
 
+def _require_writable(folder: str) -> None:
+    """Fail before the comparison runs, not after, when --report cannot be written."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ParityError(f"--report {folder}: cannot create it ({exc.strerror})") from None
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise ParityError(f"--report {folder}: not a writable directory; choose another --report")
+
+
 def _tp_degrees(text: str | None) -> tuple[int, ...]:
     if text is None:
         return ()
@@ -65,6 +79,9 @@ def _tp_degrees(text: str | None) -> tuple[int, ...]:
 
 
 def run(args) -> int:
+    require_device(args.device)
+    if args.report:
+        _require_writable(args.report)
     try:
         result = run_parity(options_from_args(args))
     except CheckpointError as exc:

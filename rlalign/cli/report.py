@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rlalign.train.report import write_report
 
 
@@ -12,6 +14,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    png, md = write_report(args.run_dir)
+    notes: list[str] = []
+    png, md = write_report(args.run_dir, notes)
+    for note in notes:
+        print(f"rlalign report: note: {note}", file=sys.stderr)
     print(f"wrote {png}\nwrote {md}")
     return 0
