@@ -19,7 +19,8 @@ from rlalign.ops.torch_backend import clib
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad dim 0 of ``x`` up to a multiple of ``multiple``."""
+    """Zero-pad dim 0 of ``x`` up to a multiple of ``multiple``. Returns ``x`` itself when it needs no
+    padding: a read-only operand (callers write into a separate output, never into the result)."""
     rows = x.shape[0]
     padded = -(-rows // multiple) * multiple
     if padded == rows:
@@ -162,13 +163,19 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     Level by level: pair (2i, 2i+1) is added; an odd last element is carried to the next level
     unchanged. The order depends only on the length of the last dim, and every add is an IEEE
     elementwise add, so a row's sum is independent of how many rows there are or where it sits.
+
+    Always a new tensor, never a view of ``x`` (also when the last dim has one entry and no add
+    runs): callers reuse their input in place after summing it (the logprob block statistics
+    multiply ``e`` in place after ``tree_sum(e)``), which must not rewrite a sum already taken.
     """
+    if x.shape[-1] == 1:
+        return x[..., 0].clone()
     while x.shape[-1] > 1:
         n = x.shape[-1]
         even = n - (n % 2)
         pairs = x[..., 0:even:2] + x[..., 1:even:2]
         x = torch.cat([pairs, x[..., even:]], dim=-1) if n % 2 else pairs
-    return x[..., 0]
+    return x[..., 0]   # a view of the last level's own tensor, never of the input
 
 
 def tree_merge(parts) -> torch.Tensor:
@@ -176,9 +183,12 @@ def tree_merge(parts) -> torch.Tensor:
 
     ``parts``: a list of tensors, or one tensor stacked along dim 0 (then each level is one add of
     its even and odd halves: the same elementwise adds). The count must be a power of two (the
-    canonical partition guarantees it).
+    canonical partition guarantees it). Always a new tensor, never one of (a view of) the inputs,
+    also for a single part (see :func:`tree_sum`).
     """
     if isinstance(parts, torch.Tensor):
+        if parts.shape[0] == 1:
+            return parts[0].clone()
         merged = _tree_merge_compiled(parts)
         if merged is not None:
             return merged
@@ -186,6 +196,8 @@ def tree_merge(parts) -> torch.Tensor:
             pairs = parts.unflatten(0, (parts.shape[0] // 2, 2))
             parts = pairs[:, 0] + pairs[:, 1]
         return parts[0]
+    if len(parts) == 1:
+        return parts[0].clone()
     while len(parts) > 1:
         parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     return parts[0]
