@@ -30,6 +30,7 @@ from rlalign.contract import spec
 from rlalign.contract.bits import bits_equal
 from rlalign.ops import backend_name
 from rlalign.ops.torch_backend import attention as torch_attention, clib, elementwise, norm, primitives
+from rlalign.ops.torch_backend import linear as torch_linear
 
 
 @dataclasses.dataclass
@@ -183,6 +184,32 @@ def _op_linear_batch(device, gen):
     return True
 
 
+# narrow N (the PPO value head is N = 1; a one-column last vocab chunk) and odd K, with and without the
+# canonical partition (K = 1000, 3000: segments of 125, 375 columns): the shapes where MKL's tile is not
+# row invariant, so the CPU linear runs its compiled kernel for them (primitives.linear_route)
+_NARROW_LINEAR = ((1, 128, None), (1, 4099, None), (2, 127, spec.K_SEGMENTS), (3, 1000, spec.K_SEGMENTS),
+                  (3, 3000, spec.K_SEGMENTS), (5, 4099, None), (7, 17, None), (9, 1000, None), (16, 4099, None))
+
+
+def _op_linear_narrow(device, gen):
+    routes = []
+    for n, k, segments in _NARROW_LINEAR:
+        for dtype in (torch.float32, torch.bfloat16):
+            w = _randn(gen, n, k, device=device, dtype=dtype)
+            x = _randn(gen, 200, k, device=device, dtype=dtype)
+            full = ops.linear(x, w, k_segments=segments, profile="strict")
+            for m in (1, 63, 64, 65, 129):
+                if not bits_equal(ops.linear(x[:m], w, k_segments=segments, profile="strict"), full[:m]):
+                    return False, f"N={n} K={k} k_segments={segments} {dtype}: rows differ at M={m} vs M=200"
+            perm = torch.randperm(200, generator=gen).to(device)
+            if not bits_equal(ops.linear(x[perm], w, k_segments=segments, profile="strict"), full[perm]):
+                return False, f"N={n} K={k} k_segments={segments} {dtype}: rows permuted change bits"
+        if device.type == "cpu":
+            p = torch_linear.segment_count(k, segments) if segments else 1
+            routes.append(f"{n}x{k}{'/' + str(p) if p > 1 else ''}: {primitives.linear_route(k, n, p)}")
+    return True, ("routes (N x K/segments): " + ", ".join(routes)) if routes else ""
+
+
 def _op_linear_tp(device, gen):
     k = 1024
     w = _randn(gen, 64, k, device=device, dtype=torch.bfloat16)
@@ -204,6 +231,44 @@ def _op_rms_norm(device, gen):
     w = _randn(gen, 1024, device=device, dtype=torch.bfloat16)
     full = ops.rms_norm(x, w, 1e-6, profile="strict")
     return all(bits_equal(ops.rms_norm(x[i:i + 1], w, 1e-6, profile="strict"), full[i:i + 1]) for i in (0, 17, 299))
+
+
+def _op_rope(device, gen):
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _randn(gen, 300, 3, 64, device=device, dtype=dtype)
+        positions = torch.randint(0, 4096, (300,), generator=gen).to(device)
+        cos, sin = ops.rope_cos_sin(positions, ops.rope_inv_freq(64, 10000.0))
+        full = ops.rope(x, cos, sin, profile="strict")
+        for i in (0, 17, 299):
+            if not bits_equal(ops.rope(x[i:i + 1], cos[i:i + 1], sin[i:i + 1], profile="strict"), full[i:i + 1]):
+                return False, f"{dtype}: token {i} alone differs from the token in a batch of 300"
+    return True
+
+
+def _op_silu_mul(device, gen):
+    for dtype in (torch.float32, torch.bfloat16):
+        gate = _randn(gen, 300, 129, device=device, dtype=dtype) * 4
+        up = _randn(gen, 300, 129, device=device, dtype=dtype)
+        full = ops.silu_mul(gate, up, profile="strict")
+        for i in (0, 17, 299):
+            if not bits_equal(ops.silu_mul(gate[i:i + 1], up[i:i + 1], profile="strict"), full[i:i + 1]):
+                return False, f"{dtype}: row {i} alone differs from the row in a batch of 300"
+        # odd offsets and lengths: the vector loops' tails
+        if not bits_equal(ops.silu_mul(gate[5, 3:], up[5, 3:], profile="strict"), full[5, 3:]):
+            return False, f"{dtype}: elements at an odd offset differ"
+    return True
+
+
+def _op_embedding(device, gen):
+    for dtype in (torch.float32, torch.bfloat16):
+        w = _randn(gen, 1000, 96, device=device, dtype=dtype)
+        ids = torch.randint(0, 1000, (300,), generator=gen).to(device)
+        full = ops.embedding(ids, w, profile="strict")
+        if not bits_equal(full, w[ids]):
+            return False, f"{dtype}: rows are not exact copies of the weight rows"
+        if not bits_equal(ops.embedding(ids[17:18], w, profile="strict"), full[17:18]):
+            return False, f"{dtype}: a token alone differs from the token in a batch"
+    return True
 
 
 def _op_attention_prefill_decode(device, gen):
@@ -246,7 +311,22 @@ def _op_logprob_chunks(device, gen):
         if not (bits_equal(lp, ref_lp) and bits_equal(ent, ref_ent)):
             return False, f"chunks ({tc}, {vc}) change the result"
     lp1, _ = ops.logprob_entropy(h[7:8], w, tgt[7:8], profile="strict")
-    return bits_equal(lp1, ref_lp[7:8]) or (False, "a token alone differs from the same token in a batch")
+    if not bits_equal(lp1, ref_lp[7:8]):
+        return False, "a token alone differs from the same token in a batch"
+    # one-entry last vocab block (V % VOCAB_BLOCK == 1) and a one-column last default vocab chunk (8193)
+    for v in (spec.VOCAB_BLOCK + 1, 8193):
+        wv = _randn(gen, v, 128, device=device, dtype=torch.bfloat16)
+        tv = torch.randint(0, v, (200,), generator=gen).to(device)
+        lp, ent = ops.logprob_entropy(h, wv, tv, profile="strict")
+        lp_only, _ = ops.logprob_entropy(h, wv, tv, with_entropy=False, profile="strict")
+        if not (bits_equal(lp, lp_only) and bool(torch.isfinite(ent).all())):
+            return False, f"V={v}: the logprob with entropy differs from the one without"
+        if not bits_equal(ops.logprob_entropy(h[7:8], wv, tv[7:8], profile="strict")[1], ent[7:8]):
+            return False, f"V={v}: a token's entropy alone differs from the same token in a batch"
+        logits = ops.lm_logits(h[:70], wv, profile="strict")
+        if not bits_equal(ops.lm_logits(h[69:70], wv, profile="strict"), logits[69:70]):
+            return False, f"V={v}: an lm_logits row alone differs from the row in a batch"
+    return True
 
 
 def _op_sample_batch(device, gen):
@@ -275,10 +355,15 @@ CHECKS: tuple[Check, ...] = (
           torch_backend_only=True),
     Check("gemm (library)", "run to run", _determinism, torch_backend_only=True),
     Check("linear", "batch size 1..512 (bf16, fp32)", _op_linear_batch),
+    Check("linear", "narrow N (1-9) and odd K, with/without K partition: batch size, row order (bf16, fp32)",
+          _op_linear_narrow),
     Check("linear", "canonical K partition: TP 1/2/4/8", _op_linear_tp),
     Check("rms_norm", "row alone == row in batch", _op_rms_norm),
+    Check("rope", "token alone == token in batch (bf16, fp32)", _op_rope),
+    Check("silu_mul", "row alone == row in batch, odd offsets (bf16, fp32)", _op_silu_mul),
+    Check("embedding", "exact row copy, token alone == in batch", _op_embedding),
     Check("attention", "packed == decode vs paged cache == sequence alone", _op_attention_prefill_decode),
-    Check("logprob/entropy", "token/vocab chunk sizes, batch", _op_logprob_chunks),
+    Check("logprob/entropy", "token/vocab chunk sizes, batch; one-entry last block; lm_logits rows", _op_logprob_chunks),
     Check("sample", "token independent of batch", _op_sample_batch),
 )
 

@@ -61,7 +61,7 @@ def _stats_of_blocks(zb: torch.Tensor, with_entropy: bool):
     """zb [rows, blocks, L] -> (m_b, s_b, w_b or None), each [rows, blocks]."""
     m_b = zb.amax(dim=-1)
     e = torch.sub(zb, m_b.unsqueeze(-1)).exp_()
-    s_b = tree_sum(e)
+    s_b = tree_sum(e)   # a new tensor even for a one-entry block: e is reused in place below
     w_b = tree_sum(e.mul_(zb)) if with_entropy else None
     return m_b, s_b, w_b
 
