@@ -9,6 +9,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from rlalign.algos.registry import (
+    ADVANTAGES,
+    KL_ESTIMATOR_REGISTRY,
+    MISMATCH_CORRECTIONS,
+    POLICY_LOSSES,
+    refused_setting,
+)
+
 
 @dataclasses.dataclass
 class ModelSection:
@@ -71,26 +79,35 @@ class RolloutSection:
 
 @dataclasses.dataclass
 class AlgoSection:
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"   # gae: PPO with a value model
-    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
-    clip_low: float = 0.2
-    clip_high: float = 0.28            # DAPO clip-higher
-    dual_clip: float | None = None     # e.g. 3.0
+    """The algorithm (rlalign.algos.registry): a key the chosen algorithms do not read is refused when set.
+    ``None`` for clip_low / clip_high: the chosen policy loss's own default (ppo_clip 0.2 / 0.28)."""
+    advantage: Literal[ADVANTAGES.names()] = "grpo"       # gae: PPO with a value model
+    policy_loss: Literal[POLICY_LOSSES.names()] = "ppo_clip"
+    clip_low: float | None = None
+    clip_high: float | None = None     # ppo_clip default 0.28: DAPO clip-higher
+    dual_clip: float | None = None     # ppo_clip, e.g. 3.0
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal[KL_ESTIMATOR_REGISTRY.names()] = "k3"
     kl_in_reward: bool = False
     entropy_coef: float = 0.0
     dynamic_sampling: bool = False     # DAPO: drop zero-variance groups, draw more
     max_draw_rounds: int = 3
     overlong_filter: bool = False      # mask truncated completions
-    mismatch_correction: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "none"
+    mismatch_correction: Literal[MISMATCH_CORRECTIONS.names()] = "none"
     mismatch_cap: float = 2.0          # TIS cap C / MIS upper bound
     ppo_epochs: int = 1
-    gamma: float = 1.0                 # gae
+    mini_batches: int = 1              # optimizer steps per epoch over the step's samples (verl's ppo_mini_batch_size)
+    gamma: float = 1.0                 # gae, reinforce_pp
     lam: float = 0.95                  # gae
     value_lr: float = 1e-3             # gae: AdamW lr of the value model
     value_clip: float | None = 0.2     # gae: PPO2 value clipping around the old values
+
+    def validate(self):
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            return f"ppo_epochs and mini_batches must be >= 1, got {self.ppo_epochs} and {self.mini_batches}"
+        defaults = {f.name: f.default for f in dataclasses.fields(AlgoSection)}
+        return refused_setting(dataclasses.asdict(self), defaults)
 
 
 @dataclasses.dataclass
