@@ -91,15 +91,16 @@ class Trainer:
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
         self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir)
         self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        value_model = algos.ADVANTAGES[cfg.algo.advantage].value_model
         if self.tp is not None:
-            if cfg.algo.advantage == "gae":
+            if value_model:
                 raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
             self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, foreach=False)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.value = self.value_optimizer = None
-        if cfg.algo.advantage == "gae":
+        if value_model:
             self.value = ValueModel(self.policy)
             self.value_optimizer = torch.optim.AdamW(self.value.parameters(), lr=cfg.algo.value_lr, foreach=False)
         self.step = 0
@@ -338,6 +339,9 @@ class Trainer:
         if self.value is not None:
             totals["loss/value"] = 0.0
         lr = self.optimizer.param_groups[0]["lr"]   # this step's; the schedule moves after the step
+        if old_lp is None and (len(batch.mini_batches) > 1 or self.dp.size > 1):
+            raise RuntimeError("Trainer._update: the first pass stands in for the old log-probs only with one "
+                               "mini-batch on one data-parallel rank (needs_rescore)")
         for _ in range(cfg.algo.ppo_epochs):
             for mini in batch.mini_batches:
                 stats, seen = self._accumulate(batch, mini, old_lp, token_adv, ref_lp, is_weights, value_targets)
