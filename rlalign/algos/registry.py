@@ -215,9 +215,9 @@ def refused_setting(settings: Mapping[str, Any], defaults: Mapping[str, Any]) ->
             chosen = settings.get(registry.key, defaults.get(registry.key))
             if key not in registry[chosen].keys:
                 readers = ", ".join(registry.readers_of(key))
-                return (f"{key}={value!r} has no effect with algo.{registry.key}={chosen} (only {readers} "
-                        f"read{'s' if ',' not in readers else ''} it): remove algo.{key}, or choose an algo.{registry.key} "
-                        "that reads it")
+                verb = "reads" if "," not in readers else "read"
+                return (f"{key}={value!r} has no effect with algo.{registry.key}={chosen} (only {readers} {verb} "
+                        f"it): remove algo.{key}, or choose an algo.{registry.key} that reads it")
         if key in REQUIRES:
             condition, holds = REQUIRES[key]
             if not holds(settings):
@@ -225,5 +225,5 @@ def refused_setting(settings: Mapping[str, Any], defaults: Mapping[str, Any]) ->
     return None
 
 
-__all__ = ["ADVANTAGES", "AdvantageInputs", "Algorithm", "KL_ESTIMATOR_REGISTRY", "MISMATCH_CORRECTIONS", "POLICY_LOSSES",
-           "REGISTRIES", "REQUIRES", "Registry", "refused_setting"]
+__all__ = ["ADVANTAGES", "AdvantageInputs", "Algorithm", "KL_ESTIMATOR_REGISTRY", "MISMATCH_CORRECTIONS",
+           "POLICY_LOSSES", "REGISTRIES", "REQUIRES", "Registry", "refused_setting"]

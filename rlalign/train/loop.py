@@ -267,7 +267,7 @@ class Trainer:
             token_adv, value_targets = self.token_advantages(ro, batch, kl_reward)
             is_weights, corr_stats = self._mismatch_correction(old_lp, batch)
 
-            def first_pass(lp, ent):   # the strict profile without a rescore: the first pass's forward is the old policy's
+            def first_pass(lp, ent):   # strict, no rescore: the first update pass's forward is the old policy's
                 nonlocal old_ent
                 old_ent = ent
                 record.update(self._check_old_logprobs(step, lp, batch))
