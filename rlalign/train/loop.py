@@ -270,7 +270,7 @@ class Trainer:
             ro, sampling_stats = self.rollout(step)
             t_rollout = time.perf_counter() - t0
             t1 = time.perf_counter()
-            temp = cfg.rollout.temperature
+            temp = cfg.rollout.logprob_temperature
             batch = self.train_batch(ro)
             record = {"step": step}
             old_lp = old_ent = None
@@ -392,7 +392,7 @@ class Trainer:
             self.value_optimizer.zero_grad(set_to_none=True)
         for mb in shard_for_rank(mini, self.dp):
             sl, mask = mb.tokens, batch.mask[mb.tokens]
-            lp, ent = logprobs(self.policy, mb, temperature=cfg.rollout.temperature,
+            lp, ent = logprobs(self.policy, mb, temperature=cfg.rollout.logprob_temperature,
                                with_entropy=a.entropy_coef > 0 or old_lp is None)
             if old_lp is None:
                 seen.append((lp.detach(), ent.detach()))
