@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+
+from rlalign.train.report import write_report
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="plot a run's metrics (PNG) and write a Markdown summary")
@@ -10,9 +14,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    import sys
-
-    from rlalign.train.report import write_report
     notes: list[str] = []
     png, md = write_report(args.run_dir, notes)
     for note in notes:

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from rich.console import Console
+
+from rlalign.configlib import load_config
+from rlalign.integrations.ray import run_training_on_ray
+from rlalign.train.config import TrainConfig
+from rlalign.train.loop import run_training
+from rlalign.train.report import write_report
+from rlalign.train.runio import read_metrics
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="GRPO/PPO-family RL training (no arguments: the embedded default)")
@@ -11,23 +20,16 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from rlalign.configlib import load_config
-    from rlalign.train.config import TrainConfig
-    from rlalign.train.loop import run_training
-
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config] + overrides   # `rlalign train run.steps=5`: overrides only
     cfg = load_config(TrainConfig, config, overrides)
     console = Console(stderr=True)
     if cfg.launcher == "ray":   # the trainer and the rollout workers as Ray actors (docs/ray.md)
-        from rlalign.integrations.ray import run_training_on_ray as run_training
-    run_dir = run_training(cfg, console)
-    from rlalign.train.report import write_report
+        run_dir = run_training_on_ray(cfg, console)
+    else:
+        run_dir = run_training(cfg, console)
     png, md = write_report(run_dir)
-    from rlalign.train.runio import read_metrics
     records = read_metrics(run_dir)
     evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
     mism = sum(r.get("mismatch/count", 0) for r in records)

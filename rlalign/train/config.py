@@ -20,6 +20,8 @@ from rlalign.algos.registry import (
     refused_setting,
 )
 
+from rlalign.train.engines import ENGINES, INTEGRATIONS_HINT
+
 
 @dataclasses.dataclass
 class ModelSection:
@@ -99,9 +101,8 @@ class RolloutSection:
     decode_graphs: str = "auto"        # CUDA-graph decode steps (RolloutConfig.decode_graphs): auto | on | off
 
     def validate(self):
-        from rlalign.train.engines import ENGINES
         if self.engine not in ENGINES:
-            return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}"
+            return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r} ({INTEGRATIONS_HINT})"
         return memory_problem("prompts_per_step x samples_per_prompt (per step)",
                               self.prompts_per_step * self.samples_per_prompt, self.max_new_tokens)
 

@@ -30,18 +30,22 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from rlalign import algos
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import use_profile
 from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_rank, sum_scalars
-from rlalign.distributed import trainer as par
+from rlalign.distributed.launch import Group, default_backend, spawn
 from rlalign.distributed.parallelize import parallelize
+from rlalign.models.checkpoint import save_model
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
-from rlalign.train.engines import build_rollout_engine
+from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
+from rlalign.train.engines import build_rollout_engine
 from rlalign.train.packing import TrainBatch, logprobs
+from rlalign.train.progress import TrainProgress
 from rlalign.train.rundir import open_run_dir
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
@@ -83,7 +87,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, console=None):
         self.cfg = cfg
         self.console = console
-        # parallel.dp/tp (rlalign.distributed.trainer): tp shards the policy, each dp rank back-propagates a share
+        # parallel.dp/tp (rlalign.train.parallel): tp shards the policy, each dp rank back-propagates a share
         self.tp, self.dp = par.parallel_groups(cfg)
         self.writer = par.is_writer(self.tp, self.dp)
         self.run_dir = Path(par.shared_run_dir(cfg))
@@ -168,7 +172,6 @@ class Trainer:
                if self.value is not None else {})})
 
     def save_policy(self) -> Path:
-        from rlalign.models.checkpoint import save_model
         policy = par.unsharded_policy(self.policy)
         if not self.writer:
             return self.run_dir / "policy"
@@ -482,7 +485,7 @@ def _checkpoint_layers(model) -> None:
 def run_training(cfg: TrainConfig, console=None) -> Path:
     """Run (or resume) the whole job; returns the run directory."""
     if par.needs_launch(cfg):   # parallel.dp/tp > 1 without torchrun: spawn the processes
-        return par.launch(cfg)
+        return launch_parallel(cfg)
     trainer = Trainer(cfg, console)
     trainer.resume_if_asked()
     try:
@@ -495,7 +498,7 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
 
 
 def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
-    progress = _Progress(cfg, console, trainer.step)
+    progress = TrainProgress(cfg, console, trainer.step)
     started = time.perf_counter()
     try:
         if trainer.step == 0:
@@ -520,36 +523,18 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
         progress.close()
 
 
-class _Progress:
-    """A rich progress bar: step, reward, mismatch count, ETA."""
-
-    def __init__(self, cfg: TrainConfig, console, start_step: int):
-        self.bar = None
-        if not cfg.run.progress or console is None:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-        self.bar = Progress(TextColumn("[bold]train[/bold]"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("reward {task.fields[reward]}  mismatches {task.fields[mism]}  "
-                                       "eval {task.fields[eval]}"), TimeRemainingColumn(), console=console)
-        self.task = self.bar.add_task("train", total=cfg.run.steps, completed=start_step, reward="-", mism="-",
-                                      eval="-")
-        self.bar.start()
-
-    def update(self, record: dict) -> None:
-        if self.bar is None:
-            return
-        fields = {"reward": f"{record['reward/mean']:.3f}", "mism": str(record["mismatch/count"])}
-        if "eval/accuracy" in record:
-            fields["eval"] = f"{record['eval/accuracy']:.3f}"
-        self.bar.update(self.task, completed=record["step"], **fields)
-
-    def note(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.console.print(text)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+def _parallel_rank(world: Group, cfg: TrainConfig) -> str:
+    """One spawned process of a parallel run: the ordinary loop (rank 0 shows the progress)."""
+    return str(run_training(cfg, Console(stderr=True) if world.rank == 0 else None))
 
 
-__all__ = ["Trainer", "run_training", "MismatchError"]
+def launch_parallel(cfg: TrainConfig) -> Path:
+    """Spawn ``parallel.dp * parallel.tp`` training processes; returns the run directory when they finish."""
+    if cfg.launcher != "local":
+        raise RLAlignError(f"parallel.dp/tp > 1 run with launcher=local (got launcher={cfg.launcher})")
+    run = dataclasses.replace(cfg.run, dir=cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = dataclasses.replace(cfg, run=run)
+    return Path(spawn(_parallel_rank, cfg.parallel.world_size, cfg, backend=default_backend(cfg.model.device))[0])
+
+
+__all__ = ["Trainer", "run_training", "launch_parallel", "MismatchError"]
