@@ -12,6 +12,13 @@ from typing import ClassVar, Literal
 
 from rlalign.configlib import Rule, at_least, checked_by_type, greater_than, non_empty, one_of, pair_within, within
 from rlalign.tasks.arithmetic import MAX_DIGITS
+from rlalign.algos.registry import (
+    ADVANTAGES,
+    KL_ESTIMATOR_REGISTRY,
+    MISMATCH_CORRECTIONS,
+    POLICY_LOSSES,
+    refused_setting,
+)
 
 from rlalign.train.engines import ENGINES, INTEGRATIONS_HINT
 
@@ -109,44 +116,52 @@ class RolloutSection:
 
 @dataclasses.dataclass
 class AlgoSection:
+    """The algorithm (rlalign.algos.registry): a key the chosen algorithms do not read is refused when set.
+    ``None`` for clip_low / clip_high: the chosen policy loss's own default (ppo_clip 0.2 / 0.28)."""
     CHECKS: ClassVar[dict[str, Rule]] = {
         **{k: checked_by_type("one of its listed names") for k in
            ("advantage", "policy_loss", "loss_agg", "kl_estimator", "mismatch_correction")},
         **{k: checked_by_type("true or false") for k in
            ("kl_in_reward", "dynamic_sampling", "overlong_filter")},
-        "clip_low": within(0, 1, high_open=True),
-        "clip_high": at_least(0, what="a finite number"),
+        "clip_low": within(0, 1, high_open=True, optional=True),
+        "clip_high": at_least(0, optional=True, what="a finite number"),
         "dual_clip": greater_than(1, optional=True),
         "kl_coef": at_least(0, what="a finite number"),
         "entropy_coef": at_least(0, what="a finite number"),
         "max_draw_rounds": at_least(1),
         "mismatch_cap": greater_than(0),
         "ppo_epochs": at_least(1),
+        "mini_batches": at_least(1),
         "gamma": within(0, 1),
         "lam": within(0, 1),
         "value_lr": greater_than(0),
         "value_clip": greater_than(0, optional=True),
     }
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"   # gae: PPO with a value model
-    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
-    clip_low: float = 0.2
-    clip_high: float = 0.28            # DAPO clip-higher
-    dual_clip: float | None = None     # e.g. 3.0
+    advantage: Literal[ADVANTAGES.names()] = "grpo"       # gae: PPO with a value model
+    policy_loss: Literal[POLICY_LOSSES.names()] = "ppo_clip"
+    clip_low: float | None = None
+    clip_high: float | None = None     # ppo_clip default 0.28: DAPO clip-higher
+    dual_clip: float | None = None     # ppo_clip, e.g. 3.0
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal[KL_ESTIMATOR_REGISTRY.names()] = "k3"
     kl_in_reward: bool = False
     entropy_coef: float = 0.0
     dynamic_sampling: bool = False     # DAPO: drop zero-variance groups, draw more
     max_draw_rounds: int = 3
     overlong_filter: bool = False      # mask truncated completions
-    mismatch_correction: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "none"
+    mismatch_correction: Literal[MISMATCH_CORRECTIONS.names()] = "none"
     mismatch_cap: float = 2.0          # TIS cap C / MIS upper bound
     ppo_epochs: int = 1
-    gamma: float = 1.0                 # gae
+    mini_batches: int = 1              # optimizer steps per epoch over the step's samples (verl's ppo_mini_batch_size)
+    gamma: float = 1.0                 # gae, reinforce_pp
     lam: float = 0.95                  # gae
     value_lr: float = 1e-3             # gae: AdamW lr of the value model
     value_clip: float | None = 0.2     # gae: PPO2 value clipping around the old values
+
+    def validate(self):
+        defaults = {f.name: f.default for f in dataclasses.fields(AlgoSection)}
+        return refused_setting(dataclasses.asdict(self), defaults)
 
 
 @dataclasses.dataclass
