@@ -37,6 +37,11 @@ from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.train.engines import build_rollout_engine
 from rlalign.train.config import TrainConfig
+from rlalign.train.logs import LOGGER, StepReporter, banner_lines
+from rlalign.train.master import MasterWeights, full_masters
+from rlalign.train.runconfig import check_resume, read_run_config, write_run_config
+from rlalign.train.stepstats import rollout_stats, token_stats
+from rlalign.train.trackers import Trackers
 from rlalign.train.packing import micro_batches, score_completions, score_in_micro_batches
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
@@ -99,7 +104,9 @@ class Trainer:
             if cfg.algo.advantage == "gae":
                 raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
             self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+        # low-precision weights train against fp32 masters (rlalign.train.master); fp32 ones are stepped as before
+        self.master = MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload)
+        self.optimizer = torch.optim.AdamW(self.master.optim_params(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, foreach=False)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.value = self.value_optimizer = None
@@ -108,6 +115,7 @@ class Trainer:
             self.value_optimizer = torch.optim.AdamW(self.value.parameters(), lr=cfg.algo.value_lr, foreach=False)
         self.step = 0
         self.data_pos = 0
+        self.trackers, self.config_path = None, self.run_dir / "config.yaml"
         if cfg.optim.activation_checkpointing:
             _checkpoint_layers(self.policy)
 
@@ -127,11 +135,16 @@ class Trainer:
                              "run.resume=true, or choose a new run.dir (nothing was overwritten)")
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
+            self._start_run_files()
             self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()
             return
+        check_resume(read_run_config(self.run_dir) or state["config"], self.cfg)
+        self._start_run_files()
         par.load_policy_weights(self.policy, state["model"])
+        self.master.load_state_dict(state.get("master"))
         par.load_optimizer_state(self.optimizer, state["optimizer"], self.tp)
         self.schedule.load_state_dict(state["schedule"])
+        self._apply_lr_config()
         torch.set_rng_state(state["torch_rng"])
         self.step, self.data_pos = state["step"], state["data_pos"]
         if self.value is not None:
@@ -140,16 +153,38 @@ class Trainer:
         self.engine.update_weights(par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
 
+    def _start_run_files(self) -> None:
+        """config.yaml (what this run runs under) and the trackers; the writer rank only."""
+        if self.writer:
+            write_run_config(self.run_dir, self.cfg)
+            self.trackers = Trackers(self.run_dir, self.cfg)
+
+    def _apply_lr_config(self) -> None:
+        """After a resume: the schedule's lr from this config (the same bits as the checkpoint's when
+        optim.* did not change; the new lr when run.resume_override allowed a change)."""
+        self.schedule.base_lrs = [self.cfg.optim.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.cfg.optim.lr
+            group["lr"] = self.cfg.optim.lr * self._lr_factor(self.schedule.last_epoch)
+        self.schedule._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def log_record(self, record: dict) -> None:
+        """One metrics record: metrics.jsonl (always) and the run.loggers trackers."""
+        self.metrics.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
+
     def save(self) -> None:
         model, optimizer = par.policy_weights(self.policy), par.optimizer_state(self.optimizer, self.tp)
+        master = full_masters(self.master, self.policy) if self.master.active else None
         if not self.writer:   # the writer saves for every rank (TP state gathered above)
             return
         save_checkpoint(self.run_dir, self.step, {
-            "model": model, "optimizer": optimizer,
+            "model": model, "optimizer": optimizer, **({"master": master} if master is not None else {}),
             "schedule": self.schedule.state_dict(), "torch_rng": torch.get_rng_state(),
             "step": self.step, "data_pos": self.data_pos, "config": dataclasses.asdict(self.cfg),
             **({"value": self.value.state_dict(), "value_optimizer": self.value_optimizer.state_dict()}
-               if self.value is not None else {})})
+               if self.value is not None else {})}, keep=self.cfg.run.keep_checkpoints)
 
     def save_policy(self) -> Path:
         from rlalign.models.checkpoint import save_model
@@ -259,6 +294,7 @@ class Trainer:
                          if ref_lp is not None and self.cfg.algo.kl_in_reward else None)
             token_adv, value_targets = self.token_advantages(ro, seq_ids, mask, kl_reward)
             is_weights, corr_stats = self._mismatch_correction(old_lp, rollout_lp, mask, seq_ids)
+            lr = self.optimizer.param_groups[0]["lr"]   # the lr this step's update uses
             update = self._update(ro, old_lp, token_adv, None if kl_reward is not None else ref_lp, mask, seq_ids,
                                   is_weights, value_targets)
         t_train = time.perf_counter() - t1
@@ -270,9 +306,10 @@ class Trainer:
             "entropy": float(old_ent.mean()), "completion/mean_len": float(lens.float().mean()),
             "completion/truncated_frac": sum(ro.truncated) / len(ro.truncated), **sampling_stats,
             "time/rollout_s": t_rollout, "time/train_s": t_train,
-            "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9), "lr": self.schedule.get_last_lr()[0],
+            "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9), "lr": lr,
             "memory/peak_mb": _peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
-            **update, **corr_stats,
+            **update, **corr_stats, **rollout_stats(rewards, ro.group_tensor(), lens),
+            **token_stats(token_adv, mask, old_lp, ref_lp),
         })
         return record
 
@@ -289,8 +326,7 @@ class Trainer:
                "run `rlalign parity --localize` on this model to find the first diverging op")
         if self.cfg.run.on_mismatch == "stop":
             raise MismatchError(msg)
-        if self.console is not None:
-            self.console.print(f"[bold red]MISMATCH[/bold red] {msg}")
+        LOGGER.warning(f"MISMATCH {msg}")
 
     def _mismatch_correction(self, old_lp, rollout_lp, mask, seq_ids):
         kind = self.cfg.algo.mismatch_correction
@@ -310,7 +346,7 @@ class Trainer:
         cfg = self.cfg
         bounds = torch.tensor([0] + ro.completion_lens).cumsum(0).tolist()
         n_tok, n_seq = algos.batch_counts(mask, seq_ids)
-        totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+        totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0, "grad_norm": 0.0}
         if self.value is not None:
             totals["loss/value"] = 0.0
         for _ in range(cfg.algo.ppo_epochs):
@@ -346,6 +382,7 @@ class Trainer:
                     stats_acc["loss/value"] += float(vl.detach())
                 w = int(mask[sl].sum())
                 stats_acc["clip_frac"] += float(out.stats.get("clip_frac", torch.tensor(0.0))) * w / max(n_tok, 1)
+                stats_acc["kl/ppo"] += float(out.stats.get("approx_kl", torch.tensor(0.0))) * w / max(n_tok, 1)
                 loss.backward()
             if self.dp.size > 1:   # deterministic sum over the data-parallel ranks (rank order, fixed tree)
                 all_reduce_gradients_(self.policy.parameters(), self.dp)
@@ -356,7 +393,9 @@ class Trainer:
             if not torch.isfinite(grad_norm):
                 raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {self.step}: lower optim.lr or check "
                                    "the rewards; the last checkpoint is intact")
+            self.master.grads_to_master()   # no-op for fp32 parameters
             self.optimizer.step()
+            self.master.master_to_model()
             if self.value is not None:
                 torch.nn.utils.clip_grad_norm_(self.value.parameters(), cfg.optim.grad_clip, foreach=False)
                 self.value_optimizer.step()
@@ -384,6 +423,7 @@ class Trainer:
         problems = self.task.eval_problems()
         if not problems:
             return {}
+        started = time.perf_counter()
         prompts = [self.task.encode(p.prompt) for p in problems]
         r = self.cfg.rollout
         out = {}
@@ -398,6 +438,7 @@ class Trainer:
             rewards = self.task.score([problems[c.prompt_index].prompt for c in completions], texts,
                                       [problems[c.prompt_index].answer for c in completions])
             out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)
+        out["time/eval_s"] = time.perf_counter() - started
         return out
 
 
@@ -422,11 +463,16 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
         return par.launch(cfg)
     trainer = Trainer(cfg, console)
     trainer.resume_if_asked()
-    progress = _Progress(cfg, console, trainer.step)
+    if trainer.writer:
+        for line in banner_lines(cfg, trainer.run_dir, trainer.config_path, trainer.model_dir,
+                                 sum(p.numel() for p in trainer.policy.parameters()),
+                                 str(next(trainer.policy.parameters()).dtype).removeprefix("torch."), trainer.step):
+            LOGGER.info(line)
+    progress = StepReporter(cfg, console if trainer.writer else None, trainer.step)
     started = time.perf_counter()
     try:
         if trainer.step == 0:
-            trainer.metrics.write({"step": 0, **trainer.evaluate()})
+            trainer.log_record({"step": 0, **trainer.evaluate()})
         while trainer.step < cfg.run.steps:
             step = trainer.step + 1
             record = trainer.train_step(step)
@@ -434,10 +480,11 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
             last = step == cfg.run.steps
             if step % cfg.run.eval_every == 0 or last:
                 record.update(trainer.evaluate())
-            trainer.metrics.write(record)
+            trainer.log_record(record)
             if step % cfg.run.checkpoint_every == 0 or last:
                 trainer.save()
-            progress.update(record)
+            if trainer.writer:
+                progress.update(record)
             if cfg.run.max_minutes and (time.perf_counter() - started) / 60 > cfg.run.max_minutes and not last:
                 trainer.save()
                 progress.note(f"stopping at step {step}: run.max_minutes={cfg.run.max_minutes} reached "
@@ -445,40 +492,10 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
                 break
     finally:
         progress.close()
+        if trainer.trackers is not None:
+            trainer.trackers.close()
     trainer.save_policy()
     return trainer.run_dir
-
-
-class _Progress:
-    """A rich progress bar: step, reward, mismatch count, ETA."""
-
-    def __init__(self, cfg: TrainConfig, console, start_step: int):
-        self.bar = None
-        if not cfg.run.progress or console is None:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-        self.bar = Progress(TextColumn("[bold]train[/bold]"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("reward {task.fields[reward]}  mismatches {task.fields[mism]}  "
-                                       "eval {task.fields[eval]}"), TimeRemainingColumn(), console=console)
-        self.task = self.bar.add_task("train", total=cfg.run.steps, completed=start_step, reward="-", mism="-",
-                                      eval="-")
-        self.bar.start()
-
-    def update(self, record: dict) -> None:
-        if self.bar is None:
-            return
-        fields = {"reward": f"{record['reward/mean']:.3f}", "mism": str(record["mismatch/count"])}
-        if "eval/accuracy" in record:
-            fields["eval"] = f"{record['eval/accuracy']:.3f}"
-        self.bar.update(self.task, completed=record["step"], **fields)
-
-    def note(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.console.print(text)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 __all__ = ["Trainer", "run_training", "MismatchError"]

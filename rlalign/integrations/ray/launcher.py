@@ -153,9 +153,9 @@ def _this_node(ray):
 
 def _follow(ray, done, cfg, console) -> None:
     """Update the progress bar from metrics.jsonl until the trainer's ``run`` call returns (or fails)."""
-    from rlalign.train.loop import _Progress
+    from rlalign.train.logs import StepReporter
 
-    progress = _Progress(cfg, console, 0)
+    progress = StepReporter(cfg, console, 0)
     path, seen = Path(cfg.run.dir) / "metrics.jsonl", 0
     try:
         while not ray.wait([done], timeout=1.0)[0]:
