@@ -36,7 +36,7 @@ RESUME_FREE = frozenset({
 
 def config_yaml(cfg: TrainConfig) -> str:
     import dataclasses
-    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, default_flow_style=None)
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, default_flow_style=False)
 
 
 def write_run_config(run_dir: Path, cfg: TrainConfig) -> Path:
