@@ -8,7 +8,7 @@ import sys
 
 from rlalign.contract.errors import RLAlignError
 
-COMMANDS = ("train", "generate", "parity", "report", "bench", "doctor", "pretrain")
+COMMANDS = ("train", "generate", "parity", "report", "export", "bench", "doctor", "pretrain")
 
 
 def build_parser() -> argparse.ArgumentParser:
