@@ -35,7 +35,9 @@ class TaskSection:
     answer_field: str = "answer"       # dataset: the row field passed to the reward as the answer
     template: str | None = None        # e.g. "Question: {prompt}\nAnswer:"
     eval_fraction: float = 0.1         # dataset: share of rows held out for eval
-    chat: bool = False                 # apply the tokenizer's chat template to prompts
+    chat: bool = False                 # apply the tokenizer's chat template to prompts (message-list prompts always are)
+    system_prompt: str | None = None   # chat: a system message put before each prompt that has none
+    enable_thinking: bool | None = None   # chat: the template's enable_thinking (Qwen3: false = no <think> block); None: unset
 
     def validate(self):
         if self.name == "dataset" and not self.path:
