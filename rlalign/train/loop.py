@@ -37,7 +37,7 @@ from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.train.engines import build_rollout_engine
 from rlalign.train.config import TrainConfig
-from rlalign.train.logs import LOGGER, StepReporter, banner_lines
+from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.master import MasterWeights, full_masters
 from rlalign.train.runconfig import check_resume, read_run_config, write_run_config
 from rlalign.train.stepstats import rollout_stats, token_stats
@@ -461,6 +461,8 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
     """Run (or resume) the whole job; returns the run directory."""
     if par.needs_launch(cfg):   # parallel.dp/tp > 1 without torchrun: spawn the processes
         return par.launch(cfg)
+    if console is not None:   # spawned ranks do not inherit the CLI's handler
+        install_cli_handler(console)
     trainer = Trainer(cfg, console)
     trainer.resume_if_asked()
     if trainer.writer:
