@@ -17,7 +17,7 @@ from tests.train.conftest import tiny_overrides
 TRACKING_TOL = 0.05
 
 
-def _small_lr_trajectory(dtype, master: bool, steps=300, lr=1e-5, seed=0):
+def _small_lr_trajectory(dtype, master: bool, steps=300, lr=1e-5, seed=0, offload=False):
     """AdamW on 0.5 |w - target|^2 with the gradient computed in the model's dtype (as a bf16 backward does)."""
     g = torch.Generator().manual_seed(seed)
     w0 = torch.randn(64, 64, generator=g) * 0.02
@@ -26,7 +26,7 @@ def _small_lr_trajectory(dtype, master: bool, steps=300, lr=1e-5, seed=0):
     with torch.no_grad():
         layer.weight.copy_(w0)
     layer.to(dtype)
-    mw = MasterWeights(layer, enabled=master)
+    mw = MasterWeights(layer, enabled=master, offload=offload)
     opt = torch.optim.AdamW(mw.optim_params(), lr=lr, weight_decay=0.0, foreach=False)
     for _ in range(steps):
         layer.weight.grad = layer.weight.detach() - target.to(dtype)
@@ -49,6 +49,14 @@ def test_bf16_with_masters_tracks_fp32_where_plain_bf16_stalls(seed):
     assert (stalled.float() - ref).norm() / moved > 0.5
     # the model copy is the round-to-nearest-even cast of the master, bit for bit
     assert_bitwise_equal(model, master.to(torch.bfloat16))
+
+
+def test_offload_gives_the_same_bits():
+    """optim.offload only moves the masters and the optimizer state (here CPU to CPU: the same arithmetic)."""
+    _, a, _ = _small_lr_trajectory(torch.bfloat16, master=True, steps=20)
+    _, b, mw = _small_lr_trajectory(torch.bfloat16, master=True, steps=20, offload=True)
+    assert mw.masters[0].device.type == "cpu"
+    assert_bitwise_equal(a, b)
 
 
 def test_fp32_parameters_get_no_master():

@@ -90,3 +90,12 @@ def test_print_config_is_the_resolved_config(tmp_path):
     path = tmp_path / "printed.yaml"
     path.write_text(out.getvalue())
     assert load_config(TrainConfig, path) == load_config(TrainConfig, None, ["run.steps=7", "algo.kl_coef=0.01"])
+
+
+def test_dry_run_loads_everything_and_writes_nothing(arithmetic_model_dir, tmp_path):
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["train", "--dry-run", *tiny_overrides(arithmetic_model_dir, tmp_path / "run")]) == 0
+    assert "# dry run: model" in out.getvalue() and not (tmp_path / "run").exists()
+    with redirect_stdout(io.StringIO()):
+        assert main(["train", "--dry-run", f"model.path={tmp_path / 'missing'}"]) == 2   # one-line error
