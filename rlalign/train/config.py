@@ -123,6 +123,7 @@ class RunSection:
     resume_override: list[str] = dataclasses.field(default_factory=list)   # keys a resume may change that alter the run's meaning
     progress: bool = True              # live progress bar (on a terminal only)
     log_every: int = 1                 # one plain log line every N steps
+    policy_kl: bool = False            # log kl/policy_step, k3 KL(pi_before || pi_after) of each update (one extra forward)
     loggers: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])   # jsonl (always) | tensorboard | wandb
     metric_names: Literal["rlalign", "verl", "trl"] = "rlalign"   # metric names in tensorboard / wandb
     keep_checkpoints: int = 2          # newest checkpoints kept in run.dir/checkpoints

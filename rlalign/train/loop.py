@@ -40,7 +40,7 @@ from rlalign.train.config import TrainConfig
 from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.master import MasterWeights, full_masters
 from rlalign.train.runconfig import check_resume, read_run_config, write_run_config
-from rlalign.train.stepstats import rollout_stats, token_stats
+from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
 from rlalign.train.trackers import Trackers
 from rlalign.train.packing import micro_batches, score_completions, score_in_micro_batches
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
@@ -297,6 +297,9 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]   # the lr this step's update uses
             update = self._update(ro, old_lp, token_adv, None if kl_reward is not None else ref_lp, mask, seq_ids,
                                   is_weights, value_targets)
+            if cfg.run.policy_kl:   # the updated policy on the samples its predecessor drew
+                new_lp = score_in_micro_batches(self.policy, ro.samples, temperature=temp, max_tokens=mb_tokens)[0]
+                update["kl/policy_step"] = policy_step_kl(old_lp, new_lp, mask)
         t_train = time.perf_counter() - t1
         self.engine.update_weights(par.policy_weights(self.policy), version=step)
         n_tokens = int(lens.sum())

@@ -20,7 +20,7 @@ PANELS = (
     ("eval accuracy", ["eval/accuracy", "eval/accuracy_greedy"], "held-out accuracy", None, "no eval ran"),
     ("train/rollout mismatch", ["mismatch/count"], "tokens whose logprobs differ",
      "0 at every step: bitwise identical", None),
-    ("KL", ["kl/ref", "rollout_corr/kl_k3", "kl/ppo"], "k3 KL",
+    ("KL", ["kl/ref", "rollout_corr/kl_k3", "kl/ppo", "kl/policy_step"], "k3 KL",
      "all 0 at every step (kl/ref is absent without a reference model, algo.kl_coef=0; "
      "rollout_corr is 0 when rollout == trainer bitwise; kl/ppo is 0 with one update per rollout)", None),
     ("entropy", ["entropy"], "mean token entropy", None, None),

@@ -34,4 +34,13 @@ def token_stats(token_adv: torch.Tensor, mask: torch.Tensor, old_lp: torch.Tenso
     return out
 
 
-__all__ = ["rollout_stats", "token_stats"]
+def policy_step_kl(old_lp: torch.Tensor, new_lp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean k3 estimate of KL(pi_before || pi_after) over the step's unmasked tokens, which pi_before
+    sampled: how far one update moved the policy (verl's ``actor/ppo_kl`` measures it only inside the
+    update passes, where it is 0 for the first one)."""
+    from rlalign.algos import kl_estimate
+    kl = kl_estimate(old_lp.detach(), new_lp.detach(), "k3")[mask]   # samples are from pi_before
+    return float(kl.mean()) if kl.numel() else 0.0
+
+
+__all__ = ["rollout_stats", "token_stats", "policy_step_kl"]

@@ -35,7 +35,7 @@ ALIASES: dict[str, dict[str, str]] = {
         "loss/kl": "actor/kl_loss", "kl/ref": "actor/kl_loss", "clip_frac": "actor/pg_clipfrac",
         "entropy": "actor/entropy", "grad_norm": "actor/grad_norm", "lr": "actor/lr", "loss/value": "critic/vf_loss",
         "time/rollout_s": "timing_s/gen", "time/train_s": "timing_s/update_actor", "time/eval_s": "timing_s/testing",
-        "eval/accuracy": "val-core/acc/mean", "tokens_per_s/rollout": "perf/throughput", "kl/ppo": "actor/ppo_kl",
+        "eval/accuracy": "val-core/acc/mean", "tokens_per_s/rollout": "perf/throughput", "kl/ppo": "actor/ppo_kl", "kl/policy_step": "actor/policy_step_kl",
     },
     "trl": {
         "reward/mean": "reward", "reward/std": "reward_std", "reward/zero_std_frac": "frac_reward_zero_std",

@@ -24,7 +24,8 @@ def tracked_run(arithmetic_model_dir, tmp_path_factory):
     mp.setenv("WANDB_SILENT", "true")
     try:
         cfg = load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, run_dir, steps=3, dense_reward=True) + [
-            "run.keep_checkpoints=3", "run.loggers=[jsonl,tensorboard,wandb]", "run.metric_names=trl"])
+            "run.keep_checkpoints=3", "run.loggers=[jsonl,tensorboard,wandb]", "run.metric_names=trl",
+            "run.policy_kl=true"])
         run_training(cfg)
     finally:
         mp.undo()
@@ -55,6 +56,14 @@ def test_tensorboard_and_wandb_offline_receive_trl_names(tracked_run):
     assert [e.step for e in acc.Scalars("reward")] == [1, 2, 3]
     runs = list((tracked_run / "wandb").glob("offline-run-*"))
     assert runs and any(f.suffix == ".wandb" for f in runs[0].iterdir())
+
+
+def test_policy_step_kl_is_logged_and_moves_with_the_update(tracked_run):
+    from rlalign.train.runio import read_metrics
+    steps = [r for r in read_metrics(tracked_run) if "reward/mean" in r]
+    assert all("kl/policy_step" in r for r in steps)
+    assert any(r["kl/policy_step"] > 0 for r in steps if r["grad_norm"] > 0)
+    assert all(r["kl/policy_step"] == 0 for r in steps if r["grad_norm"] == 0)
 
 
 def test_aliases_keep_unmapped_names():
