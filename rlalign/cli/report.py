@@ -13,11 +13,16 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    import sys
+
     from rlalign.contract.errors import RLAlignError
     from rlalign.train.report import write_report
 
     if not 0.0 <= args.smooth < 1.0:
         raise RLAlignError(f"--smooth must be in [0, 1), got {args.smooth}")
-    png, md = write_report(args.run_dirs, args.out, smooth=args.smooth)
+    notes: list[str] = []
+    png, md = write_report(args.run_dirs, args.out, smooth=args.smooth, notes=notes)
+    for note in notes:
+        print(f"rlalign report: note: {note}", file=sys.stderr)
     print(f"wrote {png}\nwrote {md}")
     return 0

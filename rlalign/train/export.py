@@ -8,11 +8,8 @@ run's base model directory (the checkpoint's ``model.path``, or ``model_dir`` wh
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
-
-import torch
 
 from rlalign.contract.errors import RLAlignError
 
@@ -38,13 +35,11 @@ def checkpoint_file(path: "str | Path") -> Path:
 
 def export_checkpoint(checkpoint: "str | Path", out_dir: "str | Path", model_dir: "str | Path | None" = None) -> Path:
     from rlalign.models.checkpoint import load_model, save_model
+    from rlalign.train.runio import load_state
     from rlalign.train.setup import resolve_model_dir
 
     file = checkpoint_file(checkpoint)
-    try:   # tensors and plain containers only: no pickled code runs from disk
-        state = torch.load(io.BytesIO(file.read_bytes()), weights_only=True, map_location="cpu")
-    except Exception as exc:   # torch raises several types for truncated / foreign files
-        raise ExportError(f"{file} is not a readable training checkpoint ({type(exc).__name__})") from None
+    state = load_state(file.read_bytes(), file)   # weights_only: no pickled code runs from disk
     if not isinstance(state, dict) or "model" not in state:
         raise ExportError(f"{file} holds no model weights: is it an rlalign training checkpoint?")
     base = Path(model_dir) if model_dir is not None else resolve_model_dir(state["config"]["model"]["path"])

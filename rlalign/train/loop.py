@@ -43,6 +43,7 @@ from rlalign.train.runconfig import check_resume, read_run_config, write_run_con
 from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
 from rlalign.train.trackers import Trackers
 from rlalign.train.packing import micro_batches, score_completions, score_in_micro_batches
+from rlalign.train.rundir import open_run_dir
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
 from rlalign.train.value import ValueModel, value_loss
@@ -95,6 +96,18 @@ class Trainer:
         self.tp, self.dp = par.parallel_groups(cfg)
         self.writer = par.is_writer(self.tp, self.dp)
         self.run_dir = Path(par.shared_run_dir(cfg))
+        # The writer locks and prepares the run directory before any work (rlalign.train.rundir): a fresh
+        # run needs an empty directory (or run.overwrite), a resume a checkpoint.
+        self.run_lock = (open_run_dir(self.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
+                         if self.writer else None)
+        try:
+            self._build(cfg)
+        except BaseException:
+            if self.run_lock is not None:
+                self.run_lock.abandon()
+            raise
+
+    def _build(self, cfg: TrainConfig) -> None:
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
@@ -130,9 +143,10 @@ class Trainer:
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def resume_if_asked(self) -> None:
-        if not self.cfg.run.resume and (self.run_dir / "checkpoints" / "latest.json").exists():
-            raise SetupError(f"run directory {self.run_dir} already holds a run with checkpoints; continue it with "
-                             "run.resume=true, or choose a new run.dir (nothing was overwritten)")
+        """Open metrics.jsonl, and with ``run.resume`` load the last checkpoint (the run directory was
+        locked and checked in ``__init__``)."""
+        if self.run_lock is not None and self.run_lock.removed:
+            self._note(f"removed leftovers of an interrupted run: {', '.join(self.run_lock.removed)}")
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
             self._start_run_files()
@@ -152,6 +166,11 @@ class Trainer:
             self.value_optimizer.load_state_dict(state["value_optimizer"])
         self.engine.update_weights(par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
+        self._note(getattr(self.metrics, "note", None))
+
+    def _note(self, text: "str | None") -> None:
+        if text and self.console is not None:
+            self.console.print(f"note: {text}")
 
     def _start_run_files(self) -> None:
         """config.yaml (what this run runs under) and the trackers; the writer rank only."""
@@ -468,6 +487,16 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
         install_cli_handler(console)
     trainer = Trainer(cfg, console)
     trainer.resume_if_asked()
+    try:
+        _train_to_end(trainer, cfg, console)
+        trainer.save_policy()
+    finally:
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()
+    return trainer.run_dir
+
+
+def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
     if trainer.writer:
         for line in banner_lines(cfg, trainer.run_dir, trainer.config_path, trainer.model_dir,
                                  sum(p.numel() for p in trainer.policy.parameters()),
@@ -499,8 +528,6 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
         progress.close()
         if trainer.trackers is not None:
             trainer.trackers.close()
-    trainer.save_policy()
-    return trainer.run_dir
 
 
 __all__ = ["Trainer", "run_training", "MismatchError"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlalign.contract.errors import RLAlignError
 from rlalign.train.runio import read_metrics
 
 # (title, keys, y label, note when every value is 0, note when the run has none of the keys)
@@ -122,15 +123,20 @@ def _draw_reward(ax, records, xs, ys, colour, label, smooth: float) -> None:
 
 
 def write_report(run_dirs: "str | Path | list", out_dir: "str | Path | None" = None,
-                 smooth: float = 0.6) -> tuple[Path, Path]:
+                 smooth: float = 0.6, notes: "list[str] | None" = None) -> tuple[Path, Path]:
     """Plot one run (``report.png`` / ``report.md`` in its directory) or several overlaid
-    (``compare.png`` / ``compare.md`` in ``out_dir``, default the first run's directory)."""
+    (``compare.png`` / ``compare.md`` in ``out_dir``, default the first run's directory). A torn
+    last line of a metrics.jsonl is dropped and described in ``notes``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     dirs = [Path(d) for d in (run_dirs if isinstance(run_dirs, (list, tuple)) else [run_dirs])]
-    runs = [(d.name, read_metrics(d)) for d in dirs]
+    runs = [(d.name, read_metrics(d, notes)) for d in dirs]
+    for d, (_, records) in zip(dirs, runs):
+        if not records:
+            raise RLAlignError(f"{d / 'metrics.jsonl'} holds no records (the run stopped before its first "
+                               "evaluation): nothing to report")
     out = Path(out_dir) if out_dir is not None else dirs[0]
     out.mkdir(parents=True, exist_ok=True)
     stem = "report" if len(dirs) == 1 else "compare"

@@ -26,7 +26,7 @@ CONFIG_FILE = "config.yaml"
 # (or shortens) the run; the cosine lr schedule is then taken over the new total.
 RESUME_FREE_PREFIXES = ("ray.", "parallel.")
 RESUME_FREE = frozenset({
-    "launcher", "run.dir", "run.steps", "run.resume", "run.resume_override", "run.progress", "run.log_every", "run.policy_kl",
+    "launcher", "run.dir", "run.steps", "run.resume", "run.resume_override", "run.overwrite", "run.progress", "run.log_every", "run.policy_kl",
     "run.loggers", "run.metric_names", "run.keep_checkpoints", "run.max_minutes", "run.on_mismatch",
     "run.eval_every", "run.eval_samples", "run.checkpoint_every", "rollout.page_size", "rollout.max_num_seqs",
     "rollout.max_num_batched_tokens", "rollout.kv_cache_bytes", "rollout.decode_graphs",
