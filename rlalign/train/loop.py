@@ -486,8 +486,8 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
     if console is not None:   # spawned ranks do not inherit the CLI's handler
         install_cli_handler(console)
     trainer = Trainer(cfg, console)
-    trainer.resume_if_asked()
     try:
+        trainer.resume_if_asked()   # a refused resume releases the run directory too
         _train_to_end(trainer, cfg, console)
         trainer.save_policy()
     finally:

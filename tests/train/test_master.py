@@ -85,6 +85,7 @@ def test_bf16_trainer_steps_masters_and_resumes_them_bitwise(arithmetic_model_di
     trainer.save()
     saved = load_latest_checkpoint(tmp_path / "run")
     assert set(saved["master"]) == {n for n, _ in trainer.master.named}
+    trainer.run_lock.release()   # the run ends here; the resumed trainer takes the run directory
 
     resumed = Trainer(load_config(TrainConfig, None, over + ["run.resume=true", "run.steps=2"]))
     resumed.resume_if_asked()

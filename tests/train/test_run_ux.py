@@ -62,8 +62,10 @@ def test_resume_uses_the_saved_config_and_refuses_meaning_changes(arithmetic_mod
     for change, key in (("optim.micro_batch_tokens=128", "optim.micro_batch_tokens"), ("task.reward=builtin", "task.reward"),
                         ("optim.lr=0.5", "optim.lr")):
         changed = resolve_train_config(None, [f"run.dir={run_dir}", "run.resume=true", change])
+        trainer = Trainer(changed)
         with pytest.raises(ConfigError, match=f"{key}.*run.resume_override=\\[{key}\\]"):
-            Trainer(changed).resume_if_asked()
+            trainer.resume_if_asked()
+        trainer.run_lock.release()
 
     allowed = resolve_train_config(None, [f"run.dir={run_dir}", "run.resume=true", "run.steps=2", "optim.lr=0.001",
                                           "run.resume_override=[optim.lr]"])
