@@ -103,6 +103,13 @@ class RolloutSection:
         return memory_problem("prompts_per_step x samples_per_prompt (per step)",
                               self.prompts_per_step * self.samples_per_prompt, self.max_new_tokens)
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the trainer scores rollout tokens at: the rollout engine's reported-logprob
+        temperature for a sample drawn at ``temperature`` (the one rule, ops.logprob_temperature)."""
+        from rlalign.ops import temperature as temperature_rule   # lazy: the config is read before torch is needed
+        return temperature_rule.logprob_temperature(self.temperature)
+
 
 @dataclasses.dataclass
 class AlgoSection:

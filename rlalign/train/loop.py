@@ -293,7 +293,7 @@ class Trainer:
             ro, sampling_stats = self.rollout(step)
             t_rollout = time.perf_counter() - t0
             t1 = time.perf_counter()
-            temp = cfg.rollout.temperature
+            temp = cfg.rollout.logprob_temperature
             mb_tokens = cfg.optim.micro_batch_tokens
             old_lp, old_ent = score_in_micro_batches(self.policy, ro.samples, temperature=temp, max_tokens=mb_tokens,
                                                      with_entropy=True)
@@ -365,7 +365,7 @@ class Trainer:
 
     def _update(self, ro, old_lp, token_adv, ref_lp, mask, seq_ids, is_weights, value_targets) -> dict:
         """``ppo_epochs`` passes over the step's samples, micro-batch by micro-batch, one optimizer step each."""
-        cfg = self.cfg
+        cfg, temp = self.cfg, self.cfg.rollout.logprob_temperature
         bounds = torch.tensor([0] + ro.completion_lens).cumsum(0).tolist()
         n_tok, n_seq = algos.batch_counts(mask, seq_ids)
         totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0, "grad_norm": 0.0}
@@ -381,8 +381,8 @@ class Trainer:
                 lo, hi = bounds[mb[0]], bounds[mb[-1] + 1]
                 sl = slice(lo, hi)
                 local_ids = seq_ids[sl] - mb[0]
-                lp, ent = score_completions(self.policy, [ro.samples[i] for i in mb],
-                                            temperature=cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0)
+                lp, ent = score_completions(self.policy, [ro.samples[i] for i in mb], temperature=temp,
+                                            with_entropy=cfg.algo.entropy_coef > 0)
                 out = self._policy_loss(lp, old_lp[sl], token_adv[sl], mask[sl], local_ids, len(mb),
                                         None if is_weights is None else is_weights[sl])
                 agg = dict(num_tokens=n_tok, num_seqs=n_seq, max_len=cfg.rollout.max_new_tokens)
