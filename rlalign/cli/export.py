@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlalign.train.export import checkpoint_file, export_checkpoint
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="write a training checkpoint (any step) as a Hugging Face model directory")
@@ -13,7 +14,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from rlalign.train.export import checkpoint_file, export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out_dir, args.model_dir)
     print(f"exported {checkpoint_file(args.checkpoint)} -> {out}")

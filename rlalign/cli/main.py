@@ -7,13 +7,14 @@ import importlib
 import sys
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.version import __version__
 
 COMMANDS = ("train", "generate", "parity", "report", "export", "bench", "doctor", "pretrain")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlalign", description="RL post-training with bit-identical rollout and training log-probs")
-    parser.add_argument("--version", action="version", version=f"rlalign {__import__('rlalign').__version__}")
+    parser.add_argument("--version", action="version", version=f"rlalign {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
+from rlalign.contract.errors import RLAlignError
+from rlalign.train.report import write_report
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="plot runs' metrics (PNG; several runs overlaid) and write a Markdown summary")
@@ -13,11 +18,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    import sys
-
-    from rlalign.contract.errors import RLAlignError
-    from rlalign.train.report import write_report
-
     if not 0.0 <= args.smooth < 1.0:
         raise RLAlignError(f"--smooth must be in [0, 1), got {args.smooth}")
     notes: list[str] = []

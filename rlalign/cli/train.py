@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+
+from rlalign.configlib import describe
+from rlalign.integrations.ray import run_training_on_ray
+from rlalign.train.config import TrainConfig
+from rlalign.train.logs import install_cli_handler
+from rlalign.train.loop import run_training
+from rlalign.train.report import write_report
+from rlalign.train.runconfig import config_yaml, resolve_train_config
+from rlalign.train.runio import read_metrics
+from rlalign.train.setup import build_task, load_policy
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="GRPO/PPO-family RL training (no arguments: the embedded default)",
@@ -21,9 +33,6 @@ def register(subparsers) -> None:
 
 def config_keys_help() -> str:
     """The config's sections and keys with defaults and one-line meanings (from rlalign.train.config)."""
-    from rlalign.configlib import describe
-    from rlalign.train.config import TrainConfig
-
     rows = describe(TrainConfig)
     width = max(len(k) + len(d) for k, d, _ in rows) + 3
     lines, section = ["config keys (section.key = default  meaning):"], None
@@ -37,11 +46,6 @@ def config_keys_help() -> str:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from rlalign.train.logs import install_cli_handler
-    from rlalign.train.runconfig import config_yaml, resolve_train_config
-
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config] + overrides   # `rlalign train run.steps=5`: overrides only
@@ -54,13 +58,10 @@ def run(args) -> int:
     console = Console(stderr=True, soft_wrap=True)   # no hard wrapping of paths in batch logs
     install_cli_handler(console)
     if cfg.launcher == "ray":   # the trainer and the rollout workers as Ray actors (docs/ray.md)
-        from rlalign.integrations.ray import run_training_on_ray as run_training
+        run_dir = run_training_on_ray(cfg, console)
     else:
-        from rlalign.train.loop import run_training
-    run_dir = run_training(cfg, console)
-    from rlalign.train.report import write_report
+        run_dir = run_training(cfg, console)
     png, md = write_report(run_dir)
-    from rlalign.train.runio import read_metrics
     records = read_metrics(run_dir)
     evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
     mism = sum(r.get("mismatch/count", 0) for r in records)
@@ -74,9 +75,6 @@ def run(args) -> int:
 
 def _dry_run(cfg) -> int:
     """Everything a run checks before its first step, without writing a run directory."""
-    from rlalign.train.runconfig import config_yaml
-    from rlalign.train.setup import build_task, load_policy
-
     policy, tokenizer, model_dir = load_policy(cfg.model)
     task = build_task(cfg.task, tokenizer, cfg.run.seed)
     first = task.train(0, 1)[0]

@@ -25,6 +25,9 @@ ATTN_Q_TILE = 16
 # block, then blocks folded left to right). User chunk sizes are rounded to multiples of these.
 VOCAB_BLOCK = 1024
 TOKEN_BLOCK = ROW_BLOCK
+# Default chunk sizes of the fused logprob (multiples of TOKEN_BLOCK / VOCAB_BLOCK: they set memory, not bits).
+DEFAULT_TOKEN_CHUNK = 1024
+DEFAULT_VOCAB_CHUNK = 8192
 # RMSNorm epsilon is the model's; the reduction is a balanced tree over the hidden dim.
 
 STRICT_DTYPES = ("float32", "bfloat16")

@@ -38,8 +38,8 @@ from rlalign.ops.torch_backend.primitives import tree_sum
 
 
 # The column-parallel forward relies on a GEMM column's bits not depending on N (doctor-checked at
-# 1024 columns). On the 2-core CI CPU (torch 2.13, oneDNN/MKL) it holds for slices of >= 12 columns
-# and fails below (another micro-kernel); column shards must be at least this wide.
+# 1024 columns). The CPU GEMM switches micro-kernel for narrow slices, where it fails (the measured
+# threshold is in docs/LOG.md); column shards must be at least this wide.
 MIN_SHARD_COLUMNS = 16
 
 

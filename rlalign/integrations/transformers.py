@@ -52,6 +52,7 @@ from rlalign.contract import spec
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import Profile, as_profile, use_profile
 from rlalign.models.batch import ForwardBatch
+from rlalign.models.checkpoint import load_model_config, resolve_dtype
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.parity.capture import note_batch, tap
 
@@ -137,17 +138,17 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
 
 def register_attention() -> None:
     """Register ``"rlalign"`` in transformers' AttentionInterface (and its mask interface); idempotent."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # lazy: heavy
     AttentionInterface.register(ATTENTION, rlalign_attention)
     try:
-        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.masking_utils import AttentionMaskInterface  # lazy: heavy
         AttentionMaskInterface.register(ATTENTION, _padding_mask)
     except ImportError:  # older transformers without the mask interface
         pass
 
 
 def _attention_function():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # lazy: heavy
     return ALL_ATTENTION_FUNCTIONS[ATTENTION]
 
 
@@ -276,7 +277,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                       inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
                       return_dict=None, cache_position=None, cache=None, **kwargs):
-    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from transformers.modeling_outputs import BaseModelOutputWithPast  # lazy: heavy
 
     state: PatchState = getattr(self, _STATE)
     if (past_key_values if past_key_values is not None else cache) is not None:
@@ -364,11 +365,9 @@ def from_pretrained(path, *, profile: str | Profile = "strict", dtype: str | tor
                     device: str | torch.device | None = None, **kwargs) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(path, dtype=...)`` then :func:`patch`. ``dtype`` None: the
     checkpoint's ``torch_dtype`` (as rlalign's ``load_model``), so both sides hold the same bits."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: heavy
 
-    from rlalign.models.checkpoint import load_config, resolve_dtype
-
-    config = load_config(path)
+    config = load_model_config(path)
     register_attention()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype or config.dtype),
                                                  attn_implementation=ATTENTION, **kwargs)

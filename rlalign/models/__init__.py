@@ -9,14 +9,16 @@
 """
 
 from rlalign.models.batch import ForwardBatch, KVCache, contiguous_block_tables, next_token_targets
-from rlalign.models.checkpoint import CheckpointError, load_config, load_model, load_tokenizer, save_model, weights_hash
+from rlalign.models.checkpoint import (CheckpointError, load_model, load_model_config, load_tokenizer, save_model,
+                                       weights_hash)
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import CausalLM
-from rlalign.models.generate import Completion, generate
+from rlalign.models.completion import Completion
+from rlalign.models.generate import generate
 from rlalign.models.tokenizer import Tokenizer, TokenizerError
 
 __all__ = [
     "ForwardBatch", "KVCache", "contiguous_block_tables", "next_token_targets",
-    "CheckpointError", "load_config", "load_model", "load_tokenizer", "save_model", "weights_hash",
+    "CheckpointError", "load_model_config", "load_model", "load_tokenizer", "save_model", "weights_hash",
     "ModelConfig", "ModelConfigError", "CausalLM", "Completion", "generate", "Tokenizer", "TokenizerError",
 ]

@@ -38,7 +38,7 @@ class CheckpointError(RLAlignError, RuntimeError):
     """A checkpoint directory cannot be read or written as a model (message names tensor and file)."""
 
 
-def load_config(directory: str | os.PathLike) -> ModelConfig:
+def load_model_config(directory: str | os.PathLike) -> ModelConfig:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing config.json (is {directory} a Hugging Face checkpoint directory?)")
@@ -66,7 +66,7 @@ def load_model(directory: str | os.PathLike, dtype: str | torch.dtype | None = N
                device: str | torch.device = "cpu") -> tuple[CausalLM, ModelConfig]:
     """Build the decoder from ``directory`` (config.json + safetensors). ``dtype`` None: the
     config's ``torch_dtype``; tensors are cast to it exactly as ``Tensor.to`` does."""
-    config = load_config(directory)
+    config = load_model_config(directory)
     model = CausalLM(config, dtype=resolve_dtype(dtype or config.dtype), device=device)
     expected = dict(model.named_parameters())
     seen: set[str] = set()
@@ -275,5 +275,5 @@ def weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-__all__ = ["CheckpointError", "load_config", "load_model", "save_model", "load_tokenizer", "weights_hash",
+__all__ = ["CheckpointError", "load_model_config", "load_model", "save_model", "load_tokenizer", "weights_hash",
            "resolve_dtype", "Tokenizer"]

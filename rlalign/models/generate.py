@@ -27,20 +27,9 @@ import torch
 
 from rlalign import ops
 from rlalign.models.batch import ForwardBatch, KVCache, contiguous_block_tables
+from rlalign.models.completion import Completion
 from rlalign.models.decoder import CausalLM
 from rlalign.ops.sample import derive_seed
-
-
-@dataclasses.dataclass
-class Completion:
-    prompt: str | None          # prompt text (None when given as token ids)
-    prompt_index: int           # position of the prompt in the request
-    sample: int                 # sample index 0..n-1
-    prompt_tokens: list[int]
-    tokens: list[int]           # generated ids only (the stop token included when it ended the sequence)
-    logprobs: list[float]       # logprobs[i] = log p(tokens[i]) at the sampling temperature
-    text: str
-    finish_reason: str          # "stop" (a stop token) or "length" (max_new_tokens)
 
 
 @dataclasses.dataclass
@@ -94,8 +83,10 @@ def generate(model: CausalLM, prompts: Sequence[str] | Sequence[Sequence[int]], 
         prompt_index, sample = divmod(k, n)
         text = tokenizer.decode(s.tokens) if tokenizer is not None else ""
         prompt = prompts[prompt_index] if isinstance(prompts[prompt_index], str) else None
-        out.append(Completion(prompt, prompt_index, sample, encoded[prompt_index], s.tokens, s.logprobs, text,
-                              s.finish_reason))
+        out.append(Completion(request_id=str(prompt_index), prompt_index=prompt_index, sample_index=sample,
+                              prompt_tokens=encoded[prompt_index], tokens=s.tokens, logprobs=s.logprobs,
+                              finish_reason=s.finish_reason, weights_version=0, seed=s.seed, prompt=prompt,
+                              text=text))
     return out
 
 

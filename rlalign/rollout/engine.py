@@ -29,6 +29,7 @@ import torch
 from rlalign import ops
 from rlalign.contract.profiles import use_profile
 from rlalign.models.batch import ForwardBatch, KVCache
+from rlalign.models.generate import prompt_key
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.block_manager import BlockManager, pages_for
 from rlalign.rollout.config import DEFAULT_CPU_KV_CACHE_BYTES, RolloutConfig, SamplingParams
@@ -182,9 +183,6 @@ class RolloutEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
-
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
 
     def abort(self, request_id: str) -> list[StepOutput]:
         """Stop a request now; its unfinished samples end with finish_reason "abort" (returned)."""
@@ -421,5 +419,4 @@ class RolloutEngine:
 
 
 def _prompt_key(ids: list[int]) -> int:
-    from rlalign.models.generate import prompt_key
     return prompt_key(ids)

@@ -14,6 +14,8 @@ from rlalign.configlib import Rule, at_least, checked_by_type, greater_than, non
 from rlalign.tasks.arithmetic import MAX_DIGITS
 from rlalign.train.trackers import TRACKERS
 
+from rlalign.train.engines import ENGINES, INTEGRATIONS_HINT
+
 
 @dataclasses.dataclass
 class ModelSection:
@@ -97,9 +99,8 @@ class RolloutSection:
     decode_graphs: str = "auto"        # CUDA-graph decode steps (RolloutConfig.decode_graphs): auto | on | off
 
     def validate(self):
-        from rlalign.train.engines import ENGINES
         if self.engine not in ENGINES:
-            return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}"
+            return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r} ({INTEGRATIONS_HINT})"
         return memory_problem("prompts_per_step x samples_per_prompt (per step)",
                               self.prompts_per_step * self.samples_per_prompt, self.max_new_tokens)
 

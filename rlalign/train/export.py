@@ -12,6 +12,9 @@ import json
 from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.models.checkpoint import load_model, save_model
+from rlalign.train.runio import load_state
+from rlalign.train.setup import resolve_model_dir
 
 
 class ExportError(RLAlignError):
@@ -34,9 +37,6 @@ def checkpoint_file(path: "str | Path") -> Path:
 
 
 def export_checkpoint(checkpoint: "str | Path", out_dir: "str | Path", model_dir: "str | Path | None" = None) -> Path:
-    from rlalign.models.checkpoint import load_model, save_model
-    from rlalign.train.runio import load_state
-    from rlalign.train.setup import resolve_model_dir
 
     file = checkpoint_file(checkpoint)
     state = load_state(file.read_bytes(), file)   # weights_only: no pickled code runs from disk

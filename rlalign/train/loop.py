@@ -26,17 +26,20 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from rlalign import algos
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import use_profile
 from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_rank, sum_scalars
-from rlalign.distributed import trainer as par
+from rlalign.distributed.launch import Group, default_backend, spawn
 from rlalign.distributed.parallelize import parallelize
+from rlalign.models.checkpoint import save_model
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
-from rlalign.train.engines import build_rollout_engine
+from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
+from rlalign.train.engines import build_rollout_engine
 from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.master import MasterWeights, full_masters
 from rlalign.train.runconfig import check_resume, read_run_config, write_run_config
@@ -92,7 +95,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, console=None):
         self.cfg = cfg
         self.console = console
-        # parallel.dp/tp (rlalign.distributed.trainer): tp shards the policy, each dp rank back-propagates a share
+        # parallel.dp/tp (rlalign.train.parallel): tp shards the policy, each dp rank back-propagates a share
         self.tp, self.dp = par.parallel_groups(cfg)
         self.writer = par.is_writer(self.tp, self.dp)
         self.run_dir = Path(par.shared_run_dir(cfg))
@@ -206,7 +209,6 @@ class Trainer:
                if self.value is not None else {})}, keep=self.cfg.run.keep_checkpoints)
 
     def save_policy(self) -> Path:
-        from rlalign.models.checkpoint import save_model
         policy = par.unsharded_policy(self.policy)
         if not self.writer:
             return self.run_dir / "policy"
@@ -482,7 +484,7 @@ def _checkpoint_layers(model) -> None:
 def run_training(cfg: TrainConfig, console=None) -> Path:
     """Run (or resume) the whole job; returns the run directory."""
     if par.needs_launch(cfg):   # parallel.dp/tp > 1 without torchrun: spawn the processes
-        return par.launch(cfg)
+        return launch_parallel(cfg)
     if console is not None:   # spawned ranks do not inherit the CLI's handler
         install_cli_handler(console)
     trainer = Trainer(cfg, console)
@@ -530,4 +532,18 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
             trainer.trackers.close()
 
 
-__all__ = ["Trainer", "run_training", "MismatchError"]
+def _parallel_rank(world: Group, cfg: TrainConfig) -> str:
+    """One spawned process of a parallel run: the ordinary loop (rank 0 shows the progress)."""
+    return str(run_training(cfg, Console(stderr=True) if world.rank == 0 else None))
+
+
+def launch_parallel(cfg: TrainConfig) -> Path:
+    """Spawn ``parallel.dp * parallel.tp`` training processes; returns the run directory when they finish."""
+    if cfg.launcher != "local":
+        raise RLAlignError(f"parallel.dp/tp > 1 run with launcher=local (got launcher={cfg.launcher})")
+    run = dataclasses.replace(cfg.run, dir=cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = dataclasses.replace(cfg, run=run)
+    return Path(spawn(_parallel_rank, cfg.parallel.world_size, cfg, backend=default_backend(cfg.model.device))[0])
+
+
+__all__ = ["Trainer", "run_training", "launch_parallel", "MismatchError"]

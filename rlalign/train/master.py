@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.distributed.collectives import gather_ranks_varlen
+from rlalign.distributed.launch import Group
 
 
 class MasterWeights:
@@ -89,8 +91,6 @@ class MasterWeights:
 
 def full_masters(master: MasterWeights, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded masters by name (exact all-gathers of the TP shards of ``model``), for the checkpoint."""
-    from rlalign.distributed.collectives import gather_ranks_varlen
-    from rlalign.distributed.launch import Group
 
     group = getattr(model, "tp_group", None) or Group.single()
     out = {}

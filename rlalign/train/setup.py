@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from rlalign import tasks
 from rlalign.contract.errors import RLAlignError
+from rlalign.models.checkpoint import load_model, load_model_config
+from rlalign.models.tokenizer import load_tokenizer
+from rlalign.tasks import ArithmeticTask, arithmetic_reward, load_dataset, load_reward
 from rlalign.tasks.arithmetic import Problem
 from rlalign.train.config import ModelSection, TaskSection
 
@@ -30,8 +34,6 @@ def resolve_model_dir(path: str) -> Path:
 
 def load_policy(section: ModelSection):
     """(model in train mode, tokenizer, model dir). Checks tokenizer and model agree on the vocab."""
-    from rlalign.models.checkpoint import load_model
-    from rlalign.models.tokenizer import load_tokenizer
 
     model_dir = resolve_model_dir(section.path)
     if section.device.startswith("cuda"):
@@ -54,8 +56,7 @@ def load_policy(section: ModelSection):
 def _refuse_float16(model_dir: Path, dtype: "str | None") -> None:
     """Training computes in float32 or bfloat16 (both profiles); a float16 checkpoint must pick one
     explicitly instead of training in float16 (strict refuses fp16 ops; native would overflow silently)."""
-    from rlalign.models.checkpoint import load_config
-    if dtype is None and str(load_config(model_dir).dtype).removeprefix("torch.") in ("float16", "fp16", "half"):
+    if dtype is None and str(load_model_config(model_dir).dtype).removeprefix("torch.") in ("float16", "fp16", "half"):
         raise SetupError(f"{model_dir} is a float16 checkpoint; train it in model.dtype=bfloat16 or model.dtype=float32")
 
 
@@ -111,8 +112,7 @@ class TaskData:
         return prompt
 
     def score(self, prompts, completions, answers) -> list[float]:
-        from rlalign.tasks import score
-        return score(self.reward_fn, [self.prompt_text(p) for p in prompts], completions, answers)
+        return tasks.score(self.reward_fn, [self.prompt_text(p) for p in prompts], completions, answers)
 
 
 def _unencodable(tokenizer, text: str) -> list[str]:
@@ -127,7 +127,6 @@ def _unencodable(tokenizer, text: str) -> list[str]:
 
 
 def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:
-    from rlalign.tasks import ArithmeticTask, arithmetic_reward, load_dataset, load_reward
 
     if section.name == "arithmetic":
         task = ArithmeticTask(seed=seed, min_digits=section.min_digits, max_digits=section.max_digits,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from rlalign.algos import kl_estimate
 
 def rollout_stats(rewards: torch.Tensor, groups: torch.Tensor, lens: torch.Tensor) -> dict[str, float]:
     """Reward min/max, the fraction of groups whose rewards are all equal (no GRPO signal: zero
@@ -28,7 +29,6 @@ def token_stats(token_adv: torch.Tensor, mask: torch.Tensor, old_lp: torch.Tenso
     out = {"advantage/mean": float(adv.mean()) if adv.numel() else 0.0,
            "advantage/std": float(adv.std()) if adv.numel() > 1 else 0.0}
     if ref_lp is not None:
-        from rlalign.algos import kl_estimate
         kl = kl_estimate(old_lp.detach(), ref_lp.detach(), "k3")[mask]
         out["kl/ref"] = float(kl.mean()) if kl.numel() else 0.0
     return out
@@ -38,7 +38,6 @@ def policy_step_kl(old_lp: torch.Tensor, new_lp: torch.Tensor, mask: torch.Tenso
     """Mean k3 estimate of KL(pi_before || pi_after) over the step's unmasked tokens, which pi_before
     sampled: how far one update moved the policy (verl's ``actor/ppo_kl`` measures it only inside the
     update passes, where it is 0 for the first one)."""
-    from rlalign.algos import kl_estimate
     kl = kl_estimate(old_lp.detach(), new_lp.detach(), "k3")[mask]   # samples are from pi_before
     return float(kl.mean()) if kl.numel() else 0.0
 

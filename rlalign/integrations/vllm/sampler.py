@@ -33,7 +33,7 @@ _ORIGINAL_LOGPROBS = "_rlalign_original_compute_logprobs"
 def install() -> None:
     """Route ``Sampler.forward`` through :func:`_forward` and ``Sampler.compute_logprobs`` (vLLM's
     prompt-logprob path) through :func:`_compute_logprobs` (idempotent)."""
-    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.sample.sampler import Sampler  # lazy: optional, heavy
     if getattr(Sampler, _ORIGINAL, None) is None:
         setattr(Sampler, _ORIGINAL, Sampler.forward)
         setattr(Sampler, _ORIGINAL_LOGPROBS, Sampler.compute_logprobs)
@@ -42,7 +42,7 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.sample.sampler import Sampler  # lazy: optional, heavy
     original = getattr(Sampler, _ORIGINAL, None)
     if original is not None:
         Sampler.forward = original
@@ -74,12 +74,12 @@ def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _sampler_class():
-    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.sample.sampler import Sampler  # lazy: optional, heavy
     return Sampler
 
 
 def strict_sample(sampler, pending: PendingSample, meta):
-    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.outputs import SamplerOutput  # lazy: optional, heavy
 
     _refuse_transforms(sampler, pending.logits, meta)
     rows = pending.logits.shape[0]
@@ -99,7 +99,7 @@ def _logprobs_tensors(logits: torch.Tensor, tokens: torch.Tensor, logprobs: torc
     """vLLM's sampled-token-only logprobs (``SamplingParams(logprobs=0)``); rank from the fp32 logits."""
     if logprobs is None:
         return None
-    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.outputs import LogprobsTensors  # lazy: optional, heavy
     chosen = logits.gather(1, tokens.unsqueeze(1))
     ranks = (logits > chosen).sum(dim=1) + 1
     return LogprobsTensors(tokens.to(torch.int32).unsqueeze(1), logprobs.unsqueeze(1), ranks)

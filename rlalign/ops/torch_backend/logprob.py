@@ -43,7 +43,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from rlalign.contract import spec
-from rlalign.ops._dispatch import register
+from rlalign.ops._registry import register
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.primitives import tile_mm, tree_sum
 
@@ -52,7 +52,7 @@ VB = spec.VOCAB_BLOCK
 
 # ---- forward pieces ----------------------------------------------------------------------------
 
-def _scaled_logits(h_chunk: torch.Tensor, w_chunk_f32: torch.Tensor, tau: torch.Tensor | None) -> torch.Tensor:
+def scaled_logits(h_chunk: torch.Tensor, w_chunk_f32: torch.Tensor, tau: torch.Tensor | None) -> torch.Tensor:
     """z of one chunk; ``tau`` from :func:`temperature_divisor` (the temperature rule, ops/temperature.py)."""
     return divide_by_temperature(tile_mm(h_chunk.float().contiguous(), w_chunk_f32), tau, in_place=True)
 
@@ -132,7 +132,7 @@ class FoldState:
         return logprob, lse - mu, lse, mu
 
 
-def _chunks(total: int, size: int):
+def index_chunks(total: int, size: int):
     for start in range(0, total, size):
         yield slice(start, min(start + size, total))
 
@@ -143,10 +143,10 @@ def forward_stats(hidden, weight, targets, temperature, token_chunk, vocab_chunk
     tokens = hidden.shape[0]
     tau = temperature_divisor(temperature, hidden.device)
     state = FoldState(tokens, hidden.device, with_entropy)
-    for cols in _chunks(weight.shape[0], vocab_chunk):
+    for cols in index_chunks(weight.shape[0], vocab_chunk):
         w_f32 = weight[cols].float()
-        for rows in _chunks(tokens, token_chunk):
-            z = _scaled_logits(hidden[rows], w_f32, tau)
+        for rows in index_chunks(tokens, token_chunk):
+            z = scaled_logits(hidden[rows], w_f32, tau)
             state.fold_chunk(rows, z, targets[rows], cols.start)
     return state.finish()
 
@@ -162,7 +162,7 @@ def logprob_from_logits(z: torch.Tensor, targets: torch.Tensor, with_entropy: bo
 
 # ---- backward pieces ---------------------------------------------------------------------------
 
-def _grad_scaled_logits(z, local_targets, lse, mu, g_lp, g_ent, tau):
+def grad_scaled_logits(z, local_targets, lse, mu, g_lp, g_ent, tau):
     """dL/dlogits for one chunk (see the module docstring)."""
     p = torch.exp(z - lse.unsqueeze(1))
     if g_ent is None:
@@ -178,7 +178,7 @@ def _grad_scaled_logits(z, local_targets, lse, mu, g_lp, g_ent, tau):
 
 def _add_grad_hidden(dh_rows: torch.Tensor, dlogits: torch.Tensor, w_f32: torch.Tensor) -> None:
     """dh_rows += dlogits @ W_chunk, one vocab block at a time in vocab order (vocab_chunk invariant)."""
-    for block in _chunks(dlogits.shape[1], VB):
+    for block in index_chunks(dlogits.shape[1], VB):
         dh_rows.add_(tile_mm(dlogits[:, block].contiguous(), w_f32[block].t()))
 
 
@@ -190,12 +190,12 @@ def backward_grads(saved, g_lp, g_ent, need_dh, need_dw):
     g_ent = None if g_ent is None else g_ent.float()
     dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
     dw = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
-    for cols in _chunks(vocab, vocab_chunk):
+    for cols in index_chunks(vocab, vocab_chunk):
         w_f32 = weight[cols].float()
-        for rows in _chunks(tokens, token_chunk):
+        for rows in index_chunks(tokens, token_chunk):
             h_f32 = hidden[rows].float().contiguous()
-            z = _scaled_logits(h_f32, w_f32, tau)
-            dlogits = _grad_scaled_logits(z, targets[rows] - cols.start, lse[rows], None if mu is None else mu[rows],
+            z = scaled_logits(h_f32, w_f32, tau)
+            dlogits = grad_scaled_logits(z, targets[rows] - cols.start, lse[rows], None if mu is None else mu[rows],
                                           g_lp[rows], None if g_ent is None else g_ent[rows], tau)
             if need_dh:
                 _add_grad_hidden(dh[rows], dlogits, w_f32)
@@ -244,8 +244,8 @@ def lm_logits(hidden, weight, temperature, vocab_chunk):
     tau = temperature_divisor(float(temperature), hidden.device)
     out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=torch.float32, device=hidden.device)
     with torch.no_grad():
-        for cols in _chunks(weight.shape[0], vocab_chunk):
-            out[:, cols] = _scaled_logits(hidden, weight[cols].float(), tau)
+        for cols in index_chunks(weight.shape[0], vocab_chunk):
+            out[:, cols] = scaled_logits(hidden, weight[cols].float(), tau)
     return out
 
 

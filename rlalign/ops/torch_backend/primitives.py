@@ -14,6 +14,7 @@ import functools
 import torch
 
 from rlalign.contract import spec
+from rlalign.contract.bits import bits_equal
 from rlalign.ops import _checks as chk
 from rlalign.ops.torch_backend import clib
 
@@ -123,18 +124,18 @@ SMALL_ROWS = 8
 def compiled_rows(a: torch.Tensor, w: torch.Tensor, parts: int, max_rows: int | None = None) -> torch.Tensor | None:
     """The unrounded fp32 linear (``parts`` K segments, tree-merged) of the rows a [m, K] with w [N, K], by
     csrc/gemm.c: each row's bits are those of the 64-row tile (checked per (K, N, parts) and thread count
-    before first use, :func:`_gemm_matches`); None when the kernel does not apply (not the CPU, not fp32,
+    before first use, :func:`gemm_matches`); None when the kernel does not apply (not the CPU, not fp32,
     more than ``max_rows`` rows, no compiler, or the check failed). The forward of a linear that
     autograd records runs here too: this is the forward arithmetic of the op, whoever calls it."""
     m, k = a.shape
     if (a.device.type != "cpu" or a.dtype != torch.float32 or w.dtype != torch.float32 or m == 0
             or (max_rows is not None and m > max_rows) or parts > 64 or clib.library() is None
-            or not _gemm_matches(k, w.shape[0], parts, torch.get_num_threads())):
+            or not gemm_matches(k, w.shape[0], parts, torch.get_num_threads())):
         return None
-    return _gemm(a, w, parts)
+    return compiled_gemm(a, w, parts)
 
 
-def _gemm(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
+def compiled_gemm(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
     a = a.contiguous()
     wt = _derived(("transposed",), w, lambda: w.t().contiguous())
     out = torch.empty((a.shape[0], w.shape[0]), dtype=torch.float32)
@@ -144,7 +145,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
+def gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
     """Whether the kernel's FMA chains are the library's 64-row tile for this shape at this thread count
     (they are for the shapes measured, MKL on AVX2 and AVX-512, but the library may order some shapes
     otherwise, and with many threads may split K): random rows through both, every bit compared. Rows
@@ -153,7 +154,7 @@ def _gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
     gen = torch.Generator().manual_seed(k * 7919 + n * 31 + parts)
     a, w = torch.randn(SMALL_ROWS, k, generator=gen), torch.randn(n, k, generator=gen)
     tile = tile_mm(a, w) if parts == 1 else tree_merge(tile_mm_segments(a, w, parts))
-    return torch.equal(_gemm(a, w, parts).view(torch.int32), tile.view(torch.int32))
+    return bits_equal(compiled_gemm(a, w, parts), tile)
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +180,7 @@ def tree_merge(parts) -> torch.Tensor:
     canonical partition guarantees it).
     """
     if isinstance(parts, torch.Tensor):
-        merged = _tree_merge_compiled(parts)
+        merged = tree_merge_compiled(parts)
         if merged is not None:
             return merged
         while parts.shape[0] > 1:
@@ -191,7 +192,7 @@ def tree_merge(parts) -> torch.Tensor:
     return parts[0]
 
 
-def _tree_merge_compiled(parts: torch.Tensor) -> torch.Tensor | None:
+def tree_merge_compiled(parts: torch.Tensor) -> torch.Tensor | None:
     """csrc/elementwise.c's rl_tree_merge (the same adds in the same tree) for stacked fp32 CPU partials
     without autograd whose parts are each one contiguous block; else None."""
     p = parts.shape[0]

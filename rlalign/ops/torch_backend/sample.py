@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from rlalign.contract.errors import fail
-from rlalign.ops._dispatch import register
+from rlalign.ops._registry import register
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.primitives import tree_sum
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.contract.errors import fail
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.sample import keep_mask, row_keys
 from rlalign.ops.triton_backend._common import is_interpreter
@@ -91,7 +92,6 @@ def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
     filtered = ~greedy & ((k > 0) | (top_p < 1))
     z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
     if not bool(torch.isfinite(z.amax(-1)).all()):
-        from rlalign.contract.errors import fail
         raise fail("sample", "logits / temperature overflows fp32 (temperature too small for these logits)")
     keys = row_keys(seeds, seq_ids, positions).contiguous()
     has_keep = bool(filtered.any())

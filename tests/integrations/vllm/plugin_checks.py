@@ -36,6 +36,7 @@ def switch_report() -> dict:
 
 
 def family_report(directory: Path) -> dict:
+    import rlalign.integrations  # noqa: F401  (registers the vllm rollout side and the transformers training side)
     from rlalign.models.checkpoint import load_model
     from rlalign.parity.run import ParityOptions, build_rollout, build_trainer, compare_tokens
     from rlalign.parity.sides import RLAlignRollout
@@ -135,10 +136,10 @@ def config_refusal(directory: Path, **engine_args) -> str:
     from vllm.engine.arg_utils import EngineArgs
 
     from rlalign.integrations.vllm.checks import check_vllm_config
-    from rlalign.models.checkpoint import load_config
+    from rlalign.models.checkpoint import load_model_config
     vllm_config = EngineArgs(model=str(directory), skip_tokenizer_init=True, **engine_args).create_engine_config()
     try:
-        check_vllm_config(vllm_config, load_config(directory))
+        check_vllm_config(vllm_config, load_model_config(directory))
     except Exception as exc:  # noqa: BLE001
         return _message(exc)
     return ""

@@ -14,6 +14,9 @@ from pathlib import Path
 from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.launch import Group, default_backend, spawn
 from rlalign.distributed.parallelize import check_tp, parallelize
+from rlalign.models.checkpoint import load_model, load_model_config
+from rlalign.parity.compare import compare_logprobs
+from rlalign.parity.sides import RLAlignTrainer
 
 
 def parse_degrees(text: str) -> tuple[int, ...]:
@@ -27,9 +30,6 @@ def parse_degrees(text: str) -> tuple[int, ...]:
 
 
 def _score(model_dir: str, dtype: str | None, device: str, record, group: Group) -> list[list[float]]:
-    from rlalign.models.checkpoint import load_model
-    from rlalign.parity.sides import RLAlignTrainer
-
     model, _ = load_model(Path(model_dir), dtype=dtype, device=device)
     return RLAlignTrainer(parallelize(model, group), "strict").score(record)
 
@@ -43,8 +43,7 @@ def _score_worker(world: Group, model_dir: str, dtype: str | None, device: str, 
 
 def score_at_degrees(model_dir: str, dtype: str | None, device: str, record, degrees) -> dict[int, list[list[float]]]:
     """{degree: per-sequence completion logprobs} for every requested degree (and 1, the reference)."""
-    from rlalign.models.checkpoint import load_config
-    config = load_config(model_dir)
+    config = load_model_config(model_dir)
     for t in degrees:
         check_tp(config, t)
     out = {1: _score(model_dir, dtype, device, record, Group.single())}
@@ -56,8 +55,6 @@ def score_at_degrees(model_dir: str, dtype: str | None, device: str, record, deg
 def tp_parity(record, model_dir: str, dtype: str | None, device: str, degrees) -> dict:
     """{"ok": bool, "tp": {"t": {"tokens_compared", "mismatches" (vs TP=1), "rollout_mismatches",
     "max_abs_diff" (vs TP=1)}}}."""
-    from rlalign.parity.compare import compare_logprobs
-
     seqs = record.sequences
     tokens, prompt_lens = [s.tokens for s in seqs], [len(s.prompt_tokens) for s in seqs]
     scores = score_at_degrees(model_dir, dtype, device, record, degrees)
