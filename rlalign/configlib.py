@@ -91,7 +91,14 @@ def pair_within(low, high) -> Rule:
                 ([0.9], [0.9, 0.99, 0.999], [0.9, 1.0], [-0.1, 0.99], [0.9, float("nan")]))
 
 
-def load_config(schema: type, path: "str | Path | None" = None, overrides: "list[str] | None" = None):
+def load_config(schema: type, path: "str | Path | None" = None, overrides: "list[str] | None" = None,
+                base: "dict | None" = None):
+    """``base`` (a mapping of sections, e.g. a run's saved config.yaml) under the file under the overrides."""
+    return build(schema, merge(base or {}, load_raw(path, overrides)), prefix="")
+
+
+def load_raw(path: "str | Path | None" = None, overrides: "list[str] | None" = None) -> dict:
+    """The nested mapping the file and the overrides spell out (unvalidated; only the keys given)."""
     raw: dict = {}
     if path is not None:
         raw = _read_yaml(Path(path))
@@ -104,7 +111,65 @@ def load_config(schema: type, path: "str | Path | None" = None, overrides: "list
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: cannot parse value ({exc.__class__.__name__})") from None
         _set_dotted(raw, key.strip(), parsed)
-    return build(schema, raw, prefix="")
+    return raw
+
+
+def merge(base: dict, top: dict) -> dict:
+    """``top`` over ``base``, section by section (a new dict; neither input changes)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def flatten(obj, prefix: str = "") -> dict:
+    """A dataclass instance (or nested mapping) as ``{"section.key": value}``."""
+    items = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    out = {}
+    for key, value in items.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def field_help(schema: type) -> dict[str, str]:
+    """``{field name: one-line meaning}`` of a dataclass, read from the comment that ends the field's
+    line in its source (``steps: int = 120   # optimizer steps``): the comment is the one place the
+    meaning is written. Fields without a comment are absent."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    try:
+        source = textwrap.dedent(inspect.getsource(schema))
+    except (OSError, TypeError):
+        return {}
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    out = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.end_lineno in comments:
+            out[node.target.id] = comments[node.end_lineno]
+    return out
+
+
+def describe(schema: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(section.key, default, meaning)`` for every leaf field of a nested dataclass schema."""
+    rows = []
+    helps = field_help(schema)
+    hints = typing.get_type_hints(schema)
+    instance = schema()
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            rows.append((prefix + f.name, yaml.safe_dump(getattr(instance, f.name), default_flow_style=True)
+                         .strip().removesuffix("...").strip(), helps.get(f.name, "")))
+    return rows
 
 
 def _read_yaml(path: Path) -> dict:

@@ -19,6 +19,7 @@ from rlalign.algos.registry import (
     POLICY_LOSSES,
     refused_setting,
 )
+from rlalign.train.trackers import TRACKERS
 
 from rlalign.train.engines import ENGINES, INTEGRATIONS_HINT
 
@@ -51,18 +52,22 @@ class TaskSection:
                          ("Question:",), optional=True),
         "eval_fraction": within(0, 1, low_open=True, high_open=True),
         "chat": checked_by_type("true or false"),
+        "system_prompt": non_empty("a system message", optional=True),
+        "enable_thinking": checked_by_type("true, false or null"),
     }
-    name: Literal["arithmetic", "dataset"] = "arithmetic"
-    reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function
-    min_digits: int = 1                # arithmetic
-    max_digits: int = 3
-    eval_size: int = 200
+    name: Literal["arithmetic", "dataset"] = "arithmetic"   # arithmetic (built-in addition) | dataset (task.path)
+    reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function (docs/data_and_rewards.md)
+    min_digits: int = 1                # arithmetic: fewest digits per operand
+    max_digits: int = 3                # arithmetic: most digits per operand
+    eval_size: int = 200               # held-out problems evaluated (0 with a dataset: all of its eval split)
     path: str | None = None            # dataset: a .jsonl / .json / .parquet file
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    prompt_field: str = "prompt"       # dataset: the row field holding the prompt (a string or a list of chat messages)
+    answer_field: str = "answer"       # dataset: the row field passed to the reward as the answer
     template: str | None = None        # e.g. "Question: {prompt}\nAnswer:"
-    eval_fraction: float = 0.1
-    chat: bool = False                 # apply the tokenizer's chat template to prompts
+    eval_fraction: float = 0.1         # dataset: share of rows held out for eval
+    chat: bool = False                 # apply the tokenizer's chat template to prompts (message-list prompts always are)
+    system_prompt: str | None = None   # chat: a system message put before each prompt that has none
+    enable_thinking: bool | None = None   # chat: the template's enable_thinking (Qwen3: false = no <think> block); None: unset
 
     def validate(self):
         if self.name == "dataset" and not self.path:
@@ -87,16 +92,16 @@ class RolloutSection:
         "engine": non_empty("a rollout engine name"),
         "decode_graphs": one_of("auto", "on", "off"),
     }
-    prompts_per_step: int = 32
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 6
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    page_size: int = 16
-    max_num_seqs: int = 512
-    max_num_batched_tokens: int = 8192
-    kv_cache_bytes: int | None = None
+    prompts_per_step: int = 32         # prompts (groups) per optimizer step
+    samples_per_prompt: int = 8        # completions per prompt (the GRPO group size)
+    max_new_tokens: int = 6            # completion length limit (longer ones are truncated)
+    temperature: float = 1.0           # sampling temperature (the trainer scores at the same one)
+    top_p: float = 1.0                 # nucleus sampling (1.0: off)
+    top_k: int = 0                     # top-k sampling (0: off)
+    page_size: int = 16                # KV-cache page size in tokens
+    max_num_seqs: int = 512            # sequences decoded at once
+    max_num_batched_tokens: int = 8192 # token budget of one engine step (chunked prefill)
+    kv_cache_bytes: int | None = None  # KV-cache size; None: sized from the batch
     engine: str = "rlalign"            # which rollout engine (rlalign.train.engines.ENGINES)
     decode_graphs: str = "auto"        # CUDA-graph decode steps (RolloutConfig.decode_graphs): auto | on | off
 
@@ -137,25 +142,25 @@ class AlgoSection:
         "value_lr": greater_than(0),
         "value_clip": greater_than(0, optional=True),
     }
-    advantage: Literal[ADVANTAGES.names()] = "grpo"       # gae: PPO with a value model
-    policy_loss: Literal[POLICY_LOSSES.names()] = "ppo_clip"
-    clip_low: float | None = None
-    clip_high: float | None = None     # ppo_clip default 0.28: DAPO clip-higher
-    dual_clip: float | None = None     # ppo_clip, e.g. 3.0
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    kl_coef: float = 0.0
-    kl_estimator: Literal[KL_ESTIMATOR_REGISTRY.names()] = "k3"
-    kl_in_reward: bool = False
-    entropy_coef: float = 0.0
+    advantage: Literal[ADVANTAGES.names()] = "grpo"       # advantage estimator (gae: PPO with a value model)
+    policy_loss: Literal[POLICY_LOSSES.names()] = "ppo_clip"   # surrogate objective
+    clip_low: float | None = None      # ratio clip below, 1 - clip_low (unset: the loss's own default)
+    clip_high: float | None = None     # ratio clip above, 1 + clip_high (unset: the loss's default; ppo_clip 0.28, DAPO clip-higher)
+    dual_clip: float | None = None     # ppo_clip: dual-clip bound for negative advantages, e.g. 3.0
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"   # loss aggregation over tokens and sequences
+    kl_coef: float = 0.0               # KL-to-reference penalty weight (0: no reference model)
+    kl_estimator: Literal[KL_ESTIMATOR_REGISTRY.names()] = "k3"   # KL estimator of the penalty
+    kl_in_reward: bool = False         # fold the KL penalty into the reward instead of the loss
+    entropy_coef: float = 0.0          # entropy bonus weight
     dynamic_sampling: bool = False     # DAPO: drop zero-variance groups, draw more
-    max_draw_rounds: int = 3
+    max_draw_rounds: int = 3           # dynamic_sampling: most draws per step
     overlong_filter: bool = False      # mask truncated completions
-    mismatch_correction: Literal[MISMATCH_CORRECTIONS.names()] = "none"
+    mismatch_correction: Literal[MISMATCH_CORRECTIONS.names()] = "none"   # importance-sampling correction (native profile)
     mismatch_cap: float = 2.0          # TIS cap C / MIS upper bound
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1                # optimizer passes over each step's samples
     mini_batches: int = 1              # optimizer steps per epoch over the step's samples (verl's ppo_mini_batch_size)
-    gamma: float = 1.0                 # gae, reinforce_pp
-    lam: float = 0.95                  # gae
+    gamma: float = 1.0                 # gae, reinforce_pp: discount
+    lam: float = 0.95                  # gae: lambda
     value_lr: float = 1e-3             # gae: AdamW lr of the value model
     value_clip: float | None = 0.2     # gae: PPO2 value clipping around the old values
 
@@ -175,15 +180,19 @@ class OptimSection:
         "grad_clip": greater_than(0),        # a negative max-norm would flip the gradient's sign
         "micro_batch_tokens": at_least(1),
         "activation_checkpointing": checked_by_type("true or false"),
+        "master_weights": checked_by_type("true or false"),
+        "offload": checked_by_type("true or false"),
     }
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.99])
-    warmup_steps: int = 5
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 4096
-    activation_checkpointing: bool = False
+    lr: float = 2e-4                   # AdamW peak learning rate
+    weight_decay: float = 0.0          # AdamW weight decay
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.99])   # AdamW betas
+    warmup_steps: int = 5              # linear warmup steps, then cosine decay
+    min_lr_ratio: float = 0.1          # final lr as a fraction of optim.lr
+    grad_clip: float = 1.0             # gradient norm clip
+    micro_batch_tokens: int = 4096     # token budget of one forward/backward micro-batch
+    activation_checkpointing: bool = False   # recompute each layer in backward (same bits, less memory)
+    master_weights: bool = True        # low-precision (bf16) weights train against fp32 master weights + fp32 AdamW state
+    offload: bool = False              # keep the fp32 master weights and AdamW state in CPU memory (large models)
 
 
 @dataclasses.dataclass
@@ -197,20 +206,32 @@ class RunSection:
         "eval_every": at_least(1),
         "eval_samples": at_least(1),
         "checkpoint_every": at_least(1),
-        **{k: checked_by_type("true or false") for k in ("resume", "overwrite", "progress")},
+        **{k: checked_by_type("true or false") for k in ("resume", "overwrite", "progress", "policy_kl")},
+        "resume_override": Rule("a list of section.key names", lambda x: all(isinstance(k, str) and k.strip() for k in x),
+                                ([""], "bogus")),
+        "log_every": at_least(1),
+        "loggers": Rule(f"a list of {', '.join(TRACKERS)}", lambda x: all(n in TRACKERS for n in x), (["bogus"], "bogus")),
+        "metric_names": checked_by_type("rlalign, verl or trl"),
+        "keep_checkpoints": at_least(1),
         "max_minutes": greater_than(0, optional=True),
     }
     dir: str | None = None             # default: runs/<timestamp>
-    steps: int = 120
-    seed: int = 0
-    profile: Literal["strict", "native"] = "strict"
-    on_mismatch: Literal["warn", "stop"] = "warn"
-    eval_every: int = 10
+    steps: int = 120                   # optimizer steps of the run
+    seed: int = 0                      # seed of the data order and the sampling
+    profile: Literal["strict", "native"] = "strict"   # strict: bit-identical logprobs; native: vendor kernels
+    on_mismatch: Literal["warn", "stop"] = "warn"     # strict profile: what a train/rollout mismatch does
+    eval_every: int = 10               # held-out eval every N steps (and at the last)
     eval_samples: int = 2              # samples per held-out problem for eval/accuracy (at the rollout temperature)
-    checkpoint_every: int = 20
-    resume: bool = False
+    checkpoint_every: int = 20         # checkpoint every N steps (and at the last)
+    resume: bool = False               # continue the run in run.dir from its latest checkpoint and saved config.yaml
+    resume_override: list[str] = dataclasses.field(default_factory=list)   # keys a resume may change that alter the run's meaning
     overwrite: bool = False            # a fresh run may replace the files of a previous run in run.dir
-    progress: bool = True
+    progress: bool = True              # live progress bar (on a terminal only)
+    log_every: int = 1                 # one plain log line every N steps
+    policy_kl: bool = False            # log kl/policy_step, k3 KL(pi_before || pi_after) of each update (one extra forward)
+    loggers: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])   # jsonl (always) | tensorboard | wandb
+    metric_names: Literal["rlalign", "verl", "trl"] = "rlalign"   # metric names in tensorboard / wandb
+    keep_checkpoints: int = 2          # newest checkpoints kept in run.dir/checkpoints
     max_minutes: float | None = None   # stop (after a checkpoint) when exceeded
 
 
@@ -225,7 +246,7 @@ class RaySection:
         "weight_sync": checked_by_type("auto, object_store or broadcast"),
     }
     address: str | None = None         # None: start a local cluster; "auto", "HOST:6379" or "ray://HOST:10001": join one
-    num_rollout_workers: int = 2
+    num_rollout_workers: int = 2       # rollout engine actors
     cpus_per_actor: float = 1.0        # Ray CPUs of the trainer and of each worker (also its torch threads)
     gpus_per_actor: float = 0.0        # 1 with model.device=cuda
     weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"   # auto: broadcast on cuda (NCCL), object store on cpu
@@ -235,15 +256,15 @@ class RaySection:
 class ParallelSection:
     """Trainer parallelism (docs/distributed.md); dp * tp processes (gloo on CPU, NCCL on GPU), spawned by
     ``rlalign train parallel.dp=2`` or started by torchrun (WORLD_SIZE must equal dp * tp).
-    dp: each rank back-propagates a share of every step's micro-batches; a deterministic all-reduce sums
+    dp: int = 1                        # data-parallel trainer processes
     the gradients. tp: the policy is sharded (rlalign.distributed.parallelize); None keeps the unsharded
     model, 1/2/4/8 use the canonical partitions, and every tp gives the same bits as tp=1."""
     CHECKS: ClassVar[dict[str, Rule]] = {
         "dp": at_least(1),
         "tp": one_of(1, 2, 4, 8, optional=True),
     }
-    dp: int = 1
-    tp: int | None = None
+    dp: int = 1                        # data-parallel trainer processes
+    tp: int | None = None              # tensor-parallel degree (None: unsharded)
 
     @property
     def world_size(self) -> int:

@@ -44,8 +44,12 @@ from rlalign.rollout.config import SamplingParams
 from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
 from rlalign.train.engines import build_rollout_engine
+from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
+from rlalign.train.master import MasterWeights, full_masters
 from rlalign.train.packing import TrainBatch, logprobs
-from rlalign.train.progress import TrainProgress
+from rlalign.train.runconfig import check_resume, read_run_config, write_run_config
+from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
+from rlalign.train.trackers import Trackers
 from rlalign.train.rundir import open_run_dir
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
@@ -113,7 +117,9 @@ class Trainer:
             if value_model:
                 raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
             self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+        # low-precision weights train against fp32 masters (rlalign.train.master); fp32 ones are stepped as before
+        self.master = MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload)
+        self.optimizer = torch.optim.AdamW(self.master.optim_params(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, foreach=False)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.value = self.value_optimizer = None
@@ -122,6 +128,7 @@ class Trainer:
             self.value_optimizer = torch.optim.AdamW(self.value.parameters(), lr=cfg.algo.value_lr, foreach=False)
         self.step = 0
         self.data_pos = 0
+        self.trackers, self.config_path = None, self.run_dir / "config.yaml"
         if cfg.optim.activation_checkpointing:
             _checkpoint_layers(self.policy)
 
@@ -142,11 +149,16 @@ class Trainer:
             self._note(f"removed leftovers of an interrupted run: {', '.join(self.run_lock.removed)}")
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
+            self._start_run_files()
             self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()
             return
+        check_resume(read_run_config(self.run_dir) or state["config"], self.cfg)
+        self._start_run_files()
         par.load_policy_weights(self.policy, state["model"])
+        self.master.load_state_dict(state.get("master"))
         par.load_optimizer_state(self.optimizer, state["optimizer"], self.tp)
         self.schedule.load_state_dict(state["schedule"])
+        self._apply_lr_config()
         torch.set_rng_state(state["torch_rng"])
         self.step, self.data_pos = state["step"], state["data_pos"]
         if self.value is not None:
@@ -160,16 +172,38 @@ class Trainer:
         if text and self.console is not None:
             self.console.print(f"note: {text}")
 
+    def _start_run_files(self) -> None:
+        """config.yaml (what this run runs under) and the trackers; the writer rank only."""
+        if self.writer:
+            write_run_config(self.run_dir, self.cfg)
+            self.trackers = Trackers(self.run_dir, self.cfg)
+
+    def _apply_lr_config(self) -> None:
+        """After a resume: the schedule's lr from this config (the same bits as the checkpoint's when
+        optim.* did not change; the new lr when run.resume_override allowed a change)."""
+        self.schedule.base_lrs = [self.cfg.optim.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.cfg.optim.lr
+            group["lr"] = self.cfg.optim.lr * self._lr_factor(self.schedule.last_epoch)
+        self.schedule._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def log_record(self, record: dict) -> None:
+        """One metrics record: metrics.jsonl (always) and the run.loggers trackers."""
+        self.metrics.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
+
     def save(self) -> None:
         model, optimizer = par.policy_weights(self.policy), par.optimizer_state(self.optimizer, self.tp)
+        master = full_masters(self.master, self.policy) if self.master.active else None
         if not self.writer:   # the writer saves for every rank (TP state gathered above)
             return
         save_checkpoint(self.run_dir, self.step, {
-            "model": model, "optimizer": optimizer,
+            "model": model, "optimizer": optimizer, **({"master": master} if master is not None else {}),
             "schedule": self.schedule.state_dict(), "torch_rng": torch.get_rng_state(),
             "step": self.step, "data_pos": self.data_pos, "config": dataclasses.asdict(self.cfg),
             **({"value": self.value.state_dict(), "value_optimizer": self.value_optimizer.state_dict()}
-               if self.value is not None else {})})
+               if self.value is not None else {})}, keep=self.cfg.run.keep_checkpoints)
 
     def save_policy(self) -> Path:
         policy = par.unsharded_policy(self.policy)
@@ -289,13 +323,18 @@ class Trainer:
             token_adv, value_targets = self.token_advantages(ro, batch, kl_reward)
             is_weights, corr_stats = self._mismatch_correction(old_lp, batch)
 
+            first_lp = old_lp
+
             def first_pass(lp, ent):   # strict, no rescore: the first update pass's forward is the old policy's
-                nonlocal old_ent
-                old_ent = ent
+                nonlocal old_ent, first_lp
+                old_ent, first_lp = ent, lp
                 record.update(self._check_old_logprobs(step, lp, batch))
 
             update = self._update(batch, old_lp, token_adv, None if kl_reward is not None else ref_lp, is_weights,
                                   value_targets, first_pass)
+            if cfg.run.policy_kl:   # the updated policy on the samples its predecessor drew
+                update["kl/policy_step"] = policy_step_kl(first_lp, batch.score(self.policy, temperature=temp)[0],
+                                                          batch.mask)
         t_train = time.perf_counter() - t1
         self.engine.update_weights(par.policy_weights(self.policy), version=step)
         lens = batch.completion_lens
@@ -308,7 +347,8 @@ class Trainer:
             "time/rollout_s": t_rollout, "time/train_s": t_train,
             "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9),
             "memory/peak_mb": _peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
-            **update, **corr_stats,
+            **update, **corr_stats, **rollout_stats(rewards, ro.group_tensor(), lens),
+            **token_stats(token_adv, batch.mask, first_lp, ref_lp),
         })
         return record
 
@@ -334,8 +374,7 @@ class Trainer:
                "run `rlalign parity --localize` on this model to find the first diverging op")
         if self.cfg.run.on_mismatch == "stop":
             raise MismatchError(msg)
-        if self.console is not None:
-            self.console.print(f"[bold red]MISMATCH[/bold red] {msg}")
+        LOGGER.warning(f"MISMATCH {msg}")
 
     def _mismatch_correction(self, old_lp, batch: TrainBatch):
         correction = algos.MISMATCH_CORRECTIONS[self.cfg.algo.mismatch_correction]
@@ -357,7 +396,7 @@ class Trainer:
         :meth:`needs_rescore`); ``first_pass(old_lp, entropy)`` checks them before the first optimizer step."""
         cfg = self.cfg
         steps = cfg.algo.ppo_epochs * len(batch.mini_batches)
-        totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+        totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0, "grad_norm": 0.0}
         if self.value is not None:
             totals["loss/value"] = 0.0
         lr = self.optimizer.param_groups[0]["lr"]   # this step's; the schedule moves after the step
@@ -386,7 +425,7 @@ class Trainer:
         agg = dict(num_tokens=n_tok, num_seqs=n_seq, max_len=cfg.rollout.max_new_tokens)
         loss_fn = algos.POLICY_LOSSES[a.policy_loss]
         knobs = loss_fn.knob_values(dataclasses.asdict(a))
-        stats = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0}
+        stats = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0}
         if self.value is not None:
             stats["loss/value"] = 0.0
         seen = []
@@ -420,6 +459,7 @@ class Trainer:
                 stats["loss/value"] += float(vl.detach())
             w = int(mask.sum())
             stats["clip_frac"] += float(out.stats.get("clip_frac", torch.tensor(0.0))) * w / max(n_tok, 1)
+            stats["kl/ppo"] += float(out.stats.get("approx_kl", torch.tensor(0.0))) * w / max(n_tok, 1)
             loss.backward()
         return stats, seen
 
@@ -435,7 +475,9 @@ class Trainer:
         if not torch.isfinite(grad_norm):
             raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {self.step}: lower optim.lr or check "
                                "the rewards; the last checkpoint is intact")
+        self.master.grads_to_master()   # no-op for fp32 parameters
         self.optimizer.step()
+        self.master.master_to_model()
         if self.value is not None:
             torch.nn.utils.clip_grad_norm_(self.value.parameters(), cfg.optim.grad_clip, foreach=False)
             self.value_optimizer.step()
@@ -450,6 +492,7 @@ class Trainer:
         problems = self.task.eval_problems()
         if not problems:
             return {}
+        started = time.perf_counter()
         prompts = [self.task.encode(p.prompt) for p in problems]
         r = self.cfg.rollout
         out = {}
@@ -464,6 +507,7 @@ class Trainer:
             rewards = self.task.score([problems[c.prompt_index].prompt for c in completions], texts,
                                       [problems[c.prompt_index].answer for c in completions])
             out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)
+        out["time/eval_s"] = time.perf_counter() - started
         return out
 
 
@@ -486,9 +530,11 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
     """Run (or resume) the whole job; returns the run directory."""
     if par.needs_launch(cfg):   # parallel.dp/tp > 1 without torchrun: spawn the processes
         return launch_parallel(cfg)
+    if console is not None:   # spawned ranks do not inherit the CLI's handler
+        install_cli_handler(console)
     trainer = Trainer(cfg, console)
-    trainer.resume_if_asked()
     try:
+        trainer.resume_if_asked()   # a refused resume releases the run directory too
         _train_to_end(trainer, cfg, console)
         trainer.save_policy()
     finally:
@@ -498,11 +544,16 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
 
 
 def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
-    progress = TrainProgress(cfg, console, trainer.step)
+    if trainer.writer:
+        for line in banner_lines(cfg, trainer.run_dir, trainer.config_path, trainer.model_dir,
+                                 sum(p.numel() for p in trainer.policy.parameters()),
+                                 str(next(trainer.policy.parameters()).dtype).removeprefix("torch."), trainer.step):
+            LOGGER.info(line)
+    progress = StepReporter(cfg, console if trainer.writer else None, trainer.step)
     started = time.perf_counter()
     try:
         if trainer.step == 0:
-            trainer.metrics.write({"step": 0, **trainer.evaluate()})
+            trainer.log_record({"step": 0, **trainer.evaluate()})
         while trainer.step < cfg.run.steps:
             step = trainer.step + 1
             record = trainer.train_step(step)
@@ -510,10 +561,11 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
             last = step == cfg.run.steps
             if step % cfg.run.eval_every == 0 or last:
                 record.update(trainer.evaluate())
-            trainer.metrics.write(record)
+            trainer.log_record(record)
             if step % cfg.run.checkpoint_every == 0 or last:
                 trainer.save()
-            progress.update(record)
+            if trainer.writer:
+                progress.update(record)
             if cfg.run.max_minutes and (time.perf_counter() - started) / 60 > cfg.run.max_minutes and not last:
                 trainer.save()
                 progress.note(f"stopping at step {step}: run.max_minutes={cfg.run.max_minutes} reached "
@@ -521,6 +573,8 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
                 break
     finally:
         progress.close()
+        if trainer.trackers is not None:
+            trainer.trackers.close()
 
 
 def _parallel_rank(world: Group, cfg: TrainConfig) -> str:

@@ -63,12 +63,16 @@ def _refuse_float16(model_dir: Path, dtype: "str | None") -> None:
 class TaskData:
     """Train stream (indexable by data position), held-out problems, encoding and checked scoring."""
 
-    def __init__(self, train_fn, eval_list: Sequence, reward_fn, tokenizer, chat: bool):
+    def __init__(self, train_fn, eval_list: Sequence, reward_fn, tokenizer, chat: bool,
+                 system_prompt: "str | None" = None, enable_thinking: "bool | None" = None):
         self._train_fn = train_fn
         self._eval = [Problem(p.prompt, p.answer) for p in eval_list]
         self.reward_fn = reward_fn
         self.tokenizer = tokenizer
         self.chat = chat
+        self.system_prompt = system_prompt
+        # passed to the chat template only when set (templates without the variable ignore it)
+        self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
     def train(self, start: int, count: int) -> list[Problem]:
         return [Problem(p.prompt, p.answer) for p in (self._train_fn(i) for i in range(start, start + count))]
@@ -76,17 +80,39 @@ class TaskData:
     def eval_problems(self) -> list[Problem]:
         return self._eval
 
-    def encode(self, prompt: str) -> list[int]:
+    def messages(self, prompt) -> list[dict]:
+        """A chat prompt's messages: a dataset's message list, or a string as one user message;
+        ``task.system_prompt`` first unless the prompt brings its own system message."""
+        msgs = list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}]
+        if self.system_prompt is not None and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": self.system_prompt}] + msgs
+        return msgs
+
+    def is_chat(self, prompt) -> bool:
+        return self.chat or isinstance(prompt, (list, tuple))   # a message list can only mean chat
+
+    def encode(self, prompt) -> list[int]:
         """The prompt's token ids; a character the tokenizer can only map to its unknown token is an
         error (it would silently become ``<unk>``/``<pad>`` and the task would be unlearnable)."""
-        unknown = _unencodable(self.tokenizer, prompt)
-        if unknown:
-            raise SetupError(f"the model's tokenizer cannot encode {''.join(unknown)!r} in the prompt {prompt[:60]!r} "
-                             "(it maps them to its unknown token); use a tokenizer that covers the task's characters")
-        return self.tokenizer.encode(prompt, chat=self.chat)
+        for text in ([m["content"] for m in self.messages(prompt)] if self.is_chat(prompt) else [prompt]):
+            unknown = _unencodable(self.tokenizer, text)
+            if unknown:
+                raise SetupError(f"the model's tokenizer cannot encode {''.join(unknown)!r} in the prompt {text[:60]!r} "
+                                 "(it maps them to its unknown token); use a tokenizer that covers the task's characters")
+        if self.is_chat(prompt):
+            return self.tokenizer.apply_chat_template(self.messages(prompt), add_generation_prompt=True,
+                                                      **self.template_kwargs)
+        return self.tokenizer.encode(prompt)
+
+    def prompt_text(self, prompt) -> str:
+        """What the reward receives as the prompt: the text the model was given (chat prompts rendered)."""
+        if self.is_chat(prompt):
+            return self.tokenizer.apply_chat_template(self.messages(prompt), add_generation_prompt=True,
+                                                      tokenize=False, **self.template_kwargs)
+        return prompt
 
     def score(self, prompts, completions, answers) -> list[float]:
-        return tasks.score(self.reward_fn, prompts, completions, answers)
+        return tasks.score(self.reward_fn, [self.prompt_text(p) for p in prompts], completions, answers)
 
 
 def _unencodable(tokenizer, text: str) -> list[str]:
@@ -106,11 +132,13 @@ def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:
         task = ArithmeticTask(seed=seed, min_digits=section.min_digits, max_digits=section.max_digits,
                               eval_size=section.eval_size)
         reward = arithmetic_reward if section.reward == "builtin" else load_reward(section.reward)
-        return TaskData(task.train_problem, task.eval_problems, reward, tokenizer, section.chat)
+        return TaskData(task.train_problem, task.eval_problems, reward, tokenizer, section.chat,
+                        section.system_prompt, section.enable_thinking)
     if section.reward == "builtin":
         raise SetupError("task.reward must name a reward for a dataset task (gsm8k, gsm8k_last_number, or module:function)")
     train, held_out = load_dataset(section.path, prompt_field=section.prompt_field, answer_field=section.answer_field,
                                    prompt_template=section.template, eval_fraction=section.eval_fraction, seed=seed)
     if section.eval_size:
         held_out = held_out[:section.eval_size]
-    return TaskData(lambda i: train[i % len(train)], held_out, load_reward(section.reward), tokenizer, section.chat)
+    return TaskData(lambda i: train[i % len(train)], held_out, load_reward(section.reward), tokenizer, section.chat,
+                    section.system_prompt, section.enable_thinking)

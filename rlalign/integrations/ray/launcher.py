@@ -25,7 +25,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.integrations.ray.errors import (ActorDiedError, RayLaunchError, death_errors, last_checkpoint_note,
                                             short_reason)
 from rlalign.train.loop import run_training
-from rlalign.train.progress import TrainProgress
+from rlalign.train.logs import StepReporter
 
 
 class TrainerActor:
@@ -154,7 +154,7 @@ def _this_node(ray):
 
 def _follow(ray, done, cfg, console) -> None:
     """Update the progress bar from metrics.jsonl until the trainer's ``run`` call returns (or fails)."""
-    progress = TrainProgress(cfg, console, 0)
+    progress = StepReporter(cfg, console, 0)
     path, seen = Path(cfg.run.dir) / "metrics.jsonl", 0
     try:
         while not ray.wait([done], timeout=1.0)[0]:
