@@ -263,3 +263,67 @@ def test_unpatch_and_repatch(hf_checkpoints):
     with torch.no_grad():
         assert_bitwise_equal(model(input_ids=ids, attention_mask=mask).logits,
                              stock(input_ids=ids, attention_mask=mask).logits, "unpatched vs stock")
+
+
+# ---- issue 20 A.4: construction under meta, output flags, right-padded generate, module-class validation ------
+
+def test_patched_under_meta_device_then_materialized(hf_checkpoints):
+    """FSDP2's construct-on-meta, to_empty, load flow: the rotary tables must not stay on meta."""
+    path = hf_checkpoints[("qwen3", "float32", False)]
+    rl, _ = _models(path)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = patch(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32))
+    model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(rl.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    seqs = _sequences((7, 3), seed=9)
+    with torch.no_grad():
+        lp, _, keep = _reference(rl, seqs, with_entropy=False)
+        out = token_logprobs(model, **_layouts(seqs)["right-padded"])
+    assert_bitwise_equal(out.logprobs[out.mask], lp[keep], "logprobs of a model patched on meta")
+
+
+def test_output_flags_from_config_lists_and_cache(hf_checkpoints):
+    rl, hf = _models(hf_checkpoints[("qwen3", "float32", False)])
+    ids, mask = _padded(_sequences((6, 4), seed=10))
+    assert hf.config.use_cache is False   # the patched model keeps no cache; its config says so
+    hf.config.output_hidden_states = True
+    try:
+        with torch.no_grad():
+            out = hf(input_ids=ids, attention_mask=mask)
+        assert out.hidden_states is not None and len(out.hidden_states) == rl.config.num_layers + 1
+    finally:
+        hf.config.output_hidden_states = False
+    with pytest.raises(UnsupportedInputError, match="output_hidden_states=.*list of layers"):
+        hf(input_ids=ids, attention_mask=mask, output_hidden_states=[0])
+    with pytest.raises(UnsupportedInputError, match="use_cache=True"):
+        hf(input_ids=ids, attention_mask=mask, use_cache=True)
+
+
+def test_generate_without_cache_on_right_padded_prompts(hf_checkpoints):
+    """transformers passes position_ids counting over the padding there; each row must still be its own
+    sequence (rlalign's greedy continuation of its prompt)."""
+    rl, hf = _models(hf_checkpoints[("qwen2", "float32", True)])
+    from rlalign.models import generate
+    prompts = [[11, 12, 13, 14, 15], [21, 22]]
+    ids, mask = _padded(prompts)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, use_cache=False,
+                          pad_token_id=0, eos_token_id=None)
+    for row, prompt in zip(out, prompts):
+        ref = generate(rl, [prompt], max_new_tokens=3, temperature=0.0, stop_token_ids=[])
+        assert row[ids.shape[1]:].tolist() == ref[0].tokens
+
+
+def test_validates_the_module_class_not_config_architectures():
+    """A headless checkpoint (architectures ["Qwen3Model"]) loaded into Qwen3ForCausalLM is patched; a class the
+    registry does not know is refused whatever its config says."""
+    model = _tiny_hf("Qwen3ForCausalLM", architectures=["Qwen3Model"])
+    assert is_patched(patch(model))
+    headless = transformers.Qwen3Model(transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                                num_hidden_layers=1, num_attention_heads=2,
+                                                                num_key_value_heads=1, head_dim=16,
+                                                                architectures=["Qwen3ForCausalLM"]))
+    with pytest.raises(UnsupportedModelError, match="Qwen3Model is not supported"):
+        patch(headless)
