@@ -73,8 +73,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = build_ffn(cfg, dtype, device)
 
-    def forward(self, h, residual, cos, sin, attend: Attend):
-        """(h, residual) -> (FFN output, residual stream before the FFN); residual None on layer 0."""
+    def forward(self, h, residual, cos, sin, batch: ForwardBatch):
+        """(h, residual) -> (FFN output, residual stream before the FFN); residual None on layer 0.
+        (The batch is an argument so that hooks on the layer see each forward's rows.)"""
+        attend = batch_attend(batch)
         return decoder_layer_block(self, h, residual, lambda x: self.self_attn(x, cos, sin, attend), self.layer_index)
 
 
@@ -121,10 +123,9 @@ class CausalLM(nn.Module):
         """Final-norm hidden states [T, H] (stream dtype) for every new token of ``batch``."""
         note_batch(batch)
         cos, sin = ops.rope_cos_sin(batch.positions, self._inv_freq_on(batch.positions.device))
-        attend = batch_attend(batch)
         h, residual = tap(EMBED, self.model.embed_tokens(batch.input_ids)), None
         for layer in self.model.layers:
-            h, residual = layer(h, residual, cos, sin, attend)
+            h, residual = layer(h, residual, cos, sin, batch)
         return final_norm_block(self.model.norm, h, residual)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
