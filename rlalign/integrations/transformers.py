@@ -55,18 +55,17 @@ import torch
 from torch import nn
 
 from rlalign import ops
-from rlalign.contract import spec
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import Profile, as_profile, use_profile
 from rlalign.models import architectures
 from rlalign.models.batch import ForwardBatch
-from rlalign.models.blocks import attention_block, decoder_layer_block, dense_ffn_block, final_norm_block, rope_inv_freq
+from rlalign.models.blocks import attention_block, decoder_layer_block, final_norm_block, rope_inv_freq
 from rlalign.models.config import ModelConfig, ModelConfigError
+from rlalign.models.decoder import Attention, DecoderLayer
+from rlalign.models.modules import Linear, RMSNorm
 from rlalign.models.taps import EMBED, LOGPROB, note_batch, tap
 
 ATTENTION = "rlalign"
-# How the patch computes each FFN kind of rlalign's registry on transformers' module of that kind.
-FFN_FORWARDS = {"dense": dense_ffn_block}
 _STATE = "_rlalign_patch"
 
 
@@ -263,10 +262,6 @@ def _norm_forward(self, x, residual=None):
 
 def _embedding_forward(self, ids):
     return ops.embedding(ids, self.weight)
-
-
-def _ffn_forward(self, x):
-    return self._rlalign_ffn(self, x)
 
 
 def _attention_forward(self, x, cos, sin, attend):
@@ -494,6 +489,12 @@ def _check_supported(model: nn.Module, profile: Profile) -> ModelConfig:
     return config
 
 
+def _reference_layer(config: ModelConfig, index: int) -> DecoderLayer:
+    """rlalign's decoder layer for ``config`` on the meta device: the structure (names, shapes, which linear
+    reduces over the canonical K partition, which FFN kind) that the Hugging Face layer must match."""
+    return DecoderLayer(config, index, torch.float32, "meta")
+
+
 def _check_modules(model, name: str, config: ModelConfig) -> None:
     def need(cond: bool, what: str):
         if not cond:
@@ -505,19 +506,30 @@ def _check_modules(model, name: str, config: ModelConfig) -> None:
     need(isinstance(getattr(model, "lm_head", None), nn.Linear), "expected an nn.Linear lm_head")
     need(len(backbone.layers) == config.num_layers, "the number of layers does not match the config")
     for i, layer in enumerate(backbone.layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        need(attn is not None and mlp is not None, f"layer {i} has no self_attn / mlp")
-        for owner, proj in ((attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"),
-                            (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")):
-            need(type(getattr(owner, proj, None)) is nn.Linear,
-                 f"layers.{i}.{proj} is not a plain nn.Linear (quantized or adapter-wrapped layers are not "
-                 "supported: merge adapters first, or patch before wrapping)")
-        need(attn.o_proj.bias is None and mlp.down_proj.bias is None, f"layer {i}: o_proj/down_proj bias")
-        need((attn.q_proj.bias is not None) == config.qkv_bias, f"layer {i}: q/k/v bias does not match the family")
+        for path, ours in _reference_layer(config, i).named_modules():
+            theirs = _submodule(layer, path)
+            where = f"layers.{i}.{path}"
+            need(theirs is not None, f"{where} is missing")
+            if isinstance(ours, Linear):
+                need(type(theirs) is nn.Linear, f"{where} is not a plain nn.Linear (quantized or adapter-wrapped "
+                     "layers are not supported: merge adapters first, or patch before wrapping)")
+            for pname, p in ours.named_parameters(recurse=False):
+                mine = getattr(theirs, pname, None)
+                need(mine is not None and tuple(mine.shape) == tuple(p.shape),
+                     f"{where}.{pname}: expected shape {tuple(p.shape)}, found "
+                     f"{None if mine is None else tuple(mine.shape)}")
+            if isinstance(ours, Linear):
+                need(ours.bias is not None or theirs.bias is None, f"{where} has a bias the family does not have")
+        attn = layer.self_attn
         need(getattr(attn, "sliding_window", None) is None, f"layer {i} uses sliding-window attention")
-        need(hasattr(attn, "layer_idx") and attn.layer_idx == i, f"layer {i}: unexpected self_attn.layer_idx")
-        if config.qk_norm:
-            need(hasattr(attn, "q_norm") and hasattr(attn, "k_norm"), f"layer {i} has no q_norm / k_norm")
+        need(getattr(attn, "layer_idx", None) == i, f"layer {i}: unexpected self_attn.layer_idx")
+
+
+def _submodule(root: nn.Module, path: str):
+    try:
+        return root.get_submodule(path) if path else root
+    except AttributeError:
+        return None
 
 
 def _set_attention(model, name: str) -> None:
@@ -544,28 +556,26 @@ def _norm_eps(norm: nn.Module, default: float) -> float:
 
 
 def _patch_modules(model, state: PatchState) -> None:
+    """Rebind each Hugging Face module to the rlalign module at the same path of the reference layer:
+    linears and norms to their ops (with the reference's k_segments), the attention to the block core,
+    the FFN to its kind's own forward (a block core reading only the children), the layer to the layer core."""
     config, backbone = state.config, model.model
-    eps = config.rms_norm_eps
-
-    def norm(module):
-        _bind(module, _norm_forward, state, eps=_norm_eps(module, eps))
-
     _bind(backbone.embed_tokens, _embedding_forward, state)
-    for layer in backbone.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            _bind(proj, _linear_forward, state, k_segments=None)
-        for proj in (attn.o_proj, mlp.down_proj):
-            _bind(proj, _linear_forward, state, k_segments=spec.K_SEGMENTS)
-        norm(layer.input_layernorm)
-        norm(layer.post_attention_layernorm)
-        if config.qk_norm:
-            norm(attn.q_norm)
-            norm(attn.k_norm)
-        _bind(attn, _attention_forward, state, config=config)
-        _bind(mlp, _ffn_forward, state, ffn=FFN_FORWARDS[config.ffn_kind])
-        _bind(layer, _layer_forward, state)
-    norm(backbone.norm)
+    for i, layer in enumerate(backbone.layers):
+        reference = _reference_layer(config, i)
+        for path, ours in reference.named_modules():
+            theirs = _submodule(layer, path)
+            if isinstance(ours, Linear):
+                _bind(theirs, _linear_forward, state, k_segments=ours.k_segments)
+            elif isinstance(ours, RMSNorm):
+                _bind(theirs, _norm_forward, state, eps=_norm_eps(theirs, ours.eps))
+            elif isinstance(ours, Attention):
+                _bind(theirs, _attention_forward, state, config=config)
+            elif isinstance(ours, DecoderLayer):
+                _bind(theirs, _layer_forward, state)
+            elif ours is reference.mlp:
+                _bind(theirs, type(ours).forward, state)
+    _bind(backbone.norm, _norm_forward, state, eps=_norm_eps(backbone.norm, config.rms_norm_eps))
     _bind(model.lm_head, _linear_forward, state, k_segments=None)
     _bind(backbone, _backbone_forward, state)
 

@@ -71,7 +71,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, layer_index, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = build_ffn(cfg, dtype, device)
+        self.mlp = build_ffn(cfg, layer_index, dtype, device)
 
     def forward(self, h, residual, cos, sin, batch: ForwardBatch):
         """(h, residual) -> (FFN output, residual stream before the FFN); residual None on layer 0.

@@ -1,8 +1,9 @@
 """FFN kinds: the registry ``DecoderLayer`` builds its FFN from (``config.ffn_kind``).
 
-A kind is a module class constructed as ``cls(config, dtype, device)`` whose forward is the
-kind's functional core (:mod:`rlalign.models.blocks`), which also declares its tensor-parallel
-plan (``tp_plan``). Adding a kind (e.g. a mixture-of-experts FFN) = one module defining the class
+A kind is a module class (or factory) called as ``kind(config, layer_index, dtype, device)`` (the
+layer index lets a kind vary by layer, e.g. MoE models with dense layers); its forward is a
+functional core that reads only the module's children (the transformers patch binds the same
+forward onto Hugging Face's FFN module), and it declares its tensor-parallel plan (``tp_plan``). Adding a kind (e.g. a mixture-of-experts FFN) = one module defining the class
 and calling :func:`register_ffn`, plus the family entry in :mod:`rlalign.models.architectures` that
 sets ``ffn_kind`` / ``ffn_options``.
 """
@@ -30,11 +31,11 @@ def register_ffn(kind: str):
     return add
 
 
-def build_ffn(config: ModelConfig, dtype, device) -> nn.Module:
-    cls = _KINDS.get(config.ffn_kind)
-    if cls is None:
+def build_ffn(config: ModelConfig, layer_index: int, dtype, device) -> nn.Module:
+    kind = _KINDS.get(config.ffn_kind)
+    if kind is None:
         raise ModelConfigError(f"FFN kind {config.ffn_kind!r} is not implemented (known: {', '.join(_KINDS)})")
-    return cls(config, dtype, device)
+    return kind(config, layer_index, dtype, device)
 
 
 @register_ffn("dense")
@@ -42,7 +43,7 @@ class MLP(nn.Module):
     """SiLU-gated dense FFN: ``down_proj(silu(gate_proj(x)) * up_proj(x))``; down_proj reduces over the
     canonical K partition."""
 
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, layer_index: int, dtype, device):
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(h, i, False, dtype, device)

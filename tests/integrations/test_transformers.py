@@ -211,6 +211,14 @@ def test_refuses_unsupported_models():
         patch(_tiny_hf("Qwen3ForCausalLM").half())
     with pytest.raises(UnsupportedModelError, match="hidden_act"):
         patch(_tiny_hf("LlamaForCausalLM", hidden_act="gelu"))
+    no_bias = _tiny_hf("Qwen2ForCausalLM")
+    no_bias.model.layers[0].self_attn.k_proj.bias = None
+    with pytest.raises(UnsupportedModelError, match=r"layers.0.self_attn.k_proj.bias: expected shape \(16,\), found None"):
+        patch(no_bias)
+    extra_bias = _tiny_hf("LlamaForCausalLM")
+    extra_bias.model.layers[0].mlp.down_proj.bias = nn.Parameter(torch.zeros(32))
+    with pytest.raises(UnsupportedModelError, match="layers.0.mlp.down_proj has a bias the family does not have"):
+        patch(extra_bias)
     wrapped = _tiny_hf("Qwen3ForCausalLM")
 
     class LoraLinear(nn.Linear):
