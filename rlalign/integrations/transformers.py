@@ -18,9 +18,11 @@ What the patch does (per instance; classes and other models are untouched; :func
 * the backbone's forward (``model.model``) packs the valid tokens of a padded batch (2-D
   ``attention_mask``, 1 = token) or of a packed batch (``position_ids`` restarting at 0, or
   ``cu_seq_lens_q`` as transformers' flattening collators pass) into one token-major row list,
-  exactly the rows of rlalign's packed :class:`~rlalign.models.batch.ForwardBatch`; positions come
-  from ``position_ids`` or, without them, count 0, 1, ... over each row's valid tokens (left or
-  right padding alike). Outputs are scattered back to [B, S, ...] (padding rows are 0);
+  exactly the rows of rlalign's packed :class:`~rlalign.models.batch.ForwardBatch`; positions count
+  0, 1, ... over each sequence's valid tokens (left or right padding alike): ``position_ids`` mark
+  where sequences start (0) and must continue by 1 except right after padding, which never counts
+  (transformers' generate() on right-padded prompts). Outputs are scattered back to [B, S, ...]
+  (padding rows are 0);
 * the math is rlalign's own: the patch adapts the Hugging Face modules (same parameter names) so
   that the functional block cores of :mod:`rlalign.models.blocks` -- the ones ``CausalLM`` runs --
   can call them: embedding = ``ops.embedding`` (no ``padding_idx`` gradient masking); every RMSNorm
