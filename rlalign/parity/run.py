@@ -228,7 +228,7 @@ def run_parity(o: ParityOptions) -> ParityResult:
     if o.tp:
         from rlalign.distributed.parallelize import check_tp
         for degree in o.tp:
-            check_tp(config, degree)   # fail before generating
+            check_tp(config, degree, model)   # fail before generating
     rollout = build_rollout(o, model, model_dir)
     if o.replay:
         record = RolloutRecord.load(o.replay)

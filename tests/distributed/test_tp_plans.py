@@ -1,4 +1,4 @@
-"""parallelize obeys the modules' declared TP plans (rlalign.models.sharding), not attribute names."""
+"""parallelize obeys the modules' declared TP plans (rlalign.contract.sharding), not attribute names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.launch import Group
 from rlalign.distributed.layers import ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear
 from rlalign.distributed.parallelize import parallelize
-from rlalign.models import sharding
+from rlalign.contract import sharding
 from rlalign.models.modules import Linear
 from rlalign.models.testing import tiny_model
 

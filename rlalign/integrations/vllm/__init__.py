@@ -24,15 +24,12 @@ from __future__ import annotations
 import os
 
 from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
+from rlalign.models import architectures as model_families
 
 ENV = "RLALIGN_VLLM"
+# The architectures the plugin serves: every family of rlalign's architecture registry.
+ARCHITECTURES = model_families.architectures()
 MODEL_CLASS = "rlalign.integrations.vllm.model:RLAlignForCausalLM"
-
-
-def architectures() -> tuple[str, ...]:
-    """The architectures the plugin serves: every family of rlalign's architecture registry."""
-    from rlalign.models import architectures as registry
-    return registry.architectures()
 
 
 def is_enabled() -> bool:
@@ -62,7 +59,7 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from rlalign.integrations.vllm import sampler
-    for arch in architectures():
+    for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, MODEL_CLASS)
     sampler.install()
 
@@ -76,9 +73,9 @@ def _unregister() -> None:
     from rlalign.integrations.vllm import sampler
     sampler.uninstall()
     stock = registry._VLLM_MODELS
-    for arch in architectures():
+    for arch in ARCHITECTURES:
         module, cls = stock[arch]
         registry.ModelRegistry.models[arch] = registry._LazyRegisteredModel(f"vllm.model_executor.models.{module}", cls)
 
 
-__all__ = ["enable", "disable", "is_enabled", "register", "UnsupportedVLLMConfigError", "ENV", "architectures"]
+__all__ = ["enable", "disable", "is_enabled", "register", "UnsupportedVLLMConfigError", "ENV", "ARCHITECTURES"]
