@@ -44,9 +44,11 @@ def _score_worker(world: Group, model_dir: str, dtype: str | None, device: str, 
 def score_at_degrees(model_dir: str, dtype: str | None, device: str, record, degrees) -> dict[int, list[list[float]]]:
     """{degree: per-sequence completion logprobs} for every requested degree (and 1, the reference)."""
     from rlalign.models.checkpoint import load_config
+    from rlalign.models.decoder import CausalLM
     config = load_config(model_dir)
+    shapes = CausalLM(config, device="meta")   # the modules' TP plans, no memory
     for t in degrees:
-        check_tp(config, t)
+        check_tp(config, t, shapes)
     out = {1: _score(model_dir, dtype, device, record, Group.single())}
     for t in sorted(set(degrees) - {1}):
         out[t] = spawn(_score_worker, t, model_dir, dtype, device, record, backend=default_backend(device))[0]
