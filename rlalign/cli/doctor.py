@@ -14,8 +14,16 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from rlalign.cli._device import DeviceUnavailable, require_device
     from rlalign.contract.doctor import environment, run_checks
 
+    try:
+        require_device(args.device)
+    except DeviceUnavailable as exc:
+        if not args.json:
+            raise
+        print(json.dumps({"ok": False, "device": args.device, "error": str(exc), "checks": []}))
+        return 2
     if args.json:
         results, seed = run_checks(args.device, args.seed)
     else:

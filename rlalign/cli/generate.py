@@ -44,15 +44,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
+def _check_request(model, tokenizer, args) -> None:
+    """What ``rlalign train`` refuses for its prompts, refused here too: no EOS, no room for the completion."""
+    from rlalign.contract.errors import RLAlignError
+    if not (tokenizer.eos_token_ids or model.config.eos_token_ids):
+        raise RLAlignError(f"{args.model}: no eos token (tokenizer_config.json eos_token or config.json eos_token_id); "
+                           "completions could never stop")
+    limit = model.config.max_position_embeddings
+    for prompt in args.prompt:
+        length = len(tokenizer.encode(prompt, chat=args.chat))
+        if length + args.max_new_tokens > limit:
+            raise RLAlignError(f"prompt {prompt[:40]!r} is {length} tokens; with --max-new-tokens {args.max_new_tokens} "
+                               f"it exceeds the model's {limit} positions (max_position_embeddings); shorten it")
+
+
 def run(args: argparse.Namespace) -> int:
     from rlalign.contract import use_profile
     from rlalign.contract.errors import RLAlignError
     from rlalign.models import load_model, load_tokenizer
     from rlalign.rollout.completions import generate_completions as generate
 
+    from rlalign.cli._device import require_device
+
     try:
+        require_device(args.device)
         model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
         tokenizer = load_tokenizer(args.model)
+        _check_request(model, tokenizer, args)
         with use_profile(args.profile):
             completions = generate(model, args.prompt, tokenizer=tokenizer, n=args.n,
                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,

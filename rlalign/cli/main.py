@@ -40,6 +40,23 @@ def main(argv: list[str] | None = None) -> int:
     except RLAlignError as exc:
         print(f"rlalign {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:   # disk full, read-only filesystem, permissions: the environment, not a bug
+        print(f"rlalign {args.command}: error: {os_error_line(exc)}{_RESUME_HINT.get(args.command, '')}",
+              file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:
+        print(f"rlalign {args.command}: error: a file is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+              "save it as UTF-8", file=sys.stderr)
+        return 2
+
+
+_RESUME_HINT = {"train": "; the last checkpoint is intact: fix this and continue with run.resume=true"}
+
+
+def os_error_line(exc: OSError) -> str:
+    """``No space left on device: /runs/x/metrics.jsonl`` (strerror and the file(s) involved)."""
+    where = ", ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+    return (exc.strerror or str(exc) or exc.__class__.__name__) + (f": {where}" if where else "")
 
 
 if __name__ == "__main__":

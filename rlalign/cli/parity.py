@@ -49,6 +49,21 @@ def options_from_args(args):
                          vllm_plugin=args.vllm_plugin == "on")
 
 
+def _require_writable(folder: str) -> None:
+    """Fail before the comparison runs, not after, when --report cannot be written."""
+    import os
+    from pathlib import Path
+
+    from rlalign.parity.run import ParityError
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ParityError(f"--report {folder}: cannot create it ({exc.strerror})") from None
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise ParityError(f"--report {folder}: not a writable directory; choose another --report")
+
+
 def _tp_degrees(text: str | None) -> tuple[int, ...]:
     if text is None:
         return ()
@@ -57,9 +72,13 @@ def _tp_degrees(text: str | None) -> tuple[int, ...]:
 
 
 def run(args) -> int:
+    from rlalign.cli._device import require_device
     from rlalign.models.checkpoint import CheckpointError
     from rlalign.parity.run import ParityError, run_parity
 
+    require_device(args.device)
+    if args.report:
+        _require_writable(args.report)
     try:
         result = run_parity(options_from_args(args))
     except CheckpointError as exc:

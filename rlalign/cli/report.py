@@ -10,7 +10,12 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    import sys
+
     from rlalign.train.report import write_report
-    png, md = write_report(args.run_dir)
+    notes: list[str] = []
+    png, md = write_report(args.run_dir, notes)
+    for note in notes:
+        print(f"rlalign report: note: {note}", file=sys.stderr)
     print(f"wrote {png}\nwrote {md}")
     return 0

@@ -96,7 +96,7 @@ CONTRACT: tuple[OpContract, ...] = (
         "logprob / entropy", "vocab (log-sum-exp, expected logit)",
         f"tokens in blocks of {TOKEN_BLOCK}, vocab in blocks of {VOCAB_BLOCK}; chunk sizes are multiples of these and only set memory",
         "per vocab block: max, tree sum of exp(z - max); blocks folded left to right with online rescaling",
-        "logits in fp32 (fp32 GEMM), divided by temperature in fp32; all statistics fp32",
+        "logits in fp32 (fp32 GEMM), divided by temperature in fp32 (IEEE division by fp32(T), skipped at T = 1: the one temperature rule, rlalign/ops/temperature.py); all statistics fp32",
         "outputs fp32; the [tokens, vocab] logits are never materialised (peak extra O(token_chunk x vocab_chunk))",
         "fp32 GEMM on fixed-shape tiles, exp, log, max",
         "number of tokens, token position, token/vocab chunk sizes",
@@ -104,7 +104,7 @@ CONTRACT: tuple[OpContract, ...] = (
     OpContract(
         "sample", "vocab (argmax of perturbed logits)",
         "whole vocab", "argmax; ties broken by the lowest token id",
-        "fp32 logits / temperature + Gumbel noise from a counter-based hash RNG keyed by (seed, sequence id, position, token id)",
+        "fp32 logits / temperature (the same rule; temperature 0 = greedy, argmax of the raw logits) + Gumbel noise from a counter-based hash RNG keyed by (seed, sequence id, position, token id); a rollout scores the token it samples with logprob / entropy at the sampling temperature (1 when greedy) through one owner, ops.sample_and_score",
         "-", "64-bit integer hash (splitmix64), fp32 log", "batch composition: the token depends on (seed, sequence id, position) and the row's logits only",
     ),
     OpContract(

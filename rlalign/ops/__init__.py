@@ -6,8 +6,10 @@ Functional API (the only way models and engines compute):
     attention_varlen, attention_paged, write_kv_cache                          (ops.attention)
     logprob_entropy, lm_logits                                                 (ops.logprob)
     sample                                                                     (ops.sample)
+    sample_and_score: a rollout's sampled token and its logprob, the one owner  (ops.sample_score)
+    logprob_temperature: the temperature a sampled token is scored at           (ops.temperature)
 
-Each takes ``profile=`` (``"strict"`` | ``"native"`` | None for the current context, see
+Each op takes ``profile=`` (``"strict"`` | ``"native"`` | None for the current context, see
 :func:`rlalign.contract.use_profile`).
 """
 
@@ -15,9 +17,11 @@ from rlalign.ops.basic import embedding, linear, rms_norm, rope, rope_cos_sin, r
 from rlalign.ops.attention import attention_paged, attention_varlen, write_kv_cache
 from rlalign.ops.logprob import lm_logits, logprob_entropy
 from rlalign.ops.sample import sample
+from rlalign.ops.sample_score import sample_and_score
+from rlalign.ops.temperature import logprob_temperature
 
 __all__ = [
     "linear", "rms_norm", "rope", "rope_inv_freq", "rope_cos_sin", "silu_mul", "embedding",
     "attention_varlen", "attention_paged", "write_kv_cache",
-    "logprob_entropy", "lm_logits", "sample",
+    "logprob_entropy", "lm_logits", "sample", "sample_and_score", "logprob_temperature",
 ]

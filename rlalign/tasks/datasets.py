@@ -36,21 +36,29 @@ class Example:
     source: str  # "file:line" or "file: row N", for error messages
 
 
+def _utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise DatasetError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as "
+                           "UTF-8") from None
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    for number, line in enumerate(_utf8(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(_utf8(path))
     except json.JSONDecodeError as e:
         raise DatasetError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(rows, list):

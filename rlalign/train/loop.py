@@ -38,6 +38,7 @@ from rlalign.rollout.config import SamplingParams
 from rlalign.train.engines import build_rollout_engine
 from rlalign.train.config import TrainConfig
 from rlalign.train.packing import micro_batches, score_completions, score_in_micro_batches
+from rlalign.train.rundir import open_run_dir
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
 from rlalign.train.value import ValueModel, value_loss
@@ -90,6 +91,18 @@ class Trainer:
         self.tp, self.dp = par.parallel_groups(cfg)
         self.writer = par.is_writer(self.tp, self.dp)
         self.run_dir = Path(par.shared_run_dir(cfg))
+        # The writer locks and prepares the run directory before any work (rlalign.train.rundir): a fresh
+        # run needs an empty directory (or run.overwrite), a resume a checkpoint.
+        self.run_lock = (open_run_dir(self.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
+                         if self.writer else None)
+        try:
+            self._build(cfg)
+        except BaseException:
+            if self.run_lock is not None:
+                self.run_lock.abandon()
+            raise
+
+    def _build(self, cfg: TrainConfig) -> None:
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
@@ -122,9 +135,10 @@ class Trainer:
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def resume_if_asked(self) -> None:
-        if not self.cfg.run.resume and (self.run_dir / "checkpoints" / "latest.json").exists():
-            raise SetupError(f"run directory {self.run_dir} already holds a run with checkpoints; continue it with "
-                             "run.resume=true, or choose a new run.dir (nothing was overwritten)")
+        """Open metrics.jsonl, and with ``run.resume`` load the last checkpoint (the run directory was
+        locked and checked in ``__init__``)."""
+        if self.run_lock is not None and self.run_lock.removed:
+            self._note(f"removed leftovers of an interrupted run: {', '.join(self.run_lock.removed)}")
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
             self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()
@@ -139,6 +153,11 @@ class Trainer:
             self.value_optimizer.load_state_dict(state["value_optimizer"])
         self.engine.update_weights(par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
+        self._note(getattr(self.metrics, "note", None))
+
+    def _note(self, text: "str | None") -> None:
+        if text and self.console is not None:
+            self.console.print(f"note: {text}")
 
     def save(self) -> None:
         model, optimizer = par.policy_weights(self.policy), par.optimizer_state(self.optimizer, self.tp)
@@ -239,7 +258,7 @@ class Trainer:
             ro, sampling_stats = self.rollout(step)
             t_rollout = time.perf_counter() - t0
             t1 = time.perf_counter()
-            temp = cfg.rollout.temperature
+            temp = cfg.rollout.logprob_temperature
             mb_tokens = cfg.optim.micro_batch_tokens
             old_lp, old_ent = score_in_micro_batches(self.policy, ro.samples, temperature=temp, max_tokens=mb_tokens,
                                                      with_entropy=True)
@@ -307,7 +326,7 @@ class Trainer:
 
     def _update(self, ro, old_lp, token_adv, ref_lp, mask, seq_ids, is_weights, value_targets) -> dict:
         """``ppo_epochs`` passes over the step's samples, micro-batch by micro-batch, one optimizer step each."""
-        cfg = self.cfg
+        cfg, temp = self.cfg, self.cfg.rollout.logprob_temperature
         bounds = torch.tensor([0] + ro.completion_lens).cumsum(0).tolist()
         n_tok, n_seq = algos.batch_counts(mask, seq_ids)
         totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
@@ -323,8 +342,8 @@ class Trainer:
                 lo, hi = bounds[mb[0]], bounds[mb[-1] + 1]
                 sl = slice(lo, hi)
                 local_ids = seq_ids[sl] - mb[0]
-                lp, ent = score_completions(self.policy, [ro.samples[i] for i in mb],
-                                            temperature=cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0)
+                lp, ent = score_completions(self.policy, [ro.samples[i] for i in mb], temperature=temp,
+                                            with_entropy=cfg.algo.entropy_coef > 0)
                 out = self._policy_loss(lp, old_lp[sl], token_adv[sl], mask[sl], local_ids, len(mb),
                                         None if is_weights is None else is_weights[sl])
                 agg = dict(num_tokens=n_tok, num_seqs=n_seq, max_len=cfg.rollout.max_new_tokens)
@@ -422,6 +441,16 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
         return par.launch(cfg)
     trainer = Trainer(cfg, console)
     trainer.resume_if_asked()
+    try:
+        _train_to_end(trainer, cfg, console)
+        trainer.save_policy()
+    finally:
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()
+    return trainer.run_dir
+
+
+def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
     progress = _Progress(cfg, console, trainer.step)
     started = time.perf_counter()
     try:
@@ -445,8 +474,6 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
                 break
     finally:
         progress.close()
-    trainer.save_policy()
-    return trainer.run_dir
 
 
 class _Progress:

@@ -49,7 +49,9 @@ def scored_rows(samples: Sequence[tuple[Sequence[int], int]], device) -> tuple[t
 
 def score_completions(model, samples: Sequence[tuple[Sequence[int], int]], *, temperature: float = 1.0,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of every completion token of ``samples`` in one packed forward.
+    """Log-probs (and entropies) of every completion token of ``samples`` in one packed forward, under
+    softmax(lm_head(h) / temperature). To equal a rollout's reported logprobs, ``temperature`` is the
+    rollout's logprob temperature: ``ops.logprob_temperature`` of its sampling temperature.
 
     Differentiable when grad is enabled. Returns fp32 [completion tokens], sample by sample.
     """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlalign.contract.errors import RLAlignError
 from rlalign.train.runio import read_metrics
 
 PANELS = (
@@ -21,13 +22,17 @@ def _series(records, key):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def write_report(run_dir: "str | Path") -> tuple[Path, Path]:
+def write_report(run_dir: "str | Path", notes: "list[str] | None" = None) -> tuple[Path, Path]:
+    """Write report.png and report.md; a torn last line of metrics.jsonl is dropped and described in ``notes``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
+    records = read_metrics(run_dir, notes)
+    if not records:
+        raise RLAlignError(f"{run_dir / 'metrics.jsonl'} holds no records (the run stopped before its first "
+                           "evaluation): nothing to report")
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, keys, ylabel) in zip(axes.flat, PANELS):
         for key in keys:

@@ -38,6 +38,7 @@ def load_policy(section: ModelSection):
         import torch
         if not torch.cuda.is_available():
             raise SetupError("model.device is cuda but no CUDA device is visible; use model.device=cpu")
+    _refuse_float16(model_dir, section.dtype)
     model, config = load_model(model_dir, dtype=section.dtype, device=section.device)
     tokenizer = load_tokenizer(model_dir)
     if tokenizer.vocab_size > config.vocab_size:
@@ -48,6 +49,14 @@ def load_policy(section: ModelSection):
                          "completions could never stop")
     model.train()
     return model, tokenizer, model_dir
+
+
+def _refuse_float16(model_dir: Path, dtype: "str | None") -> None:
+    """Training computes in float32 or bfloat16 (both profiles); a float16 checkpoint must pick one
+    explicitly instead of training in float16 (strict refuses fp16 ops; native would overflow silently)."""
+    from rlalign.models.checkpoint import load_config
+    if dtype is None and str(load_config(model_dir).dtype).removeprefix("torch.") in ("float16", "fp16", "half"):
+        raise SetupError(f"{model_dir} is a float16 checkpoint; train it in model.dtype=bfloat16 or model.dtype=float32")
 
 
 class TaskData:
@@ -67,11 +76,28 @@ class TaskData:
         return self._eval
 
     def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids; a character the tokenizer can only map to its unknown token is an
+        error (it would silently become ``<unk>``/``<pad>`` and the task would be unlearnable)."""
+        unknown = _unencodable(self.tokenizer, prompt)
+        if unknown:
+            raise SetupError(f"the model's tokenizer cannot encode {''.join(unknown)!r} in the prompt {prompt[:60]!r} "
+                             "(it maps them to its unknown token); use a tokenizer that covers the task's characters")
         return self.tokenizer.encode(prompt, chat=self.chat)
 
     def score(self, prompts, completions, answers) -> list[float]:
         from rlalign.tasks import score
         return score(self.reward_fn, prompts, completions, answers)
+
+
+def _unencodable(tokenizer, text: str) -> list[str]:
+    """Characters of ``text`` that the tokenizer maps to its unknown token (which does not occur in ``text``)."""
+    model = getattr(getattr(tokenizer, "backend", None), "model", None)
+    unk = getattr(model, "unk_token", None)
+    if not unk or unk in text:
+        return []
+    unk_id = tokenizer.token_to_id(unk)
+    enc = tokenizer.backend.encode(text, add_special_tokens=False)
+    return list(dict.fromkeys(text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk_id and b > a))
 
 
 def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:

@@ -139,7 +139,7 @@ def test_fresh_run_refuses_to_overwrite_an_existing_run(arithmetic_model_dir, tm
     run_training(load_config(TrainConfig, None, over))
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
     out = _cli("train", *over)
-    assert out.returncode == 2 and "already holds a run" in out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and "is not empty" in out.stderr.strip().splitlines()[-1]
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
 
 

@@ -3,7 +3,8 @@
 Exact numerics, per token (all fp32; ``VB = spec.VOCAB_BLOCK`` = 1024, rows in ``spec.ROW_BLOCK`` = 64):
 
     logits = tile_mm(h_chunk.float(), W_chunk.float())        one token chunk x one vocab chunk
-    z      = logits / fp32(temperature)                       IEEE fp32 division by a 0-dim tensor
+    z      = logits / fp32(temperature)                       the temperature rule (ops/temperature.py):
+                                                              IEEE fp32 division by a 0-dim tensor
                                                               on the same device; SKIPPED when
                                                               temperature == 1.0 (z is the logits)
     vocab blocks [k*VB, (k+1)*VB) at absolute offsets (the last one shorter when VB does not divide V):
@@ -43,6 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from rlalign.contract import spec
 from rlalign.ops._dispatch import register
+from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.primitives import tile_mm, tree_sum
 
 VB = spec.VOCAB_BLOCK
@@ -50,17 +52,9 @@ VB = spec.VOCAB_BLOCK
 
 # ---- forward pieces ----------------------------------------------------------------------------
 
-def _temperature_tensor(temperature: float, device: torch.device) -> torch.Tensor | None:
-    """fp32 0-dim divisor, or None for temperature 1.0. A device tensor (not a Python scalar) keeps
-    the division an IEEE division on CUDA, where a CPU-scalar divisor becomes a reciprocal multiply."""
-    if temperature == 1.0:
-        return None
-    return torch.tensor(temperature, dtype=torch.float32, device=device)
-
-
 def _scaled_logits(h_chunk: torch.Tensor, w_chunk_f32: torch.Tensor, tau: torch.Tensor | None) -> torch.Tensor:
-    logits = tile_mm(h_chunk.float().contiguous(), w_chunk_f32)
-    return logits if tau is None else logits.div_(tau)
+    """z of one chunk; ``tau`` from :func:`temperature_divisor` (the temperature rule, ops/temperature.py)."""
+    return divide_by_temperature(tile_mm(h_chunk.float().contiguous(), w_chunk_f32), tau, in_place=True)
 
 
 def _stats_of_blocks(zb: torch.Tensor, with_entropy: bool):
@@ -147,7 +141,7 @@ def forward_stats(hidden, weight, targets, temperature, token_chunk, vocab_chunk
     """Vocab chunks outer (each W chunk upcast once), token chunks inner; every token's blocks are
     still folded in vocab order. -> (logprob, entropy or None, lse, mu or None)."""
     tokens = hidden.shape[0]
-    tau = _temperature_tensor(temperature, hidden.device)
+    tau = temperature_divisor(temperature, hidden.device)
     state = FoldState(tokens, hidden.device, with_entropy)
     for cols in _chunks(weight.shape[0], vocab_chunk):
         w_f32 = weight[cols].float()
@@ -179,7 +173,7 @@ def _grad_scaled_logits(z, local_targets, lse, mu, g_lp, g_ent, tau):
     cols = torch.arange(z.shape[1], device=z.device)
     is_target = cols.unsqueeze(0) == local_targets.unsqueeze(1)
     dz = torch.where(is_target, g_lp.unsqueeze(1) - pq, -pq)
-    return dz if tau is None else dz.div_(tau)
+    return divide_by_temperature(dz, tau, in_place=True)
 
 
 def _add_grad_hidden(dh_rows: torch.Tensor, dlogits: torch.Tensor, w_f32: torch.Tensor) -> None:
@@ -191,7 +185,7 @@ def _add_grad_hidden(dh_rows: torch.Tensor, dlogits: torch.Tensor, w_f32: torch.
 def backward_grads(saved, g_lp, g_ent, need_dh, need_dw):
     hidden, weight, targets, lse, mu, temperature, token_chunk, vocab_chunk = saved
     tokens, vocab = hidden.shape[0], weight.shape[0]
-    tau = _temperature_tensor(temperature, hidden.device)
+    tau = temperature_divisor(temperature, hidden.device)
     g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float()
     g_ent = None if g_ent is None else g_ent.float()
     dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
@@ -247,7 +241,7 @@ def logprob_entropy(hidden, weight, targets, temperature, token_chunk, vocab_chu
 def lm_logits(hidden, weight, temperature, vocab_chunk):
     """fp32 [S, V] = the z of the module docstring, vocab chunk by vocab chunk (same GEMM shapes as
     logprob_entropy with the same vocab_chunk; no autograd: it feeds the sampler)."""
-    tau = _temperature_tensor(float(temperature), hidden.device)
+    tau = temperature_divisor(float(temperature), hidden.device)
     out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=torch.float32, device=hidden.device)
     with torch.no_grad():
         for cols in _chunks(weight.shape[0], vocab_chunk):

@@ -12,8 +12,8 @@ import torch
 from rlalign.contract import spec
 from rlalign.ops._dispatch import register
 from rlalign.ops.torch_backend.linear import linear_fp32
-from rlalign.ops.torch_backend.logprob import (FoldState, _chunks, _grad_scaled_logits, _scaled_logits,
-                                               _temperature_tensor, block_stats)
+from rlalign.ops.temperature import temperature_divisor
+from rlalign.ops.torch_backend.logprob import FoldState, _chunks, _grad_scaled_logits, _scaled_logits, block_stats
 from rlalign.ops.logprob import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 
 VB = spec.VOCAB_BLOCK
@@ -37,7 +37,7 @@ def logprob_shard_stats(hidden, weight, targets, v0, temperature, with_entropy):
     blocks = -(-width // VB)
     stats = hidden.new_zeros((3 if with_entropy else 2, blocks, tokens), dtype=torch.float32)
     z_target = hidden.new_zeros(tokens, dtype=torch.float32)
-    tau = _temperature_tensor(temperature, hidden.device)
+    tau = temperature_divisor(temperature, hidden.device)
     local = targets - v0
     for cols in _chunks(width, DEFAULT_VOCAB_CHUNK):
         w_f32 = weight[cols].float()
@@ -68,6 +68,6 @@ def logprob_merge_stats(stats, z_target):
 
 @register("logprob_shard_dlogits", "torch")
 def logprob_shard_dlogits(hidden, weight, targets, v0, lse, mu, temperature, g_lp, g_ent):
-    tau = _temperature_tensor(temperature, hidden.device)
+    tau = temperature_divisor(temperature, hidden.device)
     z = _scaled_logits(hidden, weight.float(), tau)
     return _grad_scaled_logits(z, targets - v0, lse, mu, g_lp, g_ent, tau)

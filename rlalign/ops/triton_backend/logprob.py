@@ -4,6 +4,7 @@ Per token t (fp32 throughout; the [T, V] logits never reach memory in the forwar
 
     z[t, v]   = (h[t] . W[v]) / temperature   the strict GEMM's K order (64-column steps, fp32
                                               accumulator); IEEE division, skipped at temperature 1
+                                              (the temperature rule of rlalign/ops/temperature.py, in-kernel)
     vocab tiles j of VOCAB_TILE = 256 columns at absolute offsets 256 j (the last one masked):
         m_j = max z,  s_j = sum exp(z - m_j),  w_j = sum exp(z - m_j) * z
         (one fixed-shape [128, 256] tile per program; each row reduced in the same order whatever T)
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.triton_backend._common import BLOCK_K, aligned, descriptor, split_for, tma_ok
 from rlalign.ops.triton_backend.gemm import _reduce_segment, _tile_coords, gemm
 
@@ -281,8 +283,7 @@ def lm_logits(hidden, weight, temperature, vocab_chunk):
     """fp32 [S, V] = z of the module docstring (the same GEMM K order, IEEE division)."""
     with torch.no_grad():
         out = gemm(hidden, weight, b_trans=True, out_dtype=torch.float32)
-        if float(temperature) != 1.0:
-            out.div_(torch.tensor(float(temperature), dtype=torch.float32, device=out.device))
+        out = divide_by_temperature(out, temperature_divisor(float(temperature), out.device), in_place=True)
     return out
 
 
