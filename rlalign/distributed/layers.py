@@ -43,6 +43,15 @@ from rlalign.ops.torch_backend.primitives import tree_sum
 MIN_SHARD_COLUMNS = 16
 
 
+def check_column_shard(features: int, tp: int, name: str) -> None:
+    """A column-parallel linear's ``features`` outputs split over ``tp`` ranks: equal, and wide enough."""
+    if features % tp:
+        raise RLAlignError(f"{name}: {features} output features are not divisible by tp={tp}")
+    if tp > 1 and features // tp < MIN_SHARD_COLUMNS:
+        raise RLAlignError(f"{name}: tp={tp} leaves {features // tp} output features per rank; shards narrower than "
+                           f"{MIN_SHARD_COLUMNS} change the CPU GEMM's column bits (measured), choose a smaller tp")
+
+
 def local_segments(features: int, tp: int, what: str) -> int:
     """Segments of the canonical partition of ``features`` that one of ``tp`` ranks holds."""
     p = segment_count(features, spec.K_SEGMENTS)
@@ -108,12 +117,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear: nn.Module, group: Group, name: str):
         super().__init__()
         n = linear.weight.shape[0]
-        if n % group.size:
-            raise RLAlignError(f"{name}: {n} output features are not divisible by tp={group.size}")
-        if group.size > 1 and n // group.size < MIN_SHARD_COLUMNS:
-            raise RLAlignError(f"{name}: tp={group.size} leaves {n // group.size} output features per rank; shards "
-                               f"narrower than {MIN_SHARD_COLUMNS} change the CPU GEMM's column bits (measured), "
-                               "choose a smaller tp")
+        check_column_shard(n, group.size, name)
         self.dx_segments = local_segments(n, group.size, name)
         self.group = group
         self.weight = _shard(linear.weight, 0, group)
@@ -189,4 +193,4 @@ class HeadGroupedRMSNorm(nn.Module):
                          dim=1)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "HeadGroupedRMSNorm", "local_segments"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "HeadGroupedRMSNorm", "local_segments", "check_column_shard"]

@@ -18,10 +18,9 @@ from typing import Sequence
 import torch
 
 from rlalign.contract.bits import bit_view, differing
+from rlalign.models.taps import EMBED, FINAL_NORM, LAYER_BOUNDARIES, LOGPROB
 from rlalign.parity.capture import Capture, CapturedRows
 
-# forward order inside a layer; "residual" is the residual stream after the attention add (post_norm's input)
-LAYER_BOUNDARIES = ("input_norm", "q", "k", "v", "attn", "o_proj", "residual", "post_norm", "mlp")
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
@@ -41,7 +40,7 @@ def forward_order(names: Sequence[str]) -> list[str]:
         if layer is not None:
             rank = LAYER_BOUNDARIES.index(boundary) if boundary in LAYER_BOUNDARIES else len(LAYER_BOUNDARIES)
             return (1, layer, rank, appearance[name])
-        group = {"embed": 0, "final_norm": 2, "logprob": 3}.get(name, 4)
+        group = {EMBED: 0, FINAL_NORM: 2, LOGPROB: 3}.get(name, 4)
         return (group, 0, 0, appearance[name])
 
     return sorted(names, key=key)

@@ -21,6 +21,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.parallelize import check_tp
 from rlalign.models.checkpoint import load_model
 from rlalign.models.tokenizer import load_tokenizer
+from rlalign.models.taps import LOGPROB
 from rlalign.parity.capture import prefix_keys
 from rlalign.parity.compare import CaptureComparison, TokenComparison, TokenMismatch, compare_captures, compare_logprobs
 from rlalign.parity.replay import RolloutRecord
@@ -86,8 +87,8 @@ class ParityResult:
         if loc.first_divergence is None:
             # every captured boundary agrees: the difference is made after the final norm (LM head / logprob)
             return {"verdict": loc.verdict, "reason": loc.reason,
-                    "boundary": "logprob" if loc.verdict == "identical" else None,
-                    "layer": None, "op": "logprob" if loc.verdict == "identical" else None}
+                    "boundary": LOGPROB if loc.verdict == "identical" else None,
+                    "layer": None, "op": LOGPROB if loc.verdict == "identical" else None}
         d = loc.first_divergence
         sequence = _sequence_of_key(self.record, d.key)
         return {"verdict": loc.verdict, "boundary": d.name, "layer": d.layer, "op": d.boundary,
@@ -193,7 +194,7 @@ def run_parity(o: ParityOptions) -> ParityResult:
     model, config = load_model(model_dir, dtype=o.dtype, device=o.device)
     if o.tp:
         for degree in o.tp:
-            check_tp(config, degree)   # fail before generating
+            check_tp(config, degree, model)   # fail before generating
     rollout = build_rollout(o, model, model_dir)
     if o.replay:
         record = RolloutRecord.load(o.replay)

@@ -15,6 +15,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.launch import Group, default_backend, spawn
 from rlalign.distributed.parallelize import check_tp, parallelize
 from rlalign.models.checkpoint import load_model, load_model_config
+from rlalign.models.decoder import CausalLM
 from rlalign.parity.compare import compare_logprobs
 from rlalign.parity.sides import RLAlignTrainer
 
@@ -44,8 +45,9 @@ def _score_worker(world: Group, model_dir: str, dtype: str | None, device: str, 
 def score_at_degrees(model_dir: str, dtype: str | None, device: str, record, degrees) -> dict[int, list[list[float]]]:
     """{degree: per-sequence completion logprobs} for every requested degree (and 1, the reference)."""
     config = load_model_config(model_dir)
+    shapes = CausalLM(config, device="meta")   # the modules' TP plans, no memory
     for t in degrees:
-        check_tp(config, t)
+        check_tp(config, t, shapes)
     out = {1: _score(model_dir, dtype, device, record, Group.single())}
     for t in sorted(set(degrees) - {1}):
         out[t] = spawn(_score_worker, t, model_dir, dtype, device, record, backend=default_backend(device))[0]

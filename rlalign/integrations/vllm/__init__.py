@@ -11,8 +11,8 @@ engine core and worker processes), or with ``rlalign.enable()`` before creating 
     out = llm.generate(prompts, vllm.SamplingParams(temperature=1.0, seed=s, logprobs=0, max_tokens=64))
 
 When on, the plugin (1) registers :class:`~rlalign.integrations.vllm.model.RLAlignForCausalLM` for
-the architectures ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM`` and ``LlamaForCausalLM`` (it replaces
-vLLM's own classes for them), and (2) hooks vLLM's sampler so that a step whose logits came from
+every architecture of rlalign's registry (:mod:`rlalign.models.architectures`: ``Qwen3ForCausalLM``,
+``Qwen2ForCausalLM``, ``LlamaForCausalLM``; it replaces vLLM's own classes for them), and (2) hooks vLLM's sampler so that a step whose logits came from
 that model is sampled by ``ops.sample`` and its sampled-token logprob computed by
 ``ops.logprob_entropy`` on the same final hidden row as rlalign's trainer. Settings it cannot
 run bitwise are refused with :class:`UnsupportedVLLMConfigError` (see :mod:`.checks` and

@@ -9,9 +9,11 @@ import sys
 
 from rlalign.integrations.vllm import sampler
 from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
+from rlalign.models import architectures as model_families
 
 ENV = "RLALIGN_VLLM"
-ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+# The architectures the plugin serves: every family of rlalign's architecture registry.
+ARCHITECTURES = model_families.architectures()
 MODEL_CLASS = "rlalign.integrations.vllm.model:RLAlignForCausalLM"
 
 
