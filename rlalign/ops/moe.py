@@ -16,6 +16,8 @@ order. Routing is then identical in any two engines that see the same hidden row
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from rlalign.contract.errors import fail
@@ -60,12 +62,12 @@ def moe_route(logits: torch.Tensor, top_k: int, *, normalize: bool, profile=None
     return strict_impl("moe_route", logits.device)(logits, top_k, normalize)
 
 
-def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
-                down_w: torch.Tensor, *, down_segments: int | None = None, profile=None) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.Tensor], up_w: Sequence[torch.Tensor],
+                down_w: Sequence[torch.Tensor], *, down_segments: int | None = None, profile=None) -> torch.Tensor:
     """Each token's k experts applied to it: y [T, k, H] (x's dtype), y[t, j] = FFN_{experts[t, j]}(x[t]).
 
-    x [T, H]; experts [T, k] int64; gate_w, up_w [E, I, H]; down_w [E, H, I] (the experts' stacked
-    weights). FFN_e(v) = down_e(silu(gate_e(v)) * up_e(v)), each projection the strict linear (down
+    x [T, H]; experts [T, k] int64; gate_w, up_w: E matrices [I, H]; down_w: E matrices [H, I] (a stacked
+    [E, ...] tensor or a list of per-expert weights: only ``w[e]`` is used, never a copy of all experts). FFN_e(v) = down_e(silu(gate_e(v)) * up_e(v)), each projection the strict linear (down
     with the canonical K partition ``down_segments``, as the dense FFN's down_proj, so tensor-parallel
     shards of I agree). The (token, slot) rows are grouped by expert with a stable sort and each group
     is one call per projection: the strict linear's per-row result does not depend on the group's size
@@ -74,11 +76,9 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: torch.Tensor, up
     """
     chk.ndim("moe_experts", "x", x, 2)
     chk.ndim("moe_experts", "experts", experts, 2)
-    n_experts, inter, hidden = gate_w.shape
-    if x.shape[1] != hidden or tuple(up_w.shape) != (n_experts, inter, hidden) \
-            or tuple(down_w.shape) != (n_experts, hidden, inter):
-        raise fail("moe_experts", f"expert weights gate {tuple(gate_w.shape)}, up {tuple(up_w.shape)}, down "
-                   f"{tuple(down_w.shape)} do not fit x {tuple(x.shape)} ([E, I, H], [E, I, H], [E, H, I])")
+    n_experts = len(gate_w)
+    _check_expert_shapes(x, gate_w, up_w, down_w)
+    hidden = x.shape[1]
     if experts.shape[0] != x.shape[0]:
         raise fail("moe_experts", f"experts has {experts.shape[0]} rows but x has {x.shape[0]}")
     tokens, k = experts.shape
@@ -119,6 +119,19 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -
     for j in range(1, y.shape[1]):
         acc = acc + y_sorted[:, j] * w_sorted[:, j]
     return acc.to(y.dtype)
+
+
+def _check_expert_shapes(x, gate_w, up_w, down_w) -> None:
+    n_experts, hidden = len(gate_w), x.shape[1]
+    if n_experts == 0 or len(up_w) != n_experts or len(down_w) != n_experts:
+        raise fail("moe_experts", f"{n_experts} gate, {len(up_w)} up and {len(down_w)} down expert weights: "
+                   "need the same number (>= 1) of each")
+    inter = gate_w[0].shape[0]
+    for e in range(n_experts):
+        shapes = (tuple(gate_w[e].shape), tuple(up_w[e].shape), tuple(down_w[e].shape))
+        if shapes != ((inter, hidden), (inter, hidden), (hidden, inter)):
+            raise fail("moe_experts", f"expert {e}: gate {shapes[0]}, up {shapes[1]}, down {shapes[2]} do not fit "
+                       f"x {tuple(x.shape)} (want [I, H], [I, H], [H, I] with H={hidden}, I={inter})")
 
 
 def _check_expert_ids(flat: torch.Tensor, n_experts: int) -> bool:

@@ -205,3 +205,12 @@ def test_load_balancing_loss_formula():
     frac = torch.bincount(experts.reshape(-1), minlength=4).double() / 20
     expected = 4 * (frac * probs.mean(0)).sum()
     assert abs(ops.load_balancing_loss(logits, experts).item() - expected.item()) < 1e-6
+
+
+def test_per_expert_weight_lists_equal_stacked_weights():
+    gate, up, down = _weights(5, 12, 16, torch.float32, 4)
+    x = _rand(9, 16, seed=1)
+    experts = torch.tensor([[0, 4], [1, 2], [3, 0], [2, 1], [4, 3], [0, 1], [2, 3], [4, 0], [1, 3]])
+    stacked = ops.moe_experts(x, experts, gate, up, down)
+    lists = ops.moe_experts(x, experts, list(gate.unbind(0)), list(up.unbind(0)), list(down.unbind(0)))
+    assert_bitwise_equal(lists, stacked)
