@@ -1,11 +1,13 @@
 """parallelize(model, tp): shard a CausalLM in place for tensor parallelism (Megatron layout).
 
-Per decoder layer, in this fixed order: q_proj, k_proj, v_proj -> column-parallel (heads split
-into contiguous groups: rank r holds query heads [r*H/t, (r+1)*H/t) and kv heads likewise);
-o_proj -> row-parallel; gate_proj, up_proj -> column-parallel; down_proj -> row-parallel.
-Norms, embeddings and the residual stream stay replicated (every rank computes them identically).
-The LM head becomes vocab-parallel (:mod:`.vocab_head`); with untied embeddings ``lm_head.weight``
-is replaced by the rank's rows.
+The model's modules declare how their weights shard (``tp_plan``, :mod:`rlalign.models.sharding`);
+this module only obeys the plans, in module order: a COLUMN child becomes a
+:class:`ColumnParallelLinear`, ROW a :class:`RowParallelLinear` (canonical K partition), HEAD_GROUPED
+a :class:`HeadGroupedRMSNorm`, VOCAB the vocab-parallel LM head (:mod:`.vocab_head`; with untied
+embeddings ``lm_head.weight`` is replaced by the rank's rows); then the module's ``tp_localize(tp)``
+makes its shape fields rank-local (the decoder's attention: heads split into contiguous groups,
+rank r holds query heads [r*H/t, (r+1)*H/t) and kv heads likewise). Everything not planned (norms,
+embeddings, the residual stream) stays replicated (every rank computes it identically).
 
 Parameter names do not change; a sharded parameter carries ``tp_dim`` (0: rows, 1: columns) and
 ``tp_range`` (its [start, stop) along that dim), and :func:`full_state` rebuilds the unsharded tensors (state or gradients) on every rank.
@@ -23,6 +25,7 @@ from rlalign.distributed.launch import Group
 from rlalign.distributed.layers import (MIN_SHARD_COLUMNS, ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear,
                                        local_segments)
 from rlalign.distributed.vocab_head import VocabParallelHead
+from rlalign.models.sharding import Shard, ShardSpec
 
 SUPPORTED_TP = (1, 2, 4, 8)
 
@@ -46,24 +49,37 @@ def check_tp(config, tp: int) -> None:
 
 
 def parallelize(model, group: Group):
-    """Shard ``model`` (a CausalLM) over ``group`` in place and return it."""
+    """Shard ``model`` (a CausalLM) over ``group`` in place, as its modules' ``tp_plan`` say, and return it."""
     if getattr(model, "tp_group", None) is not None:
         raise RLAlignError("model is already parallelized")
     check_tp(model.config, group.size)
-    t = group.size
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, f"layers.{i}.self_attn.{name}"))
-        attn.o_proj = RowParallelLinear(attn.o_proj, group, f"layers.{i}.self_attn.o_proj")
-        if attn.q_norm is not None:
-            attn.q_norm = HeadGroupedRMSNorm(attn.q_norm, attn.num_heads, group, f"layers.{i}.self_attn.q_norm")
-            attn.k_norm = HeadGroupedRMSNorm(attn.k_norm, attn.num_kv_heads, group, f"layers.{i}.self_attn.k_norm")
-        attn.num_heads //= t
-        attn.num_kv_heads //= t
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), group, f"layers.{i}.mlp.{name}"))
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, group, f"layers.{i}.mlp.down_proj")
+    for path, module in list(model.named_modules()):
+        plan = getattr(module, "tp_plan", None)
+        if plan is None:
+            continue
+        for child, spec in plan().items():
+            _shard_child(model, module, child, spec, group, f"{path}.{child}".removeprefix("model.").lstrip("."))
+        localize = getattr(module, "tp_localize", None)
+        if localize is not None:
+            localize(group.size)
+    model.tp_group = group
+    return model
+
+
+def _shard_child(model, owner, child: str, spec: ShardSpec, group: Group, name: str) -> None:
+    if spec.kind is Shard.COLUMN:
+        setattr(owner, child, ColumnParallelLinear(getattr(owner, child), group, name))
+    elif spec.kind is Shard.ROW:
+        setattr(owner, child, RowParallelLinear(getattr(owner, child), group, name))
+    elif spec.kind is Shard.HEAD_GROUPED:
+        setattr(owner, child, HeadGroupedRMSNorm(getattr(owner, child), spec.heads, group, name))
+    elif spec.kind is Shard.VOCAB:
+        _vocab_parallel(model, group)
+    else:
+        raise RLAlignError(f"{name}: shard kind {spec.kind} has no parallel implementation")
+
+
+def _vocab_parallel(model, group: Group) -> None:
     head = VocabParallelHead(model, group)
     if model.lm_head is not None:
         start, stop = head.shard_range()
@@ -71,8 +87,6 @@ def parallelize(model, group: Group):
         weight.tp_dim, weight.tp_range = 0, (start, stop)
         model.lm_head.weight = weight
     model.parallel_head = head
-    model.tp_group = group
-    return model
 
 
 @torch.no_grad()

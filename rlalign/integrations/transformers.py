@@ -7,9 +7,11 @@
     loss = -(out.logprobs * advantages * out.mask).sum() / out.mask.sum()
     loss.backward()
 
-Supported: ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM`` (dense, full attention,
-SiLU MLP, default or llama3 rope) with float32 or bfloat16 parameters; anything else is refused
-with :class:`UnsupportedModelError` naming the reason.
+Supported: the ``*ForCausalLM`` class of every family in rlalign's architecture registry
+(:mod:`rlalign.models.architectures`: ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM``;
+dense, full attention, SiLU MLP, default or llama3 rope) with float32 or bfloat16 parameters. The
+module's class decides the family (``config.architectures`` may name e.g. the headless ``Qwen3Model``);
+anything else is refused with :class:`UnsupportedModelError` naming the reason.
 
 What the patch does (per instance; classes and other models are untouched; :func:`unpatch` undoes it):
 
@@ -19,23 +21,28 @@ What the patch does (per instance; classes and other models are untouched; :func
   exactly the rows of rlalign's packed :class:`~rlalign.models.batch.ForwardBatch`; positions come
   from ``position_ids`` or, without them, count 0, 1, ... over each row's valid tokens (left or
   right padding alike). Outputs are scattered back to [B, S, ...] (padding rows are 0);
-* embedding = ``ops.embedding`` (no ``padding_idx`` gradient masking, as in rlalign's model);
-  every RMSNorm = ``ops.rms_norm`` (one rounding); every ``nn.Linear`` = ``ops.linear``, with the
-  canonical K partition (``k_segments=K_SEGMENTS``) for ``o_proj`` and ``down_proj``;
-  MLP = ``down(ops.silu_mul(gate(x), up(x)))``;
-* rotary: cos/sin tables from ``ops.rope_inv_freq`` / ``ops.rope_cos_sin`` (float64, stored fp32),
-  applied with ``ops.rope`` after the qk-norm (Qwen3);
+* the math is rlalign's own: the patch adapts the Hugging Face modules (same parameter names) so
+  that the functional block cores of :mod:`rlalign.models.blocks` -- the ones ``CausalLM`` runs --
+  can call them: embedding = ``ops.embedding`` (no ``padding_idx`` gradient masking); every RMSNorm
+  = ``ops.rms_norm`` (``norm(x, residual)`` fuses the residual add, one rounding); every
+  ``nn.Linear`` = ``ops.linear``, with the canonical K partition (``k_segments=K_SEGMENTS``) for
+  ``o_proj`` and ``down_proj``; attention, FFN and decoder-layer forwards = the block cores;
+* rotary: cos/sin tables from ``ops.rope_inv_freq`` (computed on the CPU, so a model built under a
+  meta-device context works after ``to_empty``) / ``ops.rope_cos_sin`` (float64, stored fp32);
 * attention goes through transformers' ``AttentionInterface`` under the name ``"rlalign"``
   (``ops.attention_varlen`` over the packed rows) and the model's attention implementation is set to it;
-* the decoder layers keep transformers' own forward (residual adds are single IEEE adds, as in
-  rlalign's fused ``rms_norm(x, residual=r)``), so gradient checkpointing keeps working;
+* decoder layers are still called through their class's ``__call__``, so gradient checkpointing
+  keeps working;
 * :func:`token_logprobs` gives per-token logprobs/entropy through ``ops.logprob_entropy`` (fused LM
   head, never materialising [tokens, vocab] logits). ``model(...).logits`` still works (LM head
   through ``ops.linear``, rounded to the parameter dtype) but is not the bitwise path.
 
 The patched forward runs under the patch's profile (``strict`` or ``native``: rlalign's ops with
-vendor kernels). Generation with a KV cache is refused: roll out with rlalign's engine.
-Taps (:mod:`rlalign.parity.capture`) use the same names as rlalign's model.
+vendor kernels). It keeps no KV cache: the patch sets ``config.use_cache = False``, and a KV cache
+or ``use_cache=True`` is refused (roll out with rlalign's engine, or ``generate(..., use_cache=False)``,
+which also works on right-padded prompts). ``output_hidden_states`` (argument or config) returns
+the input of every layer plus the final-norm output; a list of layers is refused. Taps
+(:mod:`rlalign.models.taps`) are the block cores' own, so they have rlalign's names.
 """
 
 from __future__ import annotations
@@ -48,14 +55,16 @@ import torch
 from torch import nn
 
 from rlalign import ops
-from rlalign.contract import spec
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import Profile, as_profile, use_profile
+from rlalign.models import architectures
 from rlalign.models.batch import ForwardBatch
+from rlalign.models.blocks import attention_block, decoder_layer_block, final_norm_block, rope_inv_freq
 from rlalign.models.config import ModelConfig, ModelConfigError
-from rlalign.parity.capture import note_batch, tap
+from rlalign.models.decoder import Attention, DecoderLayer
+from rlalign.models.modules import Linear, RMSNorm
+from rlalign.models.taps import EMBED, LOGPROB, note_batch, tap
 
-SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 ATTENTION = "rlalign"
 _STATE = "_rlalign_patch"
 
@@ -72,8 +81,9 @@ class UnsupportedInputError(RLAlignError, ValueError):
 class PatchState:
     profile: Profile
     config: ModelConfig
-    inv_freq: torch.Tensor            # float64 inverse frequencies (a plain attribute: never cast by .to())
+    inv_freq: torch.Tensor            # float64 inverse frequencies on the CPU (a plain attribute: never cast by .to())
     previous_attention: str | None
+    previous_use_cache: Any
     patched: list[nn.Module]          # modules whose instance ``forward`` we set
 
 
@@ -190,7 +200,7 @@ def _layout(shape: tuple[int, int], device, *, input_ids=None, attention_mask=No
         positions = position_ids.to(device).expand(b, s).reshape(-1).index_select(0, index).to(torch.int64)
     else:
         positions = (valid.to(torch.int64).cumsum(1) - 1).reshape(-1).index_select(0, index)
-    cu = _sequence_starts(positions, index // s)
+    positions, cu = _sequences(positions, index, s)
     ids = input_ids.reshape(-1).index_select(0, index).to(torch.int64) if input_ids is not None \
         else torch.zeros(index.numel(), dtype=torch.int64, device=device)
     return _Layout((b, s), index, ForwardBatch(ids, positions, cu))
@@ -207,70 +217,81 @@ def _positions_from_cu(cu_seq_lens, b, s, no_padding, device) -> torch.Tensor:
     return torch.arange(s, dtype=torch.int64, device=device) - starts
 
 
-def _sequence_starts(positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens (int32) of packed rows: a sequence starts where the position is 0; every other
-    row must continue its row's previous token (position + 1)."""
-    starts = positions == 0
-    ok = torch.ones_like(starts)
-    ok[0] = starts[0]
-    if positions.numel() > 1:
-        follows = (positions[1:] == positions[:-1] + 1) & (rows[1:] == rows[:-1])
-        ok[1:] = starts[1:] | follows
+def _sequences(positions: torch.Tensor, index: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, cu_seqlens int32) of the packed valid rows (``index``: flat b * width + s of each).
+
+    A sequence starts at each input row's first valid token and wherever the position is 0; every
+    other token must continue its sequence (position + 1) -- except right after padding, whose
+    positions do not count (transformers' generate() counts them on right-padded prompts). Positions
+    are then recounted 0, 1, 2, ... from each start, so padding never shifts a token's rotary position.
+    """
+    row, col = index // width, index % width
+    n = positions.numel()
+    first_in_row = torch.ones(n, dtype=torch.bool, device=positions.device)
+    after_gap = col > 0                    # a row's first valid token: padding before it
+    if n > 1:
+        first_in_row[1:] = row[1:] != row[:-1]
+        after_gap[1:] = torch.where(first_in_row[1:], col[1:] > 0, index[1:] != index[:-1] + 1)
+    follows = torch.zeros_like(first_in_row)
+    follows[1:] = positions[1:] == positions[:-1] + 1
+    starts = first_in_row | (positions == 0)
+    ok = (positions == 0) | after_gap | (follows & ~first_in_row)
     if not bool(ok.all()):
         t = int((~ok).nonzero()[0])
         raise UnsupportedInputError(
-            f"token {t} of the packed batch has position {int(positions[t])} but does not continue a sequence: "
-            "positions must count 0, 1, 2, ... within each sequence (every sequence starts at position 0)")
+            f"input row {int(row[t])}, column {int(col[t])} has position {int(positions[t])} but neither starts a "
+            "sequence nor continues one: positions must count 0, 1, 2, ... within each sequence (every sequence "
+            "starts at position 0)")
     first = starts.nonzero().flatten()
-    total = torch.tensor([positions.numel()], dtype=first.dtype, device=first.device)
-    return torch.cat([first, total]).to(torch.int32)
+    arange = torch.arange(n, dtype=torch.int64, device=positions.device)
+    start_of = torch.cummax(torch.where(starts, arange, torch.zeros_like(arange)), 0).values
+    total = torch.tensor([n], dtype=first.dtype, device=first.device)
+    return arange - start_of, torch.cat([first, total]).to(torch.int32)
 
 
-# ---- patched forwards (bound per instance) ----------------------------------------------------------------
+# ---- adapters: transformers' modules made callable by rlalign's block cores (bound per instance) ----------
 
 def _linear_forward(self, x):
     return ops.linear(x, self.weight, self.bias, k_segments=self._rlalign_k_segments)
 
 
-def _norm_forward(self, x):
-    if self._rlalign_tap_input:  # post-attention norm: its input is the residual stream after the attention add
-        tap(self._rlalign_tap_input, x)
-    y = ops.rms_norm(x, self.weight, self._rlalign_eps)
-    name = self._rlalign_tap
-    return tap(name, y) if name else y
+def _norm_forward(self, x, residual=None):
+    """rlalign's RMSNorm contract: normed, or (normed(x + residual), x + residual) with the add rounded once."""
+    return ops.rms_norm(x, self.weight, self._rlalign_eps, residual=residual)
 
 
 def _embedding_forward(self, ids):
     return ops.embedding(ids, self.weight)
 
 
-def _mlp_forward(self, x):
-    return tap(self._rlalign_tap, self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x))))
-
-
-def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *,
-                       rlalign_batch: ForwardBatch | None = None, **kwargs):
-    """Mirrors rlalign's Attention.forward on packed rows [T, hidden]; returns (out, None) like transformers."""
-    if rlalign_batch is None or position_embeddings is None:
-        raise UnsupportedInputError("a patched attention module must be called by its patched model")
-    i, t = self.layer_idx, hidden_states.shape[0]
+def _attention_forward(self, x, cos, sin, attend):
     cfg = self._rlalign_config
-    q = self.q_proj(hidden_states).view(t, cfg.num_heads, cfg.head_dim)
-    k = self.k_proj(hidden_states).view(t, cfg.num_kv_heads, cfg.head_dim)
-    v = self.v_proj(hidden_states).view(t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q, k = self.q_norm(q), self.k_norm(k)
-    cos, sin = position_embeddings
-    q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
-    tap(f"layers.{i}.q", q)
-    tap(f"layers.{i}.k", k)
-    tap(f"layers.{i}.v", v)
-    cu = rlalign_batch.cu_seqlens
-    out, _ = _attention_function()(self, q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                   v.transpose(0, 1).unsqueeze(0), None, scaling=self.scaling, dropout=0.0,
-                                   cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-    out = tap(f"layers.{i}.attn", out[0].reshape(t, cfg.num_heads * cfg.head_dim))
-    return tap(f"layers.{i}.o_proj", self.o_proj(out)), None
+    return attention_block(self, x, cos, sin, attend, layer=self.layer_idx, num_heads=cfg.num_heads,
+                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm)
+
+
+def _layer_forward(self, h, residual=None, *, rlalign_rope=None, rlalign_batch: ForwardBatch | None = None, **kwargs):
+    """(h, residual) -> (FFN output, residual stream), rlalign's DecoderLayer on packed rows [T, hidden]."""
+    if rlalign_batch is None:
+        raise UnsupportedInputError("a patched decoder layer must be called by its patched model")
+    cos, sin = rlalign_rope
+    attend = _interface_attend(self.self_attn, rlalign_batch)
+    return decoder_layer_block(self, h, residual, lambda x: self.self_attn(x, cos, sin, attend),
+                               self.self_attn.layer_idx)
+
+
+def _interface_attend(attn: nn.Module, batch: ForwardBatch):
+    """Attention of the packed rows through transformers' AttentionInterface ("rlalign": ops.attention_varlen)."""
+    cu = batch.cu_seqlens
+
+    def heads_first(x):
+        return x.transpose(0, 1).unsqueeze(0)
+
+    def attend(q, k, v, layer: int, scale: float) -> torch.Tensor:
+        out, _ = _attention_function()(attn, heads_first(q), heads_first(k), heads_first(v), None, scaling=scale,
+                                       dropout=0.0, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        return out[0]
+    return attend
 
 
 def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -279,11 +300,8 @@ def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=No
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     state: PatchState = getattr(self, _STATE)
-    if (past_key_values if past_key_values is not None else cache) is not None:
-        raise UnsupportedInputError("the rlalign-patched model does not run with a KV cache (generation): roll out "
-                                    "with rlalign's RolloutEngine, or call generate(..., use_cache=False)")
-    if output_attentions:
-        raise UnsupportedInputError("output_attentions is not supported by the rlalign-patched model")
+    keep_layers = _check_call(self.config, past_key_values if past_key_values is not None else cache, use_cache,
+                              output_attentions, output_hidden_states)
     if (input_ids is None) == (inputs_embeds is None):
         raise UnsupportedInputError("pass exactly one of input_ids and inputs_embeds")
     ref = input_ids if input_ids is not None else inputs_embeds
@@ -291,27 +309,44 @@ def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=No
                      position_ids=position_ids, cu_seq_lens=kwargs.get("cu_seq_lens_q"))
     embeds = layout.pack(inputs_embeds) if inputs_embeds is not None else None
     with use_profile(state.profile):
-        hidden, per_layer = _packed_hidden(self, state, layout.batch, embeds, bool(output_hidden_states))
+        hidden, per_layer = _packed_hidden(self, state, layout.batch, embeds, keep_layers)
     return BaseModelOutputWithPast(
         last_hidden_state=layout.unpack(hidden),
-        hidden_states=tuple(layout.unpack(h) for h in per_layer) if output_hidden_states else None)
+        hidden_states=tuple(layout.unpack(h) for h in per_layer) if keep_layers else None)
+
+
+def _check_call(config, cache, use_cache, output_attentions, output_hidden_states) -> bool:
+    """Refuse what the patched model does not compute (one line each); returns whether to keep every layer's input."""
+    if cache is not None:
+        raise UnsupportedInputError("the rlalign-patched model does not run with a KV cache (generation): roll out "
+                                    "with rlalign's RolloutEngine, or call generate(..., use_cache=False)")
+    if use_cache if use_cache is not None else getattr(config, "use_cache", False):
+        raise UnsupportedInputError("use_cache=True: the rlalign-patched model keeps no KV cache; pass "
+                                    "use_cache=False (generate(..., use_cache=False)) or roll out with rlalign's engine")
+    if output_attentions if output_attentions is not None else getattr(config, "output_attentions", False):
+        raise UnsupportedInputError("output_attentions is not supported by the rlalign-patched model")
+    wanted = output_hidden_states if output_hidden_states is not None else getattr(config, "output_hidden_states",
+                                                                                   False)
+    if isinstance(wanted, (list, tuple, set)):
+        raise UnsupportedInputError(f"output_hidden_states={sorted(wanted)}: a list of layers is not supported by the "
+                                    "rlalign-patched model; pass output_hidden_states=True and index the tuple")
+    return bool(wanted)
 
 
 def _packed_hidden(backbone, state: PatchState, batch: ForwardBatch, embeds=None, keep_layers: bool = False):
-    """Final-norm hidden rows [T, hidden] of a packed batch (rlalign's forward_hidden, on HF modules)."""
+    """Final-norm hidden rows [T, hidden] of a packed batch: rlalign's forward_hidden, on HF modules.
+    With ``keep_layers``, also transformers' hidden_states: each layer's input, then the final-norm output."""
     note_batch(batch)
     h = backbone.embed_tokens(batch.input_ids) if embeds is None else embeds
-    tap("embed", h)
-    cos, sin = ops.rope_cos_sin(batch.positions, state.inv_freq)
+    tap(EMBED, h)
+    rope = ops.rope_cos_sin(batch.positions, state.inv_freq.to(batch.positions.device))
     per_layer = [h] if keep_layers else []
-    position_ids = batch.positions.unsqueeze(0)
-    for i, layer in enumerate(backbone.layers):
-        out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin),
-                    rlalign_batch=batch)
-        h = out[0] if isinstance(out, tuple) else out
+    residual = None
+    for layer in backbone.layers:
+        h, residual = layer(h, residual, rlalign_rope=rope, rlalign_batch=batch)
         if keep_layers:
-            per_layer.append(h)
-    h = backbone.norm(h)
+            per_layer.append(h + residual)   # transformers' layer output: one IEEE add, as the next norm makes
+    h = final_norm_block(backbone.norm, h, residual)
     if keep_layers:
         per_layer[-1] = h  # transformers' convention: the last entry is after the final norm
     return h, per_layer
@@ -320,10 +355,12 @@ def _packed_hidden(backbone, state: PatchState, batch: ForwardBatch, embeds=None
 # ---- public API --------------------------------------------------------------------------------------------
 
 def patch(model: nn.Module, profile: str | Profile = "strict") -> nn.Module:
-    """Make ``model`` (Qwen3/Qwen2/Llama ForCausalLM) compute with rlalign ops under ``profile``; returns it.
+    """Make ``model`` (the ``*ForCausalLM`` of a registered family) compute with rlalign ops under
+    ``profile``; returns it.
 
     Patching twice only changes the profile. Raises :class:`UnsupportedModelError` for any other
-    model, config feature or parameter dtype (strict: float32 / bfloat16).
+    model class, config feature or parameter dtype (strict: float32 / bfloat16). Sets
+    ``config.use_cache = False`` (restored by :func:`unpatch`).
     """
     profile = as_profile(profile)
     state = getattr(model, _STATE, None)
@@ -334,8 +371,8 @@ def patch(model: nn.Module, profile: str | Profile = "strict") -> nn.Module:
     register_attention()
     previous = getattr(model.config, "_attn_implementation", None)
     _set_attention(model, ATTENTION)
-    state = PatchState(profile, config, ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
-                       previous, [])
+    state = PatchState(profile, config, rope_inv_freq(config), previous, getattr(model.config, "use_cache", None), [])
+    model.config.use_cache = False
     _patch_modules(model, state)
     object.__setattr__(model, _STATE, state)
     object.__setattr__(model.model, _STATE, state)
@@ -351,6 +388,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         module.__dict__.pop("forward", None)
     if state.previous_attention:
         _set_attention(model, state.previous_attention)
+    model.config.use_cache = state.previous_use_cache
     for obj in (model, model.model):
         obj.__dict__.pop(_STATE, None)
     return model
@@ -405,7 +443,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         hidden, _ = _packed_hidden(model.model, state, batch)
         lp, ent = ops.logprob_entropy(hidden, model.lm_head.weight, rows, temperature=temperature,
                                       with_entropy=with_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
-    tap("logprob", lp)
+    tap(LOGPROB, lp)
     mask = layout.unpack(has_target)
 
     def full(x):
@@ -424,13 +462,20 @@ def _require_patched(model) -> PatchState:
 
 
 def _check_supported(model: nn.Module, profile: Profile) -> ModelConfig:
+    """The module's class picks the family (the registry's *ForCausalLM); its config must parse as that family."""
     name = type(model).__name__
-    if name not in SUPPORTED:
+    family = architectures.by_architecture(name)
+    if family is None or family.architecture != name:
         hint = " (patch the base model before wrapping it, e.g. with PEFT)" if hasattr(model, "base_model") else ""
         raise UnsupportedModelError(f"rlalign.integrations.transformers.patch: {name} is not supported; supported: "
-                                    f"{', '.join(SUPPORTED)}{hint}")
+                                    f"{', '.join(architectures.architectures())}{hint}")
+    d = model.config.to_dict()
+    if d.get("model_type") != family.model_type:
+        raise UnsupportedModelError(f"rlalign.integrations.transformers.patch: {name}: config model_type "
+                                    f"{d.get('model_type')!r} is not {family.model_type!r}")
+    d["architectures"] = [family.architecture]   # the class decides (a headless checkpoint names *Model)
     try:
-        config = ModelConfig.from_hf_dict(model.config.to_dict())
+        config = ModelConfig.from_hf_dict(d)
     except ModelConfigError as exc:
         raise UnsupportedModelError(f"rlalign.integrations.transformers.patch: {name}: {exc}") from None
     if float(getattr(model.config, "attention_dropout", 0.0) or 0.0) != 0.0:
@@ -444,6 +489,12 @@ def _check_supported(model: nn.Module, profile: Profile) -> ModelConfig:
     return config
 
 
+def _reference_layer(config: ModelConfig, index: int) -> DecoderLayer:
+    """rlalign's decoder layer for ``config`` on the meta device: the structure (names, shapes, which linear
+    reduces over the canonical K partition, which FFN kind) that the Hugging Face layer must match."""
+    return DecoderLayer(config, index, torch.float32, "meta")
+
+
 def _check_modules(model, name: str, config: ModelConfig) -> None:
     def need(cond: bool, what: str):
         if not cond:
@@ -455,19 +506,30 @@ def _check_modules(model, name: str, config: ModelConfig) -> None:
     need(isinstance(getattr(model, "lm_head", None), nn.Linear), "expected an nn.Linear lm_head")
     need(len(backbone.layers) == config.num_layers, "the number of layers does not match the config")
     for i, layer in enumerate(backbone.layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        need(attn is not None and mlp is not None, f"layer {i} has no self_attn / mlp")
-        for owner, proj in ((attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"),
-                            (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")):
-            need(type(getattr(owner, proj, None)) is nn.Linear,
-                 f"layers.{i}.{proj} is not a plain nn.Linear (quantized or adapter-wrapped layers are not "
-                 "supported: merge adapters first, or patch before wrapping)")
-        need(attn.o_proj.bias is None and mlp.down_proj.bias is None, f"layer {i}: o_proj/down_proj bias")
-        need((attn.q_proj.bias is not None) == config.qkv_bias, f"layer {i}: q/k/v bias does not match the family")
+        for path, ours in _reference_layer(config, i).named_modules():
+            theirs = _submodule(layer, path)
+            where = f"layers.{i}.{path}"
+            need(theirs is not None, f"{where} is missing")
+            if isinstance(ours, Linear):
+                need(type(theirs) is nn.Linear, f"{where} is not a plain nn.Linear (quantized or adapter-wrapped "
+                     "layers are not supported: merge adapters first, or patch before wrapping)")
+            for pname, p in ours.named_parameters(recurse=False):
+                mine = getattr(theirs, pname, None)
+                need(mine is not None and tuple(mine.shape) == tuple(p.shape),
+                     f"{where}.{pname}: expected shape {tuple(p.shape)}, found "
+                     f"{None if mine is None else tuple(mine.shape)}")
+            if isinstance(ours, Linear):
+                need(ours.bias is not None or theirs.bias is None, f"{where} has a bias the family does not have")
+        attn = layer.self_attn
         need(getattr(attn, "sliding_window", None) is None, f"layer {i} uses sliding-window attention")
-        need(hasattr(attn, "layer_idx") and attn.layer_idx == i, f"layer {i}: unexpected self_attn.layer_idx")
-        if config.qk_norm:
-            need(hasattr(attn, "q_norm") and hasattr(attn, "k_norm"), f"layer {i} has no q_norm / k_norm")
+        need(getattr(attn, "layer_idx", None) == i, f"layer {i}: unexpected self_attn.layer_idx")
+
+
+def _submodule(root: nn.Module, path: str):
+    try:
+        return root.get_submodule(path) if path else root
+    except AttributeError:
+        return None
 
 
 def _set_attention(model, name: str) -> None:
@@ -494,31 +556,30 @@ def _norm_eps(norm: nn.Module, default: float) -> float:
 
 
 def _patch_modules(model, state: PatchState) -> None:
+    """Rebind each Hugging Face module to the rlalign module at the same path of the reference layer:
+    linears and norms to their ops (with the reference's k_segments), the attention to the block core,
+    the FFN to its kind's own forward (a block core reading only the children), the layer to the layer core."""
     config, backbone = state.config, model.model
-    eps = config.rms_norm_eps
-
-    def norm(module, tap_name, tap_input=None):
-        _bind(module, _norm_forward, state, eps=_norm_eps(module, eps), tap=tap_name, tap_input=tap_input)
-
     _bind(backbone.embed_tokens, _embedding_forward, state)
     for i, layer in enumerate(backbone.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            _bind(proj, _linear_forward, state, k_segments=None)
-        for proj in (attn.o_proj, mlp.down_proj):
-            _bind(proj, _linear_forward, state, k_segments=spec.K_SEGMENTS)
-        norm(layer.input_layernorm, f"layers.{i}.input_norm")
-        norm(layer.post_attention_layernorm, f"layers.{i}.post_norm", f"layers.{i}.residual")
-        if config.qk_norm:
-            norm(attn.q_norm, None)
-            norm(attn.k_norm, None)
-        _bind(attn, _attention_forward, state, config=config)
-        _bind(mlp, _mlp_forward, state, tap=f"layers.{i}.mlp")
-    norm(backbone.norm, "final_norm")
+        reference = _reference_layer(config, i)
+        for path, ours in reference.named_modules():
+            theirs = _submodule(layer, path)
+            if isinstance(ours, Linear):
+                _bind(theirs, _linear_forward, state, k_segments=ours.k_segments)
+            elif isinstance(ours, RMSNorm):
+                _bind(theirs, _norm_forward, state, eps=_norm_eps(theirs, ours.eps))
+            elif isinstance(ours, Attention):
+                _bind(theirs, _attention_forward, state, config=config)
+            elif isinstance(ours, DecoderLayer):
+                _bind(theirs, _layer_forward, state)
+            elif ours is reference.mlp:
+                _bind(theirs, type(ours).forward, state)
+    _bind(backbone.norm, _norm_forward, state, eps=_norm_eps(backbone.norm, config.rms_norm_eps))
     _bind(model.lm_head, _linear_forward, state, k_segments=None)
     _bind(backbone, _backbone_forward, state)
 
 
 __all__ = ["patch", "unpatch", "is_patched", "from_pretrained", "token_logprobs", "TokenLogprobs",
            "rlalign_attention", "register_attention", "UnsupportedModelError", "UnsupportedInputError",
-           "SUPPORTED", "ATTENTION"]
+           "ATTENTION"]

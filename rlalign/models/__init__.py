@@ -1,6 +1,10 @@
-"""The dense decoder family (Llama / Qwen2 / Qwen3) on ``rlalign.ops``, and HF checkpoints in and out.
+"""The decoder (Llama / Qwen2 / Qwen3 families) on ``rlalign.ops``, and HF checkpoints in and out.
 
+    architectures  the architecture registry: family -> ModelConfig feature fields (and back)
     config      ModelConfig.from_hf_dict / to_hf_dict (unsupported features raise ModelConfigError)
+    blocks      functional per-block cores (attention, FFN, layer), shared with the transformers patch
+    modules     Linear / RMSNorm / Embedding;  ffn: FFN kinds (registry);  sharding: TP plan vocabulary
+    taps        boundary names and the tap hook a recorder (parity's capture) is installed into
     batch       ForwardBatch (packed | prefill | decode | extend), KVCache
     decoder     CausalLM: forward_hidden, logprobs, logits
     checkpoint  load_model, save_model, load_tokenizer, weights_hash, CheckpointError

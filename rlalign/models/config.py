@@ -1,9 +1,12 @@
-"""ModelConfig: the subset of a Hugging Face ``config.json`` the dense decoder needs.
+"""ModelConfig: the subset of a Hugging Face ``config.json`` the decoder needs, as feature fields.
 
-Supported: ``llama`` (Llama 2/3, rope scaling ``llama3``), ``qwen2`` (Qwen2/2.5: q/k/v bias),
-``qwen3`` (dense Qwen3: q/k RMSNorm). Anything the decoder would silently compute differently
-from the reference implementation (MoE, sliding window, other rope scalings, extra biases, other
-activations, partial rotary) is refused with a :class:`ModelConfigError` naming the feature.
+The family (``model_type``) is looked up in :mod:`rlalign.models.architectures`, which maps its
+config.json to the feature fields (``qkv_bias``, ``qk_norm``, ``ffn_kind``, ...) and back; the
+decoder reads only the features. Registered: ``llama`` (Llama 2/3, rope scaling ``llama3``),
+``qwen2`` (Qwen2/2.5: q/k/v bias), ``qwen3`` (dense Qwen3: q/k RMSNorm). Anything the decoder
+would silently compute differently from the reference implementation (MoE, sliding window, other
+rope scalings, extra biases, other activations, partial rotary) is refused with a
+:class:`ModelConfigError` naming the feature.
 """
 
 from __future__ import annotations
@@ -12,11 +15,9 @@ import dataclasses
 from typing import Any
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.models import architectures
 
-FAMILIES = ("llama", "qwen2", "qwen3")
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 _ROPE_TYPES = ("default", "llama3")
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 # Keys this module owns: parsed on the way in, written canonically on the way out.
 _OWNED_KEYS = {
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -32,7 +33,8 @@ class ModelConfigError(RLAlignError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: str                    # "llama" | "qwen2" | "qwen3"
+    family: str                    # a registered model_type (rlalign.models.architectures): names the
+                                   # checkpoint format on save; the decoder reads only the features below
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,16 +52,11 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     extra: dict = dataclasses.field(default_factory=dict)  # other config.json keys, kept for round trips
-
-    @property
-    def qkv_bias(self) -> bool:
-        """Qwen2 has biases on q/k/v (not o); the others have none."""
-        return self.family == "qwen2"
-
-    @property
-    def qk_norm(self) -> bool:
-        """Qwen3 applies RMSNorm over head_dim to q and k (before rope)."""
-        return self.family == "qwen3"
+    # -- features (set by the family's entry in rlalign.models.architectures)
+    qkv_bias: bool = False         # biases on q/k/v projections (never on o_proj)
+    qk_norm: bool = False          # RMSNorm over head_dim applied to q and k, before rope
+    ffn_kind: str = "dense"        # the FFN module kind (rlalign.models.ffn registry)
+    ffn_options: dict = dataclasses.field(default_factory=dict)  # shape fields of non-dense FFN kinds
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -72,16 +69,20 @@ class ModelConfig:
         """Parse a Hugging Face config dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x
         ``rope_parameters`` layout); raise ModelConfigError for anything unsupported."""
         family = _family(d)
-        _reject_unsupported(d, family)
+        _reject_unsupported(d)
+        try:
+            features = family.features(d)
+        except ValueError as exc:
+            raise ModelConfigError(str(exc)) from None
         heads = _required(d, "num_attention_heads")
         hidden = _required(d, "hidden_size")
         kv_heads = d.get("num_key_value_heads") or heads
         if heads % kv_heads:
             raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        head_dim = d.get("head_dim") or (128 if family == "qwen3" and "head_dim" not in d else hidden // heads)
+        head_dim = d.get("head_dim") or (family.default_head_dim(d) if "head_dim" not in d else hidden // heads)
         theta, scaling = _rope(d)
         return cls(
-            family=family,
+            family=family.model_type,
             vocab_size=_required(d, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_required(d, "intermediate_size"),
@@ -99,14 +100,15 @@ class ModelConfig:
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
             extra={k: v for k, v in d.items() if k not in _OWNED_KEYS},
+            **features,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that transformers 4.x and 5.x both load (legacy rope keys)."""
-        arch = {v: k for k, v in _ARCHITECTURES.items()}[self.family]
+        family = architectures.get(self.family)
         out = dict(self.extra)
         out.update({
-            "architectures": [arch],
+            "architectures": [family.architecture],
             "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -126,10 +128,7 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         })
-        if self.family in ("llama", "qwen3"):
-            out["attention_bias"] = False
-        if self.family == "llama":
-            out["mlp_bias"] = False
+        out.update(family.hf_keys(self))
         return out
 
 
@@ -139,25 +138,25 @@ def _required(d: dict, key: str):
     return d[key]
 
 
-def _family(d: dict) -> str:
+def _family(d: dict) -> architectures.Family:
     model_type = d.get("model_type")
     archs = d.get("architectures") or []
     if model_type is None and archs:
-        model_type = _ARCHITECTURES.get(archs[0])
-    if model_type not in FAMILIES:
+        found = architectures.by_architecture(archs[0])
+        model_type = found.model_type if found else None
+    if model_type not in architectures.names():
         found = f"model_type {d.get('model_type')!r}" + (f" (architectures {archs})" if archs else "")
-        raise ModelConfigError(f"unsupported {found}: supported are dense {', '.join(FAMILIES)} decoders")
+        raise ModelConfigError(f"unsupported {found}: supported are {', '.join(architectures.names())} decoders")
+    family = architectures.get(model_type)
     for arch in archs:
-        if _ARCHITECTURES.get(arch) != model_type:
+        if arch != family.architecture:
             raise ModelConfigError(f"unsupported architecture {arch!r} for model_type {model_type!r} "
-                                   f"(supported: {', '.join(_ARCHITECTURES)})")
-    return model_type
+                                   f"(supported: {', '.join(architectures.architectures())})")
+    return family
 
 
-def _reject_unsupported(d: dict, family: str) -> None:
-    for key in _MOE_KEYS:
-        if d.get(key):
-            raise ModelConfigError(f"mixture-of-experts is not supported ({key}={d[key]!r})")
+def _reject_unsupported(d: dict) -> None:
+    """Features no family implements (family-specific ones are refused by the family's parser)."""
     if d.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
     if d.get("use_sliding_window"):
@@ -165,10 +164,6 @@ def _reject_unsupported(d: dict, family: str) -> None:
     other_layers = sorted({t for t in (d.get("layer_types") or []) if t != "full_attention"})
     if other_layers:
         raise ModelConfigError(f"layer types {other_layers} are not supported (only 'full_attention')")
-    if d.get("attention_bias") and family != "qwen2":
-        raise ModelConfigError(f"attention_bias=true is not supported for {family}")
-    if d.get("mlp_bias"):
-        raise ModelConfigError("mlp_bias=true is not supported")
 
 
 def _rope(d: dict) -> tuple[float, dict | None]:

@@ -1,20 +1,13 @@
-"""The dense decoder (Llama / Qwen2 / Qwen3), written only with ``rlalign.ops``.
+"""The decoder (Llama / Qwen2 / Qwen3 families), written only with ``rlalign.ops``.
 
-Per layer, for the T rows of a :class:`ForwardBatch` (stream dtype = parameter dtype):
-
-    x, r  = rms_norm(h, input_layernorm, eps, residual=r)        # r: residual stream, h + r rounded once
-    q,k,v = linear(x, W_q, b_q), linear(x, W_k, b_k), linear(x, W_v, b_v)     # b_* only for qwen2
-    q,k   = rms_norm(q, q_norm), rms_norm(k, k_norm)             # qwen3 only, over head_dim
-    q,k   = rope(q, cos, sin), rope(k, cos, sin)                 # tables: float64 -> fp32, absolute positions
-    a     = attention_varlen(q, k, v, cu_seqlens)                # packed batch, or:
-            write_kv_cache(k, v, ...); attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens)
-    h     = linear(a, W_o, k_segments=K_SEGMENTS)                # canonical K partition (TP invariant)
-    x, r  = rms_norm(h, post_attention_layernorm, eps, residual=r)
-    h     = linear(silu_mul(linear(x, W_gate), linear(x, W_up)), W_down, k_segments=K_SEGMENTS)
-
-then ``hidden = rms_norm(h, norm, eps, residual=r)[0]``; scale = head_dim ** -0.5. The only
-difference between training and rollout is the attention call; every op runs under the
-profile of the current context (:func:`rlalign.contract.use_profile`).
+The math of a layer lives in :mod:`rlalign.models.blocks` (shared with the transformers patch);
+these modules hold the weights under Hugging Face's names and choose their parts from the
+config's features (``qkv_bias``, ``qk_norm``, ``ffn_kind``), never from the family name. Rotary
+tables: ``ops.rope_inv_freq`` (float64) -> ``ops.rope_cos_sin`` of absolute positions (stored fp32).
+Then ``hidden = rms_norm(h, norm, eps, residual=r)[0]``; the only difference between training and
+rollout is the attention call (packed varlen, or the paged KV cache); every op runs under the
+profile of the current context (:func:`rlalign.contract.use_profile`). Each module declares its
+tensor-parallel plan (``tp_plan``, :mod:`rlalign.models.sharding`).
 """
 
 from __future__ import annotations
@@ -27,47 +20,14 @@ from torch import nn
 from rlalign import ops
 from rlalign.contract import spec
 from rlalign.contract.errors import RLAlignError
+from rlalign.models import sharding
 from rlalign.models.batch import ForwardBatch
+from rlalign.models.blocks import (Attend, attention_block, batch_attend, decoder_layer_block, final_norm_block,
+                                   rope_inv_freq)
 from rlalign.models.config import ModelConfig
-# tap/note_batch are no-ops unless a parity capture is active; the only upward import of models/
-# (capture is the parity layer's, the call sites must be the model's own boundaries).
-from rlalign.parity.capture import note_batch, tap
-
-
-def _param(shape, dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-
-
-class Linear(nn.Module):
-    """Holds ``weight`` [out, in] (and ``bias`` [out]); computed through ``ops.linear``."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device, k_segments: int | None = None):
-        super().__init__()
-        self.weight = _param((out_features, in_features), dtype, device)
-        self.bias = _param((out_features,), dtype, device) if bias else None
-        self.k_segments = k_segments
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, k_segments=self.k_segments)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype, device):
-        super().__init__()
-        self.weight = _param((size,), dtype, device)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return ops.rms_norm(x, self.weight, self.eps, residual=residual)
-
-
-class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, dtype, device):
-        super().__init__()
-        self.weight = _param((num, dim), dtype, device)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return ops.embedding(ids, self.weight)
+from rlalign.models.ffn import build_ffn
+from rlalign.models.modules import Embedding, Linear, RMSNorm
+from rlalign.models.taps import EMBED, note_batch, tap
 
 
 class Attention(nn.Module):
@@ -76,7 +36,6 @@ class Attention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.scale = d ** -0.5
         self.q_proj = Linear(h, cfg.num_heads * d, cfg.qkv_bias, dtype, device)
         self.k_proj = Linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, device)
         self.v_proj = Linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, device)
@@ -87,62 +46,38 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        return attention_block(self, x, cos, sin, attend, layer=self.layer_index, num_heads=self.num_heads,
+                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                               qk_norm=self.q_norm is not None)
+
+    def tp_plan(self) -> dict[str, sharding.ShardSpec]:
+        plan = {"q_proj": sharding.COLUMN, "k_proj": sharding.COLUMN, "v_proj": sharding.COLUMN,
+                "o_proj": sharding.ROW}
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
-        i = self.layer_index
-        tap(f"layers.{i}.q", q), tap(f"layers.{i}.k", k), tap(f"layers.{i}.v", v)
-        if batch.kv_cache is None:
-            out = ops.attention_varlen(q, k, v, batch.cu_seqlens, scale=self.scale)
-        else:
-            k_cache, v_cache = batch.kv_cache.k[self.layer_index], batch.kv_cache.v[self.layer_index]
-            ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-            out = ops.attention_paged(q, k_cache, v_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens,
-                                      scale=self.scale)
-        out = tap(f"layers.{i}.attn", out.reshape(t, self.num_heads * self.head_dim))
-        return tap(f"layers.{i}.o_proj", self.o_proj(out))
+            plan.update(q_norm=sharding.head_grouped(self.num_heads), k_norm=sharding.head_grouped(self.num_kv_heads))
+        return plan
 
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
-        super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(h, i, False, dtype, device)
-        self.up_proj = Linear(h, i, False, dtype, device)
-        self.down_proj = Linear(i, h, False, dtype, device, k_segments=spec.K_SEGMENTS)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+    def tp_localize(self, tp: int) -> None:
+        """Heads are split in contiguous groups: rank r holds query heads [r*H/tp, (r+1)*H/tp), kv heads likewise."""
+        self.num_heads //= tp
+        self.num_kv_heads //= tp
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int, dtype, device):
         super().__init__()
+        self.layer_index = layer_index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, layer_index, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = build_ffn(cfg, layer_index, dtype, device)
 
     def forward(self, h, residual, cos, sin, batch: ForwardBatch):
-        """(h, residual) -> (mlp output, residual stream before the MLP); residual None on layer 0."""
-        i = self.self_attn.layer_index
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm(h, residual)
-        tap(f"layers.{i}.input_norm", x)
-        h = self.self_attn(x, cos, sin, batch)
-        x, residual = self.post_attention_layernorm(h, residual)
-        tap(f"layers.{i}.post_norm", x)
-        h = tap(f"layers.{i}.mlp", self.mlp(x))
-        # the residual stream after the attention add; the next norm adds h to it (fused residual)
-        tap(f"layers.{i}.residual", residual)
-        return h, residual
+        """(h, residual) -> (FFN output, residual stream before the FFN); residual None on layer 0.
+        (The batch is an argument so that hooks on the layer see each forward's rows.)"""
+        attend = batch_attend(batch)
+        return decoder_layer_block(self, h, residual, lambda x: self.self_attn(x, cos, sin, attend), self.layer_index)
 
 
 class Backbone(nn.Module):
@@ -166,7 +101,11 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False,
                                                                       dtype, device)
         # float64 inverse frequencies; cos/sin are derived per batch from absolute positions.
-        self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.inv_freq = rope_inv_freq(config)
+
+    def tp_plan(self) -> dict[str, sharding.ShardSpec]:
+        """The LM head (``lm_head``, or the tied embedding) is vocab-parallel."""
+        return {"lm_head": sharding.VOCAB}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -184,12 +123,10 @@ class CausalLM(nn.Module):
         """Final-norm hidden states [T, H] (stream dtype) for every new token of ``batch``."""
         note_batch(batch)
         cos, sin = ops.rope_cos_sin(batch.positions, self._inv_freq_on(batch.positions.device))
-        h, residual = tap("embed", self.model.embed_tokens(batch.input_ids)), None
+        h, residual = tap(EMBED, self.model.embed_tokens(batch.input_ids)), None
         for layer in self.model.layers:
             h, residual = layer(h, residual, cos, sin, batch)
-        if residual is None:  # no layers
-            return tap("final_norm", self.model.norm(h))
-        return tap("final_norm", self.model.norm(h, residual)[0])
+        return final_norm_block(self.model.norm, h, residual)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.forward_hidden(batch)

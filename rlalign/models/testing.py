@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from rlalign.models import architectures
 from rlalign.models.checkpoint import resolve_dtype, save_model
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
@@ -35,15 +36,14 @@ _BASE = dict(vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=128, 
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
              max_position_embeddings=512, tie_word_embeddings=False, hidden_act="silu",
              bos_token_id=None, pad_token_id=0, eos_token_id=2)
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def tiny_hf_config(family: str = "qwen3", **overrides) -> dict:
     """A small config.json dict of ``family`` (hidden 64, 2 layers, 4 heads / 2 kv heads, head_dim 16,
     vocab 320); ``overrides`` use Hugging Face key names."""
-    if family not in _ARCH:
-        raise ValueError(f"unknown family {family!r} (choose one of {', '.join(_ARCH)})")
-    cfg = dict(_BASE, model_type=family, architectures=[_ARCH[family]])
+    if family not in architectures.names():
+        raise ValueError(f"unknown family {family!r} (choose one of {', '.join(architectures.names())})")
+    cfg = dict(_BASE, model_type=family, architectures=[architectures.get(family).architecture])
     cfg.update(overrides)
     return cfg
 

@@ -8,6 +8,7 @@
     run       run_parity(ParityOptions) -> ParityResult (``rlalign parity``), replay(record, trainer), localize(...)
     report    write_report(result, dir): parity.json, parity.md, logprob_diff_hist.png
 
-Import the modules directly (``from rlalign.parity.capture import tap``); this package imports nothing,
-so models can import the capture module cheaply and without cycles.
+Import the modules directly (``from rlalign.parity.capture import capture``); this package imports nothing.
+Models never import parity: they call the tap hook of :mod:`rlalign.models.taps`, into which a
+capture installs itself while active.
 """

@@ -1,14 +1,8 @@
 """Capture named intermediate tensors of any engine that runs rlalign ops.
 
-Models call ``tap(name, tensor)`` at semantic boundaries; it returns its input and costs one
-global read unless a :func:`capture` is active. Names (token-major tensors, first dim = rows of
-the forward in packed order):
-
-    embed
-    layers.{i}.input_norm  layers.{i}.q  layers.{i}.k  layers.{i}.v   (q/k after qk-norm and rope, [T, H, D])
-    layers.{i}.attn (before o_proj, [T, H*D])  layers.{i}.o_proj
-    layers.{i}.residual (residual stream after the attention add = post_norm's input)  layers.{i}.post_norm
-    layers.{i}.mlp (down_proj output)  final_norm  logprob
+Models call ``tap(name, tensor)`` (:mod:`rlalign.models.taps`, which also holds the table of
+boundary names) at semantic boundaries; it returns its input and costs one global read unless a
+:func:`capture` is active: an active capture is the recorder installed in that hook.
 
 Row identity. A rollout computes a sequence's tokens over many forwards (prefill chunks, then one
 token per decode step), a trainer in one packed forward; rows are matched by what determines
@@ -34,42 +28,32 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import hashlib
-import threading
 from typing import Iterable, Sequence
 
 import torch
 
+from rlalign.models import taps
+from rlalign.models.taps import note_batch, tap  # re-exported: the hook models call
+
 ROOT_KEY = b""
-_ACTIVE: "Capture | None" = None
-_LOCK = threading.Lock()
 
 
-def tap(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """Record ``tensor`` under ``name`` if a capture is active; always returns ``tensor`` unchanged."""
-    cap = _ACTIVE
-    if cap is not None:
-        cap.record(name, tensor)
-    return tensor
-
-
-def note_batch(batch) -> None:
-    """Tell the active capture (if any) which rows the next taps hold: a ForwardBatch."""
-    cap = _ACTIVE
-    if cap is not None:
-        cap.begin_batch(batch)
+def _active() -> "Capture | None":
+    recorder = taps.installed()
+    return recorder if isinstance(recorder, Capture) else None
 
 
 def note_rows(token_lists: Sequence[Sequence[int]], labels: Sequence | None = None) -> None:
     """Tell the active capture (if any) that the next taps hold whole sequences, packed in order
     (rows of sequence i follow those of sequence i-1; positions 0..len-1). ``labels`` name the
     sequences in reports (default: their index)."""
-    cap = _ACTIVE
+    cap = _active()
     if cap is not None:
         cap.begin_layout(packed_layout(token_lists, labels))
 
 
 def capture_active() -> bool:
-    return _ACTIVE is not None
+    return _active() is not None
 
 
 # ---- row layouts ---------------------------------------------------------------------------------
@@ -153,25 +137,21 @@ class Capture:
         self._fingerprints: dict[bytes, bytes] = {}
         self._unregistered: tuple | None = None   # (batch, layout) whose KV slots are not fingerprinted yet
         self._hooks: list = []
-        self._prev: Capture | None = None
+        self._prev = None                     # the recorder this capture replaced (restored on exit)
 
     # -- activation
     def __enter__(self) -> "Capture":
-        global _ACTIVE
-        with _LOCK:
-            self._prev, _ACTIVE = _ACTIVE, self
+        self._prev = taps.install(self)
         if self.model is not None:
             self._install_hooks(self.model)
         return self
 
     def __exit__(self, *exc) -> None:
-        global _ACTIVE
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         self._flush_pending()
-        with _LOCK:
-            _ACTIVE = self._prev
+        taps.install(self._prev)
 
     def _install_hooks(self, model: torch.nn.Module) -> None:
         backbone = getattr(model, "model", None)

@@ -201,7 +201,7 @@ def _tiny_hf(cls_name: str, **overrides):
 
 def test_refuses_unsupported_models():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel is not supported; supported: Qwen3ForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel is not supported; supported: .*Qwen3ForCausalLM"):
         patch(gpt2)
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         patch(_tiny_hf("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=8, max_window_layers=0))
@@ -211,6 +211,14 @@ def test_refuses_unsupported_models():
         patch(_tiny_hf("Qwen3ForCausalLM").half())
     with pytest.raises(UnsupportedModelError, match="hidden_act"):
         patch(_tiny_hf("LlamaForCausalLM", hidden_act="gelu"))
+    no_bias = _tiny_hf("Qwen2ForCausalLM")
+    no_bias.model.layers[0].self_attn.k_proj.bias = None
+    with pytest.raises(UnsupportedModelError, match=r"layers.0.self_attn.k_proj.bias: expected shape \(16,\), found None"):
+        patch(no_bias)
+    extra_bias = _tiny_hf("LlamaForCausalLM")
+    extra_bias.model.layers[0].mlp.down_proj.bias = nn.Parameter(torch.zeros(32))
+    with pytest.raises(UnsupportedModelError, match="layers.0.mlp.down_proj has a bias the family does not have"):
+        patch(extra_bias)
     wrapped = _tiny_hf("Qwen3ForCausalLM")
 
     class LoraLinear(nn.Linear):
@@ -263,3 +271,100 @@ def test_unpatch_and_repatch(hf_checkpoints):
     with torch.no_grad():
         assert_bitwise_equal(model(input_ids=ids, attention_mask=mask).logits,
                              stock(input_ids=ids, attention_mask=mask).logits, "unpatched vs stock")
+
+
+# ---- issue 20 A.4: construction under meta, output flags, right-padded generate, module-class validation ------
+
+def test_patched_under_meta_device_then_materialized(hf_checkpoints):
+    """FSDP2's construct-on-meta, to_empty, load flow: the rotary tables must not stay on meta."""
+    path = hf_checkpoints[("qwen3", "float32", False)]
+    rl, _ = _models(path)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = patch(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32))
+    model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(rl.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    seqs = _sequences((7, 3), seed=9)
+    with torch.no_grad():
+        lp, _, keep = _reference(rl, seqs, with_entropy=False)
+        out = token_logprobs(model, **_layouts(seqs)["right-padded"])
+    assert_bitwise_equal(out.logprobs[out.mask], lp[keep], "logprobs of a model patched on meta")
+
+
+def test_output_flags_from_config_lists_and_cache(hf_checkpoints):
+    rl, hf = _models(hf_checkpoints[("qwen3", "float32", False)])
+    ids, mask = _padded(_sequences((6, 4), seed=10))
+    assert hf.config.use_cache is False   # the patched model keeps no cache; its config says so
+    hf.config.output_hidden_states = True
+    try:
+        with torch.no_grad():
+            out = hf(input_ids=ids, attention_mask=mask)
+        assert out.hidden_states is not None and len(out.hidden_states) == rl.config.num_layers + 1
+    finally:
+        hf.config.output_hidden_states = False
+    with pytest.raises(UnsupportedInputError, match="output_hidden_states=.*list of layers"):
+        hf(input_ids=ids, attention_mask=mask, output_hidden_states=[0])
+    with pytest.raises(UnsupportedInputError, match="use_cache=True"):
+        hf(input_ids=ids, attention_mask=mask, use_cache=True)
+
+
+def test_generate_without_cache_on_right_padded_prompts(hf_checkpoints):
+    """generate(use_cache=False) on right-padded prompts runs; transformers' position_ids there count on after
+    the padding (prompt: cumsum - 1 with padding at 0, then + 1 per new token), and each row's valid tokens are
+    still scored as one sequence, padding not shifting their positions (rlalign's logprobs, bit for bit)."""
+    rl, hf = _models(hf_checkpoints[("qwen2", "float32", True)])
+    from rlalign.models import generate
+    prompts = [[11, 12, 13, 14, 15], [21, 22]]
+    ids, mask = _padded(prompts)
+    new = 3
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, use_cache=False,
+                          pad_token_id=0, eos_token_id=None)
+    ref = generate(rl, [prompts[0]], max_new_tokens=new, temperature=0.0, stop_token_ids=[])
+    assert out[0, ids.shape[1]:].tolist() == ref[0].tokens          # the unpadded row: rlalign's greedy tokens
+    full_mask = torch.cat([mask, torch.ones((2, new), dtype=mask.dtype)], dim=1)
+    prompt_pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    position_ids = torch.cat([prompt_pos, prompt_pos[:, -1:] + torch.arange(1, new + 1)], dim=1)
+    seqs = [row[m.bool()].tolist() for row, m in zip(out, full_mask)]
+    with torch.no_grad():
+        lp, _, keep = _reference(rl, seqs, with_entropy=False)
+        scored = token_logprobs(hf, out, full_mask, position_ids=position_ids)
+    assert_bitwise_equal(scored.logprobs[scored.mask], lp[keep], "right-padded generate layout vs packed sequences")
+
+
+def test_validates_the_module_class_not_config_architectures():
+    """A headless checkpoint (architectures ["Qwen3Model"]) loaded into Qwen3ForCausalLM is patched; a class the
+    registry does not know is refused whatever its config says."""
+    model = _tiny_hf("Qwen3ForCausalLM", architectures=["Qwen3Model"])
+    assert is_patched(patch(model))
+    headless = transformers.Qwen3Model(transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                                num_hidden_layers=1, num_attention_heads=2,
+                                                                num_key_value_heads=1, head_dim=16,
+                                                                architectures=["Qwen3ForCausalLM"]))
+    with pytest.raises(UnsupportedModelError, match="Qwen3Model is not supported"):
+        patch(headless)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=1, max_size=7), min_size=1, max_size=4), st.integers(0, 3))
+def test_padded_layout_positions_count_valid_tokens(prompt_masks, new):
+    """Any padding pattern (leading, interior, trailing) with transformers' generate-style position_ids
+    (prompt: cumsum - 1, padding 0; then + 1 per appended token): every row is one sequence whose valid tokens
+    get positions 0, 1, 2, ... (degenerate rows: all padding but the appended tokens, no appended tokens)."""
+    from rlalign.integrations.transformers import _layout
+    width = max(map(len, prompt_masks))
+    mask = torch.zeros((len(prompt_masks), width + new), dtype=torch.int64)
+    for i, m in enumerate(prompt_masks):
+        mask[i, :len(m)] = torch.tensor(m, dtype=torch.int64)
+    mask[:, width:] = 1
+    if not bool(mask.sum(1).all()):
+        mask[:, -1] = 1 if new == 0 else mask[:, -1]
+        mask[mask.sum(1) == 0, 0] = 1
+    prompt = mask[:, :width]
+    prompt_pos = (prompt.cumsum(-1) - 1).masked_fill(prompt == 0, 0)
+    position_ids = torch.cat([prompt_pos, prompt_pos[:, -1:] + torch.arange(1, new + 1)], dim=1)
+    layout = _layout(tuple(mask.shape), "cpu", attention_mask=mask, position_ids=position_ids)
+    expected = torch.cat([torch.arange(int(n)) for n in mask.sum(1)])
+    assert layout.batch.positions.tolist() == expected.tolist()
+    assert layout.batch.cu_seqlens.tolist() == [0] + mask.sum(1).cumsum(0).tolist()

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlalign.models import ForwardBatch, load_model, next_token_targets
-from rlalign.parity import capture as cap_mod
+from rlalign.models import taps
 from rlalign.parity.capture import capture, note_batch, note_rows, packed_layout, prefix_keys, tap
 from rlalign.parity.compare import (compare_captures, compare_logprobs, differing, forward_order, ordered_ints,
                                     split_name)
@@ -19,7 +19,7 @@ from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 def test_tap_is_identity_and_free_without_capture():
     x = torch.randn(3, 4)
-    assert cap_mod._ACTIVE is None
+    assert taps.installed() is None
     assert tap("embed", x) is x
 
 
@@ -33,7 +33,7 @@ def test_capture_records_detached_copies_with_filters():
         with capture() as inner:        # nested: the inner one is active, the outer one comes back
             tap("embed", x)
         tap("final_norm", x)
-    assert cap_mod._ACTIVE is None and inner.names == ["embed"]
+    assert taps.installed() is None and inner.names == ["embed"]
     assert cap.names == ["embed", "layers.1.mlp"]
     rows = cap.rows("embed")
     assert [rows.info[k].position for k in rows.keys] == [1, 2]        # position 0 rows filtered out

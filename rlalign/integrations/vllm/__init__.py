@@ -11,8 +11,8 @@ engine core and worker processes), or with ``rlalign.enable()`` before creating 
     out = llm.generate(prompts, vllm.SamplingParams(temperature=1.0, seed=s, logprobs=0, max_tokens=64))
 
 When on, the plugin (1) registers :class:`~rlalign.integrations.vllm.model.RLAlignForCausalLM` for
-the architectures ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM`` and ``LlamaForCausalLM`` (it replaces
-vLLM's own classes for them), and (2) hooks vLLM's sampler so that a step whose logits came from
+every architecture of rlalign's registry (:mod:`rlalign.models.architectures`: ``Qwen3ForCausalLM``,
+``Qwen2ForCausalLM``, ``LlamaForCausalLM``; it replaces vLLM's own classes for them), and (2) hooks vLLM's sampler so that a step whose logits came from
 that model is sampled by ``ops.sample`` and its sampled-token logprob computed by
 ``ops.logprob_entropy`` on the same final hidden row as rlalign's trainer. Settings it cannot
 run bitwise are refused with :class:`UnsupportedVLLMConfigError` (see :mod:`.checks` and
@@ -26,8 +26,13 @@ import os
 from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
 
 ENV = "RLALIGN_VLLM"
-ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 MODEL_CLASS = "rlalign.integrations.vllm.model:RLAlignForCausalLM"
+
+
+def architectures() -> tuple[str, ...]:
+    """The architectures the plugin serves: every family of rlalign's architecture registry."""
+    from rlalign.models import architectures as registry
+    return registry.architectures()
 
 
 def is_enabled() -> bool:
@@ -57,7 +62,7 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from rlalign.integrations.vllm import sampler
-    for arch in ARCHITECTURES:
+    for arch in architectures():
         ModelRegistry.register_model(arch, MODEL_CLASS)
     sampler.install()
 
@@ -71,9 +76,9 @@ def _unregister() -> None:
     from rlalign.integrations.vllm import sampler
     sampler.uninstall()
     stock = registry._VLLM_MODELS
-    for arch in ARCHITECTURES:
+    for arch in architectures():
         module, cls = stock[arch]
         registry.ModelRegistry.models[arch] = registry._LazyRegisteredModel(f"vllm.model_executor.models.{module}", cls)
 
 
-__all__ = ["enable", "disable", "is_enabled", "register", "UnsupportedVLLMConfigError", "ENV", "ARCHITECTURES"]
+__all__ = ["enable", "disable", "is_enabled", "register", "UnsupportedVLLMConfigError", "ENV", "architectures"]

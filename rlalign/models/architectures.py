@@ -1,0 +1,118 @@
+"""The architecture registry: which Hugging Face model families the decoder implements, and how.
+
+One :class:`Family` per ``model_type``: its ``*ForCausalLM`` architecture name, how its config.json
+maps to :class:`~rlalign.models.config.ModelConfig`'s feature fields (``qkv_bias``, ``qk_norm``,
+``ffn_kind`` / ``ffn_options``, ...) and back. Everything else in the code base asks the features,
+never the family name; the integrations (transformers patch, vLLM plugin) look families up here
+and keep no table of their own.
+
+Adding a family = one :func:`register` call (below, or in the module that adds its new FFN kind).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from rlalign.contract.errors import RLAlignError
+
+# Config keys that describe a mixture-of-experts FFN; a dense family refuses any of them.
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+class UnknownArchitectureError(RLAlignError, ValueError):
+    """A model_type / architecture name that no registered family implements."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """``features(hf_dict)``: the ModelConfig feature fields of a config.json of this family (raises
+    ValueError naming an unsupported feature); ``hf_keys(config)``: the family-specific config.json
+    keys that say the same thing back; ``default_head_dim(hf_dict)``: head_dim when config.json has
+    none (transformers' default for the family)."""
+
+    model_type: str
+    architecture: str                                    # the *ForCausalLM class name
+    features: Callable[[dict], dict[str, Any]]
+    hf_keys: Callable[[Any], dict[str, Any]]
+    default_head_dim: Callable[[dict], int] = lambda d: d["hidden_size"] // d["num_attention_heads"]
+    backbone_architecture: str | None = None             # the headless *Model class name
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    if family.model_type in _FAMILIES:
+        raise ValueError(f"family {family.model_type!r} is already registered")
+    _FAMILIES[family.model_type] = family
+    return family
+
+
+def get(model_type: str) -> Family:
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        raise UnknownArchitectureError(f"unsupported model_type {model_type!r}: supported are "
+                                       f"{', '.join(_FAMILIES)} decoders")
+    return family
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_FAMILIES)
+
+
+def architectures() -> tuple[str, ...]:
+    """The ``*ForCausalLM`` class names of every registered family."""
+    return tuple(f.architecture for f in _FAMILIES.values())
+
+
+def by_architecture(architecture: str) -> Family | None:
+    """The family whose ``*ForCausalLM`` (or headless ``*Model``) class is ``architecture``; None if none."""
+    for family in _FAMILIES.values():
+        if architecture in (family.architecture, family.backbone_architecture):
+            return family
+    return None
+
+
+# ---- feature parsers shared by the families ------------------------------------------------------------
+
+def dense_ffn(d: dict) -> dict[str, Any]:
+    """FFN fields of a dense SiLU-gated MLP (refuses mixture-of-experts keys and biases)."""
+    for key in MOE_KEYS:
+        if d.get(key):
+            raise ValueError(f"mixture-of-experts is not supported ({key}={d[key]!r})")
+    if d.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    return {"ffn_kind": "dense", "ffn_options": {}}
+
+
+def _no_attention_bias(model_type: str, d: dict) -> None:
+    if d.get("attention_bias"):
+        raise ValueError(f"attention_bias=true is not supported for {model_type}")
+
+
+def _llama_features(d: dict) -> dict[str, Any]:
+    _no_attention_bias("llama", d)
+    return {"qkv_bias": False, "qk_norm": False, **dense_ffn(d)}
+
+
+def _qwen2_features(d: dict) -> dict[str, Any]:
+    # Qwen2 always has q/k/v biases (not o); attention_bias is not read by transformers' Qwen2.
+    return {"qkv_bias": True, "qk_norm": False, **dense_ffn(d)}
+
+
+def _qwen3_features(d: dict) -> dict[str, Any]:
+    _no_attention_bias("qwen3", d)
+    return {"qkv_bias": False, "qk_norm": True, **dense_ffn(d)}
+
+
+register(Family("llama", "LlamaForCausalLM", _llama_features,
+                lambda cfg: {"attention_bias": False, "mlp_bias": False}, backbone_architecture="LlamaModel"))
+register(Family("qwen2", "Qwen2ForCausalLM", _qwen2_features, lambda cfg: {},
+                backbone_architecture="Qwen2Model"))
+register(Family("qwen3", "Qwen3ForCausalLM", _qwen3_features, lambda cfg: {"attention_bias": False},
+                default_head_dim=lambda d: 128, backbone_architecture="Qwen3Model"))
+
+
+__all__ = ["Family", "register", "get", "names", "architectures", "by_architecture", "dense_ffn", "MOE_KEYS",
+           "UnknownArchitectureError"]

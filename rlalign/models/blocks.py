@@ -1,0 +1,101 @@
+"""The decoder's math, once: functional per-block cores shared by ``CausalLM`` and the transformers patch.
+
+Each core takes the module that holds the weights (duck-typed: rlalign's own modules, or Hugging
+Face modules whose ``forward`` the patch has rebound to rlalign ops) and the token-major packed
+rows [T, ...]; engines differ only in ``attend`` (how q/k/v meet: packed varlen, paged KV cache,
+transformers' AttentionInterface) and in how their inputs are laid out. Boundary taps are made
+here, under the names of :mod:`rlalign.models.taps`.
+
+Per layer (stream dtype = parameter dtype):
+
+    x, r  = input_layernorm(h, residual=r)              # fused: h + r rounded once, then RMSNorm
+    q,k,v = q_proj(x), k_proj(x), v_proj(x)              # biases only where config.qkv_bias
+    q,k   = q_norm(q), k_norm(k)                         # only where config.qk_norm, over head_dim
+    q,k   = rope(q, cos, sin), rope(k, cos, sin)
+    a     = attend(q, k, v)                              # causal, scale = head_dim ** -0.5
+    h     = o_proj(a)                                    # canonical K partition
+    x, r  = post_attention_layernorm(h, residual=r)
+    h     = ffn(x)                                       # dense: down(silu_mul(gate(x), up(x)))
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from rlalign import ops
+from rlalign.models.taps import FINAL_NORM, layer_tap, tap
+
+# attend(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], layer index, scale) -> [T, Hq, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+def batch_attend(batch) -> Attend:
+    """Attention over a ForwardBatch: packed varlen, or write to / read from its paged KV cache."""
+    def attend(q, k, v, layer: int, scale: float) -> torch.Tensor:
+        if batch.kv_cache is None:
+            return ops.attention_varlen(q, k, v, batch.cu_seqlens, scale=scale)
+        k_cache, v_cache = batch.kv_cache.k[layer], batch.kv_cache.v[layer]
+        ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        return ops.attention_paged(q, k_cache, v_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens,
+                                   scale=scale)
+    return attend
+
+
+def rope_inv_freq(config) -> torch.Tensor:
+    """float64 inverse frequencies of ``config``'s rope, on the CPU whatever the default device (a model
+    built under a meta-device context must still get real tables; callers copy them to the batch's device)."""
+    with torch.device("cpu"):
+        return ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
+def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, *, layer: int,
+                    num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool) -> torch.Tensor:
+    """o_proj(attend(rope(norm(q)), rope(norm(k)), v)) of rows ``x`` [T, hidden]; ``attn`` holds
+    q_proj/k_proj/v_proj/o_proj (and q_norm/k_norm when ``qk_norm``); head counts are rank-local."""
+    t = x.shape[0]
+    q = attn.q_proj(x).view(t, num_heads, head_dim)
+    k = attn.k_proj(x).view(t, num_kv_heads, head_dim)
+    v = attn.v_proj(x).view(t, num_kv_heads, head_dim)
+    if qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+    tap(layer_tap(layer, "q"), q), tap(layer_tap(layer, "k"), k), tap(layer_tap(layer, "v"), v)
+    out = attend(q, k, v, layer, head_dim ** -0.5)
+    out = tap(layer_tap(layer, "attn"), out.reshape(t, num_heads * head_dim))
+    return tap(layer_tap(layer, "o_proj"), attn.o_proj(out))
+
+
+def dense_ffn_block(mlp, x: torch.Tensor) -> torch.Tensor:
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) (silu_mul: one rounding of the product)."""
+    return mlp.down_proj(ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+
+
+def decoder_layer_block(layer, h: torch.Tensor, residual: torch.Tensor | None, attention: Callable, index: int):
+    """(h, residual) -> (FFN output, residual stream before the FFN); residual None on layer 0.
+
+    ``layer`` holds input_layernorm / post_attention_layernorm (called as ``norm(x, residual)`` ->
+    (normed, x + residual)), ``mlp``; ``attention(x)`` runs the layer's attention block."""
+    if residual is None:
+        x, residual = layer.input_layernorm(h), h
+    else:
+        x, residual = layer.input_layernorm(h, residual)
+    tap(layer_tap(index, "input_norm"), x)
+    h = attention(x)
+    x, residual = layer.post_attention_layernorm(h, residual)
+    tap(layer_tap(index, "post_norm"), x)
+    h = tap(layer_tap(index, "mlp"), layer.mlp(x))
+    # the residual stream after the attention add; the next norm adds h to it (fused residual)
+    tap(layer_tap(index, "residual"), residual)
+    return h, residual
+
+
+def final_norm_block(norm, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """Final RMSNorm of the last layer's output plus the residual stream (no layers: of h)."""
+    if residual is None:
+        return tap(FINAL_NORM, norm(h))
+    return tap(FINAL_NORM, norm(h, residual)[0])
+
+
+__all__ = ["Attend", "batch_attend", "rope_inv_freq", "attention_block", "dense_ffn_block", "decoder_layer_block", "final_norm_block"]

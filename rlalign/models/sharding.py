@@ -1,0 +1,38 @@
+"""Tensor-parallel plans: each module declares how its weights shard; the distributed layer obeys.
+
+A module that owns shardable children defines ``tp_plan() -> {child attribute: ShardSpec}`` and,
+when its own shape fields count the sharded dimension (heads), ``tp_localize(tp)`` to make them
+rank-local. :func:`rlalign.distributed.parallelize.parallelize` walks the modules, replaces each
+planned child by its parallel version and calls ``tp_localize``; it never looks at attribute names.
+Children not in any plan (norms, embeddings) stay replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Shard(enum.Enum):
+    COLUMN = "column"              # linear: output features (weight rows, bias) split in contiguous rank groups
+    ROW = "row"                    # linear without bias: input features split; the ranks' partial sums are
+                                   # merged by the canonical K partition (the TP=1 bits at any degree)
+    HEAD_GROUPED = "head_grouped"  # RMSNorm over head_dim shared by ``heads`` heads split over ranks (weight
+                                   # replicated; its gradient merged by the fixed tree over head groups)
+    VOCAB = "vocab"                # LM head: vocab rows split (fused vocab-parallel logprob)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    kind: Shard
+    heads: int | None = None       # HEAD_GROUPED: how many heads share the norm (before sharding)
+
+
+COLUMN, ROW, VOCAB = ShardSpec(Shard.COLUMN), ShardSpec(Shard.ROW), ShardSpec(Shard.VOCAB)
+
+
+def head_grouped(heads: int) -> ShardSpec:
+    return ShardSpec(Shard.HEAD_GROUPED, heads)
+
+
+__all__ = ["Shard", "ShardSpec", "COLUMN", "ROW", "VOCAB", "head_grouped"]
