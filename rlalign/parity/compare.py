@@ -16,10 +16,10 @@ from typing import Sequence
 
 import torch
 
+from rlalign.models.taps import LAYER_BOUNDARIES  # forward order inside a layer
+
 from rlalign.parity.capture import Capture, CapturedRows
 
-# forward order inside a layer; "residual" is the residual stream after the attention add (post_norm's input)
-LAYER_BOUNDARIES = ("input_norm", "q", "k", "v", "attn", "o_proj", "residual", "post_norm", "mlp")
 _BITS = {torch.float32: (torch.int32, 31), torch.bfloat16: (torch.int16, 15), torch.float16: (torch.int16, 15),
          torch.float64: (torch.int64, 63)}
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
