@@ -39,13 +39,32 @@ def check_tp(config, tp: int) -> None:
             raise RLAlignError(f"tp={tp} does not divide the model's {what}={n}; choose a tp that divides it")
     if tp == 1:
         return
-    d = config.head_dim
-    for what, n in (("q_proj", config.num_heads * d), ("k_proj/v_proj", config.num_kv_heads * d),
-                    ("gate_proj/up_proj/down_proj", config.intermediate_size)):
-        if n // tp < MIN_SHARD_COLUMNS:
-            raise RLAlignError(f"tp={tp} leaves {n // tp} of {what}'s {n} features per rank; shards narrower than "
-                               f"{MIN_SHARD_COLUMNS} change the CPU GEMM's column bits (measured): choose a smaller tp")
-        local_segments(n, tp, what)
+    for name, spec, features in _planned_shards(config):
+        if spec.kind is Shard.COLUMN and features // tp < MIN_SHARD_COLUMNS:
+            raise RLAlignError(f"tp={tp} leaves {features // tp} of {name}'s {features} features per rank; shards "
+                               f"narrower than {MIN_SHARD_COLUMNS} change the CPU GEMM's column bits (measured): "
+                               "choose a smaller tp")
+        if spec.kind in (Shard.COLUMN, Shard.ROW):
+            local_segments(features, tp, name)
+
+
+def _planned_shards(config):
+    """(name, spec, sharded features) of the COLUMN / ROW children the plans of ``config``'s model declare
+    (built on the meta device: no memory); one per distinct (name with layer indices wildcarded, width)."""
+    from rlalign.models.decoder import CausalLM
+    model = CausalLM(config, device="meta")
+    seen = set()
+    for path, module in model.named_modules():
+        for child, spec in getattr(module, "tp_plan", dict)().items():
+            if spec.kind not in (Shard.COLUMN, Shard.ROW):
+                continue
+            linear = getattr(module, child)
+            features = linear.weight.shape[0 if spec.kind is Shard.COLUMN else 1]
+            name = f"{path}.{child}".removeprefix("model.")
+            generic = ".".join(p if not p.isdigit() else "*" for p in name.split("."))
+            if (generic, features) not in seen:
+                seen.add((generic, features))
+                yield name, spec, features
 
 
 def parallelize(model, group: Group):

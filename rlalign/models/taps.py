@@ -31,7 +31,8 @@ import torch
 EMBED = "embed"
 FINAL_NORM = "final_norm"
 LOGPROB = "logprob"
-# Per-layer boundaries, in the order a layer computes them.
+# Per-layer boundaries, in forward order; "residual" is the residual stream after the attention add
+# (post_norm's input); "router"/"routing" exist in sparse (MoE) layers only.
 LAYER_BOUNDARIES = ("input_norm", "q", "k", "v", "attn", "o_proj", "residual", "post_norm", "router", "routing", "mlp")
 MOE_BOUNDARIES = ("router", "routing")
 

@@ -16,8 +16,7 @@ from typing import Sequence
 
 import torch
 
-from rlalign.models.taps import LAYER_BOUNDARIES  # forward order inside a layer
-
+from rlalign.models.taps import EMBED, FINAL_NORM, LAYER_BOUNDARIES, LOGPROB
 from rlalign.parity.capture import Capture, CapturedRows
 
 _BITS = {torch.float32: (torch.int32, 31), torch.bfloat16: (torch.int16, 15), torch.float16: (torch.int16, 15),
@@ -41,7 +40,7 @@ def forward_order(names: Sequence[str]) -> list[str]:
         if layer is not None:
             rank = LAYER_BOUNDARIES.index(boundary) if boundary in LAYER_BOUNDARIES else len(LAYER_BOUNDARIES)
             return (1, layer, rank, appearance[name])
-        group = {"embed": 0, "final_norm": 2, "logprob": 3}.get(name, 4)
+        group = {EMBED: 0, FINAL_NORM: 2, LOGPROB: 3}.get(name, 4)
         return (group, 0, 0, appearance[name])
 
     return sorted(names, key=key)

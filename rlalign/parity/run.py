@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.models.taps import LOGPROB
 from rlalign.parity.capture import prefix_keys
 from rlalign.parity.compare import CaptureComparison, TokenComparison, TokenMismatch, compare_captures, compare_logprobs
 from rlalign.parity.replay import RolloutRecord
@@ -84,8 +85,8 @@ class ParityResult:
         if loc.first_divergence is None:
             # every captured boundary agrees: the difference is made after the final norm (LM head / logprob)
             return {"verdict": loc.verdict, "reason": loc.reason,
-                    "boundary": "logprob" if loc.verdict == "identical" else None,
-                    "layer": None, "op": "logprob" if loc.verdict == "identical" else None}
+                    "boundary": LOGPROB if loc.verdict == "identical" else None,
+                    "layer": None, "op": LOGPROB if loc.verdict == "identical" else None}
         d = loc.first_divergence
         sequence = _sequence_of_key(self.record, d.key)
         return {"verdict": loc.verdict, "boundary": d.name, "layer": d.layer, "op": d.boundary,

@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from rlalign.contract.profiles import as_profile, use_profile
+from rlalign.models.taps import EMBED, FINAL_NORM, layer_tap
 from rlalign.parity.capture import capture, capture_active, note_rows, tap
 from rlalign.parity.replay import RecordedSequence, RolloutRecord
 
@@ -184,17 +185,17 @@ class TransformersTrainer(_ChunkedTrainer):
                 tap(name, rows(args[0]))
             return hook
 
-        hooks = [backbone.embed_tokens.register_forward_hook(out_hook("embed")),
-                 backbone.norm.register_forward_hook(out_hook("final_norm"))]
+        hooks = [backbone.embed_tokens.register_forward_hook(out_hook(EMBED)),
+                 backbone.norm.register_forward_hook(out_hook(FINAL_NORM))]
         for i, layer in enumerate(backbone.layers):
             attn = layer.self_attn
-            hooks += [layer.input_layernorm.register_forward_hook(out_hook(f"layers.{i}.input_norm")),
-                      attn.v_proj.register_forward_hook(out_hook(f"layers.{i}.v")),
-                      attn.o_proj.register_forward_pre_hook(in_hook(f"layers.{i}.attn")),
-                      attn.o_proj.register_forward_hook(out_hook(f"layers.{i}.o_proj")),
-                      layer.post_attention_layernorm.register_forward_pre_hook(in_hook(f"layers.{i}.residual")),
-                      layer.post_attention_layernorm.register_forward_hook(out_hook(f"layers.{i}.post_norm")),
-                      layer.mlp.register_forward_hook(out_hook(f"layers.{i}.mlp"))]
+            hooks += [layer.input_layernorm.register_forward_hook(out_hook(layer_tap(i, "input_norm"))),
+                      attn.v_proj.register_forward_hook(out_hook(layer_tap(i, "v"))),
+                      attn.o_proj.register_forward_pre_hook(in_hook(layer_tap(i, "attn"))),
+                      attn.o_proj.register_forward_hook(out_hook(layer_tap(i, "o_proj"))),
+                      layer.post_attention_layernorm.register_forward_pre_hook(in_hook(layer_tap(i, "residual"))),
+                      layer.post_attention_layernorm.register_forward_hook(out_hook(layer_tap(i, "post_norm"))),
+                      layer.mlp.register_forward_hook(out_hook(layer_tap(i, "mlp")))]
         return hooks
 
 

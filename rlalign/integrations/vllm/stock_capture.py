@@ -19,6 +19,7 @@ import contextlib
 
 import torch
 
+from rlalign.models.taps import EMBED, FINAL_NORM, layer_tap
 from rlalign.parity.capture import RowLayout, capture, prefix_keys
 
 
@@ -38,17 +39,17 @@ def stock_capture(engine, **kwargs):
 def _install(cap, runner, model) -> list:
     backbone = model.model
     hooks = [model.register_forward_pre_hook(lambda mod, args, kwargs: _begin(cap, runner), with_kwargs=True),
-             backbone.embed_tokens.register_forward_hook(_out(cap, "embed")),
-             backbone.norm.register_forward_hook(_out(cap, "final_norm"))]
+             backbone.embed_tokens.register_forward_hook(_out(cap, EMBED)),
+             backbone.norm.register_forward_hook(_out(cap, FINAL_NORM))]
     for i, layer in enumerate(backbone.layers):
         attn = layer.self_attn
         heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        hooks += [layer.input_layernorm.register_forward_hook(_out(cap, f"layers.{i}.input_norm")),
+        hooks += [layer.input_layernorm.register_forward_hook(_out(cap, layer_tap(i, "input_norm"))),
                   attn.attn.register_forward_pre_hook(_qkv(cap, i, heads, kv_heads, dim)),
-                  attn.o_proj.register_forward_pre_hook(_in(cap, f"layers.{i}.attn")),
-                  attn.o_proj.register_forward_hook(_out(cap, f"layers.{i}.o_proj")),
+                  attn.o_proj.register_forward_pre_hook(_in(cap, layer_tap(i, "attn"))),
+                  attn.o_proj.register_forward_hook(_out(cap, layer_tap(i, "o_proj"))),
                   layer.post_attention_layernorm.register_forward_hook(_post_norm(cap, i)),
-                  layer.mlp.register_forward_hook(_out(cap, f"layers.{i}.mlp"))]
+                  layer.mlp.register_forward_hook(_out(cap, layer_tap(i, "mlp")))]
     return hooks
 
 
@@ -93,15 +94,15 @@ def _in(cap, name: str):
 def _qkv(cap, i: int, heads: int, kv_heads: int, dim: int):
     def hook(mod, args):
         q, k, v = args[:3]
-        cap.record(f"layers.{i}.q", q.reshape(q.shape[0], heads, dim))
-        cap.record(f"layers.{i}.k", k.reshape(k.shape[0], kv_heads, dim))
-        cap.record(f"layers.{i}.v", v.reshape(v.shape[0], kv_heads, dim))
+        cap.record(layer_tap(i, "q"), q.reshape(q.shape[0], heads, dim))
+        cap.record(layer_tap(i, "k"), k.reshape(k.shape[0], kv_heads, dim))
+        cap.record(layer_tap(i, "v"), v.reshape(v.shape[0], kv_heads, dim))
     return hook
 
 
 def _post_norm(cap, i: int):
     def hook(mod, args, out):
         normed, residual = out
-        cap.record(f"layers.{i}.residual", residual)
-        cap.record(f"layers.{i}.post_norm", normed)
+        cap.record(layer_tap(i, "residual"), residual)
+        cap.record(layer_tap(i, "post_norm"), normed)
     return hook
