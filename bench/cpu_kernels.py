@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from rlalign.contract.bits import bits_equal  # noqa: E402
 from rlalign.ops.torch_backend import attention as A  # noqa: E402
 from rlalign.ops.torch_backend import clib, elementwise, linear, norm, primitives  # noqa: E402
 
@@ -72,13 +73,14 @@ def cases(gen):
          lambda: linear._blocks(x_mlp, w_down, 8), 30),
         ("linear 1 row 128 -> 384 (few-rows GEMM)", lambda: linear.linear_fp32(x1, w_up, None),
          lambda: linear._blocks(x1, w_up, 1), 200),
-        ("rms_norm 512 x 128", lambda: norm._compiled(x, w_n, 1e-6), lambda: norm.rms_norm_formula(x, w_n, 1e-6),
+        ("rms_norm 512 x 128", lambda: norm.compiled_rms_norm(x, w_n, 1e-6),
+         lambda: norm.rms_norm_formula(x, w_n, 1e-6),
          200),
         ("rope 512 x 4 x 32", lambda: elementwise.rope(q, cos, sin), lambda: elementwise.rope_formula(q, cos, sin),
          200),
         ("silu_mul 512 x 384", lambda: elementwise.silu_mul(gate, up), lambda: elementwise.silu_mul_formula(gate, up),
          200),
-        ("tree_merge 8 x 512 x 128", lambda: primitives._tree_merge_compiled(partials),
+        ("tree_merge 8 x 512 x 128", lambda: primitives.tree_merge_compiled(partials),
          lambda: primitives.tree_merge(list(partials.unbind(0))), 100),
     ]
 
@@ -95,7 +97,7 @@ def main() -> int:
     with torch.no_grad():
         for name, compiled, formula, calls in cases(torch.Generator().manual_seed(0)):
             a, b = compiled(), formula()
-            same = a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+            same = bits_equal(a, b)
             ok &= same
             tc, tf = _time(compiled, calls), _time(formula, calls)
             rows.append({"case": name, "compiled_us": round(tc * 1e6, 1), "formulation_us": round(tf * 1e6, 1),

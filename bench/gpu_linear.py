@@ -9,7 +9,13 @@ rotation of input copies larger than L2; TFLOP/s, GB/s (bytes = W + x + y, the d
 the ratio strict/cuBLAS speed. Also: the canonical K partition (k_segments=8: o_proj, down_proj)
 and a tile-config sweep at M=4096 (every config gives the same bits; this says which is fastest).
 
-    python bench/gpu_linear.py [--out DIR] [--quick]
+Model layers (``--set layers``; rows with ``"kind": "layer"``): each linear of a Qwen3-8B layer
+called as the model calls it -- ``ops.linear(x, W, k_segments=8)`` for o_proj and down_proj, plain
+for q/k/v/gate/up -- against ``F.linear(x, W)`` (what a stock model calls), the same rotation of
+inputs; ``op_vs_flinear`` = F.linear time / ops.linear time (> 1: ours faster). These, not the
+kernel-only ``ratio``, are the figures a model sees.
+
+    python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick]
 
 Writes bench_linear.csv / bench_linear.json to $OUT (or --out, default bench/).
 """
@@ -32,6 +38,9 @@ SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096))
 M_VALUES = (1, 16, 64, 1024, 4096, 16384)
 SEGMENT_SHAPES = ((4096, 4096), (4096, 12288))
 SEGMENT_M = (1, 64, 4096, 16384)
+# a Qwen3-8B decoder layer's linears as rlalign.models calls them: (name, N, K, k_segments)
+MODEL_LAYERS = (("q_proj", 4096, 4096, None), ("k_proj", 1024, 4096, None), ("o_proj", 4096, 4096, 8),
+                ("gate_proj", 12288, 4096, None), ("down_proj", 4096, 12288, 8))
 ROTATE_BYTES = 512 << 20   # each input set rotates through copies totalling at least this
 
 
@@ -112,9 +121,30 @@ def case(m: int, n: int, k: int, segments: int | None = None, config=None) -> di
     return row
 
 
+def layer_row(layer: str, m: int, n: int, k: int, segments: int | None, op_ms: float, flinear_ms: float) -> dict:
+    """One ``--set layers`` row: ops.linear as the model calls it vs F.linear (times in ms)."""
+    return {"kind": "layer", "layer": layer, "M": m, "N": n, "K": k, "k_segments": segments or 1,
+            "op_ms": round(op_ms, 4), "flinear_ms": round(flinear_ms, 4),
+            "op_vs_flinear": round(flinear_ms / op_ms, 3)}
+
+
+def layer_case(layer: str, m: int, n: int, k: int, segments: int | None) -> dict:
+    import torch.nn.functional as F
+    from rlalign import ops
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
+    w_sets = rotating(lambda i: torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16), n * k * 2)
+    x_sets = [torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(len(w_sets))]
+    sets = list(zip(x_sets, w_sets))
+    t_op = timed(lambda x, w: ops.linear(x, w, k_segments=segments), sets)
+    t_flinear = timed(lambda x, w: F.linear(x, w), sets)
+    del w_sets, x_sets, sets
+    torch.cuda.empty_cache()
+    return layer_row(layer, m, n, k, segments, t_op, t_flinear)
+
+
 def target(row: dict) -> float | None:
     """The issue's target ratio for this row (None where it sets none)."""
-    if row.get("sweep") or row["k_segments"] != 1:
+    if row.get("sweep") or row["k_segments"] != 1 or row.get("kind") == "layer":
         return None
     if row["M"] >= 4096:
         return 0.95
@@ -123,11 +153,18 @@ def target(row: dict) -> float | None:
     return None
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="strict linear vs cuBLAS on Qwen3-8B shapes (H200)")
     ap.add_argument("--out")
+    ap.add_argument("--set", default="all", choices=("all", "kernel", "layers"),
+                    help="kernel: the strict kernel and the op per shape (+ k_segments=8), no tile sweep; "
+                         "layers: a Qwen3-8B layer's linears through ops.linear vs F.linear; all: both + the sweep")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
     if not torch.cuda.is_available():
         print("gpu_linear: no CUDA device")
         return 1
@@ -136,6 +173,7 @@ def main() -> int:
     rows = []
     plan = [(m, n, k, None, None, False) for (n, k) in SHAPES for m in M_VALUES]
     plan += [(m, n, k, 8, None, False) for (n, k) in SEGMENT_SHAPES for m in SEGMENT_M]
+    layers = [(name, m, n, k, seg) for (name, n, k, seg) in MODEL_LAYERS for m in M_VALUES]
     sweep = [GemmConfig(128, 256, 8, 3, flatten=True), GemmConfig(128, 256, 8, 3, flatten=False),
              GemmConfig(128, 256, 8, 4, flatten=True), GemmConfig(128, 128, 8, 4, flatten=True),
              GemmConfig(128, 128, 8, 3, flatten=False)]
@@ -143,16 +181,29 @@ def main() -> int:
     seg_sweep = [GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(128, 64, 8, 6),
                  GemmConfig(128, 128, 8, 4, reg_levels=1), GemmConfig(64, 64, 4, 5)]
     plan += [(4096, 4096, 12288, 8, c, True) for c in seg_sweep]
+    if args.set == "kernel":   # per-shape kernel + op rows, no sweep, no model layers
+        plan, layers = [p for p in plan if not p[5]], []
+    elif args.set == "layers":
+        plan = []
     if args.quick:
-        plan = plan[:4]
+        plan, layers = plan[:4], layers[:4]
     t0 = time.time()
+    for name, m, n, k, seg in layers:
+        try:
+            row = layer_case(name, m, n, k, seg)
+        except Exception as exc:  # report and go on
+            row = {"kind": "layer", "layer": name, "M": m, "N": n, "K": k, "k_segments": seg or 1,
+                   "error": repr(exc)[:300]}
+            traceback.print_exc()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     for m, n, k, seg, cfg, is_sweep in plan:
         try:
             row = case(m, n, k, seg, cfg)
         except Exception as exc:  # report and go on
             row = {"M": m, "N": n, "K": k, "k_segments": seg or 1, "error": repr(exc)[:300]}
             traceback.print_exc()
-        row["sweep"] = is_sweep
+        row["kind"], row["sweep"] = "shape", is_sweep
         row["target"] = target(row) if "error" not in row else None
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -161,6 +212,10 @@ def main() -> int:
     for r in rows:
         if "error" in r:
             print(f"{r['M']:>6} {r['N']:>7} {r['K']:>6} {r['k_segments']:>3} ERROR {r['error'][:60]}")
+            continue
+        if r["kind"] == "layer":
+            print(f"{r['M']:>6} {r['N']:>7} {r['K']:>6} {r['k_segments']:>3} {r['layer']:>22} "
+                  f"ops.linear {r['op_ms']} ms, F.linear {r['flinear_ms']} ms -> {r['op_vs_flinear']}")
             continue
         print(f"{r['M']:>6} {r['N']:>7} {r['K']:>6} {r['k_segments']:>3} {r['config']:>22} "
               f"{r['strict_tflops']:>9} {r['cublas_tflops']:>9} {r['ratio']:>6} {r.get('op_ratio', '-'):>8} "

@@ -6,6 +6,9 @@ its peak is the fp32 logits plus the fp32 log-probs, 18.5 GiB). Ours: the fused 
 (no [T, V] tensor). Median time (do_bench) and peak extra memory (max_memory_allocated during the
 call minus what was allocated before it). Targets: time <= 1.1x naive, memory <= 1/10 naive.
 Info rows: ours with entropy, forward + backward for both.
+"ours ..." rows time the Triton kernel alone; the "op ..." rows time the public op
+``ops.logprob_entropy`` as the trainer calls it (input checks, dispatch, kernel) under no_grad --
+the figure a model sees.
 
     python bench/gpu_logprob.py [--out DIR] [--tokens 16384]
 
@@ -27,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_linear import write  # noqa: E402
 
 H, V = 4096, 151936
+OP_CASE = "op logprob"                    # ops.logprob_entropy(..., with_entropy=False), forward
+OP_ENTROPY_CASE = "op logprob+entropy"
 
 
 def measure(fn) -> tuple[float, float]:
@@ -44,11 +49,15 @@ def measure(fn) -> tuple[float, float]:
     return ms, peak
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="fused strict logprob vs naive log_softmax (H200)")
     ap.add_argument("--out")
     ap.add_argument("--tokens", type=int, default=16384)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
     if not torch.cuda.is_available():
         print("gpu_logprob: no CUDA device")
         return 1
@@ -64,6 +73,10 @@ def main() -> int:
     def naive():
         return torch.log_softmax((h @ w.T).float(), -1).gather(1, tgt[:, None])
 
+    def op(with_entropy: bool):
+        with torch.no_grad():
+            return ops.logprob_entropy(h, w, tgt, with_entropy=with_entropy)
+
     def naive_train():
         hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
         torch.log_softmax((hh @ ww.T).float(), -1).gather(1, tgt[:, None]).sum().backward()
@@ -76,6 +89,8 @@ def main() -> int:
     plan = [("naive logprob", naive),
             ("ours logprob", lambda: L.forward_stats(h, w, tgt, 1.0, False)),
             ("ours logprob+entropy", lambda: L.forward_stats(h, w, tgt, 1.0, True)),
+            (OP_CASE, lambda: op(False)),
+            (OP_ENTROPY_CASE, lambda: op(True)),
             ("naive fwd+bwd", naive_train),
             ("ours fwd+bwd (lp+ent)", ours_train)]
     rows, t0, ref = [], time.time(), {}

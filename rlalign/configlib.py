@@ -4,16 +4,23 @@
 instance. An unknown key fails with the nearest valid names; a value of the wrong type names the
 field and the type it wants. Values in overrides are parsed as YAML scalars (``0.01``, ``true``,
 ``null``, ``[1, 2]``).
+
+Value rules: a config dataclass declares ``CHECKS: ClassVar[dict[str, Rule]]``, one :class:`Rule`
+per field, next to its fields. :func:`build` applies them after the types are checked, so every
+bad value fails at load with the key and the allowed range (``run.checkpoint_every must be an
+integer >= 1, got 0``). Each rule also lists values it refuses (``Rule.bad``), which the tests
+walk field by field. Rules that need two fields go in the dataclass's ``validate()``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -24,7 +31,74 @@ class ConfigError(RLAlignError, ValueError):
     """A config file or override is wrong; the message names the key and the fix."""
 
 
-def load_config(schema: type, path: "str | Path | None" = None, overrides: "list[str] | None" = None):
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A field's allowed values: ``allows(value)``; ``describe`` completes "KEY must be ..."."""
+    describe: str
+    allows: Callable[[Any], bool]
+    bad: tuple = ()             # values the rule refuses (the tests feed each one)
+    optional: bool = False      # None is allowed too
+
+    def problem(self, key: str, value: Any) -> "str | None":
+        if value is None and self.optional:
+            return None
+        if self.allows(value):
+            return None
+        return f"{key} must be {self.describe}{' (or null)' if self.optional else ''}, got {value!r}"
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def at_least(low, *, optional=False, what="an integer") -> Rule:
+    return Rule(f"{what} >= {low}", lambda x: _number(x) and x >= low,
+                (low - 1, float("nan")) if what != "an integer" else (low - 1,), optional)
+
+
+def greater_than(low, *, optional=False) -> Rule:
+    return Rule(f"a finite number > {low}", lambda x: _number(x) and x > low,
+                (low, low - 1.0, float("nan"), float("inf")), optional)
+
+
+def within(low, high, *, low_open=False, high_open=False, optional=False) -> Rule:
+    lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+
+    def allows(x):
+        return _number(x) and (x > low if low_open else x >= low) and (x < high if high_open else x <= high)
+    bad = (low - 1.0, high + 1.0, float("nan")) + ((low,) if low_open else ()) + ((high,) if high_open else ())
+    return Rule(f"a number in {lo}{low}, {high}{hi}", allows, bad, optional)
+
+
+def one_of(*choices, optional=False) -> Rule:
+    names = [str(c) for c in choices]
+    listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+    return Rule(listed, lambda x: x in choices, ("bogus",), optional)
+
+
+def non_empty(what="a non-empty string", *, optional=False, bad=("", "  ")) -> Rule:
+    return Rule(what, lambda x: isinstance(x, str) and bool(x.strip()), bad, optional)
+
+
+def checked_by_type(kind: str, bad=("bogus",)) -> Rule:
+    """A bool or Literal field: its type already admits only the allowed values."""
+    return Rule(kind, lambda x: True, bad)
+
+
+def pair_within(low, high) -> Rule:
+    return Rule(f"two numbers in [{low}, {high})",
+                lambda x: isinstance(x, (list, tuple)) and len(x) == 2 and all(_number(v) and low <= v < high for v in x),
+                ([0.9], [0.9, 0.99, 0.999], [0.9, 1.0], [-0.1, 0.99], [0.9, float("nan")]))
+
+
+def load_config(schema: type, path: "str | Path | None" = None, overrides: "list[str] | None" = None,
+                base: "dict | None" = None):
+    """``base`` (a mapping of sections, e.g. a run's saved config.yaml) under the file under the overrides."""
+    return build(schema, merge(base or {}, load_raw(path, overrides)), prefix="")
+
+
+def load_raw(path: "str | Path | None" = None, overrides: "list[str] | None" = None) -> dict:
+    """The nested mapping the file and the overrides spell out (unvalidated; only the keys given)."""
     raw: dict = {}
     if path is not None:
         raw = _read_yaml(Path(path))
@@ -37,14 +111,77 @@ def load_config(schema: type, path: "str | Path | None" = None, overrides: "list
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: cannot parse value ({exc.__class__.__name__})") from None
         _set_dotted(raw, key.strip(), parsed)
-    return build(schema, raw, prefix="")
+    return raw
+
+
+def merge(base: dict, top: dict) -> dict:
+    """``top`` over ``base``, section by section (a new dict; neither input changes)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def flatten(obj, prefix: str = "") -> dict:
+    """A dataclass instance (or nested mapping) as ``{"section.key": value}``."""
+    items = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    out = {}
+    for key, value in items.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def field_help(schema: type) -> dict[str, str]:
+    """``{field name: one-line meaning}`` of a dataclass, read from the comment that ends the field's
+    line in its source (``steps: int = 120   # optimizer steps``): the comment is the one place the
+    meaning is written. Fields without a comment are absent."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    try:
+        source = textwrap.dedent(inspect.getsource(schema))
+    except (OSError, TypeError):
+        return {}
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    out = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.end_lineno in comments:
+            out[node.target.id] = comments[node.end_lineno]
+    return out
+
+
+def describe(schema: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(section.key, default, meaning)`` for every leaf field of a nested dataclass schema."""
+    rows = []
+    helps = field_help(schema)
+    hints = typing.get_type_hints(schema)
+    instance = schema()
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            rows.append((prefix + f.name, yaml.safe_dump(getattr(instance, f.name), default_flow_style=True)
+                         .strip().removesuffix("...").strip(), helps.get(f.name, "")))
+    return rows
 
 
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                          "save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -79,6 +216,10 @@ def build(schema: type, raw: dict, prefix: str):
         obj = schema(**kwargs)
     except TypeError as exc:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from None
+    for name, rule in getattr(schema, "CHECKS", {}).items():
+        problem = rule.problem(prefix + name, getattr(obj, name))
+        if problem:
+            raise ConfigError(problem)
     validate = getattr(obj, "validate", None)
     if validate:
         problem = validate()

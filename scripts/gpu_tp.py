@@ -46,7 +46,7 @@ from rlalign.distributed.launch import Group  # noqa: E402
 from rlalign.models import ForwardBatch  # noqa: E402
 from rlalign.models.config import ModelConfig  # noqa: E402
 from rlalign.models.decoder import CausalLM  # noqa: E402
-from rlalign.rollout.benchmark import PRESETS  # noqa: E402
+from rlalign.bench.rollout import PRESETS  # noqa: E402
 
 SMOKE_SHAPE = dict(PRESETS["qwen3-8b"], vocab_size=3000, hidden_size=128, intermediate_size=256,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_hidden_layers=2)

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from rlalign.models import load_model, save_model
-from rlalign.models.moe import upcycle
+from rlalign.models.upcycle import upcycle
 
 DEFAULT = Path(__file__).resolve().parents[1] / "rlalign" / "assets" / "default_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

@@ -21,7 +21,7 @@ import torch
 from rlalign.models.checkpoint import save_model
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
-from rlalign.rollout.benchmark import PRESETS
+from rlalign.bench.rollout import PRESETS
 from rlalign.train.setup import DEFAULT_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

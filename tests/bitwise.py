@@ -1,34 +1,21 @@
-"""Bitwise comparison helpers: on a failure, say where the first differing element is."""
+"""Test helpers over rlalign.contract.bits (the one bit-equality definition): on a failure, say where the first
+differing element is."""
 
 from __future__ import annotations
 
 import torch
 
+from rlalign.contract.bits import bits_equal, describe_difference
+
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
-    if a.shape != b.shape:
-        return f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
-    if a.dtype != b.dtype:
-        return f"dtypes differ: {a.dtype} vs {b.dtype}"
-    ai, bi = _bits(a), _bits(b)
-    diff = (ai != bi).nonzero()
-    if diff.numel() == 0:
-        return "identical"
-    idx = tuple(diff[0].tolist())
-    return (f"{diff.shape[0]} of {a.numel()} elements differ; first at index {idx}: "
-            f"{a[idx].item()!r} vs {b[idx].item()!r}")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-            torch.float64: torch.int64}.get(t.dtype)
-    return t.view(view) if view is not None else t
+    """One line: "identical", the shape/dtype mismatch, or the count and the first differing index and values."""
+    return describe_difference(a, b)
 
 
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    """torch.equal on raw bits (so -0.0 != +0.0 and NaN payloads count); verbose on failure."""
-    if a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)):
+    """Raw-bit equality (rlalign.contract.bits: -0.0 != +0.0, NaN payloads count); verbose on failure."""
+    if bits_equal(a, b):
         return
     raise AssertionError(f"{what + ': ' if what else ''}not bitwise equal: {first_difference(a, b)}")
 

@@ -2,7 +2,7 @@ import json
 import subprocess
 import sys
 
-from rlalign.contract import doctor
+from rlalign import doctor
 
 
 def test_doctor_json_is_green_on_this_machine():

@@ -1,5 +1,6 @@
 """RL algorithms as pure torch functions: advantages, policy losses, KL, aggregation, DAPO
-filters and train/rollout mismatch corrections.
+filters, train/rollout mismatch corrections and the value loss; :mod:`rlalign.algos.registry`
+names them and declares each one's config keys.
 
 Shapes (see :mod:`rlalign.algos._segments`): per-token tensors are flat ``[T]`` (packed
 sequences) with ``seq_ids`` ``[T]`` (int64 index of the token's sequence in ``[0, N)``) and a bool
@@ -38,9 +39,20 @@ from rlalign.algos.mismatch import (
     token_tis,
 )
 from rlalign.algos.policy_loss import PolicyLossOutput, cispo_loss, gspo_loss, ppo_clip_loss
+from rlalign.algos.registry import (
+    ADVANTAGES,
+    KL_ESTIMATOR_REGISTRY,
+    MISMATCH_CORRECTIONS,
+    POLICY_LOSSES,
+    AdvantageInputs,
+    Algorithm,
+    refused_setting,
+)
+from rlalign.algos.value import value_loss
 
 __all__ = [
-    "AGGREGATION_MODES", "KL_ESTIMATORS", "Correction", "PolicyLossOutput",
+    "ADVANTAGES", "AGGREGATION_MODES", "KL_ESTIMATORS", "KL_ESTIMATOR_REGISTRY", "MISMATCH_CORRECTIONS",
+    "POLICY_LOSSES", "AdvantageInputs", "Algorithm", "Correction", "PolicyLossOutput", "refused_setting", "value_loss",
     "aggregate_loss", "batch_counts", "cispo_loss", "discounted_returns", "entropy_bonus",
     "expand_to_tokens", "first_groups", "gae_advantages", "groups_to_draw", "grpo_advantages",
     "gspo_loss", "informative_groups", "kl_estimate", "kl_k1", "kl_k2", "kl_k3", "kl_loss",

@@ -17,7 +17,6 @@ import torch
 
 from rlalign.algos import _segments as S
 
-ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -37,6 +36,10 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_r) - log_r - 1.0
 
 
+ESTIMATOR_FUNCTIONS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}   # name -> fn(logprobs, ref_logprobs)
+ESTIMATORS = tuple(ESTIMATOR_FUNCTIONS)
+
+
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3", *,
                 clamp: float | None = None) -> torch.Tensor:
     """Per-token KL(pi || ref) by ``estimator`` ('k1' | 'k2' | 'k3'), elementwise, any shape.
@@ -49,7 +52,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if logprobs.shape != ref_logprobs.shape:
         raise S.fail("kl_estimate", f"shapes differ: logprobs {tuple(logprobs.shape)} vs "
                                     f"ref_logprobs {tuple(ref_logprobs.shape)}")
-    kl = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logprobs, ref_logprobs)
+    kl = ESTIMATOR_FUNCTIONS[estimator](logprobs, ref_logprobs)
     return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 

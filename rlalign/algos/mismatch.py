@@ -24,6 +24,7 @@ import torch
 
 from rlalign.algos import _segments as S
 from rlalign.algos.kl import kl_k3
+from rlalign.contract.bits import differing
 
 SEQ_RATIOS = ("product", "geometric")
 _MAX_LOG = 80.0
@@ -164,18 +165,13 @@ def sequence_mis(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mas
     return Correction(_weights(torch.ones_like(log_rho), keep, old_logprobs.dtype), keep, stats)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    view = {torch.float32: torch.int32, torch.float64: torch.int64,
-            torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype]
-    return t.contiguous().view(view)
-
-
 def logprob_mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                            mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Compare two log-prob tensors token by token over ``mask``.
 
     Keys: ``tokens`` (masked-in tokens compared), ``count`` (tokens whose raw bits differ,
-    so -0.0 vs +0.0 counts), ``max_abs`` and ``mean_abs`` of ``|trainer - rollout|`` (float64),
+    :mod:`rlalign.contract.bits`, so -0.0 vs +0.0 counts), ``max_abs`` and ``mean_abs`` of
+    ``|trainer - rollout|`` (float64),
     ``kl_k3`` (mean over tokens of ``exp(d) - d - 1``, ``d = trainer - rollout``: k3 estimate of
     KL(rollout || trainer)). Both tensors must have the same dtype.
     """
@@ -185,7 +181,7 @@ def logprob_mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: tor
     if trainer_logprobs.dtype != rollout_logprobs.dtype:
         raise S.fail(fn, f"dtypes differ: {trainer_logprobs.dtype} vs {rollout_logprobs.dtype}")
     a, b = trainer_logprobs.detach(), rollout_logprobs.detach()
-    differ = _bits(a) != _bits(b)
+    differ = differing(a, b)
     d = a.double() - b.double()
     d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
     abs_d = d.abs()

@@ -1,23 +1,22 @@
 """``rlalign bench BENCHMARK [options]``: the project's benchmarks, one sub-command each.
 
-Add a benchmark by adding ``name: module`` to ``BENCHMARKS``; the module provides ``HELP``,
-``add_arguments(parser)`` and ``run_cli(args) -> int`` and imports its heavy dependencies lazily.
+Add a benchmark by adding ``name: module`` to ``BENCHMARKS`` (a module of :mod:`rlalign.bench`); the module
+provides ``HELP``, ``add_arguments(parser)`` and ``run_cli(args) -> int``.
 """
 
 from __future__ import annotations
 
-import importlib
+from rlalign.bench import rollout
 
 BENCHMARKS = {
-    "rollout": "rlalign.rollout.benchmark",
+    "rollout": rollout,
 }
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="run a benchmark (rollout, ...)")
     choices = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
-    for name, module_name in BENCHMARKS.items():
-        module = importlib.import_module(module_name)
+    for name, module in BENCHMARKS.items():
         sub = choices.add_parser(name, help=module.HELP, description=module.__doc__.split("\n\n")[0])
         module.add_arguments(sub)
         sub.set_defaults(func=module.run_cli)

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Console
+from rich.table import Table
+
+from rlalign.cli._device import DeviceUnavailable, require_device
+from rlalign.doctor import environment, run_checks
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="check every strict-profile invariance on this machine")
@@ -14,12 +20,16 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from rlalign.contract.doctor import environment, run_checks
-
+    try:
+        require_device(args.device)
+    except DeviceUnavailable as exc:
+        if not args.json:
+            raise
+        print(json.dumps({"ok": False, "device": args.device, "error": str(exc), "checks": []}))
+        return 2
     if args.json:
         results, seed = run_checks(args.device, args.seed)
     else:
-        from rich.console import Console
         console = Console(stderr=True)
         with console.status("checking") as status:
             results, seed = run_checks(args.device, args.seed, progress=lambda m: status.update(f"checking {m}"))
@@ -34,9 +44,6 @@ def run(args) -> int:
 
 
 def _print_table(results, env, seed, ok, device) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"rlalign doctor --device {device}  (seed {seed})")
     for col in ("op", "invariance", "result", "time"):
         table.add_column(col)

@@ -16,6 +16,12 @@ import argparse
 import json
 import sys
 
+from rlalign.cli._device import require_device
+from rlalign.contract import use_profile
+from rlalign.contract.errors import RLAlignError
+from rlalign.models import load_model, load_tokenizer
+from rlalign.rollout.completions import generate_completions
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("generate", help="sample completions from a local checkpoint directory",
@@ -44,26 +50,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def run(args: argparse.Namespace) -> int:
-    from rlalign.contract import use_profile
-    from rlalign.contract.errors import RLAlignError
-    from rlalign.models import load_model, load_tokenizer
-    from rlalign.rollout.completions import generate_completions as generate
+def _check_request(model, tokenizer, args) -> None:
+    """What ``rlalign train`` refuses for its prompts, refused here too: no EOS, no room for the completion."""
+    if not (tokenizer.eos_token_ids or model.config.eos_token_ids):
+        raise RLAlignError(f"{args.model}: no eos token (tokenizer_config.json eos_token or config.json eos_token_id); "
+                           "completions could never stop")
+    limit = model.config.max_position_embeddings
+    for prompt in args.prompt:
+        length = len(tokenizer.encode(prompt, chat=args.chat))
+        if length + args.max_new_tokens > limit:
+            raise RLAlignError(f"prompt {prompt[:40]!r} is {length} tokens; with --max-new-tokens {args.max_new_tokens} "
+                               f"it exceeds the model's {limit} positions (max_position_embeddings); shorten it")
 
+
+def run(args: argparse.Namespace) -> int:
     try:
+        require_device(args.device)
         model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
         tokenizer = load_tokenizer(args.model)
+        _check_request(model, tokenizer, args)
         with use_profile(args.profile):
-            completions = generate(model, args.prompt, tokenizer=tokenizer, n=args.n,
-                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=args.chat,
-                                   page_size=args.page_size)
+            completions = generate_completions(model, args.prompt, tokenizer=tokenizer, n=args.n,
+                                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=args.chat,
+                                               page_size=args.page_size)
     except (RLAlignError, ValueError) as exc:  # one line, exit 2, as rlalign.cli.main does
         print(f"rlalign generate: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"completions": [
-            {"prompt": c.prompt, "sample": c.sample, "tokens": c.tokens, "text": c.text, "logprobs": c.logprobs}
+            {"prompt": c.prompt, "sample": c.sample_index, "tokens": c.tokens, "text": c.text, "logprobs": c.logprobs}
             for c in completions]}))
     else:
         for c in completions:
@@ -72,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_completion(c, tokenizer) -> None:
-    print(f"=== prompt {c.prompt_index} sample {c.sample} ({len(c.tokens)} tokens, finish: {c.finish_reason})")
+    print(f"=== prompt {c.prompt_index} sample {c.sample_index} ({len(c.tokens)} tokens, finish: {c.finish_reason})")
     print(f"prompt: {c.prompt!r}")
     print(f"text:   {c.text!r}")
     pieces = [f"{tok}:{tokenizer.decode([tok], skip_special_tokens=False)!r}:{lp:.6f}"

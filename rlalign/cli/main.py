@@ -7,13 +7,14 @@ import importlib
 import sys
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.version import __version__
 
-COMMANDS = ("train", "generate", "parity", "report", "bench", "doctor", "pretrain")
+COMMANDS = ("train", "generate", "parity", "report", "export", "bench", "doctor", "pretrain")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlalign", description="RL post-training with bit-identical rollout and training log-probs")
-    parser.add_argument("--version", action="version", version=f"rlalign {__import__('rlalign').__version__}")
+    parser.add_argument("--version", action="version", version=f"rlalign {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -40,6 +41,23 @@ def main(argv: list[str] | None = None) -> int:
     except RLAlignError as exc:
         print(f"rlalign {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:   # disk full, read-only filesystem, permissions: the environment, not a bug
+        print(f"rlalign {args.command}: error: {os_error_line(exc)}{_RESUME_HINT.get(args.command, '')}",
+              file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:
+        print(f"rlalign {args.command}: error: a file is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+              "save it as UTF-8", file=sys.stderr)
+        return 2
+
+
+_RESUME_HINT = {"train": "; the last checkpoint is intact: fix this and continue with run.resume=true"}
+
+
+def os_error_line(exc: OSError) -> str:
+    """``No space left on device: /runs/x/metrics.jsonl`` (strerror and the file(s) involved)."""
+    where = ", ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+    return (exc.strerror or str(exc) or exc.__class__.__name__) + (f": {where}" if where else "")
 
 
 if __name__ == "__main__":

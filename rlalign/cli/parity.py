@@ -4,17 +4,30 @@ compare every token's logprob bitwise; exit 0 iff zero mismatches (1 otherwise, 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+import rlalign.integrations  # noqa: F401  (registers the parity sides --rollout vllm, --train transformers)
+from rlalign.cli._device import require_device
+from rlalign.models.checkpoint import CheckpointError
+from rlalign.parity.report import localized_sentence, write_report
+from rlalign.parity.run import ParityError, ParityOptions, run_parity
+from rlalign.parity.sides import ROLLOUT_SIDES, TRAINER_SIDES
+from rlalign.parity.tp import parse_degrees
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("parity", help="compare rollout and training logprobs bit for bit",
                               description=__doc__)
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (the embedded model)")
-    p.add_argument("--rollout", default="rlalign", choices=["rlalign", "vllm"],
+    p.add_argument("--rollout", default="rlalign", choices=sorted(ROLLOUT_SIDES),
                    help="rollout side: rlalign's engine, or vLLM (needs the vllm extra; docs/vllm.md)")
     p.add_argument("--vllm-plugin", default="on", choices=["on", "off"],
                    help="--rollout vllm: run vLLM with rlalign's plugin (strict ops) or stock (the baseline)")
-    p.add_argument("--train", default="rlalign", choices=["rlalign", "transformers"],
+    p.add_argument("--train", default="rlalign", choices=sorted(TRAINER_SIDES),
                    help="training side: rlalign's trainer forward, or a Hugging Face model (patched in strict, "
                         "stock transformers in native)")
     p.add_argument("--prompts", type=int, default=4, help="number of prompts")
@@ -40,7 +53,6 @@ def register(subparsers) -> None:
 
 
 def options_from_args(args):
-    from rlalign.parity.run import ParityOptions
     return ParityOptions(model=args.model, rollout=args.rollout, train=args.train, prompts=args.prompts,
                          samples=args.samples, max_new_tokens=args.max_new_tokens, profile=args.profile,
                          localize=args.localize, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -49,23 +61,32 @@ def options_from_args(args):
                          vllm_plugin=args.vllm_plugin == "on")
 
 
+def _require_writable(folder: str) -> None:
+    """Fail before the comparison runs, not after, when --report cannot be written."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ParityError(f"--report {folder}: cannot create it ({exc.strerror})") from None
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise ParityError(f"--report {folder}: not a writable directory; choose another --report")
+
+
 def _tp_degrees(text: str | None) -> tuple[int, ...]:
     if text is None:
         return ()
-    from rlalign.distributed.parity import parse_degrees
     return parse_degrees(text)
 
 
 def run(args) -> int:
-    from rlalign.models.checkpoint import CheckpointError
-    from rlalign.parity.run import ParityError, run_parity
-
+    require_device(args.device)
+    if args.report:
+        _require_writable(args.report)
     try:
         result = run_parity(options_from_args(args))
     except CheckpointError as exc:
         raise ParityError(str(exc)) from None
     if args.report:
-        from rlalign.parity.report import write_report
         write_report(result, args.report)
     if args.json:
         print(json.dumps(result.summary()))
@@ -75,11 +96,6 @@ def run(args) -> int:
 
 
 def _print(result, report_dir) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from rlalign.parity.report import _localized_sentence
-
     console = Console(soft_wrap=True)
     d, t = result.details(), result.tokens
     plugin = (d["environment"] or {}).get("vllm_plugin")
@@ -93,7 +109,7 @@ def _print(result, report_dir) -> None:
         console.print(f"  first divergence: sequence {first['sequence']} position {first['position']} token "
                       f"{first['token']}: rollout {first['rollout_logprob']!r} vs train {first['train_logprob']!r}")
         if first.get("localized"):
-            console.print("  " + _localized_sentence(first["localized"]))
+            console.print("  " + localized_sentence(first["localized"]))
     if result.localization is not None:
         table = Table(title=f"boundaries ({result.localization.verdict})")
         for col in ("boundary", "rows", "differ", "max ulp", "note"):

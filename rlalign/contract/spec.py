@@ -25,6 +25,9 @@ ATTN_Q_TILE = 16
 # block, then blocks folded left to right). User chunk sizes are rounded to multiples of these.
 VOCAB_BLOCK = 1024
 TOKEN_BLOCK = ROW_BLOCK
+# Default chunk sizes of the fused logprob (multiples of TOKEN_BLOCK / VOCAB_BLOCK: they set memory, not bits).
+DEFAULT_TOKEN_CHUNK = 1024
+DEFAULT_VOCAB_CHUNK = 8192
 # RMSNorm epsilon is the model's; the reduction is a balanced tree over the hidden dim.
 
 STRICT_DTYPES = ("float32", "bfloat16")
@@ -46,7 +49,8 @@ CONTRACT: tuple[OpContract, ...] = (
     OpContract(
         "linear", "K (input features) of each output element",
         f"rows issued in blocks of exactly {ROW_BLOCK} (zero padded); K not split; no split-K, no atomics",
-        "K order fixed by the GEMM kernel for the fixed block shape; independent of M",
+        "K order fixed per (K, N): the fixed-shape tile's where it is row invariant on the machine (checked per "
+        "shape), else (CPU) one increasing-order fp32 FMA chain per output, compiled; independent of M",
         "inputs upcast to fp32 (bf16 products are exact in fp32); fp32 accumulation",
         "one rounding to the input dtype after bias add (bias added in fp32)",
         "fp32 GEMM on a fixed-shape tile",
@@ -96,7 +100,7 @@ CONTRACT: tuple[OpContract, ...] = (
         "logprob / entropy", "vocab (log-sum-exp, expected logit)",
         f"tokens in blocks of {TOKEN_BLOCK}, vocab in blocks of {VOCAB_BLOCK}; chunk sizes are multiples of these and only set memory",
         "per vocab block: max, tree sum of exp(z - max); blocks folded left to right with online rescaling",
-        "logits in fp32 (fp32 GEMM), divided by temperature in fp32; all statistics fp32",
+        "logits in fp32 (fp32 GEMM), divided by temperature in fp32 (IEEE division by fp32(T), skipped at T = 1: the one temperature rule, rlalign/ops/temperature.py); all statistics fp32",
         "outputs fp32; the [tokens, vocab] logits are never materialised (peak extra O(token_chunk x vocab_chunk))",
         "fp32 GEMM on fixed-shape tiles, exp, log, max",
         "number of tokens, token position, token/vocab chunk sizes",
@@ -104,7 +108,7 @@ CONTRACT: tuple[OpContract, ...] = (
     OpContract(
         "sample", "vocab (argmax of perturbed logits)",
         "whole vocab", "argmax; ties broken by the lowest token id",
-        "fp32 logits / temperature + Gumbel noise from a counter-based hash RNG keyed by (seed, sequence id, position, token id)",
+        "fp32 logits / temperature (the same rule; temperature 0 = greedy, argmax of the raw logits) + Gumbel noise from a counter-based hash RNG keyed by (seed, sequence id, position, token id); a rollout scores the token it samples with logprob / entropy at the sampling temperature (1 when greedy) through one owner, ops.sample_and_score",
         "-", "64-bit integer hash (splitmix64), fp32 log", "batch composition: the token depends on (seed, sequence id, position) and the row's logits only",
     ),
     OpContract(
@@ -142,7 +146,10 @@ def cpu_backend_assumptions() -> tuple[str, ...]:
     """What the torch backend on the CPU relies on; ``rlalign doctor`` checks exactly these."""
     return (
         f"A fp32 GEMM `a @ b.T` of a fixed shape ({ROW_BLOCK} x K) x (K x N) gives each row the same bits "
-        "wherever the row sits in the block and whatever the other rows hold.",
+        "wherever the row sits in the block and whatever the other rows hold -- not for every shape (MKL "
+        "breaks it for N = 1 and for narrow N with odd K), so it is checked per (K, N) and thread count at "
+        "first use; the shapes that fail run the compiled GEMM kernel for every row instead (row invariant "
+        "by construction), or the op raises where the kernels are not built.",
         "The same GEMM gives each column the same bits whatever N is and wherever the column sits "
         "(so vocab chunks and tensor-parallel column shards agree).",
         f"A batched fp32 GEMM of fixed per-item shapes ({ATTN_Q_TILE} x D) x (D x {ATTN_KV_BLOCK}) and "
@@ -162,7 +169,9 @@ def cpu_backend_assumptions() -> tuple[str, ...]:
         "The compiled CPU kernels (rlalign/ops/torch_backend/csrc: attention, RMSNorm, RoPE, the SwiGLU "
         "product, the K-partition merge) give the torch formulation's bits: they perform its operations in "
         "its order (q.k and p.v as increasing-order FMA chains from 0, which is what 3. computes here), call "
-        "torch for exp and sqrt, and are used for a head_dim only after reproducing the formulation on it.",
+        "torch for exp and sqrt, and are used for a head_dim only after reproducing the formulation on it. "
+        "The GEMM kernel stands in for the linear's tiles where they reproduce it (checked per shape), and is "
+        "the linear's definition for the shapes where 1. fails.",
     )
 
 

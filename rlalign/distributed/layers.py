@@ -38,9 +38,18 @@ from rlalign.ops.torch_backend.primitives import tree_sum
 
 
 # The column-parallel forward relies on a GEMM column's bits not depending on N (doctor-checked at
-# 1024 columns). On the 2-core CI CPU (torch 2.13, oneDNN/MKL) it holds for slices of >= 12 columns
-# and fails below (another micro-kernel); column shards must be at least this wide.
+# 1024 columns). The CPU GEMM switches micro-kernel for narrow slices, where it fails (the measured
+# threshold is in docs/LOG.md); column shards must be at least this wide.
 MIN_SHARD_COLUMNS = 16
+
+
+def check_column_shard(features: int, tp: int, name: str) -> None:
+    """A column-parallel linear's ``features`` outputs split over ``tp`` ranks: equal, and wide enough."""
+    if features % tp:
+        raise RLAlignError(f"{name}: {features} output features are not divisible by tp={tp}")
+    if tp > 1 and features // tp < MIN_SHARD_COLUMNS:
+        raise RLAlignError(f"{name}: tp={tp} leaves {features // tp} output features per rank; shards narrower than "
+                           f"{MIN_SHARD_COLUMNS} change the CPU GEMM's column bits (measured), choose a smaller tp")
 
 
 def local_segments(features: int, tp: int, what: str) -> int:
@@ -108,12 +117,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear: nn.Module, group: Group, name: str):
         super().__init__()
         n = linear.weight.shape[0]
-        if n % group.size:
-            raise RLAlignError(f"{name}: {n} output features are not divisible by tp={group.size}")
-        if group.size > 1 and n // group.size < MIN_SHARD_COLUMNS:
-            raise RLAlignError(f"{name}: tp={group.size} leaves {n // group.size} output features per rank; shards "
-                               f"narrower than {MIN_SHARD_COLUMNS} change the CPU GEMM's column bits (measured), "
-                               "choose a smaller tp")
+        check_column_shard(n, group.size, name)
         self.dx_segments = local_segments(n, group.size, name)
         self.group = group
         self.weight = _shard(linear.weight, 0, group)
@@ -189,4 +193,4 @@ class HeadGroupedRMSNorm(nn.Module):
                          dim=1)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "HeadGroupedRMSNorm", "local_segments"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "HeadGroupedRMSNorm", "local_segments", "check_column_shard"]

@@ -1,6 +1,6 @@
 """parallelize(model, tp): shard a CausalLM in place for tensor parallelism (Megatron layout).
 
-The model's modules declare how their weights shard (``tp_plan``, :mod:`rlalign.models.sharding`);
+The model's modules declare how their weights shard (``tp_plan``, :mod:`rlalign.contract.sharding`);
 this module only obeys the plans, in module order: a COLUMN child becomes a
 :class:`ColumnParallelLinear`, ROW a :class:`RowParallelLinear` (canonical K partition), HEAD_GROUPED
 a :class:`HeadGroupedRMSNorm`, VOCAB the vocab-parallel LM head (:mod:`.vocab_head`; with untied
@@ -22,46 +22,42 @@ import torch
 from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.collectives import gather_ranks_varlen
 from rlalign.distributed.launch import Group
-from rlalign.distributed.layers import (MIN_SHARD_COLUMNS, ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear,
+from rlalign.distributed.layers import (ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear, check_column_shard,
                                        local_segments)
 from rlalign.distributed.vocab_head import VocabParallelHead
-from rlalign.models.sharding import Shard, ShardSpec
+from rlalign.contract.sharding import Shard, ShardSpec
 
 SUPPORTED_TP = (1, 2, 4, 8)
 
 
-def check_tp(config, tp: int) -> None:
-    """Raise a one-line error when ``config``'s shapes cannot be split over ``tp`` ranks."""
+def check_tp(config, tp: int, model=None) -> None:
+    """Raise a one-line error when ``config``'s shapes cannot be split over ``tp`` ranks. With ``model`` (any
+    model of that config, e.g. on the meta device), also every planned shard's width; without, those are
+    checked when :func:`parallelize` builds the shards (same messages)."""
     if tp not in SUPPORTED_TP:
         raise RLAlignError(f"tp={tp} is not supported (choose one of {', '.join(map(str, SUPPORTED_TP))})")
     for what, n in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads)):
         if n % tp:
             raise RLAlignError(f"tp={tp} does not divide the model's {what}={n}; choose a tp that divides it")
-    if tp == 1:
+    if tp == 1 or model is None:
         return
-    for name, spec, features in _planned_shards(config):
-        if spec.kind is Shard.COLUMN and features // tp < MIN_SHARD_COLUMNS:
-            raise RLAlignError(f"tp={tp} leaves {features // tp} of {name}'s {features} features per rank; shards "
-                               f"narrower than {MIN_SHARD_COLUMNS} change the CPU GEMM's column bits (measured): "
-                               "choose a smaller tp")
-        if spec.kind in (Shard.COLUMN, Shard.ROW):
-            local_segments(features, tp, name)
+    for name, spec, features in _planned_shards(model):
+        if spec.kind is Shard.COLUMN:
+            check_column_shard(features, tp, name)
+        local_segments(features, tp, name)
 
 
-def _planned_shards(config):
-    """(name, spec, sharded features) of the COLUMN / ROW children the plans of ``config``'s model declare
-    (built on the meta device: no memory); one per distinct (name with layer indices wildcarded, width)."""
-    from rlalign.models.decoder import CausalLM
-    model = CausalLM(config, device="meta")
+def _planned_shards(model):
+    """(name, spec, sharded features) of the COLUMN / ROW children ``model``'s plans declare; one per distinct
+    (name with layer indices wildcarded, width)."""
     seen = set()
     for path, module in model.named_modules():
         for child, spec in getattr(module, "tp_plan", dict)().items():
             if spec.kind not in (Shard.COLUMN, Shard.ROW):
                 continue
-            linear = getattr(module, child)
-            features = linear.weight.shape[0 if spec.kind is Shard.COLUMN else 1]
+            features = getattr(module, child).weight.shape[0 if spec.kind is Shard.COLUMN else 1]
             name = f"{path}.{child}".removeprefix("model.")
-            generic = ".".join(p if not p.isdigit() else "*" for p in name.split("."))
+            generic = ".".join("*" if part.isdigit() else part for part in name.split("."))
             if (generic, features) not in seen:
                 seen.add((generic, features))
                 yield name, spec, features
@@ -71,7 +67,7 @@ def parallelize(model, group: Group):
     """Shard ``model`` (a CausalLM) over ``group`` in place, as its modules' ``tp_plan`` say, and return it."""
     if getattr(model, "tp_group", None) is not None:
         raise RLAlignError("model is already parallelized")
-    check_tp(model.config, group.size)
+    check_tp(model.config, group.size, model)
     for path, module in list(model.named_modules()):
         plan = getattr(module, "tp_plan", None)
         if plan is None:

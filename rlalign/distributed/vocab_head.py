@@ -35,7 +35,7 @@ from rlalign.distributed.collectives import gather_ranks, gather_ranks_varlen, m
 from rlalign.contract.profiles import Profile, current_profile
 from rlalign.distributed.launch import Group
 from rlalign.distributed.native import NativeVocabLogprob
-from rlalign.ops.logprob import _check_strict_inputs, _check_targets, _check_temperature
+from rlalign.ops.logprob import check_strict_inputs, check_targets, check_temperature
 from rlalign.ops.shard import (linear_partial, linear_weight_grad, logprob_merge_stats, logprob_shard_dlogits,
                                logprob_shard_stats)
 
@@ -145,14 +145,14 @@ class VocabParallelHead:
     def __call__(self, hidden, targets, *, temperature: float = 1.0, with_entropy: bool = False):
         op = "logprob_entropy"
         weight = self.model.lm_head_weight
-        _check_targets(op, targets, hidden.shape[0], self.layout.vocab)
-        temperature = _check_temperature(op, temperature)
+        check_targets(op, targets, hidden.shape[0], self.layout.vocab)
+        temperature = check_temperature(op, temperature)
         if current_profile() is Profile.NATIVE:
             start, stop = self.shard_range()
             out = NativeVocabLogprob.apply(hidden, weight, targets.long(), start, stop, temperature, bool(with_entropy),
                                            self.group, self.tied)
             return out if with_entropy else (out, None)
-        _check_strict_inputs(op, hidden, weight, targets)
+        check_strict_inputs(op, hidden, weight, targets)
         out = _VocabParallelLogprob.apply(hidden, weight, targets.long(), float(temperature), bool(with_entropy),
                                           self.group, self.layout, self.tied)
         return out if with_entropy else (out, None)

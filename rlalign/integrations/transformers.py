@@ -18,9 +18,11 @@ What the patch does (per instance; classes and other models are untouched; :func
 * the backbone's forward (``model.model``) packs the valid tokens of a padded batch (2-D
   ``attention_mask``, 1 = token) or of a packed batch (``position_ids`` restarting at 0, or
   ``cu_seq_lens_q`` as transformers' flattening collators pass) into one token-major row list,
-  exactly the rows of rlalign's packed :class:`~rlalign.models.batch.ForwardBatch`; positions come
-  from ``position_ids`` or, without them, count 0, 1, ... over each row's valid tokens (left or
-  right padding alike). Outputs are scattered back to [B, S, ...] (padding rows are 0);
+  exactly the rows of rlalign's packed :class:`~rlalign.models.batch.ForwardBatch`; positions count
+  0, 1, ... over each sequence's valid tokens (left or right padding alike): ``position_ids`` mark
+  where sequences start (0) and must continue by 1 except right after padding, which never counts
+  (transformers' generate() on right-padded prompts). Outputs are scattered back to [B, S, ...]
+  (padding rows are 0);
 * the math is rlalign's own: the patch adapts the Hugging Face modules (same parameter names) so
   that the functional block cores of :mod:`rlalign.models.blocks` -- the ones ``CausalLM`` runs --
   can call them: embedding = ``ops.embedding`` (no ``padding_idx`` gradient masking); every RMSNorm
@@ -59,6 +61,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import Profile, as_profile, use_profile
 from rlalign.models import architectures
 from rlalign.models.batch import ForwardBatch
+from rlalign.models.checkpoint import load_model_config, resolve_dtype
 from rlalign.models.blocks import attention_block, decoder_layer_block, final_norm_block, rope_inv_freq
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import Attention, DecoderLayer
@@ -148,17 +151,17 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
 
 def register_attention() -> None:
     """Register ``"rlalign"`` in transformers' AttentionInterface (and its mask interface); idempotent."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # lazy: heavy
     AttentionInterface.register(ATTENTION, rlalign_attention)
     try:
-        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.masking_utils import AttentionMaskInterface  # lazy: heavy
         AttentionMaskInterface.register(ATTENTION, _padding_mask)
     except ImportError:  # older transformers without the mask interface
         pass
 
 
 def _attention_function():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # lazy: heavy
     return ALL_ATTENTION_FUNCTIONS[ATTENTION]
 
 
@@ -326,7 +329,7 @@ def _check_sparse_moe(theirs: nn.Module, ours: SparseMoE, where: str, need) -> N
 def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                       inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
                       return_dict=None, cache_position=None, cache=None, **kwargs):
-    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from transformers.modeling_outputs import BaseModelOutputWithPast  # lazy: heavy
 
     state: PatchState = getattr(self, _STATE)
     keep_layers = _check_call(self.config, past_key_values if past_key_values is not None else cache, use_cache,
@@ -435,11 +438,9 @@ def from_pretrained(path, *, profile: str | Profile = "strict", dtype: str | tor
                     device: str | torch.device | None = None, **kwargs) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(path, dtype=...)`` then :func:`patch`. ``dtype`` None: the
     checkpoint's ``torch_dtype`` (as rlalign's ``load_model``), so both sides hold the same bits."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: heavy
 
-    from rlalign.models.checkpoint import load_config, resolve_dtype
-
-    config = load_config(path)
+    config = load_model_config(path)
     register_attention()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype or config.dtype),
                                                  attn_implementation=ATTENTION, **kwargs)

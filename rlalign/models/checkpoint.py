@@ -4,6 +4,10 @@ Loading checks every tensor: a missing, unexpected or wrongly shaped tensor, a c
 missing config raises :class:`CheckpointError` with one line naming the tensor and the file.
 Tolerated extras, as in transformers: ``lm_head.weight`` when embeddings are tied, and the
 ``rotary_emb.inv_freq`` buffers some old checkpoints carry (rope tables are always recomputed).
+Weights must be floating point (an integer-typed tensor is refused, not cast). :func:`save_model`
+also writes ``checksums.json`` (sha256 of every safetensors file); when it is present, loading
+verifies it first, so flipped bytes in tensor data (which the safetensors format cannot see) are
+refused with the file's name. Directories are written with the user's umask, not ``mkdtemp``'s 0700.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from rlalign.models.tokenizer import Tokenizer, load_tokenizer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+CHECKSUM_FILE = "checksums.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,7 +38,7 @@ class CheckpointError(RLAlignError, RuntimeError):
     """A checkpoint directory cannot be read or written as a model (message names tensor and file)."""
 
 
-def load_config(directory: str | os.PathLike) -> ModelConfig:
+def load_model_config(directory: str | os.PathLike) -> ModelConfig:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing config.json (is {directory} a Hugging Face checkpoint directory?)")
@@ -61,16 +66,18 @@ def load_model(directory: str | os.PathLike, dtype: str | torch.dtype | None = N
                device: str | torch.device = "cpu") -> tuple[CausalLM, ModelConfig]:
     """Build the decoder from ``directory`` (config.json + safetensors). ``dtype`` None: the
     config's ``torch_dtype``; tensors are cast to it exactly as ``Tensor.to`` does."""
-    config = load_config(directory)
+    config = load_model_config(directory)
     model = CausalLM(config, dtype=resolve_dtype(dtype or config.dtype), device=device)
     expected = dict(model.named_parameters())
     seen: set[str] = set()
-    for file, names in _tensor_files(Path(directory)).items():
+    files = _tensor_files(Path(directory))
+    for file, names in files.items():
         _load_file(file, names, expected, seen, config, device)
     missing = sorted(set(expected) - seen)
     if missing:
         raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    verify_checksums(Path(directory), files)   # after the structural checks, whose messages are more precise
     model.eval()
     return model, config
 
@@ -120,6 +127,10 @@ def _load_file(file: Path, names: list[str] | None, expected: dict, seen: set, c
                 if name in seen:
                     raise CheckpointError(f"{file}: tensor {name!r} appears in more than one file")
                 shape = tuple(f.get_slice(name).get_shape())
+                stored = f.get_slice(name).get_dtype()
+                if stored not in _FLOAT_SAFETENSORS_DTYPES:
+                    raise CheckpointError(f"{file}: tensor {name!r} is stored as {stored}; model weights must be "
+                                          "floating point (F32, BF16, F16); is this a quantized checkpoint?")
                 param = expected[name]
                 if shape != tuple(param.shape):
                     raise CheckpointError(f"{file}: tensor {name!r} has shape {shape}, the config implies "
@@ -133,6 +144,53 @@ def _load_file(file: Path, names: list[str] | None, expected: dict, seen: set, c
         raise CheckpointError(f"{file}: cannot read safetensors file ({type(exc).__name__}: {exc})") from None
 
 
+_FLOAT_SAFETENSORS_DTYPES = ("F64", "F32", "BF16", "F16")
+
+
+def verify_checksums(directory: Path, files) -> None:
+    """Check every tensor file against ``checksums.json`` when the directory has one."""
+    sidecar = directory / CHECKSUM_FILE
+    if not sidecar.is_file():
+        return
+    try:
+        sums = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{sidecar}: unreadable ({exc.__class__.__name__}); restore it or delete it") from None
+    for file in files:
+        want = sums.get(file.name) if isinstance(sums, dict) else None
+        if want is None:
+            raise CheckpointError(f"{file}: not listed in {sidecar}; the directory was changed after it was saved")
+        if _sha256(file) != want:
+            raise CheckpointError(f"{file}: sha256 does not match {CHECKSUM_FILE} (the file is corrupt or was "
+                                  "modified); restore it, or delete checksums.json to load it anyway")
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def process_umask() -> int:
+    """The process umask (read from /proc; elsewhere by setting it and restoring it at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def default_file_mode(directory: bool = False) -> int:
+    """The mode ``open()`` / ``mkdir()`` give a new file / folder: 0666 / 0777 less the umask."""
+    return (0o777 if directory else 0o666) & ~process_umask()
+
+
 def save_model(model: CausalLM, directory: str | os.PathLike, *, max_shard_bytes: int | None = None,
                tokenizer_from: str | os.PathLike | None = None) -> Path:
     """Write config.json + safetensors (sharded with an index when larger than ``max_shard_bytes``)
@@ -144,11 +202,16 @@ def save_model(model: CausalLM, directory: str | os.PathLike, *, max_shard_bytes
     try:
         _write_config(model, tmp)
         _write_tensors(model, tmp, max_shard_bytes)
+        sums = {f.name: _sha256(f) for f in sorted(tmp.glob("*.safetensors"))}
+        (tmp / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
         if tokenizer_from is not None:
             for name in TOKENIZER_FILES:
                 src = Path(tokenizer_from) / name
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
+        os.chmod(tmp, default_file_mode(directory=True))   # mkdtemp made it 0700 (safetensors' files 0600)
+        for file in tmp.iterdir():
+            os.chmod(file, default_file_mode())
         _replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -212,5 +275,5 @@ def weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-__all__ = ["CheckpointError", "load_config", "load_model", "save_model", "load_tokenizer", "weights_hash",
+__all__ = ["CheckpointError", "load_model_config", "load_model", "save_model", "load_tokenizer", "weights_hash",
            "resolve_dtype", "Tokenizer"]

@@ -7,7 +7,7 @@ tables: ``ops.rope_inv_freq`` (float64) -> ``ops.rope_cos_sin`` of absolute posi
 Then ``hidden = rms_norm(h, norm, eps, residual=r)[0]``; the only difference between training and
 rollout is the attention call (packed varlen, or the paged KV cache); every op runs under the
 profile of the current context (:func:`rlalign.contract.use_profile`). Each module declares its
-tensor-parallel plan (``tp_plan``, :mod:`rlalign.models.sharding`).
+tensor-parallel plan (``tp_plan``, :mod:`rlalign.contract.sharding`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from rlalign import ops
 from rlalign.contract import spec
 from rlalign.contract.errors import RLAlignError
-from rlalign.models import sharding
+from rlalign.contract import sharding
 from rlalign.models.batch import ForwardBatch
 from rlalign.models.blocks import (Attend, attention_block, batch_attend, decoder_layer_block, final_norm_block,
                                    rope_inv_freq)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from rlalign.contract import spec
-from rlalign.models import sharding
+from rlalign.contract import sharding
 from rlalign.models.blocks import dense_ffn_block
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.modules import Linear

@@ -5,15 +5,16 @@ completion does not depend on what else is generated with it:
 
     prompt_key   = first 8 bytes of sha256(prompt token ids as int64 little-endian) & (2**63 - 1)
     seq_seed     = ops.derive_seed(seed, prompt_key, sample_index)
-    token at p   = ops.sample(logits, seeds=seq_seed, seq_ids=seq_seed, positions=p, ...)
+    token at p   = ops.sample_and_score(h, W, seeds=seq_seed, positions=p, ...)
 
-where p is the absolute position the sampled token will occupy (= tokens before it) and the
-logits are those of the last context row. The prompt's *content* (not its place in the list)
-is the ``prompt_index`` given to derive_seed, so the same seed gives the same tokens and
-logprobs whatever ``n``, the number of prompts or their order (two identical prompts therefore
-get identical samples; ask for more with ``n``). The reported logprob of a sampled token is
-``ops.logprob_entropy`` of the same hidden row at the sampling temperature (temperature 0 =
-greedy: logprobs are then reported at temperature 1).
+where p is the absolute position the sampled token will occupy (= tokens before it) and h the
+last context row (the one owner of sample-and-score, which the rollout engine and the vLLM plugin
+use too). The prompt's *content* (not its place in the list) is the ``prompt_index`` given to
+derive_seed, so the same seed gives the same tokens and logprobs whatever ``n``, the number of
+prompts or their order (two identical prompts therefore get identical samples; ask for more with
+``n``). The reported logprob of a sampled token is
+``ops.logprob_entropy`` of the same hidden row at ``ops.logprob_temperature`` of the sampling
+temperature (the sampling temperature; 1 for greedy, temperature 0).
 """
 
 from __future__ import annotations
@@ -26,20 +27,9 @@ import torch
 
 from rlalign import ops
 from rlalign.models.batch import ForwardBatch, KVCache, contiguous_block_tables
+from rlalign.models.completion import Completion
 from rlalign.models.decoder import CausalLM
 from rlalign.ops.sample import derive_seed
-
-
-@dataclasses.dataclass
-class Completion:
-    prompt: str | None          # prompt text (None when given as token ids)
-    prompt_index: int           # position of the prompt in the request
-    sample: int                 # sample index 0..n-1
-    prompt_tokens: list[int]
-    tokens: list[int]           # generated ids only (the stop token included when it ended the sequence)
-    logprobs: list[float]       # logprobs[i] = log p(tokens[i]) at the sampling temperature
-    text: str
-    finish_reason: str          # "stop" (a stop token) or "length" (max_new_tokens)
 
 
 @dataclasses.dataclass
@@ -93,8 +83,10 @@ def generate(model: CausalLM, prompts: Sequence[str] | Sequence[Sequence[int]], 
         prompt_index, sample = divmod(k, n)
         text = tokenizer.decode(s.tokens) if tokenizer is not None else ""
         prompt = prompts[prompt_index] if isinstance(prompts[prompt_index], str) else None
-        out.append(Completion(prompt, prompt_index, sample, encoded[prompt_index], s.tokens, s.logprobs, text,
-                              s.finish_reason))
+        out.append(Completion(request_id=str(prompt_index), prompt_index=prompt_index, sample_index=sample,
+                              prompt_tokens=encoded[prompt_index], tokens=s.tokens, logprobs=s.logprobs,
+                              finish_reason=s.finish_reason, weights_version=0, seed=s.seed, prompt=prompt,
+                              text=text))
     return out
 
 
@@ -104,12 +96,10 @@ def _step(model: CausalLM, seqs: list[_Seq], rows: torch.Tensor, temperature: fl
     device = rows.device
     seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device)
     positions = torch.tensor([len(s.context) for s in seqs], dtype=torch.int64, device=device)
-    logits = model.logits(rows)
-    tokens = ops.sample(logits, seeds=seeds, seq_ids=seeds, positions=positions, temperature=temperature,
-                        top_k=top_k, top_p=top_p)
-    lp_temperature = temperature if temperature > 0 else 1.0
-    logprobs, _ = ops.logprob_entropy(rows, model.lm_head_weight, tokens, temperature=lp_temperature,
-                                      with_entropy=False)
+    # model.logits refuses a tensor-parallel model (no full LM head) before anything is sampled
+    tokens, logprobs = ops.sample_and_score(rows, model.lm_head_weight, seeds=seeds, positions=positions,
+                                            temperature=temperature, top_k=top_k, top_p=top_p,
+                                            logits=model.logits(rows))
     still = []
     for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
         s.tokens.append(tok)

@@ -107,7 +107,11 @@ class TensorCache:
     """A small LRU of values derived from tensors, keyed by ``kind``, ``extra`` and each tensor's identity,
     storage and in-place version counter (a tensor written in place gets a new entry). An entry holds
     its tensors, so an id cannot be reused by another tensor while it is cached. Inference tensors
-    (torch.inference_mode, e.g. vLLM's) carry no version counter: never cached, computed every time."""
+    (torch.inference_mode, e.g. vLLM's) carry no version counter: never cached, computed every time.
+
+    Only for a batch's index tensors, which the callers build per batch and never write: the version
+    counter misses in-place writes that bypass autograd (``t.data.<op>_()``, fused optimizers), so values
+    derived from weights (which such updates write) are never cached here."""
 
     def __init__(self, size: int):
         self.size = size

@@ -13,16 +13,10 @@ from typing import Callable
 
 import torch
 
+import rlalign.ops.torch_backend.registry  # noqa: F401  (fills IMPLEMENTATIONS with the torch backend's ops)
 from rlalign.contract.errors import fail
-
-_REGISTRY: dict[tuple[str, str], Callable] = {}
-
-
-def register(op: str, backend: str):
-    def deco(fn):
-        _REGISTRY[(op, backend)] = fn
-        return fn
-    return deco
+from rlalign.ops._registry import IMPLEMENTATIONS
+from rlalign.ops.torch_backend import clib
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,7 +27,6 @@ def _env() -> tuple[str, str]:
 def refresh_env() -> None:
     """Re-read ``RLALIGN_BACKEND``, ``RLALIGN_TRITON_DISABLE`` and ``RLALIGN_CPU_KERNELS`` (after changing
     them at run time; they are read once, at first use)."""
-    from rlalign.ops.torch_backend import clib
     _env.cache_clear()
     clib.enabled.cache_clear()
 
@@ -55,7 +48,7 @@ def _resolve_backend(device_type: str, forced: str) -> str:
 
 def _triton_available() -> bool:
     try:
-        import rlalign.ops.triton_backend  # noqa: F401  (registers its kernels)
+        import rlalign.ops.triton_backend  # noqa: F401  lazy: triton is optional (GPU); importing registers its kernels
     except ImportError:
         return False
     return True
@@ -76,11 +69,10 @@ def strict_impl(op: str, device: torch.device) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def _resolve_impl(op: str, device_type: str, forced: str, disabled: str) -> Callable:
-    import rlalign.ops.torch_backend.registry  # noqa: F401
     name = _resolve_backend(device_type, forced)
     if name == "triton" and op in disabled.replace(" ", "").split(","):
         name = "torch"
-    fn = _REGISTRY.get((op, name))
+    fn = IMPLEMENTATIONS.get((op, name))
     if fn is None:
         raise fail(op, f"no strict implementation on backend {name!r} for device {device_type} "
                        "(strict never falls back to another backend)")

@@ -33,11 +33,10 @@ import torch.nn.functional as F
 from rlalign.contract import spec
 from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
+from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
 
-DEFAULT_TOKEN_CHUNK = 1024
-DEFAULT_VOCAB_CHUNK = 8192
 
 
 def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -52,11 +51,11 @@ def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """
     op = "logprob_entropy"
     _check_shapes(op, hidden, weight)
-    _check_targets(op, targets, hidden.shape[0], weight.shape[0])
-    temperature = _check_temperature(op, temperature)
+    check_targets(op, targets, hidden.shape[0], weight.shape[0])
+    temperature = check_temperature(op, temperature)
     if as_profile(profile) is Profile.NATIVE:
         return _native_logprob_entropy(hidden, weight, targets, temperature, with_entropy)
-    _check_strict_inputs(op, hidden, weight, targets)
+    check_strict_inputs(op, hidden, weight, targets)
     tokens = _round_chunk(op, "token_chunk", token_chunk, DEFAULT_TOKEN_CHUNK, spec.TOKEN_BLOCK)
     vocab = _round_chunk(op, "vocab_chunk", vocab_chunk, DEFAULT_VOCAB_CHUNK, spec.VOCAB_BLOCK)
     impl = strict_impl(op, hidden.device)
@@ -73,11 +72,11 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float 
     """
     op = "lm_logits"
     _check_shapes(op, hidden, weight)
-    temperature = _check_temperature(op, temperature)
+    temperature = check_temperature(op, temperature)
     if as_profile(profile) is Profile.NATIVE:
         logits = hidden.float() @ weight.float().T
         return logits if temperature == 1.0 else logits / temperature
-    _check_strict_inputs(op, hidden, weight)
+    check_strict_inputs(op, hidden, weight)
     return strict_impl(op, hidden.device)(hidden, weight, temperature, DEFAULT_VOCAB_CHUNK)
 
 
@@ -103,7 +102,7 @@ def _check_shapes(op: str, hidden: torch.Tensor, weight: torch.Tensor) -> None:
         raise fail(op, "weight has an empty vocabulary (V = 0)")
 
 
-def _check_targets(op: str, targets: torch.Tensor, tokens: int, vocab: int) -> None:
+def check_targets(op: str, targets: torch.Tensor, tokens: int, vocab: int) -> None:
     chk.index_dtype(op, "targets", targets)
     if tuple(targets.shape) != (tokens,):
         raise fail(op, f"targets must be [T] = ({tokens},), got shape {tuple(targets.shape)}")
@@ -113,7 +112,7 @@ def _check_targets(op: str, targets: torch.Tensor, tokens: int, vocab: int) -> N
         raise fail(op, f"target id {int(targets[pos])} at position {pos} is outside the vocabulary [0, {vocab})")
 
 
-def _check_temperature(op: str, temperature) -> float:
+def check_temperature(op: str, temperature) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise fail(op, f"temperature must be a Python number, got {type(temperature).__name__}")
     value = float(temperature)
@@ -122,7 +121,7 @@ def _check_temperature(op: str, temperature) -> float:
     return value
 
 
-def _check_strict_inputs(op: str, hidden, weight, targets=None) -> None:
+def check_strict_inputs(op: str, hidden, weight, targets=None) -> None:
     chk.dtype_ok(op, hidden, weight)
     chk.same_device(op, hidden, weight, *(() if targets is None else (targets,)))
     chk.finite(op, "hidden", hidden)

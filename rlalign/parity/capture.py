@@ -32,7 +32,9 @@ from typing import Iterable, Sequence
 
 import torch
 
+from rlalign.contract.bits import bit_view, bits_equal
 from rlalign.models import taps
+from rlalign.models.batch import ForwardBatch
 from rlalign.models.taps import note_batch, tap  # re-exported: the hook models call
 
 ROOT_KEY = b""
@@ -162,7 +164,6 @@ class Capture:
             self._hooks.append(module.register_forward_pre_hook(self._find_batch, with_kwargs=True))
 
     def _find_batch(self, module, args, kwargs) -> None:
-        from rlalign.models.batch import ForwardBatch
         for a in (*args, *kwargs.values()):
             if isinstance(a, ForwardBatch):
                 self.begin_batch(a)
@@ -320,7 +321,7 @@ class CapturedRows:
             self.keys.append(key)
             self.info[key] = info
             self._rows[key] = row
-        elif old.shape != row.shape or old.dtype != row.dtype or not torch.equal(_bits(old), _bits(row)):
+        elif not bits_equal(old, row):
             self.duplicates_differ += 1
 
     def __contains__(self, key: bytes) -> bool:
@@ -348,13 +349,6 @@ def capture(names: Iterable[str] | None = None, *, positions: Iterable[int] | No
     return Capture(names, positions, device, model)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-            torch.float64: torch.int64}.get(t.dtype)
-    t = t.contiguous()
-    return t.view(view) if view is not None else t
-
-
 def _slot_fingerprints(kv_cache, slots: list[int]) -> list[bytes]:
     """blake2b-128 of the raw bytes of the last layer's K and V at each slot."""
     if not slots or not kv_cache.k:
@@ -362,7 +356,7 @@ def _slot_fingerprints(kv_cache, slots: list[int]) -> list[bytes]:
     k, v = kv_cache.k[-1], kv_cache.v[-1]
     n = k.shape[0] * k.shape[1]
     idx = torch.tensor(slots, dtype=torch.int64, device=k.device)
-    rows = torch.cat([_bits(k.reshape(n, -1).index_select(0, idx)), _bits(v.reshape(n, -1).index_select(0, idx))],
+    rows = torch.cat([bit_view(k.reshape(n, -1).index_select(0, idx)), bit_view(v.reshape(n, -1).index_select(0, idx))],
                      dim=1).cpu().numpy()
     return [hashlib.blake2b(r.tobytes(), digest_size=16).digest() for r in rows]
 

@@ -1,6 +1,7 @@
 """Bitwise comparison of two captures, boundary by boundary, and of two sets of token logprobs.
 
-Elements are compared as raw bits (so -0.0 != +0.0, and NaNs with different payloads differ).
+Elements are compared as raw bits (:mod:`rlalign.contract.bits`: -0.0 != +0.0, and NaNs with different
+payloads differ).
 Distances are in ULPs of the tensor's dtype: a float's bit pattern ``i`` (sign-magnitude) maps to
 the ordered integer ``i`` if the sign bit is clear, else ``-1 - (i & magnitude_mask)``; the ULP
 distance is the difference of ordered integers (so +0.0 and -0.0 are 1 ULP apart, and adjacent
@@ -16,11 +17,10 @@ from typing import Sequence
 
 import torch
 
+from rlalign.contract.bits import bit_view, differing
 from rlalign.models.taps import EMBED, FINAL_NORM, LAYER_BOUNDARIES, LOGPROB
 from rlalign.parity.capture import Capture, CapturedRows
 
-_BITS = {torch.float32: (torch.int32, 31), torch.bfloat16: (torch.int16, 15), torch.float16: (torch.int16, 15),
-         torch.float64: (torch.int64, 63)}
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
@@ -48,20 +48,11 @@ def forward_order(names: Sequence[str]) -> list[str]:
 
 def ordered_ints(t: torch.Tensor) -> torch.Tensor:
     """Map floats to int64 so that ULP distance = difference (see module docstring)."""
-    if t.dtype not in _BITS:
+    if not t.is_floating_point():
         return t.to(torch.int64)
-    view, sign_bit = _BITS[t.dtype]
-    i = t.contiguous().view(view).to(torch.int64)
-    mag = i & ((1 << sign_bit) - 1)
+    i = bit_view(t).to(torch.int64)
+    mag = i & ((1 << (8 * t.element_size() - 1)) - 1)   # the magnitude bits under the sign bit
     return torch.where(i < 0, -1 - mag, i)
-
-
-def differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Bool mask of elements whose bits differ (same shape and dtype required)."""
-    view = _BITS.get(a.dtype, (None,))[0]
-    if view is None:
-        return a != b
-    return a.contiguous().view(view) != b.contiguous().view(view)
 
 
 @dataclasses.dataclass
@@ -254,5 +245,5 @@ def compare_logprobs(rollout: Sequence[Sequence[float]], train: Sequence[Sequenc
 
 
 __all__ = ["compare_captures", "compare_rows", "compare_logprobs", "CaptureComparison", "BoundaryDiff",
-           "Divergence", "TokenComparison", "TokenMismatch", "ordered_ints", "differing", "forward_order",
+           "Divergence", "TokenComparison", "TokenMismatch", "ordered_ints", "forward_order",
            "split_name", "LAYER_BOUNDARIES"]

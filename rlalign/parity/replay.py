@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.ops import temperature as temperature_rule
 
 FORMAT = "rlalign-rollout"
 VERSION = 1
@@ -72,9 +73,11 @@ class RolloutRecord:
 
     @property
     def logprob_temperature(self) -> float:
+        """As recorded; for a record without it, the rule (ops.logprob_temperature) on its sampling
+        temperature (missing or null: 1.0)."""
         t = self.sampling.get("logprob_temperature")
         if t is None:
-            t = self.sampling.get("temperature", 1.0) or 1.0
+            t = temperature_rule.logprob_temperature(float(self.sampling.get("temperature") or 0.0))
         return float(t)
 
     @property

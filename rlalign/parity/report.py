@@ -83,14 +83,14 @@ def markdown(result: ParityResult, histogram_name: str = HISTOGRAM_NAME) -> str:
                   f"train {first['train_logprob']!r} (|Δ| {first['abs_diff']:.3g}).", ""]
         loc = first.get("localized")
         if loc:
-            lines += [_localized_sentence(loc), ""]
+            lines += [localized_sentence(loc), ""]
     if result.localization is not None:
         lines += _boundary_table(result)
     lines += [f"![|Δ logprob| histogram]({histogram_name})", ""]
     return "\n".join(lines)
 
 
-def _localized_sentence(loc: dict) -> str:
+def localized_sentence(loc: dict) -> str:
     if loc.get("layer") is None and loc.get("op") == "logprob":
         return "Localized: every captured boundary up to the final norm is identical; the difference is made " \
                "in the LM head / logprob."

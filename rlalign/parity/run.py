@@ -18,13 +18,15 @@ from pathlib import Path
 import torch
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.distributed.parallelize import check_tp
+from rlalign.models.checkpoint import load_model
+from rlalign.models.tokenizer import load_tokenizer
 from rlalign.models.taps import LOGPROB
 from rlalign.parity.capture import prefix_keys
 from rlalign.parity.compare import CaptureComparison, TokenComparison, TokenMismatch, compare_captures, compare_logprobs
 from rlalign.parity.replay import RolloutRecord
-
-ROLLOUT_SIDES = ("rlalign", "vllm")
-TRAIN_SIDES = ("rlalign", "transformers")
+from rlalign.parity.sides import ROLLOUT_SIDES, TRAINER_SIDES
+from rlalign.parity.tp import tp_parity
 
 
 class ParityError(RLAlignError):
@@ -50,7 +52,7 @@ class ParityOptions:
     train_batch: int | None = None       # sequences per training forward (default: all in one)
     record: str | None = None            # write the rollout record here
     replay: str | None = None            # score this recorded rollout instead of generating
-    tp: tuple[int, ...] = ()             # also score at these tensor-parallel degrees (rlalign.distributed.parity)
+    tp: tuple[int, ...] = ()             # also score at these tensor-parallel degrees (rlalign.parity.tp)
     vllm_plugin: bool = True             # --rollout vllm: rlalign's plugin on (strict ops) or off (stock vLLM)
 
 
@@ -62,7 +64,7 @@ class ParityResult:
     train_weights_hash: str
     localization: CaptureComparison | None = None
     model_dir: str = ""
-    tp: dict | None = None               # rlalign.distributed.parity.tp_parity's report, with --tp
+    tp: dict | None = None               # rlalign.parity.tp.tp_parity's report, with --tp
 
     @property
     def ok(self) -> bool:
@@ -156,79 +158,43 @@ def _try_tokenizer(directory: Path):
     if not (directory / "tokenizer.json").is_file():
         return None
     try:
-        from rlalign.models.tokenizer import load_tokenizer
         return load_tokenizer(directory)
     except Exception:  # noqa: BLE001 -- any unreadable tokenizer: fall back to random prompts
         return None
 
 
 def _check_options(o: ParityOptions) -> None:
-    if o.rollout not in ROLLOUT_SIDES:
-        raise ParityError(f"--rollout {o.rollout!r} is not supported (choose {', '.join(ROLLOUT_SIDES)})")
-    if o.train not in TRAIN_SIDES:
-        raise ParityError(f"--train {o.train!r} is not supported (choose {', '.join(TRAIN_SIDES)})")
+    for flag, name, sides in (("--rollout", o.rollout, ROLLOUT_SIDES), ("--train", o.train, TRAINER_SIDES)):
+        if name not in sides:
+            raise ParityError(f"{flag} {name!r} is not supported (choose {', '.join(sorted(sides))}; the integrations "
+                              "register more sides when rlalign.integrations is imported, as the rlalign CLI does)")
     for name in ("prompts", "samples", "max_new_tokens"):
         if getattr(o, name) < 1:
             raise ParityError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
-    if o.rollout == "vllm":
-        _check_vllm_installed()
+    for side in (ROLLOUT_SIDES[o.rollout], TRAINER_SIDES[o.train]):
+        if side.check is not None:
+            side.check(o)
     if o.tp and (o.train != "rlalign" or o.profile != "strict"):
         raise ParityError("--tp shards rlalign's training side in the strict profile: use --train rlalign --profile strict")
 
 
-def _check_vllm_installed() -> None:
-    import importlib.util
-    if importlib.util.find_spec("vllm") is None:
-        raise ParityError("--rollout vllm needs vLLM in this environment: pip install 'rlalign[vllm]' "
-                          "(CPU build; see docs/vllm.md)")
-
-
 def build_rollout(o: ParityOptions, model, model_dir: Path | None = None):
-    if o.rollout == "vllm":
-        from rlalign.integrations.vllm.parity import VLLMRollout
-        return VLLMRollout(model_dir, model, o.vllm_plugin, o.dtype)
-    from rlalign.parity.sides import RLAlignRollout
-    return RLAlignRollout(model, o.profile)
+    """The rollout side named by ``o.rollout`` (a registered :class:`~rlalign.parity.sides.SideBuilder`)."""
+    return ROLLOUT_SIDES[o.rollout].build(o, model, model_dir)
 
 
 def build_trainer(o: ParityOptions, model, model_dir: Path):
-    """rlalign: the same CausalLM; transformers: the checkpoint loaded by transformers, patched
-    (strict) or stock (native, the baseline a TRL/verl trainer runs today)."""
-    from rlalign.parity.sides import RLAlignTrainer, TransformersTrainer
-    if o.train == "rlalign":
-        return RLAlignTrainer(model, o.profile, o.train_batch)
-    from transformers import AutoModelForCausalLM
-
-    from rlalign.integrations.transformers import from_pretrained
-    from rlalign.models.checkpoint import resolve_dtype
-    _quiet_transformers()
-    dtype = resolve_dtype(model.dtype)
-    if o.profile == "strict":
-        hf = from_pretrained(model_dir, dtype=dtype, device=o.device)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(o.device)
-    return TransformersTrainer(hf.eval(), o.train_batch)
-
-
-def _quiet_transformers() -> None:
-    try:
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except Exception:  # noqa: BLE001 -- cosmetics only
-        pass
+    """The training side named by ``o.train``: rlalign's CausalLM, or a registered one (e.g. transformers)."""
+    return TRAINER_SIDES[o.train].build(o, model, model_dir)
 
 
 def run_parity(o: ParityOptions) -> ParityResult:
-    from rlalign.models.checkpoint import load_model
-
     _check_options(o)
     model_dir = resolve_model_dir(o.model)
     model, config = load_model(model_dir, dtype=o.dtype, device=o.device)
     if o.tp:
-        from rlalign.distributed.parallelize import check_tp
         for degree in o.tp:
-            check_tp(config, degree)   # fail before generating
+            check_tp(config, degree, model)   # fail before generating
     rollout = build_rollout(o, model, model_dir)
     if o.replay:
         record = RolloutRecord.load(o.replay)
@@ -244,7 +210,6 @@ def run_parity(o: ParityOptions) -> ParityResult:
     if o.localize and result.tokens.first is not None:
         result.localization = localize(record, rollout, trainer, result.tokens.first)
     if o.tp:
-        from rlalign.distributed.parity import tp_parity
         result.tp = tp_parity(record, str(model_dir), o.dtype, o.device, o.tp)
     return result
 

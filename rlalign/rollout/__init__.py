@@ -7,30 +7,14 @@
 Every completion's logprobs equal the trainer's packed-forward logprobs bit for bit (strict profile),
 and the sampled tokens do not depend on any engine setting (batch size, page size, chunking,
 prefix sharing, preemption, request order).
-
-Names are imported on first use, so ``import rlalign.rollout.benchmark`` (the CLI) does not load torch.
 """
 
-import importlib
+from rlalign.rollout.completions import generate_completions
+from rlalign.rollout.config import RolloutConfig, SamplingParams
+from rlalign.rollout.engine import RolloutEngine
+from rlalign.rollout.errors import (KVCacheTooSmallError, RequestError, RolloutConfigError, RolloutError,
+                                    WeightsUpdateError)
+from rlalign.rollout.sequence import Completion, StepOutput
 
-_EXPORTS = {
-    "RolloutEngine": "engine", "RolloutConfig": "config", "SamplingParams": "config",
-    "Completion": "sequence", "StepOutput": "sequence", "generate_completions": "completions",
-    "RolloutError": "errors", "KVCacheTooSmallError": "errors", "WeightsUpdateError": "errors",
-    "RequestError": "errors", "RolloutConfigError": "errors",
-}
-
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rlalign.rollout' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"rlalign.rollout.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__ = ["RolloutEngine", "RolloutConfig", "SamplingParams", "Completion", "StepOutput", "generate_completions",
+           "RolloutError", "KVCacheTooSmallError", "WeightsUpdateError", "RequestError", "RolloutConfigError"]

@@ -1,6 +1,6 @@
 """``generate_completions``: the engine behind ``rlalign generate``, a drop-in for :func:`rlalign.models.generate.generate`.
 
-Same arguments, same :class:`rlalign.models.generate.Completion` objects and, in the strict profile,
+Same arguments, the same :class:`rlalign.models.completion.Completion` fields and, in the strict profile,
 the same tokens and logprobs bit for bit: seeds are keyed by the prompt's content
 (``SamplingParams.seed_by="content"``), stop tokens default to the model's and tokenizer's eos ids,
 and nothing is cut at max_position_embeddings (the simple loop does not cut either).
@@ -8,9 +8,11 @@ and nothing is cut at max_position_embeddings (the simple loop does not cut eith
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from rlalign.contract.profiles import current_profile
+from rlalign.models.generate import encode_prompt
 from rlalign.rollout.config import RolloutConfig, SamplingParams
 from rlalign.rollout.engine import RolloutEngine
 
@@ -24,8 +26,6 @@ def generate_completions(model, prompts: Sequence[str] | Sequence[Sequence[int]]
     ``config`` defaults to ``RolloutConfig(page_size=page_size, profile=<current profile>)``.
     ``stop_token_ids`` given: exactly those end a sample; None: the eos ids. ``stop``: stop strings.
     """
-    from rlalign.models.generate import Completion, encode_prompt
-
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"n and max_new_tokens must be >= 1 (got n={n}, max_new_tokens={max_new_tokens})")
     encoded = [encode_prompt(p, tokenizer, chat) for p in prompts]
@@ -38,10 +38,8 @@ def generate_completions(model, prompts: Sequence[str] | Sequence[Sequence[int]]
                               ignore_eos=stop_token_ids is not None, stop=tuple(stop), seed_by="content")
     engine = RolloutEngine(model, config, tokenizer=tokenizer)
     out = []
-    for c in engine.generate(encoded, sampling):
+    for c in engine.generate(encoded, sampling):   # as the simple loop: the prompt's text, "" without a tokenizer
         prompt = prompts[c.prompt_index]
-        out.append(Completion(prompt if isinstance(prompt, str) else None, c.prompt_index, c.sample_index,
-                              c.prompt_tokens, c.tokens, c.logprobs, c.text if c.text is not None else "",
-                              c.finish_reason))
+        out.append(dataclasses.replace(c, prompt=prompt if isinstance(prompt, str) else None, text=c.text or ""))
     return out
 

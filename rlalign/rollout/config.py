@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 from rlalign.contract.profiles import as_profile
+from rlalign.ops import temperature as temperature_rule
 from rlalign.rollout.errors import RequestError, RolloutConfigError
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -80,8 +81,9 @@ class SamplingParams:
     """How to sample one request.
 
     n: samples per prompt (a GRPO group). Sample j of the prompt with key k uses the per-sample seed
-        ``s = ops.derive_seed(seed, k, j)``; the token at absolute position p is
-        ``ops.sample(logits, seeds=s, seq_ids=s, positions=p, ...)``. The key k is the prompt index
+        ``s = ops.derive_seed(seed, k, j)``; the token at absolute position p (and its logprob) is
+        ``ops.sample_and_score(h, W, seeds=s, positions=p, ...)`` (``ops.sample`` with ``seq_ids=s``).
+        The key k is the prompt index
         (``seed_by="index"``) or a 63-bit hash of the prompt's token ids (``seed_by="content"``,
         :func:`rlalign.models.generate.prompt_key`, as ``rlalign.models.generate`` does).
     temperature: 0 = greedy. Logprobs are reported at this temperature (at 1.0 when greedy).
@@ -124,8 +126,8 @@ class SamplingParams:
 
     @property
     def logprob_temperature(self) -> float:
-        """The temperature logprobs are reported at (the sampling one; 1.0 for greedy)."""
-        return self.temperature if self.temperature > 0 else 1.0
+        """The temperature logprobs are reported at (the sampling one; 1.0 for greedy): ops.logprob_temperature."""
+        return temperature_rule.logprob_temperature(self.temperature)
 
 
 def _positive(name: str, value, error: type = RequestError) -> None:

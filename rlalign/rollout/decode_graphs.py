@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from rlalign.models.batch import ForwardBatch, KVCache
-from rlalign.ops import _checks as chk
+from rlalign.ops import capturing_graph, flush_deferred_checks, requeue_deferred_checks
 from rlalign.rollout.errors import RolloutError
 
 
@@ -122,7 +122,7 @@ class DecodeGraphs:
             return self.model.forward_hidden(self._batch(b))[:n]
         graph, hidden, verdicts = self._graphs[b]
         graph.replay()
-        chk.requeue(verdicts)
+        requeue_deferred_checks(verdicts)
         self.replays += 1
         return hidden[:n]
 
@@ -165,10 +165,10 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             self.model.forward_hidden(batch)
         torch.cuda.current_stream().wait_stream(stream)
-        chk.flush()
+        flush_deferred_checks()
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with chk.capturing_graph(max_query_len=1) as verdicts, torch.cuda.graph(graph, pool=self._pool):
+        with capturing_graph(max_query_len=1) as verdicts, torch.cuda.graph(graph, pool=self._pool):
             hidden = self.model.forward_hidden(batch)
         return graph, hidden, list(verdicts)

@@ -4,18 +4,17 @@ Per step: the scheduler picks chunks (prefill chunks, decode tokens, recomputes)
 copy-on-write are done; ONE :class:`ForwardBatch` describes every chunk; ONE model forward gives
 the hidden rows (a decode-only step on a GPU: a CUDA graph replay of that forward on a padded batch,
 :mod:`rlalign.rollout.decode_graphs`); the rows of the sequences that reached their last token are
-sampled together:
+sampled together by :func:`ops.sample_and_score` (the one owner of "sample a token, score it with the
+trainer's op"; exact formulas there):
 
-    logits   = ops.lm_logits(h, W)                                   (fp32, temperature 1)
-    token    = ops.sample(logits, seeds=s, seq_ids=s, positions=p, temperature=T, top_k, top_p)
-    logprob  = ops.logprob_entropy(h, W, token, temperature=T')[0]   (T' = T, or 1.0 when greedy)
+    token, logprob = ops.sample_and_score(h, W, seeds=s, positions=p, temperature=T, top_k, top_p)
 
 with h the sequence's last hidden row, s its per-sample seed (:func:`ops.derive_seed` of the
 request's seed, prompt key and sample index), p the absolute position the token will occupy.
 ``logprob`` is the same op on the same hidden row as the trainer's packed forward
-(``model.logprobs(ForwardBatch.packed(...), targets, temperature=T')``), and in the strict profile
-a row does not depend on the batch, the chunking or the page layout: the engine's logprobs equal
-the trainer's bit for bit, and the tokens do not depend on any engine setting.
+(``model.logprobs(ForwardBatch.packed(...), targets, temperature=ops.logprob_temperature(T))``), and
+in the strict profile a row does not depend on the batch, the chunking or the page layout: the
+engine's logprobs equal the trainer's bit for bit, and the tokens do not depend on any engine setting.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import torch
 from rlalign import ops
 from rlalign.contract.profiles import use_profile
 from rlalign.models.batch import ForwardBatch, KVCache
+from rlalign.models.generate import prompt_key
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.block_manager import BlockManager, pages_for
 from rlalign.rollout.config import DEFAULT_CPU_KV_CACHE_BYTES, RolloutConfig, SamplingParams
@@ -184,9 +184,6 @@ class RolloutEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
     def abort(self, request_id: str) -> list[StepOutput]:
         """Stop a request now; its unfinished samples end with finish_reason "abort" (returned)."""
         request = self._requests.get(str(request_id))
@@ -293,27 +290,13 @@ class RolloutEngine:
             if seq.request.weights_version != self.weights_version:
                 raise WeightsUpdateError(f"request {seq.request.request_id!r} started with weights version "
                                          f"{seq.request.weights_version} but the engine now has {self.weights_version}")
-        dev = hidden.device
-        h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
-        weight = self.model.lm_head_weight
+        h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=hidden.device))
         params = [s.request.sampling for s in seqs]
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
-        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=dev)
-        tokens = ops.sample(ops.lm_logits(h, weight), seeds=seeds, seq_ids=seeds, positions=positions,
-                            temperature=_per_row([p.temperature for p in params], torch.float32, dev),
-                            top_k=_per_row([p.top_k for p in params], torch.int64, dev),
-                            top_p=_per_row([p.top_p for p in params], torch.float32, dev))
-        logprobs = torch.empty(len(seqs), dtype=torch.float32, device=dev)
-        temps = [p.logprob_temperature for p in params]
-        for temp in sorted(set(temps)):
-            idx = [i for i, t in enumerate(temps) if t == temp]
-            sel = torch.tensor(idx, dtype=torch.int64, device=dev) if len(idx) < len(seqs) else None
-            lp, _ = ops.logprob_entropy(h if sel is None else h[sel], weight, tokens if sel is None else tokens[sel],
-                                        temperature=temp, with_entropy=False)
-            if sel is None:
-                logprobs = lp
-            else:
-                logprobs[sel] = lp
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=hidden.device)
+        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=hidden.device)
+        tokens, logprobs = ops.sample_and_score(h, self.model.lm_head_weight, seeds=seeds, positions=positions,
+                                                temperature=[p.temperature for p in params],
+                                                top_k=[p.top_k for p in params], top_p=[p.top_p for p in params])
         return tokens.tolist(), logprobs.tolist()
 
     def _append(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[StepOutput]:
@@ -435,14 +418,5 @@ class RolloutEngine:
                     cow_copies=self.blocks.cow_copies, weights_version=self.weights_version)
 
 
-def _per_row(values: list, dtype: torch.dtype, device):
-    """A Python scalar when every row shares the value (cheaper), else a [S] tensor."""
-    first = values[0]
-    if all(v == first for v in values):
-        return first
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
 def _prompt_key(ids: list[int]) -> int:
-    from rlalign.models.generate import prompt_key
     return prompt_key(ids)

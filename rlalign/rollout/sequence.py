@@ -14,6 +14,7 @@ import enum
 import hashlib
 from array import array
 
+from rlalign.models.completion import Completion
 from rlalign.rollout.config import SamplingParams
 
 
@@ -93,32 +94,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.status is SeqStatus.FINISHED for s in self.seqs)
-
-
-@dataclasses.dataclass
-class Completion:
-    """One finished sample.
-
-    tokens: generated ids (a stop token that ended the sample is included); logprobs[i] = log p(tokens[i])
-    under softmax(logits / T) at the request's logprob temperature, fp32 values (exact as Python floats).
-    finish_reason: "stop" (stop token or string), "length" (max_new_tokens or max_model_len) or "abort".
-    stop_reason: the stop token id or stop string that ended it (None otherwise).
-    weights_version: the engine's weights version every token of the request was sampled with.
-    """
-
-    request_id: str
-    prompt_index: int
-    sample_index: int
-    prompt_tokens: list[int]
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    weights_version: int
-    seed: int
-    stop_reason: int | str | None = None
-    prompt: str | None = None
-    text: str | None = None
-    num_preemptions: int = 0
 
 
 @dataclasses.dataclass

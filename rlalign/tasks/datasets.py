@@ -7,9 +7,11 @@
 
 Each row gives a prompt and an answer by configurable field names; a dotted name
 (``reward_model.ground_truth``) reaches into nested objects when no top-level key has that exact
-name. The prompt must be a string; the answer a string or a number (stored as ``str``). An
-optional ``prompt_template`` is formatted with ``str.format_map`` on the row's fields plus
-``prompt`` (the prompt field's value), e.g. ``"Question: {prompt}\\nAnswer:"``.
+name. The prompt is a string, or a chat conversation: a list of ``{"role": "system" | "user" |
+"assistant", "content": str}`` messages (kept as a tuple of such dicts; the trainer renders it with
+the tokenizer's chat template). The answer is a string or a number (stored as ``str``). An optional
+``prompt_template`` (string prompts only) is formatted with ``str.format_map`` on the row's fields
+plus ``prompt`` (the prompt field's value), e.g. ``"Question: {prompt}\\nAnswer:"``.
 """
 
 from __future__ import annotations
@@ -29,28 +31,39 @@ class DatasetError(RLAlignError, ValueError):
     """A dataset file or one of its rows cannot be used; the message names the file and line/row."""
 
 
+ROLES = ("system", "user", "assistant")
+
+
 @dataclass(frozen=True)
 class Example:
-    prompt: str
+    prompt: "str | tuple[dict, ...]"   # text, or chat messages
     answer: str
     source: str  # "file:line" or "file: row N", for error messages
 
 
+def _utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise DatasetError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as "
+                           "UTF-8") from None
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    for number, line in enumerate(_utf8(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(_utf8(path))
     except json.JSONDecodeError as e:
         raise DatasetError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(rows, list):
@@ -110,8 +123,14 @@ def _example(row: Any, where: str, prompt_field: str, answer_field: str, templat
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
     prompt = _field(row, prompt_field, where)
-    if not isinstance(prompt, str):
-        raise DatasetError(f"{where}: field {prompt_field!r} must be a string, got {type(prompt).__name__}")
+    if isinstance(prompt, list):
+        if template is not None:
+            raise DatasetError(f"{where}: field {prompt_field!r} holds chat messages; prompt_template applies to "
+                               "string prompts only (drop task.template; use task.system_prompt for a system message)")
+        prompt = _messages(prompt, prompt_field, where)
+    elif not isinstance(prompt, str):
+        raise DatasetError(f"{where}: field {prompt_field!r} must be a string or a list of chat messages, "
+                           f"got {type(prompt).__name__}")
     answer = _answer_text(_field(row, answer_field, where), answer_field, where)
     if template is not None:
         try:
@@ -120,6 +139,16 @@ def _example(row: Any, where: str, prompt_field: str, answer_field: str, templat
             raise DatasetError(f"{where}: prompt_template {template!r} cannot be filled ({type(e).__name__}: {e})"
                                ) from None
     return Example(prompt=prompt, answer=answer, source=where)
+
+
+def _messages(value: list, name: str, where: str) -> tuple[dict, ...]:
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise DatasetError(f"{where}: field {name!r} message {i} must be {{\"role\": one of {list(ROLES)}, "
+                               f"\"content\": a string}}, got {str(m)[:80]}")
+    if not value or value[-1]["role"] != "user":
+        raise DatasetError(f"{where}: field {name!r} must end with a user message (the model answers it)")
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
 
 
 def load_examples(path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer",

@@ -5,8 +5,13 @@ A reward function has the signature ``fn(prompt: str, completion: str, answer: s
 ``"package.module:function"`` (a dotted attribute after the colon is allowed:
 ``"mod:Class.method"``), or a file path ``"path/to/file.py:function"``. Every load problem is a
 one-line :class:`RewardLoadError` naming the path. :func:`score` calls a reward on a batch and
-turns an exception or a non-finite / non-numeric return into a :class:`RewardError` naming the
-sample (index and prompt excerpt).
+turns an exception (``sys.exit`` included), a non-numeric return or a value outside
+``[-REWARD_LIMIT, REWARD_LIMIT]`` (NaN and +-inf included) into a :class:`RewardError` naming
+the reward by its file and line, the sample (index and prompt excerpt) and, for an exception, the
+file and line that raised it.
+
+Security: a reward given as ``module:function`` or ``file.py:function`` is imported and run in the
+trainer's process with the user's rights, by design (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from __future__ import annotations
 from rlalign.contract.errors import RLAlignError
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +34,9 @@ from rlalign.tasks.arithmetic import arithmetic_reward
 from rlalign.tasks.rewards import gsm8k_reward, gsm8k_reward_fallback, gsm8k_reward_last_number
 
 RewardFn = Callable[[str, str, str], float]
+# Largest |reward| accepted: group statistics (squares, sums) must stay finite in fp32 (max ~3.4e38).
+REWARD_LIMIT = 1e9
+_FILE_MODULE_PREFIX = "rlalign_user_reward_"
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "arithmetic": arithmetic_reward,
@@ -54,7 +64,7 @@ def _import_module(spec: str, module_name: str) -> ModuleType:
         file = Path(module_name)
         if not file.is_file():
             raise RewardLoadError(f"reward {spec!r}: file {module_name!r} not found")
-        name = f"rlalign_user_reward_{abs(hash(str(file.resolve())))}"
+        name = f"{_FILE_MODULE_PREFIX}{abs(hash(str(file.resolve())))}"
         loader_spec = importlib.util.spec_from_file_location(name, file)
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[name] = module
@@ -105,9 +115,21 @@ def _shorten(text: str, limit: int) -> str:
 
 
 def _name(fn: Callable) -> str:
+    """``module:function``, or ``path/to/file.py:line:function`` for a reward loaded from a file."""
     module = getattr(fn, "__module__", None)
     name = getattr(fn, "__qualname__", None) or repr(fn)
+    if module and module.startswith(_FILE_MODULE_PREFIX):
+        try:
+            return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}:{name}"
+        except (TypeError, OSError):
+            pass
     return f"{module}:{name}" if module else name
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`` at file.py:line`` of the innermost frame of the traceback (where the reward raised)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if len(frames) > 1 else ""
 
 
 def _as_float(value: object) -> float | None:
@@ -133,12 +155,15 @@ def score(reward_fn: RewardFn, prompts: Sequence[str], completions: Sequence[str
         where = f"reward {name} on sample {i} (prompt {_excerpt(prompt)})"
         try:
             value = reward_fn(prompt, completion, answer)
+        except SystemExit as e:   # a reward must not end the training (its checkpoint state would be lost)
+            raise RewardError(f"{where} called sys.exit({e.code!r}){_raised_at(e)}; return a reward instead") from None
         except Exception as e:
-            raise RewardError(f"{where} raised {_one_line(e)}") from e
+            raise RewardError(f"{where} raised {_one_line(e)}{_raised_at(e)}") from e
         number = _as_float(value)
         if number is None:
             raise RewardError(f"{where} returned {type(value).__name__} {_shorten(repr(value), 60)}, expected a float")
-        if not math.isfinite(number):
-            raise RewardError(f"{where} returned {number}, expected a finite float")
+        if not (math.isfinite(number) and abs(number) <= REWARD_LIMIT):
+            raise RewardError(f"{where} returned {number}, expected a finite float in [-{REWARD_LIMIT:g}, "
+                              f"{REWARD_LIMIT:g}] (larger values overflow the fp32 group statistics); scale the reward")
         out.append(number)
     return out

@@ -7,150 +7,264 @@ the built-in addition task, on the CPU, in the strict profile.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import os
+from typing import ClassVar, Literal
+
+from rlalign.configlib import Rule, at_least, checked_by_type, greater_than, non_empty, one_of, pair_within, within
+from rlalign.tasks.arithmetic import MAX_DIGITS
+from rlalign.algos.registry import (
+    ADVANTAGES,
+    KL_ESTIMATOR_REGISTRY,
+    MISMATCH_CORRECTIONS,
+    POLICY_LOSSES,
+    refused_setting,
+)
+from rlalign.train.trackers import TRACKERS
+
+from rlalign.train.engines import ENGINES, INTEGRATIONS_HINT
 
 
 @dataclasses.dataclass
 class ModelSection:
+    CHECKS: ClassVar[dict[str, Rule]] = {
+        "path": non_empty("a checkpoint directory or 'default'"),
+        "dtype": one_of("float32", "bfloat16", optional=True),
+        "device": Rule("cpu, cuda or cuda:N", lambda d: isinstance(d, str) and (
+            d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())), ("gpu", "cuda:x")),
+    }
     path: str = "default"              # a Hugging Face checkpoint dir, or "default" (the embedded model)
     dtype: str | None = None           # float32 | bfloat16; None: the checkpoint's
     device: str = "cpu"                # cpu | cuda
 
-    def validate(self):
-        if self.dtype not in (None, "float32", "bfloat16"):
-            return f"dtype must be float32 or bfloat16 (strict), got {self.dtype!r}"
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            return f"device must be cpu or cuda, got {self.device!r}"
-
 
 @dataclasses.dataclass
 class TaskSection:
-    name: Literal["arithmetic", "dataset"] = "arithmetic"
-    reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function
-    min_digits: int = 1                # arithmetic
-    max_digits: int = 3
-    eval_size: int = 200
+    CHECKS: ClassVar[dict[str, Rule]] = {
+        "name": checked_by_type("arithmetic or dataset"),
+        "reward": non_empty("builtin, a reward name or module:function"),
+        "min_digits": within(1, MAX_DIGITS),
+        "max_digits": within(1, MAX_DIGITS),
+        "eval_size": at_least(0),
+        "path": non_empty("a dataset file", optional=True),
+        "prompt_field": non_empty(),
+        "answer_field": non_empty(),
+        "template": Rule("a string holding {prompt}", lambda t: isinstance(t, str) and "{prompt}" in t,
+                         ("Question:",), optional=True),
+        "eval_fraction": within(0, 1, low_open=True, high_open=True),
+        "chat": checked_by_type("true or false"),
+        "system_prompt": non_empty("a system message", optional=True),
+        "enable_thinking": checked_by_type("true, false or null"),
+    }
+    name: Literal["arithmetic", "dataset"] = "arithmetic"   # arithmetic (built-in addition) | dataset (task.path)
+    reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function (docs/data_and_rewards.md)
+    min_digits: int = 1                # arithmetic: fewest digits per operand
+    max_digits: int = 3                # arithmetic: most digits per operand
+    eval_size: int = 200               # held-out problems evaluated (0 with a dataset: all of its eval split)
     path: str | None = None            # dataset: a .jsonl / .json / .parquet file
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    prompt_field: str = "prompt"       # dataset: the row field holding the prompt (a string or a list of chat messages)
+    answer_field: str = "answer"       # dataset: the row field passed to the reward as the answer
     template: str | None = None        # e.g. "Question: {prompt}\nAnswer:"
-    eval_fraction: float = 0.1
-    chat: bool = False                 # apply the tokenizer's chat template to prompts
+    eval_fraction: float = 0.1         # dataset: share of rows held out for eval
+    chat: bool = False                 # apply the tokenizer's chat template to prompts (message-list prompts always are)
+    system_prompt: str | None = None   # chat: a system message put before each prompt that has none
+    enable_thinking: bool | None = None   # chat: the template's enable_thinking (Qwen3: false = no <think> block); None: unset
 
     def validate(self):
         if self.name == "dataset" and not self.path:
             return "path is required when name is 'dataset' (task.path=data.jsonl)"
+        if self.min_digits > self.max_digits:
+            return f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})"
 
 
 @dataclasses.dataclass
 class RolloutSection:
-    prompts_per_step: int = 32
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 6
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    page_size: int = 16
-    max_num_seqs: int = 512
-    max_num_batched_tokens: int = 8192
-    kv_cache_bytes: int | None = None
+    CHECKS: ClassVar[dict[str, Rule]] = {
+        "prompts_per_step": at_least(1),
+        "samples_per_prompt": at_least(1),
+        "max_new_tokens": at_least(1),
+        "temperature": greater_than(0),
+        "top_p": within(0, 1, low_open=True),
+        "top_k": at_least(0),
+        "page_size": at_least(1),
+        "max_num_seqs": at_least(1),
+        "max_num_batched_tokens": at_least(1),
+        "kv_cache_bytes": at_least(1, optional=True),
+        "engine": non_empty("a rollout engine name"),
+        "decode_graphs": one_of("auto", "on", "off"),
+    }
+    prompts_per_step: int = 32         # prompts (groups) per optimizer step
+    samples_per_prompt: int = 8        # completions per prompt (the GRPO group size)
+    max_new_tokens: int = 6            # completion length limit (longer ones are truncated)
+    temperature: float = 1.0           # sampling temperature (the trainer scores at the same one)
+    top_p: float = 1.0                 # nucleus sampling (1.0: off)
+    top_k: int = 0                     # top-k sampling (0: off)
+    page_size: int = 16                # KV-cache page size in tokens
+    max_num_seqs: int = 512            # sequences decoded at once
+    max_num_batched_tokens: int = 8192 # token budget of one engine step (chunked prefill)
+    kv_cache_bytes: int | None = None  # KV-cache size; None: sized from the batch
     engine: str = "rlalign"            # which rollout engine (rlalign.train.engines.ENGINES)
     decode_graphs: str = "auto"        # CUDA-graph decode steps (RolloutConfig.decode_graphs): auto | on | off
 
     def validate(self):
-        from rlalign.train.engines import ENGINES
         if self.engine not in ENGINES:
-            return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}"
-        if self.prompts_per_step < 1 or self.samples_per_prompt < 1 or self.max_new_tokens < 1:
-            return "prompts_per_step, samples_per_prompt and max_new_tokens must be >= 1"
-        if self.temperature <= 0:
-            return f"temperature must be > 0 for RL rollouts, got {self.temperature}"
-        if self.decode_graphs not in ("auto", "on", "off"):
-            return f"decode_graphs must be one of auto, on, off, got {self.decode_graphs!r}"
+            return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r} ({INTEGRATIONS_HINT})"
+        return memory_problem("prompts_per_step x samples_per_prompt (per step)",
+                              self.prompts_per_step * self.samples_per_prompt, self.max_new_tokens)
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the trainer scores rollout tokens at: the rollout engine's reported-logprob
+        temperature for a sample drawn at ``temperature`` (the one rule, ops.logprob_temperature)."""
+        from rlalign.ops import temperature as temperature_rule   # lazy: the config is read before torch is needed
+        return temperature_rule.logprob_temperature(self.temperature)
 
 
 @dataclasses.dataclass
 class AlgoSection:
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"   # gae: PPO with a value model
-    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
-    clip_low: float = 0.2
-    clip_high: float = 0.28            # DAPO clip-higher
-    dual_clip: float | None = None     # e.g. 3.0
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in_reward: bool = False
-    entropy_coef: float = 0.0
+    """The algorithm (rlalign.algos.registry): a key the chosen algorithms do not read is refused when set.
+    ``None`` for clip_low / clip_high: the chosen policy loss's own default (ppo_clip 0.2 / 0.28)."""
+    CHECKS: ClassVar[dict[str, Rule]] = {
+        **{k: checked_by_type("one of its listed names") for k in
+           ("advantage", "policy_loss", "loss_agg", "kl_estimator", "mismatch_correction")},
+        **{k: checked_by_type("true or false") for k in
+           ("kl_in_reward", "dynamic_sampling", "overlong_filter")},
+        "clip_low": within(0, 1, high_open=True, optional=True),
+        "clip_high": at_least(0, optional=True, what="a finite number"),
+        "dual_clip": greater_than(1, optional=True),
+        "kl_coef": at_least(0, what="a finite number"),
+        "entropy_coef": at_least(0, what="a finite number"),
+        "max_draw_rounds": at_least(1),
+        "mismatch_cap": greater_than(0),
+        "ppo_epochs": at_least(1),
+        "mini_batches": at_least(1),
+        "gamma": within(0, 1),
+        "lam": within(0, 1),
+        "value_lr": greater_than(0),
+        "value_clip": greater_than(0, optional=True),
+    }
+    advantage: Literal[ADVANTAGES.names()] = "grpo"       # advantage estimator (gae: PPO with a value model)
+    policy_loss: Literal[POLICY_LOSSES.names()] = "ppo_clip"   # surrogate objective
+    clip_low: float | None = None      # ratio clip below, 1 - clip_low (unset: the loss's own default)
+    clip_high: float | None = None     # ratio clip above, 1 + clip_high (unset: the loss's default; ppo_clip 0.28, DAPO clip-higher)
+    dual_clip: float | None = None     # ppo_clip: dual-clip bound for negative advantages, e.g. 3.0
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"   # loss aggregation over tokens and sequences
+    kl_coef: float = 0.0               # KL-to-reference penalty weight (0: no reference model)
+    kl_estimator: Literal[KL_ESTIMATOR_REGISTRY.names()] = "k3"   # KL estimator of the penalty
+    kl_in_reward: bool = False         # fold the KL penalty into the reward instead of the loss
+    entropy_coef: float = 0.0          # entropy bonus weight
     dynamic_sampling: bool = False     # DAPO: drop zero-variance groups, draw more
-    max_draw_rounds: int = 3
+    max_draw_rounds: int = 3           # dynamic_sampling: most draws per step
     overlong_filter: bool = False      # mask truncated completions
-    mismatch_correction: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "none"
+    mismatch_correction: Literal[MISMATCH_CORRECTIONS.names()] = "none"   # importance-sampling correction (native profile)
     mismatch_cap: float = 2.0          # TIS cap C / MIS upper bound
-    ppo_epochs: int = 1
-    gamma: float = 1.0                 # gae
-    lam: float = 0.95                  # gae
+    ppo_epochs: int = 1                # optimizer passes over each step's samples
+    mini_batches: int = 1              # optimizer steps per epoch over the step's samples (verl's ppo_mini_batch_size)
+    gamma: float = 1.0                 # gae, reinforce_pp: discount
+    lam: float = 0.95                  # gae: lambda
     value_lr: float = 1e-3             # gae: AdamW lr of the value model
     value_clip: float | None = 0.2     # gae: PPO2 value clipping around the old values
+
+    def validate(self):
+        defaults = {f.name: f.default for f in dataclasses.fields(AlgoSection)}
+        return refused_setting(dataclasses.asdict(self), defaults)
 
 
 @dataclasses.dataclass
 class OptimSection:
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.99])
-    warmup_steps: int = 5
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 4096
-    activation_checkpointing: bool = False
+    CHECKS: ClassVar[dict[str, Rule]] = {
+        "lr": greater_than(0),
+        "weight_decay": at_least(0, what="a finite number"),
+        "betas": pair_within(0, 1),
+        "warmup_steps": at_least(0),
+        "min_lr_ratio": within(0, 1),
+        "grad_clip": greater_than(0),        # a negative max-norm would flip the gradient's sign
+        "micro_batch_tokens": at_least(1),
+        "activation_checkpointing": checked_by_type("true or false"),
+        "master_weights": checked_by_type("true or false"),
+        "offload": checked_by_type("true or false"),
+    }
+    lr: float = 2e-4                   # AdamW peak learning rate
+    weight_decay: float = 0.0          # AdamW weight decay
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.99])   # AdamW betas
+    warmup_steps: int = 5              # linear warmup steps, then cosine decay
+    min_lr_ratio: float = 0.1          # final lr as a fraction of optim.lr
+    grad_clip: float = 1.0             # gradient norm clip
+    micro_batch_tokens: int = 4096     # token budget of one forward/backward micro-batch
+    activation_checkpointing: bool = False   # recompute each layer in backward (same bits, less memory)
+    master_weights: bool = True        # low-precision (bf16) weights train against fp32 master weights + fp32 AdamW state
+    offload: bool = False              # keep the fp32 master weights and AdamW state in CPU memory (large models)
 
 
 @dataclasses.dataclass
 class RunSection:
+    CHECKS: ClassVar[dict[str, Rule]] = {
+        "dir": non_empty("a directory path", optional=True),
+        "steps": at_least(1),
+        "seed": within(0, 2**63 - 1),
+        "profile": checked_by_type("strict or native"),
+        "on_mismatch": checked_by_type("warn or stop"),
+        "eval_every": at_least(1),
+        "eval_samples": at_least(1),
+        "checkpoint_every": at_least(1),
+        **{k: checked_by_type("true or false") for k in ("resume", "overwrite", "progress", "policy_kl")},
+        "resume_override": Rule("a list of section.key names", lambda x: all(isinstance(k, str) and k.strip() for k in x),
+                                ([""], "bogus")),
+        "log_every": at_least(1),
+        "loggers": Rule(f"a list of {', '.join(TRACKERS)}", lambda x: all(n in TRACKERS for n in x), (["bogus"], "bogus")),
+        "metric_names": checked_by_type("rlalign, verl or trl"),
+        "keep_checkpoints": at_least(1),
+        "max_minutes": greater_than(0, optional=True),
+    }
     dir: str | None = None             # default: runs/<timestamp>
-    steps: int = 120
-    seed: int = 0
-    profile: Literal["strict", "native"] = "strict"
-    on_mismatch: Literal["warn", "stop"] = "warn"
-    eval_every: int = 10
+    steps: int = 120                   # optimizer steps of the run
+    seed: int = 0                      # seed of the data order and the sampling
+    profile: Literal["strict", "native"] = "strict"   # strict: bit-identical logprobs; native: vendor kernels
+    on_mismatch: Literal["warn", "stop"] = "warn"     # strict profile: what a train/rollout mismatch does
+    eval_every: int = 10               # held-out eval every N steps (and at the last)
     eval_samples: int = 2              # samples per held-out problem for eval/accuracy (at the rollout temperature)
-    checkpoint_every: int = 20
-    resume: bool = False
-    progress: bool = True
+    checkpoint_every: int = 20         # checkpoint every N steps (and at the last)
+    resume: bool = False               # continue the run in run.dir from its latest checkpoint and saved config.yaml
+    resume_override: list[str] = dataclasses.field(default_factory=list)   # keys a resume may change that alter the run's meaning
+    overwrite: bool = False            # a fresh run may replace the files of a previous run in run.dir
+    progress: bool = True              # live progress bar (on a terminal only)
+    log_every: int = 1                 # one plain log line every N steps
+    policy_kl: bool = False            # log kl/policy_step, k3 KL(pi_before || pi_after) of each update (one extra forward)
+    loggers: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])   # jsonl (always) | tensorboard | wandb
+    metric_names: Literal["rlalign", "verl", "trl"] = "rlalign"   # metric names in tensorboard / wandb
+    keep_checkpoints: int = 2          # newest checkpoints kept in run.dir/checkpoints
     max_minutes: float | None = None   # stop (after a checkpoint) when exceeded
 
 
 @dataclasses.dataclass
 class RaySection:
     """``launcher=ray``: the trainer and the rollout workers run as Ray actors (docs/ray.md)."""
+    CHECKS: ClassVar[dict[str, Rule]] = {
+        "address": non_empty("auto, HOST:PORT or ray://HOST:PORT", optional=True),
+        "num_rollout_workers": at_least(1),
+        "cpus_per_actor": greater_than(0),
+        "gpus_per_actor": at_least(0, what="a finite number"),
+        "weight_sync": checked_by_type("auto, object_store or broadcast"),
+    }
     address: str | None = None         # None: start a local cluster; "auto", "HOST:6379" or "ray://HOST:10001": join one
-    num_rollout_workers: int = 2
+    num_rollout_workers: int = 2       # rollout engine actors
     cpus_per_actor: float = 1.0        # Ray CPUs of the trainer and of each worker (also its torch threads)
     gpus_per_actor: float = 0.0        # 1 with model.device=cuda
     weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"   # auto: broadcast on cuda (NCCL), object store on cpu
-
-    def validate(self):
-        if self.num_rollout_workers < 1:
-            return f"num_rollout_workers must be >= 1, got {self.num_rollout_workers}"
-        if self.cpus_per_actor <= 0 or self.gpus_per_actor < 0:
-            return "cpus_per_actor must be > 0 and gpus_per_actor >= 0"
 
 
 @dataclasses.dataclass
 class ParallelSection:
     """Trainer parallelism (docs/distributed.md); dp * tp processes (gloo on CPU, NCCL on GPU), spawned by
     ``rlalign train parallel.dp=2`` or started by torchrun (WORLD_SIZE must equal dp * tp).
-    dp: each rank back-propagates a share of every step's micro-batches; a deterministic all-reduce sums
+    dp: int = 1                        # data-parallel trainer processes
     the gradients. tp: the policy is sharded (rlalign.distributed.parallelize); None keeps the unsharded
     model, 1/2/4/8 use the canonical partitions, and every tp gives the same bits as tp=1."""
-    dp: int = 1
-    tp: int | None = None
-
-    def validate(self):
-        if self.dp < 1:
-            return f"dp must be >= 1, got {self.dp}"
-        if self.tp is not None and self.tp not in (1, 2, 4, 8):
-            return f"tp must be 1, 2, 4 or 8 (or unset), got {self.tp}"
+    CHECKS: ClassVar[dict[str, Rule]] = {
+        "dp": at_least(1),
+        "tp": one_of(1, 2, 4, 8, optional=True),
+    }
+    dp: int = 1                        # data-parallel trainer processes
+    tp: int | None = None              # tensor-parallel degree (None: unsharded)
 
     @property
     def world_size(self) -> int:
@@ -159,6 +273,7 @@ class ParallelSection:
 
 @dataclasses.dataclass
 class TrainConfig:
+    CHECKS: ClassVar[dict[str, Rule]] = {"launcher": checked_by_type("local or ray")}
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
@@ -174,3 +289,33 @@ class TrainConfig:
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
         if self.parallel.tp is not None and self.algo.advantage == "gae":
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
+        if self.run.resume and self.run.overwrite:
+            return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
+        evals = memory_problem("task.eval_size x run.eval_samples (per evaluation)",
+                               self.task.eval_size * self.run.eval_samples, self.rollout.max_new_tokens)
+        if evals:
+            return evals
+        if self.algo.advantage in GROUP_BASELINES and self.rollout.samples_per_prompt < 2:
+            return (f"algo.advantage={self.algo.advantage} compares the samples of a prompt: with "
+                    "rollout.samples_per_prompt=1 every advantage is 0 and training does nothing; use >= 2")
+
+
+# Advantages measured against the other samples of the same prompt (one sample: always 0).
+GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")
+# Host memory a step's sequences take in Python lists (tokens, logprobs, text): a generous estimate.
+SEQUENCE_BYTES, TOKEN_BYTES = 2048, 256
+
+
+def memory_problem(what: str, sequences: int, max_new_tokens: int) -> "str | None":
+    """Sequences that would not fit in half of this machine's memory are refused at load (instead of
+    hanging while their prompt list is built)."""
+    need = sequences * (SEQUENCE_BYTES + TOKEN_BYTES * max_new_tokens)
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    if need > have // 2:
+        return (f"{what} = {sequences} sequences would take about {need / 2**30:.0f} GiB of host memory (estimated "
+                f"{SEQUENCE_BYTES} B + {TOKEN_BYTES} B per new token each), more than half of this machine's "
+                f"{have / 2**30:.0f} GiB; lower them")
+    return None

@@ -1,19 +1,23 @@
 """The RL loop, single process, colocated: rollout -> rewards -> advantages -> update -> push weights.
 
-Objective (GRPO defaults; every term is a function of :mod:`rlalign.algos` with its exact formula):
-for each step, ``P`` prompts x ``K`` samples are drawn from the rollout engine at temperature
-``T``; each sample gets a scalar reward; the advantage of sample i is group-normalised
-(``(r_i - mean_g) / (std_g + eps)``, unbiased std; ``dr_grpo`` drops the std); every completion
-token carries its sample's advantage. The loss is the clipped surrogate
-``max(-A r_t, -A clamp(r_t, 1 - clip_low, 1 + clip_high))`` with ``r_t = exp(logp_t - logp_old_t)``,
-aggregated by ``algo.loss_agg`` with the *step-global* normaliser (so the gradient does not depend
-on how the batch is cut into micro-batches), plus ``kl_coef * KL_k(pi || ref)`` and
-``- entropy_coef * H`` when enabled.
+Objective (GRPO defaults; every term is a function of :mod:`rlalign.algos`, chosen by name from
+:mod:`rlalign.algos.registry`, with its exact formula): for each step, ``P`` prompts x ``K`` samples
+are drawn from the rollout engine at temperature ``T``; each sample gets a scalar reward; the
+advantage of sample i is group-normalised (``(r_i - mean_g) / (std_g + eps)``, unbiased std;
+``dr_grpo`` drops the std); every completion token carries its sample's advantage. The loss is the
+clipped surrogate ``max(-A r_t, -A clamp(r_t, 1 - clip_low, 1 + clip_high))`` with
+``r_t = exp(logp_t - logp_old_t)``, aggregated by ``algo.loss_agg`` with the normaliser of the
+mini-batch (so the gradient does not depend on how it is cut into micro-batches), plus
+``kl_coef * KL_k(pi || ref)`` and ``- entropy_coef * H`` when enabled. Each of ``algo.ppo_epochs``
+passes takes one optimizer step per mini-batch (``algo.mini_batches``).
 
-``logp_old`` is the trainer's own forward on the sampled tokens before the update. In the strict
-profile it equals the rollout engine's logprobs bit for bit; every step compares the two on every
-token and logs ``mismatch/*``. In the native profile they differ, and ``algo.mismatch_correction``
-(TIS / MIS) can correct for it.
+The step's data is one :class:`~rlalign.train.packing.TrainBatch`, laid out once. ``logp_old`` is
+the trainer's own forward on the sampled tokens before the update. In the strict profile with one
+mini-batch it is the first update pass's forward (detached; :meth:`Trainer.needs_rescore`), which
+also gives the logged entropy; otherwise a no-grad forward before the update. Either way it equals
+the rollout engine's logprobs bit for bit in the strict profile; every step compares the two on
+every token, before any optimizer step, and logs ``mismatch/*``. In the native profile they differ,
+and ``algo.mismatch_correction`` (TIS / MIS) can correct for it.
 """
 
 from __future__ import annotations
@@ -26,21 +30,30 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from rlalign import algos
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import use_profile
 from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_rank, sum_scalars
-from rlalign.distributed import trainer as par
+from rlalign.distributed.launch import Group, default_backend, spawn
 from rlalign.distributed.parallelize import parallelize
+from rlalign.models.checkpoint import save_model
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
-from rlalign.train.engines import build_rollout_engine
+from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
-from rlalign.train.packing import micro_batches, score_completions, score_in_micro_batches
+from rlalign.train.engines import build_rollout_engine
+from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
+from rlalign.train.master import MasterWeights, full_masters
+from rlalign.train.packing import TrainBatch, logprobs
+from rlalign.train.runconfig import check_resume, read_run_config, write_run_config
+from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
+from rlalign.train.trackers import Trackers
+from rlalign.train.rundir import open_run_dir
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
-from rlalign.train.value import ValueModel, value_loss
+from rlalign.train.value import ValueModel
 
 
 class MismatchError(RLAlignError):
@@ -56,14 +69,6 @@ class Rollout:
     group_ids: list[int]
     truncated: list[bool]
     texts: list[str]
-
-    @property
-    def completion_lens(self) -> list[int]:
-        return [len(t) - p for t, p in self.samples]
-
-    def logprob_tensor(self, device="cpu") -> torch.Tensor:
-        """The rollout engine's logprobs of every completion token, sample by sample (fp32, exact)."""
-        return torch.tensor([x for lps in self.logprobs for x in lps], dtype=torch.float32, device=device)
 
     def reward_tensor(self, device="cpu") -> torch.Tensor:
         return torch.tensor(self.rewards, dtype=torch.float32, device=device)
@@ -86,28 +91,44 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, console=None):
         self.cfg = cfg
         self.console = console
-        # parallel.dp/tp (rlalign.distributed.trainer): tp shards the policy, each dp rank back-propagates a share
+        # parallel.dp/tp (rlalign.train.parallel): tp shards the policy, each dp rank back-propagates a share
         self.tp, self.dp = par.parallel_groups(cfg)
         self.writer = par.is_writer(self.tp, self.dp)
         self.run_dir = Path(par.shared_run_dir(cfg))
+        # The writer locks and prepares the run directory before any work (rlalign.train.rundir): a fresh
+        # run needs an empty directory (or run.overwrite), a resume a checkpoint.
+        self.run_lock = (open_run_dir(self.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
+                         if self.writer else None)
+        try:
+            self._build(cfg)
+        except BaseException:
+            if self.run_lock is not None:
+                self.run_lock.abandon()
+            raise
+
+    def _build(self, cfg: TrainConfig) -> None:
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
         self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir)
         self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        value_model = algos.ADVANTAGES[cfg.algo.advantage].value_model
         if self.tp is not None:
-            if cfg.algo.advantage == "gae":
+            if value_model:
                 raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
             self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+        # low-precision weights train against fp32 masters (rlalign.train.master); fp32 ones are stepped as before
+        self.master = MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload)
+        self.optimizer = torch.optim.AdamW(self.master.optim_params(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, foreach=False)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.value = self.value_optimizer = None
-        if cfg.algo.advantage == "gae":
+        if value_model:
             self.value = ValueModel(self.policy)
             self.value_optimizer = torch.optim.AdamW(self.value.parameters(), lr=cfg.algo.value_lr, foreach=False)
         self.step = 0
         self.data_pos = 0
+        self.trackers, self.config_path = None, self.run_dir / "config.yaml"
         if cfg.optim.activation_checkpointing:
             _checkpoint_layers(self.policy)
 
@@ -122,16 +143,22 @@ class Trainer:
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def resume_if_asked(self) -> None:
-        if not self.cfg.run.resume and (self.run_dir / "checkpoints" / "latest.json").exists():
-            raise SetupError(f"run directory {self.run_dir} already holds a run with checkpoints; continue it with "
-                             "run.resume=true, or choose a new run.dir (nothing was overwritten)")
+        """Open metrics.jsonl, and with ``run.resume`` load the last checkpoint (the run directory was
+        locked and checked in ``__init__``)."""
+        if self.run_lock is not None and self.run_lock.removed:
+            self._note(f"removed leftovers of an interrupted run: {', '.join(self.run_lock.removed)}")
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
+            self._start_run_files()
             self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()
             return
+        check_resume(read_run_config(self.run_dir) or state["config"], self.cfg)
+        self._start_run_files()
         par.load_policy_weights(self.policy, state["model"])
+        self.master.load_state_dict(state.get("master"))
         par.load_optimizer_state(self.optimizer, state["optimizer"], self.tp)
         self.schedule.load_state_dict(state["schedule"])
+        self._apply_lr_config()
         torch.set_rng_state(state["torch_rng"])
         self.step, self.data_pos = state["step"], state["data_pos"]
         if self.value is not None:
@@ -139,20 +166,46 @@ class Trainer:
             self.value_optimizer.load_state_dict(state["value_optimizer"])
         self.engine.update_weights(par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
+        self._note(getattr(self.metrics, "note", None))
+
+    def _note(self, text: "str | None") -> None:
+        if text and self.console is not None:
+            self.console.print(f"note: {text}")
+
+    def _start_run_files(self) -> None:
+        """config.yaml (what this run runs under) and the trackers; the writer rank only."""
+        if self.writer:
+            write_run_config(self.run_dir, self.cfg)
+            self.trackers = Trackers(self.run_dir, self.cfg)
+
+    def _apply_lr_config(self) -> None:
+        """After a resume: the schedule's lr from this config (the same bits as the checkpoint's when
+        optim.* did not change; the new lr when run.resume_override allowed a change)."""
+        self.schedule.base_lrs = [self.cfg.optim.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.cfg.optim.lr
+            group["lr"] = self.cfg.optim.lr * self._lr_factor(self.schedule.last_epoch)
+        self.schedule._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def log_record(self, record: dict) -> None:
+        """One metrics record: metrics.jsonl (always) and the run.loggers trackers."""
+        self.metrics.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def save(self) -> None:
         model, optimizer = par.policy_weights(self.policy), par.optimizer_state(self.optimizer, self.tp)
+        master = full_masters(self.master, self.policy) if self.master.active else None
         if not self.writer:   # the writer saves for every rank (TP state gathered above)
             return
         save_checkpoint(self.run_dir, self.step, {
-            "model": model, "optimizer": optimizer,
+            "model": model, "optimizer": optimizer, **({"master": master} if master is not None else {}),
             "schedule": self.schedule.state_dict(), "torch_rng": torch.get_rng_state(),
             "step": self.step, "data_pos": self.data_pos, "config": dataclasses.asdict(self.cfg),
             **({"value": self.value.state_dict(), "value_optimizer": self.value_optimizer.state_dict()}
-               if self.value is not None else {})})
+               if self.value is not None else {})}, keep=self.cfg.run.keep_checkpoints)
 
     def save_policy(self) -> Path:
-        from rlalign.models.checkpoint import save_model
         policy = par.unsharded_policy(self.policy)
         if not self.writer:
             return self.run_dir / "policy"
@@ -210,28 +263,43 @@ class Trainer:
         trimmed = algos.first_groups(kept_ro.group_tensor(), torch.ones(len(kept_ro.rewards), dtype=torch.bool), target)
         return kept_ro.select(trimmed.tolist()), stats
 
-    def token_advantages(self, ro: Rollout, seq_ids: torch.Tensor, mask: torch.Tensor,
-                         kl: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-        """Per-token advantages [T] (a sequence-level advantage copied to its tokens, or REINFORCE++'s /
-        GAE's per-token ones) and, for GAE, the value targets. ``kl`` (per token, or None) is the KL
-        penalty folded into the reward when ``algo.kl_in_reward``."""
+    def train_batch(self, ro: Rollout) -> TrainBatch:
+        """The step's :class:`TrainBatch` (layout, mask, rollout log-probs), built once."""
+        cfg = self.cfg
+        batch = TrainBatch.build(ro.samples, ro.logprobs, max_tokens=cfg.optim.micro_batch_tokens,
+                                 mini_batches=cfg.algo.mini_batches, device=self.policy.device)
+        if cfg.algo.overlong_filter:
+            truncated = torch.tensor(ro.truncated, device=batch.mask.device)
+            batch = batch.with_mask(algos.overlong_filter(batch.mask, batch.seq_ids, truncated))
+        return batch
+
+    def needs_rescore(self) -> bool:
+        """Whether the old policy's log-probs need a forward of their own before the update.
+
+        Not in the strict profile when one pass over every micro-batch runs before the first optimizer
+        step (one mini-batch, one data-parallel rank) and no mismatch correction needs the old
+        log-probs before the update: that pass's forward is the old policy's (the same ops with or
+        without grad: the same bits), so its detached log-probs are the old log-probs, compared with
+        the rollout's before the optimizer steps. Needed in the native profile (grad and no-grad
+        forwards may take different vendor kernels), for TIS/MIS, with ``algo.mini_batches > 1``
+        (later mini-batches run after an optimizer step) and with ``parallel.dp > 1`` (each rank
+        forwards only its share)."""
         a = self.cfg.algo
-        rewards, groups = ro.reward_tensor(seq_ids.device), ro.group_tensor(seq_ids.device)
-        coef = a.kl_coef if kl is not None else 0.0
-        if a.advantage == "gae":
-            token_r = algos.token_rewards(rewards, seq_ids, mask, kl=kl, kl_coef=coef)
-            old_values = self.value.values_in_micro_batches(ro.samples, self.cfg.optim.micro_batch_tokens)
-            adv, returns = algos.gae_advantages(token_r, old_values, seq_ids, mask, gamma=a.gamma, lam=a.lam)
-            return algos.whiten(adv, mask), {"returns": returns, "old_values": old_values}
-        if a.advantage == "reinforce_pp":
-            return algos.reinforce_pp_advantages(rewards, seq_ids, mask, group_ids=groups, kl=kl, kl_coef=coef)[0], {}
-        if kl is not None:  # sequence-level reward minus the summed per-token KL penalty
-            rewards = rewards - coef * torch.zeros_like(rewards).index_add_(0, seq_ids, torch.where(mask, kl, 0.0))
-        if a.advantage in ("grpo", "dr_grpo"):
-            adv = algos.grpo_advantages(rewards, groups, scale_by_std=a.advantage == "grpo")
-        else:
-            adv = algos.rloo_advantages(rewards, groups)
-        return algos.expand_to_tokens(adv, seq_ids, mask), {}
+        return (self.cfg.run.profile != "strict" or a.mismatch_correction != "none" or a.mini_batches > 1
+                or self.dp.size > 1)
+
+    def token_advantages(self, ro: Rollout, batch: TrainBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """Per-token advantages [T] by ``algo.advantage`` (rlalign.algos.registry.ADVANTAGES) and, for
+        estimators with a value model, the value targets. ``kl`` (per token, or None) is the KL penalty
+        folded into the reward when ``algo.kl_in_reward``."""
+        a = self.cfg.algo
+        estimator = algos.ADVANTAGES[a.advantage]
+        dev = batch.seq_ids.device
+        old_values = self.value.old_values(batch) if estimator.value_model else None
+        inputs = algos.AdvantageInputs(ro.reward_tensor(dev), ro.group_tensor(dev), batch.seq_ids, batch.mask,
+                                       kl=kl, kl_coef=a.kl_coef, values=old_values)
+        adv, returns = estimator.fn(inputs, **estimator.knob_values(dataclasses.asdict(a)))
+        return adv, ({"returns": returns, "old_values": old_values} if estimator.value_model else {})
 
     def train_step(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -239,30 +307,37 @@ class Trainer:
             ro, sampling_stats = self.rollout(step)
             t_rollout = time.perf_counter() - t0
             t1 = time.perf_counter()
-            temp = cfg.rollout.temperature
-            mb_tokens = cfg.optim.micro_batch_tokens
-            old_lp, old_ent = score_in_micro_batches(self.policy, ro.samples, temperature=temp, max_tokens=mb_tokens,
-                                                     with_entropy=True)
-            dev = old_lp.device  # every per-token tensor of the update lives with the model
-            lens = torch.tensor(ro.completion_lens, device=dev)
-            seq_ids = algos.seq_ids_from_lengths(lens)
-            mask = torch.ones(seq_ids.shape[0], dtype=torch.bool, device=dev)
-            if cfg.algo.overlong_filter:
-                mask = algos.overlong_filter(mask, seq_ids, torch.tensor(ro.truncated, device=dev))
-            rollout_lp = ro.logprob_tensor(dev)
-            mism = algos.logprob_mismatch_stats(old_lp, rollout_lp, torch.ones_like(mask))
-            record = {"step": step, **self._mismatch_record(mism)}
-            self._check_mismatch(step, record)
-            ref_lp = (score_in_micro_batches(self.ref, ro.samples, temperature=temp, max_tokens=mb_tokens)[0]
-                      if self.ref is not None else None)
-            kl_reward = (algos.kl_estimate(old_lp, ref_lp, self.cfg.algo.kl_estimator)
-                         if ref_lp is not None and self.cfg.algo.kl_in_reward else None)
-            token_adv, value_targets = self.token_advantages(ro, seq_ids, mask, kl_reward)
-            is_weights, corr_stats = self._mismatch_correction(old_lp, rollout_lp, mask, seq_ids)
-            update = self._update(ro, old_lp, token_adv, None if kl_reward is not None else ref_lp, mask, seq_ids,
-                                  is_weights, value_targets)
+            temp = cfg.rollout.logprob_temperature
+            batch = self.train_batch(ro)
+            record = {"step": step}
+            old_lp = old_ent = None
+            if self.needs_rescore():
+                old_lp, old_ent = batch.score(self.policy, temperature=temp, with_entropy=True)
+                record.update(self._check_old_logprobs(step, old_lp, batch))
+            ref_lp = batch.score(self.ref, temperature=temp)[0] if self.ref is not None else None
+            # in the strict profile without a rescore the rollout's log-probs stand for the old policy's
+            # (equal bit for bit, checked on every token in the first update pass)
+            kl_reward = (algos.kl_estimate(old_lp if old_lp is not None else batch.rollout_logprobs, ref_lp,
+                                           cfg.algo.kl_estimator)
+                         if ref_lp is not None and cfg.algo.kl_in_reward else None)
+            token_adv, value_targets = self.token_advantages(ro, batch, kl_reward)
+            is_weights, corr_stats = self._mismatch_correction(old_lp, batch)
+
+            first_lp = old_lp
+
+            def first_pass(lp, ent):   # strict, no rescore: the first update pass's forward is the old policy's
+                nonlocal old_ent, first_lp
+                old_ent, first_lp = ent, lp
+                record.update(self._check_old_logprobs(step, lp, batch))
+
+            update = self._update(batch, old_lp, token_adv, None if kl_reward is not None else ref_lp, is_weights,
+                                  value_targets, first_pass)
+            if cfg.run.policy_kl:   # the updated policy on the samples its predecessor drew
+                update["kl/policy_step"] = policy_step_kl(first_lp, batch.score(self.policy, temperature=temp)[0],
+                                                          batch.mask)
         t_train = time.perf_counter() - t1
         self.engine.update_weights(par.policy_weights(self.policy), version=step)
+        lens = batch.completion_lens
         n_tokens = int(lens.sum())
         rewards = ro.reward_tensor()
         record.update({
@@ -270,10 +345,20 @@ class Trainer:
             "entropy": float(old_ent.mean()), "completion/mean_len": float(lens.float().mean()),
             "completion/truncated_frac": sum(ro.truncated) / len(ro.truncated), **sampling_stats,
             "time/rollout_s": t_rollout, "time/train_s": t_train,
-            "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9), "lr": self.schedule.get_last_lr()[0],
+            "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9),
             "memory/peak_mb": _peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
-            **update, **corr_stats,
+            **update, **corr_stats, **rollout_stats(rewards, ro.group_tensor(), lens),
+            **token_stats(token_adv, batch.mask, first_lp, ref_lp),
         })
+        return record
+
+    def _check_old_logprobs(self, step: int, old_lp: torch.Tensor, batch: TrainBatch) -> dict:
+        """Compare the trainer's old-policy log-probs with the rollout's on every token (raw bits); the
+        ``mismatch/*`` record. In the strict profile a mismatch warns or, with ``run.on_mismatch=stop``,
+        raises (before any optimizer step of the step)."""
+        mism = algos.logprob_mismatch_stats(old_lp, batch.rollout_logprobs, torch.ones_like(batch.mask))
+        record = self._mismatch_record(mism)
+        self._check_mismatch(step, record)
         return record
 
     def _mismatch_record(self, mism: dict) -> dict:
@@ -289,91 +374,114 @@ class Trainer:
                "run `rlalign parity --localize` on this model to find the first diverging op")
         if self.cfg.run.on_mismatch == "stop":
             raise MismatchError(msg)
-        if self.console is not None:
-            self.console.print(f"[bold red]MISMATCH[/bold red] {msg}")
+        LOGGER.warning(f"MISMATCH {msg}")
 
-    def _mismatch_correction(self, old_lp, rollout_lp, mask, seq_ids):
-        kind = self.cfg.algo.mismatch_correction
-        if kind == "none":
+    def _mismatch_correction(self, old_lp, batch: TrainBatch):
+        correction = algos.MISMATCH_CORRECTIONS[self.cfg.algo.mismatch_correction]
+        if correction.fn is None:
             return None, {}
-        fn = {"token_tis": algos.token_tis, "seq_tis": algos.sequence_tis,
-              "token_mis": algos.token_mis, "seq_mis": algos.sequence_mis}[kind]
-        args = (old_lp, rollout_lp, mask) + ((seq_ids,) if kind.startswith("seq") else ())
-        kw = {"cap": self.cfg.algo.mismatch_cap} if kind.endswith("tis") else {"high": self.cfg.algo.mismatch_cap}
-        corr = fn(*args, **kw)
+        corr = correction.fn(old_lp, batch.rollout_logprobs, batch.mask, batch.seq_ids,
+                             **correction.knob_values(dataclasses.asdict(self.cfg.algo)))
         stats = {f"rollout_corr/{k}": float(v) for k, v in corr.stats.items()}
         weights = corr.weights if corr.weights is not None else corr.mask.to(torch.float32)
         return weights, stats
 
-    def _update(self, ro, old_lp, token_adv, ref_lp, mask, seq_ids, is_weights, value_targets) -> dict:
-        """``ppo_epochs`` passes over the step's samples, micro-batch by micro-batch, one optimizer step each."""
+    def _update(self, batch: TrainBatch, old_lp, token_adv, ref_lp, is_weights, value_targets, first_pass) -> dict:
+        """``ppo_epochs`` passes over the step's samples; each pass takes one optimizer step per mini-batch
+        after accumulating its gradient micro-batch by micro-batch. The loss of a mini-batch is
+        normalised by its own counts (``algo.loss_agg``); logged losses, ``clip_frac`` and ``grad_norm``
+        are means over the optimizer steps, ``lr`` the learning rate they used.
+
+        ``old_lp`` None: the first pass's detached log-probs are the old log-probs (see
+        :meth:`needs_rescore`); ``first_pass(old_lp, entropy)`` checks them before the first optimizer step."""
         cfg = self.cfg
-        bounds = torch.tensor([0] + ro.completion_lens).cumsum(0).tolist()
-        n_tok, n_seq = algos.batch_counts(mask, seq_ids)
-        totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+        steps = cfg.algo.ppo_epochs * len(batch.mini_batches)
+        totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0, "grad_norm": 0.0}
         if self.value is not None:
             totals["loss/value"] = 0.0
+        lr = self.optimizer.param_groups[0]["lr"]   # this step's; the schedule moves after the step
+        if old_lp is None and (len(batch.mini_batches) > 1 or self.dp.size > 1):
+            raise RuntimeError("Trainer._update: the first pass stands in for the old log-probs only with one "
+                               "mini-batch on one data-parallel rank (needs_rescore)")
         for _ in range(cfg.algo.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.value is not None:
-                self.value_optimizer.zero_grad(set_to_none=True)
-            stats_acc = {k: 0.0 for k in totals if k != "grad_norm"}
-            for mb in shard_for_rank(micro_batches([len(t) for t, _ in ro.samples], cfg.optim.micro_batch_tokens),
-                                     self.dp):
-                lo, hi = bounds[mb[0]], bounds[mb[-1] + 1]
-                sl = slice(lo, hi)
-                local_ids = seq_ids[sl] - mb[0]
-                lp, ent = score_completions(self.policy, [ro.samples[i] for i in mb],
-                                            temperature=cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0)
-                out = self._policy_loss(lp, old_lp[sl], token_adv[sl], mask[sl], local_ids, len(mb),
-                                        None if is_weights is None else is_weights[sl])
-                agg = dict(num_tokens=n_tok, num_seqs=n_seq, max_len=cfg.rollout.max_new_tokens)
-                loss = algos.aggregate_loss(out.loss, mask[sl], local_ids, cfg.algo.loss_agg, **agg)
-                stats_acc["loss/policy"] += float(loss.detach())
-                if ref_lp is not None:
-                    kl = algos.kl_estimate(lp, ref_lp[sl], cfg.algo.kl_estimator)
-                    kl_term = algos.aggregate_loss(kl, mask[sl], local_ids, cfg.algo.loss_agg, **agg)
-                    stats_acc["loss/kl"] += float(kl_term.detach())
-                    loss = loss + cfg.algo.kl_coef * kl_term
-                if ent is not None:
-                    loss = loss - cfg.algo.entropy_coef * algos.aggregate_loss(ent, mask[sl], local_ids,
-                                                                               cfg.algo.loss_agg, **agg)
-                if self.value is not None:
-                    v = self.value.values([ro.samples[i] for i in mb])
-                    vl = algos.aggregate_loss(value_loss(v, value_targets["old_values"][sl], value_targets["returns"][sl],
-                                                         cfg.algo.value_clip), mask[sl], local_ids, cfg.algo.loss_agg, **agg)
-                    vl.backward()
-                    stats_acc["loss/value"] += float(vl.detach())
-                w = int(mask[sl].sum())
-                stats_acc["clip_frac"] += float(out.stats.get("clip_frac", torch.tensor(0.0))) * w / max(n_tok, 1)
-                loss.backward()
-            if self.dp.size > 1:   # deterministic sum over the data-parallel ranks (rank order, fixed tree)
-                all_reduce_gradients_(self.policy.parameters(), self.dp)
-                if self.value is not None:
-                    all_reduce_gradients_(self.value.parameters(), self.dp)
-                stats_acc = sum_scalars(stats_acc, self.dp)
-            grad_norm = par.clip_grad_norm_(self.policy, cfg.optim.grad_clip)
-            if not torch.isfinite(grad_norm):
-                raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {self.step}: lower optim.lr or check "
-                                   "the rewards; the last checkpoint is intact")
-            self.optimizer.step()
-            if self.value is not None:
-                torch.nn.utils.clip_grad_norm_(self.value.parameters(), cfg.optim.grad_clip, foreach=False)
-                self.value_optimizer.step()
-            for k, v in stats_acc.items():
-                totals[k] += v / cfg.algo.ppo_epochs
-            totals["grad_norm"] += float(grad_norm) / cfg.algo.ppo_epochs
+            for mini in batch.mini_batches:
+                stats, seen = self._accumulate(batch, mini, old_lp, token_adv, ref_lp, is_weights, value_targets)
+                if old_lp is None:
+                    old_lp, entropy = torch.cat([s[0] for s in seen]), torch.cat([s[1] for s in seen])
+                    first_pass(old_lp, entropy)
+                grad_norm = self._optimizer_step(stats)
+                for k, v in stats.items():
+                    totals[k] += v / steps
+                totals["grad_norm"] += float(grad_norm) / steps
         self.schedule.step()
-        return totals
+        return {**totals, "lr": lr}
 
-    def _policy_loss(self, lp, old_lp, adv, mask, local_ids, num_seqs, is_weights):
-        a = self.cfg.algo
-        if a.policy_loss == "ppo_clip":
-            return algos.ppo_clip_loss(lp, old_lp, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
-                                       clip_c=a.dual_clip, is_weights=is_weights)
-        if a.policy_loss == "gspo":
-            return algos.gspo_loss(lp, old_lp, adv, mask, local_ids, num_seqs=num_seqs, is_weights=is_weights)
-        return algos.cispo_loss(lp, old_lp, adv, mask, is_weights=is_weights)
+    def _accumulate(self, batch: TrainBatch, mini, old_lp, token_adv, ref_lp, is_weights, value_targets):
+        """Backward of one mini-batch's loss, micro-batch by micro-batch (this rank's share); returns its
+        logged stats and, when ``old_lp`` is None, each micro-batch's detached (log-probs, entropies)."""
+        cfg, a = self.cfg, self.cfg.algo
+        span = slice(mini[0].tokens.start, mini[-1].tokens.stop)
+        n_tok, n_seq = algos.batch_counts(batch.mask[span], batch.seq_ids[span])
+        agg = dict(num_tokens=n_tok, num_seqs=n_seq, max_len=cfg.rollout.max_new_tokens)
+        loss_fn = algos.POLICY_LOSSES[a.policy_loss]
+        knobs = loss_fn.knob_values(dataclasses.asdict(a))
+        stats = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0}
+        if self.value is not None:
+            stats["loss/value"] = 0.0
+        seen = []
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.value is not None:
+            self.value_optimizer.zero_grad(set_to_none=True)
+        for mb in shard_for_rank(mini, self.dp):
+            sl, mask = mb.tokens, batch.mask[mb.tokens]
+            lp, ent = logprobs(self.policy, mb, temperature=cfg.rollout.logprob_temperature,
+                               with_entropy=a.entropy_coef > 0 or old_lp is None)
+            if old_lp is None:
+                seen.append((lp.detach(), ent.detach()))
+            old = lp.detach() if old_lp is None else old_lp[sl]
+            out = loss_fn.fn(lp, old, token_adv[sl], mask, mb.seq_ids, len(mb.samples),
+                             None if is_weights is None else is_weights[sl], **knobs)
+            loss = algos.aggregate_loss(out.loss, mask, mb.seq_ids, a.loss_agg, **agg)
+            stats["loss/policy"] += float(loss.detach())
+            if ref_lp is not None:
+                kl = algos.kl_estimate(lp, ref_lp[sl], a.kl_estimator)
+                kl_term = algos.aggregate_loss(kl, mask, mb.seq_ids, a.loss_agg, **agg)
+                stats["loss/kl"] += float(kl_term.detach())
+                loss = loss + a.kl_coef * kl_term
+            if a.entropy_coef > 0:
+                loss = loss - a.entropy_coef * algos.aggregate_loss(ent, mask, mb.seq_ids, a.loss_agg, **agg)
+            if self.value is not None:
+                v = self.value.values(mb)
+                vl = algos.aggregate_loss(algos.value_loss(v, value_targets["old_values"][sl],
+                                                           value_targets["returns"][sl], a.value_clip),
+                                          mask, mb.seq_ids, a.loss_agg, **agg)
+                vl.backward()
+                stats["loss/value"] += float(vl.detach())
+            w = int(mask.sum())
+            stats["clip_frac"] += float(out.stats.get("clip_frac", torch.tensor(0.0))) * w / max(n_tok, 1)
+            stats["kl/ppo"] += float(out.stats.get("approx_kl", torch.tensor(0.0))) * w / max(n_tok, 1)
+            loss.backward()
+        return stats, seen
+
+    def _optimizer_step(self, stats: dict) -> torch.Tensor:
+        """Sum gradients (and ``stats``, in place) over the data-parallel ranks, clip, step; the grad norm."""
+        cfg = self.cfg
+        if self.dp.size > 1:   # deterministic sum over the data-parallel ranks (rank order, fixed tree)
+            all_reduce_gradients_(self.policy.parameters(), self.dp)
+            if self.value is not None:
+                all_reduce_gradients_(self.value.parameters(), self.dp)
+            stats.update(sum_scalars(stats, self.dp))
+        grad_norm = par.clip_grad_norm_(self.policy, cfg.optim.grad_clip)
+        if not torch.isfinite(grad_norm):
+            raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {self.step}: lower optim.lr or check "
+                               "the rewards; the last checkpoint is intact")
+        self.master.grads_to_master()   # no-op for fp32 parameters
+        self.optimizer.step()
+        self.master.master_to_model()
+        if self.value is not None:
+            torch.nn.utils.clip_grad_norm_(self.value.parameters(), cfg.optim.grad_clip, foreach=False)
+            self.value_optimizer.step()
+        return grad_norm
 
     # ---- eval --------------------------------------------------------------------------------------
 
@@ -384,6 +492,7 @@ class Trainer:
         problems = self.task.eval_problems()
         if not problems:
             return {}
+        started = time.perf_counter()
         prompts = [self.task.encode(p.prompt) for p in problems]
         r = self.cfg.rollout
         out = {}
@@ -398,6 +507,7 @@ class Trainer:
             rewards = self.task.score([problems[c.prompt_index].prompt for c in completions], texts,
                                       [problems[c.prompt_index].answer for c in completions])
             out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)
+        out["time/eval_s"] = time.perf_counter() - started
         return out
 
 
@@ -419,14 +529,31 @@ def _checkpoint_layers(model) -> None:
 def run_training(cfg: TrainConfig, console=None) -> Path:
     """Run (or resume) the whole job; returns the run directory."""
     if par.needs_launch(cfg):   # parallel.dp/tp > 1 without torchrun: spawn the processes
-        return par.launch(cfg)
+        return launch_parallel(cfg)
+    if console is not None:   # spawned ranks do not inherit the CLI's handler
+        install_cli_handler(console)
     trainer = Trainer(cfg, console)
-    trainer.resume_if_asked()
-    progress = _Progress(cfg, console, trainer.step)
+    try:
+        trainer.resume_if_asked()   # a refused resume releases the run directory too
+        _train_to_end(trainer, cfg, console)
+        trainer.save_policy()
+    finally:
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()
+    return trainer.run_dir
+
+
+def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
+    if trainer.writer:
+        for line in banner_lines(cfg, trainer.run_dir, trainer.config_path, trainer.model_dir,
+                                 sum(p.numel() for p in trainer.policy.parameters()),
+                                 str(next(trainer.policy.parameters()).dtype).removeprefix("torch."), trainer.step):
+            LOGGER.info(line)
+    progress = StepReporter(cfg, console if trainer.writer else None, trainer.step)
     started = time.perf_counter()
     try:
         if trainer.step == 0:
-            trainer.metrics.write({"step": 0, **trainer.evaluate()})
+            trainer.log_record({"step": 0, **trainer.evaluate()})
         while trainer.step < cfg.run.steps:
             step = trainer.step + 1
             record = trainer.train_step(step)
@@ -434,10 +561,11 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
             last = step == cfg.run.steps
             if step % cfg.run.eval_every == 0 or last:
                 record.update(trainer.evaluate())
-            trainer.metrics.write(record)
+            trainer.log_record(record)
             if step % cfg.run.checkpoint_every == 0 or last:
                 trainer.save()
-            progress.update(record)
+            if trainer.writer:
+                progress.update(record)
             if cfg.run.max_minutes and (time.perf_counter() - started) / 60 > cfg.run.max_minutes and not last:
                 trainer.save()
                 progress.note(f"stopping at step {step}: run.max_minutes={cfg.run.max_minutes} reached "
@@ -445,40 +573,22 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
                 break
     finally:
         progress.close()
-    trainer.save_policy()
-    return trainer.run_dir
+        if trainer.trackers is not None:
+            trainer.trackers.close()
 
 
-class _Progress:
-    """A rich progress bar: step, reward, mismatch count, ETA."""
-
-    def __init__(self, cfg: TrainConfig, console, start_step: int):
-        self.bar = None
-        if not cfg.run.progress or console is None:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-        self.bar = Progress(TextColumn("[bold]train[/bold]"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("reward {task.fields[reward]}  mismatches {task.fields[mism]}  "
-                                       "eval {task.fields[eval]}"), TimeRemainingColumn(), console=console)
-        self.task = self.bar.add_task("train", total=cfg.run.steps, completed=start_step, reward="-", mism="-",
-                                      eval="-")
-        self.bar.start()
-
-    def update(self, record: dict) -> None:
-        if self.bar is None:
-            return
-        fields = {"reward": f"{record['reward/mean']:.3f}", "mism": str(record["mismatch/count"])}
-        if "eval/accuracy" in record:
-            fields["eval"] = f"{record['eval/accuracy']:.3f}"
-        self.bar.update(self.task, completed=record["step"], **fields)
-
-    def note(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.console.print(text)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+def _parallel_rank(world: Group, cfg: TrainConfig) -> str:
+    """One spawned process of a parallel run: the ordinary loop (rank 0 shows the progress)."""
+    return str(run_training(cfg, Console(stderr=True) if world.rank == 0 else None))
 
 
-__all__ = ["Trainer", "run_training", "MismatchError"]
+def launch_parallel(cfg: TrainConfig) -> Path:
+    """Spawn ``parallel.dp * parallel.tp`` training processes; returns the run directory when they finish."""
+    if cfg.launcher != "local":
+        raise RLAlignError(f"parallel.dp/tp > 1 run with launcher=local (got launcher={cfg.launcher})")
+    run = dataclasses.replace(cfg.run, dir=cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = dataclasses.replace(cfg, run=run)
+    return Path(spawn(_parallel_rank, cfg.parallel.world_size, cfg, backend=default_backend(cfg.model.device))[0])
+
+
+__all__ = ["Trainer", "run_training", "launch_parallel", "MismatchError"]

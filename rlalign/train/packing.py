@@ -1,4 +1,5 @@
-"""Packing scored sequences into micro-batches, and the fused per-token scoring of completions.
+"""Packing scored sequences into micro-batches, the step's :class:`TrainBatch`, and the fused
+per-token scoring of completions.
 
 A training sample is ``tokens = prompt + completion`` with ``prompt_len``; only completion tokens
 are scored. Token ``t`` of the completion (absolute position ``prompt_len + t``) is predicted by
@@ -8,6 +9,7 @@ the [tokens, vocab] logits are never built.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -49,7 +51,9 @@ def scored_rows(samples: Sequence[tuple[Sequence[int], int]], device) -> tuple[t
 
 def score_completions(model, samples: Sequence[tuple[Sequence[int], int]], *, temperature: float = 1.0,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of every completion token of ``samples`` in one packed forward.
+    """Log-probs (and entropies) of every completion token of ``samples`` in one packed forward, under
+    softmax(lm_head(h) / temperature). To equal a rollout's reported logprobs, ``temperature`` is the
+    rollout's logprob temperature: ``ops.logprob_temperature`` of its sampling temperature.
 
     Differentiable when grad is enabled. Returns fp32 [completion tokens], sample by sample.
     """
@@ -60,14 +64,91 @@ def score_completions(model, samples: Sequence[tuple[Sequence[int], int]], *, te
                                with_entropy=with_entropy)
 
 
-@torch.no_grad()
-def score_in_micro_batches(model, samples, *, temperature: float, max_tokens: int, with_entropy: bool = False):
-    """No-grad scoring of many samples, micro-batch by micro-batch (concatenated in sample order)."""
-    lps, ents = [], []
-    for mb in micro_batches([len(t) for t, _ in samples], max_tokens):
-        lp, ent = score_completions(model, [samples[i] for i in mb], temperature=temperature,
-                                    with_entropy=with_entropy)
-        lps.append(lp)
-        if ent is not None:
-            ents.append(ent)
-    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """Consecutive samples packed into one forward. ``tokens`` slices the step's flat per-token tensors
+    (completion tokens, sample by sample); ``seq_ids`` are the tokens' sample indices local to this
+    micro-batch (0 = ``samples.start``); ``rows`` / ``targets`` are :func:`scored_rows` of the pack."""
+    samples: range
+    tokens: slice
+    forward: ForwardBatch
+    rows: torch.Tensor
+    targets: torch.Tensor
+    seq_ids: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+    """One step's training data, laid out once and read by every consumer (scoring, reference,
+    value model, update).
+
+    ``samples`` are ``(prompt + completion tokens, prompt_len)``; the per-token tensors ``[T]``
+    (``seq_ids``, ``mask``, ``rollout_logprobs``) run over the completion tokens, sample by sample.
+    ``mini_batches[m]`` are the micro-batches of mini-batch m (one optimizer step each): the samples
+    cut into ``mini_batches`` consecutive runs of equal size (sizes differ by at most one; none
+    empty, so fewer when there are fewer samples), each cut into micro-batches of at most
+    ``max_tokens`` tokens by :func:`micro_batches`.
+    """
+    samples: list
+    seq_ids: torch.Tensor
+    mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    mini_batches: list[list[MicroBatch]]
+
+    @classmethod
+    def build(cls, samples: Sequence[tuple[Sequence[int], int]], rollout_logprobs: Sequence[Sequence[float]], *,
+              max_tokens: int, mini_batches: int = 1, device="cpu") -> "TrainBatch":
+        if not samples:
+            raise ValueError("TrainBatch.build: no samples")
+        if mini_batches < 1:
+            raise ValueError(f"TrainBatch.build: mini_batches must be >= 1, got {mini_batches}")
+        lens = [len(t) - p for t, p in samples]
+        if [len(lp) for lp in rollout_logprobs] != lens:
+            raise ValueError("TrainBatch.build: each sample needs one rollout logprob per completion token")
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        seq_ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.int64)).to(device)
+        rollout = torch.tensor([x for lps in rollout_logprobs for x in lps], dtype=torch.float32, device=device)
+        count = min(mini_batches, len(samples))
+        edges = [i * len(samples) // count for i in range(count + 1)]
+        minis = []
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            parts = micro_batches([len(samples[i][0]) for i in range(lo, hi)], max_tokens)
+            minis.append([_micro_batch(samples, range(lo + mb[0], lo + mb[-1] + 1), offsets, device) for mb in parts])
+        return cls(list(samples), seq_ids, torch.ones(offsets[-1], dtype=torch.bool, device=device), rollout, minis)
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        """Every micro-batch, in sample order."""
+        return [mb for mini in self.mini_batches for mb in mini]
+
+    @property
+    def completion_lens(self) -> torch.Tensor:
+        return torch.bincount(self.seq_ids, minlength=len(self.samples))
+
+    def with_mask(self, mask: torch.Tensor) -> "TrainBatch":
+        return dataclasses.replace(self, mask=mask)
+
+    @torch.no_grad()
+    def score(self, model, *, temperature: float, with_entropy: bool = False):
+        """No-grad (logprobs, entropies | None) of every completion token ``[T]``, micro-batch by micro-batch."""
+        parts = [logprobs(model, mb, temperature=temperature, with_entropy=with_entropy) for mb in self.micro_batches]
+        return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
+
+
+def _micro_batch(samples, picked: range, offsets: list[int], device) -> MicroBatch:
+    chosen = [samples[i] for i in picked]
+    rows, targets = scored_rows(chosen, device)
+    lens = torch.tensor([offsets[i + 1] - offsets[i] for i in picked], dtype=torch.int64)
+    return MicroBatch(picked, slice(offsets[picked.start], offsets[picked.stop]),
+                      ForwardBatch.packed([list(t) for t, _ in chosen], device=device), rows, targets,
+                      torch.repeat_interleave(torch.arange(len(picked)), lens).to(device))
+
+
+def logprobs(model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False):
+    """(logprobs, entropies | None) fp32 ``[tokens of mb]`` of ``model`` on one micro-batch: one packed
+    forward, differentiable when grad is enabled."""
+    hidden = model.forward_hidden(mb.forward)
+    return model.head_logprobs(hidden.index_select(0, mb.rows), mb.targets, temperature=temperature,
+                               with_entropy=with_entropy)

@@ -26,11 +26,16 @@ import time
 from pathlib import Path
 
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from rlalign.models.checkpoint import save_model
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
-from rlalign.tasks import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, VOCAB, ArithmeticTask
+from rlalign.models.tokenizer import load_tokenizer
+from rlalign.rollout.config import RolloutConfig, SamplingParams
+from rlalign.rollout.engine import RolloutEngine
+from rlalign.tasks import (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, VOCAB, ArithmeticTask, arithmetic_reward,
+                           parse_answer)
 from rlalign.train.packing import score_completions
 from rlalign.train.runio import atomic_write
 
@@ -74,7 +79,6 @@ def hf_config(cfg: PretrainConfig) -> dict:
 def write_char_tokenizer(out: Path) -> None:
     """A real ``tokenizers`` tokenizer: one token per character of the task alphabet, ``<bos>``
     prepended by the post-processor, decoding concatenates."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {tok: i for i, tok in enumerate(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=PAD_TOKEN))
@@ -98,10 +102,6 @@ def _has_habit(seed: int, index: int, prob: float) -> bool:
 def _accuracies(model, tokenizer, problems, max_new_tokens: int) -> dict[str, float]:
     """Exact-answer accuracy, greedy and sampled at T=1, and how often greedy knows the sum
     (exact after dropping one stray trailing zero)."""
-    from rlalign.rollout.config import RolloutConfig, SamplingParams
-    from rlalign.rollout.engine import RolloutEngine
-    from rlalign.tasks import arithmetic_reward, parse_answer
-
     engine = RolloutEngine(model, RolloutConfig(), tokenizer=tokenizer)
     prompts = [tokenizer.encode(p.prompt) for p in problems]
     out = {}
@@ -116,8 +116,6 @@ def _accuracies(model, tokenizer, problems, max_new_tokens: int) -> dict[str, fl
 
 
 def pretrain(cfg: PretrainConfig, log=print) -> Path:
-    from rlalign.models.tokenizer import load_tokenizer
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_char_tokenizer(out)

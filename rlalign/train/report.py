@@ -1,61 +1,167 @@
-"""``rlalign report RUN_DIR``: plots of a run's metrics.jsonl and a short Markdown summary."""
+"""``rlalign report RUN_DIR [RUN_DIR ...]``: plots of runs' metrics.jsonl and a short Markdown summary.
+
+One run: ``RUN_DIR/report.png`` and ``RUN_DIR/report.md``. Several runs: one figure with the runs
+overlaid (one colour per run) and a summary table, written to ``--out`` (default: the first run's
+directory, as ``compare.png`` / ``compare.md``). Noisy per-step series are drawn raw (faint) and
+smoothed (an exponential moving average with weight ``smooth`` on the past, 0 = raw only); the
+reward panel shades mean ± std. A panel whose series are all zero, or absent from the run, says so
+in the panel instead of showing a flat line without comment.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from rlalign.contract.errors import RLAlignError
 from rlalign.train.runio import read_metrics
 
+# (title, keys, y label, note when every value is 0, note when the run has none of the keys)
 PANELS = (
-    ("reward", ["reward/mean"], "mean reward"),
-    ("eval accuracy", ["eval/accuracy", "eval/accuracy_greedy"], "held-out accuracy"),
-    ("train/rollout mismatch", ["mismatch/count"], "tokens whose logprobs differ"),
-    ("KL", ["rollout_corr/kl_k3", "loss/kl"], "k3 KL"),
-    ("entropy", ["entropy"], "mean token entropy"),
-    ("throughput", ["tokens_per_s/rollout"], "rollout tokens/s"),
+    ("reward", ["reward/mean"], "mean reward ± std (band), min/max (dotted)", None, None),
+    ("eval accuracy", ["eval/accuracy", "eval/accuracy_greedy"], "held-out accuracy", None, "no eval ran"),
+    ("train/rollout mismatch", ["mismatch/count"], "tokens whose logprobs differ",
+     "0 at every step: bitwise identical", None),
+    ("KL", ["kl/ref", "rollout_corr/kl_k3", "kl/ppo", "kl/policy_step"], "k3 KL",
+     "all 0 at every step (kl/ref is absent without a reference model, algo.kl_coef=0; "
+     "rollout_corr is 0 when rollout == trainer bitwise; kl/ppo is 0 with one update per rollout)", None),
+    ("entropy", ["entropy"], "mean token entropy", None, None),
+    ("clip fraction", ["clip_frac"], "tokens with a clipped ratio",
+     "0 at every step: no token's ratio left the clip range (with ppo_epochs=1 and bitwise-equal "
+     "logprobs the ratio is exactly 1)", None),
+    ("completion length", ["completion/mean_len", "completion/min_len", "completion/max_len"], "tokens", None, None),
+    ("losses", ["loss/policy", "loss/kl", "loss/value"], "loss", None, None),
+    ("grad norm", ["grad_norm"], "before clipping", None, None),
+    ("learning rate", ["lr"], "lr of the step's update", None, None),
+    ("step time", ["time/rollout_s", "time/train_s", "time/eval_s"], "seconds", None, None),
+    ("throughput", ["tokens_per_s/rollout"], "rollout tokens/s", None, None),
 )
+SMOOTHED = {"reward/mean", "entropy", "clip_frac", "completion/mean_len", "loss/policy", "grad_norm",
+            "tokens_per_s/rollout", "kl/ref", "rollout_corr/kl_k3"}
 
 
 def _series(records, key):
     pts = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
+    if key.startswith("time/") or key in ("reward/mean", "loss/policy", "grad_norm", "lr", "clip_frac"):
+        pts = [p for p in pts if p[0] > 0]   # step 0 is the initial eval, not an update
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def write_report(run_dir: "str | Path") -> tuple[Path, Path]:
+def ema(values: list[float], smooth: float) -> list[float]:
+    """``s_t = smooth * s_{t-1} + (1 - smooth) * v_t``, debiased like TensorBoard's (starts at v_0)."""
+    out, acc, weight = [], 0.0, 0.0
+    for v in values:
+        acc = smooth * acc + (1 - smooth) * v
+        weight = smooth * weight + (1 - smooth)
+        out.append(acc / weight)
+    return out
+
+
+def _draw_panel(ax, runs, panel, smooth: float) -> None:
+    title, keys, ylabel, zero_note, missing_note = panel
+    import matplotlib.pyplot as plt
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":"]
+    for ri, (name, records) in enumerate(runs):
+        colour = colours[ri % len(colours)]
+        for ki, key in enumerate(keys):
+            xs, ys = _series(records, key)
+            if not xs:
+                continue
+            label = key if len(runs) == 1 else f"{name}: {key}"
+            c = colour if len(runs) > 1 else colours[ki % len(colours)]
+            if key == "reward/mean":
+                _draw_reward(ax, records, xs, ys, c, label, smooth)
+                continue
+            if key in SMOOTHED and smooth > 0 and len(ys) > 3:
+                ax.plot(xs, ys, color=c, alpha=0.25, lw=1)
+                ax.plot(xs, ema(ys, smooth), color=c, ls=styles[ki % 3] if len(runs) > 1 else "-", lw=1.6, label=label)
+            else:
+                ax.plot(xs, ys, color=c, ls=styles[ki % 3] if len(runs) > 1 else "-",
+                        marker="o" if len(xs) < 40 else None, ms=3, label=label)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.grid(alpha=0.3)
+    note = panel_note(runs, panel)
+    if note:
+        import textwrap
+        ax.text(0.5, 0.5, textwrap.fill(note, 44), transform=ax.transAxes, ha="center", va="center", fontsize=8,
+                bbox=dict(boxstyle="round", fc="lightyellow", alpha=0.9))
+    if len(ax.lines) > 1 or len(runs) > 1:
+        handles = [h for h in ax.get_legend_handles_labels()[0]]
+        if handles:
+            ax.legend(fontsize=7)
+
+
+def panel_note(runs, panel) -> "str | None":
+    """What a panel says about itself: its keys are absent from every run, or all zero where that
+    has a meaning worth stating (None: the curves speak for themselves)."""
+    _, keys, _, zero_note, missing_note = panel
+    values = [v for _, records in runs for key in keys for v in _series(records, key)[1]]
+    if not values:
+        return missing_note or "not logged in this run"
+    if zero_note and all(v == 0 for v in values):
+        return zero_note
+    return None
+
+
+def _draw_reward(ax, records, xs, ys, colour, label, smooth: float) -> None:
+    _, std = _series(records, "reward/std")
+    if len(std) == len(ys):
+        lo = [m - s for m, s in zip(ys, std)]
+        hi = [m + s for m, s in zip(ys, std)]
+        ax.fill_between(xs, lo, hi, color=colour, alpha=0.12, lw=0)
+    for key in ("reward/min", "reward/max"):
+        mx, my = _series(records, key)
+        if mx:
+            ax.plot(mx, my, color=colour, ls=":", lw=0.8, alpha=0.6)
+    if smooth > 0 and len(ys) > 3:
+        ax.plot(xs, ys, color=colour, alpha=0.3, lw=1)
+        ax.plot(xs, ema(ys, smooth), color=colour, lw=1.8, label=label)
+    else:
+        ax.plot(xs, ys, color=colour, marker="o" if len(xs) < 40 else None, ms=3, label=label)
+
+
+def write_report(run_dirs: "str | Path | list", out_dir: "str | Path | None" = None,
+                 smooth: float = 0.6, notes: "list[str] | None" = None) -> tuple[Path, Path]:
+    """Plot one run (``report.png`` / ``report.md`` in its directory) or several overlaid
+    (``compare.png`` / ``compare.md`` in ``out_dir``, default the first run's directory). A torn
+    last line of a metrics.jsonl is dropped and described in ``notes``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, (title, keys, ylabel) in zip(axes.flat, PANELS):
-        for key in keys:
-            xs, ys = _series(records, key)
-            if xs:
-                ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, ms=3, label=key)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if len(ax.lines) > 1:
-            ax.legend(fontsize=8)
-    fig.suptitle(f"rlalign run: {run_dir.name}")
+    dirs = [Path(d) for d in (run_dirs if isinstance(run_dirs, (list, tuple)) else [run_dirs])]
+    runs = [(d.name, read_metrics(d, notes)) for d in dirs]
+    for d, (_, records) in zip(dirs, runs):
+        if not records:
+            raise RLAlignError(f"{d / 'metrics.jsonl'} holds no records (the run stopped before its first "
+                               "evaluation): nothing to report")
+    out = Path(out_dir) if out_dir is not None else dirs[0]
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "report" if len(dirs) == 1 else "compare"
+    fig, axes = plt.subplots(3, 4, figsize=(20, 12))
+    for ax, panel in zip(axes.flat, PANELS):
+        _draw_panel(ax, runs, panel, smooth)
+    names = ", ".join(n for n, _ in runs)
+    fig.suptitle(f"rlalign run{'s' if len(runs) > 1 else ''}: {names}"
+                 + (f"  (faint: raw; solid: EMA {smooth})" if smooth > 0 else ""))
     fig.tight_layout()
-    png = run_dir / "report.png"
-    fig.savefig(png, dpi=110)
+    png = out / f"{stem}.png"
+    fig.savefig(png, dpi=100)
     plt.close(fig)
-    md = run_dir / "report.md"
-    md.write_text(summary_markdown(records, run_dir))
+    md = out / f"{stem}.md"
+    md.write_text(summary_markdown(runs[0][1], dirs[0], png.name) if len(runs) == 1
+                  else compare_markdown(runs, png.name))
     return png, md
 
 
-def summary_markdown(records, run_dir: Path) -> str:
+def summary_markdown(records, run_dir: Path, png_name: str = "report.png") -> str:
     steps = [r for r in records if "reward/mean" in r]
     evals = [r for r in records if r.get("eval/accuracy") is not None]
     mism = sum(int(r.get("mismatch/count", 0)) for r in steps)
     compared = sum(int(r.get("mismatch/tokens", 0)) for r in steps)
-    lines = [f"# Run report: {run_dir.name}", "", "![metrics](report.png)", ""]
+    lines = [f"# Run report: {run_dir.name}", "", f"![metrics]({png_name})", ""]
     if steps:
         lines += [f"- steps: {len(steps)} (last step {steps[-1]['step']})",
                   f"- reward: {steps[0]['reward/mean']:.3f} at the first step, {steps[-1]['reward/mean']:.3f} at the last"]
@@ -64,7 +170,30 @@ def summary_markdown(records, run_dir: Path) -> str:
                      f"{evals[-1]['eval/accuracy']:.3f} at step {evals[-1]['step']} (best {max(e['eval/accuracy'] for e in evals):.3f})")
     lines.append(f"- train/rollout logprob mismatches: {mism} of {compared} tokens compared"
                  + (" (bitwise identical at every step)" if mism == 0 and compared else ""))
-    times = [r.get("time/rollout_s", 0) + r.get("time/train_s", 0) for r in steps]
-    if times:
-        lines.append(f"- time: {sum(times):.1f} s in rollout + training ({sum(times) / len(times):.2f} s/step)")
+    if steps:
+        t_roll = sum(r.get("time/rollout_s", 0) for r in steps)
+        t_train = sum(r.get("time/train_s", 0) for r in steps)
+        t_eval = sum(r.get("time/eval_s", 0) for r in records)
+        total = t_roll + t_train + t_eval
+        lines.append(f"- time: {total:.1f} s = rollout {t_roll:.1f} + train {t_train:.1f} + eval {t_eval:.1f} "
+                     f"({(t_roll + t_train) / len(steps):.2f} s per step without eval)")
+        clip = [r["clip_frac"] for r in steps if "clip_frac" in r]
+        if clip:
+            lines.append(f"- clip fraction: mean {sum(clip) / len(clip):.4f}, max {max(clip):.4f}")
+    return "\n".join(lines) + "\n"
+
+
+def compare_markdown(runs, png_name: str) -> str:
+    lines = ["# Runs compared", "", f"![metrics]({png_name})", "",
+             "| run | steps | reward first -> last | eval accuracy first -> last (best) | mismatches | s/step |",
+             "|---|---|---|---|---|---|"]
+    for name, records in runs:
+        steps = [r for r in records if "reward/mean" in r]
+        evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
+        mism = sum(int(r.get("mismatch/count", 0)) for r in steps)
+        compared = sum(int(r.get("mismatch/tokens", 0)) for r in steps)
+        per_step = sum(r.get("time/rollout_s", 0) + r.get("time/train_s", 0) for r in steps) / max(len(steps), 1)
+        reward = f"{steps[0]['reward/mean']:.3f} -> {steps[-1]['reward/mean']:.3f}" if steps else "-"
+        acc = f"{evals[0]:.3f} -> {evals[-1]:.3f} ({max(evals):.3f})" if evals else "-"
+        lines.append(f"| {name} | {len(steps)} | {reward} | {acc} | {mism} of {compared} | {per_step:.2f} |")
     return "\n".join(lines) + "\n"

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from rlalign import tasks
 from rlalign.contract.errors import RLAlignError
+from rlalign.models.checkpoint import load_model, load_model_config
+from rlalign.models.tokenizer import load_tokenizer
+from rlalign.tasks import ArithmeticTask, arithmetic_reward, load_dataset, load_reward
 from rlalign.tasks.arithmetic import Problem
 from rlalign.train.config import ModelSection, TaskSection
 
@@ -30,14 +34,13 @@ def resolve_model_dir(path: str) -> Path:
 
 def load_policy(section: ModelSection):
     """(model in train mode, tokenizer, model dir). Checks tokenizer and model agree on the vocab."""
-    from rlalign.models.checkpoint import load_model
-    from rlalign.models.tokenizer import load_tokenizer
 
     model_dir = resolve_model_dir(section.path)
     if section.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
             raise SetupError("model.device is cuda but no CUDA device is visible; use model.device=cpu")
+    _refuse_float16(model_dir, section.dtype)
     model, config = load_model(model_dir, dtype=section.dtype, device=section.device)
     tokenizer = load_tokenizer(model_dir)
     if tokenizer.vocab_size > config.vocab_size:
@@ -50,15 +53,26 @@ def load_policy(section: ModelSection):
     return model, tokenizer, model_dir
 
 
+def _refuse_float16(model_dir: Path, dtype: "str | None") -> None:
+    """Training computes in float32 or bfloat16 (both profiles); a float16 checkpoint must pick one
+    explicitly instead of training in float16 (strict refuses fp16 ops; native would overflow silently)."""
+    if dtype is None and str(load_model_config(model_dir).dtype).removeprefix("torch.") in ("float16", "fp16", "half"):
+        raise SetupError(f"{model_dir} is a float16 checkpoint; train it in model.dtype=bfloat16 or model.dtype=float32")
+
+
 class TaskData:
     """Train stream (indexable by data position), held-out problems, encoding and checked scoring."""
 
-    def __init__(self, train_fn, eval_list: Sequence, reward_fn, tokenizer, chat: bool):
+    def __init__(self, train_fn, eval_list: Sequence, reward_fn, tokenizer, chat: bool,
+                 system_prompt: "str | None" = None, enable_thinking: "bool | None" = None):
         self._train_fn = train_fn
         self._eval = [Problem(p.prompt, p.answer) for p in eval_list]
         self.reward_fn = reward_fn
         self.tokenizer = tokenizer
         self.chat = chat
+        self.system_prompt = system_prompt
+        # passed to the chat template only when set (templates without the variable ignore it)
+        self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
     def train(self, start: int, count: int) -> list[Problem]:
         return [Problem(p.prompt, p.answer) for p in (self._train_fn(i) for i in range(start, start + count))]
@@ -66,26 +80,65 @@ class TaskData:
     def eval_problems(self) -> list[Problem]:
         return self._eval
 
-    def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, chat=self.chat)
+    def messages(self, prompt) -> list[dict]:
+        """A chat prompt's messages: a dataset's message list, or a string as one user message;
+        ``task.system_prompt`` first unless the prompt brings its own system message."""
+        msgs = list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}]
+        if self.system_prompt is not None and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": self.system_prompt}] + msgs
+        return msgs
+
+    def is_chat(self, prompt) -> bool:
+        return self.chat or isinstance(prompt, (list, tuple))   # a message list can only mean chat
+
+    def encode(self, prompt) -> list[int]:
+        """The prompt's token ids; a character the tokenizer can only map to its unknown token is an
+        error (it would silently become ``<unk>``/``<pad>`` and the task would be unlearnable)."""
+        for text in ([m["content"] for m in self.messages(prompt)] if self.is_chat(prompt) else [prompt]):
+            unknown = _unencodable(self.tokenizer, text)
+            if unknown:
+                raise SetupError(f"the model's tokenizer cannot encode {''.join(unknown)!r} in the prompt {text[:60]!r} "
+                                 "(it maps them to its unknown token); use a tokenizer that covers the task's characters")
+        if self.is_chat(prompt):
+            return self.tokenizer.apply_chat_template(self.messages(prompt), add_generation_prompt=True,
+                                                      **self.template_kwargs)
+        return self.tokenizer.encode(prompt)
+
+    def prompt_text(self, prompt) -> str:
+        """What the reward receives as the prompt: the text the model was given (chat prompts rendered)."""
+        if self.is_chat(prompt):
+            return self.tokenizer.apply_chat_template(self.messages(prompt), add_generation_prompt=True,
+                                                      tokenize=False, **self.template_kwargs)
+        return prompt
 
     def score(self, prompts, completions, answers) -> list[float]:
-        from rlalign.tasks import score
-        return score(self.reward_fn, prompts, completions, answers)
+        return tasks.score(self.reward_fn, [self.prompt_text(p) for p in prompts], completions, answers)
+
+
+def _unencodable(tokenizer, text: str) -> list[str]:
+    """Characters of ``text`` that the tokenizer maps to its unknown token (which does not occur in ``text``)."""
+    model = getattr(getattr(tokenizer, "backend", None), "model", None)
+    unk = getattr(model, "unk_token", None)
+    if not unk or unk in text:
+        return []
+    unk_id = tokenizer.token_to_id(unk)
+    enc = tokenizer.backend.encode(text, add_special_tokens=False)
+    return list(dict.fromkeys(text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk_id and b > a))
 
 
 def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:
-    from rlalign.tasks import ArithmeticTask, arithmetic_reward, load_dataset, load_reward
 
     if section.name == "arithmetic":
         task = ArithmeticTask(seed=seed, min_digits=section.min_digits, max_digits=section.max_digits,
                               eval_size=section.eval_size)
         reward = arithmetic_reward if section.reward == "builtin" else load_reward(section.reward)
-        return TaskData(task.train_problem, task.eval_problems, reward, tokenizer, section.chat)
+        return TaskData(task.train_problem, task.eval_problems, reward, tokenizer, section.chat,
+                        section.system_prompt, section.enable_thinking)
     if section.reward == "builtin":
         raise SetupError("task.reward must name a reward for a dataset task (gsm8k, gsm8k_last_number, or module:function)")
     train, held_out = load_dataset(section.path, prompt_field=section.prompt_field, answer_field=section.answer_field,
                                    prompt_template=section.template, eval_fraction=section.eval_fraction, seed=seed)
     if section.eval_size:
         held_out = held_out[:section.eval_size]
-    return TaskData(lambda i: train[i % len(train)], held_out, load_reward(section.reward), tokenizer, section.chat)
+    return TaskData(lambda i: train[i % len(train)], held_out, load_reward(section.reward), tokenizer, section.chat,
+                    section.system_prompt, section.enable_thinking)

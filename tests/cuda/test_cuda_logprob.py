@@ -97,3 +97,26 @@ def test_accuracy_vs_float64(triton_backend, dtype):
     gtol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert rel_err(hh.grad, hd.grad) < gtol
     assert rel_err(ww.grad, wd.grad) < gtol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [1, 2, 255, 256, 257, 513, 1025, 8193])
+def test_vocab_tile_edges(triton_backend, vocab, dtype):
+    """A last vocab tile of one entry (257, 513, 1025 and 8193 also end a 1024-column torch block and an
+    8192-column chunk with one entry), two, a whole tile, and V = 1: with and without entropy, vs
+    float64, and the same bits for every split of the batch."""
+    h = rand(70, 128, dtype=dtype, seed=10)
+    w = rand(vocab, 128, dtype=dtype, seed=11, scale=2.5 / 128 ** 0.5)
+    tgt = torch.randint(0, vocab, (70,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(12))
+    lp, ent = ops.logprob_entropy(h, w, tgt, temperature=0.8)
+    lp_only, none = ops.logprob_entropy(h, w, tgt, temperature=0.8, with_entropy=False)
+    assert none is None
+    assert_bitwise_equal(lp_only, lp, f"V={vocab}: logprob without vs with entropy")
+    logp = torch.log_softmax(h.double() @ w.double().T / 0.8, -1)
+    tol = 2e-3 if dtype == torch.bfloat16 else 2e-4
+    assert float((lp.double() - logp.gather(1, tgt[:, None]).squeeze(1)).abs().max()) < tol, f"V={vocab}: logprob"
+    assert float((ent.double() + (logp.exp() * logp).sum(-1)).abs().max()) < tol, f"V={vocab}: entropy"
+    for rows in (slice(0, 1), slice(1, 65), slice(65, 70)):
+        lp_r, ent_r = ops.logprob_entropy(h[rows], w, tgt[rows], temperature=0.8)
+        assert_bitwise_equal(lp_r, lp[rows], f"V={vocab}: logprob of rows {rows.start}:{rows.stop} alone")
+        assert_bitwise_equal(ent_r, ent[rows], f"V={vocab}: entropy of rows {rows.start}:{rows.stop} alone")

@@ -11,6 +11,7 @@ from rlalign.distributed.layers import MIN_SHARD_COLUMNS
 from rlalign.distributed.parallelize import check_tp
 from rlalign.distributed.vocab_head import VocabLayout
 from rlalign.models.config import ModelConfig
+from rlalign.models.decoder import CausalLM
 from rlalign.models.testing import tiny_hf_config
 from rlalign.ops.shard import linear_partial, logprob_merge_stats, logprob_shard_stats
 from rlalign.ops.torch_backend.primitives import tile_mm
@@ -76,7 +77,7 @@ def test_vocab_layout_is_contiguous_and_block_aligned(vocab):
 def test_check_tp_names_the_problem(overrides, tp, message):
     config = ModelConfig.from_hf_dict(tiny_hf_config("qwen3", **overrides))
     with pytest.raises(RLAlignError, match=message):
-        check_tp(config, tp)
+        check_tp(config, tp, CausalLM(config, device="meta"))
 
 
 def test_gemm_columns_do_not_depend_on_n_for_shards_of_min_width():

@@ -1,4 +1,4 @@
-"""parallelize obeys the modules' declared TP plans (rlalign.models.sharding), not attribute names."""
+"""parallelize obeys the modules' declared TP plans (rlalign.contract.sharding), not attribute names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.launch import Group
 from rlalign.distributed.layers import ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear
 from rlalign.distributed.parallelize import parallelize
-from rlalign.models import sharding
+from rlalign.contract import sharding
 from rlalign.models.modules import Linear
 from rlalign.models.testing import tiny_model
 
@@ -55,3 +55,14 @@ def test_unknown_shard_kind_is_refused():
     model.model.layers[0].mlp.tp_plan = lambda: {"up_proj": sharding.ShardSpec("diagonal")}
     with pytest.raises(RLAlignError, match="layers.0.mlp.up_proj: shard kind diagonal has no parallel"):
         parallelize(model, Group.single())
+
+
+def test_check_tp_reads_shard_widths_from_the_plans():
+    from rlalign.distributed.parallelize import check_tp
+    model = tiny_model("qwen3", num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+    check_tp(model.config, 4, model)
+    check_tp(model.config, 8)              # without a model only the head counts are checked
+    with pytest.raises(RLAlignError, match="layers.0.self_attn.q_proj: tp=8 leaves 8 output features per rank"):
+        check_tp(model.config, 8, model)
+    with pytest.raises(RLAlignError, match="layers.0.self_attn.q_proj: tp=8 leaves 8"):
+        parallelize(model, Group(None, 0, 8))

@@ -35,7 +35,7 @@ def loaded(ckpt):
 
 
 def by_key(completions):
-    return {(c.prompt, c.sample): (c.tokens, c.logprobs, c.text, c.finish_reason) for c in completions}
+    return {(c.prompt, c.sample_index): (c.tokens, c.logprobs, c.text, c.finish_reason) for c in completions}
 
 
 def test_invariant_to_n_count_and_order(loaded):
@@ -63,7 +63,8 @@ def test_logprobs_equal_training_forward(loaded):
     start = 0
     for c, seq in zip(completions, seqs):
         rows = lp[start + len(c.prompt_tokens) - 1: start + len(seq) - 1]
-        assert_bitwise_equal(torch.tensor(c.logprobs, dtype=torch.float32), rows, f"{c.prompt!r} sample {c.sample}")
+        assert_bitwise_equal(torch.tensor(c.logprobs, dtype=torch.float32), rows,
+                             f"{c.prompt!r} sample {c.sample_index}")
         assert c.text == tok.decode(c.tokens)
         start += len(seq)
 

@@ -40,6 +40,27 @@ def test_linear_row_ignores_other_rows_content(rows, dtype, seed):
     assert_bitwise_equal(ops.linear(x, w)[0], ops.linear(y, w)[0])
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.one_of(st.sampled_from([1, 63, 64, 65, 129]), st.integers(1, 200)), data=st.data(),
+       k=st.one_of(st.sampled_from([1, 2, 3, 17, 127, 128, 1000, 3000, 4099]), st.integers(1, 300)),
+       n=st.one_of(st.integers(1, 9), st.sampled_from([15, 16, 17, 64, 130])),
+       k_segments=st.sampled_from([None, spec.K_SEGMENTS]), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_linear_row_invariant_for_every_shape(rows, data, k, n, k_segments, dtype, seed):
+    """Narrow N (the value head is N = 1), odd and prime K, the canonical partition's fallback shapes
+    (K = 1000, 3000 with 8 segments): a row's bits are the same alone, in the batch, at another position
+    (rows permuted) and among other rows (the batch cut at another row count)."""
+    w = _rand(n, k, dtype=dtype, seed=seed)
+    x = _rand(rows, k, dtype=dtype, seed=seed + 1)
+    full = ops.linear(x, w, k_segments=k_segments)
+    i = data.draw(st.integers(0, rows - 1), label="row")
+    assert_bitwise_equal(ops.linear(x[i:i + 1], w, k_segments=k_segments), full[i:i + 1], f"row {i} alone vs in {rows}")
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+    assert_bitwise_equal(ops.linear(x[perm], w, k_segments=k_segments), full[perm], f"{rows} rows permuted")
+    cut = data.draw(st.integers(1, rows), label="cut")
+    assert_bitwise_equal(ops.linear(x[:cut], w, k_segments=k_segments), full[:cut], f"first {cut} of {rows} rows")
+
+
 def test_linear_bias_and_leading_dims():
     w, b = _rand(48, 64), _rand(48, seed=3)
     x = _rand(3, 5, 64, seed=4)

@@ -1,7 +1,7 @@
 """The compiled CPU kernels (rlalign/ops/torch_backend/csrc) give the bits of the torch formulation
 they replace: attention (paged and packed, with the log-sum-exp) and RMSNorm.
 
-Both paths are called directly and compared with torch.equal on their bit patterns; on a failure the
+Both paths are called directly and compared bit for bit (rlalign.contract.bits); on a failure the
 first differing index and both values are printed. Skipped where the kernels cannot be built (no C
 compiler): the formulation then runs everywhere, and the other tests cover it.
 """
@@ -17,19 +17,14 @@ from hypothesis import strategies as st
 from rlalign import ops
 from rlalign.ops.torch_backend import attention as A
 from rlalign.ops.torch_backend import clib, norm
+from tests.bitwise import assert_bitwise_equal
 from tests.ops.test_cpu_speedpaths import _paged_case as paged_case
 
 pytestmark = pytest.mark.skipif(clib.library() is None, reason="the CPU kernels could not be built here")
 
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape, got.dtype, want.dtype)
-    view = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
-    diff = got.contiguous().view(view) != want.contiguous().view(view)
-    if bool(diff.any()):
-        first = tuple(diff.nonzero()[0].tolist())
-        raise AssertionError(f"{what}: {int(diff.sum())} elements differ; first at {first}: compiled "
-                             f"{got[first].item()!r} vs formulation {want[first].item()!r}")
+    assert_bitwise_equal(got, want, f"{what} (compiled vs formulation)")
 
 
 def _paged_case(gen, lens, n_new, hq, hkv, d, ps, dtype):
@@ -43,7 +38,7 @@ _SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[Heal
 @given(data=st.data(), d=st.sampled_from([16, 32, 64, 128]), groups=st.sampled_from([(1, 1), (2, 1), (4, 2), (6, 3)]),
        ps=st.sampled_from([1, 5, 16, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_paged_compiled_equals_formula(data, d, groups, ps, dtype):
-    if not A._compiled_matches(d, torch.get_num_threads()):
+    if not A.compiled_matches(d, torch.get_num_threads()):
         pytest.skip(f"the kernels do not reproduce the library's GEMM tiles for head_dim {d} on this machine")
     hq, hkv = groups
     lens = data.draw(st.lists(st.integers(1, 200), min_size=1, max_size=6))
@@ -58,7 +53,7 @@ def test_paged_compiled_equals_formula(data, d, groups, ps, dtype):
 @given(data=st.data(), d=st.sampled_from([16, 32, 64, 128]), groups=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_varlen_compiled_equals_formula(data, d, groups, dtype):
-    if not A._compiled_matches(d, torch.get_num_threads()):
+    if not A.compiled_matches(d, torch.get_num_threads()):
         pytest.skip(f"the kernels do not reproduce the library's GEMM tiles for head_dim {d} on this machine")
     hq, hkv = groups
     lens = data.draw(st.lists(st.integers(1, 150), min_size=1, max_size=5))
@@ -74,7 +69,7 @@ def test_varlen_compiled_equals_formula(data, d, groups, dtype):
 def test_the_op_runs_the_kernels_for_a_matching_head_dim(monkeypatch):
     """ops.attention_paged on the CPU goes through the compiled path when it applies (the self-check
     runs first, so that its own calls are not counted)."""
-    if not A._compiled_matches(32, torch.get_num_threads()):
+    if not A.compiled_matches(32, torch.get_num_threads()):
         pytest.skip("this machine's library orders head_dim 32's GEMM tiles otherwise: the formulation runs")
     calls = []
     real = A._paged_compiled
@@ -93,14 +88,14 @@ def test_a_head_dim_whose_bits_differ_runs_the_formulation(monkeypatch):
 
     real = A._paged_compiled
     monkeypatch.setattr(A, "_paged_compiled", off_by_one_ulp)
-    A._compiled_matches.cache_clear()
+    A.compiled_matches.cache_clear()
     try:
-        assert not A._compiled_matches(32, torch.get_num_threads())
+        assert not A.compiled_matches(32, torch.get_num_threads())
         assert not A._compiled_applies(torch.device("cpu"), 32)
         case = _paged_case(torch.Generator().manual_seed(1), [9, 64], [1, 1], 2, 1, 32, 16, torch.float32)
         assert_same_bits(ops.attention_paged(*case, profile="strict"), A._paged_formula(*case, 32 ** -0.5), "op")
     finally:
-        A._compiled_matches.cache_clear()
+        A.compiled_matches.cache_clear()
 
 
 @pytest.mark.parametrize("h", [1, 2, 3, 7, 32, 100, 128, 129, 1024, 4096])
@@ -110,7 +105,7 @@ def test_rms_norm_compiled_equals_formula(h, dtype):
     for scale, eps in ((1e-3, 1e-6), (1.0, 1e-5), (30.0, 0.1)):
         x = (torch.randn(37, h, generator=gen) * scale).to(dtype)
         w = torch.randn(h, generator=gen).to(dtype)
-        compiled = norm._compiled(x, w, eps)
+        compiled = norm.compiled_rms_norm(x, w, eps)
         assert compiled is not None
         assert_same_bits(compiled, norm.rms_norm_formula(x, w, eps), f"rms_norm h={h} scale={scale} eps={eps}")
 
@@ -119,11 +114,11 @@ def test_rms_norm_with_autograd_runs_the_formulation_and_agrees():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(10, 64, generator=gen, requires_grad=True)
     w = torch.randn(64, generator=gen)
-    assert norm._compiled(x, w, 1e-6) is None            # a graph to record: torch ops
+    assert norm.compiled_rms_norm(x, w, 1e-6) is None            # a graph to record: torch ops
     y = norm.rms_norm(x, w, 1e-6)
     y.sum().backward()
     assert x.grad is not None
-    assert_same_bits(y.detach(), norm._compiled(x.detach(), w, 1e-6), "rms_norm with/without autograd")
+    assert_same_bits(y.detach(), norm.compiled_rms_norm(x.detach(), w, 1e-6), "rms_norm with/without autograd")
 
 
 def test_disabled_or_no_compiler_runs_the_formulation(monkeypatch, tmp_path):
@@ -195,7 +190,7 @@ def test_tree_merge_compiled_equals_the_adds(p):
     gen = torch.Generator().manual_seed(p)
     stacked = torch.randn(p, 70, 130, generator=gen) * torch.logspace(-3, 3, 130)
     for parts in (stacked, stacked[:, :33]):              # whole parts, and a row prefix of each
-        merged = P._tree_merge_compiled(parts)
+        merged = P.tree_merge_compiled(parts)
         assert merged is not None
         assert_same_bits(merged, P.tree_merge(list(parts.unbind(0))), f"tree_merge p={p}")
 
@@ -208,7 +203,7 @@ def test_few_rows_without_padding_equal_the_padded_tile(k, n, ks):
     from rlalign.ops.torch_backend import primitives as P
     from rlalign.ops.torch_backend.linear import _blocks, linear_fp32, segment_count
     p = segment_count(k, ks) if ks else 1
-    if not P._gemm_matches(k, n, p, torch.get_num_threads()):
+    if not P.gemm_matches(k, n, p, torch.get_num_threads()):
         pytest.skip(f"the library orders ({k}, {n}, {p}) otherwise on this machine: the padded tile runs")
     gen = torch.Generator().manual_seed(k + n)
     w = torch.randn(n, k, generator=gen)
@@ -219,12 +214,12 @@ def test_few_rows_without_padding_equal_the_padded_tile(k, n, ks):
 
 def test_few_rows_check_refuses_a_kernel_that_differs(monkeypatch):
     from rlalign.ops.torch_backend import primitives as P
-    real = P._gemm
-    monkeypatch.setattr(P, "_gemm", lambda *a: (real(*a).view(torch.int32) ^ 1).view(torch.float32))
-    P._gemm_matches.cache_clear()
+    real = P.compiled_gemm
+    monkeypatch.setattr(P, "compiled_gemm", lambda *a: (real(*a).view(torch.int32) ^ 1).view(torch.float32))
+    P.gemm_matches.cache_clear()
     try:
-        assert not P._gemm_matches(128, 64, 1, torch.get_num_threads())
+        assert not P.gemm_matches(128, 64, 1, torch.get_num_threads())
         x, w = torch.randn(3, 128), torch.randn(64, 128)
         assert P.compiled_rows(x, w, 1) is None           # refused: linear pads the rows instead
     finally:
-        P._gemm_matches.cache_clear()
+        P.gemm_matches.cache_clear()

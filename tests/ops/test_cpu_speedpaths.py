@@ -18,18 +18,13 @@ from rlalign.contract import spec
 from rlalign.ops.torch_backend import attention as A
 from rlalign.ops.torch_backend.linear import linear_fp32, segment_count
 from rlalign.ops.torch_backend.primitives import pad_rows, tile_mm, tree_sum
+from tests.bitwise import assert_bitwise_equal
 
 B, KV, QT = spec.ROW_BLOCK, spec.ATTN_KV_BLOCK, spec.ATTN_Q_TILE
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous().view(-1)
-    return x.view(torch.int32) if x.dtype == torch.float32 else x.view(torch.int16)
-
-
 def assert_same_bits(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    assert torch.equal(_bits(a), _bits(b)), "bits differ"
+    assert_bitwise_equal(a, b)
 
 
 # ---- linear ------------------------------------------------------------------------------------------

@@ -178,6 +178,65 @@ def test_empty_batch(profile):
     assert lp.shape == (0,) and ent.shape == (0,) and lp.dtype == torch.float32
 
 
+# ---- vocab sizes at the block edges ----------------------------------------------------------------
+
+def _edge_vocab():
+    """V = 1, or V % chunk in {0, 1, 2, chunk - 1} for the vocab block and a vocab chunk of 2048:
+    a last block (chunk) of one entry, two entries, or a whole one."""
+    chunks = st.sampled_from([VOCAB_BLOCK, 2048])
+    return st.one_of(st.just(1), st.builds(lambda c, q, r: q * c + r, chunks, st.integers(1, 3),
+                                           st.sampled_from([0, 1, 2, -1])))
+
+
+@settings(max_examples=40, deadline=None)
+@given(vocab=_edge_vocab(), total=st.integers(1, 70), split=st.data(), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from(sorted(DTYPES)), temperature=st.sampled_from([1.0, 0.7]),
+       vocab_chunk=st.sampled_from([None, 1024, 2048]))
+def test_vocab_block_edges_accurate_and_batch_invariant(vocab, total, split, seed, dtype, temperature, vocab_chunk):
+    """Every V at a block edge (incl. a one-entry last block and V = 1), with and without entropy:
+    close to float64, the same bits for every split of the batch, and the logprob the same bits with and
+    without entropy (a one-entry block once returned its sum as a view that the entropy pass overwrote)."""
+    dt = DTYPES[dtype]
+    weight = _weight(dt, vocab=vocab, seed=seed % 7)
+    hidden_states, targets = _tokens(total, seed, dt, vocab=vocab)
+    lp, ent = logprob_entropy(hidden_states, weight, targets, temperature=temperature, vocab_chunk=vocab_chunk)
+    lp_only, none = logprob_entropy(hidden_states, weight, targets, temperature=temperature,
+                                    vocab_chunk=vocab_chunk, with_entropy=False)
+    assert none is None
+    ref_lp, ref_ent, _, _ = _reference(hidden_states, weight, targets, temperature, torch.zeros(total),
+                                       torch.zeros(total))
+    assert_close_report(lp, ref_lp, atol=1e-4, rtol=0, what=f"logprob, V={vocab}")
+    assert_close_report(ent, ref_ent, atol=1e-4, rtol=0, what=f"entropy, V={vocab}")
+    assert_bitwise_equal(lp_only, lp, f"logprob without vs with entropy, V={vocab}")
+    cut = split.draw(st.integers(0, total), label="cut")
+    for rows in (slice(0, cut), slice(cut, total)):
+        if rows.start == rows.stop:
+            continue
+        part_lp, part_ent = logprob_entropy(hidden_states[rows], weight, targets[rows], temperature=temperature)
+        assert_bitwise_equal(part_lp, lp[rows], f"logprob of rows {rows.start}:{rows.stop} alone, V={vocab}")
+        assert_bitwise_equal(part_ent, ent[rows], f"entropy of rows {rows.start}:{rows.stop} alone, V={vocab}")
+
+
+@pytest.mark.parametrize("vocab", [VOCAB_BLOCK + 1, 2 * VOCAB_BLOCK + 1])
+def test_vocab_shards_with_a_one_entry_last_block_merge_to_the_full_op(vocab):
+    """The vocab-parallel pieces (rlalign.ops.shard) share the block statistics: a shard whose last
+    block has one entry merges to the full op's bits."""
+    from rlalign.ops.shard import logprob_merge_stats, logprob_shard_stats
+    weight = _weight(torch.float32, vocab=vocab)
+    hidden_states, targets = _tokens(9, 3, torch.float32, vocab=vocab)
+    lp, ent = logprob_entropy(hidden_states, weight, targets)
+    pieces = [logprob_shard_stats(hidden_states, weight[v0:v0 + VOCAB_BLOCK], targets, v0, 1.0, True)
+              for v0 in range(0, vocab, VOCAB_BLOCK)]
+    stats = torch.cat([p[0] for p in pieces], dim=1)
+    z_target = torch.stack([p[1] for p in pieces])[targets // VOCAB_BLOCK, torch.arange(9)]   # the target's shard
+    merged_lp, merged_ent, _, _ = logprob_merge_stats(stats, z_target)
+    ref_lp, ref_ent, _, _ = _reference(hidden_states, weight, targets, 1.0, torch.zeros(9), torch.zeros(9))
+    assert_close_report(merged_lp, ref_lp, atol=1e-4, rtol=0, what="merged shards: logprob")
+    assert_close_report(merged_ent, ref_ent, atol=1e-4, rtol=0, what="merged shards: entropy")
+    assert_bitwise_equal(merged_lp, lp, "merged shards: logprob")
+    assert_bitwise_equal(merged_ent, ent, "merged shards: entropy")
+
+
 # ---- accuracy vs float64 ------------------------------------------------------------------------
 
 def _reference(hidden_states, weight, targets, temperature, g_lp, g_ent):

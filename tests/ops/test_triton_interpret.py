@@ -164,6 +164,29 @@ def _check_logprob():
     return worst
 
 
+def _check_logprob_last_tile():
+    """V with a last vocab tile of one entry (257, 513), a whole last tile (256) and V = 1, with and
+    without entropy: vs float64; the logprob the same with and without entropy (fp32: the interpreter
+    mis-rounds bf16)."""
+    import torch
+    from rlalign.ops.triton_backend import logprob as L
+    g = torch.Generator().manual_seed(5)
+    worst = 0.0
+    for v in (1, 2, 256, 257, 513):
+        t, h = 5, 64
+        hid, w = torch.randn(t, h, generator=g), torch.randn(v, h, generator=g) * 0.3
+        tgt = torch.randint(0, v, (t,), generator=g)
+        for temp in (1.0, 0.7):
+            lp, ent, _, _ = L.forward_stats(hid, w, tgt, temp, True)
+            lp_only, none, _, _ = L.forward_stats(hid, w, tgt, temp, False)
+            if none is not None or not torch.equal(lp_only, lp):
+                return f"V={v}: the logprob without entropy differs from the one with it"
+            logp = torch.log_softmax(hid.double() @ w.double().T / temp, -1)
+            rlp, rent = logp.gather(1, tgt[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+            worst = max(worst, float((lp.double() - rlp).abs().max()), float((ent.double() - rent).abs().max()))
+    return worst
+
+
 def _check_elementwise():
     import torch
     from rlalign.ops.triton_backend import elementwise as E
@@ -220,7 +243,7 @@ def _check_sample():
 
 
 CHECKS = {"gemm": _check_gemm, "attention": _check_attention, "logprob": _check_logprob,
-          "elementwise": _check_elementwise, "sample": _check_sample}
+          "logprob_last_tile": _check_logprob_last_tile, "elementwise": _check_elementwise, "sample": _check_sample}
 
 
 def _worker() -> None:

@@ -1,5 +1,7 @@
 import pytest
 
+import rlalign.integrations  # noqa: F401  (registers the transformers training side used by run_parity)
+
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from rlalign.models import ForwardBatch, load_model, next_token_targets
 from rlalign.models import taps
 from rlalign.parity.capture import capture, note_batch, note_rows, packed_layout, prefix_keys, tap
-from rlalign.parity.compare import (compare_captures, compare_logprobs, differing, forward_order, ordered_ints,
-                                    split_name)
+from rlalign.contract.bits import differing
+from rlalign.parity.compare import compare_captures, compare_logprobs, forward_order, ordered_ints, split_name
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 

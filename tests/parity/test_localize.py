@@ -8,9 +8,10 @@ import torch
 
 from rlalign import ops
 from rlalign.contract.profiles import use_profile
+from rlalign.integrations.transformers_parity import TransformersTrainer
 from rlalign.models import load_model
 from rlalign.parity.run import ParityOptions, ParityResult, compare_tokens, localize
-from rlalign.parity.sides import RLAlignRollout, RLAlignTrainer, TransformersTrainer
+from rlalign.parity.sides import RLAlignRollout, RLAlignTrainer
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [5, 6, 7, 20, 21, 22, 23, 24]]
 

@@ -217,8 +217,9 @@ def test_generate_completions_equals_the_simple_loop_bit_for_bit(checkpoint):
     prompts = ["What is 2 + 3?", "Say hello", "count to three"]
     want = simple_generate(model, prompts, **kwargs)
     got = generate_completions(model, prompts, **kwargs)
-    assert [(c.prompt, c.prompt_index, c.sample, c.prompt_tokens, c.tokens, c.text, c.finish_reason) for c in got] == \
-           [(c.prompt, c.prompt_index, c.sample, c.prompt_tokens, c.tokens, c.text, c.finish_reason) for c in want]
+    fields = lambda c: (c.prompt, c.prompt_index, c.sample_index, c.prompt_tokens, c.tokens, c.text,  # noqa: E731
+                        c.finish_reason)
+    assert [fields(c) for c in got] == [fields(c) for c in want]
     for g, w in zip(got, want):
         assert_bitwise_equal(torch.tensor(g.logprobs), torch.tensor(w.logprobs), "logprobs")
 

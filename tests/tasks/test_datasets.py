@@ -38,7 +38,7 @@ def test_json_array(tmp_path):
     ('{"prompt": "p", "answer": ', r"d.jsonl:2: invalid JSON"),
     ('["p", "a"]', r"d.jsonl:2: expected a JSON object, got list"),
     ('{"prompt": "p"}', r"d.jsonl:2: missing field 'answer' \(row has: prompt\)"),
-    ('{"prompt": 5, "answer": "a"}', r"d.jsonl:2: field 'prompt' must be a string, got int"),
+    ('{"prompt": 5, "answer": "a"}', r"d.jsonl:2: field 'prompt' must be a string or a list of chat messages, got int"),
     ('{"prompt": "p", "answer": null}', r"d.jsonl:2: field 'answer' must be a string or a number, got NoneType"),
     ('{"prompt": "p", "answer": true}', r"d.jsonl:2: field 'answer' must be a string or a number, got bool"),
 ])

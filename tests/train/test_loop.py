@@ -9,9 +9,10 @@ import torch
 
 from rlalign.configlib import load_config
 from rlalign.train.config import TrainConfig
-from rlalign.train.loop import Trainer, run_training
+from rlalign.train.loop import MismatchError, Trainer, run_training
 from rlalign.train.report import write_report
 from rlalign.train.runio import read_metrics
+from tests.bitwise import assert_bitwise_equal
 from tests.train.conftest import tiny_overrides
 
 REQUIRED = ["step", "reward/mean", "reward/std", "mismatch/tokens", "mismatch/count", "mismatch/max_abs",
@@ -139,7 +140,7 @@ def test_fresh_run_refuses_to_overwrite_an_existing_run(arithmetic_model_dir, tm
     run_training(load_config(TrainConfig, None, over))
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
     out = _cli("train", *over)
-    assert out.returncode == 2 and "already holds a run" in out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and "is not empty" in out.stderr.strip().splitlines()[-1]
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
 
 
@@ -152,3 +153,127 @@ def test_metrics_lines_are_json(arithmetic_model_dir, tmp_path):
     run_dir = run_training(load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / "run", 1)))
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         json.loads(line)
+
+
+# ---- one TrainBatch per step: the strict profile forwards the policy once ------------------------------
+
+TIMING = ("time/", "tokens_per_s/", "memory/")
+
+
+def _trainer(model_dir, run_dir, extra, steps=1):
+    trainer = Trainer(load_config(TrainConfig, None, tiny_overrides(model_dir, run_dir, steps, dense_reward=True) + extra))
+    trainer.resume_if_asked()
+    return trainer
+
+
+def _count_policy_forwards(trainer, monkeypatch):
+    """{'grad': n, 'no_grad': n}: the policy's packed forwards from now on."""
+    from rlalign.models.decoder import CausalLM
+    counts, original = {"grad": 0, "no_grad": 0}, CausalLM.forward_hidden
+
+    def counted(model, batch):
+        if model is trainer.policy:
+            counts["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+        return original(model, batch)
+
+    monkeypatch.setattr(CausalLM, "forward_hidden", counted)
+    return counts
+
+
+def _learning(record):
+    return {k: v for k, v in record.items() if not k.startswith(TIMING)}
+
+
+@pytest.mark.parametrize("extra", [[], ["algo.ppo_epochs=2", "algo.kl_coef=0.05", "algo.kl_in_reward=true",
+                                        "algo.entropy_coef=0.01"]], ids=["default", "epochs2-klreward-entropy"])
+def test_strict_step_forwards_the_policy_once_with_the_bits_of_the_rescore(arithmetic_model_dir, tmp_path, monkeypatch,
+                                                                           extra):
+    """Dropping the no-grad old-logprob forward changes no bit: the first update pass's forward (with grad)
+    gives the same log-probs, so the same loss, update, entropy and mismatch check."""
+    fused = _trainer(arithmetic_model_dir, tmp_path / "fused", extra)
+    assert not fused.needs_rescore()
+    counts, built, build = _count_policy_forwards(fused, monkeypatch), [], fused.train_batch
+    fused.train_batch = lambda ro: built.append(build(ro)) or built[-1]
+    records = [fused.train_step(1)]
+    micro = len(built[0].micro_batches)
+    epochs = fused.cfg.algo.ppo_epochs
+    assert counts == {"grad": epochs * micro, "no_grad": 0}, (counts, micro)
+    rescored = _trainer(arithmetic_model_dir, tmp_path / "rescored", extra)
+    monkeypatch.setattr(rescored, "needs_rescore", lambda: True)
+    records.append(rescored.train_step(1))
+    assert _learning(records[0]) == _learning(records[1])
+    assert records[0]["mismatch/count"] == 0 and records[0]["mismatch/tokens"] > 0
+    for (name, a), b in zip(fused.policy.state_dict().items(), rescored.policy.state_dict().values()):
+        assert_bitwise_equal(a, b, name)
+
+
+def _nudge_first_rollout_logprob(trainer):
+    draw = trainer._draw
+
+    def nudged(*args, **kwargs):
+        ro = draw(*args, **kwargs)
+        ro.logprobs[0][0] -= 1e-3
+        return ro
+
+    trainer._draw = nudged
+
+
+def test_strict_mismatch_is_found_without_the_rescore_and_the_step_is_as_before(arithmetic_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """on_mismatch=warn: the mismatch is counted and the update is today's (ratio against the trainer's
+    own old log-probs), bit for bit the rescore path's."""
+    fused = _trainer(arithmetic_model_dir, tmp_path / "fused", [])
+    rescored = _trainer(arithmetic_model_dir, tmp_path / "rescored", [])
+    monkeypatch.setattr(rescored, "needs_rescore", lambda: True)
+    for trainer in (fused, rescored):
+        _nudge_first_rollout_logprob(trainer)
+    a, b = fused.train_step(1), rescored.train_step(1)
+    assert a["mismatch/count"] == 1 and a["mismatch/max_abs"] > 5e-4
+    assert _learning(a) == _learning(b)
+    for (name, x), y in zip(fused.policy.state_dict().items(), rescored.policy.state_dict().values()):
+        assert_bitwise_equal(x, y, name)
+
+
+def test_strict_mismatch_stops_before_any_optimizer_step(arithmetic_model_dir, tmp_path):
+    trainer = _trainer(arithmetic_model_dir, tmp_path / "run", ["run.on_mismatch=stop"])
+    assert not trainer.needs_rescore()
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    _nudge_first_rollout_logprob(trainer)
+    with pytest.raises(MismatchError, match="1 of .* token logprobs differ"):
+        trainer.train_step(1)
+    assert not trainer.optimizer.state   # AdamW never stepped
+    for name, value in trainer.policy.state_dict().items():
+        assert_bitwise_equal(value, before[name], name)
+
+
+# ---- mini-batches and the logged lr ---------------------------------------------------------------------
+
+def test_mini_batches_step_the_optimizer_per_mini_batch_and_clip(arithmetic_model_dir, tmp_path):
+    trainer = _trainer(arithmetic_model_dir, tmp_path / "run", ["algo.mini_batches=2", "algo.ppo_epochs=2",
+                                                                "algo.clip_low=0.001", "algo.clip_high=0.001"])
+    assert trainer.needs_rescore()   # mini-batch 2 runs after an optimizer step: old log-probs come first
+    calls, step = [], trainer.optimizer.step
+
+    def counted(*args, **kwargs):
+        calls.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = counted
+    record = trainer.train_step(1)
+    assert len(calls) == 4 and len(set(calls)) == 1
+    assert record["lr"] == calls[0] == pytest.approx(1e-2 / 5)   # warmup step 1 of 5: the lr used, not the next
+    assert record["clip_frac"] > 0 and record["mismatch/count"] == 0
+
+
+def test_value_lr_reaches_the_value_optimizer(arithmetic_model_dir, tmp_path):
+    trainer = _trainer(arithmetic_model_dir, tmp_path / "run", ["algo.advantage=gae", "algo.value_lr=0.05"])
+    assert trainer.value_optimizer.param_groups[0]["lr"] == 0.05
+
+
+def test_cli_refuses_a_key_the_algorithm_does_not_read_in_one_line(tmp_path):
+    out = _cli("train", f"run.dir={tmp_path / 'run'}", "algo.policy_loss=gspo", "algo.dual_clip=3.0")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "rlalign train: error: algo.dual_clip=3.0 has no effect with algo.policy_loss=gspo (only ppo_clip reads it): "
+        "remove algo.dual_clip, or choose an algo.policy_loss that reads it"]
+    assert not (tmp_path / "run").exists()

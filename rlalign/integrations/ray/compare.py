@@ -10,11 +10,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from safetensors.torch import load_file
+
+from rlalign.contract.bits import first_difference
+from rlalign.train.runio import read_metrics
+
 VOLATILE = ("time/", "tokens_per_s/", "memory/")
 
 
 def metric_differences(run_a: Path, run_b: Path) -> list[str]:
-    from rlalign.train.runio import read_metrics
     a, b = read_metrics(run_a), read_metrics(run_b)
     out = [] if len(a) == len(b) else [f"metrics.jsonl: {len(a)} records vs {len(b)}"]
     for ra, rb in zip(a, b):
@@ -25,24 +29,16 @@ def metric_differences(run_a: Path, run_b: Path) -> list[str]:
 
 
 def weight_differences(run_a: Path, run_b: Path) -> list[str]:
-    from safetensors.torch import load_file
     a, b = (load_file(Path(r) / "policy" / "model.safetensors") for r in (run_a, run_b))
     out = [f"policy: tensor {name} only in one run" for name in sorted(set(a) ^ set(b))]
     for name in sorted(set(a) & set(b)):
         x, y = a[name], b[name]
         if x.shape != y.shape or x.dtype != y.dtype:
             out.append(f"policy {name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
-        elif not _same_bits(x, y):
-            first = (x.flatten() != y.flatten()).nonzero()[0].item()
-            out.append(f"policy {name}: first differing element {first}: {x.flatten()[first].item()!r} vs "
-                       f"{y.flatten()[first].item()!r}")
+        elif (first := first_difference(x.flatten(), y.flatten())) is not None:
+            out.append(f"policy {name}: first differing element {first.index[0]}: {first.value_a!r} vs "
+                       f"{first.value_b!r}")
     return out
-
-
-def _same_bits(x, y) -> bool:
-    import torch
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}.get(x.dtype)
-    return torch.equal(x.view(view), y.view(view)) if view is not None else torch.equal(x, y)
 
 
 def main(argv: list[str]) -> int:
@@ -53,7 +49,6 @@ def main(argv: list[str]) -> int:
     diffs = metric_differences(a, b) + weight_differences(a, b)
     for line in diffs[:20]:
         print(line)
-    from rlalign.train.runio import read_metrics
     print(f"{a} vs {b}: {len(read_metrics(a))} metric records, {len(diffs)} differences "
           f"({'bitwise identical' if not diffs else 'NOT identical'}; timings and peak memory not compared)")
     return 0 if not diffs else 1

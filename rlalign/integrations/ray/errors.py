@@ -37,5 +37,5 @@ def short_reason(exc) -> str:
 
 def death_errors():
     """The Ray errors that mean an actor (its process or node) is gone, not that its code raised."""
-    from ray import exceptions as rx
+    from ray import exceptions as rx   # lazy: ray is optional (the ray extra)
     return (rx.RayActorError, rx.OutOfMemoryError, rx.WorkerCrashedError, rx.NodeDiedError)

@@ -24,6 +24,8 @@ import torch
 from rlalign.contract.errors import RLAlignError
 from rlalign.integrations.ray.errors import (ActorDiedError, RayLaunchError, death_errors, last_checkpoint_note,
                                             short_reason)
+from rlalign.train.loop import run_training
+from rlalign.train.logs import StepReporter
 
 
 class TrainerActor:
@@ -31,7 +33,6 @@ class TrainerActor:
         torch.set_num_threads(threads)
 
     def run(self, cfg) -> str:
-        from rlalign.train.loop import run_training
         return str(run_training(cfg, console=None))
 
 
@@ -67,7 +68,7 @@ def run_training_on_ray(cfg, console=None) -> Path:
 
 def _import_ray():
     try:
-        import ray
+        import ray   # lazy: an optional dependency (the ray extra), needed only for launcher=ray
     except ModuleNotFoundError:
         raise RayLaunchError("launcher=ray needs Ray: pip install 'rlalign[ray]' (or 'ray>=2.60')") from None
     return ray
@@ -146,16 +147,14 @@ def with_absolute_paths(cfg):
 
 
 def _this_node(ray):
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy   # lazy: ray is optional
     # soft: a Ray-client driver (ray://) is not itself a node; the trainer then goes where Ray puts it.
     return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
 
 
 def _follow(ray, done, cfg, console) -> None:
     """Update the progress bar from metrics.jsonl until the trainer's ``run`` call returns (or fails)."""
-    from rlalign.train.loop import _Progress
-
-    progress = _Progress(cfg, console, 0)
+    progress = StepReporter(cfg, console, 0)
     path, seen = Path(cfg.run.dir) / "metrics.jsonl", 0
     try:
         while not ray.wait([done], timeout=1.0)[0]:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from rlalign.contract.errors import RLAlignError
 from rlalign.integrations.ray.errors import ActorDiedError, death_errors, last_checkpoint_note, short_reason
 from rlalign.integrations.ray.weight_sync import choose_weight_sync
+from rlalign.integrations.ray.worker import RolloutWorker
 
 WORKER_NAME_PREFIX = "rlalign-rollout-"
 
@@ -24,8 +25,7 @@ class RolloutPool:
     like one engine (rlalign/train/engines.py); must be built inside a Ray job (the trainer actor)."""
 
     def __init__(self, cfg, policy):
-        import ray
-        from rlalign.integrations.ray.worker import RolloutWorker
+        import ray   # lazy: an optional dependency (the ray extra)
 
         r = cfg.ray
         self.run_dir = cfg.run.dir
@@ -59,7 +59,7 @@ class RolloutPool:
 
     def _wait(self, futures, what: str, worker_indices=None) -> list:
         """Results in the order of ``futures``; the first worker to fail is reported at once, by name."""
-        import ray
+        import ray   # lazy: an optional dependency (the ray extra)
         from ray.exceptions import RayTaskError
 
         worker_of = dict(zip(futures, range(len(futures)) if worker_indices is None else worker_indices))

@@ -19,6 +19,7 @@ import threading
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 # A collective that waits this long for a peer fails instead of hanging (gloo/NCCL timeout).
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
@@ -39,7 +40,7 @@ class ObjectStoreSync:
         pass
 
     def push(self, workers, state_dict, version: int, wait: Callable) -> None:
-        import ray
+        import ray   # lazy: ray is optional (the ray extra)
         ref = ray.put({name: t.detach().cpu() for name, t in state_dict.items()})
         wait([w.load_weights.remote(ref, version) for w in workers], "load_weights")
 
@@ -51,7 +52,7 @@ class BroadcastSync:
         self.group = None
 
     def start(self, workers, wait: Callable) -> None:
-        import ray
+        import ray   # lazy: ray is optional (the ray extra)
         host, port = ray.util.get_node_ip_address(), _free_port()
         world = len(workers) + 1
         joins = [w.join_weight_group.remote(host, port, rank, world, self.backend)
@@ -81,7 +82,6 @@ class BroadcastSync:
 
 def open_group(host: str, port: int, rank: int, world: int, backend: str):
     """A process group of its own (not the default one): a TCPStore served by rank 0, then gloo or NCCL."""
-    import torch.distributed as dist
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=GROUP_TIMEOUT)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world, GROUP_TIMEOUT)
@@ -91,7 +91,6 @@ def open_group(host: str, port: int, rank: int, world: int, backend: str):
 
 
 def broadcast(group, tensor: torch.Tensor) -> None:
-    import torch.distributed as dist
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     group.broadcast([tensor], opts).wait()

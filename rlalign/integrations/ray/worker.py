@@ -7,14 +7,19 @@ import inspect
 
 import torch
 
+from rlalign.contract.errors import RLAlignError
+from rlalign.contract.profiles import use_profile
+from rlalign.integrations.ray.errors import RayLaunchError
+from rlalign.integrations.ray.weight_sync import open_group, receive_into
+from rlalign.train.engines import build_rollout_engine
+from rlalign.train.setup import load_policy
+
 
 class RolloutWorker:
     """Built on its node from the run's config (the same checkpoint the trainer loads); its weights are
     then overwritten by the trainer's before the first rollout, so the two never start apart."""
 
     def __init__(self, cfg, index: int, threads: int):
-        from rlalign.contract.errors import RLAlignError
-
         torch.set_num_threads(threads)
         self.index, self.cfg, self.group = index, cfg, None
         self.setup_error = None
@@ -24,9 +29,6 @@ class RolloutWorker:
             self.setup_error = exc
 
     def _build(self, cfg) -> None:
-        from rlalign.train.engines import build_rollout_engine
-        from rlalign.train.setup import load_policy
-
         policy, tokenizer, model_dir = load_policy(cfg.model)
         self.device = next(policy.parameters()).device
         self.engine = build_rollout_engine(dataclasses.replace(cfg, launcher="local"), policy, tokenizer, model_dir)
@@ -38,7 +40,6 @@ class RolloutWorker:
         return self.index
 
     def generate(self, prompts, sampling, prompt_indices):
-        from rlalign.contract.profiles import use_profile
         with use_profile(self.cfg.run.profile):
             return self.engine.generate(prompts, sampling, prompt_indices=prompt_indices)
 
@@ -46,11 +47,9 @@ class RolloutWorker:
         return self.engine.update_weights(state_dict, version=version)
 
     def join_weight_group(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
-        from rlalign.integrations.ray.weight_sync import open_group
         self.group = open_group(host, port, rank, world, backend)
 
     def receive_weights(self, meta, version: int) -> int:
-        from rlalign.integrations.ray.weight_sync import receive_into
         return self.engine.update_weights(receive_into(self.group, meta, self.device), version=version)
 
 
@@ -58,6 +57,5 @@ def _check_prompt_indices(engine, name: str) -> None:
     """Splitting a step's prompts across workers keeps every sample's seed only if the engine takes the
     prompts' global indices; an engine that cannot is refused rather than silently resampled."""
     if "prompt_indices" not in inspect.signature(engine.generate).parameters:
-        from rlalign.integrations.ray.errors import RayLaunchError
         raise RayLaunchError(f"rollout.engine={name} cannot run under launcher=ray: its generate() takes no "
                              "prompt_indices, which keep sample seeds global when prompts are split across workers")

@@ -19,66 +19,13 @@ run bitwise are refused with :class:`UnsupportedVLLMConfigError` (see :mod:`.che
 :mod:`.sampler`).
 """
 
-from __future__ import annotations
-
-import os
-
+from rlalign.integrations.vllm.engine import build_training_engine
 from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
+from rlalign.integrations.vllm.parity import VLLMRollout
+from rlalign.integrations.vllm.plugin import ARCHITECTURES, ENV, disable, enable, is_enabled, register
+from rlalign.train.engines import register_engine
 
-ENV = "RLALIGN_VLLM"
-MODEL_CLASS = "rlalign.integrations.vllm.model:RLAlignForCausalLM"
+register_engine("vllm", build_training_engine)   # rollout.engine=vllm; the parity side registers in .parity
 
-
-def architectures() -> tuple[str, ...]:
-    """The architectures the plugin serves: every family of rlalign's architecture registry."""
-    from rlalign.models import architectures as registry
-    return registry.architectures()
-
-
-def is_enabled() -> bool:
-    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on", "strict")
-
-
-def enable() -> None:
-    """Turn the plugin on for this process and the vLLM processes it starts (registers the model classes and
-    the sampler hook now)."""
-    import importlib.util
-    if importlib.util.find_spec("vllm") is None:
-        raise UnsupportedVLLMConfigError("vLLM is not installed: pip install 'rlalign[vllm]' (see docs/vllm.md)")
-    os.environ[ENV] = "1"
-    register()
-
-
-def disable() -> None:
-    """Turn the plugin off (vLLM's own model classes and sampler come back for engines created afterwards)."""
-    os.environ[ENV] = "0"
-    _unregister()
-
-
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: does nothing unless the plugin is enabled. Idempotent."""
-    if not is_enabled():
-        return
-    from vllm import ModelRegistry
-
-    from rlalign.integrations.vllm import sampler
-    for arch in architectures():
-        ModelRegistry.register_model(arch, MODEL_CLASS)
-    sampler.install()
-
-
-def _unregister() -> None:
-    import sys
-    if "vllm" not in sys.modules:
-        return
-    from vllm.model_executor.models import registry
-
-    from rlalign.integrations.vllm import sampler
-    sampler.uninstall()
-    stock = registry._VLLM_MODELS
-    for arch in architectures():
-        module, cls = stock[arch]
-        registry.ModelRegistry.models[arch] = registry._LazyRegisteredModel(f"vllm.model_executor.models.{module}", cls)
-
-
-__all__ = ["enable", "disable", "is_enabled", "register", "UnsupportedVLLMConfigError", "ENV", "architectures"]
+__all__ = ["enable", "disable", "is_enabled", "register", "UnsupportedVLLMConfigError", "ENV", "ARCHITECTURES",
+           "VLLMRollout", "build_training_engine"]

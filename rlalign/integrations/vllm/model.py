@@ -26,9 +26,10 @@ from torch import nn
 
 from rlalign import ops
 from rlalign.contract.profiles import Profile, use_profile
+from rlalign.integrations.vllm.checks import check_vllm_config
 from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
 from rlalign.models.batch import ForwardBatch, KVCache
-from rlalign.models.checkpoint import load_config
+from rlalign.models.checkpoint import load_model_config
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
 
@@ -58,9 +59,8 @@ class RLAlignForCausalLM(CausalLM):
     """vLLM model class for Qwen3 / Qwen2 / Llama checkpoints; parameter names are Hugging Face's."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
-        from rlalign.integrations.vllm.checks import check_vllm_config
         model_config = vllm_config.model_config
-        config: ModelConfig = load_config(model_config.model)
+        config: ModelConfig = load_model_config(model_config.model)
         check_vllm_config(vllm_config, config)
         super().__init__(config, dtype=model_config.dtype, device=_device(vllm_config))
         self.profile = Profile.STRICT
@@ -131,7 +131,7 @@ class RLAlignForCausalLM(CausalLM):
     # ---- batch description ------------------------------------------------------------------------
 
     def _attention_metadata(self):
-        from vllm.forward_context import get_forward_context, is_forward_context_available
+        from vllm.forward_context import get_forward_context, is_forward_context_available  # lazy: optional, heavy
         if not is_forward_context_available():
             return None
         meta = get_forward_context().attn_metadata
@@ -175,6 +175,6 @@ def _device(vllm_config) -> torch.device:
 
 def _vllm_attention_layer(config: ModelConfig, vllm_config, name: str) -> nn.Module:
     """A vLLM Attention layer that only declares this layer's KV cache to vLLM (never called)."""
-    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention import Attention  # lazy: optional, heavy
     return Attention(config.num_heads, config.head_dim, config.head_dim ** -0.5, num_kv_heads=config.num_kv_heads,
                      cache_config=vllm_config.cache_config, prefix=name)

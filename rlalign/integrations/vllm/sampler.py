@@ -4,12 +4,12 @@ For the rows of one step (one per running request), with h the final hidden row 
 left in :data:`~rlalign.integrations.vllm.model.PENDING`, s the request's seed
 (``SamplingParams(seed=s)``), p the position the new token takes, T its temperature:
 
-    token   = ops.sample(logits, seeds=s, seq_ids=s, positions=p, temperature=T, top_k, top_p)
-    logprob = ops.logprob_entropy(h, W, token, temperature=T if T > 0 else 1.0)
+    token, logprob = ops.sample_and_score(h, W, seeds=s, positions=p, temperature=T, top_k, top_p,
+                                          logits=logits)
 
-which is exactly what rlalign's rollout engine computes for a sequence with per-sample seed s
-(so tokens match it), and the logprob op the trainer runs on the same hidden row (so logprobs
-match the trainer bit for bit). vLLM's request-level logits transforms (penalties, bad words,
+the one owner of sample-and-score that rlalign's rollout engine calls too (so tokens match it for a
+sequence with per-sample seed s), whose logprob is the op the trainer runs on the same hidden row
+(so logprobs match the trainer bit for bit). vLLM's request-level logits transforms (penalties, bad words,
 allowed token ids, logit bias, min_tokens, min_p, ...) and top-k alternative logprobs are refused.
 Logits vLLM masked in place before the sampler (structured output) are sampled as masked.
 """
@@ -33,7 +33,7 @@ _ORIGINAL_LOGPROBS = "_rlalign_original_compute_logprobs"
 def install() -> None:
     """Route ``Sampler.forward`` through :func:`_forward` and ``Sampler.compute_logprobs`` (vLLM's
     prompt-logprob path) through :func:`_compute_logprobs` (idempotent)."""
-    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.sample.sampler import Sampler  # lazy: optional, heavy
     if getattr(Sampler, _ORIGINAL, None) is None:
         setattr(Sampler, _ORIGINAL, Sampler.forward)
         setattr(Sampler, _ORIGINAL_LOGPROBS, Sampler.compute_logprobs)
@@ -42,7 +42,7 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.sample.sampler import Sampler  # lazy: optional, heavy
     original = getattr(Sampler, _ORIGINAL, None)
     if original is not None:
         Sampler.forward = original
@@ -74,12 +74,12 @@ def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _sampler_class():
-    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.sample.sampler import Sampler  # lazy: optional, heavy
     return Sampler
 
 
 def strict_sample(sampler, pending: PendingSample, meta):
-    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.outputs import SamplerOutput  # lazy: optional, heavy
 
     _refuse_transforms(sampler, pending.logits, meta)
     rows = pending.logits.shape[0]
@@ -87,30 +87,19 @@ def strict_sample(sampler, pending: PendingSample, meta):
     temperature = _temperatures(meta, rows, dev)
     seeds = _seeds(meta, temperature)
     with use_profile(pending.profile):
-        tokens = ops.sample(pending.logits, seeds=seeds, seq_ids=seeds, positions=pending.positions,
-                            temperature=temperature, top_k=_top_k(meta, rows, dev), top_p=_top_p(meta, rows, dev))
-        logprobs = _logprobs(pending, tokens, temperature) if meta.max_num_logprobs is not None else None
+        tokens, logprobs = ops.sample_and_score(pending.hidden, pending.lm_head_weight, seeds=seeds,
+                                                positions=pending.positions, temperature=temperature,
+                                                top_k=_top_k(meta, rows, dev), top_p=_top_p(meta, rows, dev),
+                                                logits=pending.logits, with_logprobs=meta.max_num_logprobs is not None)
     return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1),
                          logprobs_tensors=_logprobs_tensors(pending.logits, tokens, logprobs))
-
-
-def _logprobs(pending: PendingSample, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Grouped by logprob temperature (T, or 1.0 for greedy rows), as rlalign's engine does."""
-    temps = [t if t > 0 else 1.0 for t in temperature.tolist()]
-    out = torch.empty(tokens.shape[0], dtype=torch.float32, device=tokens.device)
-    for temp in sorted(set(temps)):
-        idx = torch.tensor([i for i, t in enumerate(temps) if t == temp], dtype=torch.int64, device=tokens.device)
-        lp, _ = ops.logprob_entropy(pending.hidden.index_select(0, idx), pending.lm_head_weight,
-                                    tokens.index_select(0, idx), temperature=temp, with_entropy=False)
-        out[idx] = lp
-    return out
 
 
 def _logprobs_tensors(logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor | None):
     """vLLM's sampled-token-only logprobs (``SamplingParams(logprobs=0)``); rank from the fp32 logits."""
     if logprobs is None:
         return None
-    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.outputs import LogprobsTensors  # lazy: optional, heavy
     chosen = logits.gather(1, tokens.unsqueeze(1))
     ranks = (logits > chosen).sum(dim=1) + 1
     return LogprobsTensors(tokens.to(torch.int32).unsqueeze(1), logprobs.unsqueeze(1), ranks)

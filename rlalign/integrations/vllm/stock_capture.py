@@ -55,7 +55,7 @@ def _install(cap, runner, model) -> list:
 
 def _begin(cap, runner) -> None:
     """Announce the rows of the forward about to run (one per scheduled token, request by request)."""
-    from vllm.forward_context import get_forward_context
+    from vllm.forward_context import get_forward_context  # lazy: optional, heavy
     meta = get_forward_context().attn_metadata
     if not meta:
         return

@@ -48,9 +48,10 @@ import threading
 import torch
 
 from rlalign.contract import spec
+from rlalign.contract.bits import bits_equal
 from rlalign.contract.errors import fail
 from rlalign.ops import _checks as chk
-from rlalign.ops._dispatch import register
+from rlalign.ops._registry import register
 from rlalign.ops.torch_backend import clib
 from rlalign.ops.torch_backend.primitives import tree_sum
 
@@ -60,8 +61,8 @@ Q_TILE = spec.ATTN_Q_TILE
 # many elements (cache sized). Speed and memory only.
 _CHUNK_ELEMS = 1 << 20
 # On GPUs every bmm is issued with exactly this many items (zero padded): cuBLAS picks its kernel
-# by batch count (measured on an H200, torch 2.11: an item's bits differ between batch counts 1,
-# 16, 64 and 4096), so the library must only ever see one shape. MKL's bmm on the CPU is batch-count
+# by batch count, so an item's bits change with it (the measurement: docs/LOG.md), and the library
+# must only ever see one shape. MKL's bmm on the CPU is batch-count
 # invariant (spec.cpu_backend_assumptions, checked by `rlalign doctor`) and runs unpadded.
 _GPU_BATCH = 1024
 # The varlen backward works on [groups, rows, 64] fp32 score tiles; groups are chunked so that
@@ -412,14 +413,14 @@ def _online_softmax(plan: _Plan, q_rows: torch.Tensor, k_rows: torch.Tensor, v_r
 
 def _compiled_applies(device: torch.device, d: int) -> bool:
     """Whether csrc/attention.c runs this call: on the CPU, when the kernels are built and reproduced
-    the torch formulation bit for bit for this head_dim on this machine (:func:`_compiled_matches`).
+    the torch formulation bit for bit for this head_dim on this machine (:func:`compiled_matches`).
     Otherwise the torch formulation runs -- the same bits, slower."""
     return (device.type == "cpu" and d <= clib.MAX_HEAD_DIM and clib.library() is not None
-            and _compiled_matches(d, torch.get_num_threads()))
+            and compiled_matches(d, torch.get_num_threads()))
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_matches(d: int, threads: int) -> bool:
+def compiled_matches(d: int, threads: int) -> bool:
     """The kernels compute q.k and p.v as increasing-order FMA chains, which is what the library's
     fixed-shape GEMM tiles of the formulation compute for the head dims seen (MKL, AVX2: 16 to 128) --
     but not for every one (d = 8: p.v is ordered otherwise; d = 256: q.k is split). So before the first
@@ -446,12 +447,11 @@ def compiled_agrees(d: int, gen: torch.Generator, lens: list[int], n_new: list[i
     q = torch.randn(sum(n_new), hq, d, generator=gen)
     cu = torch.tensor([0] + torch.tensor(n_new).cumsum(0).tolist(), dtype=torch.int32)
     args = (q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), cu, d ** -0.5)
-    same = torch.equal(_paged_compiled(*args).view(torch.int32), _paged_formula(*args).view(torch.int32))
+    same = bits_equal(_paged_compiled(*args), _paged_formula(*args))
     qv, kv, vv = (torch.randn(sum(lens), h, d, generator=gen) for h in (hq, hkv, hkv))
     cuv = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     (oc, lc), (of, lf) = (path(qv, kv, vv, cuv, d ** -0.5) for path in (_varlen_compiled, _varlen_formula))
-    return same and torch.equal(oc.view(torch.int32), of.view(torch.int32)) and torch.equal(
-        lc.view(torch.int32), lf.view(torch.int32))
+    return same and bits_equal(oc, of) and bits_equal(lc, lf)
 
 
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 compiler and loaded with ctypes.
 
 They are a speed path only: each computes exactly the IEEE operations of the torch formulation it
-replaces, in the same order (the tests and ``rlalign doctor`` compare the two with ``torch.equal``),
+replaces, in the same order (the tests and ``rlalign doctor`` compare the two bit for bit, ``rlalign.contract.bits``),
 so a machine without a compiler -- or ``RLALIGN_CPU_KERNELS=0`` -- runs the torch formulation and gets
 the same bits, only slower (one warning says so).
 

@@ -6,7 +6,8 @@ import torch
 
 from rlalign.contract import spec
 from rlalign.contract.spec import ROW_BLOCK
-from rlalign.ops.torch_backend.primitives import SMALL_ROWS, compiled_rows, tile_mm, tile_mm_segments, tree_merge
+from rlalign.ops.torch_backend.primitives import (SMALL_ROWS, compiled_rows, kernel_rows, linear_route, tile_mm,
+                                                  tile_mm_segments, tree_merge)
 
 
 def segment_count(k: int, segments: int) -> int:
@@ -20,14 +21,15 @@ def segment_count(k: int, segments: int) -> int:
 def linear_fp32(x: torch.Tensor, w: torch.Tensor, k_segments: int | None) -> torch.Tensor:
     """x [M, K] fp32, w [N, K] fp32 -> fp32 [M, N], unrounded.
 
-    Speed only, on the CPU (primitives.compiled_rows, the same bits): the canonical K partition runs
-    compiled (8 segment chains and the tree per output, instead of 8 narrow GEMMs and a merge pass), and
-    so do the rows past the last whole 64-row block when they are few (no zero padding multiplied out)."""
+    On the CPU the route is fixed per (K, N, segments) and thread count (primitives.linear_route), never
+    per batch: every row runs the compiled kernel where the library's tile is not row invariant for the
+    shape (narrow N, odd K) or where the kernel has the tiles' bits and is faster (the canonical K
+    partition: 8 segment chains and the tree per output, instead of 8 narrow GEMMs and a merge pass);
+    otherwise 64-row tiles, the rows past the last whole block by the kernel when they are few (no zero
+    padding multiplied out) and the kernel has the tiles' bits."""
     p = segment_count(x.shape[1], k_segments) if k_segments and k_segments > 1 else 1
-    if p > 1:
-        out = compiled_rows(x, w, p)
-        if out is not None:
-            return out
+    if x.shape[0] and x.device.type == "cpu" and linear_route(x.shape[1], w.shape[0], p) == "kernel":
+        return kernel_rows(x, w, p)
     m = x.shape[0]
     full = m - m % ROW_BLOCK
     if full < m:

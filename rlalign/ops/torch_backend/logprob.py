@@ -3,7 +3,8 @@
 Exact numerics, per token (all fp32; ``VB = spec.VOCAB_BLOCK`` = 1024, rows in ``spec.ROW_BLOCK`` = 64):
 
     logits = tile_mm(h_chunk.float(), W_chunk.float())        one token chunk x one vocab chunk
-    z      = logits / fp32(temperature)                       IEEE fp32 division by a 0-dim tensor
+    z      = logits / fp32(temperature)                       the temperature rule (ops/temperature.py):
+                                                              IEEE fp32 division by a 0-dim tensor
                                                               on the same device; SKIPPED when
                                                               temperature == 1.0 (z is the logits)
     vocab blocks [k*VB, (k+1)*VB) at absolute offsets (the last one shorter when VB does not divide V):
@@ -42,7 +43,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from rlalign.contract import spec
-from rlalign.ops._dispatch import register
+from rlalign.ops._registry import register
+from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.primitives import tile_mm, tree_sum
 
 VB = spec.VOCAB_BLOCK
@@ -50,24 +52,16 @@ VB = spec.VOCAB_BLOCK
 
 # ---- forward pieces ----------------------------------------------------------------------------
 
-def _temperature_tensor(temperature: float, device: torch.device) -> torch.Tensor | None:
-    """fp32 0-dim divisor, or None for temperature 1.0. A device tensor (not a Python scalar) keeps
-    the division an IEEE division on CUDA, where a CPU-scalar divisor becomes a reciprocal multiply."""
-    if temperature == 1.0:
-        return None
-    return torch.tensor(temperature, dtype=torch.float32, device=device)
-
-
-def _scaled_logits(h_chunk: torch.Tensor, w_chunk_f32: torch.Tensor, tau: torch.Tensor | None) -> torch.Tensor:
-    logits = tile_mm(h_chunk.float().contiguous(), w_chunk_f32)
-    return logits if tau is None else logits.div_(tau)
+def scaled_logits(h_chunk: torch.Tensor, w_chunk_f32: torch.Tensor, tau: torch.Tensor | None) -> torch.Tensor:
+    """z of one chunk; ``tau`` from :func:`temperature_divisor` (the temperature rule, ops/temperature.py)."""
+    return divide_by_temperature(tile_mm(h_chunk.float().contiguous(), w_chunk_f32), tau, in_place=True)
 
 
 def _stats_of_blocks(zb: torch.Tensor, with_entropy: bool):
     """zb [rows, blocks, L] -> (m_b, s_b, w_b or None), each [rows, blocks]."""
     m_b = zb.amax(dim=-1)
     e = torch.sub(zb, m_b.unsqueeze(-1)).exp_()
-    s_b = tree_sum(e)
+    s_b = tree_sum(e)   # a new tensor even for a one-entry block: e is reused in place below
     w_b = tree_sum(e.mul_(zb)) if with_entropy else None
     return m_b, s_b, w_b
 
@@ -138,7 +132,7 @@ class FoldState:
         return logprob, lse - mu, lse, mu
 
 
-def _chunks(total: int, size: int):
+def index_chunks(total: int, size: int):
     for start in range(0, total, size):
         yield slice(start, min(start + size, total))
 
@@ -147,12 +141,12 @@ def forward_stats(hidden, weight, targets, temperature, token_chunk, vocab_chunk
     """Vocab chunks outer (each W chunk upcast once), token chunks inner; every token's blocks are
     still folded in vocab order. -> (logprob, entropy or None, lse, mu or None)."""
     tokens = hidden.shape[0]
-    tau = _temperature_tensor(temperature, hidden.device)
+    tau = temperature_divisor(temperature, hidden.device)
     state = FoldState(tokens, hidden.device, with_entropy)
-    for cols in _chunks(weight.shape[0], vocab_chunk):
+    for cols in index_chunks(weight.shape[0], vocab_chunk):
         w_f32 = weight[cols].float()
-        for rows in _chunks(tokens, token_chunk):
-            z = _scaled_logits(hidden[rows], w_f32, tau)
+        for rows in index_chunks(tokens, token_chunk):
+            z = scaled_logits(hidden[rows], w_f32, tau)
             state.fold_chunk(rows, z, targets[rows], cols.start)
     return state.finish()
 
@@ -168,7 +162,7 @@ def logprob_from_logits(z: torch.Tensor, targets: torch.Tensor, with_entropy: bo
 
 # ---- backward pieces ---------------------------------------------------------------------------
 
-def _grad_scaled_logits(z, local_targets, lse, mu, g_lp, g_ent, tau):
+def grad_scaled_logits(z, local_targets, lse, mu, g_lp, g_ent, tau):
     """dL/dlogits for one chunk (see the module docstring)."""
     p = torch.exp(z - lse.unsqueeze(1))
     if g_ent is None:
@@ -179,29 +173,29 @@ def _grad_scaled_logits(z, local_targets, lse, mu, g_lp, g_ent, tau):
     cols = torch.arange(z.shape[1], device=z.device)
     is_target = cols.unsqueeze(0) == local_targets.unsqueeze(1)
     dz = torch.where(is_target, g_lp.unsqueeze(1) - pq, -pq)
-    return dz if tau is None else dz.div_(tau)
+    return divide_by_temperature(dz, tau, in_place=True)
 
 
 def _add_grad_hidden(dh_rows: torch.Tensor, dlogits: torch.Tensor, w_f32: torch.Tensor) -> None:
     """dh_rows += dlogits @ W_chunk, one vocab block at a time in vocab order (vocab_chunk invariant)."""
-    for block in _chunks(dlogits.shape[1], VB):
+    for block in index_chunks(dlogits.shape[1], VB):
         dh_rows.add_(tile_mm(dlogits[:, block].contiguous(), w_f32[block].t()))
 
 
 def backward_grads(saved, g_lp, g_ent, need_dh, need_dw):
     hidden, weight, targets, lse, mu, temperature, token_chunk, vocab_chunk = saved
     tokens, vocab = hidden.shape[0], weight.shape[0]
-    tau = _temperature_tensor(temperature, hidden.device)
+    tau = temperature_divisor(temperature, hidden.device)
     g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float()
     g_ent = None if g_ent is None else g_ent.float()
     dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
     dw = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
-    for cols in _chunks(vocab, vocab_chunk):
+    for cols in index_chunks(vocab, vocab_chunk):
         w_f32 = weight[cols].float()
-        for rows in _chunks(tokens, token_chunk):
+        for rows in index_chunks(tokens, token_chunk):
             h_f32 = hidden[rows].float().contiguous()
-            z = _scaled_logits(h_f32, w_f32, tau)
-            dlogits = _grad_scaled_logits(z, targets[rows] - cols.start, lse[rows], None if mu is None else mu[rows],
+            z = scaled_logits(h_f32, w_f32, tau)
+            dlogits = grad_scaled_logits(z, targets[rows] - cols.start, lse[rows], None if mu is None else mu[rows],
                                           g_lp[rows], None if g_ent is None else g_ent[rows], tau)
             if need_dh:
                 _add_grad_hidden(dh[rows], dlogits, w_f32)
@@ -247,11 +241,11 @@ def logprob_entropy(hidden, weight, targets, temperature, token_chunk, vocab_chu
 def lm_logits(hidden, weight, temperature, vocab_chunk):
     """fp32 [S, V] = the z of the module docstring, vocab chunk by vocab chunk (same GEMM shapes as
     logprob_entropy with the same vocab_chunk; no autograd: it feeds the sampler)."""
-    tau = _temperature_tensor(float(temperature), hidden.device)
+    tau = temperature_divisor(float(temperature), hidden.device)
     out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=torch.float32, device=hidden.device)
     with torch.no_grad():
-        for cols in _chunks(weight.shape[0], vocab_chunk):
-            out[:, cols] = _scaled_logits(hidden, weight[cols].float(), tau)
+        for cols in index_chunks(weight.shape[0], vocab_chunk):
+            out[:, cols] = scaled_logits(hidden, weight[cols].float(), tau)
     return out
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rlalign.ops._dispatch import register
+from rlalign.ops._registry import register
 from rlalign.ops.torch_backend.primitives import tree_sum
 
 

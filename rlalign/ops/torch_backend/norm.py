@@ -16,7 +16,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     scalar paths need not agree. Without autograd on the CPU the same operations run compiled
     (csrc/norm.c; torch's sqrt in between: the same bits).
     """
-    out = _compiled(x, weight, eps)
+    out = compiled_rms_norm(x, weight, eps)
     return out if out is not None else rms_norm_formula(x, weight, eps)
 
 
@@ -28,7 +28,7 @@ def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     return (xf * inv.unsqueeze(-1) * weight.float()).to(x.dtype)
 
 
-def _compiled(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+def compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """csrc/norm.c's rl_rms_norm when it applies (CPU, no autograd, rows it takes), else None."""
     lib = clib.for_tensors(x, weight)
     if lib is None or x.shape[-1] > clib.MAX_NORM_SIZE:

@@ -14,12 +14,14 @@ import functools
 import torch
 
 from rlalign.contract import spec
-from rlalign.ops import _checks as chk
+from rlalign.contract.bits import bits_equal
+from rlalign.contract.errors import fail
 from rlalign.ops.torch_backend import clib
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad dim 0 of ``x`` up to a multiple of ``multiple``."""
+    """Zero-pad dim 0 of ``x`` up to a multiple of ``multiple``. Returns ``x`` itself when it needs no
+    padding: a read-only operand (callers write into a separate output, never into the result)."""
     rows = x.shape[0]
     padded = -(-rows // multiple) * multiple
     if padded == rows:
@@ -31,12 +33,22 @@ def tile_mm(a: torch.Tensor, w: torch.Tensor, row_block: int = spec.ROW_BLOCK) -
     """``a @ w.T`` in fp32, issued as GEMMs of exactly ``row_block`` rows.
 
     a: [M, K] fp32, w: [N, K] fp32 -> [M, N] fp32. Each output row is computed by a GEMM of shape
-    (row_block x K) x (K x N) whatever M is, so its bits cannot depend on M or on the other rows
-    (given the doctor-checked assumption that a fixed-shape GEMM is row-position invariant).
+    (row_block x K) x (K x N) whatever M is, so its bits cannot depend on M or on the other rows --
+    on the CPU only for a (K, N) whose library tile passed :func:`tiles_hold` on this machine. For
+    any other shape (narrow N, odd K: MKL's tile then depends on the row's position and the batch)
+    every row runs the compiled kernel, invariant by construction (:func:`kernel_rows`).
     """
     m = a.shape[0]
     if m == 0:
         return a.new_zeros((0, w.shape[0]))
+    if a.device.type == "cpu" and not tiles_hold(a.shape[1], w.shape[0], torch.get_num_threads()):
+        return kernel_rows(a, w, 1)
+    return _tile_mm(a, w, row_block)
+
+
+def _tile_mm(a: torch.Tensor, w: torch.Tensor, row_block: int = spec.ROW_BLOCK) -> torch.Tensor:
+    """:func:`tile_mm` on the library's tiles, unconditionally (M > 0)."""
+    m = a.shape[0]
     a = pad_rows(a, row_block)
     out = torch.empty((a.shape[0], w.shape[0]), dtype=a.dtype, device=a.device)
     _tiles_into(a, w.t(), out, row_block)
@@ -96,21 +108,18 @@ def tile_mm_segments(a: torch.Tensor, w: torch.Tensor, parts: int, row_block: in
 # batched GEMM per segment instead of one for all (memory only).
 _ONE_BATCH_ELEMS = 1 << 20
 
-# Copies derived from a weight (per-block segment copies, the transpose) for the last few weights:
-# rollout calls every layer's with the same shapes, step after step (a weight updated in place gets
-# new copies: the cache keys on its version counter).
-_weight_copies = chk.TensorCache(32)
-
-
-def _derived(kind: tuple, w: torch.Tensor, build) -> torch.Tensor:
-    return _weight_copies.get(kind, build, (w,))
+# Copies derived from a weight (the per-block segment copies, the transpose the kernel reads) are built
+# by every call, never cached across calls: a cache keyed on the tensor (id, data_ptr, version counter)
+# returns stale copies after an update that does not bump the counter -- fused AdamW (transformers'
+# Trainer default), any ``p.data.<op>_()``, ``p.data = ...`` onto a reused address -- and no key short
+# of the contents (a pass over the weight, the price of the copy) is safe against those. Measured: the
+# copy is within the noise of the CPU rollout benchmark and of the default run (docs/cpu.md).
 
 
 def _segment_items(w: torch.Tensor, parts: int, t: int) -> torch.Tensor:
     """[parts * t, N, K / parts]: item (s, block) = segment s of w, a contiguous copy per row block."""
     n, seg = w.shape[0], w.shape[1] // parts
-    return _derived(("segments", parts, t), w, lambda: w.reshape(n, parts, seg).transpose(0, 1).unsqueeze(1)
-                    .expand(parts, t, n, seg).reshape(-1, n, seg))
+    return w.reshape(n, parts, seg).transpose(0, 1).unsqueeze(1).expand(parts, t, n, seg).reshape(-1, n, seg)
 
 
 # ---- the linear's GEMM compiled (CPU): a few rows without their padding, and the K partition ----------
@@ -120,23 +129,90 @@ def _segment_items(w: torch.Tensor, parts: int, t: int) -> torch.Tensor:
 SMALL_ROWS = 8
 
 
+def kernel_rows(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
+    """The unrounded fp32 linear of every row of a [M, K] with w [N, K] (``parts`` K segments, tree-merged)
+    by csrc/gemm.c, whatever its bits are next to the library's tile: the route for the shapes whose
+    tile is not row invariant here (:func:`tiles_hold` False). Invariant by construction: each output
+    element is, per segment, one fp32 FMA chain over k in increasing order from 0, then the canonical
+    tree; no operation of a row reads another row. Raises (fail closed) when the kernel cannot run."""
+    k, n = a.shape[1], w.shape[0]
+    if a.dtype != torch.float32 or w.dtype != torch.float32 or parts > 64 or clib.library() is None:
+        reason = ("the compiled CPU kernels are not available (no C compiler, or RLALIGN_CPU_KERNELS=0)"
+                  if clib.library() is None else f"unsupported operands ({a.dtype}, {parts} segments)")
+        raise fail("linear", f"the BLAS tile for K={k}, N={n} ({parts} K segments) is not row invariant on this "
+                             f"machine and {reason}: install a C compiler (cc/gcc) and unset RLALIGN_CPU_KERNELS, "
+                             "or use profile='native'")
+    return compiled_gemm(a, w, parts)
+
+
+def linear_route(k: int, n: int, parts: int) -> str:
+    """How the strict CPU linear computes a (K, N, parts) shape at the current thread count:
+
+    ``"kernel"``  every row by csrc/gemm.c: its bits are the tiles' (:func:`gemm_matches`; the K partition
+                  runs faster there), or the tiles are not row invariant here (:func:`tiles_hold`)
+    ``"tiles"``   64-row library tiles (row invariance checked for this shape), a few trailing rows by the
+                  kernel when its bits are the tiles'
+    Raises when neither is possible (tiles not invariant and no kernel)."""
+    threads = torch.get_num_threads()
+    kernel = clib.library() is not None and parts <= 64
+    if parts > 1 and kernel and gemm_matches(k, n, parts, threads):
+        return "kernel"
+    if tiles_hold(k // parts, n, threads):
+        return "tiles"
+    if kernel:
+        return "kernel"
+    kernel_rows(torch.empty(0, k), torch.empty(n, k), parts)   # raises the fail-closed error
+    raise AssertionError("unreachable")
+
+
+@functools.lru_cache(maxsize=None)
+def tiles_hold(seg_k: int, n: int, threads: int) -> bool:
+    """Whether the library's fixed 64-row tile (64 x ``seg_k``) x (``seg_k`` x N) gives each row bits that
+    depend on that row only, at this thread count -- checked, not assumed: MKL picks its micro-kernel
+    by shape, and for narrow N (1..9) with odd K, or N = 1, a row's bits change with its position in the
+    tile and with the batch (measured). Checked for the plain tiles (K = seg_k) and for two K segments
+    of seg_k (the canonical partition's batched GEMM and merge), so the verdict, and with it the route,
+    is the same for every segment count: tensor-parallel ranks and TP = 1 take the same arithmetic.
+    Random rows, every bit compared: rows permuted within the block, a row among other rows, a block
+    alone vs as one item of a batched call, and a few rows zero-padded to a block."""
+    return all(_tiles_hold(seg_k, n, parts) for parts in (1, 2))
+
+
+def _tiles_hold(seg_k: int, n: int, parts: int) -> bool:
+    gen = torch.Generator().manual_seed(seg_k * 7919 + n * 31 + parts)
+    rb, k = spec.ROW_BLOCK, seg_k * parts
+    a, b, w = torch.randn(rb, k, generator=gen), torch.randn(rb, k, generator=gen), torch.randn(n, k, generator=gen)
+
+    def tiles(x):
+        return _tile_mm(x, w) if parts == 1 else tree_merge(tile_mm_segments(x, w, parts))
+
+    same = bits_equal
+    ref, ref_b = tiles(a), tiles(b)
+    perm = torch.randperm(rb, generator=gen)
+    mixed = b.clone()
+    mixed[rb - 1] = a[0]
+    batch = tiles(torch.cat([b, a, a[perm]]))
+    return (same(tiles(a[perm]), ref[perm]) and same(tiles(mixed)[rb - 1], ref[0])
+            and same(batch, torch.cat([ref_b, ref, ref[perm]])) and same(tiles(a[:5]), ref[:5]))
+
+
 def compiled_rows(a: torch.Tensor, w: torch.Tensor, parts: int, max_rows: int | None = None) -> torch.Tensor | None:
     """The unrounded fp32 linear (``parts`` K segments, tree-merged) of the rows a [m, K] with w [N, K], by
     csrc/gemm.c: each row's bits are those of the 64-row tile (checked per (K, N, parts) and thread count
-    before first use, :func:`_gemm_matches`); None when the kernel does not apply (not the CPU, not fp32,
+    before first use, :func:`gemm_matches`); None when the kernel does not apply (not the CPU, not fp32,
     more than ``max_rows`` rows, no compiler, or the check failed). The forward of a linear that
     autograd records runs here too: this is the forward arithmetic of the op, whoever calls it."""
     m, k = a.shape
     if (a.device.type != "cpu" or a.dtype != torch.float32 or w.dtype != torch.float32 or m == 0
             or (max_rows is not None and m > max_rows) or parts > 64 or clib.library() is None
-            or not _gemm_matches(k, w.shape[0], parts, torch.get_num_threads())):
+            or not gemm_matches(k, w.shape[0], parts, torch.get_num_threads())):
         return None
-    return _gemm(a, w, parts)
+    return compiled_gemm(a, w, parts)
 
 
-def _gemm(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
+def compiled_gemm(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
     a = a.contiguous()
-    wt = _derived(("transposed",), w, lambda: w.t().contiguous())
+    wt = w.t().contiguous()   # [K, N]: the kernel's layout (a copy per call: see the note above _segment_items)
     out = torch.empty((a.shape[0], w.shape[0]), dtype=torch.float32)
     clib.library().rl_gemm(a.data_ptr(), a.shape[0], a.shape[1], wt.data_ptr(), w.shape[0], parts, out.data_ptr(),
                            torch.get_num_threads())
@@ -144,7 +220,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
+def gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
     """Whether the kernel's FMA chains are the library's 64-row tile for this shape at this thread count
     (they are for the shapes measured, MKL on AVX2 and AVX-512, but the library may order some shapes
     otherwise, and with many threads may split K): random rows through both, every bit compared. Rows
@@ -152,8 +228,8 @@ def _gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
     what keeps a row's bits independent of its batch."""
     gen = torch.Generator().manual_seed(k * 7919 + n * 31 + parts)
     a, w = torch.randn(SMALL_ROWS, k, generator=gen), torch.randn(n, k, generator=gen)
-    tile = tile_mm(a, w) if parts == 1 else tree_merge(tile_mm_segments(a, w, parts))
-    return torch.equal(_gemm(a, w, parts).view(torch.int32), tile.view(torch.int32))
+    tile = _tile_mm(a, w) if parts == 1 else tree_merge(tile_mm_segments(a, w, parts))
+    return bits_equal(compiled_gemm(a, w, parts), tile)
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -162,13 +238,19 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     Level by level: pair (2i, 2i+1) is added; an odd last element is carried to the next level
     unchanged. The order depends only on the length of the last dim, and every add is an IEEE
     elementwise add, so a row's sum is independent of how many rows there are or where it sits.
+
+    Always a new tensor, never a view of ``x`` (also when the last dim has one entry and no add
+    runs): callers reuse their input in place after summing it (the logprob block statistics
+    multiply ``e`` in place after ``tree_sum(e)``), which must not rewrite a sum already taken.
     """
+    if x.shape[-1] == 1:
+        return x[..., 0].clone()
     while x.shape[-1] > 1:
         n = x.shape[-1]
         even = n - (n % 2)
         pairs = x[..., 0:even:2] + x[..., 1:even:2]
         x = torch.cat([pairs, x[..., even:]], dim=-1) if n % 2 else pairs
-    return x[..., 0]
+    return x[..., 0]   # a view of the last level's own tensor, never of the input
 
 
 def tree_merge(parts) -> torch.Tensor:
@@ -176,22 +258,27 @@ def tree_merge(parts) -> torch.Tensor:
 
     ``parts``: a list of tensors, or one tensor stacked along dim 0 (then each level is one add of
     its even and odd halves: the same elementwise adds). The count must be a power of two (the
-    canonical partition guarantees it).
+    canonical partition guarantees it). Always a new tensor, never one of (a view of) the inputs,
+    also for a single part (see :func:`tree_sum`).
     """
     if isinstance(parts, torch.Tensor):
-        merged = _tree_merge_compiled(parts)
+        if parts.shape[0] == 1:
+            return parts[0].clone()
+        merged = tree_merge_compiled(parts)
         if merged is not None:
             return merged
         while parts.shape[0] > 1:
             pairs = parts.unflatten(0, (parts.shape[0] // 2, 2))
             parts = pairs[:, 0] + pairs[:, 1]
         return parts[0]
+    if len(parts) == 1:
+        return parts[0].clone()
     while len(parts) > 1:
         parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     return parts[0]
 
 
-def _tree_merge_compiled(parts: torch.Tensor) -> torch.Tensor | None:
+def tree_merge_compiled(parts: torch.Tensor) -> torch.Tensor | None:
     """csrc/elementwise.c's rl_tree_merge (the same adds in the same tree) for stacked fp32 CPU partials
     without autograd whose parts are each one contiguous block; else None."""
     p = parts.shape[0]

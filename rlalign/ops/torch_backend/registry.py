@@ -1,6 +1,6 @@
 """Registers the torch backend's strict implementations with the dispatcher."""
 
-from rlalign.ops._dispatch import register
+from rlalign.ops._registry import register
 from rlalign.ops.torch_backend import elementwise, linear, norm
 
 register("linear", "torch")(linear.linear)

@@ -21,7 +21,7 @@ contract's "fp32 log"): g lies in [-2.81, 16.64], so a token more than 19.45 bel
 z is never drawn (its probability is below 3.6e-9); the draw is otherwise Gumbel-max exact up
 to 2**-24 quantisation of u.
 
-Sampling of one row (strict), z = logits / temperature in fp32:
+Sampling of one row (strict), z = logits / temperature in fp32 (the temperature rule, ops/temperature.py):
 
 - greedy (temperature == 0): argmax of the raw logits, ties -> lowest token id. No RNG.
 - top-k (0 = off, k >= V = off): keep the first k tokens of the total order (z desc, id asc).
@@ -50,7 +50,8 @@ from __future__ import annotations
 import torch
 
 from rlalign.contract.errors import fail
-from rlalign.ops._dispatch import register
+from rlalign.ops._registry import register
+from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.primitives import tree_sum
 
 MASK64 = (1 << 64) - 1
@@ -224,7 +225,7 @@ def keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, candidates:
 # ---- the op ----------------------------------------------------------------------------------
 
 def _sample_chunk(logits, keys, offsets, greedy, temperature, k, top_p, filtered):
-    z = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
     if not bool(torch.isfinite(z.amax(-1)).all()):
         raise fail("sample", "logits / temperature overflows fp32 (temperature too small for these logits)")
     score = perturbed(z, keys, offsets)

@@ -10,11 +10,10 @@ from __future__ import annotations
 import torch
 
 from rlalign.contract import spec
-from rlalign.ops._dispatch import register
+from rlalign.ops._registry import register
 from rlalign.ops.torch_backend.linear import linear_fp32
-from rlalign.ops.torch_backend.logprob import (FoldState, _chunks, _grad_scaled_logits, _scaled_logits,
-                                               _temperature_tensor, block_stats)
-from rlalign.ops.logprob import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
+from rlalign.ops.temperature import temperature_divisor
+from rlalign.ops.torch_backend.logprob import FoldState, block_stats, grad_scaled_logits, index_chunks, scaled_logits
 
 VB = spec.VOCAB_BLOCK
 
@@ -37,13 +36,13 @@ def logprob_shard_stats(hidden, weight, targets, v0, temperature, with_entropy):
     blocks = -(-width // VB)
     stats = hidden.new_zeros((3 if with_entropy else 2, blocks, tokens), dtype=torch.float32)
     z_target = hidden.new_zeros(tokens, dtype=torch.float32)
-    tau = _temperature_tensor(temperature, hidden.device)
+    tau = temperature_divisor(temperature, hidden.device)
     local = targets - v0
-    for cols in _chunks(width, DEFAULT_VOCAB_CHUNK):
+    for cols in index_chunks(width, spec.DEFAULT_VOCAB_CHUNK):
         w_f32 = weight[cols].float()
         b0 = cols.start // VB
-        for rows in _chunks(tokens, DEFAULT_TOKEN_CHUNK):
-            z = _scaled_logits(hidden[rows], w_f32, tau)
+        for rows in index_chunks(tokens, spec.DEFAULT_TOKEN_CHUNK):
+            z = scaled_logits(hidden[rows], w_f32, tau)
             for k, (m_b, s_b, w_b) in enumerate(block_stats(z, with_entropy)):
                 stats[0, b0 + k, rows], stats[1, b0 + k, rows] = m_b, s_b
                 if with_entropy:
@@ -68,6 +67,6 @@ def logprob_merge_stats(stats, z_target):
 
 @register("logprob_shard_dlogits", "torch")
 def logprob_shard_dlogits(hidden, weight, targets, v0, lse, mu, temperature, g_lp, g_ent):
-    tau = _temperature_tensor(temperature, hidden.device)
-    z = _scaled_logits(hidden, weight.float(), tau)
-    return _grad_scaled_logits(z, targets - v0, lse, mu, g_lp, g_ent, tau)
+    tau = temperature_divisor(temperature, hidden.device)
+    z = scaled_logits(hidden, weight.float(), tau)
+    return grad_scaled_logits(z, targets - v0, lse, mu, g_lp, g_ent, tau)

@@ -29,7 +29,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not torch.cuda.is_available() and not _INTERPRET:
     raise ImportError("rlalign triton backend: no CUDA device")
 
-from rlalign.ops._dispatch import register  # noqa: E402
+from rlalign.ops._registry import register  # noqa: E402
 from rlalign.ops.torch_backend import moe as torch_moe  # noqa: E402
 from rlalign.ops.triton_backend import attention, elementwise, linear, logprob, sample, shard  # noqa: E402
 

@@ -13,6 +13,7 @@ bits of the bf16 call.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -60,7 +61,6 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 def forced_tile(env: str, fields: int):
     """A tile forced through an environment variable ("128,128,8,4"), or None."""
-    import os
     raw = os.environ.get(env, "").strip()
     if not raw:
         return None
@@ -75,7 +75,6 @@ def descriptor(t: torch.Tensor, block: list[int]):
 
 
 def is_interpreter() -> bool:
-    import os
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -62,7 +62,7 @@ _LARGE_ACCIN = (GemmConfig(128, 128, 8, 3, flatten=True),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
 # Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see _segment_tree),
 # so shared memory is that of the plain kernel whatever P and K (an unrolled loop per segment got
-# its own stage buffers when a segment was one k-step: 8x, 964 KiB, on the H200). Up to log2(P)+1
+# its own stage buffers when a segment was one k-step; docs/LOG.md). Up to log2(P)+1
 # accumulators are live at once, so the tiles are narrower. sm_90a, P=8 (ptxas -v): 128x64/8 warps
 # 228 registers, 112 KiB, no spills; 128x128 spills even with only 2 levels in registers.
 _SEG_LARGE = (GemmConfig(128, 64, 8, 4),)
@@ -121,7 +121,7 @@ def all_configs(segments: int, fp32: bool, out_mode: str = "bf16") -> tuple[Gemm
 # ---- kernel --------------------------------------------------------------------------------------
 
 @triton.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M row tiles sweep the column tiles together (L2 reuse of B)."""
     width = GROUP_M * num_pid_n
     group = tile // width
@@ -165,7 +165,7 @@ def _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn,
 
 
 @triton.jit
-def _reduce_segment(acc, a_src, b_src, off_m, off_n, k0, k_end, steps, M, N,
+def reduce_segment(acc, a_src, b_src, off_m, off_n, k0, k_end, steps, M, N,
                     stride_am, stride_ak, stride_bk, stride_bn,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_TRANS: tl.constexpr,
                     B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr):
@@ -283,7 +283,7 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
     num_pid_n = tl.cdiv(N, BN)
     num_tiles = num_pid_m * num_pid_n
     for tile in tl.range(pid, num_tiles, num_progs, flatten=FLATTEN):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
         rm = off_m + tl.arange(0, BM)
@@ -298,7 +298,7 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                     acc = tl.load(c_ptrs, mask=c_mask, other=0.0)
             else:
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc = _reduce_segment(acc, a_src, b_src, off_m, off_n, 0, K, steps, M, N,
+            acc = reduce_segment(acc, a_src, b_src, off_m, off_n, 0, K, steps, M, N,
                                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, A_TRANS, B_TRANS,
                                   USE_TMA, SPLIT)
         else:

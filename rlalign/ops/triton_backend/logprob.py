@@ -4,6 +4,7 @@ Per token t (fp32 throughout; the [T, V] logits never reach memory in the forwar
 
     z[t, v]   = (h[t] . W[v]) / temperature   the strict GEMM's K order (64-column steps, fp32
                                               accumulator); IEEE division, skipped at temperature 1
+                                              (the temperature rule of rlalign/ops/temperature.py, in-kernel)
     vocab tiles j of VOCAB_TILE = 256 columns at absolute offsets 256 j (the last one masked):
         m_j = max z,  s_j = sum exp(z - m_j),  w_j = sum exp(z - m_j) * z
         (one fixed-shape [128, 256] tile per program; each row reduced in the same order whatever T)
@@ -31,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.triton_backend._common import BLOCK_K, aligned, descriptor, split_for, tma_ok
-from rlalign.ops.triton_backend.gemm import _reduce_segment, _tile_coords, gemm
+from rlalign.ops.triton_backend.gemm import reduce_segment, tile_coords, gemm
 
 VOCAB_TILE = 256
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -41,7 +43,7 @@ GRAD_CHUNK = 8192     # vocab columns per backward chunk (dz is T x 8192; bits d
 GROUP_M = 16
 
 
-def _tile(dtype: torch.dtype):
+def lp_tile(dtype: torch.dtype):
     """(BLOCK_M, BLOCK_N, warps, stages): fixed per dtype (the row reductions depend on it)."""
     if dtype == torch.float32:
         return 64, VOCAB_TILE, 8, 2
@@ -52,7 +54,7 @@ def _tile(dtype: torch.dtype):
 def _logits_tile(h_src, w_src, off_m, off_n, T, V, H, stride_hm, stride_hk, stride_wv, stride_wk, temperature,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_TEMP: tl.constexpr):
-    acc = _reduce_segment(tl.zeros((BM, BN), tl.float32), h_src, w_src, off_m, off_n, 0, H, tl.cdiv(H, BK),
+    acc = reduce_segment(tl.zeros((BM, BN), tl.float32), h_src, w_src, off_m, off_n, 0, H, tl.cdiv(H, BK),
                           T, V, stride_hm, stride_hk, stride_wk, stride_wv, BM, BN, BK, False, True,
                           USE_TMA, SPLIT)
     if HAS_TEMP:
@@ -68,7 +70,7 @@ def lp_stats_kernel(h_src, w_src, tgt_ptr, stats_ptr, zt_ptr, T, V, H,
     """Per (token tile, vocab tile): (m_j, s_j, w_j) of each row -> stats[:, j, row]; z[target]."""
     num_pid_m = tl.cdiv(T, BM)
     num_pid_n = tl.cdiv(V, BN)
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP)
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP)
     off_m = pid_m * BM
     off_n = pid_n * BN
     z = _logits_tile(h_src, w_src, off_m, off_n, T, V, H, stride_hm, stride_hk, stride_wv, stride_wk,
@@ -138,7 +140,7 @@ def lp_grad_logits_kernel(h_src, w_src, tgt_ptr, lse_ptr, mu_ptr, glp_ptr, gent_
     """dz [T, V] for the vocab chunk held by w_src (V columns starting at absolute column v0)."""
     num_pid_m = tl.cdiv(T, BM)
     num_pid_n = tl.cdiv(V, BN)
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP)
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP)
     off_m = pid_m * BM
     off_n = pid_n * BN
     z = _logits_tile(h_src, w_src, off_m, off_n, T, V, H, stride_hm, stride_hk, stride_wv, stride_wk,
@@ -167,7 +169,7 @@ def lp_grad_logits_kernel(h_src, w_src, tgt_ptr, lse_ptr, mu_ptr, glp_ptr, gent_
 
 # ---- launchers -------------------------------------------------------------------------------------
 
-def _sources(h: torch.Tensor, w: torch.Tensor, bm: int, bn: int):
+def lp_sources(h: torch.Tensor, w: torch.Tensor, bm: int, bn: int):
     """TMA descriptors for h [T, H] and W [V, H] when both allow it (a shape-only choice), else pointers."""
     if tma_ok(h) and tma_ok(w):
         return descriptor(h, [bm, BLOCK_K]), descriptor(w, [bn, BLOCK_K]), True
@@ -185,7 +187,7 @@ def forward_stats(hidden, weight, targets, temperature, with_entropy):
     lse = torch.empty_like(lp)
     ent = torch.empty_like(lp) if with_entropy else lp
     mu = torch.empty_like(lp) if with_entropy else lp
-    bm, bn, warps, stages = _tile(h.dtype)
+    bm, bn, warps, stages = lp_tile(h.dtype)
     nt = triton.cdiv(v, bn)
     split = split_for(h.dtype)
     has_temp = temperature != 1.0
@@ -193,7 +195,7 @@ def forward_stats(hidden, weight, targets, temperature, with_entropy):
         r1 = min(t, r0 + TOKEN_CHUNK)
         hc = h[r0:r1]
         tc = r1 - r0
-        h_src, w_src, tma = _sources(hc, w, bm, bn)
+        h_src, w_src, tma = lp_sources(hc, w, bm, bn)
         stats = torch.empty((3 if with_entropy else 2, nt, tc), dtype=torch.float32, device=dev)
         zt = torch.empty(tc, dtype=torch.float32, device=dev)
         grid = (triton.cdiv(tc, bm) * nt,)
@@ -219,7 +221,7 @@ def backward_grads(hidden, weight, targets, lse, mu, temperature, g_lp, g_ent, n
     mu_arg = mu if has_ent else lse
     dh = torch.zeros((t, hdim), dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.empty_like(w) if need_dw else None
-    bm, bn, warps, stages = _tile(h.dtype)
+    bm, bn, warps, stages = lp_tile(h.dtype)
     split = split_for(h.dtype)
     has_temp = temperature != 1.0
     for c0 in range(0, v, GRAD_CHUNK):
@@ -228,7 +230,7 @@ def backward_grads(hidden, weight, targets, lse, mu, temperature, g_lp, g_ent, n
         vc = c1 - c0
         # rows padded to 64 columns: 16-byte aligned rows keep every chunk on the TMA path
         dz = torch.empty((t, triton.cdiv(vc, 64) * 64), dtype=h.dtype, device=dev)[:, :vc]
-        h_src, w_src, tma = _sources(h, wc, bm, bn)
+        h_src, w_src, tma = lp_sources(h, wc, bm, bn)
         grid = (triton.cdiv(t, bm) * triton.cdiv(vc, bn),)
         lp_grad_logits_kernel[grid](h_src, w_src, tgt, lse, mu_arg, g_lp, g_ent, dz, t, vc, hdim, c0,
                                     h.stride(0), h.stride(1), wc.stride(0), wc.stride(1), dz.stride(0),
@@ -281,8 +283,7 @@ def lm_logits(hidden, weight, temperature, vocab_chunk):
     """fp32 [S, V] = z of the module docstring (the same GEMM K order, IEEE division)."""
     with torch.no_grad():
         out = gemm(hidden, weight, b_trans=True, out_dtype=torch.float32)
-        if float(temperature) != 1.0:
-            out.div_(torch.tensor(float(temperature), dtype=torch.float32, device=out.device))
+        out = divide_by_temperature(out, temperature_divisor(float(temperature), out.device), in_place=True)
     return out
 
 

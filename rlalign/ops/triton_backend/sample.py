@@ -2,7 +2,8 @@
 
 Same formulas as :mod:`rlalign.ops.torch_backend.sample` (splitmix64 counter hash keyed by
 (seed, seq_id, position), u = (2 (bits >>> 41) + 1) / 2**24, score = z - log(-log(u)),
-z = logits / temperature with IEEE division, argmax with ties to the lowest id; greedy rows take
+z = logits / temperature with IEEE division (the temperature rule of rlalign/ops/temperature.py,
+in-kernel), argmax with ties to the lowest id; greedy rows take
 the argmax of the raw logits). One program per row walks the vocab in blocks, so the [S, V]
 noise is never materialised. ``log`` is libdevice's logf, the function torch's CUDA ``log``
 uses, so both backends perturb a logit identically. Rows with top-k / top-p get their keep mask
@@ -15,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.contract.errors import fail
+from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.sample import keep_mask, row_keys
 from rlalign.ops.triton_backend._common import is_interpreter
 
@@ -87,9 +90,8 @@ def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
     greedy = temperature == 0
     k = torch.where(top_k >= vocab, 0, top_k)
     filtered = ~greedy & ((k > 0) | (top_p < 1))
-    z = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
     if not bool(torch.isfinite(z.amax(-1)).all()):
-        from rlalign.contract.errors import fail
         raise fail("sample", "logits / temperature overflows fp32 (temperature too small for these logits)")
     keys = row_keys(seeds, seq_ids, positions).contiguous()
     has_keep = bool(filtered.any())

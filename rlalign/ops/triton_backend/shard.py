@@ -13,7 +13,7 @@ import triton
 
 from rlalign.ops.triton_backend._common import BLOCK_K, aligned, split_for
 from rlalign.ops.triton_backend.gemm import gemm
-from rlalign.ops.triton_backend.logprob import (GROUP_M, TOKEN_CHUNK, _sources, _tile, lp_grad_logits_kernel,
+from rlalign.ops.triton_backend.logprob import (GROUP_M, TOKEN_CHUNK, lp_sources, lp_tile, lp_grad_logits_kernel,
                                                 lp_merge_kernel, lp_stats_kernel)
 
 
@@ -29,7 +29,7 @@ def logprob_shard_stats(hidden, weight, targets, v0, temperature, with_entropy):
     h, w = aligned(hidden), aligned(weight)
     local = (targets - v0).contiguous()
     t, hdim = h.shape
-    bm, bn, warps, stages = _tile(h.dtype)
+    bm, bn, warps, stages = lp_tile(h.dtype)
     nt = triton.cdiv(w.shape[0], bn)
     stats = torch.zeros((3 if with_entropy else 2, nt, t), dtype=torch.float32, device=h.device)
     z_target = torch.zeros(t, dtype=torch.float32, device=h.device)
@@ -39,7 +39,7 @@ def logprob_shard_stats(hidden, weight, targets, v0, temperature, with_entropy):
         r1 = min(t, r0 + TOKEN_CHUNK)
         hc = h[r0:r1]
         part = torch.empty((stats.shape[0], nt, r1 - r0), dtype=torch.float32, device=h.device)
-        h_src, w_src, tma = _sources(hc, w, bm, bn)
+        h_src, w_src, tma = lp_sources(hc, w, bm, bn)
         lp_stats_kernel[(triton.cdiv(r1 - r0, bm) * nt,)](
             h_src, w_src, local[r0:r1], part, z_target[r0:r1], r1 - r0, w.shape[0], hdim,
             hc.stride(0), hc.stride(1), w.stride(0), w.stride(1), float(temperature),
@@ -67,11 +67,11 @@ def logprob_shard_dlogits(hidden, weight, targets, v0, lse, mu, temperature, g_l
     g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
     has_ent = g_ent is not None and mu is not None
     g_ent = g_ent.float().contiguous() if has_ent else g_lp
-    bm, bn, warps, stages = _tile(h.dtype)
+    bm, bn, warps, stages = lp_tile(h.dtype)
     dz = torch.empty((t, triton.cdiv(max(vc, 1), 64) * 64), dtype=h.dtype, device=h.device)[:, :vc]
     if vc == 0 or t == 0:
         return dz
-    h_src, w_src, tma = _sources(h, w, bm, bn)
+    h_src, w_src, tma = lp_sources(h, w, bm, bn)
     lp_grad_logits_kernel[(triton.cdiv(t, bm) * triton.cdiv(vc, bn),)](
         h_src, w_src, targets.contiguous(), lse, mu if has_ent else lse, g_lp, g_ent, dz, t, vc, hdim, v0,
         h.stride(0), h.stride(1), w.stride(0), w.stride(1), dz.stride(0), float(temperature),

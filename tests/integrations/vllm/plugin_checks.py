@@ -36,6 +36,7 @@ def switch_report() -> dict:
 
 
 def family_report(directory: Path) -> dict:
+    import rlalign.integrations  # noqa: F401  (registers the vllm rollout side and the transformers training side)
     from rlalign.models.checkpoint import load_model
     from rlalign.parity.run import ParityOptions, build_rollout, build_trainer, compare_tokens
     from rlalign.parity.sides import RLAlignRollout
@@ -53,8 +54,35 @@ def family_report(directory: Path) -> dict:
         tokens = compare_tokens(record, trainer)
         out[train] = {"tokens_compared": tokens.tokens_compared, "mismatches": tokens.mismatches,
                       "first": None if tokens.first is None else str(tokens.first), "note": tokens.not_comparable}
+    if directory.name == "qwen3":
+        out["planted_rule"] = planted_rule_report(rollout, model, record)
     rollout.engine.close()   # before the next engine starts: vLLM's parallel state is process-wide
     return out
+
+
+def planted_rule_report(rollout, model, honest) -> dict:
+    """vLLM's sampler hook samples-and-scores through rlalign's one owner (ops.sample_and_score), which reads
+    the temperature rule from rlalign.ops.temperature: with a wrong rule planted there (score every token at
+    T = 1 whatever it was sampled at), vLLM's tokens stay, its logprobs move to the trainer's at T = 1, and it
+    still equals rlalign's engine under the same plant. A hook with its own copy of the rule would not move."""
+    from rlalign.ops import temperature as rule
+    from rlalign.parity.run import compare_tokens
+    from rlalign.parity.sides import RLAlignRollout, RLAlignTrainer
+
+    honest_rule = rule.logprob_temperature
+    rule.logprob_temperature = lambda t: 1.0
+    try:
+        planted = rollout.generate(PROMPTS, **SAMPLING)
+        reference = RLAlignRollout(model).generate(PROMPTS, **SAMPLING)
+    finally:
+        rule.logprob_temperature = honest_rule
+    scored = compare_tokens(planted, RLAlignTrainer(model))   # at the record's logprob temperature
+    return {"recorded_logprob_temperature": planted.logprob_temperature,
+            "tokens_unchanged": [s.tokens for s in planted.sequences] == [s.tokens for s in honest.sequences],
+            "logprobs_changed": [s.logprobs for s in planted.sequences] != [s.logprobs for s in honest.sequences],
+            "equal_rlalign_engine": [(s.tokens, s.logprobs) for s in planted.sequences]
+            == [(s.tokens, s.logprobs) for s in reference.sequences],
+            "trainer_tokens_compared": scored.tokens_compared, "trainer_mismatches": scored.mismatches}
 
 
 def prefix_cache_report(directory: Path) -> dict:
@@ -108,10 +136,10 @@ def config_refusal(directory: Path, **engine_args) -> str:
     from vllm.engine.arg_utils import EngineArgs
 
     from rlalign.integrations.vllm.checks import check_vllm_config
-    from rlalign.models.checkpoint import load_config
+    from rlalign.models.checkpoint import load_model_config
     vllm_config = EngineArgs(model=str(directory), skip_tokenizer_init=True, **engine_args).create_engine_config()
     try:
-        check_vllm_config(vllm_config, load_config(directory))
+        check_vllm_config(vllm_config, load_model_config(directory))
     except Exception as exc:  # noqa: BLE001
         return _message(exc)
     return ""

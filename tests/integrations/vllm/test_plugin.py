@@ -44,6 +44,15 @@ def test_vllm_samples_equal_rlalign_engine(report, family):
     assert r["logprobs_equal_rlalign_engine"]
 
 
+def test_vllm_sampler_goes_through_the_one_owner(report):
+    """A wrong temperature rule planted in rlalign.ops.temperature moves vLLM's logprobs as it moves the engine's."""
+    r = report["families"]["qwen3"]["planted_rule"]
+    assert r["recorded_logprob_temperature"] == 1.0
+    assert r["tokens_unchanged"] and r["logprobs_changed"], r
+    assert r["equal_rlalign_engine"], r
+    assert r["trainer_tokens_compared"] >= 100 and r["trainer_mismatches"] == 0, r
+
+
 def test_prefix_cached_prompts_still_equal_rlalign_engine(report):
     r = report["prefix_cache"]
     seen = r["second_round_first_forward"]

@@ -1,5 +1,8 @@
 """Tensor-parallel plans: each module declares how its weights shard; the distributed layer obeys.
 
+This vocabulary sits in contract/ because models/ (which declares plans) and distributed/ (which
+carries them out) are sibling layers: neither imports the other.
+
 A module that owns shardable children defines ``tp_plan() -> {child attribute: ShardSpec}`` and,
 when its own shape fields count the sharded dimension (heads), ``tp_localize(tp)`` to make them
 rank-local. :func:`rlalign.distributed.parallelize.parallelize` walks the modules, replaces each

@@ -14,6 +14,10 @@ from pathlib import Path
 from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.launch import Group, default_backend, spawn
 from rlalign.distributed.parallelize import check_tp, parallelize
+from rlalign.models.checkpoint import load_model, load_model_config
+from rlalign.models.decoder import CausalLM
+from rlalign.parity.compare import compare_logprobs
+from rlalign.parity.sides import RLAlignTrainer
 
 
 def parse_degrees(text: str) -> tuple[int, ...]:
@@ -27,9 +31,6 @@ def parse_degrees(text: str) -> tuple[int, ...]:
 
 
 def _score(model_dir: str, dtype: str | None, device: str, record, group: Group) -> list[list[float]]:
-    from rlalign.models.checkpoint import load_model
-    from rlalign.parity.sides import RLAlignTrainer
-
     model, _ = load_model(Path(model_dir), dtype=dtype, device=device)
     return RLAlignTrainer(parallelize(model, group), "strict").score(record)
 
@@ -43,10 +44,10 @@ def _score_worker(world: Group, model_dir: str, dtype: str | None, device: str, 
 
 def score_at_degrees(model_dir: str, dtype: str | None, device: str, record, degrees) -> dict[int, list[list[float]]]:
     """{degree: per-sequence completion logprobs} for every requested degree (and 1, the reference)."""
-    from rlalign.models.checkpoint import load_config
-    config = load_config(model_dir)
+    config = load_model_config(model_dir)
+    shapes = CausalLM(config, device="meta")   # the modules' TP plans, no memory
     for t in degrees:
-        check_tp(config, t)
+        check_tp(config, t, shapes)
     out = {1: _score(model_dir, dtype, device, record, Group.single())}
     for t in sorted(set(degrees) - {1}):
         out[t] = spawn(_score_worker, t, model_dir, dtype, device, record, backend=default_backend(device))[0]
@@ -56,8 +57,6 @@ def score_at_degrees(model_dir: str, dtype: str | None, device: str, record, deg
 def tp_parity(record, model_dir: str, dtype: str | None, device: str, degrees) -> dict:
     """{"ok": bool, "tp": {"t": {"tokens_compared", "mismatches" (vs TP=1), "rollout_mismatches",
     "max_abs_diff" (vs TP=1)}}}."""
-    from rlalign.parity.compare import compare_logprobs
-
     seqs = record.sequences
     tokens, prompt_lens = [s.tokens for s in seqs], [len(s.prompt_tokens) for s in seqs]
     scores = score_at_degrees(model_dir, dtype, device, record, degrees)

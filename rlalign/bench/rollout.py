@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import platform
@@ -45,6 +46,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
+
+from rlalign.contract import use_profile
+from rlalign.contract.bits import count_differences
+from rlalign.doctor import environment
+from rlalign.models.batch import ForwardBatch
+from rlalign.models.checkpoint import load_model, load_model_config, resolve_dtype, save_model
+from rlalign.models.config import ModelConfig
+from rlalign.models.decoder import CausalLM
+from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
 HELP = "rollout tokens/s: rlalign engine (strict, native) vs transformers generate"
 ENGINES = ("strict", "native", "transformers")
@@ -71,7 +83,7 @@ PRESETS = {
 }
 DEFAULTS = {
     "cpu": dict(prompts=64, samples=8, new_tokens=64, prompt_len="32:128", dtype="float32", repeat=3, warmup="full"),
-    # transformers keeps a dense KV cache per sequence: 64 prompts (512 sequences) per generate call fit an H200
+    # transformers keeps a dense KV cache per sequence: its generate calls take 64 prompts (512 sequences) each
     "cuda": dict(prompts=256, samples=8, new_tokens=512, prompt_len="64:192", dtype="bfloat16", preset="qwen3-0.6b",
                  hf_batch_prompts=64, repeat=1, warmup="short"),
 }
@@ -140,7 +152,6 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
 
     defaults = DEFAULTS[args.device]
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -181,10 +192,6 @@ def _model_dir(args, defaults, dtype: str, tmp: Path) -> tuple[Path, str]:
     if preset is None and default_model_dir().joinpath("config.json").is_file():
         return default_model_dir(), "rlalign/assets/default_model"
     preset = preset or "cpu-small"
-    import torch
-    from rlalign.models.checkpoint import resolve_dtype, save_model
-    from rlalign.models.config import ModelConfig
-    from rlalign.models.decoder import CausalLM
 
     config = ModelConfig.from_hf_dict(PRESETS[preset])
     model = CausalLM(config, dtype=resolve_dtype(dtype), device="cpu").init_random_(seed=args.seed)
@@ -195,10 +202,8 @@ def _model_dir(args, defaults, dtype: str, tmp: Path) -> tuple[Path, str]:
 
 
 def _workload(args, defaults, model_dir: Path) -> Workload:
-    import torch
-    from rlalign.models.checkpoint import load_config
 
-    config = load_config(model_dir)
+    config = load_model_config(model_dir)
     if config.max_position_embeddings < SHORT_CONTEXT_LIMIT:   # e.g. the embedded default model (64 positions)
         defaults = dict(defaults, **SHORT_CONTEXT_DEFAULTS)
     low, high = (int(x) for x in (args.prompt_len or defaults["prompt_len"]).split(":"))
@@ -224,7 +229,6 @@ def _repeats(args) -> int:
 
 
 def _sync(device: str) -> None:
-    import torch
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -276,8 +280,6 @@ class _EngineRun:
     """The rlalign engine in one profile: set up and warmed up on creation; :meth:`timed` is one call."""
 
     def __init__(self, model_dir: Path, workload: Workload, args, dtype: str, profile: str):
-        from rlalign.models.checkpoint import load_model
-        from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
 
         self.args, self.workload, self.profile = args, workload, profile
         self.model, _ = load_model(model_dir, dtype=dtype, device=args.device)
@@ -325,9 +327,7 @@ class _EngineRun:
 
 
 def _release(runner, device: str) -> None:
-    import gc
 
-    import torch
     runner.__dict__.clear()
     gc.collect()
     if device == "cuda":
@@ -336,9 +336,6 @@ def _release(runner, device: str) -> None:
 
 def _verify(model, completions, token_budget: int = 8192) -> dict:
     """Recompute each completion's logprobs with the trainer's packed forward; count differing tokens."""
-    import torch
-    from rlalign.contract import use_profile
-    from rlalign.models.batch import ForwardBatch
 
     mismatches = checked = 0
     batch: list = []
@@ -356,7 +353,7 @@ def _verify(model, completions, token_budget: int = 8192) -> dict:
             first = offset + len(b.prompt_tokens) - 1
             ref = lp[first:first + len(b.tokens)].cpu()
             got = torch.tensor(b.logprobs, dtype=torch.float32)
-            mismatches += int((ref.view(torch.int32) != got.view(torch.int32)).sum())
+            mismatches += count_differences(ref, got)
             checked += len(b.tokens)
             offset += len(s)
         batch = [c]
@@ -368,8 +365,7 @@ class _TransformersRun:
     one pass over every prompt."""
 
     def __init__(self, model_dir: Path, workload: Workload, args, dtype: str):
-        import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM   # lazy: transformers is heavy and only this engine needs it
 
         torch_dtype = getattr(torch, dtype)
         try:
@@ -389,7 +385,6 @@ class _TransformersRun:
         self.generated = 0
 
     def _call(self, batch_prompts, new_tokens) -> int:
-        import torch
         dev, pad = self.args.device, self.pad
         width = max(len(p) for p in batch_prompts)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=dev)
@@ -412,7 +407,7 @@ class _TransformersRun:
         return time.perf_counter() - t0
 
     def row(self, runs: list[float]) -> dict:
-        import transformers
+        import transformers   # lazy: heavy, optional outside the test extra
         seconds = statistics.median(runs)
         return {"engine": "transformers", "profile": "native", "tokens_per_s": round(self.generated / seconds, 2),
                 "seconds": round(seconds, 3), "generated_tokens": self.generated, "prompts": len(self.prompts),
@@ -426,12 +421,10 @@ class _TransformersRun:
 # ---- output --------------------------------------------------------------------------------------
 
 def _environment(device: str) -> dict:
-    import torch
-    from rlalign.contract.doctor import environment
     env = environment(device)
     env.update(date=datetime.date.today().isoformat(), machine=platform.machine(), cpus=os.cpu_count())
     try:
-        import transformers
+        import transformers   # lazy: heavy, optional outside the test extra
         env["transformers"] = transformers.__version__
     except ImportError:
         env["transformers"] = None

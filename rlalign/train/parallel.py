@@ -1,4 +1,5 @@
-"""Parallel training runs: process set-up and the trainer's parallel-aware steps.
+"""Parallel training runs: process groups and the trainer's parallel-aware steps (the training glue over
+:mod:`rlalign.distributed`; spawning the processes is :func:`rlalign.train.loop.launch_parallel`).
 
 ``rlalign train parallel.dp=2 parallel.tp=2`` (no torchrun) spawns dp * tp processes (gloo on CPU,
 NCCL on GPU, one per GPU) that each run the ordinary training loop; under
@@ -19,17 +20,16 @@ joins torchrun's job. Ranks are laid out TP-major: TP groups are consecutive ran
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.distributed.launch import Group, default_backend, init_from_env, spawn, split
+from rlalign.distributed.launch import Group, init_from_env, split
 from rlalign.distributed.parallelize import full_state
+from rlalign.models.decoder import CausalLM
 
 
 def needs_launch(cfg) -> bool:
@@ -125,13 +125,10 @@ def unsharded_policy(policy):
     """The policy as an ordinary CausalLM (a new one with the gathered weights under TP)."""
     if not parallelized(policy):
         return policy
-    from rlalign.models.decoder import CausalLM
     model = CausalLM(policy.config, dtype=policy.dtype, device=policy.device)
     model.load_state_dict(full_state(policy))
     return model
 
-
-# ---- launching ------------------------------------------------------------------------------------------
 
 class NoMetrics:
     """The metrics sink of the ranks that do not write (the writer writes metrics.jsonl)."""
@@ -140,22 +137,5 @@ class NoMetrics:
         pass
 
 
-def _worker(world: Group, cfg):
-    from rich.console import Console
-
-    from rlalign.train.loop import run_training
-    return str(run_training(cfg, Console(stderr=True) if world.rank == 0 else None))
-
-
-def launch(cfg) -> Path:
-    """Spawn ``parallel.dp * parallel.tp`` training processes; returns the run directory when they finish."""
-    if cfg.launcher != "local":
-        raise RLAlignError(f"parallel.dp/tp > 1 run with launcher=local (got launcher={cfg.launcher})")
-    run = dataclasses.replace(cfg.run, dir=cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    cfg = dataclasses.replace(cfg, run=run)
-    return Path(spawn(_worker, cfg.parallel.world_size, cfg, backend=default_backend(cfg.model.device))[0])
-
-
 __all__ = ["NoMetrics", "needs_launch", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
-           "load_policy_weights", "clip_grad_norm_", "optimizer_state", "load_optimizer_state", "unsharded_policy",
-           "launch"]
+           "load_policy_weights", "clip_grad_norm_", "optimizer_state", "load_optimizer_state", "unsharded_policy"]

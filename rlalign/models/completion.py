@@ -1,0 +1,39 @@
+"""The one record of a finished sample that every generator in rlalign returns."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished sample, from any generator: the rollout engine (:mod:`rlalign.rollout`), the simple loop
+    (:func:`rlalign.models.generate.generate`) or an integration's engine (vLLM).
+
+    tokens: generated ids (a stop token that ended the sample is included); logprobs[i] = log p(tokens[i])
+    under softmax(logits / T) at the request's logprob temperature, fp32 values (exact as Python floats).
+    finish_reason: "stop" (stop token or string), "length" (max_new_tokens or max_model_len) or "abort".
+    stop_reason: the stop token id or stop string that ended it (None otherwise).
+    weights_version: the engine's weights version every token of the request was sampled with (0 for the
+    simple loop, which has no weight updates).
+    seed: the sample's random stream key (``ops.derive_seed`` of the request seed, prompt and sample index).
+    prompt / text: the prompt as text when it was given as text, and the decoded completion when a
+    tokenizer was at hand (else None).
+    """
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_tokens: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weights_version: int
+    seed: int
+    stop_reason: int | str | None = None
+    prompt: str | None = None
+    text: str | None = None
+    num_preemptions: int = 0
+
+
+__all__ = ["Completion"]

@@ -1,0 +1,45 @@
+"""The per-step statistics TRL / verl users look for, computed from one step's tensors.
+
+All are means / extremes over the step's samples (rewards, lengths), its groups (zero-std
+fraction), or its unmasked completion tokens (advantages, KL to the reference policy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlalign.algos import kl_estimate
+
+def rollout_stats(rewards: torch.Tensor, groups: torch.Tensor, lens: torch.Tensor) -> dict[str, float]:
+    """Reward min/max, the fraction of groups whose rewards are all equal (no GRPO signal: zero
+    advantage), and completion length min/max."""
+    num_groups = int(groups.max()) + 1 if groups.numel() else 0
+    lo = torch.full((num_groups,), float("inf")).scatter_reduce(0, groups.cpu(), rewards.cpu(), "amin")
+    hi = torch.full((num_groups,), float("-inf")).scatter_reduce(0, groups.cpu(), rewards.cpu(), "amax")
+    return {"reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
+            "reward/zero_std_frac": float((lo == hi).float().mean()) if num_groups else 0.0,
+            "completion/min_len": int(lens.min()), "completion/max_len": int(lens.max())}
+
+
+def token_stats(token_adv: torch.Tensor, mask: torch.Tensor, old_lp: torch.Tensor,
+                ref_lp: "torch.Tensor | None") -> dict[str, float]:
+    """Advantage mean/std over unmasked tokens; ``kl/ref``: mean k3 KL(policy || reference) of the
+    sampled tokens under the policy that sampled them (present when a reference model is used)."""
+    adv = token_adv.detach()[mask].float()
+    out = {"advantage/mean": float(adv.mean()) if adv.numel() else 0.0,
+           "advantage/std": float(adv.std()) if adv.numel() > 1 else 0.0}
+    if ref_lp is not None:
+        kl = kl_estimate(old_lp.detach(), ref_lp.detach(), "k3")[mask]
+        out["kl/ref"] = float(kl.mean()) if kl.numel() else 0.0
+    return out
+
+
+def policy_step_kl(old_lp: torch.Tensor, new_lp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean k3 estimate of KL(pi_before || pi_after) over the step's unmasked tokens, which pi_before
+    sampled: how far one update moved the policy (verl's ``actor/ppo_kl`` measures it only inside the
+    update passes, where it is 0 for the first one)."""
+    kl = kl_estimate(old_lp.detach(), new_lp.detach(), "k3")[mask]   # samples are from pi_before
+    return float(kl.mean()) if kl.numel() else 0.0
+
+
+__all__ = ["rollout_stats", "token_stats", "policy_step_kl"]

@@ -1,0 +1,130 @@
+"""Where a run's per-step metrics go besides ``metrics.jsonl`` (``run.loggers``).
+
+- ``jsonl``: ``RUN_DIR/metrics.jsonl``, always written (the report and resume read it), our names.
+- ``tensorboard``: ``RUN_DIR/tensorboard/`` event files (``torch.utils.tensorboard``; needs the
+  ``tensorboard`` package: ``pip install rlalign[trackers]``). View: ``tensorboard --logdir RUN_DIR``.
+- ``wandb``: Weights & Biases, files under ``RUN_DIR/wandb/``; ``WANDB_MODE=offline`` runs without a
+  network or an account (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads later). The W&B run id is
+  the run directory's name, so a resumed run continues the same W&B run.
+
+``run.metric_names=verl|trl`` renames the metrics these trackers see to the names verl's or TRL's
+trainers log (:data:`ALIASES`, table in docs/training.md); names without a counterpart keep ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+from rlalign.contract.errors import RLAlignError
+
+
+class TrackerError(RLAlignError):
+    pass
+
+
+ALIASES: dict[str, dict[str, str]] = {
+    "verl": {
+        "reward/mean": "critic/score/mean", "reward/std": "critic/score/std", "reward/min": "critic/score/min",
+        "reward/max": "critic/score/max", "advantage/mean": "critic/advantages/mean",
+        "advantage/std": "critic/advantages/std", "completion/mean_len": "response_length/mean",
+        "completion/min_len": "response_length/min", "completion/max_len": "response_length/max",
+        "completion/truncated_frac": "response_length/clip_ratio", "loss/policy": "actor/pg_loss",
+        "loss/kl": "actor/kl_loss", "kl/ref": "actor/kl_loss", "clip_frac": "actor/pg_clipfrac",
+        "entropy": "actor/entropy", "grad_norm": "actor/grad_norm", "lr": "actor/lr", "loss/value": "critic/vf_loss",
+        "time/rollout_s": "timing_s/gen", "time/train_s": "timing_s/update_actor", "time/eval_s": "timing_s/testing",
+        "eval/accuracy": "val-core/acc/mean", "tokens_per_s/rollout": "perf/throughput", "kl/ppo": "actor/ppo_kl", "kl/policy_step": "actor/policy_step_kl",
+    },
+    "trl": {
+        "reward/mean": "reward", "reward/std": "reward_std", "reward/zero_std_frac": "frac_reward_zero_std",
+        "completion/mean_len": "completions/mean_length", "completion/min_len": "completions/min_length",
+        "completion/max_len": "completions/max_length", "completion/truncated_frac": "completions/clipped_ratio",
+        "kl/ref": "kl", "entropy": "entropy", "clip_frac": "clip_ratio/region_mean", "loss/policy": "loss",
+        "grad_norm": "grad_norm", "lr": "learning_rate", "eval/accuracy": "eval_reward",
+    },
+}
+
+
+def rename(record: dict, metric_names: str) -> dict:
+    table = ALIASES.get(metric_names, {})
+    out = {}
+    for key, value in record.items():
+        out.setdefault(table.get(key, key), value)   # loss/kl and kl/ref share verl's name: the first wins
+    return out
+
+
+def _scalars(record: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class TensorBoardTracker:
+    def __init__(self, run_dir: Path, cfg):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise TrackerError("run.loggers includes tensorboard but the tensorboard package is not installed: "
+                               "pip install tensorboard (or rlalign[trackers])") from None
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def log(self, record: dict, step: int) -> None:
+        for key, value in _scalars(record).items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, run_dir: Path, cfg):
+        try:
+            import wandb
+        except ImportError:
+            raise TrackerError("run.loggers includes wandb but the wandb package is not installed: pip install wandb "
+                               "(or rlalign[trackers])") from None
+        run_dir = Path(run_dir).resolve()
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rlalign"), dir=str(run_dir),
+                                  id=run_dir.name.replace("/", "-"), name=run_dir.name, resume="allow",
+                                  config=dataclasses.asdict(cfg))
+        except Exception as exc:   # wandb raises its own types (no login, no network, ...)
+            raise TrackerError(f"wandb could not start ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                               "log in with `wandb login`, or set WANDB_MODE=offline to log to files") from None
+
+    def log(self, record: dict, step: int) -> None:
+        self.run.log(_scalars(record), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+# name -> tracker class(run_dir, cfg); jsonl is MetricsWriter's file, always written.
+TRACKERS: dict[str, type | None] = {"jsonl": None, "tensorboard": TensorBoardTracker, "wandb": WandbTracker}
+
+
+class Trackers:
+    """The run's trackers besides metrics.jsonl: one ``log`` per metrics record, renamed per ``run.metric_names``."""
+
+    def __init__(self, run_dir: Path, cfg):
+        self.metric_names = cfg.run.metric_names
+        self.trackers = []
+        for name in dict.fromkeys(cfg.run.loggers):
+            cls = TRACKERS[name]
+            if cls is not None:
+                self.trackers.append(cls(run_dir, cfg))
+
+    def log(self, record: dict) -> None:
+        renamed = rename(record, self.metric_names)
+        for tracker in self.trackers:
+            tracker.log(renamed, int(record["step"]))
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
+
+__all__ = ["ALIASES", "TRACKERS", "Trackers", "TrackerError", "rename"]

@@ -1,0 +1,104 @@
+"""The package's layering, enforced (docs/architecture.md).
+
+* imports point down the layers of ``[tool.importlinter]`` in pyproject.toml (import-linter's ``layers``
+  contract, run on this checkout's ``rlalign``);
+* an import inside a function of ``rlalign`` that names an ``rlalign`` module says why it is not at module
+  level (``# lazy: <reason>`` on its line): the only reasons are a heavy optional dependency behind it, or the
+  one known cycle named in the linter config;
+* no module imports another package's private module or another module's underscore names.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "rlalign"
+
+
+def _run_lint_imports() -> subprocess.CompletedProcess:
+    code = ("import sys, rlalign\n"
+            f"assert rlalign.__file__.startswith({str(PACKAGE)!r}), 'not this checkout: ' + rlalign.__file__\n"
+            "from importlinter.cli import lint_imports\n"
+            "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_imports_point_down_the_layers():
+    out = _run_lint_imports()
+    report = out.stdout[out.stdout.find("Broken contracts"):] if "Broken contracts" in out.stdout else out.stdout
+    assert out.returncode == 0, f"import-linter: an import points up the layers\n{report[-4000:]}{out.stderr[-2000:]}"
+    assert "1 kept, 0 broken" in out.stdout
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield path, ".".join(parts), ast.parse(path.read_text()), path.read_text().splitlines()
+
+
+def _imported_modules(node: ast.AST, module: str, is_package: bool) -> list[tuple[str, list[str]]]:
+    """(absolute module, imported names) of an import statement; names empty for ``import x``."""
+    if isinstance(node, ast.Import):
+        return [(a.name, []) for a in node.names]
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    if node.level:
+        base = base[:len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    return [(target, [a.name for a in node.names])]
+
+
+def test_function_level_internal_imports_say_why():
+    hidden = []
+    for path, module, tree, lines in _modules():
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                targets = _imported_modules(node, module, path.name == "__init__.py")
+                if any(t == "rlalign" or t.startswith("rlalign.") for t, _ in targets) and \
+                        "lazy:" not in lines[node.lineno - 1]:
+                    hidden.append(f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not hidden, ("imports of rlalign modules inside functions: move them to module level (break a cycle by "
+                        "moving code), or give the heavy optional dependency that keeps one lazy as "
+                        "`# lazy: <reason>`:\n" + "\n".join(hidden))
+
+
+def _private_parts(target: str) -> list[int]:
+    return [i for i, part in enumerate(target.split(".")) if part.startswith("_") and not part.startswith("__")]
+
+
+def test_no_private_names_across_modules():
+    crossing = []
+    for path, module, tree, _ in _modules():
+        is_package = path.name == "__init__.py"
+        own_package = module if is_package else module.rsplit(".", 1)[0]
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target, names in _imported_modules(node, module, is_package):
+                if not target.startswith("rlalign"):
+                    continue
+                for i in _private_parts(target):   # a private module: only its own package may import it
+                    parent = ".".join(target.split(".")[:i])
+                    if not (own_package == parent or own_package.startswith(parent + ".")):
+                        crossing.append(f"{path.relative_to(ROOT)}:{node.lineno}: private module {target}")
+                for name in names:
+                    private_module = (PACKAGE.parent / (target + "." + name).replace(".", "/")).with_suffix(".py")
+                    if name.startswith("_") and not name.startswith("__") and not (
+                            private_module.exists() and own_package.startswith(target)):
+                        crossing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {target}.{name}")
+    assert not crossing, "imports of another module's private names (make them public, or move the code):\n" + \
+        "\n".join(crossing)
