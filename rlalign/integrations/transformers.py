@@ -310,6 +310,23 @@ def _sparse_moe_forward(self, x):
                             top_k=self._rlalign_top_k, normalize=self._rlalign_normalize, layer=self._rlalign_layer)
 
 
+def checkpoint_parameters(model: nn.Module):
+    """(name, tensor) of every parameter under the checkpoint's names and layouts: transformers' stacked
+    experts (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) as the per-expert
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` views the checkpoint holds; everything else as it is."""
+    for name, p in model.named_parameters():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, inter = name[:-len("gate_up_proj")], p.shape[1] // 2
+            for e in range(p.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", p[e, :inter]
+                yield f"{prefix}{e}.up_proj.weight", p[e, inter:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[:-len("down_proj")]
+            for e in range(p.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", p[e]
+        else:
+            yield name, p
+
 def _check_sparse_moe(theirs: nn.Module, ours: SparseMoE, where: str, need) -> None:
     gate, experts = getattr(theirs, "gate", None), getattr(theirs, "experts", None)
     n, hidden = ours.gate.weight.shape
@@ -629,6 +646,6 @@ def _patch_modules(model, state: PatchState) -> None:
     _bind(backbone, _backbone_forward, state)
 
 
-__all__ = ["patch", "unpatch", "is_patched", "from_pretrained", "token_logprobs", "TokenLogprobs",
+__all__ = ["patch", "unpatch", "checkpoint_parameters", "is_patched", "from_pretrained", "token_logprobs", "TokenLogprobs",
            "rlalign_attention", "register_attention", "UnsupportedModelError", "UnsupportedInputError",
            "ATTENTION"]

@@ -6,6 +6,8 @@ import torch
 
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
+
+
 def upcycle(dense, num_experts: int, top_k: int, *, seed: int = 0, router_std: float = 0.02):
     """A Qwen3-MoE copy of a dense Qwen3 ``CausalLM`` ("sparse upcycling"): every layer sparse, each expert a
     copy of the layer's dense MLP, a random router (N(0, router_std), seeded) and ``norm_topk_prob=True``. The
@@ -33,3 +35,6 @@ def upcycle(dense, num_experts: int, top_k: int, *, seed: int = 0, router_std: f
                 for proj in ("gate_proj", "up_proj", "down_proj"):
                     getattr(expert, proj).weight.copy_(getattr(mlp, proj).weight)
     return moe.eval()
+
+
+__all__ = ["upcycle"]
