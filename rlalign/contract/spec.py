@@ -112,6 +112,30 @@ CONTRACT: tuple[OpContract, ...] = (
         "-", "64-bit integer hash (splitmix64), fp32 log", "batch composition: the token depends on (seed, sequence id, position) and the row's logits only",
     ),
     OpContract(
+        "moe_route (router softmax, top-k, renormalisation)", "experts (softmax denominator; top-k renormaliser)",
+        "whole row of E router logits (fp32: the strict linear on fp32 copies of the hidden row and router weight)",
+        "softmax: m = max (exact), u = exp(l - m), balanced pairwise tree sum of u in expert-index order, p = u / sum; "
+        "top-k by a stable descending sort of p (equal p: the lower expert index first); renormaliser: the k selected "
+        "p added left to right in rank order",
+        "fp32 throughout", "routing weights stay fp32", "exp, max, IEEE add/div, stable sort",
+        "number of tokens, token position, other tokens' routing",
+    ),
+    OpContract(
+        "moe_experts (expert SwiGLU FFNs)", "H (gate/up) and I (down) of each expert's projections",
+        "the (token, slot) rows grouped by expert (stable sort), one strict linear per projection per expert; "
+        "down_proj with the canonical K partition like the dense FFN",
+        "as the strict linear", "as the strict linear and silu_mul", "as the strict linear and silu_mul",
+        "strict linear, silu_mul",
+        "how many tokens chose the expert (1 or thousands), the order of the tokens, the other experts' loads",
+    ),
+    OpContract(
+        "moe_combine", "a token's k expert outputs",
+        "the k (expert output, weight) pairs sorted by expert index",
+        "acc = y_0 w_0, then acc = acc + y_j w_j left to right (separate multiply and add, no FMA)",
+        "fp32 (expert outputs upcast exactly, fp32 weights)", "one rounding of the sum to the model dtype",
+        "fp32 mul, add", "rank order of the experts, everything the experts are invariant to",
+    ),
+    OpContract(
         "collectives", "ranks", "fixed rank order", "all-reduce as all-gather then the same fixed tree on every rank",
         "fp32", "one rounding after the merge", "fp32 add", "which rank computes; identical on every rank",
     ),

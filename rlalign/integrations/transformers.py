@@ -66,6 +66,7 @@ from rlalign.models.blocks import attention_block, decoder_layer_block, final_no
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import Attention, DecoderLayer
 from rlalign.models.modules import Linear, RMSNorm
+from rlalign.models.moe import SparseMoE, sparse_moe_block
 from rlalign.models.taps import EMBED, LOGPROB, note_batch, tap
 
 ATTENTION = "rlalign"
@@ -297,6 +298,51 @@ def _interface_attend(attn: nn.Module, batch: ForwardBatch):
     return attend
 
 
+
+# transformers keeps an FFN kind's weights in its own runtime layout where that differs from the checkpoint's:
+# Qwen3-MoE stacks the experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) and
+# routes in a ``gate`` module holding ``weight`` [E, H]. The adapter hands views of those to the block core.
+
+def _sparse_moe_forward(self, x):
+    inter = self.experts.down_proj.shape[-1]
+    gate_up = self.experts.gate_up_proj
+    return sparse_moe_block(x, self.gate.weight, gate_up[:, :inter], gate_up[:, inter:], self.experts.down_proj,
+                            top_k=self._rlalign_top_k, normalize=self._rlalign_normalize, layer=self._rlalign_layer)
+
+
+def checkpoint_parameters(model: nn.Module):
+    """(name, tensor) of every parameter under the checkpoint's names and layouts: transformers' stacked
+    experts (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) as the per-expert
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` views the checkpoint holds; everything else as it is."""
+    for name, p in model.named_parameters():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, inter = name[:-len("gate_up_proj")], p.shape[1] // 2
+            for e in range(p.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", p[e, :inter]
+                yield f"{prefix}{e}.up_proj.weight", p[e, inter:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[:-len("down_proj")]
+            for e in range(p.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", p[e]
+        else:
+            yield name, p
+
+def _check_sparse_moe(theirs: nn.Module, ours: SparseMoE, where: str, need) -> None:
+    gate, experts = getattr(theirs, "gate", None), getattr(theirs, "experts", None)
+    n, hidden = ours.gate.weight.shape
+    inter = ours.experts[0].gate_proj.weight.shape[0]
+    want = {"gate.weight": (n, hidden), "experts.gate_up_proj": (n, 2 * inter, hidden),
+            "experts.down_proj": (n, hidden, inter)}
+    found = {"gate.weight": getattr(gate, "weight", None), "experts.gate_up_proj": getattr(experts, "gate_up_proj", None),
+             "experts.down_proj": getattr(experts, "down_proj", None)}
+    for name, shape in want.items():
+        t = found[name]
+        need(isinstance(t, torch.Tensor) and tuple(t.shape) == shape,
+             f"{where}.{name}: expected shape {shape}, found {None if t is None else tuple(t.shape)}")
+    need(getattr(gate, "top_k", ours.top_k) == ours.top_k
+         and bool(getattr(gate, "norm_topk_prob", ours.normalize)) == ours.normalize,
+         f"{where}.gate: top_k / norm_topk_prob differ from the config")
+
 def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                       inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
                       return_dict=None, cache_position=None, cache=None, **kwargs):
@@ -326,6 +372,10 @@ def _check_call(config, cache, use_cache, output_attentions, output_hidden_state
     if use_cache if use_cache is not None else getattr(config, "use_cache", False):
         raise UnsupportedInputError("use_cache=True: the rlalign-patched model keeps no KV cache; pass "
                                     "use_cache=False (generate(..., use_cache=False)) or roll out with rlalign's engine")
+    if getattr(config, "output_router_logits", False):
+        raise UnsupportedInputError("output_router_logits=True is not supported by the rlalign-patched model: take "
+                                    "the router logits from rlalign.models.moe.record_routing() and the auxiliary "
+                                    "loss from rlalign.ops.load_balancing_loss")
     if output_attentions if output_attentions is not None else getattr(config, "output_attentions", False):
         raise UnsupportedInputError("output_attentions is not supported by the rlalign-patched model")
     wanted = output_hidden_states if output_hidden_states is not None else getattr(config, "output_hidden_states",
@@ -507,10 +557,13 @@ def _check_modules(model, name: str, config: ModelConfig) -> None:
     need(isinstance(getattr(model, "lm_head", None), nn.Linear), "expected an nn.Linear lm_head")
     need(len(backbone.layers) == config.num_layers, "the number of layers does not match the config")
     for i, layer in enumerate(backbone.layers):
-        for path, ours in _reference_layer(config, i).named_modules():
+        for path, ours in _modules_to_bind(_reference_layer(config, i)):
             theirs = _submodule(layer, path)
             where = f"layers.{i}.{path}"
             need(theirs is not None, f"{where} is missing")
+            if isinstance(ours, SparseMoE):
+                _check_sparse_moe(theirs, ours, where, need)
+                continue
             if isinstance(ours, Linear):
                 need(type(theirs) is nn.Linear, f"{where} is not a plain nn.Linear (quantized or adapter-wrapped "
                      "layers are not supported: merge adapters first, or patch before wrapping)")
@@ -524,6 +577,16 @@ def _check_modules(model, name: str, config: ModelConfig) -> None:
         attn = layer.self_attn
         need(getattr(attn, "sliding_window", None) is None, f"layer {i} uses sliding-window attention")
         need(getattr(attn, "layer_idx", None) == i, f"layer {i}: unexpected self_attn.layer_idx")
+
+
+def _modules_to_bind(reference: DecoderLayer):
+    """(path, module) of the reference layer, a sparse MoE block as one unit (its Hugging Face layout differs)."""
+    skip = None
+    for path, module in reference.named_modules():
+        if skip is not None and path.startswith(skip):
+            continue
+        skip = f"{path}." if isinstance(module, SparseMoE) else skip
+        yield path, module
 
 
 def _submodule(root: nn.Module, path: str):
@@ -564,9 +627,11 @@ def _patch_modules(model, state: PatchState) -> None:
     _bind(backbone.embed_tokens, _embedding_forward, state)
     for i, layer in enumerate(backbone.layers):
         reference = _reference_layer(config, i)
-        for path, ours in reference.named_modules():
+        for path, ours in _modules_to_bind(reference):
             theirs = _submodule(layer, path)
-            if isinstance(ours, Linear):
+            if isinstance(ours, SparseMoE):
+                _bind(theirs, _sparse_moe_forward, state, top_k=ours.top_k, normalize=ours.normalize, layer=i)
+            elif isinstance(ours, Linear):
                 _bind(theirs, _linear_forward, state, k_segments=ours.k_segments)
             elif isinstance(ours, RMSNorm):
                 _bind(theirs, _norm_forward, state, eps=_norm_eps(theirs, ours.eps))
@@ -581,6 +646,6 @@ def _patch_modules(model, state: PatchState) -> None:
     _bind(backbone, _backbone_forward, state)
 
 
-__all__ = ["patch", "unpatch", "is_patched", "from_pretrained", "token_logprobs", "TokenLogprobs",
+__all__ = ["patch", "unpatch", "checkpoint_parameters", "is_patched", "from_pretrained", "token_logprobs", "TokenLogprobs",
            "rlalign_attention", "register_attention", "UnsupportedModelError", "UnsupportedInputError",
            "ATTENTION"]

@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from rlalign.integrations.transformers import from_pretrained, is_patched, token_logprobs
-from rlalign.models.checkpoint import resolve_dtype
+from rlalign.integrations.transformers import checkpoint_parameters, from_pretrained, is_patched, token_logprobs
+from rlalign.models.checkpoint import resolve_dtype, weights_hash
 from rlalign.models.taps import EMBED, FINAL_NORM, layer_tap
 from rlalign.parity.capture import capture, capture_active, note_rows, tap
 from rlalign.parity.sides import ChunkedTrainer, completion_rows, register_trainer_side
@@ -33,6 +33,10 @@ class TransformersTrainer(ChunkedTrainer):
     @property
     def patched(self) -> bool:
         return is_patched(self.model)
+
+    @property
+    def weights_hash(self) -> str:
+        return weights_hash(list(checkpoint_parameters(self.model)))
 
     def _score_chunk(self, part, temperature):
         ids, mask = padded_batch([s.all_tokens for s in part], self.model.device)

@@ -106,12 +106,46 @@ def _qwen3_features(d: dict) -> dict[str, Any]:
     return {"qkv_bias": False, "qk_norm": True, **dense_ffn(d)}
 
 
+# transformers' Qwen3MoeConfig defaults, for keys a config.json leaves out
+_QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                       "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _qwen3_moe_features(d: dict) -> dict[str, Any]:
+    _no_attention_bias("qwen3_moe", d)
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if d.get(key):
+            raise ValueError(f"shared experts are not supported ({key}={d[key]!r})")
+    if d.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    d = dict(d)
+    if d.get("num_local_experts") is not None:   # transformers 5 writes num_experts under this name
+        if d.get("num_experts") is not None and d["num_experts"] != d["num_local_experts"]:
+            raise ValueError(f"num_experts={d['num_experts']} and num_local_experts={d['num_local_experts']} differ")
+        d["num_experts"] = d["num_local_experts"]
+    o = {k: (d[k] if d.get(k) is not None else v) for k, v in _QWEN3_MOE_DEFAULTS.items()}
+    n, k = int(o["num_experts"]), int(o["num_experts_per_tok"])
+    if n < 1 or not 1 <= k <= n:
+        raise ValueError(f"num_experts_per_tok={k} must be between 1 and num_experts={n}")
+    if int(o["decoder_sparse_step"]) < 1 or int(o["moe_intermediate_size"]) < 1:
+        raise ValueError(f"decoder_sparse_step={o['decoder_sparse_step']} and moe_intermediate_size="
+                         f"{o['moe_intermediate_size']} must be >= 1")
+    options = {"num_experts": n, "num_experts_per_tok": k, "moe_intermediate_size": int(o["moe_intermediate_size"]),
+               "norm_topk_prob": bool(o["norm_topk_prob"]), "decoder_sparse_step": int(o["decoder_sparse_step"]),
+               "mlp_only_layers": [int(i) for i in o["mlp_only_layers"]]}
+    return {"qkv_bias": False, "qk_norm": True, "ffn_kind": "moe", "ffn_options": options}
+
+
 register(Family("llama", "LlamaForCausalLM", _llama_features,
                 lambda cfg: {"attention_bias": False, "mlp_bias": False}, backbone_architecture="LlamaModel"))
 register(Family("qwen2", "Qwen2ForCausalLM", _qwen2_features, lambda cfg: {},
                 backbone_architecture="Qwen2Model"))
 register(Family("qwen3", "Qwen3ForCausalLM", _qwen3_features, lambda cfg: {"attention_bias": False},
                 default_head_dim=lambda d: 128, backbone_architecture="Qwen3Model"))
+
+register(Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_features,
+                lambda cfg: {"attention_bias": False, **cfg.ffn_options},
+                default_head_dim=lambda d: 128, backbone_architecture="Qwen3MoeModel"))
 
 
 __all__ = ["Family", "register", "get", "names", "architectures", "by_architecture", "dense_ffn", "MOE_KEYS",

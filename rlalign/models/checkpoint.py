@@ -265,10 +265,13 @@ def _replace_dir(tmp: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def weights_hash(model: torch.nn.Module) -> str:
-    """sha256 (hex) over every parameter, in name order: name, dtype, shape, then raw bytes."""
+def weights_hash(model) -> str:
+    """sha256 (hex) over every parameter, in name order: name, dtype, shape, then raw bytes. ``model``: a
+    module, or (checkpoint name, tensor) pairs (an engine whose runtime layout differs from the checkpoint's
+    hands its tensors under the checkpoint's names, so equal weights hash equal whatever the layout)."""
     h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+    pairs = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+    for name, p in sorted(pairs, key=lambda kv: kv[0]):
         t = p.detach().to("cpu").contiguous()
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}\n".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -26,6 +26,7 @@ from rlalign.models.blocks import (Attend, attention_block, batch_attend, decode
                                    rope_inv_freq)
 from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import build_ffn
+from rlalign.models import moe as _moe  # noqa: F401  (registers the "moe" FFN kind)
 from rlalign.models.modules import Embedding, Linear, RMSNorm
 from rlalign.models.taps import EMBED, note_batch, tap
 

@@ -14,6 +14,8 @@ The boundary names, one table (token-major tensors, first dim = the forward's ro
     layers.{i}.o_proj                     o_proj output
     layers.{i}.residual                   residual stream after the attention add (post_norm's input)
     layers.{i}.post_norm                  post-attention RMSNorm output
+    layers.{i}.router                     MoE layers only: fp32 router logits [T, experts]
+    layers.{i}.routing                    MoE layers only: the chosen experts [T, k] (int64, rank order)
     layers.{i}.mlp                        FFN output (dense: down_proj output)
     final_norm                            final RMSNorm output
     logprob                               fp32 logprob of each row's target
@@ -30,8 +32,9 @@ EMBED = "embed"
 FINAL_NORM = "final_norm"
 LOGPROB = "logprob"
 # Per-layer boundaries, in forward order; "residual" is the residual stream after the attention add
-# (post_norm's input).
-LAYER_BOUNDARIES = ("input_norm", "q", "k", "v", "attn", "o_proj", "residual", "post_norm", "mlp")
+# (post_norm's input); "router"/"routing" exist in sparse (MoE) layers only.
+LAYER_BOUNDARIES = ("input_norm", "q", "k", "v", "attn", "o_proj", "residual", "post_norm", "router", "routing", "mlp")
+MOE_BOUNDARIES = ("router", "routing")
 
 
 def layer_tap(layer: int, boundary: str) -> str:
@@ -41,11 +44,11 @@ def layer_tap(layer: int, boundary: str) -> str:
     return f"layers.{layer}.{boundary}"
 
 
-def all_names(num_layers: int) -> list[str]:
-    """Every boundary name of a model with ``num_layers`` layers, in forward order."""
+def all_names(num_layers: int, moe_layers=()) -> list[str]:
+    """Every boundary name of a model with ``num_layers`` layers (``moe_layers``: the sparse ones), in forward order."""
     names = [EMBED]
     for i in range(num_layers):
-        names += [layer_tap(i, b) for b in LAYER_BOUNDARIES]
+        names += [layer_tap(i, b) for b in LAYER_BOUNDARIES if i in moe_layers or b not in MOE_BOUNDARIES]
     return names + [FINAL_NORM, LOGPROB]
 
 
@@ -87,5 +90,5 @@ def installed() -> Recorder | None:
     return _INSTALLED
 
 
-__all__ = ["tap", "note_batch", "install", "installed", "layer_tap", "all_names", "LAYER_BOUNDARIES",
+__all__ = ["tap", "note_batch", "install", "installed", "layer_tap", "all_names", "LAYER_BOUNDARIES", "MOE_BOUNDARIES",
            "EMBED", "FINAL_NORM", "LOGPROB", "Recorder"]

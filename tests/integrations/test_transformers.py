@@ -19,7 +19,8 @@ from rlalign.integrations.transformers import (  # noqa: E402
     UnsupportedInputError, UnsupportedModelError, from_pretrained, is_patched, patch, token_logprobs, unpatch)
 
 CASES = [("qwen3", "float32", False), ("qwen2", "float32", True), ("llama", "float32", False),
-         ("qwen3", "bfloat16", True), ("llama", "bfloat16", False)]
+         ("qwen3", "bfloat16", True), ("llama", "bfloat16", False),
+         ("qwen3_moe", "float32", False), ("qwen3_moe", "bfloat16", True)]
 ids_of = functools.partial(map, lambda c: f"{c[0]}-{c[1]}-{'tied' if c[2] else 'untied'}")
 
 
@@ -134,9 +135,22 @@ def test_gradients_bitwise_equal_rlalign_trainer(hf_checkpoints, case):
     adv_padded[mask.bool()] = adv
     (-(out.logprobs * adv_padded).sum() + 0.01 * out.entropy.sum()).backward()
 
-    hf_grads = dict(hf.named_parameters())
+    hf_grads = {n: q.grad for n, q in hf.named_parameters()}
     for name, p in rl.named_parameters():
-        assert_bitwise_equal(hf_grads[name].grad, p.grad, f"{case} grad of {name}")
+        assert_bitwise_equal(_hf_grad(hf_grads, name), p.grad, f"{case} grad of {name}")
+
+
+def _hf_grad(hf_grads: dict, name: str) -> torch.Tensor:
+    """The gradient of rlalign's parameter ``name`` in the HF model (stacked MoE experts: the expert's slice)."""
+    if ".mlp.experts." not in name:
+        return hf_grads[name]
+    prefix, rest = name.split(".mlp.experts.")
+    expert, proj = int(rest.split(".")[0]), rest.split(".")[1]
+    if proj == "down_proj":
+        return hf_grads[f"{prefix}.mlp.experts.down_proj"][expert]
+    gate_up = hf_grads[f"{prefix}.mlp.experts.gate_up_proj"][expert]
+    inter = gate_up.shape[0] // 2
+    return gate_up[:inter] if proj == "gate_proj" else gate_up[inter:]
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5.2x renames it activation_checkpointing
@@ -368,3 +382,12 @@ def test_padded_layout_positions_count_valid_tokens(prompt_masks, new):
     expected = torch.cat([torch.arange(int(n)) for n in mask.sum(1)])
     assert layout.batch.positions.tolist() == expected.tolist()
     assert layout.batch.cu_seqlens.tolist() == [0] + mask.sum(1).cumsum(0).tolist()
+
+
+def test_moe_router_logits_output_is_refused_with_the_alternative(hf_checkpoints):
+    _quiet()
+    hf = from_pretrained(hf_checkpoints[("qwen3_moe", "float32", False)])
+    hf.config.output_router_logits = True
+    ids, mask = _padded(_sequences((4, 3)))
+    with pytest.raises(UnsupportedInputError, match="record_routing"), torch.no_grad():
+        hf(input_ids=ids, attention_mask=mask, use_cache=False)

@@ -20,7 +20,8 @@ def hf_model(family: str, seed: int = 0, **overrides):
     model_type = cfg_dict.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **cfg_dict)
     config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    extra = {"experts_implementation": "eager"} if "moe" in model_type else {}   # float64: no grouped_mm
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", **extra)
     model = model.to(torch.float64).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -33,7 +34,7 @@ def hf_model(family: str, seed: int = 0, **overrides):
             elif "embed_tokens" in name:
                 p.copy_(noise)
             else:
-                p.copy_(noise / math.sqrt(p.shape[1]))
+                p.copy_(noise / math.sqrt(p.shape[-1]))   # fan_in (3-D expert stacks: [E, out, in])
     return model
 
 

@@ -22,6 +22,9 @@ FAMILIES = {
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
     "qwen2": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16),
     "llama": dict(num_attention_heads=2, num_key_value_heads=2, head_dim=32, rope_scaling=LLAMA3_ROPE),
+    # layer 0 sparse (8 experts, top-2), layer 1 dense
+    "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1]),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # 66 crosses the 64-position attention block boundary; 1 is a single-token sequence.

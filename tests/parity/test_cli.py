@@ -22,7 +22,7 @@ def _parity(capsys, *args) -> tuple[int, dict | None]:
 
 
 @pytest.mark.parametrize("train", ["rlalign", "transformers"])
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "qwen3-bf16"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "qwen3-bf16", "qwen3_moe"])
 def test_strict_is_bitwise_equal(checkpoints, capsys, family, train):
     rc, summary = _parity(capsys, "--model", str(checkpoints[family]), "--train", train, "--json", *SMALL)
     assert list(summary) == KEYS
@@ -93,3 +93,12 @@ def test_default_model(capsys):
     for train in ("rlalign", "transformers"):
         rc, summary = _parity(capsys, "--train", train, "--json", *SMALL)
         assert rc == 0 and summary["ok"] and summary["tokens_compared"] > 0
+
+
+def test_moe_native_localizes_to_a_boundary_and_routing_is_compared(checkpoints, capsys, tmp_path):
+    """Native MoE parity: mismatches, and the capture holds the router / routing boundaries of sparse layers."""
+    rc, summary = _parity(capsys, "--model", str(checkpoints["qwen3_moe"]), "--profile", "native", "--localize",
+                          "--json", "--report", str(tmp_path), "--prompts", "4", "--max-new-tokens", "12")
+    assert rc == 1 and summary["mismatches"] > 0
+    details = (tmp_path / "parity.md").read_text()
+    assert "layers.0.router" in details and "layers.2.routing" in details and "layers.1.router" not in details

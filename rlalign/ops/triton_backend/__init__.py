@@ -30,6 +30,7 @@ if not torch.cuda.is_available() and not _INTERPRET:
     raise ImportError("rlalign triton backend: no CUDA device")
 
 from rlalign.ops._registry import register  # noqa: E402
+from rlalign.ops.torch_backend import moe as torch_moe  # noqa: E402
 from rlalign.ops.triton_backend import attention, elementwise, linear, logprob, sample, shard  # noqa: E402
 
 IMPLEMENTATIONS = {
@@ -42,6 +43,9 @@ IMPLEMENTATIONS = {
     "logprob_entropy": logprob.logprob_entropy,
     "lm_logits": logprob.lm_logits,
     "sample": sample.sample,
+    # routing is elementwise + a written-out tree over E experts in torch kernels: no GEMM, nothing
+    # cuBLAS decides, so the torch formulation is strict on CUDA as it stands
+    "moe_route": torch_moe.route,
     **shard.IMPLEMENTATIONS,   # tensor-parallel shard entries (rlalign.ops.shard)
 }
 DISABLED = frozenset(op.strip() for op in os.environ.get("RLALIGN_TRITON_DISABLE", "").split(",") if op.strip())

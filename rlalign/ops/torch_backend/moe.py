@@ -1,0 +1,39 @@
+"""Strict top-k routing (torch backend; also serves CUDA, see triton_backend/__init__.py).
+
+Per token, from fp32 router logits l [E] (the exact arithmetic of spec row ``moe_route``):
+
+    m   = max_e l_e                               exact
+    u_e = exp(l_e - m)                            the backend's exp, elementwise (position invariant)
+    s   = tree_sum(u)                             balanced pairwise tree over the experts in index order
+    p_e = u_e / s                                 IEEE division
+    top-k of p: descending, equal p -> lower expert index first (a stable sort of -p)
+    normalize: d = p_sel[0] + p_sel[1] + ... left to right (rank order); w_j = p_sel[j] / d
+
+Every step is elementwise or a reduction whose order is written here, so a token's experts and
+weights depend only on its own logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlalign.ops._registry import register
+from rlalign.ops.torch_backend.primitives import tree_sum
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool):
+    m = logits.amax(dim=-1, keepdim=True)
+    u = torch.exp(logits - m)
+    probs = u / tree_sum(u).unsqueeze(-1)
+    # stable descending sort: equal probabilities keep index order, i.e. the lower expert wins
+    experts = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, experts)
+    if normalize:
+        denom = weights[:, 0]
+        for j in range(1, top_k):
+            denom = denom + weights[:, j]
+        weights = weights / denom.unsqueeze(-1)
+    return experts, weights
+
+
+register("moe_route", "torch")(route)
