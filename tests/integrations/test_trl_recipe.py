@@ -40,14 +40,13 @@ def _recipe_trainer_class(calls):
     return RLAlignGRPOTrainer
 
 
-# TRL's default optimizer is fused AdamW (``adamw_torch_fused``), which updates the parameters in place in a way
-# the patched model's weight-derived caches did not notice (the `ops` engineer's fix): logprobs after the first
-# optimizer step came from stale weights (measured: 16 of 16 differ, max |diff| 0.12 at the second call;
-# with ``adamw_torch`` every call matches). strict xfail: it fails loudly once the fix lands, so the mark goes.
-STALE_CACHE_BUG = pytest.mark.xfail(strict=True, reason="stale weight caches after fused AdamW (ops fix pending)")
+# TRL's default optimizer is fused AdamW (``adamw_torch_fused``): it updates the parameters in place without
+# bumping their version counters. Before 2026-12-01 the strict CPU linear cached weight-derived copies keyed on
+# those counters, so the patched model scored with stale weights after the first optimizer step (16 of 16
+# logprobs off, max |diff| 0.12); the caches are gone (issue 20 A.3) and both optimizers must match.
 
 
-@pytest.mark.parametrize("optim", ["adamw_torch", pytest.param("adamw_torch_fused", marks=STALE_CACHE_BUG)])
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
 def test_trl_grpo_trainer_with_the_recipe(tmp_path, optim):
     from rlalign.models.testing import make_tiny_checkpoint
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", family="qwen3", dtype="float32", norm_jitter=0.1,

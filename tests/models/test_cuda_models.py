@@ -66,10 +66,10 @@ def test_generate_cuda(tmp_path):
     tok = load_tokenizer(path)
     prompts = ["What is 3 + 4?", "hello world", "Count the letters."]
     kw = dict(temperature=0.8, top_p=0.9, top_k=40, seed=99, max_new_tokens=10)
-    full = {(c.prompt, c.sample): (c.tokens, c.logprobs) for c in generate(model, prompts, tokenizer=tok, n=2, **kw)}
+    full = {(c.prompt, c.sample_index): (c.tokens, c.logprobs) for c in generate(model, prompts, tokenizer=tok, n=2, **kw)}
     part = generate(model, prompts[::-1][:2], tokenizer=tok, n=1, **kw)
     for c in part:
-        assert (c.tokens, c.logprobs) == full[(c.prompt, c.sample)]
+        assert (c.tokens, c.logprobs) == full[(c.prompt, c.sample_index)]
     completions = generate(model, prompts, tokenizer=tok, n=1, **kw)
     seqs = [c.prompt_tokens + c.tokens for c in completions]
     with torch.no_grad():
