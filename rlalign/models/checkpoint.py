@@ -266,11 +266,11 @@ def _replace_dir(tmp: Path, target: Path) -> None:
 
 
 def weights_hash(model) -> str:
-    """sha256 (hex) over every parameter, in name order: name, dtype, shape, then raw bytes. ``model``: a
-    module, or (checkpoint name, tensor) pairs (an engine whose runtime layout differs from the checkpoint's
-    hands its tensors under the checkpoint's names, so equal weights hash equal whatever the layout)."""
+    """sha256 (hex) over every parameter, in name order: name, dtype, shape, then raw bytes. ``model``: anything
+    with ``named_parameters()``, or (checkpoint name, tensor) pairs (an engine whose runtime layout differs
+    from the checkpoint's hands its tensors under the checkpoint's names, so equal weights hash equal)."""
     h = hashlib.sha256()
-    pairs = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+    pairs = model.named_parameters() if hasattr(model, "named_parameters") else model
     for name, p in sorted(pairs, key=lambda kv: kv[0]):
         t = p.detach().to("cpu").contiguous()
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}\n".encode())
