@@ -14,7 +14,7 @@ import pytest
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 VLLM_MARKS = [pytest.mark.vllm,
               pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install 'rlalign[vllm]')")]
-FAMILIES = ("qwen3", "qwen2", "llama")
+FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
 
 def vllm_env() -> dict:

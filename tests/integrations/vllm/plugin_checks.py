@@ -2,7 +2,7 @@
 
     python plugin_checks.py OUT.json CKPT_ROOT
 
-For each family (qwen3, qwen2, llama): a vLLM rollout with the plugin on, scored by rlalign's trainer
+For each family (qwen3, qwen2, llama, qwen3_moe): a vLLM rollout with the plugin on, scored by rlalign's trainer
 and by the patched transformers model (``compare_tokens``, the parity CLI's comparison), and compared
 with rlalign's own rollout engine (tokens and logprobs). Then refusals on a running engine and on
 engine configs. Writes a JSON report; the pytest module asserts on it.
@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-FAMILIES = ("qwen3", "qwen2", "llama")
+FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30]]
 SAMPLING = dict(n=3, max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.95, seed=11)
 

@@ -1,4 +1,4 @@
-"""The plugin on, three families, one child process (tests/integrations/vllm/plugin_checks.py):
+"""The plugin on, four families (Qwen3-MoE included), one child process (tests/integrations/vllm/plugin_checks.py):
 vLLM's sampled tokens and logprobs equal rlalign's engine's, and its logprobs equal rlalign's trainer's
 and the patched transformers model's bit for bit; unsupported settings are refused with one clear line."""
 
