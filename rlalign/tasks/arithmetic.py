@@ -17,8 +17,10 @@ Prompts are short (at most ``2 * max_digits + 2`` characters) and answers a few 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -38,6 +40,7 @@ _MAX_TRAIN_ATTEMPTS = 10_000
 class Problem:
     prompt: str
     answer: str
+    extra: Mapping[str, Any] = field(default_factory=dict)   # a dataset row's other fields, for the reward
 
 
 def parse_answer(completion: str) -> str:

@@ -20,7 +20,7 @@ from rlalign.contract.errors import RLAlignError
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ class Example:
     prompt: "str | tuple[dict, ...]"   # text, or chat messages
     answer: str
     source: str  # "file:line" or "file: row N", for error messages
+    extra: "dict[str, Any]" = field(default_factory=dict)   # the row's other fields (reward keywords)
 
 
 def _utf8(path: Path) -> str:
@@ -138,7 +139,8 @@ def _example(row: Any, where: str, prompt_field: str, answer_field: str, templat
         except (KeyError, IndexError, ValueError) as e:
             raise DatasetError(f"{where}: prompt_template {template!r} cannot be filled ({type(e).__name__}: {e})"
                                ) from None
-    return Example(prompt=prompt, answer=answer, source=where)
+    extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+    return Example(prompt=prompt, answer=answer, source=where, extra=extra)
 
 
 def _messages(value: list, name: str, where: str) -> tuple[dict, ...]:

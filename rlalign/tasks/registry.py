@@ -24,9 +24,10 @@ import math
 import numbers
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +53,19 @@ class RewardLoadError(RLAlignError, ValueError):
 
 class RewardError(RLAlignError, ValueError):
     """A reward function raised or returned a non-finite / non-numeric value on a sample."""
+
+
+def _keyword_filter(reward_fn) -> Callable[[Mapping[str, Any]], dict]:
+    """Which of a row's extra fields the reward takes: every one with ``**kwargs``, else its keyword-capable
+    parameters past the first three (prompt, completion, answer)."""
+    try:
+        params = list(inspect.signature(reward_fn).parameters.values())
+    except (TypeError, ValueError):   # a builtin or C function: the plain signature
+        return lambda extra: {}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return dict
+    names = {p.name for p in params[3:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return lambda extra: {k: v for k, v in extra.items() if k in names}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -139,8 +153,10 @@ def _as_float(value: object) -> float | None:
 
 
 def score(reward_fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
-          answers: Sequence[str]) -> list[float]:
-    """``[float(reward_fn(p, c, a)) for each sample]``, checked.
+          answers: Sequence[str], extras: "Sequence[Mapping[str, Any]] | None" = None) -> list[float]:
+    """``[float(reward_fn(p, c, a, **kw)) for each sample]``, checked. ``extras``: each sample's dataset-row
+    fields besides prompt and answer; ``kw`` holds those the function takes as keyword parameters (all of
+    them when it has ``**kwargs``; none for the plain three-argument signature), as TRL passes columns.
 
     Raises :class:`RewardError` naming the reward, the sample index and a prompt excerpt when
     the function raises, returns something that is not a real number (bool counts as 0/1), or
@@ -150,11 +166,15 @@ def score(reward_fn: RewardFn, prompts: Sequence[str], completions: Sequence[str
         raise ValueError(f"score: lengths differ: {len(prompts)} prompts, {len(completions)} completions, "
                          f"{len(answers)} answers")
     name = _name(reward_fn)
+    if extras is not None and len(extras) != len(prompts):
+        raise ValueError(f"score: {len(extras)} extras for {len(prompts)} prompts")
+    accepts = _keyword_filter(reward_fn)
     out = []
     for i, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers, strict=True)):
         where = f"reward {name} on sample {i} (prompt {_excerpt(prompt)})"
+        kw = accepts(extras[i]) if extras is not None else {}
         try:
-            value = reward_fn(prompt, completion, answer)
+            value = reward_fn(prompt, completion, answer, **kw)
         except SystemExit as e:   # a reward must not end the training (its checkpoint state would be lost)
             raise RewardError(f"{where} called sys.exit({e.code!r}){_raised_at(e)}; return a reward instead") from None
         except Exception as e:

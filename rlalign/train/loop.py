@@ -230,8 +230,7 @@ class Trainer:
                                   seed=derive_seed(cfg.run.seed, step, draw_round))
         completions = self.engine.generate(prompts, sampling)
         texts = [self.tokenizer.decode(c.tokens) for c in completions]
-        rewards = self.task.score([problems[c.prompt_index].prompt for c in completions], texts,
-                                  [problems[c.prompt_index].answer for c in completions])
+        rewards = self.task.score([problems[c.prompt_index] for c in completions], texts)
         return Rollout(samples=[(c.prompt_tokens + c.tokens, len(c.prompt_tokens)) for c in completions],
                        logprobs=[list(c.logprobs) for c in completions], rewards=rewards,
                        group_ids=[first_group + c.prompt_index for c in completions],
@@ -504,8 +503,7 @@ class Trainer:
             with use_profile(self.cfg.run.profile):
                 completions = self.engine.generate(prompts, sampling)
             texts = [self.tokenizer.decode(c.tokens) for c in completions]
-            rewards = self.task.score([problems[c.prompt_index].prompt for c in completions], texts,
-                                      [problems[c.prompt_index].answer for c in completions])
+            rewards = self.task.score([problems[c.prompt_index] for c in completions], texts)
             out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)
         out["time/eval_s"] = time.perf_counter() - started
         return out

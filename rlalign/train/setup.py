@@ -66,7 +66,7 @@ class TaskData:
     def __init__(self, train_fn, eval_list: Sequence, reward_fn, tokenizer, chat: bool,
                  system_prompt: "str | None" = None, enable_thinking: "bool | None" = None):
         self._train_fn = train_fn
-        self._eval = [Problem(p.prompt, p.answer) for p in eval_list]
+        self._eval = [Problem(p.prompt, p.answer, p.extra) for p in eval_list]
         self.reward_fn = reward_fn
         self.tokenizer = tokenizer
         self.chat = chat
@@ -75,7 +75,7 @@ class TaskData:
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
     def train(self, start: int, count: int) -> list[Problem]:
-        return [Problem(p.prompt, p.answer) for p in (self._train_fn(i) for i in range(start, start + count))]
+        return [Problem(p.prompt, p.answer, p.extra) for p in (self._train_fn(i) for i in range(start, start + count))]
 
     def eval_problems(self) -> list[Problem]:
         return self._eval
@@ -111,8 +111,10 @@ class TaskData:
                                                       tokenize=False, **self.template_kwargs)
         return prompt
 
-    def score(self, prompts, completions, answers) -> list[float]:
-        return tasks.score(self.reward_fn, [self.prompt_text(p) for p in prompts], completions, answers)
+    def score(self, problems, completions) -> list[float]:
+        """Each completion's reward against its problem (prompt as the model saw it, answer, the row's extra fields)."""
+        return tasks.score(self.reward_fn, [self.prompt_text(p.prompt) for p in problems], completions,
+                           [p.answer for p in problems], [p.extra for p in problems])
 
 
 def _unencodable(tokenizer, text: str) -> list[str]:

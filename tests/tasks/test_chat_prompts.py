@@ -47,7 +47,7 @@ def test_message_prompts_system_prompt_and_thinking(tokenizer, tmp_path):
     assert task.prompt_text(plain.prompt) == "3+3?"   # task.chat=false: string prompts stay plain text
     seen = []
     task.reward_fn = lambda p, c, a: seen.append(p) or 1.0
-    task.score([first.prompt], ["2"], ["2"])
+    task.score([first], ["2"])
     assert seen == [text], "the reward gets the prompt as the model saw it"
 
 
@@ -75,3 +75,14 @@ def test_template_with_message_prompts_is_refused(tmp_path):
     data = _write(tmp_path / "d.jsonl", [{"prompt": [{"role": "user", "content": "x"}], "answer": "1"}])
     with pytest.raises(DatasetError, match="prompt_template applies to string prompts only"):
         load_examples(data, prompt_template="Q: {prompt}")
+
+
+def test_a_rows_other_fields_reach_the_reward(tokenizer, tmp_path):
+    data = _write(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2", "level": "easy", "tags": ["add"]}])
+    task = build_task(TaskSection(name="dataset", path=str(data), reward="gsm8k", eval_fraction=0.0), tokenizer, seed=0)
+    row, = task.train(0, 1)
+    assert row.extra == {"level": "easy", "tags": ["add"]}
+    seen = []
+    task.reward_fn = lambda p, c, a, level=None, **rest: seen.append((level, rest)) or 1.0
+    assert task.score([row], ["2"]) == [1.0]
+    assert seen == [("easy", {"tags": ["add"]})]

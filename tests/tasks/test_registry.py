@@ -95,3 +95,16 @@ def test_score_prompt_excerpt_is_short():
 def test_score_length_mismatch():
     with pytest.raises(ValueError, match="lengths differ"):
         score(arithmetic_reward, ["a"], ["b", "c"], ["d"])
+
+
+def test_extra_row_fields_reach_rewards_that_take_them():
+    """A row's other fields go to the reward as keywords it accepts (all of them with **kwargs), as in TRL."""
+    extras = [{"difficulty": 2, "source": "x"}, {"difficulty": 5, "source": "y"}]
+    by_name = score(lambda p, c, a, difficulty=0: float(difficulty), ["p", "q"], ["c", "d"], ["a", "b"], extras)
+    assert by_name == [2.0, 5.0]
+    seen = []
+    score(lambda p, c, a, **kw: seen.append(kw) or 0.0, ["p", "q"], ["c", "d"], ["a", "b"], extras)
+    assert seen == extras
+    assert score(lambda p, c, a: 1.0, ["p", "q"], ["c", "d"], ["a", "b"], extras) == [1.0, 1.0]   # plain signature
+    with pytest.raises(ValueError, match="extras"):
+        score(lambda p, c, a: 1.0, ["p"], ["c"], ["a"], [])
