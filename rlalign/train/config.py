@@ -133,6 +133,7 @@ class AlgoSection:
         "dual_clip": greater_than(1, optional=True),
         "kl_coef": at_least(0, what="a finite number"),
         "entropy_coef": at_least(0, what="a finite number"),
+        "router_aux_coef": at_least(0, what="a finite number"),
         "max_draw_rounds": at_least(1),
         "mismatch_cap": greater_than(0),
         "ppo_epochs": at_least(1),
@@ -152,6 +153,7 @@ class AlgoSection:
     kl_estimator: Literal[KL_ESTIMATOR_REGISTRY.names()] = "k3"   # KL estimator of the penalty
     kl_in_reward: bool = False         # fold the KL penalty into the reward instead of the loss
     entropy_coef: float = 0.0          # entropy bonus weight
+    router_aux_coef: float = 0.0       # MoE models: weight of the routers' load-balancing loss (Qwen3-MoE formula)
     dynamic_sampling: bool = False     # DAPO: drop zero-variance groups, draw more
     max_draw_rounds: int = 3           # dynamic_sampling: most draws per step
     overlong_filter: bool = False      # mask truncated completions

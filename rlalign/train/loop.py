@@ -44,11 +44,12 @@ from rlalign.rollout.config import SamplingParams
 from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
 from rlalign.train.engines import build_rollout_engine
+from rlalign.models.moe import record_routing
 from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.master import MasterWeights, full_masters
 from rlalign.train.packing import TrainBatch, logprobs
 from rlalign.train.runconfig import check_resume, read_run_config, write_run_config
-from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
+from rlalign.train.stepstats import policy_step_kl, rollout_stats, routing_terms, token_stats
 from rlalign.train.trackers import Trackers
 from rlalign.train.rundir import open_run_dir
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
@@ -109,6 +110,10 @@ class Trainer:
     def _build(self, cfg: TrainConfig) -> None:
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
+        self.moe = self.policy.config.ffn_kind == "moe"
+        if cfg.algo.router_aux_coef > 0 and not self.moe:
+            raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
+                             "mixture-of-experts layers; remove algo.router_aux_coef")
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
         self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir)
         self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
@@ -398,6 +403,8 @@ class Trainer:
         totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0, "grad_norm": 0.0}
         if self.value is not None:
             totals["loss/value"] = 0.0
+        if self.moe:
+            totals.update({"moe/aux_loss": 0.0, "moe/load_entropy": 0.0})
         lr = self.optimizer.param_groups[0]["lr"]   # this step's; the schedule moves after the step
         if old_lp is None and (len(batch.mini_batches) > 1 or self.dp.size > 1):
             raise RuntimeError("Trainer._update: the first pass stands in for the old log-probs only with one "
@@ -427,14 +434,17 @@ class Trainer:
         stats = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0}
         if self.value is not None:
             stats["loss/value"] = 0.0
+        if self.moe:
+            stats.update({"moe/aux_loss": 0.0, "moe/load_entropy": 0.0})
         seen = []
         self.optimizer.zero_grad(set_to_none=True)
         if self.value is not None:
             self.value_optimizer.zero_grad(set_to_none=True)
         for mb in shard_for_rank(mini, self.dp):
             sl, mask = mb.tokens, batch.mask[mb.tokens]
-            lp, ent = logprobs(self.policy, mb, temperature=cfg.rollout.logprob_temperature,
-                               with_entropy=a.entropy_coef > 0 or old_lp is None)
+            with record_routing() as routing:
+                lp, ent = logprobs(self.policy, mb, temperature=cfg.rollout.logprob_temperature,
+                                   with_entropy=a.entropy_coef > 0 or old_lp is None)
             if old_lp is None:
                 seen.append((lp.detach(), ent.detach()))
             old = lp.detach() if old_lp is None else old_lp[sl]
@@ -449,6 +459,13 @@ class Trainer:
                 loss = loss + a.kl_coef * kl_term
             if a.entropy_coef > 0:
                 loss = loss - a.entropy_coef * algos.aggregate_loss(ent, mask, mb.seq_ids, a.loss_agg, **agg)
+            if self.moe:
+                aux, load_entropy = routing_terms(routing)
+                share = len(lp) / max(span.stop - span.start, 1)   # this micro-batch's share of the mini-batch's rows
+                stats["moe/aux_loss"] += float(aux.detach()) * share
+                stats["moe/load_entropy"] += load_entropy * share
+                if a.router_aux_coef > 0:
+                    loss = loss + a.router_aux_coef * share * aux
             if self.value is not None:
                 v = self.value.values(mb)
                 vl = algos.aggregate_loss(algos.value_loss(v, value_targets["old_values"][sl],
