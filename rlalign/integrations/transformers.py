@@ -375,7 +375,7 @@ def _check_call(config, cache, use_cache, output_attentions, output_hidden_state
     if getattr(config, "output_router_logits", False):
         raise UnsupportedInputError("output_router_logits=True is not supported by the rlalign-patched model: take "
                                     "the router logits from rlalign.models.moe.record_routing() and the auxiliary "
-                                    "loss from rlalign.ops.load_balancing_loss")
+                                    "loss from rlalign.algos.load_balancing_loss")
     if output_attentions if output_attentions is not None else getattr(config, "output_attentions", False):
         raise UnsupportedInputError("output_attentions is not supported by the rlalign-patched model")
     wanted = output_hidden_states if output_hidden_states is not None else getattr(config, "output_hidden_states",

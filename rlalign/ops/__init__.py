@@ -8,7 +8,7 @@ Functional API (the only way models and engines compute):
     sample                                                                     (ops.sample)
     sample_and_score: a rollout's sampled token and its logprob, the one owner  (ops.sample_score)
     logprob_temperature: the temperature a sampled token is scored at           (ops.temperature)
-    router_logits, moe_route, moe_experts, moe_combine, load_balancing_loss    (ops.moe)
+    router_logits, moe_route, moe_experts, moe_combine                         (ops.moe)
 
 For CUDA-graph capture (the rollout engine's decode graphs): ``capturing_graph(**hints)`` (the ops record
 their deferred finiteness verdicts into the graph), ``requeue_deferred_checks(verdicts)`` after each replay,
@@ -27,12 +27,12 @@ from rlalign.ops.logprob import lm_logits, logprob_entropy
 from rlalign.ops.sample import sample
 from rlalign.ops.sample_score import sample_and_score
 from rlalign.ops.temperature import logprob_temperature
-from rlalign.ops.moe import load_balancing_loss, moe_combine, moe_experts, moe_route, router_logits
+from rlalign.ops.moe import moe_combine, moe_experts, moe_route, router_logits
 
 __all__ = [
     "linear", "rms_norm", "rope", "rope_inv_freq", "rope_cos_sin", "silu_mul", "embedding",
     "attention_varlen", "attention_paged", "write_kv_cache",
     "logprob_entropy", "lm_logits", "sample", "sample_and_score", "logprob_temperature", "backend_name",
     "capturing_graph", "flush_deferred_checks", "requeue_deferred_checks",
-    "router_logits", "moe_route", "moe_experts", "moe_combine", "load_balancing_loss",
+    "router_logits", "moe_route", "moe_experts", "moe_combine",
 ]

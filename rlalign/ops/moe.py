@@ -140,15 +140,3 @@ def _check_expert_ids(flat: torch.Tensor, n_experts: int) -> bool:
         raise fail("moe_experts", f"expert id {lo if lo < 0 else hi} is outside [0, {n_experts})")
     return True
 
-
-def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE / Switch auxiliary loss for one layer's router: E * sum_e f_e * P_e, where f_e is the
-    fraction of (token, slot) assignments that went to expert e and P_e the mean router probability
-    of e over the tokens. Zero-size input gives 0. Gradient flows through P only (f is a count)."""
-    tokens, n_experts = logits.shape
-    if tokens == 0:
-        return logits.new_zeros(())
-    probs = torch.softmax(logits.float(), dim=-1)
-    counts = torch.bincount(experts.reshape(-1), minlength=n_experts).to(probs.dtype)
-    frac = counts / experts.numel()
-    return n_experts * (frac * probs.mean(dim=0)).sum()

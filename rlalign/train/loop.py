@@ -49,7 +49,7 @@ from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_h
 from rlalign.train.master import MasterWeights, full_masters
 from rlalign.train.packing import TrainBatch, logprobs
 from rlalign.train.runconfig import check_resume, read_run_config, write_run_config
-from rlalign.train.stepstats import policy_step_kl, rollout_stats, routing_terms, token_stats
+from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
 from rlalign.train.trackers import Trackers
 from rlalign.train.rundir import open_run_dir
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
@@ -460,7 +460,7 @@ class Trainer:
             if a.entropy_coef > 0:
                 loss = loss - a.entropy_coef * algos.aggregate_loss(ent, mask, mb.seq_ids, a.loss_agg, **agg)
             if self.moe:
-                aux, load_entropy = routing_terms(routing)
+                aux, load_entropy = algos.routing_terms(routing)
                 share = len(lp) / max(span.stop - span.start, 1)   # this micro-batch's share of the mini-batch's rows
                 stats["moe/aux_loss"] += float(aux.detach()) * share
                 stats["moe/load_entropy"] += load_entropy * share

@@ -6,12 +6,10 @@ fraction), or its unmasked completion tokens (advantages, KL to the reference po
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from rlalign.algos import kl_estimate
-from rlalign.ops import load_balancing_loss
 
 def rollout_stats(rewards: torch.Tensor, groups: torch.Tensor, lens: torch.Tensor) -> dict[str, float]:
     """Reward min/max, the fraction of groups whose rewards are all equal (no GRPO signal: zero
@@ -45,23 +43,5 @@ def policy_step_kl(old_lp: torch.Tensor, new_lp: torch.Tensor, mask: torch.Tenso
     return float(kl.mean()) if kl.numel() else 0.0
 
 
-__all__ = ["rollout_stats", "token_stats", "policy_step_kl", "routing_terms"]
+__all__ = ["rollout_stats", "token_stats", "policy_step_kl"]
 
-
-def routing_terms(record) -> tuple[torch.Tensor, float]:
-    """From one forward's MoE routing (:func:`rlalign.models.moe.record_routing`): the load-balancing loss
-    (Qwen3-MoE / Switch: E * sum_e f_e P_e per sparse layer, mean over layers; differentiable through the router
-    logits) and the expert-load entropy (entropy of each layer's histogram of (token, slot) assignments over the
-    experts divided by log E, so 1.0 = perfectly even, 0 = one expert; mean over layers)."""
-    aux, entropies = [], []
-    for forwards in record.layers.values():
-        for logits, experts in forwards:
-            aux.append(load_balancing_loss(logits, experts))
-            n = logits.shape[1]
-            counts = torch.bincount(experts.reshape(-1), minlength=n).double()
-            p = counts / counts.sum().clamp(min=1)
-            h = -(p[p > 0] * p[p > 0].log()).sum()
-            entropies.append(float(h / math.log(n)) if n > 1 else 1.0)
-    if not aux:
-        return torch.zeros(()), 1.0
-    return torch.stack(aux).mean(), sum(entropies) / len(entropies)
