@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 
 @dataclasses.dataclass
 class Completion:
@@ -19,6 +21,14 @@ class Completion:
     seed: the sample's random stream key (``ops.derive_seed`` of the request seed, prompt and sample index).
     prompt / text: the prompt as text when it was given as text, and the decoded completion when a
     tokenizer was at hand (else None).
+    routing: for a mixture-of-experts model whose engine records routing (``RolloutConfig.record_routing``),
+    the expert ids every fed row was routed to: int16 [rows, sparse layers, k] (CPU), row p = the token at
+    absolute position p; rows = len(prompt_tokens) + len(tokens) - 1 (the last sampled token is never fed;
+    an aborted sample has the rows computed before the abort), sparse layers in increasing layer index, each row's k ids in the router's top-k order (best
+    first). A row the engine did not compute itself (a prefix-cache hit, a forked sample's shared prompt)
+    holds the ids of the forward that wrote those K/V pages: the rows this sample's tokens attended
+    through. None for dense models, when not recorded, and from generators that do not record (the simple
+    loop, vLLM).
     """
 
     request_id: str
@@ -34,6 +44,7 @@ class Completion:
     prompt: str | None = None
     text: str | None = None
     num_preemptions: int = 0
+    routing: torch.Tensor | None = None
 
 
 __all__ = ["Completion"]

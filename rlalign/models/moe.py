@@ -42,27 +42,55 @@ def is_sparse_layer(options: dict, layer_index: int) -> bool:
 
 class RoutingRecord:
     """What each sparse layer routed in the forwards run inside :func:`record_routing`: per layer index, the
-    list of (router logits fp32 [T, E], experts [T, k]) of each forward, logits still in the autograd graph."""
+    list of (router logits fp32 [T, E], experts [T, k]) of each forward, logits still in the autograd graph.
 
-    def __init__(self):
-        self.layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    ``keep_logits=False`` (the routing-agreement record: rollout engine, trainer re-score) keeps no logits
+    (None in their place) and stores the expert ids as int16 (E < 2**15: Qwen3-MoE has 128), so a record of
+    a whole step costs rows x sparse layers x k x 2 bytes."""
+
+    def __init__(self, keep_logits: bool = True):
+        self.keep_logits = keep_logits
+        self.layers: dict[int, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
 
     def add(self, layer: int, logits: torch.Tensor, experts: torch.Tensor) -> None:
+        if not self.keep_logits:
+            logits, experts = None, experts.to(torch.int16)
         self.layers.setdefault(layer, []).append((logits, experts))
+
+    def expert_ids(self) -> torch.Tensor | None:
+        """The recorded expert ids as one tensor [rows, sparse layers, k] (int16 with ``keep_logits=False``):
+        sparse layers in increasing layer index, rows of the recorded forwards concatenated in the order they
+        ran. None when no sparse layer ran. Every sparse layer sees every row, so the rows line up."""
+        if not self.layers:
+            return None
+        return torch.stack([torch.cat([experts for _, experts in self.layers[layer]])
+                            for layer in sorted(self.layers)], dim=1)
+
+    @property
+    def layer_indices(self) -> list[int]:
+        """The sparse layers' indices, in the order of :meth:`expert_ids`' second dimension."""
+        return sorted(self.layers)
 
 
 _RECORD = threading.local()
 
 
 @contextlib.contextmanager
-def record_routing():
-    """Collect every sparse layer's routing in this thread while the context is open."""
-    previous, record = getattr(_RECORD, "current", None), RoutingRecord()
+def record_routing(keep_logits: bool = True):
+    """Collect every sparse layer's routing in this thread while the context is open (see RoutingRecord)."""
+    previous, record = getattr(_RECORD, "current", None), RoutingRecord(keep_logits)
     _RECORD.current = record
     try:
         yield record
     finally:
         _RECORD.current = previous
+
+
+def sparse_layer_indices(cfg: ModelConfig) -> list[int]:
+    """The indices of a model's sparse (MoE) layers; empty for dense models."""
+    if cfg.ffn_kind != "moe":
+        return []
+    return [i for i in range(cfg.num_layers) if is_sparse_layer(cfg.ffn_options, i)]
 
 
 # ---- the block core ----------------------------------------------------------------------------------------
@@ -125,5 +153,6 @@ def build_moe_layer_ffn(cfg: ModelConfig, layer_index: int, dtype, device) -> nn
     return MLP(cfg, layer_index, dtype, device)
 
 
-__all__ = ["is_sparse_layer", "sparse_moe_block", "SparseMoE", "Expert", "record_routing", "RoutingRecord"]
+__all__ = ["is_sparse_layer", "sparse_layer_indices", "sparse_moe_block", "SparseMoE", "Expert", "record_routing",
+           "RoutingRecord"]
 

@@ -43,6 +43,9 @@ class RolloutConfig:
         CUDA device and the strict profile); ``"off"`` always eager; ``"padded"`` runs the graphs'
         padded static batches eagerly (any device; tests use it to show padding changes no bit).
     decode_graph_max_batch: largest decode batch with a graph (bigger decode steps run eagerly).
+    record_routing: for a mixture-of-experts model, record the experts each fed row was routed to and
+        return them as ``Completion.routing`` (:mod:`rlalign.rollout.routing`; the trainer's routing-agreement
+        metric). Off by default (a dense model refuses it); training turns it on for MoE models.
     """
 
     profile: str = "strict"
@@ -59,6 +62,7 @@ class RolloutConfig:
     admission_watermark: float = 0.01
     decode_graphs: str = "auto"
     decode_graph_max_batch: int = 1024
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         self.profile = as_profile(self.profile).value

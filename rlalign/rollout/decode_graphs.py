@@ -23,6 +23,11 @@ strict finiteness verdicts recorded in the graph are re-queued after every repla
 
 ``mode="padded"`` runs the same padded static batches eagerly, without capture: the CPU tests
 check with it that padding leaves every token and logprob unchanged.
+
+MoE routing (``record_routing``): Python-side records do not happen at replay, so the captured forward
+runs inside :func:`rlalign.models.moe.record_routing` and the stacked expert ids [b, sparse layers, k]
+are one more static output of the graph; after each replay they hold that step's values.
+:attr:`DecodeGraphs.routing` is then the real rows' part (padding rows dropped), valid until the next run.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 import torch
 
 from rlalign.models.batch import ForwardBatch, KVCache
+from rlalign.models.moe import record_routing
 from rlalign.ops import capturing_graph, flush_deferred_checks, requeue_deferred_checks
 from rlalign.rollout.errors import RolloutError
 
@@ -61,7 +67,7 @@ class DecodeGraphs:
     """Static buffers for up to ``max_batch`` decode rows and one captured graph per bucket."""
 
     def __init__(self, model, kv_cache: KVCache, scratch_pages: list[int], max_batch: int, max_pages: int,
-                 mode: str = "graphs"):
+                 mode: str = "graphs", record_routing: bool = False):
         if mode not in ("graphs", "padded"):
             raise ValueError(f"DecodeGraphs mode must be 'graphs' or 'padded', got {mode!r}")
         ps = kv_cache.page_size
@@ -81,7 +87,9 @@ class DecodeGraphs:
         j = np.arange(max_batch)
         self._pad_pos = (j % ps).astype(np.int64)
         self._pad_page = np.asarray(scratch_pages, dtype=np.int64)[j // ps]
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
+        self.record_routing = record_routing
+        self.routing: torch.Tensor | None = None   # the last run's expert ids [n, sparse layers, k] (record_routing)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list, torch.Tensor | None]] = {}
         self._pool = None
         self.replays = 0
 
@@ -119,11 +127,13 @@ class DecodeGraphs:
             self.capture_all()    # fills the buffers with padding batches: before this step's fill
         self._fill(host, b)
         if self.mode == "padded":
-            return self.model.forward_hidden(self._batch(b))[:n]
-        graph, hidden, verdicts = self._graphs[b]
-        graph.replay()
-        requeue_deferred_checks(verdicts)
-        self.replays += 1
+            hidden, routing = self._forward(self._batch(b))
+        else:
+            graph, hidden, verdicts, routing = self._graphs[b]
+            graph.replay()
+            requeue_deferred_checks(verdicts)
+            self.replays += 1
+        self.routing = None if routing is None else routing[:n]
         return hidden[:n]
 
     def capture_all(self) -> None:
@@ -132,6 +142,14 @@ class DecodeGraphs:
             self._graphs[b] = self._capture(b)
 
     # ---- internals -----------------------------------------------------------------------------
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden rows, expert ids [rows, sparse layers, k] or None without record_routing)."""
+        if not self.record_routing:
+            return self.model.forward_hidden(batch), None
+        with record_routing(keep_logits=False) as record:
+            hidden = self.model.forward_hidden(batch)
+        return hidden, record.expert_ids()
 
     def _batch(self, b: int) -> ForwardBatch:
         return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
@@ -170,5 +188,5 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with capturing_graph(max_query_len=1) as verdicts, torch.cuda.graph(graph, pool=self._pool):
-            hidden = self.model.forward_hidden(batch)
-        return graph, hidden, list(verdicts)
+            hidden, routing = self._forward(batch)
+        return graph, hidden, list(verdicts), routing

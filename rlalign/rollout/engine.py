@@ -15,6 +15,10 @@ request's seed, prompt key and sample index), p the absolute position the token 
 (``model.logprobs(ForwardBatch.packed(...), targets, temperature=ops.logprob_temperature(T))``), and
 in the strict profile a row does not depend on the batch, the chunking or the page layout: the
 engine's logprobs equal the trainer's bit for bit, and the tokens do not depend on any engine setting.
+
+With ``RolloutConfig.record_routing`` (MoE models) the forward also yields each row's expert ids
+[rows, sparse layers, k]; they are stored by KV slot once per step (:mod:`rlalign.rollout.routing`) and a
+finished sample's rows are gathered into ``Completion.routing``.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ from rlalign import ops
 from rlalign.contract.profiles import use_profile
 from rlalign.models.batch import ForwardBatch, KVCache
 from rlalign.models.generate import prompt_key
+from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.block_manager import BlockManager, pages_for
 from rlalign.rollout.config import DEFAULT_CPU_KV_CACHE_BYTES, RolloutConfig, SamplingParams
 from rlalign.rollout.decode_graphs import DecodeGraphs, HostDecode
 from rlalign.rollout.errors import (KVCacheTooSmallError, RequestError, RolloutConfigError, RolloutError,
                                     WeightsUpdateError)
+from rlalign.rollout.routing import RoutingStore
 from rlalign.rollout.scheduler import Scheduler, SchedulerOutput
 from rlalign.rollout.sequence import Completion, Request, Sequence, SeqStatus, StepOutput
 
@@ -65,14 +71,16 @@ class RolloutEngine:
         # scratch pages (for the graphs' padding rows) lie past the block manager's pages
         self.kv_cache = KVCache.for_model(mc, num_pages + scratch, self.page_size, model.dtype, self.device)
         self.blocks = BlockManager(num_pages, self.page_size, self.config.enable_prefix_caching)
+        self.routing = self._routing_store(num_pages)
         self.decode_graphs = None if not graph_mode else DecodeGraphs(
             model, self.kv_cache, list(range(num_pages, num_pages + scratch)), graph_batch,
-            pages_for(self.max_model_len, self.page_size), mode=graph_mode)
+            pages_for(self.max_model_len, self.page_size), mode=graph_mode, record_routing=self.routing is not None)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._weights_broken = False
+        self._step_routing: tuple[np.ndarray, torch.Tensor] | None = None   # (slots, expert ids) of this step
         self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
 
     def _decode_graph_mode(self) -> str | None:
@@ -85,6 +93,20 @@ class RolloutEngine:
         if setting == "padded":
             return "padded"
         return "graphs" if setting == "on" or (setting == "auto" and strict_gpu) else None
+
+    def _routing_store(self, num_pages: int) -> RoutingStore | None:
+        """The routing record (config.record_routing), refused for a model without sparse layers."""
+        if not self.config.record_routing:
+            return None
+        mc = self.model.config
+        layers = sparse_layer_indices(mc)
+        if not layers:
+            raise RolloutConfigError("RolloutConfig.record_routing=True needs a mixture-of-experts model, but this "
+                                     f"model ({mc.family}, ffn_kind={mc.ffn_kind!r}) has no sparse layers; "
+                                     "leave record_routing off")
+        opts = mc.ffn_options
+        return RoutingStore(num_pages, self.page_size, len(layers), int(opts["num_experts_per_tok"]),
+                            int(opts["num_experts"]))
 
     # ---- KV cache size -------------------------------------------------------------------------
 
@@ -193,7 +215,7 @@ class RolloutEngine:
         request.pending_forks = []
         for seq in open_seqs:
             seq.finish_reason = "abort"
-        self.scheduler.finish(open_seqs)
+        self._finish(open_seqs)
         return [self._finished_output(seq, None, None) for seq in open_seqs]
 
     def abort_all(self) -> list[StepOutput]:
@@ -217,6 +239,7 @@ class RolloutEngine:
             self.scheduler.mark_computed(plan)
             rows, seqs = self._sampling_rows(plan)
             tokens, logprobs = self._sample(hidden, rows, seqs) if seqs else ([], [])
+            self._store_routing()
         self.counters["steps"] += 1
         self.counters["forward_tokens"] += plan.num_tokens
         self.counters["sampled_tokens"] += len(seqs)
@@ -230,6 +253,8 @@ class RolloutEngine:
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
         for cache in (*self.kv_cache.k, *self.kv_cache.v):
             cache.index_copy_(0, dst, cache.index_select(0, src))
+        if self.routing is not None:
+            self.routing.copy_pages(copies)
 
     def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Hidden rows of every new token of the plan: a graph replay for a decode step that fits
@@ -240,13 +265,33 @@ class RolloutEngine:
             decode = HostDecode(ids, positions, table, seq_lens, slots)
             graphs.check(decode, self.blocks.num_pages)
             self.counters["graph_steps"] += 1
-            return graphs.run(decode)
+            hidden = graphs.run(decode)
+            if self.routing is not None:
+                self._step_routing = (slots, graphs.routing)
+            return hidden
         dev = self.device
-        return self.model.forward_hidden(ForwardBatch(
+        batch = ForwardBatch(
             input_ids=torch.from_numpy(ids).to(dev), positions=torch.from_numpy(positions).to(dev),
             cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(dev), kv_cache=self.kv_cache,
             block_table=torch.from_numpy(table).to(dev), seq_lens=torch.from_numpy(seq_lens).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev)))
+            slot_mapping=torch.from_numpy(slots).to(dev))
+        if self.routing is None:
+            return self.model.forward_hidden(batch)
+        with record_routing(keep_logits=False) as record:
+            hidden = self.model.forward_hidden(batch)
+        self._step_routing = (slots, record.expert_ids())
+        return hidden
+
+    def _store_routing(self) -> None:
+        """This step's expert ids into the routing record, by slot. Runs after the sampler (whose results
+        the host already waited for), so the device-to-host copy does not stall the step's launches."""
+        if self._step_routing is None:
+            return
+        slots, ids = self._step_routing
+        self._step_routing = None
+        if ids is None:
+            raise RolloutError("internal: record_routing is on but the forward ran no sparse layer")
+        self.routing.write(slots, ids)
 
     def _host_arrays(self, plan: SchedulerOutput):
         """(ids int64, positions int64, cu_seqlens int64, block table int32, seq_lens int32, slots int64)."""
@@ -309,9 +354,16 @@ class RolloutEngine:
             else:
                 outputs.append(StepOutput(seq.request.request_id, seq.request.prompt_index, seq.sample_index,
                                           token, logprob, False))
-        self.scheduler.finish(finished)
+        self._finish(finished)
         outputs += [self._finished_output(seq, seq.tokens[-1], seq.logprobs[-1]) for seq in finished]
         return outputs
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        """Free the sequences' pages; with record_routing, first gather their computed rows' routing."""
+        if self.routing is not None:
+            for seq in seqs:
+                seq.routing = self.routing.gather(seq.block_table, seq.num_computed)
+        self.scheduler.finish(seqs)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         request = seq.request
@@ -339,7 +391,7 @@ class RolloutEngine:
             finish_reason=seq.finish_reason, weights_version=request.weights_version, seed=seq.seed,
             stop_reason=seq.stop_reason, prompt=request.prompt_text,
             text=self.tokenizer.decode(seq.output_tokens) if self.tokenizer is not None else None,
-            num_preemptions=seq.num_preemptions)
+            num_preemptions=seq.num_preemptions, routing=seq.routing)
         seq.status = SeqStatus.FINISHED
         if request.finished:
             self._requests.pop(request.request_id, None)

@@ -30,7 +30,7 @@ class Sequence:
 
     __slots__ = ("request", "sample_index", "seed", "tokens", "num_prompt_tokens", "num_computed", "block_table",
                  "logprobs", "status", "finish_reason", "stop_reason", "num_preemptions", "num_registered_pages",
-                 "_digests")
+                 "routing", "_digests")
 
     def __init__(self, request: "Request", sample_index: int, seed: int, prompt_tokens: list[int]):
         self.request = request
@@ -46,6 +46,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_registered_pages = 0   # leading full pages already offered to the prefix cache
+        self.routing = None             # expert ids of the computed rows, gathered when it finishes (record_routing)
         self._digests: list[bytes] = []
 
     @property
