@@ -7,7 +7,7 @@ sequences) with ``seq_ids`` ``[T]`` (int64 index of the token's sequence in ``[0
 ``mask`` ``[T]``; per-sequence tensors are ``[N]`` with ``group_ids`` ``[N]`` in ``[0, G)``.
 """
 
-from rlalign.algos.moe import load_balancing_loss, routing_terms
+from rlalign.algos.moe import load_balancing_loss, routing_mismatch, routing_terms
 from rlalign.algos._segments import seq_ids_from_lengths
 from rlalign.algos.advantages import (
     discounted_returns,
@@ -60,5 +60,5 @@ __all__ = [
     "kl_reward_penalty", "logprob_mismatch_stats", "loss_weights", "overlong_filter",
     "ppo_clip_loss", "reinforce_pp_advantages", "rloo_advantages", "seq_ids_from_lengths",
     "sequence_mis", "sequence_tis", "soft_overlong_penalty", "token_mis", "token_rewards",
-    "token_tis", "whiten", "load_balancing_loss", "routing_terms",
+    "token_tis", "whiten", "load_balancing_loss", "routing_terms", "routing_mismatch",
 ]

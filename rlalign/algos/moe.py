@@ -1,4 +1,5 @@
-"""Mixture-of-experts training terms: the routers' load-balancing loss and the expert-load statistics."""
+"""Mixture-of-experts training terms: the routers' load-balancing loss, the expert-load statistics and the
+routing agreement between the rollout engine and the trainer."""
 
 from __future__ import annotations
 
@@ -39,4 +40,23 @@ def routing_terms(record) -> tuple[torch.Tensor, float]:
     return torch.stack(aux).mean(), sum(entropies) / len(entropies)
 
 
-__all__ = ["load_balancing_loss", "routing_terms"]
+def routing_mismatch(trainer_ids: torch.Tensor, rollout_ids: torch.Tensor) -> dict:
+    """Routing agreement of two records of the same rows: expert ids [rows, sparse layers, k] each (any integer
+    dtype, same shape). A (row, layer) pair differs when its top-k expert SETS differ (each pair's k ids are
+    sorted before comparing: the order within the top-k is not part of the routing). A rollout id of -1 (a
+    row the engine never recorded) differs from every expert, so a gap in the record counts as a mismatch.
+
+    Returns ``{"tokens": rows * layers compared, "count": pairs that differ, "first": (row, layer) of the
+    first differing pair in row-major order, or None}``."""
+    if trainer_ids.shape != rollout_ids.shape:
+        raise ValueError(f"routing_mismatch: trainer ids {tuple(trainer_ids.shape)} vs rollout ids "
+                         f"{tuple(rollout_ids.shape)}")
+    ours = torch.sort(trainer_ids.to(torch.int32), dim=-1).values
+    theirs = torch.sort(rollout_ids.to(device=trainer_ids.device, dtype=torch.int32), dim=-1).values
+    differ = (ours != theirs).any(dim=-1)
+    count = int(differ.sum())
+    first = tuple(int(i) for i in differ.nonzero()[0]) if count else None
+    return {"tokens": differ.numel(), "count": count, "first": first}
+
+
+__all__ = ["load_balancing_loss", "routing_terms", "routing_mismatch"]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.models.moe import sparse_layer_indices
 from rlalign.rollout.config import RolloutConfig
 from rlalign.rollout.engine import RolloutEngine
 
@@ -46,11 +47,13 @@ def register_launcher_engine(launcher: str, builder: Callable) -> None:
 
 
 def rlalign_engine(cfg, policy, tokenizer, model_dir: Path) -> RolloutEngine:
-    """rlalign's continuous-batching engine on a deep copy of the policy (``rollout.engine=rlalign``)."""
+    """rlalign's continuous-batching engine on a deep copy of the policy (``rollout.engine=rlalign``); it records
+    MoE routing (``Completion.routing``) when the policy has sparse layers and ``rollout.record_routing``."""
     r = cfg.rollout
     config = RolloutConfig(profile=cfg.run.profile, page_size=r.page_size, max_num_seqs=r.max_num_seqs,
                            max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=r.kv_cache_bytes,
-                           decode_graphs=r.decode_graphs)
+                           decode_graphs=r.decode_graphs,
+                           record_routing=r.record_routing and bool(sparse_layer_indices(policy.config)))
     return RolloutEngine(copy.deepcopy(policy).eval(), config, tokenizer=tokenizer)
 
 

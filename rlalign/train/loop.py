@@ -18,6 +18,10 @@ also gives the logged entropy; otherwise a no-grad forward before the update. Ei
 the rollout engine's logprobs bit for bit in the strict profile; every step compares the two on
 every token, before any optimizer step, and logs ``mismatch/*``. In the native profile they differ,
 and ``algo.mismatch_correction`` (TIS / MIS) can correct for it.
+
+MoE models: the same forward's routing (the experts each row was sent to) is compared with the rollout
+engine's (``Completion.routing``) on every row both computed, and logged as ``moe/routing_*``; in the
+strict profile a differing top-k set is a mismatch like a differing logprob (:meth:`Trainer._check_routing`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from rlalign.rollout.config import SamplingParams
 from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
 from rlalign.train.engines import build_rollout_engine
-from rlalign.models.moe import record_routing
+from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.master import MasterWeights, full_masters
 from rlalign.train.packing import TrainBatch, logprobs
@@ -70,6 +74,7 @@ class Rollout:
     group_ids: list[int]
     truncated: list[bool]
     texts: list[str]
+    routing: list                              # per sample: Completion.routing (expert ids of the fed rows) or None
 
     def reward_tensor(self, device="cpu") -> torch.Tensor:
         return torch.tensor(self.rewards, dtype=torch.float32, device=device)
@@ -82,7 +87,12 @@ class Rollout:
     def select(self, keep: list[bool]) -> "Rollout":
         pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
         return Rollout(pick(self.samples), pick(self.logprobs), pick(self.rewards), pick(self.group_ids),
-                       pick(self.truncated), pick(self.texts))
+                       pick(self.truncated), pick(self.texts), pick(self.routing))
+
+    @property
+    def has_routing(self) -> bool:
+        """Whether every sample carries the rollout's routing (an MoE model on an engine that records it)."""
+        return bool(self.routing) and all(r is not None for r in self.routing)
 
     def __add__(self, other: "Rollout") -> "Rollout":
         return Rollout(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(Rollout)))
@@ -111,6 +121,7 @@ class Trainer:
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.moe = self.policy.config.ffn_kind == "moe"
+        self.sparse_layers = sparse_layer_indices(self.policy.config)
         if cfg.algo.router_aux_coef > 0 and not self.moe:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
@@ -239,7 +250,8 @@ class Trainer:
         return Rollout(samples=[(c.prompt_tokens + c.tokens, len(c.prompt_tokens)) for c in completions],
                        logprobs=[list(c.logprobs) for c in completions], rewards=rewards,
                        group_ids=[first_group + c.prompt_index for c in completions],
-                       truncated=[c.finish_reason == "length" for c in completions], texts=texts)
+                       truncated=[c.finish_reason == "length" for c in completions], texts=texts,
+                       routing=[c.routing for c in completions])
 
     def rollout(self, step: int) -> tuple[Rollout, dict]:
         """The step's rollout. With ``algo.dynamic_sampling`` (DAPO): groups whose rewards are all equal
@@ -315,9 +327,13 @@ class Trainer:
             batch = self.train_batch(ro)
             record = {"step": step}
             old_lp = old_ent = None
+            compare_routing = self.moe and ro.has_routing
             if self.needs_rescore():
-                old_lp, old_ent = batch.score(self.policy, temperature=temp, with_entropy=True)
+                with record_routing(keep_logits=False) as routing:
+                    old_lp, old_ent = batch.score(self.policy, temperature=temp, with_entropy=True)
                 record.update(self._check_old_logprobs(step, old_lp, batch))
+                if compare_routing:
+                    record.update(self._check_routing(step, routing.expert_ids(), ro))
             ref_lp = batch.score(self.ref, temperature=temp)[0] if self.ref is not None else None
             # in the strict profile without a rescore the rollout's log-probs stand for the old policy's
             # (equal bit for bit, checked on every token in the first update pass)
@@ -329,13 +345,15 @@ class Trainer:
 
             first_lp = old_lp
 
-            def first_pass(lp, ent):   # strict, no rescore: the first update pass's forward is the old policy's
+            def first_pass(lp, ent, routing):   # strict, no rescore: the first update pass's forward is the old policy's
                 nonlocal old_ent, first_lp
                 old_ent, first_lp = ent, lp
                 record.update(self._check_old_logprobs(step, lp, batch))
+                if compare_routing:
+                    record.update(self._check_routing(step, routing, ro))
 
             update = self._update(batch, old_lp, token_adv, None if kl_reward is not None else ref_lp, is_weights,
-                                  value_targets, first_pass)
+                                  value_targets, first_pass, keep_routing=compare_routing)
             if cfg.run.policy_kl:   # the updated policy on the samples its predecessor drew
                 update["kl/policy_step"] = policy_step_kl(first_lp, batch.score(self.policy, temperature=temp)[0],
                                                           batch.mask)
@@ -376,6 +394,30 @@ class Trainer:
         msg = (f"step {step}: {record['mismatch/count']} of {record['mismatch/tokens']} token logprobs differ between "
                f"the rollout engine and the trainer (max |diff| {record['mismatch/max_abs']:.3g}) in the strict profile; "
                "run `rlalign parity --localize` on this model to find the first diverging op")
+        self._report_mismatch(msg)
+
+    def _check_routing(self, step: int, trainer_ids: torch.Tensor | None, ro: Rollout) -> dict:
+        """Compare the trainer's routing (expert ids [rows of the step's packed forwards, sparse layers, k]: the
+        samples in order, every token of each) with the rollout's on the rows both computed; the
+        ``moe/routing_*`` record. A (row, sparse layer) pair mismatches when the top-k expert SETS differ
+        (:func:`rlalign.algos.routing_mismatch`). In the strict profile a mismatch is handled like a logprob
+        mismatch (``run.on_mismatch``); in the native profile it is only reported."""
+        ours, theirs, rows = _rows_both_computed(step, trainer_ids, ro)
+        mism = algos.routing_mismatch(ours, theirs)
+        if mism["count"] and self.cfg.run.profile == "strict":
+            row, layer = mism["first"]
+            sample = int(torch.searchsorted(torch.tensor(rows).cumsum(0), row, right=True))
+            self._report_mismatch(
+                f"step {step}: {mism['count']} of {mism['tokens']} (token, sparse layer) routing choices differ between "
+                f"the rollout engine and the trainer in the strict profile; first at sample {sample} token position "
+                f"{row - sum(rows[:sample])}, layer {self.sparse_layers[layer]}: rollout experts "
+                f"{sorted(theirs[row, layer].tolist())}, trainer {sorted(ours[row, layer].tolist())}; run "
+                "`rlalign parity --localize` on this model to find the first diverging op")
+        return {"moe/routing_tokens": mism["tokens"], "moe/routing_mismatch": mism["count"],
+                "moe/routing_mismatch_frac": mism["count"] / max(mism["tokens"], 1)}
+
+    def _report_mismatch(self, msg: str) -> None:
+        """``run.on_mismatch``: stop raises MismatchError (before any optimizer step of the step), warn logs."""
         if self.cfg.run.on_mismatch == "stop":
             raise MismatchError(msg)
         LOGGER.warning(f"MISMATCH {msg}")
@@ -390,14 +432,16 @@ class Trainer:
         weights = corr.weights if corr.weights is not None else corr.mask.to(torch.float32)
         return weights, stats
 
-    def _update(self, batch: TrainBatch, old_lp, token_adv, ref_lp, is_weights, value_targets, first_pass) -> dict:
+    def _update(self, batch: TrainBatch, old_lp, token_adv, ref_lp, is_weights, value_targets, first_pass, *,
+                keep_routing: bool = False) -> dict:
         """``ppo_epochs`` passes over the step's samples; each pass takes one optimizer step per mini-batch
         after accumulating its gradient micro-batch by micro-batch. The loss of a mini-batch is
         normalised by its own counts (``algo.loss_agg``); logged losses, ``clip_frac`` and ``grad_norm``
         are means over the optimizer steps, ``lr`` the learning rate they used.
 
         ``old_lp`` None: the first pass's detached log-probs are the old log-probs (see
-        :meth:`needs_rescore`); ``first_pass(old_lp, entropy)`` checks them before the first optimizer step."""
+        :meth:`needs_rescore`); ``first_pass(old_lp, entropy, routing)`` checks them before the first optimizer
+        step, ``routing`` being that pass's expert ids [rows, sparse layers, k] with ``keep_routing`` (else None)."""
         cfg = self.cfg
         steps = cfg.algo.ppo_epochs * len(batch.mini_batches)
         totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0, "grad_norm": 0.0}
@@ -411,10 +455,11 @@ class Trainer:
                                "mini-batch on one data-parallel rank (needs_rescore)")
         for _ in range(cfg.algo.ppo_epochs):
             for mini in batch.mini_batches:
-                stats, seen = self._accumulate(batch, mini, old_lp, token_adv, ref_lp, is_weights, value_targets)
+                stats, seen = self._accumulate(batch, mini, old_lp, token_adv, ref_lp, is_weights, value_targets,
+                                               keep_routing)
                 if old_lp is None:
                     old_lp, entropy = torch.cat([s[0] for s in seen]), torch.cat([s[1] for s in seen])
-                    first_pass(old_lp, entropy)
+                    first_pass(old_lp, entropy, torch.cat([s[2] for s in seen]) if keep_routing else None)
                 grad_norm = self._optimizer_step(stats)
                 for k, v in stats.items():
                     totals[k] += v / steps
@@ -422,9 +467,11 @@ class Trainer:
         self.schedule.step()
         return {**totals, "lr": lr}
 
-    def _accumulate(self, batch: TrainBatch, mini, old_lp, token_adv, ref_lp, is_weights, value_targets):
+    def _accumulate(self, batch: TrainBatch, mini, old_lp, token_adv, ref_lp, is_weights, value_targets,
+                    keep_routing: bool = False):
         """Backward of one mini-batch's loss, micro-batch by micro-batch (this rank's share); returns its
-        logged stats and, when ``old_lp`` is None, each micro-batch's detached (log-probs, entropies)."""
+        logged stats and, when ``old_lp`` is None, each micro-batch's detached (log-probs, entropies, expert
+        ids [rows, sparse layers, k] with ``keep_routing``, else None)."""
         cfg, a = self.cfg, self.cfg.algo
         span = slice(mini[0].tokens.start, mini[-1].tokens.stop)
         n_tok, n_seq = algos.batch_counts(batch.mask[span], batch.seq_ids[span])
@@ -446,7 +493,7 @@ class Trainer:
                 lp, ent = logprobs(self.policy, mb, temperature=cfg.rollout.logprob_temperature,
                                    with_entropy=a.entropy_coef > 0 or old_lp is None)
             if old_lp is None:
-                seen.append((lp.detach(), ent.detach()))
+                seen.append((lp.detach(), ent.detach(), routing.expert_ids() if keep_routing else None))
             old = lp.detach() if old_lp is None else old_lp[sl]
             out = loss_fn.fn(lp, old, token_adv[sl], mask, mb.seq_ids, len(mb.samples),
                              None if is_weights is None else is_weights[sl], **knobs)
@@ -524,6 +571,28 @@ class Trainer:
             out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)
         out["time/eval_s"] = time.perf_counter() - started
         return out
+
+
+def _rows_both_computed(step: int, trainer_ids: torch.Tensor | None, ro: Rollout):
+    """(trainer ids, rollout ids, rollout rows per sample) on the rows both sides computed: sample i's first
+    ``ro.routing[i].shape[0]`` tokens (all but the last sampled token, which the rollout never feeds) out of
+    the trainer's ``len(tokens_i)`` rows. A record that cannot line up is an error, never a silent skip."""
+    lens = [len(tokens) for tokens, _ in ro.samples]
+    rows = [r.shape[0] for r in ro.routing]
+    if trainer_ids is None or trainer_ids.shape[0] != sum(lens) or any(r > n for r, n in zip(rows, lens)):
+        shape = None if trainer_ids is None else tuple(trainer_ids.shape)
+        raise RLAlignError(f"step {step}: the trainer's routing record {shape} does not line up with the step's "
+                           f"{sum(lens)} rows (rollout records of {sum(rows)} rows)")
+    theirs = torch.cat(ro.routing)
+    if theirs.shape[1:] != trainer_ids.shape[1:]:
+        raise RLAlignError(f"step {step}: the rollout recorded {theirs.shape[1]} sparse layers x top-{theirs.shape[2]} "
+                           f"but the policy has {trainer_ids.shape[1]} x top-{trainer_ids.shape[2]}: the rollout "
+                           "engine holds a different model")
+    count = torch.tensor(rows, dtype=torch.int64)
+    # row j of sample i in the trainer's packing: start_i + j, start_i = len_0 + ... + len_{i-1}
+    shift = torch.tensor(lens, dtype=torch.int64).cumsum(0) - count.cumsum(0) - (torch.tensor(lens) - count)
+    picked = torch.arange(int(count.sum()), dtype=torch.int64) + torch.repeat_interleave(shift, count)
+    return trainer_ids.index_select(0, picked.to(trainer_ids.device)), theirs, rows
 
 
 def _peak_memory_mb(device: torch.device) -> float:
