@@ -57,6 +57,8 @@ def step_line(record: dict, total_steps: int, eta_s: "float | None") -> str:
     if r.get("eval/accuracy") is not None:
         parts.append(f"acc {r['eval/accuracy']:.3f}")
     parts.append(f"mism {r['mismatch/count']}/{r['mismatch/tokens']}")
+    if "moe/routing_tokens" in r:
+        parts.append(f"route {r['moe/routing_mismatch']}/{r['moe/routing_tokens']}")
     if r.get("kl/ref") is not None:
         parts.append(f"kl {r['kl/ref']:.4g}")
     parts += [f"ent {r['entropy']:.3f}", f"len {r['completion/mean_len']:.1f}", f"clip {r.get('clip_frac', 0.0):.3f}",

@@ -19,8 +19,9 @@ from rlalign.train.runio import read_metrics
 PANELS = (
     ("reward", ["reward/mean"], "mean reward ± std (band), min/max (dotted)", None, None),
     ("eval accuracy", ["eval/accuracy", "eval/accuracy_greedy"], "held-out accuracy", None, "no eval ran"),
-    ("train/rollout mismatch", ["mismatch/count"], "tokens whose logprobs differ",
-     "0 at every step: bitwise identical", None),
+    ("train/rollout mismatch", ["mismatch/count", "moe/routing_mismatch"],
+     "tokens whose logprobs differ; MoE: (token, layer) pairs routed to other experts",
+     "0 at every step: bitwise identical (MoE: the same experts for every token)", None),
     ("KL", ["kl/ref", "rollout_corr/kl_k3", "kl/ppo", "kl/policy_step"], "k3 KL",
      "all 0 at every step (kl/ref is absent without a reference model, algo.kl_coef=0; "
      "rollout_corr is 0 when rollout == trainer bitwise; kl/ppo is 0 with one update per rollout)", None),
@@ -170,6 +171,10 @@ def summary_markdown(records, run_dir: Path, png_name: str = "report.png") -> st
                      f"{evals[-1]['eval/accuracy']:.3f} at step {evals[-1]['step']} (best {max(e['eval/accuracy'] for e in evals):.3f})")
     lines.append(f"- train/rollout logprob mismatches: {mism} of {compared} tokens compared"
                  + (" (bitwise identical at every step)" if mism == 0 and compared else ""))
+    routing = _routing_totals(steps)
+    if routing is not None:
+        lines.append(f"- train/rollout MoE routing mismatches: {routing[0]} of {routing[1]} (token, sparse layer) pairs "
+                     "compared (top-k expert sets)" + (" (the same experts at every step)" if routing[0] == 0 else ""))
     if steps:
         t_roll = sum(r.get("time/rollout_s", 0) for r in steps)
         t_train = sum(r.get("time/train_s", 0) for r in steps)
@@ -195,5 +200,16 @@ def compare_markdown(runs, png_name: str) -> str:
         per_step = sum(r.get("time/rollout_s", 0) + r.get("time/train_s", 0) for r in steps) / max(len(steps), 1)
         reward = f"{steps[0]['reward/mean']:.3f} -> {steps[-1]['reward/mean']:.3f}" if steps else "-"
         acc = f"{evals[0]:.3f} -> {evals[-1]:.3f} ({max(evals):.3f})" if evals else "-"
-        lines.append(f"| {name} | {len(steps)} | {reward} | {acc} | {mism} of {compared} | {per_step:.2f} |")
+        routing = _routing_totals(steps)
+        routed = "" if routing is None else f"; routing {routing[0]} of {routing[1]}"
+        lines.append(f"| {name} | {len(steps)} | {reward} | {acc} | {mism} of {compared}{routed} | {per_step:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _routing_totals(steps) -> "tuple[int, int] | None":
+    """(differing, compared) MoE routing pairs over the steps, or None when the run logged no routing metric
+    (a dense model, or an engine that does not record routing)."""
+    logged = [r for r in steps if "moe/routing_tokens" in r]
+    if not logged:
+        return None
+    return sum(int(r["moe/routing_mismatch"]) for r in logged), sum(int(r["moe/routing_tokens"]) for r in logged)

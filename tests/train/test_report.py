@@ -56,3 +56,21 @@ def test_ema_starts_at_the_first_value_and_stays_in_range(values):
     out = ema(values, 0.6)
     assert out[0] == pytest.approx(values[0], rel=1e-12) and len(out) == len(values)
     assert all(min(values) - 1e-12 <= v <= max(values) + 1e-12 for v in out)
+
+
+def test_moe_routing_mismatches_are_reported_next_to_the_logprob_ones(tmp_path):
+    run = _fake_run(tmp_path / "moe", steps=4)
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in records[1:]:
+        r.update({"moe/routing_tokens": 50, "moe/routing_mismatch": r["step"] % 2, "moe/routing_mismatch_frac": 0.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in records))
+    _, md = write_report(run)
+    assert "MoE routing mismatches: 2 of 200 (token, sparse layer) pairs" in md.read_text()
+    panel = [p for p in PANELS if p[0] == "train/rollout mismatch"][0]
+    assert panel_note([("moe", records)], panel) is None          # the routing curve is not all zero
+    dense = _fake_run(tmp_path / "dense", steps=2)
+    _, dense_md = write_report(dense)
+    assert "routing" not in dense_md.read_text()
+    assert main(["report", str(run), str(dense), "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| 0 of 400; routing 2 of 200 |" in table and "| 0 of 200 |" in table
