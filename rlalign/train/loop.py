@@ -26,6 +26,7 @@ strict profile a differing top-k set is a mismatch like a differing logprob (:me
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -329,7 +330,7 @@ class Trainer:
             old_lp = old_ent = None
             compare_routing = self.moe and ro.has_routing
             if self.needs_rescore():
-                with record_routing(keep_logits=False) as routing:
+                with record_routing(keep_logits=False) if compare_routing else contextlib.nullcontext() as routing:
                     old_lp, old_ent = batch.score(self.policy, temperature=temp, with_entropy=True)
                 record.update(self._check_old_logprobs(step, old_lp, batch))
                 if compare_routing:

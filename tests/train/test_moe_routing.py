@@ -115,3 +115,9 @@ def test_no_routing_metric_without_a_record(moe_arith_dir, arithmetic_model_dir,
     for record in (off, dense):
         assert not any(k.startswith("moe/routing") for k in record)
     assert "moe/load_entropy" in off and not any(k.startswith("moe/") for k in dense)
+
+
+def test_data_parallel_ranks_compare_every_row(moe_arith_dir, tmp_path):
+    """parallel.dp=2 (spawned gloo ranks): the re-score forward covers every sample on each rank."""
+    (record,) = train(moe_arith_dir, tmp_path / "dp2", "parallel.dp=2")
+    assert record["moe/routing_mismatch"] == 0 and record["moe/routing_tokens"] > 0 and record["mismatch/count"] == 0
