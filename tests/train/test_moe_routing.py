@@ -18,10 +18,11 @@ from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
 from rlalign.rollout.engine import RolloutEngine
 from rlalign.train.config import TrainConfig
-from rlalign.train.loop import MismatchError, run_training
+from rlalign.train.loop import MismatchError, Trainer, run_training
 from rlalign.train.pretrain import PretrainConfig, hf_config, write_char_tokenizer
 from rlalign.train.runio import read_metrics
-from tests.train.conftest import tiny_overrides
+from tests.bitwise import assert_bitwise_equal
+from tests.train.conftest import DENSE_REWARD, tiny_overrides
 
 EXPERTS, TOP_K, SAMPLES = 4, 2, 4
 PLANT_ROW, PLANT_LAYER = 2, 1
@@ -88,6 +89,28 @@ def test_a_planted_disagreement_stops_a_strict_step(moe_arith_dir, tmp_path, rol
     assert message.startswith("step 1: 1 of ") and "routing choices differ" in message
     assert f"first at sample 0 token position {PLANT_ROW}, layer {PLANT_LAYER}" in message
     assert "\n" not in message
+
+
+def test_a_strict_routing_mismatch_stops_before_any_optimizer_step(moe_arith_dir, tmp_path, rollouts):
+    _, plant = rollouts
+    plant["on"] = True
+    trainer = Trainer(load_config(TrainConfig, None, tiny_overrides(moe_arith_dir, tmp_path / "run", 1)
+                                  + ["run.on_mismatch=stop"]))
+    trainer.resume_if_asked()
+    assert not trainer.needs_rescore()   # the first update pass supplies the trainer's routing
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    with pytest.raises(MismatchError, match="routing choices differ"):
+        trainer.train_step(1)
+    assert not trainer.optimizer.state   # AdamW never stepped
+    for name, value in trainer.policy.state_dict().items():
+        assert_bitwise_equal(value, before[name], name)
+
+
+def test_dynamic_sampling_keeps_each_samples_record(moe_arith_dir, tmp_path, rollouts):
+    (record,) = train(moe_arith_dir, tmp_path / "run", "algo.dynamic_sampling=true", "algo.max_draw_rounds=3",
+                      "task.reward=" + DENSE_REWARD)
+    assert record["dynamic_sampling/drawn_groups"] > record["dynamic_sampling/kept_groups"] > 0   # select + add ran
+    assert record["moe/routing_mismatch"] == 0 and record["moe/routing_tokens"] > 0
 
 
 def test_a_planted_disagreement_is_counted_under_warn(moe_arith_dir, tmp_path, rollouts):
