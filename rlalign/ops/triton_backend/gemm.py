@@ -60,7 +60,7 @@ _LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
 # acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging.
 _LARGE_ACCIN = (GemmConfig(128, 128, 8, 3, flatten=True),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
-# Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see _segment_tree),
+# Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see segment_tree),
 # so shared memory is that of the plain kernel whatever P and K (an unrolled loop per segment got
 # its own stage buffers when a segment was one k-step; docs/LOG.md). Up to log2(P)+1
 # accumulators are live at once, so the tiles are narrower. sm_90a, P=8 (ptxas -v): 128x64/8 warps
@@ -236,7 +236,7 @@ def _merge_segment(v, st0, st1, st2, s, scratch, slot, LOG2P: tl.constexpr, REG_
 
 
 @triton.jit
-def _segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
+def segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
                   stride_am, stride_ak, stride_bk, stride_bn,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
                   LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr,
@@ -302,7 +302,7 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, A_TRANS, B_TRANS,
                                   USE_TMA, SPLIT)
         else:
-            acc = _segment_tree(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
+            acc = segment_tree(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
                                 stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P, REG_LEVELS,
                                 A_TRANS, B_TRANS, USE_TMA, SPLIT)
         if HAS_BIAS:
