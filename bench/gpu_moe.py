@@ -157,7 +157,37 @@ def kernel_cases(tokens: int) -> list[dict]:
                 row.update(grouped_mm_ms=round(tg, 4), ratio=round(tg / t, 3))
             except Exception as exc:
                 row["grouped_mm_error"] = repr(exc)[:300]
+        if seg == 1 and name == "gate/up":
+            row["no_tma_ms"] = round(timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg, use_tma=False)), 4)
         out.append(row)
+    return out
+
+
+SWEEP = {1: ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4),
+             (64, 64, 4, 5)),
+         8: ((128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 3), (64, 32, 4, 6))}
+
+
+def sweep_cases(tokens: int) -> list[dict]:
+    """Tile shapes of the grouped GEMM at one load (every tile gives the same bits: which is fastest)."""
+    from rlalign.ops.triton_backend import grouped as G
+    gate, up, down = make_layer()
+    flat = routing(tokens).reshape(-1)
+    e_of_row = torch.sort(flat, stable=True).values
+    offsets = G.expert_offsets(e_of_row, EXPERTS)
+    out = []
+    for name, ws, k, seg in (("gate/up", gate, HIDDEN, 1), ("down P=8", down, INTER, 8)):
+        x = (torch.randn(flat.numel(), k, device="cuda") * 0.5).to(torch.bfloat16)
+        for bm, bn, warps, stages in SWEEP[seg]:
+            cfg = G.GroupedConfig(bm, bn, warps, stages)
+            try:
+                t = timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg, config=cfg))
+                row = {"kind": "sweep", "tokens": tokens, "proj": name, "config": f"{bm}x{bn}/w{warps}/s{stages}",
+                       "strict_ms": round(t, 4), "strict_tflops": round(2.0 * flat.numel() * ws[0].shape[0] * k / t / 1e9, 1)}
+            except Exception as exc:
+                row = {"kind": "sweep", "tokens": tokens, "proj": name, "config": f"{bm}x{bn}/w{warps}/s{stages}",
+                       "error": repr(exc)[:200]}
+            out.append(row)
     return out
 
 
@@ -166,6 +196,7 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--tokens", default="4096,8192,16384")
     ap.add_argument("--backward", action="store_true", help="also time forward + backward")
+    ap.add_argument("--sweep", action="store_true", help="also time every tile shape of the grouped GEMM")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_moe: no CUDA device")
@@ -174,7 +205,8 @@ def main() -> int:
     t0, rows = time.time(), []
     for tokens in (int(t) for t in args.tokens.split(",")):
         for fn in [lambda: [ffn_case(tokens, False)], lambda: kernel_cases(tokens)] + \
-                  ([lambda: [ffn_case(tokens, True)]] if args.backward else []):
+                  ([lambda: [ffn_case(tokens, True)]] if args.backward else []) + \
+                  ([lambda: sweep_cases(tokens)] if args.sweep else []):
             try:
                 new = fn()
             except Exception as exc:  # report and go on

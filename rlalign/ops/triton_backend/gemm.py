@@ -133,7 +133,7 @@ def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak,
+def load_a_tile(a_src, off_m, k, k_end, M, stride_am, stride_ak,
             BM: tl.constexpr, BK: tl.constexpr, A_TRANS: tl.constexpr, USE_TMA: tl.constexpr):
     """Logical A[off_m:off_m+BM, k:k+BK] (A is [M, K]; stored [K, M] when A_TRANS); 0 past k_end / M."""
     if USE_TMA:
@@ -149,7 +149,7 @@ def _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak,
 
 
 @triton.jit
-def _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn,
+def load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn,
             BN: tl.constexpr, BK: tl.constexpr, B_TRANS: tl.constexpr, USE_TMA: tl.constexpr):
     """Logical B[k:k+BK, off_n:off_n+BN] (B is [K, N]; stored [N, K] when B_TRANS); 0 past k_end / N."""
     if USE_TMA:
@@ -172,8 +172,8 @@ def reduce_segment(acc, a_src, b_src, off_m, off_n, k0, k_end, steps, M, N,
     """acc + sum over k-steps k0, k0+BK, ... (``steps`` of them, masked to k_end) in order."""
     for j in range(steps):
         k = k0 + j * BK
-        a = _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
-        b = _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
+        a = load_a_tile(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
+        b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
         acc = mma(a, b, acc, SPLIT)
     return acc
 
@@ -257,8 +257,8 @@ def segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
         j = i - s * steps
         k_end = (s + 1) * SEG_K
         k = s * SEG_K + j * BK
-        a = _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
-        b = _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
+        a = load_a_tile(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
+        b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
         acc = mma(a, b, acc, SPLIT)
         if j == steps - 1:
             v, st0, st1, st2 = _merge_segment(acc, st0, st1, st2, s, scratch, slot, LOG2P, REG_LEVELS, BM, BN)

@@ -20,8 +20,9 @@ Scheduling without the host: the row tiles are laid out on the device. Expert e 
 ``ceil(n_e / BM)`` row tiles; slot t of a fixed-size table (``ceil(R / BM) + E`` slots, enough for
 any routing) names its expert and first row, or -1 (idle). The launch grid depends on R, E and the
 tile shape only, so a decode step can be captured in a CUDA graph and replayed with any routing.
-Weights are addressed through a table of per-expert base pointers (the model keeps one tensor per
-expert; nothing is stacked or copied); all experts share one shape and one row stride.
+Weights are addressed through a table of per-expert offsets from the first expert's weight (the model
+keeps one tensor per expert; nothing is stacked or copied); all experts share one shape and one row
+stride, and every weight is 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rlalign.ops.triton_backend._common import BLOCK_K, aligned, is_interpreter, split_for
-from rlalign.ops.triton_backend.gemm import segment_tree, reduce_segment, tile_coords
+from rlalign.ops.triton_backend._common import BLOCK_K, aligned, descriptor, is_interpreter, mma, split_for, tma_ok
+from rlalign.ops.triton_backend.gemm import load_b_tile, reduce_segment, segment_tree, tile_coords
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +65,13 @@ def _rows_config(rows: int, experts: int, segments: int, fp32: bool) -> GroupedC
 # ---- kernels ---------------------------------------------------------------------------------------
 
 @triton.jit
-def grouped_rows_kernel(a_ptr, w_table, c_ptr, slot_expert, slot_row, slot_end, scratch,
+def grouped_rows_kernel(a_ptr, a_desc, w_base, w_offsets, c_ptr, slot_expert, slot_row, slot_end, scratch,
                         N, K, SEG_K, steps, num_slots,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
                         LOG2P: tl.constexpr, B_TRANS: tl.constexpr, SPLIT: tl.constexpr,
-                        OUT_BF16: tl.constexpr, GROUP_M: tl.constexpr):
+                        OUT_BF16: tl.constexpr, GROUP_M: tl.constexpr, W_ALIGN: tl.constexpr,
+                        TMA_A: tl.constexpr):
     """One program per (row slot, column tile): C[rows of the slot] = A[rows] @ B_e (B_e logical [K, N])."""
     pid = tl.program_id(0)
     slot, pid_n = tile_coords(pid, num_slots, tl.cdiv(N, BN), GROUP_M)
@@ -78,9 +80,20 @@ def grouped_rows_kernel(a_ptr, w_table, c_ptr, slot_expert, slot_row, slot_end, 
         row0 = tl.load(slot_row + slot).to(tl.int64)
         rows = tl.load(slot_end + slot).to(tl.int64) - row0      # rows of this expert from row0 on
         a_src = a_ptr + row0 * stride_am
-        b_src = tl.load(w_table + e).to(tl.pointer_type(a_ptr.dtype.element_ty))
+        # expert e's weight: an element offset from expert 0's (every weight 16-byte aligned, so the
+        # offset is a multiple of W_ALIGN elements: the hint lets the loads vectorize)
+        b_src = w_base + tl.multiple_of(tl.load(w_offsets + e), W_ALIGN)
         off_n = pid_n * BN
-        if P == 1:
+        if TMA_A:
+            # the same sequence of 64-column steps as reduce_segment; A's tile through TMA from row0
+            # (rows past the expert's end are loaded and their outputs never stored)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for j in range(steps):
+                k = j * BK
+                a = a_desc.load([row0.to(tl.int32), k])
+                b = load_b_tile(b_src, off_n, k, K, N, stride_bk, stride_bn, BN, BK, B_TRANS, False)
+                acc = mma(a, b, acc, SPLIT)
+        elif P == 1:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             acc = reduce_segment(acc, a_src, b_src, 0, off_n, 0, K, steps, rows, N,
                                  stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, False, B_TRANS,
@@ -151,8 +164,8 @@ def _slots(offsets: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor
 
 
 class WeightTable:
-    """Device tables of per-expert weight base pointers, cached by the pointers themselves (a weight
-    updated in place keeps its pointer; a reallocated one gets a new table)."""
+    """Device tables of each expert weight's element offset from expert 0's, cached by the weights' pointers
+    (a weight updated in place keeps its pointer; a reallocated one gets a new table)."""
 
     def __init__(self, size: int = 64):
         self.size, self.entries = size, {}
@@ -165,7 +178,8 @@ class WeightTable:
             if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("grouped GEMM: expert weight table first built inside a CUDA graph capture "
                                    "(warm up the forward once before capturing)")
-            table = torch.tensor(ptrs, dtype=torch.int64, device=weights[0].device)
+            size = weights[0].element_size()
+            table = torch.tensor([(p - ptrs[0]) // size for p in ptrs], dtype=torch.int64, device=weights[0].device)
             if len(self.entries) >= self.size:
                 self.entries.pop(next(iter(self.entries)))
             self.entries[key] = (table, tuple(weights))   # holding the weights keeps the pointers valid
@@ -187,8 +201,10 @@ def _check_weights(weights, k: int) -> tuple[int, int, int]:
 
 
 def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w: bool = True,
-                 segments: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """C [R, N]: rows of expert e times W_e^T (``transpose_w``; W_e [N, K]) or W_e (W_e [K, N])."""
+                 segments: int = 1, out_dtype: torch.dtype | None = None,
+                 config: GroupedConfig | None = None, use_tma: bool | None = None) -> torch.Tensor:
+    """C [R, N]: rows of expert e times W_e^T (``transpose_w``; W_e [N, K]) or W_e (W_e [K, N]).
+    ``config`` overrides the tile choice (benchmarks; every tile gives the same bits)."""
     x = aligned(x)
     rows, k = x.shape
     n_w, k_w, stride_w = _check_weights(weights, k)
@@ -201,18 +217,25 @@ def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w
     if rows == 0 or n == 0:
         return out
     fp32 = x.dtype == torch.float32
-    cfg = _rows_config(rows, len(weights), segments, fp32)
+    cfg = config or _rows_config(rows, len(weights), segments, fp32)
     slot_expert, slot_row, slot_end, n_slots = _slots(offsets, rows, cfg.block_m)
     seg_k = k // segments
     # B_e logical [K, N]: stored [N, K] (transpose_w) -> strides (1, row stride); stored [K, N] -> (row stride, 1)
     s_bk, s_bn = (1, stride_w) if transpose_w else (stride_w, 1)
     grid = (n_slots * triton.cdiv(n, cfg.block_n),)
+    # A through TMA when the reduction has no mask inside the tensor (one segment: K is whole 64-steps or
+    # the tensor's end); the choice depends on shapes only and both paths compute the same dots
+    tma_a = segments == 1 and tma_ok(x) and not fp32 and not is_interpreter()
+    if use_tma is not None:
+        tma_a = tma_a and use_tma
+    a_desc = descriptor(x, [cfg.block_m, BLOCK_K]) if tma_a else x
     grouped_rows_kernel[grid](
-        x, _TABLES.get(weights), out, slot_expert, slot_row, slot_end, out,
+        x, a_desc, weights[0], _TABLES.get(weights), out, slot_expert, slot_row, slot_end, out,
         n, k, seg_k, triton.cdiv(seg_k, BLOCK_K), n_slots,
         x.stride(0), x.stride(1), s_bk, s_bn, out.stride(0), out.stride(1),
         BM=cfg.block_m, BN=cfg.block_n, BK=BLOCK_K, P=segments, LOG2P=segments.bit_length() - 1,
         B_TRANS=transpose_w, SPLIT=split_for(x.dtype), OUT_BF16=out.dtype == torch.bfloat16, GROUP_M=8,
+        W_ALIGN=16 // x.element_size(), TMA_A=tma_a,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
