@@ -85,7 +85,7 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.T
     tokens, k = experts.shape
     flat = experts.reshape(-1)
     if flat.numel():
-        chk.memo("moe_expert_ids", lambda: _check_expert_ids(flat, n_experts), flat, extra=(n_experts,))
+        _validate_expert_ids(flat, n_experts)
     order = torch.sort(flat, stable=True).indices       # slots grouped by expert, slot order inside a group
     rows = x.unsqueeze(1).expand(tokens, k, hidden).reshape(tokens * k, hidden).index_select(0, order)
     expert_of_row = flat.index_select(0, order)
@@ -148,6 +148,18 @@ def _check_expert_shapes(x, gate_w, up_w, down_w) -> None:
         if shapes != ((inter, hidden), (inter, hidden), (hidden, inter)):
             raise fail("moe_experts", f"expert {e}: gate {shapes[0]}, up {shapes[1]}, down {shapes[2]} do not fit "
                        f"x {tuple(x.shape)} (want [I, H], [I, H], [H, I] with H={hidden}, I={inter})")
+
+
+def _validate_expert_ids(flat: torch.Tensor, n_experts: int) -> None:
+    """Expert ids in [0, E). On the CPU at once. On a GPU the verdict stays on the device and the next
+    sync point raises (as the deferred finiteness checks: a host read per MoE layer would stall the
+    launch queue); meanwhile an out-of-range id is harmless -- its rows fall outside every expert's row
+    range and are never computed. Skipped inside a CUDA graph capture (the caller validated the batch)."""
+    if flat.device.type == "cpu":
+        chk.memo("moe_expert_ids", lambda: _check_expert_ids(flat, n_experts), flat, extra=(n_experts,))
+    elif not chk.is_capturing():
+        ok = ((flat >= 0) & (flat < n_experts)).all()
+        chk.requeue([("moe_experts", f"an expert id is outside [0, {n_experts})", ok)])
 
 
 def _check_expert_ids(flat: torch.Tensor, n_experts: int) -> bool:

@@ -120,3 +120,15 @@ def test_moe_experts_capture_in_a_cuda_graph(triton_backend):
         graph.replay()
         eager = ops.moe_experts(x, experts, gate, up, down, down_segments=spec.K_SEGMENTS)
         assert_bitwise_equal(static_out, eager, f"graph replay with routing {seed}")
+
+
+def test_out_of_range_expert_id_raises_at_the_next_sync_point(triton_backend):
+    from rlalign.contract.errors import ContractError
+    from rlalign.ops import flush_deferred_checks
+    gate, up, down = _experts(4, 128, 64, torch.bfloat16)
+    x = rand(8, 128, seed=3)
+    bad = torch.tensor([[0, 1]] * 7 + [[2, 4]], device="cuda")
+    flush_deferred_checks()
+    ops.moe_experts(x, bad, gate, up, down)          # no host sync here; rows of id 4 are never computed
+    with pytest.raises(ContractError, match=r"expert id is outside \[0, 4\)"):
+        flush_deferred_checks()

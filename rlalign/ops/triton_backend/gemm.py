@@ -211,7 +211,7 @@ def _pop(v, scratch, slot, level: tl.constexpr, REG_LEVELS: tl.constexpr, BM: tl
 
 
 @triton.jit
-def _merge_segment(v, st0, st1, st2, s, scratch, slot, LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr,
+def merge_segment(v, st0, st1, st2, s, scratch, slot, LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr):
     """Segment ``s``'s partial ``v`` joins the binary-counter stack of completed subtrees.
 
@@ -261,7 +261,7 @@ def segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
         b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
         acc = mma(a, b, acc, SPLIT)
         if j == steps - 1:
-            v, st0, st1, st2 = _merge_segment(acc, st0, st1, st2, s, scratch, slot, LOG2P, REG_LEVELS, BM, BN)
+            v, st0, st1, st2 = merge_segment(acc, st0, st1, st2, s, scratch, slot, LOG2P, REG_LEVELS, BM, BN)
             if s == P - 1:
                 acc = v       # the whole tree: the loop ends here
             else:

@@ -8,9 +8,10 @@ per-expert loop of the strict linear fused into one kernel launch:
     dX        G_X[rows_e] = G[rows_e] @ W_e
     dW        G_W[e]    = G[rows_e]^T @ X[rows_e]      (reduction over the expert's rows)
 
-Numerics: each output element is computed by the SAME jit functions as :mod:`.gemm`
-(``reduce_segment`` / ``segment_tree``): the reduction in 64-wide steps from zero in increasing
-order (canonical K segments merged by the fixed tree when asked), fp32 accumulator, one rounding.
+Numerics: each output element takes the sequence of operations of :mod:`.gemm`'s kernel, built from
+its jit pieces (tile loaders, ``mma``, ``merge_segment``; ``reduce_segment`` for dW): the reduction in
+64-wide steps from zero in increasing order (canonical K segments merged by the fixed tree when asked),
+fp32 accumulator, one rounding.
 So a row's forward and dX results are bit-identical to ``ops.linear`` on that row alone, whatever
 the expert's load (1 row or thousands) or where the row sits in its group; dW_e is bit-identical to
 the strict linear's dW of the expert's rows in that order (a sum over tokens: deterministic, not
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from rlalign.ops.triton_backend._common import BLOCK_K, aligned, descriptor, is_interpreter, mma, split_for, tma_ok
-from rlalign.ops.triton_backend.gemm import load_b_tile, reduce_segment, segment_tree, tile_coords
+from rlalign.ops.triton_backend.gemm import load_a_tile, load_b_tile, merge_segment, reduce_segment, tile_coords
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,24 +85,33 @@ def grouped_rows_kernel(a_ptr, a_desc, w_base, w_offsets, c_ptr, slot_expert, sl
         # offset is a multiple of W_ALIGN elements: the hint lets the loads vectorize)
         b_src = w_base + tl.multiple_of(tl.load(w_offsets + e), W_ALIGN)
         off_n = pid_n * BN
-        if TMA_A:
-            # the same sequence of 64-column steps as reduce_segment; A's tile through TMA from row0
-            # (rows past the expert's end are loaded and their outputs never stored)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for j in range(steps):
-                k = j * BK
+        # the sequence of gemm.segment_tree (P segments of SEG_K columns, each reduced from zero in
+        # 64-column steps, partials merged by the fixed tree; P == 1: one plain chain), with A's tile
+        # through TMA from row0 when TMA_A (no mask inside the tensor is then needed: segment ends
+        # fall on steps; rows past the expert's end are loaded and their outputs never stored)
+        zero = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = zero
+        st0 = zero
+        st1 = zero
+        st2 = zero
+        for i in range(P * steps):
+            s = i // steps
+            j = i - s * steps
+            k_end = (s + 1) * SEG_K
+            k = s * SEG_K + j * BK
+            if TMA_A:
                 a = a_desc.load([row0.to(tl.int32), k])
-                b = load_b_tile(b_src, off_n, k, K, N, stride_bk, stride_bn, BN, BK, B_TRANS, False)
-                acc = mma(a, b, acc, SPLIT)
-        elif P == 1:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc = reduce_segment(acc, a_src, b_src, 0, off_n, 0, K, steps, rows, N,
-                                 stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, False, B_TRANS,
-                                 False, SPLIT)
-        else:
-            acc = segment_tree(a_src, b_src, scratch, pid, 0, off_n, rows, N, SEG_K, steps,
-                                stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P, 4,
-                                False, B_TRANS, False, SPLIT)
+            else:
+                a = load_a_tile(a_src, 0, k, k_end, rows, stride_am, stride_ak, BM, BK, False, False)
+            b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, False)
+            acc = mma(a, b, acc, SPLIT)
+            if P > 1:
+                if j == steps - 1:
+                    v, st0, st1, st2 = merge_segment(acc, st0, st1, st2, s, scratch, pid, LOG2P, 4, BM, BN)
+                    if s == P - 1:
+                        acc = v
+                    else:
+                        acc = zero
         rm = tl.arange(0, BM)
         rn = off_n + tl.arange(0, BN)
         c_ptrs = c_ptr + (row0 + rm[:, None]) * stride_cm + rn[None, :].to(tl.int64) * stride_cn
@@ -163,41 +173,33 @@ def _slots(offsets: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor
             n_slots)
 
 
-class WeightTable:
-    """Device tables of each expert weight's element offset from expert 0's, cached by the weights' pointers
-    (a weight updated in place keeps its pointer; a reallocated one gets a new table)."""
-
-    def __init__(self, size: int = 64):
-        self.size, self.entries = size, {}
-
-    def get(self, weights) -> torch.Tensor:
-        ptrs = tuple(w.data_ptr() for w in weights)
-        key = (weights[0].device, ptrs)
-        table = self.entries.get(key)
-        if table is None:
-            if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("grouped GEMM: expert weight table first built inside a CUDA graph capture "
-                                   "(warm up the forward once before capturing)")
-            size = weights[0].element_size()
-            table = torch.tensor([(p - ptrs[0]) // size for p in ptrs], dtype=torch.int64, device=weights[0].device)
-            if len(self.entries) >= self.size:
-                self.entries.pop(next(iter(self.entries)))
-            self.entries[key] = (table, tuple(weights))   # holding the weights keeps the pointers valid
-            return table
-        return table[0]
+def _weight_table(weights, k: int) -> torch.Tensor:
+    """The device table of each expert weight's element offset from expert 0's, validated and built once
+    per set of weights and kept ON expert 0's weight tensor: it lives exactly as long as the weights (a
+    CUDA graph that captured it stays valid while the model does; nothing else holds the weights). A
+    weight updated in place keeps its pointer and its table; reallocated weights get a new one."""
+    w0 = weights[0]
+    key = (tuple(map(id, weights)), tuple(w.data_ptr() for w in weights))
+    cached = getattr(w0, "_rlalign_expert_offsets", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if w0.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("grouped GEMM: expert weight table first built inside a CUDA graph capture "
+                           "(run the forward once before capturing)")
+    _check_weights(weights, k)
+    size = w0.element_size()
+    table = torch.tensor([(p - key[1][0]) // size for p in key[1]], dtype=torch.int64, device=w0.device)
+    w0._rlalign_expert_offsets = (key, table)
+    return table
 
 
-_TABLES = WeightTable()
-
-
-def _check_weights(weights, k: int) -> tuple[int, int, int]:
+def _check_weights(weights, k: int) -> None:
     w0 = weights[0]
     for w in weights:
         if w.dim() != 2 or w.shape != w0.shape or w.stride() != w0.stride() or w.dtype != w0.dtype \
                 or w.stride(1) != 1 or w.data_ptr() % 16:
             raise ValueError("grouped GEMM: expert weights must share one shape, dtype and row-major strides "
                              f"(got {tuple(w.shape)}/{w.stride()} and {tuple(w0.shape)}/{w0.stride()})")
-    return w0.shape[0], w0.shape[1], w0.stride(0)
 
 
 def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w: bool = True,
@@ -207,7 +209,9 @@ def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w
     ``config`` overrides the tile choice (benchmarks; every tile gives the same bits)."""
     x = aligned(x)
     rows, k = x.shape
-    n_w, k_w, stride_w = _check_weights(weights, k)
+    table = _weight_table(weights, k)      # validates the weights once per set of weights
+    w0 = weights[0]
+    n_w, k_w, stride_w = w0.shape[0], w0.shape[1], w0.stride(0)
     n = n_w if transpose_w else k_w
     if (k_w if transpose_w else n_w) != k:
         raise ValueError(f"grouped GEMM: x has {k} columns, the expert weights are {n_w}x{k_w}")
@@ -223,14 +227,14 @@ def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w
     # B_e logical [K, N]: stored [N, K] (transpose_w) -> strides (1, row stride); stored [K, N] -> (row stride, 1)
     s_bk, s_bn = (1, stride_w) if transpose_w else (stride_w, 1)
     grid = (n_slots * triton.cdiv(n, cfg.block_n),)
-    # A through TMA when the reduction has no mask inside the tensor (one segment: K is whole 64-steps or
-    # the tensor's end); the choice depends on shapes only and both paths compute the same dots
-    tma_a = segments == 1 and tma_ok(x) and not fp32 and not is_interpreter()
+    # A through TMA when no mask falls inside the tensor (one segment, or segments of whole 64-steps);
+    # the choice depends on shapes only and both paths compute the same dots
+    tma_a = (segments == 1 or seg_k % BLOCK_K == 0) and tma_ok(x) and not fp32 and not is_interpreter()
     if use_tma is not None:
         tma_a = tma_a and use_tma
     a_desc = descriptor(x, [cfg.block_m, BLOCK_K]) if tma_a else x
     grouped_rows_kernel[grid](
-        x, a_desc, weights[0], _TABLES.get(weights), out, slot_expert, slot_row, slot_end, out,
+        x, a_desc, weights[0], table, out, slot_expert, slot_row, slot_end, out,
         n, k, seg_k, triton.cdiv(seg_k, BLOCK_K), n_slots,
         x.stride(0), x.stride(1), s_bk, s_bn, out.stride(0), out.stride(1),
         BM=cfg.block_m, BN=cfg.block_n, BK=BLOCK_K, P=segments, LOG2P=segments.bit_length() - 1,
