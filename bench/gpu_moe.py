@@ -3,7 +3,7 @@
 One MoE layer's experts as ``rlalign.models.moe`` calls them: hidden 2048, 128 experts, top-8,
 moe_intermediate 768, bf16, T = 4,096 / 8,192 / 16,384 tokens routed by a random router (top-8 of
 softmax over random logits: a realistic, uneven load). Through the public op
-``ops.moe_experts(x, experts, gate, up, down, down_segments=8)`` (strict: sort + three grouped GEMMs
+``ops.moe_experts(x, experts, gate, up, down, down_segments=4)`` (spec.MOE_K_SEGMENTS) (strict: sort + three grouped GEMMs
 + silu_mul + unpermute) against, in the same run and with the same routing:
 
 * ``loop``: the same op in the native profile -- per expert, three cuBLAS GEMMs (F.linear), the
@@ -111,8 +111,8 @@ def ffn_case(tokens: int, backward: bool) -> dict:
             torch.autograd.grad(out, [x, *params], grad, allow_unused=True)
         return timed(step)
 
-    t_strict = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.K_SEGMENTS))
-    t_loop = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.K_SEGMENTS,
+    t_strict = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS))
+    t_loop = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS,
                                          profile="native"))
     row.update(strict_ms=round(t_strict, 3), loop_ms=round(t_loop, 3))
     vendor = t_loop
@@ -143,7 +143,8 @@ def kernel_cases(tokens: int) -> list[dict]:
     offsets = G.expert_offsets(e_of_row, EXPERTS)
     rows_n = flat.numel()
     out = []
-    for name, ws, k, seg in (("gate/up", gate, HIDDEN, 1), ("down P=8", down, INTER, 8), ("down P=1", down, INTER, 1)):
+    for name, ws, k, seg in (("gate/up", gate, HIDDEN, 1), ("down P=4", down, INTER, 4), ("down P=8", down, INTER, 8),
+                             ("down P=1", down, INTER, 1)):
         x = (torch.randn(rows_n, k, device="cuda") * 0.5).to(torch.bfloat16)
         n = ws[0].shape[0]
         t = timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg))
@@ -165,6 +166,7 @@ def kernel_cases(tokens: int) -> list[dict]:
 
 SWEEP = {1: ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4),
              (64, 64, 4, 5)),
+         4: ((128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 4), (64, 64, 4, 4)),
          8: ((128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 3), (64, 32, 4, 6))}
 
 
@@ -176,7 +178,7 @@ def sweep_cases(tokens: int) -> list[dict]:
     e_of_row = torch.sort(flat, stable=True).values
     offsets = G.expert_offsets(e_of_row, EXPERTS)
     out = []
-    for name, ws, k, seg in (("gate/up", gate, HIDDEN, 1), ("down P=8", down, INTER, 8)):
+    for name, ws, k, seg in (("gate/up", gate, HIDDEN, 1), ("down P=4", down, INTER, 4)):
         x = (torch.randn(flat.numel(), k, device="cuda") * 0.5).to(torch.bfloat16)
         for bm, bn, warps, stages in SWEEP[seg]:
             cfg = G.GroupedConfig(bm, bn, warps, stages)

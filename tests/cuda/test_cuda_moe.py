@@ -41,7 +41,7 @@ def test_grouped_ffn_equals_per_expert_loop(triton_backend, dtype, hidden, inter
     counts = [0, 1, 3000, 0, 65, 128, 2, 700]
     gate, up, down = _experts(len(counts), hidden, inter, dtype)
     rows, e_of_row = _sorted_rows(counts, hidden, dtype)
-    for segments in (None, spec.K_SEGMENTS):
+    for segments in (None, spec.MOE_K_SEGMENTS, spec.K_SEGMENTS):
         grouped = triton_backend.moe.expert_ffn(rows, e_of_row, gate, up, down, segments)
         loop = expert_ffn_loop(rows, e_of_row, gate, up, down, segments)
         assert_bitwise_equal(grouped, loop, f"forward, down_segments={segments}")
@@ -57,7 +57,7 @@ def test_grouped_ffn_gradients_equal_per_expert_loop(triton_backend, dtype):
     for fn in (triton_backend.moe.expert_ffn, expert_ffn_loop):
         x = rows.clone().requires_grad_()
         n = len(counts)
-        out = fn(x, e_of_row, weights[:n], weights[n:2 * n], weights[2 * n:], spec.K_SEGMENTS)
+        out = fn(x, e_of_row, weights[:n], weights[n:2 * n], weights[2 * n:], spec.MOE_K_SEGMENTS)
         grads.append(torch.autograd.grad(out, [x] + weights, grad_out, allow_unused=True))
     for i, (g, l) in enumerate(zip(*grads)):
         if l is None:          # an idle expert: the loop never touched it, the grouped dW is zero
@@ -72,12 +72,12 @@ def test_expert_output_does_not_depend_on_its_load(triton_backend):
     x = rand(4000, hidden, seed=4)
     crowded = torch.full((4000, 2), 3, device="cuda")
     crowded[:, 1] = 5
-    full = ops.moe_experts(x, crowded, gate, up, down, down_segments=spec.K_SEGMENTS)
+    full = ops.moe_experts(x, crowded, gate, up, down, down_segments=spec.MOE_K_SEGMENTS)
     for i in (0, 1777, 3999):
-        one = ops.moe_experts(x[i:i + 1], crowded[i:i + 1], gate, up, down, down_segments=spec.K_SEGMENTS)
+        one = ops.moe_experts(x[i:i + 1], crowded[i:i + 1], gate, up, down, down_segments=spec.MOE_K_SEGMENTS)
         assert_bitwise_equal(one, full[i:i + 1], f"token {i} alone vs 4,000 tokens on experts 3 and 5")
     spread = torch.stack([torch.arange(4000, device="cuda") % n_experts, torch.full((4000,), 5, device="cuda")], 1)
-    mixed = ops.moe_experts(x, spread, gate, up, down, down_segments=spec.K_SEGMENTS)
+    mixed = ops.moe_experts(x, spread, gate, up, down, down_segments=spec.MOE_K_SEGMENTS)
     rows = spread[:, 0] == 3
     assert_bitwise_equal(mixed[rows, 0], full[rows, 0], "expert 3's rows under a spread routing")
 
@@ -86,7 +86,7 @@ def test_grouped_ffn_accuracy_against_float64(triton_backend):
     hidden, inter, counts = 512, 384, [40, 0, 300, 7]
     gate, up, down = _experts(len(counts), hidden, inter, torch.float32)
     rows, e_of_row = _sorted_rows(counts, hidden, torch.float32)
-    out = triton_backend.moe.expert_ffn(rows, e_of_row, gate, up, down, spec.K_SEGMENTS)
+    out = triton_backend.moe.expert_ffn(rows, e_of_row, gate, up, down, spec.MOE_K_SEGMENTS)
     ref = []
     for e in range(len(counts)):
         r = rows[e_of_row == e].double()
@@ -100,15 +100,15 @@ def test_moe_experts_capture_in_a_cuda_graph(triton_backend):
     gate, up, down = _experts(n_experts, hidden, inter, torch.bfloat16)
     x = rand(tokens, hidden, seed=2)
     experts = torch.stack([torch.randperm(n_experts, device="cuda")[:k] for _ in range(tokens)])
-    ops.moe_experts(x, experts, gate, up, down, down_segments=spec.K_SEGMENTS)   # warm-up (compiles, tables)
+    ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS)   # warm-up (compiles, tables)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), capturing_graph():
-        ops.moe_experts(x, experts, gate, up, down, down_segments=spec.K_SEGMENTS)
+        ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS)
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
-            static_out = ops.moe_experts(x, experts, gate, up, down, down_segments=spec.K_SEGMENTS)
+            static_out = ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS)
     torch.cuda.current_stream().wait_stream(stream)
     for seed in range(3):   # new routings, one expert crowded in the last
         g = torch.Generator(device="cuda").manual_seed(seed)
@@ -118,7 +118,7 @@ def test_moe_experts_capture_in_a_cuda_graph(triton_backend):
             new[:, 1:] = torch.where(new[:, 1:] == 7, 0, new[:, 1:])
         experts.copy_(new)
         graph.replay()
-        eager = ops.moe_experts(x, experts, gate, up, down, down_segments=spec.K_SEGMENTS)
+        eager = ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS)
         assert_bitwise_equal(static_out, eager, f"graph replay with routing {seed}")
 
 

@@ -50,7 +50,9 @@ class GroupedConfig:
 # follows the mean rows per expert (an expert's last tile is partly idle); tiles never change bits.
 _ROWS_SMALL = GroupedConfig(64, 128, 4, 4)
 _ROWS_LARGE = GroupedConfig(128, 128, 8, 3)
-_ROWS_SEG = GroupedConfig(64, 64, 4, 4)          # segmented (down_proj): log2(P)+1 live accumulators
+# segmented (down_proj): up to log2(P)+1 accumulators live at once, so narrower tiles
+_ROWS_SEG_LARGE = GroupedConfig(128, 64, 8, 4)
+_ROWS_SEG = GroupedConfig(64, 64, 4, 4)
 _REDUCE = GroupedConfig(64, 128, 4, 4)           # dW: tiles of [N, K]
 _FP32 = GroupedConfig(64, 64, 4, 3)              # fp32 operands (bf16x3 split in registers)
 
@@ -58,9 +60,10 @@ _FP32 = GroupedConfig(64, 64, 4, 3)              # fp32 operands (bf16x3 split i
 def _rows_config(rows: int, experts: int, segments: int, fp32: bool) -> GroupedConfig:
     if fp32:
         return _FP32
+    large = rows >= 512 * experts
     if segments > 1:
-        return _ROWS_SEG
-    return _ROWS_LARGE if rows >= 512 * experts else _ROWS_SMALL
+        return _ROWS_SEG_LARGE if large else _ROWS_SEG
+    return _ROWS_LARGE if large else _ROWS_SMALL
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -204,9 +207,11 @@ def _check_weights(weights, k: int) -> None:
 
 def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w: bool = True,
                  segments: int = 1, out_dtype: torch.dtype | None = None,
-                 config: GroupedConfig | None = None, use_tma: bool | None = None) -> torch.Tensor:
+                 config: GroupedConfig | None = None, use_tma: bool | None = None,
+                 slot_cache: dict | None = None) -> torch.Tensor:
     """C [R, N]: rows of expert e times W_e^T (``transpose_w``; W_e [N, K]) or W_e (W_e [K, N]).
-    ``config`` overrides the tile choice (benchmarks; every tile gives the same bits)."""
+    ``config`` overrides the tile choice (benchmarks; every tile gives the same bits). ``slot_cache``: a dict
+    shared by the calls of one MoE layer (same ``offsets``), so the row-tile table is built once per tile height."""
     x = aligned(x)
     rows, k = x.shape
     table = _weight_table(weights, k)      # validates the weights once per set of weights
@@ -222,7 +227,11 @@ def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w
         return out
     fp32 = x.dtype == torch.float32
     cfg = config or _rows_config(rows, len(weights), segments, fp32)
-    slot_expert, slot_row, slot_end, n_slots = _slots(offsets, rows, cfg.block_m)
+    if slot_cache is None:
+        slot_cache = {}
+    if cfg.block_m not in slot_cache:
+        slot_cache[cfg.block_m] = _slots(offsets, rows, cfg.block_m)
+    slot_expert, slot_row, slot_end, n_slots = slot_cache[cfg.block_m]
     seg_k = k // segments
     # B_e logical [K, N]: stored [N, K] (transpose_w) -> strides (1, row stride); stored [K, N] -> (row stride, 1)
     s_bk, s_bn = (1, stride_w) if transpose_w else (stride_w, 1)
@@ -266,28 +275,30 @@ class _GroupedLinear(torch.autograd.Function):
     """y[rows_e] = x[rows_e] @ W_e^T for every expert, with the strict linear's backward per expert."""
 
     @staticmethod
-    def forward(ctx, x, offsets, segments, *weights):
+    def forward(ctx, x, offsets, segments, slot_cache, *weights):
         ctx.save_for_backward(x, offsets, *weights)
-        ctx.segments = segments
-        return grouped_rows(x, offsets, weights, segments=segments)
+        ctx.segments, ctx.slot_cache = segments, slot_cache
+        return grouped_rows(x, offsets, weights, segments=segments, slot_cache=slot_cache)
 
     @staticmethod
     def backward(ctx, grad):
         x, offsets, *weights = ctx.saved_tensors
         g = grad.contiguous().to(x.dtype)
-        grad_x = grouped_rows(g, offsets, weights, transpose_w=False) if ctx.needs_input_grad[0] else None
+        grad_x = (grouped_rows(g, offsets, weights, transpose_w=False, slot_cache=ctx.slot_cache)
+                  if ctx.needs_input_grad[0] else None)
         grad_w = [None] * len(weights)
-        if any(ctx.needs_input_grad[3:]):
+        if any(ctx.needs_input_grad[4:]):
             stacked = grouped_weight_grad(g, x, offsets, len(weights), weights[0].dtype)
             grad_w = list(stacked.unbind(0))
-        return (grad_x, None, None, *grad_w)
+        return (grad_x, None, None, None, *grad_w)
 
 
-def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, weights, segments: int = 1) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, weights, segments: int = 1,
+                   slot_cache: dict | None = None) -> torch.Tensor:
     """The strict linear of each expert's rows (see the module docstring); differentiable in x and W."""
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        return _GroupedLinear.apply(x, offsets, segments, *weights)
-    return grouped_rows(x, offsets, weights, segments=segments)
+        return _GroupedLinear.apply(x, offsets, segments, slot_cache, *weights)
+    return grouped_rows(x, offsets, weights, segments=segments, slot_cache=slot_cache)
 
 
 def supported() -> bool:

@@ -21,8 +21,10 @@ def expert_ffn(rows: torch.Tensor, expert_of_row: torch.Tensor, gate_w, up_w, do
     offsets = expert_offsets(expert_of_row, len(gate_w))
     inter = gate_w[0].shape[0]
     segments = segment_count(inter, down_segments) if down_segments and down_segments > 1 else 1
-    act = silu_mul(grouped_linear(rows, offsets, gate_w), grouped_linear(rows, offsets, up_w))
-    return grouped_linear(act, offsets, down_w, segments)
+    slots: dict = {}     # the row-tile tables, shared by the three projections (and their backward)
+    gate = grouped_linear(rows, offsets, gate_w, slot_cache=slots)
+    act = silu_mul(gate, grouped_linear(rows, offsets, up_w, slot_cache=slots))
+    return grouped_linear(act, offsets, down_w, segments, slot_cache=slots)
 
 
 __all__ = ["expert_ffn"]
