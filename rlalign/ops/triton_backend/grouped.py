@@ -46,12 +46,12 @@ class GroupedConfig:
     num_stages: int
 
 
-# BLOCK_M >= 64 always (the same wgmma family as the dense kernel: docs/gpu.md). The row tile
-# follows the mean rows per expert (an expert's last tile is partly idle); tiles never change bits.
-_ROWS_SMALL = GroupedConfig(64, 128, 4, 4)
+# BLOCK_M >= 64 always (the same wgmma family as the dense kernel: docs/gpu.md). Tiles never change
+# bits; these were the fastest of a sweep on the H200 at Qwen3-30B-A3B shapes (bench/gpu_moe.py --sweep,
+# docs/LOG.md 2026-12-01): 128x128 once experts hold >= 512 rows on average, 64x64 below that and for
+# the segmented down_proj (its merge tree keeps up to log2(P)+1 accumulators live).
+_ROWS_SMALL = GroupedConfig(64, 64, 4, 5)
 _ROWS_LARGE = GroupedConfig(128, 128, 8, 3)
-# segmented (down_proj): up to log2(P)+1 accumulators live at once, so narrower tiles
-_ROWS_SEG_LARGE = GroupedConfig(128, 64, 8, 4)
 _ROWS_SEG = GroupedConfig(64, 64, 4, 4)
 _REDUCE = GroupedConfig(64, 128, 4, 4)           # dW: tiles of [N, K]
 _FP32 = GroupedConfig(64, 64, 4, 3)              # fp32 operands (bf16x3 split in registers)
@@ -60,10 +60,9 @@ _FP32 = GroupedConfig(64, 64, 4, 3)              # fp32 operands (bf16x3 split i
 def _rows_config(rows: int, experts: int, segments: int, fp32: bool) -> GroupedConfig:
     if fp32:
         return _FP32
-    large = rows >= 512 * experts
     if segments > 1:
-        return _ROWS_SEG_LARGE if large else _ROWS_SEG
-    return _ROWS_LARGE if large else _ROWS_SMALL
+        return _ROWS_SEG
+    return _ROWS_LARGE if rows >= 512 * experts else _ROWS_SMALL
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
