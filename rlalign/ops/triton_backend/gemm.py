@@ -43,6 +43,7 @@ class GemmConfig:
     group_m: int = 8
     flatten: bool = False
     reg_levels: int = 4   # tree-stack levels kept in registers; deeper ones go to a per-program scratch
+    nested: bool = False  # segmented only: a loop per segment (segment_tree_nested) instead of one flat loop
 
 
 # Candidate tiles, most efficient first (see pick_config). Shared memory, from sm_90a compiles
@@ -60,7 +61,7 @@ _LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
 # acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging.
 _LARGE_ACCIN = (GemmConfig(128, 128, 8, 3, flatten=True),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
-# Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see _segment_tree),
+# Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see segment_tree),
 # so shared memory is that of the plain kernel whatever P and K (an unrolled loop per segment got
 # its own stage buffers when a segment was one k-step; docs/LOG.md). Up to log2(P)+1
 # accumulators are live at once, so the tiles are narrower. sm_90a, P=8 (ptxas -v): 128x64/8 warps
@@ -133,7 +134,7 @@ def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak,
+def load_a_tile(a_src, off_m, k, k_end, M, stride_am, stride_ak,
             BM: tl.constexpr, BK: tl.constexpr, A_TRANS: tl.constexpr, USE_TMA: tl.constexpr):
     """Logical A[off_m:off_m+BM, k:k+BK] (A is [M, K]; stored [K, M] when A_TRANS); 0 past k_end / M."""
     if USE_TMA:
@@ -149,7 +150,7 @@ def _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak,
 
 
 @triton.jit
-def _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn,
+def load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn,
             BN: tl.constexpr, BK: tl.constexpr, B_TRANS: tl.constexpr, USE_TMA: tl.constexpr):
     """Logical B[k:k+BK, off_n:off_n+BN] (B is [K, N]; stored [N, K] when B_TRANS); 0 past k_end / N."""
     if USE_TMA:
@@ -172,8 +173,8 @@ def reduce_segment(acc, a_src, b_src, off_m, off_n, k0, k_end, steps, M, N,
     """acc + sum over k-steps k0, k0+BK, ... (``steps`` of them, masked to k_end) in order."""
     for j in range(steps):
         k = k0 + j * BK
-        a = _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
-        b = _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
+        a = load_a_tile(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
+        b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
         acc = mma(a, b, acc, SPLIT)
     return acc
 
@@ -211,7 +212,7 @@ def _pop(v, scratch, slot, level: tl.constexpr, REG_LEVELS: tl.constexpr, BM: tl
 
 
 @triton.jit
-def _merge_segment(v, st0, st1, st2, s, scratch, slot, LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr,
+def merge_segment(v, st0, st1, st2, s, scratch, slot, LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr):
     """Segment ``s``'s partial ``v`` joins the binary-counter stack of completed subtrees.
 
@@ -236,7 +237,7 @@ def _merge_segment(v, st0, st1, st2, s, scratch, slot, LOG2P: tl.constexpr, REG_
 
 
 @triton.jit
-def _segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
+def segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
                   stride_am, stride_ak, stride_bk, stride_bn,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
                   LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr,
@@ -257,16 +258,39 @@ def _segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
         j = i - s * steps
         k_end = (s + 1) * SEG_K
         k = s * SEG_K + j * BK
-        a = _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
-        b = _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
+        a = load_a_tile(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
+        b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
         acc = mma(a, b, acc, SPLIT)
         if j == steps - 1:
-            v, st0, st1, st2 = _merge_segment(acc, st0, st1, st2, s, scratch, slot, LOG2P, REG_LEVELS, BM, BN)
+            v, st0, st1, st2 = merge_segment(acc, st0, st1, st2, s, scratch, slot, LOG2P, REG_LEVELS, BM, BN)
             if s == P - 1:
                 acc = v       # the whole tree: the loop ends here
             else:
                 acc = zero    # the next segment starts from zero
     return acc
+
+
+@triton.jit
+def segment_tree_nested(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
+                        stride_am, stride_ak, stride_bk, stride_bn,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
+                        LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr,
+                        B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr):
+    """:func:`segment_tree`'s arithmetic with a loop per segment: the accumulator is read only after a
+    segment's last step (the flat loop reads it at every step to test for a segment end, which can make
+    each step wait for its MMA); the pipeline refills at each segment start instead."""
+    zero = tl.zeros((BM, BN), dtype=tl.float32)
+    v = zero
+    st0 = zero
+    st1 = zero
+    st2 = zero
+    for s in range(P):
+        k_end = (s + 1) * SEG_K
+        acc = reduce_segment(zero, a_src, b_src, off_m, off_n, s * SEG_K, k_end, steps, M, N,
+                             stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, A_TRANS, B_TRANS,
+                             USE_TMA, SPLIT)
+        v, st0, st1, st2 = merge_segment(acc, st0, st1, st2, s, scratch, slot, LOG2P, REG_LEVELS, BM, BN)
+    return v
 
 
 @triton.jit(do_not_specialize=["M", "num_progs"])
@@ -276,7 +300,7 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr,
                 REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
                 USE_TMA: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_IN: tl.constexpr,
-                OUT_BF16: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+                OUT_BF16: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, NESTED: tl.constexpr):
     """Persistent: program ``pid`` computes tiles pid, pid + num_progs, ... (see module docstring)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -302,9 +326,14 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, A_TRANS, B_TRANS,
                                   USE_TMA, SPLIT)
         else:
-            acc = _segment_tree(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
-                                stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P, REG_LEVELS,
-                                A_TRANS, B_TRANS, USE_TMA, SPLIT)
+            if NESTED:
+                acc = segment_tree_nested(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
+                                          stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P,
+                                          REG_LEVELS, A_TRANS, B_TRANS, USE_TMA, SPLIT)
+            else:
+                acc = segment_tree(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
+                                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P, REG_LEVELS,
+                                   A_TRANS, B_TRANS, USE_TMA, SPLIT)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
             acc = acc + bias[None, :]
@@ -394,7 +423,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
         BM=bm, BN=bn, BK=BLOCK_K, P=segments, LOG2P=log2p, REG_LEVELS=cfg.reg_levels,
         A_TRANS=a_trans, B_TRANS=b_trans, USE_TMA=tma, SPLIT=split_for(a.dtype), HAS_BIAS=bias is not None,
         ACC_IN=acc_in, OUT_BF16=out.dtype == torch.bfloat16, GROUP_M=cfg.group_m,
-        FLATTEN=cfg.flatten and segments == 1,
+        FLATTEN=cfg.flatten and segments == 1, NESTED=cfg.nested and segments > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
