@@ -134,3 +134,19 @@ def test_moe_engine_records_only_when_asked(moe_model):
     engine = RolloutEngine(moe_model, RolloutConfig(num_pages=16))
     assert engine.routing is None
     assert engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=2))[0].routing is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+def test_cuda_graph_replays_record_the_replayed_steps_routing():
+    """Captured decode graphs: the expert ids are static outputs of the graph, refreshed by every replay."""
+    model = tiny_model("qwen3_moe", seed=4, init_std=0.2, dtype="bfloat16", device="cuda", **MOE)
+    prompts, sampling = make_prompts(9, count=12), SamplingParams(n=3, max_new_tokens=12, seed=2)
+    engine = RolloutEngine(model, RolloutConfig(num_pages=512, decode_graphs="on", decode_graph_max_batch=48,
+                                                record_routing=True))
+    got = engine.generate(prompts, sampling)
+    assert engine.counters["graph_steps"] > 0
+    assert_routing_is_the_forwards(model, got)
+    eager = RolloutEngine(model, RolloutConfig(num_pages=512, decode_graphs="off", record_routing=True))
+    for g, e in zip(got, eager.generate(prompts, sampling)):
+        assert_bitwise_equal(g.routing, e.routing, f"prompt {g.prompt_index} sample {g.sample_index}: graphs vs eager")
