@@ -43,8 +43,8 @@ def moe_prompts():
 def direct_routing(model, completion) -> torch.Tensor:
     """The expert ids [rows, sparse layers, k] of one direct forward of prompt + completion, last row dropped."""
     with use_profile("strict"), torch.no_grad(), record_routing(keep_logits=False) as record:
-        model.forward_hidden(ForwardBatch.packed([completion.prompt_tokens + completion.tokens]))
-    return record.expert_ids()[:-1]
+        model.forward_hidden(ForwardBatch.packed([completion.prompt_tokens + completion.tokens], device=model.device))
+    return record.expert_ids()[:-1].cpu()
 
 
 def assert_routing_is_the_forwards(model, completions) -> None:
