@@ -174,7 +174,7 @@ def summary_markdown(records, run_dir: Path, png_name: str = "report.png") -> st
     routing = _routing_totals(steps)
     if routing is not None:
         lines.append(f"- train/rollout MoE routing mismatches: {routing[0]} of {routing[1]} (token, sparse layer) pairs "
-                     "compared (top-k expert sets)" + (" (the same experts at every step)" if routing[0] == 0 else ""))
+                     "compared (top-k expert sets" + ("; the same experts at every step)" if routing[0] == 0 else ")"))
     if steps:
         t_roll = sum(r.get("time/rollout_s", 0) for r in steps)
         t_train = sum(r.get("time/train_s", 0) for r in steps)
