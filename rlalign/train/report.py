@@ -20,7 +20,7 @@ PANELS = (
     ("reward", ["reward/mean"], "mean reward ± std (band), min/max (dotted)", None, None),
     ("eval accuracy", ["eval/accuracy", "eval/accuracy_greedy"], "held-out accuracy", None, "no eval ran"),
     ("train/rollout mismatch", ["mismatch/count", "moe/routing_mismatch"],
-     "tokens whose logprobs differ; MoE: (token, layer) pairs routed to other experts",
+     "differing token logprobs; MoE: (token, layer) routes",
      "0 at every step: bitwise identical (MoE: the same experts for every token)", None),
     ("KL", ["kl/ref", "rollout_corr/kl_k3", "kl/ppo", "kl/policy_step"], "k3 KL",
      "all 0 at every step (kl/ref is absent without a reference model, algo.kl_coef=0; "
