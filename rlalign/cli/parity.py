@@ -122,8 +122,10 @@ def _print(result, report_dir) -> None:
             table.add_row(f"({len(skipped)} more)", "", "", "", f"not compared: {skipped[0].note}, ...")
         console.print(table)
     for degree, r in (result.tp or {}).get("tp", {}).items():
+        routing = "" if r.get("routing_mismatches") is None else \
+            f", {r['routing_mismatches']} rows routed differently from TP=1"
         console.print(f"  TP={degree}: {r['tokens_compared']} tokens, {r['mismatches']} mismatches vs TP=1, "
-                      f"{r['rollout_mismatches']} vs the rollout")
+                      f"{r['rollout_mismatches']} vs the rollout{routing}")
     if report_dir:
         console.print(f"  report: {report_dir}/parity.md")
     if result.ok:
