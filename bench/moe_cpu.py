@@ -129,7 +129,8 @@ def main(argv=None) -> None:
                     for _ in range(args.repeats):
                         times.append(fn(model, *arg))
                 total = sum(times)
-                line = f"{name:5s} {phase:10s} median {statistics.median(times):7.3f} s  [{min(times):.3f}-{max(times):.3f}]"
+                line = (f"{name:5s} {phase:10s} median {statistics.median(times):7.3f} s  "
+                        f"[{min(times):.3f}-{max(times):.3f}]")
                 if name == "moe":
                     shares = ", ".join(f"{op} {timer.seconds[op] / total:5.1%}" for op in MOE_OPS)
                     line += f"  forward share: {shares}"

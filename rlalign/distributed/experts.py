@@ -40,7 +40,7 @@ from rlalign.contract.profiles import Profile, current_profile
 from rlalign.distributed.collectives import merge_ranks
 from rlalign.distributed.launch import Group
 from rlalign.distributed.layers import ColumnParallelLinear, RowParallelLinear
-from rlalign.distributed.native import _all_reduce
+from rlalign.distributed.native import stock_all_reduce
 from rlalign.ops.shard import linear_partial, linear_weight_grad
 
 
@@ -128,7 +128,8 @@ class _NativeExpertColumns(torch.autograd.Function):
         rows, *weights = ctx.saved_tensors
         grad_rows = None
         if rows.shape[0]:
-            grad_rows = _all_reduce(torch.cat([g[a:b] @ weights[e] for e, a, b in _spans(ctx.counts)]), ctx.group)
+            parts = [g[a:b] @ weights[e] for e, a, b in _spans(ctx.counts)]
+            grad_rows = stock_all_reduce(torch.cat(parts), ctx.group)
         grads = _weight_grads(ctx, g, rows, weights, lambda ge, xe, w: ge.t() @ xe)
         return (grad_rows, None, None, None, *grads)
 
@@ -140,7 +141,7 @@ class _NativeExpertRows(torch.autograd.Function):
         ctx.counts = counts
         if act.shape[0] == 0:
             return act.new_zeros((0, weights[0].shape[0]))
-        return _all_reduce(torch.cat([F.linear(act[a:b], weights[e]) for e, a, b in _spans(counts)]), group)
+        return stock_all_reduce(torch.cat([F.linear(act[a:b], weights[e]) for e, a, b in _spans(counts)]), group)
 
     @staticmethod
     def backward(ctx, g):

@@ -6,8 +6,8 @@ this module only obeys the plans, in module order: a COLUMN child becomes a
 a :class:`HeadGroupedRMSNorm`, VOCAB the vocab-parallel LM head (:mod:`.vocab_head`; with untied
 embeddings ``lm_head.weight`` is replaced by the rank's rows), EXPERTS a sparse layer's expert list by
 :class:`TensorParallelExperts` (:mod:`.experts`; the experts' own plans shard their FFNs); then the
-module's ``tp_localize(tp)`` makes its shape fields rank-local (the decoder's attention: heads split into contiguous groups,
-rank r holds query heads [r*H/t, (r+1)*H/t) and kv heads likewise). Everything not planned (norms,
+module's ``tp_localize(tp)`` makes its shape fields rank-local (the decoder's attention: heads split into
+contiguous groups, rank r holds query heads [r*H/t, (r+1)*H/t) and kv heads likewise). Everything not planned (norms,
 embeddings, the residual stream) stays replicated (every rank computes it identically).
 
 Parameter names do not change; a sharded parameter carries ``tp_dim`` (0: rows, 1: columns) and

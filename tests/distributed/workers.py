@@ -125,8 +125,8 @@ def native_tp(world: Group) -> dict:
     """The native-profile (Megatron-style, stock all-reduce) TP=2 step and the unsharded native step."""
     from rlalign.contract.profiles import use_profile
     out = {}
-    for family in ("llama", "qwen3"):
-        base = tiny_model(family, seed=3, init_std=0.05, norm_jitter=0.1, **SHAPE, **FAMILIES[family]).train()
+    for family in ("llama", "qwen3", "qwen3_moe"):
+        base = _family_model(family, "float32").train()
         seqs, targets, weights = _batch(base.config.vocab_size)
         with use_profile("native"):
             out[family] = {"plain": _step(copy.deepcopy(base), seqs, targets, weights),
