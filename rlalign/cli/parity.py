@@ -132,5 +132,7 @@ def _print(result, report_dir) -> None:
         console.print("[green]OK: every token's logprob is bitwise identical[/green]")
     elif t.not_comparable:
         console.print(f"[red]NOT COMPARABLE: {t.not_comparable}[/red]")
-    else:
+    elif t.mismatches:
         console.print(f"[red]MISMATCH: {t.mismatches} of {t.tokens_compared} token logprobs differ[/red]")
+    else:   # rollout and training side agree; a tensor-parallel degree does not
+        console.print("[red]MISMATCH across tensor-parallel degrees: see the TP lines above[/red]")
