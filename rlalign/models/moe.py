@@ -11,8 +11,9 @@ Which layers are sparse (Qwen3-MoE's rule): layer i is sparse when i is not in `
 ``(i + 1) % decoder_sparse_step == 0``; the others are the dense FFN of ``intermediate_size``.
 
 Weights keep the checkpoint's names: ``mlp.gate.weight`` [E, hidden] and
-``mlp.experts.{e}.{gate,up,down}_proj.weight``; the block core :func:`sparse_moe_block` takes the weights
-as arguments, so the transformers patch calls it with views of Hugging Face's stacked expert tensors.
+``mlp.experts.{e}.{gate,up,down}_proj.weight``; the block core :func:`sparse_moe_block` takes the experts'
+FFNs as a callable, so the transformers patch passes :func:`stacked_expert_ffns` over views of Hugging Face's
+stacked expert tensors, and tensor parallelism (the ``EXPERTS`` plan of :class:`SparseMoE`) its sharded experts.
 """
 
 from __future__ import annotations
