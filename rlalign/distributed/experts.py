@@ -2,7 +2,8 @@
 
 Layout (t ranks, rank r; I = moe_intermediate_size): each expert's own plan (models.moe.Expert) makes its
 gate_proj / up_proj :class:`ColumnParallelLinear` (rows [r*I/t, (r+1)*I/t)) and its down_proj a
-:class:`RowParallelLinear` (the same columns: rank r's subtree of the canonical K partition of I). The router
+:class:`RowParallelLinear` (the same columns: rank r's subtree of the canonical K partition of I, which has
+spec.MOE_K_SEGMENTS = 4 segments for experts -- so MoE layers split over TP = 1, 2, 4, and TP = 8 is refused). The router
 ``gate`` and everything around the experts (routing, combine, the residual stream) stay replicated: the
 router sees the replicated post-norm hidden rows, so every rank routes every token identically.
 
@@ -20,7 +21,7 @@ for all experts at once::
 
 Per row this is exactly the arithmetic of :mod:`rlalign.distributed.layers` (the dense FFN's column / row
 linears), so log-probs, entropy, loss and every gradient are the same bits at TP 1, 2, 4, 8, and the forward
-equals the unsharded model's (ops.moe_experts with ``down_segments=K_SEGMENTS``). A token's result never
+equals the unsharded model's (ops.moe_experts with ``down_segments=MOE_K_SEGMENTS``). A token's result never
 depends on which other tokens chose its experts (the strict linear is row invariant), so grouping all experts'
 rows into one merge changes no bits; it only makes the collectives per layer 1 forward + 2 backward, as for a
 dense FFN, instead of one per expert. An expert no token chose gets no gradient (None), as in the unsharded model.

@@ -25,9 +25,10 @@ from rlalign.distributed.collectives import gather_ranks_varlen
 from rlalign.distributed.experts import TensorParallelExperts
 from rlalign.distributed.launch import Group
 from rlalign.distributed.layers import (ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear, check_column_shard,
-                                       local_segments)
+                                       local_segments, row_segments)
 from rlalign.distributed.vocab_head import VocabParallelHead
 from rlalign.contract.sharding import Shard, ShardSpec
+from rlalign.contract.spec import K_SEGMENTS
 
 SUPPORTED_TP = (1, 2, 4, 8)
 
@@ -46,26 +47,28 @@ def check_tp(config, tp: int, model=None) -> None:
             raise RLAlignError(f"tp={tp} does not divide the model's {what}={n}; choose a tp that divides it")
     if tp == 1 or model is None:
         return
-    for name, spec, features in _planned_shards(model):
+    for name, spec, features, segments in _planned_shards(model):
         if spec.kind is Shard.COLUMN:
             check_column_shard(features, tp, name)
-        local_segments(features, tp, name)
+        local_segments(features, tp, name, segments)
 
 
 def _planned_shards(model):
-    """(name, spec, sharded features) of the COLUMN / ROW children ``model``'s plans declare; one per distinct
-    (name with layer indices wildcarded, width)."""
+    """(name, spec, sharded features, canonical segments) of the COLUMN / ROW children ``model``'s plans
+    declare; one per distinct (name with layer indices wildcarded, width)."""
     seen = set()
     for path, module in model.named_modules():
         for child, spec in getattr(module, "tp_plan", dict)().items():
             if spec.kind not in (Shard.COLUMN, Shard.ROW):
                 continue
-            features = getattr(module, child).weight.shape[0 if spec.kind is Shard.COLUMN else 1]
+            linear = getattr(module, child)
+            features = linear.weight.shape[0 if spec.kind is Shard.COLUMN else 1]
+            segments = row_segments(linear) if spec.kind is Shard.ROW else K_SEGMENTS
             name = f"{path}.{child}".removeprefix("model.")
             generic = ".".join("*" if part.isdigit() else part for part in name.split("."))
             if (generic, features) not in seen:
                 seen.add((generic, features))
-                yield name, spec, features
+                yield name, spec, features, segments
 
 
 def parallelize(model, group: Group):

@@ -91,9 +91,10 @@ def sparse_moe_block(x: torch.Tensor, router_w: torch.Tensor, expert_ffns: Exper
 def stacked_expert_ffns(gate_w: Sequence[torch.Tensor], up_w: Sequence[torch.Tensor],
                         down_w: Sequence[torch.Tensor]) -> ExpertFFNs:
     """The experts' FFNs over every expert's full weights (per-expert lists or stacked [E, ...] tensors):
-    ops.moe_experts, down_proj on the canonical K partition (the partition tensor parallelism shards)."""
+    ops.moe_experts, down_proj on the canonical K partition of MOE_K_SEGMENTS (the partition tensor parallelism
+    shards)."""
     def apply(x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        return ops.moe_experts(x, experts, gate_w, up_w, down_w, down_segments=spec.K_SEGMENTS)
+        return ops.moe_experts(x, experts, gate_w, up_w, down_w, down_segments=spec.MOE_K_SEGMENTS)
     return apply
 
 
@@ -106,7 +107,7 @@ class Expert(nn.Module):
         super().__init__()
         self.gate_proj = Linear(hidden, inter, False, dtype, device)
         self.up_proj = Linear(hidden, inter, False, dtype, device)
-        self.down_proj = Linear(inter, hidden, False, dtype, device, k_segments=spec.K_SEGMENTS)
+        self.down_proj = Linear(inter, hidden, False, dtype, device, k_segments=spec.MOE_K_SEGMENTS)
 
     def tp_plan(self) -> dict[str, sharding.ShardSpec]:
         return {"gate_proj": sharding.COLUMN, "up_proj": sharding.COLUMN, "down_proj": sharding.ROW}

@@ -91,3 +91,14 @@ def test_tensor_parallel_experts_refuse_experts_their_plans_did_not_shard():
     experts = TensorParallelExperts(model.model.layers[0].mlp.experts, Group.single(), "layers.0.mlp.experts")
     with pytest.raises(RLAlignError, match="layers.0.mlp.experts.0: the expert's FFN is not sharded"):
         experts(torch.zeros(3, 64), torch.zeros(3, 2, dtype=torch.long))
+
+
+def test_moe_tp8_is_refused_by_the_experts_down_partition():
+    """The experts' down_proj uses spec.MOE_K_SEGMENTS = 4 canonical segments: 8 ranks cannot share them."""
+    from rlalign.distributed.parallelize import check_tp
+    model = tiny_model("qwen3_moe", num_attention_heads=8, num_key_value_heads=8, head_dim=16, num_hidden_layers=1,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    check_tp(model.config, 4, model)
+    with pytest.raises(RLAlignError, match=r"layers.0.mlp.experts.0.down_proj: 128 features split into 4 canonical "
+                                           r"segments cannot be shared by tp=8 ranks \(tp must divide 4\)"):
+        check_tp(model.config, 8, model)
