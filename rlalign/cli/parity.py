@@ -48,7 +48,8 @@ def register(subparsers) -> None:
     p.add_argument("--replay", metavar="FILE", help="score a recorded rollout instead of generating")
     p.add_argument("--tp", metavar="DEGREES", default=None,
                    help="also score with the training side sharded over these tensor-parallel degrees, e.g. 1,2,4 "
-                        "(gloo processes on CPU, NCCL on GPU); mismatches are counted against TP=1 and the rollout")
+                        "(gloo processes on CPU, NCCL on GPU); mismatches are counted against TP=1 and the rollout, "
+                        "and for MoE models the rows routed differently from TP=1")
     p.set_defaults(func=run)
 
 
