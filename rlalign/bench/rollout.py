@@ -460,8 +460,8 @@ def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | No
            "bytes_per_decode_step": round(total / len(steps)),
            "weight_bytes_per_decode_step": round(sum(b.weights for b in moved) / len(steps)),
            "kv_bytes_per_decode_step": round(sum(b.kv_read + b.kv_write for b in moved) / len(steps)),
-           "achieved_gbps": round(achieved, 4),
-           "roofline_fraction": None if not peak_gbps else round(achieved / peak_gbps, 4),
+           "achieved_gbps": _sig(achieved),
+           "roofline_fraction": None if not peak_gbps else _sig(achieved / peak_gbps),
            "forward_gpu_ms": None, "host_ms_per_step": None, "forward_roofline_fraction": None,
            "timed_forward_steps": len(timed)}
     if timed:
@@ -469,8 +469,13 @@ def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | No
         out.update(forward_gpu_ms=round(1e3 * gpu_s / len(timed), 3),
                    host_ms_per_step=round(1e3 * (sum(s.seconds for s, _ in timed) - gpu_s) / len(timed), 3))
         if peak_gbps:
-            out["forward_roofline_fraction"] = round(sum(b.total for _, b in timed) / gpu_s / 1e9 / peak_gbps, 4)
+            out["forward_roofline_fraction"] = _sig(sum(b.total for _, b in timed) / gpu_s / 1e9 / peak_gbps)
     return out
+
+
+def _sig(x: float) -> float:
+    """4 significant digits (bandwidths and fractions span many decades between a CPU toy and an H200)."""
+    return float(f"{x:.4g}")
 
 
 def _kv_cache_bytes(model, workload: Workload, args) -> int | None:

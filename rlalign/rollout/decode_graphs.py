@@ -28,8 +28,8 @@ The native profile (the benchmarks' baseline) runs the same machinery. Its paged
 per-row contract, so it cannot read each sequence's length on the host inside a graph: under
 :func:`rlalign.ops.static_decode` it attends over the whole width of the block table it is given,
 masked by ``seq_lens`` on the device. So that width follows the step, native graphs are keyed by
-(batch bucket, width bucket): widths are powers of two pages up to ``max_pages``, each pair captured
-at its first use (``width_buckets=True``). Strict graphs use the full width (their kernel reads each
+(batch bucket, width bucket): widths (pages) are bucketed like batch sizes (:func:`buckets_up_to`
+of ``max_pages``), each pair captured at its first use (``width_buckets=True``). Strict graphs use the full width (their kernel reads each
 sequence's own length) and are all captured at the first decode step.
 
 ``time_replays=True`` records a pair of CUDA events around every replay (:attr:`last_events`): the
@@ -58,15 +58,6 @@ def buckets_up_to(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def widths_up_to(max_pages: int) -> list[int]:
-    """Block-table widths (pages) with a graph when widths follow the step: 1, 2, 4, ... then ``max_pages``."""
-    sizes, w = [], 1
-    while w < max_pages:
-        sizes.append(w)
-        w *= 2
-    return sizes + [max_pages]
-
-
 @dataclasses.dataclass
 class HostDecode:
     """One decode step's inputs on the host (n sequences, one token each)."""
@@ -90,7 +81,8 @@ class DecodeGraphs:
         self.model, self.kv_cache, self.mode = model, kv_cache, mode
         self.max_batch, self.max_pages, self.page_size = max_batch, max_pages, ps
         self.buckets = buckets_up_to(max_batch)
-        self.widths = widths_up_to(max_pages) if width_buckets else [max_pages]
+        # widths follow the batch buckets' rule: at most a fifth of a padded width is padding above 16 pages
+        self.widths = buckets_up_to(max_pages) if width_buckets else [max_pages]
         self.width_buckets, self.time_replays = width_buckets, time_replays
         self.last_events: tuple | None = None
         dev = model.device

@@ -33,17 +33,29 @@ def test_a_clean_model_runs_under_the_boundary_policy(graphs):
         assert len(_generate(_model(), graphs)) == 6
 
 
-@pytest.mark.parametrize("graphs", ["off", "on"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("name", PLANTABLE)
-def test_a_value_planted_in_any_weight_stops_a_rollout(name, value, graphs):
+def test_a_value_planted_in_any_weight_stops_eager_and_replayed_steps(name, value):
     for layer in (0, 1):
         model = _model()
         param = dict(model.named_parameters())[name.format(i=layer)]
         with torch.no_grad():
             param.view(-1)[param.numel() // 3] = value
         with ops.use_check_policy("boundary"), pytest.raises(ContractError, match="NaN or inf"):
-            _generate(model, graphs)
+            _generate(model, "off")
+    # the same value appearing between two replayed decode steps
+    model = _model()
+    engine = RolloutEngine(model, RolloutConfig(num_pages=128, decode_graphs="on", decode_graph_max_batch=16))
+    for i, p in enumerate(make_prompts(1, count=3)):
+        engine.add_request(p, SamplingParams(n=2, max_new_tokens=12, seed=3), prompt_index=i)
+    with ops.use_check_policy("boundary"):
+        while engine.counters["graph_steps"] == 0:
+            engine.step()
+        param = dict(model.named_parameters())[name.format(i=1)]
+        with torch.no_grad():
+            param.view(-1)[param.numel() // 2] = value
+        with pytest.raises(ContractError, match="NaN or inf"):
+            engine.step()
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -168,3 +168,50 @@ def test_native_padded_decode_runs_and_matches_the_native_trainer(model, prompts
         assert len(c.tokens) == MAX_NEW and all(0 <= t < model.config.vocab_size for t in c.tokens)
         err = (torch.tensor(c.logprobs) - ref).abs().max().item()
         assert err < 1e-4, f"native padded decode logprob differs from the native trainer's by {err}"
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_native_profile_replays_width_bucketed_graphs(cuda_model):
+    """Native runs through the same decode graphs (the fair baseline): graphs are captured per (batch, width)
+    bucket at first use and replayed; its logprobs stay close to the native trainer's (native promises no
+    bits: bf16 rounding of a different attention formulation)."""
+    from rlalign.contract import use_profile
+    from rlalign.models.batch import ForwardBatch
+
+    prompts = make_prompts(2, count=9)
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=7)
+    engine = RolloutEngine(cuda_model, RolloutConfig(profile="native", num_pages=512, decode_graphs="auto",
+                                                     decode_graph_max_batch=48))
+    got = engine.generate(prompts, sampling)
+    graphs = engine.decode_graphs
+    assert graphs is not None and graphs.width_buckets and graphs.captures > 0 and graphs.replays > 0
+    assert engine.counters["graph_steps"] > 0
+    seqs = [c.prompt_tokens + c.tokens for c in got]
+    targets = torch.tensor([t for q in seqs for t in q[1:] + [0]], device="cuda")
+    with use_profile("native"), torch.no_grad():
+        lp, _ = cuda_model.logprobs(ForwardBatch.packed(seqs, device="cuda"), targets)
+    lp, offset, diffs = lp.cpu(), 0, []
+    for c, q in zip(got, seqs):
+        first = offset + len(c.prompt_tokens) - 1
+        diffs.append((torch.tensor(c.logprobs) - lp[first:first + len(c.tokens)]).abs())
+        offset += len(q)
+    diffs = torch.cat(diffs)
+    assert float(diffs.mean()) < 0.05 and float(diffs.max()) < 0.5, (float(diffs.mean()), float(diffs.max()))
+    captured = graphs.captures
+    engine.generate(prompts, sampling)                      # the same shapes again: nothing new to capture
+    assert graphs.captures == captured
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_native_static_decode_matches_the_eager_native_op():
+    from rlalign import ops
+    from tests.ops.test_native_decode import _inputs
+
+    q, kc, vc, table, lens, cu = (t.cuda() for t in _inputs(16, 8, 2, 128, [1, 17, 300, 64, 65], 3, 0))
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    want = ops.attention_paged(q, kc, vc, table, lens, cu, profile="native").float()
+    with ops.static_decode():
+        got = ops.attention_paged(q, kc, vc, table, lens, cu, profile="native").float()
+    assert float((got - want).abs().max()) < 2e-2
