@@ -16,7 +16,7 @@ their deferred finiteness verdicts into the graph), ``requeue_deferred_checks(ve
 static-shape decode step (one query per sequence). ``backend_name(device)`` says which backend
 (``torch`` | ``triton``) runs the strict ops there.
 
-Where strict forwards look for NaN/inf (docs/contract.md, "Finiteness checks"): ``check_policy(device)``
+Where strict forwards look for NaN/inf (docs/gpu.md, "Finiteness checks"): ``check_policy(device)``
 (``"per-op"`` on the CPU, ``"boundary"`` on GPUs; env ``RLALIGN_CHECKS``), ``use_check_policy(policy)``
 to force one, ``check_scope(label)`` to name the part of a forward (``layers.3``) in per-op messages.
 

@@ -189,7 +189,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
     Strict refuses a non-finite k (under every check policy): a key with an inf element can get a
     -inf score, which softmax turns into an exact 0 weight -- the value would vanish instead of
-    reaching the output where the per-step check looks (docs/contract.md, "Finiteness checks")."""
+    reaching the output where the per-step check looks (docs/gpu.md, "Finiteness checks")."""
     op = "write_kv_cache"
     for name, t in (("k", k), ("v", v)):
         chk.ndim(op, name, t, 3)

@@ -1,6 +1,6 @@
 """The boundary check policy on the GPU (the default there): a NaN/inf planted in any weight, in the KV
 cache or in a prompt's embedding row stops a strict rollout, with and without decode graphs -- the
-propagation argument of docs/contract.md ("Finiteness checks") run through the Triton kernels, whose
+propagation argument of docs/gpu.md ("Finiteness checks") run through the Triton kernels, whose
 max() ignores NaN and whose softmax drops -inf scores. Skipped without CUDA."""
 
 from __future__ import annotations
