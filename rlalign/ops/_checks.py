@@ -135,10 +135,10 @@ def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> N
     policy = check_policy(t.device)
     if policy == BOUNDARY and (op, name) not in BOUNDARY_SITES:
         return
-    text = f"{message or f'{name} contains NaN or inf'} ({_where(policy)})"
     capture = getattr(_capture, "state", None)
     if capture is not None:  # recorded into the graph; the caller re-queues it after each replay
-        capture.verdicts.append((op, text, torch.isfinite(t).all()))
+        capture.verdicts.append((op, f"{message or f'{name} contains NaN or inf'} ({_where(policy)})",
+                                 torch.isfinite(t).all()))
         return
     if t.device.type == "cpu":
         if not _any_nonfinite_cpu(t):
@@ -152,7 +152,7 @@ def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> N
     queue = getattr(_pending, "items", None)
     if queue is None:
         queue = _pending.items = []
-    queue.append((op, text, torch.isfinite(t).all()))
+    queue.append((op, f"{message or f'{name} contains NaN or inf'} ({_where(policy)})", torch.isfinite(t).all()))
     if len(queue) >= 4096:  # bound the queue on long runs without a flushing op
         flush()
 
