@@ -275,9 +275,9 @@ def _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale: floa
     """A decode step (sequence s = query row s, at position seq_lens[s] - 1) with static shapes and no
     host read, so that it can be captured in a CUDA graph: every sequence's keys are gathered for all
     ``block_table.shape[1] * page_size`` positions of its table (the caller sizes the table to the
-    step), positions >= seq_lens[s] are masked out, then vendor GEMMs (cuBLAS) and softmax per kv-head
-    group. Masked positions gather position 0 (always inside the context), so a stale page never
-    enters the math. The native profile's result depends on the padding width: no guarantee."""
+    step) into [S, Hkv, L, D], positions >= seq_lens[s] are masked out, and one SDPA call (the vendor
+    kernel) attends. Masked positions gather position 0 (always inside the context), so a stale page
+    never enters the math. The native profile's result depends on the padding width: no guarantee."""
     n_seq, width = block_table.shape
     if n_seq != q.shape[0]:
         raise fail("attention_paged", f"a static decode step needs one query per sequence: {q.shape[0]} queries for "
@@ -289,13 +289,16 @@ def _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale: floa
     pos = torch.arange(width * page_size, device=dev)
     valid = pos < seq_lens.to(device=dev, dtype=torch.int64).unsqueeze(1)              # [S, L]
     pos_c = torch.where(valid, pos, 0)
-    pages = block_table.to(device=dev, dtype=torch.int64).gather(1, pos_c // page_size)
-    k = k_cache[pages, pos_c % page_size].permute(0, 2, 3, 1)                          # [S, Hkv, D, L]
-    v = v_cache[pages, pos_c % page_size].transpose(1, 2)                              # [S, Hkv, L, D]
-    scores = torch.matmul(q.view(n_seq, hkv, group, d), k).float() * scale             # [S, Hkv, G, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(p, v).reshape(n_seq, hkv * group, d)
+    pages = block_table.to(device=dev, dtype=torch.int64).gather(1, pos_c // page_size)[:, None, :]
+    heads, offsets = torch.arange(hkv, device=dev)[None, :, None], (pos_c % page_size)[:, None, :]
+    # gathered straight into [S, Hkv, L, D] (contiguous: the GEMMs below need no further copy)
+    k = k_cache.permute(0, 2, 1, 3)[pages, heads, offsets]
+    v = v_cache.permute(0, 2, 1, 3)[pages, heads, offsets]
+    # GQA as plain multi-head attention: kv head h's G query heads are G "queries" of head h (one position,
+    # so no causal mask; only the length mask), which every SDPA backend takes with a mask
+    out = F.scaled_dot_product_attention(q.view(n_seq, hkv, group, d), k, v, attn_mask=valid[:, None, None, :],
+                                         scale=scale)
+    return out.reshape(n_seq, hkv * group, d)
 
 
 __all__ = ["attention_varlen", "attention_paged", "write_kv_cache"]
