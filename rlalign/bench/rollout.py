@@ -46,7 +46,9 @@ the eager sampler and logprob op, bookkeeping: everything outside the captured f
 :mod:`rlalign.bench.roofline`, from the model config and the step's actual context lengths),
 ``achieved_gbps`` = bytes / wall, ``roofline_fraction`` = achieved / ``--peak-gbps`` (default 4300 on
 CUDA, the H200's HBM3e peak; none on the CPU unless given), ``forward_roofline_fraction`` the same
-against the forward's GPU time only.
+against the forward's GPU time only; ``graph_finite_checks_per_step``: the finiteness checks captured in
+the replayed graphs (docs/gpu.md, "Finiteness checks": a run with ``RLALIGN_CHECKS=per-op`` against the
+default prices one check, hence the default's share of a step).
 
 Model: ``--model DIR``; else ``--preset``; by default the embedded default model
 (rlalign/assets/default_model) when it exists on the CPU, the ``cpu-small`` preset otherwise, and
@@ -409,6 +411,7 @@ class DecodeStep:
     context_tokens: int
     seconds: float
     events: tuple | None = None
+    graph_checks: int = 0
 
     @property
     def forward_ms(self) -> float | None:
@@ -430,7 +433,8 @@ def _generate_step_by_step(engine: RolloutEngine, prompts, sampling) -> tuple[li
             if info is not None and info["decode"]:
                 replayed = graphs is not None and graphs.replays > replays and graphs.time_replays
                 steps.append(DecodeStep(info["rows"], info["context_tokens"], seconds,
-                                        graphs.last_events if replayed else None))
+                                        graphs.last_events if replayed else None,
+                                        graphs.last_checks if replayed else 0))
             for out in outputs:
                 if out.completion is not None:
                     done[(out.request_id, out.sample_index)] = out.completion
@@ -463,10 +467,12 @@ def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | No
            "achieved_gbps": _sig(achieved),
            "roofline_fraction": None if not peak_gbps else _sig(achieved / peak_gbps),
            "forward_gpu_ms": None, "host_ms_per_step": None, "forward_roofline_fraction": None,
-           "timed_forward_steps": len(timed)}
+           "timed_forward_steps": len(timed),
+           "graph_finite_checks_per_step": None}
     if timed:
         gpu_s = sum(gpu_ms) / 1e3
-        out.update(forward_gpu_ms=round(1e3 * gpu_s / len(timed), 3),
+        out.update(graph_finite_checks_per_step=round(sum(s.graph_checks for s, _ in timed) / len(timed), 1),
+                   forward_gpu_ms=round(1e3 * gpu_s / len(timed), 3),
                    host_ms_per_step=round(1e3 * (sum(s.seconds for s, _ in timed) - gpu_s) / len(timed), 3))
         if peak_gbps:
             out["forward_roofline_fraction"] = _sig(sum(b.total for _, b in timed) / gpu_s / 1e9 / peak_gbps)

@@ -33,7 +33,8 @@ of ``max_pages``), each pair captured at its first use (``width_buckets=True``).
 sequence's own length) and are all captured at the first decode step.
 
 ``time_replays=True`` records a pair of CUDA events around every replay (:attr:`last_events`): the
-GPU time of the captured forward, which the rollout benchmark sets against the step's wall time.
+GPU time of the captured forward, which the rollout benchmark sets against the step's wall time;
+:attr:`last_checks` counts the finiteness checks (isfinite + all, two kernels each) in that graph.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class DecodeGraphs:
         self.widths = buckets_up_to(max_pages) if width_buckets else [max_pages]
         self.width_buckets, self.time_replays = width_buckets, time_replays
         self.last_events: tuple | None = None
+        self.last_checks = 0      # finiteness verdicts recorded in the graph the last run replayed
         dev = model.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -144,6 +146,7 @@ class DecodeGraphs:
             with static_decode():
                 return self.model.forward_hidden(self._batch(b, w))[:n]
         graph, hidden, verdicts = self._graphs[(b, w)]
+        self.last_checks = len(verdicts)
         if self.time_replays:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -11,7 +11,7 @@ from rlalign.cli.main import main
 DECODE_FIELDS = {"decode_steps", "decode_rows_mean", "decode_context_mean", "decode_step_ms", "decode_step_ms_median",
                  "decode_tokens_per_s", "bytes_per_decode_step", "weight_bytes_per_decode_step",
                  "kv_bytes_per_decode_step", "achieved_gbps", "roofline_fraction", "forward_gpu_ms",
-                 "host_ms_per_step", "forward_roofline_fraction", "timed_forward_steps"}
+                 "host_ms_per_step", "forward_roofline_fraction", "timed_forward_steps", "graph_finite_checks_per_step"}
 
 
 def test_bench_rollout_json_schema(capsys):

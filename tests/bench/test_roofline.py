@@ -65,8 +65,8 @@ class _Events:
 
 def test_decode_metrics_from_known_steps():
     cfg = _config("tiny")
-    steps = [DecodeStep(rows=4, context_tokens=40, seconds=0.010, events=_Events(6.0).pair()),
-             DecodeStep(rows=2, context_tokens=30, seconds=0.030, events=_Events(10.0).pair())]
+    steps = [DecodeStep(rows=4, context_tokens=40, seconds=0.010, events=_Events(6.0).pair(), graph_checks=3),
+             DecodeStep(rows=2, context_tokens=30, seconds=0.030, events=_Events(10.0).pair(), graph_checks=4)]
     bytes_ = [decode_step_bytes(cfg, torch.float32, 4, 40).total, decode_step_bytes(cfg, torch.float32, 2, 30).total]
     m = decode_metrics(steps, cfg, torch.float32, peak_gbps=0.5)
     assert m["decode_steps"] == 2 and m["decode_rows_mean"] == 3.0 and m["decode_context_mean"] == round(70 / 6, 1)
@@ -75,6 +75,7 @@ def test_decode_metrics_from_known_steps():
     assert m["achieved_gbps"] == pytest.approx(sum(bytes_) / 0.040 / 1e9, rel=1e-3)
     assert m["roofline_fraction"] == pytest.approx(sum(bytes_) / 0.040 / 1e9 / 0.5, rel=1e-3)
     assert m["forward_gpu_ms"] == 8.0 and m["host_ms_per_step"] == 12.0        # (40 - 16) / 2
+    assert m["graph_finite_checks_per_step"] == 3.5
     assert m["forward_roofline_fraction"] == pytest.approx(sum(bytes_) / 0.016 / 1e9 / 0.5, rel=1e-3)
     eager = decode_metrics([DecodeStep(4, 40, 0.01)], cfg, torch.float32, peak_gbps=None)
     assert eager["forward_gpu_ms"] is None and eager["host_ms_per_step"] is None and eager["roofline_fraction"] is None

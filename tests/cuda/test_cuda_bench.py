@@ -25,5 +25,9 @@ def test_bench_rollout_cuda_reports_the_roofline(capsys):
         assert row["timed_forward_steps"] > 0 and row["forward_gpu_ms"] > 0
         assert row["host_ms_per_step"] >= 0 and 0 < row["roofline_fraction"] <= row["forward_roofline_fraction"]
         assert row["forward_roofline_fraction"] <= 1.0
+    strict_checks = next(r for r in result["rows"] if r["profile"] == "strict")["graph_finite_checks_per_step"]
+    # boundary policy (the CUDA default): one k check per layer (2 layers) in the graph; the hidden rows are
+    # checked eagerly by the sampler's ops
+    assert strict_checks == 2
     strict = next(r for r in result["rows"] if r["profile"] == "strict")
     assert strict["logprob_mismatches"] == 0 and strict["logprob_tokens_checked"] == 24
