@@ -153,3 +153,20 @@ def test_per_op_policy_names_the_op_and_the_layer():
         model.model.layers[1].self_attn.q_proj.weight[2, 1] = float("nan")
     with ops.use_check_policy("per-op"), pytest.raises(ContractError, match=r"rms_norm: x contains NaN .*in layers\.1\)"):
         _generate(model)     # q_norm (an rms_norm over head_dim) is the first op whose input holds the NaN
+
+
+@pytest.mark.parametrize("where", ["router", "experts"])
+def test_moe_router_and_expert_values_stop_generation_under_the_boundary_policy(where):
+    """Top-k routing may not select a NaN logit (the router logits are a boundary site); an expert's value
+    reaches the rows routed to it (planted in every expert, so some row is)."""
+    model = tiny_model("qwen3_moe", seed=4, init_std=0.1, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=24)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        if where == "router":
+            params["model.layers.0.mlp.gate.weight"][1, 3] = float("nan")
+        else:
+            for e in range(4):
+                params[f"model.layers.1.mlp.experts.{e}.down_proj.weight"][2, 5] = float("inf")
+    with ops.use_check_policy("boundary"), pytest.raises(ContractError, match="NaN or inf"):
+        _generate(model)
