@@ -291,7 +291,7 @@ def _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale: floa
     pos_c = torch.where(valid, pos, 0)
     pages = block_table.to(device=dev, dtype=torch.int64).gather(1, pos_c // page_size)[:, None, :]
     heads, offsets = torch.arange(hkv, device=dev)[None, :, None], (pos_c % page_size)[:, None, :]
-    # gathered straight into [S, Hkv, L, D] (contiguous: the GEMMs below need no further copy)
+    # gathered straight into [S, Hkv, L, D]: contiguous, the layout SDPA takes without a further copy
     k = k_cache.permute(0, 2, 1, 3)[pages, heads, offsets]
     v = v_cache.permute(0, 2, 1, 3)[pages, heads, offsets]
     # GQA as plain multi-head attention: kv head h's G query heads are G "queries" of head h (one position,

@@ -29,8 +29,9 @@ per-row contract, so it cannot read each sequence's length on the host inside a 
 :func:`rlalign.ops.static_decode` it attends over the whole width of the block table it is given,
 masked by ``seq_lens`` on the device. So that width follows the step, native graphs are keyed by
 (batch bucket, width bucket): widths (pages) are bucketed like batch sizes (:func:`buckets_up_to`
-of ``max_pages``), each pair captured at its first use (``width_buckets=True``). Strict graphs use the full width (their kernel reads each
-sequence's own length) and are all captured at the first decode step.
+of ``max_pages``), each pair captured at its first use (``width_buckets=True``). Strict graphs use
+the full width (their kernel reads each sequence's own length) and are all captured at the first
+decode step.
 
 ``time_replays=True`` records a pair of CUDA events around every replay (:attr:`last_events`): the
 GPU time of the captured forward, which the rollout benchmark sets against the step's wall time;

@@ -238,11 +238,11 @@ class RolloutEngine:
         """Hidden rows of every new token of the plan: a graph replay for a decode step that fits
         one, else one eager forward."""
         ids, positions, cu, table, seq_lens, slots = self._host_arrays(plan)
-        decode = bool(cu[-1] == len(plan.chunks))
+        decode_only = bool(cu[-1] == len(plan.chunks))
         # what this step's forward read, for the rollout benchmark's byte accounting (rlalign.bench.rollout)
-        self.last_forward = dict(decode=decode, rows=len(plan.chunks), context_tokens=int(seq_lens.sum()))
+        self.last_forward = dict(decode=decode_only, rows=len(plan.chunks), context_tokens=int(seq_lens.sum()))
         graphs = self.decode_graphs
-        if graphs is not None and decode and graphs.bucket(len(plan.chunks)) is not None:
+        if graphs is not None and decode_only and graphs.bucket(len(plan.chunks)) is not None:
             decode = HostDecode(ids, positions, table, seq_lens, slots)
             graphs.check(decode, self.blocks.num_pages)
             self.counters["graph_steps"] += 1
