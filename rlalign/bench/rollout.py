@@ -169,7 +169,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=1024, help="engine decode batch (default 1024)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
     p.add_argument("--decode-graphs", default="auto", choices=("auto", "on", "off"),
-                   help="replay decode steps from CUDA graphs (auto: strict profile on CUDA; RolloutConfig.decode_graphs)")
+                   help="replay decode steps from CUDA graphs, both profiles (auto: on CUDA; RolloutConfig.decode_graphs)")
     p.add_argument("--kv-cache-gb", type=float, help="engine KV cache size (default: 1 GiB CPU, 80%% of free GPU memory)")
     p.add_argument("--hf-batch-prompts", type=int,
                    help="prompts per transformers generate call (default all on the CPU, 64 on CUDA)")
