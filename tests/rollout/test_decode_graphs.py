@@ -216,3 +216,31 @@ def test_cuda_native_static_decode_matches_the_eager_native_op():
     with ops.static_decode():
         got = ops.attention_paged(q, kc, vc, table, lens, cu, profile="native").float()
     assert float((got - want).abs().max()) < 2e-2
+
+
+def test_native_forward_takes_the_capture_paths_on_the_cpu(model):
+    """What a CUDA capture of the native forward runs -- the ops' capture paths (index validation skipped,
+    decode form chosen from the capture hint) -- runs on the CPU too and equals the padded (eager) form."""
+    import numpy as np
+
+    from rlalign.contract import use_profile
+    from rlalign.models.batch import KVCache
+    from rlalign.ops import capturing_graph
+    from rlalign.rollout.decode_graphs import DecodeGraphs, HostDecode
+
+    cfg = model.config
+    cache = KVCache(cfg.num_layers, 12, 4, cfg.num_kv_heads, cfg.head_dim)
+    cache.k[0].normal_(), cache.v[0].normal_(), cache.k[1].normal_(), cache.v[1].normal_()
+    graphs = DecodeGraphs(model, cache, scratch_pages=[10, 11], max_batch=8, max_pages=4, mode="padded",
+                          width_buckets=True)
+    host = HostDecode(np.array([5, 9, 17], np.int64), np.array([6, 2, 9], np.int64),
+                      np.array([[0, 1, 0], [2, 0, 0], [3, 4, 5]], np.int32), np.array([7, 3, 10], np.int32),
+                      np.array([1 * 4 + 2, 2 * 4 + 2, 5 * 4 + 1], np.int64))
+    graphs.check(host, num_pages=10)
+    with use_profile("native"):
+        padded = graphs.run(host).clone()
+        b, w = graphs.bucket(3), graphs.width(3)
+        graphs._fill(host, b)
+        with capturing_graph(max_query_len=1):
+            captured_path = model.forward_hidden(graphs._batch(b, w))[:3]
+    assert torch.equal(captured_path, padded)
