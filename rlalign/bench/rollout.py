@@ -616,6 +616,13 @@ def print_table(result: dict) -> None:
                                                           "generated_tokens")}
         print(f"{r['engine']:<14}{r['profile']:<9}{r['tokens_per_s']:>12.1f}{r['seconds']:>10.2f}"
               f"{r['generated_tokens']:>10}  {json.dumps(notes)}")
+    for r in result["rows"]:
+        if r.get("decode_steps"):
+            print(f"decode {r['profile']:<7} {r['decode_steps']} steps of {r['decode_rows_mean']} rows x "
+                  f"{r['decode_context_mean']} context: step {r['decode_step_ms']} ms (forward on the GPU "
+                  f"{r['forward_gpu_ms']} ms, host {r['host_ms_per_step']} ms), {r['bytes_per_decode_step'] / 1e9:.4g} GB "
+                  f"moved -> {r['achieved_gbps']} GB/s, roofline fraction {r['roofline_fraction']} "
+                  f"(forward only {r['forward_roofline_fraction']})")
     print("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
     env = result["environment"]
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None))
