@@ -178,7 +178,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, help="timed calls per engine, the median reported (default 3 CPU, 1 CUDA)")
     p.add_argument("--warmup", choices=("full", "short"),
                    help="untimed warm-up per engine: the whole workload once (default on the CPU: the process's "
-                        "allocator and caches settle, whichever engine runs first) or 2 prompts x 4 tokens (CUDA)")
+                        "allocator and caches settle, whichever engine runs first; and for the --workload presets "
+                        "on CUDA: every decode graph is captured before the timed call; transformers on CUDA "
+                        "always warms up short) or 2 prompts x 4 tokens (CUDA default)")
     p.add_argument("--verify", action="store_true",
                    help="check every engine logprob against the trainer's forward in the same profile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
