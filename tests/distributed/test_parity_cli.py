@@ -74,3 +74,19 @@ def test_parity_tp_bad_degree_is_one_line(checkpoint, tp, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_closing_line_names_a_tensor_parallel_mismatch(capsys):
+    """Rollout and TP=1 agree, a degree does not: the summary must not read 'MISMATCH: 0 of N'."""
+    from types import SimpleNamespace
+
+    from rlalign.cli.parity import _print
+    tokens = SimpleNamespace(tokens_compared=5, mismatches=0, max_abs_diff=0.0, mean_abs_diff=0.0, not_comparable=None)
+    details = {"environment": None, "rollout": "rlalign", "train": "rlalign", "profile": "strict", "model": "m",
+               "sequences": 2, "prompts": 1, "first_divergence": None}
+    tp = {"ok": False, "tp": {"2": {"tokens_compared": 5, "mismatches": 5, "rollout_mismatches": 5,
+                                    "routing_mismatches": 1}}}
+    _print(SimpleNamespace(details=lambda: details, tokens=tokens, localization=None, tp=tp, ok=False), None)
+    out = capsys.readouterr().out
+    assert "TP=2: 5 tokens, 5 mismatches vs TP=1, 5 vs the rollout, 1 rows routed differently from TP=1" in out
+    assert "MISMATCH across tensor-parallel degrees" in out and "MISMATCH: 0 of" not in out
