@@ -31,7 +31,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
 from rlalign.contract import spec
 from rlalign.contract.errors import fail
