@@ -37,9 +37,11 @@ from pathlib import Path
 
 import torch
 
+from rlalign.contract.errors import RLAlignError
 from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
+from rlalign.train.runconfig import resolve_train_config
 
 PROMPT_TOKENS_ESTIMATE = 64   # KV sizing when rollout.kv_cache_bytes is unset (arithmetic prompts are ~10 tokens)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -156,8 +158,6 @@ def _size(n: int) -> str:
 
 
 def main(argv=None) -> int:
-    from rlalign.contract.errors import RLAlignError
-    from rlalign.train.runconfig import resolve_train_config
     p = argparse.ArgumentParser(prog="python -m rlalign.train.budget", description=__doc__.splitlines()[0])
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
