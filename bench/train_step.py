@@ -14,7 +14,7 @@ The micro-step (what one micro-batch of a GRPO update costs), same weights and s
                   as a TRL-style trainer runs it
 
 loss = -(advantage * logprob).sum() / tokens over the real (unpadded) tokens. The sequences are ragged
-(lengths uniform in [mean/4, 7 mean/4], seeded), packed up to ``--tokens``. Weights are bf16
+(lengths uniform in [mean/4, 7 mean/4], seeded, the last one the remainder) and total ``--tokens``. Weights are bf16
 (``--dtype``), random-init (N(0, 0.02), norms 1), copied into the transformers model by name.
 
 Each variant runs in a fresh subprocess (a clean peak-memory reading; an out-of-memory variant is
@@ -65,15 +65,14 @@ SHAPES = {
 # ---- workload ------------------------------------------------------------------------------------
 
 def sequence_lengths(tokens: int, mean: int, seed: int = 0) -> list[int]:
-    """Ragged lengths, uniform in [mean/4, 7*mean/4], added while they fit in ``tokens`` (at least one)."""
+    """Ragged lengths uniform in [mean/4, 7*mean/4] (seeded) summing to exactly ``tokens``: the last
+    one is what is left (it may be shorter than mean/4)."""
     import random
     rng, lens = random.Random(seed), []
     lo, hi = max(1, mean // 4), max(1, 7 * mean // 4)
-    while True:
-        n = min(rng.randint(lo, hi), tokens)
-        if lens and sum(lens) + n > tokens:
-            return lens
-        lens.append(n)
+    while sum(lens) < tokens:
+        lens.append(min(rng.randint(lo, hi), tokens - sum(lens)))
+    return lens
 
 
 def hf_config(args) -> dict:
@@ -149,7 +148,8 @@ def _transformers_step(args, lens):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     cfg = Qwen3Config(**{k: v for k, v in hf_config(args).items() if k not in ("architectures", "model_type")})
     dtype = getattr(torch, args.dtype)
-    model = Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa", torch_dtype=dtype).to(args.device)
+    with torch.device(args.device):      # built in place: no host copy of an 8B-shaped model
+        model = Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa", torch_dtype=dtype)
     source = _rlalign_model(args)        # the same weights as the other variants (Hugging Face names)
     model.load_state_dict(source.state_dict(), strict=True)
     del source
