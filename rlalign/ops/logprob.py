@@ -121,8 +121,8 @@ class _NativeFusedLogprob(torch.autograd.Function):
                 z /= temperature
             lse[a:b] = torch.logsumexp(z, dim=-1)
             lp[a:b] = z.gather(1, targets[a:b, None])[:, 0] - lse[a:b]
-            if with_entropy:
-                ent[a:b] = lse[a:b] - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if with_entropy:   # E_p[z]: p * z formed in p's buffer (no third [chunk, V] buffer)
+                ent[a:b] = lse[a:b] - torch.exp(z - lse[a:b, None]).mul_(z).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, *(() if ent is None else (ent,)))
         ctx.temperature, ctx.token_chunk = temperature, token_chunk
         return lp, (ent if with_entropy else lp.new_zeros(0))
@@ -140,13 +140,9 @@ class _NativeFusedLogprob(torch.autograd.Function):
             z = _mm_fp32(hidden[a:b], wt)
             if t != 1.0:
                 z /= t
-            p = torch.exp(z - lse[a:b, None])
-            # d logprob / dz = onehot(target) - p;  d entropy / dz = -p * (z - E_p[z]), E_p[z] = lse - entropy
-            dz = p * (-g_lp[a:b, None]) if g_lp is not None else torch.zeros_like(p)
-            if g_lp is not None:
-                dz.scatter_add_(1, targets[a:b, None], g_lp[a:b, None])
-            if ent is not None and g_ent is not None and g_ent.numel():
-                dz -= p * (z - (lse[a:b] - ent[a:b])[:, None]) * g_ent[a:b, None]
+            dz = _grad_logits_(z, lse[a:b], None if ent is None else ent[a:b], targets[a:b],
+                               None if g_lp is None else g_lp[a:b],
+                               None if g_ent is None or not g_ent.numel() else g_ent[a:b])
             if t != 1.0:
                 dz /= t
             dz = dz.to(hidden.dtype) if hidden.is_cuda else dz   # the fast stack's bf16 GEMM operands on CUDA
@@ -155,6 +151,23 @@ class _NativeFusedLogprob(torch.autograd.Function):
             if dw is not None:
                 dw += _mm_fp32(dz.t(), hidden[a:b])
         return dh, (None if dw is None else dw.to(weight.dtype)), None, None, None, None
+
+
+def _grad_logits_(z, lse, ent, targets, g_lp, g_ent):
+    """d loss / dz for one chunk, written over z (at most one more [chunk, V] buffer):
+    d logprob / dz = onehot(target) - p;  d entropy / dz = -p (z - E_p[z]), E_p[z] = lse - entropy;
+    so dz = -p (g_lp + g_ent (z - E_p[z])) + onehot(target) g_lp."""
+    p = torch.exp(z - lse[:, None])
+    if ent is not None and g_ent is not None:
+        coef = z.sub_((lse - ent)[:, None]).mul_(g_ent[:, None])       # g_ent (z - E_p[z]), over z
+        if g_lp is not None:
+            coef.add_(g_lp[:, None])
+        dz = coef.mul_(p).neg_()
+    else:
+        dz = p.mul_(-g_lp[:, None]) if g_lp is not None else p.zero_()
+    if g_lp is not None:
+        dz.scatter_add_(1, targets[:, None], g_lp[:, None])
+    return dz
 
 
 # ---- validation --------------------------------------------------------------------------------
