@@ -249,6 +249,21 @@ def flash_varlen_unavailable(q: torch.Tensor, k: torch.Tensor) -> str | None:
         return "this torch build has no (enabled) flash attention kernel"
     if torch.cuda.get_device_capability(q.device) < (8, 0):
         return "flash attention needs compute capability >= 8.0"
+    return _flash_probe(q.device, q.dtype, q.shape[1], k.shape[1], d)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_probe(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int) -> str | None:
+    """Run the kernel once, forward and backward, on two 1-token sequences of this configuration:
+    a torch build whose entry points differ (or refuse the GQA layout) is found here, not mid-run."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad():   # the caller may be scoring under no_grad
+            q = torch.zeros(2, hq, d, device=device, dtype=dtype, requires_grad=True)
+            k, v = (torch.zeros(2, hkv, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+            cu = torch.tensor([0, 1, 2], device=device, dtype=torch.int32)
+            _FlashVarlen.apply(q, k, v, cu, 1, d ** -0.5).sum().backward()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return f"the flash varlen kernel failed a probe call ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
     return None
 
 

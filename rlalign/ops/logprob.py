@@ -28,6 +28,7 @@ Native profile: the fast non-deterministic stack's fused loss (what Liger-style 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
@@ -38,6 +39,8 @@ from rlalign.contract.profiles import Profile, as_profile
 from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
+
+_log = logging.getLogger(__name__)
 
 
 
@@ -93,15 +96,27 @@ def _native_logprob_entropy(hidden, weight, targets, temperature, token_chunk, w
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with an fp32 result: bf16/fp16 tensor cores accumulating in fp32 on CUDA (one GEMM, no
     fp32 copies of the operands); an fp32 GEMM of widened operands elsewhere."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and _cuda_mm_out_dtype():
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and _mm_out_dtype_ok(a.device,
+                                                                                                           a.dtype):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
-@functools.lru_cache(maxsize=1)
-def _cuda_mm_out_dtype() -> bool:
-    """torch.mm(..., out_dtype=float32) exists (torch >= 2.8 on CUDA); otherwise the operands are widened."""
-    return hasattr(torch.ops.aten.mm, "dtype")
+@functools.lru_cache(maxsize=None)
+def _mm_out_dtype_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.mm(..., out_dtype=float32) runs here (torch >= 2.8 on CUDA), probed once on a
+    tiny call with a transposed operand; otherwise the native profile widens the operands (logged)."""
+    try:
+        a = torch.ones(2, 3, device=device, dtype=dtype)
+        ok = bool(torch.mm(a, a.t(), out_dtype=torch.float32).eq(3).all())
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        ok, why = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    else:
+        why = "a wrong result on the probe"
+    if not ok:
+        _log.warning("native logprob_entropy: fp32 GEMMs of widened operands (torch.mm out_dtype=float32 "
+                     "unavailable: %s)", why)
+    return ok
 
 
 class _NativeFusedLogprob(torch.autograd.Function):
