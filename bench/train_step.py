@@ -1,6 +1,6 @@
 """One training micro-step on Qwen3-8B shapes: strict vs native vs stock transformers, in one run.
 
-    python bench/train_step.py --device cuda [--layers 6 --tokens 8192] [--json]      # the H200 figure
+    python bench/train_step.py --device cuda [--layers 6 --tokens 8192] [--json] [--out FILE]   # the H200 figure
     python bench/train_step.py --shape tiny --device cpu --iters 2 --json             # seconds, for CI
 
 The micro-step (what one micro-batch of a GRPO update costs), same weights and same tokens for all:
@@ -253,7 +253,8 @@ def parse_args(argv=None):
                    help=f"second MFU reference (default on CUDA {H200_CUBLAS_CEILING_TFLOPS:g}: measured cuBLAS bf16)")
     p.add_argument("--in-process", action="store_true", help="run the variants in this process (tests; peak "
                                                              "memory readings then overlap)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a table")
+    p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     tiny = args.shape == "tiny"
@@ -291,6 +292,8 @@ def main(argv=None) -> int:
               "flops": flops, "peak_tflops": args.peak_tflops, "peak_source": "H200 dense bf16 spec (or --peak-tflops)",
               "ceiling_tflops": args.ceiling_tflops, "ceiling_source": "measured cuBLAS bf16 GEMM on the H200",
               "rows": rows, "ratios": _ratios(rows)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result) if args.json else _table(result))
     return 0 if all("ms" in r for r in rows) else 1
 

@@ -17,11 +17,12 @@ train_step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train_step)
 
 
-def test_tiny_run_reports_every_variant_and_the_losses_agree(capsys):
+def test_tiny_run_reports_every_variant_and_the_losses_agree(capsys, tmp_path):
     code = train_step.main(["--shape", "tiny", "--device", "cpu", "--tokens", "128", "--mean-seq", "24",
                             "--iters", "1", "--warmup", "1", "--in-process", "--peak-tflops", "1",
-                            "--ceiling-tflops", "0.5", "--json"])
+                            "--ceiling-tflops", "0.5", "--json", "--out", str(tmp_path / "r.json")])
     result = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "r.json").read_text()) == result
     assert code == 0
     rows = {r["variant"]: r for r in result["rows"]}
     assert set(rows) == {"strict", "native", "transformers"}
