@@ -17,6 +17,12 @@ ROW_BLOCK = 64
 # Canonical K partition of row-parallel layers (o_proj, down_proj): K is cut into this many equal
 # segments (when K allows), each reduced from zero, merged by a fixed balanced binary tree.
 K_SEGMENTS = 8
+# The same partition for the experts' down_proj of a mixture-of-experts FFN, with 4 segments: expert
+# FFNs are narrow (Qwen3-30B-A3B: 768), and 8 segments of 96 columns do not fall on the GEMM's 64-column
+# steps -- each would end in a half-masked step (a third of the MMA work wasted) and the GPU kernel could
+# not stream its operand by TMA: 3.0 ms vs 1.0 ms unsegmented on the H200 (bench/gpu_moe.py, docs/LOG.md).
+# 4 segments of 192 are whole steps. Tensor parallelism of the experts therefore goes up to TP=4.
+MOE_K_SEGMENTS = 4
 # Attention: keys are visited in blocks of this many absolute positions (0, B, 2B, ...);
 # queries are processed in tiles of (query, head) rows of exactly ATTN_Q_TILE rows.
 ATTN_KV_BLOCK = 64
@@ -122,8 +128,9 @@ CONTRACT: tuple[OpContract, ...] = (
     ),
     OpContract(
         "moe_experts (expert SwiGLU FFNs)", "H (gate/up) and I (down) of each expert's projections",
-        "the (token, slot) rows grouped by expert (stable sort), one strict linear per projection per expert; "
-        "down_proj with the canonical K partition like the dense FFN",
+        "the (token, slot) rows grouped by expert (stable sort), each expert's rows through the strict linear per "
+        "projection (one grouped GEMM per projection on the GPU, the same per-row arithmetic); down_proj with the "
+        "canonical K partition of MOE_K_SEGMENTS = 4 segments",
         "as the strict linear", "as the strict linear and silu_mul", "as the strict linear and silu_mul",
         "strict linear, silu_mul",
         "how many tokens chose the expert (1 or thousands), the order of the tokens, the other experts' loads",
@@ -191,7 +198,7 @@ def render_markdown() -> str:
         "| name | value |",
         "|---|---|",
     ]
-    for name in ("ROW_BLOCK", "K_SEGMENTS", "ATTN_KV_BLOCK", "ATTN_Q_TILE", "VOCAB_BLOCK", "TOKEN_BLOCK"):
+    for name in ("ROW_BLOCK", "K_SEGMENTS", "MOE_K_SEGMENTS", "ATTN_KV_BLOCK", "ATTN_Q_TILE", "VOCAB_BLOCK", "TOKEN_BLOCK"):
         lines.append(f"| `{name}` | {globals()[name]} |")
     lines.append(f"| strict dtypes | {', '.join(STRICT_DTYPES)} |")
     lines += ["", "## Per op", ""]

@@ -77,7 +77,7 @@ def sparse_moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_w: Sequence[t
     record = getattr(_RECORD, "current", None)
     if record is not None:
         record.add(layer, logits, experts)
-    y = ops.moe_experts(x, experts, gate_w, up_w, down_w, down_segments=spec.K_SEGMENTS)
+    y = ops.moe_experts(x, experts, gate_w, up_w, down_w, down_segments=spec.MOE_K_SEGMENTS)
     return ops.moe_combine(y, weights, experts)
 
 
@@ -90,7 +90,7 @@ class Expert(nn.Module):
         super().__init__()
         self.gate_proj = Linear(hidden, inter, False, dtype, device)
         self.up_proj = Linear(hidden, inter, False, dtype, device)
-        self.down_proj = Linear(inter, hidden, False, dtype, device, k_segments=spec.K_SEGMENTS)
+        self.down_proj = Linear(inter, hidden, False, dtype, device, k_segments=spec.MOE_K_SEGMENTS)
 
     def tp_plan(self) -> dict[str, sharding.ShardSpec]:
         return {"gate_proj": sharding.COLUMN, "up_proj": sharding.COLUMN, "down_proj": sharding.ROW}

@@ -24,6 +24,7 @@ from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
+from rlalign.ops._registry import register
 from rlalign.ops.basic import linear, silu_mul
 
 
@@ -84,10 +85,29 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.T
     tokens, k = experts.shape
     flat = experts.reshape(-1)
     if flat.numel():
-        chk.memo("moe_expert_ids", lambda: _check_expert_ids(flat, n_experts), flat, extra=(n_experts,))
+        _validate_expert_ids(flat, n_experts)
     order = torch.sort(flat, stable=True).indices       # slots grouped by expert, slot order inside a group
-    counts = torch.bincount(flat, minlength=n_experts).tolist()
     rows = x.unsqueeze(1).expand(tokens, k, hidden).reshape(tokens * k, hidden).index_select(0, order)
+    expert_of_row = flat.index_select(0, order)
+    if as_profile(profile) is Profile.NATIVE:
+        grouped = expert_ffn_loop(rows, expert_of_row, gate_w, up_w, down_w, down_segments, profile=profile)
+    else:
+        chk.finite("moe_experts", "x", x)
+        grouped = strict_impl("moe_expert_ffn", x.device)(rows, expert_of_row, gate_w, up_w, down_w, down_segments)
+    # back to slot order: position order[i] receives grouped row i (a permutation)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return grouped.index_select(0, inverse).view(tokens, k, hidden)
+
+
+@register("moe_expert_ffn", "torch")
+def expert_ffn_loop(rows: torch.Tensor, expert_of_row: torch.Tensor, gate_w, up_w, down_w, down_segments,
+                    profile=None) -> torch.Tensor:
+    """The experts' FFNs of rows sorted by expert (``expert_of_row`` non-decreasing): one strict linear per
+    projection per expert that has rows (the torch backend; the triton backend runs the same arithmetic
+    as grouped GEMMs, one launch per projection: rlalign.ops.triton_backend.moe). Reads the expert counts
+    on the host (one sync)."""
+    counts = torch.bincount(expert_of_row, minlength=len(gate_w)).tolist()
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n == 0:
@@ -96,11 +116,7 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.T
         act = silu_mul(linear(xe, gate_w[e], profile=profile), linear(xe, up_w[e], profile=profile), profile=profile)
         outs.append(linear(act, down_w[e], k_segments=down_segments, profile=profile))
         start += n
-    grouped = torch.cat(outs) if outs else x.new_zeros((0, hidden))
-    # back to slot order: position order[i] receives grouped row i (a permutation)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return grouped.index_select(0, inverse).view(tokens, k, hidden)
+    return torch.cat(outs) if outs else rows.new_zeros((0, rows.shape[1]))
 
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -132,6 +148,18 @@ def _check_expert_shapes(x, gate_w, up_w, down_w) -> None:
         if shapes != ((inter, hidden), (inter, hidden), (hidden, inter)):
             raise fail("moe_experts", f"expert {e}: gate {shapes[0]}, up {shapes[1]}, down {shapes[2]} do not fit "
                        f"x {tuple(x.shape)} (want [I, H], [I, H], [H, I] with H={hidden}, I={inter})")
+
+
+def _validate_expert_ids(flat: torch.Tensor, n_experts: int) -> None:
+    """Expert ids in [0, E). On the CPU at once. On a GPU the verdict stays on the device and the next
+    sync point raises (as the deferred finiteness checks: a host read per MoE layer would stall the
+    launch queue); meanwhile an out-of-range id is harmless -- its rows fall outside every expert's row
+    range and are never computed. Skipped inside a CUDA graph capture (the caller validated the batch)."""
+    if flat.device.type == "cpu":
+        chk.memo("moe_expert_ids", lambda: _check_expert_ids(flat, n_experts), flat, extra=(n_experts,))
+    elif not chk.is_capturing():
+        ok = ((flat >= 0) & (flat < n_experts)).all()
+        chk.requeue([("moe_experts", f"an expert id is outside [0, {n_experts})", ok)])
 
 
 def _check_expert_ids(flat: torch.Tensor, n_experts: int) -> bool:

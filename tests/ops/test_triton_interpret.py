@@ -242,8 +242,41 @@ def _check_sample():
     return 0.0
 
 
+def _check_grouped():
+    """MoE grouped GEMMs: idle experts, 1-row and multi-tile experts, ragged N/K, canonical segments;
+    forward, dX and dW against float64 per expert (an unwritten row would hold stale memory and fail)."""
+    import torch
+    from rlalign.ops.triton_backend import grouped as G
+    g = torch.Generator().manual_seed(3)
+    worst = 0.0
+    for counts, n, k, seg in (([0, 1, 70, 0, 130], 70, 96, 1), ([3, 0, 65], 40, 256, 8), ([2, 2], 33, 64, 2),
+                              ([0, 0, 0], 16, 64, 1)):
+        rows = sum(counts)
+        e_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        x = torch.randn(rows, k, generator=g)
+        ws = [torch.randn(n, k, generator=g) for _ in counts]
+        off = G.expert_offsets(e_of_row, len(counts))
+        out = G.grouped_rows(x, off, ws, segments=seg)
+        ref = torch.cat([x[e_of_row == e].double() @ w.double().T for e, w in enumerate(ws)]) if rows else None
+        if rows:
+            worst = max(worst, _rel(out, ref))
+            gy = torch.randn(rows, n, generator=g)
+            gx = G.grouped_rows(gy, off, ws, transpose_w=False)
+            ref_gx = torch.cat([gy[e_of_row == e].double() @ w.double() for e, w in enumerate(ws)])
+            worst = max(worst, _rel(gx, ref_gx))
+            gw = G.grouped_weight_grad(gy, x, off, len(ws), torch.float32)
+            ref_gw = torch.stack([gy[e_of_row == e].double().T @ x[e_of_row == e].double() for e in range(len(ws))])
+            worst = max(worst, _rel(gw, ref_gw))
+            if any(c == 0 for c in counts) and bool((gw[[i for i, c in enumerate(counts) if c == 0]] != 0).any()):
+                return "an idle expert's weight gradient is not zero"
+        elif out.shape != (0, n):
+            return f"empty input gave {tuple(out.shape)}"
+    return worst
+
+
 CHECKS = {"gemm": _check_gemm, "attention": _check_attention, "logprob": _check_logprob,
-          "logprob_last_tile": _check_logprob_last_tile, "elementwise": _check_elementwise, "sample": _check_sample}
+          "logprob_last_tile": _check_logprob_last_tile, "elementwise": _check_elementwise, "sample": _check_sample,
+          "grouped": _check_grouped}
 
 
 def _worker() -> None:
@@ -369,6 +402,15 @@ def _sm90_worker() -> None:
     attempt("rope", lambda: E._rope_launch(q[:4], torch.empty(4, 64), torch.empty(4, 64), 1.0))
     ints = torch.zeros(4, dtype=torch.int64)
     attempt("sample", lambda: S.sample(torch.randn(4, 1000), ints, ints, ints, torch.ones(4), ints, torch.ones(4)))
+    from rlalign.ops.triton_backend import grouped as GR
+    rows, experts = torch.empty(32768, 2048, dtype=bf), [torch.empty(768, 2048, dtype=bf) for _ in range(4)]
+    down = [torch.empty(2048, 768, dtype=bf) for _ in range(4)]
+    off = torch.tensor([0, 100, 8000, 8001, 32768])
+    attempt("moe grouped gate/up", lambda: GR.grouped_rows(rows, off, experts))
+    attempt("moe grouped down P=8", lambda: GR.grouped_rows(rows[:, :768], off, down, segments=8))
+    attempt("moe grouped dX", lambda: GR.grouped_rows(rows[:, :768], off, experts, transpose_w=False))
+    attempt("moe grouped dW", lambda: GR.grouped_weight_grad(rows[:, :768], rows, off, 4, bf))
+    attempt("moe grouped small", lambda: GR.grouped_rows(rows[:64], torch.tensor([0, 1, 2, 3, 64]), experts))
     before = len(compiled)
     attempt("gemm shape grid", lambda: _compile_gemm_grid(G))
     grid_variants = len(compiled) - before

@@ -8,7 +8,8 @@ torch backend instead -- a debugging switch: cuBLAS on an H200 breaks properties
 relies on, so the contract is not guaranteed for those ops. Set it for both engines of a run alike.
 
 Kernels: :mod:`.gemm` (linear, LM head GEMMs), :mod:`.attention`, :mod:`.logprob`,
-:mod:`.elementwise` (rms_norm, rope, silu_mul), :mod:`.sample`. docs/gpu.md says what was
+:mod:`.elementwise` (rms_norm, rope, silu_mul), :mod:`.sample`, :mod:`.grouped` (the MoE experts'
+grouped GEMMs, :mod:`.moe`). docs/gpu.md says what was
 verified on the H200 and which tile shapes are bitwise interchangeable.
 """
 
@@ -31,7 +32,7 @@ if not torch.cuda.is_available() and not _INTERPRET:
 
 from rlalign.ops._registry import register  # noqa: E402
 from rlalign.ops.torch_backend import moe as torch_moe  # noqa: E402
-from rlalign.ops.triton_backend import attention, elementwise, linear, logprob, sample, shard  # noqa: E402
+from rlalign.ops.triton_backend import attention, elementwise, linear, logprob, moe, sample, shard  # noqa: E402
 
 IMPLEMENTATIONS = {
     "linear": linear.linear,
@@ -46,6 +47,7 @@ IMPLEMENTATIONS = {
     # routing is elementwise + a written-out tree over E experts in torch kernels: no GEMM, nothing
     # cuBLAS decides, so the torch formulation is strict on CUDA as it stands
     "moe_route": torch_moe.route,
+    "moe_expert_ffn": moe.expert_ffn,
     **shard.IMPLEMENTATIONS,   # tensor-parallel shard entries (rlalign.ops.shard)
 }
 DISABLED = frozenset(op.strip() for op in os.environ.get("RLALIGN_TRITON_DISABLE", "").split(",") if op.strip())

@@ -60,7 +60,7 @@ _LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
 # acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging.
 _LARGE_ACCIN = (GemmConfig(128, 128, 8, 3, flatten=True),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
-# Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see _segment_tree),
+# Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see segment_tree),
 # so shared memory is that of the plain kernel whatever P and K (an unrolled loop per segment got
 # its own stage buffers when a segment was one k-step; docs/LOG.md). Up to log2(P)+1
 # accumulators are live at once, so the tiles are narrower. sm_90a, P=8 (ptxas -v): 128x64/8 warps
@@ -133,7 +133,7 @@ def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak,
+def load_a_tile(a_src, off_m, k, k_end, M, stride_am, stride_ak,
             BM: tl.constexpr, BK: tl.constexpr, A_TRANS: tl.constexpr, USE_TMA: tl.constexpr):
     """Logical A[off_m:off_m+BM, k:k+BK] (A is [M, K]; stored [K, M] when A_TRANS); 0 past k_end / M."""
     if USE_TMA:
@@ -149,7 +149,7 @@ def _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak,
 
 
 @triton.jit
-def _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn,
+def load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn,
             BN: tl.constexpr, BK: tl.constexpr, B_TRANS: tl.constexpr, USE_TMA: tl.constexpr):
     """Logical B[k:k+BK, off_n:off_n+BN] (B is [K, N]; stored [N, K] when B_TRANS); 0 past k_end / N."""
     if USE_TMA:
@@ -172,8 +172,8 @@ def reduce_segment(acc, a_src, b_src, off_m, off_n, k0, k_end, steps, M, N,
     """acc + sum over k-steps k0, k0+BK, ... (``steps`` of them, masked to k_end) in order."""
     for j in range(steps):
         k = k0 + j * BK
-        a = _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
-        b = _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
+        a = load_a_tile(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
+        b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
         acc = mma(a, b, acc, SPLIT)
     return acc
 
@@ -211,7 +211,7 @@ def _pop(v, scratch, slot, level: tl.constexpr, REG_LEVELS: tl.constexpr, BM: tl
 
 
 @triton.jit
-def _merge_segment(v, st0, st1, st2, s, scratch, slot, LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr,
+def merge_segment(v, st0, st1, st2, s, scratch, slot, LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr):
     """Segment ``s``'s partial ``v`` joins the binary-counter stack of completed subtrees.
 
@@ -236,7 +236,7 @@ def _merge_segment(v, st0, st1, st2, s, scratch, slot, LOG2P: tl.constexpr, REG_
 
 
 @triton.jit
-def _segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
+def segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
                   stride_am, stride_ak, stride_bk, stride_bn,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
                   LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr,
@@ -257,11 +257,11 @@ def _segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
         j = i - s * steps
         k_end = (s + 1) * SEG_K
         k = s * SEG_K + j * BK
-        a = _load_a(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
-        b = _load_b(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
+        a = load_a_tile(a_src, off_m, k, k_end, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
+        b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
         acc = mma(a, b, acc, SPLIT)
         if j == steps - 1:
-            v, st0, st1, st2 = _merge_segment(acc, st0, st1, st2, s, scratch, slot, LOG2P, REG_LEVELS, BM, BN)
+            v, st0, st1, st2 = merge_segment(acc, st0, st1, st2, s, scratch, slot, LOG2P, REG_LEVELS, BM, BN)
             if s == P - 1:
                 acc = v       # the whole tree: the loop ends here
             else:
@@ -302,7 +302,7 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, A_TRANS, B_TRANS,
                                   USE_TMA, SPLIT)
         else:
-            acc = _segment_tree(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
+            acc = segment_tree(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
                                 stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P, REG_LEVELS,
                                 A_TRANS, B_TRANS, USE_TMA, SPLIT)
         if HAS_BIAS:

@@ -1,0 +1,226 @@
+"""Benchmark: the MoE experts' FFN, strict grouped GEMMs vs the vendor paths, Qwen3-30B-A3B shapes (H200).
+
+One MoE layer's experts as ``rlalign.models.moe`` calls them: hidden 2048, 128 experts, top-8,
+moe_intermediate 768, bf16, T = 4,096 / 8,192 / 16,384 tokens routed by a random router (top-8 of
+softmax over random logits: a realistic, uneven load). Through the public op
+``ops.moe_experts(x, experts, gate, up, down, down_segments=4)`` (spec.MOE_K_SEGMENTS) (strict: sort + three grouped GEMMs
++ silu_mul + unpermute) against, in the same run and with the same routing:
+
+* ``loop``: the same op in the native profile -- per expert, three cuBLAS GEMMs (F.linear), the
+  vendor path a stock Qwen3-MoE module runs (it reads the expert counts on the host);
+* ``grouped_mm``: torch's grouped GEMM (``torch._grouped_mm``, CUTLASS) on stacked weights with the
+  same sort / silu / unpermute around it (where this torch build has it);
+
+``vendor`` = the faster of the two; ``ratio`` = vendor time / strict time (>= 0.8 is the issue's
+target). Forward, and forward + backward (``--backward``). Also each grouped GEMM alone vs
+``torch._grouped_mm`` on the same rows (kernel rows) and TFLOP/s (2 * rows * N * K per projection).
+
+    python bench/gpu_moe.py [--out DIR] [--tokens 4096,8192,16384] [--backward]
+
+Writes bench_moe.json (+ .csv) to $OUT (or --out, default bench/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_linear import write  # noqa: E402
+
+HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
+
+
+def timed(fn) -> float:
+    import triton
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def make_layer(seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def w(*shape, scale):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+    gate = [w(INTER, HIDDEN, scale=HIDDEN ** -0.5) for _ in range(EXPERTS)]
+    up = [w(INTER, HIDDEN, scale=HIDDEN ** -0.5) for _ in range(EXPERTS)]
+    down = [w(HIDDEN, INTER, scale=INTER ** -0.5) for _ in range(EXPERTS)]
+    return gate, up, down
+
+
+def routing(tokens: int, seed: int = 1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
+    return torch.topk(torch.softmax(logits, -1), TOP_K, dim=-1).indices
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm_ffn(stacked, x, experts):
+    """The vendor grouped GEMM path: sort rows by expert, torch._grouped_mm x3, silu, unpermute."""
+    gate_t, up_t, down_t = stacked            # [E, K, N] views (column-major per expert)
+    tokens, k = experts.shape
+    flat = experts.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    rows = x.unsqueeze(1).expand(tokens, k, x.shape[1]).reshape(-1, x.shape[1]).index_select(0, order)
+    offs = torch.cumsum(torch.bincount(flat, minlength=EXPERTS), 0).to(torch.int32)
+    act = F.silu(torch._grouped_mm(rows, gate_t, offs=offs)) * torch._grouped_mm(rows, up_t, offs=offs)
+    out = torch._grouped_mm(act, down_t, offs=offs)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return out.index_select(0, inverse).view(tokens, k, -1)
+
+
+def stack_for_grouped_mm(gate, up, down):
+    # torch._grouped_mm wants B as [E, K, N]; the transposed view of the stacked [E, N, K] weights
+    return tuple(torch.stack(ws).transpose(1, 2) for ws in (gate, up, down))
+
+
+def ffn_case(tokens: int, backward: bool) -> dict:
+    from rlalign import ops
+    from rlalign.contract import spec
+    gate, up, down = make_layer()
+    experts = routing(tokens)
+    x = (torch.randn(tokens, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
+    row = {"kind": "ffn", "tokens": tokens, "rows": tokens * TOP_K, "backward": backward}
+    flops = 2.0 * tokens * TOP_K * 3 * HIDDEN * INTER * (3 if backward else 1)
+    params = [*gate, *up, *down]
+    if backward:
+        for p in params:
+            p.requires_grad_()
+        x.requires_grad_()
+        grad = torch.randn(tokens, TOP_K, HIDDEN, device="cuda").to(torch.bfloat16)
+
+    def run(fn):
+        if not backward:
+            with torch.no_grad():
+                return timed(fn)
+
+        def step():
+            out = fn()
+            torch.autograd.grad(out, [x, *params], grad, allow_unused=True)
+        return timed(step)
+
+    t_strict = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS))
+    t_loop = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS,
+                                         profile="native"))
+    row.update(strict_ms=round(t_strict, 3), loop_ms=round(t_loop, 3))
+    vendor = t_loop
+    if grouped_mm_available():
+        try:
+            if backward:
+                stacked = [torch.stack([p.detach() for p in ws]).transpose(1, 2).requires_grad_() for ws in (gate, up, down)]
+                params = stacked
+            else:
+                stacked = stack_for_grouped_mm(gate, up, down)
+            t_gmm = run(lambda: grouped_mm_ffn(stacked, x, experts))
+            row["grouped_mm_ms"] = round(t_gmm, 3)
+            vendor = min(vendor, t_gmm)
+        except Exception as exc:  # report and go on
+            row["grouped_mm_error"] = repr(exc)[:300]
+    row.update(vendor_ms=round(vendor, 3), ratio=round(vendor / t_strict, 3),
+               strict_tflops=round(flops / t_strict / 1e9, 1), vendor_tflops=round(flops / vendor / 1e9, 1))
+    return row
+
+
+def kernel_cases(tokens: int) -> list[dict]:
+    """Each grouped GEMM of the strict path alone vs torch._grouped_mm on the same sorted rows."""
+    from rlalign.ops.triton_backend import grouped as G
+    gate, up, down = make_layer()
+    flat = routing(tokens).reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    e_of_row = flat.index_select(0, order)
+    offsets = G.expert_offsets(e_of_row, EXPERTS)
+    rows_n = flat.numel()
+    out = []
+    for name, ws, k, seg in (("gate/up", gate, HIDDEN, 1), ("down P=4", down, INTER, 4), ("down P=8", down, INTER, 8),
+                             ("down P=1", down, INTER, 1)):
+        x = (torch.randn(rows_n, k, device="cuda") * 0.5).to(torch.bfloat16)
+        n = ws[0].shape[0]
+        t = timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg))
+        row = {"kind": "kernel", "tokens": tokens, "proj": name, "rows": rows_n, "N": n, "K": k,
+               "strict_ms": round(t, 4), "strict_tflops": round(2.0 * rows_n * n * k / t / 1e9, 1)}
+        if grouped_mm_available():
+            try:
+                b = torch.stack(ws).transpose(1, 2)
+                offs = offsets[1:].to(torch.int32)
+                tg = timed(lambda: torch._grouped_mm(x, b, offs=offs))
+                row.update(grouped_mm_ms=round(tg, 4), ratio=round(tg / t, 3))
+            except Exception as exc:
+                row["grouped_mm_error"] = repr(exc)[:300]
+        if seg == 1 and name == "gate/up":
+            row["no_tma_ms"] = round(timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg, use_tma=False)), 4)
+        out.append(row)
+    return out
+
+
+SWEEP = {1: ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4),
+             (64, 64, 4, 5)),
+         4: ((128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 4), (64, 64, 4, 4)),
+         8: ((128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 3), (64, 32, 4, 6))}
+
+
+def sweep_cases(tokens: int) -> list[dict]:
+    """Tile shapes of the grouped GEMM at one load (every tile gives the same bits: which is fastest)."""
+    from rlalign.ops.triton_backend import grouped as G
+    gate, up, down = make_layer()
+    flat = routing(tokens).reshape(-1)
+    e_of_row = torch.sort(flat, stable=True).values
+    offsets = G.expert_offsets(e_of_row, EXPERTS)
+    out = []
+    for name, ws, k, seg in (("gate/up", gate, HIDDEN, 1), ("down P=4", down, INTER, 4)):
+        x = (torch.randn(flat.numel(), k, device="cuda") * 0.5).to(torch.bfloat16)
+        for bm, bn, warps, stages in SWEEP[seg]:
+            cfg = G.GroupedConfig(bm, bn, warps, stages)
+            try:
+                t = timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg, config=cfg))
+                row = {"kind": "sweep", "tokens": tokens, "proj": name, "config": f"{bm}x{bn}/w{warps}/s{stages}",
+                       "strict_ms": round(t, 4), "strict_tflops": round(2.0 * flat.numel() * ws[0].shape[0] * k / t / 1e9, 1)}
+            except Exception as exc:
+                row = {"kind": "sweep", "tokens": tokens, "proj": name, "config": f"{bm}x{bn}/w{warps}/s{stages}",
+                       "error": repr(exc)[:200]}
+            out.append(row)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="MoE experts: strict grouped GEMMs vs vendor (H200)")
+    ap.add_argument("--out")
+    ap.add_argument("--tokens", default="4096,8192,16384")
+    ap.add_argument("--backward", action="store_true", help="also time forward + backward")
+    ap.add_argument("--sweep", action="store_true", help="also time every tile shape of the grouped GEMM")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_moe: no CUDA device")
+        return 1
+    import rlalign.ops.triton_backend  # noqa: F401
+    t0, rows = time.time(), []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for fn in [lambda: [ffn_case(tokens, False)], lambda: kernel_cases(tokens)] + \
+                  ([lambda: [ffn_case(tokens, True)]] if args.backward else []) + \
+                  ([lambda: sweep_cases(tokens)] if args.sweep else []):
+            try:
+                new = fn()
+            except Exception as exc:  # report and go on
+                traceback.print_exc()
+                new = [{"tokens": tokens, "error": repr(exc)[:300]}]
+            for r in new:
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            torch.cuda.empty_cache()
+    write(args.out, "moe", rows, t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
