@@ -7,10 +7,10 @@
 
 The body is Qwen3-8B's (hidden 4096, 32 q / 8 kv heads, head_dim 128, intermediate 12288, untied
 LM head, rope theta 1e6); weights N(0, 0.02), norms 1 (CausalLM.init_random_), written in bf16
-safetensors. The tokenizer is built here: ids 0..14 are the embedded default model's (<pad>, <bos>,
-<eos>, the digits, '+', '='), and every further id is a digit string of 2, 3, 4, ... characters in
-order, up to the vocabulary size. Text is split into single characters before lookup, so prompts
-encode exactly as with the default model's tokenizer (the arithmetic task and configs/partial_credit.py
+safetensors. The tokenizer is built locally (scripts/make_moe_model.py's full_vocab_tokenizer, the
+MoE kit's): ids 0..14 are the embedded default model's (<pad>, <bos>, <eos>, the digits, '+', '='),
+and id 15 + i decodes to the number 10 + i, up to the vocabulary size. Text is split into single
+characters before lookup, so prompts encode exactly as with the default model's tokenizer (the arithmetic task and configs/partial_credit.py
 work unchanged), while a sampled id of the full vocabulary decodes to digits the partial-credit
 reward can score: a random-init model over 151,936 ids earns a varying, non-zero reward from the
 first step (a vocabulary of unused placeholders would give every completion the same zero reward).
@@ -19,7 +19,6 @@ first step (a vocabulary of unused placeholders would give every completion the 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -32,32 +31,19 @@ from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
 from rlalign.train.setup import DEFAULT_MODEL_DIR
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_moe_model as _moe_kit  # noqa: E402  (the full-vocabulary tokenizer's one owner)
+
 TEST_BODY = dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
-def default_tokenizer() -> dict:
-    return json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
-
-
 def full_vocab_tokenizer(vocab_size: int) -> dict:
-    """The default model's tokenizer.json with its vocabulary extended by digit strings to ``vocab_size``."""
-    tok = default_tokenizer()
-    vocab = dict(tok["model"]["vocab"])
-    if vocab_size < len(vocab):
-        raise SystemExit(f"--vocab {vocab_size} is smaller than the default tokenizer's {len(vocab)} tokens")
-    for token in _digit_strings():
-        if len(vocab) >= vocab_size:
-            break
-        vocab[token] = len(vocab)
-    tok["model"]["vocab"] = vocab
-    return tok
-
-
-def _digit_strings():
-    """'00', '01', ..., '99', '000', ...: every digit string of length 2, then 3, and so on."""
-    for length in itertools.count(2):
-        for chars in itertools.product("0123456789", repeat=length):
-            yield "".join(chars)
+    """The default model's tokenizer grown to ``vocab_size`` ids that decode to numbers (one owner:
+    scripts/make_moe_model.py's :func:`full_vocab_tokenizer`, shared with the MoE kit)."""
+    base = len(json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())["model"]["vocab"])
+    if vocab_size < base:
+        raise SystemExit(f"--vocab {vocab_size} is smaller than the default tokenizer's {base} tokens")
+    return _moe_kit.full_vocab_tokenizer(DEFAULT_MODEL_DIR, vocab_size)
 
 
 def hf_config(layers: int, vocab: int, test_body: bool) -> dict:
