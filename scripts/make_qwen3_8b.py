@@ -10,9 +10,9 @@ LM head, rope theta 1e6); weights N(0, 0.02), norms 1 (CausalLM.init_random_), w
 safetensors. The tokenizer is built locally (scripts/make_moe_model.py's full_vocab_tokenizer, the
 MoE kit's): ids 0..14 are the embedded default model's (<pad>, <bos>, <eos>, the digits, '+', '='),
 and id 15 + i decodes to the number 10 + i, up to the vocabulary size. Text is split into single
-characters before lookup, so prompts encode exactly as with the default model's tokenizer (the arithmetic task and configs/partial_credit.py
-work unchanged), while a sampled id of the full vocabulary decodes to digits the partial-credit
-reward can score: a random-init model over 151,936 ids earns a varying, non-zero reward from the
+characters before lookup, so prompts encode exactly as with the default model's tokenizer (the
+arithmetic task and configs/partial_credit.py work unchanged), while a sampled id of the full
+vocabulary decodes to digits the partial-credit reward can score: a random-init model over 151,936 ids earns a varying, non-zero reward from the
 first step (a vocabulary of unused placeholders would give every completion the same zero reward).
 """
 
