@@ -20,7 +20,8 @@ loss = -(advantage * logprob).sum() / tokens over the real (unpadded) tokens. Th
 Each variant runs in a fresh subprocess (a clean peak-memory reading; an out-of-memory variant is
 reported as such, the others still run): ``--warmup`` steps, then ``--iters`` timed steps, median
 reported. Peak memory: CUDA ``max_memory_allocated`` over the timed steps (weights and gradients
-included); CPU the peak RSS over the timed steps minus the RSS before the model was built.
+included); CPU the peak RSS over the timed steps minus the RSS just before them (what the step adds;
+indicative: allocator caching and thread pools count).
 
 Model FLOPs per step (the usual MFU convention: recomputation is not counted):
     6 * N * T + sum over layers and sequences of 6 * Hq * D * L^2
@@ -182,7 +183,6 @@ def run_variant(variant: str, args) -> dict:
     import torch
     from logprob_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
     cuda = args.device == "cuda"
-    base_rss = rss_bytes()
     lens = sequence_lengths(args.tokens, args.mean_seq, args.seed)
     if variant == "transformers":
         _, step = _transformers_step(args, lens)
@@ -193,7 +193,8 @@ def run_variant(variant: str, args) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    reset_peak_rss()
+    base_rss = rss_bytes()
+    reset_peak_rss()              # the kernel's high-water mark restarts at the current RSS
     times, loss = [], None
     for _ in range(args.iters):
         t0 = time.perf_counter()
@@ -201,10 +202,12 @@ def run_variant(variant: str, args) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - base_rss
+    # CPU: when the step allocates nothing beyond what was resident, RSS accounting noise (a few pages)
+    # can make the difference slightly negative; that is reported as 0
+    peak = torch.cuda.max_memory_allocated() if cuda else max(0, peak_rss_bytes() - base_rss)
     return {"variant": variant, "ms": 1e3 * statistics.median(times), "ms_all": [1e3 * t for t in times],
             "loss": loss, "peak_gib": peak / 2**30,
-            "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS minus RSS before the model"}
+            "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS over the timed steps minus RSS before them"}
 
 
 def _row_with_rates(row: dict, flops: dict, args) -> dict:
