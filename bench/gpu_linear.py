@@ -103,7 +103,8 @@ def case(m: int, n: int, k: int, segments: int | None = None, config=None) -> di
     # the kernel as the op launches it (same config choice), without the op's input validation
     strict = lambda x, w: gemm(x, w, b_trans=True, segments=segments or 1, config=cfg)  # noqa: E731
     row["config"] = f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + \
-        ("/flat" if cfg.flatten else "") + (f"/rl{cfg.reg_levels}" if (segments or 1) > 1 else "")
+        ("/flat" if cfg.flatten else "") + (f"/rl{cfg.reg_levels}" if (segments or 1) > 1 else "") + \
+        ("/nested" if cfg.nested else "")
     t_strict = timed(strict, sets)
     t_cublas = timed(lambda x, w: torch.matmul(x, w.T), sets)
     if config is None:
@@ -156,9 +157,10 @@ def target(row: dict) -> float | None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="strict linear vs cuBLAS on Qwen3-8B shapes (H200)")
     ap.add_argument("--out")
-    ap.add_argument("--set", default="all", choices=("all", "kernel", "layers"),
+    ap.add_argument("--set", default="all", choices=("all", "kernel", "layers", "segsweep"),
                     help="kernel: the strict kernel and the op per shape (+ k_segments=8), no tile sweep; "
-                         "layers: a Qwen3-8B layer's linears through ops.linear vs F.linear; all: both + the sweep")
+                         "layers: a Qwen3-8B layer's linears through ops.linear vs F.linear; all: both + the sweep; "
+                         "segsweep: only the canonical-partition (k_segments=8) tile/structure sweep")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     return ap
 
@@ -179,8 +181,12 @@ def main() -> int:
              GemmConfig(128, 128, 8, 3, flatten=False)]
     plan += [(4096, n, k, None, c, True) for (n, k) in ((4096, 4096), (12288, 4096)) for c in sweep]
     seg_sweep = [GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(128, 64, 8, 6),
-                 GemmConfig(128, 128, 8, 4, reg_levels=1), GemmConfig(64, 64, 4, 5)]
+                 GemmConfig(128, 128, 8, 4, reg_levels=1), GemmConfig(64, 64, 4, 5),
+               GemmConfig(128, 64, 8, 4, nested=True), GemmConfig(128, 128, 8, 3, nested=True),
+               GemmConfig(128, 128, 8, 4, reg_levels=1, nested=True), GemmConfig(64, 64, 4, 5, nested=True)]
     plan += [(4096, 4096, 12288, 8, c, True) for c in seg_sweep]
+    if args.set == "segsweep":
+        plan, layers = [p for p in plan if p[3] == 8], []
     if args.set == "kernel":   # per-shape kernel + op rows, no sweep, no model layers
         plan, layers = [p for p in plan if not p[5]], []
     elif args.set == "layers":

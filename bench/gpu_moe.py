@@ -166,7 +166,8 @@ def kernel_cases(tokens: int) -> list[dict]:
 
 SWEEP = {1: ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4),
              (64, 64, 4, 5)),
-         4: ((128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 4), (64, 64, 4, 4)),
+         4: ((128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 128, 8, 3, True), (128, 64, 8, 4, True),
+             (64, 64, 4, 4, True), (64, 128, 4, 4, True)),
          8: ((128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 3), (64, 32, 4, 6))}
 
 
@@ -180,11 +181,12 @@ def sweep_cases(tokens: int) -> list[dict]:
     out = []
     for name, ws, k, seg in (("gate/up", gate, HIDDEN, 1), ("down P=4", down, INTER, 4)):
         x = (torch.randn(flat.numel(), k, device="cuda") * 0.5).to(torch.bfloat16)
-        for bm, bn, warps, stages in SWEEP[seg]:
-            cfg = G.GroupedConfig(bm, bn, warps, stages)
+        for shape in SWEEP[seg]:
+            cfg = G.GroupedConfig(*shape)
+            bm, bn, warps, stages = shape[:4]
             try:
                 t = timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg, config=cfg))
-                row = {"kind": "sweep", "tokens": tokens, "proj": name, "config": f"{bm}x{bn}/w{warps}/s{stages}",
+                row = {"kind": "sweep", "tokens": tokens, "proj": name, "config": f"{bm}x{bn}/w{warps}/s{stages}" + ("/nested" if cfg.nested else ""),
                        "strict_ms": round(t, 4), "strict_tflops": round(2.0 * flat.numel() * ws[0].shape[0] * k / t / 1e9, 1)}
             except Exception as exc:
                 row = {"kind": "sweep", "tokens": tokens, "proj": name, "config": f"{bm}x{bn}/w{warps}/s{stages}",

@@ -181,6 +181,8 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():  # documented: no autograd (a q that requires grad gives a plain result)
+        if not strict and chk.decode_step():   # inside decode graphs: no host reads, static shapes
+            return _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
         if not strict:
             return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(), scale)
         return strict_impl("attention_paged", q.device)(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
@@ -188,9 +190,13 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, *, profile=None) -> None:
     """In place: token t's k/v [Hkv, D] go to page slot_mapping[t] // page_size, offset
-    slot_mapping[t] % page_size. An exact copy in every profile (dtypes must match)."""
+    slot_mapping[t] % page_size. An exact copy in every profile (dtypes must match).
+
+    Strict refuses a non-finite k (under every check policy): a key with an inf element can get a
+    -inf score, which softmax turns into an exact 0 weight -- the value would vanish instead of
+    reaching the output where the per-step check looks (docs/gpu.md, "Finiteness checks")."""
     op = "write_kv_cache"
     for name, t in (("k", k), ("v", v)):
         chk.ndim(op, name, t, 3)
@@ -212,6 +218,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     n_slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.numel() == 0:
         return
+    if as_profile(profile) is not Profile.NATIVE:
+        chk.finite(op, "k", k)
     slots = chk.memo("slot_mapping", lambda: _checked_slots(slot_mapping, n_slots, k_cache.device), slot_mapping,
                      extra=(n_slots, k_cache.device),
                      capturing=lambda: slot_mapping.to(device=k_cache.device, dtype=torch.int64))
@@ -339,6 +347,36 @@ def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[in
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask.unsqueeze(1), scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)[valid_q]
+
+
+def _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float) -> torch.Tensor:
+    """A decode step (sequence s = query row s, at position seq_lens[s] - 1) with static shapes and no
+    host read, so that it can be captured in a CUDA graph: every sequence's keys are gathered for all
+    ``block_table.shape[1] * page_size`` positions of its table (the caller sizes the table to the
+    step) into [S, Hkv, L, D], positions >= seq_lens[s] are masked out, and one SDPA call (the vendor
+    kernel) attends. Masked positions gather position 0 (always inside the context), so a stale page
+    never enters the math. The native profile's result depends on the padding width: no guarantee."""
+    n_seq, width = block_table.shape
+    if n_seq != q.shape[0]:
+        raise fail("attention_paged", f"a static decode step needs one query per sequence: {q.shape[0]} queries for "
+                                      f"{n_seq} sequences")
+    if n_seq == 0:
+        return q.new_empty(q.shape)
+    page_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    dev, group = q.device, q.shape[1] // hkv
+    pos = torch.arange(width * page_size, device=dev)
+    valid = pos < seq_lens.to(device=dev, dtype=torch.int64).unsqueeze(1)              # [S, L]
+    pos_c = torch.where(valid, pos, 0)
+    pages = block_table.to(device=dev, dtype=torch.int64).gather(1, pos_c // page_size)[:, None, :]
+    heads, offsets = torch.arange(hkv, device=dev)[None, :, None], (pos_c % page_size)[:, None, :]
+    # gathered straight into [S, Hkv, L, D]: contiguous, the layout SDPA takes without a further copy
+    k = k_cache.permute(0, 2, 1, 3)[pages, heads, offsets]
+    v = v_cache.permute(0, 2, 1, 3)[pages, heads, offsets]
+    # GQA as plain multi-head attention: kv head h's G query heads are G "queries" of head h (one position,
+    # so no causal mask; only the length mask), which every SDPA backend takes with a mask
+    out = F.scaled_dot_product_attention(q.view(n_seq, hkv, group, d), k, v, attn_mask=valid[:, None, None, :],
+                                         scale=scale)
+    return out.reshape(n_seq, hkv * group, d)
 
 
 __all__ = ["attention_varlen", "attention_paged", "write_kv_cache"]

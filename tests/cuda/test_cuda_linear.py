@@ -52,11 +52,14 @@ def test_row_position_and_other_rows(big):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("segments", [1, 8])
+@pytest.mark.parametrize("segments", [1, 4, 8])
 def test_every_tile_config_and_path_gives_the_same_bits(triton_backend, dtype, segments):
+    import dataclasses
     from rlalign.ops.triton_backend.gemm import all_configs, gemm
     x, w, b = rand(300, 1024, dtype=dtype, seed=3), rand(520, 1024, dtype=dtype, seed=4), rand(520, dtype=dtype, seed=5)
     configs = all_configs(segments, dtype == torch.float32)
+    if segments > 1:   # the loop-per-segment structure (segment_tree_nested) too
+        configs = configs + tuple(dataclasses.replace(c, nested=True) for c in configs)
     # every config on the TMA path; the pointer path (unaligned shapes) for the first and last
     runs = [(c, True) for c in configs] + [(configs[0], False), (configs[-1], False)]
     ref = gemm(x, w, b_trans=True, bias=b, segments=segments, config=runs[0][0], use_tma=True)

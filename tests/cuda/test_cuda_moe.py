@@ -47,6 +47,21 @@ def test_grouped_ffn_equals_per_expert_loop(triton_backend, dtype, hidden, inter
         assert_bitwise_equal(grouped, loop, f"forward, down_segments={segments}")
 
 
+def test_every_grouped_tile_and_structure_gives_the_same_bits(triton_backend):
+    from rlalign.ops.triton_backend import grouped as G
+    counts, k, n = [0, 1, 700, 65, 128, 3000], 768, 512
+    x, e_of_row = _sorted_rows(counts, k, torch.bfloat16)
+    ws = [rand(n, k, seed=40 + e, scale=0.05) for e in range(len(counts))]
+    offsets = G.expert_offsets(e_of_row, len(counts))
+    for segments in (1, 4, 8):
+        ref = G.grouped_rows(x, offsets, ws, segments=segments, config=G.GroupedConfig(64, 64, 4, 4))
+        for cfg in (G.GroupedConfig(128, 128, 8, 3), G.GroupedConfig(64, 256, 4, 3), G.GroupedConfig(128, 64, 8, 4),
+                    G.GroupedConfig(64, 64, 4, 4, nested=True), G.GroupedConfig(128, 64, 8, 4, nested=True)):
+            for tma in (True, False):
+                out = G.grouped_rows(x, offsets, ws, segments=segments, config=cfg, use_tma=tma)
+                assert_bitwise_equal(out, ref, f"segments={segments} {cfg} tma={tma}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_grouped_ffn_gradients_equal_per_expert_loop(triton_backend, dtype):
     hidden, inter, counts = 256, 192, [5, 0, 1, 900, 64, 63]

@@ -74,6 +74,8 @@ def _check_gemm():
         (1, 33, 64, 1, False, True, GemmConfig(128, 64, 8, 2, flatten=True), None, True),
         (65, 40, 64, 8, False, True, GemmConfig(64, 32, 4, 2), None, True),     # 8-column segments
         (70, 48, 1024, 8, False, True, GemmConfig(64, 32, 4, 2), True, False),  # 2 k-steps per segment
+        (70, 48, 1024, 8, False, True, GemmConfig(64, 32, 4, 2, nested=True), True, False),  # a loop per segment
+        (130, 70, 384, 4, False, True, GemmConfig(64, 32, 4, 2, nested=True), None, True),
     ]
     for m, n, k, seg, at, bt, cfg, tma, has_bias in cases:
         a = torch.randn((k, m) if at else (m, k), generator=g)
@@ -257,6 +259,11 @@ def _check_grouped():
         ws = [torch.randn(n, k, generator=g) for _ in counts]
         off = G.expert_offsets(e_of_row, len(counts))
         out = G.grouped_rows(x, off, ws, segments=seg)
+        if seg > 1:   # the loop-per-segment structure gives the same values (same tile: numpy's dot may not)
+            flat = G.grouped_rows(x, off, ws, segments=seg, config=G.GroupedConfig(64, 32, 4, 2))
+            nested = G.grouped_rows(x, off, ws, segments=seg, config=G.GroupedConfig(64, 32, 4, 2, nested=True))
+            if rows and not torch.equal(nested, flat):
+                return "nested segments differ from the flat loop"
         ref = torch.cat([x[e_of_row == e].double() @ w.double().T for e, w in enumerate(ws)]) if rows else None
         if rows:
             worst = max(worst, _rel(out, ref))

@@ -43,6 +43,7 @@ class GemmConfig:
     group_m: int = 8
     flatten: bool = False
     reg_levels: int = 4   # tree-stack levels kept in registers; deeper ones go to a per-program scratch
+    nested: bool = False  # segmented only: a loop per segment (segment_tree_nested) instead of one flat loop
 
 
 # Candidate tiles, most efficient first (see pick_config). Shared memory, from sm_90a compiles
@@ -269,6 +270,29 @@ def segment_tree(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
     return acc
 
 
+@triton.jit
+def segment_tree_nested(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, steps,
+                        stride_am, stride_ak, stride_bk, stride_bn,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
+                        LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr,
+                        B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr):
+    """:func:`segment_tree`'s arithmetic with a loop per segment: the accumulator is read only after a
+    segment's last step (the flat loop reads it at every step to test for a segment end, which can make
+    each step wait for its MMA); the pipeline refills at each segment start instead."""
+    zero = tl.zeros((BM, BN), dtype=tl.float32)
+    v = zero
+    st0 = zero
+    st1 = zero
+    st2 = zero
+    for s in range(P):
+        k_end = (s + 1) * SEG_K
+        acc = reduce_segment(zero, a_src, b_src, off_m, off_n, s * SEG_K, k_end, steps, M, N,
+                             stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, A_TRANS, B_TRANS,
+                             USE_TMA, SPLIT)
+        v, st0, st1, st2 = merge_segment(acc, st0, st1, st2, s, scratch, slot, LOG2P, REG_LEVELS, BM, BN)
+    return v
+
+
 @triton.jit(do_not_specialize=["M", "num_progs"])
 def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                 M, N, K, SEG_K, steps, num_progs,
@@ -276,7 +300,7 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr,
                 REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
                 USE_TMA: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_IN: tl.constexpr,
-                OUT_BF16: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+                OUT_BF16: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, NESTED: tl.constexpr):
     """Persistent: program ``pid`` computes tiles pid, pid + num_progs, ... (see module docstring)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -302,9 +326,14 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, A_TRANS, B_TRANS,
                                   USE_TMA, SPLIT)
         else:
-            acc = segment_tree(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
-                                stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P, REG_LEVELS,
-                                A_TRANS, B_TRANS, USE_TMA, SPLIT)
+            if NESTED:
+                acc = segment_tree_nested(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
+                                          stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P,
+                                          REG_LEVELS, A_TRANS, B_TRANS, USE_TMA, SPLIT)
+            else:
+                acc = segment_tree(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
+                                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P, REG_LEVELS,
+                                   A_TRANS, B_TRANS, USE_TMA, SPLIT)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
             acc = acc + bias[None, :]
@@ -394,7 +423,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
         BM=bm, BN=bn, BK=BLOCK_K, P=segments, LOG2P=log2p, REG_LEVELS=cfg.reg_levels,
         A_TRANS=a_trans, B_TRANS=b_trans, USE_TMA=tma, SPLIT=split_for(a.dtype), HAS_BIAS=bias is not None,
         ACC_IN=acc_in, OUT_BF16=out.dtype == torch.bfloat16, GROUP_M=cfg.group_m,
-        FLATTEN=cfg.flatten and segments == 1,
+        FLATTEN=cfg.flatten and segments == 1, NESTED=cfg.nested and segments > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

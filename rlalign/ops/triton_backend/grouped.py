@@ -44,14 +44,15 @@ class GroupedConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    nested: bool = False   # segmented: a loop per segment (gemm.segment_tree_nested's structure)
 
 
-# BLOCK_M >= 64 always (the same wgmma family as the dense kernel: docs/gpu.md). The row tile
-# follows the mean rows per expert (an expert's last tile is partly idle); tiles never change bits.
-_ROWS_SMALL = GroupedConfig(64, 128, 4, 4)
+# BLOCK_M >= 64 always (the same wgmma family as the dense kernel: docs/gpu.md). Tiles never change
+# bits; these were the fastest of a sweep on the H200 at Qwen3-30B-A3B shapes (bench/gpu_moe.py --sweep,
+# docs/LOG.md 2026-12-01): 128x128 once experts hold >= 512 rows on average, 64x64 below that and for
+# the segmented down_proj (its merge tree keeps up to log2(P)+1 accumulators live).
+_ROWS_SMALL = GroupedConfig(64, 64, 4, 5)
 _ROWS_LARGE = GroupedConfig(128, 128, 8, 3)
-# segmented (down_proj): up to log2(P)+1 accumulators live at once, so narrower tiles
-_ROWS_SEG_LARGE = GroupedConfig(128, 64, 8, 4)
 _ROWS_SEG = GroupedConfig(64, 64, 4, 4)
 _REDUCE = GroupedConfig(64, 128, 4, 4)           # dW: tiles of [N, K]
 _FP32 = GroupedConfig(64, 64, 4, 3)              # fp32 operands (bf16x3 split in registers)
@@ -60,10 +61,9 @@ _FP32 = GroupedConfig(64, 64, 4, 3)              # fp32 operands (bf16x3 split i
 def _rows_config(rows: int, experts: int, segments: int, fp32: bool) -> GroupedConfig:
     if fp32:
         return _FP32
-    large = rows >= 512 * experts
     if segments > 1:
-        return _ROWS_SEG_LARGE if large else _ROWS_SEG
-    return _ROWS_LARGE if large else _ROWS_SMALL
+        return _ROWS_SEG
+    return _ROWS_LARGE if rows >= 512 * experts else _ROWS_SMALL
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ def grouped_rows_kernel(a_ptr, a_desc, w_base, w_offsets, c_ptr, slot_expert, sl
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
                         LOG2P: tl.constexpr, B_TRANS: tl.constexpr, SPLIT: tl.constexpr,
                         OUT_BF16: tl.constexpr, GROUP_M: tl.constexpr, W_ALIGN: tl.constexpr,
-                        TMA_A: tl.constexpr):
+                        TMA_A: tl.constexpr, NESTED: tl.constexpr):
     """One program per (row slot, column tile): C[rows of the slot] = A[rows] @ B_e (B_e logical [K, N])."""
     pid = tl.program_id(0)
     slot, pid_n = tile_coords(pid, num_slots, tl.cdiv(N, BN), GROUP_M)
@@ -97,24 +97,38 @@ def grouped_rows_kernel(a_ptr, a_desc, w_base, w_offsets, c_ptr, slot_expert, sl
         st0 = zero
         st1 = zero
         st2 = zero
-        for i in range(P * steps):
-            s = i // steps
-            j = i - s * steps
-            k_end = (s + 1) * SEG_K
-            k = s * SEG_K + j * BK
-            if TMA_A:
-                a = a_desc.load([row0.to(tl.int32), k])
-            else:
-                a = load_a_tile(a_src, 0, k, k_end, rows, stride_am, stride_ak, BM, BK, False, False)
-            b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, False)
-            acc = mma(a, b, acc, SPLIT)
-            if P > 1:
-                if j == steps - 1:
-                    v, st0, st1, st2 = merge_segment(acc, st0, st1, st2, s, scratch, pid, LOG2P, 4, BM, BN)
-                    if s == P - 1:
-                        acc = v
+        if NESTED:
+            for s in range(P):
+                part = zero
+                k_end = (s + 1) * SEG_K
+                for j in range(steps):
+                    k = s * SEG_K + j * BK
+                    if TMA_A:
+                        a = a_desc.load([row0.to(tl.int32), k])
                     else:
-                        acc = zero
+                        a = load_a_tile(a_src, 0, k, k_end, rows, stride_am, stride_ak, BM, BK, False, False)
+                    b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, False)
+                    part = mma(a, b, part, SPLIT)
+                acc, st0, st1, st2 = merge_segment(part, st0, st1, st2, s, scratch, pid, LOG2P, 4, BM, BN)
+        else:
+            for i in range(P * steps):
+                s = i // steps
+                j = i - s * steps
+                k_end = (s + 1) * SEG_K
+                k = s * SEG_K + j * BK
+                if TMA_A:
+                    a = a_desc.load([row0.to(tl.int32), k])
+                else:
+                    a = load_a_tile(a_src, 0, k, k_end, rows, stride_am, stride_ak, BM, BK, False, False)
+                b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, False)
+                acc = mma(a, b, acc, SPLIT)
+                if P > 1:
+                    if j == steps - 1:
+                        v, st0, st1, st2 = merge_segment(acc, st0, st1, st2, s, scratch, pid, LOG2P, 4, BM, BN)
+                        if s == P - 1:
+                            acc = v
+                        else:
+                            acc = zero
         rm = tl.arange(0, BM)
         rn = off_n + tl.arange(0, BN)
         c_ptrs = c_ptr + (row0 + rm[:, None]) * stride_cm + rn[None, :].to(tl.int64) * stride_cn
@@ -248,7 +262,7 @@ def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w
         x.stride(0), x.stride(1), s_bk, s_bn, out.stride(0), out.stride(1),
         BM=cfg.block_m, BN=cfg.block_n, BK=BLOCK_K, P=segments, LOG2P=segments.bit_length() - 1,
         B_TRANS=transpose_w, SPLIT=split_for(x.dtype), OUT_BF16=out.dtype == torch.bfloat16, GROUP_M=8,
-        W_ALIGN=16 // x.element_size(), TMA_A=tma_a,
+        W_ALIGN=16 // x.element_size(), TMA_A=tma_a, NESTED=cfg.nested and segments > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
