@@ -5,11 +5,16 @@ Strict: keys in blocks of ``ATTN_KV_BLOCK`` absolute positions, queries in tiles
 :mod:`rlalign.ops.torch_backend.attention` for the exact formula), so a token's output has the
 same bits in a packed training forward, a one-shot or chunked prefill and step-by-step decode,
 whatever the page layout, page size or the other sequences in the call.
-Native: ``torch.nn.functional.scaled_dot_product_attention`` (per sequence for varlen, one padded
-call for paged), no guarantee.
+Native (the fast non-deterministic baseline), no guarantee: packed varlen runs the flash-attention
+varlen kernel (``aten._flash_attention_forward``/``_backward`` with cu_seqlens: no padding) on CUDA
+when it is available for the tensors, else one padded ``scaled_dot_product_attention`` call (with a
+log line naming why); paged runs one padded SDPA call.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +23,8 @@ from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
+
+log = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -156,7 +163,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     _check_varlen(q, k, v, cu_seqlens, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not strict:
-        return _native_varlen(q, k, v, cu_seqlens.tolist(), scale)
+        return _native_varlen(q, k, v, cu_seqlens, scale)
     return strict_impl("attention_varlen", q.device)(q, k, v, cu_seqlens, scale)
 
 
@@ -223,12 +230,83 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 # ---- native profile --------------------------------------------------------------------------------
 
-def _native_varlen(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
-    """One padded SDPA call (flash on CUDA): sequences right-padded to the longest, so the plain
-    causal mask already hides the padding from every real query; padded rows are dropped."""
-    starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
-    if not lens or q.shape[0] == 0:
+def _native_varlen(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The flash varlen kernel when usable for these tensors, else the padded SDPA call (logged once per reason)."""
+    cu = cu_seqlens.tolist()
+    if q.shape[0] == 0 or len(cu) < 2:
         return q.new_empty(q.shape)
+    reason = flash_varlen_unavailable(q, k)
+    if reason is None:
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        cu_dev = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_dev, max(lens), scale)
+    _log_fallback(reason, q.is_cuda)
+    return _padded_sdpa_varlen(q, k, v, cu, scale)
+
+
+def flash_varlen_unavailable(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why the flash varlen kernel cannot run on these tensors (None: it can). Native profile only."""
+    if not q.is_cuda:
+        return f"tensors on {q.device.type}, the flash varlen kernel is CUDA-only"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (flash needs bfloat16 or float16)"
+    d = q.shape[-1]
+    if d % 8 or d > 256:
+        return f"head_dim {d} (flash needs a multiple of 8, at most 256)"
+    if not hasattr(torch.ops.aten, "_flash_attention_forward") or not torch.backends.cuda.flash_sdp_enabled():
+        return "this torch build has no (enabled) flash attention kernel"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "flash attention needs compute capability >= 8.0"
+    return _flash_probe(q.device, q.dtype, q.shape[1], k.shape[1], d)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_probe(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int) -> str | None:
+    """Run the kernel once, forward and backward, on two 1-token sequences of this configuration:
+    a torch build whose entry points differ (or refuse the GQA layout) is found here, not mid-run."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad():   # the caller may be scoring under no_grad
+            q = torch.zeros(2, hq, d, device=device, dtype=dtype, requires_grad=True)
+            k, v = (torch.zeros(2, hkv, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+            cu = torch.tensor([0, 1, 2], device=device, dtype=torch.int32)
+            _FlashVarlen.apply(q, k, v, cu, 1, d ** -0.5).sum().backward()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return f"the flash varlen kernel failed a probe call ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(reason: str, on_cuda: bool) -> None:
+    (log.warning if on_cuda else log.info)("native attention_varlen: padded SDPA instead of the flash varlen "
+                                           "kernel: %s", reason)
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Causal packed-varlen flash attention (GQA inside the kernel), forward and backward through
+    aten's flash-attention-2 entry points. Positional arguments only: their order is the same in
+    torch 2.11 and 2.13 (the RNG outputs are renamed between them; with dropout 0 they are unused)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, scale):
+        out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng_a, rng_b)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu, rng_a, rng_b = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng_a, rng_b,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def _padded_sdpa_varlen(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
+    """One padded SDPA call: sequences right-padded to the longest, so the plain causal mask
+    already hides the padding from every real query; padded rows are dropped."""
+    starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
     dev, l_max = q.device, max(lens)
     lens_t = torch.tensor(lens, device=dev)
     idx = torch.arange(l_max, device=dev).expand(len(lens), l_max)

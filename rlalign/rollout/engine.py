@@ -87,6 +87,14 @@ class RolloutEngine:
                                      "use 'auto' or 'off'")
         if setting == "padded":
             return "padded"
+        if gpu and self.config.profile == "native" and self.model.config.ffn_kind == "moe":
+            # the native MoE experts are the vendor per-expert loop, which reads the experts' loads on the
+            # host: not capturable (strict MoE is: its grouped GEMMs need no host read)
+            if setting == "on":
+                raise RolloutConfigError("decode_graphs='on' cannot capture the native profile's MoE experts (a "
+                                         "per-expert cuBLAS loop that reads expert loads on the host); use 'auto' "
+                                         "(native MoE decodes eagerly) or the strict profile")
+            return None
         return "graphs" if setting == "on" or (setting == "auto" and gpu) else None
 
     # ---- KV cache size -------------------------------------------------------------------------
