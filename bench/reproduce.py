@@ -266,7 +266,8 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("h200-rollout-vs-native", "README.md", "strict / native profile **7.71x**", (7.71,), ("strict / native",),
           ROLLOUT_H200, "stdout", partial(rollout_ratio, "strict_vs_native"), "cuda", 3, TIMING, GPU_REL,
           "bench/runs/rollout_h200_64x8x256_2026-12-01_1.json", recorded_matches=False,
-          note="published: median of 3 runs, 2026-12-01; the native profile has no CUDA-graph decode yet"),
+          note="published: median of 3 runs, 2026-12-01, before the native profile had CUDA-graph decode; "
+               "a rerun now measures native with graphs (the fair baseline), so expect a smaller ratio"),
     Claim("h200-rollout-mismatches", "README.md", "0 of 131,072 log-probs differ", (0, 131072),
           ("differing", "checked"), ROLLOUT_H200, "stdout", rollout_mismatches, "cuda", 1, DETERMINISTIC, EXACT,
           "bench/runs/rollout_h200_64x8x256_session5.json"),

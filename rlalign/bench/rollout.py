@@ -1,16 +1,26 @@
 """Rollout throughput: the rlalign engine (strict and native profiles) vs transformers ``generate``.
 
-    rlalign bench rollout [--device cpu|cuda] [--model DIR | --preset NAME] [--prompts 64] [--samples 8]
-                          [--new-tokens 64] [--prompt-len 32:128] [--engines strict,native,transformers] [--json]
+    rlalign bench rollout [--device cpu|cuda] [--workload NAME] [--model DIR | --preset NAME] [--layers N]
+                          [--prompts 64] [--samples 8] [--new-tokens 64] [--prompt-len 32:128]
+                          [--engines strict,native,transformers] [--peak-gbps 4300] [--verify] [--json]
     python bench/rollout.py ...   (the same)
+
+``--workload`` names a preset (WORKLOADS: ``tiny`` for CI, ``0.6b-ctx512``, ``0.6b-ctx4096``, ``8b-ctx512``,
+``8b-ctx4096``: Qwen3 shapes with the full vocabulary, random init, 256-512 distinct running sequences, contexts
+of about 512 or 4,096 tokens during decode); explicit options override its fields; ``--layers`` keeps the
+first N decoder layers of a preset shape (so that a large shape fits a short job and its KV cache fits).
 
 Workload (GRPO-shaped): ``--prompts`` random prompts (token ids drawn with a fixed seed, lengths
 uniform in ``--prompt-len``), ``--samples`` samples each, exactly ``--new-tokens`` new tokens per
 sample (eos ignored: every engine generates the same number of tokens), temperature 1, no top-k/p.
 
-* rlalign: ``RolloutEngine(model, RolloutConfig(profile=...)).generate(prompts, SamplingParams(n=...))``
-  (prompt prefilled once per group, pages shared, per-token logprobs computed; on CUDA the strict
-  profile replays decode steps from CUDA graphs, captured during the warm-up, ``--decode-graphs``);
+* rlalign: ``RolloutEngine(model, RolloutConfig(profile=...))`` driven by ``add_request`` / ``step`` as
+  ``generate`` does (prompt prefilled once per group, pages shared, per-token logprobs computed); on CUDA
+  both profiles replay decode steps from CUDA graphs (``--decode-graphs``; strict captures every batch
+  bucket at its first decode step, native each (batch, block-table width) bucket at its first use, so
+  the CUDA workloads warm up on the whole workload: no capture falls in a timed call, and the row's
+  ``graph_captures_timed`` says so); native is the same machinery with vendor ops: the baseline that
+  measures the cost of the contract;
 * transformers: the same weights saved as a Hugging Face checkpoint and loaded with
   ``AutoModelForCausalLM``; ``generate(do_sample=True, num_return_sequences=n, top_k=0,
   min_new_tokens=max_new_tokens=...)`` on left-padded prompts, all prompts in one call on the CPU
@@ -24,8 +34,21 @@ calls per engine (default 3 on the CPU, whose shared machines are noisy, 1 on CU
 call's seconds. On the CPU the engines' calls are interleaved (strict, native, transformers, strict, ...),
 so that a slow phase of a shared machine falls on all of them; on CUDA one engine at a time. The engine's
 prefix cache is emptied before each call, so no call reuses an earlier one's prompts. ``--verify`` also
-recomputes every strict-engine logprob with the trainer's packed forward and counts the tokens whose bits
-differ (must be 0).
+recomputes every logprob of each rlalign engine with the trainer's packed forward in the same profile and
+counts the tokens whose bits differ (strict: must be 0; native promises nothing).
+
+Decode steps (every running sequence feeds one token; the last timed call's) are measured one by one:
+``decode_step_ms`` (wall time of ``engine.step()``, which returns after the sampled tokens reached the
+host), ``forward_gpu_ms`` (CUDA events around the graph replay: the GPU time of the captured forward;
+graph steps only), ``host_ms_per_step`` = decode_step_ms - forward_gpu_ms (scheduling, batch building,
+the eager sampler and logprob op, bookkeeping: everything outside the captured forward),
+``bytes_per_decode_step`` (weights + K/V read + K/V written, the minimum a step must move:
+:mod:`rlalign.bench.roofline`, from the model config and the step's actual context lengths),
+``achieved_gbps`` = bytes / wall, ``roofline_fraction`` = achieved / ``--peak-gbps`` (default 4300 on
+CUDA, the H200's HBM3e peak; none on the CPU unless given), ``forward_roofline_fraction`` the same
+against the forward's GPU time only; ``graph_finite_checks_per_step``: the finiteness checks captured in
+the replayed graphs (docs/gpu.md, "Finiteness checks": a run with ``RLALIGN_CHECKS=per-op`` against the
+default prices one check, hence the default's share of a step).
 
 Model: ``--model DIR``; else ``--preset``; by default the embedded default model
 (rlalign/assets/default_model) when it exists on the CPU, the ``cpu-small`` preset otherwise, and
@@ -49,6 +72,7 @@ from pathlib import Path
 
 import torch
 
+from rlalign.bench.roofline import decode_step_bytes, kv_bytes_per_token, parameter_counts
 from rlalign.contract import use_profile
 from rlalign.contract.bits import count_differences
 from rlalign.doctor import environment
@@ -81,12 +105,36 @@ PRESETS = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                      rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=151645, pad_token_id=151643),
 }
+# Named workloads: the issue-16 roofline shapes. samples=1: every sequence has its own context, so the K/V
+# bytes counted are distinct bytes (shared prompt pages could be served from L2). Prompt lengths put the
+# decode contexts around 512 / 4,096 tokens.
+WORKLOADS = {
+    "tiny": dict(preset="tiny", prompts=3, samples=2, prompt_len="3:6", new_tokens=4),
+    "0.6b-ctx512": dict(preset="qwen3-0.6b", prompts=512, samples=1, prompt_len="384:448", new_tokens=128,
+                        warmup="full"),
+    "0.6b-ctx4096": dict(preset="qwen3-0.6b", prompts=256, samples=1, prompt_len="3968:4032", new_tokens=128,
+                         warmup="full"),
+    "8b-ctx512": dict(preset="qwen3-8b", prompts=512, samples=1, prompt_len="384:448", new_tokens=128,
+                      warmup="full"),
+    "8b-ctx4096": dict(preset="qwen3-8b", prompts=256, samples=1, prompt_len="3968:4032", new_tokens=128,
+                       warmup="full"),
+}
 DEFAULTS = {
     "cpu": dict(prompts=64, samples=8, new_tokens=64, prompt_len="32:128", dtype="float32", repeat=3, warmup="full"),
     # transformers keeps a dense KV cache per sequence: its generate calls take 64 prompts (512 sequences) each
     "cuda": dict(prompts=256, samples=8, new_tokens=512, prompt_len="64:192", dtype="bfloat16", preset="qwen3-0.6b",
-                 hf_batch_prompts=64, repeat=1, warmup="short"),
+                 hf_batch_prompts=64, repeat=1, warmup="short", peak_gbps=4300.0),
 }
+# the KV cache of a CUDA run is sized to the workload (plus this margin), not to 80% of the free memory:
+# the native profile's decode attention needs room for its gathered K/V
+KV_CACHE_MARGIN = 1.10
+
+
+def workload_defaults(args) -> dict:
+    """The device's defaults, overridden by ``--workload``'s fields (explicit options override both)."""
+    if args.workload is not None and args.workload not in WORKLOADS:
+        raise SystemExit(f"rlalign bench rollout: unknown workload {args.workload!r} (choose from {sorted(WORKLOADS)})")
+    return dict(DEFAULTS[args.device], **WORKLOADS.get(args.workload, {}))
 
 
 # models with a short context (the embedded default model has 64 positions) get a shorter workload
@@ -100,6 +148,10 @@ def default_model_dir() -> Path:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--workload", metavar="NAME", help=f"named workload: {', '.join(WORKLOADS)} (module docstring)")
+    p.add_argument("--layers", type=int, help="keep the first N decoder layers of the preset shape")
+    p.add_argument("--peak-gbps", type=float,
+                   help="memory bandwidth peak for the roofline fraction (default 4300 on CUDA: H200 HBM3e)")
     p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: see --preset)")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="random-init model shape (default: the embedded default model if present on the CPU, else "
@@ -117,7 +169,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=1024, help="engine decode batch (default 1024)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
     p.add_argument("--decode-graphs", default="auto", choices=("auto", "on", "off"),
-                   help="replay decode steps from CUDA graphs (auto: strict profile on CUDA; RolloutConfig.decode_graphs)")
+                   help="replay decode steps from CUDA graphs, both profiles (auto: on CUDA; RolloutConfig.decode_graphs)")
     p.add_argument("--kv-cache-gb", type=float, help="engine KV cache size (default: 1 GiB CPU, 80%% of free GPU memory)")
     p.add_argument("--hf-batch-prompts", type=int,
                    help="prompts per transformers generate call (default all on the CPU, 64 on CUDA)")
@@ -126,8 +178,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, help="timed calls per engine, the median reported (default 3 CPU, 1 CUDA)")
     p.add_argument("--warmup", choices=("full", "short"),
                    help="untimed warm-up per engine: the whole workload once (default on the CPU: the process's "
-                        "allocator and caches settle, whichever engine runs first) or 2 prompts x 4 tokens (CUDA)")
-    p.add_argument("--verify", action="store_true", help="check every strict logprob against the trainer's forward")
+                        "allocator and caches settle, whichever engine runs first; and for the --workload presets "
+                        "on CUDA: every decode graph is captured before the timed call; transformers on CUDA "
+                        "always warms up short) or 2 prompts x 4 tokens (CUDA default)")
+    p.add_argument("--verify", action="store_true",
+                   help="check every engine logprob against the trainer's forward in the same profile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -153,7 +208,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> dict:
 
-    defaults = DEFAULTS[args.device]
+    defaults = workload_defaults(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("rlalign bench rollout: --device cuda but no CUDA device is visible")
     if args.threads:
@@ -172,7 +227,8 @@ def run(args: argparse.Namespace) -> dict:
               for a, b in (("strict", "native"), ("strict", "transformers"), ("native", "transformers"))
               if a in by_name and b in by_name}
     return {"name": "rollout", "rows": rows, "ratios": ratios,
-            "workload": {"model": model_name, "dtype": dtype, "device": args.device, "prompts": len(workload.prompts),
+            "workload": {"name": args.workload, "model": model_name, "dtype": dtype, "device": args.device,
+                         "peak_gbps": _peak_gbps(args), "prompts": len(workload.prompts),
                          "samples": workload.samples, "new_tokens": workload.new_tokens,
                          "prompt_tokens": sum(len(p) for p in workload.prompts),
                          "prompt_len": f"{min(map(len, workload.prompts))}:{max(map(len, workload.prompts))}"},
@@ -187,18 +243,25 @@ def _progress(message: str) -> None:
 
 def _model_dir(args, defaults, dtype: str, tmp: Path) -> tuple[Path, str]:
     if args.model:
+        if args.layers:
+            raise SystemExit("rlalign bench rollout: --layers cuts a preset shape; it cannot be combined with --model")
         return Path(args.model), str(args.model)
     preset = args.preset or defaults.get("preset")
     if preset is None and default_model_dir().joinpath("config.json").is_file():
         return default_model_dir(), "rlalign/assets/default_model"
     preset = preset or "cpu-small"
-
-    config = ModelConfig.from_hf_dict(PRESETS[preset])
+    hf = dict(PRESETS[preset])
+    if args.layers:
+        if not 1 <= args.layers <= hf["num_hidden_layers"]:
+            raise SystemExit(f"rlalign bench rollout: --layers must be in 1..{hf['num_hidden_layers']} for {preset}")
+        hf["num_hidden_layers"] = args.layers
+    config = ModelConfig.from_hf_dict(hf)
     model = CausalLM(config, dtype=resolve_dtype(dtype), device="cpu").init_random_(seed=args.seed)
     path = save_model(model, tmp / preset)
     del model
     torch.manual_seed(args.seed)
-    return path, f"preset {preset} (random init, seed {args.seed})"
+    layers = f", first {args.layers} of {PRESETS[preset]['num_hidden_layers']} layers" if args.layers else ""
+    return path, f"preset {preset} (random init, seed {args.seed}{layers})"
 
 
 def _workload(args, defaults, model_dir: Path) -> Workload:
@@ -221,11 +284,15 @@ def _workload(args, defaults, model_dir: Path) -> Workload:
 # ---- the engines ---------------------------------------------------------------------------------
 
 def _full_warmup(args) -> bool:
-    return (args.warmup or DEFAULTS[args.device]["warmup"]) == "full"
+    return (args.warmup or workload_defaults(args)["warmup"]) == "full"
 
 
 def _repeats(args) -> int:
-    return max(1, args.repeat or DEFAULTS[args.device]["repeat"])
+    return max(1, args.repeat or workload_defaults(args)["repeat"])
+
+
+def _peak_gbps(args) -> float | None:
+    return args.peak_gbps or workload_defaults(args).get("peak_gbps")
 
 
 def _sync(device: str) -> None:
@@ -285,11 +352,12 @@ class _EngineRun:
         self.model, _ = load_model(model_dir, dtype=dtype, device=args.device)
         config = RolloutConfig(profile=profile, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
-                               kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
-                               decode_graphs=args.decode_graphs if profile == "strict" else "auto")
+                               kv_cache_bytes=_kv_cache_bytes(self.model, workload, args),
+                               decode_graphs=args.decode_graphs)
         self.engine = RolloutEngine(self.model, config)
         self.sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed,
                                        ignore_eos=True)
+        self.counts = parameter_counts(self.model.config)
         # warm-up: compiles kernels and, with decode graphs, captures them (as an engine's start-up does)
         t0 = time.perf_counter()
         if _full_warmup(args):
@@ -298,32 +366,139 @@ class _EngineRun:
             self.engine.generate(workload.prompts[:2], dataclasses.replace(self.sampling, max_new_tokens=4))
         _sync(args.device)
         self.warmup = time.perf_counter() - t0
-        self.completions = None
+        self.completions, self.steps, self.captures_timed = None, [], 0
 
     def timed(self) -> float:
-        self.engine.blocks.reset_prefix_cache()   # no call reuses an earlier call's prompt pages
-        self.engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
+        engine, graphs = self.engine, self.engine.decode_graphs
+        engine.blocks.reset_prefix_cache()   # no call reuses an earlier call's prompt pages
+        engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
+        if graphs is not None:
+            graphs.time_replays = graphs.mode == "graphs"
+        captures = graphs.captures if graphs is not None else 0
         _sync(self.args.device)
         t0 = time.perf_counter()
-        self.completions = self.engine.generate(self.workload.prompts, self.sampling)
+        self.completions, self.steps = _generate_step_by_step(engine, self.workload.prompts, self.sampling)
         _sync(self.args.device)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.captures_timed = (graphs.captures if graphs is not None else 0) - captures
+        return seconds
 
     def row(self, runs: list[float]) -> dict:
         seconds = statistics.median(runs)
         generated = sum(len(c.tokens) for c in self.completions)
         stats = self.engine.stats()
+        graphs = self.engine.decode_graphs
         row = {"engine": "rlalign", "profile": self.profile, "tokens_per_s": round(generated / seconds, 2),
                "seconds": round(seconds, 3), "generated_tokens": generated, "steps": stats["steps"],
                "forward_tokens": stats["forward_tokens"], "preemptions": stats["preemptions"],
                "kv_pages": stats["num_pages"], "page_size": self.args.page_size, "graph_steps": stats["graph_steps"],
+               "decode_graphs": graphs.mode if graphs is not None else "off",
+               "graph_captures": graphs.captures if graphs is not None else 0,
+               "graph_captures_timed": self.captures_timed,
                "warmup_seconds": round(self.warmup, 2), "runs_seconds": [round(r, 3) for r in runs]}
-        if self.args.verify and self.profile == "strict":
-            row.update(_verify(self.model, self.completions))
+        row.update(decode_metrics(self.steps, self.model.config, self.model.dtype, _peak_gbps(self.args), self.counts))
+        if self.args.verify:
+            row.update(_verify(self.model, self.completions, self.profile))
         return row
 
     def close(self) -> None:
         _release(self, self.args.device)
+
+
+@dataclasses.dataclass
+class DecodeStep:
+    """One measured decode step: its rows, their summed context (new token included), its wall seconds,
+    and the CUDA events around its graph replay (None for an eager step)."""
+    rows: int
+    context_tokens: int
+    seconds: float
+    events: tuple | None = None
+    graph_checks: int = 0
+
+    @property
+    def forward_ms(self) -> float | None:
+        return None if self.events is None else self.events[0].elapsed_time(self.events[1])
+
+
+def _generate_step_by_step(engine: RolloutEngine, prompts, sampling) -> tuple[list, list[DecodeStep]]:
+    """``engine.generate(prompts, sampling)`` through the public step API, timing every decode step."""
+    graphs = engine.decode_graphs
+    ids = [engine.add_request(p, sampling, prompt_index=i) for i, p in enumerate(prompts)]
+    done, steps = {}, []
+    try:
+        while engine.has_unfinished():
+            replays = graphs.replays if graphs is not None else 0
+            t0 = time.perf_counter()
+            outputs = engine.step()      # returns once the sampled tokens are on the host: the step is over
+            seconds = time.perf_counter() - t0
+            info = engine.last_forward
+            if info is not None and info["decode"]:
+                replayed = graphs is not None and graphs.replays > replays and graphs.time_replays
+                steps.append(DecodeStep(info["rows"], info["context_tokens"], seconds,
+                                        graphs.last_events if replayed else None,
+                                        graphs.last_checks if replayed else 0))
+            for out in outputs:
+                if out.completion is not None:
+                    done[(out.request_id, out.sample_index)] = out.completion
+    except BaseException:
+        engine.abort_all()
+        raise
+    return [done[(rid, j)] for rid in ids for j in range(sampling.n)], steps
+
+
+def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | None, counts=None) -> dict:
+    """Per-decode-step figures of one call (module docstring); None where not measurable (no decode step,
+    no graph replay for GPU times, no peak for fractions)."""
+    if not steps:
+        return {"decode_steps": 0}
+    moved = [decode_step_bytes(config, dtype, s.rows, s.context_tokens, counts) for s in steps]
+    wall = sum(s.seconds for s in steps)
+    total = sum(b.total for b in moved)
+    timed = [(s, b) for s, b in zip(steps, moved) if s.events is not None]
+    gpu_ms = [s.forward_ms for s, _ in timed]
+    achieved = total / wall / 1e9
+    out = {"decode_steps": len(steps),
+           "decode_rows_mean": round(sum(s.rows for s in steps) / len(steps), 1),
+           "decode_context_mean": round(sum(s.context_tokens for s in steps) / sum(s.rows for s in steps), 1),
+           "decode_step_ms": round(1e3 * wall / len(steps), 3),
+           "decode_step_ms_median": round(1e3 * statistics.median(s.seconds for s in steps), 3),
+           "decode_tokens_per_s": round(sum(s.rows for s in steps) / wall, 1),
+           "bytes_per_decode_step": round(total / len(steps)),
+           "weight_bytes_per_decode_step": round(sum(b.weights for b in moved) / len(steps)),
+           "kv_bytes_per_decode_step": round(sum(b.kv_read + b.kv_write for b in moved) / len(steps)),
+           "achieved_gbps": _sig(achieved),
+           "roofline_fraction": None if not peak_gbps else _sig(achieved / peak_gbps),
+           "forward_gpu_ms": None, "host_ms_per_step": None, "forward_roofline_fraction": None,
+           "timed_forward_steps": len(timed),
+           "graph_finite_checks_per_step": None}
+    if timed:
+        gpu_s = sum(gpu_ms) / 1e3
+        out.update(graph_finite_checks_per_step=round(sum(s.graph_checks for s, _ in timed) / len(timed), 1),
+                   forward_gpu_ms=round(1e3 * gpu_s / len(timed), 3),
+                   host_ms_per_step=round(1e3 * (sum(s.seconds for s, _ in timed) - gpu_s) / len(timed), 3))
+        if peak_gbps:
+            out["forward_roofline_fraction"] = _sig(sum(b.total for _, b in timed) / gpu_s / 1e9 / peak_gbps)
+    return out
+
+
+def _sig(x: float) -> float:
+    """4 significant digits (bandwidths and fractions span many decades between a CPU toy and an H200)."""
+    return float(f"{x:.4g}")
+
+
+def _kv_cache_bytes(model, workload: Workload, args) -> int | None:
+    """--kv-cache-gb; else on CUDA what the workload needs (every sequence at its full length, pages of
+    shared prompts counted once per sample: an upper bound) times KV_CACHE_MARGIN, at most the engine's
+    default (RolloutConfig.gpu_memory_fraction of the free memory); else the engine's default."""
+    if args.kv_cache_gb:
+        return int(args.kv_cache_gb * 2**30)
+    if args.device != "cuda":
+        return None
+    ps = args.page_size
+    pages = sum(-(-(len(p) + workload.new_tokens) // ps) for p in workload.prompts) * workload.samples
+    need = int(pages * ps * kv_bytes_per_token(model.config, model.dtype) * KV_CACHE_MARGIN)
+    free, _ = torch.cuda.mem_get_info()
+    return min(need, int(free * RolloutConfig().gpu_memory_fraction))
 
 
 def _release(runner, device: str) -> None:
@@ -334,8 +509,9 @@ def _release(runner, device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _verify(model, completions, token_budget: int = 8192) -> dict:
-    """Recompute each completion's logprobs with the trainer's packed forward; count differing tokens."""
+def _verify(model, completions, profile: str = "strict", token_budget: int = 8192) -> dict:
+    """Recompute each completion's logprobs with the trainer's packed forward in ``profile``; count the
+    tokens whose logprob bits differ."""
 
     mismatches = checked = 0
     batch: list = []
@@ -346,7 +522,7 @@ def _verify(model, completions, token_budget: int = 8192) -> dict:
             continue
         seqs = [b.prompt_tokens + b.tokens for b in batch]
         targets = torch.tensor([t for s in seqs for t in s[1:] + [0]], device=model.device)
-        with use_profile("strict"), torch.no_grad():
+        with use_profile(profile), torch.no_grad():
             lp, _ = model.logprobs(ForwardBatch.packed(seqs, device=model.device), targets)
         offset = 0
         for b, s in zip(batch, seqs):
@@ -377,8 +553,8 @@ class _TransformersRun:
         self.pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
         self.eos = hf.config.eos_token_id if hf.config.eos_token_id is not None else self.pad
         self.prompts = workload.prompts[:args.hf_prompts] if args.hf_prompts else workload.prompts
-        self.per_call = args.hf_batch_prompts or DEFAULTS[args.device].get("hf_batch_prompts") or len(self.prompts)
-        if _full_warmup(args):
+        self.per_call = args.hf_batch_prompts or workload_defaults(args).get("hf_batch_prompts") or len(self.prompts)
+        if _full_warmup(args) and args.device == "cpu":   # CUDA: nothing to capture or compile, a short warm-up
             self._all()
         else:
             self._call(self.prompts[:2], 4)
@@ -442,6 +618,13 @@ def print_table(result: dict) -> None:
                                                           "generated_tokens")}
         print(f"{r['engine']:<14}{r['profile']:<9}{r['tokens_per_s']:>12.1f}{r['seconds']:>10.2f}"
               f"{r['generated_tokens']:>10}  {json.dumps(notes)}")
+    for r in result["rows"]:
+        if r.get("decode_steps"):
+            print(f"decode {r['profile']:<7} {r['decode_steps']} steps of {r['decode_rows_mean']} rows x "
+                  f"{r['decode_context_mean']} context: step {r['decode_step_ms']} ms (forward on the GPU "
+                  f"{r['forward_gpu_ms']} ms, host {r['host_ms_per_step']} ms), {r['bytes_per_decode_step'] / 1e9:.4g} GB "
+                  f"moved -> {r['achieved_gbps']} GB/s, roofline fraction {r['roofline_fraction']} "
+                  f"(forward only {r['forward_roofline_fraction']})")
     print("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
     env = result["environment"]
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None))

@@ -48,7 +48,8 @@ def register(subparsers) -> None:
     p.add_argument("--replay", metavar="FILE", help="score a recorded rollout instead of generating")
     p.add_argument("--tp", metavar="DEGREES", default=None,
                    help="also score with the training side sharded over these tensor-parallel degrees, e.g. 1,2,4 "
-                        "(gloo processes on CPU, NCCL on GPU); mismatches are counted against TP=1 and the rollout")
+                        "(gloo processes on CPU, NCCL on GPU); mismatches are counted against TP=1 and the rollout, "
+                        "and for MoE models the rows routed differently from TP=1")
     p.set_defaults(func=run)
 
 
@@ -122,13 +123,17 @@ def _print(result, report_dir) -> None:
             table.add_row(f"({len(skipped)} more)", "", "", "", f"not compared: {skipped[0].note}, ...")
         console.print(table)
     for degree, r in (result.tp or {}).get("tp", {}).items():
+        routing = "" if r.get("routing_mismatches") is None else \
+            f", {r['routing_mismatches']} rows routed differently from TP=1"
         console.print(f"  TP={degree}: {r['tokens_compared']} tokens, {r['mismatches']} mismatches vs TP=1, "
-                      f"{r['rollout_mismatches']} vs the rollout")
+                      f"{r['rollout_mismatches']} vs the rollout{routing}")
     if report_dir:
         console.print(f"  report: {report_dir}/parity.md")
     if result.ok:
         console.print("[green]OK: every token's logprob is bitwise identical[/green]")
     elif t.not_comparable:
         console.print(f"[red]NOT COMPARABLE: {t.not_comparable}[/red]")
-    else:
+    elif t.mismatches:
         console.print(f"[red]MISMATCH: {t.mismatches} of {t.tokens_compared} token logprobs differ[/red]")
+    else:   # rollout and training side agree; a tensor-parallel degree does not
+        console.print("[red]MISMATCH across tensor-parallel degrees: see the TP lines above[/red]")

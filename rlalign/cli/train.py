@@ -8,6 +8,7 @@ from rich.console import Console
 
 from rlalign.configlib import describe
 from rlalign.integrations.ray import run_training_on_ray
+from rlalign.train.budget import format_budget, memory_budget
 from rlalign.train.config import TrainConfig
 from rlalign.train.logs import install_cli_handler
 from rlalign.train.loop import run_training
@@ -82,4 +83,6 @@ def _dry_run(cfg) -> int:
     print(f"# dry run: model {model_dir} ({sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters) "
           f"loaded; task ready ({len(task.eval_problems())} eval problems; first prompt {len(task.encode(first.prompt))} "
           "tokens); nothing was trained or written")
+    print("# memory budget (arithmetic from tensor sizes: python -m rlalign.train.budget; docs/gpu.md):")
+    print("\n".join("# " + line for line in format_budget(memory_budget(cfg, policy.config)).splitlines()))
     return 0

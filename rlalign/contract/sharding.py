@@ -23,6 +23,9 @@ class Shard(enum.Enum):
     HEAD_GROUPED = "head_grouped"  # RMSNorm over head_dim shared by ``heads`` heads split over ranks (weight
                                    # replicated; its gradient merged by the fixed tree over head groups)
     VOCAB = "vocab"                # LM head: vocab rows split (fused vocab-parallel logprob)
+    EXPERTS = "experts"            # a mixture-of-experts layer's expert list, called (x, experts) -> [T, k, H]:
+                                   # each expert's own plan shards its FFN (gate/up COLUMN, down ROW); the
+                                   # parallel list runs them with one cross-rank merge per projection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +35,11 @@ class ShardSpec:
 
 
 COLUMN, ROW, VOCAB = ShardSpec(Shard.COLUMN), ShardSpec(Shard.ROW), ShardSpec(Shard.VOCAB)
+EXPERTS = ShardSpec(Shard.EXPERTS)
 
 
 def head_grouped(heads: int) -> ShardSpec:
     return ShardSpec(Shard.HEAD_GROUPED, heads)
 
 
-__all__ = ["Shard", "ShardSpec", "COLUMN", "ROW", "VOCAB", "head_grouped"]
+__all__ = ["Shard", "ShardSpec", "COLUMN", "ROW", "VOCAB", "EXPERTS", "head_grouped"]

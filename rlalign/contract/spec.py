@@ -229,7 +229,13 @@ def render_markdown() -> str:
         "## What the native profile promises",
         "",
         "Nothing beyond the accuracy tolerances: vendor kernels (MKL/oneDNN, cuBLAS, SDPA), whatever",
-        "reduction order they pick for the shape at hand.",
+        "reduction order they pick for the shape at hand. It is built to be the fair fast baseline a",
+        "non-deterministic trainer would run, so strict/native measures the contract's cost: linears are",
+        "`F.linear` (cuBLAS); packed training attention is the flash varlen kernel on CUDA (no padding;",
+        "`aten._flash_attention_forward`/`_backward` with cu_seqlens), falling back to one padded SDPA call",
+        "with a log line naming why (CPU, fp32, an unsupported head_dim); the log-prob loss is fused like",
+        "strict's (token chunks of `token_chunk`, fp32 logits from a bf16 GEMM on CUDA, a recomputing",
+        "backward, no [T, V] logits kept).",
         "",
     ]
     return "\n".join(lines)

@@ -52,13 +52,19 @@ def check_column_shard(features: int, tp: int, name: str) -> None:
                            f"{MIN_SHARD_COLUMNS} change the CPU GEMM's column bits (measured), choose a smaller tp")
 
 
-def local_segments(features: int, tp: int, what: str) -> int:
-    """Segments of the canonical partition of ``features`` that one of ``tp`` ranks holds."""
-    p = segment_count(features, spec.K_SEGMENTS)
+def local_segments(features: int, tp: int, what: str, segments: int = spec.K_SEGMENTS) -> int:
+    """Segments of the canonical partition of ``features`` (at most ``segments``) that one of ``tp`` ranks holds."""
+    p = segment_count(features, segments)
     if p % tp:
         raise RLAlignError(f"{what}: {features} features split into {p} canonical segments cannot be shared "
                            f"by tp={tp} ranks (tp must divide {p})")
     return p // tp
+
+
+def row_segments(linear: nn.Module) -> int:
+    """The canonical K partition a row-parallel linear shards: the linear's own ``k_segments`` (the experts'
+    down_proj: spec.MOE_K_SEGMENTS), else spec.K_SEGMENTS."""
+    return getattr(linear, "k_segments", None) or spec.K_SEGMENTS
 
 
 class _ColumnParallel(torch.autograd.Function):
@@ -141,7 +147,7 @@ class RowParallelLinear(nn.Module):
         if linear.bias is not None:
             raise RLAlignError(f"{name}: a row-parallel linear with a bias is not supported")
         k = linear.weight.shape[1]
-        self.segments = local_segments(k, group.size, name)
+        self.segments = local_segments(k, group.size, name, row_segments(linear))
         self.group = group
         self.weight = _shard(linear.weight, 1, group)
         self.bias = None
@@ -193,4 +199,5 @@ class HeadGroupedRMSNorm(nn.Module):
                          dim=1)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "HeadGroupedRMSNorm", "local_segments", "check_column_shard"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "HeadGroupedRMSNorm", "local_segments", "row_segments",
+           "check_column_shard"]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rlalign.distributed.launch import Group
 
 
-def _all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def stock_all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group.size > 1:
         dist.all_reduce(t, op=op, group=group.pg)
     return t
@@ -28,7 +28,7 @@ class NativeColumn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x2d, weight = ctx.saved_tensors
-        grad_x = _all_reduce(g @ weight, ctx.group)
+        grad_x = stock_all_reduce(g @ weight, ctx.group)
         grad_b = g.sum(0) if ctx.has_bias else None
         return grad_x, g.t() @ x2d, grad_b, None
 
@@ -37,7 +37,7 @@ class NativeRow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, group):
         ctx.save_for_backward(x2d, weight)
-        return _all_reduce(F.linear(x2d, weight), group)
+        return stock_all_reduce(F.linear(x2d, weight), group)
 
     @staticmethod
     def backward(ctx, g):
@@ -54,16 +54,16 @@ class NativeVocabLogprob(torch.autograd.Function):
         w = weight[v0:v1] if tied else weight
         z = (hidden.float() @ w.float().t()) / temperature
         m = z.amax(-1) if z.shape[1] else z.new_full((z.shape[0],), float("-inf"))
-        m = _all_reduce(m, group, dist.ReduceOp.MAX)
+        m = stock_all_reduce(m, group, dist.ReduceOp.MAX)
         e = torch.exp(z - m.unsqueeze(1))
-        s = _all_reduce(e.sum(-1), group)
+        s = stock_all_reduce(e.sum(-1), group)
         lse = m + torch.log(s)
         local = targets - v0
         inside = (local >= 0) & (local < z.shape[1])
         picked = z.gather(1, local.clamp(0, max(z.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1) if z.shape[1] \
             else torch.zeros_like(m)
-        z_target = _all_reduce(torch.where(inside, picked, torch.zeros_like(picked)), group)
-        mu = _all_reduce((e * z).sum(-1), group) / s if with_entropy else None
+        z_target = stock_all_reduce(torch.where(inside, picked, torch.zeros_like(picked)), group)
+        mu = stock_all_reduce((e * z).sum(-1), group) / s if with_entropy else None
         ctx.save_for_backward(hidden, weight, z, lse, local, inside, *(() if mu is None else (mu,)))
         ctx.config = (v0, v1, temperature, group, tied, with_entropy)
         ctx.set_materialize_grads(False)
@@ -84,15 +84,15 @@ class NativeVocabLogprob(torch.autograd.Function):
         dz[rows, local[rows]] += g_lp[rows]
         dz = dz / temperature
         w = (weight[v0:v1] if tied else weight).float()
-        grad_h = _all_reduce(dz @ w, group).to(hidden.dtype)
+        grad_h = stock_all_reduce(dz @ w, group).to(hidden.dtype)
         grad_w_shard = (dz.t() @ hidden.float()).to(weight.dtype)
         if tied:
             grad_w = torch.zeros_like(weight)
             grad_w[v0:v1] = grad_w_shard
-            grad_w = _all_reduce(grad_w, group)
+            grad_w = stock_all_reduce(grad_w, group)
         else:
             grad_w = grad_w_shard
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-__all__ = ["NativeColumn", "NativeRow", "NativeVocabLogprob"]
+__all__ = ["NativeColumn", "NativeRow", "NativeVocabLogprob", "stock_all_reduce"]

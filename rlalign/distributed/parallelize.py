@@ -4,9 +4,10 @@ The model's modules declare how their weights shard (``tp_plan``, :mod:`rlalign.
 this module only obeys the plans, in module order: a COLUMN child becomes a
 :class:`ColumnParallelLinear`, ROW a :class:`RowParallelLinear` (canonical K partition), HEAD_GROUPED
 a :class:`HeadGroupedRMSNorm`, VOCAB the vocab-parallel LM head (:mod:`.vocab_head`; with untied
-embeddings ``lm_head.weight`` is replaced by the rank's rows); then the module's ``tp_localize(tp)``
-makes its shape fields rank-local (the decoder's attention: heads split into contiguous groups,
-rank r holds query heads [r*H/t, (r+1)*H/t) and kv heads likewise). Everything not planned (norms,
+embeddings ``lm_head.weight`` is replaced by the rank's rows), EXPERTS a sparse layer's expert list by
+:class:`TensorParallelExperts` (:mod:`.experts`; the experts' own plans shard their FFNs); then the
+module's ``tp_localize(tp)`` makes its shape fields rank-local (the decoder's attention: heads split into
+contiguous groups, rank r holds query heads [r*H/t, (r+1)*H/t) and kv heads likewise). Everything not planned (norms,
 embeddings, the residual stream) stays replicated (every rank computes it identically).
 
 Parameter names do not change; a sharded parameter carries ``tp_dim`` (0: rows, 1: columns) and
@@ -21,11 +22,13 @@ import torch
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.collectives import gather_ranks_varlen
+from rlalign.distributed.experts import TensorParallelExperts
 from rlalign.distributed.launch import Group
 from rlalign.distributed.layers import (ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear, check_column_shard,
-                                       local_segments)
+                                       local_segments, row_segments)
 from rlalign.distributed.vocab_head import VocabParallelHead
 from rlalign.contract.sharding import Shard, ShardSpec
+from rlalign.contract.spec import K_SEGMENTS
 
 SUPPORTED_TP = (1, 2, 4, 8)
 
@@ -36,31 +39,36 @@ def check_tp(config, tp: int, model=None) -> None:
     checked when :func:`parallelize` builds the shards (same messages)."""
     if tp not in SUPPORTED_TP:
         raise RLAlignError(f"tp={tp} is not supported (choose one of {', '.join(map(str, SUPPORTED_TP))})")
-    for what, n in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads)):
+    sizes = [("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads)]
+    if config.ffn_options.get("num_experts"):
+        sizes.append(("moe_intermediate_size", config.ffn_options["moe_intermediate_size"]))
+    for what, n in sizes:
         if n % tp:
             raise RLAlignError(f"tp={tp} does not divide the model's {what}={n}; choose a tp that divides it")
     if tp == 1 or model is None:
         return
-    for name, spec, features in _planned_shards(model):
+    for name, spec, features, segments in _planned_shards(model):
         if spec.kind is Shard.COLUMN:
             check_column_shard(features, tp, name)
-        local_segments(features, tp, name)
+        local_segments(features, tp, name, segments)
 
 
 def _planned_shards(model):
-    """(name, spec, sharded features) of the COLUMN / ROW children ``model``'s plans declare; one per distinct
-    (name with layer indices wildcarded, width)."""
+    """(name, spec, sharded features, canonical segments) of the COLUMN / ROW children ``model``'s plans
+    declare; one per distinct (name with layer indices wildcarded, width)."""
     seen = set()
     for path, module in model.named_modules():
         for child, spec in getattr(module, "tp_plan", dict)().items():
             if spec.kind not in (Shard.COLUMN, Shard.ROW):
                 continue
-            features = getattr(module, child).weight.shape[0 if spec.kind is Shard.COLUMN else 1]
+            linear = getattr(module, child)
+            features = linear.weight.shape[0 if spec.kind is Shard.COLUMN else 1]
+            segments = row_segments(linear) if spec.kind is Shard.ROW else K_SEGMENTS
             name = f"{path}.{child}".removeprefix("model.")
             generic = ".".join("*" if part.isdigit() else part for part in name.split("."))
             if (generic, features) not in seen:
                 seen.add((generic, features))
-                yield name, spec, features
+                yield name, spec, features, segments
 
 
 def parallelize(model, group: Group):
@@ -90,6 +98,8 @@ def _shard_child(model, owner, child: str, spec: ShardSpec, group: Group, name: 
         setattr(owner, child, HeadGroupedRMSNorm(getattr(owner, child), spec.heads, group, name))
     elif spec.kind is Shard.VOCAB:
         _vocab_parallel(model, group)
+    elif spec.kind is Shard.EXPERTS:
+        setattr(owner, child, TensorParallelExperts(getattr(owner, child), group, name))
     else:
         raise RLAlignError(f"{name}: shard kind {spec.kind} has no parallel implementation")
 

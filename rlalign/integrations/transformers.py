@@ -66,7 +66,7 @@ from rlalign.models.blocks import attention_block, decoder_layer_block, final_no
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import Attention, DecoderLayer
 from rlalign.models.modules import Linear, RMSNorm
-from rlalign.models.moe import SparseMoE, sparse_moe_block
+from rlalign.models.moe import SparseMoE, sparse_moe_block, stacked_expert_ffns
 from rlalign.models.taps import EMBED, LOGPROB, note_batch, tap
 
 ATTENTION = "rlalign"
@@ -306,8 +306,9 @@ def _interface_attend(attn: nn.Module, batch: ForwardBatch):
 def _sparse_moe_forward(self, x):
     inter = self.experts.down_proj.shape[-1]
     gate_up = self.experts.gate_up_proj
-    return sparse_moe_block(x, self.gate.weight, gate_up[:, :inter], gate_up[:, inter:], self.experts.down_proj,
-                            top_k=self._rlalign_top_k, normalize=self._rlalign_normalize, layer=self._rlalign_layer)
+    ffns = stacked_expert_ffns(gate_up[:, :inter], gate_up[:, inter:], self.experts.down_proj)
+    return sparse_moe_block(x, self.gate.weight, ffns, top_k=self._rlalign_top_k, normalize=self._rlalign_normalize,
+                            layer=self._rlalign_layer)
 
 
 def checkpoint_parameters(model: nn.Module):

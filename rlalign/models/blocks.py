@@ -76,7 +76,13 @@ def decoder_layer_block(layer, h: torch.Tensor, residual: torch.Tensor | None, a
     """(h, residual) -> (FFN output, residual stream before the FFN); residual None on layer 0.
 
     ``layer`` holds input_layernorm / post_attention_layernorm (called as ``norm(x, residual)`` ->
-    (normed, x + residual)), ``mlp``; ``attention(x)`` runs the layer's attention block."""
+    (normed, x + residual)), ``mlp``; ``attention(x)`` runs the layer's attention block.
+    Per-op finiteness errors name the layer (``ops.check_scope``)."""
+    with ops.check_scope(f"layers.{index}"):
+        return _decoder_layer(layer, h, residual, attention, index)
+
+
+def _decoder_layer(layer, h, residual, attention, index: int):
     if residual is None:
         x, residual = layer.input_layernorm(h), h
     else:

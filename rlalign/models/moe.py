@@ -11,15 +11,16 @@ Which layers are sparse (Qwen3-MoE's rule): layer i is sparse when i is not in `
 ``(i + 1) % decoder_sparse_step == 0``; the others are the dense FFN of ``intermediate_size``.
 
 Weights keep the checkpoint's names: ``mlp.gate.weight`` [E, hidden] and
-``mlp.experts.{e}.{gate,up,down}_proj.weight``; the block core :func:`sparse_moe_block` takes the weights
-as arguments, so the transformers patch calls it with views of Hugging Face's stacked expert tensors.
+``mlp.experts.{e}.{gate,up,down}_proj.weight``; the block core :func:`sparse_moe_block` takes the experts'
+FFNs as a callable, so the transformers patch passes :func:`stacked_expert_ffns` over views of Hugging Face's
+stacked expert tensors, and tensor parallelism (the ``EXPERTS`` plan of :class:`SparseMoE`) its sharded experts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import MLP, register_ffn
 from rlalign.models.modules import Linear
 from rlalign.models.taps import layer_tap, tap
+
+
+ExpertFFNs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (x [T, H], experts [T, k]) -> [T, k, H]
 
 
 def is_sparse_layer(options: dict, layer_index: int) -> bool:
@@ -95,18 +99,31 @@ def sparse_layer_indices(cfg: ModelConfig) -> list[int]:
 
 # ---- the block core ----------------------------------------------------------------------------------------
 
-def sparse_moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_w: Sequence[torch.Tensor],
-                     up_w: Sequence[torch.Tensor], down_w: Sequence[torch.Tensor], *, top_k: int, normalize: bool,
-                     layer: int) -> torch.Tensor:
-    """The sparse FFN of rows ``x`` [T, hidden] (see the module docstring); taps ``router`` and ``routing``."""
+def sparse_moe_block(x: torch.Tensor, router_w: torch.Tensor, expert_ffns: ExpertFFNs, *, top_k: int,
+                     normalize: bool, layer: int) -> torch.Tensor:
+    """The sparse FFN of rows ``x`` [T, hidden] (see the module docstring); taps ``router`` and ``routing``.
+
+    ``expert_ffns(x, experts)`` -> y [T, k, hidden] applies each token's k experts: :func:`stacked_expert_ffns`
+    over the full weights, or the tensor-parallel experts :func:`rlalign.distributed.parallelize.parallelize`
+    installs (the same bits: the router and the combine are replicated, only the experts' FFNs are sharded)."""
     logits = tap(layer_tap(layer, "router"), ops.router_logits(x, router_w))
     experts, weights = ops.moe_route(logits, top_k, normalize=normalize)
     tap(layer_tap(layer, "routing"), experts)
     record = getattr(_RECORD, "current", None)
     if record is not None:
         record.add(layer, logits, experts)
-    y = ops.moe_experts(x, experts, gate_w, up_w, down_w, down_segments=spec.MOE_K_SEGMENTS)
+    y = expert_ffns(x, experts)
     return ops.moe_combine(y, weights, experts)
+
+
+def stacked_expert_ffns(gate_w: Sequence[torch.Tensor], up_w: Sequence[torch.Tensor],
+                        down_w: Sequence[torch.Tensor]) -> ExpertFFNs:
+    """The experts' FFNs over every expert's full weights (per-expert lists or stacked [E, ...] tensors):
+    ops.moe_experts, down_proj on the canonical K partition of MOE_K_SEGMENTS (the partition tensor parallelism
+    shards)."""
+    def apply(x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return ops.moe_experts(x, experts, gate_w, up_w, down_w, down_segments=spec.MOE_K_SEGMENTS)
+    return apply
 
 
 # ---- modules --------------------------------------------------------------------------------------------------
@@ -124,8 +141,17 @@ class Expert(nn.Module):
         return {"gate_proj": sharding.COLUMN, "up_proj": sharding.COLUMN, "down_proj": sharding.ROW}
 
 
+class ExpertList(nn.ModuleList):
+    """The E experts of a sparse layer (``experts.{e}``, the checkpoint's names); called as
+    ``experts(x, experts_idx)`` -> y [T, k, hidden] (:func:`stacked_expert_ffns` over the experts' weights)."""
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return stacked_expert_ffns([e.gate_proj.weight for e in self], [e.up_proj.weight for e in self],
+                                   [e.down_proj.weight for e in self])(x, experts)
+
+
 class SparseMoE(nn.Module):
-    """Router ``gate`` [E, hidden] and ``experts`` (E x :class:`Expert`); forward = :func:`sparse_moe_block`."""
+    """Router ``gate`` [E, hidden] and ``experts`` (an :class:`ExpertList`); forward = :func:`sparse_moe_block`."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int, dtype, device):
         super().__init__()
@@ -133,16 +159,17 @@ class SparseMoE(nn.Module):
         self.layer_index = layer_index
         self.top_k, self.normalize = int(opts["num_experts_per_tok"]), bool(opts["norm_topk_prob"])
         self.gate = Linear(cfg.hidden_size, opts["num_experts"], False, dtype, device)
-        self.experts = nn.ModuleList(Expert(cfg.hidden_size, opts["moe_intermediate_size"], dtype, device)
-                                     for _ in range(opts["num_experts"]))
+        self.experts = ExpertList(Expert(cfg.hidden_size, opts["moe_intermediate_size"], dtype, device)
+                                  for _ in range(opts["num_experts"]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sparse_moe_block(x, self.gate.weight, [e.gate_proj.weight for e in self.experts],
-                                [e.up_proj.weight for e in self.experts], [e.down_proj.weight for e in self.experts],
-                                top_k=self.top_k, normalize=self.normalize, layer=self.layer_index)
+        return sparse_moe_block(x, self.gate.weight, self.experts, top_k=self.top_k, normalize=self.normalize,
+                                layer=self.layer_index)
 
     def tp_plan(self) -> dict[str, sharding.ShardSpec]:
-        return {}   # the router is replicated; each Expert declares its own plan (like the dense FFN)
+        # the router is replicated; each Expert declares its own COLUMN/ROW plan (like the dense FFN) and
+        # the EXPERTS spec runs the sharded experts together (one cross-rank merge per projection)
+        return {"experts": sharding.EXPERTS}
 
 
 @register_ffn("moe")
@@ -153,6 +180,6 @@ def build_moe_layer_ffn(cfg: ModelConfig, layer_index: int, dtype, device) -> nn
     return MLP(cfg, layer_index, dtype, device)
 
 
-__all__ = ["is_sparse_layer", "sparse_layer_indices", "sparse_moe_block", "SparseMoE", "Expert", "record_routing",
-           "RoutingRecord"]
+__all__ = ["is_sparse_layer", "sparse_layer_indices", "sparse_moe_block", "stacked_expert_ffns", "ExpertFFNs",
+           "SparseMoE", "ExpertList", "Expert", "record_routing", "RoutingRecord"]
 

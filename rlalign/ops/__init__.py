@@ -12,14 +12,20 @@ Functional API (the only way models and engines compute):
 
 For CUDA-graph capture (the rollout engine's decode graphs): ``capturing_graph(**hints)`` (the ops record
 their deferred finiteness verdicts into the graph), ``requeue_deferred_checks(verdicts)`` after each replay,
-``flush_deferred_checks()`` (raise for the first failed verdict). ``backend_name(device)`` says which
-backend (``torch`` | ``triton``) runs the strict ops there.
+``flush_deferred_checks()`` (raise for the first failed verdict); ``static_decode()`` marks a forward as a
+static-shape decode step (one query per sequence). ``backend_name(device)`` says which backend
+(``torch`` | ``triton``) runs the strict ops there.
+
+Where strict forwards look for NaN/inf (docs/gpu.md, "Finiteness checks"): ``check_policy(device)``
+(``"per-op"`` on the CPU, ``"boundary"`` on GPUs; env ``RLALIGN_CHECKS``), ``use_check_policy(policy)``
+to force one, ``check_scope(label)`` to name the part of a forward (``layers.3``) in per-op messages.
 
 Each op takes ``profile=`` (``"strict"`` | ``"native"`` | None for the current context, see
 :func:`rlalign.contract.use_profile`).
 """
 
-from rlalign.ops._checks import capturing_graph, flush as flush_deferred_checks, requeue as requeue_deferred_checks
+from rlalign.ops._checks import (capturing_graph, check_policy, check_scope, flush as flush_deferred_checks,
+                                 requeue as requeue_deferred_checks, static_decode, use_check_policy)
 from rlalign.ops._dispatch import backend_name
 from rlalign.ops.basic import embedding, linear, rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_mul
 from rlalign.ops.attention import attention_paged, attention_varlen, write_kv_cache
@@ -33,6 +39,7 @@ __all__ = [
     "linear", "rms_norm", "rope", "rope_inv_freq", "rope_cos_sin", "silu_mul", "embedding",
     "attention_varlen", "attention_paged", "write_kv_cache",
     "logprob_entropy", "lm_logits", "sample", "sample_and_score", "logprob_temperature", "backend_name",
-    "capturing_graph", "flush_deferred_checks", "requeue_deferred_checks",
+    "capturing_graph", "flush_deferred_checks", "requeue_deferred_checks", "static_decode",
+    "check_policy", "use_check_policy", "check_scope",
     "router_logits", "moe_route", "moe_experts", "moe_combine",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 
 import torch
@@ -40,33 +41,118 @@ def ndim(op: str, name: str, t: torch.Tensor, n: int) -> None:
 
 _pending = threading.local()
 
+# ---- where NaN/inf are looked for: the check policy ------------------------------------------------
+#
+# PER_OP: every strict op checks its floating inputs (the CPU default: a check there costs a fraction
+# of the op). BOUNDARY (the CUDA default): only the sites of BOUNDARY_SITES check; on a GPU a per-op
+# check is two kernel launches per op (a third of a decode step's kernel time, measured on an H200).
+# BOUNDARY keeps the guarantee because a non-finite value produced or read anywhere in a forward
+# reaches the final hidden rows of the tokens it affects: matmul (x * inf, inf - inf, NaN * w),
+# residual adds, RMSNorm (inf * rsqrt(inf) = inf * 0 = NaN), silu_mul, rope, and attention's
+# p @ V (p * NaN, 0 * inf = NaN) carry it; the final hidden rows are checked where they leave for
+# the host (logprob_entropy / lm_logits). The exceptions -- operations that can drop a non-finite
+# value -- are checked where they happen:
+#   * softmax drops a key whose score is -inf (exp(-inf) = 0): a K with an inf element. The keys
+#     a forward writes to the KV cache (write_kv_cache's k) and the keys of a packed forward
+#     (attention_varlen's k) are checked; NaN keys propagate (exp(NaN) = NaN).
+#   * top-k routing selects experts from router logits (a NaN may just not be chosen): moe_route's
+#     logits are checked.
+# Set RLALIGN_CHECKS=per-op to find the first op (and decoder layer) that saw a non-finite value.
+PER_OP, BOUNDARY = "per-op", "boundary"
+CHECKS_ENV = "RLALIGN_CHECKS"
+BOUNDARY_SITES = frozenset({
+    ("logprob_entropy", "hidden"), ("lm_logits", "hidden"),      # every forward's values arrive here
+    ("write_kv_cache", "k"), ("attention_varlen", "k"),          # softmax drops -inf scores
+    ("moe_route", "logits"),                                      # top-k selection drops NaN
+})
+LOCALIZE_HINT = (f"checked at the forward's boundaries ({CHECKS_ENV}={BOUNDARY}); rerun with {CHECKS_ENV}={PER_OP} "
+                 "to name the first op and layer that saw it")
+_policy = threading.local()
+
+
+def check_policy(device: torch.device | str) -> str:
+    """PER_OP or BOUNDARY for tensors on ``device``: :func:`use_check_policy` if active, else the
+    RLALIGN_CHECKS environment variable (per-op | boundary | auto), else auto: PER_OP on the CPU,
+    BOUNDARY on accelerators. Graphs captured by the rollout engine keep the policy of their capture."""
+    forced = getattr(_policy, "value", None)
+    if forced is not None:
+        return forced
+    setting = os.environ.get(CHECKS_ENV, "auto").strip().lower() or "auto"
+    if setting in (PER_OP, BOUNDARY):
+        return setting
+    if setting != "auto":
+        raise ContractError(f"{CHECKS_ENV}={setting!r} is not a check policy: use {PER_OP}, {BOUNDARY} or auto")
+    return PER_OP if torch.device(device).type == "cpu" else BOUNDARY
+
+
+@contextlib.contextmanager
+def use_check_policy(policy: str):
+    """Force ``policy`` (PER_OP | BOUNDARY) on every device inside the block (tests run the CUDA
+    policy on the CPU with it)."""
+    if policy not in (PER_OP, BOUNDARY):
+        raise ContractError(f"check policy must be {PER_OP!r} or {BOUNDARY!r}, got {policy!r}")
+    before = getattr(_policy, "value", None)
+    _policy.value = policy
+    try:
+        yield
+    finally:
+        _policy.value = before
+
+
+@contextlib.contextmanager
+def check_scope(label: str):
+    """Name the part of a forward the ops run in (e.g. ``layers.3``) for per-op finiteness messages."""
+    stack = getattr(_policy, "scopes", None)
+    if stack is None:
+        stack = _policy.scopes = []
+    stack.append(label)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _where(policy: str) -> str:
+    if policy == BOUNDARY:
+        return LOCALIZE_HINT
+    scopes = getattr(_policy, "scopes", None)
+    return f"in {scopes[-1]}" if scopes else "outside the decoder layers"
+
 
 def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> None:
     """Strict ops refuse NaN/inf inputs: they would poison every reduction they enter.
 
-    On the CPU the check is immediate. On a GPU an immediate check would make the host wait for
-    the device at every op, so the verdict is kept on the device and :func:`flush` (called by the
+    Which calls check depends on :func:`check_policy` (PER_OP: all; BOUNDARY: the sites of
+    BOUNDARY_SITES). On the CPU the check is immediate. On a GPU an immediate check would make the
+    host wait for the device, so the verdict is kept on the device and :func:`flush` (called by the
     ops whose results go to the host anyway: logprob_entropy, lm_logits) raises for the *first*
-    op that saw a non-finite input -- still an error naming the op, one sync per forward.
-    ``message`` replaces the default "<name> contains NaN or inf".
+    check that failed -- still an error naming the op, one sync per forward.
+    ``message`` replaces the default "<name> contains NaN or inf"; every message ends with where the
+    check ran (per-op: the scope, e.g. ``layers.3``; boundary: how to localize).
     """
     if not (t.is_floating_point() and t.numel()):
         return
+    policy = check_policy(t.device)
+    if policy == BOUNDARY and (op, name) not in BOUNDARY_SITES:
+        return
     capture = getattr(_capture, "state", None)
     if capture is not None:  # recorded into the graph; the caller re-queues it after each replay
-        capture.verdicts.append((op, message or f"{name} contains NaN or inf", torch.isfinite(t).all()))
+        capture.verdicts.append((op, f"{message or f'{name} contains NaN or inf'} ({_where(policy)})",
+                                 torch.isfinite(t).all()))
         return
     if t.device.type == "cpu":
         if not _any_nonfinite_cpu(t):
             return
         if not bool(torch.isfinite(t).all()):
             bad = (~torch.isfinite(t)).nonzero()[0].tolist()
-            raise fail(op, message or f"{name} contains NaN or inf (first at index {bad}, value {t[tuple(bad)].item()})")
+            first = f"first at index {bad}, value {t[tuple(bad)].item()}"
+            raise fail(op, f"{message} ({first}; {_where(policy)})" if message else
+                       f"{name} contains NaN or inf ({first}; {_where(policy)})")
         return
     queue = getattr(_pending, "items", None)
     if queue is None:
         queue = _pending.items = []
-    queue.append((op, message or f"{name} contains NaN or inf", torch.isfinite(t).all()))
+    queue.append((op, f"{message or f'{name} contains NaN or inf'} ({_where(policy)})", torch.isfinite(t).all()))
     if len(queue) >= 4096:  # bound the queue on long runs without a flushing op
         flush()
 
@@ -173,6 +259,29 @@ def capture_hint(name: str):
     return hints[name]
 
 
+@contextlib.contextmanager
+def static_decode():
+    """Inside: every paged forward is a decode step of static shapes -- one query per sequence, the
+    block table's width fixed by the caller (the rollout engine's decode graphs, captured or run
+    padded). Ops that would read lengths on the host take a form with static shapes instead
+    (the native profile's paged attention); strict ops are unaffected."""
+    before = getattr(_capture, "static_decode", False)
+    _capture.static_decode = True
+    try:
+        yield
+    finally:
+        _capture.static_decode = before
+
+
+def decode_step() -> bool:
+    """Whether the current forward is a static-shape decode step (:func:`static_decode`, or a CUDA
+    graph captured with ``max_query_len=1``)."""
+    if getattr(_capture, "static_decode", False):
+        return True
+    state = getattr(_capture, "state", None)
+    return state is not None and state.hints.get("max_query_len") == 1
+
+
 def memo(kind: str, compute, *tensors: torch.Tensor, extra: tuple = (), capturing=None):
     """``compute()`` once per (kind, tensors, extra): a batch's index tensors (cu_seqlens, seq_lens,
     block_table, slot_mapping) are the same objects in every layer of a forward, so their
@@ -198,4 +307,5 @@ def index_dtype(op: str, name: str, t: torch.Tensor) -> None:
 
 
 __all__ = ["ContractError", "TensorCache", "dtype_ok", "same_device", "ndim", "finite", "flush", "requeue", "memo", "capturing_graph",
-           "is_capturing", "capture_hint", "contiguous", "index_dtype"]
+           "is_capturing", "capture_hint", "contiguous", "index_dtype", "check_policy", "use_check_policy", "check_scope",
+           "PER_OP", "BOUNDARY", "BOUNDARY_SITES", "CHECKS_ENV", "decode_step", "static_decode"]

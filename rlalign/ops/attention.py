@@ -5,11 +5,16 @@ Strict: keys in blocks of ``ATTN_KV_BLOCK`` absolute positions, queries in tiles
 :mod:`rlalign.ops.torch_backend.attention` for the exact formula), so a token's output has the
 same bits in a packed training forward, a one-shot or chunked prefill and step-by-step decode,
 whatever the page layout, page size or the other sequences in the call.
-Native: ``torch.nn.functional.scaled_dot_product_attention`` (per sequence for varlen, one padded
-call for paged), no guarantee.
+Native (the fast non-deterministic baseline), no guarantee: packed varlen runs the flash-attention
+varlen kernel (``aten._flash_attention_forward``/``_backward`` with cu_seqlens: no padding) on CUDA
+when it is available for the tensors, else one padded ``scaled_dot_product_attention`` call (with a
+log line naming why); paged runs one padded SDPA call.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +23,8 @@ from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
+
+log = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -156,7 +163,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     _check_varlen(q, k, v, cu_seqlens, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not strict:
-        return _native_varlen(q, k, v, cu_seqlens.tolist(), scale)
+        return _native_varlen(q, k, v, cu_seqlens, scale)
     return strict_impl("attention_varlen", q.device)(q, k, v, cu_seqlens, scale)
 
 
@@ -174,6 +181,8 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():  # documented: no autograd (a q that requires grad gives a plain result)
+        if not strict and chk.decode_step():   # inside decode graphs: no host reads, static shapes
+            return _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
         if not strict:
             return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(), scale)
         return strict_impl("attention_paged", q.device)(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
@@ -181,9 +190,13 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, *, profile=None) -> None:
     """In place: token t's k/v [Hkv, D] go to page slot_mapping[t] // page_size, offset
-    slot_mapping[t] % page_size. An exact copy in every profile (dtypes must match)."""
+    slot_mapping[t] % page_size. An exact copy in every profile (dtypes must match).
+
+    Strict refuses a non-finite k (under every check policy): a key with an inf element can get a
+    -inf score, which softmax turns into an exact 0 weight -- the value would vanish instead of
+    reaching the output where the per-step check looks (docs/gpu.md, "Finiteness checks")."""
     op = "write_kv_cache"
     for name, t in (("k", k), ("v", v)):
         chk.ndim(op, name, t, 3)
@@ -205,6 +218,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     n_slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.numel() == 0:
         return
+    if as_profile(profile) is not Profile.NATIVE:
+        chk.finite(op, "k", k)
     slots = chk.memo("slot_mapping", lambda: _checked_slots(slot_mapping, n_slots, k_cache.device), slot_mapping,
                      extra=(n_slots, k_cache.device),
                      capturing=lambda: slot_mapping.to(device=k_cache.device, dtype=torch.int64))
@@ -215,12 +230,83 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 # ---- native profile --------------------------------------------------------------------------------
 
-def _native_varlen(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
-    """One padded SDPA call (flash on CUDA): sequences right-padded to the longest, so the plain
-    causal mask already hides the padding from every real query; padded rows are dropped."""
-    starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
-    if not lens or q.shape[0] == 0:
+def _native_varlen(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The flash varlen kernel when usable for these tensors, else the padded SDPA call (logged once per reason)."""
+    cu = cu_seqlens.tolist()
+    if q.shape[0] == 0 or len(cu) < 2:
         return q.new_empty(q.shape)
+    reason = flash_varlen_unavailable(q, k)
+    if reason is None:
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        cu_dev = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_dev, max(lens), scale)
+    _log_fallback(reason, q.is_cuda)
+    return _padded_sdpa_varlen(q, k, v, cu, scale)
+
+
+def flash_varlen_unavailable(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why the flash varlen kernel cannot run on these tensors (None: it can). Native profile only."""
+    if not q.is_cuda:
+        return f"tensors on {q.device.type}, the flash varlen kernel is CUDA-only"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (flash needs bfloat16 or float16)"
+    d = q.shape[-1]
+    if d % 8 or d > 256:
+        return f"head_dim {d} (flash needs a multiple of 8, at most 256)"
+    if not hasattr(torch.ops.aten, "_flash_attention_forward") or not torch.backends.cuda.flash_sdp_enabled():
+        return "this torch build has no (enabled) flash attention kernel"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "flash attention needs compute capability >= 8.0"
+    return _flash_probe(q.device, q.dtype, q.shape[1], k.shape[1], d)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_probe(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int) -> str | None:
+    """Run the kernel once, forward and backward, on two 1-token sequences of this configuration:
+    a torch build whose entry points differ (or refuse the GQA layout) is found here, not mid-run."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad():   # the caller may be scoring under no_grad
+            q = torch.zeros(2, hq, d, device=device, dtype=dtype, requires_grad=True)
+            k, v = (torch.zeros(2, hkv, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+            cu = torch.tensor([0, 1, 2], device=device, dtype=torch.int32)
+            _FlashVarlen.apply(q, k, v, cu, 1, d ** -0.5).sum().backward()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return f"the flash varlen kernel failed a probe call ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(reason: str, on_cuda: bool) -> None:
+    (log.warning if on_cuda else log.info)("native attention_varlen: padded SDPA instead of the flash varlen "
+                                           "kernel: %s", reason)
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Causal packed-varlen flash attention (GQA inside the kernel), forward and backward through
+    aten's flash-attention-2 entry points. Positional arguments only: their order is the same in
+    torch 2.11 and 2.13 (the RNG outputs are renamed between them; with dropout 0 they are unused)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, scale):
+        out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng_a, rng_b)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu, rng_a, rng_b = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng_a, rng_b,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def _padded_sdpa_varlen(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
+    """One padded SDPA call: sequences right-padded to the longest, so the plain causal mask
+    already hides the padding from every real query; padded rows are dropped."""
+    starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
     dev, l_max = q.device, max(lens)
     lens_t = torch.tensor(lens, device=dev)
     idx = torch.arange(l_max, device=dev).expand(len(lens), l_max)
@@ -261,6 +347,36 @@ def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[in
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask.unsqueeze(1), scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)[valid_q]
+
+
+def _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale: float) -> torch.Tensor:
+    """A decode step (sequence s = query row s, at position seq_lens[s] - 1) with static shapes and no
+    host read, so that it can be captured in a CUDA graph: every sequence's keys are gathered for all
+    ``block_table.shape[1] * page_size`` positions of its table (the caller sizes the table to the
+    step) into [S, Hkv, L, D], positions >= seq_lens[s] are masked out, and one SDPA call (the vendor
+    kernel) attends. Masked positions gather position 0 (always inside the context), so a stale page
+    never enters the math. The native profile's result depends on the padding width: no guarantee."""
+    n_seq, width = block_table.shape
+    if n_seq != q.shape[0]:
+        raise fail("attention_paged", f"a static decode step needs one query per sequence: {q.shape[0]} queries for "
+                                      f"{n_seq} sequences")
+    if n_seq == 0:
+        return q.new_empty(q.shape)
+    page_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    dev, group = q.device, q.shape[1] // hkv
+    pos = torch.arange(width * page_size, device=dev)
+    valid = pos < seq_lens.to(device=dev, dtype=torch.int64).unsqueeze(1)              # [S, L]
+    pos_c = torch.where(valid, pos, 0)
+    pages = block_table.to(device=dev, dtype=torch.int64).gather(1, pos_c // page_size)[:, None, :]
+    heads, offsets = torch.arange(hkv, device=dev)[None, :, None], (pos_c % page_size)[:, None, :]
+    # gathered straight into [S, Hkv, L, D]: contiguous, the layout SDPA takes without a further copy
+    k = k_cache.permute(0, 2, 1, 3)[pages, heads, offsets]
+    v = v_cache.permute(0, 2, 1, 3)[pages, heads, offsets]
+    # GQA as plain multi-head attention: kv head h's G query heads are G "queries" of head h (one position,
+    # so no causal mask; only the length mask), which every SDPA backend takes with a mask
+    out = F.scaled_dot_product_attention(q.view(n_seq, hkv, group, d), k, v, attn_mask=valid[:, None, None, :],
+                                         scale=scale)
+    return out.reshape(n_seq, hkv * group, d)
 
 
 __all__ = ["attention_varlen", "attention_paged", "write_kv_cache"]

@@ -16,19 +16,22 @@ Strict profile (exact formula in :mod:`rlalign.ops.torch_backend.logprob`):
     d logprob/dz = onehot - p, d entropy/dz = -p (z - E_p[z]), chained through /temperature and the
     GEMM; dh accumulated over vocab blocks in order, dW over token chunks in order, in fp32; no atomics.
 
-Native profile: the materialising baseline
-    logp = log_softmax(hidden.float() @ weight.float().T / temperature); logprob = logp.gather(target);
-    entropy = -(exp(logp) * logp).sum(-1).
+Native profile: the fast non-deterministic stack's fused loss (what Liger-style trainers run):
+    per chunk of ``token_chunk`` tokens, z = (hidden @ weight.T) / temperature with fp32 output
+    (bf16 tensor cores with an fp32 result on CUDA, an fp32 GEMM elsewhere), lse = logsumexp(z),
+    logprob = z[target] - lse, entropy = lse - sum(softmax(z) * z); backward recomputes z chunk by
+    chunk (no [T, V] logits kept, like strict). No vocab blocking, no fixed reduction order.
 
 ``weight`` is not scanned for NaN/inf (that would double the cost of a decode step); ``hidden`` is.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import torch
-import torch.nn.functional as F
 
 from rlalign.contract import spec
 from rlalign.contract.errors import fail
@@ -36,6 +39,8 @@ from rlalign.contract.profiles import Profile, as_profile
 from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
+
+_log = logging.getLogger(__name__)
 
 
 
@@ -54,7 +59,8 @@ def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     check_targets(op, targets, hidden.shape[0], weight.shape[0])
     temperature = check_temperature(op, temperature)
     if as_profile(profile) is Profile.NATIVE:
-        return _native_logprob_entropy(hidden, weight, targets, temperature, with_entropy)
+        tokens = _round_chunk(op, "token_chunk", token_chunk, DEFAULT_TOKEN_CHUNK, spec.TOKEN_BLOCK)
+        return _native_logprob_entropy(hidden, weight, targets, temperature, tokens, with_entropy)
     check_strict_inputs(op, hidden, weight, targets)
     tokens = _round_chunk(op, "token_chunk", token_chunk, DEFAULT_TOKEN_CHUNK, spec.TOKEN_BLOCK)
     vocab = _round_chunk(op, "vocab_chunk", vocab_chunk, DEFAULT_VOCAB_CHUNK, spec.VOCAB_BLOCK)
@@ -82,13 +88,101 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float 
 
 # ---- native baseline ---------------------------------------------------------------------------
 
-def _native_logprob_entropy(hidden, weight, targets, temperature, with_entropy):
-    logits = hidden.float() @ weight.float().T
-    logp = F.log_softmax(logits / temperature, dim=-1)
-    logprob = logp.gather(1, targets.long().unsqueeze(1)).squeeze(1)
-    if not with_entropy:
-        return logprob, None
-    return logprob, -(logp.exp() * logp).sum(-1)
+def _native_logprob_entropy(hidden, weight, targets, temperature, token_chunk, with_entropy):
+    lp, ent = _NativeFusedLogprob.apply(hidden, weight, targets.long(), temperature, token_chunk, bool(with_entropy))
+    return lp, (ent if with_entropy else None)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result: bf16/fp16 tensor cores accumulating in fp32 on CUDA (one GEMM, no
+    fp32 copies of the operands); an fp32 GEMM of widened operands elsewhere."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and _mm_out_dtype_ok(a.device,
+                                                                                                           a.dtype):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_out_dtype_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.mm(..., out_dtype=float32) runs here (torch >= 2.8 on CUDA), probed once on a
+    tiny call with a transposed operand; otherwise the native profile widens the operands (logged)."""
+    try:
+        a = torch.ones(2, 3, device=device, dtype=dtype)
+        ok = bool(torch.mm(a, a.t(), out_dtype=torch.float32).eq(3).all())
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        ok, why = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    else:
+        why = "a wrong result on the probe"
+    if not ok:
+        _log.warning("native logprob_entropy: fp32 GEMMs of widened operands (torch.mm out_dtype=float32 "
+                     "unavailable: %s)", why)
+    return ok
+
+
+class _NativeFusedLogprob(torch.autograd.Function):
+    """Token-chunked log_softmax + gather (+ entropy) with a recomputing backward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, token_chunk, with_entropy):
+        n = hidden.shape[0]
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(lp)
+        ent = torch.empty_like(lp) if with_entropy else None
+        wt = weight.t()
+        for a in range(0, n, token_chunk):
+            b = min(a + token_chunk, n)
+            z = _mm_fp32(hidden[a:b], wt)
+            if temperature != 1.0:
+                z /= temperature
+            lse[a:b] = torch.logsumexp(z, dim=-1)
+            lp[a:b] = z.gather(1, targets[a:b, None])[:, 0] - lse[a:b]
+            if with_entropy:   # E_p[z]: p * z formed in p's buffer (no third [chunk, V] buffer)
+                ent[a:b] = lse[a:b] - torch.exp(z - lse[a:b, None]).mul_(z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse, *(() if ent is None else (ent,)))
+        ctx.temperature, ctx.token_chunk = temperature, token_chunk
+        return lp, (ent if with_entropy else lp.new_zeros(0))
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, lse, *rest = ctx.saved_tensors
+        ent = rest[0] if rest else None
+        n, t = hidden.shape[0], ctx.temperature
+        dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        wt = weight.t()
+        for a in range(0, n, ctx.token_chunk):
+            b = min(a + ctx.token_chunk, n)
+            z = _mm_fp32(hidden[a:b], wt)
+            if t != 1.0:
+                z /= t
+            dz = _grad_logits_(z, lse[a:b], None if ent is None else ent[a:b], targets[a:b],
+                               None if g_lp is None else g_lp[a:b],
+                               None if g_ent is None or not g_ent.numel() else g_ent[a:b])
+            if t != 1.0:
+                dz /= t
+            dz = dz.to(hidden.dtype) if hidden.is_cuda else dz   # the fast stack's bf16 GEMM operands on CUDA
+            if dh is not None:
+                dh[a:b] = _mm_fp32(dz, weight).to(hidden.dtype)
+            if dw is not None:
+                dw += _mm_fp32(dz.t(), hidden[a:b])
+        return dh, (None if dw is None else dw.to(weight.dtype)), None, None, None, None
+
+
+def _grad_logits_(z, lse, ent, targets, g_lp, g_ent):
+    """d loss / dz for one chunk, written over z (at most one more [chunk, V] buffer):
+    d logprob / dz = onehot(target) - p;  d entropy / dz = -p (z - E_p[z]), E_p[z] = lse - entropy;
+    so dz = -p (g_lp + g_ent (z - E_p[z])) + onehot(target) g_lp."""
+    p = torch.exp(z - lse[:, None])
+    if ent is not None and g_ent is not None:
+        coef = z.sub_((lse - ent)[:, None]).mul_(g_ent[:, None])       # g_ent (z - E_p[z]), over z
+        if g_lp is not None:
+            coef.add_(g_lp[:, None])
+        dz = coef.mul_(p).neg_()
+    else:
+        dz = p.mul_(-g_lp[:, None]) if g_lp is not None else p.zero_()
+    if g_lp is not None:
+        dz.scatter_add_(1, targets[:, None], g_lp[:, None])
+    return dz
 
 
 # ---- validation --------------------------------------------------------------------------------

@@ -38,10 +38,10 @@ class RolloutConfig:
     num_pages: exact number of KV pages (overrides the byte budget; tests use it to force preemption).
     max_model_len: longest sequence (prompt + completion); default the model's max_position_embeddings.
     admission_watermark: fraction of pages kept free when admitting new sequences (fewer preemptions).
-    decode_graphs: ``"auto"`` replays decode steps from CUDA graphs in the strict profile on a GPU
+    decode_graphs: ``"auto"`` replays decode steps from CUDA graphs on a GPU, in both profiles
         (:mod:`rlalign.rollout.decode_graphs`) and runs eagerly otherwise; ``"on"`` requires them (a
-        CUDA device and the strict profile); ``"off"`` always eager; ``"padded"`` runs the graphs'
-        padded static batches eagerly (any device; tests use it to show padding changes no bit).
+        CUDA device); ``"off"`` always eager; ``"padded"`` runs the graphs' padded static batches
+        eagerly (any device; tests use it to show padding changes no bit in strict).
     decode_graph_max_batch: largest decode batch with a graph (bigger decode steps run eagerly).
     record_routing: for a mixture-of-experts model, record the experts each fed row was routed to and
         return them as ``Completion.routing`` (:mod:`rlalign.rollout.routing`; the trainer's routing-agreement

@@ -24,6 +24,19 @@ strict finiteness verdicts recorded in the graph are re-queued after every repla
 ``mode="padded"`` runs the same padded static batches eagerly, without capture: the CPU tests
 check with it that padding leaves every token and logprob unchanged.
 
+The native profile (the benchmarks' baseline) runs the same machinery. Its paged attention has no
+per-row contract, so it cannot read each sequence's length on the host inside a graph: under
+:func:`rlalign.ops.static_decode` it attends over the whole width of the block table it is given,
+masked by ``seq_lens`` on the device. So that width follows the step, native graphs are keyed by
+(batch bucket, width bucket): widths (pages) are bucketed like batch sizes (:func:`buckets_up_to`
+of ``max_pages``), each pair captured at its first use (``width_buckets=True``). Strict graphs use
+the full width (their kernel reads each sequence's own length) and are all captured at the first
+decode step.
+
+``time_replays=True`` records a pair of CUDA events around every replay (:attr:`last_events`): the
+GPU time of the captured forward, which the rollout benchmark sets against the step's wall time;
+:attr:`last_checks` counts the finiteness checks (isfinite + all, two kernels each) in that graph.
+
 MoE routing (``record_routing``): Python-side records do not happen at replay, so the captured forward
 runs inside :func:`rlalign.models.moe.record_routing` and the stacked expert ids [b, sparse layers, k]
 are one more static output of the graph; after each replay they hold that step's values.
@@ -39,7 +52,7 @@ import torch
 
 from rlalign.models.batch import ForwardBatch, KVCache
 from rlalign.models.moe import record_routing
-from rlalign.ops import capturing_graph, flush_deferred_checks, requeue_deferred_checks
+from rlalign.ops import capturing_graph, flush_deferred_checks, requeue_deferred_checks, static_decode
 from rlalign.rollout.errors import RolloutError
 
 
@@ -67,7 +80,8 @@ class DecodeGraphs:
     """Static buffers for up to ``max_batch`` decode rows and one captured graph per bucket."""
 
     def __init__(self, model, kv_cache: KVCache, scratch_pages: list[int], max_batch: int, max_pages: int,
-                 mode: str = "graphs", record_routing: bool = False):
+                 mode: str = "graphs", width_buckets: bool = False, time_replays: bool = False,
+                 record_routing: bool = False):
         if mode not in ("graphs", "padded"):
             raise ValueError(f"DecodeGraphs mode must be 'graphs' or 'padded', got {mode!r}")
         ps = kv_cache.page_size
@@ -76,6 +90,11 @@ class DecodeGraphs:
         self.model, self.kv_cache, self.mode = model, kv_cache, mode
         self.max_batch, self.max_pages, self.page_size = max_batch, max_pages, ps
         self.buckets = buckets_up_to(max_batch)
+        # widths follow the batch buckets' rule: at most a fifth of a padded width is padding above 16 pages
+        self.widths = buckets_up_to(max_pages) if width_buckets else [max_pages]
+        self.width_buckets, self.time_replays = width_buckets, time_replays
+        self.last_events: tuple | None = None
+        self.last_checks = 0      # finiteness verdicts recorded in the graph the last run replayed
         dev = model.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -89,9 +108,9 @@ class DecodeGraphs:
         self._pad_page = np.asarray(scratch_pages, dtype=np.int64)[j // ps]
         self.record_routing = record_routing
         self.routing: torch.Tensor | None = None   # the last run's expert ids [n, sparse layers, k] (record_routing)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list, torch.Tensor | None]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, list, torch.Tensor | None]] = {}
         self._pool = None
-        self.replays = 0
+        self.replays = self.captures = 0
 
     def bucket(self, n: int) -> int | None:
         """The smallest bucket holding n rows, or None when n exceeds max_batch (run eagerly)."""
@@ -117,29 +136,47 @@ class DecodeGraphs:
                 np.unique(host.slots).size != n or np.any(host.positions + 1 != host.seq_lens):
             raise RolloutError("internal: a decode batch's slots or positions are inconsistent")
 
+    def width(self, w: int) -> int:
+        """The block-table width (pages) the forward of a step needing ``w`` pages runs with."""
+        return next(x for x in self.widths if x >= w)
+
     def run(self, host: HostDecode) -> torch.Tensor:
         """Final hidden rows [n, H] of the n decode rows (valid until the next run)."""
         n = host.ids.shape[0]
         b = self.bucket(n)
         if b is None:
             raise RolloutError(f"internal: a decode batch of {n} rows exceeds the graphs' {self.max_batch}")
-        if self.mode == "graphs" and not self._graphs:
+        w = self.width(host.table.shape[1])
+        if self.mode == "graphs" and not self._graphs and not self.width_buckets:
             self.capture_all()    # fills the buffers with padding batches: before this step's fill
+        elif self.mode == "graphs" and (b, w) not in self._graphs:
+            self._graphs[(b, w)] = self._capture(b, w)
         self._fill(host, b)
         if self.mode == "padded":
-            hidden, routing = self._forward(self._batch(b))
-        else:
-            graph, hidden, verdicts, routing = self._graphs[b]
-            graph.replay()
-            requeue_deferred_checks(verdicts)
-            self.replays += 1
+            with static_decode():
+                hidden, routing = self._forward(self._batch(b, w))
+            self.routing = None if routing is None else routing[:n]
+            return hidden[:n]
+        graph, hidden, verdicts, routing = self._graphs[(b, w)]
         self.routing = None if routing is None else routing[:n]
+        self.last_checks = len(verdicts)
+        if self.time_replays:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            self.last_events = (start, end)
+        else:
+            graph.replay()
+        requeue_deferred_checks(verdicts)
+        self.replays += 1
         return hidden[:n]
 
     def capture_all(self) -> None:
-        """Capture every bucket, largest first (the shared memory pool is sized by the first)."""
+        """Capture every bucket at every width, largest first (the shared memory pool is sized by the first)."""
         for b in sorted(self.buckets, reverse=True):
-            self._graphs[b] = self._capture(b)
+            for w in sorted(self.widths, reverse=True):
+                self._graphs[(b, w)] = self._capture(b, w)
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -151,10 +188,10 @@ class DecodeGraphs:
             hidden = self.model.forward_hidden(batch)
         return hidden, record.expert_ids()
 
-    def _batch(self, b: int) -> ForwardBatch:
+    def _batch(self, b: int, w: int) -> ForwardBatch:
         return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
                             cu_seqlens=self.cu_seqlens[:b + 1], kv_cache=self.kv_cache,
-                            block_table=self.block_table[:b], seq_lens=self.seq_lens[:b],
+                            block_table=self.block_table[:b, :w], seq_lens=self.seq_lens[:b],
                             slot_mapping=self.slot_mapping[:b])
 
     def _fill(self, host: HostDecode, b: int) -> None:
@@ -172,15 +209,15 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(torch.from_numpy(np.concatenate([host.slots, page * ps + self._pad_pos[:pad]])))
         self.block_table[:b, :table.shape[1]].copy_(torch.from_numpy(table))
 
-    def _capture(self, b: int):
+    def _capture(self, b: int, w: int):
         """Warm up (compiles kernels, fills the ops' caches) on a side stream, then capture."""
         pad_only = HostDecode(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 1), np.int32),
                               np.zeros(0, np.int32), np.zeros(0, np.int64))
         self._fill(pad_only, b)
-        batch = self._batch(b)
+        batch = self._batch(b, w)
         stream = torch.cuda.Stream(device=self.input_ids.device)
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), static_decode():
             self.model.forward_hidden(batch)
         torch.cuda.current_stream().wait_stream(stream)
         flush_deferred_checks()
@@ -189,4 +226,5 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         with capturing_graph(max_query_len=1) as verdicts, torch.cuda.graph(graph, pool=self._pool):
             hidden, routing = self._forward(batch)
+        self.captures += 1
         return graph, hidden, list(verdicts), routing

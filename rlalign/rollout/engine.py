@@ -74,7 +74,8 @@ class RolloutEngine:
         self.routing = self._routing_store(num_pages)
         self.decode_graphs = None if not graph_mode else DecodeGraphs(
             model, self.kv_cache, list(range(num_pages, num_pages + scratch)), graph_batch,
-            pages_for(self.max_model_len, self.page_size), mode=graph_mode, record_routing=self.routing is not None)
+            pages_for(self.max_model_len, self.page_size), mode=graph_mode,
+            width_buckets=self.config.profile == "native", record_routing=self.routing is not None)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._requests: dict[str, Request] = {}
@@ -82,17 +83,27 @@ class RolloutEngine:
         self._weights_broken = False
         self._step_routing: tuple[np.ndarray, torch.Tensor] | None = None   # (slots, expert ids) of this step
         self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
+        self.last_forward: dict | None = None
 
     def _decode_graph_mode(self) -> str | None:
-        """"graphs", "padded" or None (eager), from config.decode_graphs (see RolloutConfig)."""
+        """"graphs", "padded" or None (eager), from config.decode_graphs (see RolloutConfig). Both
+        profiles replay decode graphs on a GPU: native is the baseline of the same machinery."""
         setting = self.config.decode_graphs
-        strict_gpu = self.device.type == "cuda" and self.config.profile == "strict"
-        if setting == "on" and not strict_gpu:
-            raise RolloutConfigError(f"decode_graphs='on' needs a CUDA model and the strict profile (got device "
-                                     f"{self.device}, profile {self.config.profile!r}); use 'auto' or 'off'")
+        gpu = self.device.type == "cuda"
+        if setting == "on" and not gpu:
+            raise RolloutConfigError(f"decode_graphs='on' needs a CUDA model (got device {self.device}); "
+                                     "use 'auto' or 'off'")
         if setting == "padded":
             return "padded"
-        return "graphs" if setting == "on" or (setting == "auto" and strict_gpu) else None
+        if gpu and self.config.profile == "native" and self.model.config.ffn_kind == "moe":
+            # the native MoE experts are the vendor per-expert loop, which reads the experts' loads on the
+            # host: not capturable (strict MoE is: its grouped GEMMs need no host read)
+            if setting == "on":
+                raise RolloutConfigError("decode_graphs='on' cannot capture the native profile's MoE experts (a "
+                                         "per-expert cuBLAS loop that reads expert loads on the host); use 'auto' "
+                                         "(native MoE decodes eagerly) or the strict profile")
+            return None
+        return "graphs" if setting == "on" or (setting == "auto" and gpu) else None
 
     def _routing_store(self, num_pages: int) -> RoutingStore | None:
         """The routing record (config.record_routing), refused for a model without sparse layers."""
@@ -260,8 +271,11 @@ class RolloutEngine:
         """Hidden rows of every new token of the plan: a graph replay for a decode step that fits
         one, else one eager forward."""
         ids, positions, cu, table, seq_lens, slots = self._host_arrays(plan)
+        decode_only = bool(cu[-1] == len(plan.chunks))
+        # what this step's forward read, for the rollout benchmark's byte accounting (rlalign.bench.rollout)
+        self.last_forward = dict(decode=decode_only, rows=len(plan.chunks), context_tokens=int(seq_lens.sum()))
         graphs = self.decode_graphs
-        if graphs is not None and cu[-1] == len(plan.chunks) and graphs.bucket(len(plan.chunks)) is not None:
+        if graphs is not None and decode_only and graphs.bucket(len(plan.chunks)) is not None:
             decode = HostDecode(ids, positions, table, seq_lens, slots)
             graphs.check(decode, self.blocks.num_pages)
             self.counters["graph_steps"] += 1

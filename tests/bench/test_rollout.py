@@ -4,21 +4,56 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rlalign.cli.main import main
+
+DECODE_FIELDS = {"decode_steps", "decode_rows_mean", "decode_context_mean", "decode_step_ms", "decode_step_ms_median",
+                 "decode_tokens_per_s", "bytes_per_decode_step", "weight_bytes_per_decode_step",
+                 "kv_bytes_per_decode_step", "achieved_gbps", "roofline_fraction", "forward_gpu_ms",
+                 "host_ms_per_step", "forward_roofline_fraction", "timed_forward_steps", "graph_finite_checks_per_step"}
 
 
 def test_bench_rollout_json_schema(capsys):
-    code = main(["bench", "rollout", "--preset", "tiny", "--prompts", "3", "--samples", "2", "--new-tokens", "4",
-                 "--prompt-len", "3:6", "--verify", "--json"])
+    code = main(["bench", "rollout", "--workload", "tiny", "--verify", "--peak-gbps", "0.001", "--repeat", "1",
+                 "--json"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["name"] == "rollout"
+    assert result["name"] == "rollout" and result["workload"]["name"] == "tiny"
+    assert result["workload"]["peak_gbps"] == 0.001
     rows = {(r["engine"], r["profile"]): r for r in result["rows"]}
     assert set(rows) == {("rlalign", "strict"), ("rlalign", "native"), ("transformers", "native")}
     assert all(r["tokens_per_s"] > 0 and r["generated_tokens"] == 3 * 2 * 4 for r in rows.values())
+    for profile in ("strict", "native"):
+        row = rows[("rlalign", profile)]
+        assert DECODE_FIELDS <= set(row)
+        assert row["decode_steps"] >= 3 and row["decode_rows_mean"] <= 6      # 6 sequences, 4 tokens each
+        assert row["bytes_per_decode_step"] == row["weight_bytes_per_decode_step"] + row["kv_bytes_per_decode_step"]
+        assert row["roofline_fraction"] == pytest.approx(row["achieved_gbps"] / 0.001, rel=1e-2, abs=1e-3)
+        assert row["forward_gpu_ms"] is None and row["decode_graphs"] == "off"   # the CPU: no graph replays
+        assert row["logprob_tokens_checked"] == 24
     assert rows[("rlalign", "strict")]["logprob_mismatches"] == 0
-    assert rows[("rlalign", "strict")]["logprob_tokens_checked"] == 24
     assert set(result["ratios"]) == {"strict_vs_native", "strict_vs_transformers", "native_vs_transformers"}
+
+
+def test_bench_refuses_unknown_workloads_and_bad_layers():
+    with pytest.raises(SystemExit, match="unknown workload 'huge'"):
+        main(["bench", "rollout", "--workload", "huge", "--engines", "strict"])
+    with pytest.raises(SystemExit, match="--layers must be in 1..2 for tiny"):
+        main(["bench", "rollout", "--workload", "tiny", "--layers", "3", "--engines", "strict"])
+
+
+def test_layers_cut_the_preset(capsys):
+    assert main(["bench", "rollout", "--workload", "tiny", "--layers", "1", "--engines", "strict", "--repeat", "1",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "first 1 of 2 layers" in result["workload"]["model"]
+    row = result["rows"][0]
+    rows, context = row["decode_rows_mean"], row["decode_context_mean"]
+    # one layer (37,024 weights) + final norm + LM head, fp32, + the gathered embedding rows
+    assert row["weight_bytes_per_decode_step"] == pytest.approx((37024 + 64 + 512 * 64 + rows * 64) * 4, rel=1e-3)
+    # K and V of one layer: 2 * 2 kv heads * 16 * 4 bytes per token read (context) and written (rows)
+    assert row["kv_bytes_per_decode_step"] == pytest.approx(256 * (context * rows + rows), rel=2e-2)
 
 
 def test_bench_without_a_benchmark_prints_usage(capsys):

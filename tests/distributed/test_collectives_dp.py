@@ -73,7 +73,7 @@ def test_dp2_vs_plain_accumulation_close_not_bitwise(ranks):
                             what=name)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_native_profile_tp2_agrees_with_the_unsharded_native_model_to_rounding(ranks, family):
     """The native baseline (vendor GEMMs, stock all-reduce) is correct but promises no bits."""
     res = ranks[0]["native"][family]

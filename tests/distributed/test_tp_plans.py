@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.distributed.experts import TensorParallelExperts
 from rlalign.distributed.launch import Group
 from rlalign.distributed.layers import ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear
 from rlalign.distributed.parallelize import parallelize
@@ -66,3 +68,37 @@ def test_check_tp_reads_shard_widths_from_the_plans():
         check_tp(model.config, 8, model)
     with pytest.raises(RLAlignError, match="layers.0.self_attn.q_proj: tp=8 leaves 8"):
         parallelize(model, Group(None, 0, 8))
+
+
+def test_moe_experts_are_sharded_by_their_plans_and_keep_their_names():
+    """Sparse layers: the expert list becomes the tensor-parallel experts, each expert's gate/up column- and
+    down row-parallel; the router stays replicated; the dense layer keeps the dense plan; names do not change."""
+    model = tiny_model("qwen3_moe", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=64, mlp_only_layers=[1])
+    names = [n for n, _ in model.named_parameters()]
+    parallelize(model, Group.single())
+    assert [n for n, _ in model.named_parameters()] == names
+    sparse, dense = model.model.layers[0].mlp, model.model.layers[1].mlp
+    assert isinstance(sparse.experts, TensorParallelExperts) and isinstance(sparse.gate, Linear)
+    for expert in sparse.experts:
+        assert isinstance(expert.gate_proj, ColumnParallelLinear) and isinstance(expert.up_proj, ColumnParallelLinear)
+        assert isinstance(expert.down_proj, RowParallelLinear)
+    assert isinstance(dense.up_proj, ColumnParallelLinear) and isinstance(dense.down_proj, RowParallelLinear)
+
+
+def test_tensor_parallel_experts_refuse_experts_their_plans_did_not_shard():
+    model = tiny_model("qwen3_moe", num_hidden_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    experts = TensorParallelExperts(model.model.layers[0].mlp.experts, Group.single(), "layers.0.mlp.experts")
+    with pytest.raises(RLAlignError, match="layers.0.mlp.experts.0: the expert's FFN is not sharded"):
+        experts(torch.zeros(3, 64), torch.zeros(3, 2, dtype=torch.long))
+
+
+def test_moe_tp8_is_refused_by_the_experts_down_partition():
+    """The experts' down_proj uses spec.MOE_K_SEGMENTS = 4 canonical segments: 8 ranks cannot share them."""
+    from rlalign.distributed.parallelize import check_tp
+    model = tiny_model("qwen3_moe", num_attention_heads=8, num_key_value_heads=8, head_dim=16, num_hidden_layers=1,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    check_tp(model.config, 4, model)
+    with pytest.raises(RLAlignError, match=r"layers.0.mlp.experts.0.down_proj: 128 features split into 4 canonical "
+                                           r"segments cannot be shared by tp=8 ranks \(tp must divide 4\)"):
+        check_tp(model.config, 8, model)

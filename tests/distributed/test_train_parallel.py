@@ -1,5 +1,5 @@
 """`rlalign train` with parallel.tp / parallel.dp (spawned gloo processes): tp=2 trains to the same
-bits as tp=1; a dp=2 run completes with one writer and zero mismatches. (DP determinism is tested
+bits as tp=1, for the default model and for a Qwen3-MoE upcycled from it; a dp=2 run completes with one writer and zero mismatches. (DP determinism is tested
 at the gradient level in test_collectives_dp.py; a dp=2 run stopped and resumed was checked by hand
 to end with the bits of an uninterrupted one, docs/LOG.md.)"""
 
@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,31 @@ def test_tp2_training_equals_tp1_bitwise(runs):
     assert _metrics(runs["tp2"]) == _metrics(runs["tp1"])
     assert [r["step"] for r in _metrics(runs["tp2"])] == [0, 1, 2]     # one writer, one line per step
     assert all(r.get("mismatch/count", 0) == 0 for r in _metrics(runs["tp2"]))
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    """A strict GRPO run on a Qwen3-MoE (the default model upcycled: 4 experts, top-2, moe_intermediate_size 384)
+    at tp=1 and tp=2, with the router's load-balancing loss on so its gradient crosses the sharded experts too."""
+    base = tmp_path_factory.mktemp("moe_parallel")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "make_moe_model.py"
+    made = subprocess.run([sys.executable, str(script), str(base / "model"), "--experts", "4", "--top-k", "2"],
+                          capture_output=True, text=True, env=ONE_THREAD)
+    assert made.returncode == 0, made.stderr
+    out = {name: base / name for name in ("tp1", "tp2")}
+    for name, run in out.items():
+        _ok(_train(run, f"parallel.tp={name[-1]}", f"model.path={base / 'model'}", "algo.router_aux_coef=0.1"))
+    return out
+
+
+def test_moe_tp2_training_equals_tp1_bitwise(moe_runs):
+    metrics = _metrics(moe_runs["tp2"])
+    assert _weights(moe_runs["tp2"]) == _weights(moe_runs["tp1"])
+    assert metrics == _metrics(moe_runs["tp1"])
+    assert [r["step"] for r in metrics] == [0, 1, 2]
+    steps = [r for r in metrics if "reward/mean" in r]
+    assert steps and all(r["mismatch/count"] == 0 and r["mismatch/tokens"] > 0 and r["moe/aux_loss"] > 0
+                         for r in steps)
 
 
 def test_dp2_training_runs_with_one_writer(runs):

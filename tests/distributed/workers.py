@@ -11,6 +11,7 @@ from rlalign.distributed.collectives import gather_ranks_varlen
 from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_rank
 from rlalign.distributed.launch import Group, split
 from rlalign.models import ForwardBatch
+from rlalign.models.moe import record_routing
 from rlalign.models.testing import tiny_model
 
 # one small model per family, with head counts that split over 4 ranks; vocab sizes chosen so
@@ -19,9 +20,22 @@ FAMILIES = {
     "llama": dict(vocab_size=5000),
     "qwen2": dict(vocab_size=320),                               # qkv biases
     "qwen3": dict(vocab_size=3000, tie_word_embeddings=True),    # qk-norm, tied head
+    # Qwen3-MoE, dense and sparse layers mixed both ways Qwen3-MoE allows; moe_intermediate_size 64 is the
+    # smallest that splits over 4 ranks (16 columns per rank, 8 canonical down segments)
+    "qwen3_moe": dict(vocab_size=700, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen3_moe-step2": dict(vocab_size=700, num_hidden_layers=4, num_experts=4, num_experts_per_tok=3,
+                            moe_intermediate_size=128, norm_topk_prob=False, decoder_sparse_step=2),
 }
 SHAPE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, hidden_size=64, intermediate_size=128)
-CASES = (("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"), ("qwen3", "bfloat16"))
+CASES = (("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"), ("qwen3", "bfloat16"),
+         ("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16"), ("qwen3_moe-step2", "float32"))
+
+
+def _family_model(family: str, dtype: str):
+    """The tiny model of a FAMILIES entry ("qwen3_moe-step2" is a second qwen3_moe layout)."""
+    return tiny_model(family.split("-")[0], seed=3, dtype=dtype, init_std=0.05, norm_jitter=0.1, **SHAPE,
+                      **FAMILIES[family])
 
 
 def _batch(vocab: int):
@@ -33,12 +47,16 @@ def _batch(vocab: int):
 
 
 def _step(model, seqs, targets, weights):
-    """Forward + a loss that uses logprob and entropy + backward; returns what the tests compare."""
+    """Forward + a loss that uses logprob and entropy + backward; returns what the tests compare (with each
+    sparse layer's routing: {layer: experts [T, k]})."""
     model.zero_grad(set_to_none=True)
-    lp, ent = model.logprobs(ForwardBatch.packed(seqs), targets, temperature=0.7, with_entropy=True)
+    with record_routing() as record:
+        lp, ent = model.logprobs(ForwardBatch.packed(seqs), targets, temperature=0.7, with_entropy=True)
     loss = (weights * lp).sum() + 0.1 * ent.sum()
     loss.backward()
-    return {"lp": lp.detach(), "ent": ent.detach(), "loss": loss.detach(), "grads": full_state(model, grads=True)}
+    routing = {layer: torch.cat([experts for _, experts in entries]) for layer, entries in record.layers.items()}
+    return {"lp": lp.detach(), "ent": ent.detach(), "loss": loss.detach(), "grads": full_state(model, grads=True),
+            "routing": routing}
 
 
 def tp_matrix(world: Group, cases, degrees) -> dict:
@@ -50,8 +68,7 @@ def tp_matrix(world: Group, cases, degrees) -> dict:
             groups[tp] = split(world, tp)[0]
     out = {}
     for family, dtype in cases:
-        base = tiny_model(family, seed=3, dtype=dtype, init_std=0.05, norm_jitter=0.1, **SHAPE,
-                          **FAMILIES[family]).train()
+        base = _family_model(family, dtype).train()
         seqs, targets, weights = _batch(base.config.vocab_size)
         res = out[(family, dtype)] = {"plain": _step(copy.deepcopy(base), seqs, targets, weights)}
         for tp, group in groups.items():
@@ -108,8 +125,8 @@ def native_tp(world: Group) -> dict:
     """The native-profile (Megatron-style, stock all-reduce) TP=2 step and the unsharded native step."""
     from rlalign.contract.profiles import use_profile
     out = {}
-    for family in ("llama", "qwen3"):
-        base = tiny_model(family, seed=3, init_std=0.05, norm_jitter=0.1, **SHAPE, **FAMILIES[family]).train()
+    for family in ("llama", "qwen3", "qwen3_moe"):
+        base = _family_model(family, "float32").train()
         seqs, targets, weights = _batch(base.config.vocab_size)
         with use_profile("native"):
             out[family] = {"plain": _step(copy.deepcopy(base), seqs, targets, weights),
@@ -121,3 +138,70 @@ def two_rank_suite(world: Group) -> dict:
     """Everything the 2-process test module checks, from one spawn."""
     return {"collectives": collectives(world), "dp": dp_step(world, repeats=2),
             "tp": tp_matrix(world, [("llama", "float32")], (1, 2)), "native": native_tp(world)}
+
+
+# TensorParallelExperts on its own, over a class of shapes (degenerate ones included):
+# (tokens, experts, top_k, moe_intermediate_size, dtype, routing) -- "random": k distinct experts per token,
+# "one": every token's first choice is the last expert (the others unused but for the extra slots)
+EXPERT_SHAPES = (
+    (37, 8, 2, 64, "float32", "random"),
+    (1, 8, 2, 64, "float32", "random"),      # one token: most experts get no rows (and no gradient)
+    (20, 4, 4, 128, "bfloat16", "random"),   # k = E: every token visits every expert
+    (16, 6, 1, 64, "float32", "one"),        # all rows on one expert
+    (0, 4, 2, 64, "float32", "random"),      # an empty batch
+)
+
+
+def _experts_case(tokens, n_experts, top_k, inter, dtype, routing):
+    from rlalign.models.moe import Expert, ExpertList
+    gen = torch.Generator().manual_seed(tokens * 31 + n_experts * 7 + top_k)
+    dt = getattr(torch, dtype)
+    hidden = SHAPE["hidden_size"]
+    experts = ExpertList(Expert(hidden, inter, dt, "cpu") for _ in range(n_experts))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    x = torch.randn(tokens, hidden, generator=gen).to(dt)
+    ids = torch.stack([torch.randperm(n_experts, generator=gen)[:top_k] for _ in range(tokens)]) if tokens \
+        else torch.zeros((0, top_k), dtype=torch.long)
+    if routing == "one" and tokens:
+        ids[:, 0] = n_experts - 1
+    g = torch.randn(tokens, top_k, hidden, generator=gen)
+    return experts, x, ids.long(), g
+
+
+def _experts_grads(experts, x, ids, g, group):
+    from rlalign.distributed.experts import TensorParallelExperts
+    from rlalign.distributed.layers import ColumnParallelLinear, RowParallelLinear
+    holder = torch.nn.Module()
+    if group is not None:
+        for i, e in enumerate(experts):
+            e.gate_proj = ColumnParallelLinear(e.gate_proj, group, f"experts.{i}.gate_proj")
+            e.up_proj = ColumnParallelLinear(e.up_proj, group, f"experts.{i}.up_proj")
+            e.down_proj = RowParallelLinear(e.down_proj, group, f"experts.{i}.down_proj")
+        experts = TensorParallelExperts(experts, group, "experts")
+        holder.tp_group = group
+    holder.experts = experts
+    x = x.clone().requires_grad_(True)
+    y = experts(x, ids)
+    if y.requires_grad:   # the unsharded op returns a constant for an empty batch
+        (y.float() * g).sum().backward()
+    dx = x.grad if x.grad is not None else torch.zeros_like(x)
+    return {"y": y.detach(), "dx": dx, "grads": full_state(holder, grads=True)}
+
+
+def expert_shapes(world: Group, degrees) -> dict:
+    """{shape: {"plain" | degree: {"y", "dx", "grads"}}} of TensorParallelExperts vs the unsharded ExpertList."""
+    groups = {1: Group.single(), **{tp: split(world, tp)[0] for tp in degrees if tp > 1}}
+    out = {}
+    for shape in EXPERT_SHAPES:
+        experts, x, ids, g = _experts_case(*shape)
+        res = out[shape] = {"plain": _experts_grads(copy.deepcopy(experts), x, ids, g, None)}
+        for tp, group in groups.items():
+            res[tp] = _experts_grads(copy.deepcopy(experts), x, ids, g, group)
+    return out
+
+
+def tp_suite(world: Group, cases, degrees) -> dict:
+    """Everything test_tp.py checks, from one 4-process spawn."""
+    return {"matrix": tp_matrix(world, cases, degrees), "experts": expert_shapes(world, degrees)}

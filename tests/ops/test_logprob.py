@@ -349,3 +349,32 @@ def test_lm_logits_bad_inputs(kwargs, message):
     args = {"hidden": torch.zeros(2, H), "weight": _weight(torch.float32), "temperature": 1.0} | kwargs
     with pytest.raises(ContractError, match=r"rlalign\.ops\.lm_logits: .*" + message):
         lm_logits(args["hidden"], args["weight"], temperature=args["temperature"])
+
+
+# ---- vocab_chunk sets memory, never bits (odd K, short last vocab block) ------------------------------
+
+@settings(max_examples=12, deadline=None)
+@given(hidden=st.sampled_from([17, 127, 1000]), tail=st.sampled_from([1, 9, 404]), blocks=st.integers(1, 2),
+       rows=st.integers(1, 70), seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(sorted(DTYPES)))
+def test_vocab_chunk_never_changes_bits(hidden, tail, blocks, rows, seed, dtype):
+    """The class of the K=1000, V=1025 finding: the library's column bits depend on a GEMM's width N for
+    narrow N, so the logits were computed per vocab block (width VB or the short tail) whatever the chunk."""
+    dt, vocab = DTYPES[dtype], blocks * VOCAB_BLOCK + tail
+    weight = _weight(dt, vocab, hidden, seed % 1000).requires_grad_()
+    h, targets = _tokens(rows, seed, dt, vocab, hidden)
+    h.requires_grad_()
+    g = torch.Generator().manual_seed(seed + 7)
+    g_lp, g_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    results = {}
+    for chunk in (VOCAB_BLOCK, 2 * VOCAB_BLOCK, 16 * VOCAB_BLOCK):
+        lp, ent = logprob_entropy(h, weight, targets, temperature=0.7, vocab_chunk=chunk)
+        dh, dw = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), [h, weight])
+        results[chunk] = (lp, ent, dh, dw)
+    ref = results[VOCAB_BLOCK]
+    for chunk, got in results.items():
+        for name, a, b in zip(("logprob", "entropy", "dh", "dW"), got, ref):
+            assert_bitwise_equal(a, b, f"{name}, vocab_chunk={chunk} vs {VOCAB_BLOCK} (K={hidden}, V={vocab})")
+    # the sampler's logits (default chunk) score to the same bits
+    lp_sampler, ent_sampler = logprob_from_logits(lm_logits(h.detach(), weight.detach(), temperature=0.7), targets)
+    assert_bitwise_equal(lp_sampler, ref[0].detach(), f"logprob from lm_logits (K={hidden}, V={vocab})")
+    assert_bitwise_equal(ent_sampler, ref[1].detach(), f"entropy from lm_logits (K={hidden}, V={vocab})")

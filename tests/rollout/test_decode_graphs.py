@@ -35,7 +35,7 @@ def test_config_refuses_impossible_graph_settings():
     model = tiny_model("qwen3", seed=0)
     with pytest.raises(RolloutConfigError, match="decode_graphs must be one of"):
         RolloutConfig(decode_graphs="yes")
-    with pytest.raises(RolloutConfigError, match="needs a CUDA model and the strict profile"):
+    with pytest.raises(RolloutConfigError, match="needs a CUDA model"):
         RolloutEngine(model, RolloutConfig(decode_graphs="on", num_pages=16))
     # auto on the CPU: eager, no scratch pages
     engine = RolloutEngine(model, RolloutConfig(num_pages=16))
@@ -143,3 +143,104 @@ def test_the_host_check_refuses_what_the_ops_would():
         graphs.check(host([[0, 1, 2, 3]], [14], [13]), num_pages=8)
     hidden = graphs.run(good)                                                           # padded to bucket 2
     assert hidden.shape == (2, cfg.hidden_size) and torch.isfinite(hidden).all()
+
+
+def test_native_padded_decode_runs_and_matches_the_native_trainer(model, prompts):
+    """Native through the graphs' padded static batches (its static-shape attention over width buckets):
+    every logprob agrees with the native trainer forward on the same tokens to fp32 rounding (native
+    promises no bits), and tokens are drawn from the model's own distribution."""
+    from rlalign.contract import use_profile
+    from rlalign.models.batch import ForwardBatch
+
+    sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=MAX_NEW, seed=11)
+    engine = RolloutEngine(model, RolloutConfig(profile="native", num_pages=256, decode_graphs="padded",
+                                                decode_graph_max_batch=16))
+    got = engine.generate(prompts, sampling)
+    assert engine.counters["graph_steps"] > 0
+    assert engine.decode_graphs.width_buckets and engine.decode_graphs.widths[0] == 1
+    seqs = [c.prompt_tokens + c.tokens for c in got]
+    targets = torch.tensor([t for q in seqs for t in q[1:] + [0]])
+    with use_profile("native"), torch.no_grad():
+        lp, _ = model.logprobs(ForwardBatch.packed(seqs, device=model.device), targets)
+    starts = torch.tensor([0] + [len(q) for q in seqs]).cumsum(0).tolist()
+    want = [lp[a + len(c.prompt_tokens) - 1:a + len(c.prompt_tokens) - 1 + len(c.tokens)] for a, c in zip(starts, got)]
+    for c, ref in zip(got, want):
+        assert len(c.tokens) == MAX_NEW and all(0 <= t < model.config.vocab_size for t in c.tokens)
+        err = (torch.tensor(c.logprobs) - ref).abs().max().item()
+        assert err < 1e-4, f"native padded decode logprob differs from the native trainer's by {err}"
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_native_profile_replays_width_bucketed_graphs(cuda_model):
+    """Native runs through the same decode graphs (the fair baseline): graphs are captured per (batch, width)
+    bucket at first use and replayed; its logprobs stay close to the native trainer's (native promises no
+    bits: bf16 rounding of a different attention formulation)."""
+    from rlalign.contract import use_profile
+    from rlalign.models.batch import ForwardBatch
+
+    prompts = make_prompts(2, count=9)
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=7)
+    engine = RolloutEngine(cuda_model, RolloutConfig(profile="native", num_pages=512, decode_graphs="auto",
+                                                     decode_graph_max_batch=48))
+    got = engine.generate(prompts, sampling)
+    graphs = engine.decode_graphs
+    assert graphs is not None and graphs.width_buckets and graphs.captures > 0 and graphs.replays > 0
+    assert engine.counters["graph_steps"] > 0
+    seqs = [c.prompt_tokens + c.tokens for c in got]
+    targets = torch.tensor([t for q in seqs for t in q[1:] + [0]], device="cuda")
+    with use_profile("native"), torch.no_grad():
+        lp, _ = cuda_model.logprobs(ForwardBatch.packed(seqs, device="cuda"), targets)
+    lp, offset, diffs = lp.cpu(), 0, []
+    for c, q in zip(got, seqs):
+        first = offset + len(c.prompt_tokens) - 1
+        diffs.append((torch.tensor(c.logprobs) - lp[first:first + len(c.tokens)]).abs())
+        offset += len(q)
+    diffs = torch.cat(diffs)
+    assert float(diffs.mean()) < 0.05 and float(diffs.max()) < 0.5, (float(diffs.mean()), float(diffs.max()))
+    captured = graphs.captures
+    engine.blocks.reset_prefix_cache()                      # the same schedule again: nothing new to capture
+    engine.generate(prompts, sampling)
+    assert graphs.captures == captured
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_native_static_decode_matches_the_eager_native_op():
+    from rlalign import ops
+    from tests.ops.test_native_decode import _inputs
+
+    q, kc, vc, table, lens, cu = (t.cuda() for t in _inputs(16, 8, 2, 128, [1, 17, 300, 64, 65], 3, 0))
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    want = ops.attention_paged(q, kc, vc, table, lens, cu, profile="native").float()
+    with ops.static_decode():
+        got = ops.attention_paged(q, kc, vc, table, lens, cu, profile="native").float()
+    assert float((got - want).abs().max()) < 2e-2
+
+
+def test_native_forward_takes_the_capture_paths_on_the_cpu(model):
+    """What a CUDA capture of the native forward runs -- the ops' capture paths (index validation skipped,
+    decode form chosen from the capture hint) -- runs on the CPU too and equals the padded (eager) form."""
+    import numpy as np
+
+    from rlalign.contract import use_profile
+    from rlalign.models.batch import KVCache
+    from rlalign.ops import capturing_graph
+    from rlalign.rollout.decode_graphs import DecodeGraphs, HostDecode
+
+    cfg = model.config
+    cache = KVCache(cfg.num_layers, 12, 4, cfg.num_kv_heads, cfg.head_dim)
+    cache.k[0].normal_(), cache.v[0].normal_(), cache.k[1].normal_(), cache.v[1].normal_()
+    graphs = DecodeGraphs(model, cache, scratch_pages=[10, 11], max_batch=8, max_pages=4, mode="padded",
+                          width_buckets=True)
+    host = HostDecode(np.array([5, 9, 17], np.int64), np.array([6, 2, 9], np.int64),
+                      np.array([[0, 1, 0], [2, 0, 0], [3, 4, 5]], np.int32), np.array([7, 3, 10], np.int32),
+                      np.array([1 * 4 + 2, 2 * 4 + 2, 5 * 4 + 1], np.int64))
+    graphs.check(host, num_pages=10)
+    with use_profile("native"):
+        padded = graphs.run(host).clone()
+        b, w = graphs.bucket(3), graphs.width(3)
+        graphs._fill(host, b)
+        with capturing_graph(max_query_len=1):
+            captured_path = model.forward_hidden(graphs._batch(b, w))[:3]
+    assert torch.equal(captured_path, padded)

@@ -2,7 +2,8 @@
 
 Exact numerics, per token (all fp32; ``VB = spec.VOCAB_BLOCK`` = 1024, rows in ``spec.ROW_BLOCK`` = 64):
 
-    logits = tile_mm(h_chunk.float(), W_chunk.float())        one token chunk x one vocab chunk
+    logits = tile_mm(h_chunk.float(), W_block.float())        one token chunk x one vocab block (one GEMM
+                                                              per block, whatever the vocab chunk)
     z      = logits / fp32(temperature)                       the temperature rule (ops/temperature.py):
                                                               IEEE fp32 division by a 0-dim tensor
                                                               on the same device; SKIPPED when
@@ -53,8 +54,18 @@ VB = spec.VOCAB_BLOCK
 # ---- forward pieces ----------------------------------------------------------------------------
 
 def scaled_logits(h_chunk: torch.Tensor, w_chunk_f32: torch.Tensor, tau: torch.Tensor | None) -> torch.Tensor:
-    """z of one chunk; ``tau`` from :func:`temperature_divisor` (the temperature rule, ops/temperature.py)."""
-    return divide_by_temperature(tile_mm(h_chunk.float().contiguous(), w_chunk_f32), tau, in_place=True)
+    """z of one chunk (whose first column is a multiple of VB); ``tau`` from :func:`temperature_divisor` (the
+    temperature rule, ops/temperature.py). One GEMM per vocab block: the library's column bits can depend on
+    a GEMM's width N when N is narrow (measured: K = 1000, V = 1025), so every column is computed in a GEMM
+    as wide as its block (VB, or the vocab's short last block) whatever the chunk size."""
+    h = h_chunk.float().contiguous()
+    if w_chunk_f32.shape[0] <= VB:
+        z = tile_mm(h, w_chunk_f32)
+    else:
+        z = torch.empty((h.shape[0], w_chunk_f32.shape[0]), dtype=torch.float32, device=h.device)
+        for block in index_chunks(w_chunk_f32.shape[0], VB):
+            z[:, block] = tile_mm(h, w_chunk_f32[block])
+    return divide_by_temperature(z, tau, in_place=True)
 
 
 def _stats_of_blocks(zb: torch.Tensor, with_entropy: bool):
@@ -182,6 +193,17 @@ def _add_grad_hidden(dh_rows: torch.Tensor, dlogits: torch.Tensor, w_f32: torch.
         dh_rows.add_(tile_mm(dlogits[:, block].contiguous(), w_f32[block].t()))
 
 
+def _add_grad_weight(dw_chunk: torch.Tensor, dlogits: torch.Tensor, h_f32: torch.Tensor, first: bool) -> None:
+    """dw_chunk (=|+=) dlogits^T @ h, one vocab block per GEMM (a row's bits depend on its block's width only,
+    never on vocab_chunk; token chunks still add in increasing order)."""
+    for block in index_chunks(dlogits.shape[1], VB):
+        part = torch.mm(dlogits[:, block].t(), h_f32)
+        if first:
+            dw_chunk[block] = part
+        else:
+            dw_chunk[block].add_(part)
+
+
 def backward_grads(saved, g_lp, g_ent, need_dh, need_dw):
     hidden, weight, targets, lse, mu, temperature, token_chunk, vocab_chunk = saved
     tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -200,11 +222,7 @@ def backward_grads(saved, g_lp, g_ent, need_dh, need_dw):
             if need_dh:
                 _add_grad_hidden(dh[rows], dlogits, w_f32)
             if need_dw:
-                part = torch.mm(dlogits.t(), h_f32)
-                if rows.start == 0:
-                    dw[cols] = part
-                else:
-                    dw[cols].add_(part)
+                _add_grad_weight(dw[cols], dlogits, h_f32, first=rows.start == 0)
     return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype))
 
 

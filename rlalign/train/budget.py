@@ -1,0 +1,181 @@
+"""The memory budget of a training run, per component and place (GPU, host, disk), from tensor sizes.
+
+    python -m rlalign.train.budget CONFIG.yaml [section.key=value ...] [--model-config config.json]
+
+Places: ``device`` (the model's device: the GPU, or the CPU), ``host``, ``disk``.
+Arithmetic, not a measurement (``memory/peak_mb`` in metrics.jsonl and bench/train_step.py measure):
+P is the policy's exact parameter count (the model built on the meta device), b the bytes of its
+dtype. What each component holds, as the trainer (rlalign.train.loop, master.py) allocates it:
+
+    policy weights, gradients          P b each, on the device
+    fp32 master weights                4 P (every low-precision parameter; every parameter with
+                                       optim.offload), on the host with optim.offload
+    AdamW m, v                         8 P next to the masters (2 b P on the device without masters)
+    fp32 master gradients              4 P next to the masters: grads_to_master widens every gradient
+                                       before the optimizer step, so all of them exist at once
+    rollout engine weights             P b (the colocated engine steps a deep copy)
+    reference model                    P b with algo.kl_coef > 0
+    KV cache                           rollout.kv_cache_bytes; unset: the step's sequences x
+                                       (prompt + max_new_tokens) x 2 L Hkv D b (the engine itself then
+                                       takes gpu_memory_fraction of the free memory)
+    activations                        optim.micro_batch_tokens x bytes per token: with activation
+                                       checkpointing the 2 H b of each layer's saved inputs (hidden,
+                                       residual) x L plus one layer recomputed; without, the upper
+                                       bound of every tensor a layer may keep (see _layer_bytes_per_token)
+    fused log-prob working set         three fp32 [token_chunk, vocab_chunk] tiles
+    checkpoint                         weights + masters + AdamW state: built in host memory (a BytesIO)
+                                       then written; on disk up to run.keep_checkpoints + 1 files at a save
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from rlalign.contract.errors import RLAlignError
+from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
+from rlalign.models.config import ModelConfig
+from rlalign.models.decoder import CausalLM
+from rlalign.train.runconfig import resolve_train_config
+
+PROMPT_TOKENS_ESTIMATE = 64   # KV sizing when rollout.kv_cache_bytes is unset (arithmetic prompts are ~10 tokens)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetRow:
+    component: str
+    place: str        # "device" | "host" | "disk" (the model's device is "device" also when it is the CPU)
+    nbytes: int
+    note: str = ""
+
+
+def parameter_count(model_config: ModelConfig) -> int:
+    """Exact: the decoder built on the meta device (no memory), every parameter counted once."""
+    return sum(p.numel() for p in CausalLM(model_config, dtype=torch.float32, device="meta").parameters())
+
+
+def _layer_bytes_per_token(m: ModelConfig, b: int) -> int:
+    """Upper bound of what one decoder layer keeps for backward per token: the two norms' inputs and
+    outputs (4 H), the attention residual and output projection input (2 H), q, k (before and after
+    q/k-norm and rope: 2 (Hq + Hkv) D), v (Hkv D), the attention output (Hq D) and its fp32 row
+    log-sum-exp (Hq), gate, up and their product (3 I)."""
+    hq, hkv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    elems = 6 * m.hidden_size + 2 * (hq + hkv) + hkv + hq + 3 * m.intermediate_size
+    return b * elems + 4 * m.num_heads
+
+
+def activation_bytes_per_token(m: ModelConfig, b: int, checkpointing: bool) -> int:
+    layer = _layer_bytes_per_token(m, b)
+    if checkpointing:
+        return m.num_layers * 2 * m.hidden_size * b + layer
+    return m.num_layers * layer
+
+
+def kv_bytes_per_token(m: ModelConfig, b: int) -> int:
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * b
+
+
+def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
+    """The rows of ``cfg`` (a TrainConfig) for a policy of ``model_config``."""
+    dtype = cfg.model.dtype or model_config.dtype
+    b = _DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 4)
+    p = parameter_count(model_config)
+    o = cfg.optim
+    masters = o.master_weights and (b != 4 or o.offload)
+    state_place = "host" if masters and o.offload else "device"
+    rows = [BudgetRow("policy weights", "device", p * b, f"{p / 1e9:.3f}B parameters x {b} B"),
+            BudgetRow("policy gradients", "device", p * b, "model dtype")]
+    if masters:
+        rows += [BudgetRow("fp32 master weights", state_place, 4 * p, "optim.master_weights"),
+                 BudgetRow("AdamW m, v (fp32)", state_place, 8 * p),
+                 BudgetRow("fp32 master gradients", state_place, 4 * p, "all widened before the optimizer step")]
+    else:
+        rows.append(BudgetRow("AdamW m, v", "device", 2 * b * p, "parameter dtype"))
+    rows.append(BudgetRow("rollout engine weights", "device", p * b, "the colocated engine's own copy"))
+    if cfg.algo.kl_coef > 0:
+        rows.append(BudgetRow("reference model", "device", p * b, "algo.kl_coef > 0"))
+    if cfg.algo.advantage == "gae":
+        rows.append(BudgetRow("value model", "device", 16 * p, "a second trunk, fp32 AdamW state"))
+    rows += [_kv_row(cfg, model_config, b), _activation_row(cfg, model_config, b),
+             BudgetRow("fused log-prob working set", "device", 3 * 4 * DEFAULT_TOKEN_CHUNK * DEFAULT_VOCAB_CHUNK,
+                       f"3 fp32 [{DEFAULT_TOKEN_CHUNK}, {DEFAULT_VOCAB_CHUNK}] tiles")]
+    ckpt = p * b + (12 * p if masters else 2 * b * p)
+    keep = cfg.run.keep_checkpoints
+    rows += [BudgetRow("checkpoint serialised at a save", "host", ckpt, "weights + masters + AdamW state, in memory"),
+             BudgetRow("checkpoint files", "disk", (keep + 1) * ckpt, f"run.keep_checkpoints={keep}, +1 while saving"),
+             BudgetRow("exported policy", "disk", p * b, "Hugging Face safetensors at the end")]
+    return rows
+
+
+def _kv_row(cfg, m: ModelConfig, b: int) -> BudgetRow:
+    r = cfg.rollout
+    per_token = kv_bytes_per_token(m, b)
+    if r.kv_cache_bytes is not None:
+        return BudgetRow("KV cache (rollout)", "device", r.kv_cache_bytes,
+                         f"rollout.kv_cache_bytes; {per_token / 1024:.0f} KiB per token")
+    seqs = r.prompts_per_step * r.samples_per_prompt
+    need = seqs * (PROMPT_TOKENS_ESTIMATE + r.max_new_tokens) * per_token
+    return BudgetRow("KV cache (rollout)", "device", need,
+                     f"{seqs} sequences x ({PROMPT_TOKENS_ESTIMATE} + {r.max_new_tokens}) tokens x "
+                     f"{per_token / 1024:.0f} KiB; unset kv_cache_bytes takes a fraction of free memory")
+
+
+def _activation_row(cfg, m: ModelConfig, b: int) -> BudgetRow:
+    ckpt = cfg.optim.activation_checkpointing
+    per_token = activation_bytes_per_token(m, b, ckpt)
+    how = "checkpointed layer inputs + one layer" if ckpt else "upper bound, no checkpointing"
+    return BudgetRow("training activations", "device", cfg.optim.micro_batch_tokens * per_token,
+                     f"{cfg.optim.micro_batch_tokens} tokens x {per_token / 1024:.0f} KiB ({how})")
+
+
+def totals(rows: list[BudgetRow]) -> dict[str, int]:
+    """Peak per place, taking every row as live at once (the checkpoint rows add at a save)."""
+    out: dict[str, int] = {}
+    for r in rows:
+        out[r.place] = out.get(r.place, 0) + r.nbytes
+    return out
+
+
+def format_budget(rows: list[BudgetRow]) -> str:
+    width = max(len(r.component) for r in rows)
+    lines = [f"| {'component':<{width}} | place | size | notes |", f"|{'-' * (width + 2)}|---|---:|---|"]
+    lines += [f"| {r.component:<{width}} | {r.place} | {_size(r.nbytes)} | {r.note} |" for r in rows]
+    lines += [f"| **total, {place}** | {place} | **{_size(n)}** | |" for place, n in totals(rows).items()]
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlalign.train.budget", description=__doc__.splitlines()[0])
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--model-config", help="a config.json (default: model.path/config.json)")
+    args = p.parse_args(argv)
+    try:
+        cfg = resolve_train_config(args.config, args.overrides)
+        path = Path(args.model_config or Path(cfg.model.path) / "config.json")
+        if not path.is_file():
+            raise RLAlignError(f"no model config at {path}: pass --model-config FILE (e.g. one written by "
+                               "scripts/make_qwen3_8b.py --config-only)")
+        model_config = ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    except RLAlignError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_budget(memory_budget(cfg, model_config)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

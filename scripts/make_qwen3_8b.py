@@ -1,0 +1,98 @@
+"""Write a random-init Qwen3-8B-shaped checkpoint with a full-vocabulary tokenizer (nothing is downloaded).
+
+    python scripts/make_qwen3_8b.py /tmp/q8b                  # 36 layers, 151,936 tokens, bf16 (~16.4 GB)
+    python scripts/make_qwen3_8b.py /tmp/q8b --layers 6       # the depth cut (bench shapes)
+    python scripts/make_qwen3_8b.py /tmp/q8b --config-only    # config.json + tokenizer, no weights (budgets)
+    python scripts/make_qwen3_8b.py /tmp/t --test-body --vocab 2000   # tests: toy body, same tokenizer scheme
+
+The body is Qwen3-8B's (hidden 4096, 32 q / 8 kv heads, head_dim 128, intermediate 12288, untied
+LM head, rope theta 1e6); weights N(0, 0.02), norms 1 (CausalLM.init_random_), written in bf16
+safetensors. The tokenizer is built locally (scripts/make_moe_model.py's full_vocab_tokenizer, the
+MoE kit's): ids 0..14 are the embedded default model's (<pad>, <bos>, <eos>, the digits, '+', '='),
+and id 15 + i decodes to the number 10 + i, up to the vocabulary size. Text is split into single
+characters before lookup, so prompts encode exactly as with the default model's tokenizer (the
+arithmetic task and configs/partial_credit.py work unchanged), while a sampled id of the full
+vocabulary decodes to digits the partial-credit reward can score: a random-init model over 151,936 ids earns a varying, non-zero reward from the
+first step (a vocabulary of unused placeholders would give every completion the same zero reward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from rlalign.bench.rollout import PRESETS
+from rlalign.models.checkpoint import save_model
+from rlalign.models.config import ModelConfig
+from rlalign.models.decoder import CausalLM
+from rlalign.train.setup import DEFAULT_MODEL_DIR
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_moe_model as _moe_kit  # noqa: E402  (the full-vocabulary tokenizer's one owner)
+
+TEST_BODY = dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def full_vocab_tokenizer(vocab_size: int) -> dict:
+    """The default model's tokenizer grown to ``vocab_size`` ids that decode to numbers (one owner:
+    scripts/make_moe_model.py's :func:`full_vocab_tokenizer`, shared with the MoE kit)."""
+    base = len(json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())["model"]["vocab"])
+    if vocab_size < base:
+        raise SystemExit(f"--vocab {vocab_size} is smaller than the default tokenizer's {base} tokens")
+    return _moe_kit.full_vocab_tokenizer(DEFAULT_MODEL_DIR, vocab_size)
+
+
+def hf_config(layers: int, vocab: int, test_body: bool) -> dict:
+    default = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    cfg = dict(PRESETS["qwen3-8b"], num_hidden_layers=layers, vocab_size=vocab, torch_dtype="bfloat16")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        cfg[key] = default[key]
+    if test_body:
+        cfg.update(TEST_BODY, max_position_embeddings=4096)
+    return cfg
+
+
+def write_tokenizer(out: Path, vocab: int) -> None:
+    (out / "tokenizer.json").write_text(json.dumps(full_vocab_tokenizer(vocab), ensure_ascii=False))
+    config = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 40960
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    if (DEFAULT_MODEL_DIR / "generation_config.json").exists():
+        (out / "generation_config.json").write_text((DEFAULT_MODEL_DIR / "generation_config.json").read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the weights are made before writing (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config-only", action="store_true", help="config.json and the tokenizer, no weights")
+    p.add_argument("--test-body", action="store_true", help="a toy body (hidden 64) for tests; same tokenizer")
+    args = p.parse_args(argv)
+    if args.layers < 1:
+        p.error("--layers must be >= 1")
+    out = Path(args.out)
+    cfg = hf_config(args.layers, args.vocab, args.test_body)
+    if args.config_only:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    else:
+        model = CausalLM(ModelConfig.from_hf_dict(cfg), dtype=torch.bfloat16, device=args.device)
+        out = save_model(model.init_random_(seed=args.seed), out)
+        del model
+    write_tokenizer(out, args.vocab)
+    params = sum(t.numel() for t in CausalLM(ModelConfig.from_hf_dict(cfg), device="meta").parameters())
+    print(f"qwen3-8b shape: {params / 1e9:.3f}B parameters, {args.layers} layers, vocab {args.vocab}"
+          f"{' (config only)' if args.config_only else ''} -> {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""bench/train_step.py: the three variants run on a tiny shape on the CPU (seconds) and agree on the loss
+(same weights, same tokens); the FLOP count and the ragged workload are checked against independent counts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "train_step.py"
+_spec = importlib.util.spec_from_file_location("bench_train_step", _PATH)
+train_step = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_step)
+
+
+def test_tiny_run_reports_every_variant_and_the_losses_agree(capsys, tmp_path):
+    code = train_step.main(["--shape", "tiny", "--device", "cpu", "--tokens", "128", "--mean-seq", "24",
+                            "--iters", "1", "--warmup", "1", "--in-process", "--peak-tflops", "1",
+                            "--ceiling-tflops", "0.5", "--json", "--out", str(tmp_path / "r.json")])
+    result = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "r.json").read_text()) == result
+    assert code == 0
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"strict", "native", "transformers"}
+    for r in rows.values():
+        assert r["ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_gib"] >= 0
+        assert r["mfu"] == pytest.approx(r["model_tflops_per_s"] / 1.0)
+        assert r["mfu_vs_cublas_ceiling"] == pytest.approx(r["model_tflops_per_s"] / 0.5)
+    # one model, one batch: the three pipelines compute the same loss up to bf16 rounding
+    ref = rows["strict"]["loss"]
+    assert all(abs(r["loss"] - ref) <= 1e-2 * abs(ref) for r in rows.values()), {k: r["loss"] for k, r in rows.items()}
+    assert result["shape"]["tokens"] == 128 and set(result["ratios"]) >= {"time_strict_over_native"}
+
+
+def test_matmul_params_equal_the_model_weight_count():
+    """N in 6 N T counts every matmul weight (decoder linears + LM head), not the embedding or the norms."""
+    from rlalign.models.config import ModelConfig
+    from rlalign.models.decoder import CausalLM
+    args = train_step.parse_args(["--shape", "tiny", "--device", "cpu", "--layers", "3"])
+    cfg = train_step.hf_config(args)
+    model = CausalLM(ModelConfig.from_hf_dict(cfg), dtype=torch.float32, device="meta")
+    counted = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "embed_tokens" not in n)
+    flops = train_step.model_flops(cfg, [2, 3])
+    assert flops["matmul_params"] == counted
+    assert flops["dense_flops"] == 6 * counted * 5
+    assert flops["attention_flops"] == 6 * cfg["num_attention_heads"] * cfg["head_dim"] * 3 * (4 + 9)
+
+
+def test_qwen3_8b_shape_has_8b_class_parameter_count():
+    args = train_step.parse_args(["--device", "cpu", "--layers", "36"])
+    n = train_step.model_flops(train_step.hf_config(args), [1])["matmul_params"]
+    assert n == 36 * (4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 12288) + 151936 * 4096   # 7.57e9 (+0.62e9 embed)
+
+
+@settings(max_examples=50, deadline=None)
+@given(tokens=st.integers(1, 5000), mean=st.integers(1, 2000), seed=st.integers(0, 100))
+def test_sequence_lengths_are_ragged_within_the_budget(tokens, mean, seed):
+    lens = train_step.sequence_lengths(tokens, mean, seed)
+    assert lens and all(n >= 1 for n in lens)
+    assert sum(lens) == tokens
+    lo, hi = max(1, mean // 4), max(1, 7 * mean // 4)
+    assert all(lo <= n <= hi for n in lens[:-1]) and lens[-1] <= hi
+    assert lens == train_step.sequence_lengths(tokens, mean, seed)

@@ -1,0 +1,121 @@
+"""The Qwen3-8B kit (issue 17, item 4) on the CPU: scripts/make_qwen3_8b.py with a toy body, its
+full-vocabulary tokenizer (scripts/make_moe_model.py's scheme), configs/qwen3-8b-h200.yaml run for two steps on it (offload, activation
+checkpointing, top-p, partial credit; every key of the file is accepted), and the memory budget."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from rlalign.cli.main import main
+from rlalign.models.config import ModelConfig
+from rlalign.models.tokenizer import load_tokenizer
+from rlalign.train import budget
+from rlalign.train.runconfig import resolve_train_config
+from rlalign.train.runio import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "qwen3-8b-h200.yaml"
+_spec = importlib.util.spec_from_file_location("make_qwen3_8b", REPO / "scripts" / "make_qwen3_8b.py")
+kit = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kit)
+
+
+@pytest.fixture(scope="module")
+def toy_8b(tmp_path_factory):
+    out = tmp_path_factory.mktemp("q8b")
+    assert kit.main([str(out), "--test-body", "--layers", "2", "--vocab", "3000", "--device", "cpu"]) == 0
+    return out
+
+
+def test_full_vocab_tokenizer_keeps_the_default_ids_and_decodes_every_id_to_digits(toy_8b):
+    tok = load_tokenizer(toy_8b)
+    default = load_tokenizer(kit.DEFAULT_MODEL_DIR)
+    assert tok.vocab_size == 3000 == json.loads((toy_8b / "config.json").read_text())["vocab_size"]
+    for text in ("12+34=", "907+5=", "0"):
+        assert tok.encode(text) == default.encode(text)
+    assert tok.eos_token_ids == default.eos_token_ids
+    # id 15 + i is the number 10 + i
+    assert tok.decode([15, 16, 104, 105, 2999]) == "10" + "11" + "99" + "100" + "2994"
+    ids = list(range(15, 3000))
+    assert set(tok.decode(ids)) <= set("0123456789")
+
+
+def test_full_vocabulary_reaches_151936_with_unique_tokens():
+    vocab = kit.full_vocab_tokenizer(151936)["model"]["vocab"]
+    assert len(vocab) == 151936 and sorted(vocab.values()) == list(range(151936))
+    with pytest.raises(SystemExit):
+        kit.full_vocab_tokenizer(10)
+
+
+def test_checkpoint_is_bf16_qwen3_8b_shaped_except_the_test_body(toy_8b):
+    cfg = json.loads((toy_8b / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["num_hidden_layers"] == 2 and cfg["tie_word_embeddings"] is False
+    full = kit.hf_config(36, 151936, test_body=False)
+    assert (full["hidden_size"], full["num_attention_heads"], full["num_key_value_heads"], full["head_dim"],
+            full["intermediate_size"], full["vocab_size"]) == (4096, 32, 8, 128, 12288, 151936)
+    assert abs(budget.parameter_count(ModelConfig.from_hf_dict(full)) - 8.19e9) < 0.01e9
+
+
+def test_config_runs_two_strict_steps_on_the_toy_body(toy_8b, tmp_path):
+    run = tmp_path / "run"
+    args = ["train", str(CONFIG), f"model.path={toy_8b}", "model.device=cpu", f"run.dir={run}", "run.steps=2",
+            "run.eval_every=2", "run.progress=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
+            "rollout.max_new_tokens=4", "rollout.max_num_seqs=8", "rollout.kv_cache_bytes=8388608",
+            "task.eval_size=2", "run.eval_samples=1", "optim.micro_batch_tokens=64"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(args) == 0
+    records = [r for r in read_metrics(run) if "mismatch/count" in r]
+    assert len(records) == 2 and all(r["mismatch/count"] == 0 and r["mismatch/tokens"] > 0 for r in records)
+    # the random-init model over the full-vocabulary scheme earns a varying reward: GRPO has a signal
+    assert all(r["advantage/std"] > 0 for r in records)
+    saved = resolve_train_config(str(CONFIG), [])
+    assert saved.optim.offload and saved.optim.activation_checkpointing and saved.rollout.top_p < 1.0
+    assert saved.rollout.max_new_tokens >= 64 and saved.model.dtype == "bfloat16" and saved.run.max_minutes
+
+
+def _budget(overrides, layers=36, vocab=151936):
+    cfg = resolve_train_config(str(CONFIG), overrides)
+    model = ModelConfig.from_hf_dict(kit.hf_config(layers, vocab, test_body=False))
+    return {r.component: r for r in budget.memory_budget(cfg, model)}, model
+
+
+def test_budget_arithmetic_for_the_8b_config():
+    rows, m = _budget([])
+    p = budget.parameter_count(m)
+    layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
+    assert p == 36 * layer + 2 * 151936 * 4096 + 4096
+    assert rows["policy weights"].nbytes == rows["policy gradients"].nbytes == 2 * p
+    for name, per_param in (("fp32 master weights", 4), ("AdamW m, v (fp32)", 8), ("fp32 master gradients", 4)):
+        assert rows[name].nbytes == per_param * p and rows[name].place == "host"
+    assert rows["KV cache (rollout)"].nbytes == 4 * 2**30
+    assert budget.kv_bytes_per_token(m, 2) == 2 * 36 * 8 * 128 * 2
+    per_token = 36 * 2 * 4096 * 2 + budget._layer_bytes_per_token(m, 2)
+    assert rows["training activations"].nbytes == 8192 * per_token
+    ckpt = 14 * p
+    assert rows["checkpoint serialised at a save"].nbytes == ckpt and rows["checkpoint files"].nbytes == 2 * ckpt
+    assert "reference model" not in rows and "value model" not in rows
+
+
+def test_budget_follows_the_switches():
+    on_device, _ = _budget(["optim.offload=false"])
+    assert on_device["AdamW m, v (fp32)"].place == "device"
+    no_master, m = _budget(["optim.master_weights=false", "optim.offload=false", "algo.kl_coef=0.01"])
+    p = budget.parameter_count(m)
+    assert "fp32 master weights" not in no_master and no_master["AdamW m, v"].nbytes == 4 * p
+    assert no_master["reference model"].nbytes == 2 * p
+    no_ckpt, _ = _budget(["optim.activation_checkpointing=false"])
+    assert no_ckpt["training activations"].nbytes == 8192 * 36 * budget._layer_bytes_per_token(m, 2)
+    text = budget.format_budget(list(no_ckpt.values()))
+    assert "total, device" in text and "total, host" in text and "GiB" in text
+
+
+def test_budget_cli_names_a_missing_model_config(tmp_path, capsys):
+    assert budget.main([str(CONFIG), f"model.path={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--config-only" in err
