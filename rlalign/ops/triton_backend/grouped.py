@@ -69,6 +69,19 @@ def _rows_config(rows: int, experts: int, segments: int, fp32: bool) -> GroupedC
 # ---- kernels ---------------------------------------------------------------------------------------
 
 @triton.jit
+def _expert_step(acc, a_desc, a_src, b_src, row0, rows, off_n, k, k_end, N, stride_am, stride_ak, stride_bk,
+                 stride_bn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_TRANS: tl.constexpr,
+                 SPLIT: tl.constexpr, TMA_A: tl.constexpr):
+    """acc + the 64-column step at k of an expert's row tile (A through TMA from row0, or masked pointer loads)."""
+    if TMA_A:
+        a = a_desc.load([row0.to(tl.int32), k])
+    else:
+        a = load_a_tile(a_src, 0, k, k_end, rows, stride_am, stride_ak, BM, BK, False, False)
+    b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, False)
+    return mma(a, b, acc, SPLIT)
+
+
+@triton.jit
 def grouped_rows_kernel(a_ptr, a_desc, w_base, w_offsets, c_ptr, slot_expert, slot_row, slot_end, scratch,
                         N, K, SEG_K, steps, num_slots,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -103,12 +116,8 @@ def grouped_rows_kernel(a_ptr, a_desc, w_base, w_offsets, c_ptr, slot_expert, sl
                 k_end = (s + 1) * SEG_K
                 for j in range(steps):
                     k = s * SEG_K + j * BK
-                    if TMA_A:
-                        a = a_desc.load([row0.to(tl.int32), k])
-                    else:
-                        a = load_a_tile(a_src, 0, k, k_end, rows, stride_am, stride_ak, BM, BK, False, False)
-                    b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, False)
-                    part = mma(a, b, part, SPLIT)
+                    part = _expert_step(part, a_desc, a_src, b_src, row0, rows, off_n, k, k_end, N, stride_am,
+                                        stride_ak, stride_bk, stride_bn, BM, BN, BK, B_TRANS, SPLIT, TMA_A)
                 acc, st0, st1, st2 = merge_segment(part, st0, st1, st2, s, scratch, pid, LOG2P, 4, BM, BN)
         else:
             for i in range(P * steps):
@@ -116,12 +125,8 @@ def grouped_rows_kernel(a_ptr, a_desc, w_base, w_offsets, c_ptr, slot_expert, sl
                 j = i - s * steps
                 k_end = (s + 1) * SEG_K
                 k = s * SEG_K + j * BK
-                if TMA_A:
-                    a = a_desc.load([row0.to(tl.int32), k])
-                else:
-                    a = load_a_tile(a_src, 0, k, k_end, rows, stride_am, stride_ak, BM, BK, False, False)
-                b = load_b_tile(b_src, off_n, k, k_end, N, stride_bk, stride_bn, BN, BK, B_TRANS, False)
-                acc = mma(a, b, acc, SPLIT)
+                acc = _expert_step(acc, a_desc, a_src, b_src, row0, rows, off_n, k, k_end, N, stride_am,
+                                   stride_ak, stride_bk, stride_bn, BM, BN, BK, B_TRANS, SPLIT, TMA_A)
                 if P > 1:
                     if j == steps - 1:
                         v, st0, st1, st2 = merge_segment(acc, st0, st1, st2, s, scratch, pid, LOG2P, 4, BM, BN)
