@@ -70,9 +70,10 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.T
     x [T, H]; experts [T, k] int64; gate_w, up_w: E matrices [I, H]; down_w: E matrices [H, I] (a stacked
     [E, ...] tensor or a list of per-expert weights: only ``w[e]`` is used, never a copy of all experts). FFN_e(v) = down_e(silu(gate_e(v)) * up_e(v)), each projection the strict linear (down
     with the canonical K partition ``down_segments``, as the dense FFN's down_proj, so tensor-parallel
-    shards of I agree). The (token, slot) rows are grouped by expert with a stable sort and each group
-    is one call per projection: the strict linear's per-row result does not depend on the group's size
-    or order. Backward: the grouping is a permutation (its gradient a permutation, no scatter-add)
+    shards of I agree). The (token, slot) rows are grouped by expert with a stable sort and the backend's
+    ``moe_expert_ffn`` runs each group through the strict linear's arithmetic (torch: one call per
+    projection per expert; triton: one grouped GEMM per projection, no host sync): a row's result does not
+    depend on the group's size or order. Backward: the grouping is a permutation (its gradient a permutation, no scatter-add)
     and the k copies of a token's gradient are summed by one reduction over a fixed [T, k, H] view.
     """
     chk.ndim("moe_experts", "x", x, 2)
