@@ -49,6 +49,11 @@ class BlockManager:
     def ref_count(self, page: int) -> int:
         return self._ref[page]
 
+    @property
+    def ref_counts(self) -> list[int]:
+        """Every page's reference count, indexed by page (read only: the scheduler's hot loop reads it)."""
+        return self._ref
+
     def check_consistency(self, tables: list[list[int]]) -> None:
         """Assert that the ref counts are exactly the number of tables holding each page (tests)."""
         counts = [0] * self.num_pages

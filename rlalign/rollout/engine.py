@@ -23,6 +23,7 @@ finished sample's rows are gathered into ``Completion.routing``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable, Mapping
@@ -46,6 +47,15 @@ from rlalign.rollout.scheduler import Scheduler, SchedulerOutput
 from rlalign.rollout.sequence import Completion, Request, Sequence, SeqStatus, StepOutput
 
 STOP_STRING_SLACK_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _SharedSettings:
+    """The distinct values the requests in flight hold (one element each in the usual case)."""
+    weights_versions: set[int]
+    sampling: set[tuple[float, int, float]]      # (temperature, top_k, top_p)
+    stop_token_ids: set[frozenset[int]]
+    limits: set[tuple[int, bool]]                # (max_new_tokens, has stop strings)
 
 
 class RolloutEngine:
@@ -79,6 +89,7 @@ class RolloutEngine:
         self.scheduler = Scheduler(self.config, self.blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._requests: dict[str, Request] = {}
+        self._shared: _SharedSettings | None = None   # of the requests in flight; None: recompute
         self._request_counter = itertools.count()
         self._weights_broken = False
         self._step_routing: tuple[np.ndarray, torch.Tensor] | None = None   # (slots, expert ids) of this step
@@ -172,6 +183,7 @@ class RolloutEngine:
         key = prompt_index if sampling.seed_by == "index" else _prompt_key(ids)
         request.seqs = [Sequence(request, j, derive_seed(sampling.seed, key, j), ids) for j in range(sampling.n)]
         self._requests[request_id] = request
+        self._shared = None
         if self.config.share_prefix and sampling.n > 1:
             request.pending_forks = request.seqs[1:]
             for seq in request.pending_forks:
@@ -238,6 +250,11 @@ class RolloutEngine:
     def step(self) -> list[StepOutput]:
         """Run one scheduling step (one forward); returns a StepOutput per token sampled (with the
         Completion when a sample ends)."""
+        return self._step(emit_unfinished=True)
+
+    def _step(self, emit_unfinished: bool) -> list[StepOutput]:
+        """One step; ``emit_unfinished=False`` returns only the finished samples' outputs (generate()
+        needs no per-token output: that saves one object per running sequence per step)."""
         if not self._requests:
             return []
         plan = self.scheduler.schedule()
@@ -246,16 +263,16 @@ class RolloutEngine:
         t0 = time.perf_counter()
         with use_profile(self.config.profile):
             self._copy_pages(plan.copies)
-            hidden = self._forward(plan)
+            hidden, cu, seq_lens = self._forward(plan)
             self.scheduler.mark_computed(plan)
-            rows, seqs = self._sampling_rows(plan)
-            tokens, logprobs = self._sample(hidden, rows, seqs) if seqs else ([], [])
+            rows, seqs = self._sampling_rows(plan, cu, seq_lens)
+            tokens, logprobs = self._sample(hidden, rows, seqs) if seqs else (None, None)
             self._store_routing()
         self.counters["steps"] += 1
         self.counters["forward_tokens"] += plan.num_tokens
         self.counters["sampled_tokens"] += len(seqs)
         self.counters["compute_seconds"] += time.perf_counter() - t0
-        return self._append(seqs, tokens, logprobs)
+        return self._append(seqs, tokens, logprobs, emit_unfinished)
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -267,9 +284,10 @@ class RolloutEngine:
         if self.routing is not None:
             self.routing.copy_pages(copies)
 
-    def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
-        """Hidden rows of every new token of the plan: a graph replay for a decode step that fits
-        one, else one eager forward."""
+    def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """(hidden rows of every new token of the plan, cu_seqlens int64, each chunk's end = start +
+        length int32):
+        a graph replay for a decode step that fits one, else one eager forward."""
         ids, positions, cu, table, seq_lens, slots = self._host_arrays(plan)
         decode_only = bool(cu[-1] == len(plan.chunks))
         # what this step's forward read, for the rollout benchmark's byte accounting (rlalign.bench.rollout)
@@ -282,7 +300,7 @@ class RolloutEngine:
             hidden = graphs.run(decode)
             if self.routing is not None:
                 self._step_routing = (slots, graphs.routing)
-            return hidden
+            return hidden, cu, seq_lens
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.from_numpy(ids).to(dev), positions=torch.from_numpy(positions).to(dev),
@@ -290,11 +308,11 @@ class RolloutEngine:
             block_table=torch.from_numpy(table).to(dev), seq_lens=torch.from_numpy(seq_lens).to(dev),
             slot_mapping=torch.from_numpy(slots).to(dev))
         if self.routing is None:
-            return self.model.forward_hidden(batch)
+            return self.model.forward_hidden(batch), cu, seq_lens
         with record_routing(keep_logits=False) as record:
             hidden = self.model.forward_hidden(batch)
         self._step_routing = (slots, record.expert_ids())
-        return hidden
+        return hidden, cu, seq_lens
 
     def _store_routing(self) -> None:
         """This step's expert ids into the routing record, by slot. Runs after the sampler (whose results
@@ -308,69 +326,128 @@ class RolloutEngine:
         self.routing.write(slots, ids)
 
     def _host_arrays(self, plan: SchedulerOutput):
-        """(ids int64, positions int64, cu_seqlens int64, block table int32, seq_lens int32, slots int64)."""
+        """(ids int64, positions int64, cu_seqlens int64, block table int32, seq_lens int32, slots int64).
+
+        One pass of Python per chunk field (np.fromiter), the rest numpy: this runs every step over
+        every running sequence."""
         chunks, ps = plan.chunks, self.page_size
         count = len(chunks)
         starts = np.fromiter((c.start for c in chunks), np.int64, count)
         lengths = np.fromiter((c.length for c in chunks), np.int64, count)
         cu = np.zeros(count + 1, np.int64)
         np.cumsum(lengths, out=cu[1:])
-        if cu[-1] == count:  # decode-only step
+        if cu[-1] == count:  # decode-only step: one token each, at its start
             ids = np.fromiter((c.seq.tokens[c.start] for c in chunks), np.int64, count)
+            positions = starts
+            owner = np.arange(count)
         else:
             ids = np.fromiter(itertools.chain.from_iterable(c.seq.tokens[c.start:c.start + c.length] for c in chunks),
                               np.int64, int(cu[-1]))
-        owner = np.repeat(np.arange(count), lengths)
-        positions = np.arange(cu[-1], dtype=np.int64) - cu[:-1][owner] + starts[owner]
-        table = np.zeros((count, max(len(c.seq.block_table) for c in chunks)), np.int32)
-        for k, c in enumerate(chunks):
-            table[k, :len(c.seq.block_table)] = c.seq.block_table
+            owner = np.repeat(np.arange(count), lengths)
+            positions = np.arange(cu[-1], dtype=np.int64) - cu[:-1][owner] + starts[owner]
+        table = _block_table([c.seq.block_table for c in chunks])
         slots = table[owner, positions // ps].astype(np.int64) * ps + positions % ps
         return ids, positions, cu, table, (starts + lengths).astype(np.int32), slots
 
-    def _sampling_rows(self, plan: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
-        """The hidden row each sampling sequence samples from; a leader's forked siblings share its row."""
-        rows, seqs = [], []
-        ends = np.cumsum([c.length for c in plan.chunks]) - 1
-        for chunk, row in zip(plan.chunks, ends.tolist()):
-            if not chunk.samples:
-                continue
-            seq = chunk.seq
-            rows.append(row)
-            seqs.append(seq)
+    def _sampling_rows(self, plan: SchedulerOutput, cu: np.ndarray,
+                       ends: np.ndarray) -> tuple[np.ndarray, list[Sequence]]:
+        """The hidden row each sampling sequence samples from (int64), and the sequences; a leader's
+        forked siblings share its row. ``cu``: the chunks' cumulative row counts; ``ends``: each
+        chunk's start + length (a chunk samples when it ends at its sequence's last token)."""
+        chunks = plan.chunks
+        count = len(chunks)
+        totals = np.fromiter((len(c.seq.tokens) for c in chunks), np.int64, count)
+        rows = np.flatnonzero(ends == totals)
+        seqs = [c.seq for c in chunks] if rows.size == count else [chunks[i].seq for i in rows.tolist()]
+        rows = cu[1:][rows] - 1   # a chunk's last row
+        if not any(r.pending_forks for r in self._requests.values()):
+            return rows, seqs
+        row_list, seq_list = [], []
+        for seq, row in zip(seqs, rows.tolist()):
+            row_list.append(row)
+            seq_list.append(seq)
             if seq.request.pending_forks and seq is seq.request.seqs[0]:
                 siblings = self.scheduler.fork(seq)
-                rows += [row] * len(siblings)
-                seqs += siblings
-        return rows, seqs
+                row_list += [row] * len(siblings)
+                seq_list += siblings
+        return np.asarray(row_list, dtype=np.int64), seq_list
 
-    def _sample(self, hidden: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-        for seq in seqs:
-            if seq.request.weights_version != self.weights_version:
-                raise WeightsUpdateError(f"request {seq.request.request_id!r} started with weights version "
-                                         f"{seq.request.weights_version} but the engine now has {self.weights_version}")
-        h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=hidden.device))
-        params = [s.request.sampling for s in seqs]
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=hidden.device)
-        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=hidden.device)
+    def _sample(self, hidden: torch.Tensor, rows: np.ndarray, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens (int64) and logprobs (fp32) of the sampling rows, read back in ONE device-to-host copy."""
+        if self._shared_settings().weights_versions != {self.weights_version}:
+            stale = next(r for r in self._requests.values() if r.weights_version != self.weights_version)
+            raise WeightsUpdateError(f"request {stale.request_id!r} started with weights version "
+                                     f"{stale.weights_version} but the engine now has {self.weights_version}")
+        dev, n = hidden.device, len(seqs)
+        h = hidden.index_select(0, torch.from_numpy(rows).to(dev))
+        seeds = torch.from_numpy(np.fromiter((s.seed for s in seqs), np.int64, n)).to(dev)
+        positions = torch.from_numpy(np.fromiter((len(s.tokens) for s in seqs), np.int64, n)).to(dev)
+        temperature, top_k, top_p = self._sampling_settings(seqs)
         tokens, logprobs = ops.sample_and_score(h, self.model.lm_head_weight, seeds=seeds, positions=positions,
-                                                temperature=[p.temperature for p in params],
-                                                top_k=[p.top_k for p in params], top_p=[p.top_p for p in params])
-        return tokens.tolist(), logprobs.tolist()
+                                                temperature=temperature, top_k=top_k, top_p=top_p)
+        # one copy for both: the fp32 logprobs' bits ride as int32 -> int64 (exact both ways)
+        both = torch.stack([tokens, logprobs.view(torch.int32).to(torch.int64)]).cpu().numpy()
+        return both[0], both[1].astype(np.int32).view(np.float32)
 
-    def _append(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[StepOutput]:
-        outputs, finished = [], []
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
+    def _sampling_settings(self, seqs: list[Sequence]):
+        """(temperature, top_k, top_p): one number each when every request in flight shares them (the
+        usual case: no per-sequence lists), else per-row lists. ops.sample_and_score treats a list of
+        equal values as that value, so both forms give the same bits."""
+        settings = self._shared_settings().sampling
+        if len(settings) == 1:
+            return next(iter(settings))
+        params = [s.request.sampling for s in seqs]
+        return [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params]
+
+    def _shared_settings(self) -> "_SharedSettings":
+        """What the requests in flight set (distinct values), recomputed only when a request enters or
+        leaves: the per-step code reads one value instead of one per sequence when they agree."""
+        if self._shared is None:
+            requests = self._requests.values()
+            self._shared = _SharedSettings(
+                weights_versions={r.weights_version for r in requests},
+                sampling={(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in requests},
+                stop_token_ids={r.stop_token_ids for r in requests},
+                limits={(r.sampling.max_new_tokens, bool(r.sampling.stop)) for r in requests})
+        return self._shared
+
+    def _append(self, seqs: list[Sequence], tokens: np.ndarray | None, logprobs: np.ndarray | None,
+                emit_unfinished: bool = True) -> list[StepOutput]:
+        if not seqs:
+            return []
+        may_stop = self._stop_candidates(seqs, tokens)
+        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+        for seq, token, logprob in zip(seqs, token_list, logprob_list):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
-            if self._check_stop(seq, token):
-                finished.append(seq)
-            else:
-                outputs.append(StepOutput(seq.request.request_id, seq.request.prompt_index, seq.sample_index,
-                                          token, logprob, False))
+        finished = [seqs[i] for i in may_stop if self._check_stop(seqs[i], token_list[i])]
+        outputs = []
+        if emit_unfinished:
+            done = set(map(id, finished))
+            outputs = [StepOutput(seq.request.request_id, seq.request.prompt_index, seq.sample_index, token, logprob,
+                                  False)
+                       for seq, token, logprob in zip(seqs, token_list, logprob_list) if id(seq) not in done]
         self._finish(finished)
         outputs += [self._finished_output(seq, seq.tokens[-1], seq.logprobs[-1]) for seq in finished]
         return outputs
+
+    def _stop_candidates(self, seqs: list[Sequence], tokens: np.ndarray) -> list[int]:
+        """Indices (ascending) of the sequences that may end with this step's ``tokens`` (appended after
+        this call): :meth:`_check_stop` decides for these, every other one goes on. Vectorised when every
+        request in flight shares its stop tokens and length limit and has no stop strings (the usual
+        case); every sequence otherwise."""
+        shared = self._shared_settings()
+        stop_sets, limits = shared.stop_token_ids, shared.limits
+        if len(stop_sets) != 1 or len(limits) != 1 or next(iter(limits))[1]:
+            return list(range(len(seqs)))
+        (stop_ids,), ((max_new, _),) = stop_sets, limits
+        n = len(seqs)
+        new_len = np.fromiter((len(s.tokens) for s in seqs), np.int64, n) + 1   # after the append
+        prompt = np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, n)
+        may = (new_len - prompt >= max_new) | (new_len >= self.max_model_len)
+        if stop_ids:
+            may |= np.isin(tokens, np.fromiter(stop_ids, np.int64, len(stop_ids)))
+        return np.flatnonzero(may).tolist()
 
     def _finish(self, seqs: list[Sequence]) -> None:
         """Free the sequences' pages; with record_routing, first gather their computed rows' routing."""
@@ -409,6 +486,7 @@ class RolloutEngine:
         seq.status = SeqStatus.FINISHED
         if request.finished:
             self._requests.pop(request.request_id, None)
+            self._shared = None
         return StepOutput(request.request_id, request.prompt_index, seq.sample_index, token, logprob, True, completion)
 
     # ---- batch API -----------------------------------------------------------------------------
@@ -431,7 +509,9 @@ class RolloutEngine:
         try:
             ids = [self.add_request(p, sampling, prompt_index=i) for p, i in zip(prompts, indices)]
             while self.has_unfinished():
-                for out in self.step():
+                with torch.no_grad():
+                    outputs = self._step(emit_unfinished=False)
+                for out in outputs:
                     if out.completion is not None:
                         done[(out.request_id, out.sample_index)] = out.completion
         except BaseException:
@@ -486,3 +566,13 @@ class RolloutEngine:
 
 def _prompt_key(ids: list[int]) -> int:
     return prompt_key(ids)
+
+
+def _block_table(tables: list[list[int]]) -> np.ndarray:
+    """The chunks' block tables as one int32 [count, longest] array, 0 past each table's end."""
+    widths = np.fromiter(map(len, tables), np.int64, len(tables))
+    table = np.zeros((len(tables), int(widths.max())), np.int32)
+    # a row-major boolean mask takes the flat pages in table order
+    table[np.arange(table.shape[1]) < widths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), np.int32, int(widths.sum()))
+    return table

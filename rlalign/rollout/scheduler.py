@@ -27,7 +27,7 @@ from rlalign.rollout.config import RolloutConfig
 from rlalign.rollout.sequence import Sequence, SeqStatus
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Chunk:
     seq: Sequence
     start: int      # = seq.num_computed when scheduled
@@ -75,14 +75,24 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         i = 0
         running, append, chunk_cap = self.running, self.blocks.append, self.config.max_prefill_chunk
+        ref, ps, chunks = self.blocks.ref_counts, self.blocks.page_size, out.chunks
         while i < len(running) and budget > 0:
             seq = running[i]
             # = _chunk_length and _reserve (reserve 0), inlined: this runs for every sequence every step
             start = seq.num_computed
-            n = min(len(seq.tokens) - start, budget)
+            n = len(seq.tokens) - start
+            table = seq.block_table
+            if n == 1 and start < len(table) * ps and ref[table[start // ps]] == 1:
+                # the usual decode token: its slot lies in a page the sequence holds alone, so
+                # blocks.append would allocate and copy nothing
+                chunks.append(Chunk(seq, start, 1))
+                budget -= 1
+                i += 1
+                continue
+            n = min(n, budget)
             if chunk_cap is not None:
                 n = min(n, chunk_cap)
-            copies = append(seq.block_table, start, start + n, 0)
+            copies = append(table, start, start + n, 0)
             if copies is not None:
                 if copies:
                     out.copies += copies

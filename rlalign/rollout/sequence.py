@@ -97,7 +97,7 @@ class Request:
         return all(s.status is SeqStatus.FINISHED for s in self.seqs)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class StepOutput:
     """One token produced by :meth:`RolloutEngine.step` (or an abort); ``completion`` is set once the sample ends."""
 
