@@ -87,7 +87,7 @@ def _logprob_temperatures(temperature, rows: int) -> list[float]:
     elif isinstance(temperature, Sequence):
         values = list(temperature)
     else:
-        values = [temperature] * rows
+        return [temperature_rule.logprob_temperature(temperature)] * rows   # one number: the rule once
     return [temperature_rule.logprob_temperature(t) for t in values]
 
 

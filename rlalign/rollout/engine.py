@@ -265,14 +265,14 @@ class RolloutEngine:
             self._copy_pages(plan.copies)
             hidden, cu, seq_lens = self._forward(plan)
             self.scheduler.mark_computed(plan)
-            rows, seqs = self._sampling_rows(plan, cu, seq_lens)
-            tokens, logprobs = self._sample(hidden, rows, seqs) if seqs else (None, None)
+            rows, positions, seqs = self._sampling_rows(plan, cu, seq_lens)
+            tokens, logprobs = self._sample(hidden, rows, positions, seqs) if seqs else (None, None)
             self._store_routing()
         self.counters["steps"] += 1
-        self.counters["forward_tokens"] += plan.num_tokens
+        self.counters["forward_tokens"] += int(cu[-1])
         self.counters["sampled_tokens"] += len(seqs)
         self.counters["compute_seconds"] += time.perf_counter() - t0
-        return self._append(seqs, tokens, logprobs, emit_unfinished)
+        return self._append(seqs, positions, tokens, logprobs, emit_unfinished)
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -350,29 +350,31 @@ class RolloutEngine:
         return ids, positions, cu, table, (starts + lengths).astype(np.int32), slots
 
     def _sampling_rows(self, plan: SchedulerOutput, cu: np.ndarray,
-                       ends: np.ndarray) -> tuple[np.ndarray, list[Sequence]]:
-        """The hidden row each sampling sequence samples from (int64), and the sequences; a leader's
-        forked siblings share its row. ``cu``: the chunks' cumulative row counts; ``ends``: each
-        chunk's start + length (a chunk samples when it ends at its sequence's last token)."""
+                       ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Sequence]]:
+        """(the hidden row each sampling sequence samples from, the position its new token takes = its
+        num_tokens, the sequences); int64 arrays. A leader's forked siblings share its row and position.
+        ``cu``: the chunks' cumulative row counts; ``ends``: each chunk's start + length (a chunk samples
+        when it ends at its sequence's last token)."""
         chunks = plan.chunks
         count = len(chunks)
         totals = np.fromiter((len(c.seq.tokens) for c in chunks), np.int64, count)
         rows = np.flatnonzero(ends == totals)
         seqs = [c.seq for c in chunks] if rows.size == count else [chunks[i].seq for i in rows.tolist()]
-        rows = cu[1:][rows] - 1   # a chunk's last row
+        rows, positions = cu[1:][rows] - 1, totals[rows]   # a chunk's last row
         if not any(r.pending_forks for r in self._requests.values()):
-            return rows, seqs
-        row_list, seq_list = [], []
-        for seq, row in zip(seqs, rows.tolist()):
-            row_list.append(row)
+            return rows, positions, seqs
+        take, seq_list = [], []   # indices into rows / positions: a leader's once per sample
+        for k, seq in enumerate(seqs):
+            take.append(k)
             seq_list.append(seq)
             if seq.request.pending_forks and seq is seq.request.seqs[0]:
                 siblings = self.scheduler.fork(seq)
-                row_list += [row] * len(siblings)
+                take += [k] * len(siblings)
                 seq_list += siblings
-        return np.asarray(row_list, dtype=np.int64), seq_list
+        return rows[take], positions[take], seq_list
 
-    def _sample(self, hidden: torch.Tensor, rows: np.ndarray, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    def _sample(self, hidden: torch.Tensor, rows: np.ndarray, positions: np.ndarray,
+                seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         """Tokens (int64) and logprobs (fp32) of the sampling rows, read back in ONE device-to-host copy."""
         if self._shared_settings().weights_versions != {self.weights_version}:
             stale = next(r for r in self._requests.values() if r.weights_version != self.weights_version)
@@ -381,9 +383,9 @@ class RolloutEngine:
         dev, n = hidden.device, len(seqs)
         h = hidden.index_select(0, torch.from_numpy(rows).to(dev))
         seeds = torch.from_numpy(np.fromiter((s.seed for s in seqs), np.int64, n)).to(dev)
-        positions = torch.from_numpy(np.fromiter((len(s.tokens) for s in seqs), np.int64, n)).to(dev)
         temperature, top_k, top_p = self._sampling_settings(seqs)
-        tokens, logprobs = ops.sample_and_score(h, self.model.lm_head_weight, seeds=seeds, positions=positions,
+        tokens, logprobs = ops.sample_and_score(h, self.model.lm_head_weight, seeds=seeds,
+                                                positions=torch.from_numpy(positions).to(dev),
                                                 temperature=temperature, top_k=top_k, top_p=top_p)
         # one copy for both: the fp32 logprobs' bits ride as int32 -> int64 (exact both ways)
         both = torch.stack([tokens, logprobs.view(torch.int32).to(torch.int64)]).cpu().numpy()
@@ -411,11 +413,13 @@ class RolloutEngine:
                 limits={(r.sampling.max_new_tokens, bool(r.sampling.stop)) for r in requests})
         return self._shared
 
-    def _append(self, seqs: list[Sequence], tokens: np.ndarray | None, logprobs: np.ndarray | None,
-                emit_unfinished: bool = True) -> list[StepOutput]:
+    def _append(self, seqs: list[Sequence], positions: np.ndarray, tokens: np.ndarray | None,
+                logprobs: np.ndarray | None, emit_unfinished: bool = True) -> list[StepOutput]:
+        """Append each sampled token (at ``positions``, = the sequence's num_tokens) and logprob; end the
+        samples that stop; the outputs: unfinished ones (``emit_unfinished``), then finished ones."""
         if not seqs:
             return []
-        may_stop = self._stop_candidates(seqs, tokens)
+        may_stop = self._stop_candidates(seqs, positions + 1, tokens)
         token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         for seq, token, logprob in zip(seqs, token_list, logprob_list):
             seq.tokens.append(token)
@@ -431,18 +435,17 @@ class RolloutEngine:
         outputs += [self._finished_output(seq, seq.tokens[-1], seq.logprobs[-1]) for seq in finished]
         return outputs
 
-    def _stop_candidates(self, seqs: list[Sequence], tokens: np.ndarray) -> list[int]:
+    def _stop_candidates(self, seqs: list[Sequence], new_len: np.ndarray, tokens: np.ndarray) -> list[int]:
         """Indices (ascending) of the sequences that may end with this step's ``tokens`` (appended after
-        this call): :meth:`_check_stop` decides for these, every other one goes on. Vectorised when every
-        request in flight shares its stop tokens and length limit and has no stop strings (the usual
-        case); every sequence otherwise."""
+        this call, bringing them to ``new_len`` tokens): :meth:`_check_stop` decides for these, every
+        other one goes on. Vectorised when every request in flight shares its stop tokens and length
+        limit and has no stop strings (the usual case); every sequence otherwise."""
         shared = self._shared_settings()
         stop_sets, limits = shared.stop_token_ids, shared.limits
         if len(stop_sets) != 1 or len(limits) != 1 or next(iter(limits))[1]:
             return list(range(len(seqs)))
         (stop_ids,), ((max_new, _),) = stop_sets, limits
         n = len(seqs)
-        new_len = np.fromiter((len(s.tokens) for s in seqs), np.int64, n) + 1   # after the append
         prompt = np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, n)
         may = (new_len - prompt >= max_new) | (new_len >= self.max_model_len)
         if stop_ids:
