@@ -61,7 +61,11 @@ def run_once(args) -> tuple[dict, str]:
             for k in timers:
                 timers[k] = 0.0
             t = clock()
-            outs = engine.step()
+            if args.api == "step":
+                outs = engine.step()
+            else:   # what engine.generate() runs per step: only finished samples' outputs
+                with torch.no_grad():
+                    outs = engine._step(emit_unfinished=False)
             wall = clock() - t
             if engine.last_forward["decode"]:
                 steps.append((wall, timers["forward"], timers["sample"]))
@@ -86,6 +90,8 @@ def main() -> None:
     p.add_argument("--graphs", default="padded", choices=["padded", "off"])
     p.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
                    help="cpu: this thread's CPU time (robust on a shared machine), wall: perf_counter")
+    p.add_argument("--api", default="step", choices=["step", "generate"],
+                   help="step: engine.step() (one StepOutput per token); generate: the step generate() runs")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--stops", action="store_true", help="one stop token id (some samples end early)")
     p.add_argument("--profile", action="store_true", help="cProfile one run instead")
