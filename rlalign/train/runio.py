@@ -199,7 +199,7 @@ def load_latest_checkpoint(run_dir: Path) -> "dict[str, Any] | None":
     return load_state(path)
 
 
-def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
+def file_sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:
     """sha256 of a file read in chunks of ``chunk_bytes`` (one buffer, reused)."""
     digest, buf = hashlib.sha256(), bytearray(chunk_bytes)
     view = memoryview(buf)
