@@ -2,8 +2,9 @@
 
 The exported weights are the policy exactly as the trainer and the rollout engine used it at that
 step: the checkpoint's ``model`` tensors and, for a model with fp32 master weights, the
-round-to-nearest-even cast of each master (stored only as the master since 2026-12-01). The architecture (config.json) and the tokenizer files come from the
-run's base model directory (the checkpoint's ``model.path``, or ``model_dir`` when it has moved).
+round-to-nearest-even cast of each master (stored only as the master since 2026-12-01). The
+architecture (config.json) and the tokenizer files come from the run's base model directory (the
+checkpoint's ``model.path``, or ``model_dir`` when it has moved).
 """
 
 from __future__ import annotations
