@@ -130,6 +130,15 @@ def train_mismatches(text: str) -> tuple[float, ...]:
     return float(sum(m["mismatch/count"] for m in steps)), float(sum(m["mismatch/tokens"] for m in steps))
 
 
+def train_routing(text: str) -> tuple[float, ...]:
+    """A MoE run's metrics.jsonl: (moe/routing_mismatch summed over steps, moe/routing_tokens summed): the
+    (token, sparse layer) top-k expert sets that differ between rollout and trainer, and those compared."""
+    steps = [m for m in _metrics(text) if "moe/routing_tokens" in m]
+    if not steps:
+        raise ValueError("no moe/routing_* metrics in the output (not a MoE run, or routing not recorded)")
+    return float(sum(m["moe/routing_mismatch"] for m in steps)), float(sum(m["moe/routing_tokens"] for m in steps))
+
+
 def parity_counts(text: str) -> tuple[float, ...]:
     """``rlalign parity --json``: (token logprobs that differ, tokens compared)."""
     d = _json(text)
@@ -215,6 +224,12 @@ PARITY_8B = ("python scripts/shaped_model.py qwen3-8b {out}/m && rlalign parity 
 PARITY_06B_NATIVE = ("python scripts/shaped_model.py qwen3-0.6b {out}/m && rlalign parity --model {out}/m "
                      "--device cuda --profile native --train transformers --prompts 16 --samples 4 "
                      "--max-new-tokens 16 --json")
+MOE_CPU = ("python scripts/make_moe_model.py {out}/moe && rlalign train configs/moe-cpu.yaml model.path={out}/moe "
+           "run.dir={out}/run run.progress=false")
+# what scripts/gpu_moe.sh runs (STEPS=50 TRAIN_ARGS="run.eval_every=25"); the final checkpoint is ~40 GB
+MOE_H200 = ("python scripts/make_moe_model.py {out}/moe --shape qwen3-30b-a3b --layers 4 && rlalign train "
+            "configs/moe-h200.yaml model.path={out}/moe run.dir={out}/run run.steps=50 run.eval_every=25 "
+            "run.checkpoint_every=50 run.keep_checkpoints=1 run.progress=false")
 PARITY_CPU_NATIVE = "rlalign parity --profile native --train transformers --prompts 16 --samples 4 --json"
 TIMING_REL = Check("rel", 0.15)   # a shared CPU's runs spread about this much; the GPU's less
 GPU_REL = Check("rel", 0.10)
@@ -306,6 +321,20 @@ CLAIMS: tuple[Claim, ...] = (
           (0.69, 0.0039), ("time", "memory"), "python bench/gpu_logprob.py --out {out}", "bench_logprob.json",
           partial(logprob, "ours logprob"), "cuda", 3, TIMING, Check("rel", 0.10),
           "bench/gpu_2026-11-30b/bench_logprob.json"),
+    # -- Qwen3-MoE runs: deterministic
+    Claim("cpu-moe-mismatches", "README.md", "with **0 of 99,644** log-probs", (0, 99644), ("differing", "compared"),
+          MOE_CPU, "run/metrics.jsonl", train_mismatches, "cpu", 1, DETERMINISTIC, EXACT,
+          "bench/runs/moe_cpu_metrics.jsonl", note="configs/moe-cpu.yaml, 100 steps"),
+    Claim("cpu-moe-routing", "README.md", "and **0 of 1,014,544** (token, layer) expert choices differing",
+          (0, 1014544), ("differing", "compared"), MOE_CPU, "run/metrics.jsonl", train_routing, "cpu", 1,
+          DETERMINISTIC, EXACT, "bench/runs/moe_cpu_metrics.jsonl"),
+    Claim("h200-moe-mismatches", "README.md", "50 strict GRPO steps with **0 of 204,794** log-probs", (0, 204794),
+          ("differing", "compared"), MOE_H200, "run/metrics.jsonl", train_mismatches, "cuda", 1, DETERMINISTIC,
+          EXACT, "bench/runs/moe_h200_30b_a3b_4l_metrics.jsonl",
+          note="Qwen3-30B-A3B shape cut to 4 layers, full vocabulary, configs/moe-h200.yaml"),
+    Claim("h200-moe-routing", "README.md", "**0 of 1,225,576** (token, layer) expert choices", (0, 1225576),
+          ("differing", "compared"), MOE_H200, "run/metrics.jsonl", train_routing, "cuda", 1, DETERMINISTIC,
+          EXACT, "bench/runs/moe_h200_30b_a3b_4l_metrics.jsonl"),
     # -- H200 end to end: deterministic
     Claim("h200-grpo-200-mismatches", "README.md", "**0 mismatches in 183,353 token log-probs**", (0, 183353),
           ("differing", "compared"), GRPO_200, "run/metrics.jsonl", train_mismatches, "cuda", 1, DETERMINISTIC,
