@@ -11,8 +11,11 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, master.py)
     fp32 master weights                4 P (every low-precision parameter; every parameter with
                                        optim.offload), on the host with optim.offload
     AdamW m, v                         8 P next to the masters (2 b P on the device without masters)
-    fp32 master gradients              4 P next to the masters: grads_to_master widens every gradient
-                                       before the optimizer step, so all of them exist at once
+    optimizer step working set         12 N next to the masters, N the largest parameter's size:
+                                       MasterWeights.step goes one parameter at a time, holding its
+                                       widened fp32 gradient (4 N) and AdamW's two fp32 temporaries of
+                                       sqrt(v) / bias correction (8 N); without masters 2 b N (torch's
+                                       step, the same two temporaries in the parameter dtype)
     rollout engine weights             P b (the colocated engine steps a deep copy)
     reference model                    P b with algo.kl_coef > 0
     KV cache                           rollout.kv_cache_bytes; unset: the step's sequences x
@@ -23,8 +26,12 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, master.py)
                                        residual) x L plus one layer recomputed; without, the upper
                                        bound of every tensor a layer may keep (see _layer_bytes_per_token)
     fused log-prob working set         three fp32 [token_chunk, vocab_chunk] tiles
-    checkpoint                         weights + masters + AdamW state: built in host memory (a BytesIO)
-                                       then written; on disk up to run.keep_checkpoints + 1 files at a save
+    checkpoint file                    masters + AdamW state (12 P; a weight with a master is stored only
+                                       as the master), or weights + AdamW state (3 b P) without masters;
+                                       streamed to disk (runio.save_checkpoint): the host holds at most one
+                                       device tensor's copy at a time (nothing when the state is on the
+                                       host); on disk max(run.keep_checkpoints, 2) files during a save (the
+                                       new one is written before the last old one is deleted)
 """
 
 from __future__ import annotations
@@ -55,9 +62,14 @@ class BudgetRow:
     note: str = ""
 
 
+def parameter_sizes(model_config: ModelConfig) -> list[int]:
+    """Exact: the element count of every parameter of the decoder built on the meta device (no memory),
+    each counted once."""
+    return [p.numel() for p in CausalLM(model_config, dtype=torch.float32, device="meta").parameters()]
+
+
 def parameter_count(model_config: ModelConfig) -> int:
-    """Exact: the decoder built on the meta device (no memory), every parameter counted once."""
-    return sum(p.numel() for p in CausalLM(model_config, dtype=torch.float32, device="meta").parameters())
+    return sum(parameter_sizes(model_config))
 
 
 def _layer_bytes_per_token(m: ModelConfig, b: int) -> int:
@@ -85,7 +97,8 @@ def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
     """The rows of ``cfg`` (a TrainConfig) for a policy of ``model_config``."""
     dtype = cfg.model.dtype or model_config.dtype
     b = _DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 4)
-    p = parameter_count(model_config)
+    sizes = parameter_sizes(model_config)
+    p, largest = sum(sizes), max(sizes)
     o = cfg.optim
     masters = o.master_weights and (b != 4 or o.offload)
     state_place = "host" if masters and o.offload else "device"
@@ -94,9 +107,13 @@ def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
     if masters:
         rows += [BudgetRow("fp32 master weights", state_place, 4 * p, "optim.master_weights"),
                  BudgetRow("AdamW m, v (fp32)", state_place, 8 * p),
-                 BudgetRow("fp32 master gradients", state_place, 4 * p, "all widened before the optimizer step")]
+                 BudgetRow("optimizer step working set", state_place, 12 * largest,
+                           f"one parameter at a time; the largest ({largest / 1e6:.1f}M): fp32 gradient + "
+                           "2 AdamW temporaries")]
     else:
-        rows.append(BudgetRow("AdamW m, v", "device", 2 * b * p, "parameter dtype"))
+        rows += [BudgetRow("AdamW m, v", "device", 2 * b * p, "parameter dtype"),
+                 BudgetRow("optimizer step working set", "device", 2 * b * largest,
+                           f"2 AdamW temporaries of the largest parameter ({largest / 1e6:.1f}M)")]
     rows.append(BudgetRow("rollout engine weights", "device", p * b, "the colocated engine's own copy"))
     if cfg.algo.kl_coef > 0:
         rows.append(BudgetRow("reference model", "device", p * b, "algo.kl_coef > 0"))
@@ -105,12 +122,21 @@ def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
     rows += [_kv_row(cfg, model_config, b), _activation_row(cfg, model_config, b),
              BudgetRow("fused log-prob working set", "device", 3 * 4 * DEFAULT_TOKEN_CHUNK * DEFAULT_VOCAB_CHUNK,
                        f"3 fp32 [{DEFAULT_TOKEN_CHUNK}, {DEFAULT_VOCAB_CHUNK}] tiles")]
-    ckpt = p * b + (12 * p if masters else 2 * b * p)
+    return rows + _checkpoint_rows(cfg, p, largest, b, masters, state_place)
+
+
+def _checkpoint_rows(cfg, p: int, largest: int, b: int, masters: bool, state_place: str) -> list[BudgetRow]:
+    """What a save costs: the stream's host copy of one device tensor, and the files on disk."""
+    ckpt, what = (12 * p, "masters + AdamW state") if masters else (3 * b * p, "weights + AdamW state")
+    copy = 0 if state_place == "host" else largest * (4 if masters else b)
     keep = cfg.run.keep_checkpoints
-    rows += [BudgetRow("checkpoint serialised at a save", "host", ckpt, "weights + masters + AdamW state, in memory"),
-             BudgetRow("checkpoint files", "disk", (keep + 1) * ckpt, f"run.keep_checkpoints={keep}, +1 while saving"),
-             BudgetRow("exported policy", "disk", p * b, "Hugging Face safetensors at the end")]
-    return rows
+    files = max(keep, 2)
+    return [BudgetRow("checkpoint save, host copy", "host", copy,
+                      "streamed: the state is on the host already" if copy == 0 else
+                      "streamed: one device tensor at a time, the largest"),
+            BudgetRow("checkpoint files", "disk", files * ckpt,
+                      f"{_size(ckpt)} each ({what}); run.keep_checkpoints={keep}: {files} during a save"),
+            BudgetRow("exported policy", "disk", p * b, "Hugging Face safetensors at the end")]
 
 
 def _kv_row(cfg, m: ModelConfig, b: int) -> BudgetRow:

@@ -1,9 +1,10 @@
 """Export a training checkpoint (any step, not only the last) to a Hugging Face model directory.
 
-The exported weights are the checkpoint's ``model`` tensors: the policy exactly as the trainer and
-the rollout engine used it at that step (for a low-precision model, the round-to-nearest-even cast
-of the fp32 master weights). The architecture (config.json) and the tokenizer files come from the
-run's base model directory (the checkpoint's ``model.path``, or ``model_dir`` when it has moved).
+The exported weights are the policy exactly as the trainer and the rollout engine used it at that
+step: the checkpoint's ``model`` tensors and, for a model with fp32 master weights, the
+round-to-nearest-even cast of each master (stored only as the master since 2026-12-01). The
+architecture (config.json) and the tokenizer files come from the run's base model directory (the
+checkpoint's ``model.path``, or ``model_dir`` when it has moved).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import load_model, save_model
+from rlalign.train.master import checkpoint_model_weights
 from rlalign.train.runio import load_state
 from rlalign.train.setup import resolve_model_dir
 
@@ -39,13 +41,13 @@ def checkpoint_file(path: "str | Path") -> Path:
 def export_checkpoint(checkpoint: "str | Path", out_dir: "str | Path", model_dir: "str | Path | None" = None) -> Path:
 
     file = checkpoint_file(checkpoint)
-    state = load_state(file.read_bytes(), file)   # weights_only: no pickled code runs from disk
+    state = load_state(file)   # weights_only: no pickled code runs from disk
     if not isinstance(state, dict) or "model" not in state:
         raise ExportError(f"{file} holds no model weights: is it an rlalign training checkpoint?")
     base = Path(model_dir) if model_dir is not None else resolve_model_dir(state["config"]["model"]["path"])
     if not (base / "config.json").is_file():
         raise ExportError(f"the run's base model {base} is gone; pass its new location with --model-dir")
-    weights = state["model"]
+    weights = checkpoint_model_weights(state)   # the weights stored only as fp32 masters, rounded as in training
     dtype = next(iter(weights.values())).dtype
     model, _ = load_model(base, dtype=dtype)
     try:

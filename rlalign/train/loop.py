@@ -51,7 +51,7 @@ from rlalign.train.config import TrainConfig
 from rlalign.train.engines import build_rollout_engine
 from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
-from rlalign.train.master import MasterWeights, full_masters
+from rlalign.train.master import ROUNDED_KEY, MasterWeights, full_masters, weights_to_store
 from rlalign.train.packing import TrainBatch, logprobs
 from rlalign.train.runconfig import check_resume, read_run_config, write_run_config
 from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
@@ -171,8 +171,9 @@ class Trainer:
             return
         check_resume(read_run_config(self.run_dir) or state["config"], self.cfg)
         self._start_run_files()
-        par.load_policy_weights(self.policy, state["model"])
-        self.master.load_state_dict(state.get("master"))
+        rounded = state.get(ROUNDED_KEY) or {}   # weights stored only as masters: set by the masters' load
+        par.load_policy_weights(self.policy, state["model"], absent=rounded)
+        self.master.load_state_dict(state.get("master"), rounded)
         par.load_optimizer_state(self.optimizer, state["optimizer"], self.tp)
         self.schedule.load_state_dict(state["schedule"])
         self._apply_lr_config()
@@ -180,7 +181,7 @@ class Trainer:
         self.step, self.data_pos = state["step"], state["data_pos"]
         if self.value is not None:
             self.value.load_state_dict(state["value"])
-            self.value_optimizer.load_state_dict(state["value_optimizer"])
+            par.load_optimizer_state(self.value_optimizer, state["value_optimizer"], None)
         self.engine.update_weights(par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
         self._note(getattr(self.metrics, "note", None))
@@ -215,8 +216,11 @@ class Trainer:
         master = full_masters(self.master, self.policy) if self.master.active else None
         if not self.writer:   # the writer saves for every rank (TP state gathered above)
             return
+        # a weight with a master is stored once, as the master (the model copy is its rounding)
+        model, rounded = weights_to_store(model, master) if master is not None else (model, {})
         save_checkpoint(self.run_dir, self.step, {
-            "model": model, "optimizer": optimizer, **({"master": master} if master is not None else {}),
+            "model": model, "optimizer": optimizer,
+            **({"master": master, ROUNDED_KEY: rounded} if master is not None else {}),
             "schedule": self.schedule.state_dict(), "torch_rng": torch.get_rng_state(),
             "step": self.step, "data_pos": self.data_pos, "config": dataclasses.asdict(self.cfg),
             **({"value": self.value.state_dict(), "value_optimizer": self.value_optimizer.state_dict()}
@@ -539,9 +543,7 @@ class Trainer:
         if not torch.isfinite(grad_norm):
             raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {self.step}: lower optim.lr or check "
                                "the rewards; the last checkpoint is intact")
-        self.master.grads_to_master()   # no-op for fp32 parameters
-        self.optimizer.step()
-        self.master.master_to_model()
+        self.master.step(self.optimizer)   # parameter by parameter; a plain optimizer.step() without masters
         if self.value is not None:
             torch.nn.utils.clip_grad_norm_(self.value.parameters(), cfg.optim.grad_clip, foreach=False)
             self.value_optimizer.step()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.launch import Group, init_from_env, split
 from rlalign.distributed.parallelize import full_state
 from rlalign.models.decoder import CausalLM
+from rlalign.train.runio import own_optimizer_state
 
 
 def needs_launch(cfg) -> bool:
@@ -76,12 +78,22 @@ def policy_weights(policy) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_policy_weights(policy, weights: dict[str, torch.Tensor]) -> None:
-    """Load full weights into a (possibly parallelized) policy: each rank copies its slice."""
+def load_policy_weights(policy, weights: dict[str, torch.Tensor], absent: Collection[str] = ()) -> None:
+    """Load full weights into a (possibly parallelized) policy: each rank copies its slice. The names in
+    ``absent`` are not in ``weights`` (a checkpoint stores a weight with an fp32 master only as the
+    master); the caller sets them (MasterWeights.load_state_dict). Any other missing or extra name is an
+    error naming it."""
+    names = set(policy.state_dict()) if not parallelized(policy) else {n for n, _ in policy.named_parameters()}
+    missing, extra = sorted(names - set(weights) - set(absent)), sorted(set(weights) - names)
+    if missing or extra:
+        what = f"lack {missing[0]}" if missing else f"hold {extra[0]}, which the policy does not have"
+        raise RLAlignError(f"the checkpoint's model weights {what}: it was written for another model")
     if not parallelized(policy):
-        policy.load_state_dict(weights)
+        policy.load_state_dict(weights, strict=False)
         return
     for name, p in policy.named_parameters():
+        if name not in weights:
+            continue
         full = weights[name]
         if getattr(p, "tp_dim", None) is not None:
             start, stop = p.tp_range
@@ -115,10 +127,12 @@ def optimizer_state(optimizer, tp: Group | None):
 
 
 def load_optimizer_state(optimizer, stored, tp: Group | None) -> None:
+    """``stored`` (a checkpoint's, see :func:`optimizer_state`) into ``optimizer``, in memory of its own."""
     if isinstance(stored, list) != (tp is not None) or (tp is not None and len(stored) != tp.size):
         raise RLAlignError("the checkpoint's optimizer state was written with another parallel.tp: resume with the "
                            "same parallel.tp")
     optimizer.load_state_dict(stored if tp is None else stored[tp.rank])
+    own_optimizer_state(optimizer)   # off the checkpoint file's mapping
 
 
 def unsharded_policy(policy):

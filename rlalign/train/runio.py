@@ -7,9 +7,18 @@ torn one; the temp files such a kill leaves behind are removed at the next start
 less the umask), not the 0600 of a temp file.
 
 A checkpoint is one ``torch.save`` file of plain data (tensors, dicts, lists, numbers, strings)
-plus its sha256 in ``latest.json``. Loading verifies the checksum and then unpickles with
-``weights_only=True``: a planted file whose pickle would import or call anything is refused
-without running it, even when its checksum matches.
+plus its sha256 in ``latest.json``. It streams to its temp file: torch.save writes each tensor from
+its own memory (a device tensor is copied to the host one at a time) and the sha256 is taken on the
+way, so a save needs no in-memory copy of the checkpoint. Loading verifies the checksum (reading the
+file in chunks) and then unpickles with ``weights_only=True``: a planted file whose pickle would
+import or call anything is refused without running it, even when its checksum matches. The loaded
+tensors are mapped from the file (mmap, copy-on-write), not read into memory: whoever keeps one past
+the load copies it into memory of its own (:func:`own_optimizer_state`), or the mapping would hold
+the file's disk space after the next save deletes it.
+
+Disk: a save writes the new checkpoint before deleting any the manifest still needs, so with
+``run.keep_checkpoints=1`` two checkpoints exist during a save (a kill mid-write leaves the old one
+whole); with ``keep >= 2`` the oldest ones go first and a save needs no more than ``keep`` files.
 
 ``metrics.jsonl`` is appended one line per record (flushed and fsynced). Only its last line can
 be torn (a kill or a full disk mid-write): readers drop an unparseable last line and report it;
@@ -19,14 +28,13 @@ an unparseable line elsewhere is a corrupt file and is named with its line numbe
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import os
 import pickle
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 
@@ -46,12 +54,18 @@ class MetricsCorrupt(RLAlignError):
 
 
 def atomic_write(path: Path, data: bytes) -> None:
+    atomic_write_with(path, lambda f: f.write(data))
+
+
+def atomic_write_with(path: Path, fill: Callable[[BinaryIO], Any]) -> Any:
+    """``fill(f)`` writes the file's bytes to ``f``; returns what ``fill`` returns. The file appears at
+    ``path`` whole (temp file, fsync, rename) or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), default_file_mode())   # mkstemp creates 0600
-            f.write(data)
+            result = fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -60,6 +74,7 @@ def atomic_write(path: Path, data: bytes) -> None:
             os.unlink(tmp)
         raise _naming(exc, path) from None
     _fsync_dir(path.parent)
+    return result
 
 
 def _naming(exc: BaseException, path: Path) -> BaseException:
@@ -87,27 +102,70 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = CHECKPOINT_KEEP) -> Path:
-    """Write ``checkpoints/step_{step:06d}.pt`` then point ``checkpoints/latest.json`` at it.
+    """Write ``checkpoints/step_{step:06d}.pt`` (streamed, see the module doc) then point
+    ``checkpoints/latest.json`` at it.
 
     ``latest.json`` lists the checkpoint files this run wrote (``history``, oldest first); only
-    those are ever deleted (all but the newest ``keep``), so files of another run are never touched.
+    those are ever deleted (all but the newest ``keep``; before the write, all but the newest
+    ``max(keep - 1, 1)``), so files of another run are never touched and the newest recorded
+    checkpoint is never deleted before its successor is recorded.
     """
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
     ckpt_dir = run_dir / "checkpoints"
     path = ckpt_dir / checkpoint_name(step)
-    atomic_write(path, data)
     previous = _read_manifest(ckpt_dir / "latest.json", missing_ok=True) or {}
-    # Files of this run still on disk, oldest first; the manifest lists them before the old ones are
+    # Files of this run still on disk, oldest first. The manifest lists them before the old ones are
     # deleted, so a kill between the two leaves them recorded and the next save deletes them.
-    history = [f for f in previous.get("history", []) if f != path.name and (ckpt_dir / f).exists()] + [path.name]
-    manifest = {"step": step, "file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                "history": history}
+    earlier = [f for f in previous.get("history", []) if f != path.name and (ckpt_dir / f).exists()]
+    _delete(ckpt_dir, earlier[:-max(keep - 1, 1)])   # not needed even if this save is killed
+    sha256, nbytes = atomic_write_with(path, lambda f: _stream_state(state, f))
+    history = [f for f in earlier if (ckpt_dir / f).exists()] + [path.name]
+    manifest = {"step": step, "file": path.name, "sha256": sha256, "bytes": nbytes, "history": history}
     atomic_write(ckpt_dir / "latest.json", json.dumps(manifest, indent=1).encode())
-    for old in history[:-keep]:
-        (ckpt_dir / old).unlink(missing_ok=True)
+    _delete(ckpt_dir, history[:-keep])
     return path
+
+
+def _delete(folder: Path, names: list[str]) -> None:
+    for name in names:
+        (folder / name).unlink(missing_ok=True)
+
+
+class _HashingSink:
+    """The file object torch.save writes a checkpoint to: each chunk goes to ``file`` and into the sha256.
+
+    torch.save hands over each tensor's bytes straight from its storage, so nothing the size of the
+    checkpoint is built. An OSError of ``file`` (a full disk) is kept and raised by :func:`_stream_state`
+    once torch.save returns: raised inside torch's C++ writer it would come out as an unrelated
+    RuntimeError (measured: "unexpected pos ...")."""
+
+    def __init__(self, file: BinaryIO):
+        self.file, self.sha256, self.nbytes, self.error = file, hashlib.sha256(), 0, None
+
+    def write(self, chunk) -> int:
+        view = memoryview(chunk)
+        if self.error is None:
+            try:
+                self.file.write(view)
+            except OSError as exc:
+                self.error = exc
+            self.sha256.update(view)
+        self.nbytes += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.file.flush()
+            except OSError as exc:
+                self.error = exc
+
+
+def _stream_state(state: dict[str, Any], file: BinaryIO) -> tuple[str, int]:
+    sink = _HashingSink(file)
+    torch.save(state, sink)
+    if sink.error is not None:
+        raise sink.error
+    return sink.sha256.hexdigest(), sink.nbytes
 
 
 def _read_manifest(manifest_path: Path, missing_ok: bool = False) -> "dict | None":
@@ -125,7 +183,8 @@ def _read_manifest(manifest_path: Path, missing_ok: bool = False) -> "dict | Non
 
 
 def load_latest_checkpoint(run_dir: Path) -> "dict[str, Any] | None":
-    """The state of the newest checkpoint, or None when the run has none; checksum and content checked."""
+    """The state of the newest checkpoint, or None when the run has none; checksum and content checked.
+    Its tensors are mapped from the file (see the module doc)."""
     manifest_path = Path(run_dir) / "checkpoints" / "latest.json"
     manifest = _read_manifest(manifest_path, missing_ok=True)
     if manifest is None:
@@ -134,27 +193,48 @@ def load_latest_checkpoint(run_dir: Path) -> "dict[str, Any] | None":
     if not path.exists():
         raise CheckpointCorrupt(f"{manifest_path} names {path.name}, which is missing; restore it, or start the run "
                                 "afresh with run.overwrite=true")
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+    if file_sha256(path) != manifest["sha256"]:
         raise CheckpointCorrupt(f"checkpoint {path} is corrupt (sha256 mismatch); restore it, or start the run "
                                 "afresh with run.overwrite=true")
-    return load_state(data, path)
+    return load_state(path)
 
 
-def load_state(data: bytes, where: Path) -> dict[str, Any]:
-    """Unpickle a checkpoint with ``weights_only=True``: plain data only, no code runs."""
+def file_sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    """sha256 of a file read in chunks of ``chunk_bytes`` (one buffer, reused)."""
+    digest, buf = hashlib.sha256(), bytearray(chunk_bytes)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """Unpickle a checkpoint file with ``weights_only=True`` (plain data only, no code runs), its tensors
+    mapped from the file (copy-on-write: writing one changes memory, never the file)."""
     try:
-        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        state = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
     except pickle.UnpicklingError as exc:
         first = " ".join(str(exc).split())[:200]
-        raise CheckpointCorrupt(f"checkpoint {where} holds objects other than tensors and plain data, refused without "
+        raise CheckpointCorrupt(f"checkpoint {path} holds objects other than tensors and plain data, refused without "
                                 f"loading them (it may have been planted to run code): {first}") from None
     except (RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointCorrupt(f"checkpoint {where} is not a readable checkpoint ({exc.__class__.__name__}); "
+        raise CheckpointCorrupt(f"checkpoint {path} is not a readable checkpoint ({exc.__class__.__name__}); "
                                 "restore it, or start the run afresh with run.overwrite=true") from None
     if not isinstance(state, dict) or "step" not in state:
-        raise CheckpointCorrupt(f"checkpoint {where} does not hold a training state")
+        raise CheckpointCorrupt(f"checkpoint {path} does not hold a training state")
     return state
+
+
+@torch.no_grad()
+def own_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every host tensor of ``optimizer.state`` memory of its own, one tensor at a time, after
+    ``optimizer.load_state_dict`` of a loaded checkpoint: torch keeps a loaded tensor that already has
+    its parameter's dtype and device, i.e. the file mapping of :func:`load_state`."""
+    for per_param in optimizer.state.values():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                per_param[key] = value.clone()
 
 
 # ---- metrics.jsonl ----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """CUDA: optim.offload (fp32 masters + AdamW state in host memory, stepped by the CPU) against the same
 masters and state on the GPU (stepped by CUDA kernels), same gradients, 20 AdamW steps (foreach=False,
-as rlalign.train.loop builds it).
+as rlalign.train.loop builds it, through MasterWeights.step as the trainer calls it).
 
 Measured on the H200 (2026-12-01, torch 2.11): the two do NOT give the same bits (a bitwise version of
 this test failed; torch's CPU and CUDA elementwise kernels contract lerp/addcmul differently). What holds,
@@ -29,9 +29,7 @@ def _trajectory(offload: bool, steps: int = 20):
     opt = torch.optim.AdamW(mw.optim_params(), lr=1e-4, betas=(0.9, 0.99), weight_decay=0.01, foreach=False)
     for grad in grads:
         layer.weight.grad = grad.to(device="cuda", dtype=torch.bfloat16)
-        mw.grads_to_master()
-        opt.step()
-        mw.master_to_model()
+        mw.step(opt)   # the trainer's per-parameter step
     return mw.masters[0].detach().cpu(), layer.weight.detach().cpu()
 
 

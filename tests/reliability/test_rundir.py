@@ -1,5 +1,6 @@
 """The run directory's lifecycle (rlalign.train.rundir) and its files (rlalign.train.runio), without training."""
 
+import errno
 import json
 import os
 import subprocess
@@ -112,6 +113,55 @@ def test_files_keep_the_umask(tmp_path):
     assert model_dir.stat().st_mode & 0o777 == 0o750
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in model_dir.iterdir()}
     assert set(modes.values()) == {"0o640"}, modes
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_a_save_needs_at_most_max_keep_2_checkpoint_files(tmp_path, monkeypatch, keep):
+    """keep >= 2: the oldest file goes before the write (the newest recorded one stays); keep = 1: the old
+    file stays until the new one is recorded (a kill mid-write must leave a checkpoint)."""
+    from rlalign.train import runio
+    real, during = runio._stream_state, []
+
+    def counting(state, file):
+        during.append(sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt")))
+        return real(state, file)
+
+    monkeypatch.setattr(runio, "_stream_state", counting)
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, _state(step), keep=keep)
+    assert max(len(names) + 1 for names in during) == max(keep, 2)
+    assert all(f"step_{step - 1:06d}.pt" in names for step, names in enumerate(during[1:], start=2))
+    assert len(list((tmp_path / "checkpoints").glob("step_*.pt"))) == keep
+    assert load_latest_checkpoint(tmp_path)["step"] == 5
+
+
+def test_disk_full_inside_the_streamed_save_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
+    """torch.save's C++ writer would turn the file's OSError into an unrelated RuntimeError: the sink keeps
+    it and raises it after; the temp file is removed and the previous checkpoint still loads."""
+    from rlalign.train import runio
+    save_checkpoint(tmp_path, 1, _state(1), keep=1)
+    real_stream = runio._stream_state
+    monkeypatch.setattr(runio, "_stream_state", lambda state, file: real_stream(state, _Failing(file)))
+    with pytest.raises(OSError, match=r"No space left on device: .*step_000002\.pt"):
+        save_checkpoint(tmp_path, 2, {**_state(2), "model": {"w": torch.zeros(1 << 16)}}, keep=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest.json", "step_000001.pt"]
+    assert load_latest_checkpoint(tmp_path)["step"] == 1
+
+
+class _Failing:
+    """A file whose writes fail with ENOSPC after the first 4 KiB (a disk that fills mid-checkpoint)."""
+
+    def __init__(self, file):
+        self.file, self.written = file, 0
+
+    def write(self, data):
+        self.written += memoryview(data).nbytes
+        if self.written > 4096:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(data)
+
+    def flush(self):
+        self.file.flush()
 
 
 # ---- checkpoints: no code from disk ------------------------------------------------------------------

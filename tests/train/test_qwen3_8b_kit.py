@@ -91,24 +91,36 @@ def test_budget_arithmetic_for_the_8b_config():
     layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
     assert p == 36 * layer + 2 * 151936 * 4096 + 4096
     assert rows["policy weights"].nbytes == rows["policy gradients"].nbytes == 2 * p
-    for name, per_param in (("fp32 master weights", 4), ("AdamW m, v (fp32)", 8), ("fp32 master gradients", 4)):
+    for name, per_param in (("fp32 master weights", 4), ("AdamW m, v (fp32)", 8)):
         assert rows[name].nbytes == per_param * p and rows[name].place == "host"
+    assert "fp32 master gradients" not in rows   # one widened gradient at a time (MasterWeights.step)
+    largest = 151936 * 4096   # the embedding (and the untied LM head)
+    assert max(budget.parameter_sizes(m)) == largest
+    assert rows["optimizer step working set"].nbytes == 12 * largest and rows["optimizer step working set"].place == "host"
     assert rows["KV cache (rollout)"].nbytes == 4 * 2**30
     assert budget.kv_bytes_per_token(m, 2) == 2 * 36 * 8 * 128 * 2
     per_token = 36 * 2 * 4096 * 2 + budget._layer_bytes_per_token(m, 2)
     assert rows["training activations"].nbytes == 8192 * per_token
-    ckpt = 14 * p
-    assert rows["checkpoint serialised at a save"].nbytes == ckpt and rows["checkpoint files"].nbytes == 2 * ckpt
+    ckpt = 12 * p   # masters + m + v; the bf16 weights are derived from the masters on load
+    assert rows["checkpoint save, host copy"].nbytes == 0 and rows["checkpoint files"].nbytes == 2 * ckpt
+    totals = budget.totals(list(rows.values()))
+    assert totals["host"] == 12 * p + 12 * largest < 100 * 2**30   # 98.5 GiB: fits a 128 GiB host
     assert "reference model" not in rows and "value model" not in rows
 
 
 def test_budget_follows_the_switches():
     on_device, _ = _budget(["optim.offload=false"])
-    assert on_device["AdamW m, v (fp32)"].place == "device"
-    no_master, m = _budget(["optim.master_weights=false", "optim.offload=false", "algo.kl_coef=0.01"])
+    assert on_device["AdamW m, v (fp32)"].place == on_device["optimizer step working set"].place == "device"
+    largest = 151936 * 4096
+    assert on_device["checkpoint save, host copy"].nbytes == 4 * largest   # one fp32 master copied at a time
+    no_master, m = _budget(["optim.master_weights=false", "optim.offload=false", "algo.kl_coef=0.01",
+                            "run.keep_checkpoints=3"])
     p = budget.parameter_count(m)
     assert "fp32 master weights" not in no_master and no_master["AdamW m, v"].nbytes == 4 * p
     assert no_master["reference model"].nbytes == 2 * p
+    # weights + bf16 m, v; keep=3: the oldest is deleted before the save, so 3 files at most
+    assert no_master["checkpoint files"].nbytes == 3 * 6 * p
+    assert no_master["checkpoint save, host copy"].nbytes == 2 * largest
     no_ckpt, _ = _budget(["optim.activation_checkpointing=false"])
     assert no_ckpt["training activations"].nbytes == 8192 * 36 * budget._layer_bytes_per_token(m, 2)
     text = budget.format_budget(list(no_ckpt.values()))
