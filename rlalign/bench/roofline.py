@@ -23,7 +23,8 @@ import dataclasses
 import torch
 
 from rlalign.models.config import ModelConfig
-from rlalign.models.decoder import CausalLM
+from rlalign.models.sizes import embedding_size, parameter_sizes
+from rlalign.models.sizes import kv_bytes_per_token as sizes_kv_bytes_per_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +39,13 @@ class StepBytes:
 
 
 def parameter_counts(config: ModelConfig) -> tuple[int, int]:
-    """(all parameters, input embedding table) element counts, from the model built on the meta device
-    (the decoder's own modules: nothing here restates its shapes)."""
-    model = CausalLM(config, dtype=torch.float32, device="meta")
-    total = sum(p.numel() for p in model.parameters())
-    return total, model.model.embed_tokens.weight.numel()
+    """(all parameters, input embedding table) element counts (rlalign.models.sizes)."""
+    return sum(parameter_sizes(config)), embedding_size(config)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies in the cache, over all layers."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * elem
+    """Bytes of K and V one token occupies in the cache, over all layers, for values of ``dtype``."""
+    return sizes_kv_bytes_per_token(config, torch.empty((), dtype=dtype).element_size())
 
 
 def decode_step_bytes(config: ModelConfig, dtype: torch.dtype, rows: int, context_tokens: int,

@@ -36,6 +36,7 @@ from rlalign.contract.profiles import use_profile
 from rlalign.models.batch import ForwardBatch, KVCache
 from rlalign.models.generate import prompt_key
 from rlalign.models.moe import record_routing, sparse_layer_indices
+from rlalign.models.sizes import kv_bytes_per_token
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.block_manager import BlockManager, pages_for
 from rlalign.rollout.config import DEFAULT_CPU_KV_CACHE_BYTES, RolloutConfig, SamplingParams
@@ -134,9 +135,8 @@ class RolloutEngine:
 
     @property
     def bytes_per_page(self) -> int:
-        mc = self.model.config
         elem = torch.empty((), dtype=self.model.dtype).element_size()
-        return 2 * mc.num_layers * self.page_size * mc.num_kv_heads * mc.head_dim * elem
+        return self.page_size * kv_bytes_per_token(self.model.config, elem)
 
     def _num_pages(self) -> int:
         """config.num_pages, else the byte budget (kv_cache_bytes; default 1 GiB on the CPU,

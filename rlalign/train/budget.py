@@ -47,7 +47,7 @@ import torch
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 from rlalign.models.config import ModelConfig
-from rlalign.models.decoder import CausalLM
+from rlalign.models.sizes import kv_bytes_per_token, parameter_sizes
 from rlalign.train.runconfig import resolve_train_config
 
 PROMPT_TOKENS_ESTIMATE = 64   # KV sizing when rollout.kv_cache_bytes is unset (arithmetic prompts are ~10 tokens)
@@ -60,12 +60,6 @@ class BudgetRow:
     place: str        # "device" | "host" | "disk" (the model's device is "device" also when it is the CPU)
     nbytes: int
     note: str = ""
-
-
-def parameter_sizes(model_config: ModelConfig) -> list[int]:
-    """Exact: the element count of every parameter of the decoder built on the meta device (no memory),
-    each counted once."""
-    return [p.numel() for p in CausalLM(model_config, dtype=torch.float32, device="meta").parameters()]
 
 
 def parameter_count(model_config: ModelConfig) -> int:
@@ -87,10 +81,6 @@ def activation_bytes_per_token(m: ModelConfig, b: int, checkpointing: bool) -> i
     if checkpointing:
         return m.num_layers * 2 * m.hidden_size * b + layer
     return m.num_layers * layer
-
-
-def kv_bytes_per_token(m: ModelConfig, b: int) -> int:
-    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * b
 
 
 def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:

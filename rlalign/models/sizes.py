@@ -1,0 +1,32 @@
+"""Size facts of a decoder, from its config: the one place that counts parameters and K/V bytes.
+
+Parameters are counted on the model built on the meta device (no memory), so nothing here restates
+the decoder's shapes; the K/V cache holds one K and one V row of ``num_kv_heads * head_dim`` per layer
+per token. Used by the rollout engine (KV-cache pages), the training memory budget
+(rlalign.train.budget) and the rollout roofline (rlalign.bench.roofline).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlalign.models.config import ModelConfig
+from rlalign.models.decoder import CausalLM
+
+
+def parameter_sizes(config: ModelConfig) -> list[int]:
+    """The element count of every parameter (each counted once: a tied head is the embedding)."""
+    return [p.numel() for p in CausalLM(config, dtype=torch.float32, device="meta").parameters()]
+
+
+def embedding_size(config: ModelConfig) -> int:
+    """Elements of the input embedding table."""
+    return config.vocab_size * config.hidden_size
+
+
+def kv_bytes_per_token(config: ModelConfig, element_size: int) -> int:
+    """Bytes of K and V one token occupies in the cache, over all layers (``element_size``: bytes per value)."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
+
+
+__all__ = ["parameter_sizes", "embedding_size", "kv_bytes_per_token"]
