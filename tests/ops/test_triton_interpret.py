@@ -278,6 +278,14 @@ def _check_grouped():
                 return "an idle expert's weight gradient is not zero"
         elif out.shape != (0, n):
             return f"empty input gave {tuple(out.shape)}"
+    # experts whose weights do not share one layout are refused by name (strict fails closed)
+    from rlalign.contract.errors import ContractError
+    try:
+        G.grouped_rows(torch.randn(3, 64), torch.tensor([0, 1, 3]), [torch.randn(8, 64), torch.randn(64, 8).t()])
+        return "mixed expert weight layouts were not refused"
+    except ContractError as exc:
+        if "moe_experts" not in str(exc):
+            return f"refusal does not name the op: {exc}"
     return worst
 
 

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.contract.errors import fail
 from rlalign.ops.triton_backend._common import BLOCK_K, aligned, descriptor, is_interpreter, mma, split_for, tma_ok
 from rlalign.ops.triton_backend.gemm import load_a_tile, load_b_tile, merge_segment, reduce_segment, tile_coords
 
@@ -206,8 +207,8 @@ def _weight_table(weights, k: int) -> torch.Tensor:
     if cached is not None and cached[0] == key:
         return cached[1]
     if w0.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("grouped GEMM: expert weight table first built inside a CUDA graph capture "
-                           "(run the forward once before capturing)")
+        raise fail("moe_experts", "the expert weight table would be first built inside a CUDA graph capture "
+                                  "(run the forward once before capturing)")
     _check_weights(weights, k)
     size = w0.element_size()
     table = torch.tensor([(p - key[1][0]) // size for p in key[1]], dtype=torch.int64, device=w0.device)
@@ -220,8 +221,9 @@ def _check_weights(weights, k: int) -> None:
     for w in weights:
         if w.dim() != 2 or w.shape != w0.shape or w.stride() != w0.stride() or w.dtype != w0.dtype \
                 or w.stride(1) != 1 or w.data_ptr() % 16:
-            raise ValueError("grouped GEMM: expert weights must share one shape, dtype and row-major strides "
-                             f"(got {tuple(w.shape)}/{w.stride()} and {tuple(w0.shape)}/{w0.stride()})")
+            raise fail("moe_experts", "expert weights must share one shape, dtype and row-major strides, "
+                                      "16-byte aligned (.contiguous() each expert's weight) "
+                                      f"(got {tuple(w.shape)}/{w.stride()} and {tuple(w0.shape)}/{w0.stride()})")
 
 
 def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w: bool = True,
