@@ -164,6 +164,62 @@ def kernel_cases(tokens: int) -> list[dict]:
     return out
 
 
+REDUCE_SWEEP = ((64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3),
+                (128, 64, 4, 4), (128, 128, 4, 3))
+
+
+def vendor_time(layouts, offs, row) -> float | None:
+    """torch._grouped_mm's time on the first operand layout it accepts (layouts prepared outside the timing)."""
+    errors = []
+    for a, b in layouts:
+        try:
+            return timed(lambda: torch._grouped_mm(a, b, offs=offs))
+        except Exception as exc:
+            errors.append(repr(exc)[:120])
+    row["grouped_mm_error"] = " | ".join(errors)
+    return None
+
+
+def backward_cases(tokens: int, sweep: bool) -> list[dict]:
+    """The backward's kernels alone (dX: grouped rows against W_e untransposed; dW: the grouped reduction)
+    vs torch._grouped_mm on the same sorted rows; with ``sweep``, every dW tile shape."""
+    from rlalign.ops.triton_backend import grouped as G
+    gate, up, down = make_layer()
+    flat = routing(tokens).reshape(-1)
+    e_of_row = torch.sort(flat, stable=True).values
+    offsets = G.expert_offsets(e_of_row, EXPERTS)
+    offs32 = offsets[1:].to(torch.int32)
+    rows_n = flat.numel()
+    out = []
+    for name, ws in (("gate", gate), ("down", down)):
+        n, k = ws[0].shape                      # forward: [R, K] -> [R, N]
+        g = (torch.randn(rows_n, n, device="cuda") * 0.5).to(torch.bfloat16)
+        x = (torch.randn(rows_n, k, device="cuda") * 0.5).to(torch.bfloat16)
+        stacked = torch.stack(ws)                # [E, N, K]: dX = G @ W_e
+        t = timed(lambda: G.grouped_rows(g, offsets, ws, transpose_w=False))
+        row = {"kind": "dX", "tokens": tokens, "proj": name, "strict_ms": round(t, 4)}
+        tg = vendor_time([(g, stacked), (g, stacked.transpose(1, 2).contiguous().transpose(1, 2))], offs32, row)
+        if tg:
+            row.update(grouped_mm_ms=round(tg, 4), ratio=round(tg / t, 3))
+        out.append(row)
+        configs = [None] + ([G.GroupedConfig(*c) for c in REDUCE_SWEEP] if sweep else [])
+        for cfg in configs:
+            label = "default" if cfg is None else f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
+            try:
+                t = timed(lambda: G.grouped_weight_grad(g, x, offsets, EXPERTS, torch.bfloat16, config=cfg))
+                row = {"kind": "dW", "tokens": tokens, "proj": name, "config": label, "strict_ms": round(t, 4),
+                       "strict_tflops": round(2.0 * rows_n * n * k / t / 1e9, 1)}
+            except Exception as exc:
+                row = {"kind": "dW", "tokens": tokens, "proj": name, "config": label, "error": repr(exc)[:200]}
+            if cfg is None and "strict_ms" in row:   # dW_e = G_e^T X_e: the grouped dimension is the reduction
+                gt, xt = g.t().contiguous(), x.t().contiguous().t()
+                tg = vendor_time([(gt, x), (gt, xt), (g.t(), x), (g.t(), xt)], offs32, row)
+                if tg:
+                    row.update(grouped_mm_ms=round(tg, 4), ratio=round(tg / row["strict_ms"], 3))
+            out.append(row)
+    return out
+
+
 SWEEP = {1: ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4),
              (64, 64, 4, 5)),
          4: ((128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 128, 8, 3, True), (128, 64, 8, 4, True),
@@ -209,7 +265,8 @@ def main() -> int:
     t0, rows = time.time(), []
     for tokens in (int(t) for t in args.tokens.split(",")):
         for fn in [lambda: [ffn_case(tokens, False)], lambda: kernel_cases(tokens)] + \
-                  ([lambda: [ffn_case(tokens, True)]] if args.backward else []) + \
+                  ([lambda: [ffn_case(tokens, True)], lambda: backward_cases(tokens, args.sweep)]
+                   if args.backward else []) + \
                   ([lambda: sweep_cases(tokens)] if args.sweep else []):
             try:
                 new = fn()

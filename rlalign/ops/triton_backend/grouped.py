@@ -275,14 +275,15 @@ def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w
 
 
 def grouped_weight_grad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, n_experts: int,
-                        out_dtype: torch.dtype) -> torch.Tensor:
-    """G_W [E, N, K] with G_W[e] = G[rows_e]^T @ X[rows_e] (g [R, N], x [R, K]); 0 for an idle expert."""
+                        out_dtype: torch.dtype, config: GroupedConfig | None = None) -> torch.Tensor:
+    """G_W [E, N, K] with G_W[e] = G[rows_e]^T @ X[rows_e] (g [R, N], x [R, K]); 0 for an idle expert.
+    ``config`` overrides the tile ([N, K] tiles; benchmarks: every tile gives the same bits)."""
     g, x = aligned(g), aligned(x)
     n, k = g.shape[1], x.shape[1]
     out = torch.empty((n_experts, n, k), dtype=out_dtype, device=g.device)
     if out.numel() == 0:
         return out
-    cfg = _FP32 if g.dtype == torch.float32 else _REDUCE
+    cfg = config or (_FP32 if g.dtype == torch.float32 else _REDUCE)
     tiles_n, tiles_k = triton.cdiv(n, cfg.block_m), triton.cdiv(k, cfg.block_n)
     grouped_reduce_kernel[(n_experts * tiles_n * tiles_k,)](
         g, x, out, offsets, n, k, tiles_n, tiles_k,
