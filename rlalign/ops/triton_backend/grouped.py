@@ -55,7 +55,7 @@ class GroupedConfig:
 _ROWS_SMALL = GroupedConfig(64, 64, 4, 5)
 _ROWS_LARGE = GroupedConfig(128, 128, 8, 3)
 _ROWS_SEG = GroupedConfig(64, 64, 4, 4)
-_REDUCE = GroupedConfig(64, 128, 4, 4)           # dW: tiles of [N, K]
+_REDUCE = GroupedConfig(128, 256, 8, 3)          # dW: tiles of [N, K] (fewest re-reads of G_e and X_e)
 _FP32 = GroupedConfig(64, 64, 4, 3)              # fp32 operands (bf16x3 split in registers)
 
 
