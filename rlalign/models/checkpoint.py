@@ -24,6 +24,7 @@ import torch
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import CausalLM
+from rlalign.models.layout import checkpoint_tensors
 from rlalign.models.tokenizer import Tokenizer, load_tokenizer
 
 SINGLE_FILE = "model.safetensors"
@@ -68,7 +69,7 @@ def load_model(directory: str | os.PathLike, dtype: str | torch.dtype | None = N
     config's ``torch_dtype``; tensors are cast to it exactly as ``Tensor.to`` does."""
     config = load_model_config(directory)
     model = CausalLM(config, dtype=resolve_dtype(dtype or config.dtype), device=device)
-    expected = dict(model.named_parameters())
+    expected = dict(checkpoint_tensors(model))     # checkpoint name -> its place in the model (a view)
     seen: set[str] = set()
     files = _tensor_files(Path(directory))
     for file, names in files.items():
@@ -227,7 +228,7 @@ def _write_config(model: CausalLM, out: Path) -> None:
 def _write_tensors(model: CausalLM, out: Path, max_shard_bytes: int | None) -> None:
     from safetensors.torch import save_file
 
-    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in checkpoint_tensors(model)}
     shards = _split_shards(tensors, max_shard_bytes)
     meta = {"format": "pt"}
     if len(shards) == 1:
@@ -266,11 +267,12 @@ def _replace_dir(tmp: Path, target: Path) -> None:
 
 
 def weights_hash(model) -> str:
-    """sha256 (hex) over every parameter, in name order: name, dtype, shape, then raw bytes. ``model``: anything
-    with ``named_parameters()``, or (checkpoint name, tensor) pairs (an engine whose runtime layout differs
-    from the checkpoint's hands its tensors under the checkpoint's names, so equal weights hash equal)."""
+    """sha256 (hex) over every checkpoint tensor, in name order: name, dtype, shape, then raw bytes. ``model``:
+    a module (its tensors under the checkpoint's names and shapes: rlalign.models.layout, e.g. stacked experts
+    per expert), or (checkpoint name, tensor) pairs (an engine whose runtime layout differs from the
+    checkpoint's hands its tensors under the checkpoint's names), so equal weights hash equal."""
     h = hashlib.sha256()
-    pairs = model.named_parameters() if hasattr(model, "named_parameters") else model
+    pairs = checkpoint_tensors(model) if isinstance(model, torch.nn.Module) else model
     for name, p in sorted(pairs, key=lambda kv: kv[0]):
         t = p.detach().to("cpu").contiguous()
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}\n".encode())

@@ -27,6 +27,7 @@ from rlalign.models.blocks import (Attend, attention_block, batch_attend, decode
 from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import build_ffn
 from rlalign.models import moe as _moe  # noqa: F401  (registers the "moe" FFN kind)
+from rlalign.models.layout import checkpoint_tensors
 from rlalign.models.modules import Embedding, Linear, RMSNorm
 from rlalign.models.taps import EMBED, note_batch, tap
 
@@ -169,9 +170,10 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def init_random_(self, seed: int = 0, std: float = 0.02, norm_jitter: float = 0.0) -> "CausalLM":
         """Deterministic random init (CPU generator, then cast): matrices ~ N(0, std), biases ~ N(0, std),
-        norm weights 1 + N(0, norm_jitter)."""
+        norm weights 1 + N(0, norm_jitter). One draw per checkpoint tensor in checkpoint order (stacked experts:
+        per expert, rlalign.models.layout), so a seed gives the same weights whatever the storage layout."""
         gen = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
+        for name, p in checkpoint_tensors(self):
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):
                 value = 1.0 + norm_jitter * noise

@@ -10,8 +10,10 @@ Per token x (rows [T, hidden]; the exact arithmetic of each step is the contract
 Which layers are sparse (Qwen3-MoE's rule): layer i is sparse when i is not in ``mlp_only_layers`` and
 ``(i + 1) % decoder_sparse_step == 0``; the others are the dense FFN of ``intermediate_size``.
 
-Weights keep the checkpoint's names: ``mlp.gate.weight`` [E, hidden] and
-``mlp.experts.{e}.{gate,up,down}_proj.weight``; the block core :func:`sparse_moe_block` takes the experts'
+Weights: the router ``mlp.gate.weight`` [E, hidden] and the experts stacked, one parameter per projection
+(``mlp.experts.gate_proj`` / ``up_proj`` [E, I, hidden], ``mlp.experts.down_proj`` [E, hidden, I]:
+:class:`StackedExperts`); checkpoints keep Hugging Face's per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``
+(rlalign.models.layout maps them). The block core :func:`sparse_moe_block` takes the experts'
 FFNs as a callable, so the transformers patch passes :func:`stacked_expert_ffns` over views of Hugging Face's
 stacked expert tensors, and tensor parallelism (the ``EXPERTS`` plan of :class:`SparseMoE`) its sharded experts.
 """
@@ -128,30 +130,51 @@ def stacked_expert_ffns(gate_w: Sequence[torch.Tensor], up_w: Sequence[torch.Ten
 
 # ---- modules --------------------------------------------------------------------------------------------------
 
-class Expert(nn.Module):
-    """One expert's SwiGLU FFN weights (names as in the checkpoint)."""
+class StackedExperts(nn.Module):
+    """The E experts' SwiGLU FFN weights of a sparse layer, one parameter per projection: ``gate_proj`` and
+    ``up_proj`` [E, I, H], ``down_proj`` [E, H, I] (expert e's nn.Linear weight is ``w[e]``, a view), so
+    autograd and the optimizer see 3 tensors per layer, not 3 x E. Called as ``experts(x, experts_idx)``
+    -> y [T, k, hidden] (:func:`stacked_expert_ffns`; down_proj on the canonical K partition
+    ``down_segments`` = spec.MOE_K_SEGMENTS, the partition tensor parallelism shards).
 
-    def __init__(self, hidden: int, inter: int, dtype, device):
+    Gate and up stay two tensors (not Hugging Face's fused ``gate_up_proj`` [E, 2I, H]): the strict
+    arithmetic runs them as two GEMMs anyway, the checkpoint holds them apart, and tensor parallelism
+    shards each along I as one contiguous slice (a fused tensor's rank slice would be two pieces).
+
+    The checkpoint keeps one tensor per expert and projection (``experts.{e}.gate_proj.weight`` ...):
+    :meth:`checkpoint_entries` maps them (rlalign.models.layout)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype, device):
         super().__init__()
-        self.gate_proj = Linear(hidden, inter, False, dtype, device)
-        self.up_proj = Linear(hidden, inter, False, dtype, device)
-        self.down_proj = Linear(inter, hidden, False, dtype, device, k_segments=spec.MOE_K_SEGMENTS)
+        self.gate_proj = nn.Parameter(torch.empty((num_experts, inter, hidden), dtype=dtype, device=device))
+        self.up_proj = nn.Parameter(torch.empty((num_experts, inter, hidden), dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty((num_experts, hidden, inter), dtype=dtype, device=device))
+        self.down_segments = spec.MOE_K_SEGMENTS
 
-    def tp_plan(self) -> dict[str, sharding.ShardSpec]:
-        return {"gate_proj": sharding.COLUMN, "up_proj": sharding.COLUMN, "down_proj": sharding.ROW}
+    @property
+    def num_experts(self) -> int:
+        return self.gate_proj.shape[0]
 
-
-class ExpertList(nn.ModuleList):
-    """The E experts of a sparse layer (``experts.{e}``, the checkpoint's names); called as
-    ``experts(x, experts_idx)`` -> y [T, k, hidden] (:func:`stacked_expert_ffns` over the experts' weights)."""
+    @property
+    def inter(self) -> int:
+        """moe_intermediate_size (under tensor parallelism: the full size, not the rank's shard)."""
+        return self.down_proj.shape[2]
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        return stacked_expert_ffns([e.gate_proj.weight for e in self], [e.up_proj.weight for e in self],
-                                   [e.down_proj.weight for e in self])(x, experts)
+        return stacked_expert_ffns(self.gate_proj, self.up_proj, self.down_proj)(x, experts)
+
+    def checkpoint_entries(self) -> list[tuple[str, str, int]]:
+        return expert_checkpoint_entries(self.num_experts)
+
+
+def expert_checkpoint_entries(num_experts: int) -> list[tuple[str, str, int]]:
+    """(checkpoint suffix, parameter, expert) of stacked experts, in the checkpoint's per-expert order."""
+    return [(f"{e}.{proj}.weight", proj, e) for e in range(num_experts)
+            for proj in ("gate_proj", "up_proj", "down_proj")]
 
 
 class SparseMoE(nn.Module):
-    """Router ``gate`` [E, hidden] and ``experts`` (an :class:`ExpertList`); forward = :func:`sparse_moe_block`."""
+    """Router ``gate`` [E, hidden] and ``experts`` (:class:`StackedExperts`); forward = :func:`sparse_moe_block`."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int, dtype, device):
         super().__init__()
@@ -159,16 +182,16 @@ class SparseMoE(nn.Module):
         self.layer_index = layer_index
         self.top_k, self.normalize = int(opts["num_experts_per_tok"]), bool(opts["norm_topk_prob"])
         self.gate = Linear(cfg.hidden_size, opts["num_experts"], False, dtype, device)
-        self.experts = ExpertList(Expert(cfg.hidden_size, opts["moe_intermediate_size"], dtype, device)
-                                  for _ in range(opts["num_experts"]))
+        self.experts = StackedExperts(opts["num_experts"], cfg.hidden_size, opts["moe_intermediate_size"], dtype,
+                                      device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sparse_moe_block(x, self.gate.weight, self.experts, top_k=self.top_k, normalize=self.normalize,
                                 layer=self.layer_index)
 
     def tp_plan(self) -> dict[str, sharding.ShardSpec]:
-        # the router is replicated; each Expert declares its own COLUMN/ROW plan (like the dense FFN) and
-        # the EXPERTS spec runs the sharded experts together (one cross-rank merge per projection)
+        # the router is replicated; the EXPERTS spec shards the stacked experts like the dense FFN (gate/up
+        # along I as COLUMN, down along I as ROW) and runs them together (one cross-rank merge per projection)
         return {"experts": sharding.EXPERTS}
 
 
@@ -181,5 +204,5 @@ def build_moe_layer_ffn(cfg: ModelConfig, layer_index: int, dtype, device) -> nn
 
 
 __all__ = ["is_sparse_layer", "sparse_layer_indices", "sparse_moe_block", "stacked_expert_ffns", "ExpertFFNs",
-           "SparseMoE", "ExpertList", "Expert", "record_routing", "RoutingRecord"]
+           "SparseMoE", "StackedExperts", "expert_checkpoint_entries", "record_routing", "RoutingRecord"]
 

@@ -31,9 +31,9 @@ def upcycle(dense, num_experts: int, top_k: int, *, seed: int = 0, router_std: f
             mlp = dense.model.layers[i].mlp
             layer.mlp.gate.weight.copy_((torch.randn(layer.mlp.gate.weight.shape, generator=gen) * router_std)
                                         .to(moe.dtype))
-            for expert in layer.mlp.experts:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    getattr(expert, proj).weight.copy_(getattr(mlp, proj).weight)
+            for proj in ("gate_proj", "up_proj", "down_proj"):   # every expert [e] a copy of the dense weight
+                stacked = getattr(layer.mlp.experts, proj)
+                stacked.copy_(getattr(mlp, proj).weight.expand_as(stacked))
     return moe.eval()
 
 

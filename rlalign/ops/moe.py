@@ -67,8 +67,12 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.T
                 down_w: Sequence[torch.Tensor], *, down_segments: int | None = None, profile=None) -> torch.Tensor:
     """Each token's k experts applied to it: y [T, k, H] (x's dtype), y[t, j] = FFN_{experts[t, j]}(x[t]).
 
-    x [T, H]; experts [T, k] int64; gate_w, up_w: E matrices [I, H]; down_w: E matrices [H, I] (a stacked
-    [E, ...] tensor or a list of per-expert weights: only ``w[e]`` is used, never a copy of all experts). FFN_e(v) = down_e(silu(gate_e(v)) * up_e(v)), each projection the strict linear (down
+    x [T, H]; experts [T, k] int64; gate_w, up_w: E matrices [I, H]; down_w: E matrices [H, I], each either
+    a stacked [E, ...] tensor (the model's layout; strided views such as a slice of Hugging Face's fused
+    ``gate_up_proj`` included) or a list of per-expert weights. A stacked tensor is ONE autograd input with
+    one gradient [E, ...] (zeros for an expert no row chose); a list gives one gradient per used expert.
+    Only ``w[e]`` is read, never a copy of all experts. FFN_e(v) = down_e(silu(gate_e(v)) * up_e(v)), each
+    projection the strict linear (down
     with the canonical K partition ``down_segments``, as the dense FFN's down_proj, so tensor-parallel
     shards of I agree). The (token, slot) rows are grouped by expert with a stable sort and the backend's
     ``moe_expert_ffn`` runs each group through the strict linear's arithmetic (torch: one call per
@@ -107,17 +111,73 @@ def expert_ffn_loop(rows: torch.Tensor, expert_of_row: torch.Tensor, gate_w, up_
     """The experts' FFNs of rows sorted by expert (``expert_of_row`` non-decreasing): one strict linear per
     projection per expert that has rows (the torch backend; the triton backend runs the same arithmetic
     as grouped GEMMs, one launch per projection: rlalign.ops.triton_backend.moe). Reads the expert counts
-    on the host (one sync)."""
+    on the host (one sync). Stacked [E, ...] weights that need a gradient enter autograd as one input each
+    (:class:`_StackedExpertLoop`); per-expert lists as E inputs each."""
     counts = torch.bincount(expert_of_row, minlength=len(gate_w)).tolist()
+    weights = (gate_w, up_w, down_w)
+    if (all(isinstance(w, torch.Tensor) for w in weights) and torch.is_grad_enabled() and rows.shape[0]
+            and any(t.requires_grad for t in (rows, *weights))):
+        return _StackedExpertLoop.apply(rows, gate_w, up_w, down_w, counts, down_segments, profile)
+    return _loop(rows, counts, lambda proj, e: weights[proj][e], down_segments, profile)
+
+
+def _loop(rows, counts, weight_of, down_segments, profile) -> torch.Tensor:
+    """down_e(silu(gate_e(r)) * up_e(r)) of each expert's rows; ``weight_of(p, e)``: projection p's
+    (0 gate, 1 up, 2 down) weight of expert e."""
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         xe = rows[start:start + n]
-        act = silu_mul(linear(xe, gate_w[e], profile=profile), linear(xe, up_w[e], profile=profile), profile=profile)
-        outs.append(linear(act, down_w[e], k_segments=down_segments, profile=profile))
+        act = silu_mul(linear(xe, weight_of(0, e), profile=profile), linear(xe, weight_of(1, e), profile=profile),
+                       profile=profile)
+        outs.append(linear(act, weight_of(2, e), k_segments=down_segments, profile=profile))
         start += n
     return torch.cat(outs) if outs else rows.new_zeros((0, rows.shape[1]))
+
+
+class _StackedExpertLoop(torch.autograd.Function):
+    """:func:`_loop` over stacked weights [E, N, K] as ONE autograd node, with ONE gradient per stacked tensor
+    (not E views' gradients each summed into a full-size zero tensor). Forward runs the loop in a graph of
+    its own, on leaves: the rows and each used expert's weight view ``w[e]``; backward differentiates that
+    graph, so every gradient is the per-expert loop's, bit for bit, and the stacked dW holds dW_e at [e] and
+    zeros for an expert without rows (as the grouped GEMM's dW)."""
+
+    @staticmethod
+    def forward(ctx, rows, gate_w, up_w, down_w, counts, down_segments, profile):
+        stacked = (gate_w, up_w, down_w)
+        views: dict[tuple[int, int], torch.Tensor] = {}
+
+        def weight_of(proj: int, e: int) -> torch.Tensor:
+            w = stacked[proj].detach()[e]
+            if ctx.needs_input_grad[1 + proj]:
+                w.requires_grad_(True)
+                views[(proj, e)] = w
+            return w
+
+        with torch.enable_grad():
+            leaf_rows = rows.detach().requires_grad_(ctx.needs_input_grad[0])
+            out = _loop(leaf_rows, counts, weight_of, down_segments, profile)
+        ctx.graph = (out, leaf_rows, views)
+        ctx.shapes = [(w.shape, w.dtype, w.device) for w in stacked]
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.graph is None:
+            raise RuntimeError("moe_experts: the experts' backward ran twice (retain_graph is not supported)")
+        (out, leaf_rows, views), ctx.graph = ctx.graph, None
+        inputs = ([leaf_rows] if leaf_rows.requires_grad else []) + list(views.values())
+        found = torch.autograd.grad(out, inputs, grad, allow_unused=True)   # frees the inner graph
+        grad_rows = found[0] if leaf_rows.requires_grad else None
+        grad_w: list[torch.Tensor | None] = [None, None, None]
+        for proj, (shape, dtype, device) in enumerate(ctx.shapes):
+            if ctx.needs_input_grad[1 + proj]:
+                grad_w[proj] = torch.zeros(shape, dtype=dtype, device=device)
+        for ((proj, e), _), g in zip(views.items(), found[len(inputs) - len(views):]):
+            if g is not None:
+                grad_w[proj][e] = g
+        return (grad_rows, *grad_w, None, None, None)
 
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -144,9 +204,21 @@ def _check_expert_shapes(x, gate_w, up_w, down_w) -> None:
         raise fail("moe_experts", f"{n_experts} gate, {len(up_w)} up and {len(down_w)} down expert weights: "
                    "need the same number (>= 1) of each")
     inter = gate_w[0].shape[0]
+    want = ((inter, hidden), (inter, hidden), (hidden, inter))
+    stacked = [isinstance(w, torch.Tensor) for w in (gate_w, up_w, down_w)]
+    if any(stacked) and not all(stacked):
+        raise fail("moe_experts", "gate, up and down expert weights must all be stacked [E, ...] tensors or all "
+                   "be lists of per-expert matrices")
+    if all(stacked):
+        shapes = (tuple(gate_w.shape[1:]), tuple(up_w.shape[1:]), tuple(down_w.shape[1:]))
+        if gate_w.dim() != 3 or up_w.dim() != 3 or down_w.dim() != 3 or shapes != want:
+            raise fail("moe_experts", f"stacked expert weights gate {tuple(gate_w.shape)}, up {tuple(up_w.shape)}, "
+                       f"down {tuple(down_w.shape)} do not fit x {tuple(x.shape)} (want [E, I, H], [E, I, H], "
+                       f"[E, H, I] with H={hidden}, I={inter})")
+        return
     for e in range(n_experts):
         shapes = (tuple(gate_w[e].shape), tuple(up_w[e].shape), tuple(down_w[e].shape))
-        if shapes != ((inter, hidden), (inter, hidden), (hidden, inter)):
+        if shapes != want:
             raise fail("moe_experts", f"expert {e}: gate {shapes[0]}, up {shapes[1]}, down {shapes[2]} do not fit "
                        f"x {tuple(x.shape)} (want [I, H], [I, H], [H, I] with H={hidden}, I={inter})")
 

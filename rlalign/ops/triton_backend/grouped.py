@@ -21,9 +21,10 @@ Scheduling without the host: the row tiles are laid out on the device. Expert e 
 ``ceil(n_e / BM)`` row tiles; slot t of a fixed-size table (``ceil(R / BM) + E`` slots, enough for
 any routing) names its expert and first row, or -1 (idle). The launch grid depends on R, E and the
 tile shape only, so a decode step can be captured in a CUDA graph and replayed with any routing.
-Weights are addressed through a table of per-expert offsets from the first expert's weight (the model
-keeps one tensor per expert; nothing is stacked or copied); all experts share one shape and one row
-stride, and every weight is 16-byte aligned.
+Weights are addressed through a table of per-expert offsets from the first expert's weight: a stacked
+[E, N, K] tensor (the model's layout, or a strided view such as Hugging Face's ``gate_up_proj[:, :I]``)
+gives ``e * stride(0)``, a list of per-expert tensors their pointer differences; nothing is copied. All
+experts share one shape and one row stride, and every expert's weight is 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -197,23 +198,54 @@ def _slots(offsets: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor
 
 
 def _weight_table(weights, k: int) -> torch.Tensor:
-    """The device table of each expert weight's element offset from expert 0's, validated and built once
-    per set of weights and kept ON expert 0's weight tensor: it lives exactly as long as the weights (a
-    CUDA graph that captured it stays valid while the model does; nothing else holds the weights). A
-    weight updated in place keeps its pointer and its table; reallocated weights get a new one."""
+    """The device table of each expert weight's element offset from expert 0's. A stacked [E, N, K] tensor
+    (or a strided view of one, e.g. a slice of a fused gate_up): ``e * stride(0)``, one table per (device,
+    E, stride) kept for the process (a CUDA graph that captured it stays valid). A list of per-expert
+    weights: validated and built once per set of weights and kept ON expert 0's weight tensor (it lives
+    exactly as long as the weights; a weight updated in place keeps its pointer and its table, reallocated
+    weights get a new one)."""
+    if isinstance(weights, torch.Tensor):
+        return _stacked_table(weights)
     w0 = weights[0]
     key = (tuple(map(id, weights)), tuple(w.data_ptr() for w in weights))
     cached = getattr(w0, "_rlalign_expert_offsets", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    if w0.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise fail("moe_experts", "the expert weight table would be first built inside a CUDA graph capture "
-                                  "(run the forward once before capturing)")
+    _refuse_capture(w0)
     _check_weights(weights, k)
     size = w0.element_size()
     table = torch.tensor([(p - key[1][0]) // size for p in key[1]], dtype=torch.int64, device=w0.device)
     w0._rlalign_expert_offsets = (key, table)
     return table
+
+
+_STACKED_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _stacked_table(w: torch.Tensor) -> torch.Tensor:
+    _check_stacked(w)
+    key = (w.device, w.shape[0], w.stride(0))
+    table = _STACKED_TABLES.get(key)
+    if table is None:
+        _refuse_capture(w)
+        table = _STACKED_TABLES[key] = torch.arange(w.shape[0], dtype=torch.int64, device=w.device) * w.stride(0)
+    return table
+
+
+def _refuse_capture(w: torch.Tensor) -> None:
+    if w.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise fail("moe_experts", "the expert weight table would be first built inside a CUDA graph capture "
+                                  "(run the forward once before capturing)")
+
+
+def _check_stacked(w: torch.Tensor) -> None:
+    """A stacked [E, N, K] weight: rows of unit column stride, expert 0 and every expert step 16-byte aligned
+    (the kernel's W_ALIGN hint); the row stride may exceed K (a slice of a wider tensor)."""
+    size = w.element_size()
+    if w.dim() != 3 or w.stride(2) != 1 or w.data_ptr() % 16 or (w.stride(0) * size) % 16:
+        raise fail("moe_experts", "stacked expert weights must be [E, N, K] with unit column stride, 16-byte "
+                                  "aligned, and an expert step of a multiple of 16 bytes (.contiguous() them) "
+                                  f"(got {tuple(w.shape)} with strides {w.stride()})")
 
 
 def _check_weights(weights, k: int) -> None:
@@ -294,32 +326,42 @@ def grouped_weight_grad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
 
 
 class _GroupedLinear(torch.autograd.Function):
-    """y[rows_e] = x[rows_e] @ W_e^T for every expert, with the strict linear's backward per expert."""
+    """y[rows_e] = x[rows_e] @ W_e^T for every expert, with the strict linear's backward per expert. The
+    weights: one stacked [E, N, K] tensor (one input, its gradient the [E, N, K] dW as the kernel writes it)
+    or E per-expert tensors (E inputs, the dW unbound)."""
 
     @staticmethod
     def forward(ctx, x, offsets, segments, slot_cache, *weights):
         ctx.save_for_backward(x, offsets, *weights)
         ctx.segments, ctx.slot_cache = segments, slot_cache
-        return grouped_rows(x, offsets, weights, segments=segments, slot_cache=slot_cache)
+        return grouped_rows(x, offsets, _as_weights(weights), segments=segments, slot_cache=slot_cache)
 
     @staticmethod
     def backward(ctx, grad):
         x, offsets, *weights = ctx.saved_tensors
+        w = _as_weights(weights)
         g = grad.contiguous().to(x.dtype)
-        grad_x = (grouped_rows(g, offsets, weights, transpose_w=False, slot_cache=ctx.slot_cache)
+        grad_x = (grouped_rows(g, offsets, w, transpose_w=False, slot_cache=ctx.slot_cache)
                   if ctx.needs_input_grad[0] else None)
         grad_w = [None] * len(weights)
         if any(ctx.needs_input_grad[4:]):
-            stacked = grouped_weight_grad(g, x, offsets, len(weights), weights[0].dtype)
-            grad_w = list(stacked.unbind(0))
+            stacked = grouped_weight_grad(g, x, offsets, len(w), w[0].dtype)
+            grad_w = [stacked] if isinstance(w, torch.Tensor) else list(stacked.unbind(0))
         return (grad_x, None, None, None, *grad_w)
+
+
+def _as_weights(inputs):
+    """The autograd inputs back as the weights: the stacked tensor, or the list of per-expert tensors."""
+    return inputs[0] if len(inputs) == 1 and inputs[0].dim() == 3 else list(inputs)
 
 
 def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, weights, segments: int = 1,
                    slot_cache: dict | None = None) -> torch.Tensor:
-    """The strict linear of each expert's rows (see the module docstring); differentiable in x and W."""
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        return _GroupedLinear.apply(x, offsets, segments, slot_cache, *weights)
+    """The strict linear of each expert's rows (see the module docstring); differentiable in x and W.
+    ``weights``: a stacked [E, N, K] tensor (one autograd input) or a list of E [N, K] tensors."""
+    inputs = (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in inputs)):
+        return _GroupedLinear.apply(x, offsets, segments, slot_cache, *inputs)
     return grouped_rows(x, offsets, weights, segments=segments, slot_cache=slot_cache)
 
 
