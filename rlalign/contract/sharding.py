@@ -23,9 +23,9 @@ class Shard(enum.Enum):
     HEAD_GROUPED = "head_grouped"  # RMSNorm over head_dim shared by ``heads`` heads split over ranks (weight
                                    # replicated; its gradient merged by the fixed tree over head groups)
     VOCAB = "vocab"                # LM head: vocab rows split (fused vocab-parallel logprob)
-    EXPERTS = "experts"            # a mixture-of-experts layer's expert list, called (x, experts) -> [T, k, H]:
-                                   # each expert's own plan shards its FFN (gate/up COLUMN, down ROW); the
-                                   # parallel list runs them with one cross-rank merge per projection
+    EXPERTS = "experts"            # a mixture-of-experts layer's stacked experts (gate/up [E, I, H], down
+                                   # [E, H, I]), called (x, experts) -> [T, k, H]: gate/up sharded along I as
+                                   # COLUMN, down along I as ROW; one cross-rank merge per projection
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,7 +109,7 @@ class _RowParallel(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def _shard(t: torch.Tensor, dim: int, group: Group) -> nn.Parameter:
+def shard_parameter(t: torch.Tensor, dim: int, group: Group) -> nn.Parameter:
     """This rank's equal slice of ``t`` along ``dim``, tagged with ``tp_dim`` and ``tp_range``."""
     size = t.shape[dim] // group.size
     p = nn.Parameter(t.detach().narrow(dim, group.rank * size, size).clone())
@@ -126,8 +126,8 @@ class ColumnParallelLinear(nn.Module):
         check_column_shard(n, group.size, name)
         self.dx_segments = local_segments(n, group.size, name)
         self.group = group
-        self.weight = _shard(linear.weight, 0, group)
-        self.bias = None if linear.bias is None else _shard(linear.bias, 0, group)
+        self.weight = shard_parameter(linear.weight, 0, group)
+        self.bias = None if linear.bias is None else shard_parameter(linear.bias, 0, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -149,7 +149,7 @@ class RowParallelLinear(nn.Module):
         k = linear.weight.shape[1]
         self.segments = local_segments(k, group.size, name, row_segments(linear))
         self.group = group
-        self.weight = _shard(linear.weight, 1, group)
+        self.weight = shard_parameter(linear.weight, 1, group)
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

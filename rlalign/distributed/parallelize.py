@@ -4,14 +4,14 @@ The model's modules declare how their weights shard (``tp_plan``, :mod:`rlalign.
 this module only obeys the plans, in module order: a COLUMN child becomes a
 :class:`ColumnParallelLinear`, ROW a :class:`RowParallelLinear` (canonical K partition), HEAD_GROUPED
 a :class:`HeadGroupedRMSNorm`, VOCAB the vocab-parallel LM head (:mod:`.vocab_head`; with untied
-embeddings ``lm_head.weight`` is replaced by the rank's rows), EXPERTS a sparse layer's expert list by
-:class:`TensorParallelExperts` (:mod:`.experts`; the experts' own plans shard their FFNs); then the
+embeddings ``lm_head.weight`` is replaced by the rank's rows), EXPERTS a sparse layer's stacked experts by
+:class:`TensorParallelExperts` (:mod:`.experts`: gate/up sharded along I as COLUMN, down as ROW); then the
 module's ``tp_localize(tp)`` makes its shape fields rank-local (the decoder's attention: heads split into
 contiguous groups, rank r holds query heads [r*H/t, (r+1)*H/t) and kv heads likewise). Everything not planned (norms,
 embeddings, the residual stream) stays replicated (every rank computes it identically).
 
 Parameter names do not change; a sharded parameter carries ``tp_dim`` (0: rows, 1: columns) and
-``tp_range`` (its [start, stop) along that dim), and :func:`full_state` rebuilds the unsharded tensors (state or gradients) on every rank.
+``tp_range`` (its [start, stop) along that dim; stacked experts: 1 for gate/up [E, I, H], 2 for down [E, H, I]), and :func:`full_state` rebuilds the unsharded tensors (state or gradients) on every rank.
 tp=1 (``Group.single()``) applies the same modules without any process group: it is the
 reference the TP degrees agree with.
 """
@@ -27,7 +27,7 @@ from rlalign.distributed.launch import Group
 from rlalign.distributed.layers import (ColumnParallelLinear, HeadGroupedRMSNorm, RowParallelLinear, check_column_shard,
                                        local_segments, row_segments)
 from rlalign.distributed.vocab_head import VocabParallelHead
-from rlalign.contract.sharding import Shard, ShardSpec
+from rlalign.contract.sharding import COLUMN, ROW, Shard, ShardSpec
 from rlalign.contract.spec import K_SEGMENTS
 
 SUPPORTED_TP = (1, 2, 4, 8)
@@ -59,16 +59,23 @@ def _planned_shards(model):
     seen = set()
     for path, module in model.named_modules():
         for child, spec in getattr(module, "tp_plan", dict)().items():
-            if spec.kind not in (Shard.COLUMN, Shard.ROW):
-                continue
-            linear = getattr(module, child)
-            features = linear.weight.shape[0 if spec.kind is Shard.COLUMN else 1]
-            segments = row_segments(linear) if spec.kind is Shard.ROW else K_SEGMENTS
             name = f"{path}.{child}".removeprefix("model.")
-            generic = ".".join("*" if part.isdigit() else part for part in name.split("."))
-            if (generic, features) not in seen:
-                seen.add((generic, features))
-                yield name, spec, features, segments
+            for shard in _shards_of(getattr(module, child), spec, name):
+                generic = ".".join("*" if part.isdigit() else part for part in shard[0].split("."))
+                if (generic, shard[2]) not in seen:
+                    seen.add((generic, shard[2]))
+                    yield shard
+
+
+def _shards_of(child, spec: ShardSpec, name: str):
+    """The COLUMN / ROW shards one planned child makes: a linear's own; stacked experts shard gate/up along
+    I as a COLUMN linear and down along I as a ROW linear of the experts' canonical K partition."""
+    if spec.kind is Shard.EXPERTS:
+        yield f"{name}.gate_proj", COLUMN, child.inter, K_SEGMENTS
+        yield f"{name}.down_proj", ROW, child.inter, child.down_segments
+    elif spec.kind in (Shard.COLUMN, Shard.ROW):
+        features = child.weight.shape[0 if spec.kind is Shard.COLUMN else 1]
+        yield name, spec, features, row_segments(child) if spec.kind is Shard.ROW else K_SEGMENTS
 
 
 def parallelize(model, group: Group):

@@ -331,7 +331,7 @@ def checkpoint_parameters(model: nn.Module):
 def _check_sparse_moe(theirs: nn.Module, ours: SparseMoE, where: str, need) -> None:
     gate, experts = getattr(theirs, "gate", None), getattr(theirs, "experts", None)
     n, hidden = ours.gate.weight.shape
-    inter = ours.experts[0].gate_proj.weight.shape[0]
+    inter = ours.experts.inter
     want = {"gate.weight": (n, hidden), "experts.gate_up_proj": (n, 2 * inter, hidden),
             "experts.down_proj": (n, hidden, inter)}
     found = {"gate.weight": getattr(gate, "weight", None), "experts.gate_up_proj": getattr(experts, "gate_up_proj", None),

@@ -67,4 +67,31 @@ def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     return checkpoint_split(model, dict(model.named_parameters()))
 
 
-__all__ = ["Entry", "checkpoint_entries", "entry_view", "checkpoint_split", "checkpoint_tensors"]
+def stack_checkpoint_names(model: nn.Module, named: Mapping[str, object]) -> dict[str, object]:
+    """``named`` (name -> value) with the checkpoint tensors that stacking parameters hold (per-expert names:
+    what run checkpoints stored before the experts were stacked) replaced by their parameter: tensors stacked
+    along a new dim 0 in index order, other values (e.g. a dtype name) kept once. Other names pass as they
+    are. Raises ValueError naming a parameter whose pieces are incomplete."""
+    stacking = {e.checkpoint_name: e for e in checkpoint_entries(model) if e.index is not None}
+    counts: dict[str, int] = {}
+    for e in stacking.values():
+        counts[e.param_name] = counts.get(e.param_name, 0) + 1
+    out: dict[str, object] = {}
+    pieces: dict[str, dict[int, object]] = {}
+    for name, value in named.items():
+        entry = stacking.get(name)
+        if entry is None:
+            out[name] = value
+        else:
+            pieces.setdefault(entry.param_name, {})[entry.index] = value
+    for param, parts in pieces.items():
+        if len(parts) != counts[param]:
+            missing = min(set(range(counts[param])) - set(parts))
+            raise ValueError(f"{param}: piece {missing} of {counts[param]} is missing")
+        ordered = [parts[i] for i in range(counts[param])]
+        out[param] = torch.stack(ordered) if isinstance(ordered[0], torch.Tensor) else ordered[0]
+    return out
+
+
+__all__ = ["Entry", "checkpoint_entries", "entry_view", "checkpoint_split", "checkpoint_tensors",
+           "stack_checkpoint_names"]

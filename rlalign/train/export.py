@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import load_model, save_model
+from rlalign.models.layout import stack_checkpoint_names
 from rlalign.train.master import checkpoint_model_weights
 from rlalign.train.runio import load_state
 from rlalign.train.setup import resolve_model_dir
@@ -50,6 +51,11 @@ def export_checkpoint(checkpoint: "str | Path", out_dir: "str | Path", model_dir
     weights = checkpoint_model_weights(state)   # the weights stored only as fp32 masters, rounded as in training
     dtype = next(iter(weights.values())).dtype
     model, _ = load_model(base, dtype=dtype)
+    try:
+        weights = stack_checkpoint_names(model, weights)    # MoE experts stored per expert (before 2026-12-01)
+    except ValueError as exc:
+        raise ExportError(f"{file} does not fit the model in {base} ({exc}); pass the run's base model with "
+                          "--model-dir") from None
     try:
         model.load_state_dict(weights)
     except RuntimeError as exc:

@@ -170,6 +170,7 @@ class Trainer:
             self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()
             return
         check_resume(read_run_config(self.run_dir) or state["config"], self.cfg)
+        state = par.restack_run_state(self.policy, state)   # MoE checkpoints written with per-expert parameters
         self._start_run_files()
         rounded = state.get(ROUNDED_KEY) or {}   # weights stored only as masters: set by the masters' load
         par.load_policy_weights(self.policy, state["model"], absent=rounded)

@@ -31,6 +31,8 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.launch import Group, init_from_env, split
 from rlalign.distributed.parallelize import full_state
 from rlalign.models.decoder import CausalLM
+from rlalign.models.layout import checkpoint_entries, checkpoint_split, stack_checkpoint_names
+from rlalign.train.master import ROUNDED_KEY
 from rlalign.train.runio import own_optimizer_state
 
 
@@ -102,15 +104,71 @@ def load_policy_weights(policy, weights: dict[str, torch.Tensor], absent: Collec
 
 
 def clip_grad_norm_(policy, max_norm: float) -> torch.Tensor:
-    """torch's clip_grad_norm_ (foreach=False); under TP the total norm is taken over the gathered
-    full gradients in parameter order, so it has the tp=1 bits, and each rank scales its shards."""
+    """torch's clip_grad_norm_ (foreach=False) with the total norm taken over the gradients of the
+    checkpoint's tensors in checkpoint order (rlalign.models.layout: stacked experts per expert), so it has
+    the same bits whatever the storage layout; under TP over the gathered full gradients, so it has the
+    tp=1 bits, and each rank scales its shards."""
     params = list(policy.parameters())
-    if not parallelized(policy):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
-    grads = list(full_state(policy, grads=True).values())
-    total = torch.nn.utils.get_total_norm(grads, foreach=False)
+    if parallelized(policy):
+        grads = full_state(policy, grads=True)
+    else:
+        grads = {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}
+    total = torch.nn.utils.get_total_norm([g for _, g in checkpoint_split(policy, grads)], foreach=False)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
     return total
+
+
+def restack_run_state(policy, state: dict) -> dict:
+    """A run checkpoint's state in the policy's parameter layout: a checkpoint written while MoE experts were
+    one parameter per expert and projection (before 2026-12-01) has its weights, masters and the names it
+    stores only as masters stacked (rlalign.models.layout), and its AdamW state too (per expert ``exp_avg``
+    / ``exp_avg_sq`` stacked; every expert of a projection must have taken the same number of steps, else
+    one line refuses the resume). Bit for bit: resuming equals having run with stacked experts throughout
+    when every expert had a gradient at every step. Other checkpoints are returned as they are."""
+    stacked = {e.checkpoint_name for e in checkpoint_entries(policy) if e.index is not None}
+    if not stacked or not any(name in stacked for key in ("model", "master") for name in (state.get(key) or {})):
+        return state
+    out = dict(state)
+    try:
+        for key in ("model", "master", ROUNDED_KEY):
+            if state.get(key):
+                out[key] = stack_checkpoint_names(policy, state[key])
+    except ValueError as exc:
+        raise RLAlignError(f"the checkpoint's per-expert weights cannot be stacked ({exc}): it was written for "
+                           "another model") from None
+    if "optimizer" in state:
+        stored = state["optimizer"]
+        out["optimizer"] = ([_stack_optimizer_state(policy, s) for s in stored] if isinstance(stored, list)
+                            else _stack_optimizer_state(policy, stored))
+    return out
+
+
+def _stack_optimizer_state(policy, stored: dict) -> dict:
+    """An optimizer state dict over the per-expert parameters (one index per checkpoint tensor, in checkpoint
+    order) as one over the policy's parameters."""
+    entries, params = checkpoint_entries(policy), [n for n, _ in policy.named_parameters()]
+    groups = stored["param_groups"]
+    if len(groups) != 1 or len(groups[0]["params"]) != len(entries):
+        raise RLAlignError("the checkpoint's optimizer state does not fit this model's per-expert parameters: it was "
+                           "written for another model")
+    found: dict[str, list] = {}
+    for old_id, entry in zip(groups[0]["params"], entries):
+        found.setdefault(entry.param_name, []).append(stored["state"].get(old_id))
+    state = {}
+    for new_id, name in enumerate(params):
+        parts = found[name]
+        if len(parts) == 1 or all(p is None for p in parts):
+            if parts[0] is not None:
+                state[new_id] = parts[0]
+            continue
+        steps = {None if p is None else float(p["step"]) for p in parts}
+        if len(steps) != 1:
+            raise RLAlignError(f"the checkpoint's experts of {name} took different numbers of optimizer steps "
+                               f"({sorted(map(str, steps))}): their AdamW state cannot be stacked; export the "
+                               "checkpoint (rlalign export) and start a new run from it")
+        state[new_id] = {key: torch.stack([p[key] for p in parts]) if key != "step" else parts[0][key]
+                         for key in parts[0]}
+    return {"state": state, "param_groups": [dict(groups[0], params=list(range(len(params))))]}
 
 
 def optimizer_state(optimizer, tp: Group | None):
@@ -152,4 +210,4 @@ class NoMetrics:
 
 
 __all__ = ["NoMetrics", "needs_launch", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
-           "load_policy_weights", "clip_grad_norm_", "optimizer_state", "load_optimizer_state", "unsharded_policy"]
+           "load_policy_weights", "clip_grad_norm_", "restack_run_state", "optimizer_state", "load_optimizer_state", "unsharded_policy"]

@@ -55,7 +55,7 @@ def test_parity_tp_on_moe_has_zero_mismatches_and_the_same_routing(moe_checkpoin
 
 @pytest.mark.parametrize("inter, tp, message", [
     (50, "4", "tp=4 does not divide the model's moe_intermediate_size=50"),
-    (24, "2", "layers.0.mlp.experts.0.gate_proj: tp=2 leaves 12 output features per rank"),
+    (24, "2", "layers.0.mlp.experts.gate_proj: tp=2 leaves 12 output features per rank"),
 ])
 def test_parity_tp_refuses_moe_shards_it_cannot_split(tmp_path, inter, tp, message):
     model = make_tiny_checkpoint(tmp_path / "m", "qwen3_moe", num_attention_heads=8, num_key_value_heads=4,

@@ -71,8 +71,9 @@ def test_check_tp_reads_shard_widths_from_the_plans():
 
 
 def test_moe_experts_are_sharded_by_their_plans_and_keep_their_names():
-    """Sparse layers: the expert list becomes the tensor-parallel experts, each expert's gate/up column- and
-    down row-parallel; the router stays replicated; the dense layer keeps the dense plan; names do not change."""
+    """Sparse layers: the stacked experts become the tensor-parallel experts, gate/up sharded along I as
+    columns (dim 1) and down along I as rows (dim 2), one parameter each; the router stays replicated; the
+    dense layer keeps the dense plan; names do not change."""
     model = tiny_model("qwen3_moe", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=64, mlp_only_layers=[1])
     names = [n for n, _ in model.named_parameters()]
@@ -80,17 +81,17 @@ def test_moe_experts_are_sharded_by_their_plans_and_keep_their_names():
     assert [n for n, _ in model.named_parameters()] == names
     sparse, dense = model.model.layers[0].mlp, model.model.layers[1].mlp
     assert isinstance(sparse.experts, TensorParallelExperts) and isinstance(sparse.gate, Linear)
-    for expert in sparse.experts:
-        assert isinstance(expert.gate_proj, ColumnParallelLinear) and isinstance(expert.up_proj, ColumnParallelLinear)
-        assert isinstance(expert.down_proj, RowParallelLinear)
+    experts = sparse.experts
+    assert (experts.gate_proj.tp_dim, experts.up_proj.tp_dim, experts.down_proj.tp_dim) == (1, 1, 2)
+    assert tuple(experts.gate_proj.shape) == (4, 64, 64) and tuple(experts.down_proj.shape) == (4, 64, 64)
+    assert len(list(experts.parameters())) == 3
     assert isinstance(dense.up_proj, ColumnParallelLinear) and isinstance(dense.down_proj, RowParallelLinear)
 
 
-def test_tensor_parallel_experts_refuse_experts_their_plans_did_not_shard():
+def test_tensor_parallel_experts_refuse_experts_that_are_not_stacked():
     model = tiny_model("qwen3_moe", num_hidden_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
-    experts = TensorParallelExperts(model.model.layers[0].mlp.experts, Group.single(), "layers.0.mlp.experts")
-    with pytest.raises(RLAlignError, match="layers.0.mlp.experts.0: the expert's FFN is not sharded"):
-        experts(torch.zeros(3, 64), torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(RLAlignError, match="layers.0.mlp: the EXPERTS plan shards stacked experts"):
+        TensorParallelExperts(model.model.layers[0].mlp.gate, Group.single(), "layers.0.mlp")
 
 
 def test_moe_tp8_is_refused_by_the_experts_down_partition():
@@ -99,6 +100,6 @@ def test_moe_tp8_is_refused_by_the_experts_down_partition():
     model = tiny_model("qwen3_moe", num_attention_heads=8, num_key_value_heads=8, head_dim=16, num_hidden_layers=1,
                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
     check_tp(model.config, 4, model)
-    with pytest.raises(RLAlignError, match=r"layers.0.mlp.experts.0.down_proj: 128 features split into 4 canonical "
+    with pytest.raises(RLAlignError, match=r"layers.0.mlp.experts.down_proj: 128 features split into 4 canonical "
                                            r"segments cannot be shared by tp=8 ranks \(tp must divide 4\)"):
         check_tp(model.config, 8, model)

@@ -153,11 +153,11 @@ EXPERT_SHAPES = (
 
 
 def _experts_case(tokens, n_experts, top_k, inter, dtype, routing):
-    from rlalign.models.moe import Expert, ExpertList
+    from rlalign.models.moe import StackedExperts
     gen = torch.Generator().manual_seed(tokens * 31 + n_experts * 7 + top_k)
     dt = getattr(torch, dtype)
     hidden = SHAPE["hidden_size"]
-    experts = ExpertList(Expert(hidden, inter, dt, "cpu") for _ in range(n_experts))
+    experts = StackedExperts(n_experts, hidden, inter, dt, "cpu")
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
@@ -172,13 +172,8 @@ def _experts_case(tokens, n_experts, top_k, inter, dtype, routing):
 
 def _experts_grads(experts, x, ids, g, group):
     from rlalign.distributed.experts import TensorParallelExperts
-    from rlalign.distributed.layers import ColumnParallelLinear, RowParallelLinear
     holder = torch.nn.Module()
     if group is not None:
-        for i, e in enumerate(experts):
-            e.gate_proj = ColumnParallelLinear(e.gate_proj, group, f"experts.{i}.gate_proj")
-            e.up_proj = ColumnParallelLinear(e.up_proj, group, f"experts.{i}.up_proj")
-            e.down_proj = RowParallelLinear(e.down_proj, group, f"experts.{i}.down_proj")
         experts = TensorParallelExperts(experts, group, "experts")
         holder.tp_group = group
     holder.experts = experts
@@ -191,7 +186,7 @@ def _experts_grads(experts, x, ids, g, group):
 
 
 def expert_shapes(world: Group, degrees) -> dict:
-    """{shape: {"plain" | degree: {"y", "dx", "grads"}}} of TensorParallelExperts vs the unsharded ExpertList."""
+    """{shape: {"plain" | degree: {"y", "dx", "grads"}}} of TensorParallelExperts vs the unsharded StackedExperts."""
     groups = {1: Group.single(), **{tp: split(world, tp)[0] for tp in degrees if tp > 1}}
     out = {}
     for shape in EXPERT_SHAPES:

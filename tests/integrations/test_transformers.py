@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from rlalign.models import ForwardBatch, load_model, next_token_targets
+from rlalign.models.layout import checkpoint_split
 from tests.bitwise import assert_bitwise_equal, assert_close_report
 
 transformers = pytest.importorskip("transformers")
@@ -136,8 +137,9 @@ def test_gradients_bitwise_equal_rlalign_trainer(hf_checkpoints, case):
     (-(out.logprobs * adv_padded).sum() + 0.01 * out.entropy.sum()).backward()
 
     hf_grads = {n: q.grad for n, q in hf.named_parameters()}
-    for name, p in rl.named_parameters():
-        assert_bitwise_equal(_hf_grad(hf_grads, name), p.grad, f"{case} grad of {name}")
+    rl_grads = {n: p.grad for n, p in rl.named_parameters()}
+    for name, grad in checkpoint_split(rl, rl_grads):     # stacked experts: per expert, the checkpoint's names
+        assert_bitwise_equal(_hf_grad(hf_grads, name), grad, f"{case} grad of {name}")
 
 
 def _hf_grad(hf_grads: dict, name: str) -> torch.Tensor:

@@ -109,3 +109,37 @@ def test_routing_record_sees_every_sparse_layer_and_matches_the_taps():
         model.forward_hidden(ForwardBatch.packed(SEQS[1:2]))
     start = len(SEQS[0])
     assert torch.equal(alone.layers[1][0][1], experts[start:start + len(SEQS[1])])
+
+
+# ---- stacked experts: the model's layout vs the checkpoint's --------------------------------------------
+
+def test_a_sparse_layer_holds_three_stacked_expert_tensors_and_the_router():
+    model = tiny_model("qwen3_moe", **CONFIGS["sparse-step2-3layers"])
+    sparse = model.model.layers[1].mlp
+    assert isinstance(sparse, SparseMoE)
+    assert len(list(sparse.parameters())) == 3 + 1
+    assert [tuple(p.shape) for p in sparse.experts.parameters()] == [(8, 32, 64), (8, 32, 64), (8, 64, 32)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_checkpoint_is_per_expert_and_round_trips_byte_exact(tmp_path, dtype):
+    """Save writes Hugging Face's per-expert tensors (views of the stacked parameters, unstacked), load stacks
+    them back: the same bytes for every tensor and the same file bytes when saved again."""
+    from safetensors import safe_open
+    from rlalign.models.checkpoint import weights_hash
+    model = tiny_model("qwen3_moe", seed=3, init_std=0.2, dtype=dtype, **CONFIGS["sparse-step2-3layers"])
+    save_model(model, tmp_path / "a")
+    with safe_open(str(tmp_path / "a" / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+        assert not any(n.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")) for n in names)
+        for e in range(8):
+            assert_bitwise_equal(f.get_tensor(f"model.layers.1.mlp.experts.{e}.up_proj.weight"),
+                                 model.model.layers[1].mlp.experts.up_proj[e], f"expert {e} up_proj")
+    again, _ = load_model(tmp_path / "a")
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert_bitwise_equal(a, b, name)
+    save_model(again, tmp_path / "b")
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert weights_hash(model) == weights_hash(again)
+

@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 from rlalign import ops
 from rlalign.contract.errors import ContractError
 from rlalign.ops import _checks as chk
+from rlalign.models.layout import checkpoint_tensors
 from rlalign.models.testing import tiny_model
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from tests.rollout.test_engine_bitwise import make_prompts
@@ -161,7 +162,7 @@ def test_moe_router_and_expert_values_stop_generation_under_the_boundary_policy(
     reaches the rows routed to it (planted in every expert, so some row is)."""
     model = tiny_model("qwen3_moe", seed=4, init_std=0.1, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=24)
-    params = dict(model.named_parameters())
+    params = dict(checkpoint_tensors(model))     # per-expert views of the stacked experts
     with torch.no_grad():
         if where == "router":
             params["model.layers.0.mlp.gate.weight"][1, 3] = float("nan")

@@ -215,3 +215,78 @@ def test_per_expert_weight_lists_equal_stacked_weights():
     stacked = ops.moe_experts(x, experts, gate, up, down)
     lists = ops.moe_experts(x, experts, list(gate.unbind(0)), list(up.unbind(0)), list(down.unbind(0)))
     assert_bitwise_equal(lists, stacked)
+
+
+# ---- stacked expert weights (the model's layout) --------------------------------------------------------
+
+def _accumulate_edges(root, weight) -> int:
+    """How many edges of ``root``'s autograd graph end in ``weight``'s AccumulateGrad node (one per gradient
+    autograd accumulates into the tensor: a stacked weight read as E views would have E)."""
+    seen, stack, count = set(), [root], 0
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for nxt, _ in fn.next_functions:
+            if nxt is not None and getattr(nxt, "variable", None) is weight:
+                count += 1
+            stack.append(nxt)
+    return count
+
+
+@settings(**SETTINGS)
+@given(tokens=st.integers(0, 40), n_experts=st.sampled_from([1, 2, 5, 16]), data=st.data(),
+       dtype=st.sampled_from(DTYPES), strided=st.booleans(), native=st.booleans(), seed=st.integers(0, 2**16))
+def test_stacked_weights_give_the_per_expert_lists_bits_and_one_gradient_each(tokens, n_experts, data, dtype,
+                                                                             strided, native, seed):
+    """ops.moe_experts on stacked [E, ...] tensors (contiguous, or gate/up as the two halves of a fused
+    [E, 2I, H] tensor: strided views) equals the per-expert lists bit for bit: y, dx, and each used expert's
+    dW_e at [e] of the stacked gradient (idle experts: zeros there, no gradient in the list). The stacked
+    tensor is one autograd input: exactly one gradient edge into it, whatever E (a list: one per used expert)."""
+    top_k = data.draw(st.integers(1, n_experts))
+    hidden, inter = 32, 24
+    profile = "native" if native else None
+    x = _rand(tokens, hidden, dtype=dtype, seed=seed)
+    gate, up, down = _weights(n_experts, inter, hidden, dtype, seed + 10)
+    g = torch.Generator().manual_seed(seed)
+    experts = (torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(tokens)]) if tokens
+               else torch.zeros((0, top_k), dtype=torch.long))
+    grad_y = _rand(tokens, top_k, hidden, dtype=dtype, seed=seed + 3)
+
+    lists = [[w.clone().requires_grad_(True) for w in t.unbind(0)] for t in (gate, up, down)]
+    x_list = x.clone().requires_grad_(True)
+    y_list = ops.moe_experts(x_list, experts, *lists, down_segments=4, profile=profile)
+
+    fused = torch.cat([gate, up], dim=1).requires_grad_(True)          # [E, 2I, H]
+    down_s = down.clone().requires_grad_(True)
+    gate_s, up_s = ((fused[:, :inter], fused[:, inter:]) if strided
+                    else (gate.clone().requires_grad_(True), up.clone().requires_grad_(True)))
+    x_s = x.clone().requires_grad_(True)
+    y_s = ops.moe_experts(x_s, experts, gate_s, up_s, down_s, down_segments=4, profile=profile)
+    assert_bitwise_equal(y_s, y_list, "y stacked vs lists")
+    if not tokens:
+        return
+    # one edge per stacked tensor, whatever E (the fused tensor holds two: gate and up)
+    for w, edges in ((down_s, 1), (fused, 2) if strided else (gate_s, 1)):
+        assert _accumulate_edges(y_s.grad_fn, w) == edges
+    y_list.backward(grad_y)
+    y_s.backward(grad_y)
+    assert_bitwise_equal(x_s.grad, x_list.grad, "dx stacked vs lists")
+    stacked_grads = ((fused.grad[:, :inter], fused.grad[:, inter:]) if strided else (gate_s.grad, up_s.grad)) \
+        + (down_s.grad,)
+    used = set(experts.reshape(-1).tolist())
+    for name, got, per_expert in zip(("gate", "up", "down"), stacked_grads, lists):
+        for e, w in enumerate(per_expert):
+            if e in used:
+                assert_bitwise_equal(got[e], w.grad, f"{name} dW of expert {e}")
+            else:
+                assert w.grad is None and not bool(got[e].any()), f"{name}: idle expert {e}"
+
+
+def test_stacked_and_listed_weights_cannot_mix():
+    gate, up, down = _weights(3, 24, 32, torch.float32, 0)
+    with pytest.raises(ContractError, match="all be stacked"):
+        ops.moe_experts(_rand(4, 32), torch.zeros(4, 1, dtype=torch.long), gate, list(up.unbind(0)), down)
+    with pytest.raises(ContractError, match=r"want \[E, I, H\], \[E, I, H\], \[E, H, I\]"):
+        ops.moe_experts(_rand(4, 32), torch.zeros(4, 1, dtype=torch.long), gate, up, down.transpose(1, 2))

@@ -289,9 +289,57 @@ def _check_grouped():
     return worst
 
 
+def _check_grouped_stacked():
+    """Stacked expert weights [E, N, K] -- contiguous, and a strided slice of a fused [E, 2N, K] tensor (Hugging
+    Face's gate_up_proj) -- give the per-expert list's bits in forward and dX; through autograd a stacked weight
+    is ONE input whose gradient is the [E, N, K] dW (zeros for an idle expert), equal to the list's dW_e; a
+    misaligned expert step is refused naming the op."""
+    import torch
+    from rlalign.contract.errors import ContractError
+    from rlalign.ops.triton_backend import grouped as G
+    g = torch.Generator().manual_seed(5)
+    counts, n, k = [0, 3, 70, 1], 40, 128
+    rows = sum(counts)
+    e_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    off = G.expert_offsets(e_of_row, len(counts))
+    x = torch.randn(rows, k, generator=g)
+    fused = torch.randn(len(counts), 2 * n, k, generator=g)
+    for name, stacked in (("contiguous", fused[:, :n].contiguous()), ("strided", fused[:, n:])):
+        ws = [w.contiguous() for w in stacked.unbind(0)]
+        for seg in (1, 2):
+            if not torch.equal(G.grouped_rows(x, off, stacked, segments=seg), G.grouped_rows(x, off, ws, segments=seg)):
+                return f"{name} stacked forward (segments={seg}) differs from the per-expert list"
+        gy = torch.randn(rows, n, generator=g)
+        if not torch.equal(G.grouped_rows(gy, off, stacked, transpose_w=False), G.grouped_rows(gy, off, ws, transpose_w=False)):
+            return f"{name} stacked dX differs from the per-expert list"
+        leaf = stacked.detach().clone().requires_grad_(True) if name == "contiguous" else None
+        base = fused.detach().clone().requires_grad_(True)
+        weight = leaf if leaf is not None else base[:, n:]
+        xs = x.clone().requires_grad_(True)
+        y = G.grouped_linear(xs, off, weight)
+        edges = [fn for fn, _ in y.grad_fn.next_functions if fn is not None]
+        if len(edges) != 2:     # x and the one stacked weight
+            return f"{name}: the grouped linear has {len(edges)} differentiable inputs, want 2"
+        y.backward(gy)
+        got = leaf.grad if leaf is not None else base.grad[:, n:]
+        if not torch.equal(got, G.grouped_weight_grad(gy, x, off, len(counts), torch.float32)):
+            return f"{name}: the stacked weight's gradient is not the grouped dW"
+        if leaf is None and bool((base.grad[:, :n] != 0).any()):
+            return "the fused tensor's other half got a gradient"
+        if bool((got[0] != 0).any()):
+            return "an idle expert's stacked gradient slice is not zero"
+    try:
+        G.grouped_rows(x, off, torch.randn(len(counts), n, k + 1, generator=g)[:, :, 1:])
+        return "a stacked weight with unaligned rows was not refused"
+    except ContractError as exc:
+        if "moe_experts" not in str(exc):
+            return f"refusal does not name the op: {exc}"
+    return 0.0
+
+
 CHECKS = {"gemm": _check_gemm, "attention": _check_attention, "logprob": _check_logprob,
           "logprob_last_tile": _check_logprob_last_tile, "elementwise": _check_elementwise, "sample": _check_sample,
-          "grouped": _check_grouped}
+          "grouped": _check_grouped, "grouped_stacked": _check_grouped_stacked}
 
 
 def _worker() -> None:

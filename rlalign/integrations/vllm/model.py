@@ -32,6 +32,7 @@ from rlalign.models.batch import ForwardBatch, KVCache
 from rlalign.models.checkpoint import load_model_config
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
+from rlalign.models.layout import checkpoint_entries, entry_view
 
 
 @dataclasses.dataclass
@@ -110,8 +111,11 @@ class RLAlignForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face named tensors into the parameters (cast as ``Tensor.to`` does, as
-        rlalign's ``load_model``); returns the names loaded."""
-        params = dict(self.named_parameters())
+        rlalign's ``load_model``; a per-expert tensor into its slice of the stacked experts:
+        rlalign.models.layout); returns the names of the parameters loaded."""
+        entries = {e.checkpoint_name: e for e in checkpoint_entries(self)}
+        owners = dict(self.named_parameters())
+        params = {name: entry_view(owners[e.param_name], e) for name, e in entries.items()}
         loaded = set()
         for name, tensor in weights:
             if name not in params:
@@ -125,7 +129,7 @@ class RLAlignForCausalLM(CausalLM):
                                                  f"expected {tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(tensor.to(param.dtype))
-            loaded.add(name)
+            loaded.add(entries[name].param_name)
         return loaded
 
     # ---- batch description ------------------------------------------------------------------------

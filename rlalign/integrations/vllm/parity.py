@@ -16,6 +16,7 @@ import importlib.util
 from rlalign.integrations.vllm.engine import VLLMEngine, VLLMEngineConfig
 from rlalign.integrations.vllm.stock_capture import stock_capture
 from rlalign.models.checkpoint import weights_hash
+from rlalign.models.layout import checkpoint_tensors
 from rlalign.parity.capture import capture
 from rlalign.parity.replay import RecordedSequence, RolloutRecord
 from rlalign.parity.run import ParityError
@@ -74,13 +75,15 @@ class VLLMRollout:
 
 
 class _DecoderParameters:
-    """rlalign decoder parameters of the vLLM model (its vLLM Attention placeholders excluded)."""
+    """rlalign decoder tensors of the vLLM model under the checkpoint's names (its vLLM Attention placeholders
+    excluded; stacked experts per expert)."""
 
     def __init__(self, model):
         self.model = model
 
-    def named_parameters(self):
-        return ((n, p) for n, p in self.model.named_parameters() if not n.startswith("vllm_attention."))
+    def __iter__(self):
+        """(checkpoint name, tensor) pairs, as :func:`rlalign.models.checkpoint.weights_hash` takes them."""
+        return ((n, t) for n, t in checkpoint_tensors(self.model) if not n.startswith("vllm_attention."))
 
 
 def _dtype(model) -> str:
