@@ -81,6 +81,32 @@ def test_grouped_ffn_gradients_equal_per_expert_loop(triton_backend, dtype):
         assert_bitwise_equal(g, l, f"gradient {i} ({'x' if i == 0 else 'weight'})")
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["stacked", "fused-gate-up-views"])
+def test_stacked_weights_grouped_equals_per_expert_loop_one_gradient_each(triton_backend, strided):
+    """The model's layout: stacked [E, ...] weights (or gate/up as views of a fused [E, 2I, H] tensor, the
+    transformers patch) through the grouped FFN equal the per-expert loop on the same stacked tensors, forward
+    and every gradient; each stacked weight's gradient is one [E, ...] tensor, zeros at an idle expert."""
+    hidden, inter, counts = 256, 192, [5, 0, 1, 900, 64, 63]
+    gate, up, down = (torch.stack(ws) for ws in _experts(len(counts), hidden, inter, torch.bfloat16))
+    rows, e_of_row = _sorted_rows(counts, hidden, torch.bfloat16)
+    grad_out = rand(rows.shape[0], hidden, seed=9)
+    results = []
+    for fn in (triton_backend.moe.expert_ffn, expert_ffn_loop):
+        fused = torch.cat([gate, up], dim=1).requires_grad_()
+        down_w = down.clone().requires_grad_()
+        gate_w, up_w = ((fused[:, :inter], fused[:, inter:]) if strided
+                        else (gate.clone().requires_grad_(), up.clone().requires_grad_()))
+        leaves = [fused, down_w] if strided else [gate_w, up_w, down_w]
+        x = rows.clone().requires_grad_()
+        out = fn(x, e_of_row, gate_w, up_w, down_w, spec.MOE_K_SEGMENTS)
+        results.append((out, torch.autograd.grad(out, [x] + leaves, grad_out)))
+    (out_g, grads_g), (out_l, grads_l) = results
+    assert_bitwise_equal(out_g, out_l, "forward")
+    for i, (g, l) in enumerate(zip(grads_g, grads_l)):
+        assert_bitwise_equal(g, l, f"gradient {i}")
+    assert not bool(grads_g[-1][1].any()), "idle expert 1's down_proj gradient slice is not zero"
+
+
 def test_expert_output_does_not_depend_on_its_load(triton_backend):
     hidden, inter, n_experts = 512, 256, 8
     gate, up, down = _experts(n_experts, hidden, inter, torch.bfloat16)
