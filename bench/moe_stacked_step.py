@@ -8,7 +8,9 @@ trainer's fused log-prob), the gradient clip (rlalign.train.parallel.clip_grad_n
 (foreach=False, as the trainer). Prints the parameter count and each phase's median wall and CPU time. It uses
 only APIs that existed before the experts were stacked, so the same file times both layouts (issue 18:
 3 x E parameters per sparse layer before, 3 after). Numbers are for the machine it runs on; the 2-core shared
-development machine is noisy.
+development machine is noisy. ``--host-only``: the CUDA path's autograd Function alone (grouped_linear, its
+kernels stubbed; run with TRITON_INTERPRET=1 on a machine without a GPU), per-expert lists against stacked
+weights, in this tree only (lists stay accepted).
 """
 
 from __future__ import annotations
@@ -53,13 +55,51 @@ def step(model, optimizer, seqs, targets) -> dict[str, tuple[float, float]]:
     return {k: (marks[b][0] - marks[a][0], marks[b][1] - marks[a][1]) for k, (a, b) in spans.items()}
 
 
+def grouped_host_overhead(n_experts: int = 128, repeats: int = 20) -> dict[str, float]:
+    """Host milliseconds of one gate/up/down grouped_linear forward + backward (rlalign.ops.triton_backend.grouped,
+    the CUDA path) with the kernels replaced by empty outputs of the right shape: what the autograd Function
+    costs on the host with 3 x E per-expert weight inputs against 3 stacked ones (Qwen3-30B-A3B: E = 128)."""
+    from rlalign.ops.triton_backend import grouped as G
+    saved = G.grouped_rows, G.grouped_weight_grad
+    G.grouped_rows = lambda x, offsets, weights, transpose_w=True, **kw: x.new_empty(
+        (x.shape[0], weights[0].shape[0] if transpose_w else weights[0].shape[1]))
+    G.grouped_weight_grad = lambda g, x, offsets, n, dtype, config=None: g.new_empty((n, g.shape[1], x.shape[1]))
+    try:
+        out = {}
+        hidden, inter, rows = 16, 8, 32
+        offsets = torch.zeros(n_experts + 1, dtype=torch.long)
+        stacked = [torch.zeros(n_experts, inter, hidden, requires_grad=True),
+                   torch.zeros(n_experts, inter, hidden, requires_grad=True),
+                   torch.zeros(n_experts, hidden, inter, requires_grad=True)]
+        lists = [[torch.zeros(w.shape[1:], requires_grad=True) for _ in range(n_experts)] for w in stacked]
+        for name, (gate, up, down) in (("per-expert lists", lists), ("stacked", stacked)):
+            x = torch.zeros(rows, hidden, requires_grad=True)
+            def once():
+                h = G.grouped_linear(x, offsets, gate) * G.grouped_linear(x, offsets, up)
+                G.grouped_linear(h, offsets, down).sum().backward()
+            for _ in range(3):
+                once()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                once()
+            out[name] = (time.perf_counter() - t0) / repeats * 1e3
+        return out
+    finally:
+        G.grouped_rows, G.grouped_weight_grad = saved
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--host-only", action="store_true", help="only the grouped GEMM Function's host overhead")
     args = ap.parse_args(argv)
+    if args.host_only:
+        for name, ms in grouped_host_overhead().items():
+            print(f"grouped_linear gate+up+down fwd+bwd, kernels stubbed, 128 experts, {name}: {ms:.2f} ms host")
+        return
     dense, _ = load_model(DEFAULT)
     model = upcycle(dense, args.experts, args.top_k, seed=0).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)

@@ -11,7 +11,8 @@ contiguous groups, rank r holds query heads [r*H/t, (r+1)*H/t) and kv heads like
 embeddings, the residual stream) stays replicated (every rank computes it identically).
 
 Parameter names do not change; a sharded parameter carries ``tp_dim`` (0: rows, 1: columns) and
-``tp_range`` (its [start, stop) along that dim; stacked experts: 1 for gate/up [E, I, H], 2 for down [E, H, I]), and :func:`full_state` rebuilds the unsharded tensors (state or gradients) on every rank.
+``tp_range`` (its [start, stop) along that dim; stacked experts: 1 for gate/up [E, I, H], 2 for down
+[E, H, I]), and :func:`full_state` rebuilds the unsharded tensors (state or gradients) on every rank.
 tp=1 (``Group.single()``) applies the same modules without any process group: it is the
 reference the TP degrees agree with.
 """
