@@ -228,6 +228,7 @@ def _check_elementwise():
 
 def _check_sample():
     import torch
+    from rlalign.ops import static_decode
     from rlalign.ops.torch_backend import sample as reference
     from rlalign.ops.triton_backend import sample as S
     g = torch.Generator().manual_seed(4)
@@ -237,10 +238,13 @@ def _check_sample():
             torch.tensor([0.9, 0.0, 1.0, 0.7, 0.9, 1.3]))
     for top_k, top_p in ((torch.tensor([0, 0, 50, 0, 10, 0]), torch.tensor([1.0, 1.0, 1.0, 0.9, 0.8, 1.0])),
                          (torch.zeros(rows, dtype=torch.int64), torch.ones(rows))):
-        got = S.sample(logits, *args, top_k, top_p)
         want = reference.sample(logits, *args, top_k, top_p)
-        if not torch.equal(got, want):
-            return f"tokens {got.tolist()} != torch backend {want.tolist()}"
+        got = S.sample(logits, *args, top_k, top_p)
+        with static_decode():   # the CUDA-graph form: every row's keep mask from a full sort, same tokens
+            got_static = S.sample(logits, *args, top_k, top_p)
+        for name, tokens in (("eager", got), ("static form", got_static)):
+            if not torch.equal(tokens, want):
+                return f"{name} tokens {tokens.tolist()} != torch backend {want.tolist()}"
     return 0.0
 
 
