@@ -340,11 +340,13 @@ class RolloutEngine:
                                               sampler, info)
                 self.scheduler.mark_computed(plan)
             else:
+                replays = self.decode_graphs.replays if self.decode_graphs is not None else 0
                 hidden, routing = self._forward(plan, ids, positions, cu, table, seq_lens, slots)
                 self.scheduler.mark_computed(plan)
                 rows, sample_positions, seqs = self._sampling_rows(plan, cu, seq_lens)
                 results = self._sample(hidden, rows, sample_positions, seqs) if seqs else None
-                launched = _Launched(plan, seqs, sample_positions, results, [], routing, info)
+                launched = _Launched(plan, seqs, sample_positions, results, [], routing, info,
+                                     events=self._replay_events(replays))
         launched.seconds = time.perf_counter() - t0
         return launched
 
@@ -393,7 +395,15 @@ class RolloutEngine:
         results = Readback(pack_results(graphs.tokens, graphs.logprobs, graphs.verdicts))
         routing = None if self.routing is None else (decode.slots, Readback(graphs.routing))
         return _Launched(plan, seqs, sampler.positions, results, graphs.verdict_messages, routing, info,
-                         device_tokens=graphs.tokens, events=graphs.last_events if graphs.time_replays else None)
+                         device_tokens=graphs.tokens, events=self._replay_events(graphs.replays - 1))
+
+    def _replay_events(self, replays_before: int) -> tuple | None:
+        """The CUDA events around the graph replay of the step just launched (DecodeGraphs.time_replays;
+        the rollout benchmark's forward_gpu_ms), None when it replayed no graph."""
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.time_replays or graphs.replays <= replays_before:
+            return None
+        return graphs.last_events
 
     def _graph_sampler(self, plan: SchedulerOutput, cu: np.ndarray, ends: np.ndarray,
                        seqs: list[Sequence]) -> HostSampler | None:
