@@ -313,8 +313,12 @@ class RolloutEngine:
         launched, self._inflight = self._inflight, None
         if launched is None:
             launched = self._launch_scheduled()
-        self._inflight = self._launch_continuation(launched)
-        outputs = self._complete(launched, emit_unfinished)
+        try:
+            self._inflight = self._launch_continuation(launched)
+            outputs = self._complete(launched, emit_unfinished)
+        except BaseException:
+            self._abandon(launched)   # e.g. a failed verdict: abort_all() then ends its sequences
+            raise
         self._drain_if_dead()
         return outputs
 
@@ -448,11 +452,12 @@ class RolloutEngine:
         of sequences that ended while it ran, append its live rows' tokens; then the continuation in
         flight (if any) has known input tokens: mark its chunks computed."""
         seqs, positions, tokens, logprobs = launched.seqs, launched.positions, None, None
-        if launched.results is not None:
-            tokens, logprobs = unpack_results(launched.results.wait(), len(seqs), launched.verdict_messages)
+        host = None if launched.results is None else launched.results.wait()
+        self._free_released(launched)   # it has run (waited for): the pages of sequences that ended meanwhile
+        if host is not None:
+            tokens, logprobs = unpack_results(host, len(seqs), launched.verdict_messages)
         if launched.routing is not None:
             self._store_routing(launched.routing[0], launched.routing[1].wait())
-        self.scheduler.free_pages(launched.release)
         if launched.dead and tokens is not None:
             live = np.fromiter((id(s) not in launched.dead for s in seqs), bool, len(seqs))
             seqs = [s for s, ok in zip(seqs, live.tolist()) if ok]
@@ -470,6 +475,16 @@ class RolloutEngine:
             following.marked = True
         return outputs
 
+    def _free_released(self, launched: _Launched) -> None:
+        self.scheduler.free_pages(launched.release)
+        launched.release = []
+
+    def _abandon(self, launched: _Launched) -> None:
+        """A step whose completion failed: wait for it and free the pages it held for ended sequences."""
+        if launched.results is not None:
+            launched.results.wait()
+        self._free_released(launched)
+
     def _drain_if_dead(self) -> None:
         """A step in flight whose every row belongs to a finished or aborted sequence: wait for it and free
         the pages it wrote (its results are dropped unread, verdicts included: nothing uses them)."""
@@ -479,11 +494,9 @@ class RolloutEngine:
         if any(id(s) not in launched.dead for s in launched.seqs):
             return
         self._inflight = None
-        if launched.results is not None:
-            launched.results.wait()
         if launched.routing is not None:
             launched.routing[1].wait()
-        self.scheduler.free_pages(launched.release)
+        self._abandon(launched)
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from rlalign.contract.errors import ContractError
 from rlalign.models.testing import tiny_model
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from rlalign.rollout.block_manager import pages_for
@@ -183,3 +184,28 @@ def test_overlap_setting_is_checked(model):
         RolloutEngine(model, RolloutConfig(num_pages=16, profile="native", decode_graphs="padded", overlap="on"))
     # auto: only for CUDA graphs (padded steps on the CPU run serially unless asked)
     assert not RolloutEngine(model, RolloutConfig(num_pages=16, decode_graphs="padded")).overlap
+
+
+def test_a_failed_step_leaks_nothing_and_the_engine_recovers():
+    """A NaN in the weights mid-run raises (CPU: the static sampler's verdict or the forward's check) with a
+    step in flight; abort_all() then leaves no page held and no step in flight, and the engine runs again."""
+    model = tiny_model("qwen3", seed=3, init_std=0.1)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = RolloutEngine(model, RolloutConfig(num_pages=64, page_size=4, decode_graphs="padded", overlap="on"))
+    sampling = SamplingParams(n=2, max_new_tokens=LONGEST_NEW, seed=1, stop_token_ids=STOPS)
+    for i in range(3):
+        engine.add_request(PROMPTS[i], sampling, prompt_index=i)
+    while engine.counters["overlapped_steps"] < 2:
+        engine.step()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ContractError, match="NaN"):
+        for _ in range(2):
+            engine.step()
+    engine.abort_all()
+    assert engine._inflight is None and not engine.has_unfinished()
+    assert engine.stats()["free_pages"] == engine.stats()["num_pages"]
+    engine.update_weights(good)
+    requests = [(0, i, sampling) for i in range(3)]
+    reference = RolloutEngine(tiny_model("qwen3", seed=3, init_std=0.1), RolloutConfig(num_pages=64))
+    assert_same(run_workload(engine, requests), run_workload(reference, requests), "after recovery")
