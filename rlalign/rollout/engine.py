@@ -358,11 +358,10 @@ class RolloutEngine:
         """Overlapped scheduling: launch the decode step after ``prev`` (in flight, graph-sampled) before
         reading ``prev``'s tokens: the same live sequences, one token each, whose input ids are ``prev``'s
         sampled tokens gathered on the device. None (nothing changed) when the next step is anything else:
-        admissions, pending forks, preemption or a page shortage, copy-on-write, several logprob
-        temperatures in flight -- those steps run serially once ``prev`` is read."""
-        if not self.overlap or prev.device_tokens is None or self.scheduler.waiting:
-            return None
-        if len(self._shared_settings().score_temperatures) != 1 or any(r.pending_forks for r in self._requests.values()):
+        an admission, preemption or a page shortage, copy-on-write, several logprob
+        temperatures in flight -- those steps run serially once ``prev`` is read. (A running sequence never
+        has forks pending here: a leader forks at the end of its prompt, which is not a decode step.)"""
+        if not self.overlap or prev.device_tokens is None or len(self._shared_settings().score_temperatures) != 1:
             return None
         live = None if not prev.dead else np.fromiter((id(s) not in prev.dead for s in prev.seqs), bool, len(prev.seqs))
         seqs = prev.seqs if live is None else [s for s, ok in zip(prev.seqs, live.tolist()) if ok]
@@ -412,12 +411,13 @@ class RolloutEngine:
     def _graph_sampler(self, plan: SchedulerOutput, cu: np.ndarray, ends: np.ndarray,
                        seqs: list[Sequence]) -> HostSampler | None:
         """The sampler inputs of a decode step the graphs sample whole: a decode-only step that fits a
-        graph, every row sampling (its chunk ends at its last token), no forks pending, one logprob
-        temperature in flight. None otherwise (the step samples eagerly)."""
+        graph, every row sampling (its chunk ends at its last token), no row a leader with forks pending
+        (its siblings would share its row), one logprob temperature in flight. None otherwise (the step
+        samples eagerly)."""
         graphs, count = self.decode_graphs, len(plan.chunks)
         if graphs is None or not graphs.samples or cu[-1] != count or graphs.bucket(count) is None:
             return None
-        if len(self._shared_settings().score_temperatures) != 1 or any(r.pending_forks for r in self._requests.values()):
+        if len(self._shared_settings().score_temperatures) != 1 or any(s.request.pending_forks for s in seqs):
             return None
         totals = np.fromiter((len(s.tokens) for s in seqs), np.int64, count)
         if not np.array_equal(ends, totals):

@@ -209,3 +209,18 @@ def test_a_failed_step_leaks_nothing_and_the_engine_recovers():
     requests = [(0, i, sampling) for i in range(3)]
     reference = RolloutEngine(tiny_model("qwen3", seed=3, init_std=0.1), RolloutConfig(num_pages=64))
     assert_same(run_workload(engine, requests), run_workload(reference, requests), "after recovery")
+
+
+def test_overlap_while_requests_wait_for_a_seat_and_through_generate(model):
+    """With every seat taken (max_num_seqs) schedule() admits nothing, so decode steps still overlap while
+    requests wait; generate() (which asks only for finished outputs) gives the same completions."""
+    sampling = SamplingParams(n=2, max_new_tokens=LONGEST_NEW, seed=4, ignore_eos=True)
+    config = dict(page_size=4, num_pages=256, max_num_seqs=4)
+    _, serial, overlapped = engines(model, config)
+    want = serial.generate(PROMPTS, sampling)
+    got = overlapped.generate(PROMPTS, sampling)
+    assert_same({(c.prompt_index, c.sample_index): c for c in got},
+                {(c.prompt_index, c.sample_index): c for c in want}, "generate(), seats full")
+    assert overlapped._inflight is None and overlapped.stats()["free_pages"] == overlapped.stats()["num_pages"]
+    # 6 prompts x 2 samples through 4 seats: most decode steps run while others wait, and overlap
+    assert overlapped.counters["overlapped_steps"] > overlapped.counters["steps"] // 2
