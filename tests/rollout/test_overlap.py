@@ -101,7 +101,7 @@ def engines(model, config: dict, **extra) -> tuple[RolloutEngine, RolloutEngine,
     return plain, serial, overlapped
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads())
 def test_overlap_changes_no_bit(model, workload):
     config, requests = workload
