@@ -124,6 +124,7 @@ class _Captured:
     verdicts: torch.Tensor | None      # bool [m] (sampling graphs), None when there are none
     messages: list                     # (op, message) per verdict
     raw_verdicts: list                 # as recorded (requeued when the step is sampled eagerly)
+    forward_checks: int = 0            # how many of them the forward recorded (finiteness checks)
 
 
 class DecodeGraphs:
@@ -248,7 +249,7 @@ class DecodeGraphs:
 
     def _replay(self, key) -> _Captured:
         captured = self._graphs[key]
-        self.last_checks = len(captured.raw_verdicts)
+        self.last_checks = captured.forward_checks
         if self.time_replays:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -288,13 +289,16 @@ class DecodeGraphs:
         """What a graph holds: the forward, then (a sampling variant) ops.sample_and_score of every row.
         -> (hidden, expert ids or None, tokens or None, logprobs or None)."""
         hidden, routing = self._forward(batch)
+        return (hidden, routing, *self._sample_rows(hidden, b, variant))
+
+    def _sample_rows(self, hidden: torch.Tensor, b: int, variant):
+        """(tokens, logprobs) of the b rows from the static sampler inputs, or (None, None) (no variant)."""
         if variant is None:
-            return hidden, routing, None, None
-        tokens, logprobs = ops.sample_and_score(
+            return None, None
+        return ops.sample_and_score(
             hidden, self.sampler_weight, seeds=self.seeds[:b], positions=self.sample_positions[:b],
             temperature=self.temperature[:b], top_k=self.top_k[:b], top_p=self.top_p[:b],
             score_temperature=variant[0])
-        return hidden, routing, tokens, logprobs
 
     def _batch(self, b: int, w: int) -> ForwardBatch:
         return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
@@ -357,8 +361,10 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         hints = dict(max_query_len=1, sample_filtered=bool(variant and variant[1]))
         with capturing_graph(**hints) as verdicts, torch.cuda.graph(graph, pool=self._pool):
-            hidden, routing, tokens, logprobs = self._body(batch, b, variant)
+            hidden, routing = self._forward(batch)
+            forward_checks = len(verdicts)
+            tokens, logprobs = self._sample_rows(hidden, b, variant)
             stacked = torch.stack([ok for _, _, ok in verdicts]) if variant is not None and verdicts else None
         self.captures += 1
         return _Captured(graph, hidden, routing, tokens, logprobs, stacked,
-                         [(op, message) for op, message, _ in verdicts], list(verdicts))
+                         [(op, message) for op, message, _ in verdicts], list(verdicts), forward_checks)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlalign import ops
 from rlalign.contract.errors import ContractError
+from rlalign.ops import capturing_graph
 from rlalign.ops.torch_backend import sample as backend
 from tests.bitwise import assert_bitwise_equal
 
@@ -96,3 +98,46 @@ def test_static_form_turns_validations_into_verdicts():
     logits[1, 3] = float("nan")
     with ops.static_decode(), pytest.raises(ContractError, match="NaN or \\+inf"):
         ops.sample(logits, seeds=0, seq_ids=0, positions=0)
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on what cannot happen inside a CUDA-graph capture: reading a tensor's value on the host
+    (``bool(t)``, ``t.item()``, ``t.tolist()``) or an op whose output shape depends on the data."""
+    FORBIDDEN = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in self.FORBIDDEN:
+            raise AssertionError(f"host read / data-dependent shape inside the static form: aten.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_captured_form_reads_nothing_on_the_host_and_records_its_verdicts(filtered):
+    """The capture-time branches on the CPU: under ``capturing_graph`` the op runs with no host read and no
+    data-dependent shape (aten-level check), its validations are recorded as verdicts (all passing here),
+    and its bits are the eager op's."""
+    rows, vocab = 6, 300
+    hidden, weight = _hidden_head(rows, vocab, 3, False)
+    temps = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    ks = torch.tensor([0, 0, 5, 0, 0, 0] if filtered else [0] * rows)
+    ps = torch.tensor([1.0, 1.0, 1.0, 0.8, 1.0, 1.0] if filtered else [1.0] * rows)
+    kwargs = dict(seeds=torch.arange(rows) * 977, positions=torch.arange(rows) + 40)
+    want = ops.sample_and_score(hidden, weight, temperature=temps.tolist(), top_k=ks.tolist(), top_p=ps.tolist(),
+                                **kwargs)
+    with capturing_graph(max_query_len=1, sample_filtered=filtered) as verdicts, _NoHostReads():
+        got = ops.sample_and_score(hidden, weight, temperature=temps, top_k=ks, top_p=ps, score_temperature=1.0,
+                                   **kwargs)
+    assert_bitwise_equal(got[0], want[0], "captured-form tokens")
+    assert_bitwise_equal(got[1], want[1], "captured-form logprobs")
+    assert verdicts and all(bool(ok) for _, _, ok in verdicts)
+
+
+def test_a_graph_captured_without_filtering_refuses_a_filtering_row():
+    hidden, weight = _hidden_head(2, 50, 4, False)
+    with capturing_graph(max_query_len=1, sample_filtered=False) as verdicts:
+        ops.sample_and_score(hidden, weight, seeds=torch.arange(2), positions=torch.arange(2),
+                             temperature=torch.ones(2), top_k=torch.tensor([0, 3]), top_p=torch.ones(2),
+                             score_temperature=1.0)
+    failed = [message for _, message, ok in verdicts if not bool(ok)]
+    assert len(failed) == 1 and "captured without filtering" in failed[0]
