@@ -4,7 +4,8 @@ A decode step (every running sequence feeds one token) is the same ~15 launches 
 step; issued from Python they cost far more host time than the GPU needs for them. So the model's
 ``forward_hidden`` is captured once per bucket size b (1, 2, 4, 8, 16, 20, 24, 28, 32, 40, 48, ...
 up to ``max_batch``; all of them at the first decode step) on static input buffers and replayed;
-the sampler and the logprob op stay eager.
+in the strict profile the sampler and the logprob op are captured with it (below), in the native
+profile they run eagerly.
 
 Why padding cannot change a bit: a step with n < b sequences fills rows n..b-1 with padding
 sequences, and in the strict profile a row's result does not depend on the other rows of the batch

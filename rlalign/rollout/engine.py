@@ -5,7 +5,8 @@ copy-on-write are done; ONE :class:`ForwardBatch` describes every chunk; ONE mod
 the hidden rows (a decode-only step on a GPU: a CUDA graph replay of that forward on a padded batch,
 :mod:`rlalign.rollout.decode_graphs`); the rows of the sequences that reached their last token are
 sampled together by :func:`ops.sample_and_score` (the one owner of "sample a token, score it with the
-trainer's op"; exact formulas there):
+trainer's op"; exact formulas there; in a strict decode graph the same op is captured with the
+forward):
 
     token, logprob = ops.sample_and_score(h, W, seeds=s, positions=p, temperature=T, top_k, top_p)
 
@@ -15,6 +16,12 @@ request's seed, prompt key and sample index), p the absolute position the token 
 (``model.logprobs(ForwardBatch.packed(...), targets, temperature=ops.logprob_temperature(T))``), and
 in the strict profile a row does not depend on the batch, the chunking or the page layout: the
 engine's logprobs equal the trainer's bit for bit, and the tokens do not depend on any engine setting.
+
+A step is launched (forward and sampling queued, results on their way to the host) and then completed
+(the one wait for the device, tokens appended, stops checked). With ``RolloutConfig.overlap`` the next
+decode step is launched between the two halves, its input ids the running step's tokens copied on the
+device (:meth:`RolloutEngine._launch_continuation`; docs/rollout.md, "Overlapped scheduling"); rows do
+not depend on each other, so this changes no bit.
 
 With ``RolloutConfig.record_routing`` (MoE models) the forward also yields each row's expert ids
 [rows, sparse layers, k]; they are stored by KV slot once per step (:mod:`rlalign.rollout.routing`) and a
