@@ -17,7 +17,7 @@ from rlalign.contract.errors import ContractError
 from rlalign.models.testing import tiny_model
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from rlalign.rollout.block_manager import pages_for
-from tests.rollout.test_engine_bitwise import STOPS, assert_matches_trainer, assert_same_completions, make_prompts
+from tests.rollout.test_engine_bitwise import STOPS, assert_matches_trainer, make_prompts
 from tests.rollout.test_overlap import PROMPTS, assert_same, run_workload
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -98,8 +98,9 @@ def test_a_nan_raises_from_the_graph_sampled_verdicts(cuda_model):
     engine = RolloutEngine(model, RolloutConfig(num_pages=256, decode_graphs="on", decode_graph_max_batch=16))
     for i, p in enumerate(make_prompts(4, count=4)):
         engine.add_request(p, SamplingParams(n=2, max_new_tokens=30, seed=i, ignore_eos=True), prompt_index=i)
-    while engine.counters["overlapped_steps"] == 0:
+    for _ in range(10):
         engine.step()
+    assert engine.counters["overlapped_steps"] > 0 and engine._inflight is not None
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
     with pytest.raises(ContractError, match="NaN"):
