@@ -289,9 +289,39 @@ def _check_grouped():
     return worst
 
 
+def _check_combine():
+    """MoE combine: slots taken in expert order (ids in any slot order, k = 1 / 3 (padded) / 8), ragged H;
+    fp32 forward equals the torch backend's bit for bit (both are separate multiplies and adds here),
+    dy = g * w exactly, dw against float64."""
+    import torch
+    from rlalign.ops.torch_backend.moe import combine as torch_combine
+    from rlalign.ops.triton_backend.combine import combine
+    g = torch.Generator().manual_seed(5)
+    worst = 0.0
+    for tokens, k, h, n_experts in ((5, 8, 300, 16), (3, 3, 64, 7), (4, 1, 17, 2), (0, 2, 32, 4)):
+        y = torch.randn(tokens, k, h, generator=g).requires_grad_()
+        w = torch.rand(tokens, k, generator=g).requires_grad_()
+        experts = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)]) if tokens \
+            else torch.zeros(0, k, dtype=torch.int64)
+        out = combine(y, w, experts)
+        if not torch.equal(out, torch_combine(y, w, experts)):
+            return f"forward differs from the torch backend (T={tokens}, k={k}, H={h})"
+        if not tokens:
+            continue
+        order = torch.argsort(experts, dim=1)
+        ref = (y.double().gather(1, order.unsqueeze(-1).expand_as(y)) * w.double().gather(1, order).unsqueeze(-1)).sum(1)
+        worst = max(worst, _rel(out.detach(), ref))
+        gout = torch.randn(tokens, h, generator=g)
+        dy, dw = torch.autograd.grad(out, [y, w], gout)
+        if not torch.equal(dy, gout.unsqueeze(1) * w.detach().unsqueeze(-1)):
+            return "dy is not g * w"
+        worst = max(worst, _rel(dw, (gout.double().unsqueeze(1) * y.detach().double()).sum(-1)))
+    return worst
+
+
 CHECKS = {"gemm": _check_gemm, "attention": _check_attention, "logprob": _check_logprob,
           "logprob_last_tile": _check_logprob_last_tile, "elementwise": _check_elementwise, "sample": _check_sample,
-          "grouped": _check_grouped}
+          "grouped": _check_grouped, "combine": _check_combine}
 
 
 def _worker() -> None:

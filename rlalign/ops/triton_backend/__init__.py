@@ -9,7 +9,7 @@ relies on, so the contract is not guaranteed for those ops. Set it for both engi
 
 Kernels: :mod:`.gemm` (linear, LM head GEMMs), :mod:`.attention`, :mod:`.logprob`,
 :mod:`.elementwise` (rms_norm, rope, silu_mul), :mod:`.sample`, :mod:`.grouped` (the MoE experts'
-grouped GEMMs, :mod:`.moe`). docs/gpu.md says what was
+grouped GEMMs, :mod:`.moe`), :mod:`.combine` (the MoE combine). docs/gpu.md says what was
 verified on the H200 and which tile shapes are bitwise interchangeable.
 """
 
@@ -32,7 +32,7 @@ if not torch.cuda.is_available() and not _INTERPRET:
 
 from rlalign.ops._registry import register  # noqa: E402
 from rlalign.ops.torch_backend import moe as torch_moe  # noqa: E402
-from rlalign.ops.triton_backend import attention, elementwise, linear, logprob, moe, sample, shard  # noqa: E402
+from rlalign.ops.triton_backend import attention, combine, elementwise, linear, logprob, moe, sample, shard  # noqa: E402
 
 IMPLEMENTATIONS = {
     "linear": linear.linear,
@@ -48,6 +48,7 @@ IMPLEMENTATIONS = {
     # cuBLAS decides, so the torch formulation is strict on CUDA as it stands
     "moe_route": torch_moe.route,
     "moe_expert_ffn": moe.expert_ffn,
+    "moe_combine": combine.combine,
     **shard.IMPLEMENTATIONS,   # tensor-parallel shard entries (rlalign.ops.shard)
 }
 DISABLED = frozenset(op.strip() for op in os.environ.get("RLALIGN_TRITON_DISABLE", "").split(",") if op.strip())
