@@ -191,3 +191,26 @@ def test_combine_kernel_equals_torch_formulation(triton_backend, dtype):
     assert rel_err(dw, ref_dw) < 1e-5
     one = combine(y[417:418], w[417:418], experts[417:418])
     assert_bitwise_equal(one, out[417:418], "one token alone vs 1,000")
+
+
+@pytest.mark.parametrize("n_experts,k,normalize", [(128, 8, True), (64, 4, False), (2, 1, True)])
+def test_route_kernel_equals_torch_formulation(triton_backend, n_experts, k, normalize):
+    """The one-launch routing kernel against the torch formulation on the same GPU: experts and weights bit
+    for bit (libdevice expf is torch's exp), ties to the lower expert, the router gradient identical, a token
+    alone == the token among 5,000."""
+    from rlalign.ops.torch_backend.moe import route as torch_route
+    from rlalign.ops.triton_backend.route import route
+    logits = rand(5000, n_experts, dtype=torch.float32, seed=21, scale=2.0)
+    logits[7, 0] = logits[7, 1] = logits[7].max() + 0.5          # equal top logits: expert 0 first
+    logits.requires_grad_()
+    experts, weights = route(logits, k, normalize)
+    ref_e, ref_w = torch_route(logits, k, normalize)
+    assert torch.equal(experts, ref_e), "experts differ from the torch formulation"
+    assert int(experts[7, 0]) == 0
+    assert_bitwise_equal(weights, ref_w, "routing weights")
+    gw = rand(5000, k, dtype=torch.float32, seed=22)
+    assert_bitwise_equal(torch.autograd.grad(weights, logits, gw)[0], torch.autograd.grad(ref_w, logits, gw)[0],
+                         "router gradient")
+    one_e, one_w = route(logits[4321:4322], k, normalize)
+    assert torch.equal(one_e, experts[4321:4322])
+    assert_bitwise_equal(one_w, weights[4321:4322], "one token alone vs 5,000")
