@@ -212,13 +212,16 @@ class DecodeGraphs:
         return next(x for x in self.widths if x >= w)
 
     def run(self, host: HostDecode, sampler: HostSampler | None = None,
-            prev_tokens: tuple[torch.Tensor, np.ndarray] | None = None) -> torch.Tensor:
+            prev_tokens: tuple[torch.Tensor, np.ndarray] | None = None,
+            variant_hint: tuple[float, bool] | None = None) -> torch.Tensor:
         """Final hidden rows [n, H] of the n decode rows (valid until the next run). With ``sampler`` (a
         sampling engine, every row samples) the graph also samples them: :attr:`tokens`, :attr:`logprobs`,
         :attr:`verdicts` hold the results (valid until the next run; the caller checks the verdicts),
         else they are None and the step's finiteness verdicts are queued for the eager sampler's check.
         ``prev_tokens`` = (tokens of the previous run on the device, int64 row indices [n] on the host):
-        the input ids are ``tokens[rows]``, gathered on the device (``host.ids`` is then ignored)."""
+        the input ids are ``tokens[rows]``, gathered on the device (``host.ids`` is then ignored).
+        ``variant_hint``: without ``sampler``, the sampler variant to replay (the one the coming sampled
+        steps will use, so that the first capture is theirs; default: the last one used)."""
         n = host.ids.shape[0]
         b = self.bucket(n)
         if b is None:
@@ -228,7 +231,7 @@ class DecodeGraphs:
         w = self.width(host.table.shape[1])
         variant = None
         if self.samples:
-            variant = self._variant = sampler.variant if sampler is not None else self._variant
+            variant = self._variant = sampler.variant if sampler is not None else (variant_hint or self._variant)
         key = (b, w, variant)
         if self.mode == "graphs" and not self._graphs and not self.width_buckets:
             self.capture_all(variant)    # fills the buffers with padding batches: before this step's fill
@@ -237,9 +240,10 @@ class DecodeGraphs:
         self._fill(host, b, sampler, variant, None if prev_tokens is None else prev_tokens[1])
         if prev_tokens is not None:   # queued after the fill's copies: overwrites its placeholder ids
             self.input_ids[:n].copy_(prev_tokens[0].index_select(0, self.prev_rows[:n]))
-        out = self._padded_run(b, w, variant) if self.mode == "padded" else self._replay(key)
-        self.routing = None if out.routing is None else out.routing[:n]
         use_sampler = sampler is not None
+        # padded (eager) runs skip the sampler when the step samples eagerly: nothing would read it
+        out = self._padded_run(b, w, variant if use_sampler else None) if self.mode == "padded" else self._replay(key)
+        self.routing = None if out.routing is None else out.routing[:n]
         self.tokens = out.tokens[:n] if use_sampler else None
         self.logprobs = out.logprobs[:n] if use_sampler else None
         self.verdicts = out.verdicts if use_sampler else None

@@ -446,6 +446,13 @@ class RolloutEngine:
         (score_temperature,) = shared.score_temperatures
         return HostSampler(seeds, positions, temperature, top_k, top_p, score_temperature, shared.filtered)
 
+    def _sampler_variant(self) -> tuple[float, bool] | None:
+        """The decode graphs' sampler variant of the requests in flight (None: several logprob temperatures)."""
+        shared = self._shared_settings()
+        if len(shared.score_temperatures) != 1:
+            return None
+        return next(iter(shared.score_temperatures)), shared.filtered
+
     def _check_weights_version(self) -> None:
         if self._shared_settings().weights_versions != {self.weights_version}:
             stale = next(r for r in self._requests.values() if r.weights_version != self.weights_version)
@@ -525,7 +532,7 @@ class RolloutEngine:
             decode = HostDecode(ids, positions, table, seq_lens, slots)
             graphs.check(decode, self.blocks.num_pages)
             self.counters["graph_steps"] += 1
-            hidden = graphs.run(decode)
+            hidden = graphs.run(decode, variant_hint=self._sampler_variant())
             return hidden, None if self.routing is None else (slots, Readback(graphs.routing))
         dev = self.device
         batch = ForwardBatch(
