@@ -45,6 +45,8 @@ captured forward and, in strict, the sampler and logprob op captured with it; gr
 ``host_ms_per_step`` = decode_step_ms - forward_gpu_ms (scheduling, batch building, copies,
 bookkeeping: the host time on the critical path; with ``--overlap on`` the part of it not hidden behind
 the device, and the row's ``overlap`` / ``overlapped_steps`` say whether and how often steps overlapped),
+``host_busy_ms_per_step`` (decode step wall minus the time it blocked waiting for the device's results:
+the host's own work per step, overlapped or not; on the CPU the forward runs inside it),
 ``bytes_per_decode_step`` (weights + K/V read + K/V written, the minimum a step must move:
 :mod:`rlalign.bench.roofline`, from the model config and the step's actual context lengths),
 ``achieved_gbps`` = bytes / wall, ``roofline_fraction`` = achieved / ``--peak-gbps`` (default 4300 on
@@ -430,6 +432,7 @@ class DecodeStep:
     seconds: float
     events: tuple | None = None
     graph_checks: int = 0
+    wait_seconds: float = 0.0     # of ``seconds``, blocked waiting for the device's results
 
     @property
     def forward_ms(self) -> float | None:
@@ -451,7 +454,8 @@ def _generate_step_by_step(engine: RolloutEngine, prompts, sampling) -> tuple[li
             info, events = engine.last_forward, engine.last_step_events   # of the step step() completed
             if info is not None and info["decode"]:
                 steps.append(DecodeStep(info["rows"], info["context_tokens"], seconds, events,
-                                        graphs.last_checks if events is not None else 0))
+                                        graphs.last_checks if events is not None else 0,
+                                        engine.last_step_wait_seconds))
             for out in outputs:
                 if out.completion is not None:
                     done[(out.request_id, out.sample_index)] = out.completion
@@ -478,6 +482,7 @@ def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | No
            "decode_step_ms": round(1e3 * wall / len(steps), 3),
            "decode_step_ms_median": round(1e3 * statistics.median(s.seconds for s in steps), 3),
            "decode_tokens_per_s": round(sum(s.rows for s in steps) / wall, 1),
+           "host_busy_ms_per_step": round(1e3 * sum(s.seconds - s.wait_seconds for s in steps) / len(steps), 3),
            "bytes_per_decode_step": round(total / len(steps)),
            "weight_bytes_per_decode_step": round(sum(b.weights for b in moved) / len(steps)),
            "kv_bytes_per_decode_step": round(sum(b.kv_read + b.kv_write for b in moved) / len(steps)),

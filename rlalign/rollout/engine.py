@@ -127,6 +127,7 @@ class RolloutEngine:
         self.overlap = self._overlap_mode(graph_mode)
         self._inflight: _Launched | None = None      # the step queued on the device, not yet read (overlap)
         self.last_step_events: tuple | None = None   # CUDA events around the completed step's graph replay
+        self.last_step_wait_seconds = 0.0            # how long completing the last step waited for the device
         self.scheduler = Scheduler(self.config, self.blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._requests: dict[str, Request] = {}
@@ -466,7 +467,9 @@ class RolloutEngine:
         of sequences that ended while it ran, append its live rows' tokens; then the continuation in
         flight (if any) has known input tokens: mark its chunks computed."""
         seqs, positions, tokens, logprobs = launched.seqs, launched.positions, None, None
+        t0 = time.perf_counter()
         host = None if launched.results is None else launched.results.wait()
+        self.last_step_wait_seconds = time.perf_counter() - t0   # blocked on the device (the benchmark's)
         self._free_released(launched)   # it has run (waited for): the pages of sequences that ended meanwhile
         if host is not None:
             tokens, logprobs = unpack_results(host, len(seqs), launched.verdict_messages)
