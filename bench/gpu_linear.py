@@ -161,7 +161,7 @@ def target(row: dict) -> float | None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="strict linear vs cuBLAS on Qwen3-8B shapes (H200)")
     ap.add_argument("--out")
-    ap.add_argument("--set", default="all", choices=("all", "kernel", "layers", "segsweep"),
+    ap.add_argument("--set", default="all", choices=("all", "kernel", "layers", "segsweep", "segments"),
                     help="kernel: the strict kernel and the op per shape (+ k_segments=8), no tile sweep; "
                          "layers: a Qwen3-8B layer's linears through ops.linear vs F.linear; all: both + the sweep; "
                          "segsweep: only the canonical-partition (k_segments=8) tile/structure sweep")
@@ -195,6 +195,8 @@ def main() -> int:
     plan += [(4096, 4096, 4096, 8, c, True) for c in seg_sweep if c.nested]
     if args.set == "segsweep":
         plan, layers = [p for p in plan if p[3] == 8], []
+    if args.set == "segments":   # the K-partition shapes as the op launches them, no sweep
+        plan, layers = [p for p in plan if p[3] == 8 and not p[5]], []
     if args.set == "kernel":   # per-shape kernel + op rows, no sweep, no model layers
         plan, layers = [p for p in plan if not p[5]], []
     elif args.set == "layers":
