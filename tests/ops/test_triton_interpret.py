@@ -139,6 +139,91 @@ def _check_attention():
     return worst
 
 
+def _shuffled_cache(k, v, lens, page_size, g):
+    """Every sequence's K/V in randomly placed pages of a NaN-filled cache -> (k_cache, v_cache, table)."""
+    import torch
+    pages = [-(-n // page_size) for n in lens]
+    total = sum(pages) + 3
+    perm = torch.randperm(total, generator=g).tolist()
+    kc = torch.full((total, page_size) + tuple(k.shape[1:]), float("nan"))
+    vc = kc.clone()
+    table = torch.zeros((len(lens), max(pages) + 1), dtype=torch.int32)
+    start, used = 0, 0
+    for s, n in enumerate(lens):
+        ids = perm[used:used + pages[s]]
+        used += pages[s]
+        table[s, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        for p in range(n):
+            kc[ids[p // page_size], p % page_size] = k[start + p]
+            vc[ids[p // page_size], p % page_size] = v[start + p]
+        start += n
+    return kc, vc, table
+
+
+def _check_attention_splits():
+    """Key splits of spec.ATTN_KV_SPLIT (the production value) across their boundaries: the packed
+    forward (two tiles), one-shot and chunked paged prefill (chunks starting mid-split), batched and
+    single-sequence decode, each through the per-tile and the split-program launch, give the packed
+    forward's bits (the interpreter's row-wise dot, fp32), and all are accurate vs float64. Contexts
+    just below / at / above multiples of the split, pages shuffled (NaN outside contexts)."""
+    import torch
+    from rlalign.contract.bits import bits_equal, describe_difference
+    from rlalign.contract.spec import ATTN_KV_SPLIT as S
+    from rlalign.ops.triton_backend import attention as A
+    g = torch.Generator().manual_seed(7)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    hq, hkv, d = 2, 1, 16   # the interpreter's cost is per program: one kv head (GQA 3/1 below)
+    lens = [S + 1, 1, 2 * S + 1, 70]   # decoding 0, 1, 2 tokens before the end: contexts S-1..S+1, 2S-1..2S+1
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    cu = i32([0] + list(torch.tensor(lens).cumsum(0)))
+    scale = d ** -0.5
+    packed = A.varlen_forward(q, k, v, cu, scale, tile=(64, 4, 1))[0]
+    worst = _rel(packed, _attn_ref(q, k, v, lens, scale))
+    starts = [int(x) for x in cu[:-1]]
+
+    def same(out, rows, what):
+        if not bits_equal(out, packed[rows]):
+            raise AssertionError(f"{what}: not bitwise equal to the packed forward: "
+                                 f"{describe_difference(out, packed[rows])}")
+    for page_size in (16, 64):   # page 64: batched decode only (the layout is shuffled at both sizes)
+        kc, vc, table = _shuffled_cache(k, v, lens, page_size, g)
+        for split_programs in (False, True):
+            how = f"page {page_size}, split programs {split_programs}"
+            for back in (0, 1, 2) if page_size == 16 else (1,):
+                # every sequence decodes one token together, `back` tokens before its end
+                ctx = [max(n - back, 1) for n in lens]
+                rows = [st + c - 1 for st, c in zip(starts, ctx)]
+                out = A.paged_forward(q[rows], kc, vc, table, i32(ctx), i32(list(range(len(lens) + 1))), scale,
+                                      split_programs=split_programs)
+                same(out, rows, f"batched decode {back} before the end ({how})")
+            if page_size == 64:
+                continue
+            out = A.paged_forward(q, kc, vc, table, i32(lens), cu, scale, split_programs=split_programs)
+            same(out, slice(0, t), f"one-shot paged prefill, the {A.PREFILL_TILE} tile ({how})")
+            s, n = 2, lens[2]   # the 2S+1 sequence in chunks that start and end mid-split
+            for a, b in ((0, 100), (100, S - 1), (S - 1, S + 3), (S + 3, 2 * S), (2 * S, n)):
+                out = A.paged_forward(q[starts[s] + a:starts[s] + b], kc, vc, table[s:s + 1], i32([b]),
+                                      i32([0, b - a]), scale, split_programs=split_programs)
+                same(out, slice(starts[s] + a, starts[s] + b), f"chunk [{a}, {b}) ({how})")
+            for pos in (S - 1, S):   # one sequence alone, its rows on both sides of a split
+                row = starts[2] + pos
+                out = A.paged_forward(q[row:row + 1], kc, vc, table[2:3], i32([pos + 1]), i32([0, 1]), scale,
+                                      split_programs=split_programs)
+                same(out, [row], f"decode alone at position {pos} ({how})")
+    # a GQA group of 3 with padded head_dim 48 through the split programs
+    q3, k3, v3 = (torch.randn(S + 2, h, 48, generator=g) for h in (3, 1, 1))
+    cu3 = i32([0, S + 2])
+    ref3 = A.varlen_forward(q3, k3, v3, cu3, 0.2, tile=(64, 4, 1))[0]
+    kc, vc, table = _shuffled_cache(k3, v3, [S + 2], 16, g)
+    for pos in (0, S - 1, S, S + 1):
+        out = A.paged_forward(q3[pos:pos + 1], kc, vc, table, i32([pos + 1]), i32([0, 1]), 0.2, split_programs=True)
+        if not bits_equal(out, ref3[pos:pos + 1]):
+            raise AssertionError(f"G=3, D=48 decode at {pos}: {describe_difference(out, ref3[pos:pos + 1])}")
+    worst = max(worst, _rel(ref3, _attn_ref(q3, k3, v3, [S + 2], 0.2)))
+    return worst
+
+
 def _check_logprob():
     import torch
     from rlalign.ops.triton_backend import logprob as L
@@ -289,7 +374,8 @@ def _check_grouped():
     return worst
 
 
-CHECKS = {"gemm": _check_gemm, "attention": _check_attention, "logprob": _check_logprob,
+CHECKS = {"gemm": _check_gemm, "attention": _check_attention, "attention_splits": _check_attention_splits,
+          "logprob": _check_logprob,
           "logprob_last_tile": _check_logprob_last_tile, "elementwise": _check_elementwise, "sample": _check_sample,
           "grouped": _check_grouped}
 
