@@ -56,6 +56,7 @@ PREFILL_TILE = (128, 8, 3)
 DECODE_TILE = (64, 4, 3)
 BWD_TILE = (64, 4, 2)
 DKDV_WARPS = 8
+MERGE_WARPS = 8
 # Paged calls with fewer per-tile programs than SPLIT_PROGRAMS_BELOW x SMs (decode at small batch: one
 # program per (sequence, kv head)) run one program per key split instead, if the fp32 partials stay
 # under SPLIT_SCRATCH_MAX_BYTES. Speed only; the bits are those of the per-tile kernel.
@@ -221,14 +222,22 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt
     L = tl.zeros((BM,), tl.float32)
     ACC = tl.zeros((BM, DP), tl.float32)
     for j in range(j_first, j_end):
-        m, l, acc = _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol,
-                                 stride_kr, stride_kh, stride_bt, D, BN, PS, PAGED, SPLIT, ROWWISE)
         if not PARTIAL:
-            if ((j + 1) % BPS == 0) | (j == j_end - 1):   # the split's last block: merge, restart fresh
-                M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (j // BPS) * SPLIT_KEYS)
+            if (j % BPS == 0) & (j > 0):
+                # The previous split ends: merge its partial, restart m = -inf, l = 0. The first block of
+                # the split then has alpha = exp2(-inf - m') = 0 for every row that sees it, so acc * alpha
+                # restarts acc from 0 inside the MMA's accumulator input; a row that does not see the block
+                # sees nothing of the split, and its stale acc is never merged. Resetting acc itself, or
+                # merging after the block's MMA, puts non-wgmma instructions on the accumulator while the
+                # MMA is in flight (ptxas C7514/C7515: the wgmma pipeline is serialised); here alpha depends
+                # on the reset, which keeps the merge before the P.V MMA is issued.
+                M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (j // BPS - 1) * SPLIT_KEYS)
                 m = tl.full((BM,), float("-inf"), tl.float32)
                 l = tl.zeros((BM,), tl.float32)
-                acc = tl.zeros((BM, DP), tl.float32)
+        m, l, acc = _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr,
+                                 qk_scale2, dcol, stride_kr, stride_kh, stride_bt, D, BN, PS, PAGED, SPLIT, ROWWISE)
+    if not PARTIAL:   # the last split
+        M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= ((j_end - 1) // BPS) * SPLIT_KEYS)
     hq_total = stride_qt // stride_qh                  # q is [T, Hq, D] contiguous
     if PARTIAL:
         _store_partial(PM, PL, PACC, sp, part_rows, q_rows * hq_total + head, row_ok, m, l, acc, dcol, D)
@@ -418,6 +427,8 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged, STORE_LSE=store_lse, SPLIT=split_for(q.dtype),
         SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), num_stages=stages, **meta)
     if split_programs:
+        # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
+        meta["num_warps"] = MERGE_WARPS
         attn_merge_kernel[(tiles, n_seq, hkv)](pm, pl, pacc, out, cu_q, pos0, t * hq, out.stride(0), out.stride(1),
                                                hq, SPLIT_KEYS=KV_SPLIT, num_stages=1, **meta)
     return out, lse
