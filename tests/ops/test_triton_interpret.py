@@ -433,6 +433,23 @@ def _compile_gemm_grid(G) -> None:
             G.gemm(x, w, b_trans=True, segments=seg, out_dtype=dt if call == "linear" else torch.float32)
 
 
+def _ptxas_report(ptx: str):
+    """ptxas -v for sm_90a on ``ptx``: its info lines (registers, spills, performance warnings), or None
+    when Triton's ptxas cannot be found or run."""
+    import tempfile
+    try:
+        import triton.backends.nvidia as nv
+        exe = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        run = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, timeout=300)
+        os.unlink(f.name)
+    except (ImportError, OSError, subprocess.SubprocessError):
+        return None
+    return run.stderr if run.returncode == 0 else None
+
+
 def _sm90_worker() -> None:
     import torch
     from triton.backends.compiler import GPUTarget
@@ -490,8 +507,12 @@ def _sm90_worker() -> None:
     cu = torch.tensor([0, 4096], dtype=torch.int32)
     attempt("attention varlen", lambda: A.varlen_forward(q, k, k, cu, 0.1, store_lse=True))
     cache, table = torch.empty(64, 64, 8, 128, dtype=bf), torch.zeros(1, 64, dtype=torch.int32)
-    attempt("attention decode", lambda: A.paged_forward(q[:1], cache, cache, table, torch.tensor([9], dtype=torch.int32),
-                                                        torch.tensor([0, 1], dtype=torch.int32), 0.1))
+    one, ctx = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([9], dtype=torch.int32)
+    attempt("attention decode", lambda: A.paged_forward(q[:1], cache, cache, table, ctx, one, 0.1, split_programs=False))
+    attempt("attention decode, split programs",
+            lambda: A.paged_forward(q[:1], cache, cache, table, ctx, one, 0.1, split_programs=True))
+    attempt("attention paged prefill", lambda: A.paged_forward(q[:600], cache, cache, table, torch.tensor([4000], dtype=torch.int32),
+                                                               torch.tensor([0, 600], dtype=torch.int32), 0.1))
     attempt("attention backward", lambda: A.varlen_backward(q, k, k, q, torch.empty(4096, 32), cu, q, 0.1))
     h, lm = torch.empty(256, 4096, dtype=bf), torch.empty(151936, 4096, dtype=bf)
     tgt, zeros = torch.zeros(256, dtype=torch.int64), torch.zeros(256)
@@ -519,7 +540,8 @@ def _sm90_worker() -> None:
     for name, kwargs, kernel in compiled:
         ptx = kernel.asm["ptx"]
         variants.append({"kernel": name, "args": {k: v for k, v in kwargs.items() if k.isupper()},
-                         "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx})
+                         "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx,
+                         "ptxas": _ptxas_report(ptx) if name.startswith("attn_") else None})
     print("RESULTS " + json.dumps({"errors": errors, "variants": variants, "grid_variants": grid_variants}))
 
 
@@ -585,6 +607,22 @@ def test_dot_kernels_use_wgmma(sm90):
 def test_shared_memory_fits_sm90(sm90):
     over = [v for v in sm90["variants"] if v["smem"] > SMEM_LIMIT]
     assert not over, f"shared memory over {SMEM_LIMIT} B: {over}"
+
+
+def test_attention_forward_keeps_the_wgmma_pipeline(sm90):
+    """The bf16 attention forward kernels (prefill, paged prefill, decode per tile and per key split,
+    the merge) spill nothing and ptxas does not serialise their wgmma (C7514/C7515: a non-wgmma
+    instruction reading or writing the accumulator while the MMA is in flight, e.g. a split merge
+    placed after the P.V MMA)."""
+    reports = [v for v in sm90["variants"] if v["kernel"].startswith("attn_") and v["ptxas"] is not None
+               and v["kernel"] != "attn_bwd_dkdv_kernel" and v["kernel"] != "attn_bwd_dq_kernel"]
+    if not reports:
+        pytest.skip("Triton's ptxas could not be run")
+    kinds = {(v["kernel"], v["args"].get("PARTIAL")) for v in reports}
+    assert {("attn_fwd_kernel", "True"), ("attn_fwd_kernel", "False"), ("attn_merge_kernel", None)} <= kinds, kinds
+    bad = [(v["kernel"], v["args"], line.strip()) for v in reports for line in v["ptxas"].splitlines()
+           if "C7514" in line or "C7515" in line or ("spill" in line and " 0 bytes spill stores" not in line)]
+    assert not bad, f"attention kernels serialise wgmma or spill: {bad}"
 
 
 def test_dispatched_gemm_configs_cover_the_shape_grid(sm90):

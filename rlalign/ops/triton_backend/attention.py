@@ -57,9 +57,9 @@ DECODE_TILE = (64, 4, 3)
 BWD_TILE = (64, 4, 2)
 DKDV_WARPS = 8
 MERGE_WARPS = 8
-# Paged calls with fewer per-tile programs than SPLIT_PROGRAMS_BELOW x SMs (decode at small batch: one
-# program per (sequence, kv head)) run one program per key split instead, if the fp32 partials stay
-# under SPLIT_SCRATCH_MAX_BYTES. Speed only; the bits are those of the per-tile kernel.
+# Paged calls on the decode tile with fewer per-tile programs than SPLIT_PROGRAMS_BELOW x SMs (decode at
+# small batch: one program per (sequence, kv head)) run one program per key split instead, if the fp32
+# partials stay under SPLIT_SCRATCH_MAX_BYTES. Speed only; the bits are those of the per-tile kernel.
 SPLIT_PROGRAMS_BELOW = 4
 SPLIT_SCRATCH_MAX_BYTES = 256 << 20
 
@@ -439,10 +439,13 @@ def split_scratch_bytes(t: int, hq: int, d: int, max_context: int) -> int:
     return triton.cdiv(max_context, KV_SPLIT) * t * hq * (_dpad(d) + 2) * 4
 
 
-def use_split_programs(programs: int, scratch_bytes: int, sms: int) -> bool:
+def use_split_programs(tile, programs: int, scratch_bytes: int, sms: int) -> bool:
     """Whether a paged call runs one program per key split (speed only: the bits are the same either
-    way). Taken when the per-tile grid would leave SMs idle and the partials stay small."""
-    return programs < SPLIT_PROGRAMS_BELOW * sms and scratch_bytes <= SPLIT_SCRATCH_MAX_BYTES
+    way). Taken for decode tiles (a few query tokens per sequence: prefill tiles have rows enough to
+    fill the GPU, and their partials would be large) when the per-tile grid would leave SMs idle and
+    the partials stay small."""
+    return (tile[0] <= DECODE_TILE[0] and programs < SPLIT_PROGRAMS_BELOW * sms
+            and scratch_bytes <= SPLIT_SCRATCH_MAX_BYTES)
 
 
 def _seq_info(cu_seqlens: torch.Tensor, device):
@@ -509,7 +512,7 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     if split_programs is None:
         programs = triton.cdiv(max_q, tile[0] // (q.shape[1] // hkv)) * (cu.shape[0] - 1) * hkv
         scratch = split_scratch_bytes(q.shape[0], q.shape[1], q.shape[2], max_kv)
-        split_programs = use_split_programs(programs, scratch, device_sms(q))
+        split_programs = use_split_programs(tile, programs, scratch, device_sms(q))
     out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, page_size, scale, True, tile, False,
                       max_q, max_kv, split_programs)
     return out
