@@ -169,6 +169,7 @@ def _check_attention_splits():
     import torch
     from rlalign.contract.bits import bits_equal, describe_difference
     from rlalign.contract.spec import ATTN_KV_SPLIT as S
+    from rlalign.ops import capturing_graph
     from rlalign.ops.triton_backend import attention as A
     g = torch.Generator().manual_seed(7)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
@@ -206,6 +207,11 @@ def _check_attention_splits():
                 out = A.paged_forward(q[starts[s] + a:starts[s] + b], kc, vc, table[s:s + 1], i32([b]),
                                       i32([0, b - a]), scale, split_programs=split_programs)
                 same(out, slice(starts[s] + a, starts[s] + b), f"chunk [{a}, {b}) ({how})")
+            with capturing_graph(max_query_len=1):   # as in a decode graph: the split grid from the table width
+                rows = [st + n - 1 for st, n in zip(starts, lens)]
+                out = A.paged_forward(q[rows], kc, vc, table, i32(lens), i32(list(range(len(lens) + 1))), scale,
+                                      split_programs=split_programs)
+                same(out, rows, f"batched decode while capturing ({how})")
             for pos in (S - 1, S):   # one sequence alone, its rows on both sides of a split
                 row = starts[2] + pos
                 out = A.paged_forward(q[row:row + 1], kc, vc, table[2:3], i32([pos + 1]), i32([0, 1]), scale,
