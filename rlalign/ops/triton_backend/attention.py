@@ -176,7 +176,9 @@ def _finish(L, ACC):
     return ACC / tl.where(L > 0, L, 1.0)[:, None] + 0.0
 
 
-@triton.jit
+# n_splits and part_rows are not specialised (Triton compiles a variant for an int equal to 1 or divisible
+# by 16): a decode graph's warm-up call and its capture must use one compiled kernel.
+@triton.jit(do_not_specialize=["n_splits", "part_rows"])
 def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, qk_scale2, n_splits,
                     part_rows, stride_qt, stride_qh, stride_kr, stride_kh, stride_ot, stride_oh, stride_bt,
                     G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -250,7 +252,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt
             tl.store(LSE + q_rows * hq_total + head, M + tl.log2(tl.where(L > 0, L, 1.0)), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["part_rows"])
 def attn_merge_kernel(PM, PL, PACC, O, cu_q, pos0_ptr, part_rows, stride_ot, stride_oh, hq_total,
                       G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
                       SPLIT_KEYS: tl.constexpr):
