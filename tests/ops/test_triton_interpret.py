@@ -217,6 +217,17 @@ def _check_attention_splits():
                 out = A.paged_forward(q[row:row + 1], kc, vc, table[2:3], i32([pos + 1]), i32([0, 1]), scale,
                                       split_programs=split_programs)
                 same(out, [row], f"decode alone at position {pos} ({how})")
+    # fewer programs than splits: program p walks splits p, p + P, ... (P = 1: one walks all 3; P = 2)
+    kc, vc, table = _shuffled_cache(k, v, lens, 16, g)
+    rows = [st + n - 1 for st, n in zip(starts, lens)]
+    for progs in (1, 2):
+        out = A.paged_forward(q[rows], kc, vc, table, i32(lens), i32(list(range(len(lens) + 1))), scale,
+                              split_programs=True, progs_per_item=progs)
+        same(out, rows, f"batched decode, {progs} programs per sequence")
+        s = 2
+        out = A.paged_forward(q[starts[s] + S - 3:starts[s] + 2 * S + 1], kc, vc, table[s:s + 1], i32([2 * S + 1]),
+                              i32([0, S + 4]), scale, split_programs=True, progs_per_item=progs)
+        same(out, slice(starts[s] + S - 3, starts[s] + 2 * S + 1), f"chunk [{S - 3}, {2 * S + 1}), {progs} programs")
     # a GQA group of 3 with padded head_dim 48 through the split programs
     q3, k3, v3 = (torch.randn(S + 2, h, 48, generator=g) for h in (3, 1, 1))
     cu3 = i32([0, S + 2])

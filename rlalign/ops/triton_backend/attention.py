@@ -57,10 +57,12 @@ DECODE_TILE = (64, 4, 3)
 BWD_TILE = (64, 4, 2)
 DKDV_WARPS = 8
 MERGE_WARPS = 8
-# Paged calls on the decode tile with fewer per-tile programs than SPLIT_PROGRAMS_BELOW x SMs (decode at
-# small batch: one program per (sequence, kv head)) run one program per key split instead, if the fp32
-# partials stay under SPLIT_SCRATCH_MAX_BYTES. Speed only; the bits are those of the per-tile kernel.
-SPLIT_PROGRAMS_BELOW = 4
+# Paged calls on the decode tile with fewer per-item programs than PROGRAMS_PER_SM x SMs (decode at small
+# batch: one program per (sequence, kv head)) spread each item's key splits over up to that many programs
+# in all, if the fp32 partials stay under SPLIT_SCRATCH_MAX_BYTES. Speed only; the bits are those of the
+# per-item kernel. 4: the decode program (~210 registers x 128 threads, 80 KiB of shared memory) fits
+# twice on an SM, and two waves absorb uneven contexts.
+PROGRAMS_PER_SM = 4
 SPLIT_SCRATCH_MAX_BYTES = 256 << 20
 
 
@@ -176,25 +178,29 @@ def _finish(L, ACC):
     return ACC / tl.where(L > 0, L, 1.0)[:, None] + 0.0
 
 
-# n_splits and part_rows are not specialised (Triton compiles a variant for an int equal to 1 or divisible
+# split_progs and part_rows are not specialised (Triton compiles a variant for an int equal to 1 or divisible
 # by 16): a decode graph's warm-up call and its capture must use one compiled kernel.
-@triton.jit(do_not_specialize=["n_splits", "part_rows"])
-def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, qk_scale2, n_splits,
+@triton.jit(do_not_specialize=["split_progs", "part_rows"])
+def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, qk_scale2, split_progs,
                     part_rows, stride_qt, stride_qh, stride_kr, stride_kh, stride_ot, stride_oh, stride_bt,
                     G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     PS: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr, SPLIT: tl.constexpr,
                     SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr, ROWWISE: tl.constexpr):
     """PARTIAL=False: one program per (tile, sequence, kv head) walks every key split of its rows and
-    merges them in order (output, lse). PARTIAL=True: one program per (tile, key split, sequence, kv
-    head) writes that split's fp32 partial (m, l, acc) to PM/PL/PACC [n_splits, T * Hq (, D)];
-    attn_merge_kernel folds them with the same _merge_split."""
+    merges them in order (output, lse). PARTIAL=True: ``split_progs`` = P programs per (tile, sequence,
+    kv head); program p walks splits p, p + P, p + 2P, ... of its rows (each from a fresh state) and
+    writes each split's fp32 partial (m, l, acc) to PM/PL/PACC [splits, T * Hq (, DP)];
+    attn_merge_kernel folds them with the same _merge_split. The grid does not depend on the contexts
+    (a decode graph's capture bounds them only by the table width), the work does."""
     TPT: tl.constexpr = BM // G
     BPS: tl.constexpr = SPLIT_KEYS // BN               # key blocks per split
     if PARTIAL:
-        sp = tl.program_id(0) % n_splits
-        tile = tl.num_programs(0) // n_splits - 1 - tl.program_id(0) // n_splits
+        P = split_progs
+        sp_first = tl.program_id(0) % P
+        tile = tl.num_programs(0) // P - 1 - tl.program_id(0) // P
     else:
-        sp = 0
+        P = 1
+        sp_first = 0
         tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
     s = tl.program_id(1)
     h = tl.program_id(2)
@@ -203,19 +209,19 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt
         return
     last_pos = tl.load(pos0_ptr + s) + tl.minimum(n_q, (tile + 1) * TPT) - 1
     n_blocks = last_pos // BN + 1
-    if PARTIAL:
-        j_first = sp * BPS
-        j_end = tl.minimum(j_first + BPS, n_blocks)
-        if j_first >= n_blocks:                        # no row of the tile reaches this split
-            return
-    else:
-        j_first = 0
-        j_end = n_blocks
+    n_sp = (n_blocks + BPS - 1) // BPS                  # splits the tile's rows reach
+    if sp_first >= n_sp:
+        return
+    # this program's blocks, flattened: its splits sp_first, sp_first + P, ... (the last one may be short)
+    my_splits = (n_sp - sp_first + P - 1) // P
+    n_iter = (my_splits - 1) * BPS + tl.minimum(BPS, n_blocks - (sp_first + (my_splits - 1) * P) * BPS)
     kv_len = tl.load(kvlen_ptr + s)
     dcol = tl.arange(0, DP)
     q_rows = (q_start + tok).to(tl.int64)
     q_offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
     q = tl.load(Q + q_offs, mask=row_ok[:, None] & (dcol[None, :] < D), other=0.0)
+    hq_total = stride_qt // stride_qh                  # q is [T, Hq, D] contiguous
+    part_row = q_rows * hq_total + head
 
     m = tl.full((BM,), float("-inf"), tl.float32)
     l = tl.zeros((BM,), tl.float32)
@@ -223,27 +229,29 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt
     M = tl.full((BM,), float("-inf"), tl.float32)
     L = tl.zeros((BM,), tl.float32)
     ACC = tl.zeros((BM, DP), tl.float32)
-    for j in range(j_first, j_end):
-        if not PARTIAL:
-            if (j % BPS == 0) & (j > 0):
-                # The previous split ends: merge its partial, restart m = -inf, l = 0. The first block of
-                # the split then has alpha = exp2(-inf - m') = 0 for every row that sees it, so acc * alpha
-                # restarts acc from 0 inside the MMA's accumulator input; a row that does not see the block
-                # sees nothing of the split, and its stale acc is never merged. Resetting acc itself, or
-                # merging after the block's MMA, puts non-wgmma instructions on the accumulator while the
-                # MMA is in flight (ptxas C7514/C7515: the wgmma pipeline is serialised); here alpha depends
-                # on the reset, which keeps the merge before the P.V MMA is issued.
-                M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (j // BPS - 1) * SPLIT_KEYS)
-                m = tl.full((BM,), float("-inf"), tl.float32)
-                l = tl.zeros((BM,), tl.float32)
-        m, l, acc = _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr,
+    for i in range(n_iter):
+        sp = sp_first + (i // BPS) * P
+        if (i % BPS == 0) & (i > 0):
+            # Split sp - P ended: merge (or store) its partial, restart m = -inf, l = 0. Split sp's first
+            # block then has alpha = exp2(-inf - m') = 0 for every row that sees it, so acc * alpha restarts
+            # acc from 0 inside the MMA's accumulator input; a row that does not see the block sees nothing
+            # of the split, and its stale acc is never merged. Resetting acc itself, or merging after the
+            # block's MMA, puts non-wgmma instructions on the accumulator while the MMA is in flight (ptxas
+            # C7514/C7515: the wgmma pipeline is serialised); here alpha depends on the reset, which keeps
+            # this before the P.V MMA is issued.
+            if PARTIAL:
+                _store_partial(PM, PL, PACC, sp - P, part_rows, part_row, row_ok, m, l, acc, dcol, D)
+            else:
+                M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (sp - P) * SPLIT_KEYS)
+            m = tl.full((BM,), float("-inf"), tl.float32)
+            l = tl.zeros((BM,), tl.float32)
+        m, l, acc = _visit_block(sp * BPS + i % BPS, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr,
                                  qk_scale2, dcol, stride_kr, stride_kh, stride_bt, D, BN, PS, PAGED, SPLIT, ROWWISE)
-    if not PARTIAL:   # the last split
-        M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= ((j_end - 1) // BPS) * SPLIT_KEYS)
-    hq_total = stride_qt // stride_qh                  # q is [T, Hq, D] contiguous
+    sp_last = sp_first + (my_splits - 1) * P
     if PARTIAL:
-        _store_partial(PM, PL, PACC, sp, part_rows, q_rows * hq_total + head, row_ok, m, l, acc, dcol, D)
+        _store_partial(PM, PL, PACC, sp_last, part_rows, part_row, row_ok, m, l, acc, dcol, D)
     else:
+        M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= sp_last * SPLIT_KEYS)
         out = _finish(L, ACC)
         o_offs = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dcol[None, :]
         tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dcol[None, :] < D))
@@ -395,10 +403,11 @@ def _dpad(d: int) -> int:
 
 
 def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale, paged, tile, store_lse,
-             max_q_tokens, max_context=0, split_programs=False):
-    """Launch the forward. ``split_programs``: one program per key split (and a merge kernel) instead of
-    one per tile walking every split -- the same bits, more programs; ``max_context`` (an upper bound of
-    the contexts) sizes that grid."""
+             max_q_tokens, max_context=0, split_programs=False, progs_per_item=None):
+    """Launch the forward. ``split_programs``: up to PROGRAMS_PER_SM x SMs programs share each item's key
+    splits (and a merge kernel folds them) instead of one program per item walking every split -- the
+    same bits, more programs; ``max_context`` (an upper bound of the contexts) sizes the partials;
+    ``progs_per_item`` forces the programs per item (tests)."""
     t, hq, d = q.shape
     hkv = k_src.shape[-2]
     g = hq // hkv
@@ -414,16 +423,21 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         return out, lse
     bt = block_table if paged else cu_q
     n_splits = triton.cdiv(max_context, KV_SPLIT) if split_programs else 1
+    # programs per item: enough for ~PROGRAMS_PER_SM per SM, never more than the splits there can be
+    progs = progs_per_item or triton.cdiv(PROGRAMS_PER_SM * device_sms(q), tiles * n_seq * hkv)
+    progs = min(n_splits, progs) if split_programs else 1
     dp = _dpad(d)
     if split_programs:
+        if n_splits * t * hq >= 2 ** 31:
+            raise fail("attention_paged", f"{n_splits} key splits x {t * hq} rows of partials exceed int32 indexing")
         pm = torch.empty((n_splits, t * hq), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
         pacc = torch.empty((n_splits, t * hq, dp), dtype=torch.float32, device=q.device)
     else:
         pm = pl = pacc = out   # not read
     meta = dict(G=g, D=d, DP=dp, BM=bm, num_warps=warps)
-    attn_fwd_kernel[(tiles * n_splits, n_seq, hkv)](
-        q, k_src, v_src, out, lse, pm, pl, pacc, cu_q, pos0, kv_len, bt, scale * LOG2E, n_splits, t * hq,
+    attn_fwd_kernel[(tiles * progs, n_seq, hkv)](
+        q, k_src, v_src, out, lse, pm, pl, pacc, cu_q, pos0, kv_len, bt, scale * LOG2E, progs, t * hq,
         q.stride(0), q.stride(1), k_src.stride(-3), k_src.stride(-2), out.stride(0), out.stride(1),
         bt.stride(0) if paged else 0,
         BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged, STORE_LSE=store_lse, SPLIT=split_for(q.dtype),
@@ -442,11 +456,11 @@ def split_scratch_bytes(t: int, hq: int, d: int, max_context: int) -> int:
 
 
 def use_split_programs(tile, programs: int, scratch_bytes: int, sms: int) -> bool:
-    """Whether a paged call runs one program per key split (speed only: the bits are the same either
-    way). Taken for decode tiles (a few query tokens per sequence: prefill tiles have rows enough to
-    fill the GPU, and their partials would be large) when the per-tile grid would leave SMs idle and
-    the partials stay small."""
-    return (tile[0] <= DECODE_TILE[0] and programs < SPLIT_PROGRAMS_BELOW * sms
+    """Whether a paged call spreads each item's key splits over several programs (speed only: the bits
+    are the same either way). Taken for decode tiles (a few query tokens per sequence: prefill tiles
+    have rows enough to fill the GPU, and their partials would be large) when the one-program-per-item
+    grid has fewer than PROGRAMS_PER_SM programs per SM and the partials stay small."""
+    return (tile[0] <= DECODE_TILE[0] and programs < PROGRAMS_PER_SM * sms
             and scratch_bytes <= SPLIT_SCRATCH_MAX_BYTES)
 
 
@@ -500,9 +514,11 @@ def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):
     return _forward(q, k, v, cu, zeros, lens, None, 1, scale, False, tile, store_lse, max_len)
 
 
-def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile=None, split_programs=None):
+def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile=None, split_programs=None,
+                  progs_per_item=None):
     """``split_programs``: None picks by the grid's size (:func:`use_split_programs`); True/False force
-    the split-program launch or the per-tile one (tests, benchmarks). Either gives the same bits."""
+    the split-program launch or the per-item one (tests, benchmarks); ``progs_per_item`` forces how many
+    programs share an item's splits. Every choice gives the same bits."""
     q = q.contiguous()
     cu, kv_len, pos0, bt, max_q, max_kv = _paged_meta(block_table, seq_lens, cu_seqlens_q, q.device)
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -516,7 +532,7 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
         scratch = split_scratch_bytes(q.shape[0], q.shape[1], q.shape[2], max_kv)
         split_programs = use_split_programs(tile, programs, scratch, device_sms(q))
     out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, page_size, scale, True, tile, False,
-                      max_q, max_kv, split_programs)
+                      max_q, max_kv, split_programs, progs_per_item)
     return out
 
 
