@@ -2,15 +2,18 @@
 
 One forward kernel serves both; a query's arithmetic is the same whichever it is and whatever
 else shares its tile, so its output has the same bits in a packed training forward, a one-shot
-or chunked prefill and step-by-step decode, for any page size and page layout:
+or chunked prefill and step-by-step decode, for any page size and page layout, and however many
+programs a decode step spreads a sequence over:
 
-* Rows. A program owns one (sequence, kv head, tile) item: ``BLOCK_M`` rows, each a (query
-  token, query head of the GQA group) pair, token-major, so the ``G = Hq / Hkv`` heads of one
-  kv head share every K/V load. Padding rows get position -1 and are never stored.
-* Keys are visited in blocks of ``KV_BLOCK`` = 64 ABSOLUTE positions (0..63, 64..127, ...), in
-  increasing order, up to the block of the tile's last query. Keys past the context (or past a
-  page table's end) are loaded as exact zeros.
-* Per block (fp32, base-2 exponent; c = scale * log2(e)):
+* Rows. An item is one (sequence, kv head, tile): ``BLOCK_M`` rows, each a (query token, query
+  head of the GQA group) pair, token-major, so the ``G = Hq / Hkv`` heads of one kv head share
+  every K/V load. Padding rows get position -1 and are never stored.
+* Keys are visited in blocks of ``KV_BLOCK`` = 64 ABSOLUTE positions (0..63, 64..127, ...), up to
+  the block of the tile's last query, and are cut into SPLITS of ``KV_SPLIT`` =
+  ``spec.ATTN_KV_SPLIT`` = 256 absolute positions (4 blocks). Keys past the context (or past a page
+  table's end) are loaded as exact zeros.
+* Within a split, from a fresh state (m = -inf, l = 0, acc = 0), per block in increasing order
+  (fp32, base-2 exponent; c = scale * log2(e)):
 
       s     = mma(q, k^T) * c                         (the D reduction in the dot's fixed order)
       s     = where(key_pos <= row_pos, s, -inf)
@@ -25,15 +28,28 @@ or chunked prefill and step-by-step decode, for any page size and page layout:
   (up to the sign of an accumulator entry that is exactly zero, which the final + 0.0 removes).
   Such blocks only come after all the blocks a row sees, so decode (which never visits them)
   and prefill (which does, for the other rows of its tile) give the same bits.
-* out = acc / l + 0.0 (the + 0.0 maps -0.0 to +0.0), rounded once to the input dtype;
-  lse2 = m + log2(l) is kept for the backward.
+* Split partials (m, l, acc) are merged into the total (M, L, ACC), from (-inf, 0, 0), in split
+  order 0, 1, 2, ... (:func:`_merge_split`: M' = max(M, m), L' = fma(l, b, L a), ACC' = fma(acc, b,
+  ACC a), a = exp2(M - M'), b = exp2(m - M')); a split a row cannot see leaves its total
+  selected. Merging split 0 into the fresh total is exact (a = 0, b = 1), so a row at a position
+  below 256 has the bits of the single online softmax (those of this kernel before the splits).
+* out = ACC / L + 0.0 (the + 0.0 maps -0.0 to +0.0), rounded once to the input dtype;
+  lse2 = M + log2(L) is kept for the backward.
+
+Two launches, the same arithmetic per row: one program per item walks all its splits and merges
+them in registers (prefill, training, decode at large batch); or, for decode tiles when the items
+are too few to fill the GPU (:func:`use_split_programs`), P programs per item each take splits p,
+p + P, ... and write fp32 partials, which :func:`attn_merge_kernel` folds in the same order with
+the same function. The partials round-trip memory exactly, and the merge is elementwise (its
+layout cannot change a bit).
 
 ``mma`` always sees a 64-key block and a tile of >= 64 rows on 4 or 8 warps laid along the rows,
 so Hopper issues the same ``wgmma`` shapes per row and ``rowsum`` reduces each row in the same
 order (per-thread, then within the 4 lanes that share a row) for prefill and decode tiles alike.
 
 Backward (varlen only, deterministic, no atomics): dQ by a kernel per query tile walking key
-blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order.
+blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order. Both
+recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them.
 """
 
 from __future__ import annotations
