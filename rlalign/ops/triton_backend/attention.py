@@ -65,6 +65,8 @@ from rlalign.ops.triton_backend._common import device_sms, forced_tile, is_inter
 
 KV_BLOCK = spec.ATTN_KV_BLOCK
 KV_SPLIT = spec.ATTN_KV_SPLIT
+if KV_SPLIT <= 0 or KV_SPLIT % KV_BLOCK:
+    raise ValueError(f"spec.ATTN_KV_SPLIT={KV_SPLIT} must be a positive multiple of ATTN_KV_BLOCK={KV_BLOCK}")
 LOG2E = 1.4426950408889634
 # (BLOCK_M, num_warps, num_stages): prefill/training and decode tiles. Both lay warps along rows
 # only (BLOCK_M >= 16 * warps), which is what makes them interchangeable (docs/gpu.md).
@@ -543,8 +545,8 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     if tile is None:
         tile = forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or (
             DECODE_TILE if max_q * (q.shape[1] // hkv) <= DECODE_TILE[0] else PREFILL_TILE)
-    if split_programs is None:
-        programs = triton.cdiv(max_q, tile[0] // (q.shape[1] // hkv)) * (cu.shape[0] - 1) * hkv
+    if split_programs is None:   # (a GQA group wider than the tile is refused by _forward)
+        programs = triton.cdiv(max_q, max(tile[0] // (q.shape[1] // hkv), 1)) * (cu.shape[0] - 1) * hkv
         scratch = split_scratch_bytes(q.shape[0], q.shape[1], q.shape[2], max_kv)
         split_programs = use_split_programs(tile, programs, scratch, device_sms(q))
     out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, page_size, scale, True, tile, False,
