@@ -183,8 +183,12 @@ def main() -> int:
     seg_sweep = [GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(128, 64, 8, 6),
                  GemmConfig(128, 128, 8, 4, reg_levels=1), GemmConfig(64, 64, 4, 5),
                GemmConfig(128, 64, 8, 4, nested=True), GemmConfig(128, 128, 8, 3, nested=True),
-               GemmConfig(128, 128, 8, 4, reg_levels=1, nested=True), GemmConfig(64, 64, 4, 5, nested=True)]
+               GemmConfig(128, 128, 8, 4, reg_levels=1, nested=True), GemmConfig(64, 64, 4, 5, nested=True),
+               GemmConfig(128, 128, 8, 3, reg_levels=1, nested=True), GemmConfig(128, 128, 8, 5, reg_levels=1, nested=True),
+               GemmConfig(128, 128, 8, 4, reg_levels=0, nested=True), GemmConfig(128, 256, 8, 3, reg_levels=0, nested=True),
+               GemmConfig(128, 256, 8, 3, reg_levels=1, nested=True), GemmConfig(128, 128, 4, 4, reg_levels=0, nested=True)]
     plan += [(4096, 4096, 12288, 8, c, True) for c in seg_sweep]
+    plan += [(4096, 4096, 4096, 8, c, True) for c in seg_sweep if c.nested]
     if args.set == "segsweep":
         plan, layers = [p for p in plan if p[3] == 8], []
     if args.set == "kernel":   # per-shape kernel + op rows, no sweep, no model layers

@@ -391,10 +391,72 @@ def _check_grouped():
     return worst
 
 
+def _check_combine():
+    """MoE combine: slots taken in expert order (ids in any slot order, k = 1 / 3 (padded) / 8), ragged H;
+    fp32 forward equals the torch backend's bit for bit (both are separate multiplies and adds here),
+    dy = g * w exactly, dw against float64."""
+    import torch
+    from rlalign.ops.torch_backend.moe import combine as torch_combine
+    from rlalign.ops.triton_backend.combine import combine
+    g = torch.Generator().manual_seed(5)
+    worst = 0.0
+    for tokens, k, h, n_experts in ((5, 8, 300, 16), (3, 3, 64, 7), (4, 1, 17, 2), (0, 2, 32, 4)):
+        y = torch.randn(tokens, k, h, generator=g).requires_grad_()
+        w = torch.rand(tokens, k, generator=g).requires_grad_()
+        experts = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)]) if tokens \
+            else torch.zeros(0, k, dtype=torch.int64)
+        out = combine(y, w, experts)
+        if not torch.equal(out, torch_combine(y, w, experts)):
+            return f"forward differs from the torch backend (T={tokens}, k={k}, H={h})"
+        if not tokens:
+            continue
+        order = torch.argsort(experts, dim=1)
+        ref = (y.double().gather(1, order.unsqueeze(-1).expand_as(y)) * w.double().gather(1, order).unsqueeze(-1)).sum(1)
+        worst = max(worst, _rel(out.detach(), ref))
+        gout = torch.randn(tokens, h, generator=g)
+        dy, dw = torch.autograd.grad(out, [y, w], gout)
+        if not torch.equal(dy, gout.unsqueeze(1) * w.detach().unsqueeze(-1)):
+            return "dy is not g * w"
+        worst = max(worst, _rel(dw, (gout.double().unsqueeze(1) * y.detach().double()).sum(-1)))
+    return worst
+
+
+def _check_route():
+    """MoE routing kernel: E = 2 / 8 / 128, k = 1 / 3 (padded) / 8, normalize on and off, ties (equal logits
+    pick the lower expert); experts equal to the torch backend's, weights against float64 (the interpreter's
+    exp is numpy's, not libdevice's: bits are the CUDA tier's), the router gradient the torch formulation's."""
+    import torch
+    from rlalign.ops.torch_backend.moe import route as torch_route
+    from rlalign.ops.triton_backend.route import route
+    g = torch.Generator().manual_seed(6)
+    worst = 0.0
+    for tokens, n_experts, k, normalize in ((7, 128, 8, True), (5, 8, 3, False), (3, 2, 1, True), (0, 16, 2, True)):
+        logits = torch.randn(tokens, n_experts, generator=g)
+        if tokens and n_experts > 5:
+            logits[0, 3] = logits[0, 5] = logits[0].max() + 1.0      # a tie for the top: expert 3 first
+        logits.requires_grad_()
+        experts, weights = route(logits, k, normalize)
+        ref_e, ref_w = torch_route(logits, k, normalize)
+        if not torch.equal(experts, ref_e):
+            return f"experts differ from the torch backend (E={n_experts}, k={k})"
+        if tokens and n_experts > 5 and int(experts[0, 0]) != 3:
+            return "a tie did not go to the lower expert index"
+        if not tokens:
+            continue
+        p = torch.softmax(logits.detach().double(), -1).gather(1, experts)
+        ref = p / p.sum(-1, keepdim=True) if normalize else p
+        worst = max(worst, _rel(weights.detach(), ref))
+        gw = torch.randn(tokens, k, generator=g)
+        if not torch.equal(torch.autograd.grad(weights, logits, gw)[0], torch.autograd.grad(ref_w, logits, gw)[0]):
+            return "the router gradient is not the torch formulation's"
+    return worst
+
+
 CHECKS = {"gemm": _check_gemm, "attention": _check_attention, "attention_splits": _check_attention_splits,
           "logprob": _check_logprob,
           "logprob_last_tile": _check_logprob_last_tile, "elementwise": _check_elementwise, "sample": _check_sample,
-          "grouped": _check_grouped}
+          "grouped": _check_grouped, "combine": _check_combine,
+          "route": _check_route}
 
 
 def _worker() -> None:

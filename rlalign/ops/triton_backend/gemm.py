@@ -61,12 +61,14 @@ _LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
 # acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging.
 _LARGE_ACCIN = (GemmConfig(128, 128, 8, 3, flatten=True),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
-# Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see segment_tree),
-# so shared memory is that of the plain kernel whatever P and K (an unrolled loop per segment got
-# its own stage buffers when a segment was one k-step; docs/LOG.md). Up to log2(P)+1
-# accumulators are live at once, so the tiles are narrower. sm_90a, P=8 (ptxas -v): 128x64/8 warps
-# 228 registers, 112 KiB, no spills; 128x128 spills even with only 2 levels in registers.
-_SEG_LARGE = (GemmConfig(128, 64, 8, 4),)
+# Segmented (k_segments > 1) tiles. Large M: a loop per segment (segment_tree_nested) on 128x128 tiles
+# with one tree level in registers and the deeper ones in the program's scratch: 0.70x cuBLAS at
+# 4096x4096x12288 and 0.46x at K = 4096 on the H200, against 0.43x / 0.38x for the one-loop kernel on
+# 128x64 tiles (bench/gpu_linear.py --set segsweep, docs/LOG.md 2026-12-01). The one-loop kernel
+# (segment_tree: one pipeline across segments, shared memory independent of P and K) stays for the
+# narrower tiles. sm_90a, P=8 (ptxas -v): 128x64/8 warps 228 registers, 112 KiB, no spills; 128x128
+# spills with two or more levels in registers.
+_SEG_LARGE = (GemmConfig(128, 128, 8, 4, reg_levels=1, nested=True), GemmConfig(128, 64, 8, 4))
 _SEG_SMALL = (GemmConfig(64, 64, 4, 5), GemmConfig(64, 32, 4, 10))
 # fp32 operands (bf16x3 split in registers): modest tiles (128x128 uses 224 KiB of shared memory).
 _FP32 = (GemmConfig(128, 128, 8, 3), GemmConfig(64, 64, 4, 3))
