@@ -238,6 +238,38 @@ def _check_attention_splits():
         if not bits_equal(out, ref3[pos:pos + 1]):
             raise AssertionError(f"G=3, D=48 decode at {pos}: {describe_difference(out, ref3[pos:pos + 1])}")
     worst = max(worst, _rel(ref3, _attn_ref(q3, k3, v3, [S + 2], 0.2)))
+    return max(worst, _split_sweep(g))
+
+
+def _split_sweep(g):
+    """Seeded random shapes, degenerate ones included (context 1, G = 1 or 3, head_dim 2, pages of 1 and 3
+    slots, 1..5 programs per item): a decode row through the split programs equals the per-item decode and
+    the same row inside a prefill chunk, and is accurate vs float64."""
+    import torch
+    from rlalign.contract.bits import bits_equal, describe_difference
+    from rlalign.contract.spec import ATTN_KV_SPLIT as S
+    from rlalign.ops.triton_backend import attention as A
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    worst = 0.0
+    for case in range(6):
+        hkv, grp = [(1, 1), (1, 3), (2, 2), (1, 4)][case % 4]
+        d = [2, 16, 40][case % 3]
+        page = [1, 3, 16, 64][(case // 2) % 4]
+        n = 1 if case == 0 else int(torch.randint(2, (2 if case % 2 else 1) * S + 40, (1,), generator=g))
+        progs = 1 + case % 5
+        q, k, v = (torch.randn(n, h, d, generator=g) for h in (hkv * grp, hkv, hkv))
+        kc, vc, table = _shuffled_cache(k, v, [n], page, g)
+        pos = n - 1 if case % 2 else int(torch.randint(0, n, (1,), generator=g))
+        a = max(pos - 2, 0)
+        what = f"case {case}: n={n} pos={pos} G={grp} D={d} page={page} P={progs}"
+        split = A.paged_forward(q[pos:pos + 1], kc, vc, table, i32([pos + 1]), i32([0, 1]), 0.3, split_programs=True,
+                                progs_per_item=progs)
+        item = A.paged_forward(q[pos:pos + 1], kc, vc, table, i32([pos + 1]), i32([0, 1]), 0.3, split_programs=False)
+        chunk = A.paged_forward(q[a:pos + 1], kc, vc, table, i32([pos + 1]), i32([0, pos + 1 - a]), 0.3)[-1:]
+        for other, name in ((item, "per-item decode"), (chunk, "prefill chunk")):
+            if not bits_equal(split, other):
+                raise AssertionError(f"{what}: split decode vs {name}: {describe_difference(split, other)}")
+        worst = max(worst, _rel(split, _attn_ref(q, k, v, [n], 0.3)[pos:pos + 1]))
     return worst
 
 
