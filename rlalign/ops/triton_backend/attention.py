@@ -75,6 +75,7 @@ DECODE_TILE = (64, 4, 3)
 BWD_TILE = (64, 4, 2)
 DKDV_WARPS = 8
 MERGE_WARPS = 8
+MERGE_UNROLL = 4   # splits whose partials the merge kernel loads together
 # Paged calls on the decode tile with fewer per-item programs than PROGRAMS_PER_SM x SMs (decode at small
 # batch: one program per (sequence, kv head)) spread each item's key splits over up to that many programs
 # in all, if the fp32 partials stay under SPLIT_SCRATCH_MAX_BYTES. Speed only; the bits are those of the
@@ -281,7 +282,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt
 @triton.jit(do_not_specialize=["part_rows"])
 def attn_merge_kernel(PM, PL, PACC, O, cu_q, pos0_ptr, part_rows, stride_ot, stride_oh, hq_total,
                       G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
-                      SPLIT_KEYS: tl.constexpr):
+                      SPLIT_KEYS: tl.constexpr, UNROLL: tl.constexpr):
     """The output of one (tile, sequence, kv head) item from its key splits' partials: the fresh total
     folded with split 0, 1, 2, ... in order (_merge_split, rows select the splits they see), then
     _finish -- the arithmetic attn_fwd_kernel(PARTIAL=False) does in registers."""
@@ -299,13 +300,18 @@ def attn_merge_kernel(PM, PL, PACC, O, cu_q, pos0_ptr, part_rows, stride_ot, str
     M = tl.full((BM,), float("-inf"), tl.float32)
     L = tl.zeros((BM,), tl.float32)
     ACC = tl.zeros((BM, DP), tl.float32)
-    for sp in range(last_pos // SPLIT_KEYS + 1):
-        sees = pos >= sp * SPLIT_KEYS                 # only these rows' partials of split sp exist
-        stat, offs = _partial_offsets(sp, part_rows, row, dcol)
-        m = tl.load(PM + stat, mask=sees, other=float("-inf"))
-        l = tl.load(PL + stat, mask=sees, other=0.0)
-        acc = tl.load(PACC + offs, mask=sees[:, None] & (dcol[None, :] < D), other=0.0)
-        M, L, ACC = _merge_split(M, L, ACC, m, l, acc, sees)
+    # UNROLL splits per step: their loads do not depend on the fold, so each step issues them together
+    # (one memory round trip per UNROLL splits, not per split); a split past a row's last is not seen
+    # (masked load, total selected), so the fold is exactly split 0, 1, 2, ... of each row
+    for first in range(0, last_pos // SPLIT_KEYS + 1, UNROLL):
+        for u in tl.static_range(UNROLL):
+            sp = first + u
+            sees = pos >= sp * SPLIT_KEYS             # only these rows' partials of split sp exist
+            stat, offs = _partial_offsets(sp, part_rows, row, dcol)
+            m = tl.load(PM + stat, mask=sees, other=float("-inf"))
+            l = tl.load(PL + stat, mask=sees, other=0.0)
+            acc = tl.load(PACC + offs, mask=sees[:, None] & (dcol[None, :] < D), other=0.0)
+            M, L, ACC = _merge_split(M, L, ACC, m, l, acc, sees)
     out = _finish(L, ACC)
     o_offs = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dcol[None, :]
     tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dcol[None, :] < D))
@@ -464,7 +470,7 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
         meta["num_warps"] = MERGE_WARPS
         attn_merge_kernel[(tiles, n_seq, hkv)](pm, pl, pacc, out, cu_q, pos0, t * hq, out.stride(0), out.stride(1),
-                                               hq, SPLIT_KEYS=KV_SPLIT, num_stages=1, **meta)
+                                               hq, SPLIT_KEYS=KV_SPLIT, UNROLL=MERGE_UNROLL, num_stages=1, **meta)
     return out, lse
 
 
