@@ -79,8 +79,9 @@ MERGE_UNROLL = 4   # splits whose partials the merge kernel loads together
 # Paged calls on the decode tile with fewer per-item programs than PROGRAMS_PER_SM x SMs (decode at small
 # batch: one program per (sequence, kv head)) spread each item's key splits over up to that many programs
 # in all, if the fp32 partials stay under SPLIT_SCRATCH_MAX_BYTES. Speed only; the bits are those of the
-# per-item kernel. 4: the decode program (~210 registers x 128 threads, 80 KiB of shared memory) fits
-# twice on an SM, and two waves absorb uneven contexts.
+# per-item kernel. 4: the decode programs (~250 registers x 128 threads, 80 / 112 KiB of shared memory)
+# fit twice on an SM, and two waves absorb uneven contexts. Not tuned yet: bench/gpu_attention.py
+# reports both launches at batch 1-256 for that.
 PROGRAMS_PER_SM = 4
 SPLIT_SCRATCH_MAX_BYTES = 256 << 20
 
@@ -179,7 +180,7 @@ def _merge_split(M, L, ACC, m, l, acc, sees):
 def _partial_offsets(sp, part_rows, row, dcol):
     """Offsets of split sp's entries for rows ``row`` (token * Hq + head) in the [n_splits, T * Hq]
     statistics and the [n_splits, T * Hq, DP] accumulators (int64: the scratch can pass 2**31 elements)."""
-    stat = row + sp * part_rows      # row is int64; sp * part_rows < 2**31 (the launcher caps the scratch)
+    stat = row + sp * part_rows      # row is int64; sp * part_rows < 2**31 (_forward refuses larger partials)
     return stat, stat[:, None] * dcol.shape[0] + dcol[None, :]
 
 
