@@ -97,6 +97,33 @@ def _check_gemm():
     return worst
 
 
+def _check_gemm_split_segments():
+    """Decode-sized M on a K partition: per-segment partials + the tree kernel give the one-kernel tree's
+    values (same 64x64 tile, so numpy's dots agree too), every element written, bias and fp32 output,
+    segments of whole steps (TMA) and of 48 columns (pointer path, masked), the dX layout."""
+    import torch
+    from rlalign.ops.triton_backend.gemm import SPLIT_SEGMENTS_MAX_M, GemmConfig, gemm
+    g = torch.Generator().manual_seed(7)
+    worst = 0.0
+    for m, n, k, seg, bt, has_bias, out_dtype in ((1, 70, 512, 8, True, True, torch.float32),
+                                                  (5, 128, 768, 4, True, False, torch.float32),
+                                                  (SPLIT_SEGMENTS_MAX_M, 40, 96, 2, True, True, torch.float32),
+                                                  (3, 72, 256, 8, False, False, torch.float32)):
+        a = torch.randn(m, k, generator=g)
+        b = torch.randn((n, k) if bt else (k, n), generator=g)
+        bias = torch.randn(n, generator=g) if has_bias else None
+        out = torch.full((m, n), float("nan"), dtype=out_dtype)
+        gemm(a, b, b_trans=bt, bias=bias, segments=seg, out=out)
+        one = gemm(a, b, b_trans=bt, bias=bias, segments=seg, out_dtype=out_dtype, config=GemmConfig(64, 64, 4, 2))
+        if not torch.equal(out, one):
+            return f"split partials differ from the one-kernel tree (m={m}, n={n}, k={k}, P={seg})"
+        ref = a.double() @ (b.double().T if bt else b.double())
+        if bias is not None:
+            ref = ref + bias.double()
+        worst = max(worst, _rel(out, ref))
+    return worst
+
+
 def _attn_ref(q, k, v, lens, scale):
     from tests.references import causal_attention_float64
     return causal_attention_float64(q, k, v, lens, scale)
@@ -488,7 +515,7 @@ CHECKS = {"gemm": _check_gemm, "attention": _check_attention, "attention_splits"
           "logprob": _check_logprob,
           "logprob_last_tile": _check_logprob_last_tile, "elementwise": _check_elementwise, "sample": _check_sample,
           "grouped": _check_grouped, "combine": _check_combine,
-          "route": _check_route}
+          "route": _check_route, "gemm_split_segments": _check_gemm_split_segments}
 
 
 def _worker() -> None:
