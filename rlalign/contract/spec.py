@@ -115,7 +115,7 @@ CONTRACT: tuple[OpContract, ...] = (
         "one rounding of acc / sum to the input dtype",
         "fp32 GEMM on fixed-shape tiles, exp, max, div",
         "number of sequences, packing vs padding, prefill vs decode, prefill chunking, KV page layout and page size, "
-        "how many programs a decode step uses (one per split or one per sequence)",
+        "how many programs a decode step spreads a sequence's key splits over",
     ),
     OpContract(
         "logprob / entropy", "vocab (log-sum-exp, expected logit)",
