@@ -133,6 +133,33 @@ def ffn_case(tokens: int, backward: bool) -> dict:
     return row
 
 
+def route_combine_case(tokens: int) -> dict:
+    """Router logits + top-k routing + the combine (the parts a fused router/combine kernel would replace)
+    against the whole strict sparse block, forward, through the public ops: what fusing them could save."""
+    from rlalign import ops
+    from rlalign.contract import spec
+    gate, up, down = make_layer()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    router = (torch.randn(EXPERTS, HIDDEN, device="cuda", generator=g) * HIDDEN ** -0.5).to(torch.bfloat16)
+    x = (torch.randn(tokens, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
+
+    def route():
+        experts, weights = ops.moe_route(ops.router_logits(x, router), TOP_K, normalize=True)
+        return experts, weights
+    experts, weights = route()
+    y = ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS)
+
+    def block():
+        e, w = route()
+        return ops.moe_combine(ops.moe_experts(x, e, gate, up, down, down_segments=spec.MOE_K_SEGMENTS), w, e)
+    with torch.no_grad():
+        t_route = timed(route)
+        t_combine = timed(lambda: ops.moe_combine(y, weights, experts))
+        t_block = timed(block)
+    return {"kind": "route_combine", "tokens": tokens, "route_ms": round(t_route, 4), "combine_ms": round(t_combine, 4),
+            "block_ms": round(t_block, 4), "route_combine_frac": round((t_route + t_combine) / t_block, 3)}
+
+
 def kernel_cases(tokens: int) -> list[dict]:
     """Each grouped GEMM of the strict path alone vs torch._grouped_mm on the same sorted rows."""
     from rlalign.ops.triton_backend import grouped as G
@@ -267,7 +294,7 @@ def main() -> int:
     import rlalign.ops.triton_backend  # noqa: F401
     t0, rows = time.time(), []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        for fn in [lambda: [ffn_case(tokens, False)], lambda: kernel_cases(tokens)] + \
+        for fn in [lambda: [ffn_case(tokens, False)], lambda: kernel_cases(tokens), lambda: [route_combine_case(tokens)]] + \
                   ([lambda: [ffn_case(tokens, True)], lambda: backward_cases(tokens, args.sweep)]
                    if args.backward else []) + \
                   ([lambda: sweep_cases(tokens)] if args.sweep else []):

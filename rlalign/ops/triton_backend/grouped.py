@@ -50,9 +50,10 @@ class GroupedConfig:
 
 
 # BLOCK_M >= 64 always (the same wgmma family as the dense kernel: docs/gpu.md). Tiles never change
-# bits; these were the fastest of a sweep on the H200 at Qwen3-30B-A3B shapes (bench/gpu_moe.py --sweep,
-# docs/LOG.md 2026-12-01): 128x128 once experts hold >= 512 rows on average, 64x64 below that and for
-# the segmented down_proj (its merge tree keeps up to log2(P)+1 accumulators live).
+# bits; these were the fastest of sweeps on the H200 at Qwen3-30B-A3B shapes (bench/gpu_moe.py --sweep,
+# docs/LOG.md 2026-12-01): 128x128 once experts hold >= 256 rows on average (forward and dX), 64x64 below
+# that and for the segmented down_proj (its merge tree keeps up to log2(P)+1 accumulators live); dW on
+# 128x256 tiles of [N, K] (each program re-reads its expert's G and X columns: the widest tile reads least).
 _ROWS_SMALL = GroupedConfig(64, 64, 4, 5)
 _ROWS_LARGE = GroupedConfig(128, 128, 8, 3)
 _ROWS_SEG = GroupedConfig(64, 64, 4, 4)
@@ -65,7 +66,7 @@ def _rows_config(rows: int, experts: int, segments: int, fp32: bool) -> GroupedC
         return _FP32
     if segments > 1:
         return _ROWS_SEG
-    return _ROWS_LARGE if rows >= 512 * experts else _ROWS_SMALL
+    return _ROWS_LARGE if rows >= 256 * experts else _ROWS_SMALL
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
