@@ -157,7 +157,7 @@ class StackedExperts(nn.Module):
 
     @property
     def inter(self) -> int:
-        """moe_intermediate_size (under tensor parallelism: the full size, not the rank's shard)."""
+        """moe_intermediate_size (I)."""
         return self.down_proj.shape[2]
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
