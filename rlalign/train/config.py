@@ -92,6 +92,7 @@ class RolloutSection:
         "engine": non_empty("a rollout engine name"),
         "decode_graphs": one_of("auto", "on", "off"),
         "record_routing": checked_by_type("true or false"),
+        "share_weights": checked_by_type("true, false or null"),
     }
     prompts_per_step: int = 32         # prompts (groups) per optimizer step
     samples_per_prompt: int = 8        # completions per prompt (the GRPO group size)
@@ -106,6 +107,7 @@ class RolloutSection:
     engine: str = "rlalign"            # which rollout engine (rlalign.train.engines.ENGINES)
     decode_graphs: str = "auto"        # CUDA-graph decode steps (RolloutConfig.decode_graphs): auto | on | off
     record_routing: bool = True        # MoE models: the engine records expert choices for moe/routing_* (dense: ignored)
+    share_weights: bool | None = None  # the engine reads the policy's own tensors (no copy); None: where possible
 
     def validate(self):
         if self.engine not in ENGINES:
@@ -186,6 +188,7 @@ class OptimSection:
         "activation_checkpointing": checked_by_type("true or false"),
         "master_weights": checked_by_type("true or false"),
         "offload": checked_by_type("true or false"),
+        "step_chunk_elements": at_least(1),
     }
     lr: float = 2e-4                   # AdamW peak learning rate
     weight_decay: float = 0.0          # AdamW weight decay
@@ -197,6 +200,7 @@ class OptimSection:
     activation_checkpointing: bool = False   # recompute each layer in backward (same bits, less memory)
     master_weights: bool = True        # low-precision (bf16) weights train against fp32 master weights + fp32 AdamW state
     offload: bool = False              # keep the fp32 master weights and AdamW state in CPU memory (large models)
+    step_chunk_elements: int = 67108864   # the optimizer step's working set: this many elements at a time (same bits)
 
 
 @dataclasses.dataclass

@@ -48,7 +48,7 @@ from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
-from rlalign.train.engines import build_rollout_engine
+from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
 from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.master import ROUNDED_KEY, MasterWeights, full_masters, weights_to_store
@@ -127,7 +127,9 @@ class Trainer:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
-        self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir)
+        # shared (the engine steps the policy's own tensors) or a copy synced each step: rlalign.train.engines
+        path = weights_path(cfg)
+        self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir, share_weights=path.shared)
         self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
         value_model = algos.ADVANTAGES[cfg.algo.advantage].value_model
         if self.tp is not None:
@@ -135,7 +137,9 @@ class Trainer:
                 raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
             self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
         # low-precision weights train against fp32 masters (rlalign.train.master); fp32 ones are stepped as before
-        self.master = MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload)
+        self.master = MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload,
+                                    cfg.optim.step_chunk_elements)
+        self.weight_sync = WeightSync(self.engine, self.policy, path)
         self.optimizer = torch.optim.AdamW(self.master.optim_params(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, foreach=False)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -182,7 +186,7 @@ class Trainer:
         if self.value is not None:
             self.value.load_state_dict(state["value"])
             par.load_optimizer_state(self.value_optimizer, state["value_optimizer"], None)
-        self.engine.update_weights(par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
+        self.weight_sync.push(lambda: par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
         self._note(getattr(self.metrics, "note", None))
 
@@ -363,7 +367,7 @@ class Trainer:
                 update["kl/policy_step"] = policy_step_kl(first_lp, batch.score(self.policy, temperature=temp)[0],
                                                           batch.mask)
         t_train = time.perf_counter() - t1
-        self.engine.update_weights(par.policy_weights(self.policy), version=step)
+        self.weight_sync.push(lambda: par.policy_weights(self.policy), version=step)
         lens = batch.completion_lens
         n_tokens = int(lens.sum())
         rewards = ro.reward_tensor()
@@ -374,6 +378,7 @@ class Trainer:
             "time/rollout_s": t_rollout, "time/train_s": t_train,
             "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9),
             "memory/peak_mb": _peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
+            "rollout/shared_weights": int(self.weight_sync.shared),
             **update, **corr_stats, **rollout_stats(rewards, ro.group_tensor(), lens),
             **token_stats(token_adv, batch.mask, first_lp, ref_lp),
         })
@@ -636,6 +641,7 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
                                  sum(p.numel() for p in trainer.policy.parameters()),
                                  str(next(trainer.policy.parameters()).dtype).removeprefix("torch."), trainer.step):
             LOGGER.info(line)
+        LOGGER.info(f"  weights  {trainer.weight_sync.path.describe()}")
     progress = StepReporter(cfg, console if trainer.writer else None, trainer.step)
     started = time.perf_counter()
     try:

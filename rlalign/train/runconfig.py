@@ -30,7 +30,7 @@ RESUME_FREE = frozenset({
     "run.loggers", "run.metric_names", "run.keep_checkpoints", "run.max_minutes", "run.on_mismatch",
     "run.eval_every", "run.eval_samples", "run.checkpoint_every", "rollout.page_size", "rollout.max_num_seqs",
     "rollout.max_num_batched_tokens", "rollout.kv_cache_bytes", "rollout.decode_graphs", "rollout.record_routing",
-    "optim.activation_checkpointing", "optim.offload", "task.eval_size",
+    "rollout.share_weights", "optim.activation_checkpointing", "optim.offload", "optim.step_chunk_elements", "task.eval_size",
 })
 
 

@@ -1,0 +1,129 @@
+"""The colocated rollout engine sharing the policy's weight tensors (``rollout.share_weights``,
+rlalign.train.engines): no copy, updated in place by the optimizer step, the same metrics bit for bit as
+the copy path (fresh and resumed), a reallocated parameter refused, and the copy kept where sharing is
+impossible."""
+
+import pytest
+import torch
+
+from rlalign.configlib import load_config
+from rlalign.train.config import TrainConfig
+from rlalign.train.engines import ENGINES, WeightsSharingError, weights_path
+from rlalign.train.loop import Trainer, run_training
+from rlalign.train.runio import read_metrics
+from tests.train.conftest import tiny_overrides
+
+# differ between two identical runs (timing, memory) or name the path taken (the one intended difference)
+VOLATILE = ("time/", "tokens_per_s/", "memory/", "rollout/shared_weights")
+
+
+def _over(model_dir, run_dir, steps, share, *extra):
+    return tiny_overrides(model_dir, run_dir, steps=steps, dense_reward=True) + [
+        f"rollout.share_weights={share}", "optim.warmup_steps=1", *extra]
+
+
+def _stable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def _trainer(model_dir, run_dir, share, *extra):
+    trainer = Trainer(load_config(TrainConfig, None, _over(model_dir, run_dir, 1, share, *extra)))
+    trainer.resume_if_asked()
+    return trainer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_engine_steps_the_policys_own_tensors(arithmetic_model_dir, tmp_path, dtype):
+    """Unset (null) shares: every engine parameter IS the policy's (same object, same storage); the engine has its
+    own modules; after a training step (bf16: fp32 masters rounded into the weights) nothing was copied and
+    both still hold the same storage, with the stepped values."""
+    trainer = _trainer(arithmetic_model_dir, tmp_path / "run", "null", f"model.dtype={dtype}")
+    try:
+        assert trainer.weight_sync.shared
+        engine_params = dict(trainer.engine.model.named_parameters())
+        addresses = {}
+        for name, p in trainer.policy.named_parameters():
+            assert engine_params[name] is p, name
+            addresses[name] = p.data_ptr()
+        assert trainer.engine.model is not trainer.policy and not trainer.engine.model.training
+        before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+        record = trainer.train_step(1)
+        assert record["grad_norm"] > 0 and record["mismatch/count"] == 0 and record["rollout/shared_weights"] == 1
+        moved = sum(int((p.detach() != before[n]).sum()) for n, p in trainer.policy.named_parameters())
+        assert moved > 0, "the step changed no weight: the test would prove nothing"
+        for name, p in trainer.engine.model.named_parameters():
+            assert p.data_ptr() == addresses[name], f"{name} was reallocated by the step"
+        assert trainer.engine.weights_version == 1
+    finally:
+        trainer.run_lock.release()
+
+
+def test_copy_path_keeps_its_own_tensors(arithmetic_model_dir, tmp_path):
+    trainer = _trainer(arithmetic_model_dir, tmp_path / "run", "false")
+    try:
+        assert not trainer.weight_sync.shared
+        engine_params = dict(trainer.engine.model.named_parameters())
+        for name, p in trainer.policy.named_parameters():
+            assert engine_params[name] is not p and engine_params[name].data_ptr() != p.data_ptr(), name
+        assert trainer.train_step(1)["rollout/shared_weights"] == 0
+    finally:
+        trainer.run_lock.release()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_run_gives_the_copy_runs_metrics_bitwise_also_resumed(arithmetic_model_dir, tmp_path, dtype):
+    """4 steps with the copy vs 2 steps shared + a shared resume to 4 (bf16: masters, a step chunked at 100
+    elements): every metric value equal (JSON floats are exact), evals included; weights equal at the end."""
+    extra = [f"model.dtype={dtype}", "run.eval_every=2"] + (["optim.step_chunk_elements=100"] if dtype == "bfloat16" else [])
+    copied = run_training(load_config(TrainConfig, None, _over(arithmetic_model_dir, tmp_path / "copy", 4, "false", *extra)))
+    shared_dir = tmp_path / "shared"
+    run_training(load_config(TrainConfig, None, _over(arithmetic_model_dir, shared_dir, 2, "true", *extra)))
+    run_training(load_config(TrainConfig, None, _over(arithmetic_model_dir, shared_dir, 4, "true", *extra,
+                                                      "run.resume=true")))
+    a, b = read_metrics(copied), read_metrics(shared_dir)
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    assert {r.get("rollout/shared_weights") for r in a[1:]} == {0} and {r.get("rollout/shared_weights") for r in b[1:]} == {1}
+    for x, y in zip(_stable(a), _stable(b)):
+        assert x == y, f"step {x['step']}: " + ", ".join(f"{k}: {x.get(k)!r} vs {y.get(k)!r}"
+                                                        for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k))
+    assert sum(r["grad_norm"] > 0 for r in a if "grad_norm" in r) >= 3
+    from rlalign.models.checkpoint import load_model
+    pa, _ = load_model(copied / "policy")
+    pb, _ = load_model(shared_dir / "policy")
+    for (name, p), (_, q) in zip(pa.named_parameters(), pb.named_parameters()):
+        assert torch.equal(p.view(torch.int16) if p.dtype == torch.bfloat16 else p.view(torch.int32),
+                           q.view(torch.int16) if q.dtype == torch.bfloat16 else q.view(torch.int32)), name
+
+
+def test_reallocated_parameter_stops_the_shared_run(arithmetic_model_dir, tmp_path):
+    """Rebinding a parameter's storage (``p.data = ...``) would leave the engine (and its CUDA graphs) reading
+    the old memory: the next sync refuses it with the parameter named."""
+    trainer = _trainer(arithmetic_model_dir, tmp_path / "run", "null")
+    try:
+        p = trainer.policy.model.layers[0].mlp.down_proj.weight
+        p.data = p.data.clone()
+        with pytest.raises(WeightsSharingError, match="model.layers.0.mlp.down_proj.weight was reallocated"):
+            trainer.weight_sync.push(lambda: {}, version=1)
+    finally:
+        trainer.run_lock.release()
+
+
+@pytest.mark.parametrize("extra,reason", [
+    (["parallel.tp=1"], "parallel.tp shards the policy"),
+    (["rollout.engine=other"], "rollout.engine=other keeps its weights"),
+    (["launcher=ray"], "launcher=ray runs the engines in other processes"),
+])
+def test_sharing_is_refused_where_impossible_and_unset_copies(extra, reason, monkeypatch):
+    monkeypatch.setitem(ENGINES, "other", lambda *args: None)   # another engine (e.g. vLLM's), registered
+    unset = weights_path(load_config(TrainConfig, None, extra))
+    assert not unset.shared and reason in unset.reason and reason in unset.describe()
+    with pytest.raises(WeightsSharingError, match=f"rollout.share_weights=true, but {reason}"):
+        weights_path(load_config(TrainConfig, None, extra + ["rollout.share_weights=true"]))
+    assert not weights_path(load_config(TrainConfig, None, ["rollout.share_weights=false"])).shared
+    assert weights_path(load_config(TrainConfig, None, [])).shared
+
+
+def test_share_weights_setting_is_checked():
+    from rlalign.configlib import ConfigError
+    with pytest.raises(ConfigError, match="share_weights"):
+        load_config(TrainConfig, None, ["rollout.share_weights=sometimes"])
