@@ -88,16 +88,16 @@ def test_activation_checkpointing_gives_the_same_bits(arithmetic_model_dir, tmp_
 
 
 def _gradients_of_one_step(model_dir, run_dir, extra):
-    """The policy gradients the optimizer receives at step 1 (captured at optimizer.step)."""
+    """The policy gradients the optimizer step receives at step 1 (captured at MasterWeights.step)."""
     trainer = Trainer(load_config(TrainConfig, None, tiny_overrides(model_dir, run_dir, 1, dense_reward=True) + extra))
     trainer.resume_if_asked()
-    grads, step = [], trainer.optimizer.step
+    grads, step = [], trainer.master.step
 
     def capture(*args, **kwargs):
         grads.extend(p.grad.clone() for p in trainer.policy.parameters())
         return step(*args, **kwargs)
 
-    trainer.optimizer.step = capture
+    trainer.master.step = capture
     trainer.train_step(1)
     return grads
 
