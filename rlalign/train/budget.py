@@ -38,7 +38,8 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, master.py)
                                        streamed to disk (runio.save_checkpoint): the host holds at most one
                                        device tensor's copy at a time (nothing when the state is on the
                                        host); on disk max(run.keep_checkpoints, 2) files during a save (the
-                                       new one is written before the last old one is deleted)
+                                       new one is written before the last old one is deleted); none
+                                       with run.save_checkpoints=false
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ def _checkpoint_rows(cfg, p: int, largest: int, b: int, masters: bool, state_pla
     copy = 0 if state_place == "host" else largest * (4 if masters else b)
     keep = cfg.run.keep_checkpoints
     files = max(keep, 2)
+    if not cfg.run.save_checkpoints:
+        return [BudgetRow("checkpoint files", "disk", 0, f"run.save_checkpoints=false (one would be {_size(ckpt)})"),
+                BudgetRow("exported policy", "disk", p * b, "Hugging Face safetensors at the end")]
     return [BudgetRow("checkpoint save, host copy", "host", copy,
                       "streamed: the state is on the host already" if copy == 0 else
                       "streamed: one device tensor at a time, the largest"),

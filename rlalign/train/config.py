@@ -221,6 +221,7 @@ class RunSection:
         "loggers": Rule(f"a list of {', '.join(TRACKERS)}", lambda x: all(n in TRACKERS for n in x), (["bogus"], "bogus")),
         "metric_names": checked_by_type("rlalign, verl or trl"),
         "keep_checkpoints": at_least(1),
+        "save_checkpoints": checked_by_type("true or false"),
         "max_minutes": greater_than(0, optional=True),
     }
     dir: str | None = None             # default: runs/<timestamp>
@@ -240,6 +241,7 @@ class RunSection:
     loggers: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])   # jsonl (always) | tensorboard | wandb
     metric_names: Literal["rlalign", "verl", "trl"] = "rlalign"   # metric names in tensorboard / wandb
     keep_checkpoints: int = 2          # newest checkpoints kept in run.dir/checkpoints
+    save_checkpoints: bool = True      # false: no checkpoint at all, not even the last (a state too large for the disk)
     max_minutes: float | None = None   # stop (after a checkpoint) when exceeded
 
 

@@ -655,14 +655,17 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
             if step % cfg.run.eval_every == 0 or last:
                 record.update(trainer.evaluate())
             trainer.log_record(record)
-            if step % cfg.run.checkpoint_every == 0 or last:
+            saves = cfg.run.save_checkpoints
+            if saves and (step % cfg.run.checkpoint_every == 0 or last):
                 trainer.save()
             if trainer.writer:
                 progress.update(record)
             if cfg.run.max_minutes and (time.perf_counter() - started) / 60 > cfg.run.max_minutes and not last:
-                trainer.save()
+                if saves:
+                    trainer.save()
                 progress.note(f"stopping at step {step}: run.max_minutes={cfg.run.max_minutes} reached "
-                              "(resume with run.resume=true)")
+                              + ("(resume with run.resume=true)" if saves else
+                                 "(run.save_checkpoints=false: no checkpoint, the run cannot be resumed)"))
                 break
     finally:
         progress.close()
