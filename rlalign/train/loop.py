@@ -660,10 +660,11 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
                 trainer.save()
             if trainer.writer:
                 progress.update(record)
-            if cfg.run.max_minutes and (time.perf_counter() - started) / 60 > cfg.run.max_minutes and not last:
+            stop = _segment_end(cfg.run, step, time.perf_counter() - started)
+            if stop and not last:
                 if saves:
                     trainer.save()
-                progress.note(f"stopping at step {step}: run.max_minutes={cfg.run.max_minutes} reached "
+                progress.note(f"stopping at step {step}: {stop} "
                               + ("(resume with run.resume=true)" if saves else
                                  "(run.save_checkpoints=false: no checkpoint, the run cannot be resumed)"))
                 break
@@ -671,6 +672,17 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
         progress.close()
         if trainer.trackers is not None:
             trainer.trackers.close()
+
+
+def _segment_end(run, step: int, elapsed_s: float) -> "str | None":
+    """Why this invocation ends after ``step`` before run.steps (a checkpoint is saved first), or None:
+    ``run.stop_at_step`` reached (the schedule still spans run.steps: a resume continues the same run), or
+    more than ``run.max_minutes`` spent in the loop."""
+    if run.stop_at_step is not None and step >= run.stop_at_step:
+        return f"run.stop_at_step={run.stop_at_step} reached"
+    if run.max_minutes and elapsed_s / 60 > run.max_minutes:
+        return f"run.max_minutes={run.max_minutes} reached"
+    return None
 
 
 def _parallel_rank(world: Group, cfg: TrainConfig) -> str:

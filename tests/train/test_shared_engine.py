@@ -3,15 +3,25 @@ rlalign.train.engines): no copy, updated in place by the optimizer step, the sam
 the copy path (fresh and resumed), a reallocated parameter refused, and the copy kept where sharing is
 impossible."""
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
-import torch
 
 from rlalign.configlib import load_config
+from rlalign.models.checkpoint import load_model
 from rlalign.train.config import TrainConfig
 from rlalign.train.engines import ENGINES, WeightsSharingError, weights_path
 from rlalign.train.loop import Trainer, run_training
 from rlalign.train.runio import read_metrics
+from tests.bitwise import assert_bitwise_equal
 from tests.train.conftest import tiny_overrides
+
+_spec = importlib.util.spec_from_file_location(
+    "compare_metrics", Path(__file__).resolve().parents[2] / "scripts" / "compare_metrics.py")
+compare = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare)
 
 # differ between two identical runs (timing, memory) or name the path taken (the one intended difference)
 VOLATILE = ("time/", "tokens_per_s/", "memory/", "rollout/shared_weights")
@@ -71,28 +81,42 @@ def test_copy_path_keeps_its_own_tensors(arithmetic_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_shared_run_gives_the_copy_runs_metrics_bitwise_also_resumed(arithmetic_model_dir, tmp_path, dtype):
-    """4 steps with the copy vs 2 steps shared + a shared resume to 4 (bf16: masters, a step chunked at 100
-    elements): every metric value equal (JSON floats are exact), evals included; weights equal at the end."""
+def test_shared_run_gives_the_copy_runs_metrics_bitwise_also_resumed(arithmetic_model_dir, tmp_path, dtype, capsys):
+    """4 steps with the copy vs a shared run stopped after step 2 (run.stop_at_step) and resumed to 4 (bf16:
+    masters, a step chunked at 100 elements): every metric value equal (JSON floats round-trip exactly),
+    evals included, as scripts/compare_metrics.py (the GPU resume proof's checker) says; weights equal."""
     extra = [f"model.dtype={dtype}", "run.eval_every=2"] + (["optim.step_chunk_elements=100"] if dtype == "bfloat16" else [])
     copied = run_training(load_config(TrainConfig, None, _over(arithmetic_model_dir, tmp_path / "copy", 4, "false", *extra)))
     shared_dir = tmp_path / "shared"
-    run_training(load_config(TrainConfig, None, _over(arithmetic_model_dir, shared_dir, 2, "true", *extra)))
     run_training(load_config(TrainConfig, None, _over(arithmetic_model_dir, shared_dir, 4, "true", *extra,
-                                                      "run.resume=true")))
+                                                      "run.stop_at_step=2")))
+    assert [r["step"] for r in read_metrics(shared_dir)] == [0, 1, 2]
+    run_training(load_config(TrainConfig, None, _over(arithmetic_model_dir, shared_dir, 4, "true", *extra,
+                                                      "run.resume=true", "run.stop_at_step=null")))
     a, b = read_metrics(copied), read_metrics(shared_dir)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     assert {r.get("rollout/shared_weights") for r in a[1:]} == {0} and {r.get("rollout/shared_weights") for r in b[1:]} == {1}
-    for x, y in zip(_stable(a), _stable(b)):
-        assert x == y, f"step {x['step']}: " + ", ".join(f"{k}: {x.get(k)!r} vs {y.get(k)!r}"
-                                                        for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k))
+    assert compare.differences(a, b, compare.VOLATILE + ("rollout/shared_weights",)) == []
+    assert compare.main([str(copied), str(shared_dir), "--ignore", "rollout/shared_weights"]) == 0
+    assert capsys.readouterr().out.startswith("equal: 5 records")
     assert sum(r["grad_norm"] > 0 for r in a if "grad_norm" in r) >= 3
-    from rlalign.models.checkpoint import load_model
     pa, _ = load_model(copied / "policy")
     pb, _ = load_model(shared_dir / "policy")
     for (name, p), (_, q) in zip(pa.named_parameters(), pb.named_parameters()):
-        assert torch.equal(p.view(torch.int16) if p.dtype == torch.bfloat16 else p.view(torch.int32),
-                           q.view(torch.int16) if q.dtype == torch.bfloat16 else q.view(torch.int32)), name
+        assert_bitwise_equal(p.detach(), q.detach(), name)
+
+
+def test_compare_metrics_names_the_first_differences(tmp_path, capsys):
+    a = [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "reward/mean": 0.25, "time/train_s": 1.0}]
+    b = [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "reward/mean": 0.25000000000000006, "time/train_s": 2.0}]
+    assert compare.differences(a, b) == ["step 1: reward/mean: 0.25 vs 0.25000000000000006"]
+    assert compare.differences(a, a[:1])[0].startswith("steps differ")
+    for name, records in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert compare.main([str(tmp_path / "a"), str(tmp_path / "b" / "metrics.jsonl")]) == 1
+    assert "differing: 1 values" in capsys.readouterr().out
+    assert compare.main([str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
 
 
 def test_reallocated_parameter_stops_the_shared_run(arithmetic_model_dir, tmp_path):
