@@ -96,13 +96,11 @@ class MasterWeights:
             grads.append(p.grad)
             p.grad = None
         for i, ((name, p), m) in enumerate(zip(self.named, self.masters)):
-            grad, grads[i] = grads[i], None
-            if grad is None:
+            if grads[i] is None:
                 continue
             stepped = p if m is None else m
-            _step_chunked(optimizer.state[stepped], groups[id(stepped)], stepped, grad,
+            _step_chunked(optimizer.state[stepped], groups[id(stepped)], stepped, grads, i,
                           None if m is None else p, self.chunk_elements, name)
-            del grad
         optimizer.step()   # no gradient is set: steps nothing, runs the optimizer's hooks (the lr schedule's count)
 
     @torch.no_grad()
@@ -200,10 +198,11 @@ def _flat(t: torch.Tensor, what: str, name: str) -> torch.Tensor:
     return t.view(-1)
 
 
-def _step_chunked(state: dict, group: dict, stepped: torch.Tensor, grad: torch.Tensor,
+def _step_chunked(state: dict, group: dict, stepped: torch.Tensor, grads: list, index: int,
                   model: "torch.Tensor | None", chunk: int, name: str) -> None:
-    """One AdamW step of ``stepped`` (a master, or a parameter without one), ``chunk`` elements at a time;
-    with ``model`` (the low-precision parameter of a master) each stepped chunk is rounded into it.
+    """One AdamW step of ``stepped`` (a master, or a parameter without one) with the gradient ``grads[index]``,
+    ``chunk`` elements at a time; with ``model`` (the low-precision parameter of a master) each stepped chunk is
+    rounded into it. The gradient is taken out of ``grads`` and freed once its last chunk is widened.
 
     Each chunk runs ``torch.optim.adam.adam`` (the arithmetic ``AdamW.step`` runs, foreach=False) on views
     of the chunk, with its own copy of the step count (every chunk sees step t and computes t + 1; the state
@@ -212,7 +211,7 @@ def _step_chunked(state: dict, group: dict, stepped: torch.Tensor, grad: torch.T
     if not state:
         _init_adam_state(state, stepped)
     flat = _flat(stepped, "master" if model is not None else "weight", name)
-    grad_flat = grad.reshape(-1)
+    grad_flat, grads[index] = grads[index].reshape(-1), None   # the only reference from here on
     exp_avg, exp_avg_sq = _flat(state["exp_avg"], "AdamW m", name), _flat(state["exp_avg_sq"], "AdamW v", name)
     model_flat = None if model is None else _flat(model, "weight", name)
     beta1, beta2 = group["betas"]
@@ -221,6 +220,8 @@ def _step_chunked(state: dict, group: dict, stepped: torch.Tensor, grad: torch.T
         part = slice(start, min(start + chunk, n))
         # bf16 copied to the master's device first, then widened there: the same exact fp32 values
         g = grad_flat[part].to(flat.device).to(flat.dtype)
+        if part.stop == n:
+            grad_flat = None   # every chunk widened: free the low-precision gradient before the last chunk's step
         step = state["step"].clone()
         adam_arithmetic([flat[part]], [g], [exp_avg[part]], [exp_avg_sq[part]], [], [step], foreach=False,
                         capturable=False, differentiable=False, fused=None, has_complex=stepped.is_complex(),
