@@ -108,26 +108,26 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _shapes = st.lists(st.integers(0, 5), min_size=0, max_size=2).map(tuple)   # scalars and 0-element tensors too
 
 
-def _params_module(specs, seed):
+def _params_module(specs, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     module = torch.nn.Module()
-    module.ps = torch.nn.ParameterList(torch.nn.Parameter((torch.randn(shape, generator=g) * 0.1).to(_DTYPES[d]))
+    module.ps = torch.nn.ParameterList(torch.nn.Parameter((torch.randn(shape, generator=g) * 0.1).to(device, _DTYPES[d]))
                                        for shape, d in specs)
     return module
 
 
-def _stepped(specs, offload, clip, steps, seed, per_parameter, chunk=DEFAULT_STEP_CHUNK, masters=True):
+def _stepped(specs, offload, clip, steps, seed, per_parameter, chunk=DEFAULT_STEP_CHUNK, masters=True, device="cpu"):
     """The trainer's step on ``specs`` (shape, dtype) parameters: clip the model's gradients, then the
     per-parameter step (in chunks of ``chunk`` elements) or the all-at-once reference (grads_to_master,
     optimizer.step(), master_to_model)."""
-    module = _params_module(specs, seed)
+    module = _params_module(specs, seed, device)
     mw = MasterWeights(module, enabled=masters, offload=offload, chunk_elements=chunk)
     opt = torch.optim.AdamW(mw.optim_params(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, foreach=False)
     g = torch.Generator().manual_seed(seed + 1)
     norms = []
     for step in range(steps):
         for i, p in enumerate(module.ps):
-            grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            grad = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
             p.grad = None if (i + step) % 3 == 2 else grad   # some parameters get no gradient at some steps
         norms.append(clip_grad_norm_(module, 0.05) if clip else None)
         if per_parameter:
@@ -139,9 +139,9 @@ def _stepped(specs, offload, clip, steps, seed, per_parameter, chunk=DEFAULT_STE
     return module, mw, opt, norms
 
 
-def _assert_same_step(specs, offload, clip, seed, chunk=DEFAULT_STEP_CHUNK, masters=True):
-    a_mod, a_mw, a_opt, a_norms = _stepped(specs, offload, clip, 3, seed, True, chunk, masters)
-    b_mod, b_mw, b_opt, b_norms = _stepped(specs, offload, clip, 3, seed, False, chunk, masters)
+def _assert_same_step(specs, offload, clip, seed, chunk=DEFAULT_STEP_CHUNK, masters=True, device="cpu"):
+    a_mod, a_mw, a_opt, a_norms = _stepped(specs, offload, clip, 3, seed, True, chunk, masters, device)
+    b_mod, b_mw, b_opt, b_norms = _stepped(specs, offload, clip, 3, seed, False, chunk, masters, device)
     for i, (p, q, m) in enumerate(zip(a_mod.ps, b_mod.ps, a_mw.masters)):
         assert_bitwise_equal(p.detach(), q.detach(), f"weight {i}")
         assert p.grad is None or m is None, "the step frees the gradient of every parameter with a master"

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlalign.configlib import load_config
 from rlalign.models.checkpoint import load_model
@@ -151,3 +152,43 @@ def test_share_weights_setting_is_checked():
     from rlalign.configlib import ConfigError
     with pytest.raises(ConfigError, match="share_weights"):
         load_config(TrainConfig, None, ["rollout.share_weights=sometimes"])
+
+
+def shared_engine_sees_in_place_steps(device: str, graphs: str, dtype: str = "bfloat16"):
+    """An engine on :func:`shared_module` of a policy (decode steps through ``graphs``: "padded" on the CPU,
+    captured CUDA graphs with "on"), a generate (graphs made), then two AdamW steps through MasterWeights
+    (fp32 masters, chunks of 1,000 elements, rounded into the shared tensors in place), each followed by the
+    trainer's sync: every generate equals a fresh eager engine's on a deep copy of the updated policy --
+    tokens and logprob bits -- so the engine (and any graph it captured) reads the updated weights."""
+    import copy
+
+    from rlalign.models.testing import tiny_model
+    from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
+    from rlalign.train.engines import WeightsPath, WeightSync, shared_module
+    from rlalign.train.master import MasterWeights
+    from tests.rollout.test_engine_bitwise import assert_same_completions, make_prompts
+
+    policy = tiny_model("qwen3", seed=0, dtype=dtype, device=device, init_std=0.1).train()
+    config = lambda mode: RolloutConfig(num_pages=64, decode_graphs=mode)  # noqa: E731
+    engine = RolloutEngine(shared_module(policy).eval(), config(graphs))
+    sync = WeightSync(engine, policy, WeightsPath(True, "test"))
+    master = MasterWeights(policy, chunk_elements=1000)
+    opt = torch.optim.AdamW(master.optim_params(), lr=3e-2, foreach=False)
+    prompts, sampling = make_prompts(7), SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5)
+    gen = torch.Generator(device=device).manual_seed(1)
+    for version in range(3):
+        if version:
+            for p in policy.parameters():
+                p.grad = torch.randn(p.shape, generator=gen, device=device).to(p.dtype)
+            master.step(opt)
+            sync.push(lambda: {}, version=version)
+        got = engine.generate(prompts, sampling)
+        fresh = RolloutEngine(copy.deepcopy(policy).eval(), config("off")).generate(prompts, sampling)
+        assert_same_completions(got, fresh)
+        assert all(c.weights_version == version for c in got)
+    return engine, got
+
+
+def test_shared_engine_with_padded_decode_batches_sees_every_in_place_step():
+    engine, got = shared_engine_sees_in_place_steps("cpu", "padded")
+    assert engine.counters["graph_steps"] > 0
