@@ -3,8 +3,9 @@
 The trainer needs three things of an engine: ``generate(prompts, sampling) -> list[Completion]``
 (completions in prompt-major order, each with ``prompt_index``, ``prompt_tokens``, ``tokens``,
 ``logprobs``, ``finish_reason``, ``weights_version``), ``update_weights(state_dict, version=)`` and the
-``weights_version`` attribute. Every builder returns an object with exactly that surface, holding
-its own copy of the policy's weights (the trainer updates it after each optimizer step).
+``weights_version`` attribute. Every registered builder returns an object with exactly that surface,
+holding its own copy of the policy's weights (the trainer updates it after each optimizer step); the
+shared engine below is the exception.
 
 Shared weights (``rollout.share_weights``, :func:`weights_path`): rlalign's engine colocated with the
 trainer (``launcher=local``, no ``parallel.tp``) can step the policy's own parameter tensors instead of a
