@@ -10,8 +10,8 @@
 #                                                           (the CPU rehearsal tests/train/test_gpu_headline.py runs)
 # RESUME=1 instead proves a bitwise resume on the shape cut to LAYERS layers (full vocabulary, the same config,
 # checkpoints on: 12 bytes per parameter, ~24 GiB at 4 layers, in /dev/shm): RESUME_STEPS steps straight vs
-# RESUME_STEPS/2 (run.stop_at_step) + a resume in a new process, metrics compared by scripts/compare_metrics.py,
-# which prints "equal: ..." or the differing values.
+# RESUME_STEPS/2 (run.stop_at_step) + a resume in a new process, metrics and exported weights compared by
+# `python -m rlalign.integrations.ray.compare` (every differing value, then "bitwise identical" or "NOT identical").
 # Everything large lives in /dev/shm (the machine's disk is 64 GiB; a checkpoint of the full run's state is
 # 91.5 GiB, so the headline run writes none). Results under $OUT: summary.txt, headline/ (metrics.jsonl,
 # report.png, report.md, config.yaml, budget.md, train.log) or resume/ (both runs' metrics and the verdict).
@@ -56,8 +56,8 @@ if [ "$RESUME" = 1 ]; then
   # no config file: the run directory's config.yaml is the run's (the file would lay its model.path over it)
   rlalign train run.dir="$ROOT/cut" run.resume=true run.stop_at_step=null 2>&1 | tail -4 | tee -a "$SUMMARY"
   copy_run "$ROOT/straight" "$OUT/resume/straight"; copy_run "$ROOT/cut" "$OUT/resume/cut"
-  echo "[$(elapsed)s] metrics, straight vs cut + resumed:" | tee -a "$SUMMARY"
-  $PY scripts/compare_metrics.py "$ROOT/straight" "$ROOT/cut" 2>&1 | tee "$OUT/resume/verdict.txt" | tee -a "$SUMMARY"
+  echo "[$(elapsed)s] metrics and final weights, straight vs cut + resumed:" | tee -a "$SUMMARY"
+  $PY -m rlalign.integrations.ray.compare "$ROOT/straight" "$ROOT/cut" 2>&1 | tee "$OUT/resume/verdict.txt" | tee -a "$SUMMARY"
   rm -rf "$ROOT/straight" "$ROOT/cut" "$MODEL"
   echo "[$(elapsed)s] done" | tee -a "$SUMMARY"
   exit 0
@@ -87,7 +87,7 @@ if steps:
     print(f"- compared log-probs {sum(r['mismatch/tokens'] for r in steps):,}, mismatches "
           f"{sum(r['mismatch/count'] for r in steps)}; peak GPU memory {max(r['memory/peak_mb'] for r in steps) / 1024:.1f} GiB; "
           f"median step {statistics.median(r['time/rollout_s'] + r['time/train_s'] for r in steps):.2f} s; "
-          f"engine weights shared: {sorted({r.get('rollout/shared_weights') for r in steps})}")
+          f"engine's weight copy {max(r['memory/engine_weight_copy_mb'] for r in steps):.0f} MiB (0: shared)")
 EOF
 rm -rf "$RUN" "$MODEL"
 echo "[$(elapsed)s] done" | tee -a "$SUMMARY"

@@ -143,6 +143,9 @@ class WeightSync:
     def __init__(self, engine, policy, path: WeightsPath):
         self.engine, self.path = engine, path
         self._addresses = None
+        # bytes of the engine's own weights (each engine's, for a pool): 0 when shared
+        held = engine.model if isinstance(engine, RolloutEngine) else policy
+        self.copy_bytes = 0 if path.shared else sum(p.numel() * p.element_size() for p in held.parameters())
         if path.shared:
             engine_params = dict(engine.model.named_parameters())
             named = list(policy.named_parameters())

@@ -378,7 +378,7 @@ class Trainer:
             "time/rollout_s": t_rollout, "time/train_s": t_train,
             "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9),
             "memory/peak_mb": _peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
-            "rollout/shared_weights": int(self.weight_sync.shared),
+            "memory/engine_weight_copy_mb": self.weight_sync.copy_bytes / 2**20,   # 0: the engine shares the policy's
             **update, **corr_stats, **rollout_stats(rewards, ro.group_tensor(), lens),
             **token_stats(token_adv, batch.mask, first_lp, ref_lp),
         })

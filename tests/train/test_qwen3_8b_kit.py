@@ -184,5 +184,5 @@ def test_device_config_runs_two_strict_steps_on_the_toy_body_without_checkpoints
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(args) == 0
     records = [r for r in read_metrics(run) if "mismatch/count" in r]
-    assert len(records) == 2 and all(r["mismatch/count"] == 0 and r["rollout/shared_weights"] == 1 for r in records)
+    assert len(records) == 2 and all(r["mismatch/count"] == 0 and r["memory/engine_weight_copy_mb"] == 0 for r in records)
     assert not (run / "checkpoints").exists() and (run / "policy" / "config.json").exists()

@@ -3,15 +3,11 @@ rlalign.train.engines): no copy, updated in place by the optimizer step, the sam
 the copy path (fresh and resumed), a reallocated parameter refused, and the copy kept where sharing is
 impossible."""
 
-import importlib.util
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from rlalign.configlib import load_config
-from rlalign.models.checkpoint import load_model
+from rlalign.integrations.ray.compare import metric_differences, weight_differences
 from rlalign.train.config import TrainConfig
 from rlalign.train.engines import ENGINES, WeightsSharingError, weights_path
 from rlalign.train.loop import Trainer, run_training
@@ -19,22 +15,13 @@ from rlalign.train.runio import read_metrics
 from tests.bitwise import assert_bitwise_equal
 from tests.train.conftest import tiny_overrides
 
-_spec = importlib.util.spec_from_file_location(
-    "compare_metrics", Path(__file__).resolve().parents[2] / "scripts" / "compare_metrics.py")
-compare = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare)
 
-# differ between two identical runs (timing, memory) or name the path taken (the one intended difference)
-VOLATILE = ("time/", "tokens_per_s/", "memory/", "rollout/shared_weights")
+COPY_MB = "memory/engine_weight_copy_mb"   # the path a run took: 0 when the engine shares the policy's tensors
 
 
 def _over(model_dir, run_dir, steps, share, *extra):
     return tiny_overrides(model_dir, run_dir, steps=steps, dense_reward=True) + [
         f"rollout.share_weights={share}", "optim.warmup_steps=1", *extra]
-
-
-def _stable(records):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
 def _trainer(model_dir, run_dir, share, *extra):
@@ -59,7 +46,7 @@ def test_shared_engine_steps_the_policys_own_tensors(arithmetic_model_dir, tmp_p
         assert trainer.engine.model is not trainer.policy and not trainer.engine.model.training
         before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
         record = trainer.train_step(1)
-        assert record["grad_norm"] > 0 and record["mismatch/count"] == 0 and record["rollout/shared_weights"] == 1
+        assert record["grad_norm"] > 0 and record["mismatch/count"] == 0 and record[COPY_MB] == 0
         moved = sum(int((p.detach() != before[n]).sum()) for n, p in trainer.policy.named_parameters())
         assert moved > 0, "the step changed no weight: the test would prove nothing"
         for name, p in trainer.engine.model.named_parameters():
@@ -76,16 +63,18 @@ def test_copy_path_keeps_its_own_tensors(arithmetic_model_dir, tmp_path):
         engine_params = dict(trainer.engine.model.named_parameters())
         for name, p in trainer.policy.named_parameters():
             assert engine_params[name] is not p and engine_params[name].data_ptr() != p.data_ptr(), name
-        assert trainer.train_step(1)["rollout/shared_weights"] == 0
+        copy_mb = sum(p.numel() * p.element_size() for p in trainer.policy.parameters()) / 2**20
+        assert trainer.train_step(1)[COPY_MB] == copy_mb > 0
     finally:
         trainer.run_lock.release()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_shared_run_gives_the_copy_runs_metrics_bitwise_also_resumed(arithmetic_model_dir, tmp_path, dtype, capsys):
+def test_shared_run_gives_the_copy_runs_metrics_bitwise_also_resumed(arithmetic_model_dir, tmp_path, dtype):
     """4 steps with the copy vs a shared run stopped after step 2 (run.stop_at_step) and resumed to 4 (bf16:
     masters, a step chunked at 100 elements): every metric value equal (JSON floats round-trip exactly),
-    evals included, as scripts/compare_metrics.py (the GPU resume proof's checker) says; weights equal."""
+    evals included, and the exported weights' bits, as `python -m rlalign.integrations.ray.compare` (the GPU
+    resume proof's checker) says."""
     extra = [f"model.dtype={dtype}", "run.eval_every=2"] + (["optim.step_chunk_elements=100"] if dtype == "bfloat16" else [])
     copied = run_training(load_config(TrainConfig, None, _over(arithmetic_model_dir, tmp_path / "copy", 4, "false", *extra)))
     shared_dir = tmp_path / "shared"
@@ -96,28 +85,10 @@ def test_shared_run_gives_the_copy_runs_metrics_bitwise_also_resumed(arithmetic_
                                                       "run.resume=true", "run.stop_at_step=null")))
     a, b = read_metrics(copied), read_metrics(shared_dir)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
-    assert {r.get("rollout/shared_weights") for r in a[1:]} == {0} and {r.get("rollout/shared_weights") for r in b[1:]} == {1}
-    assert compare.differences(a, b, compare.VOLATILE + ("rollout/shared_weights",)) == []
-    assert compare.main([str(copied), str(shared_dir), "--ignore", "rollout/shared_weights"]) == 0
-    assert capsys.readouterr().out.startswith("equal: 5 records")
+    assert all(r[COPY_MB] > 0 for r in a[1:]) and all(r[COPY_MB] == 0 for r in b[1:])
+    assert metric_differences(copied, shared_dir) == []
+    assert weight_differences(copied, shared_dir) == []
     assert sum(r["grad_norm"] > 0 for r in a if "grad_norm" in r) >= 3
-    pa, _ = load_model(copied / "policy")
-    pb, _ = load_model(shared_dir / "policy")
-    for (name, p), (_, q) in zip(pa.named_parameters(), pb.named_parameters()):
-        assert_bitwise_equal(p.detach(), q.detach(), name)
-
-
-def test_compare_metrics_names_the_first_differences(tmp_path, capsys):
-    a = [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "reward/mean": 0.25, "time/train_s": 1.0}]
-    b = [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "reward/mean": 0.25000000000000006, "time/train_s": 2.0}]
-    assert compare.differences(a, b) == ["step 1: reward/mean: 0.25 vs 0.25000000000000006"]
-    assert compare.differences(a, a[:1])[0].startswith("steps differ")
-    for name, records in (("a", a), ("b", b)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert compare.main([str(tmp_path / "a"), str(tmp_path / "b" / "metrics.jsonl")]) == 1
-    assert "differing: 1 values" in capsys.readouterr().out
-    assert compare.main([str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
 
 
 def test_reallocated_parameter_stops_the_shared_run(arithmetic_model_dir, tmp_path):
