@@ -62,6 +62,9 @@ from rlalign.train.setup import SetupError, build_task, load_policy
 from rlalign.train.value import ValueModel
 
 
+EXPORT_SHARD_BYTES = 5 * 2**30
+
+
 class MismatchError(RLAlignError):
     pass
 
@@ -234,7 +237,8 @@ class Trainer:
         policy = par.unsharded_policy(self.policy)
         if not self.writer:
             return self.run_dir / "policy"
-        out = save_model(policy, self.run_dir / "policy")
+        # shards of at most 5 GiB (hashed in parallel): an 8B export is 4 files, a small model's one model.safetensors
+        out = save_model(policy, self.run_dir / "policy", max_shard_bytes=EXPORT_SHARD_BYTES)
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
             src = Path(self.model_dir) / name
             if src.exists():

@@ -30,12 +30,12 @@ def _trainer(model_dir, run_dir, share, *extra):
     return trainer
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_shared_engine_steps_the_policys_own_tensors(arithmetic_model_dir, tmp_path, dtype):
+@pytest.mark.parametrize("dtype,profile", [("float32", "strict"), ("bfloat16", "strict"), ("bfloat16", "native")])
+def test_shared_engine_steps_the_policys_own_tensors(arithmetic_model_dir, tmp_path, dtype, profile):
     """Unset (null) shares: every engine parameter IS the policy's (same object, same storage); the engine has its
     own modules; after a training step (bf16: fp32 masters rounded into the weights) nothing was copied and
     both still hold the same storage, with the stepped values."""
-    trainer = _trainer(arithmetic_model_dir, tmp_path / "run", "null", f"model.dtype={dtype}")
+    trainer = _trainer(arithmetic_model_dir, tmp_path / "run", "null", f"model.dtype={dtype}", f"run.profile={profile}")
     try:
         assert trainer.weight_sync.shared
         engine_params = dict(trainer.engine.model.named_parameters())
@@ -45,13 +45,18 @@ def test_shared_engine_steps_the_policys_own_tensors(arithmetic_model_dir, tmp_p
             addresses[name] = p.data_ptr()
         assert trainer.engine.model is not trainer.policy and not trainer.engine.model.training
         before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
-        record = trainer.train_step(1)
-        assert record["grad_norm"] > 0 and record["mismatch/count"] == 0 and record[COPY_MB] == 0
+        for step in (1, 2, 3):   # until a step has a non-zero advantage (a group whose rewards differ)
+            record = trainer.train_step(step)
+            trainer.step = step
+            assert record[COPY_MB] == 0
+            assert record["mismatch/count"] == 0 or profile == "native"   # native: vendor kernels, no bitwise contract
+            if record["grad_norm"] > 0:
+                break
         moved = sum(int((p.detach() != before[n]).sum()) for n, p in trainer.policy.named_parameters())
-        assert moved > 0, "the step changed no weight: the test would prove nothing"
+        assert moved > 0, "no step changed a weight: the test would prove nothing"
         for name, p in trainer.engine.model.named_parameters():
             assert p.data_ptr() == addresses[name], f"{name} was reallocated by the step"
-        assert trainer.engine.weights_version == 1
+        assert trainer.engine.weights_version == step
     finally:
         trainer.run_lock.release()
 
