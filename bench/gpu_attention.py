@@ -3,9 +3,14 @@
 Prefill: 4 (and 8) sequences x 4096 tokens packed (varlen), GQA 32 query / 8 kv heads (Qwen3-8B) and
 MHA 32/32; baseline SDPA (flash backend when it accepts the call, else the default) on [B, H, 4096,
 128]. TFLOP/s counts the causal half: 2 * B * Hq * S^2 * D.
-Decode: 64 sequences, one query each, contexts of 1024 and 4096 tokens, GQA 32/8; ours reads a
-paged cache (page size 16 and 64, shuffled pages); baseline SDPA on a contiguous cache
-[64, 8, L, 128] with enable_gqa. GB/s counts the K/V bytes (the floor).
+Decode: 1, 8, 64 and 256 sequences, one query each, contexts of 4096 (and 1024) tokens, GQA 32/8; ours
+reads a paged cache (page size 16 and 64, shuffled pages); baseline SDPA on a contiguous cache
+[B, 8, L, 128] with enable_gqa (its flash backend is FlashAttention-2's forward, which splits the keys
+for decode), and flash varlen decode (``aten._flash_attention_forward`` with cu_seqlens, one query per
+sequence) where the build has it; ``base_ms`` is the faster. GB/s counts the K/V bytes (the floor).
+Ours three ways: ``ours_ms`` the kernels as the op launches them (key splits over several programs when
+the per-(sequence, kv head) grid is small: ``launch``), ``split_ms`` / ``item_ms`` each launch forced
+(the same bits; these tune attention.PROGRAMS_PER_SM); ``op_ms`` the public op.
 Training (info): varlen forward + backward vs SDPA forward + backward.
 
 Columns: ``ratio`` = SDPA time / the strict Triton kernel's time (kernel only); ``op_ratio`` = SDPA
@@ -89,6 +94,25 @@ def prefill(batch: int, seq: int, hq: int, hkv: int) -> dict:
             **op_fields(base, op)}
 
 
+def _flash_varlen_decode(q, kk, vv):
+    """FlashAttention-2 varlen forward, one query per sequence (q [B, Hq, D], kk/vv [B, Hkv, L, D]), or
+    None when this torch build does not take the call."""
+    batch, hkv, ctx, d = kk.shape
+    k_flat = kk.transpose(1, 2).reshape(batch * ctx, hkv, d).contiguous()
+    v_flat = vv.transpose(1, 2).reshape(batch * ctx, hkv, d).contiguous()
+    cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    cu_k = cu_q * ctx
+
+    def run():
+        return torch.ops.aten._flash_attention_forward(q, k_flat, v_flat, cu_q, cu_k, 1, ctx, 0.0, False, False,
+                                                       scale=d ** -0.5)[0]
+    try:
+        run()
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError):
+        return None
+    return run
+
+
 def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
     from rlalign import ops
     from rlalign.ops.triton_backend import attention as A
@@ -100,17 +124,30 @@ def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
     table = torch.randperm(n_pages, device="cuda")[:batch * pages_per_seq].view(batch, pages_per_seq).to(torch.int32)
     seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-    ours = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, D ** -0.5))
+    scale = D ** -0.5
+    ours = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale))
+    split = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=True))
+    item = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=False))
+    programs = batch * hkv   # the per-item grid of a decode step
+    chosen = A.use_split_programs(A.DECODE_TILE, programs, A.split_scratch_bytes(batch, hq, D, ctx),
+                                  A.device_sms(q))
     op = _bench(lambda: ops.attention_paged(q, kc, vc, table, seq_lens, cu))
     kk = torch.randn(batch, hkv, ctx, D, device="cuda", dtype=torch.bfloat16)
     vv = torch.randn_like(kk)
     run, backend = _sdpa(q.view(batch, hq, 1, D), kk, vv, False)
-    base = _bench(run)
+    sdpa = _bench(run)
+    flash_run = _flash_varlen_decode(q, kk, vv)
+    flash = _bench(flash_run) if flash_run is not None else None
+    base = min(sdpa, flash) if flash is not None else sdpa
     nbytes = 2.0 * batch * ctx * hkv * D * 2
     return {"kind": "decode", "batch": batch, "seq": ctx, "hq": hq, "hkv": hkv, "page": page,
-            "baseline": f"sdpa-{backend}", "ours_ms": round(ours, 4), "base_ms": round(base, 4),
+            "baseline": f"sdpa-{backend}" + ("" if flash is None else "|flash-varlen"),
+            "launch": "split" if chosen else "item", "ours_ms": round(ours, 4), "split_ms": round(split, 4),
+            "item_ms": round(item, 4), "sdpa_ms": round(sdpa, 4),
+            "flash_varlen_ms": None if flash is None else round(flash, 4), "base_ms": round(base, 4),
             "ours_gbs": round(nbytes / ours / 1e6, 0), "base_gbs": round(nbytes / base / 1e6, 0),
-            "ratio": round(base / ours, 3), "target": 0.8, **op_fields(base, op)}
+            "ratio": round(base / ours, 3), "split_ratio": round(base / split, 3), "item_ratio": round(base / item, 3),
+            "target": 0.9 if batch >= 256 else 0.8, **op_fields(base, op)}
 
 
 def training(batch: int, seq: int, hq: int, hkv: int) -> dict:
@@ -152,8 +189,9 @@ def main() -> int:
     import rlalign.ops.triton_backend  # noqa: F401
     plan = [(prefill, (4, 4096, 32, 8)), (prefill, (4, 4096, 32, 32)), (prefill, (1, 4096, 32, 8)),
             (prefill, (8, 4096, 32, 8)),
-            (decode, (64, 4096, 32, 8, 64)), (decode, (64, 4096, 32, 8, 16)), (decode, (64, 1024, 32, 8, 64)),
-            (decode, (8, 4096, 32, 8, 64)), (training, (2, 4096, 32, 8))]
+            (decode, (1, 4096, 32, 8, 16)), (decode, (8, 4096, 32, 8, 16)), (decode, (64, 4096, 32, 8, 16)),
+            (decode, (256, 4096, 32, 8, 16)), (decode, (64, 4096, 32, 8, 64)), (decode, (64, 1024, 32, 8, 64)),
+            (training, (2, 4096, 32, 8))]
     rows, t0 = [], time.time()
     for fn, a in plan:
         try:
@@ -173,7 +211,8 @@ def main() -> int:
             continue
         print(f"{r['kind']:>14} {r['batch']:>3} {r['seq']:>5} {str(r['hq']) + '/' + str(r['hkv']):>6} "
               f"{r['ours_ms']:>8} {r['base_ms']:>8} {r['ratio']:>6} {r.get('op_ratio', '-'):>8} {str(r['target']):>6}  "
-              f"{r['baseline']}")
+              f"{r['baseline']}" + (f"  launch={r['launch']} split={r['split_ratio']} item={r['item_ratio']}"
+                                    if r["kind"] == "decode" else ""))
     return 0
 
 

@@ -99,10 +99,14 @@ def case(m: int, n: int, k: int, segments: int | None = None, config=None) -> di
     x_sets = [torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(len(w_sets))]
     sets = list(zip(x_sets, w_sets))
     row = {"M": m, "N": n, "K": k, "k_segments": segments or 1}
+    from rlalign.ops.triton_backend.gemm import SPLIT_SEGMENTS_MAX_M
     cfg = config or pick_config(m, n, segments or 1, False, device_sms(x_sets[0]))
-    # the kernel as the op launches it (same config choice), without the op's input validation
-    strict = lambda x, w: gemm(x, w, b_trans=True, segments=segments or 1, config=cfg)  # noqa: E731
-    row["config"] = f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + \
+    split = config is None and (segments or 1) > 1 and m <= SPLIT_SEGMENTS_MAX_M
+    # the kernel as the op launches it (same choice: decode-sized M on a K partition runs as per-segment
+    # partials + the tree kernel), without the op's input validation
+    strict = lambda x, w: gemm(x, w, b_trans=True, segments=segments or 1, config=config)  # noqa: E731
+    row["config"] = "split 64x64/w4/s4 + tree" if split else \
+        f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + \
         ("/flat" if cfg.flatten else "") + (f"/rl{cfg.reg_levels}" if (segments or 1) > 1 else "") + \
         ("/nested" if cfg.nested else "")
     t_strict = timed(strict, sets)
@@ -157,7 +161,7 @@ def target(row: dict) -> float | None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="strict linear vs cuBLAS on Qwen3-8B shapes (H200)")
     ap.add_argument("--out")
-    ap.add_argument("--set", default="all", choices=("all", "kernel", "layers", "segsweep"),
+    ap.add_argument("--set", default="all", choices=("all", "kernel", "layers", "segsweep", "segments"),
                     help="kernel: the strict kernel and the op per shape (+ k_segments=8), no tile sweep; "
                          "layers: a Qwen3-8B layer's linears through ops.linear vs F.linear; all: both + the sweep; "
                          "segsweep: only the canonical-partition (k_segments=8) tile/structure sweep")
@@ -183,10 +187,16 @@ def main() -> int:
     seg_sweep = [GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(128, 64, 8, 6),
                  GemmConfig(128, 128, 8, 4, reg_levels=1), GemmConfig(64, 64, 4, 5),
                GemmConfig(128, 64, 8, 4, nested=True), GemmConfig(128, 128, 8, 3, nested=True),
-               GemmConfig(128, 128, 8, 4, reg_levels=1, nested=True), GemmConfig(64, 64, 4, 5, nested=True)]
+               GemmConfig(128, 128, 8, 4, reg_levels=1, nested=True), GemmConfig(64, 64, 4, 5, nested=True),
+               GemmConfig(128, 128, 8, 3, reg_levels=1, nested=True), GemmConfig(128, 128, 8, 5, reg_levels=1, nested=True),
+               GemmConfig(128, 128, 8, 4, reg_levels=0, nested=True), GemmConfig(128, 256, 8, 3, reg_levels=0, nested=True),
+               GemmConfig(128, 256, 8, 3, reg_levels=1, nested=True), GemmConfig(128, 128, 4, 4, reg_levels=0, nested=True)]
     plan += [(4096, 4096, 12288, 8, c, True) for c in seg_sweep]
+    plan += [(4096, 4096, 4096, 8, c, True) for c in seg_sweep if c.nested]
     if args.set == "segsweep":
         plan, layers = [p for p in plan if p[3] == 8], []
+    if args.set == "segments":   # the K-partition shapes as the op launches them, no sweep
+        plan, layers = [p for p in plan if p[3] == 8 and not p[5]], []
     if args.set == "kernel":   # per-shape kernel + op rows, no sweep, no model layers
         plan, layers = [p for p in plan if not p[5]], []
     elif args.set == "layers":

@@ -133,6 +133,33 @@ def ffn_case(tokens: int, backward: bool) -> dict:
     return row
 
 
+def route_combine_case(tokens: int) -> dict:
+    """Router logits + top-k routing + the combine (the parts a fused router/combine kernel would replace)
+    against the whole strict sparse block, forward, through the public ops: what fusing them could save."""
+    from rlalign import ops
+    from rlalign.contract import spec
+    gate, up, down = make_layer()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    router = (torch.randn(EXPERTS, HIDDEN, device="cuda", generator=g) * HIDDEN ** -0.5).to(torch.bfloat16)
+    x = (torch.randn(tokens, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
+
+    def route():
+        experts, weights = ops.moe_route(ops.router_logits(x, router), TOP_K, normalize=True)
+        return experts, weights
+    experts, weights = route()
+    y = ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS)
+
+    def block():
+        e, w = route()
+        return ops.moe_combine(ops.moe_experts(x, e, gate, up, down, down_segments=spec.MOE_K_SEGMENTS), w, e)
+    with torch.no_grad():
+        t_route = timed(route)
+        t_combine = timed(lambda: ops.moe_combine(y, weights, experts))
+        t_block = timed(block)
+    return {"kind": "route_combine", "tokens": tokens, "route_ms": round(t_route, 4), "combine_ms": round(t_combine, 4),
+            "block_ms": round(t_block, 4), "route_combine_frac": round((t_route + t_combine) / t_block, 3)}
+
+
 def kernel_cases(tokens: int) -> list[dict]:
     """Each grouped GEMM of the strict path alone vs torch._grouped_mm on the same sorted rows."""
     from rlalign.ops.triton_backend import grouped as G
@@ -164,8 +191,67 @@ def kernel_cases(tokens: int) -> list[dict]:
     return out
 
 
-SWEEP = {1: ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4),
-             (64, 64, 4, 5)),
+ROWS_SWEEP = ((64, 64, 4, 5), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3), (64, 128, 4, 4),
+              (128, 128, 4, 3))
+REDUCE_SWEEP = ((64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3),
+                (128, 64, 4, 4), (128, 128, 4, 3))
+
+
+def vendor_time(layouts, offs, row) -> float | None:
+    """torch._grouped_mm's time on the first operand layout it accepts (layouts prepared outside the timing)."""
+    errors = []
+    for a, b in layouts:
+        try:
+            return timed(lambda: torch._grouped_mm(a, b, offs=offs))
+        except Exception as exc:
+            errors.append(repr(exc)[:120])
+    row["grouped_mm_error"] = " | ".join(errors)
+    return None
+
+
+def backward_cases(tokens: int, sweep: bool) -> list[dict]:
+    """The backward's kernels alone (dX: grouped rows against W_e untransposed; dW: the grouped reduction)
+    vs torch._grouped_mm on the same sorted rows; with ``sweep``, every dW tile shape."""
+    from rlalign.ops.triton_backend import grouped as G
+    gate, up, down = make_layer()
+    flat = routing(tokens).reshape(-1)
+    e_of_row = torch.sort(flat, stable=True).values
+    offsets = G.expert_offsets(e_of_row, EXPERTS)
+    offs32 = offsets[1:].to(torch.int32)
+    rows_n = flat.numel()
+    out = []
+    for name, ws in (("gate", gate), ("down", down)):
+        n, k = ws[0].shape                      # forward: [R, K] -> [R, N]
+        g = (torch.randn(rows_n, n, device="cuda") * 0.5).to(torch.bfloat16)
+        x = (torch.randn(rows_n, k, device="cuda") * 0.5).to(torch.bfloat16)
+        stacked = torch.stack(ws)                # [E, N, K]: dX = G @ W_e
+        t = timed(lambda: G.grouped_rows(g, offsets, ws, transpose_w=False))
+        row = {"kind": "dX", "tokens": tokens, "proj": name, "config": "default", "strict_ms": round(t, 4)}
+        tg = vendor_time([(g, stacked), (g, stacked.transpose(1, 2).contiguous().transpose(1, 2))], offs32, row)
+        if tg:
+            row.update(grouped_mm_ms=round(tg, 4), ratio=round(tg / t, 3))
+        out.append(row)
+        for shape in (ROWS_SWEEP if sweep else ()):
+            cfg = G.GroupedConfig(*shape)
+            t = timed(lambda: G.grouped_rows(g, offsets, ws, transpose_w=False, config=cfg))
+            out.append({"kind": "dX", "tokens": tokens, "proj": name, "config": "{}x{}/w{}/s{}".format(*shape),
+                        "strict_ms": round(t, 4)})
+        configs = [None] + ([G.GroupedConfig(*c) for c in REDUCE_SWEEP] if sweep else [])
+        for cfg in configs:
+            label = "default" if cfg is None else f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
+            try:
+                t = timed(lambda: G.grouped_weight_grad(g, x, offsets, EXPERTS, torch.bfloat16, config=cfg))
+                row = {"kind": "dW", "tokens": tokens, "proj": name, "config": label, "strict_ms": round(t, 4),
+                       "strict_tflops": round(2.0 * rows_n * n * k / t / 1e9, 1)}
+            except Exception as exc:
+                row = {"kind": "dW", "tokens": tokens, "proj": name, "config": label, "error": repr(exc)[:200]}
+            # no vendor dW row: torch._grouped_mm's 2-D x 2-D form (the reduction grouped) asserts on the
+            # device when a group's row count is not a multiple of 8, which kills the process (H200, torch 2.11)
+            out.append(row)
+    return out
+
+
+SWEEP = {1: ROWS_SWEEP,
          4: ((128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 128, 8, 3, True), (128, 64, 8, 4, True),
              (64, 64, 4, 4, True), (64, 128, 4, 4, True)),
          8: ((128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 3), (64, 32, 4, 6))}
@@ -208,8 +294,9 @@ def main() -> int:
     import rlalign.ops.triton_backend  # noqa: F401
     t0, rows = time.time(), []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        for fn in [lambda: [ffn_case(tokens, False)], lambda: kernel_cases(tokens)] + \
-                  ([lambda: [ffn_case(tokens, True)]] if args.backward else []) + \
+        for fn in [lambda: [ffn_case(tokens, False)], lambda: kernel_cases(tokens), lambda: [route_combine_case(tokens)]] + \
+                  ([lambda: [ffn_case(tokens, True)], lambda: backward_cases(tokens, args.sweep)]
+                   if args.backward else []) + \
                   ([lambda: sweep_cases(tokens)] if args.sweep else []):
             try:
                 new = fn()

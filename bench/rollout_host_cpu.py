@@ -33,7 +33,7 @@ def run_once(args) -> tuple[dict, str]:
     model = tiny_model("qwen3", seed=3, init_std=0.1, num_hidden_layers=1)
     cfg = RolloutConfig(max_num_seqs=args.seqs, decode_graph_max_batch=args.seqs, decode_graphs=args.graphs,
                         max_num_batched_tokens=args.seqs * 32, page_size=16, profile="strict",
-                        max_model_len=256)
+                        max_model_len=256, overlap=args.overlap)
     engine = RolloutEngine(model, cfg)
     timers = {"forward": 0.0, "sample": 0.0}
 
@@ -94,6 +94,9 @@ def main() -> None:
                    help="step: engine.step() (one StepOutput per token); generate: the step generate() runs")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--stops", action="store_true", help="one stop token id (some samples end early)")
+    p.add_argument("--overlap", default="off", choices=["on", "off"],
+                   help="RolloutConfig.overlap (with --graphs padded: the overlap state machine; nothing overlaps "
+                        "in time on the CPU, so this prices its host work)")
     p.add_argument("--profile", action="store_true", help="cProfile one run instead")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

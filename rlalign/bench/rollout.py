@@ -39,9 +39,14 @@ counts the tokens whose bits differ (strict: must be 0; native promises nothing)
 
 Decode steps (every running sequence feeds one token; the last timed call's) are measured one by one:
 ``decode_step_ms`` (wall time of ``engine.step()``, which returns after the sampled tokens reached the
-host), ``forward_gpu_ms`` (CUDA events around the graph replay: the GPU time of the captured forward;
-graph steps only), ``host_ms_per_step`` = decode_step_ms - forward_gpu_ms (scheduling, batch building,
-the eager sampler and logprob op, bookkeeping: everything outside the captured forward),
+host; with overlapped scheduling the next step is already queued then, so this is the period between
+two completed steps), ``forward_gpu_ms`` (CUDA events around the graph replay: the GPU time of the
+captured forward and, in strict, the sampler and logprob op captured with it; graph steps only),
+``host_ms_per_step`` = decode_step_ms - forward_gpu_ms (scheduling, batch building, copies,
+bookkeeping: the host time on the critical path; with ``--overlap on`` the part of it not hidden behind
+the device, and the row's ``overlap`` / ``overlapped_steps`` say whether and how often steps overlapped),
+``host_busy_ms_per_step`` (decode step wall minus the time it blocked waiting for the device's results:
+the host's own work per step, overlapped or not; on the CPU the forward runs inside it),
 ``bytes_per_decode_step`` (weights + K/V read + K/V written, the minimum a step must move:
 :mod:`rlalign.bench.roofline`, from the model config and the step's actual context lengths),
 ``achieved_gbps`` = bytes / wall, ``roofline_fraction`` = achieved / ``--peak-gbps`` (default 4300 on
@@ -168,8 +173,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=1024, help="engine decode batch (default 1024)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
-    p.add_argument("--decode-graphs", default="auto", choices=("auto", "on", "off"),
-                   help="replay decode steps from CUDA graphs, both profiles (auto: on CUDA; RolloutConfig.decode_graphs)")
+    p.add_argument("--decode-graphs", default="auto", choices=("auto", "on", "off", "padded"),
+                   help="replay decode steps from CUDA graphs, both profiles (auto: on CUDA; RolloutConfig.decode_graphs; "
+                        "padded: the graphs' static batches run eagerly, any device)")
+    p.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
+                   help="overlapped scheduling of decode steps (auto: strict on CUDA; RolloutConfig.overlap); the "
+                        "row's 'overlap' field says whether it ran: compare host_ms_per_step of on and off")
     p.add_argument("--kv-cache-gb", type=float, help="engine KV cache size (default: 1 GiB CPU, 80%% of free GPU memory)")
     p.add_argument("--hf-batch-prompts", type=int,
                    help="prompts per transformers generate call (default all on the CPU, 64 on CUDA)")
@@ -295,6 +304,13 @@ def _peak_gbps(args) -> float | None:
     return args.peak_gbps or workload_defaults(args).get("peak_gbps")
 
 
+def _overlap_setting(args, profile: str) -> str:
+    """--overlap for the engine: "on" applies to the strict profile (native decode steps sample eagerly,
+    so they never overlap: auto for them)."""
+    setting = getattr(args, "overlap", "auto")
+    return "auto" if setting == "on" and profile != "strict" else setting
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -353,7 +369,7 @@ class _EngineRun:
         config = RolloutConfig(profile=profile, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_bytes=_kv_cache_bytes(self.model, workload, args),
-                               decode_graphs=args.decode_graphs)
+                               decode_graphs=args.decode_graphs, overlap=_overlap_setting(args, profile))
         self.engine = RolloutEngine(self.model, config)
         self.sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed,
                                        ignore_eos=True)
@@ -371,7 +387,8 @@ class _EngineRun:
     def timed(self) -> float:
         engine, graphs = self.engine, self.engine.decode_graphs
         engine.blocks.reset_prefix_cache()   # no call reuses an earlier call's prompt pages
-        engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
+        engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0,
+                               overlapped_steps=0)
         if graphs is not None:
             graphs.time_replays = graphs.mode == "graphs"
         captures = graphs.captures if graphs is not None else 0
@@ -395,6 +412,7 @@ class _EngineRun:
                "decode_graphs": graphs.mode if graphs is not None else "off",
                "graph_captures": graphs.captures if graphs is not None else 0,
                "graph_captures_timed": self.captures_timed,
+               "overlap": self.engine.overlap, "overlapped_steps": stats["overlapped_steps"],
                "warmup_seconds": round(self.warmup, 2), "runs_seconds": [round(r, 3) for r in runs]}
         row.update(decode_metrics(self.steps, self.model.config, self.model.dtype, _peak_gbps(self.args), self.counts))
         if self.args.verify:
@@ -414,6 +432,7 @@ class DecodeStep:
     seconds: float
     events: tuple | None = None
     graph_checks: int = 0
+    wait_seconds: float = 0.0     # of ``seconds``, blocked waiting for the device's results
 
     @property
     def forward_ms(self) -> float | None:
@@ -427,16 +446,16 @@ def _generate_step_by_step(engine: RolloutEngine, prompts, sampling) -> tuple[li
     done, steps = {}, []
     try:
         while engine.has_unfinished():
-            replays = graphs.replays if graphs is not None else 0
             t0 = time.perf_counter()
-            outputs = engine.step()      # returns once the sampled tokens are on the host: the step is over
+            # returns once the step's sampled tokens are on the host (with overlap the next step is then
+            # already queued on the device: the wall time is the period between two completed steps)
+            outputs = engine.step()
             seconds = time.perf_counter() - t0
-            info = engine.last_forward
+            info, events = engine.last_forward, engine.last_step_events   # of the step step() completed
             if info is not None and info["decode"]:
-                replayed = graphs is not None and graphs.replays > replays and graphs.time_replays
-                steps.append(DecodeStep(info["rows"], info["context_tokens"], seconds,
-                                        graphs.last_events if replayed else None,
-                                        graphs.last_checks if replayed else 0))
+                steps.append(DecodeStep(info["rows"], info["context_tokens"], seconds, events,
+                                        graphs.last_checks if events is not None else 0,
+                                        engine.last_step_wait_seconds))
             for out in outputs:
                 if out.completion is not None:
                     done[(out.request_id, out.sample_index)] = out.completion
@@ -463,6 +482,7 @@ def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | No
            "decode_step_ms": round(1e3 * wall / len(steps), 3),
            "decode_step_ms_median": round(1e3 * statistics.median(s.seconds for s in steps), 3),
            "decode_tokens_per_s": round(sum(s.rows for s in steps) / wall, 1),
+           "host_busy_ms_per_step": round(1e3 * sum(s.seconds - s.wait_seconds for s in steps) / len(steps), 3),
            "bytes_per_decode_step": round(total / len(steps)),
            "weight_bytes_per_decode_step": round(sum(b.weights for b in moved) / len(steps)),
            "kv_bytes_per_decode_step": round(sum(b.kv_read + b.kv_write for b in moved) / len(steps)),

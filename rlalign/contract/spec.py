@@ -27,6 +27,15 @@ MOE_K_SEGMENTS = 4
 # queries are processed in tiles of (query, head) rows of exactly ATTN_Q_TILE rows.
 ATTN_KV_BLOCK = 64
 ATTN_Q_TILE = 16
+# Attention on the Triton (CUDA) backend: a row's keys [0, p] are also cut at multiples of this many
+# absolute positions ("splits"); each split's online softmax starts from a fresh state and the
+# partials merge left to right (s0, s1, s2, ...). The same cut in decode, prefill and training, so a
+# decode step can spread one sequence over several programs and keep the prefill's bits. 256: at
+# batch 1 with a 4,096 context and 8 kv heads (Qwen3-0.6B/8B) that is 8 x 16 = 128 programs, about the
+# H200's 132 SMs; a larger split leaves most SMs idle there (1,024: 32), a smaller one adds merges to
+# prefill (one per 4 key blocks at 256) and partials to decode. A row with p < 256 sees one split and
+# has the bits of the single online softmax. The CPU (torch) backend does not split (one split).
+ATTN_KV_SPLIT = 256
 # Fused logprob/entropy: the vocab is reduced in blocks of VOCAB_BLOCK entries (tree sum inside a
 # block, then blocks folded left to right). User chunk sizes are rounded to multiples of these.
 VOCAB_BLOCK = 1024
@@ -95,12 +104,18 @@ CONTRACT: tuple[OpContract, ...] = (
     OpContract(
         "attention", "keys of the query's own sequence (softmax and weighted sum of values)",
         f"keys visited in blocks of {ATTN_KV_BLOCK} aligned to absolute positions 0, {ATTN_KV_BLOCK}, ...; "
-        f"queries in tiles of {ATTN_Q_TILE} (query, head) rows; masked keys get score -inf and value 0",
-        "online softmax over key blocks in increasing position order; a block a query cannot see leaves its state untouched (selected, not multiplied by 1)",
+        f"queries in tiles of {ATTN_Q_TILE} (query, head) rows; masked keys get score -inf and value 0; "
+        f"on the Triton (CUDA) backend the keys are also cut into splits of {ATTN_KV_SPLIT} absolute positions "
+        f"(0, {ATTN_KV_SPLIT}, ...), the same in decode, prefill and training (the CPU backend: one split)",
+        "online softmax over key blocks in increasing position order, from a fresh state in each split; a block "
+        "a query cannot see leaves its state untouched (selected, not multiplied by 1); split partials (m, l, acc) "
+        "merged left to right (s0, s1, ...): M' = max(M, m), L' = fma(l, b, L a), ACC' = fma(acc, b, ACC a) with "
+        "a = exp2(M - M'), b = exp2(m - M'); a split a query cannot see leaves its total untouched (selected)",
         "scores, running max, running sum and output accumulator in fp32; inside a block: fixed-shape fp32 GEMMs for q.k and p.v, balanced tree for the row sum",
         "one rounding of acc / sum to the input dtype",
         "fp32 GEMM on fixed-shape tiles, exp, max, div",
-        "number of sequences, packing vs padding, prefill vs decode, prefill chunking, KV page layout and page size",
+        "number of sequences, packing vs padding, prefill vs decode, prefill chunking, KV page layout and page size, "
+        "how many programs a decode step spreads a sequence's key splits over",
     ),
     OpContract(
         "logprob / entropy", "vocab (log-sum-exp, expected logit)",
@@ -198,7 +213,8 @@ def render_markdown() -> str:
         "| name | value |",
         "|---|---|",
     ]
-    for name in ("ROW_BLOCK", "K_SEGMENTS", "MOE_K_SEGMENTS", "ATTN_KV_BLOCK", "ATTN_Q_TILE", "VOCAB_BLOCK", "TOKEN_BLOCK"):
+    for name in ("ROW_BLOCK", "K_SEGMENTS", "MOE_K_SEGMENTS", "ATTN_KV_BLOCK", "ATTN_Q_TILE", "ATTN_KV_SPLIT",
+                 "VOCAB_BLOCK", "TOKEN_BLOCK"):
         lines.append(f"| `{name}` | {globals()[name]} |")
     lines.append(f"| strict dtypes | {', '.join(STRICT_DTYPES)} |")
     lines += ["", "## Per op", ""]

@@ -178,9 +178,11 @@ def requeue(verdicts: list) -> None:
 
 
 def flush() -> None:
-    """Raise for the first deferred GPU finiteness check that failed (see :func:`finite`)."""
+    """Raise for the first deferred GPU finiteness check that failed (see :func:`finite`). A no-op while
+    a CUDA graph is captured (reading a verdict would sync; the capture's verdicts are re-queued after
+    each replay and checked by the caller)."""
     queue = getattr(_pending, "items", None)
-    if not queue:
+    if not queue or is_capturing():
         return
     _pending.items = []
     verdicts = torch.stack([ok.to(queue[0][2].device) for _, _, ok in queue]).tolist()
@@ -264,13 +266,40 @@ def static_decode():
     """Inside: every paged forward is a decode step of static shapes -- one query per sequence, the
     block table's width fixed by the caller (the rollout engine's decode graphs, captured or run
     padded). Ops that would read lengths on the host take a form with static shapes instead
-    (the native profile's paged attention); strict ops are unaffected."""
+    (the native profile's paged attention); the strict forward's ops are unaffected, and the sampler
+    (``sample``, ``sample_and_score``) takes its static form (:func:`static_shapes`): same bits."""
     before = getattr(_capture, "static_decode", False)
     _capture.static_decode = True
     try:
         yield
     finally:
         _capture.static_decode = before
+
+
+def static_shapes() -> bool:
+    """Whether ops must take their static-shape form, with no host read of tensor data and no
+    data-dependent shape: while a CUDA graph is captured, and inside :func:`static_decode` (which runs
+    the same form eagerly, so the CPU tests exercise it). The sampler and the logprob op's target
+    check have such a form; their validations become :func:`deferred` verdicts there."""
+    return is_capturing() or getattr(_capture, "static_decode", False)
+
+
+def deferred(op: str, message: str, ok: torch.Tensor) -> None:
+    """A validation computed on the device (``ok``: a 0-dim bool tensor, True = valid), without a host
+    read where one is not free: recorded into the graph while capturing (checked after each replay, like
+    :func:`finite`'s verdicts), checked at once for a CPU tensor, queued for :func:`flush` on a GPU."""
+    capture = getattr(_capture, "state", None)
+    if capture is not None:
+        capture.verdicts.append((op, message, ok))
+        return
+    if ok.device.type == "cpu":
+        if not bool(ok):
+            raise fail(op, message)
+        return
+    queue = getattr(_pending, "items", None)
+    if queue is None:
+        queue = _pending.items = []
+    queue.append((op, message, ok))
 
 
 def decode_step() -> bool:
@@ -308,4 +337,4 @@ def index_dtype(op: str, name: str, t: torch.Tensor) -> None:
 
 __all__ = ["ContractError", "TensorCache", "dtype_ok", "same_device", "ndim", "finite", "flush", "requeue", "memo", "capturing_graph",
            "is_capturing", "capture_hint", "contiguous", "index_dtype", "check_policy", "use_check_policy", "check_scope",
-           "PER_OP", "BOUNDARY", "BOUNDARY_SITES", "CHECKS_ENV", "decode_step", "static_decode"]
+           "PER_OP", "BOUNDARY", "BOUNDARY_SITES", "CHECKS_ENV", "decode_step", "static_decode", "static_shapes", "deferred"]

@@ -2,9 +2,11 @@
 
 Strict: keys in blocks of ``ATTN_KV_BLOCK`` absolute positions, queries in tiles of
 ``ATTN_Q_TILE`` (query, head) rows, fp32 online softmax (see
-:mod:`rlalign.ops.torch_backend.attention` for the exact formula), so a token's output has the
-same bits in a packed training forward, a one-shot or chunked prefill and step-by-step decode,
-whatever the page layout, page size or the other sequences in the call.
+:mod:`rlalign.ops.torch_backend.attention` for the exact formula; the Triton backend also cuts the
+keys into splits of ``ATTN_KV_SPLIT`` absolute positions merged in order, see
+:mod:`rlalign.ops.triton_backend.attention`), so a token's output has the same bits in a packed
+training forward, a one-shot or chunked prefill and step-by-step decode, whatever the page layout,
+page size or the other sequences in the call.
 Native (the fast non-deterministic baseline), no guarantee: packed varlen runs the flash-attention
 varlen kernel (``aten._flash_attention_forward``/``_backward`` with cu_seqlens: no padding) on CUDA
 when it is available for the tensors, else one padded ``scaled_dot_product_attention`` call (with a

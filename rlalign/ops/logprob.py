@@ -200,6 +200,10 @@ def check_targets(op: str, targets: torch.Tensor, tokens: int, vocab: int) -> No
     chk.index_dtype(op, "targets", targets)
     if tuple(targets.shape) != (tokens,):
         raise fail(op, f"targets must be [T] = ({tokens},), got shape {tuple(targets.shape)}")
+    if chk.static_shapes():   # CUDA-graph capture (the sampler's tokens): a device verdict, no host read
+        chk.deferred(op, f"a target id is outside the vocabulary [0, {vocab}) (static form: checked on the device)",
+                     ((targets >= 0) & (targets < vocab)).all())
+        return
     bad = ((targets < 0) | (targets >= vocab)).nonzero()
     if bad.numel():
         pos = int(bad[0, 0])

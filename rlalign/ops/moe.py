@@ -129,13 +129,9 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -
     if y.dim() != 3 or weights.shape != y.shape[:2] or experts.shape != y.shape[:2]:
         raise fail("moe_combine", f"y {tuple(y.shape)}, weights {tuple(weights.shape)} and experts "
                    f"{tuple(experts.shape)} must be [T, k, H], [T, k], [T, k]")
-    by_expert = torch.argsort(experts, dim=1, stable=True)
-    y_sorted = y.gather(1, by_expert.unsqueeze(-1).expand_as(y)).float()
-    w_sorted = weights.float().gather(1, by_expert).unsqueeze(-1)
-    acc = y_sorted[:, 0] * w_sorted[:, 0]
-    for j in range(1, y.shape[1]):
-        acc = acc + y_sorted[:, j] * w_sorted[:, j]
-    return acc.to(y.dtype)
+    if y.shape[1] == 0:
+        raise fail("moe_combine", "k = 0 expert outputs per token: nothing to combine")
+    return strict_impl("moe_combine", y.device)(y, weights, experts)
 
 
 def _check_expert_shapes(x, gate_w, up_w, down_w) -> None:

@@ -59,12 +59,23 @@ def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, 
 
     native: vendor path (softmax + torch.multinomial, generator seeded from seeds[0]); batch
     dependent, no invariance promise.
+
+    Static form (strict, inside a CUDA-graph capture or ``ops.static_decode()``: ``_checks.static_shapes``):
+    no host read and no data-dependent shape, the same bits. The validations above become device
+    verdicts (``_checks.deferred``: raised after the replay), top-k/top-p rows get their keep mask from
+    a full stable sort of every row (:func:`rlalign.ops.torch_backend.sample.static_keep_mask`), and
+    whether any row filters is the capture's host hint ``sample_filtered`` (a row that filters in a
+    graph captured without filtering fails its verdict).
     """
     native = as_profile(profile) is Profile.NATIVE
-    _check_logits(logits, strict=not native)
+    static = not native and chk.static_shapes()
+    _check_logits(logits, strict=not native, static=static)
     rows = logits.shape[0]
     params = _row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p)
-    _check_values(*params)
+    if static:
+        _defer_values(*params)
+    else:
+        _check_values(*params)
     if native:
         return _native_sample(logits, *params)
     if rows == 0:
@@ -74,7 +85,7 @@ def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, 
 
 # ---- validation -------------------------------------------------------------------------------
 
-def _check_logits(logits: torch.Tensor, strict: bool) -> None:
+def _check_logits(logits: torch.Tensor, strict: bool, static: bool = False) -> None:
     if not isinstance(logits, torch.Tensor):
         raise fail("sample", f"logits must be a torch.Tensor, got {type(logits).__name__}")
     chk.ndim("sample", "logits", logits, 2)
@@ -84,6 +95,11 @@ def _check_logits(logits: torch.Tensor, strict: bool) -> None:
         return
     if logits.dtype != torch.float32:
         raise fail("sample", f"logits must be float32 in strict, got {logits.dtype} (cast with .float())")
+    if static:
+        ok = ~(torch.isnan(logits) | torch.isposinf(logits)).any() & torch.isfinite(logits).any(-1).all()
+        chk.deferred("sample", "logits contain NaN or +inf, or a row of logits is all -inf (static form: checked "
+                               "on the device)", ok)
+        return
     if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
         bad = (torch.isnan(logits) | torch.isposinf(logits)).nonzero()[0].tolist()
         raise fail("sample", f"logits contains NaN or +inf (first at index {bad}, value {logits[tuple(bad)].item()}); "
@@ -137,6 +153,13 @@ def _check_values(seeds, seq_ids, positions, temperature, top_k, top_p) -> None:
         raise fail("sample", f"top_p must be in (0, 1] (1 = off), got {_first_bad(top_p, bad_p)}")
     if bool((top_k < 0).any()):
         raise fail("sample", f"top_k must be >= 0 (0 = off), got {_first_bad(top_k, top_k < 0)}")
+
+
+def _defer_values(seeds, seq_ids, positions, temperature, top_k, top_p) -> None:
+    """:func:`_check_values` as one device verdict (static form: no host read)."""
+    ok = (torch.isfinite(temperature) & (temperature >= 0) & (top_p > 0) & (top_p <= 1) & (top_k >= 0)).all()
+    chk.deferred("sample", "a row's temperature (finite, >= 0), top_p (in (0, 1]) or top_k (>= 0) is out of range "
+                           "(static form: checked on the device)", ok)
 
 
 def _first_bad(values: torch.Tensor, bad: torch.Tensor) -> str:

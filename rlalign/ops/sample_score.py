@@ -38,6 +38,7 @@ OP = "sample_and_score"
 
 def sample_and_score(hidden: torch.Tensor, weight: torch.Tensor, *, seeds, positions, temperature=1.0, top_k=0,
                      top_p=1.0, logits: torch.Tensor | None = None, with_logprobs: bool = True,
+                     score_temperature: float | None = None,
                      profile=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample one token per row of ``hidden`` [S, H] and score it (module docstring); returns
     (tokens int64 [S], logprobs fp32 [S] or None when ``with_logprobs=False``).
@@ -48,6 +49,13 @@ def sample_and_score(hidden: torch.Tensor, weight: torch.Tensor, *, seeds, posit
     weight)`` when the caller already has them (vLLM computes them before its sampler and may mask
     tokens in place with -inf: those are then sampled as masked, the logprob stays the policy's);
     computed here otherwise. ``profile`` is passed to every op (None: the current one).
+
+    ``score_temperature``: every row's logprob temperature (``logprob_temperature(T_i)``), when the
+    caller knows it is one number: with a [S] tensor ``temperature`` the rows are then scored in one
+    call without reading the temperatures on the host (the per-row rule is checked by a device verdict:
+    a row whose rule disagrees raises). Required in the static form (inside a CUDA-graph capture or
+    ``ops.static_decode()``; the rollout engine's decode graphs), where the op reads nothing on the
+    host and allocates no data-dependent shape (``ops.sample``'s static form): the same bits.
     """
     chk.ndim(OP, "hidden", hidden, 2)
     rows = hidden.shape[0]
@@ -62,7 +70,27 @@ def sample_and_score(hidden: torch.Tensor, weight: torch.Tensor, *, seeds, posit
                     top_p=_uniform_or_rows("top_p", top_p, rows, torch.float32, dev), profile=profile)
     if not with_logprobs:
         return tokens, None
+    if score_temperature is not None:
+        _check_score_temperature(temperature, score_temperature, rows, dev)
+        return tokens, _score(hidden, weight, tokens, [score_temperature] if rows else [], profile)
+    if chk.static_shapes() and isinstance(temperature, torch.Tensor):
+        raise fail(OP, "a [S] temperature tensor in the static form (CUDA-graph capture) needs score_temperature= "
+                       "(the rows' one logprob temperature): grouping rows by temperature reads them on the host")
     return tokens, _score(hidden, weight, tokens, _logprob_temperatures(temperature, rows), profile)
+
+
+def _check_score_temperature(temperature, score_temperature: float, rows: int, device) -> None:
+    """Every row's logprob temperature (the rule of ops/temperature.py) equals ``score_temperature``:
+    on the host for numbers and lists, as a device verdict for a tensor (no host read)."""
+    if isinstance(temperature, torch.Tensor):
+        rule = torch.where(temperature == 0, 1.0, temperature)   # logprob_temperature, elementwise
+        chk.deferred(OP, f"score_temperature={score_temperature} is not every row's logprob temperature "
+                         "(T, or 1.0 for greedy rows)", (rule == score_temperature).all())
+        return
+    wrong = [t for t in set(_logprob_temperatures(temperature, rows)) if t != score_temperature]
+    if wrong:
+        raise fail(OP, f"score_temperature={score_temperature} but a row's logprob temperature is {wrong[0]} "
+                       "(T, or 1.0 for greedy rows); pass score_temperature=None to score rows by their own")
 
 
 def _score(hidden, weight, tokens, temps: list[float], profile) -> torch.Tensor:

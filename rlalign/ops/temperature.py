@@ -49,7 +49,9 @@ def temperature_divisor(temperature: float | torch.Tensor, device: torch.device)
         return torch.where(temperature == 0, 1.0, temperature).unsqueeze(-1)
     if temperature == 1.0:
         return None
-    return torch.tensor(temperature, dtype=torch.float32, device=device)
+    # torch.full, not torch.tensor: a fill kernel, no host-to-device copy, so it can be captured in a CUDA
+    # graph; both round the Python float to fp32 once (round to nearest): the same divisor bits
+    return torch.full((), temperature, dtype=torch.float32, device=device)
 
 
 def divide_by_temperature(logits: torch.Tensor, divisor: torch.Tensor | None, *,

@@ -18,6 +18,7 @@ from rlalign.rollout.errors import RequestError, RolloutConfigError
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 SEED_KEYS = ("index", "content")
 DECODE_GRAPH_MODES = ("auto", "on", "off", "padded")
+OVERLAP_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass
@@ -43,6 +44,12 @@ class RolloutConfig:
         CUDA device); ``"off"`` always eager; ``"padded"`` runs the graphs' padded static batches
         eagerly (any device; tests use it to show padding changes no bit in strict).
     decode_graph_max_batch: largest decode batch with a graph (bigger decode steps run eagerly).
+    overlap: overlapped scheduling (docs/rollout.md, "Overlapped scheduling"): while a decode step runs on the
+        device, the host plans and launches the next one, whose input ids are the running step's sampled
+        tokens copied on the device. Needs decode steps sampled inside the decode graphs (the strict
+        profile with graphs, or ``decode_graphs="padded"``). ``"auto"``: on for a strict engine replaying
+        CUDA graphs, off otherwise; ``"on"`` requires it (``"padded"`` runs it on the CPU: the tests);
+        ``"off"``: every step runs serially. Changes no token, logprob, finish reason or routing record.
     record_routing: for a mixture-of-experts model, record the experts each fed row was routed to and
         return them as ``Completion.routing`` (:mod:`rlalign.rollout.routing`; the trainer's routing-agreement
         metric). Off by default (a dense model refuses it); training turns it on for MoE models.
@@ -62,6 +69,7 @@ class RolloutConfig:
     admission_watermark: float = 0.01
     decode_graphs: str = "auto"
     decode_graph_max_batch: int = 1024
+    overlap: str = "auto"
     record_routing: bool = False
 
     def __post_init__(self) -> None:
@@ -69,6 +77,8 @@ class RolloutConfig:
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise RolloutConfigError(f"RolloutConfig.decode_graphs must be one of {DECODE_GRAPH_MODES}, "
                                      f"got {self.decode_graphs!r}")
+        if self.overlap not in OVERLAP_MODES:
+            raise RolloutConfigError(f"RolloutConfig.overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "decode_graph_max_batch"):
             _positive(f"RolloutConfig.{name}", getattr(self, name), RolloutConfigError)
         for name in ("max_prefill_chunk", "kv_cache_bytes", "num_pages", "max_model_len"):

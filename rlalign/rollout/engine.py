@@ -5,7 +5,8 @@ copy-on-write are done; ONE :class:`ForwardBatch` describes every chunk; ONE mod
 the hidden rows (a decode-only step on a GPU: a CUDA graph replay of that forward on a padded batch,
 :mod:`rlalign.rollout.decode_graphs`); the rows of the sequences that reached their last token are
 sampled together by :func:`ops.sample_and_score` (the one owner of "sample a token, score it with the
-trainer's op"; exact formulas there):
+trainer's op"; exact formulas there; in a strict decode graph the same op is captured with the
+forward):
 
     token, logprob = ops.sample_and_score(h, W, seeds=s, positions=p, temperature=T, top_k, top_p)
 
@@ -15,6 +16,12 @@ request's seed, prompt key and sample index), p the absolute position the token 
 (``model.logprobs(ForwardBatch.packed(...), targets, temperature=ops.logprob_temperature(T))``), and
 in the strict profile a row does not depend on the batch, the chunking or the page layout: the
 engine's logprobs equal the trainer's bit for bit, and the tokens do not depend on any engine setting.
+
+A step is launched (forward and sampling queued, results on their way to the host) and then completed
+(the one wait for the device, tokens appended, stops checked). With ``RolloutConfig.overlap`` the next
+decode step is launched between the two halves, its input ids the running step's tokens copied on the
+device (:meth:`RolloutEngine._launch_continuation`; docs/rollout.md, "Overlapped scheduling"); rows do
+not depend on each other, so this changes no bit.
 
 With ``RolloutConfig.record_routing`` (MoE models) the forward also yields each row's expert ids
 [rows, sparse layers, k]; they are stored by KV slot once per step (:mod:`rlalign.rollout.routing`) and a
@@ -40,9 +47,10 @@ from rlalign.models.sizes import kv_bytes_per_token
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.block_manager import BlockManager, pages_for
 from rlalign.rollout.config import DEFAULT_CPU_KV_CACHE_BYTES, RolloutConfig, SamplingParams
-from rlalign.rollout.decode_graphs import DecodeGraphs, HostDecode
+from rlalign.rollout.decode_graphs import DecodeGraphs, HostDecode, HostSampler
 from rlalign.rollout.errors import (KVCacheTooSmallError, RequestError, RolloutConfigError, RolloutError,
                                     WeightsUpdateError)
+from rlalign.rollout.readback import Readback, pack_results, unpack_results
 from rlalign.rollout.routing import RoutingStore
 from rlalign.rollout.scheduler import Scheduler, SchedulerOutput
 from rlalign.rollout.sequence import Completion, Request, Sequence, SeqStatus, StepOutput
@@ -57,6 +65,32 @@ class _SharedSettings:
     sampling: set[tuple[float, int, float]]      # (temperature, top_k, top_p)
     stop_token_ids: set[frozenset[int]]
     limits: set[tuple[int, bool]]                # (max_new_tokens, has stop strings)
+    score_temperatures: set[float]               # logprob temperatures (a decode graph samples with one)
+    filtered: bool                               # whether a request filters (top-k < V or top-p < 1, T > 0)
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the device, its results not yet read.
+
+    ``seqs`` / ``positions``: the sampling sequences (row order of the results) and the position each
+    new token takes. A step launched as a continuation (overlapped scheduling) is planned before its
+    input tokens are known: its chunks are marked computed when its predecessor completes
+    (``marked``). Sequences that finish or are aborted while it is in flight are ``dead`` (their rows
+    are dropped) and their pages are freed once it has run (``release``): it writes their K/V slots."""
+    plan: SchedulerOutput
+    seqs: list[Sequence]
+    positions: np.ndarray
+    results: Readback | None                     # pack_results of the tokens and logprobs (+ verdicts)
+    verdict_messages: list
+    routing: tuple[np.ndarray, Readback] | None  # (slots, expert ids) with record_routing
+    forward_info: dict                           # engine.last_forward once completed
+    device_tokens: torch.Tensor | None = None    # graph-sampled: the tokens on the device (a continuation's ids)
+    events: tuple | None = None                  # CUDA events around the graph replay (time_replays)
+    seconds: float = 0.0
+    marked: bool = True
+    dead: set[int] = dataclasses.field(default_factory=set)
+    release: list[Sequence] = dataclasses.field(default_factory=list)
 
 
 class RolloutEngine:
@@ -83,18 +117,25 @@ class RolloutEngine:
         self.kv_cache = KVCache.for_model(mc, num_pages + scratch, self.page_size, model.dtype, self.device)
         self.blocks = BlockManager(num_pages, self.page_size, self.config.enable_prefix_caching)
         self.routing = self._routing_store(num_pages)
+        # strict graphs sample inside the graph (the native sampler reads a seed on the host: eager)
+        sampler_weight = model.lm_head_weight if self.config.profile == "strict" else None
         self.decode_graphs = None if not graph_mode else DecodeGraphs(
             model, self.kv_cache, list(range(num_pages, num_pages + scratch)), graph_batch,
             pages_for(self.max_model_len, self.page_size), mode=graph_mode,
-            width_buckets=self.config.profile == "native", record_routing=self.routing is not None)
+            width_buckets=self.config.profile == "native", record_routing=self.routing is not None,
+            sampler_weight=sampler_weight)
+        self.overlap = self._overlap_mode(graph_mode)
+        self._inflight: _Launched | None = None      # the step queued on the device, not yet read (overlap)
+        self.last_step_events: tuple | None = None   # CUDA events around the completed step's graph replay
+        self.last_step_wait_seconds = 0.0            # how long completing the last step waited for the device
         self.scheduler = Scheduler(self.config, self.blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._requests: dict[str, Request] = {}
         self._shared: _SharedSettings | None = None   # of the requests in flight; None: recompute
         self._request_counter = itertools.count()
         self._weights_broken = False
-        self._step_routing: tuple[np.ndarray, torch.Tensor] | None = None   # (slots, expert ids) of this step
-        self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0)
+        self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0,
+                             overlapped_steps=0)
         self.last_forward: dict | None = None
 
     def _decode_graph_mode(self) -> str | None:
@@ -116,6 +157,20 @@ class RolloutEngine:
                                          "(native MoE decodes eagerly) or the strict profile")
             return None
         return "graphs" if setting == "on" or (setting == "auto" and gpu) else None
+
+    def _overlap_mode(self, graph_mode: str | None) -> bool:
+        """Whether steps overlap (config.overlap): it needs decode steps sampled inside the graphs."""
+        setting = self.config.overlap
+        sampling_graphs = self.decode_graphs is not None and self.decode_graphs.samples
+        if setting == "on" and not sampling_graphs:
+            raise RolloutConfigError(
+                f"overlap='on' needs decode steps sampled inside the decode graphs (profile 'strict' with "
+                f"decode_graphs 'auto'/'on' on CUDA, or 'padded'); this engine has profile "
+                f"{self.config.profile!r}, decode_graphs {self.config.decode_graphs!r} on {self.device}: "
+                "use overlap='auto' or 'off'")
+        if setting == "auto":
+            return sampling_graphs and graph_mode == "graphs"
+        return setting == "on"
 
     def _routing_store(self, num_pages: int) -> RoutingStore | None:
         """The routing record (config.record_routing), refused for a model without sparse layers."""
@@ -239,7 +294,9 @@ class RolloutEngine:
         for seq in open_seqs:
             seq.finish_reason = "abort"
         self._finish(open_seqs)
-        return [self._finished_output(seq, None, None) for seq in open_seqs]
+        outputs = [self._finished_output(seq, None, None) for seq in open_seqs]
+        self._drain_if_dead()
+        return outputs
 
     def abort_all(self) -> list[StepOutput]:
         return [out for rid in list(self._requests) for out in self.abort(rid)]
@@ -254,25 +311,209 @@ class RolloutEngine:
 
     def _step(self, emit_unfinished: bool) -> list[StepOutput]:
         """One step; ``emit_unfinished=False`` returns only the finished samples' outputs (generate()
-        needs no per-token output: that saves one object per running sequence per step)."""
-        if not self._requests:
+        needs no per-token output: that saves one object per running sequence per step).
+
+        Completes one step: the one in flight (overlap), else a newly scheduled one. Before reading its
+        results back, the next decode step is launched when it can be planned without them
+        (:meth:`_launch_continuation`); otherwise the pipeline drains and the next call runs serially."""
+        if self._inflight is None and not self._requests:
             return []
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            launched = self._launch_scheduled()
+        try:
+            self._inflight = self._launch_continuation(launched)
+            outputs = self._complete(launched, emit_unfinished)
+        except BaseException:
+            self._abandon(launched)   # e.g. a failed verdict: abort_all() then ends its sequences
+            raise
+        self._drain_if_dead()
+        return outputs
+
+    # ---- launching a step (nothing read back from the device) ------------------------------------
+
+    def _launch_scheduled(self) -> _Launched:
+        """Schedule a step and queue its forward and sampling; a decode step of sampling rows only is one
+        graph replay that also samples (no host read), any other step samples eagerly."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             raise RolloutError("internal: the scheduler found nothing to run with requests in flight")
         t0 = time.perf_counter()
         with use_profile(self.config.profile):
+            self._check_weights_version()
             self._copy_pages(plan.copies)
-            hidden, cu, seq_lens = self._forward(plan)
-            self.scheduler.mark_computed(plan)
-            rows, positions, seqs = self._sampling_rows(plan, cu, seq_lens)
-            tokens, logprobs = self._sample(hidden, rows, positions, seqs) if seqs else (None, None)
-            self._store_routing()
+            ids, positions, cu, table, seq_lens, slots = self._host_arrays(plan)
+            info = dict(decode=bool(cu[-1] == len(plan.chunks)), rows=len(plan.chunks),
+                        context_tokens=int(seq_lens.sum()))
+            seqs = [c.seq for c in plan.chunks]
+            sampler = self._graph_sampler(plan, cu, seq_lens, seqs)
+            if sampler is not None:
+                launched = self._launch_graph(plan, HostDecode(ids, positions, table, seq_lens, slots), seqs,
+                                              sampler, info)
+                self.scheduler.mark_computed(plan)
+            else:
+                replays = self.decode_graphs.replays if self.decode_graphs is not None else 0
+                hidden, routing = self._forward(plan, ids, positions, cu, table, seq_lens, slots)
+                self.scheduler.mark_computed(plan)
+                rows, sample_positions, seqs = self._sampling_rows(plan, cu, seq_lens)
+                results = self._sample(hidden, rows, sample_positions, seqs) if seqs else None
+                launched = _Launched(plan, seqs, sample_positions, results, [], routing, info,
+                                     events=self._replay_events(replays))
+        launched.seconds = time.perf_counter() - t0
+        return launched
+
+    def _launch_continuation(self, prev: _Launched) -> _Launched | None:
+        """Overlapped scheduling: launch the decode step after ``prev`` (in flight, graph-sampled) before
+        reading ``prev``'s tokens: the same live sequences, one token each, whose input ids are ``prev``'s
+        sampled tokens gathered on the device. None (nothing changed) when the next step is anything else:
+        an admission, preemption or a page shortage, copy-on-write, several logprob
+        temperatures in flight -- those steps run serially once ``prev`` is read. (A running sequence never
+        has forks pending here: a leader forks at the end of its prompt, which is not a decode step.)"""
+        if not self.overlap or prev.device_tokens is None or len(self._shared_settings().score_temperatures) != 1:
+            return None
+        live = None if not prev.dead else np.fromiter((id(s) not in prev.dead for s in prev.seqs), bool, len(prev.seqs))
+        seqs = prev.seqs if live is None else [s for s, ok in zip(prev.seqs, live.tolist()) if ok]
+        if not seqs:
+            return None
+        plan = self.scheduler.schedule_continuation(seqs)
+        if plan is None:
+            return None
+        t0 = time.perf_counter()
+        with use_profile(self.config.profile):
+            self._check_weights_version()
+            count, ps = len(seqs), self.page_size
+            starts = np.fromiter((s.num_computed for s in seqs), np.int64, count)
+            table = _block_table([s.block_table for s in seqs])
+            slots = table[np.arange(count), starts // ps].astype(np.int64) * ps + starts % ps
+            seq_lens = (starts + 1).astype(np.int32)
+            decode = HostDecode(np.zeros(count, np.int64), starts, table, seq_lens, slots)  # ids: from the device
+            info = dict(decode=True, rows=count, context_tokens=int(seq_lens.sum()))
+            sampler = self._host_sampler(seqs, starts + 1)
+            src_rows = np.arange(count) if live is None else np.flatnonzero(live)
+            launched = self._launch_graph(plan, decode, seqs, sampler, info, (prev.device_tokens, src_rows))
+        launched.marked = False   # its chunks are marked computed once prev's tokens are appended
+        launched.seconds = time.perf_counter() - t0
+        self.counters["overlapped_steps"] += 1
+        return launched
+
+    def _launch_graph(self, plan: SchedulerOutput, decode: HostDecode, seqs: list[Sequence], sampler: HostSampler,
+                      info: dict, prev_tokens=None) -> _Launched:
+        """One decode graph replay that samples every row; its results start their copy to the host."""
+        graphs = self.decode_graphs
+        graphs.check(decode, self.blocks.num_pages)
+        self.counters["graph_steps"] += 1
+        graphs.run(decode, sampler, prev_tokens=prev_tokens)
+        results = Readback(pack_results(graphs.tokens, graphs.logprobs, graphs.verdicts))
+        routing = None if self.routing is None else (decode.slots, Readback(graphs.routing))
+        return _Launched(plan, seqs, sampler.positions, results, graphs.verdict_messages, routing, info,
+                         device_tokens=graphs.tokens, events=self._replay_events(graphs.replays - 1))
+
+    def _replay_events(self, replays_before: int) -> tuple | None:
+        """The CUDA events around the graph replay of the step just launched (DecodeGraphs.time_replays;
+        the rollout benchmark's forward_gpu_ms), None when it replayed no graph."""
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.time_replays or graphs.replays <= replays_before:
+            return None
+        return graphs.last_events
+
+    def _graph_sampler(self, plan: SchedulerOutput, cu: np.ndarray, ends: np.ndarray,
+                       seqs: list[Sequence]) -> HostSampler | None:
+        """The sampler inputs of a decode step the graphs sample whole: a decode-only step that fits a
+        graph, every row sampling (its chunk ends at its last token), no row a leader with forks pending
+        (its siblings would share its row), one logprob temperature in flight. None otherwise (the step
+        samples eagerly)."""
+        graphs, count = self.decode_graphs, len(plan.chunks)
+        if graphs is None or not graphs.samples or cu[-1] != count or graphs.bucket(count) is None:
+            return None
+        if len(self._shared_settings().score_temperatures) != 1 or any(s.request.pending_forks for s in seqs):
+            return None
+        totals = np.fromiter((len(s.tokens) for s in seqs), np.int64, count)
+        if not np.array_equal(ends, totals):
+            return None
+        return self._host_sampler(seqs, totals)
+
+    def _host_sampler(self, seqs: list[Sequence], positions: np.ndarray) -> HostSampler:
+        """Per-row sampler inputs (the requests' settings, one value each when they agree)."""
+        shared, n = self._shared_settings(), len(seqs)
+        seeds = np.fromiter((s.seed for s in seqs), np.int64, n)
+        if len(shared.sampling) == 1:
+            (t, k, p), = shared.sampling
+            temperature, top_k, top_p = np.full(n, t, np.float32), np.full(n, k, np.int64), np.full(n, p, np.float32)
+        else:
+            params = [s.request.sampling for s in seqs]
+            temperature = np.fromiter((q.temperature for q in params), np.float32, n)
+            top_k = np.fromiter((q.top_k for q in params), np.int64, n)
+            top_p = np.fromiter((q.top_p for q in params), np.float32, n)
+        (score_temperature,) = shared.score_temperatures
+        return HostSampler(seeds, positions, temperature, top_k, top_p, score_temperature, shared.filtered)
+
+    def _sampler_variant(self) -> tuple[float, bool] | None:
+        """The decode graphs' sampler variant of the requests in flight (None: several logprob temperatures)."""
+        shared = self._shared_settings()
+        if len(shared.score_temperatures) != 1:
+            return None
+        return next(iter(shared.score_temperatures)), shared.filtered
+
+    def _check_weights_version(self) -> None:
+        if self._shared_settings().weights_versions != {self.weights_version}:
+            stale = next(r for r in self._requests.values() if r.weights_version != self.weights_version)
+            raise WeightsUpdateError(f"request {stale.request_id!r} started with weights version "
+                                     f"{stale.weights_version} but the engine now has {self.weights_version}")
+
+    # ---- completing a step (the one device-to-host wait) -----------------------------------------
+
+    def _complete(self, launched: _Launched, emit_unfinished: bool) -> list[StepOutput]:
+        """Read ``launched``'s results (raising a failed device verdict), store its routing, free the pages
+        of sequences that ended while it ran, append its live rows' tokens; then the continuation in
+        flight (if any) has known input tokens: mark its chunks computed."""
+        seqs, positions, tokens, logprobs = launched.seqs, launched.positions, None, None
+        t0 = time.perf_counter()
+        host = None if launched.results is None else launched.results.wait()
+        self.last_step_wait_seconds = time.perf_counter() - t0   # blocked on the device (the benchmark's)
+        self._free_released(launched)   # it has run (waited for): the pages of sequences that ended meanwhile
+        if host is not None:
+            tokens, logprobs = unpack_results(host, len(seqs), launched.verdict_messages)
+        if launched.routing is not None:
+            self._store_routing(launched.routing[0], launched.routing[1].wait())
+        if launched.dead and tokens is not None:
+            live = np.fromiter((id(s) not in launched.dead for s in seqs), bool, len(seqs))
+            seqs = [s for s, ok in zip(seqs, live.tolist()) if ok]
+            positions, tokens, logprobs = positions[live], tokens[live], logprobs[live]
         self.counters["steps"] += 1
-        self.counters["forward_tokens"] += int(cu[-1])
+        self.counters["forward_tokens"] += launched.plan.num_tokens
         self.counters["sampled_tokens"] += len(seqs)
-        self.counters["compute_seconds"] += time.perf_counter() - t0
-        return self._append(seqs, positions, tokens, logprobs, emit_unfinished)
+        self.counters["compute_seconds"] += launched.seconds
+        self.last_forward, self.last_step_events = launched.forward_info, launched.events
+        outputs = self._append(seqs, positions, tokens, logprobs, emit_unfinished)
+        following = self._inflight
+        if following is not None and not following.marked:
+            chunks = [c for c in following.plan.chunks if id(c.seq) not in following.dead]
+            self.scheduler.mark_computed(SchedulerOutput(chunks, [], []))
+            following.marked = True
+        return outputs
+
+    def _free_released(self, launched: _Launched) -> None:
+        self.scheduler.free_pages(launched.release)
+        launched.release = []
+
+    def _abandon(self, launched: _Launched) -> None:
+        """A step whose completion failed: wait for it and free the pages it held for ended sequences."""
+        if launched.results is not None:
+            launched.results.wait()
+        self._free_released(launched)
+
+    def _drain_if_dead(self) -> None:
+        """A step in flight whose every row belongs to a finished or aborted sequence: wait for it and free
+        the pages it wrote (its results are dropped unread, verdicts included: nothing uses them)."""
+        launched = self._inflight
+        if launched is None or len(launched.dead) < len(launched.seqs):
+            return
+        if any(id(s) not in launched.dead for s in launched.seqs):
+            return
+        self._inflight = None
+        if launched.routing is not None:
+            launched.routing[1].wait()
+        self._abandon(launched)
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -284,23 +525,18 @@ class RolloutEngine:
         if self.routing is not None:
             self.routing.copy_pages(copies)
 
-    def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-        """(hidden rows of every new token of the plan, cu_seqlens int64, each chunk's end = start +
-        length int32):
-        a graph replay for a decode step that fits one, else one eager forward."""
-        ids, positions, cu, table, seq_lens, slots = self._host_arrays(plan)
+    def _forward(self, plan: SchedulerOutput, ids, positions, cu, table, seq_lens, slots):
+        """(hidden rows of every new token of the plan, (slots, expert ids readback) or None): a graph replay
+        (the step sampled eagerly from its hidden rows) for a decode step that fits one, else one eager
+        forward."""
         decode_only = bool(cu[-1] == len(plan.chunks))
-        # what this step's forward read, for the rollout benchmark's byte accounting (rlalign.bench.rollout)
-        self.last_forward = dict(decode=decode_only, rows=len(plan.chunks), context_tokens=int(seq_lens.sum()))
         graphs = self.decode_graphs
         if graphs is not None and decode_only and graphs.bucket(len(plan.chunks)) is not None:
             decode = HostDecode(ids, positions, table, seq_lens, slots)
             graphs.check(decode, self.blocks.num_pages)
             self.counters["graph_steps"] += 1
-            hidden = graphs.run(decode)
-            if self.routing is not None:
-                self._step_routing = (slots, graphs.routing)
-            return hidden, cu, seq_lens
+            hidden = graphs.run(decode, variant_hint=self._sampler_variant())
+            return hidden, None if self.routing is None else (slots, Readback(graphs.routing))
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.from_numpy(ids).to(dev), positions=torch.from_numpy(positions).to(dev),
@@ -308,22 +544,17 @@ class RolloutEngine:
             block_table=torch.from_numpy(table).to(dev), seq_lens=torch.from_numpy(seq_lens).to(dev),
             slot_mapping=torch.from_numpy(slots).to(dev))
         if self.routing is None:
-            return self.model.forward_hidden(batch), cu, seq_lens
+            return self.model.forward_hidden(batch), None
         with record_routing(keep_logits=False) as record:
             hidden = self.model.forward_hidden(batch)
-        self._step_routing = (slots, record.expert_ids())
-        return hidden, cu, seq_lens
-
-    def _store_routing(self) -> None:
-        """This step's expert ids into the routing record, by slot. Runs after the sampler (whose results
-        the host already waited for), so the device-to-host copy does not stall the step's launches."""
-        if self._step_routing is None:
-            return
-        slots, ids = self._step_routing
-        self._step_routing = None
-        if ids is None:
+        expert_ids = record.expert_ids()
+        if expert_ids is None:
             raise RolloutError("internal: record_routing is on but the forward ran no sparse layer")
-        self.routing.write(slots, ids)
+        return hidden, (slots, Readback(expert_ids))
+
+    def _store_routing(self, slots: np.ndarray, expert_ids: torch.Tensor) -> None:
+        """A step's expert ids (on the host) into the routing record, by slot."""
+        self.routing.write(slots, expert_ids)
 
     def _host_arrays(self, plan: SchedulerOutput):
         """(ids int64, positions int64, cu_seqlens int64, block table int32, seq_lens int32, slots int64).
@@ -374,12 +605,9 @@ class RolloutEngine:
         return rows[take], positions[take], seq_list
 
     def _sample(self, hidden: torch.Tensor, rows: np.ndarray, positions: np.ndarray,
-                seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens (int64) and logprobs (fp32) of the sampling rows, read back in ONE device-to-host copy."""
-        if self._shared_settings().weights_versions != {self.weights_version}:
-            stale = next(r for r in self._requests.values() if r.weights_version != self.weights_version)
-            raise WeightsUpdateError(f"request {stale.request_id!r} started with weights version "
-                                     f"{stale.weights_version} but the engine now has {self.weights_version}")
+                seqs: list[Sequence]) -> Readback:
+        """The eager sampler on the sampling rows: tokens (int64) and logprobs (fp32), on their way to the
+        host in ONE device-to-host copy (:func:`pack_results`)."""
         dev, n = hidden.device, len(seqs)
         h = hidden.index_select(0, torch.from_numpy(rows).to(dev))
         seeds = torch.from_numpy(np.fromiter((s.seed for s in seqs), np.int64, n)).to(dev)
@@ -387,9 +615,7 @@ class RolloutEngine:
         tokens, logprobs = ops.sample_and_score(h, self.model.lm_head_weight, seeds=seeds,
                                                 positions=torch.from_numpy(positions).to(dev),
                                                 temperature=temperature, top_k=top_k, top_p=top_p)
-        # one copy for both: the fp32 logprobs' bits ride as int32 -> int64 (exact both ways)
-        both = torch.stack([tokens, logprobs.view(torch.int32).to(torch.int64)]).cpu().numpy()
-        return both[0], both[1].astype(np.int32).view(np.float32)
+        return Readback(pack_results(tokens, logprobs))
 
     def _sampling_settings(self, seqs: list[Sequence]):
         """(temperature, top_k, top_p): one number each when every request in flight shares them (the
@@ -406,11 +632,15 @@ class RolloutEngine:
         leaves: the per-step code reads one value instead of one per sequence when they agree."""
         if self._shared is None:
             requests = self._requests.values()
+            sampling = {(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in requests}
+            vocab = self.model.config.vocab_size
             self._shared = _SharedSettings(
                 weights_versions={r.weights_version for r in requests},
-                sampling={(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in requests},
+                sampling=sampling,
                 stop_token_ids={r.stop_token_ids for r in requests},
-                limits={(r.sampling.max_new_tokens, bool(r.sampling.stop)) for r in requests})
+                limits={(r.sampling.max_new_tokens, bool(r.sampling.stop)) for r in requests},
+                score_temperatures={ops.logprob_temperature(t) for t, _, _ in sampling},
+                filtered=any(t > 0 and (0 < k < vocab or p < 1) for t, k, p in sampling))
         return self._shared
 
     def _append(self, seqs: list[Sequence], positions: np.ndarray, tokens: np.ndarray | None,
@@ -453,11 +683,19 @@ class RolloutEngine:
         return np.flatnonzero(may).tolist()
 
     def _finish(self, seqs: list[Sequence]) -> None:
-        """Free the sequences' pages; with record_routing, first gather their computed rows' routing."""
+        """Free the sequences' pages; with record_routing, first gather their computed rows' routing.
+        While a step is in flight their rows in it are dropped, and their pages freed once it has run
+        (it writes their K/V slots: one step late)."""
         if self.routing is not None:
             for seq in seqs:
                 seq.routing = self.routing.gather(seq.block_table, seq.num_computed)
-        self.scheduler.finish(seqs)
+        inflight = self._inflight
+        if inflight is None:
+            self.scheduler.finish(seqs)
+            return
+        self.scheduler.finish(seqs, free_pages=False)
+        inflight.dead.update(map(id, seqs))
+        inflight.release.extend(seqs)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         request = seq.request
@@ -537,6 +775,8 @@ class RolloutEngine:
                 f"cannot update weights with {len(self._requests)} requests in flight (ids "
                 f"{sorted(self._requests)[:5]}): one request never mixes weight versions; run step() until "
                 "has_unfinished() is False, or abort_all(), then update")
+        if self._inflight is not None:
+            raise RolloutError("internal: a decode step is in flight with no request in flight")
         params = dict(self.model.named_parameters())
         tied_head = self.model.lm_head is None
         items = weights.items() if isinstance(weights, Mapping) else weights

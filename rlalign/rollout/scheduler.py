@@ -197,17 +197,59 @@ class Scheduler:
             self.running.append(sib)
         return siblings
 
-    def finish(self, seqs: list[Sequence]) -> None:
-        """Free the pages of finished (or aborted) sequences and drop them from the queues."""
+    def schedule_continuation(self, seqs: list[Sequence]) -> SchedulerOutput | None:
+        """Plan the decode step after the one in flight before its tokens are known (overlapped scheduling):
+        each of ``seqs`` feeds one token -- the one the step in flight samples for it -- at position
+        ``num_computed`` (its current token count). Returns None, changing nothing, unless that is exactly
+        what :meth:`schedule` would run: ``seqs`` the running sequences in order, the token budget holding
+        them, nothing admissible (no sequence waiting, or no seat or budget left for the first one), every
+        slot in a page the sequence holds alone or in a new page, and free pages for the pages that fill.
+        Allocates those pages."""
+        running, ps, ref = self.running, self.blocks.page_size, self.blocks.ref_counts
+        budget = self.config.max_num_batched_tokens
+        if len(seqs) != len(running) or len(seqs) > budget:
+            return None
+        if self.waiting and len(seqs) < budget and not self._seats_full():
+            return None   # schedule() would admit (or try to): a serial step
+        grow = []
+        for seq, run in zip(seqs, running):
+            if seq is not run or seq.num_computed != len(seq.tokens):
+                return None
+            page = seq.num_computed // ps
+            if page == len(seq.block_table):
+                grow.append(seq)
+            elif page > len(seq.block_table) or ref[seq.block_table[page]] != 1:
+                return None   # copy-on-write of a shared page: not a plain continuation
+        if len(grow) > self.blocks.num_free:
+            return None
+        for seq in grow:
+            self.blocks.append(seq.block_table, seq.num_computed, seq.num_computed + 1, 0)
+        return SchedulerOutput([Chunk(seq, seq.num_computed, 1) for seq in seqs], [], [])
+
+    def _seats_full(self) -> bool:
+        """Whether :meth:`schedule` stops before admitting the first waiting sequence for lack of seats
+        (``max_num_seqs``, pending forks counted as :meth:`schedule` counts them)."""
+        occupied = sum(1 + _pending_forks(s) for s in self.running)
+        return occupied > 0 and occupied + 1 + _pending_forks(self.waiting[0]) > self.config.max_num_seqs
+
+    def finish(self, seqs: list[Sequence], free_pages: bool = True) -> None:
+        """Free the pages of finished (or aborted) sequences and drop them from the queues.
+        ``free_pages=False``: a step in flight still writes their K/V; :meth:`free_pages` once it has run."""
         if not seqs:
             return
         for seq in seqs:
-            self.blocks.free(seq.block_table)
+            if free_pages:
+                self.blocks.free(seq.block_table)
             seq.status = SeqStatus.FINISHED
         gone = set(map(id, seqs))
         self.running = [s for s in self.running if id(s) not in gone]
         if any(id(s) in gone for s in self.waiting):
             self.waiting = collections.deque(s for s in self.waiting if id(s) not in gone)
+
+    def free_pages(self, seqs: list[Sequence]) -> None:
+        """The pages of finished sequences that :meth:`finish` kept (``free_pages=False``)."""
+        for seq in seqs:
+            self.blocks.free(seq.block_table)
 
 
 def _pending_forks(seq: Sequence) -> int:

@@ -91,6 +91,7 @@ class RolloutSection:
         "kv_cache_bytes": at_least(1, optional=True),
         "engine": non_empty("a rollout engine name"),
         "decode_graphs": one_of("auto", "on", "off"),
+        "overlap": one_of("auto", "on", "off"),
         "record_routing": checked_by_type("true or false"),
         "share_weights": checked_by_type("true, false or null"),
     }
@@ -106,6 +107,7 @@ class RolloutSection:
     kv_cache_bytes: int | None = None  # KV-cache size; None: sized from the batch
     engine: str = "rlalign"            # which rollout engine (rlalign.train.engines.ENGINES)
     decode_graphs: str = "auto"        # CUDA-graph decode steps (RolloutConfig.decode_graphs): auto | on | off
+    overlap: str = "auto"              # overlapped scheduling of decode steps (RolloutConfig.overlap): auto | on | off
     record_routing: bool = True        # MoE models: the engine records expert choices for moe/routing_* (dense: ignored)
     share_weights: bool | None = None  # the engine reads the policy's own tensors (no copy); None: where possible
 

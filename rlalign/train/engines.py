@@ -114,7 +114,7 @@ def _engine_config(cfg, policy) -> RolloutConfig:
     r = cfg.rollout
     return RolloutConfig(profile=cfg.run.profile, page_size=r.page_size, max_num_seqs=r.max_num_seqs,
                          max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=r.kv_cache_bytes,
-                         decode_graphs=r.decode_graphs,
+                         decode_graphs=r.decode_graphs, overlap=r.overlap,
                          record_routing=r.record_routing and bool(sparse_layer_indices(policy.config)))
 
 

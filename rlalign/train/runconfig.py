@@ -29,8 +29,9 @@ RESUME_FREE = frozenset({
     "launcher", "run.dir", "run.steps", "run.resume", "run.resume_override", "run.overwrite", "run.progress", "run.log_every", "run.policy_kl",
     "run.loggers", "run.metric_names", "run.keep_checkpoints", "run.save_checkpoints", "run.max_minutes", "run.stop_at_step", "run.on_mismatch",
     "run.eval_every", "run.eval_samples", "run.checkpoint_every", "rollout.page_size", "rollout.max_num_seqs",
-    "rollout.max_num_batched_tokens", "rollout.kv_cache_bytes", "rollout.decode_graphs", "rollout.record_routing",
-    "rollout.share_weights", "optim.activation_checkpointing", "optim.offload", "optim.step_chunk_elements", "task.eval_size",
+    "rollout.max_num_batched_tokens", "rollout.kv_cache_bytes", "rollout.decode_graphs", "rollout.overlap",
+    "rollout.record_routing", "rollout.share_weights",
+    "optim.activation_checkpointing", "optim.offload", "optim.step_chunk_elements", "task.eval_size",
 })
 
 

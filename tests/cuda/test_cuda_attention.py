@@ -6,6 +6,12 @@ random chunk sizes; step-by-step decode (one sequence, and several sequences dec
 random page layouts and page sizes 16 / 64 / 128, unused pages full of NaN; every tile config.
 GQA (8 query heads on 2 kv heads) and head_dim 64 / 128. Backward: deterministic run to run and
 per sequence (alone == packed). Accuracy vs float64: ||out-ref||/||ref|| < 1e-2 (bf16).
+
+Key splits (spec.ATTN_KV_SPLIT, the production value: there is no override): contexts just below /
+at / above multiples of the split, chunked prefill whose chunks start mid-split, decode with one
+program per key split (+ the merge kernel) and with one program per (sequence, kv head), alone and
+in batches of 8 / 64 / 256 other sequences, in a CUDA graph whose split grid comes from the table
+width; decode at a 4,096 context vs float64.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import pytest
 import torch
 
 from rlalign import ops
+from rlalign.contract.spec import ATTN_KV_SPLIT as SPLIT
 from tests.bitwise import assert_bitwise_equal
 from tests.references import causal_attention_float64
 from tests.cuda.conftest import rand, rel_err
@@ -117,8 +124,10 @@ def test_tile_configs_are_interchangeable(triton_backend, d):
         assert_bitwise_equal(A.varlen_forward(q, k, v, cu, d ** -0.5, tile=tile)[0], ref, f"tile {tile}")
     kc, vc, table = _paged_cache(k, v, LENS, 64, seed=4)
     for tile in (A.DECODE_TILE, A.PREFILL_TILE):
-        out = A.paged_forward(q, kc, vc, table, _i32(list(LENS)), cu, d ** -0.5, tile=tile)
-        assert_bitwise_equal(out, ref, f"paged tile {tile}")
+        for split_programs in (False, True):
+            out = A.paged_forward(q, kc, vc, table, _i32(list(LENS)), cu, d ** -0.5, tile=tile,
+                                  split_programs=split_programs)
+            assert_bitwise_equal(out, ref, f"paged tile {tile}, split programs {split_programs}")
 
 
 _reference = causal_attention_float64
@@ -168,3 +177,167 @@ def test_nonfinite_context_raises(triton_backend):
     with ops.use_check_policy("per-op"), pytest.raises(ContractError, match="attention_paged"):
         ops.attention_paged(q, kc, vc, table, _i32([10]), cu)
         chk.flush()   # on CUDA the check is deferred to the next sync point (no host wait per layer)
+
+
+# ---- key splits --------------------------------------------------------------------------------------
+
+SPLIT_LENS = (SPLIT - 1, SPLIT, SPLIT + 1, 2 * SPLIT + 1, 4 * SPLIT + 3)
+
+
+def _near_splits(n):
+    """Positions < n on both sides of every split boundary, and the ends."""
+    pos = {0, 1, n - 1}
+    for b in range(SPLIT, n + 1, SPLIT):
+        pos.update((b - 2, b - 1, b, b + 1))
+    return sorted(p for p in pos if 0 <= p < n)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_split_boundaries_prefill_chunks_and_decode_equal_packed(triton_backend, d, page_size):
+    """Every path around the split boundaries, with both launches (split programs forced on and off)."""
+    from rlalign.ops.triton_backend import attention as A
+    lens = SPLIT_LENS
+    q, k, v, cu = _batch(d, seed=70, lens=lens)
+    scale = d ** -0.5
+    packed = ops.attention_varlen(q, k, v, cu)
+    starts = [sum(lens[:s]) for s in range(len(lens))]
+    kc, vc, table = _paged_cache(k, v, lens, page_size, seed=70 + page_size)
+    s, n, s0 = 4, lens[4], starts[4]
+    bounds = [0, 100, SPLIT - 1, SPLIT + 5, 2 * SPLIT, 3 * SPLIT - 7, n]   # chunks that start and end mid-split
+    for split_programs in (False, True):
+        how = f"page {page_size}, split programs {split_programs}"
+        out = A.paged_forward(q, kc, vc, table, _i32(list(lens)), cu, scale, split_programs=split_programs)
+        assert_bitwise_equal(out, packed, f"one-shot paged prefill ({how})")
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            out = A.paged_forward(q[s0 + a:s0 + b], kc, vc, table[s:s + 1], _i32([b]), _i32([0, b - a]), scale,
+                                  split_programs=split_programs)
+            assert_bitwise_equal(out, packed[s0 + a:s0 + b], f"chunk [{a}, {b}) ({how})")
+        for t in _near_splits(n):
+            out = A.paged_forward(q[s0 + t:s0 + t + 1], kc, vc, table[s:s + 1], _i32([t + 1]), _i32([0, 1]), scale,
+                                  split_programs=split_programs)
+            assert_bitwise_equal(out, packed[s0 + t:s0 + t + 1], f"decode at position {t} ({how})")
+        back = [max(n_ - 1, 0) for n_ in lens]   # every sequence decodes its last token together
+        rows = [st + b_ for st, b_ in zip(starts, back)]
+        out = A.paged_forward(q[rows], kc, vc, table, _i32(list(lens)), _i32(list(range(len(lens) + 1))), scale,
+                              split_programs=split_programs)
+        assert_bitwise_equal(out, packed[rows], f"batched decode ({how})")
+
+
+def test_split_decode_through_the_op_every_position(triton_backend):
+    """Step-by-step decode of a 2 * SPLIT + 9 sequence through ops.attention_paged (the launch it picks)."""
+    d = 128
+    n = 2 * SPLIT + 9
+    q, k, v, cu = _batch(d, seed=80, lens=(n,))
+    packed = ops.attention_varlen(q, k, v, cu)
+    kc, vc, table = _paged_cache(k, v, (n,), 16, seed=80)
+    for t in range(n):
+        out = ops.attention_paged(q[t:t + 1], kc, vc, table, _i32([t + 1]), _i32([0, 1]))
+        assert_bitwise_equal(out, packed[t:t + 1], f"decode step {t}")
+
+
+@pytest.mark.parametrize("others", [0, 7, 63, 255])
+def test_split_decode_batch_invariant(triton_backend, others):
+    """One sequence's decode row alone and among 7 / 63 / 255 other sequences (random contexts up to
+    1,500, random positions in the batch): the packed forward's bits, with the launch the op picks and
+    with both launches forced."""
+    from rlalign.ops.triton_backend import attention as A
+    d = 128
+    n = 3 * SPLIT + 17
+    g = torch.Generator().manual_seed(90 + others)
+    other_lens = torch.randint(1, 1500, (others,), generator=g).tolist()
+    at = int(torch.randint(0, others + 1, (1,), generator=g))
+    lens = other_lens[:at] + [n] + other_lens[at:]
+    q, k, v, cu = _batch(d, seed=90 + others, lens=tuple(lens))
+    start = sum(lens[:at])
+    alone = ops.attention_varlen(q[start:start + n], k[start:start + n], v[start:start + n], _i32([0, n]))
+    kc, vc, table = _paged_cache(k, v, lens, 16, seed=91 + others)
+    rows = [sum(lens[:s]) + lens[s] - 1 for s in range(len(lens))]
+    one_per_seq = _i32(list(range(len(lens) + 1)))
+    want = alone[n - 1:n]
+    out = ops.attention_paged(q[rows], kc, vc, table, _i32(lens), one_per_seq)
+    assert_bitwise_equal(out[at:at + 1], want, f"decode among {others} others (the op's launch)")
+    for split_programs in (False, True):
+        out = A.paged_forward(q[rows], kc, vc, table, _i32(lens), one_per_seq, d ** -0.5,
+                              split_programs=split_programs)
+        assert_bitwise_equal(out[at:at + 1], want, f"decode among {others} others, split programs {split_programs}")
+
+
+def test_split_decode_page_layouts_agree(triton_backend):
+    """The same context in caches of page size 16 / 64 / 128 with different shuffles: the same bits."""
+    d = 128
+    n = 2 * SPLIT + 77
+    q, k, v, cu = _batch(d, seed=100, lens=(n,))
+    outs = []
+    for page_size, seed in ((16, 1), (16, 2), (64, 3), (128, 4)):
+        kc, vc, table = _paged_cache(k, v, (n,), page_size, seed=seed)
+        outs.append(ops.attention_paged(q[n - 1:n], kc, vc, table, _i32([n]), _i32([0, 1])))
+    for i, out in enumerate(outs[1:], 1):
+        assert_bitwise_equal(out, outs[0], f"page layout {i} vs 0")
+
+
+def test_split_decode_in_a_cuda_graph(triton_backend):
+    """A captured decode step of 4 sequences (split programs: the grid comes from the table width),
+    replayed as the contexts grow across split boundaries: the packed forward's bits."""
+    from rlalign.ops.triton_backend import attention as A
+    d = 128
+    lens = (SPLIT + 3, 2 * SPLIT + 2, 5, 3 * SPLIT)
+    q, k, v, cu = _batch(d, seed=110, lens=lens)
+    packed = ops.attention_varlen(q, k, v, cu)
+    starts = [sum(lens[:s]) for s in range(len(lens))]
+    kc, vc, table = _paged_cache(k, v, lens, 16, seed=110)
+    q_buf = q[starts].clone()   # the first token of each sequence: a real row for the warm-up call
+    ctx_buf = _i32([1] * len(lens))
+    one_per_seq = _i32(list(range(len(lens) + 1)))
+    programs = len(lens) * HKV
+    assert A.use_split_programs(A.DECODE_TILE, programs, 0, A.device_sms(q)), "the capture would not split"
+    ops.attention_paged(q_buf, kc, vc, table, ctx_buf, one_per_seq)   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with ops.capturing_graph(max_query_len=1), torch.cuda.graph(graph):
+        out = ops.attention_paged(q_buf, kc, vc, table, ctx_buf, one_per_seq)
+    for back in (0, 1, 2, 3, 4, SPLIT // 2):
+        ctx = [max(n - back, 1) for n in lens]
+        rows = [st + c - 1 for st, c in zip(starts, ctx)]
+        q_buf.copy_(q[rows])
+        ctx_buf.copy_(_i32(ctx))
+        graph.replay()
+        assert_bitwise_equal(out, packed[rows], f"graph replay, {back} tokens before the ends")
+    ops.flush_deferred_checks()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
+def test_split_decode_accuracy_vs_float64(triton_backend, dtype, tol):
+    """Decode rows of a 4,096-token context (16 splits) on both launches vs float64."""
+    from rlalign.ops.triton_backend import attention as A
+    d, n = 128, 4096
+    q, k, v, cu = _batch(d, seed=120, lens=(n,), dtype=dtype)
+    positions = [n - 1, 2 * SPLIT, 2 * SPLIT - 1, SPLIT, 3]
+    ref = _reference(q[:, :, :], k, v, (n,), d ** -0.5)[positions]
+    kc, vc, table = _paged_cache(k, v, (n,), 64, seed=120)
+    for split_programs in (False, True):
+        outs = [A.paged_forward(q[p:p + 1], kc, vc, table, _i32([p + 1]), _i32([0, 1]), d ** -0.5,
+                                split_programs=split_programs) for p in positions]
+        err = rel_err(torch.cat(outs), ref)
+        assert err < tol, f"split programs {split_programs}: rel err {err:.3g}"
+
+
+def test_split_backward_accurate_and_deterministic(triton_backend):
+    """The backward recomputes p from the merged lse: accurate vs float64 and deterministic across split
+    boundaries (sequences of SPLIT + 1 and 3 * SPLIT + 5 tokens)."""
+    d = 128
+    lens = (SPLIT + 1, 3 * SPLIT + 5)
+    q, k, v, cu = _batch(d, seed=130, lens=lens)
+    go = rand(*q.shape, seed=133)
+    grads = []
+    for _ in range(2):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        ops.attention_varlen(qq, kk, vv, cu).backward(go)
+        grads.append((qq.grad, kk.grad, vv.grad))
+    for a, b, name in zip(*grads, ("dq", "dk", "dv")):
+        assert_bitwise_equal(a, b, f"{name} run to run")
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    _reference(qd, kd, vd, lens, d ** -0.5).backward(go.double())
+    for got, want, name in zip(grads[0], (qd.grad, kd.grad, vd.grad), ("dq", "dk", "dv")):
+        err = rel_err(got, want)
+        assert err < 2e-2, f"{name} rel err {err:.3g}"

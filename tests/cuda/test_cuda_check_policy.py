@@ -54,8 +54,10 @@ def test_a_value_planted_in_any_weight_stops_eager_and_replayed_steps(name, valu
         param = dict(model.named_parameters())[name.format(i=1)]
         with torch.no_grad():
             param.view(-1)[param.numel() // 2] = value
+        # with overlapped scheduling (auto on CUDA) a step queued before the value completes cleanly first
         with pytest.raises(ContractError, match="NaN or inf"):
-            engine.step()
+            for _ in range(2):
+                engine.step()
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -71,6 +71,27 @@ def test_every_tile_config_and_path_gives_the_same_bits(triton_backend, dtype, s
     assert not differing, f"vs {runs[0][0]} tma=True: " + "; ".join(f"{k}: {v}" for k, v in differing.items())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("segments", [2, 4, 8])
+def test_split_segment_partials_give_the_one_kernel_bits(triton_backend, dtype, segments):
+    """Decode-sized M on a K partition runs as per-segment partials + a tree kernel: the bits of the one-kernel
+    tree (every tile config of it, rows of M = 1..64 alone or together, bias, fp32 output, TMA and pointers)."""
+    from rlalign.ops.triton_backend.gemm import SPLIT_SEGMENTS_MAX_M, all_configs, gemm
+    x, w, b = rand(SPLIT_SEGMENTS_MAX_M, 1024, dtype=dtype, seed=6), rand(520, 1024, dtype=dtype, seed=7), \
+        rand(520, dtype=dtype, seed=8)
+    for m in (1, 17, SPLIT_SEGMENTS_MAX_M):
+        split = gemm(x[:m], w, b_trans=True, bias=b, segments=segments)
+        for cfg in all_configs(segments, dtype == torch.float32):
+            one = gemm(x[:m], w, b_trans=True, bias=b, segments=segments, config=cfg)
+            assert_bitwise_equal(split, one, f"M={m} split vs {cfg}")
+        assert_bitwise_equal(split[:1], gemm(x[:1], w, b_trans=True, bias=b, segments=segments), f"row 0 of M={m}")
+        pointers = gemm(x[:m], w, b_trans=True, bias=b, segments=segments, use_tma=False)
+        assert_bitwise_equal(pointers, split, f"M={m} pointer path")
+        f32 = gemm(x[:m], w, b_trans=True, segments=segments, out_dtype=torch.float32)
+        f32_one = gemm(x[:m], w, b_trans=True, segments=segments, out_dtype=torch.float32, config=all_configs(segments, dtype == torch.float32)[0])
+        assert_bitwise_equal(f32, f32_one, f"M={m} fp32 output")
+
+
 @pytest.mark.parametrize("out_mode", ["fp32", "acc_in"])
 def test_fp32_output_configs_give_the_same_bits(triton_backend, out_mode):
     """fp32 outputs (lm_logits) and fp32 accumulation across calls (logprob backward dh)."""

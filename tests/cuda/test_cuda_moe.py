@@ -56,10 +56,29 @@ def test_every_grouped_tile_and_structure_gives_the_same_bits(triton_backend):
     for segments in (1, 4, 8):
         ref = G.grouped_rows(x, offsets, ws, segments=segments, config=G.GroupedConfig(64, 64, 4, 4))
         for cfg in (G.GroupedConfig(128, 128, 8, 3), G.GroupedConfig(64, 256, 4, 3), G.GroupedConfig(128, 64, 8, 4),
+                    G.GroupedConfig(128, 256, 8, 3), G.GroupedConfig(128, 128, 4, 3),
                     G.GroupedConfig(64, 64, 4, 4, nested=True), G.GroupedConfig(128, 64, 8, 4, nested=True)):
             for tma in (True, False):
                 out = G.grouped_rows(x, offsets, ws, segments=segments, config=cfg, use_tma=tma)
                 assert_bitwise_equal(out, ref, f"segments={segments} {cfg} tma={tma}")
+    # dX's form (W_e untransposed: [K, N] = [512, 768] here) on the same tiles
+    g = rand(x.shape[0], n, seed=77)
+    ref = G.grouped_rows(g, offsets, ws, transpose_w=False, config=G.GroupedConfig(64, 64, 4, 4))
+    for cfg in (G.GroupedConfig(128, 128, 8, 3), G.GroupedConfig(128, 256, 8, 3), G.GroupedConfig(128, 128, 4, 3)):
+        assert_bitwise_equal(G.grouped_rows(g, offsets, ws, transpose_w=False, config=cfg), ref, f"dX form {cfg}")
+
+
+def test_every_grouped_weight_grad_tile_gives_the_same_bits(triton_backend):
+    from rlalign.ops.triton_backend import grouped as G
+    counts, k, n = [0, 1, 700, 65, 128, 3000], 768, 512
+    x, e_of_row = _sorted_rows(counts, k, torch.bfloat16)
+    g = rand(x.shape[0], n, seed=78)
+    offsets = G.expert_offsets(e_of_row, len(counts))
+    ref = G.grouped_weight_grad(g, x, offsets, len(counts), torch.bfloat16, config=G.GroupedConfig(64, 64, 4, 4))
+    for cfg in (G.GroupedConfig(64, 128, 4, 4), G.GroupedConfig(128, 128, 8, 3), G.GroupedConfig(128, 256, 8, 3),
+                G.GroupedConfig(64, 256, 4, 3), G.GroupedConfig(128, 128, 4, 3)):
+        out = G.grouped_weight_grad(g, x, offsets, len(counts), torch.bfloat16, config=cfg)
+        assert_bitwise_equal(out, ref, f"dW {cfg}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -147,3 +166,51 @@ def test_out_of_range_expert_id_raises_at_the_next_sync_point(triton_backend):
     ops.moe_experts(x, bad, gate, up, down)          # no host sync here; rows of id 4 are never computed
     with pytest.raises(ContractError, match=r"expert id is outside \[0, 4\)"):
         flush_deferred_checks()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_combine_kernel_equals_torch_formulation(triton_backend, dtype):
+    """The Triton combine (one pass, no fma) against the torch backend's separate multiply/add kernels on the
+    same GPU: forward and dy bit for bit, dw deterministic and within fp32 rounding (its sum order is the kernel's)."""
+    from rlalign.ops.torch_backend.moe import combine as torch_combine
+    from rlalign.ops.triton_backend.combine import combine
+    tokens, k, hidden, n_experts = 1000, 8, 2048 + 40, 128
+    g = torch.Generator(device="cuda").manual_seed(11)
+    y = rand(tokens, k, hidden, dtype=dtype, seed=12).requires_grad_()
+    w = torch.rand(tokens, k, device="cuda", generator=g).requires_grad_()
+    experts = torch.argsort(torch.rand(tokens, n_experts, device="cuda", generator=g), dim=1)[:, :k]
+    gout = rand(tokens, hidden, dtype=dtype, seed=13)
+    out = combine(y, w, experts)
+    ref = torch_combine(y, w, experts)
+    assert_bitwise_equal(out, ref, "combine forward")
+    dy, dw = torch.autograd.grad(out, [y, w], gout)
+    ref_dy, ref_dw = torch.autograd.grad(ref, [y, w], gout)
+    assert_bitwise_equal(dy, ref_dy, "combine dy")
+    dy2, dw2 = torch.autograd.grad(combine(y, w, experts), [y, w], gout)
+    assert_bitwise_equal(dw2, dw, "combine dw run to run")
+    assert rel_err(dw, ref_dw) < 1e-5
+    one = combine(y[417:418], w[417:418], experts[417:418])
+    assert_bitwise_equal(one, out[417:418], "one token alone vs 1,000")
+
+
+@pytest.mark.parametrize("n_experts,k,normalize", [(128, 8, True), (64, 4, False), (2, 1, True)])
+def test_route_kernel_equals_torch_formulation(triton_backend, n_experts, k, normalize):
+    """The one-launch routing kernel against the torch formulation on the same GPU: experts and weights bit
+    for bit (libdevice expf is torch's exp), ties to the lower expert, the router gradient identical, a token
+    alone == the token among 5,000."""
+    from rlalign.ops.torch_backend.moe import route as torch_route
+    from rlalign.ops.triton_backend.route import route
+    logits = rand(5000, n_experts, dtype=torch.float32, seed=21, scale=2.0)
+    logits[7, 0] = logits[7, 1] = logits[7].max() + 0.5          # equal top logits: expert 0 first
+    logits.requires_grad_()
+    experts, weights = route(logits, k, normalize)
+    ref_e, ref_w = torch_route(logits, k, normalize)
+    assert torch.equal(experts, ref_e), "experts differ from the torch formulation"
+    assert int(experts[7, 0]) == 0
+    assert_bitwise_equal(weights, ref_w, "routing weights")
+    gw = rand(5000, k, dtype=torch.float32, seed=22)
+    assert_bitwise_equal(torch.autograd.grad(weights, logits, gw)[0], torch.autograd.grad(ref_w, logits, gw)[0],
+                         "router gradient")
+    one_e, one_w = route(logits[4321:4322], k, normalize)
+    assert torch.equal(one_e, experts[4321:4322])
+    assert_bitwise_equal(one_w, weights[4321:4322], "one token alone vs 5,000")

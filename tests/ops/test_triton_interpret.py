@@ -97,6 +97,33 @@ def _check_gemm():
     return worst
 
 
+def _check_gemm_split_segments():
+    """Decode-sized M on a K partition: per-segment partials + the tree kernel give the one-kernel tree's
+    values (same 64x64 tile, so numpy's dots agree too), every element written, bias and fp32 output,
+    segments of whole steps (TMA) and of 48 columns (pointer path, masked), the dX layout."""
+    import torch
+    from rlalign.ops.triton_backend.gemm import SPLIT_SEGMENTS_MAX_M, GemmConfig, gemm
+    g = torch.Generator().manual_seed(7)
+    worst = 0.0
+    for m, n, k, seg, bt, has_bias, out_dtype in ((1, 70, 512, 8, True, True, torch.float32),
+                                                  (5, 128, 768, 4, True, False, torch.float32),
+                                                  (SPLIT_SEGMENTS_MAX_M, 40, 96, 2, True, True, torch.float32),
+                                                  (3, 72, 256, 8, False, False, torch.float32)):
+        a = torch.randn(m, k, generator=g)
+        b = torch.randn((n, k) if bt else (k, n), generator=g)
+        bias = torch.randn(n, generator=g) if has_bias else None
+        out = torch.full((m, n), float("nan"), dtype=out_dtype)
+        gemm(a, b, b_trans=bt, bias=bias, segments=seg, out=out)
+        one = gemm(a, b, b_trans=bt, bias=bias, segments=seg, out_dtype=out_dtype, config=GemmConfig(64, 64, 4, 2))
+        if not torch.equal(out, one):
+            return f"split partials differ from the one-kernel tree (m={m}, n={n}, k={k}, P={seg})"
+        ref = a.double() @ (b.double().T if bt else b.double())
+        if bias is not None:
+            ref = ref + bias.double()
+        worst = max(worst, _rel(out, ref))
+    return worst
+
+
 def _attn_ref(q, k, v, lens, scale):
     from tests.references import causal_attention_float64
     return causal_attention_float64(q, k, v, lens, scale)
@@ -136,6 +163,140 @@ def _check_attention():
         grads = A.varlen_backward(q, k, v, out, lse, cu, go, scale, tile=(64, 4, 1))
         for got, want in zip(grads, (qd.grad, kd.grad, vd.grad)):
             worst = max(worst, _rel(got, want))
+    return worst
+
+
+def _shuffled_cache(k, v, lens, page_size, g):
+    """Every sequence's K/V in randomly placed pages of a NaN-filled cache -> (k_cache, v_cache, table)."""
+    import torch
+    pages = [-(-n // page_size) for n in lens]
+    total = sum(pages) + 3
+    perm = torch.randperm(total, generator=g).tolist()
+    kc = torch.full((total, page_size) + tuple(k.shape[1:]), float("nan"))
+    vc = kc.clone()
+    table = torch.zeros((len(lens), max(pages) + 1), dtype=torch.int32)
+    start, used = 0, 0
+    for s, n in enumerate(lens):
+        ids = perm[used:used + pages[s]]
+        used += pages[s]
+        table[s, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        for p in range(n):
+            kc[ids[p // page_size], p % page_size] = k[start + p]
+            vc[ids[p // page_size], p % page_size] = v[start + p]
+        start += n
+    return kc, vc, table
+
+
+def _check_attention_splits():
+    """Key splits of spec.ATTN_KV_SPLIT (the production value) across their boundaries: the packed
+    forward (two tiles), one-shot and chunked paged prefill (chunks starting mid-split), batched and
+    single-sequence decode, each through the per-tile and the split-program launch, give the packed
+    forward's bits (the interpreter's row-wise dot, fp32), and all are accurate vs float64. Contexts
+    just below / at / above multiples of the split, pages shuffled (NaN outside contexts)."""
+    import torch
+    from rlalign.contract.bits import bits_equal, describe_difference
+    from rlalign.contract.spec import ATTN_KV_SPLIT as S
+    from rlalign.ops import capturing_graph
+    from rlalign.ops.triton_backend import attention as A
+    g = torch.Generator().manual_seed(7)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    hq, hkv, d = 2, 1, 16   # the interpreter's cost is per program: one kv head (GQA 3/1 below)
+    lens = [S + 1, 1, 2 * S + 1, 70]   # decoding 0, 1, 2 tokens before the end: contexts S-1..S+1, 2S-1..2S+1
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    cu = i32([0] + list(torch.tensor(lens).cumsum(0)))
+    scale = d ** -0.5
+    packed = A.varlen_forward(q, k, v, cu, scale, tile=(64, 4, 1))[0]
+    worst = _rel(packed, _attn_ref(q, k, v, lens, scale))
+    starts = [int(x) for x in cu[:-1]]
+
+    def same(out, rows, what):
+        if not bits_equal(out, packed[rows]):
+            raise AssertionError(f"{what}: not bitwise equal to the packed forward: "
+                                 f"{describe_difference(out, packed[rows])}")
+    for page_size in (16, 64):   # page 64: batched decode only (the layout is shuffled at both sizes)
+        kc, vc, table = _shuffled_cache(k, v, lens, page_size, g)
+        for split_programs in (False, True):
+            how = f"page {page_size}, split programs {split_programs}"
+            for back in (0, 1, 2) if page_size == 16 else (1,):
+                # every sequence decodes one token together, `back` tokens before its end
+                ctx = [max(n - back, 1) for n in lens]
+                rows = [st + c - 1 for st, c in zip(starts, ctx)]
+                out = A.paged_forward(q[rows], kc, vc, table, i32(ctx), i32(list(range(len(lens) + 1))), scale,
+                                      split_programs=split_programs)
+                same(out, rows, f"batched decode {back} before the end ({how})")
+            if page_size == 64:
+                continue
+            out = A.paged_forward(q, kc, vc, table, i32(lens), cu, scale, split_programs=split_programs)
+            same(out, slice(0, t), f"one-shot paged prefill, the {A.PREFILL_TILE} tile ({how})")
+            s, n = 2, lens[2]   # the 2S+1 sequence in chunks that start and end mid-split
+            for a, b in ((0, 100), (100, S - 1), (S - 1, S + 3), (S + 3, 2 * S), (2 * S, n)):
+                out = A.paged_forward(q[starts[s] + a:starts[s] + b], kc, vc, table[s:s + 1], i32([b]),
+                                      i32([0, b - a]), scale, split_programs=split_programs)
+                same(out, slice(starts[s] + a, starts[s] + b), f"chunk [{a}, {b}) ({how})")
+            with capturing_graph(max_query_len=1):   # as in a decode graph: the split grid from the table width
+                rows = [st + n - 1 for st, n in zip(starts, lens)]
+                out = A.paged_forward(q[rows], kc, vc, table, i32(lens), i32(list(range(len(lens) + 1))), scale,
+                                      split_programs=split_programs)
+                same(out, rows, f"batched decode while capturing ({how})")
+            for pos in (S - 1, S):   # one sequence alone, its rows on both sides of a split
+                row = starts[2] + pos
+                out = A.paged_forward(q[row:row + 1], kc, vc, table[2:3], i32([pos + 1]), i32([0, 1]), scale,
+                                      split_programs=split_programs)
+                same(out, [row], f"decode alone at position {pos} ({how})")
+    # fewer programs than splits: program p walks splits p, p + P, ... (P = 1: one walks all 3; P = 2)
+    kc, vc, table = _shuffled_cache(k, v, lens, 16, g)
+    rows = [st + n - 1 for st, n in zip(starts, lens)]
+    for progs in (1, 2):
+        out = A.paged_forward(q[rows], kc, vc, table, i32(lens), i32(list(range(len(lens) + 1))), scale,
+                              split_programs=True, progs_per_item=progs)
+        same(out, rows, f"batched decode, {progs} programs per sequence")
+        s = 2
+        out = A.paged_forward(q[starts[s] + S - 3:starts[s] + 2 * S + 1], kc, vc, table[s:s + 1], i32([2 * S + 1]),
+                              i32([0, S + 4]), scale, split_programs=True, progs_per_item=progs)
+        same(out, slice(starts[s] + S - 3, starts[s] + 2 * S + 1), f"chunk [{S - 3}, {2 * S + 1}), {progs} programs")
+    # a GQA group of 3 with padded head_dim 48 through the split programs
+    q3, k3, v3 = (torch.randn(S + 2, h, 48, generator=g) for h in (3, 1, 1))
+    cu3 = i32([0, S + 2])
+    ref3 = A.varlen_forward(q3, k3, v3, cu3, 0.2, tile=(64, 4, 1))[0]
+    kc, vc, table = _shuffled_cache(k3, v3, [S + 2], 16, g)
+    for pos in (0, S - 1, S, S + 1):
+        out = A.paged_forward(q3[pos:pos + 1], kc, vc, table, i32([pos + 1]), i32([0, 1]), 0.2, split_programs=True)
+        if not bits_equal(out, ref3[pos:pos + 1]):
+            raise AssertionError(f"G=3, D=48 decode at {pos}: {describe_difference(out, ref3[pos:pos + 1])}")
+    worst = max(worst, _rel(ref3, _attn_ref(q3, k3, v3, [S + 2], 0.2)))
+    return max(worst, _split_sweep(g))
+
+
+def _split_sweep(g):
+    """Seeded random shapes, degenerate ones included (context 1, G = 1 or 3, head_dim 2, pages of 1 and 3
+    slots, 1..5 programs per item): a decode row through the split programs equals the per-item decode and
+    the same row inside a prefill chunk, and is accurate vs float64."""
+    import torch
+    from rlalign.contract.bits import bits_equal, describe_difference
+    from rlalign.contract.spec import ATTN_KV_SPLIT as S
+    from rlalign.ops.triton_backend import attention as A
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    worst = 0.0
+    for case in range(6):
+        hkv, grp = [(1, 1), (1, 3), (2, 2), (1, 4)][case % 4]
+        d = [2, 16, 40][case % 3]
+        page = [1, 3, 16, 64][(case // 2) % 4]
+        n = 1 if case == 0 else int(torch.randint(2, (2 if case % 2 else 1) * S + 40, (1,), generator=g))
+        progs = 1 + case % 5
+        q, k, v = (torch.randn(n, h, d, generator=g) for h in (hkv * grp, hkv, hkv))
+        kc, vc, table = _shuffled_cache(k, v, [n], page, g)
+        pos = n - 1 if case % 2 else int(torch.randint(0, n, (1,), generator=g))
+        a = max(pos - 2, 0)
+        what = f"case {case}: n={n} pos={pos} G={grp} D={d} page={page} P={progs}"
+        split = A.paged_forward(q[pos:pos + 1], kc, vc, table, i32([pos + 1]), i32([0, 1]), 0.3, split_programs=True,
+                                progs_per_item=progs)
+        item = A.paged_forward(q[pos:pos + 1], kc, vc, table, i32([pos + 1]), i32([0, 1]), 0.3, split_programs=False)
+        chunk = A.paged_forward(q[a:pos + 1], kc, vc, table, i32([pos + 1]), i32([0, pos + 1 - a]), 0.3)[-1:]
+        for other, name in ((item, "per-item decode"), (chunk, "prefill chunk")):
+            if not bits_equal(split, other):
+                raise AssertionError(f"{what}: split decode vs {name}: {describe_difference(split, other)}")
+        worst = max(worst, _rel(split, _attn_ref(q, k, v, [n], 0.3)[pos:pos + 1]))
     return worst
 
 
@@ -228,6 +389,7 @@ def _check_elementwise():
 
 def _check_sample():
     import torch
+    from rlalign.ops import static_decode
     from rlalign.ops.torch_backend import sample as reference
     from rlalign.ops.triton_backend import sample as S
     g = torch.Generator().manual_seed(4)
@@ -237,10 +399,13 @@ def _check_sample():
             torch.tensor([0.9, 0.0, 1.0, 0.7, 0.9, 1.3]))
     for top_k, top_p in ((torch.tensor([0, 0, 50, 0, 10, 0]), torch.tensor([1.0, 1.0, 1.0, 0.9, 0.8, 1.0])),
                          (torch.zeros(rows, dtype=torch.int64), torch.ones(rows))):
-        got = S.sample(logits, *args, top_k, top_p)
         want = reference.sample(logits, *args, top_k, top_p)
-        if not torch.equal(got, want):
-            return f"tokens {got.tolist()} != torch backend {want.tolist()}"
+        got = S.sample(logits, *args, top_k, top_p)
+        with static_decode():   # the CUDA-graph form: every row's keep mask from a full sort, same tokens
+            got_static = S.sample(logits, *args, top_k, top_p)
+        for name, tokens in (("eager", got), ("static form", got_static)):
+            if not torch.equal(tokens, want):
+                return f"{name} tokens {tokens.tolist()} != torch backend {want.tolist()}"
     return 0.0
 
 
@@ -289,9 +454,72 @@ def _check_grouped():
     return worst
 
 
-CHECKS = {"gemm": _check_gemm, "attention": _check_attention, "logprob": _check_logprob,
+def _check_combine():
+    """MoE combine: slots taken in expert order (ids in any slot order, k = 1 / 3 (padded) / 8), ragged H;
+    fp32 forward equals the torch backend's bit for bit (both are separate multiplies and adds here),
+    dy = g * w exactly, dw against float64."""
+    import torch
+    from rlalign.ops.torch_backend.moe import combine as torch_combine
+    from rlalign.ops.triton_backend.combine import combine
+    g = torch.Generator().manual_seed(5)
+    worst = 0.0
+    for tokens, k, h, n_experts in ((5, 8, 300, 16), (3, 3, 64, 7), (4, 1, 17, 2), (0, 2, 32, 4)):
+        y = torch.randn(tokens, k, h, generator=g).requires_grad_()
+        w = torch.rand(tokens, k, generator=g).requires_grad_()
+        experts = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)]) if tokens \
+            else torch.zeros(0, k, dtype=torch.int64)
+        out = combine(y, w, experts)
+        if not torch.equal(out, torch_combine(y, w, experts)):
+            return f"forward differs from the torch backend (T={tokens}, k={k}, H={h})"
+        if not tokens:
+            continue
+        order = torch.argsort(experts, dim=1)
+        ref = (y.double().gather(1, order.unsqueeze(-1).expand_as(y)) * w.double().gather(1, order).unsqueeze(-1)).sum(1)
+        worst = max(worst, _rel(out.detach(), ref))
+        gout = torch.randn(tokens, h, generator=g)
+        dy, dw = torch.autograd.grad(out, [y, w], gout)
+        if not torch.equal(dy, gout.unsqueeze(1) * w.detach().unsqueeze(-1)):
+            return "dy is not g * w"
+        worst = max(worst, _rel(dw, (gout.double().unsqueeze(1) * y.detach().double()).sum(-1)))
+    return worst
+
+
+def _check_route():
+    """MoE routing kernel: E = 2 / 8 / 128, k = 1 / 3 (padded) / 8, normalize on and off, ties (equal logits
+    pick the lower expert); experts equal to the torch backend's, weights against float64 (the interpreter's
+    exp is numpy's, not libdevice's: bits are the CUDA tier's), the router gradient the torch formulation's."""
+    import torch
+    from rlalign.ops.torch_backend.moe import route as torch_route
+    from rlalign.ops.triton_backend.route import route
+    g = torch.Generator().manual_seed(6)
+    worst = 0.0
+    for tokens, n_experts, k, normalize in ((7, 128, 8, True), (5, 8, 3, False), (3, 2, 1, True), (0, 16, 2, True)):
+        logits = torch.randn(tokens, n_experts, generator=g)
+        if tokens and n_experts > 5:
+            logits[0, 3] = logits[0, 5] = logits[0].max() + 1.0      # a tie for the top: expert 3 first
+        logits.requires_grad_()
+        experts, weights = route(logits, k, normalize)
+        ref_e, ref_w = torch_route(logits, k, normalize)
+        if not torch.equal(experts, ref_e):
+            return f"experts differ from the torch backend (E={n_experts}, k={k})"
+        if tokens and n_experts > 5 and int(experts[0, 0]) != 3:
+            return "a tie did not go to the lower expert index"
+        if not tokens:
+            continue
+        p = torch.softmax(logits.detach().double(), -1).gather(1, experts)
+        ref = p / p.sum(-1, keepdim=True) if normalize else p
+        worst = max(worst, _rel(weights.detach(), ref))
+        gw = torch.randn(tokens, k, generator=g)
+        if not torch.equal(torch.autograd.grad(weights, logits, gw)[0], torch.autograd.grad(ref_w, logits, gw)[0]):
+            return "the router gradient is not the torch formulation's"
+    return worst
+
+
+CHECKS = {"gemm": _check_gemm, "attention": _check_attention, "attention_splits": _check_attention_splits,
+          "logprob": _check_logprob,
           "logprob_last_tile": _check_logprob_last_tile, "elementwise": _check_elementwise, "sample": _check_sample,
-          "grouped": _check_grouped}
+          "grouped": _check_grouped, "combine": _check_combine,
+          "route": _check_route, "gemm_split_segments": _check_gemm_split_segments}
 
 
 def _worker() -> None:
@@ -345,6 +573,23 @@ def _compile_gemm_grid(G) -> None:
             G.gemm(x, w.T.contiguous(), out=torch.zeros(m, n), acc_in=True)
         else:
             G.gemm(x, w, b_trans=True, segments=seg, out_dtype=dt if call == "linear" else torch.float32)
+
+
+def _ptxas_report(ptx: str):
+    """ptxas -v for sm_90a on ``ptx``: its info lines (registers, spills, performance warnings), or None
+    when Triton's ptxas cannot be found or run."""
+    import tempfile
+    try:
+        import triton.backends.nvidia as nv
+        exe = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        run = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, timeout=300)
+        os.unlink(f.name)
+    except (ImportError, OSError, subprocess.SubprocessError):
+        return None
+    return run.stderr if run.returncode == 0 else None
 
 
 def _sm90_worker() -> None:
@@ -404,8 +649,12 @@ def _sm90_worker() -> None:
     cu = torch.tensor([0, 4096], dtype=torch.int32)
     attempt("attention varlen", lambda: A.varlen_forward(q, k, k, cu, 0.1, store_lse=True))
     cache, table = torch.empty(64, 64, 8, 128, dtype=bf), torch.zeros(1, 64, dtype=torch.int32)
-    attempt("attention decode", lambda: A.paged_forward(q[:1], cache, cache, table, torch.tensor([9], dtype=torch.int32),
-                                                        torch.tensor([0, 1], dtype=torch.int32), 0.1))
+    one, ctx = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([9], dtype=torch.int32)
+    attempt("attention decode", lambda: A.paged_forward(q[:1], cache, cache, table, ctx, one, 0.1, split_programs=False))
+    attempt("attention decode, split programs",
+            lambda: A.paged_forward(q[:1], cache, cache, table, ctx, one, 0.1, split_programs=True))
+    attempt("attention paged prefill", lambda: A.paged_forward(q[:600], cache, cache, table, torch.tensor([4000], dtype=torch.int32),
+                                                               torch.tensor([0, 600], dtype=torch.int32), 0.1))
     attempt("attention backward", lambda: A.varlen_backward(q, k, k, q, torch.empty(4096, 32), cu, q, 0.1))
     h, lm = torch.empty(256, 4096, dtype=bf), torch.empty(151936, 4096, dtype=bf)
     tgt, zeros = torch.zeros(256, dtype=torch.int64), torch.zeros(256)
@@ -433,7 +682,8 @@ def _sm90_worker() -> None:
     for name, kwargs, kernel in compiled:
         ptx = kernel.asm["ptx"]
         variants.append({"kernel": name, "args": {k: v for k, v in kwargs.items() if k.isupper()},
-                         "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx})
+                         "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx,
+                         "ptxas": _ptxas_report(ptx) if name.startswith("attn_") else None})
     print("RESULTS " + json.dumps({"errors": errors, "variants": variants, "grid_variants": grid_variants}))
 
 
@@ -499,6 +749,22 @@ def test_dot_kernels_use_wgmma(sm90):
 def test_shared_memory_fits_sm90(sm90):
     over = [v for v in sm90["variants"] if v["smem"] > SMEM_LIMIT]
     assert not over, f"shared memory over {SMEM_LIMIT} B: {over}"
+
+
+def test_attention_forward_keeps_the_wgmma_pipeline(sm90):
+    """The bf16 attention forward kernels (prefill, paged prefill, decode per tile and per key split,
+    the merge) spill nothing and ptxas does not serialise their wgmma (C7514/C7515: a non-wgmma
+    instruction reading or writing the accumulator while the MMA is in flight, e.g. a split merge
+    placed after the P.V MMA)."""
+    reports = [v for v in sm90["variants"] if v["kernel"].startswith("attn_") and v["ptxas"] is not None
+               and v["kernel"] != "attn_bwd_dkdv_kernel" and v["kernel"] != "attn_bwd_dq_kernel"]
+    if not reports:
+        pytest.skip("Triton's ptxas could not be run")
+    kinds = {(v["kernel"], v["args"].get("PARTIAL")) for v in reports}
+    assert {("attn_fwd_kernel", "True"), ("attn_fwd_kernel", "False"), ("attn_merge_kernel", None)} <= kinds, kinds
+    bad = [(v["kernel"], v["args"], line.strip()) for v in reports for line in v["ptxas"].splitlines()
+           if "C7514" in line or "C7515" in line or ("spill" in line and " 0 bytes spill stores" not in line)]
+    assert not bad, f"attention kernels serialise wgmma or spill: {bad}"
 
 
 def test_dispatched_gemm_configs_cover_the_shape_grid(sm90):

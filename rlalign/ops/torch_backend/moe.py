@@ -37,3 +37,19 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool):
 
 
 register("moe_route", "torch")(route)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Spec row ``moe_combine``: the k slots in expert order (a stable sort of the ids), acc = fp32(y) * w for
+    the first, then acc = acc + fp32(y) * w left to right (separate multiply and add kernels: no fma), one
+    rounding to y's dtype."""
+    by_expert = torch.argsort(experts, dim=1, stable=True)
+    y_sorted = y.gather(1, by_expert.unsqueeze(-1).expand_as(y)).float()
+    w_sorted = weights.float().gather(1, by_expert).unsqueeze(-1)
+    acc = y_sorted[:, 0] * w_sorted[:, 0]
+    for j in range(1, y.shape[1]):
+        acc = acc + y_sorted[:, j] * w_sorted[:, j]
+    return acc.to(y.dtype)
+
+
+register("moe_combine", "torch")(combine)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 
 from rlalign.contract.errors import fail
+from rlalign.ops import _checks as chk
 from rlalign.ops._registry import register
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.primitives import tree_sum
@@ -222,14 +223,56 @@ def keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, candidates:
     return keep
 
 
+def static_keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """:func:`keep_mask` with static shapes and no host read (for CUDA-graph capture): every row is
+    ordered by a full stable sort (the candidate count keep_mask ends with, exact for every row) and
+    every row's nucleus is evaluated; a row with top_p = 1 keeps its top-k set and a row without
+    top-k/top-p keeps every token, as in keep_mask. Same bits as keep_mask (integer prefix sums are
+    exact: the order's length does not matter). Costs a full sort of every row: only for batches where
+    some row filters."""
+    vals, ids, _ = _ordered_prefix(z, z.shape[1])
+    rank = torch.arange(vals.shape[1], device=z.device)
+    k_on, p_on = k > 0, top_p < 1
+    in_k = ~k_on[:, None] | (rank < k[:, None])
+    in_p, _, _ = _nucleus(z, vals, ids, in_k, k_on, top_p)
+    keep_sorted = in_k & (~p_on[:, None] | in_p)
+    return torch.zeros_like(z, dtype=torch.bool).scatter_(1, ids, keep_sorted)
+
+
+def filtering_rows(filtered: torch.Tensor) -> bool:
+    """Whether any row filters (top-k / top-p). Eager: read from the device. While a CUDA graph is
+    captured: the capture's host hint ``sample_filtered`` (the graph is specialised on it); captured
+    without filtering, a row that does filter at replay fails a device verdict (fail closed)."""
+    if not chk.is_capturing():
+        return bool(filtered.any())
+    hint = bool(chk.capture_hint("sample_filtered"))
+    if not hint:
+        chk.deferred("sample", "a row asks for top-k/top-p but this CUDA graph was captured without filtering "
+                               "(internal: the engine must pick a filtering graph)", ~filtered.any())
+    return hint
+
+
+def overflow_verdict(z: torch.Tensor, static: bool) -> None:
+    """Refuse logits / temperature that overflow fp32 (a row's max is inf): at once, or as a device
+    verdict in the static form."""
+    ok = torch.isfinite(z.amax(-1)).all()
+    message = "logits / temperature overflows fp32 (temperature too small for these logits)"
+    if static:
+        chk.deferred("sample", message, ok)
+    elif not bool(ok):
+        raise fail("sample", message)
+
+
 # ---- the op ----------------------------------------------------------------------------------
 
-def _sample_chunk(logits, keys, offsets, greedy, temperature, k, top_p, filtered):
+def _sample_chunk(logits, keys, offsets, greedy, temperature, k, top_p, filtered, static):
     z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
-    if not bool(torch.isfinite(z.amax(-1)).all()):
-        raise fail("sample", "logits / temperature overflows fp32 (temperature too small for these logits)")
+    overflow_verdict(z, static)
     score = perturbed(z, keys, offsets)
-    if bool(filtered.any()):
+    if static:
+        if filtering_rows(filtered):   # unfiltered rows keep every token: their scores pass unchanged
+            score = torch.where(static_keep_mask(z, k, top_p), score, float("-inf"))
+    elif bool(filtered.any()):
         rows = filtered.nonzero().squeeze(1)
         keep = keep_mask(z[rows], k[rows], top_p[rows])
         score[rows] = torch.where(keep, score[rows], float("-inf"))
@@ -250,8 +293,9 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, seq_ids: torch.Tensor, pos
     keys = row_keys(seeds, seq_ids, positions)
     offsets = token_offsets(vocab, logits.device)
     step = max(1, ROW_CHUNK_ELEMS.get(logits.device.type, 1 << 20) // vocab)
+    static = chk.static_shapes()
     for r in range(0, rows, step):
         sl = slice(r, r + step)
         out[sl] = _sample_chunk(logits[sl], keys[sl], offsets, greedy[sl], temperature[sl], k[sl],
-                                top_p[sl], filtered[sl])
+                                top_p[sl], filtered[sl], static)
     return out

@@ -9,7 +9,7 @@ relies on, so the contract is not guaranteed for those ops. Set it for both engi
 
 Kernels: :mod:`.gemm` (linear, LM head GEMMs), :mod:`.attention`, :mod:`.logprob`,
 :mod:`.elementwise` (rms_norm, rope, silu_mul), :mod:`.sample`, :mod:`.grouped` (the MoE experts'
-grouped GEMMs, :mod:`.moe`). docs/gpu.md says what was
+grouped GEMMs, :mod:`.moe`), :mod:`.route` and :mod:`.combine` (MoE routing and combine). docs/gpu.md says what was
 verified on the H200 and which tile shapes are bitwise interchangeable.
 """
 
@@ -31,8 +31,7 @@ if not torch.cuda.is_available() and not _INTERPRET:
     raise ImportError("rlalign triton backend: no CUDA device")
 
 from rlalign.ops._registry import register  # noqa: E402
-from rlalign.ops.torch_backend import moe as torch_moe  # noqa: E402
-from rlalign.ops.triton_backend import attention, elementwise, linear, logprob, moe, sample, shard  # noqa: E402
+from rlalign.ops.triton_backend import attention, combine, elementwise, linear, logprob, moe, route, sample, shard  # noqa: E402
 
 IMPLEMENTATIONS = {
     "linear": linear.linear,
@@ -44,10 +43,12 @@ IMPLEMENTATIONS = {
     "logprob_entropy": logprob.logprob_entropy,
     "lm_logits": logprob.lm_logits,
     "sample": sample.sample,
-    # routing is elementwise + a written-out tree over E experts in torch kernels: no GEMM, nothing
-    # cuBLAS decides, so the torch formulation is strict on CUDA as it stands
-    "moe_route": torch_moe.route,
+    # routing: one kernel per token with the torch formulation's arithmetic (a power-of-two number of
+    # experts; other widths run the torch formulation, which is elementwise + a written-out tree: strict on
+    # CUDA as it stands)
+    "moe_route": route.route,
     "moe_expert_ffn": moe.expert_ffn,
+    "moe_combine": combine.combine,
     **shard.IMPLEMENTATIONS,   # tensor-parallel shard entries (rlalign.ops.shard)
 }
 DISABLED = frozenset(op.strip() for op in os.environ.get("RLALIGN_TRITON_DISABLE", "").split(",") if op.strip())

@@ -2,15 +2,18 @@
 
 One forward kernel serves both; a query's arithmetic is the same whichever it is and whatever
 else shares its tile, so its output has the same bits in a packed training forward, a one-shot
-or chunked prefill and step-by-step decode, for any page size and page layout:
+or chunked prefill and step-by-step decode, for any page size and page layout, and however many
+programs a decode step spreads a sequence over:
 
-* Rows. A program owns one (sequence, kv head, tile) item: ``BLOCK_M`` rows, each a (query
-  token, query head of the GQA group) pair, token-major, so the ``G = Hq / Hkv`` heads of one
-  kv head share every K/V load. Padding rows get position -1 and are never stored.
-* Keys are visited in blocks of ``KV_BLOCK`` = 64 ABSOLUTE positions (0..63, 64..127, ...), in
-  increasing order, up to the block of the tile's last query. Keys past the context (or past a
-  page table's end) are loaded as exact zeros.
-* Per block (fp32, base-2 exponent; c = scale * log2(e)):
+* Rows. An item is one (sequence, kv head, tile): ``BLOCK_M`` rows, each a (query token, query
+  head of the GQA group) pair, token-major, so the ``G = Hq / Hkv`` heads of one kv head share
+  every K/V load. Padding rows get position -1 and are never stored.
+* Keys are visited in blocks of ``KV_BLOCK`` = 64 ABSOLUTE positions (0..63, 64..127, ...), up to
+  the block of the tile's last query, and are cut into SPLITS of ``KV_SPLIT`` =
+  ``spec.ATTN_KV_SPLIT`` = 256 absolute positions (4 blocks). Keys past the context (or past a page
+  table's end) are loaded as exact zeros.
+* Within a split, from a fresh state (m = -inf, l = 0, acc = 0), per block in increasing order
+  (fp32, base-2 exponent; c = scale * log2(e)):
 
       s     = mma(q, k^T) * c                         (the D reduction in the dot's fixed order)
       s     = where(key_pos <= row_pos, s, -inf)
@@ -25,15 +28,28 @@ or chunked prefill and step-by-step decode, for any page size and page layout:
   (up to the sign of an accumulator entry that is exactly zero, which the final + 0.0 removes).
   Such blocks only come after all the blocks a row sees, so decode (which never visits them)
   and prefill (which does, for the other rows of its tile) give the same bits.
-* out = acc / l + 0.0 (the + 0.0 maps -0.0 to +0.0), rounded once to the input dtype;
-  lse2 = m + log2(l) is kept for the backward.
+* Split partials (m, l, acc) are merged into the total (M, L, ACC), from (-inf, 0, 0), in split
+  order 0, 1, 2, ... (:func:`_merge_split`: M' = max(M, m), L' = fma(l, b, L a), ACC' = fma(acc, b,
+  ACC a), a = exp2(M - M'), b = exp2(m - M')); a split a row cannot see leaves its total
+  selected. Merging split 0 into the fresh total is exact (a = 0, b = 1), so a row at a position
+  below 256 has the bits of the single online softmax (those of this kernel before the splits).
+* out = ACC / L + 0.0 (the + 0.0 maps -0.0 to +0.0), rounded once to the input dtype;
+  lse2 = M + log2(L) is kept for the backward.
+
+Two launches, the same arithmetic per row: one program per item walks all its splits and merges
+them in registers (prefill, training, decode at large batch); or, for decode tiles when the items
+are too few to fill the GPU (:func:`use_split_programs`), P programs per item each take splits p,
+p + P, ... and write fp32 partials, which :func:`attn_merge_kernel` folds in the same order with
+the same function. The partials round-trip memory exactly, and the merge is elementwise (its
+layout cannot change a bit).
 
 ``mma`` always sees a 64-key block and a tile of >= 64 rows on 4 or 8 warps laid along the rows,
 so Hopper issues the same ``wgmma`` shapes per row and ``rowsum`` reduces each row in the same
 order (per-thread, then within the 4 lanes that share a row) for prefill and decode tiles alike.
 
 Backward (varlen only, deterministic, no atomics): dQ by a kernel per query tile walking key
-blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order.
+blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order. Both
+recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them.
 """
 
 from __future__ import annotations
@@ -42,11 +58,15 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.contract import spec
 from rlalign.contract.errors import fail
 from rlalign.ops import _checks as chk
-from rlalign.ops.triton_backend._common import forced_tile, mma, split_for
+from rlalign.ops.triton_backend._common import device_sms, forced_tile, is_interpreter, mma, split_for
 
-KV_BLOCK = 64
+KV_BLOCK = spec.ATTN_KV_BLOCK
+KV_SPLIT = spec.ATTN_KV_SPLIT
+if KV_SPLIT <= 0 or KV_SPLIT % KV_BLOCK:
+    raise ValueError(f"spec.ATTN_KV_SPLIT={KV_SPLIT} must be a positive multiple of ATTN_KV_BLOCK={KV_BLOCK}")
 LOG2E = 1.4426950408889634
 # (BLOCK_M, num_warps, num_stages): prefill/training and decode tiles. Both lay warps along rows
 # only (BLOCK_M >= 16 * warps), which is what makes them interchangeable (docs/gpu.md).
@@ -54,6 +74,16 @@ PREFILL_TILE = (128, 8, 3)
 DECODE_TILE = (64, 4, 3)
 BWD_TILE = (64, 4, 2)
 DKDV_WARPS = 8
+MERGE_WARPS = 8
+MERGE_UNROLL = 4   # splits whose partials the merge kernel loads together
+# Paged calls on the decode tile with fewer per-item programs than PROGRAMS_PER_SM x SMs (decode at small
+# batch: one program per (sequence, kv head)) spread each item's key splits over up to that many programs
+# in all, if the fp32 partials stay under SPLIT_SCRATCH_MAX_BYTES. Speed only; the bits are those of the
+# per-item kernel. 4: the decode programs (~250 registers x 128 threads, 80 / 112 KiB of shared memory)
+# fit twice on an SM, and two waves absorb uneven contexts. Not tuned yet: bench/gpu_attention.py
+# reports both launches at batch 1-256 for that.
+PROGRAMS_PER_SM = 4
+SPLIT_SCRATCH_MAX_BYTES = 256 << 20
 
 
 @triton.jit
@@ -73,60 +103,219 @@ def _load_rows(base, rows, head, ok, dcol, stride_row, stride_head, D: tl.conste
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, O, LSE, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, qk_scale2,
-                    stride_qt, stride_qh, stride_kr, stride_kh, stride_ot, stride_oh, stride_bt,
-                    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    PS: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr, SPLIT: tl.constexpr):
+def _tile_rows(cu_q, pos0_ptr, s, h, tile, G: tl.constexpr, BM: tl.constexpr):
+    """The rows of one (sequence s, kv head h, tile) item: BM (query token, query head) rows,
+    token-major; padding rows get position -1. -> (q_start, n_q, tok, head, row_ok, pos)."""
     TPT: tl.constexpr = BM // G                       # query tokens per tile
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
-    s = tl.program_id(1)
-    h = tl.program_id(2)
     q_start = tl.load(cu_q + s)
     n_q = tl.load(cu_q + s + 1) - q_start
-    if tile * TPT >= n_q:
-        return
     pos0 = tl.load(pos0_ptr + s)
-    kv_len = tl.load(kvlen_ptr + s)
     r = tl.arange(0, BM)
     tok = tile * TPT + r // G
     head = h * G + r % G
     row_ok = (r < TPT * G) & (tok < n_q)
     pos = tl.where(row_ok, pos0 + tok, -1)
+    return q_start, n_q, tok, head, row_ok, pos
+
+
+@triton.jit
+def _dot(a, b, acc, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
+    """acc + a @ b. ROWWISE (the CPU interpreter only): a broadcast product summed over k, whose bits
+    for a row depend on that row alone -- the interpreter's tl.dot is a BLAS matmul, which is not
+    row invariant, so without this the interpreter could not check the paths' bit equality."""
+    if ROWWISE:
+        return acc + tl.sum(a[:, :, None] * b[None, :, :], 1)
+    else:
+        return mma(a, b, acc, SPLIT)
+
+
+@triton.jit
+def _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol,
+                 stride_kr, stride_kh, stride_bt, D: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr,
+                 PAGED: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
+    """One step of the online softmax: key block j (absolute positions j*BN .. j*BN+BN-1)."""
+    kp = j * BN + tl.arange(0, BN)
+    k_ok = kp < kv_len
+    kv_rows = _kv_rows(s, kp, k_ok, q_start, bt_ptr, stride_bt, PS, PAGED)
+    k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+    v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+    sc = _dot(q, tl.trans(k), tl.zeros((q.shape[0], BN), tl.float32), SPLIT, ROWWISE) * qk_scale2
+    sc = tl.where(kp[None, :] <= pos[:, None], sc, float("-inf"))
+    sees = pos >= j * BN
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    m_used = tl.where(sees, m_new, 0.0)
+    p = tl.exp2(sc - m_used[:, None])             # exactly 0 on every column of a row that sees nothing
+    alpha = tl.where(sees, tl.exp2(m - m_used), 1.0)
+    l = l * alpha + tl.sum(p, 1)                   # l * 1 + 0 == l exactly
+    if SPLIT:
+        acc = _dot(p, v, acc * alpha[:, None], SPLIT, ROWWISE)
+    else:
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], SPLIT, ROWWISE)   # acc * 1 + 0-products == acc
+    m = tl.where(sees, m_new, m)
+    return m, l, acc
+
+
+@triton.jit
+def _merge_split(M, L, ACC, m, l, acc, sees):
+    """Fold one key split's partial (m, l, acc), computed from a fresh state, into the running total
+    (M, L, ACC) of the rows that see the split (the others keep their total, selected):
+
+        M' = max(M, m);  a = exp2(M - M');  b = exp2(m - M')
+        L' = fma(l, b, L * a);  ACC' = fma(acc, b, ACC * a)
+
+    The fma is explicit so that no compiler can contract the two products differently in the
+    forward kernel and in the merge kernel. From the fresh total (M = -inf, L = 0, ACC = 0) the first
+    split gives a = 0, b = 1 and (M', L', ACC') = (m, l, acc) exactly (up to the sign of an exactly-zero
+    accumulator entry), so a row that sees one split has the bits of the single online softmax."""
+    m_tot = tl.maximum(M, m)
+    m_used = tl.where(sees, m_tot, 0.0)
+    a = tl.exp2(M - m_used)
+    b = tl.exp2(m - m_used)
+    L_new = tl.fma(l, b, L * a)
+    ACC_new = tl.fma(acc, b[:, None], ACC * a[:, None])
+    return (tl.where(sees, m_tot, M), tl.where(sees, L_new, L), tl.where(sees[:, None], ACC_new, ACC))
+
+
+@triton.jit
+def _partial_offsets(sp, part_rows, row, dcol):
+    """Offsets of split sp's entries for rows ``row`` (token * Hq + head) in the [n_splits, T * Hq]
+    statistics and the [n_splits, T * Hq, DP] accumulators (int64: the scratch can pass 2**31 elements)."""
+    stat = row + sp * part_rows      # row is int64; sp * part_rows < 2**31 (_forward refuses larger partials)
+    return stat, stat[:, None] * dcol.shape[0] + dcol[None, :]
+
+
+@triton.jit
+def _store_partial(PM, PL, PACC, sp, part_rows, row, row_ok, m, l, acc, dcol, D: tl.constexpr):
+    stat, offs = _partial_offsets(sp, part_rows, row, dcol)
+    tl.store(PM + stat, m, mask=row_ok)
+    tl.store(PL + stat, l, mask=row_ok)
+    tl.store(PACC + offs, acc, mask=row_ok[:, None] & (dcol[None, :] < D))
+
+
+@triton.jit
+def _finish(L, ACC):
+    """out = ACC / L + 0.0 (the + 0.0 maps -0.0 to +0.0; padding rows, L = 0, are never stored)."""
+    return ACC / tl.where(L > 0, L, 1.0)[:, None] + 0.0
+
+
+# split_progs and part_rows are not specialised (Triton compiles a variant for an int equal to 1 or divisible
+# by 16): a decode graph's warm-up call and its capture must use one compiled kernel.
+@triton.jit(do_not_specialize=["split_progs", "part_rows"])
+def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, qk_scale2, split_progs,
+                    part_rows, stride_qt, stride_qh, stride_kr, stride_kh, stride_ot, stride_oh, stride_bt,
+                    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    PS: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr, SPLIT: tl.constexpr,
+                    SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr, ROWWISE: tl.constexpr):
+    """PARTIAL=False: one program per (tile, sequence, kv head) walks every key split of its rows and
+    merges them in order (output, lse). PARTIAL=True: ``split_progs`` = P programs per (tile, sequence,
+    kv head); program p walks splits p, p + P, p + 2P, ... of its rows (each from a fresh state) and
+    writes each split's fp32 partial (m, l, acc) to PM/PL/PACC [splits, T * Hq (, DP)];
+    attn_merge_kernel folds them with the same _merge_split. The grid does not depend on the contexts
+    (a decode graph's capture bounds them only by the table width), the work does."""
+    TPT: tl.constexpr = BM // G
+    BPS: tl.constexpr = SPLIT_KEYS // BN               # key blocks per split
+    if PARTIAL:
+        P = split_progs
+        sp_first = tl.program_id(0) % P
+        tile = tl.num_programs(0) // P - 1 - tl.program_id(0) // P
+    else:
+        P = 1
+        sp_first = 0
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start, n_q, tok, head, row_ok, pos = _tile_rows(cu_q, pos0_ptr, s, h, tile, G, BM)
+    if tile * TPT >= n_q:
+        return
+    last_pos = tl.load(pos0_ptr + s) + tl.minimum(n_q, (tile + 1) * TPT) - 1
+    n_blocks = last_pos // BN + 1
+    n_sp = (n_blocks + BPS - 1) // BPS                  # splits the tile's rows reach
+    if sp_first >= n_sp:
+        return
+    # this program's blocks, flattened: its splits sp_first, sp_first + P, ... (the last one may be short)
+    my_splits = (n_sp - sp_first + P - 1) // P
+    n_iter = (my_splits - 1) * BPS + tl.minimum(BPS, n_blocks - (sp_first + (my_splits - 1) * P) * BPS)
+    kv_len = tl.load(kvlen_ptr + s)
     dcol = tl.arange(0, DP)
     q_rows = (q_start + tok).to(tl.int64)
     q_offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
     q = tl.load(Q + q_offs, mask=row_ok[:, None] & (dcol[None, :] < D), other=0.0)
+    hq_total = stride_qt // stride_qh                  # q is [T, Hq, D] contiguous
+    part_row = q_rows * hq_total + head
 
-    last_pos = pos0 + tl.minimum(n_q, (tile + 1) * TPT) - 1
     m = tl.full((BM,), float("-inf"), tl.float32)
     l = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, DP), tl.float32)
-    for j in range(last_pos // BN + 1):
-        kp = j * BN + tl.arange(0, BN)
-        k_ok = kp < kv_len
-        kv_rows = _kv_rows(s, kp, k_ok, q_start, bt_ptr, stride_bt, PS, PAGED)
-        k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-        v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-        sc = mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), SPLIT) * qk_scale2
-        sc = tl.where(kp[None, :] <= pos[:, None], sc, float("-inf"))
-        sees = pos >= j * BN
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        m_used = tl.where(sees, m_new, 0.0)
-        p = tl.exp2(sc - m_used[:, None])             # exactly 0 on every column of a row that sees nothing
-        alpha = tl.where(sees, tl.exp2(m - m_used), 1.0)
-        l = l * alpha + tl.sum(p, 1)                   # l * 1 + 0 == l exactly
-        if SPLIT:
-            acc = mma(p, v, acc * alpha[:, None], SPLIT)
-        else:
-            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], SPLIT)   # acc * 1 + 0-products == acc
-        m = tl.where(sees, m_new, m)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None] + 0.0   # padding rows (l = 0) are never stored
+    M = tl.full((BM,), float("-inf"), tl.float32)
+    L = tl.zeros((BM,), tl.float32)
+    ACC = tl.zeros((BM, DP), tl.float32)
+    for i in range(n_iter):
+        sp = sp_first + (i // BPS) * P
+        if (i % BPS == 0) & (i > 0):
+            # Split sp - P ended: merge (or store) its partial, restart m = -inf, l = 0. Split sp's first
+            # block then has alpha = exp2(-inf - m') = 0 for every row that sees it, so acc * alpha restarts
+            # acc from 0 inside the MMA's accumulator input; a row that does not see the block sees nothing
+            # of the split, and its stale acc is never merged. Resetting acc itself, or merging after the
+            # block's MMA, puts non-wgmma instructions on the accumulator while the MMA is in flight (ptxas
+            # C7514/C7515: the wgmma pipeline is serialised); here alpha depends on the reset, which keeps
+            # this before the P.V MMA is issued.
+            if PARTIAL:
+                _store_partial(PM, PL, PACC, sp - P, part_rows, part_row, row_ok, m, l, acc, dcol, D)
+            else:
+                M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (sp - P) * SPLIT_KEYS)
+            m = tl.full((BM,), float("-inf"), tl.float32)
+            l = tl.zeros((BM,), tl.float32)
+        m, l, acc = _visit_block(sp * BPS + i % BPS, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr,
+                                 qk_scale2, dcol, stride_kr, stride_kh, stride_bt, D, BN, PS, PAGED, SPLIT, ROWWISE)
+    sp_last = sp_first + (my_splits - 1) * P
+    if PARTIAL:
+        _store_partial(PM, PL, PACC, sp_last, part_rows, part_row, row_ok, m, l, acc, dcol, D)
+    else:
+        M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= sp_last * SPLIT_KEYS)
+        out = _finish(L, ACC)
+        o_offs = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dcol[None, :]
+        tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dcol[None, :] < D))
+        if STORE_LSE:
+            # LSE is [T, Hq] fp32, base 2
+            tl.store(LSE + q_rows * hq_total + head, M + tl.log2(tl.where(L > 0, L, 1.0)), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["part_rows"])
+def attn_merge_kernel(PM, PL, PACC, O, cu_q, pos0_ptr, part_rows, stride_ot, stride_oh, hq_total,
+                      G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
+                      SPLIT_KEYS: tl.constexpr, UNROLL: tl.constexpr):
+    """The output of one (tile, sequence, kv head) item from its key splits' partials: the fresh total
+    folded with split 0, 1, 2, ... in order (_merge_split, rows select the splits they see), then
+    _finish -- the arithmetic attn_fwd_kernel(PARTIAL=False) does in registers."""
+    TPT: tl.constexpr = BM // G
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start, n_q, tok, head, row_ok, pos = _tile_rows(cu_q, pos0_ptr, s, h, tile, G, BM)
+    if tile * TPT >= n_q:
+        return
+    last_pos = tl.load(pos0_ptr + s) + tl.minimum(n_q, (tile + 1) * TPT) - 1
+    dcol = tl.arange(0, DP)
+    q_rows = (q_start + tok).to(tl.int64)
+    row = q_rows * hq_total + head
+    M = tl.full((BM,), float("-inf"), tl.float32)
+    L = tl.zeros((BM,), tl.float32)
+    ACC = tl.zeros((BM, DP), tl.float32)
+    # UNROLL splits per step: their loads do not depend on the fold, so each step issues them together
+    # (one memory round trip per UNROLL splits, not per split); a split past a row's last is not seen
+    # (masked load, total selected), so the fold is exactly split 0, 1, 2, ... of each row
+    for first in range(0, last_pos // SPLIT_KEYS + 1, UNROLL):
+        for u in tl.static_range(UNROLL):
+            sp = first + u
+            sees = pos >= sp * SPLIT_KEYS             # only these rows' partials of split sp exist
+            stat, offs = _partial_offsets(sp, part_rows, row, dcol)
+            m = tl.load(PM + stat, mask=sees, other=float("-inf"))
+            l = tl.load(PL + stat, mask=sees, other=0.0)
+            acc = tl.load(PACC + offs, mask=sees[:, None] & (dcol[None, :] < D), other=0.0)
+            M, L, ACC = _merge_split(M, L, ACC, m, l, acc, sees)
+    out = _finish(L, ACC)
     o_offs = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dcol[None, :]
     tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dcol[None, :] < D))
-    if STORE_LSE:
-        # LSE is [T, Hq] fp32, base 2
-        tl.store(LSE + q_rows * (stride_qt // stride_qh) + head, m + tl.log2(tl.where(l > 0, l, 1.0)),
-                 mask=row_ok)
 
 
 @triton.jit
@@ -239,7 +428,11 @@ def _dpad(d: int) -> int:
 
 
 def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale, paged, tile, store_lse,
-             max_q_tokens):
+             max_q_tokens, max_context=0, split_programs=False, progs_per_item=None):
+    """Launch the forward. ``split_programs``: up to PROGRAMS_PER_SM x SMs programs share each item's key
+    splits (and a merge kernel folds them) instead of one program per item walking every split -- the
+    same bits, more programs; ``max_context`` (an upper bound of the contexts) sizes the partials;
+    ``progs_per_item`` forces the programs per item (tests)."""
     t, hq, d = q.shape
     hkv = k_src.shape[-2]
     g = hq // hkv
@@ -254,14 +447,46 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
     if t == 0 or n_seq == 0 or tiles == 0:
         return out, lse
     bt = block_table if paged else cu_q
-    stride_kr = k_src.stride(-3)
-    attn_fwd_kernel[(tiles, n_seq, hkv)](
-        q, k_src, v_src, out, lse, cu_q, pos0, kv_len, bt, scale * LOG2E,
-        q.stride(0), q.stride(1), stride_kr, k_src.stride(-2), out.stride(0), out.stride(1),
+    n_splits = triton.cdiv(max_context, KV_SPLIT) if split_programs else 1
+    # programs per item: enough for ~PROGRAMS_PER_SM per SM, never more than the splits there can be
+    progs = progs_per_item or triton.cdiv(PROGRAMS_PER_SM * device_sms(q), tiles * n_seq * hkv)
+    progs = min(n_splits, progs) if split_programs else 1
+    dp = _dpad(d)
+    if split_programs:
+        if n_splits * t * hq >= 2 ** 31:
+            raise fail("attention_paged", f"{n_splits} key splits x {t * hq} rows of partials exceed int32 indexing")
+        pm = torch.empty((n_splits, t * hq), dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty((n_splits, t * hq, dp), dtype=torch.float32, device=q.device)
+    else:
+        pm = pl = pacc = out   # not read
+    meta = dict(G=g, D=d, DP=dp, BM=bm, num_warps=warps)
+    attn_fwd_kernel[(tiles * progs, n_seq, hkv)](
+        q, k_src, v_src, out, lse, pm, pl, pacc, cu_q, pos0, kv_len, bt, scale * LOG2E, progs, t * hq,
+        q.stride(0), q.stride(1), k_src.stride(-3), k_src.stride(-2), out.stride(0), out.stride(1),
         bt.stride(0) if paged else 0,
-        G=g, D=d, DP=_dpad(d), BM=bm, BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged,
-        STORE_LSE=store_lse, SPLIT=split_for(q.dtype), num_warps=warps, num_stages=stages)
+        BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged, STORE_LSE=store_lse, SPLIT=split_for(q.dtype),
+        SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), num_stages=stages, **meta)
+    if split_programs:
+        # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
+        meta["num_warps"] = MERGE_WARPS
+        attn_merge_kernel[(tiles, n_seq, hkv)](pm, pl, pacc, out, cu_q, pos0, t * hq, out.stride(0), out.stride(1),
+                                               hq, SPLIT_KEYS=KV_SPLIT, UNROLL=MERGE_UNROLL, num_stages=1, **meta)
     return out, lse
+
+
+def split_scratch_bytes(t: int, hq: int, d: int, max_context: int) -> int:
+    """fp32 bytes of the split partials of a split-program launch: (m, l, acc[DP]) per row and split."""
+    return triton.cdiv(max_context, KV_SPLIT) * t * hq * (_dpad(d) + 2) * 4
+
+
+def use_split_programs(tile, programs: int, scratch_bytes: int, sms: int) -> bool:
+    """Whether a paged call spreads each item's key splits over several programs (speed only: the bits
+    are the same either way). Taken for decode tiles (a few query tokens per sequence: prefill tiles
+    have rows enough to fill the GPU, and their partials would be large) when the one-program-per-item
+    grid has fewer than PROGRAMS_PER_SM programs per SM and the partials stay small."""
+    return (tile[0] <= DECODE_TILE[0] and programs < PROGRAMS_PER_SM * sms
+            and scratch_bytes <= SPLIT_SCRATCH_MAX_BYTES)
 
 
 def _seq_info(cu_seqlens: torch.Tensor, device):
@@ -283,9 +508,10 @@ def _varlen_meta(cu_seqlens, device):
 
 
 def _paged_meta(block_table, seq_lens, cu_seqlens_q, device):
-    """(cu int32, kv_len, pos0 = first query position, block table int32, max queries per sequence).
-    While a CUDA graph is captured the tensors are derived inside the graph (every replay) and the
-    longest query count is the capture's ``max_query_len`` hint."""
+    """(cu int32, kv_len, pos0 = first query position, block table int32, max queries per sequence,
+    longest context). While a CUDA graph is captured the tensors are derived inside the graph (every
+    replay), the longest query count is the capture's ``max_query_len`` hint and the longest context
+    is bounded by the block table's width (None here: the caller knows the page size)."""
     def tensors():
         cu, n_q = _seq_info(cu_seqlens_q, device)
         kv_len = seq_lens.to(device=device, dtype=torch.int32).contiguous()
@@ -294,11 +520,14 @@ def _paged_meta(block_table, seq_lens, cu_seqlens_q, device):
 
     def build():
         cu, kv_len, pos0, bt, n_q = tensors()
-        return cu, kv_len, pos0, bt, int(n_q.max()) if n_q.numel() else 0
+        if not n_q.numel():
+            return cu, kv_len, pos0, bt, 0, 0
+        max_q, max_kv = torch.stack([n_q.max(), kv_len.max()]).tolist()   # one host sync for both
+        return cu, kv_len, pos0, bt, max_q, max_kv
 
     def captured():
         cu, kv_len, pos0, bt, _ = tensors()
-        return cu, kv_len, pos0, bt, int(chk.capture_hint("max_query_len"))
+        return cu, kv_len, pos0, bt, int(chk.capture_hint("max_query_len")), None
     return chk.memo("paged_meta", build, block_table, seq_lens, cu_seqlens_q, extra=(device,), capturing=captured)
 
 
@@ -310,14 +539,25 @@ def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):
     return _forward(q, k, v, cu, zeros, lens, None, 1, scale, False, tile, store_lse, max_len)
 
 
-def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile=None):
+def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile=None, split_programs=None,
+                  progs_per_item=None):
+    """``split_programs``: None picks by the grid's size (:func:`use_split_programs`); True/False force
+    the split-program launch or the per-item one (tests, benchmarks); ``progs_per_item`` forces how many
+    programs share an item's splits. Every choice gives the same bits."""
     q = q.contiguous()
-    cu, kv_len, pos0, bt, max_q = _paged_meta(block_table, seq_lens, cu_seqlens_q, q.device)
+    cu, kv_len, pos0, bt, max_q, max_kv = _paged_meta(block_table, seq_lens, cu_seqlens_q, q.device)
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    if max_kv is None:   # captured: every context fits its table
+        max_kv = block_table.shape[1] * page_size
     if tile is None:
         tile = forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or (
-            DECODE_TILE if max_q * (q.shape[1] // k_cache.shape[2]) <= DECODE_TILE[0] else PREFILL_TILE)
-    out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, k_cache.shape[1], scale, True, tile, False,
-                      max_q)
+            DECODE_TILE if max_q * (q.shape[1] // hkv) <= DECODE_TILE[0] else PREFILL_TILE)
+    if split_programs is None:   # (a GQA group wider than the tile is refused by _forward)
+        programs = triton.cdiv(max_q, max(tile[0] // (q.shape[1] // hkv), 1)) * (cu.shape[0] - 1) * hkv
+        scratch = split_scratch_bytes(q.shape[0], q.shape[1], q.shape[2], max_kv)
+        split_programs = use_split_programs(tile, programs, scratch, device_sms(q))
+    out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, page_size, scale, True, tile, False,
+                      max_q, max_kv, split_programs, progs_per_item)
     return out
 
 

@@ -61,12 +61,14 @@ _LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
 # acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging.
 _LARGE_ACCIN = (GemmConfig(128, 128, 8, 3, flatten=True),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
-# Segmented (k_segments > 1) tiles: the P segments run as ONE pipelined loop (see segment_tree),
-# so shared memory is that of the plain kernel whatever P and K (an unrolled loop per segment got
-# its own stage buffers when a segment was one k-step; docs/LOG.md). Up to log2(P)+1
-# accumulators are live at once, so the tiles are narrower. sm_90a, P=8 (ptxas -v): 128x64/8 warps
-# 228 registers, 112 KiB, no spills; 128x128 spills even with only 2 levels in registers.
-_SEG_LARGE = (GemmConfig(128, 64, 8, 4),)
+# Segmented (k_segments > 1) tiles. Large M: a loop per segment (segment_tree_nested) on 128x128 tiles
+# with one tree level in registers and the deeper ones in the program's scratch: 0.70x cuBLAS at
+# 4096x4096x12288 and 0.46x at K = 4096 on the H200, against 0.43x / 0.38x for the one-loop kernel on
+# 128x64 tiles (bench/gpu_linear.py --set segsweep, docs/LOG.md 2026-12-01). The one-loop kernel
+# (segment_tree: one pipeline across segments, shared memory independent of P and K) stays for the
+# narrower tiles. sm_90a, P=8 (ptxas -v): 128x64/8 warps 228 registers, 112 KiB, no spills; 128x128
+# spills with two or more levels in registers.
+_SEG_LARGE = (GemmConfig(128, 128, 8, 4, reg_levels=1, nested=True), GemmConfig(128, 64, 8, 4))
 _SEG_SMALL = (GemmConfig(64, 64, 4, 5), GemmConfig(64, 32, 4, 10))
 # fp32 operands (bf16x3 split in registers): modest tiles (128x128 uses 224 KiB of shared memory).
 _FP32 = (GemmConfig(128, 128, 8, 3), GemmConfig(64, 64, 4, 3))
@@ -348,7 +350,79 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
             tl.store(c_ptrs, out, mask=c_mask)
 
 
+@triton.jit
+def segment_partials_kernel(a_src, b_src, ws_ptr, M, N, SEG_K, steps,
+                            stride_am, stride_ak, stride_bk, stride_bn,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_TRANS: tl.constexpr,
+                            B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program (tile, s): segment s's partial of one output tile, reduced from zero in 64-column steps in
+    order (what segment_tree computes for it), stored in fp32 to ws[s] [M, N]."""
+    s = tl.program_id(1)
+    pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    off_m = pid_m * BM
+    off_n = pid_n * BN
+    acc = reduce_segment(tl.zeros((BM, BN), dtype=tl.float32), a_src, b_src, off_m, off_n, s * SEG_K,
+                         (s + 1) * SEG_K, steps, M, N, stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK,
+                         A_TRANS, B_TRANS, USE_TMA, SPLIT)
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    ptrs = ws_ptr + s.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def merge_partials_kernel(ws_ptr, c_ptr, bias_ptr, MN, N, stride_cm, P: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """out = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) (the first P), + bias, one rounding:
+    merge_segment's tree, element by element."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < MN
+    v = tl.load(ws_ptr + idx, mask=mask, other=0.0) + tl.load(ws_ptr + MN + idx, mask=mask, other=0.0)
+    if P >= 4:
+        v = v + (tl.load(ws_ptr + 2 * MN + idx, mask=mask, other=0.0) +
+                 tl.load(ws_ptr + 3 * MN + idx, mask=mask, other=0.0))
+    if P == 8:
+        hi = (tl.load(ws_ptr + 4 * MN + idx, mask=mask, other=0.0) + tl.load(ws_ptr + 5 * MN + idx, mask=mask, other=0.0)) + \
+             (tl.load(ws_ptr + 6 * MN + idx, mask=mask, other=0.0) + tl.load(ws_ptr + 7 * MN + idx, mask=mask, other=0.0))
+        v = v + hi
+    row = idx // N
+    col = idx - row * N
+    if HAS_BIAS:
+        v = v + tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    out = v.to(tl.bfloat16) if OUT_BF16 else v
+    tl.store(c_ptr + row * stride_cm + col, out, mask=mask)
+
+
 # ---- launcher ------------------------------------------------------------------------------------
+
+# Decode-sized M on a canonical K partition: one program per (output tile, segment) writes the segment's
+# fp32 partial, a second kernel merges the P partials by the tree. Per element the same operations as the
+# one-kernel tree (each segment from zero in 64-column steps, the same fp32 adds in the same tree, bias,
+# one rounding), so the bits do not change; the P-fold more programs fill the SMs when M <= 64 leaves a
+# handful of output tiles (a 4096-wide layer at M = 1: 128 programs of 64x32 tiles, each walking all of K).
+SPLIT_SEGMENTS_MAX_M = 64
+_SPLIT_TILE = GemmConfig(64, 64, 4, 4)
+
+
+def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s_am, s_ak, s_bk, s_bn, tma):
+    cfg = _SPLIT_TILE
+    seg_k = k // segments
+    ws = torch.empty((segments, m, n), dtype=torch.float32, device=a.device)
+    if tma:
+        a_src = descriptor(a, [BLOCK_K, cfg.block_m] if a_trans else [cfg.block_m, BLOCK_K])
+        b_src = descriptor(b, [cfg.block_n, BLOCK_K] if b_trans else [BLOCK_K, cfg.block_n])
+    else:
+        a_src, b_src = a, b
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    segment_partials_kernel[(tiles, segments)](
+        a_src, b_src, ws, m, n, seg_k, triton.cdiv(seg_k, BLOCK_K), s_am, s_ak, s_bk, s_bn,
+        BM=cfg.block_m, BN=cfg.block_n, BK=BLOCK_K, A_TRANS=a_trans, B_TRANS=b_trans, USE_TMA=tma,
+        SPLIT=split_for(a.dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    block = 1024
+    merge_partials_kernel[(triton.cdiv(m * n, block),)](
+        ws, out, bias if bias is not None else ws, m * n, n, out.stride(0), P=segments, HAS_BIAS=bias is not None,
+        OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, num_warps=4)
+    return out
 
 def _logical(t: torch.Tensor, trans: bool) -> tuple[int, int, int, int]:
     """(rows, cols, row stride, col stride) of the logical matrix stored in t (transposed if trans)."""
@@ -360,14 +434,15 @@ def _logical(t: torch.Tensor, trans: bool) -> tuple[int, int, int, int]:
 def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bool = False,
          out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
          bias: torch.Tensor | None = None, segments: int = 1, acc_in: bool = False,
-         config: GemmConfig | None = None, use_tma: bool | None = None) -> torch.Tensor:
+         config: GemmConfig | None = None, use_tma: bool | None = None, split_segments: bool = True) -> torch.Tensor:
     """C[M, N] = A @ B (+ bias) with the numerics of the module docstring.
 
     a: A [M, K] (or A^T stored [K, M] with ``a_trans``); b: B [K, N] (or B^T stored [N, K] with
     ``b_trans``, the nn.Linear weight layout). a and b share one dtype (bf16, or fp32 -> bf16x3).
     ``out``: an existing [M, N] output (required with ``acc_in``; fp32 then). ``segments`` = P,
-    a power of two <= 8 dividing K. ``config`` / ``use_tma`` override the automatic choice
-    (tests and benchmarks: every choice gives the same bits).
+    a power of two <= 8 dividing K. ``config`` / ``use_tma`` / ``split_segments`` (decode-sized M on a K
+    partition: partials per segment, then the tree, see _gemm_split_segments) override the automatic choice
+    (tests and benchmarks: every choice gives the same bits; a ``config`` runs the one-kernel tree).
     """
     if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"gemm: operands must share bf16 or fp32, got {a.dtype} and {b.dtype}")
@@ -393,6 +468,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
                 out.add_(bias.to(out.dtype))
         return out
     fp32 = a.dtype == torch.float32
+    if segments > 1 and m <= SPLIT_SEGMENTS_MAX_M and config is None and split_segments:
+        seg_k = k // segments
+        tma = seg_k % BLOCK_K == 0 and tma_ok(a) and tma_ok(b) and (use_tma is None or use_tma)
+        return _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s_am, s_ak, s_bk, s_bn, tma)
     out_mode = "acc_in" if acc_in else ("fp32" if out.dtype == torch.float32 else "bf16")
     cfg = config or pick_config(m, n, segments, fp32, device_sms(a), out_mode)
     seg_k = k // segments

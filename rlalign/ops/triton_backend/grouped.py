@@ -49,13 +49,14 @@ class GroupedConfig:
 
 
 # BLOCK_M >= 64 always (the same wgmma family as the dense kernel: docs/gpu.md). Tiles never change
-# bits; these were the fastest of a sweep on the H200 at Qwen3-30B-A3B shapes (bench/gpu_moe.py --sweep,
-# docs/LOG.md 2026-12-01): 128x128 once experts hold >= 512 rows on average, 64x64 below that and for
-# the segmented down_proj (its merge tree keeps up to log2(P)+1 accumulators live).
+# bits; these were the fastest of sweeps on the H200 at Qwen3-30B-A3B shapes (bench/gpu_moe.py --sweep,
+# docs/LOG.md 2026-12-01): 128x128 once experts hold >= 256 rows on average (forward and dX), 64x64 below
+# that and for the segmented down_proj (its merge tree keeps up to log2(P)+1 accumulators live); dW on
+# 128x256 tiles of [N, K] (each program re-reads its expert's G and X columns: the widest tile reads least).
 _ROWS_SMALL = GroupedConfig(64, 64, 4, 5)
 _ROWS_LARGE = GroupedConfig(128, 128, 8, 3)
 _ROWS_SEG = GroupedConfig(64, 64, 4, 4)
-_REDUCE = GroupedConfig(64, 128, 4, 4)           # dW: tiles of [N, K]
+_REDUCE = GroupedConfig(128, 256, 8, 3)          # dW: tiles of [N, K] (fewest re-reads of G_e and X_e)
 _FP32 = GroupedConfig(64, 64, 4, 3)              # fp32 operands (bf16x3 split in registers)
 
 
@@ -64,7 +65,7 @@ def _rows_config(rows: int, experts: int, segments: int, fp32: bool) -> GroupedC
         return _FP32
     if segments > 1:
         return _ROWS_SEG
-    return _ROWS_LARGE if rows >= 512 * experts else _ROWS_SMALL
+    return _ROWS_LARGE if rows >= 256 * experts else _ROWS_SMALL
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -275,14 +276,15 @@ def grouped_rows(x: torch.Tensor, offsets: torch.Tensor, weights, *, transpose_w
 
 
 def grouped_weight_grad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, n_experts: int,
-                        out_dtype: torch.dtype) -> torch.Tensor:
-    """G_W [E, N, K] with G_W[e] = G[rows_e]^T @ X[rows_e] (g [R, N], x [R, K]); 0 for an idle expert."""
+                        out_dtype: torch.dtype, config: GroupedConfig | None = None) -> torch.Tensor:
+    """G_W [E, N, K] with G_W[e] = G[rows_e]^T @ X[rows_e] (g [R, N], x [R, K]); 0 for an idle expert.
+    ``config`` overrides the tile ([N, K] tiles; benchmarks: every tile gives the same bits)."""
     g, x = aligned(g), aligned(x)
     n, k = g.shape[1], x.shape[1]
     out = torch.empty((n_experts, n, k), dtype=out_dtype, device=g.device)
     if out.numel() == 0:
         return out
-    cfg = _FP32 if g.dtype == torch.float32 else _REDUCE
+    cfg = config or (_FP32 if g.dtype == torch.float32 else _REDUCE)
     tiles_n, tiles_k = triton.cdiv(n, cfg.block_m), triton.cdiv(k, cfg.block_n)
     grouped_reduce_kernel[(n_experts * tiles_n * tiles_k,)](
         g, x, out, offsets, n, k, tiles_n, tiles_k,

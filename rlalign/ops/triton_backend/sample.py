@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rlalign.contract.errors import fail
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
-from rlalign.ops.torch_backend.sample import keep_mask, row_keys
+from rlalign.ops import _checks as chk
+from rlalign.ops.torch_backend.sample import filtering_rows, keep_mask, overflow_verdict, row_keys, static_keep_mask
 from rlalign.ops.triton_backend._common import is_interpreter
 
 try:
@@ -91,15 +91,18 @@ def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
     k = torch.where(top_k >= vocab, 0, top_k)
     filtered = ~greedy & ((k > 0) | (top_p < 1))
     z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
-    if not bool(torch.isfinite(z.amax(-1)).all()):
-        raise fail("sample", "logits / temperature overflows fp32 (temperature too small for these logits)")
+    static = chk.static_shapes()   # CUDA-graph capture: no host read, no data-dependent shape (same bits)
+    overflow_verdict(z, static)
     keys = row_keys(seeds, seq_ids, positions).contiguous()
-    has_keep = bool(filtered.any())
+    has_keep = filtering_rows(filtered) if static else bool(filtered.any())
     if has_keep:
         # [S, V + 1] int8: the keep mask, and in column V whether the row is filtered at all
         keep = torch.zeros((rows, vocab + 1), dtype=torch.int8, device=logits.device)
-        idx = filtered.nonzero().squeeze(1)
-        keep[idx, :vocab] = keep_mask(z[idx], k[idx], top_p[idx]).to(torch.int8)
+        if static:   # every row's mask (unfiltered rows ignore theirs: column V)
+            keep[:, :vocab] = static_keep_mask(z, k, top_p).to(torch.int8)
+        else:
+            idx = filtered.nonzero().squeeze(1)
+            keep[idx, :vocab] = keep_mask(z[idx], k[idx], top_p[idx]).to(torch.int8)
         keep[:, vocab] = filtered.to(torch.int8)
     else:
         keep = out
