@@ -18,14 +18,14 @@ with it: the device keeps only the model copy and its gradients.
 
 The optimizer step (:meth:`MasterWeights.step`) goes one parameter at a time and, within a
 parameter, one chunk of at most ``chunk_elements`` elements at a time (``optim.step_chunk_elements``,
-default 64M): widen the chunk's gradient, step the chunk (torch's AdamW arithmetic on views of the
+default 64Mi): widen the chunk's gradient, step the chunk (torch's AdamW arithmetic on views of the
 master and of its AdamW state), round it back into the model. AdamW is elementwise: an element's new
 value depends only on its own gradient, master, m, v and the step count, so the chunks give the bits of
 one whole-parameter step, which gives the bits of widening every gradient first and stepping them all
 (``foreach=False`` updates each parameter from its own gradient and state alone; tested bit for bit
 over sizes and chunk sizes in tests/train/test_master.py). The working set is therefore fixed: one
 chunk's fp32 gradient and AdamW's two fp32 temporaries (sqrt(v), then its bias correction), 12 bytes x
-``chunk_elements`` (768 MiB at 64M), next to the masters -- not 12 bytes x the largest parameter
+``chunk_elements`` (768 MiB at 64Mi), next to the masters -- not 12 bytes x the largest parameter
 (7 GiB for an 8B model's 622M-element embedding).
 
 Memory (per parameter, AdamW): bf16 without masters 2 (w) + 2 (grad) + 4 (bf16 m, v) = 8 bytes;
@@ -49,7 +49,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.collectives import gather_ranks_varlen
 
 ROUNDED_KEY = "model_rounded"   # a checkpoint's {name: dtype} of the model weights it stores only as masters
-DEFAULT_STEP_CHUNK = 1 << 26    # elements stepped at once: 64M, a 768 MiB fp32 working set (optim.step_chunk_elements)
+DEFAULT_STEP_CHUNK = 1 << 26    # elements stepped at once: 64Mi, a 768 MiB fp32 working set (optim.step_chunk_elements)
 
 
 class MasterWeights:
@@ -80,7 +80,7 @@ class MasterWeights:
         within a parameter, ``chunk_elements`` elements at a time (:func:`_step_chunked`): the chunk's
         gradient moved next to its master and widened to fp32 (exact), torch's AdamW arithmetic on the
         chunk's views of the master (or of the parameter itself, without a master) and of its AdamW state,
-        then ``p[chunk] = m[chunk].to(p.dtype)``; the gradient is freed when its parameter is done.
+        then ``p[chunk] = m[chunk].to(p.dtype)``; a parameter's gradient is freed once its last chunk is widened.
         ``optimizer`` must be the ``torch.optim.AdamW`` (or Adam) with ``foreach=False`` that steps
         :meth:`optim_params`; its state (``step``, ``exp_avg``, ``exp_avg_sq``) is kept in torch's layout,
         so checkpoints and ``optimizer.state_dict()`` are unchanged.
