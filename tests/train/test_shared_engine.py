@@ -12,7 +12,6 @@ from rlalign.train.config import TrainConfig
 from rlalign.train.engines import ENGINES, WeightsSharingError, weights_path
 from rlalign.train.loop import Trainer, run_training
 from rlalign.train.runio import read_metrics
-from tests.bitwise import assert_bitwise_equal
 from tests.train.conftest import tiny_overrides
 
 
