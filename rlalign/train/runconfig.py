@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from rlalign.configlib import ConfigError, flatten, load_config, load_raw, merge
+from rlalign.configlib import ConfigError, flatten, load_config, load_raw, load_yaml, merge
 from rlalign.train.config import TrainConfig
 from rlalign.train.runio import atomic_write
 
@@ -51,7 +51,7 @@ def read_run_config(run_dir: Path) -> "dict | None":
     if not path.is_file():
         return None
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML ({exc.__class__.__name__}); restore it or delete it "
                           "and repeat the run's keys on the command line") from None
