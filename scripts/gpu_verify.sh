@@ -5,11 +5,13 @@
 # A stage with limit 0 is skipped. The rollout stage runs strict and native (both with decode graphs) on
 # ROLL_WORKLOAD with --verify; the training stage the strict and native 8B-shape step.
 source "$(dirname "$0")/gpu_common.sh" "verify (CUDA tier + benchmarks)"
+DEFAULT_TESTS="tests/cuda tests/rollout/test_decode_graphs.py tests/ops/test_native_decode.py tests/rollout/test_engine_routing.py"
 stage() { echo "== $1 (t=$(elapsed)s)" | tee -a "$SUMMARY"; }
 if [ "${TEST_SECONDS:-300}" != 0 ]; then
-  stage "CUDA tests: ${TESTS:-tests/cuda}"
-  timeout "${TEST_SECONDS:-300}" $PY -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider -rfE ${TESTS:-tests/cuda} \
-    > "$OUT/cuda_tests.log" 2>&1
+  stage "CUDA tests: ${TESTS:-$DEFAULT_TESTS}"
+  PER_TEST=(); $PY -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 200)
+  timeout "${TEST_SECONDS:-300}" $PY -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider -rfE "${PER_TEST[@]}" \
+    ${TESTS:-$DEFAULT_TESTS} > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$? (124 = timed out)" | tee -a "$SUMMARY"
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.log" | tail -n 25 | tee -a "$SUMMARY"
 fi
