@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -97,6 +98,23 @@ def load_config(schema: type, path: "str | Path | None" = None, overrides: "list
     return build(schema, merge(base or {}, load_raw(path, overrides)), prefix="")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML with the 1.2 booleans: only true/false (any case) are bools. YAML 1.1 also reads on/off/yes/no
+    as bools, which turned the documented ``rollout.decode_graphs=off`` into False and failed the run."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def load_yaml(text: str):
+    """Parse config YAML (a file, a saved run config or one override's value) with YAML 1.2 booleans."""
+    return yaml.load(text, Loader=_Loader)
+
+
 def load_raw(path: "str | Path | None" = None, overrides: "list[str] | None" = None) -> dict:
     """The nested mapping the file and the overrides spell out (unvalidated; only the keys given)."""
     raw: dict = {}
@@ -107,7 +125,7 @@ def load_raw(path: "str | Path | None" = None, overrides: "list[str] | None" = N
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
         try:
-            parsed = yaml.safe_load(value) if value != "" else ""
+            parsed = load_yaml(value) if value != "" else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: cannot parse value ({exc.__class__.__name__})") from None
         _set_dotted(raw, key.strip(), parsed)
@@ -181,7 +199,7 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
                           "save it as UTF-8") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = load_yaml(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):

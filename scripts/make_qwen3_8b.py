@@ -1,13 +1,18 @@
 """Write a random-init Qwen3-8B-shaped checkpoint with a full-vocabulary tokenizer (nothing is downloaded).
 
     python scripts/make_qwen3_8b.py /tmp/q8b                  # 36 layers, 151,936 tokens, bf16 (~16.4 GB)
+    python scripts/make_qwen3_8b.py /dev/shm/q8b              # in memory (the headline GPU job: scripts/gpu_headline.sh)
     python scripts/make_qwen3_8b.py /tmp/q8b --layers 6       # the depth cut (bench shapes)
     python scripts/make_qwen3_8b.py /tmp/q8b --config-only    # config.json + tokenizer, no weights (budgets)
     python scripts/make_qwen3_8b.py /tmp/t --test-body --vocab 2000   # tests: toy body, same tokenizer scheme
 
 The body is Qwen3-8B's (hidden 4096, 32 q / 8 kv heads, head_dim 128, intermediate 12288, untied
 LM head, rope theta 1e6); weights N(0, 0.02), norms 1 (CausalLM.init_random_), written in bf16
-safetensors. The tokenizer is built locally (scripts/make_moe_model.py's full_vocab_tokenizer, the
+safetensors shards of ``--shard-gib`` (checksummed in parallel, here and when the trainer loads them).
+On a GPU the normals are drawn there (``init_random_(on_device=True)``: under a second for 8.2B, where the
+CPU generator takes minutes; other values than a CPU-made checkpoint, the same on every run of a GPU
+type and torch version); ``--device cpu`` draws them with the CPU generator. The time of each phase is
+printed. The tokenizer is built locally (scripts/make_moe_model.py's full_vocab_tokenizer, the
 MoE kit's): ids 0..14 are the embedded default model's (<pad>, <bos>, <eos>, the digits, '+', '='),
 and id 15 + i decodes to the number 10 + i, up to the vocabulary size. Text is split into single
 characters before lookup, so prompts encode exactly as with the default model's tokenizer (the
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -73,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the weights are made before writing (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-gib", type=float, default=2.0, help="safetensors shard size (default 2 GiB)")
     p.add_argument("--config-only", action="store_true", help="config.json and the tokenizer, no weights")
     p.add_argument("--test-body", action="store_true", help="a toy body (hidden 64) for tests; same tokenizer")
     args = p.parse_args(argv)
@@ -84,9 +91,13 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg, indent=1))
     else:
+        started = time.perf_counter()
         model = CausalLM(ModelConfig.from_hf_dict(cfg), dtype=torch.bfloat16, device=args.device)
-        out = save_model(model.init_random_(seed=args.seed), out)
+        model.init_random_(seed=args.seed, on_device=model.device.type != "cpu")
+        made = time.perf_counter()
+        out = save_model(model, out, max_shard_bytes=int(args.shard_gib * 2**30))
         del model
+        print(f"init {made - started:.1f} s on {args.device}, write {time.perf_counter() - made:.1f} s", file=sys.stderr)
     write_tokenizer(out, args.vocab)
     params = sum(t.numel() for t in CausalLM(ModelConfig.from_hf_dict(cfg), device="meta").parameters())
     print(f"qwen3-8b shape: {params / 1e9:.3f}B parameters, {args.layers} layers, vocab {args.vocab}"

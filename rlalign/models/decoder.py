@@ -168,13 +168,18 @@ class CausalLM(nn.Module):
         return ops.lm_logits(hidden_rows, self.lm_head_weight, temperature=temperature)
 
     @torch.no_grad()
-    def init_random_(self, seed: int = 0, std: float = 0.02, norm_jitter: float = 0.0) -> "CausalLM":
+    def init_random_(self, seed: int = 0, std: float = 0.02, norm_jitter: float = 0.0,
+                     on_device: bool = False) -> "CausalLM":
         """Deterministic random init (CPU generator, then cast): matrices ~ N(0, std), biases ~ N(0, std),
-        norm weights 1 + N(0, norm_jitter). One draw per checkpoint tensor in checkpoint order (stacked experts:
-        per expert, rlalign.models.layout), so a seed gives the same weights whatever the storage layout."""
-        gen = torch.Generator().manual_seed(seed)
+        norm weights 1 + N(0, norm_jitter). ``on_device``: the generator on the parameters' device (a GPU
+        draws 8B normals in well under a second, the CPU generator takes minutes; other values than the CPU
+        generator's, deterministic for a device type and torch version). One draw per checkpoint tensor in
+        checkpoint order (stacked experts: per expert, rlalign.models.layout), so a seed gives the same
+        weights whatever the storage layout."""
+        where = self.device if on_device else torch.device("cpu")
+        gen = torch.Generator(device=where).manual_seed(seed)
         for name, p in checkpoint_tensors(self):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=where)
             if name.endswith("norm.weight"):
                 value = 1.0 + norm_jitter * noise
             else:

@@ -1,6 +1,7 @@
 """The memory budget of a training run, per component and place (GPU, host, disk), from tensor sizes.
 
     python -m rlalign.train.budget CONFIG.yaml [section.key=value ...] [--model-config config.json]
+                                   [--device-memory GIB]
 
 Places: ``device`` (the model's device: the GPU, or the CPU), ``host``, ``disk``.
 Arithmetic, not a measurement (``memory/peak_mb`` in metrics.jsonl and bench/train_step.py measure):
@@ -11,12 +12,15 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, master.py)
     fp32 master weights                4 P (every low-precision parameter; every parameter with
                                        optim.offload), on the host with optim.offload
     AdamW m, v                         8 P next to the masters (2 b P on the device without masters)
-    optimizer step working set         12 N next to the masters, N the largest parameter's size:
-                                       MasterWeights.step goes one parameter at a time, holding its
-                                       widened fp32 gradient (4 N) and AdamW's two fp32 temporaries of
-                                       sqrt(v) / bias correction (8 N); without masters 2 b N (torch's
-                                       step, the same two temporaries in the parameter dtype)
-    rollout engine weights             P b (the colocated engine steps a deep copy)
+    optimizer step working set         12 N next to the masters, N = min(the largest parameter's size,
+                                       optim.step_chunk_elements): MasterWeights.step goes one parameter
+                                       and one chunk of it at a time, holding the chunk's widened fp32
+                                       gradient (4 N) and AdamW's two fp32 temporaries of sqrt(v) / bias
+                                       correction (8 N; the chunk's rounding into the model, b N, comes
+                                       after they are freed); without masters 2 b N (the same two
+                                       temporaries in the parameter dtype)
+    rollout engine weights             0 when the engine shares the policy's tensors
+                                       (rlalign.train.engines.weights_path), else P b (its own copy)
     reference model                    P b with algo.kl_coef > 0
     KV cache                           rollout.kv_cache_bytes; unset: the step's sequences x
                                        (prompt + max_new_tokens) x 2 L Hkv D b (the engine itself then
@@ -26,12 +30,16 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, master.py)
                                        residual) x L plus one layer recomputed; without, the upper
                                        bound of every tensor a layer may keep (see _layer_bytes_per_token)
     fused log-prob working set         three fp32 [token_chunk, vocab_chunk] tiles
+    log-prob backward LM-head gradient (4 + b) V H: the fused log-prob's backward accumulates the LM
+                                       head's weight gradient in fp32 over the whole vocabulary, then
+                                       casts it (both live for a moment), every micro-batch
     checkpoint file                    masters + AdamW state (12 P; a weight with a master is stored only
                                        as the master), or weights + AdamW state (3 b P) without masters;
                                        streamed to disk (runio.save_checkpoint): the host holds at most one
                                        device tensor's copy at a time (nothing when the state is on the
                                        host); on disk max(run.keep_checkpoints, 2) files during a save (the
-                                       new one is written before the last old one is deleted)
+                                       new one is written before the last old one is deleted); none
+                                       with run.save_checkpoints=false
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 from rlalign.models.config import ModelConfig
 from rlalign.models.sizes import kv_bytes_per_token, parameter_sizes
+from rlalign.train.engines import weights_path
 from rlalign.train.runconfig import resolve_train_config
 
 PROMPT_TOKENS_ESTIMATE = 64   # KV sizing when rollout.kv_cache_bytes is unset (arithmetic prompts are ~10 tokens)
@@ -94,24 +103,30 @@ def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
     state_place = "host" if masters and o.offload else "device"
     rows = [BudgetRow("policy weights", "device", p * b, f"{p / 1e9:.3f}B parameters x {b} B"),
             BudgetRow("policy gradients", "device", p * b, "model dtype")]
+    chunk = min(largest, o.step_chunk_elements)
+    stepped = (f"one parameter and at most {_count(o.step_chunk_elements)} of its elements at a time "
+               f"(optim.step_chunk_elements; the largest parameter has {_count(largest)})")
     if masters:
         rows += [BudgetRow("fp32 master weights", state_place, 4 * p, "optim.master_weights"),
                  BudgetRow("AdamW m, v (fp32)", state_place, 8 * p),
-                 BudgetRow("optimizer step working set", state_place, 12 * largest,
-                           f"one parameter at a time; the largest ({largest / 1e6:.1f}M): fp32 gradient + "
-                           "2 AdamW temporaries")]
+                 BudgetRow("optimizer step working set", state_place, 12 * chunk,
+                           f"{stepped}: fp32 gradient + 2 AdamW temporaries")]
     else:
         rows += [BudgetRow("AdamW m, v", "device", 2 * b * p, "parameter dtype"),
-                 BudgetRow("optimizer step working set", "device", 2 * b * largest,
-                           f"2 AdamW temporaries of the largest parameter ({largest / 1e6:.1f}M)")]
-    rows.append(BudgetRow("rollout engine weights", "device", p * b, "the colocated engine's own copy"))
+                 BudgetRow("optimizer step working set", "device", 2 * b * chunk, f"{stepped}: 2 AdamW temporaries")]
+    path = weights_path(cfg)
+    rows.append(BudgetRow("rollout engine weights", "device", 0 if path.shared else p * b,
+                          "shared with the policy (no copy)" if path.shared else f"its own copy: {path.reason}"))
     if cfg.algo.kl_coef > 0:
         rows.append(BudgetRow("reference model", "device", p * b, "algo.kl_coef > 0"))
     if cfg.algo.advantage == "gae":
         rows.append(BudgetRow("value model", "device", 16 * p, "a second trunk, fp32 AdamW state"))
+    head = model_config.vocab_size * model_config.hidden_size
     rows += [_kv_row(cfg, model_config, b), _activation_row(cfg, model_config, b),
              BudgetRow("fused log-prob working set", "device", 3 * 4 * DEFAULT_TOKEN_CHUNK * DEFAULT_VOCAB_CHUNK,
-                       f"3 fp32 [{DEFAULT_TOKEN_CHUNK}, {DEFAULT_VOCAB_CHUNK}] tiles")]
+                       f"3 fp32 [{DEFAULT_TOKEN_CHUNK}, {DEFAULT_VOCAB_CHUNK}] tiles"),
+             BudgetRow("log-prob backward LM-head gradient", "device", (4 + b) * head,
+                       f"fp32 accumulation over the vocabulary + its {b}-byte cast, in backward")]
     return rows + _checkpoint_rows(cfg, p, largest, b, masters, state_place)
 
 
@@ -121,6 +136,9 @@ def _checkpoint_rows(cfg, p: int, largest: int, b: int, masters: bool, state_pla
     copy = 0 if state_place == "host" else largest * (4 if masters else b)
     keep = cfg.run.keep_checkpoints
     files = max(keep, 2)
+    if not cfg.run.save_checkpoints:
+        return [BudgetRow("checkpoint files", "disk", 0, f"run.save_checkpoints=false (one would be {_size(ckpt)})"),
+                BudgetRow("exported policy", "disk", p * b, "Hugging Face safetensors at the end")]
     return [BudgetRow("checkpoint save, host copy", "host", copy,
                       "streamed: the state is on the host already" if copy == 0 else
                       "streamed: one device tensor at a time, the largest"),
@@ -148,6 +166,27 @@ def _activation_row(cfg, m: ModelConfig, b: int) -> BudgetRow:
     how = "checkpointed layer inputs + one layer" if ckpt else "upper bound, no checkpointing"
     return BudgetRow("training activations", "device", cfg.optim.micro_batch_tokens * per_token,
                      f"{cfg.optim.micro_batch_tokens} tokens x {per_token / 1024:.0f} KiB ({how})")
+
+
+def _count(n: int) -> str:
+    return f"{n / 2**20:.0f}Mi" if n >= 2**20 and n % 2**20 == 0 else f"{n / 1e6:.1f}M"
+
+
+def fit_line(rows: list[BudgetRow], capacity: int) -> tuple[bool, str]:
+    """(fits, one line): the device total (every row live at once, an upper bound) against ``capacity`` bytes."""
+    need = totals(rows).get("device", 0)
+    spare = capacity - need
+    if spare >= 0:
+        return True, f"fits the device: {_size(need)} of {_size(capacity)}, {_size(spare)} spare ({spare / capacity:.1%})"
+    return False, (f"does NOT fit the device: {_size(need)} of {_size(capacity)}, {_size(-spare)} over; lower "
+                   "rollout.kv_cache_bytes, optim.micro_batch_tokens or optim.step_chunk_elements, or set optim.offload=true")
+
+
+def device_capacity(cfg) -> "int | None":
+    """The model device's memory in bytes: a visible CUDA device's total, else None (pass --device-memory)."""
+    if cfg.model.device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.device(cfg.model.device)).total_memory
+    return None
 
 
 def totals(rows: list[BudgetRow]) -> dict[str, int]:
@@ -178,6 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--model-config", help="a config.json (default: model.path/config.json)")
+    p.add_argument("--device-memory", type=float, metavar="GIB",
+                   help="the device's usable memory in GiB, for the fit verdict (default: the visible CUDA "
+                        "device's total; e.g. 139 for an H200); exit status 1 when the budget does not fit")
     args = p.parse_args(argv)
     try:
         cfg = resolve_train_config(args.config, args.overrides)
@@ -186,11 +228,17 @@ def main(argv=None) -> int:
             raise RLAlignError(f"no model config at {path}: pass --model-config FILE (e.g. one written by "
                                "scripts/make_qwen3_8b.py --config-only)")
         model_config = ModelConfig.from_hf_dict(json.loads(path.read_text()))
+        rows = memory_budget(cfg, model_config)
     except RLAlignError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_budget(memory_budget(cfg, model_config)))
-    return 0
+    print(format_budget(rows))
+    capacity = int(args.device_memory * 2**30) if args.device_memory else device_capacity(cfg)
+    if capacity is None:
+        return 0
+    fits, line = fit_line(rows, capacity)
+    print(line)
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ class RolloutSection:
         "decode_graphs": one_of("auto", "on", "off"),
         "overlap": one_of("auto", "on", "off"),
         "record_routing": checked_by_type("true or false"),
+        "share_weights": checked_by_type("true, false or null"),
     }
     prompts_per_step: int = 32         # prompts (groups) per optimizer step
     samples_per_prompt: int = 8        # completions per prompt (the GRPO group size)
@@ -108,6 +109,7 @@ class RolloutSection:
     decode_graphs: str = "auto"        # CUDA-graph decode steps (RolloutConfig.decode_graphs): auto | on | off
     overlap: str = "auto"              # overlapped scheduling of decode steps (RolloutConfig.overlap): auto | on | off
     record_routing: bool = True        # MoE models: the engine records expert choices for moe/routing_* (dense: ignored)
+    share_weights: bool | None = None  # the engine reads the policy's own tensors (no copy); None: where possible
 
     def validate(self):
         if self.engine not in ENGINES:
@@ -188,6 +190,7 @@ class OptimSection:
         "activation_checkpointing": checked_by_type("true or false"),
         "master_weights": checked_by_type("true or false"),
         "offload": checked_by_type("true or false"),
+        "step_chunk_elements": at_least(1),
     }
     lr: float = 2e-4                   # AdamW peak learning rate
     weight_decay: float = 0.0          # AdamW weight decay
@@ -199,6 +202,7 @@ class OptimSection:
     activation_checkpointing: bool = False   # recompute each layer in backward (same bits, less memory)
     master_weights: bool = True        # low-precision (bf16) weights train against fp32 master weights + fp32 AdamW state
     offload: bool = False              # keep the fp32 master weights and AdamW state in CPU memory (large models)
+    step_chunk_elements: int = 67108864   # the optimizer step's working set: this many elements at a time (same bits)
 
 
 @dataclasses.dataclass
@@ -219,7 +223,9 @@ class RunSection:
         "loggers": Rule(f"a list of {', '.join(TRACKERS)}", lambda x: all(n in TRACKERS for n in x), (["bogus"], "bogus")),
         "metric_names": checked_by_type("rlalign, verl or trl"),
         "keep_checkpoints": at_least(1),
+        "save_checkpoints": checked_by_type("true or false"),
         "max_minutes": greater_than(0, optional=True),
+        "stop_at_step": at_least(1, optional=True),
     }
     dir: str | None = None             # default: runs/<timestamp>
     steps: int = 120                   # optimizer steps of the run
@@ -238,7 +244,9 @@ class RunSection:
     loggers: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])   # jsonl (always) | tensorboard | wandb
     metric_names: Literal["rlalign", "verl", "trl"] = "rlalign"   # metric names in tensorboard / wandb
     keep_checkpoints: int = 2          # newest checkpoints kept in run.dir/checkpoints
+    save_checkpoints: bool = True      # false: no checkpoint at all, not even the last (a state too large for the disk)
     max_minutes: float | None = None   # stop (after a checkpoint) when exceeded
+    stop_at_step: int | None = None    # stop (after a checkpoint) after this step; the lr schedule still spans run.steps
 
 
 @dataclasses.dataclass

@@ -48,7 +48,7 @@ from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
-from rlalign.train.engines import build_rollout_engine
+from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
 from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.master import ROUNDED_KEY, MasterWeights, full_masters, weights_to_store
@@ -60,6 +60,9 @@ from rlalign.train.rundir import open_run_dir
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
 from rlalign.train.value import ValueModel
+
+
+EXPORT_SHARD_BYTES = 5 * 2**30
 
 
 class MismatchError(RLAlignError):
@@ -127,7 +130,9 @@ class Trainer:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
-        self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir)
+        # shared (the engine steps the policy's own tensors) or a copy synced each step: rlalign.train.engines
+        path = weights_path(cfg)
+        self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir, share_weights=path.shared)
         self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
         value_model = algos.ADVANTAGES[cfg.algo.advantage].value_model
         if self.tp is not None:
@@ -135,7 +140,9 @@ class Trainer:
                 raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
             self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
         # low-precision weights train against fp32 masters (rlalign.train.master); fp32 ones are stepped as before
-        self.master = MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload)
+        self.master = MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload,
+                                    cfg.optim.step_chunk_elements)
+        self.weight_sync = WeightSync(self.engine, self.policy, path)
         self.optimizer = torch.optim.AdamW(self.master.optim_params(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, foreach=False)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -183,7 +190,7 @@ class Trainer:
         if self.value is not None:
             self.value.load_state_dict(state["value"])
             par.load_optimizer_state(self.value_optimizer, state["value_optimizer"], None)
-        self.engine.update_weights(par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
+        self.weight_sync.push(lambda: par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
         self._note(getattr(self.metrics, "note", None))
 
@@ -231,7 +238,8 @@ class Trainer:
         policy = par.unsharded_policy(self.policy)
         if not self.writer:
             return self.run_dir / "policy"
-        out = save_model(policy, self.run_dir / "policy")
+        # shards of at most 5 GiB (hashed in parallel): an 8B export is 4 files, a small model's one model.safetensors
+        out = save_model(policy, self.run_dir / "policy", max_shard_bytes=EXPORT_SHARD_BYTES)
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
             src = Path(self.model_dir) / name
             if src.exists():
@@ -364,7 +372,7 @@ class Trainer:
                 update["kl/policy_step"] = policy_step_kl(first_lp, batch.score(self.policy, temperature=temp)[0],
                                                           batch.mask)
         t_train = time.perf_counter() - t1
-        self.engine.update_weights(par.policy_weights(self.policy), version=step)
+        self.weight_sync.push(lambda: par.policy_weights(self.policy), version=step)
         lens = batch.completion_lens
         n_tokens = int(lens.sum())
         rewards = ro.reward_tensor()
@@ -375,6 +383,7 @@ class Trainer:
             "time/rollout_s": t_rollout, "time/train_s": t_train,
             "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9),
             "memory/peak_mb": _peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
+            "memory/engine_weight_copy_mb": self.weight_sync.copy_bytes / 2**20,   # 0: the engine shares the policy's
             **update, **corr_stats, **rollout_stats(rewards, ro.group_tensor(), lens),
             **token_stats(token_adv, batch.mask, first_lp, ref_lp),
         })
@@ -637,6 +646,7 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
                                  sum(p.numel() for p in trainer.policy.parameters()),
                                  str(next(trainer.policy.parameters()).dtype).removeprefix("torch."), trainer.step):
             LOGGER.info(line)
+        LOGGER.info(f"  weights  {trainer.weight_sync.path.describe()}")
     progress = StepReporter(cfg, console if trainer.writer else None, trainer.step)
     started = time.perf_counter()
     try:
@@ -650,19 +660,34 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
             if step % cfg.run.eval_every == 0 or last:
                 record.update(trainer.evaluate())
             trainer.log_record(record)
-            if step % cfg.run.checkpoint_every == 0 or last:
+            saves = cfg.run.save_checkpoints
+            if saves and (step % cfg.run.checkpoint_every == 0 or last):
                 trainer.save()
             if trainer.writer:
                 progress.update(record)
-            if cfg.run.max_minutes and (time.perf_counter() - started) / 60 > cfg.run.max_minutes and not last:
-                trainer.save()
-                progress.note(f"stopping at step {step}: run.max_minutes={cfg.run.max_minutes} reached "
-                              "(resume with run.resume=true)")
+            stop = _segment_end(cfg.run, step, time.perf_counter() - started)
+            if stop and not last:
+                if saves:
+                    trainer.save()
+                progress.note(f"stopping at step {step}: {stop} "
+                              + ("(resume with run.resume=true)" if saves else
+                                 "(run.save_checkpoints=false: no checkpoint, the run cannot be resumed)"))
                 break
     finally:
         progress.close()
         if trainer.trackers is not None:
             trainer.trackers.close()
+
+
+def _segment_end(run, step: int, elapsed_s: float) -> "str | None":
+    """Why this invocation ends after ``step`` before run.steps (a checkpoint is saved first), or None:
+    ``run.stop_at_step`` reached (the schedule still spans run.steps: a resume continues the same run), or
+    more than ``run.max_minutes`` spent in the loop."""
+    if run.stop_at_step is not None and step >= run.stop_at_step:
+        return f"run.stop_at_step={run.stop_at_step} reached"
+    if run.max_minutes and elapsed_s / 60 > run.max_minutes:
+        return f"run.max_minutes={run.max_minutes} reached"
+    return None
 
 
 def _parallel_rank(world: Group, cfg: TrainConfig) -> str:

@@ -16,15 +16,24 @@ fp32 parameters have no master (``m`` would be ``p``): an fp32 run is unchanged 
 ``optim.offload=true`` every parameter gets a master in CPU memory, and the optimizer state lives
 with it: the device keeps only the model copy and its gradients.
 
-The optimizer step (:meth:`MasterWeights.step`) goes one parameter at a time: widen its gradient,
-step it, round it back. So at most one fp32 gradient exists at a time, next to its master (4 bytes x
-the largest parameter, not 4 bytes x every parameter), with the same bits as widening every gradient
-first and stepping them all: AdamW with ``foreach=False`` updates each parameter from its own
-gradient and state alone.
+The optimizer step (:meth:`MasterWeights.step`) goes one parameter at a time and, within a
+parameter, one chunk of at most ``chunk_elements`` elements at a time (``optim.step_chunk_elements``,
+default 64Mi): widen the chunk's gradient, step the chunk (torch's AdamW arithmetic on views of the
+master and of its AdamW state), round it back into the model. AdamW is elementwise: an element's new
+value depends only on its own gradient, master, m, v and the step count, so the chunks give the bits of
+one whole-parameter step, which gives the bits of widening every gradient first and stepping them all
+(``foreach=False`` updates each parameter from its own gradient and state alone; tested bit for bit
+over sizes and chunk sizes in tests/train/test_master.py). The working set is therefore fixed: one
+chunk's fp32 gradient and AdamW's two fp32 temporaries (sqrt(v), then its bias correction), 12 bytes x
+``chunk_elements`` (768 MiB at 64Mi), next to the masters -- not 12 bytes x the largest parameter
+(7 GiB for an 8B model's 622M-element embedding).
 
 Memory (per parameter, AdamW): bf16 without masters 2 (w) + 2 (grad) + 4 (bf16 m, v) = 8 bytes;
 with masters 2 + 2 + 4 (fp32 master) + 8 (fp32 m, v) = 16 bytes, of which 12 move to CPU memory
-with ``optim.offload=true``; plus the step's working set of the largest parameter.
+with ``optim.offload=true``; plus the step's working set of one chunk.
+
+Parameters are updated in place, never rebound: the model's tensors keep their storage for the life of
+the run (a rollout engine that shares them, and its captured CUDA graphs, stay valid).
 
 Checkpoints store a master-backed weight only as its master (:func:`weights_to_store`): the model
 copy is ``m.to(p.dtype)`` by construction, so it is derived on load with the same rounding
@@ -34,15 +43,21 @@ copy is ``m.to(p.dtype)`` by construction, so it is derived on load with the sam
 from __future__ import annotations
 
 import torch
+from torch.optim.adam import adam as adam_arithmetic
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.collectives import gather_ranks_varlen
 
 ROUNDED_KEY = "model_rounded"   # a checkpoint's {name: dtype} of the model weights it stores only as masters
+DEFAULT_STEP_CHUNK = 1 << 26    # elements stepped at once: 64Mi, a 768 MiB fp32 working set (optim.step_chunk_elements)
 
 
 class MasterWeights:
-    def __init__(self, model: torch.nn.Module, enabled: bool = True, offload: bool = False):
+    def __init__(self, model: torch.nn.Module, enabled: bool = True, offload: bool = False,
+                 chunk_elements: int = DEFAULT_STEP_CHUNK):
+        if chunk_elements < 1:
+            raise RLAlignError(f"optim.step_chunk_elements must be >= 1 (got {chunk_elements})")
+        self.chunk_elements = int(chunk_elements)
         self.named = list(model.named_parameters())
         self.masters: list[torch.Tensor | None] = []
         for _, p in self.named:
@@ -61,35 +76,32 @@ class MasterWeights:
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """One optimizer step of every parameter, one parameter at a time in the model's parameter order:
-        its gradient moved next to its master and widened to fp32 (exact), an ``optimizer.step()`` with only
-        that gradient set (AdamW skips parameters without one), then ``p = m.to(p.dtype)`` and the gradient
-        freed. ``optimizer`` must step :meth:`optim_params`.
+        """One AdamW step of every parameter, one parameter at a time in the model's parameter order and,
+        within a parameter, ``chunk_elements`` elements at a time (:func:`_step_chunked`): the chunk's
+        gradient moved next to its master and widened to fp32 (exact), torch's AdamW arithmetic on the
+        chunk's views of the master (or of the parameter itself, without a master) and of its AdamW state,
+        then ``p[chunk] = m[chunk].to(p.dtype)``; a parameter's gradient is freed once its last chunk is widened.
+        ``optimizer`` must be the ``torch.optim.AdamW`` (or Adam) with ``foreach=False`` that steps
+        :meth:`optim_params`; its state (``step``, ``exp_avg``, ``exp_avg_sq``) is kept in torch's layout,
+        so checkpoints and ``optimizer.state_dict()`` are unchanged.
 
         Bitwise equal to the all-at-once step (:meth:`grads_to_master`, ``optimizer.step()``,
         :meth:`master_to_model`): AdamW with ``foreach=False`` updates each parameter from its own gradient
-        and state alone, in a loop over the parameters, so the order of the loop and the calls does not
-        enter any value (tests/train/test_master.py). Clip the gradients before (the global norm needs
-        them all; clipping scales the model's gradients in place). Without masters: ``optimizer.step()``."""
-        if not self.active:
-            optimizer.step()
-            return
+        and state alone and each element from its own values alone, so neither the order of the
+        parameters nor the chunking enters any value (tests/train/test_master.py). Clip the gradients
+        before (the global norm needs them all; clipping scales the model's gradients in place)."""
+        groups = _adamw_groups(optimizer, self.optim_params())
         grads = []
-        for _, p in self.named:   # set aside: one optimizer.step() per parameter must see only its gradient
+        for _, p in self.named:   # set aside, so that each gradient can be freed as soon as its parameter is stepped
             grads.append(p.grad)
             p.grad = None
-        for i, ((_, p), m) in enumerate(zip(self.named, self.masters)):
-            grad, grads[i] = grads[i], None
-            if grad is None:
+        for i, ((name, p), m) in enumerate(zip(self.named, self.masters)):
+            if grads[i] is None:
                 continue
             stepped = p if m is None else m
-            # bf16 copied to the master's device first, then widened there: the same exact fp32 values
-            stepped.grad = grad if m is None else grad.to(m.device).to(torch.float32)
-            del grad
-            optimizer.step()
-            stepped.grad = None
-            if m is not None:
-                p.copy_(m.to(p.dtype).to(p.device))
+            _step_chunked(optimizer.state[stepped], groups[id(stepped)], stepped, grads, i,
+                          None if m is None else p, self.chunk_elements, name)
+        optimizer.step()   # no gradient is set: steps nothing, runs the optimizer's hooks (the lr schedule's count)
 
     @torch.no_grad()
     def grads_to_master(self) -> None:
@@ -149,6 +161,77 @@ class MasterWeights:
             if _dtype_name(p.dtype) != dtype:
                 raise RLAlignError(f"the checkpoint's {name} is the {dtype} rounding of its master, but the model holds "
                                    f"{_dtype_name(p.dtype)}: resume with the checkpoint's model.dtype")
+
+
+def _adamw_groups(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[int, dict]:
+    """id(parameter) -> its param group, after checking that the optimizer is the one :meth:`MasterWeights.step`
+    reproduces (AdamW / Adam, single-tensor path) and that it steps ``params``."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise RLAlignError(f"MasterWeights.step steps torch.optim.AdamW, got {type(optimizer).__name__}")
+    groups = {}
+    for group in optimizer.param_groups:
+        # foreach=None would let optimizer.step() pick the multi-tensor path on a GPU (other kernels, other bits)
+        unsupported = [k for k in ("fused", "capturable", "differentiable", "amsgrad") if group.get(k)]
+        if group.get("foreach") is not False or unsupported:
+            raise RLAlignError(f"MasterWeights.step runs AdamW's single-tensor arithmetic chunk by chunk; build the "
+                               f"optimizer with foreach=False{' and without ' + ', '.join(unsupported) if unsupported else ''}")
+        groups.update({id(p): group for p in group["params"]})
+    missing = [i for i, p in enumerate(params) if id(p) not in groups]
+    if missing:
+        raise RLAlignError(f"the optimizer does not step parameter {missing[0]} of MasterWeights.optim_params()")
+    return groups
+
+
+def _init_adam_state(state: dict, param: torch.Tensor) -> None:
+    """AdamW's lazy state, as ``torch.optim.Adam._init_group`` makes it (foreach=False, not fused or capturable):
+    ``step`` a host scalar of the default float dtype's scalar type, ``exp_avg`` and ``exp_avg_sq`` zeros like
+    the parameter."""
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    state["step"] = torch.tensor(0.0, dtype=scalar, device="cpu")
+    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _flat(t: torch.Tensor, what: str, name: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise RLAlignError(f"{name}: the optimizer step works on flat views, but its {what} is not contiguous")
+    return t.view(-1)
+
+
+def _step_chunked(state: dict, group: dict, stepped: torch.Tensor, grads: list, index: int,
+                  model: "torch.Tensor | None", chunk: int, name: str) -> None:
+    """One AdamW step of ``stepped`` (a master, or a parameter without one) with the gradient ``grads[index]``,
+    ``chunk`` elements at a time; with ``model`` (the low-precision parameter of a master) each stepped chunk is
+    rounded into it. The gradient is taken out of ``grads`` and freed once its last chunk is widened.
+
+    Each chunk runs ``torch.optim.adam.adam`` (the arithmetic ``AdamW.step`` runs, foreach=False) on views
+    of the chunk, with its own copy of the step count (every chunk sees step t and computes t + 1; the state
+    then holds t + 1, as after one whole step). A 0-element parameter still counts its step, as torch's does.
+    Numerics: elementwise only, so a chunk's elements get the bits of the whole-parameter step."""
+    if not state:
+        _init_adam_state(state, stepped)
+    flat = _flat(stepped, "master" if model is not None else "weight", name)
+    grad_flat, grads[index] = grads[index].reshape(-1), None   # the only reference from here on
+    exp_avg, exp_avg_sq = _flat(state["exp_avg"], "AdamW m", name), _flat(state["exp_avg_sq"], "AdamW v", name)
+    model_flat = None if model is None else _flat(model, "weight", name)
+    beta1, beta2 = group["betas"]
+    n = flat.numel()
+    for start in range(0, max(n, 1), chunk):
+        part = slice(start, min(start + chunk, n))
+        # bf16 copied to the master's device first, then widened there: the same exact fp32 values
+        g = grad_flat[part].to(flat.device).to(flat.dtype)
+        if part.stop == n:
+            grad_flat = None   # every chunk widened: free the low-precision gradient before the last chunk's step
+        step = state["step"].clone()
+        adam_arithmetic([flat[part]], [g], [exp_avg[part]], [exp_avg_sq[part]], [], [step], foreach=False,
+                        capturable=False, differentiable=False, fused=None, has_complex=stepped.is_complex(),
+                        decoupled_weight_decay=group.get("decoupled_weight_decay", False), amsgrad=False,
+                        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                        eps=group["eps"], maximize=group["maximize"])
+        del g
+        if model_flat is not None:   # round to nearest even on the master's device, then move
+            model_flat[part].copy_(flat[part].to(model.dtype))
+    state["step"].copy_(step)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -211,4 +294,4 @@ def full_masters(master: MasterWeights, model: torch.nn.Module) -> dict[str, tor
     return out
 
 
-__all__ = ["MasterWeights", "ROUNDED_KEY", "checkpoint_model_weights", "full_masters", "weights_to_store"]
+__all__ = ["MasterWeights", "DEFAULT_STEP_CHUNK", "ROUNDED_KEY", "checkpoint_model_weights", "full_masters", "weights_to_store"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from rlalign.configlib import ConfigError, flatten, load_config, load_raw, merge
+from rlalign.configlib import ConfigError, flatten, load_config, load_raw, load_yaml, merge
 from rlalign.train.config import TrainConfig
 from rlalign.train.runio import atomic_write
 
@@ -27,11 +27,11 @@ CONFIG_FILE = "config.yaml"
 RESUME_FREE_PREFIXES = ("ray.", "parallel.")
 RESUME_FREE = frozenset({
     "launcher", "run.dir", "run.steps", "run.resume", "run.resume_override", "run.overwrite", "run.progress", "run.log_every", "run.policy_kl",
-    "run.loggers", "run.metric_names", "run.keep_checkpoints", "run.max_minutes", "run.on_mismatch",
+    "run.loggers", "run.metric_names", "run.keep_checkpoints", "run.save_checkpoints", "run.max_minutes", "run.stop_at_step", "run.on_mismatch",
     "run.eval_every", "run.eval_samples", "run.checkpoint_every", "rollout.page_size", "rollout.max_num_seqs",
     "rollout.max_num_batched_tokens", "rollout.kv_cache_bytes", "rollout.decode_graphs", "rollout.overlap",
-    "rollout.record_routing",
-    "optim.activation_checkpointing", "optim.offload", "task.eval_size",
+    "rollout.record_routing", "rollout.share_weights",
+    "optim.activation_checkpointing", "optim.offload", "optim.step_chunk_elements", "task.eval_size",
 })
 
 
@@ -51,7 +51,7 @@ def read_run_config(run_dir: Path) -> "dict | None":
     if not path.is_file():
         return None
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML ({exc.__class__.__name__}); restore it or delete it "
                           "and repeat the run's keys on the command line") from None

@@ -192,9 +192,18 @@ def _near_splits(n):
     return sorted(p for p in pos if 0 <= p < n)
 
 
+@pytest.fixture(params=[False, True], ids=["item-launch", "split-launch"])
+def split_launch(request, monkeypatch):
+    """Decode through the op with the default launch (one program per item: SPLIT_LAUNCH off, the faster on
+    the H200) and with the split-program launch; both must give the packed forward's bits."""
+    from rlalign.ops.triton_backend import attention as A
+    monkeypatch.setattr(A, "SPLIT_LAUNCH", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_split_boundaries_prefill_chunks_and_decode_equal_packed(triton_backend, d, page_size):
+def test_split_boundaries_prefill_chunks_and_decode_equal_packed(triton_backend, split_launch, d, page_size):
     """Every path around the split boundaries, with both launches (split programs forced on and off)."""
     from rlalign.ops.triton_backend import attention as A
     lens = SPLIT_LENS
@@ -224,7 +233,7 @@ def test_split_boundaries_prefill_chunks_and_decode_equal_packed(triton_backend,
         assert_bitwise_equal(out, packed[rows], f"batched decode ({how})")
 
 
-def test_split_decode_through_the_op_every_position(triton_backend):
+def test_split_decode_through_the_op_every_position(triton_backend, split_launch):
     """Step-by-step decode of a 2 * SPLIT + 9 sequence through ops.attention_paged (the launch it picks)."""
     d = 128
     n = 2 * SPLIT + 9
@@ -237,7 +246,7 @@ def test_split_decode_through_the_op_every_position(triton_backend):
 
 
 @pytest.mark.parametrize("others", [0, 7, 63, 255])
-def test_split_decode_batch_invariant(triton_backend, others):
+def test_split_decode_batch_invariant(triton_backend, split_launch, others):
     """One sequence's decode row alone and among 7 / 63 / 255 other sequences (random contexts up to
     1,500, random positions in the batch): the packed forward's bits, with the launch the op picks and
     with both launches forced."""
@@ -263,7 +272,7 @@ def test_split_decode_batch_invariant(triton_backend, others):
         assert_bitwise_equal(out[at:at + 1], want, f"decode among {others} others, split programs {split_programs}")
 
 
-def test_split_decode_page_layouts_agree(triton_backend):
+def test_split_decode_page_layouts_agree(triton_backend, split_launch):
     """The same context in caches of page size 16 / 64 / 128 with different shuffles: the same bits."""
     d = 128
     n = 2 * SPLIT + 77
@@ -276,7 +285,8 @@ def test_split_decode_page_layouts_agree(triton_backend):
         assert_bitwise_equal(out, outs[0], f"page layout {i} vs 0")
 
 
-def test_split_decode_in_a_cuda_graph(triton_backend):
+@pytest.mark.parametrize("split_launch", [True], indirect=True)
+def test_split_decode_in_a_cuda_graph(triton_backend, split_launch):
     """A captured decode step of 4 sequences (split programs: the grid comes from the table width),
     replayed as the contexts grow across split boundaries: the packed forward's bits."""
     from rlalign.ops.triton_backend import attention as A
@@ -307,7 +317,7 @@ def test_split_decode_in_a_cuda_graph(triton_backend):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
-def test_split_decode_accuracy_vs_float64(triton_backend, dtype, tol):
+def test_split_decode_accuracy_vs_float64(triton_backend, split_launch, dtype, tol):
     """Decode rows of a 4,096-token context (16 splits) on both launches vs float64."""
     from rlalign.ops.triton_backend import attention as A
     d, n = 128, 4096
@@ -322,7 +332,7 @@ def test_split_decode_accuracy_vs_float64(triton_backend, dtype, tol):
         assert err < tol, f"split programs {split_programs}: rel err {err:.3g}"
 
 
-def test_split_backward_accurate_and_deterministic(triton_backend):
+def test_split_backward_accurate_and_deterministic(triton_backend, split_launch):
     """The backward recomputes p from the merged lse: accurate vs float64 and deterministic across split
     boundaries (sequences of SPLIT + 1 and 3 * SPLIT + 5 tokens)."""
     d = 128

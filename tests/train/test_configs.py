@@ -16,3 +16,16 @@ def test_example_configs_validate(path):
 def test_default_yaml_is_the_no_argument_default():
     default = [p for p in CONFIGS if p.name == "default.yaml"][0]
     assert load_config(TrainConfig, default) == TrainConfig()
+
+
+@pytest.mark.parametrize("value", ["auto", "on", "off"])
+def test_on_off_values_stay_strings_on_the_command_line_and_in_files(tmp_path, value):
+    """YAML 1.1 reads on/off/yes/no as booleans; the documented ``rollout.decode_graphs=off`` failed with
+    "must be a string, got False". Config YAML has the 1.2 booleans (true/false only)."""
+    cfg = load_config(TrainConfig, None, [f"rollout.decode_graphs={value}", f"rollout.overlap={value}"])
+    assert (cfg.rollout.decode_graphs, cfg.rollout.overlap) == (value, value)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"rollout:\n  decode_graphs: {value}\n  overlap: {value}\n")
+    cfg = load_config(TrainConfig, path)
+    assert (cfg.rollout.decode_graphs, cfg.rollout.overlap) == (value, value)
+    assert load_config(TrainConfig, None, ["run.resume=true"]).run.resume is True

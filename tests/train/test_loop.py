@@ -88,16 +88,16 @@ def test_activation_checkpointing_gives_the_same_bits(arithmetic_model_dir, tmp_
 
 
 def _gradients_of_one_step(model_dir, run_dir, extra):
-    """The policy gradients the optimizer receives at step 1 (captured at optimizer.step)."""
+    """The policy gradients the optimizer step receives at step 1 (captured at MasterWeights.step)."""
     trainer = Trainer(load_config(TrainConfig, None, tiny_overrides(model_dir, run_dir, 1, dense_reward=True) + extra))
     trainer.resume_if_asked()
-    grads, step = [], trainer.optimizer.step
+    grads, step = [], trainer.master.step
 
     def capture(*args, **kwargs):
         grads.extend(p.grad.clone() for p in trainer.policy.parameters())
         return step(*args, **kwargs)
 
-    trainer.optimizer.step = capture
+    trainer.master.step = capture
     trainer.train_step(1)
     return grads
 
@@ -277,3 +277,15 @@ def test_cli_refuses_a_key_the_algorithm_does_not_read_in_one_line(tmp_path):
         "rlalign train: error: algo.dual_clip=3.0 has no effect with algo.policy_loss=gspo (only ppo_clip reads it): "
         "remove algo.dual_clip, or choose an algo.policy_loss that reads it"]
     assert not (tmp_path / "run").exists()
+
+
+def test_max_minutes_without_checkpoints_stops_cleanly_and_writes_none(arithmetic_model_dir, tmp_path, caplog):
+    """run.save_checkpoints=false (a state too large for the disk): run.max_minutes still ends the run after a
+    step with its metrics and exported policy, no checkpoint is written, and the note says it cannot resume."""
+    cfg = load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / "run", steps=3)
+                      + ["run.save_checkpoints=false", "run.max_minutes=0.000001"])
+    with caplog.at_level("INFO"):
+        run_dir = run_training(cfg)
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
+    assert not (run_dir / "checkpoints").exists() and (run_dir / "policy" / "config.json").is_file()
+    assert "run.save_checkpoints=false: no checkpoint, the run cannot be resumed" in caplog.text

@@ -13,7 +13,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import load_model
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import Trainer
-from rlalign.train.master import MasterWeights
+from rlalign.train.master import DEFAULT_STEP_CHUNK, MasterWeights
 from rlalign.train.parallel import clip_grad_norm_
 from rlalign.train.runio import load_latest_checkpoint
 from tests.bitwise import assert_bitwise_equal
@@ -108,25 +108,26 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _shapes = st.lists(st.integers(0, 5), min_size=0, max_size=2).map(tuple)   # scalars and 0-element tensors too
 
 
-def _params_module(specs, seed):
+def _params_module(specs, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     module = torch.nn.Module()
-    module.ps = torch.nn.ParameterList(torch.nn.Parameter((torch.randn(shape, generator=g) * 0.1).to(_DTYPES[d]))
+    module.ps = torch.nn.ParameterList(torch.nn.Parameter((torch.randn(shape, generator=g) * 0.1).to(device, _DTYPES[d]))
                                        for shape, d in specs)
     return module
 
 
-def _stepped(specs, offload, clip, steps, seed, per_parameter):
+def _stepped(specs, offload, clip, steps, seed, per_parameter, chunk=DEFAULT_STEP_CHUNK, masters=True, device="cpu"):
     """The trainer's step on ``specs`` (shape, dtype) parameters: clip the model's gradients, then the
-    per-parameter step or the all-at-once reference (grads_to_master, optimizer.step(), master_to_model)."""
-    module = _params_module(specs, seed)
-    mw = MasterWeights(module, enabled=True, offload=offload)
+    per-parameter step (in chunks of ``chunk`` elements) or the all-at-once reference (grads_to_master,
+    optimizer.step(), master_to_model)."""
+    module = _params_module(specs, seed, device)
+    mw = MasterWeights(module, enabled=masters, offload=offload, chunk_elements=chunk)
     opt = torch.optim.AdamW(mw.optim_params(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, foreach=False)
     g = torch.Generator().manual_seed(seed + 1)
     norms = []
     for step in range(steps):
         for i, p in enumerate(module.ps):
-            grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            grad = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
             p.grad = None if (i + step) % 3 == 2 else grad   # some parameters get no gradient at some steps
         norms.append(clip_grad_norm_(module, 0.05) if clip else None)
         if per_parameter:
@@ -138,15 +139,9 @@ def _stepped(specs, offload, clip, steps, seed, per_parameter):
     return module, mw, opt, norms
 
 
-@settings(max_examples=25, deadline=None)
-@given(specs=st.lists(st.tuples(_shapes, st.sampled_from(sorted(_DTYPES))), min_size=1, max_size=4),
-       offload=st.booleans(), clip=st.booleans(), seed=st.integers(0, 2**16))
-def test_per_parameter_step_equals_the_all_at_once_step_bitwise(specs, offload, clip, seed):
-    """Masters, model weights, AdamW state and grad norms after 3 steps: the same bits either way, for
-    bf16/fp16/fp32 parameters (fp32 ones have no master without offload), gradients missing at some
-    steps, with and without clipping."""
-    a_mod, a_mw, a_opt, a_norms = _stepped(specs, offload, clip, 3, seed, per_parameter=True)
-    b_mod, b_mw, b_opt, b_norms = _stepped(specs, offload, clip, 3, seed, per_parameter=False)
+def _assert_same_step(specs, offload, clip, seed, chunk=DEFAULT_STEP_CHUNK, masters=True, device="cpu"):
+    a_mod, a_mw, a_opt, a_norms = _stepped(specs, offload, clip, 3, seed, True, chunk, masters, device)
+    b_mod, b_mw, b_opt, b_norms = _stepped(specs, offload, clip, 3, seed, False, chunk, masters, device)
     for i, (p, q, m) in enumerate(zip(a_mod.ps, b_mod.ps, a_mw.masters)):
         assert_bitwise_equal(p.detach(), q.detach(), f"weight {i}")
         assert p.grad is None or m is None, "the step frees the gradient of every parameter with a master"
@@ -165,6 +160,31 @@ def test_per_parameter_step_equals_the_all_at_once_step_bitwise(specs, offload, 
             assert_bitwise_equal(x, y, "grad norm")
 
 
+@settings(max_examples=25, deadline=None)
+@given(specs=st.lists(st.tuples(_shapes, st.sampled_from(sorted(_DTYPES))), min_size=1, max_size=4),
+       offload=st.booleans(), clip=st.booleans(), seed=st.integers(0, 2**16))
+def test_per_parameter_step_equals_the_all_at_once_step_bitwise(specs, offload, clip, seed):
+    """Masters, model weights, AdamW state and grad norms after 3 steps: the same bits either way, for
+    bf16/fp16/fp32 parameters (fp32 ones have no master without offload), gradients missing at some
+    steps, with and without clipping."""
+    _assert_same_step(specs, offload, clip, seed)
+
+
+_sizes = st.integers(0, 3000)   # flat sizes: 0 elements, 1, around SIMD widths and thread splits, a few pages
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(_sizes, min_size=1, max_size=3), dtype=st.sampled_from(sorted(_DTYPES)),
+       chunk=st.one_of(st.integers(1, 9), st.integers(10, 4000)), offload=st.booleans(), masters=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_chunked_step_equals_the_whole_parameter_step_bitwise(sizes, dtype, chunk, offload, masters, seed):
+    """The step in chunks of any size (1 element, a divisor, a non-divisor, larger than the parameter) gives
+    the bits of the unchunked all-at-once step: masters, weights, AdamW step/m/v; with and without masters
+    (without: the parameters themselves are stepped chunk by chunk, in their own dtype)."""
+    specs = [((n,), dtype) for n in sizes] + [((3, max(sizes) // 3 + 1), dtype)]   # a 2-D one too
+    _assert_same_step(specs, offload, clip=True, seed=seed, chunk=chunk, masters=masters)
+
+
 def test_clipping_case_clips():
     """The clipped variant of the equivalence test really scales the gradients (the norm is above 0.05)."""
     _, _, _, norms = _stepped([((5, 5), "bf16"), ((5,), "fp32")], offload=True, clip=True, steps=3, seed=0,
@@ -172,18 +192,47 @@ def test_clipping_case_clips():
     assert all(float(n) > 0.5 for n in norms)
 
 
-def test_per_parameter_step_holds_one_widened_gradient_at_a_time(monkeypatch):
-    """When a parameter is stepped, no other master holds a gradient (the host holds one fp32 gradient)."""
+@pytest.mark.parametrize("chunk", [32_771, 65_536])
+def test_chunked_step_equals_the_whole_step_across_thread_splits(chunk):
+    """A parameter large enough for torch's CPU kernels to split it across threads (grain 32,768 elements),
+    chunked at a prime and at a power of two: the same bits as the unchunked step."""
+    _assert_same_step([((100_003,), "bf16"), ((70_000,), "fp32")], offload=False, clip=True, seed=3, chunk=chunk)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_step_widens_one_chunk_at_a_time(monkeypatch, offload):
+    """The working set is one chunk: AdamW's arithmetic gets at most ``chunk_elements`` widened fp32 gradient
+    elements per call, parameter after parameter, and no master ever holds a whole widened gradient."""
+    import rlalign.train.master as master_mod
     module = _params_module([((4, 4), "bf16"), ((3,), "bf16"), ((2, 5), "fp32")], seed=0)
-    mw = MasterWeights(module, offload=True)
+    mw = MasterWeights(module, offload=offload, chunk_elements=4)
     opt = torch.optim.AdamW(mw.optim_params(), foreach=False)
     seen = []
-    real_step = opt.step
-    monkeypatch.setattr(opt, "step", lambda: (seen.append([m.grad is not None for m in mw.masters]), real_step()))
+    real = master_mod.adam_arithmetic
+
+    def recording(params, grads, *args, **kw):
+        seen.append((grads[0].numel(), grads[0].dtype, [m.grad is not None for m in mw.masters if m is not None]))
+        return real(params, grads, *args, **kw)
+
+    monkeypatch.setattr(master_mod, "adam_arithmetic", recording)
     for p in module.ps:
         p.grad = torch.ones_like(p)
     mw.step(opt)
-    assert seen == [[True, False, False], [False, True, False], [False, False, True]]
+    assert [n for n, _, _ in seen] == [4, 4, 4, 4, 3, 4, 4, 2]
+    assert all(dtype == torch.float32 and not any(held) for _, dtype, held in seen)
+    assert all(p.grad is None for p in module.ps)
+
+
+def test_step_refuses_an_optimizer_it_does_not_reproduce():
+    module = _params_module([((4,), "bf16")], seed=0)
+    mw = MasterWeights(module)
+    module.ps[0].grad = torch.ones(4, dtype=torch.bfloat16)
+    for opt in (torch.optim.SGD(mw.optim_params(), lr=0.1), torch.optim.AdamW(mw.optim_params(), foreach=True),
+                torch.optim.AdamW(mw.optim_params()), torch.optim.AdamW(mw.optim_params(), foreach=False, amsgrad=True)):
+        with pytest.raises(RLAlignError, match="AdamW"):
+            mw.step(opt)
+    with pytest.raises(RLAlignError, match="step_chunk_elements"):
+        MasterWeights(module, chunk_elements=0)
 
 
 # ---- checkpoints of a bf16 run with offloaded masters: streamed, weights derived, resumed bitwise ------

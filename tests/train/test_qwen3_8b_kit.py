@@ -1,6 +1,7 @@
 """The Qwen3-8B kit (issue 17, item 4) on the CPU: scripts/make_qwen3_8b.py with a toy body, its
 full-vocabulary tokenizer (scripts/make_moe_model.py's scheme), configs/qwen3-8b-h200.yaml run for two steps on it (offload, activation
-checkpointing, top-p, partial credit; every key of the file is accepted), and the memory budget."""
+checkpointing, top-p, partial credit; every key of the file is accepted), configs/qwen3-8b-h200-device.yaml
+(all state on the device, no checkpoint) likewise, and the memory budgets."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from rlalign.train.runio import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "qwen3-8b-h200.yaml"
+DEVICE_CONFIG = REPO / "configs" / "qwen3-8b-h200-device.yaml"
+H200_USABLE = 139 * 2**30
 _spec = importlib.util.spec_from_file_location("make_qwen3_8b", REPO / "scripts" / "make_qwen3_8b.py")
 kit = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kit)
@@ -79,8 +82,8 @@ def test_config_runs_two_strict_steps_on_the_toy_body(toy_8b, tmp_path):
     assert saved.rollout.max_new_tokens >= 64 and saved.model.dtype == "bfloat16" and saved.run.max_minutes
 
 
-def _budget(overrides, layers=36, vocab=151936):
-    cfg = resolve_train_config(str(CONFIG), overrides)
+def _budget(overrides, layers=36, vocab=151936, config=CONFIG):
+    cfg = resolve_train_config(str(config), overrides)
     model = ModelConfig.from_hf_dict(kit.hf_config(layers, vocab, test_body=False))
     return {r.component: r for r in budget.memory_budget(cfg, model)}, model
 
@@ -96,7 +99,10 @@ def test_budget_arithmetic_for_the_8b_config():
     assert "fp32 master gradients" not in rows   # one widened gradient at a time (MasterWeights.step)
     largest = 151936 * 4096   # the embedding (and the untied LM head)
     assert max(budget.parameter_sizes(m)) == largest
-    assert rows["optimizer step working set"].nbytes == 12 * largest and rows["optimizer step working set"].place == "host"
+    chunk = 64 * 2**20   # optim.step_chunk_elements' default: the step's working set is one chunk, not the embedding
+    assert rows["optimizer step working set"].nbytes == 12 * chunk and rows["optimizer step working set"].place == "host"
+    assert rows["rollout engine weights"].nbytes == 0   # shared with the policy
+    assert rows["log-prob backward LM-head gradient"].nbytes == (4 + 2) * largest
     assert rows["KV cache (rollout)"].nbytes == 4 * 2**30
     assert budget.kv_bytes_per_token(m, 2) == 2 * 36 * 8 * 128 * 2
     per_token = 36 * 2 * 4096 * 2 + budget._layer_bytes_per_token(m, 2)
@@ -104,7 +110,7 @@ def test_budget_arithmetic_for_the_8b_config():
     ckpt = 12 * p   # masters + m + v; the bf16 weights are derived from the masters on load
     assert rows["checkpoint save, host copy"].nbytes == 0 and rows["checkpoint files"].nbytes == 2 * ckpt
     totals = budget.totals(list(rows.values()))
-    assert totals["host"] == 12 * p + 12 * largest < 100 * 2**30   # 98.5 GiB: fits a 128 GiB host
+    assert totals["host"] == 12 * p + 12 * chunk < 93 * 2**30   # 92.3 GiB: fits a 128 GiB host
     assert "reference model" not in rows and "value model" not in rows
 
 
@@ -114,13 +120,18 @@ def test_budget_follows_the_switches():
     largest = 151936 * 4096
     assert on_device["checkpoint save, host copy"].nbytes == 4 * largest   # one fp32 master copied at a time
     no_master, m = _budget(["optim.master_weights=false", "optim.offload=false", "algo.kl_coef=0.01",
-                            "run.keep_checkpoints=3"])
+                            "run.keep_checkpoints=3", "optim.step_chunk_elements=1000000000"])
     p = budget.parameter_count(m)
     assert "fp32 master weights" not in no_master and no_master["AdamW m, v"].nbytes == 4 * p
     assert no_master["reference model"].nbytes == 2 * p
     # weights + bf16 m, v; keep=3: the oldest is deleted before the save, so 3 files at most
     assert no_master["checkpoint files"].nbytes == 3 * 6 * p
     assert no_master["checkpoint save, host copy"].nbytes == 2 * largest
+    assert no_master["optimizer step working set"].nbytes == 2 * 2 * largest   # a chunk larger than any parameter
+    copied, _ = _budget(["rollout.share_weights=false"])
+    assert copied["rollout engine weights"].nbytes == 2 * p and "rollout.share_weights=false" in copied["rollout engine weights"].note
+    tp, _ = _budget(["parallel.tp=1"])
+    assert tp["rollout engine weights"].nbytes == 2 * p and "parallel.tp" in tp["rollout engine weights"].note
     no_ckpt, _ = _budget(["optim.activation_checkpointing=false"])
     assert no_ckpt["training activations"].nbytes == 8192 * 36 * budget._layer_bytes_per_token(m, 2)
     text = budget.format_budget(list(no_ckpt.values()))
@@ -131,3 +142,47 @@ def test_budget_cli_names_a_missing_model_config(tmp_path, capsys):
     assert budget.main([str(CONFIG), f"model.path={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--config-only" in err
+
+
+def test_device_config_fits_one_h200_with_every_state_on_it():
+    """configs/qwen3-8b-h200-device.yaml: masters, AdamW state, weights, gradients on the device, the engine
+    sharing the weights, a chunked step; < 132 GiB in all, rows taken as live at once (9 GiB spare of 139)."""
+    rows, m = _budget([], config=DEVICE_CONFIG)
+    p = budget.parameter_count(m)
+    assert {r.place for r in rows.values() if r.component != "exported policy"} == {"device", "disk"}
+    assert rows["fp32 master weights"].place == rows["AdamW m, v (fp32)"].place == "device"
+    assert rows["rollout engine weights"].nbytes == 0
+    assert rows["optimizer step working set"].nbytes == 12 * 32 * 2**20
+    assert rows["checkpoint files"].nbytes == 0 and "checkpoint save, host copy" not in rows
+    need = budget.totals(list(rows.values()))["device"]
+    assert 16 * p < need < 132 * 2**30
+    fits, line = budget.fit_line(list(rows.values()), H200_USABLE)
+    assert fits and "spare" in line
+    cfg = resolve_train_config(str(DEVICE_CONFIG), [])
+    r = cfg.rollout
+    assert r.prompts_per_step * r.samples_per_prompt * r.max_new_tokens * cfg.run.steps >= 1_000_000
+    assert r.top_p < 1.0 and r.max_new_tokens >= 64 and cfg.run.profile == "strict" and cfg.run.on_mismatch == "stop"
+    # without sharing or chunking it would not fit: what the two changes buy
+    unshared, _ = _budget(["rollout.share_weights=false", "optim.step_chunk_elements=1000000000"], config=DEVICE_CONFIG)
+    assert not budget.fit_line(list(unshared.values()), H200_USABLE)[0]
+
+
+def test_budget_cli_says_whether_it_fits(tmp_path, capsys):
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(kit.hf_config(36, 151936, test_body=False)))
+    for gib, status, verdict in (("139", 0, "fits the device"), ("100", 1, "does NOT fit the device")):
+        assert budget.main([str(DEVICE_CONFIG), "--model-config", str(model), "--device-memory", gib]) == status
+        assert verdict in capsys.readouterr().out
+
+
+def test_device_config_runs_two_strict_steps_on_the_toy_body_without_checkpoints(toy_8b, tmp_path):
+    run = tmp_path / "run"
+    args = ["train", str(DEVICE_CONFIG), f"model.path={toy_8b}", "model.device=cpu", f"run.dir={run}", "run.steps=2",
+            "run.eval_every=2", "run.progress=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
+            "rollout.max_new_tokens=4", "rollout.max_num_seqs=8", "rollout.kv_cache_bytes=8388608",
+            "task.eval_size=2", "run.eval_samples=1", "optim.micro_batch_tokens=64", "optim.step_chunk_elements=1000"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(args) == 0
+    records = [r for r in read_metrics(run) if "mismatch/count" in r]
+    assert len(records) == 2 and all(r["mismatch/count"] == 0 and r["memory/engine_weight_copy_mb"] == 0 for r in records)
+    assert not (run / "checkpoints").exists() and (run / "policy" / "config.json").exists()

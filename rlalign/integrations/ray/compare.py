@@ -13,6 +13,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from rlalign.contract.bits import first_difference
+from rlalign.contract.errors import RLAlignError
 from rlalign.train.runio import read_metrics
 
 VOLATILE = ("time/", "tokens_per_s/", "memory/")
@@ -28,8 +29,19 @@ def metric_differences(run_a: Path, run_b: Path) -> list[str]:
     return out
 
 
+def _policy_tensors(run: Path) -> dict:
+    """Every tensor of the run's exported policy: one model.safetensors or its shards (exports over 5 GiB)."""
+    files = sorted((Path(run) / "policy").glob("*.safetensors"))
+    if not files:
+        raise RLAlignError(f"{Path(run) / 'policy'} holds no *.safetensors: did the run finish?")
+    out = {}
+    for file in files:
+        out.update(load_file(file))
+    return out
+
+
 def weight_differences(run_a: Path, run_b: Path) -> list[str]:
-    a, b = (load_file(Path(r) / "policy" / "model.safetensors") for r in (run_a, run_b))
+    a, b = (_policy_tensors(r) for r in (run_a, run_b))
     out = [f"policy: tensor {name} only in one run" for name in sorted(set(a) ^ set(b))]
     for name in sorted(set(a) & set(b)):
         x, y = a[name], b[name]

@@ -80,8 +80,12 @@ MERGE_UNROLL = 4   # splits whose partials the merge kernel loads together
 # batch: one program per (sequence, kv head)) spread each item's key splits over up to that many programs
 # in all, if the fp32 partials stay under SPLIT_SCRATCH_MAX_BYTES. Speed only; the bits are those of the
 # per-item kernel. 4: the decode programs (~250 registers x 128 threads, 80 / 112 KiB of shared memory)
-# fit twice on an SM, and two waves absorb uneven contexts. Not tuned yet: bench/gpu_attention.py
-# reports both launches at batch 1-256 for that.
+# fit twice on an SM, and two waves absorb uneven contexts. Measured on the H200 (bench/gpu_attention.py,
+# 2026-12-01 session 8, 4,096 context, 32/8 heads): the per-item launch was faster at every batch (vs SDPA
+# flash: 0.22 / 0.59 / 1.43 at batch 1 / 8 / 64, the split launch 0.18 / 0.40 / 1.24; 0.89 vs 0.49 at batch
+# 64 x 1,024), so the split launch is off by default (SPLIT_LAUNCH) until it is made faster; tests and the
+# benchmark force it (the bits are the same).
+SPLIT_LAUNCH = False
 PROGRAMS_PER_SM = 4
 SPLIT_SCRATCH_MAX_BYTES = 256 << 20
 
@@ -484,8 +488,9 @@ def use_split_programs(tile, programs: int, scratch_bytes: int, sms: int) -> boo
     """Whether a paged call spreads each item's key splits over several programs (speed only: the bits
     are the same either way). Taken for decode tiles (a few query tokens per sequence: prefill tiles
     have rows enough to fill the GPU, and their partials would be large) when the one-program-per-item
-    grid has fewer than PROGRAMS_PER_SM programs per SM and the partials stay small."""
-    return (tile[0] <= DECODE_TILE[0] and programs < PROGRAMS_PER_SM * sms
+    grid has fewer than PROGRAMS_PER_SM programs per SM and the partials stay small -- when SPLIT_LAUNCH is on
+    (off by default: slower on the H200, see above)."""
+    return (SPLIT_LAUNCH and tile[0] <= DECODE_TILE[0] and programs < PROGRAMS_PER_SM * sms
             and scratch_bytes <= SPLIT_SCRATCH_MAX_BYTES)
 
 
