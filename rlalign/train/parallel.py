@@ -210,4 +210,5 @@ class NoMetrics:
 
 
 __all__ = ["NoMetrics", "needs_launch", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
-           "load_policy_weights", "clip_grad_norm_", "restack_run_state", "optimizer_state", "load_optimizer_state", "unsharded_policy"]
+           "load_policy_weights", "clip_grad_norm_", "restack_run_state", "optimizer_state", "load_optimizer_state",
+           "unsharded_policy"]

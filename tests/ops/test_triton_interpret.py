@@ -475,7 +475,8 @@ def _check_grouped_stacked():
             if not torch.equal(G.grouped_rows(x, off, stacked, segments=seg), G.grouped_rows(x, off, ws, segments=seg)):
                 return f"{name} stacked forward (segments={seg}) differs from the per-expert list"
         gy = torch.randn(rows, n, generator=g)
-        if not torch.equal(G.grouped_rows(gy, off, stacked, transpose_w=False), G.grouped_rows(gy, off, ws, transpose_w=False)):
+        if not torch.equal(G.grouped_rows(gy, off, stacked, transpose_w=False),
+                           G.grouped_rows(gy, off, ws, transpose_w=False)):
             return f"{name} stacked dX differs from the per-expert list"
         leaf = stacked.detach().clone().requires_grad_(True) if name == "contiguous" else None
         base = fused.detach().clone().requires_grad_(True)
