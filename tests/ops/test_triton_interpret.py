@@ -523,7 +523,8 @@ def _check_combine():
         if not tokens:
             continue
         order = torch.argsort(experts, dim=1)
-        ref = (y.double().gather(1, order.unsqueeze(-1).expand_as(y)) * w.double().gather(1, order).unsqueeze(-1)).sum(1)
+        ref = (y.detach().double().gather(1, order.unsqueeze(-1).expand_as(y)) *
+               w.detach().double().gather(1, order).unsqueeze(-1)).sum(1)
         worst = max(worst, _rel(out.detach(), ref))
         gout = torch.randn(tokens, h, generator=g)
         dy, dw = torch.autograd.grad(out, [y, w], gout)

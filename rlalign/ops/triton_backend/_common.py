@@ -78,6 +78,39 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    from triton.language.extra.cuda import libdevice
+
+
+# Math with torch's CUDA bits: libdevice's expf / logf are the functions torch's CUDA exp / log call, and
+# div_rn is IEEE division. LIBDEVICE is False only under the CPU interpreter, which has no libdevice (its
+# numpy math is checked against float64 there, not for bits).
+@triton.jit
+def libm_exp(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def libm_log(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def div_ieee(a, b, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return tl.math.div_rn(a, b)
+    else:
+        return a / b
+
+
 @triton.jit
 def split_bf16(x):
     """fp32 x -> (hi, lo) bf16 with hi = bf16(x), lo = bf16(x - hi) (both round to nearest even)."""

@@ -26,28 +26,7 @@ import triton
 import triton.language as tl
 
 from rlalign.ops.torch_backend.moe import route as torch_route
-from rlalign.ops.triton_backend._common import is_interpreter
-
-try:
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover
-    from triton.language.extra.cuda import libdevice
-
-
-@triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.exp(x)
-    else:  # the CPU interpreter has no libdevice
-        return tl.exp(x)
-
-
-@triton.jit
-def _div(a, b, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return tl.math.div_rn(a, b)
-    else:
-        return a / b
+from rlalign.ops.triton_backend._common import div_ieee, is_interpreter, libm_exp
 
 
 @triton.jit
@@ -56,12 +35,12 @@ def route_kernel(l_ptr, experts_ptr, weights_ptr, E: tl.constexpr, LOG2E: tl.con
     t = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, E)
     logits = tl.load(l_ptr + t * E + idx)
-    u = _exp(logits - tl.max(logits, axis=0), LIBDEVICE)
+    u = libm_exp(logits - tl.max(logits, axis=0), LIBDEVICE)
     s = u
     for level in tl.static_range(LOG2E):        # (2i, 2i+1) pairs, level by level: one IEEE add each
         s = tl.sum(tl.reshape(s, (E >> (level + 1), 2)), axis=1)
     total = tl.sum(s, axis=0)                    # one element left: the sum is that element
-    p = _div(u, total, LIBDEVICE)
+    p = div_ieee(u, total, LIBDEVICE)
     slots = tl.arange(0, KP)
     chosen = tl.zeros((KP,), dtype=tl.int64)
     picked = tl.zeros((KP,), dtype=tl.float32)
@@ -78,7 +57,7 @@ def route_kernel(l_ptr, experts_ptr, weights_ptr, E: tl.constexpr, LOG2E: tl.con
         else:
             denom = denom + best
     if NORMALIZE:
-        picked = _div(picked, tl.zeros((KP,), dtype=tl.float32) + denom, LIBDEVICE)
+        picked = div_ieee(picked, tl.zeros((KP,), dtype=tl.float32) + denom, LIBDEVICE)
     mask = slots < K
     tl.store(experts_ptr + t * K + slots, chosen, mask=mask)
     tl.store(weights_ptr + t * K + slots, picked, mask=mask)

@@ -19,12 +19,7 @@ import triton.language as tl
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops import _checks as chk
 from rlalign.ops.torch_backend.sample import filtering_rows, keep_mask, overflow_verdict, row_keys, static_keep_mask
-from rlalign.ops.triton_backend._common import is_interpreter
-
-try:
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover
-    from triton.language.extra.cuda import libdevice
+from rlalign.ops.triton_backend._common import is_interpreter, libm_log
 
 BLOCK_V = 2048
 
@@ -38,14 +33,6 @@ def _noise_bits(key, cols):
     x = x ^ (x >> 27)
     x = x * 0x94D049BB133111EB
     return x
-
-
-@triton.jit
-def _log(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.log(x)
-    else:  # the CPU interpreter has no libdevice
-        return tl.log(x)
 
 
 @triton.jit
@@ -66,7 +53,7 @@ def sample_kernel(LOGITS, KEYS, TEMP, KEEP, OUT, V, stride_l, stride_keep,
         z = tl.math.div_rn(x, tl.where(greedy, 1.0, temp))
         bits = _noise_bits(key, cols)
         u = (((bits >> 40) & 0xFFFFFF) | 1).to(tl.float32) * (2.0 ** -24)
-        score = z - _log(-_log(u, LIBDEVICE), LIBDEVICE)
+        score = z - libm_log(-libm_log(u, LIBDEVICE), LIBDEVICE)
         if HAS_KEEP:
             keep = tl.load(KEEP + row.to(tl.int64) * stride_keep + cols, mask=ok, other=0) != 0
             score = tl.where(keep | unfiltered, score, float("-inf"))
