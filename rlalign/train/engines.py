@@ -61,7 +61,7 @@ def register_launcher_engine(launcher: str, builder: Callable) -> None:
 
 
 class WeightsSharingError(RLAlignError):
-    """``rollout.share_weights=on`` where the engine cannot share the policy's tensors, or a shared tensor
+    """``rollout.share_weights=true`` where the engine cannot share the policy's tensors, or a shared tensor
     that was reallocated under the engine."""
 
 
