@@ -652,6 +652,7 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
     try:
         if trainer.step == 0:
             trainer.log_record({"step": 0, **trainer.evaluate()})
+        step_started = time.perf_counter()
         while trainer.step < cfg.run.steps:
             step = trainer.step + 1
             record = trainer.train_step(step)
@@ -665,7 +666,9 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
                 trainer.save()
             if trainer.writer:
                 progress.update(record)
-            stop = _segment_end(cfg.run, step, time.perf_counter() - started)
+            now = time.perf_counter()
+            stop = _segment_end(cfg.run, step, now - started, now - step_started)
+            step_started = now
             if stop and not last:
                 if saves:
                     trainer.save()
@@ -679,14 +682,18 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
             trainer.trackers.close()
 
 
-def _segment_end(run, step: int, elapsed_s: float) -> "str | None":
+def _segment_end(run, step: int, elapsed_s: float, step_s: float = 0.0) -> "str | None":
     """Why this invocation ends after ``step`` before run.steps (a checkpoint is saved first), or None:
     ``run.stop_at_step`` reached (the schedule still spans run.steps: a resume continues the same run), or
-    more than ``run.max_minutes`` spent in the loop."""
+    ``run.max_minutes`` reached -- or about to be: the next step, estimated to take as long as this one
+    (``step_s``, its eval included), would end past it (a GPU job's wall-clock limit must not cut a step)."""
     if run.stop_at_step is not None and step >= run.stop_at_step:
         return f"run.stop_at_step={run.stop_at_step} reached"
     if run.max_minutes and elapsed_s / 60 > run.max_minutes:
         return f"run.max_minutes={run.max_minutes} reached"
+    if run.max_minutes and (elapsed_s + step_s) / 60 > run.max_minutes:
+        return (f"run.max_minutes={run.max_minutes}: another step (~{step_s:.0f} s, as long as the last) "
+                f"would end past it")
     return None
 
 

@@ -289,3 +289,16 @@ def test_max_minutes_without_checkpoints_stops_cleanly_and_writes_none(arithmeti
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
     assert not (run_dir / "checkpoints").exists() and (run_dir / "policy" / "config.json").is_file()
     assert "run.save_checkpoints=false: no checkpoint, the run cannot be resumed" in caplog.text
+
+
+def test_max_minutes_ends_before_a_step_that_would_pass_it():
+    """run.max_minutes ends the segment when the next step, estimated as long as the last, would end past the
+    limit -- not one step late; stop_at_step first; nothing without a limit."""
+    from types import SimpleNamespace
+    from rlalign.train.loop import _segment_end
+    run = SimpleNamespace(stop_at_step=None, max_minutes=1.0)
+    assert _segment_end(run, 3, elapsed_s=40.0, step_s=10.0) is None          # 50 s < 60 s
+    assert "would end past it" in _segment_end(run, 4, elapsed_s=50.5, step_s=10.0)
+    assert "reached" in _segment_end(run, 5, elapsed_s=61.0, step_s=0.0)
+    assert _segment_end(SimpleNamespace(stop_at_step=None, max_minutes=None), 9, 1e9, 1e9) is None
+    assert "stop_at_step" in _segment_end(SimpleNamespace(stop_at_step=2, max_minutes=1.0), 2, 100.0, 50.0)
