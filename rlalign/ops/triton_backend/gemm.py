@@ -434,15 +434,15 @@ def _logical(t: torch.Tensor, trans: bool) -> tuple[int, int, int, int]:
 def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bool = False,
          out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
          bias: torch.Tensor | None = None, segments: int = 1, acc_in: bool = False,
-         config: GemmConfig | None = None, use_tma: bool | None = None, split_segments: bool = True) -> torch.Tensor:
+         config: GemmConfig | None = None, use_tma: bool | None = None) -> torch.Tensor:
     """C[M, N] = A @ B (+ bias) with the numerics of the module docstring.
 
     a: A [M, K] (or A^T stored [K, M] with ``a_trans``); b: B [K, N] (or B^T stored [N, K] with
     ``b_trans``, the nn.Linear weight layout). a and b share one dtype (bf16, or fp32 -> bf16x3).
     ``out``: an existing [M, N] output (required with ``acc_in``; fp32 then). ``segments`` = P,
-    a power of two <= 8 dividing K. ``config`` / ``use_tma`` / ``split_segments`` (decode-sized M on a K
-    partition: partials per segment, then the tree, see _gemm_split_segments) override the automatic choice
-    (tests and benchmarks: every choice gives the same bits; a ``config`` runs the one-kernel tree).
+    a power of two <= 8 dividing K. ``config`` / ``use_tma`` override the automatic choice (tests and
+    benchmarks: every choice gives the same bits; a ``config`` runs the one-kernel tree, never the
+    decode-size split into per-segment partials of _gemm_split_segments).
     """
     if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"gemm: operands must share bf16 or fp32, got {a.dtype} and {b.dtype}")
@@ -468,7 +468,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
                 out.add_(bias.to(out.dtype))
         return out
     fp32 = a.dtype == torch.float32
-    if segments > 1 and m <= SPLIT_SEGMENTS_MAX_M and config is None and split_segments:
+    if segments > 1 and m <= SPLIT_SEGMENTS_MAX_M and config is None:
         seg_k = k // segments
         tma = seg_k % BLOCK_K == 0 and tma_ok(a) and tma_ok(b) and (use_tma is None or use_tma)
         return _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s_am, s_ak, s_bk, s_bn, tma)
