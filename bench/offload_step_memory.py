@@ -39,31 +39,28 @@ CHILD = textwrap.dedent('''
     master = MasterWeights(model, enabled=True, offload=True, chunk_elements=chunk if mode == "chunked" else n)
     opt = torch.optim.AdamW(master.optim_params(), lr=1e-4, foreach=False)
 
-    def step():
-        for p in model:
-            p.grad = torch.randn(n).to(torch.bfloat16) * 1e-3
+    def optimizer_step():
         if mode != "all_at_once":
             master.step(opt)
         else:
             master.grads_to_master()
             opt.step()
             master.master_to_model()
-        opt.zero_grad(set_to_none=True)
-        for p in model:
-            p.grad = None
 
-    step()                                   # AdamW state allocated
-    for p in model:                          # the measured step's bf16 gradients exist before the mark
-        p.grad = torch.randn(n).to(torch.bfloat16) * 1e-3
+    def set_grads():
+        for p in model:
+            p.grad = torch.randn(n).to(torch.bfloat16) * 1e-3
+
+    set_grads()
+    optimizer_step()                         # AdamW state allocated
+    opt.zero_grad(set_to_none=True)
+    for p in model:
+        p.grad = None
+    set_grads()                              # the measured step's bf16 gradients exist before the mark
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = rss("VmRSS:")
-    if mode != "all_at_once":
-        master.step(opt)
-    else:
-        master.grads_to_master()
-        opt.step()
-        master.master_to_model()
+    optimizer_step()
     print(json.dumps({"mode": mode, "rise": rss("VmHWM:") - before}))
 ''')
 
