@@ -48,25 +48,33 @@ def _bench(fn) -> float:
 
 
 def _graphed(fn, capture_context=None):
-    """``fn`` captured in a CUDA graph (warm-up on a side stream first) -> the graph's replay, or None when
-    the call cannot be captured. The rollout engine replays its decode steps from graphs, so a decode call's
-    host launch cost (large against a few microseconds of GPU work at batch 1-8) is not in its step time."""
+    """``fn`` captured in a CUDA graph (warm-up on a side stream first) -> the graph's replay. The rollout
+    engine replays its decode steps from graphs, so a decode call's host launch cost (large against a few
+    microseconds of GPU work at batch 1-8) is not in its step time."""
     import contextlib
-    try:
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         fn()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with (capture_context() if capture_context else contextlib.nullcontext()), torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
-        return graph.replay
-    except Exception:  # report the row without graph timings
-        return None
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with (capture_context() if capture_context else contextlib.nullcontext()), torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def _graph_fields(ours, bases, capture_context) -> dict:
+    """graph_ours_ms / graph_base_ms / graph_ratio (the fastest baseline), or graph_error naming what could
+    not be captured (the row keeps its eager timings)."""
+    try:
+        g_ours = _bench(_graphed(ours, capture_context))
+        g_base = min(_bench(_graphed(b)) for b in bases)
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+        return {"graph_error": repr(exc)[:200]}
+    return {"graph_ours_ms": round(g_ours, 4), "graph_base_ms": round(g_base, 4), "graph_ratio": round(g_base / g_ours, 3)}
 
 
 def _sdpa(q, k, v, causal):
@@ -162,14 +170,8 @@ def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
     flash = _bench(flash_run) if flash_run is not None else None
     base = min(sdpa, flash) if flash is not None else sdpa
     # the same calls replayed from CUDA graphs, as the engine runs decode (no host launch cost in the time)
-    graph_ours = _graphed(lambda: ops.attention_paged(q, kc, vc, table, seq_lens, cu),
-                          lambda: ops.capturing_graph(max_query_len=1))
-    graph_bases = [g for g in (_graphed(run), _graphed(flash_run) if flash_run is not None else None) if g]
-    graph = {}
-    if graph_ours is not None and graph_bases:
-        g_ours, g_base = _bench(graph_ours), min(_bench(g) for g in graph_bases)
-        graph = {"graph_ours_ms": round(g_ours, 4), "graph_base_ms": round(g_base, 4),
-                 "graph_ratio": round(g_base / g_ours, 3)}
+    graph = _graph_fields(lambda: ops.attention_paged(q, kc, vc, table, seq_lens, cu),
+                          [r for r in (run, flash_run) if r is not None], lambda: ops.capturing_graph(max_query_len=1))
     nbytes = 2.0 * batch * ctx * hkv * D * 2
     return {"kind": "decode", "batch": batch, "seq": ctx, "hq": hq, "hkv": hkv, "page": page,
             "baseline": f"sdpa-{backend}" + ("" if flash is None else "|flash-varlen"),
