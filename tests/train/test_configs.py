@@ -29,3 +29,13 @@ def test_on_off_values_stay_strings_on_the_command_line_and_in_files(tmp_path, v
     cfg = load_config(TrainConfig, path)
     assert (cfg.rollout.decode_graphs, cfg.rollout.overlap) == (value, value)
     assert load_config(TrainConfig, None, ["run.resume=true"]).run.resume is True
+
+
+def test_config_yaml_has_only_the_1_2_booleans():
+    """Every YAML 1.1 boolean spelling other than true/false stays a string (the class of the on/off bug)."""
+    from rlalign.configlib import load_yaml
+    for word in ("on", "off", "On", "OFF", "yes", "no", "Yes", "NO", "y", "n", "Y", "N"):
+        assert load_yaml(f"k: {word}") == {"k": word}, word
+    for word, value in (("true", True), ("True", True), ("TRUE", True), ("false", False), ("False", False),
+                        ("FALSE", False)):
+        assert load_yaml(f"k: {word}") == {"k": value}, word
