@@ -5,6 +5,7 @@
     python scripts/make_qwen3_8b.py /tmp/q8b --layers 6       # the depth cut (bench shapes)
     python scripts/make_qwen3_8b.py /tmp/q8b --config-only    # config.json + tokenizer, no weights (budgets)
     python scripts/make_qwen3_8b.py /tmp/t --test-body --vocab 2000   # tests: toy body, same tokenizer scheme
+    python scripts/make_qwen3_8b.py /tmp/t --test-body --hidden 256   # a wider toy body (lr-vs-width studies)
 
 The body is Qwen3-8B's (hidden 4096, 32 q / 8 kv heads, head_dim 128, intermediate 12288, untied
 LM head, rope theta 1e6); weights N(0, 0.02), norms 1 (CausalLM.init_random_), written in bf16
@@ -52,13 +53,22 @@ def full_vocab_tokenizer(vocab_size: int) -> dict:
     return _moe_kit.full_vocab_tokenizer(DEFAULT_MODEL_DIR, vocab_size)
 
 
-def hf_config(layers: int, vocab: int, test_body: bool) -> dict:
+def toy_body(hidden: int) -> dict:
+    """The toy body at ``hidden`` (64: TEST_BODY): intermediate 3 x hidden, heads of 16 (hidden / 16 query,
+    hidden / 32 key-value), the 8B's ratios of neither but its layer structure, for width-scaling studies."""
+    if hidden % 32:
+        raise SystemExit(f"--hidden {hidden}: must be a multiple of 32 (heads of 16, 2 query heads per kv head)")
+    return dict(hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=hidden // 16,
+                num_key_value_heads=hidden // 32, head_dim=16)
+
+
+def hf_config(layers: int, vocab: int, test_body: bool, hidden: int = TEST_BODY["hidden_size"]) -> dict:
     default = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     cfg = dict(PRESETS["qwen3-8b"], num_hidden_layers=layers, vocab_size=vocab, torch_dtype="bfloat16")
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         cfg[key] = default[key]
     if test_body:
-        cfg.update(TEST_BODY, max_position_embeddings=4096)
+        cfg.update(toy_body(hidden), max_position_embeddings=4096)
     return cfg
 
 
@@ -82,11 +92,15 @@ def main(argv=None) -> int:
     p.add_argument("--shard-gib", type=float, default=2.0, help="safetensors shard size (default 2 GiB)")
     p.add_argument("--config-only", action="store_true", help="config.json and the tokenizer, no weights")
     p.add_argument("--test-body", action="store_true", help="a toy body (hidden 64) for tests; same tokenizer")
+    p.add_argument("--hidden", type=int, default=TEST_BODY["hidden_size"],
+                   help="with --test-body: the toy body's width (default 64; see toy_body)")
     args = p.parse_args(argv)
     if args.layers < 1:
         p.error("--layers must be >= 1")
+    if args.hidden != TEST_BODY["hidden_size"] and not args.test_body:
+        p.error("--hidden sets the toy body's width: use it with --test-body")
     out = Path(args.out)
-    cfg = hf_config(args.layers, args.vocab, args.test_body)
+    cfg = hf_config(args.layers, args.vocab, args.test_body, args.hidden)
     if args.config_only:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg, indent=1))
