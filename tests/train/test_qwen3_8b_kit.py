@@ -65,6 +65,18 @@ def test_checkpoint_is_bf16_qwen3_8b_shaped_except_the_test_body(toy_8b):
     assert abs(budget.parameter_count(ModelConfig.from_hf_dict(full)) - 8.19e9) < 0.01e9
 
 
+def test_hidden_widens_only_the_toy_body(tmp_path):
+    assert kit.toy_body(64) == kit.TEST_BODY
+    wide = kit.hf_config(2, 3000, test_body=True, hidden=256)
+    assert (wide["hidden_size"], wide["intermediate_size"], wide["num_attention_heads"], wide["num_key_value_heads"],
+            wide["head_dim"]) == (256, 768, 16, 8, 16)
+    ModelConfig.from_hf_dict(wide)   # a valid model
+    with pytest.raises(SystemExit):
+        kit.toy_body(48)             # heads of 16, two query heads per kv head
+    with pytest.raises(SystemExit):
+        kit.main([str(tmp_path / "x"), "--hidden", "256", "--config-only"])   # a width for the 8B body: refused
+
+
 def test_config_runs_two_strict_steps_on_the_toy_body(toy_8b, tmp_path):
     run = tmp_path / "run"
     args = ["train", str(CONFIG), f"model.path={toy_8b}", "model.device=cpu", f"run.dir={run}", "run.steps=2",
