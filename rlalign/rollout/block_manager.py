@@ -136,6 +136,13 @@ class BlockManager:
         self.cow_copies += len(copies)
         return copies
 
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` new private pages (ref 1), or None (nothing changed) when fewer are available: the
+        pages of a decode step's sequences whose new token starts a page (the scheduler appends them)."""
+        if count > self.num_free:
+            return None
+        return [self._allocate() for _ in range(count)]
+
     def fork(self, table: list[int]) -> list[int]:
         """A new block table sharing every page of ``table``."""
         for page in table:

@@ -169,18 +169,20 @@ class Scheduler:
         short = np.flatnonzero(np.cumsum(grow[:k]) > self.blocks.num_free)
         if short.size:
             k = int(short[0])
-        self._grow_tables(slots[:k], starts[:k], grow[:k])
+        self._grow_tables(slots[:k], grow[:k])
         return k, starts[:k]
 
-    def _grow_tables(self, slots: np.ndarray, starts: np.ndarray, grow: np.ndarray) -> None:
-        """A new page for each sequence (of ``slots``) whose token at ``starts`` begins one (the pages are free)."""
+    def _grow_tables(self, slots: np.ndarray, grow: np.ndarray) -> None:
+        """A new page at the end of the table of each sequence of ``slots`` where ``grow`` (its next token
+        starts a page; the caller checked that enough pages are free)."""
         rows = np.flatnonzero(grow)
         if not rows.size:
             return
-        owners, new_pages = self.slots.owner[slots[rows]].tolist(), []
-        for seq, start in zip(owners, starts[rows].tolist()):
-            self.blocks.append(seq.block_table, start, start + 1, 0)
-            new_pages.append(seq.block_table[-1])
+        new_pages = self.blocks.allocate(rows.size)
+        if new_pages is None:
+            raise RuntimeError("internal: the scheduler counted free pages that are not there")
+        for seq, page in zip(self.slots.owner[slots[rows]].tolist(), new_pages):
+            seq.block_table.append(page)
         self.slots.push_pages(slots[rows], np.asarray(new_pages, np.int32))
 
     def _admit(self, budget: int, rows: list, copies: list) -> None:
@@ -315,7 +317,7 @@ class Scheduler:
             return None   # copy-on-write of a shared page: not a plain continuation
         if int(grow.sum()) > self.blocks.num_free:
             return None
-        self._grow_tables(slots, starts, grow)
+        self._grow_tables(slots, grow)
         return SchedulerOutput(list(self.running), slots.copy(), starts, np.ones(slots.size, np.int64), [], [])
 
     def _seats_full(self) -> bool:
