@@ -18,10 +18,13 @@ in the strict profile a row does not depend on the batch, the chunking or the pa
 engine's logprobs equal the trainer's bit for bit, and the tokens do not depend on any engine setting.
 
 A step is launched (forward and sampling queued, results on their way to the host) and then completed
-(the one wait for the device, tokens appended, stops checked). With ``RolloutConfig.overlap`` the next
-decode step is launched between the two halves, its input ids the running step's tokens copied on the
-device (:meth:`RolloutEngine._launch_continuation`; docs/rollout.md, "Overlapped scheduling"); rows do
-not depend on each other, so this changes no bit.
+(the one wait for the device, tokens appended, stops checked). The per-sequence state a step reads and
+writes lives in the scheduler's :class:`rlalign.rollout.slots.SlotTable` (one row per running sequence), so
+a decode step's host work is array operations over its rows plus Python for the sequences that change
+(a page fills, a sample may stop, a leader forks); ``step()`` still returns one StepOutput per token.
+With ``RolloutConfig.overlap`` the next decode step is launched between the two halves, its input ids the
+running step's tokens copied on the device (:meth:`RolloutEngine._launch_continuation`; docs/rollout.md,
+"Overlapped scheduling"); rows do not depend on each other, so this changes no bit.
 
 With ``RolloutConfig.record_routing`` (MoE models) the forward also yields each row's expert ids
 [rows, sparse layers, k]; they are stored by KV slot once per step (:mod:`rlalign.rollout.routing`) and a
@@ -415,8 +418,8 @@ class RolloutEngine:
         graphs.run(decode, sampler, prev_tokens=prev_tokens)
         results = Readback(pack_results(graphs.tokens, graphs.logprobs, graphs.verdicts))
         routing = None if self.routing is None else (decode.slots, Readback(graphs.routing))
-        return _Launched(plan, plan.seqs, plan.slots, sampler.positions, results, graphs.verdict_messages, routing, info,
-                         device_tokens=graphs.tokens, events=self._replay_events(graphs.replays - 1))
+        return _Launched(plan, plan.seqs, plan.slots, sampler.positions, results, graphs.verdict_messages, routing,
+                         info, device_tokens=graphs.tokens, events=self._replay_events(graphs.replays - 1))
 
     def _replay_events(self, replays_before: int) -> tuple | None:
         """The CUDA events around the graph replay of the step just launched (DecodeGraphs.time_replays;

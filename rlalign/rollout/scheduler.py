@@ -13,6 +13,12 @@ Policy, per step, with a token budget ``max_num_batched_tokens``:
    admitted sequence first takes the cached pages of its longest cached full-page prefix
    (never its last token: that row must be computed to sample from it).
 
+Running sequences hold a slot of :class:`rlalign.rollout.slots.SlotTable` (their counters, tokens and
+page table as arrays; ``running_slots`` lists them in running order). The leading running sequences
+that each feed one decode token into a page they hold alone, or into a new page, are planned with array
+operations (the usual step: all of them); the rest go through the per-sequence policy above. Plans are
+columns (:class:`SchedulerOutput`: seqs, slots, starts, lengths).
+
 The scheduler never influences a token or a logprob: those depend on the sequence's own tokens
 and its (seed, position) only.
 """

@@ -121,13 +121,18 @@ class Sequence:
     def page_digests(self, page_size: int, count: int) -> list[bytes]:
         """Digests of the first ``count`` full pages of tokens: d_i = blake2b-128(d_{i-1} || int64 tokens of page i),
         d_{-1} = b"". Equal digests mean equal token prefixes (up to a 2**-128 collision)."""
-        tokens = self.tokens if len(self._digests) < count else None
         while len(self._digests) < count:
             i = len(self._digests)
             prev = self._digests[-1] if i else b""
-            page = array("q", tokens[i * page_size:(i + 1) * page_size]).tobytes()
+            page = self._page_bytes(i * page_size, (i + 1) * page_size)
             self._digests.append(hashlib.blake2b(prev + page, digest_size=16).digest())
         return self._digests[:count]
+
+    def _page_bytes(self, start: int, end: int) -> bytes:
+        """tokens[start:end] as int64 bytes (native order), read from the slot while the sequence runs."""
+        if self.slot is not None:
+            return self.slot_table.tokens[self.slot, start:end].tobytes()
+        return array("q", self._tokens[start:end]).tobytes()
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request.request_id}/{self.sample_index}, {self.status.value}, "

@@ -4,7 +4,6 @@ give the same completions when they do not). The slot table's own operations: te
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
