@@ -66,7 +66,6 @@ class _SharedSettings:
     """The distinct values the requests in flight hold (one element each in the usual case)."""
     weights_versions: set[int]
     sampling: set[tuple[float, int, float]]      # (temperature, top_k, top_p)
-    stop_token_ids: set[frozenset[int]]
     limits: set[tuple[int, bool]]                # (max_new_tokens, has stop strings)
     score_temperatures: set[float]               # logprob temperatures (a decode graph samples with one)
     filtered: bool                               # whether a request filters (top-k < V or top-p < 1, T > 0)
@@ -650,7 +649,6 @@ class RolloutEngine:
             self._shared = _SharedSettings(
                 weights_versions={r.weights_version for r in requests},
                 sampling=sampling,
-                stop_token_ids={r.stop_token_ids for r in requests},
                 limits={(r.sampling.max_new_tokens, bool(r.sampling.stop)) for r in requests},
                 score_temperatures={ops.logprob_temperature(t) for t, _, _ in sampling},
                 filtered=any(t > 0 and (0 < k < vocab or p < 1) for t, k, p in sampling))
@@ -688,16 +686,14 @@ class RolloutEngine:
     def _stop_candidates(self, slots: np.ndarray, new_len: np.ndarray, tokens: np.ndarray) -> list[int]:
         """Indices (ascending) of the sequences (in ``slots``) that may end with this step's ``tokens``
         (appended after this call, bringing them to ``new_len`` tokens): :meth:`_check_stop` decides for
-        these, every other one goes on. One array test when every request in flight shares its stop
-        tokens and has no stop strings (length limits are per slot); every sequence otherwise."""
-        shared = self._shared_settings()
-        stop_sets = shared.stop_token_ids
-        if len(stop_sets) != 1 or any(has_strings for _, has_strings in shared.limits):
+        these, every other one goes on. One array test on the slots' own stop ids and length limits
+        (requests may differ in both); every sequence while a request with stop strings is in flight
+        (only decoding tells)."""
+        if any(has_strings for _, has_strings in self._shared_settings().limits):
             return list(range(slots.size))
-        (stop_ids,) = stop_sets
-        may = new_len >= np.minimum(self.scheduler.slots.length_limit[slots], self.max_model_len)
-        if stop_ids:
-            may |= np.isin(tokens, np.fromiter(stop_ids, np.int64, len(stop_ids)))
+        table = self.scheduler.slots
+        may = new_len >= np.minimum(table.length_limit[slots], self.max_model_len)
+        may |= table.hits_stop(slots, tokens)
         return np.flatnonzero(may).tolist()
 
     def _finish(self, seqs: list[Sequence]) -> None:

@@ -13,7 +13,8 @@ The :class:`SlotTable` (owned by the scheduler) holds, for the sequence in slot 
   ``Sequence.block_table`` stays the block manager's, and every change to it is mirrored here with
   :meth:`set_pages` or :meth:`push_pages`);
 - what never changes while it runs: ``seed``, ``length_limit`` (prompt + max_new_tokens),
-  ``temperature`` / ``top_k`` / ``top_p``, and its identity for the step outputs.
+  ``temperature`` / ``top_k`` / ``top_p``, ``stop_ids[s]`` its request's stop token ids (ascending, -1
+  past them: a whole step's stop test is one comparison), and its identity for the step outputs.
 
 A sequence takes a slot when it starts running (:meth:`assign` copies its tokens in) and gives it back
 when it stops (finished, aborted, preempted: :meth:`release` writes the slot back into the Sequence).
@@ -46,6 +47,7 @@ class SlotTable:
         self.tokens = np.zeros((capacity, token_width), np.int64)
         self.logprobs = np.zeros((capacity, token_width), np.float32)
         self.pages = np.zeros((capacity, page_width), np.int32)
+        self.stop_ids = np.full((capacity, 0), -1, np.int64)
         self._free = list(range(capacity - 1, -1, -1))             # pop() hands out the lowest slot
 
     @property
@@ -74,6 +76,10 @@ class SlotTable:
         sampling = seq.request.sampling
         self.seed[s], self.length_limit[s] = seq.seed, prompt + sampling.max_new_tokens
         self.temperature[s], self.top_k[s], self.top_p[s] = sampling.temperature, sampling.top_k, sampling.top_p
+        stops = sorted(seq.request.stop_token_ids)
+        if len(stops) > self.stop_ids.shape[1]:
+            self.stop_ids = _widen(self.stop_ids, len(stops), fill=-1)
+        self.stop_ids[s, :len(stops)] = stops
         self.owner[s], self.request_id[s] = seq, seq.request.request_id
         self.prompt_index[s], self.sample_index[s] = seq.request.prompt_index, seq.sample_index
         seq.slot, seq.slot_table = s, self
@@ -87,6 +93,7 @@ class SlotTable:
         seq._num_computed, seq._num_registered_pages = int(self.num_computed[s]), int(self.num_registered[s])
         self.pages[s, :self.num_pages[s]] = 0
         self.num_pages[s] = 0
+        self.stop_ids[s] = -1
         self.owner[s] = self.request_id[s] = None
         seq.slot = None
         self._free.append(s)
@@ -131,6 +138,12 @@ class SlotTable:
 
     # ---- a step's results -----------------------------------------------------------------------
 
+    def hits_stop(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """bool [n]: whether ``tokens[i]`` is one of the stop token ids of the sequence in ``slots[i]``."""
+        if not self.stop_ids.shape[1]:
+            return np.zeros(slots.size, bool)
+        return (self.stop_ids[slots] == tokens[:, None]).any(axis=1)
+
     def append(self, slots: np.ndarray, positions: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
         """Each of ``slots`` gets ``tokens[i]`` (logprob ``logprobs[i]``) at ``positions[i]`` = its token count."""
         if slots.size:
@@ -157,16 +170,16 @@ class SlotTable:
             grown = np.full(capacity, None, dtype=object) if array.dtype == object else np.zeros(capacity, array.dtype)
             grown[:old] = array
             setattr(self, name, grown)
-        for name in ("tokens", "logprobs", "pages"):
+        for name in ("tokens", "logprobs", "pages", "stop_ids"):
             array = getattr(self, name)
-            grown = np.zeros((capacity, array.shape[1]), array.dtype)
+            grown = np.full((capacity, array.shape[1]), -1 if name == "stop_ids" else 0, array.dtype)
             grown[:old] = array
             setattr(self, name, grown)
         self._free = list(range(capacity - 1, old - 1, -1)) + self._free
 
 
-def _widen(array: np.ndarray, width: int) -> np.ndarray:
-    grown = np.zeros((array.shape[0], width), array.dtype)
+def _widen(array: np.ndarray, width: int, fill: int = 0) -> np.ndarray:
+    grown = np.full((array.shape[0], width), fill, array.dtype)
     grown[:, :array.shape[1]] = array
     return grown
 

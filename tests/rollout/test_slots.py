@@ -34,7 +34,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["enter", "leave", "append", "table", "
 
 def _sequence(k: int, prompt: list[int]) -> Sequence:
     request = Request(str(k), k, prompt, None, Params(n=1, max_new_tokens=5 + k % 3, temperature=0.5 + k % 2,
-                                                      top_k=k % 4, top_p=0.9), 0, frozenset())
+                                                      top_k=k % 4, top_p=0.9), 0, frozenset(range(7, 7 + 3 * (k % 4), 3)))
     seq = Sequence(request, 0, 1000 + k, prompt)
     request.seqs = [seq]
     return seq
@@ -54,6 +54,11 @@ def _check_table(table: SlotTable, running: dict[int, Sequence], model: dict[int
                                f"{want[tuple(diff[0])]}"
     for k, seq in running.items():
         assert table.owner[seq.slot] is seq and seq.num_tokens == len(model[k]["tokens"])
+        stops = sorted(seq.request.stop_token_ids)
+        assert table.stop_ids[seq.slot].tolist() == stops + [-1] * (table.stop_ids.shape[1] - len(stops))
+        probe = np.arange(20, dtype=np.int64)
+        hits = table.hits_stop(np.full(20, seq.slot, np.int64), probe)
+        assert hits.tolist() == [t in seq.request.stop_token_ids for t in range(20)], f"sequence {k}: stop ids"
         assert seq.tokens == model[k]["tokens"], f"sequence {k}: tokens"
         assert_bitwise_equal(torch.tensor(seq.logprobs, dtype=torch.float32),
                              torch.tensor(model[k]["logprobs"], dtype=torch.float32), f"sequence {k}: logprobs")
