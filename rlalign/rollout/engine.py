@@ -99,7 +99,7 @@ class _Launched:
 
     def mark_dead(self, slots: list[int]) -> None:
         """The rows of the sequences in ``slots`` (finished or aborted) are dropped."""
-        hit = np.isin(self.slots, np.asarray(slots, np.int64))
+        hit = _member(self.slots, slots)
         self.dead = hit if self.dead is None else self.dead | hit
 
     @property
@@ -401,7 +401,7 @@ class RolloutEngine:
             decode = HostDecode(np.zeros(count, np.int64), starts, table, seq_lens, slots)  # ids: from the device
             info = dict(decode=True, rows=count, context_tokens=int(seq_lens.sum()))
             sampler = self._host_sampler(seq_slots, starts + 1)
-            src_rows = np.arange(count) if live is None else np.flatnonzero(live)
+            src_rows = np.arange(count) if live is None else live.nonzero()[0]
             launched = self._launch_graph(plan, decode, sampler, info, (prev.device_tokens, src_rows))
         launched.marked = False   # its chunks are marked computed once prev's tokens are appended
         launched.seconds = time.perf_counter() - t0
@@ -439,7 +439,7 @@ class RolloutEngine:
         if len(self._shared_settings().score_temperatures) != 1 or self.scheduler.forking_leaders():
             return None
         totals = self.scheduler.slots.num_tokens[plan.slots]
-        if not np.array_equal(ends, totals):
+        if not (ends == totals).all():
             return None
         return self._host_sampler(plan.slots, totals)
 
@@ -574,7 +574,7 @@ class RolloutEngine:
         count, ps, table_of = len(plan.seqs), self.page_size, self.scheduler.slots
         starts, lengths, seq_slots = plan.starts, plan.lengths, plan.slots
         cu = np.zeros(count + 1, np.int64)
-        np.cumsum(lengths, out=cu[1:])
+        lengths.cumsum(out=cu[1:])
         if cu[-1] == count:  # decode-only step: one token each, at its start
             positions, owner = starts, np.arange(count)
         else:
@@ -593,13 +593,13 @@ class RolloutEngine:
         each chunk's start + length (a chunk samples when it ends at its sequence's last token)."""
         count = len(plan.seqs)
         totals = self.scheduler.slots.num_tokens[plan.slots]
-        picked = np.flatnonzero(ends == totals)
+        picked = (ends == totals).nonzero()[0]
         seqs = plan.seqs if picked.size == count else list(map(plan.seqs.__getitem__, picked.tolist()))
         rows, positions, slots = cu[1:][picked] - 1, totals[picked], plan.slots[picked]   # a chunk's last row
         leaders = self.scheduler.forking_leaders()
         if not leaders:
             return rows, positions, seqs, slots
-        forking = np.flatnonzero(np.isin(slots, np.fromiter((s.slot for s in leaders), np.int64, len(leaders))))
+        forking = _member(slots, [s.slot for s in leaders]).nonzero()[0]
         if not forking.size:
             return rows, positions, seqs, slots
         # each forking leader's siblings right after it: take[i] = the sampled row that result row i uses
@@ -694,7 +694,7 @@ class RolloutEngine:
         table = self.scheduler.slots
         may = new_len >= np.minimum(table.length_limit[slots], self.max_model_len)
         may |= table.hits_stop(slots, tokens)
-        return np.flatnonzero(may).tolist()
+        return may.nonzero()[0].tolist()
 
     def _finish(self, seqs: list[Sequence]) -> None:
         """Free the sequences' pages and slots; with record_routing, first gather their computed rows'
@@ -825,3 +825,13 @@ class RolloutEngine:
 
 def _prompt_key(ids: list[int]) -> int:
     return prompt_key(ids)
+
+
+def _member(values: np.ndarray, members: list[int]) -> np.ndarray:
+    """bool [n]: whether each of ``values`` (small non-negative ints: slots) is one of ``members`` (a mask
+    lookup; np.isin sorts both)."""
+    if not values.size or not members:
+        return np.zeros(values.shape, bool)
+    mask = np.zeros(max(int(values.max()), max(members)) + 1, bool)
+    mask[members] = True
+    return mask[values]

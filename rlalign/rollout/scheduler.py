@@ -171,8 +171,8 @@ class Scheduler:
         held_alone = np.zeros(slots.size, bool)
         held_alone[inside] = self.blocks.ref_counts[table.pages[slots[inside], page[inside]]] == 1
         plain = (table.num_tokens[slots] - starts == 1) & (grow | held_alone)
-        k = min(slots.size if plain.all() else int(np.argmin(plain)), budget)
-        short = np.flatnonzero(np.cumsum(grow[:k]) > self.blocks.num_free)
+        k = min(slots.size if plain.all() else int(plain.argmin()), budget)
+        short = (grow[:k].cumsum() > self.blocks.num_free).nonzero()[0]
         if short.size:
             k = int(short[0])
         self._grow_tables(slots[:k], grow[:k])
@@ -181,7 +181,7 @@ class Scheduler:
     def _grow_tables(self, slots: np.ndarray, grow: np.ndarray) -> None:
         """A new page at the end of the table of each sequence of ``slots`` where ``grow`` (its next token
         starts a page; the caller checked that enough pages are free)."""
-        rows = np.flatnonzero(grow)
+        rows = grow.nonzero()[0]
         if not rows.size:
             return
         new_pages = self.blocks.allocate(rows.size)
@@ -274,7 +274,7 @@ class Scheduler:
             return
         ps = self.blocks.page_size
         full = ends // ps
-        for r in np.flatnonzero(full > self.slots.num_registered[out.slots]).tolist():
+        for r in (full > self.slots.num_registered[out.slots]).nonzero()[0].tolist():
             seq, count = out.seqs[r], int(full[r])
             digests = seq.page_digests(ps, count)
             for b in range(seq.num_registered_pages, count):
@@ -310,16 +310,16 @@ class Scheduler:
             return None
         if self.waiting and slots.size < budget and not self._seats_full():
             return None   # schedule() would admit (or try to): a serial step
-        if not np.array_equal(slots, self.running_slots):
+        if not (slots == self.running_slots).all():
             return None
         table, ps = self.slots, self.blocks.page_size
         starts = table.num_computed[slots]
         page, num_pages = starts // ps, table.num_pages[slots]
         grow = page == num_pages
-        if np.any(table.num_tokens[slots] != starts) or np.any(page > num_pages):
+        if (table.num_tokens[slots] != starts).any() or (page > num_pages).any():
             return None
         inside = ~grow
-        if np.any(self.blocks.ref_counts[table.pages[slots[inside], page[inside]]] != 1):
+        if (self.blocks.ref_counts[table.pages[slots[inside], page[inside]]] != 1).any():
             return None   # copy-on-write of a shared page: not a plain continuation
         if int(grow.sum()) > self.blocks.num_free:
             return None
@@ -350,7 +350,9 @@ class Scheduler:
             self._leaders.discard(seq)
             seq.status = SeqStatus.FINISHED
         if gone_slots:
-            keep = ~np.isin(self.running_slots, np.asarray(gone_slots, np.int64))
+            gone = np.zeros(self.slots.capacity, bool)
+            gone[gone_slots] = True
+            keep = ~gone[self.running_slots]
             self.running = list(itertools.compress(self.running, keep.tolist()))
             self.running_slots = self.running_slots[keep]
         if queued:
