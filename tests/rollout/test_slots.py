@@ -5,10 +5,14 @@ changing, growth of every dimension from size 1) against a plain per-sequence mo
 Engine: its completions against ``rlalign.models.generate`` -- a plain per-sequence loop over the same op,
 no engine state -- bit for bit, over workloads where many samples end at the same step, stop tokens
 coincide with the length limit, samples share prefixes, the KV cache is small enough to preempt, and
-overlapped scheduling is on or off; and the per-token step() outputs built from the slot columns.
+overlapped scheduling is on or off; the per-token step() outputs built from the slot columns; and the
+lines of Python a steady decode step runs in the rollout package: the same for 4 and 48 sequences.
 """
 
 from __future__ import annotations
+
+import collections
+import sys
 
 import numpy as np
 import pytest
@@ -214,3 +218,53 @@ def test_step_outputs_are_built_from_the_slot_columns(model, overlap):
         assert_bitwise_equal(torch.tensor([lp for _, lp in streams[key]], dtype=torch.float32),
                              torch.tensor(completion.logprobs, dtype=torch.float32), f"{key}: streamed logprobs")
         assert all(type(t) is int and type(lp) is float for t, lp in streams[key]), key
+
+
+# ---- a decode step's Python does not grow with the number of sequences ---------------------------
+
+
+def _rollout_lines_of_one_decode_step(model, count: int, graphs: str, overlap: str) -> collections.Counter:
+    """Lines of Python executed in rlalign/rollout/, per function, during one steady decode step of ``count``
+    sequences (no page fills: 64-token pages, 3-token prompts; no prefix caching; no sample ends), as
+    generate() runs it. A loop's body counts once per iteration, comprehensions and generators included."""
+    engine = RolloutEngine(model, RolloutConfig(page_size=64, num_pages=4 * count, max_num_seqs=count,
+                                                enable_prefix_caching=False, decode_graphs=graphs, overlap=overlap,
+                                                decode_graph_max_batch=64))
+    sampling = SamplingParams(max_new_tokens=30, seed=1, ignore_eos=True)
+    for i in range(count):
+        engine.add_request([3 + i % 50, 7, 9], sampling, prompt_index=i)
+    lines: collections.Counter = collections.Counter()
+
+    def in_frame(frame, event, arg):
+        if event == "line":
+            lines[f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"] += 1
+        return in_frame
+
+    def on_call(frame, event, arg):
+        code = frame.f_code
+        if "rlalign/rollout/" not in code.co_filename:
+            return None
+        if code.co_filename.endswith("decode_graphs.py") and code.co_name == "<genexpr>":
+            return None   # DecodeGraphs.bucket / width walk the bucket lists: O(buckets), not O(sequences)
+        return in_frame
+
+    with torch.no_grad():
+        for _ in range(4):   # prefill, then decode steps (with overlap: one in flight)
+            engine._step(emit_unfinished=False)
+        sys.settrace(on_call)
+        try:
+            outputs = engine._step(emit_unfinished=False)
+        finally:
+            sys.settrace(None)
+    assert outputs == [] and engine.last_forward["decode"] and engine.last_forward["rows"] == count
+    engine.abort_all()
+    return lines
+
+
+@pytest.mark.parametrize("graphs,overlap", [("off", "off"), ("padded", "off"), ("padded", "on")])
+def test_a_decode_steps_python_does_not_grow_with_the_sequences(model, graphs, overlap):
+    few = _rollout_lines_of_one_decode_step(model, 4, graphs, overlap)
+    many = _rollout_lines_of_one_decode_step(model, 48, graphs, overlap)
+    grown = {name: (few[name], many[name]) for name in set(few) | set(many) if few[name] != many[name]}
+    assert not grown, f"rollout Python lines run per step, 4 vs 48 sequences, where they differ: {grown}"
+    assert sum(few.values()) > 50   # the step was traced
