@@ -251,11 +251,12 @@ def _rollout_lines_of_one_decode_step(model, count: int, graphs: str, overlap: s
     with torch.no_grad():
         for _ in range(4):   # prefill, then decode steps (with overlap: one in flight)
             engine._step(emit_unfinished=False)
+        previous = sys.gettrace()   # e.g. a coverage tracer: put back afterwards
         sys.settrace(on_call)
         try:
             outputs = engine._step(emit_unfinished=False)
         finally:
-            sys.settrace(None)
+            sys.settrace(previous)
     assert outputs == [] and engine.last_forward["decode"] and engine.last_forward["rows"] == count
     engine.abort_all()
     return lines
