@@ -33,6 +33,7 @@ finished sample's rows are gathered into ``Completion.routing``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -146,6 +147,7 @@ class RolloutEngine:
         self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._requests: dict[str, Request] = {}
         self._shared: _SharedSettings | None = None   # of the requests in flight; None: recompute
+        self._settings_in_flight: collections.Counter = collections.Counter()   # _request_settings -> requests
         self._request_counter = itertools.count()
         self._weights_broken = False
         self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0,
@@ -252,7 +254,7 @@ class RolloutEngine:
         key = prompt_index if sampling.seed_by == "index" else _prompt_key(ids)
         request.seqs = [Sequence(request, j, derive_seed(sampling.seed, key, j), ids) for j in range(sampling.n)]
         self._requests[request_id] = request
-        self._shared = None
+        self._count_settings(request, +1)
         if self.config.share_prefix and sampling.n > 1:
             request.pending_forks = request.seqs[1:]
             for seq in request.pending_forks:
@@ -640,19 +642,35 @@ class RolloutEngine:
         return table.temperature[slots].tolist(), table.top_k[slots].tolist(), table.top_p[slots].tolist()
 
     def _shared_settings(self) -> "_SharedSettings":
-        """What the requests in flight set (distinct values), recomputed only when a request enters or
-        leaves: the per-step code reads one value instead of one per sequence when they agree."""
+        """What the requests in flight set (distinct values), recomputed only when a combination of settings
+        appears or disappears (:meth:`_count_settings`), from those combinations: the per-step code reads
+        one value instead of one per sequence when they agree, and a request entering or leaving costs
+        O(1), not a pass over the requests in flight."""
         if self._shared is None:
-            requests = self._requests.values()
-            sampling = {(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in requests}
+            combos = list(self._settings_in_flight)
+            sampling = {combo[1] for combo in combos}
             vocab = self.model.config.vocab_size
             self._shared = _SharedSettings(
-                weights_versions={r.weights_version for r in requests},
+                weights_versions={combo[0] for combo in combos},
                 sampling=sampling,
-                limits={(r.sampling.max_new_tokens, bool(r.sampling.stop)) for r in requests},
+                limits={combo[2] for combo in combos},
                 score_temperatures={ops.logprob_temperature(t) for t, _, _ in sampling},
                 filtered=any(t > 0 and (0 < k < vocab or p < 1) for t, k, p in sampling))
         return self._shared
+
+    def _count_settings(self, request: Request, change: int) -> None:
+        """A request enters (+1) or leaves (-1) the requests in flight; the shared view is recomputed when
+        its combination of settings appears or disappears."""
+        sampling = request.sampling
+        combo = (request.weights_version, (sampling.temperature, sampling.top_k, sampling.top_p),
+                 (sampling.max_new_tokens, bool(sampling.stop)))
+        counts = self._settings_in_flight
+        counts[combo] += change
+        if counts[combo] == 0:
+            del counts[combo]
+            self._shared = None
+        elif counts[combo] == change:   # first of its kind
+            self._shared = None
 
     def _append(self, seqs: list[Sequence], slots: np.ndarray, positions: np.ndarray, tokens: np.ndarray | None,
                 logprobs: np.ndarray | None, emit_unfinished: bool = True) -> list[StepOutput]:
@@ -741,9 +759,8 @@ class RolloutEngine:
             text=self.tokenizer.decode(seq.output_tokens) if self.tokenizer is not None else None,
             num_preemptions=seq.num_preemptions, routing=seq.routing)
         seq.status = SeqStatus.FINISHED
-        if request.finished:
-            self._requests.pop(request.request_id, None)
-            self._shared = None
+        if request.finished and self._requests.pop(request.request_id, None) is not None:
+            self._count_settings(request, -1)
         return StepOutput(request.request_id, request.prompt_index, seq.sample_index, token, logprob, True, completion)
 
     # ---- batch API -----------------------------------------------------------------------------
