@@ -158,8 +158,8 @@ def run_row(rows: list, group: Group, device, args, kind: str, size: dict, nbyte
     try:
         out = fixed()
         equal = bits_differ(out, reference()) == 0
-        row["fixed_equals_reference"] = all(int(x) for x in gather_ranks(torch.tensor([int(equal)], dtype=torch.int32, device=device), group)) \
-            and (not replicated or same_on_every_rank(out, group))
+        flags = gather_ranks(torch.tensor([int(equal)], dtype=torch.int32, device=device), group)
+        row["fixed_equals_reference"] = all(int(f) for f in flags) and (not replicated or same_on_every_rank(out, group))
         row["fixed"] = timed(fixed, group, device, args.warmup, args.iters)
         row["fixed"]["algbw_gb_s"] = nbytes / row["fixed"]["median_s"] / 1e9
     except Exception as exc:  # noqa: BLE001 -- a row that cannot run says why, the others still run
