@@ -19,7 +19,8 @@ What a strict step moves (rlalign/distributed, docs/distributed.md):
   ``library_reduce_scatter`` (the strict code uses no library reduce-scatter: the all-to-all + tree is its
   deterministic replacement), buckets of 2^20 .. 2^28 fp32 elements.
 
-Each row: median and min seconds over ``--iters`` timed calls (after ``--warmup``; every call starts after a
+``collectives.json`` is rewritten after each group size (``"complete": false`` until the end). Each row: median
+and min seconds over ``--iters`` timed calls (after ``--warmup``; every call starts after a
 barrier and ends with a device sync, rank 0's clock), the bytes of the logical result, algorithm bandwidth
 (result bytes / median) and ``ratio`` = fixed / library time. Every fixed result is also checked: equal on
 every rank to the tree merge of the inputs computed locally, and for the all-reduces the same bits on every
@@ -227,6 +228,8 @@ def worker(world: Group, args) -> list | None:
             group = Group(pg, world.rank, size)
             tp_rows(rows, group, device, args)
             dp_rows(rows, group, device, args)
+        if world.rank == 0:
+            write_doc(args, rows, complete=False)   # what is done so far survives a job's time limit
         dist.barrier()
     return rows if world.rank == 0 else None
 
@@ -242,22 +245,27 @@ def environment(args) -> dict:
     return env
 
 
+def write_doc(args, rows: list, complete: bool) -> None:
+    doc = {"environment": environment(args), "iters": args.iters, "warmup": args.warmup, "group_sizes": args.sizes,
+           "wall_s": time.time() - args.started, "complete": complete, "rows": rows}
+    out = Path(args.out)
+    (out / "collectives.json.tmp").write_text(json.dumps(doc, indent=1))
+    (out / "collectives.json.tmp").replace(out / "collectives.json")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    started = time.perf_counter()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    args.started = time.time()
     rows = spawn(worker, max(args.sizes), args, backend="gloo" if args.smoke else "nccl")[0]
-    doc = {"environment": environment(args), "iters": args.iters, "warmup": args.warmup,
-           "wall_s": time.perf_counter() - started, "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "collectives.json").write_text(json.dumps(doc, indent=1))
+    write_doc(args, rows, complete=True)
     for r in rows:
         what = f"tokens {r['tokens']} {r['dtype']}" if r["kind"] == "tp_merge" else f"{r['elements']} fp32"
         lib = "library_all_reduce" if "library_all_reduce" in r else "library_reduce_scatter"
         fixed, other = r["fixed"].get("median_s"), r[lib].get("median_s")
         print(f"ranks {r['ranks']} {r['kind']:<24} {what:<22} fixed {_ms(fixed)}  {lib:<22} {_ms(other)}  "
               f"ratio {r.get('ratio', float('nan')):.2f}  checked {r.get('fixed_equals_reference')}")
-    print(f"wrote {out / 'collectives.json'}")
+    print(f"wrote {Path(args.out) / 'collectives.json'}")
     return 0 if all(r.get("fixed_equals_reference") for r in rows) else 1
 
 

@@ -18,7 +18,8 @@ same random weights (a seeded generator per parameter, on the device). Then:
    strict profile and in the native profile (cuBLAS, stock NCCL all-reduce); TP=1's times are the
    unsharded model's (the single-GPU baseline).
 
-Rank 0 writes ``gpu_tp.json`` under ``--out``: per degree ``tp{t}_vs_tp1`` (differing elements of each
+Rank 0 writes ``gpu_tp.json`` under ``--out`` (rewritten before each degree with ``"complete": false``, so
+a job cut by its time limit keeps what finished): per degree ``tp{t}_vs_tp1`` (differing elements of each
 output and gradient, worst |diff|), ``tp{t}_equals_tp1_bitwise``, ``time_tp{t}_{strict,native}``,
 ``tp{t}_strict_over_native``; ``tp1_vs_unsharded`` (log-prob and entropy must be equal: the forward at
 any degree is the rollout's); ``step_time_s`` (median per degree and profile) and ``all_degrees_equal``.
@@ -247,6 +248,8 @@ def worker(world: Group, args) -> dict | None:
     for t in args.degrees:
         if t == 1:
             continue
+        if world.rank == 0:
+            write_doc(args, report, complete=False)   # what is done so far survives a job's time limit
         if world.size > 1:
             dist.barrier()   # the ranks outside TP=t wait here while TP=t runs
         if groups[t] is not None:
@@ -314,6 +317,24 @@ def parse_args(argv):
     return args
 
 
+def write_doc(args, report: dict, complete: bool) -> dict:
+    """gpu_tp.json: environment, shape, the report so far and (complete) the per-degree verdicts and times."""
+    config = model_config(args)
+    doc = {"environment": environment(args), "model": {"shape": "qwen3-8b" if not args.smoke else "tiny qwen3",
+                                                       "layers": config.num_layers, "full_depth_layers": 36,
+                                                       "vocab": config.vocab_size,
+                                                       "dtype": "float32" if args.smoke else "bfloat16"},
+           "batch": {"seqs": args.seqs, "seq_len": args.seq_len, "tokens": args.seqs * args.seq_len},
+           "timing": {"steps": args.steps, "warmup": args.warmup}, "degrees": list(args.degrees),
+           "processes": max(args.degrees), "wall_s": time.time() - args.started, "complete": complete, **report}
+    if complete:
+        doc["summary"] = summarize(doc, args.degrees)
+    out = Path(args.out)
+    (out / "gpu_tp.json.tmp").write_text(json.dumps(doc, indent=2))
+    (out / "gpu_tp.json.tmp").replace(out / "gpu_tp.json")
+    return doc
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = model_config(args)
@@ -328,21 +349,12 @@ def main(argv=None) -> int:
         print(f"gpu_tp.py: --tp {args.tp} needs {ranks} GPUs, found {torch.cuda.device_count()} "
               "(use --smoke on a CPU)", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    args.started = time.time()
     report = spawn(worker, ranks, args, backend="gloo" if args.smoke else "nccl")[0]
-    doc = {"environment": environment(args), "model": {"shape": "qwen3-8b" if not args.smoke else "tiny qwen3",
-                                                       "layers": config.num_layers, "full_depth_layers": 36,
-                                                       "vocab": config.vocab_size,
-                                                       "dtype": "float32" if args.smoke else "bfloat16"},
-           "batch": {"seqs": args.seqs, "seq_len": args.seq_len, "tokens": args.seqs * args.seq_len},
-           "timing": {"steps": args.steps, "warmup": args.warmup}, "degrees": list(args.degrees),
-           "processes": ranks, "wall_s": time.perf_counter() - started, **report}
-    summary = summarize(doc, args.degrees)
-    (out / "gpu_tp.json").write_text(json.dumps(doc, indent=2))
-    print(json.dumps(summary))
-    print(f"wrote {out / 'gpu_tp.json'}")
+    doc = write_doc(args, report, complete=True)
+    print(json.dumps(doc["summary"]))
+    print(f"wrote {Path(args.out) / 'gpu_tp.json'}")
     return 0 if doc["all_degrees_equal"] else 1
 
 
