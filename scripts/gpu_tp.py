@@ -313,7 +313,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     args.degrees = tuple(sorted(set(parse_degrees(args.tp)) | {1}))
     if args.smoke:
-        args.seqs, args.seq_len, args.steps, args.warmup = min(args.seqs, 4), min(args.seq_len, 48), 2, 1
+        args.seqs, args.seq_len = min(args.seqs, 4), min(args.seq_len, 48)
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     return args
 
 
