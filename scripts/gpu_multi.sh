@@ -46,6 +46,8 @@ ROOT=$ROOT/rlalign-multi-$$
 mkdir -p "$ROOT"
 left() { echo $(( DEADLINE - $(elapsed) )); }
 say() { echo "[$(elapsed)s] $*" | tee -a "$SUMMARY" >> "$LOG"; }
+FAILURES=0
+fail() { FAILURES=$(( FAILURES + 1 )); say "FAILED: $*"; }
 
 # ---- the GPUs: G, their ids (CUDA_VISIBLE_DEVICES may already pick some), the degrees ----------------------
 if [ -z "${GPUS:-}" ]; then
@@ -81,7 +83,8 @@ in_stage() {
 if [ "$TP_S" -gt 0 ]; then
   say "tp: scripts/gpu_tp.py --tp $DEGREES ${TP_ARGS[*]}"
   in_stage "$(limit "$TP_S")" tp $PY scripts/gpu_tp.py --out "$ROOT/tp" --tp "$DEGREES" "${TP_ARGS[@]}"
-  say "tp: exit $? (0: every degree bitwise equal to TP=1; 1: a difference; 2: refused)"
+  rc=$?; say "tp: exit $rc (0: every degree bitwise equal to TP=1; 1: a difference; 2: refused)"
+  [ "$rc" = 0 ] || fail "tp: exit $rc"
   if [ -f "$ROOT/tp/gpu_tp.json" ]; then
     cp "$ROOT/tp/gpu_tp.json" "$OUT/gpu_tp.json"
     $PY - "$OUT/gpu_tp.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
@@ -105,7 +108,8 @@ fi
 if [ "$COLL_S" -gt 0 ]; then
   say "collectives: bench/collectives.py ${COLL_ARGS[*]}"
   in_stage "$(limit "$COLL_S")" collectives $PY bench/collectives.py --out "$ROOT/coll" "${COLL_ARGS[@]}"
-  say "collectives: exit $? (0: every fixed result checked equal to the local tree merge)"
+  rc=$?; say "collectives: exit $rc (0: every fixed result checked equal to the local tree merge)"
+  [ "$rc" = 0 ] || fail "collectives: exit $rc"
   [ -f "$ROOT/coll/collectives.json" ] && cp "$ROOT/coll/collectives.json" "$OUT/collectives.json"
   grep -E "^ranks .* tokens (1|4096|8192) |^ranks .* (1048576|268435456) " "$LOG" | tail -n 24 | sed 's/^/  /' | tee -a "$SUMMARY"
 fi
@@ -156,17 +160,21 @@ path = Path(sys.argv[1]) / "metrics.jsonl"
 rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 steps = [r for r in rows if "mismatch/tokens" in r]
 if not steps:
-    print(f"  {path.parent.name}: no training step recorded"); sys.exit()
+    print(f"  {path.parent.name}: no training step recorded"); sys.exit(1)
 bad = [r["step"] for r in steps if r["mismatch/count"] != 0]
 print(f"  {path.parent.name}: {len(steps)} steps, {sum(r['mismatch/tokens'] for r in steps):,} log-probs compared, "
       f"mismatches {sum(r['mismatch/count'] for r in steps)} (steps with any: {bad or 'none'}); median step "
       f"{statistics.median(r['time/rollout_s'] + r['time/train_s'] for r in steps):.2f} s; reward "
       f"{steps[0].get('reward/mean', float('nan')):.3f} -> {steps[-1].get('reward/mean', float('nan')):.3f}")
+sys.exit(1 if bad else 0)
 EOF
+  [ "${PIPESTATUS[0]}" = 0 ] || fail "run $1: no step recorded, or log-prob mismatches"
+  [ "$status" = "exit status 0" ] || fail "run $1: ${status:-no exit status}"
 }
 compare() {   # compare A B: the metrics and exported weights, bitwise
   say "compare $1 vs $2 (metrics + exported weights):"
   $PY -m rlalign.integrations.ray.compare "$ROOT/run_$1" "$ROOT/run_$2" 2>&1 | tail -n 6 | sed 's/^/  /' | tee -a "$SUMMARY"
+  [ "${PIPESTATUS[0]}" = 0 ] || fail "compare $1 vs $2: not identical (or a run is missing)"
 }
 
 if [ "$TRAIN_S" -gt 0 ] && [ "$(limit "$TRAIN_S")" -gt 30 ]; then
@@ -221,7 +229,8 @@ if [ "$PARITY_S" -gt 0 ]; then
     PDEV=cuda; [ "$SMOKE" = 1 ] && PDEV=cpu
     in_stage "$(( STOP_BY - $(elapsed) ))" parity bash -c "$RL parity --model $Q8B --device $PDEV --tp $DEGREES \
       --prompts 4 --samples 2 --max-new-tokens 16 --json > $OUT/parity_tp.json"
-    say "parity: exit $? (0: every degree's log-probs equal TP=1's and the rollout's)"
+    rc=$?; say "parity: exit $rc (0: every degree's log-probs equal TP=1's and the rollout's)"
+    [ "$rc" = 0 ] || fail "parity: exit $rc"
     $PY - "$OUT/parity_tp.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -230,7 +239,7 @@ for t, r in sorted(d.get("tp", {}).items(), key=lambda kv: int(kv[0])):
     print(f"  TP={t}: {r['mismatches']} of {r['tokens_compared']} differ from TP=1, {r['rollout_mismatches']} from the rollout")
 EOF
   else
-    say "parity: FAILED: no checkpoint"
+    fail "parity: no checkpoint"
   fi
 fi
 
@@ -258,8 +267,9 @@ if [ "$TRAIN8B_S" -gt 0 ]; then
     cp "$ROOT/run_8b/metrics.jsonl" "$OUT/metrics_8b_tp.jsonl" 2>/dev/null
     rm -rf "$ROOT/run_8b"
   else
-    say "train 8B: FAILED: no checkpoint"
+    fail "train 8B: no checkpoint"
   fi
 fi
 rm -rf "$ROOT"
-say "done; files: $(cd "$OUT" && ls | tr '\n' ' ')"
+say "done, $FAILURES failed checks; files: $(cd "$OUT" && ls | tr '\n' ' ')"
+[ "$FAILURES" = 0 ]
