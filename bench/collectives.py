@@ -25,8 +25,8 @@ barrier and ends with a device sync, rank 0's clock), the bytes of the logical r
 (result bytes / median) and ``ratio`` = fixed / library time. Every fixed result is also checked: equal on
 every rank to the tree merge of the inputs computed locally, and for the all-reduces the same bits on every
 rank (``fixed_equals_reference``; the exit status is 1 if any row fails it); ``library_differs`` counts the
-elements where the library's sum differs from the fixed tree's (information: the library's order is its
-own). A row the backend cannot run records its error. Timings are the machine's, never asserted. NVLink
+elements where the library's sum differs from the fixed tree's (information: the library adds in its own order,
+and in the bf16 rows it adds values already rounded to bf16, the native layers' rounding point). A row the backend cannot run records its error. Timings are the machine's, never asserted. NVLink
 multicast stays off (NCCL_NVLS_ENABLE=0); the JSON records the NCCL environment and versions.
 """
 
