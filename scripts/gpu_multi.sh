@@ -171,10 +171,10 @@ EOF
   [ "${PIPESTATUS[0]}" = 0 ] || fail "run $1: no step recorded, or log-prob mismatches"
   [ "$status" = "exit status 0" ] || fail "run $1: ${status:-no exit status}"
 }
-compare() {   # compare A B: the metrics and exported weights, bitwise
-  say "compare $1 vs $2 (metrics + exported weights):"
+compare() {   # compare A B [info]: the metrics and exported weights, bitwise (info: a difference is no failure)
+  say "compare $1 vs $2 (metrics + exported weights)${3:+, for information}:"
   $PY -m rlalign.integrations.ray.compare "$ROOT/run_$1" "$ROOT/run_$2" 2>&1 | tail -n 6 | sed 's/^/  /' | tee -a "$SUMMARY"
-  [ "${PIPESTATUS[0]}" = 0 ] || fail "compare $1 vs $2: not identical (or a run is missing)"
+  [ "${PIPESTATUS[0]}" = 0 ] || [ -n "${3:-}" ] || fail "compare $1 vs $2: not identical (or a run is missing)"
 }
 
 if [ "$TRAIN_S" -gt 0 ] && [ "$(limit "$TRAIN_S")" -gt 30 ]; then
@@ -200,7 +200,12 @@ if [ "$TRAIN_S" -gt 0 ] && [ "$(limit "$TRAIN_S")" -gt 30 ]; then
   run_waves "$STOP_BY" "${JOBS[@]}"
   for job in "${JOBS[@]}"; do verdict "${job%%:*}"; done
   compare tp1 tp2
-  [ "$G" -ge 4 ] && compare dp2tp1 dp2tp2
+  if [ "$G" -ge 4 ]; then
+    compare dp2tp1 dp2tp2
+    # DP sums each rank's accumulated gradients by the tree: bitwise across TP at a fixed DP degree, not
+    # promised against one process accumulating every micro-batch (docs/distributed.md)
+    compare tp1 dp2tp2 info
+  fi
   cp "$ROOT/run_tp2/metrics.jsonl" "$OUT/metrics_tp2.jsonl" 2>/dev/null
   [ "$G" -ge 4 ] && cp "$ROOT/run_dp2tp2/metrics.jsonl" "$OUT/metrics_dp2tp2.jsonl" 2>/dev/null
   for job in "${JOBS[@]}"; do cat "$ROOT/run_${job%%:*}.log" >> "$LOG" 2>/dev/null; done
@@ -233,7 +238,10 @@ if [ "$PARITY_S" -gt 0 ]; then
     [ "$rc" = 0 ] || fail "parity: exit $rc"
     $PY - "$OUT/parity_tp.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
-d = json.load(open(sys.argv[1]))
+lines = [l for l in open(sys.argv[1]).read().splitlines() if l.startswith("{")]   # the --json object's line
+d = json.loads(lines[-1]) if lines else {}
+if not d:
+    sys.exit("  no JSON from rlalign parity (its output is in log.txt)")
 print(f"  ok={d['ok']}: rollout vs train {d['mismatches']} of {d['tokens_compared']} differ")
 for t, r in sorted(d.get("tp", {}).items(), key=lambda kv: int(kv[0])):
     print(f"  TP={t}: {r['mismatches']} of {r['tokens_compared']} differ from TP=1, {r['rollout_mismatches']} from the rollout")
