@@ -47,25 +47,39 @@ def test_grouped_ffn_equals_per_expert_loop(triton_backend, dtype, hidden, inter
         assert_bitwise_equal(grouped, loop, f"forward, down_segments={segments}")
 
 
-def test_every_grouped_tile_and_structure_gives_the_same_bits(triton_backend):
+def _tile_case():
     from rlalign.ops.triton_backend import grouped as G
     counts, k, n = [0, 1, 700, 65, 128, 3000], 768, 512
     x, e_of_row = _sorted_rows(counts, k, torch.bfloat16)
     ws = [rand(n, k, seed=40 + e, scale=0.05) for e in range(len(counts))]
-    offsets = G.expert_offsets(e_of_row, len(counts))
-    for segments in (1, 4, 8):
-        ref = G.grouped_rows(x, offsets, ws, segments=segments, config=G.GroupedConfig(64, 64, 4, 4))
-        for cfg in (G.GroupedConfig(128, 128, 8, 3), G.GroupedConfig(64, 256, 4, 3), G.GroupedConfig(128, 64, 8, 4),
-                    G.GroupedConfig(128, 256, 8, 3), G.GroupedConfig(128, 128, 4, 3),
-                    G.GroupedConfig(64, 64, 4, 4, nested=True), G.GroupedConfig(128, 64, 8, 4, nested=True)):
-            for tma in (True, False):
-                out = G.grouped_rows(x, offsets, ws, segments=segments, config=cfg, use_tma=tma)
-                assert_bitwise_equal(out, ref, f"segments={segments} {cfg} tma={tma}")
-    # dX's form (W_e untransposed: [K, N] = [512, 768] here) on the same tiles
+    return G, x, ws, G.expert_offsets(e_of_row, len(counts)), n
+
+
+# One case per (segments, tile): every case compiles its own kernels (~5-10 s each on the H200), so the
+# matrix is spread over test cases instead of one test that outlives the per-test time limit.
+_TILES = [(128, 128, 8, 3, False), (64, 256, 4, 3, False), (128, 64, 8, 4, False), (128, 256, 8, 3, False),
+          (128, 128, 4, 3, False), (64, 64, 4, 4, True), (128, 64, 8, 4, True)]
+
+
+@pytest.mark.parametrize("tile", _TILES, ids=lambda t: "x".join(map(str, t[:4])) + ("-nested" if t[4] else ""))
+@pytest.mark.parametrize("segments", [1, 4, 8])
+def test_every_grouped_tile_and_structure_gives_the_same_bits(triton_backend, segments, tile):
+    G, x, ws, offsets, _ = _tile_case()
+    ref = G.grouped_rows(x, offsets, ws, segments=segments, config=G.GroupedConfig(64, 64, 4, 4))
+    cfg = G.GroupedConfig(*tile[:4], nested=tile[4])
+    for tma in (True, False):
+        out = G.grouped_rows(x, offsets, ws, segments=segments, config=cfg, use_tma=tma)
+        assert_bitwise_equal(out, ref, f"segments={segments} {cfg} tma={tma}")
+
+
+@pytest.mark.parametrize("tile", [(128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 3)], ids=lambda t: "x".join(map(str, t)))
+def test_every_grouped_dx_tile_gives_the_same_bits(triton_backend, tile):
+    """dX's form (W_e untransposed: [K, N] = [512, 768] here) on the forward's tiles."""
+    G, x, ws, offsets, n = _tile_case()
     g = rand(x.shape[0], n, seed=77)
     ref = G.grouped_rows(g, offsets, ws, transpose_w=False, config=G.GroupedConfig(64, 64, 4, 4))
-    for cfg in (G.GroupedConfig(128, 128, 8, 3), G.GroupedConfig(128, 256, 8, 3), G.GroupedConfig(128, 128, 4, 3)):
-        assert_bitwise_equal(G.grouped_rows(g, offsets, ws, transpose_w=False, config=cfg), ref, f"dX form {cfg}")
+    cfg = G.GroupedConfig(*tile)
+    assert_bitwise_equal(G.grouped_rows(g, offsets, ws, transpose_w=False, config=cfg), ref, f"dX form {cfg}")
 
 
 def test_every_grouped_weight_grad_tile_gives_the_same_bits(triton_backend):
