@@ -13,8 +13,8 @@ What a strict step moves (rlalign/distributed, docs/distributed.md):
   the rounding (to bf16 or fp32) vs ``library_all_reduce`` (NCCL's; gloo's with --smoke) of the same
   [tokens, hidden] in that dtype, tokens in 1..8192 (decode to a training micro-batch), hidden 4096
   (Qwen3-8B).
-- **DP gradients**: ``all_reduce_gradients_`` sums one flat fp32 buffer with ``collectives.all_reduce_fixed``
-  (all-to-all of chunks, the tree on each rank's chunk, all-gather). Rows ``dp_all_reduce_fixed`` vs
+- **DP gradients**: ``all_reduce_gradients_`` sums flat fp32 buckets of at most 2^28 elements with
+  ``collectives.all_reduce_fixed`` (all-to-all of chunks, the tree on each rank's chunk, all-gather). Rows ``dp_all_reduce_fixed`` vs
   ``library_all_reduce`` (fp32), and its first half ``dp_reduce_scatter_fixed`` (all-to-all + tree) vs
   ``library_reduce_scatter`` (the strict code uses no library reduce-scatter: the all-to-all + tree is its
   deterministic replacement), buckets of 2^20 .. 2^28 fp32 elements.
