@@ -14,8 +14,9 @@
 #             tp=2 vs the one-GPU tp=1 run, dp2 x tp2 vs dp2 x tp1     -> metrics_tp2.jsonl, metrics_dp2tp2.jsonl
 #   PARITY_S  item 1: `rlalign parity --tp <degrees> --device cuda` on a PARITY_LAYERS-layer (default $LAYERS)
 #             Qwen3-8B-shaped checkpoint made here                                             -> parity_tp.json
-#   TRAIN8B_S item 2 on the 8B shape: configs/qwen3-8b-h200-device.yaml with parallel.tp=$TP8B (default G),
-#             TRAIN_STEPS steps, LAYERS8B layers (default $LAYERS); run.max_minutes from the time left
+#   TRAIN8B_S item 2 on the 8B shape: configs/qwen3-8b-h200-device.yaml with parallel.tp=$TP8B (default G)
+#             and parallel.dp=$DP8B (default 1; TP8B x DP8B GPUs: TP8B=2 DP8B=2 is the layout), TRAIN_STEPS
+#             steps, LAYERS8B layers (default $LAYERS); run.max_minutes from the time left
 #                                                                                           -> metrics_8b_tp.jsonl
 # PART picks the default limits: PART=1 (default) TP_S=200 COLL_S=80 TRAIN_S=260 (PARITY_S, TRAIN8B_S 0);
 # PART=2 PARITY_S=240 TRAIN8B_S=300 (the others 0); PART=all every stage (needs more than one 10-minute job).
@@ -255,8 +256,11 @@ fi
 if [ "$TRAIN8B_S" -gt 0 ]; then
   STOP_BY=$(( $(elapsed) + $(limit "$TRAIN8B_S") ))
   TP8B=${TP8B:-$G}; [ "$TP8B" -gt 8 ] && TP8B=8
-  say "train 8B: parallel.tp=$TP8B, ${LAYERS8B:-$LAYERS} layers, $TRAIN_STEPS steps"
-  if make_8b "${LAYERS8B:-$LAYERS}"; then
+  DP8B=${DP8B:-1}; WORLD8B=$(( TP8B * DP8B ))
+  say "train 8B: parallel.tp=$TP8B parallel.dp=$DP8B, ${LAYERS8B:-$LAYERS} layers, $TRAIN_STEPS steps"
+  if [ "$WORLD8B" -gt "$G" ]; then
+    fail "train 8B: TP8B x DP8B = $WORLD8B GPUs, $G here"
+  elif make_8b "${LAYERS8B:-$LAYERS}"; then
     # the loop stops cleanly (metrics, exported policy) ~60 s before the stage's end: start-up ~60 s, the end ~60 s
     MAX_MIN=$($PY -c "print(round(max(($STOP_BY - $(elapsed) - 120) / 60, 0.5), 2))")
     if [ "$SMOKE" = 1 ]; then
@@ -265,10 +269,10 @@ if [ "$TRAIN8B_S" -gt 0 ]; then
     else
       ARGS8B=(configs/qwen3-8b-h200-device.yaml)
     fi
-    GPUS_8B=$(IFS=,; echo "${IDS[*]:0:$TP8B}")
+    GPUS_8B=$(IFS=,; echo "${IDS[*]:0:$WORLD8B}")
     rm -rf "$ROOT/run_8b"
     in_stage "$(( STOP_BY - $(elapsed) ))" train_8b env CUDA_VISIBLE_DEVICES="$GPUS_8B" $RL train "${ARGS8B[@]}" \
-      model.path="$Q8B" parallel.tp="$TP8B" run.steps="$TRAIN_STEPS" run.max_minutes="$MAX_MIN" run.progress=false \
+      model.path="$Q8B" parallel.tp="$TP8B" parallel.dp="$DP8B" run.steps="$TRAIN_STEPS" run.max_minutes="$MAX_MIN" run.progress=false \
       run.eval_every=10 run.save_checkpoints=false run.dir="$ROOT/run_8b"
     exit_status $? >> "$LOG"
     verdict 8b "$LOG"
