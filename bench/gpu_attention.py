@@ -148,6 +148,13 @@ def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
     # the same calls replayed from CUDA graphs, as the engine runs decode (no host launch cost in the time)
     graph = _graph_fields(lambda: ops.attention_paged(q, kc, vc, table, seq_lens, cu),
                           [r for r in (run, flash_run) if r is not None], lambda: ops.capturing_graph(max_query_len=1))
+    # both launches as graph replays (same bits; which one the engine should pick at this batch)
+    for launch, flag in (("split", True), ("item", False)):
+        try:
+            graph[f"graph_{launch}_ms"] = round(_bench(graphed(
+                lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=flag))), 4)
+        except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+            graph[f"graph_{launch}_error"] = repr(exc)[:200]
     nbytes = 2.0 * batch * ctx * hkv * D * 2
     return {"kind": "decode", "batch": batch, "seq": ctx, "hq": hq, "hkv": hkv, "page": page,
             "baseline": f"sdpa-{backend}" + ("" if flash is None else "|flash-varlen"),
@@ -221,7 +228,9 @@ def main() -> int:
         print(f"{r['kind']:>14} {r['batch']:>3} {r['seq']:>5} {str(r['hq']) + '/' + str(r['hkv']):>6} "
               f"{r['ours_ms']:>8} {r['base_ms']:>8} {r['ratio']:>6} {r.get('op_ratio', '-'):>8} {str(r['target']):>6}  "
               f"{r['baseline']}" + (f"  launch={r['launch']} split={r['split_ratio']} item={r['item_ratio']}"
-                                    f" graph={r.get('graph_ratio', '-')}" if r["kind"] == "decode" else ""))
+                                    f" graph={r.get('graph_ratio', '-')} graph ms: split {r.get('graph_split_ms', '-')}"
+                                    f" item {r.get('graph_item_ms', '-')} base {r.get('graph_base_ms', '-')}"
+                                    if r["kind"] == "decode" else ""))
     return 0
 
 
