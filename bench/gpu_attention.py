@@ -37,41 +37,17 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_linear import write  # noqa: E402
 
+from rlalign.bench.cuda_timing import bench_ms as _bench, graphed  # noqa: E402
+
 D = 128
-
-
-def _bench(fn) -> float:
-    import triton
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _graphed(fn, capture_context=None):
-    """``fn`` captured in a CUDA graph (warm-up on a side stream first) -> the graph's replay. The rollout
-    engine replays its decode steps from graphs, so a decode call's host launch cost (large against a few
-    microseconds of GPU work at batch 1-8) is not in its step time."""
-    import contextlib
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with (capture_context() if capture_context else contextlib.nullcontext()), torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph.replay
 
 
 def _graph_fields(ours, bases, capture_context) -> dict:
     """graph_ours_ms / graph_base_ms / graph_ratio (the fastest baseline), or graph_error naming what could
     not be captured (the row keeps its eager timings)."""
     try:
-        g_ours = _bench(_graphed(ours, capture_context))
-        g_base = min(_bench(_graphed(b)) for b in bases)
+        g_ours = _bench(graphed(ours, capture_context))
+        g_base = min(_bench(graphed(b)) for b in bases)
     except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
         return {"graph_error": repr(exc)[:200]}
     return {"graph_ours_ms": round(g_ours, 4), "graph_base_ms": round(g_base, 4), "graph_ratio": round(g_base / g_ours, 3)}
@@ -172,6 +148,13 @@ def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
     # the same calls replayed from CUDA graphs, as the engine runs decode (no host launch cost in the time)
     graph = _graph_fields(lambda: ops.attention_paged(q, kc, vc, table, seq_lens, cu),
                           [r for r in (run, flash_run) if r is not None], lambda: ops.capturing_graph(max_query_len=1))
+    # both launches as graph replays (same bits; which one the engine should pick at this batch)
+    for launch, flag in (("split", True), ("item", False)):
+        try:
+            graph[f"graph_{launch}_ms"] = round(_bench(graphed(
+                lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=flag))), 4)
+        except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+            graph[f"graph_{launch}_error"] = repr(exc)[:200]
     nbytes = 2.0 * batch * ctx * hkv * D * 2
     return {"kind": "decode", "batch": batch, "seq": ctx, "hq": hq, "hkv": hkv, "page": page,
             "baseline": f"sdpa-{backend}" + ("" if flash is None else "|flash-varlen"),
@@ -245,7 +228,9 @@ def main() -> int:
         print(f"{r['kind']:>14} {r['batch']:>3} {r['seq']:>5} {str(r['hq']) + '/' + str(r['hkv']):>6} "
               f"{r['ours_ms']:>8} {r['base_ms']:>8} {r['ratio']:>6} {r.get('op_ratio', '-'):>8} {str(r['target']):>6}  "
               f"{r['baseline']}" + (f"  launch={r['launch']} split={r['split_ratio']} item={r['item_ratio']}"
-                                    f" graph={r.get('graph_ratio', '-')}" if r["kind"] == "decode" else ""))
+                                    f" graph={r.get('graph_ratio', '-')} graph ms: split {r.get('graph_split_ms', '-')}"
+                                    f" item {r.get('graph_item_ms', '-')} base {r.get('graph_base_ms', '-')}"
+                                    if r["kind"] == "decode" else ""))
     return 0
 
 

@@ -6,7 +6,8 @@ as ``ops.linear`` launches it (``gemm`` with the dispatcher's config; columns st
 ``ops.linear(x, W)`` end to end (op_ms, op_ratio: adds the op's input validation, whose NaN/inf
 check synchronises with the host) and ``torch.matmul(x, W.T)`` (cuBLAS), each over a
 rotation of input copies larger than L2; TFLOP/s, GB/s (bytes = W + x + y, the decode floor) and
-the ratio strict/cuBLAS speed. Also: the canonical K partition (k_segments=8: o_proj, down_proj)
+the ratio strict/cuBLAS speed. For M <= 512 also both replayed from a CUDA graph, as the rollout engine
+runs decode (graph_strict_ms, graph_cublas_ms, graph_ratio; no host launch cost). Also: the canonical K partition (k_segments=8: o_proj, down_proj)
 and a tile-config sweep at M=4096 (every config gives the same bits; this says which is fastest).
 
 Model layers (``--set layers``; rows with ``"kind": "layer"``): each linear of a Qwen3-8B layer
@@ -35,9 +36,9 @@ import traceback
 import torch
 
 SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096))
-M_VALUES = (1, 16, 64, 1024, 4096, 16384)
+M_VALUES = (1, 16, 64, 256, 1024, 4096, 16384)
 SEGMENT_SHAPES = ((4096, 4096), (4096, 12288))
-SEGMENT_M = (1, 64, 4096, 16384)
+SEGMENT_M = (1, 64, 80, 256, 4096, 16384)   # 80: the 8B headline run's decode batch
 # a Qwen3-8B decoder layer's linears as rlalign.models calls them: (name, N, K, k_segments)
 MODEL_LAYERS = (("q_proj", 4096, 4096, None), ("k_proj", 1024, 4096, None), ("o_proj", 4096, 4096, 8),
                 ("gate_proj", 12288, 4096, None), ("down_proj", 4096, 12288, 8))
@@ -90,6 +91,24 @@ def timed(fn, sets) -> float:
     return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
 
 
+# decode-sized calls are also timed as CUDA graph replays, as the rollout engine runs them: their eager time
+# is mostly the launcher's host work (two launches, TMA descriptors and the partials buffer for the split path)
+GRAPH_MAX_M = 512
+
+
+def graph_fields(strict, sets) -> dict:
+    """graph_strict_ms / graph_cublas_ms / graph_ratio: one replay runs every input set once (the rotation that
+    keeps W out of L2), divided by the number of sets; or graph_error naming what could not be captured."""
+    from rlalign.bench.cuda_timing import bench_ms, graphed
+    try:
+        g_strict = bench_ms(graphed(lambda: [strict(x, w) for x, w in sets])) / len(sets)
+        g_cublas = bench_ms(graphed(lambda: [torch.matmul(x, w.T) for x, w in sets])) / len(sets)
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+        return {"graph_error": repr(exc)[:200]}
+    return {"graph_strict_ms": round(g_strict, 4), "graph_cublas_ms": round(g_cublas, 4),
+            "graph_ratio": round(g_cublas / g_strict, 3)}
+
+
 def case(m: int, n: int, k: int, segments: int | None = None, config=None) -> dict:
     from rlalign import ops
     from rlalign.ops.triton_backend.gemm import gemm, pick_config
@@ -111,6 +130,8 @@ def case(m: int, n: int, k: int, segments: int | None = None, config=None) -> di
         ("/nested" if cfg.nested else "")
     t_strict = timed(strict, sets)
     t_cublas = timed(lambda x, w: torch.matmul(x, w.T), sets)
+    if m <= GRAPH_MAX_M:
+        row.update(graph_fields(strict, sets))
     if config is None:
         # the public op end to end: + validation (its NaN/inf check syncs with the host) + dispatch
         t_op = timed(lambda x, w: ops.linear(x, w, k_segments=segments), sets)
@@ -224,7 +245,8 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     write(args.out, "linear", rows, t0)
-    print(f"{'M':>6} {'N':>7} {'K':>6} {'seg':>3} {'config':>22} {'strict TF':>9} {'cuBLAS TF':>9} {'ratio':>6} {'op ratio':>8} target")
+    print(f"{'M':>6} {'N':>7} {'K':>6} {'seg':>3} {'config':>22} {'strict TF':>9} {'cuBLAS TF':>9} {'ratio':>6} {'op ratio':>8} "
+          f"{'graph':>6} target")
     for r in rows:
         if "error" in r:
             print(f"{r['M']:>6} {r['N']:>7} {r['K']:>6} {r['k_segments']:>3} ERROR {r['error'][:60]}")
@@ -235,7 +257,7 @@ def main() -> int:
             continue
         print(f"{r['M']:>6} {r['N']:>7} {r['K']:>6} {r['k_segments']:>3} {r['config']:>22} "
               f"{r['strict_tflops']:>9} {r['cublas_tflops']:>9} {r['ratio']:>6} {r.get('op_ratio', '-'):>8} "
-              f"{'sweep' if r['sweep'] else (r['target'] or '-')}")
+              f"{r.get('graph_ratio', '-'):>6} {'sweep' if r['sweep'] else (r['target'] or '-')}")
     return 0
 
 

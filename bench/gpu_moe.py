@@ -1,6 +1,7 @@
 """Benchmark: the MoE experts' FFN, strict grouped GEMMs vs the vendor paths, Qwen3-30B-A3B shapes (H200).
 
-One MoE layer's experts as ``rlalign.models.moe`` calls them: hidden 2048, 128 experts, top-8,
+One MoE layer's experts as ``rlalign.models.moe`` calls them (stacked weights: gate/up [E, I, H], down [E, H, I];
+``--lists`` adds rows with per-expert lists, the layout before session 8): hidden 2048, 128 experts, top-8,
 moe_intermediate 768, bf16, T = 4,096 / 8,192 / 16,384 tokens routed by a random router (top-8 of
 softmax over random logits: a realistic, uneven load). Through the public op
 ``ops.moe_experts(x, experts, gate, up, down, down_segments=4)`` (spec.MOE_K_SEGMENTS) (strict: sort + three grouped GEMMs
@@ -14,8 +15,10 @@ softmax over random logits: a realistic, uneven load). Through the public op
 ``vendor`` = the faster of the two; ``ratio`` = vendor time / strict time (>= 0.8 is the issue's
 target). Forward, and forward + backward (``--backward``). Also each grouped GEMM alone vs
 ``torch._grouped_mm`` on the same rows (kernel rows) and TFLOP/s (2 * rows * N * K per projection).
+Each ffn row also profiles one strict call: ``strict_kernel_ms`` (its GPU kernel time), ``gpu_busy`` (that over
+``strict_ms``: well below 1 means the call waits for host work) and ``kernel_families``.
 
-    python bench/gpu_moe.py [--out DIR] [--tokens 4096,8192,16384] [--backward]
+    python bench/gpu_moe.py [--out DIR] [--tokens 4096,8192,16384] [--backward] [--sweep] [--lists]
 
 Writes bench_moe.json (+ .csv) to $OUT (or --out, default bench/).
 """
@@ -45,14 +48,18 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def make_layer(seed: int = 0):
+def make_layer(seed: int = 0, stacked: bool = True):
+    """gate, up [E, I, H] and down [E, H, I]: stacked tensors, the layout the models hold (session 8) and pass
+    to ops.moe_experts; ``stacked=False``: lists of per-expert tensors (the older layout, 3E autograd inputs)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def w(*shape, scale):
         return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
-    gate = [w(INTER, HIDDEN, scale=HIDDEN ** -0.5) for _ in range(EXPERTS)]
-    up = [w(INTER, HIDDEN, scale=HIDDEN ** -0.5) for _ in range(EXPERTS)]
-    down = [w(HIDDEN, INTER, scale=INTER ** -0.5) for _ in range(EXPERTS)]
+    gate = w(EXPERTS, INTER, HIDDEN, scale=HIDDEN ** -0.5)
+    up = w(EXPERTS, INTER, HIDDEN, scale=HIDDEN ** -0.5)
+    down = w(EXPERTS, HIDDEN, INTER, scale=INTER ** -0.5)
+    if not stacked:
+        return list(gate.unbind(0)), list(up.unbind(0)), list(down.unbind(0))
     return gate, up, down
 
 
@@ -83,33 +90,41 @@ def grouped_mm_ffn(stacked, x, experts):
 
 def stack_for_grouped_mm(gate, up, down):
     # torch._grouped_mm wants B as [E, K, N]; the transposed view of the stacked [E, N, K] weights
-    return tuple(torch.stack(ws).transpose(1, 2) for ws in (gate, up, down))
+    return tuple((ws if isinstance(ws, torch.Tensor) else torch.stack(ws)).transpose(1, 2) for ws in (gate, up, down))
 
 
-def ffn_case(tokens: int, backward: bool) -> dict:
+def ffn_case(tokens: int, backward: bool, stacked: bool = True) -> dict:
     from rlalign import ops
     from rlalign.contract import spec
-    gate, up, down = make_layer()
+    gate, up, down = make_layer(stacked=stacked)
     experts = routing(tokens)
     x = (torch.randn(tokens, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
-    row = {"kind": "ffn", "tokens": tokens, "rows": tokens * TOP_K, "backward": backward}
+    row = {"kind": "ffn", "tokens": tokens, "rows": tokens * TOP_K, "backward": backward,
+           "layout": "stacked" if stacked else "per-expert lists"}
     flops = 2.0 * tokens * TOP_K * 3 * HIDDEN * INTER * (3 if backward else 1)
-    params = [*gate, *up, *down]
+    params = [gate, up, down] if stacked else [*gate, *up, *down]
     if backward:
         for p in params:
             p.requires_grad_()
         x.requires_grad_()
         grad = torch.randn(tokens, TOP_K, HIDDEN, device="cuda").to(torch.bfloat16)
 
+    def one(fn):
+        out = fn()
+        if backward:
+            torch.autograd.grad(out, [x, *params], grad, allow_unused=True)
+
     def run(fn):
         if not backward:
             with torch.no_grad():
                 return timed(fn)
+        return timed(lambda: one(fn))
 
-        def step():
-            out = fn()
-            torch.autograd.grad(out, [x, *params], grad, allow_unused=True)
-        return timed(step)
+    def run_once(fn):
+        if not backward:
+            with torch.no_grad():
+                return one(fn)
+        return one(fn)
 
     t_strict = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS))
     t_loop = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS,
@@ -118,18 +133,24 @@ def ffn_case(tokens: int, backward: bool) -> dict:
     vendor = t_loop
     if grouped_mm_available():
         try:
+            vendor_w = stack_for_grouped_mm(gate, up, down)
             if backward:
-                stacked = [torch.stack([p.detach() for p in ws]).transpose(1, 2).requires_grad_() for ws in (gate, up, down)]
-                params = stacked
-            else:
-                stacked = stack_for_grouped_mm(gate, up, down)
-            t_gmm = run(lambda: grouped_mm_ffn(stacked, x, experts))
+                vendor_w = [w.detach().requires_grad_() for w in vendor_w]
+                params = vendor_w
+            t_gmm = run(lambda: grouped_mm_ffn(vendor_w, x, experts))
             row["grouped_mm_ms"] = round(t_gmm, 3)
             vendor = min(vendor, t_gmm)
         except Exception as exc:  # report and go on
             row["grouped_mm_error"] = repr(exc)[:300]
     row.update(vendor_ms=round(vendor, 3), ratio=round(vendor / t_strict, 3),
                strict_tflops=round(flops / t_strict / 1e9, 1), vendor_tflops=round(flops / vendor / 1e9, 1))
+    # the GPU kernel time of one strict call against its timed duration: near 1, the GPU is busy; well below,
+    # the call waits for its host work (launches, autograd) -- what limits it, measured
+    from rlalign.bench.kernel_profile import profile_breakdown
+    kp = profile_breakdown(lambda: run_once(lambda: ops.moe_experts(x, experts, gate, up, down,
+                                                                    down_segments=spec.MOE_K_SEGMENTS)), "cuda")
+    row.update(strict_kernel_ms=kp["kernel_ms"], gpu_busy=round(kp["kernel_ms"] / t_strict, 3),
+               kernel_families={k: v["ms"] for k, v in kp["families"].items()})
     return row
 
 
@@ -179,7 +200,7 @@ def kernel_cases(tokens: int) -> list[dict]:
                "strict_ms": round(t, 4), "strict_tflops": round(2.0 * rows_n * n * k / t / 1e9, 1)}
         if grouped_mm_available():
             try:
-                b = torch.stack(ws).transpose(1, 2)
+                b = ws.transpose(1, 2)
                 offs = offsets[1:].to(torch.int32)
                 tg = timed(lambda: torch._grouped_mm(x, b, offs=offs))
                 row.update(grouped_mm_ms=round(tg, 4), ratio=round(tg / t, 3))
@@ -224,7 +245,7 @@ def backward_cases(tokens: int, sweep: bool) -> list[dict]:
         n, k = ws[0].shape                      # forward: [R, K] -> [R, N]
         g = (torch.randn(rows_n, n, device="cuda") * 0.5).to(torch.bfloat16)
         x = (torch.randn(rows_n, k, device="cuda") * 0.5).to(torch.bfloat16)
-        stacked = torch.stack(ws)                # [E, N, K]: dX = G @ W_e
+        stacked = ws                             # [E, N, K]: dX = G @ W_e
         t = timed(lambda: G.grouped_rows(g, offsets, ws, transpose_w=False))
         row = {"kind": "dX", "tokens": tokens, "proj": name, "config": "default", "strict_ms": round(t, 4)}
         tg = vendor_time([(g, stacked), (g, stacked.transpose(1, 2).contiguous().transpose(1, 2))], offs32, row)
@@ -287,6 +308,8 @@ def main() -> int:
     ap.add_argument("--tokens", default="4096,8192,16384")
     ap.add_argument("--backward", action="store_true", help="also time forward + backward")
     ap.add_argument("--sweep", action="store_true", help="also time every tile shape of the grouped GEMM")
+    ap.add_argument("--lists", action="store_true",
+                    help="also time the experts passed as per-expert lists (the layout before stacked experts)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_moe: no CUDA device")
@@ -297,6 +320,8 @@ def main() -> int:
         for fn in [lambda: [ffn_case(tokens, False)], lambda: kernel_cases(tokens), lambda: [route_combine_case(tokens)]] + \
                   ([lambda: [ffn_case(tokens, True)], lambda: backward_cases(tokens, args.sweep)]
                    if args.backward else []) + \
+                  ([lambda: [ffn_case(tokens, False, stacked=False)]] +
+                   ([lambda: [ffn_case(tokens, True, stacked=False)]] if args.backward else []) if args.lists else []) + \
                   ([lambda: sweep_cases(tokens)] if args.sweep else []):
             try:
                 new = fn()

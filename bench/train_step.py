@@ -205,9 +205,13 @@ def run_variant(variant: str, args) -> dict:
     # CPU: when the step allocates nothing beyond what was resident, RSS accounting noise (a few pages)
     # can make the difference slightly negative; that is reported as 0
     peak = torch.cuda.max_memory_allocated() if cuda else max(0, peak_rss_bytes() - base_rss)
-    return {"variant": variant, "ms": 1e3 * statistics.median(times), "ms_all": [1e3 * t for t in times],
-            "loss": loss, "peak_gib": peak / 2**30,
-            "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS over the timed steps minus RSS before them"}
+    row = {"variant": variant, "ms": 1e3 * statistics.median(times), "ms_all": [1e3 * t for t in times],
+           "loss": loss, "peak_gib": peak / 2**30,
+           "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS over the timed steps minus RSS before them"}
+    if args.profile_kernels:   # one more step, after the timed ones: where its kernel time goes
+        from rlalign.bench.kernel_profile import profile_breakdown
+        row["kernel_profile"] = profile_breakdown(step, args.device, steps=1)
+    return row
 
 
 def _row_with_rates(row: dict, flops: dict, args) -> dict:
@@ -235,7 +239,8 @@ def _run_in_subprocess(variant: str, args) -> dict:
 
 def _forwarded(args) -> list[str]:
     keys = ("shape", "layers", "tokens", "mean_seq", "dtype", "device", "warmup", "iters", "seed")
-    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
+    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys] + \
+        (["--profile-kernels"] if args.profile_kernels else [])
 
 
 def parse_args(argv=None):
@@ -256,6 +261,9 @@ def parse_args(argv=None):
                    help=f"second MFU reference (default on CUDA {H200_CUBLAS_CEILING_TFLOPS:g}: measured cuBLAS bf16)")
     p.add_argument("--in-process", action="store_true", help="run the variants in this process (tests; peak "
                                                              "memory readings then overlap)")
+    p.add_argument("--profile-kernels", action="store_true",
+                   help="one more step per variant under torch.profiler: kernel time by family and the top kernels "
+                        "(row field kernel_profile; rlalign/bench/kernel_profile.py)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a table")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -324,6 +332,10 @@ def _table(result) -> str:
                                            f"({100 * r['mfu_vs_cublas_ceiling']:.1f}% of {result['ceiling_tflops']:g})")
         lines.append(f"{r['variant']:>12}: {r['ms']:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  peak {r['peak_gib']:7.2f}"
                      f" GiB{mfu}  loss {r['loss']:.5f}")
+        if "kernel_profile" in r:
+            kp = r["kernel_profile"]
+            lines.append(f"{'':>12}  kernels {kp['kernel_ms']:.1f} ms: " + ", ".join(
+                f"{name} {f['ms']:.1f} ms ({f['share']:.0%})" for name, f in kp["families"].items()))
     lines += [f"{k}: {v:.3f}" for k, v in result["ratios"].items() if v is not None]
     return "\n".join(lines)
 

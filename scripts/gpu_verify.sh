@@ -2,6 +2,7 @@
 # One H200 call that checks a change set end to end: the CUDA tier (bitwise and accuracy tests), then the
 # benchmarks a kernel or engine change moves, each under its own time limit (seconds), results in $OUT.
 #   bash scripts/gpu_verify.sh     TEST_SECONDS=300 TESTS="tests/cuda" WORKERS=12 MOE=40 LINEAR=40 ATTN=60 ROLL=150 TRAIN=60
+#   ROLL_ARGS="--profile-kernels" TRAIN_ARGS="--profile-kernels": where the step time goes, by kernel family
 # A stage with limit 0 is skipped. The rollout stage runs strict and native (both with decode graphs) on
 # ROLL_WORKLOAD with --verify; the training stage the strict and native 8B-shape step.
 source "$(dirname "$0")/gpu_common.sh" "verify (CUDA tier + benchmarks)"
@@ -47,6 +48,6 @@ fi
 if [ "${TRAIN:-60}" != 0 ]; then
   stage "training step, 8B shape x 6 layers"
   timeout "${TRAIN:-60}" $PY bench/train_step.py --device cuda --layers 6 --variants strict,native \
-    --out "$OUT/train_step_6l.json" 2>&1 | tail -n 6 | tee -a "$SUMMARY"
+    --out "$OUT/train_step_6l.json" ${TRAIN_ARGS:-} 2>&1 | tail -n 8 | tee -a "$SUMMARY"
 fi
 stage done

@@ -78,6 +78,7 @@ from pathlib import Path
 import torch
 
 from rlalign.bench.roofline import decode_step_bytes, kv_bytes_per_token, parameter_counts
+from rlalign.bench.kernel_profile import KernelProfile
 from rlalign.contract import use_profile
 from rlalign.contract.bits import count_differences
 from rlalign.doctor import environment
@@ -192,6 +193,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "always warms up short) or 2 prompts x 4 tokens (CUDA default)")
     p.add_argument("--verify", action="store_true",
                    help="check every engine logprob against the trainer's forward in the same profile")
+    p.add_argument("--profile-kernels", action="store_true",
+                   help="after the timed calls, one more call of each rlalign engine under torch.profiler: kernel time "
+                        "per decode step by family (attention, gemm, logprob_sample, checks, ...) and the top kernels "
+                        "(row field kernel_profile; rlalign/bench/kernel_profile.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -400,6 +405,13 @@ class _EngineRun:
         self.captures_timed = (graphs.captures if graphs is not None else 0) - captures
         return seconds
 
+    def profiled_decode(self) -> dict:
+        engine = self.engine
+        engine.blocks.reset_prefix_cache()
+        prof = KernelProfile(self.args.device)
+        _, steps = _generate_step_by_step(engine, self.workload.prompts, self.sampling, profile=prof)
+        return prof.breakdown(steps=sum(1 for s in steps if s.profiled))
+
     def row(self, runs: list[float]) -> dict:
         seconds = statistics.median(runs)
         generated = sum(len(c.tokens) for c in self.completions)
@@ -415,6 +427,10 @@ class _EngineRun:
                "overlap": self.engine.overlap, "overlapped_steps": stats["overlapped_steps"],
                "warmup_seconds": round(self.warmup, 2), "runs_seconds": [round(r, 3) for r in runs]}
         row.update(decode_metrics(self.steps, self.model.config, self.model.dtype, _peak_gbps(self.args), self.counts))
+        if getattr(self.args, "profile_kernels", False):
+            # one more call after the measured ones (the profiler's overhead is in none of them), profiled from
+            # its first decode step to its end: the decode steps' kernels, prefill left out
+            row["kernel_profile"] = self.profiled_decode()
         if self.args.verify:
             row.update(_verify(self.model, self.completions, self.profile))
         return row
@@ -433,14 +449,18 @@ class DecodeStep:
     events: tuple | None = None
     graph_checks: int = 0
     wait_seconds: float = 0.0     # of ``seconds``, blocked waiting for the device's results
+    profiled: bool = False        # ran inside a --profile-kernels window
 
     @property
     def forward_ms(self) -> float | None:
         return None if self.events is None else self.events[0].elapsed_time(self.events[1])
 
 
-def _generate_step_by_step(engine: RolloutEngine, prompts, sampling) -> tuple[list, list[DecodeStep]]:
-    """``engine.generate(prompts, sampling)`` through the public step API, timing every decode step."""
+def _generate_step_by_step(engine: RolloutEngine, prompts, sampling,
+                           profile: KernelProfile | None = None) -> tuple[list, list[DecodeStep]]:
+    """``engine.generate(prompts, sampling)`` through the public step API, timing every decode step. With
+    ``profile``: started once the first decode step has completed, stopped at the end (those steps say
+    ``profiled``)."""
     graphs = engine.decode_graphs
     ids = [engine.add_request(p, sampling, prompt_index=i) for i, p in enumerate(prompts)]
     done, steps = {}, []
@@ -455,13 +475,18 @@ def _generate_step_by_step(engine: RolloutEngine, prompts, sampling) -> tuple[li
             if info is not None and info["decode"]:
                 steps.append(DecodeStep(info["rows"], info["context_tokens"], seconds, events,
                                         graphs.last_checks if events is not None else 0,
-                                        engine.last_step_wait_seconds))
+                                        engine.last_step_wait_seconds, profiled=profile is not None and profile.running))
+                if profile is not None and not profile.running:
+                    profile.start()
             for out in outputs:
                 if out.completion is not None:
                     done[(out.request_id, out.sample_index)] = out.completion
     except BaseException:
         engine.abort_all()
         raise
+    finally:
+        if profile is not None and profile.running:
+            profile.stop()
     return [done[(rid, j)] for rid in ids for j in range(sampling.n)], steps
 
 
@@ -645,6 +670,11 @@ def print_table(result: dict) -> None:
                   f"{r['forward_gpu_ms']} ms, host {r['host_ms_per_step']} ms), {r['bytes_per_decode_step'] / 1e9:.4g} GB "
                   f"moved -> {r['achieved_gbps']} GB/s, roofline fraction {r['roofline_fraction']} "
                   f"(forward only {r['forward_roofline_fraction']})")
+    for r in result["rows"]:
+        if "kernel_profile" in r:
+            kp = r["kernel_profile"]
+            print(f"kernels {r['profile']:<7} {kp['kernel_ms']} ms per {kp['per']}: " + ", ".join(
+                f"{name} {f['ms']} ms ({f['share']:.0%})" for name, f in kp["families"].items()))
     print("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
     env = result["environment"]
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None))

@@ -1,11 +1,13 @@
 """Data parallelism: each rank accumulates the gradients of its own micro-batches, then one
 deterministic all-reduce sums them across ranks.
 
-all_reduce_gradients_ flattens every parameter's gradient (fp32; a missing gradient counts as
-zeros, so the layout is the same on every rank), sums the ranks' copies with
-collectives.all_reduce_fixed (all-to-all, fixed-tree merge in rank order, all-gather) and writes
-the sum back, one rounding to the parameter dtype. Every rank ends with the same bits, and the
-result is run-to-run identical. It equals a single process that accumulates each rank's
+all_reduce_gradients_ flattens the parameters' gradients (fp32; a missing gradient counts as
+zeros, so the layout is the same on every rank) in buckets of consecutive parameters, sums each
+bucket's copies across ranks with collectives.all_reduce_fixed (all-to-all, fixed-tree merge in rank
+order, all-gather) and writes the sum back, one rounding to the parameter dtype. Every rank ends with
+the same bits, and the result is run-to-run identical. The bucket size changes no bit (each element is
+the tree of its ranks' values, wherever it sits in a buffer); it bounds the memory of the exchange to a
+few fp32 copies of one bucket (or of the largest parameter) instead of the whole model. It equals a single process that accumulates each rank's
 micro-batches into a separate buffer and merges the buffers with the same tree
 (:func:`tree_reduce`); it is not the bits of one process accumulating all micro-batches in one
 buffer (fp32 addition is not associative) -- docs/distributed.md.
@@ -22,14 +24,41 @@ from rlalign.distributed.collectives import all_reduce_fixed, gather_ranks, tree
 from rlalign.distributed.launch import Group
 
 
+# elements per exchange: 1 GiB of fp32 (an 8B model's gradients in ~30 buckets instead of one 32 GB buffer)
+DEFAULT_BUCKET_ELEMENTS = 2 ** 28
+
+
 @torch.no_grad()
-def all_reduce_gradients_(params: Iterable[torch.nn.Parameter], group: Group) -> None:
-    """Sum ``params``' gradients over ``group`` in place, deterministically (see the module docstring)."""
+def all_reduce_gradients_(params: Iterable[torch.nn.Parameter], group: Group,
+                          bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> None:
+    """Sum ``params``' gradients over ``group`` in place, deterministically (see the module docstring), in
+    buckets of at most ``bucket_elements`` elements (a larger parameter is a bucket of its own)."""
+    if bucket_elements < 1:
+        raise ValueError(f"bucket_elements must be >= 1, got {bucket_elements}")
     params = [p for p in params if p.requires_grad]
     if group.size == 1 or not params:
         return
+    for bucket in _buckets(params, bucket_elements):
+        _all_reduce_bucket_(bucket, group)
+
+
+def _buckets(params: list, limit: int):
+    """Consecutive parameters, at most ``limit`` elements per bucket; the same buckets on every rank."""
+    bucket, size = [], 0
+    for p in params:
+        if bucket and size + p.numel() > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(p)
+        size += p.numel()
+    if bucket:
+        yield bucket
+
+
+def _all_reduce_bucket_(params: list, group: Group) -> None:
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
     summed = all_reduce_fixed(flat, group)
+    del flat
     offset = 0
     for p in params:
         n = p.numel()
@@ -64,4 +93,4 @@ def shard_for_rank(items: list, group: Group) -> list:
     return items[start:start + per + (group.rank < extra)]
 
 
-__all__ = ["all_reduce_gradients_", "sum_scalars", "shard_for_rank"]
+__all__ = ["all_reduce_gradients_", "DEFAULT_BUCKET_ELEMENTS", "sum_scalars", "shard_for_rank"]

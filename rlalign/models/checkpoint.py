@@ -112,11 +112,21 @@ def _ignored(name: str, config: ModelConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
 
 
+def _indexed(device: str | torch.device) -> str:
+    """The device for safetensors: a bare "cuda" made explicit as torch's current GPU. safetensors reads "cuda"
+    as GPU 0, so every rank of a multi-GPU job (model.device=cuda, rank r's current device r) would otherwise
+    stage its tensors on GPU 0."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
 def _load_file(file: Path, names: list[str] | None, expected: dict, seen: set, config: ModelConfig, device) -> None:
     from safetensors import safe_open
 
     try:
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
+        with safe_open(str(file), framework="pt", device=_indexed(device)) as f:
             present = set(f.keys())
             for name in names if names is not None else sorted(present):
                 if name not in present:

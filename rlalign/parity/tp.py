@@ -10,6 +10,7 @@ degree also returns every sparse layer's routing (the experts each token chose),
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -58,8 +59,18 @@ def score_at_degrees(model_dir: str, dtype: str | None, device: str, record, deg
         check_tp(config, t, shapes)
     out = {1: _score(model_dir, dtype, device, record, Group.single())}
     for t in sorted(set(degrees) - {1}):
+        release_cached_memory(device)
         out[t] = spawn(_score_worker, t, model_dir, dtype, device, record, backend=default_backend(device))[0]
     return out
+
+
+def release_cached_memory(device: str) -> None:
+    """Hand this process's cached, unused GPU memory back to the driver before the ranks start: the rank on
+    this process's GPU loads a whole checkpoint there, and the rollout engine that generated the record sized
+    its KV cache from the free memory (a fraction of the GPU, kept in torch's cache after the engine is gone)."""
+    if str(device).startswith("cuda"):
+        gc.collect()   # the engine's tensors may sit in reference cycles
+        torch.cuda.empty_cache()
 
 
 def routing_mismatches(reference: dict, other: dict) -> int:
@@ -97,4 +108,4 @@ def tp_parity(record, model_dir: str, dtype: str | None, device: str, degrees) -
     return {"ok": ok, "tp": report}
 
 
-__all__ = ["parse_degrees", "score_at_degrees", "routing_mismatches", "tp_parity"]
+__all__ = ["parse_degrees", "score_at_degrees", "release_cached_memory", "routing_mismatches", "tp_parity"]

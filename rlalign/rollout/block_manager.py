@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
+
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
@@ -27,7 +29,7 @@ class BlockManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._ref = [0] * num_pages
+        self._ref = np.zeros(num_pages, np.int32)   # an array: the scheduler tests a whole step's pages at once
         self._free: collections.deque[int] = collections.deque(range(num_pages))
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._page_digest: dict[int, bytes] = {}
@@ -47,11 +49,12 @@ class BlockManager:
         return len(self._digest_page)
 
     def ref_count(self, page: int) -> int:
-        return self._ref[page]
+        return int(self._ref[page])
 
     @property
-    def ref_counts(self) -> list[int]:
-        """Every page's reference count, indexed by page (read only: the scheduler's hot loop reads it)."""
+    def ref_counts(self) -> np.ndarray:
+        """Every page's reference count, int32 indexed by page (read only: the scheduler reads a step's
+        pages at once)."""
         return self._ref
 
     def check_consistency(self, tables: list[list[int]]) -> None:
@@ -60,7 +63,7 @@ class BlockManager:
         for table in tables:
             for page in table:
                 counts[page] += 1
-        assert counts == self._ref, "page ref counts do not match the block tables"
+        assert counts == self._ref.tolist(), "page ref counts do not match the block tables"
         free = set(self._free)
         assert len(free) == len(self._free), "a page is twice in the free list"
         for page in range(self.num_pages):
@@ -132,6 +135,13 @@ class BlockManager:
             table.append(self._allocate())
         self.cow_copies += len(copies)
         return copies
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` new private pages (ref 1), or None (nothing changed) when fewer are available: the
+        pages of a decode step's sequences whose new token starts a page (the scheduler appends them)."""
+        if count > self.num_free:
+            return None
+        return [self._allocate() for _ in range(count)]
 
     def fork(self, table: list[int]) -> list[int]:
         """A new block table sharing every page of ``table``."""

@@ -18,10 +18,13 @@ in the strict profile a row does not depend on the batch, the chunking or the pa
 engine's logprobs equal the trainer's bit for bit, and the tokens do not depend on any engine setting.
 
 A step is launched (forward and sampling queued, results on their way to the host) and then completed
-(the one wait for the device, tokens appended, stops checked). With ``RolloutConfig.overlap`` the next
-decode step is launched between the two halves, its input ids the running step's tokens copied on the
-device (:meth:`RolloutEngine._launch_continuation`; docs/rollout.md, "Overlapped scheduling"); rows do
-not depend on each other, so this changes no bit.
+(the one wait for the device, tokens appended, stops checked). The per-sequence state a step reads and
+writes lives in the scheduler's :class:`rlalign.rollout.slots.SlotTable` (one row per running sequence), so
+a decode step's host work is array operations over its rows plus Python for the sequences that change
+(a page fills, a sample may stop, a leader forks); ``step()`` still returns one StepOutput per token.
+With ``RolloutConfig.overlap`` the next decode step is launched between the two halves, its input ids the
+running step's tokens copied on the device (:meth:`RolloutEngine._launch_continuation`; docs/rollout.md,
+"Overlapped scheduling"); rows do not depend on each other, so this changes no bit.
 
 With ``RolloutConfig.record_routing`` (MoE models) the forward also yields each row's expert ids
 [rows, sparse layers, k]; they are stored by KV slot once per step (:mod:`rlalign.rollout.routing`) and a
@@ -30,6 +33,7 @@ finished sample's rows are gathered into ``Completion.routing``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -63,7 +67,6 @@ class _SharedSettings:
     """The distinct values the requests in flight hold (one element each in the usual case)."""
     weights_versions: set[int]
     sampling: set[tuple[float, int, float]]      # (temperature, top_k, top_p)
-    stop_token_ids: set[frozenset[int]]
     limits: set[tuple[int, bool]]                # (max_new_tokens, has stop strings)
     score_temperatures: set[float]               # logprob temperatures (a decode graph samples with one)
     filtered: bool                               # whether a request filters (top-k < V or top-p < 1, T > 0)
@@ -73,13 +76,16 @@ class _SharedSettings:
 class _Launched:
     """A step whose forward and sampling are queued on the device, its results not yet read.
 
-    ``seqs`` / ``positions``: the sampling sequences (row order of the results) and the position each
-    new token takes. A step launched as a continuation (overlapped scheduling) is planned before its
-    input tokens are known: its chunks are marked computed when its predecessor completes
-    (``marked``). Sequences that finish or are aborted while it is in flight are ``dead`` (their rows
-    are dropped) and their pages are freed once it has run (``release``): it writes their K/V slots."""
+    ``seqs`` / ``slots`` / ``positions``: the sampling sequences (row order of the results), their slots in
+    the scheduler's SlotTable and the position each new token takes. A step launched as a continuation
+    (overlapped scheduling) is planned before its input tokens are known: its chunks are marked computed
+    when its predecessor completes (``marked``). Rows of sequences that finish or are aborted while it is
+    in flight are ``dead`` (bool per row; dropped) and their pages are freed once it has run
+    (``release``): it writes their K/V slots. (No slot is handed to another sequence while a step is in
+    flight: only :meth:`Scheduler.schedule` admits, and it runs with nothing in flight.)"""
     plan: SchedulerOutput
     seqs: list[Sequence]
+    slots: np.ndarray
     positions: np.ndarray
     results: Readback | None                     # pack_results of the tokens and logprobs (+ verdicts)
     verdict_messages: list
@@ -89,8 +95,17 @@ class _Launched:
     events: tuple | None = None                  # CUDA events around the graph replay (time_replays)
     seconds: float = 0.0
     marked: bool = True
-    dead: set[int] = dataclasses.field(default_factory=set)
+    dead: np.ndarray | None = None
     release: list[Sequence] = dataclasses.field(default_factory=list)
+
+    def mark_dead(self, slots: list[int]) -> None:
+        """The rows of the sequences in ``slots`` (finished or aborted) are dropped."""
+        hit = _member(self.slots, slots)
+        self.dead = hit if self.dead is None else self.dead | hit
+
+    @property
+    def all_dead(self) -> bool:
+        return self.dead is not None and bool(self.dead.all())
 
 
 class RolloutEngine:
@@ -132,6 +147,7 @@ class RolloutEngine:
         self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._requests: dict[str, Request] = {}
         self._shared: _SharedSettings | None = None   # of the requests in flight; None: recompute
+        self._settings_in_flight: collections.Counter = collections.Counter()   # _request_settings -> requests
         self._request_counter = itertools.count()
         self._weights_broken = False
         self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0,
@@ -238,7 +254,7 @@ class RolloutEngine:
         key = prompt_index if sampling.seed_by == "index" else _prompt_key(ids)
         request.seqs = [Sequence(request, j, derive_seed(sampling.seed, key, j), ids) for j in range(sampling.n)]
         self._requests[request_id] = request
-        self._shared = None
+        self._count_settings(request, +1)
         if self.config.share_prefix and sampling.n > 1:
             request.pending_forks = request.seqs[1:]
             for seq in request.pending_forks:
@@ -336,28 +352,27 @@ class RolloutEngine:
         """Schedule a step and queue its forward and sampling; a decode step of sampling rows only is one
         graph replay that also samples (no host read), any other step samples eagerly."""
         plan = self.scheduler.schedule()
-        if not plan.chunks:
+        if not plan.seqs:
             raise RolloutError("internal: the scheduler found nothing to run with requests in flight")
         t0 = time.perf_counter()
         with use_profile(self.config.profile):
             self._check_weights_version()
             self._copy_pages(plan.copies)
             ids, positions, cu, table, seq_lens, slots = self._host_arrays(plan)
-            info = dict(decode=bool(cu[-1] == len(plan.chunks)), rows=len(plan.chunks),
+            info = dict(decode=bool(cu[-1] == len(plan.seqs)), rows=len(plan.seqs),
                         context_tokens=int(seq_lens.sum()))
-            seqs = [c.seq for c in plan.chunks]
-            sampler = self._graph_sampler(plan, cu, seq_lens, seqs)
+            sampler = self._graph_sampler(plan, cu, seq_lens)
             if sampler is not None:
-                launched = self._launch_graph(plan, HostDecode(ids, positions, table, seq_lens, slots), seqs,
-                                              sampler, info)
+                launched = self._launch_graph(plan, HostDecode(ids, positions, table, seq_lens, slots), sampler,
+                                              info)
                 self.scheduler.mark_computed(plan)
             else:
                 replays = self.decode_graphs.replays if self.decode_graphs is not None else 0
                 hidden, routing = self._forward(plan, ids, positions, cu, table, seq_lens, slots)
                 self.scheduler.mark_computed(plan)
-                rows, sample_positions, seqs = self._sampling_rows(plan, cu, seq_lens)
-                results = self._sample(hidden, rows, sample_positions, seqs) if seqs else None
-                launched = _Launched(plan, seqs, sample_positions, results, [], routing, info,
+                rows, sample_positions, seqs, seq_slots = self._sampling_rows(plan, cu, seq_lens)
+                results = self._sample(hidden, rows, sample_positions, seq_slots) if seqs else None
+                launched = _Launched(plan, seqs, seq_slots, sample_positions, results, [], routing, info,
                                      events=self._replay_events(replays))
         launched.seconds = time.perf_counter() - t0
         return launched
@@ -371,42 +386,41 @@ class RolloutEngine:
         has forks pending here: a leader forks at the end of its prompt, which is not a decode step.)"""
         if not self.overlap or prev.device_tokens is None or len(self._shared_settings().score_temperatures) != 1:
             return None
-        live = None if not prev.dead else np.fromiter((id(s) not in prev.dead for s in prev.seqs), bool, len(prev.seqs))
-        seqs = prev.seqs if live is None else [s for s, ok in zip(prev.seqs, live.tolist()) if ok]
-        if not seqs:
+        live = None if prev.dead is None else ~prev.dead
+        seq_slots = prev.slots if live is None else prev.slots[live]
+        if not seq_slots.size:
             return None
-        plan = self.scheduler.schedule_continuation(seqs)
+        plan = self.scheduler.schedule_continuation(seq_slots)
         if plan is None:
             return None
         t0 = time.perf_counter()
         with use_profile(self.config.profile):
             self._check_weights_version()
-            count, ps = len(seqs), self.page_size
-            starts = np.fromiter((s.num_computed for s in seqs), np.int64, count)
-            table = _block_table([s.block_table for s in seqs])
+            count, ps, starts = seq_slots.size, self.page_size, plan.starts
+            table = self.scheduler.slots.table(seq_slots)
             slots = table[np.arange(count), starts // ps].astype(np.int64) * ps + starts % ps
             seq_lens = (starts + 1).astype(np.int32)
             decode = HostDecode(np.zeros(count, np.int64), starts, table, seq_lens, slots)  # ids: from the device
             info = dict(decode=True, rows=count, context_tokens=int(seq_lens.sum()))
-            sampler = self._host_sampler(seqs, starts + 1)
-            src_rows = np.arange(count) if live is None else np.flatnonzero(live)
-            launched = self._launch_graph(plan, decode, seqs, sampler, info, (prev.device_tokens, src_rows))
+            sampler = self._host_sampler(seq_slots, starts + 1)
+            src_rows = np.arange(count) if live is None else live.nonzero()[0]
+            launched = self._launch_graph(plan, decode, sampler, info, (prev.device_tokens, src_rows))
         launched.marked = False   # its chunks are marked computed once prev's tokens are appended
         launched.seconds = time.perf_counter() - t0
         self.counters["overlapped_steps"] += 1
         return launched
 
-    def _launch_graph(self, plan: SchedulerOutput, decode: HostDecode, seqs: list[Sequence], sampler: HostSampler,
-                      info: dict, prev_tokens=None) -> _Launched:
-        """One decode graph replay that samples every row; its results start their copy to the host."""
+    def _launch_graph(self, plan: SchedulerOutput, decode: HostDecode, sampler: HostSampler, info: dict,
+                      prev_tokens=None) -> _Launched:
+        """One decode graph replay that samples every row of ``plan``; its results start their copy to the host."""
         graphs = self.decode_graphs
         graphs.check(decode, self.blocks.num_pages)
         self.counters["graph_steps"] += 1
         graphs.run(decode, sampler, prev_tokens=prev_tokens)
         results = Readback(pack_results(graphs.tokens, graphs.logprobs, graphs.verdicts))
         routing = None if self.routing is None else (decode.slots, Readback(graphs.routing))
-        return _Launched(plan, seqs, sampler.positions, results, graphs.verdict_messages, routing, info,
-                         device_tokens=graphs.tokens, events=self._replay_events(graphs.replays - 1))
+        return _Launched(plan, plan.seqs, plan.slots, sampler.positions, results, graphs.verdict_messages, routing,
+                         info, device_tokens=graphs.tokens, events=self._replay_events(graphs.replays - 1))
 
     def _replay_events(self, replays_before: int) -> tuple | None:
         """The CUDA events around the graph replay of the step just launched (DecodeGraphs.time_replays;
@@ -416,34 +430,33 @@ class RolloutEngine:
             return None
         return graphs.last_events
 
-    def _graph_sampler(self, plan: SchedulerOutput, cu: np.ndarray, ends: np.ndarray,
-                       seqs: list[Sequence]) -> HostSampler | None:
+    def _graph_sampler(self, plan: SchedulerOutput, cu: np.ndarray, ends: np.ndarray) -> HostSampler | None:
         """The sampler inputs of a decode step the graphs sample whole: a decode-only step that fits a
-        graph, every row sampling (its chunk ends at its last token), no row a leader with forks pending
-        (its siblings would share its row), one logprob temperature in flight. None otherwise (the step
-        samples eagerly)."""
-        graphs, count = self.decode_graphs, len(plan.chunks)
+        graph, every row sampling (its chunk ends at its last token), no running leader with forks
+        pending (its siblings would share its row), one logprob temperature in flight. None otherwise
+        (the step samples eagerly)."""
+        graphs, count = self.decode_graphs, len(plan.seqs)
         if graphs is None or not graphs.samples or cu[-1] != count or graphs.bucket(count) is None:
             return None
-        if len(self._shared_settings().score_temperatures) != 1 or any(s.request.pending_forks for s in seqs):
+        if len(self._shared_settings().score_temperatures) != 1 or self.scheduler.forking_leaders():
             return None
-        totals = np.fromiter((len(s.tokens) for s in seqs), np.int64, count)
-        if not np.array_equal(ends, totals):
+        totals = self.scheduler.slots.num_tokens[plan.slots]
+        if not (ends == totals).all():
             return None
-        return self._host_sampler(seqs, totals)
+        return self._host_sampler(plan.slots, totals)
 
-    def _host_sampler(self, seqs: list[Sequence], positions: np.ndarray) -> HostSampler:
-        """Per-row sampler inputs (the requests' settings, one value each when they agree)."""
-        shared, n = self._shared_settings(), len(seqs)
-        seeds = np.fromiter((s.seed for s in seqs), np.int64, n)
+    def _host_sampler(self, slots: np.ndarray, positions: np.ndarray) -> HostSampler:
+        """Per-row sampler inputs of the sequences in ``slots`` (the requests' settings, one value each
+        when they agree)."""
+        shared, n, table = self._shared_settings(), slots.size, self.scheduler.slots
+        seeds = table.seed[slots]
         if len(shared.sampling) == 1:
             (t, k, p), = shared.sampling
             temperature, top_k, top_p = np.full(n, t, np.float32), np.full(n, k, np.int64), np.full(n, p, np.float32)
         else:
-            params = [s.request.sampling for s in seqs]
-            temperature = np.fromiter((q.temperature for q in params), np.float32, n)
-            top_k = np.fromiter((q.top_k for q in params), np.int64, n)
-            top_p = np.fromiter((q.top_p for q in params), np.float32, n)
+            temperature = table.temperature[slots].astype(np.float32)
+            top_k = table.top_k[slots]
+            top_p = table.top_p[slots].astype(np.float32)
         (score_temperature,) = shared.score_temperatures
         return HostSampler(seeds, positions, temperature, top_k, top_p, score_temperature, shared.filtered)
 
@@ -466,7 +479,7 @@ class RolloutEngine:
         """Read ``launched``'s results (raising a failed device verdict), store its routing, free the pages
         of sequences that ended while it ran, append its live rows' tokens; then the continuation in
         flight (if any) has known input tokens: mark its chunks computed."""
-        seqs, positions, tokens, logprobs = launched.seqs, launched.positions, None, None
+        seqs, slots, positions, tokens, logprobs = launched.seqs, launched.slots, launched.positions, None, None
         t0 = time.perf_counter()
         host = None if launched.results is None else launched.results.wait()
         self.last_step_wait_seconds = time.perf_counter() - t0   # blocked on the device (the benchmark's)
@@ -475,20 +488,20 @@ class RolloutEngine:
             tokens, logprobs = unpack_results(host, len(seqs), launched.verdict_messages)
         if launched.routing is not None:
             self._store_routing(launched.routing[0], launched.routing[1].wait())
-        if launched.dead and tokens is not None:
-            live = np.fromiter((id(s) not in launched.dead for s in seqs), bool, len(seqs))
-            seqs = [s for s, ok in zip(seqs, live.tolist()) if ok]
-            positions, tokens, logprobs = positions[live], tokens[live], logprobs[live]
+        if launched.dead is not None and tokens is not None:
+            live = ~launched.dead
+            seqs = list(itertools.compress(seqs, live.tolist()))
+            slots, positions, tokens, logprobs = slots[live], positions[live], tokens[live], logprobs[live]
         self.counters["steps"] += 1
         self.counters["forward_tokens"] += launched.plan.num_tokens
         self.counters["sampled_tokens"] += len(seqs)
         self.counters["compute_seconds"] += launched.seconds
         self.last_forward, self.last_step_events = launched.forward_info, launched.events
-        outputs = self._append(seqs, positions, tokens, logprobs, emit_unfinished)
+        outputs = self._append(seqs, slots, positions, tokens, logprobs, emit_unfinished)
         following = self._inflight
         if following is not None and not following.marked:
-            chunks = [c for c in following.plan.chunks if id(c.seq) not in following.dead]
-            self.scheduler.mark_computed(SchedulerOutput(chunks, [], []))
+            plan = following.plan   # a continuation: its rows are its plan's
+            self.scheduler.mark_computed(plan if following.dead is None else plan.select(~following.dead))
             following.marked = True
         return outputs
 
@@ -506,9 +519,7 @@ class RolloutEngine:
         """A step in flight whose every row belongs to a finished or aborted sequence: wait for it and free
         the pages it wrote (its results are dropped unread, verdicts included: nothing uses them)."""
         launched = self._inflight
-        if launched is None or len(launched.dead) < len(launched.seqs):
-            return
-        if any(id(s) not in launched.dead for s in launched.seqs):
+        if launched is None or not launched.all_dead:
             return
         self._inflight = None
         if launched.routing is not None:
@@ -529,9 +540,9 @@ class RolloutEngine:
         """(hidden rows of every new token of the plan, (slots, expert ids readback) or None): a graph replay
         (the step sampled eagerly from its hidden rows) for a decode step that fits one, else one eager
         forward."""
-        decode_only = bool(cu[-1] == len(plan.chunks))
+        decode_only = bool(cu[-1] == len(plan.seqs))
         graphs = self.decode_graphs
-        if graphs is not None and decode_only and graphs.bucket(len(plan.chunks)) is not None:
+        if graphs is not None and decode_only and graphs.bucket(len(plan.seqs)) is not None:
             decode = HostDecode(ids, positions, table, seq_lens, slots)
             graphs.check(decode, self.blocks.num_pages)
             self.counters["graph_steps"] += 1
@@ -559,133 +570,154 @@ class RolloutEngine:
     def _host_arrays(self, plan: SchedulerOutput):
         """(ids int64, positions int64, cu_seqlens int64, block table int32, seq_lens int32, slots int64).
 
-        One pass of Python per chunk field (np.fromiter), the rest numpy: this runs every step over
-        every running sequence."""
-        chunks, ps = plan.chunks, self.page_size
-        count = len(chunks)
-        starts = np.fromiter((c.start for c in chunks), np.int64, count)
-        lengths = np.fromiter((c.length for c in chunks), np.int64, count)
+        Array operations on the plan's columns and the slot table only (this runs every step over every
+        running sequence): a row's token is ``tokens[its slot, its position]``, its KV slot comes from its
+        sequence's pages."""
+        count, ps, table_of = len(plan.seqs), self.page_size, self.scheduler.slots
+        starts, lengths, seq_slots = plan.starts, plan.lengths, plan.slots
         cu = np.zeros(count + 1, np.int64)
-        np.cumsum(lengths, out=cu[1:])
+        lengths.cumsum(out=cu[1:])
         if cu[-1] == count:  # decode-only step: one token each, at its start
-            ids = np.fromiter((c.seq.tokens[c.start] for c in chunks), np.int64, count)
-            positions = starts
-            owner = np.arange(count)
+            positions, owner = starts, np.arange(count)
         else:
-            ids = np.fromiter(itertools.chain.from_iterable(c.seq.tokens[c.start:c.start + c.length] for c in chunks),
-                              np.int64, int(cu[-1]))
             owner = np.repeat(np.arange(count), lengths)
             positions = np.arange(cu[-1], dtype=np.int64) - cu[:-1][owner] + starts[owner]
-        table = _block_table([c.seq.block_table for c in chunks])
+        ids = table_of.tokens[seq_slots[owner], positions]
+        table = table_of.table(seq_slots)
         slots = table[owner, positions // ps].astype(np.int64) * ps + positions % ps
         return ids, positions, cu, table, (starts + lengths).astype(np.int32), slots
 
     def _sampling_rows(self, plan: SchedulerOutput, cu: np.ndarray,
-                       ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Sequence]]:
+                       ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Sequence], np.ndarray]:
         """(the hidden row each sampling sequence samples from, the position its new token takes = its
-        num_tokens, the sequences); int64 arrays. A leader's forked siblings share its row and position.
-        ``cu``: the chunks' cumulative row counts; ``ends``: each chunk's start + length (a chunk samples
-        when it ends at its sequence's last token)."""
-        chunks = plan.chunks
-        count = len(chunks)
-        totals = np.fromiter((len(c.seq.tokens) for c in chunks), np.int64, count)
-        rows = np.flatnonzero(ends == totals)
-        seqs = [c.seq for c in chunks] if rows.size == count else [chunks[i].seq for i in rows.tolist()]
-        rows, positions = cu[1:][rows] - 1, totals[rows]   # a chunk's last row
-        if not any(r.pending_forks for r in self._requests.values()):
-            return rows, positions, seqs
-        take, seq_list = [], []   # indices into rows / positions: a leader's once per sample
-        for k, seq in enumerate(seqs):
-            take.append(k)
-            seq_list.append(seq)
-            if seq.request.pending_forks and seq is seq.request.seqs[0]:
-                siblings = self.scheduler.fork(seq)
-                take += [k] * len(siblings)
-                seq_list += siblings
-        return rows[take], positions[take], seq_list
+        num_tokens, the sequences, their slots); int64 arrays. A leader's forked siblings (forked here,
+        right after it) share its row and position. ``cu``: the chunks' cumulative row counts; ``ends``:
+        each chunk's start + length (a chunk samples when it ends at its sequence's last token)."""
+        count = len(plan.seqs)
+        totals = self.scheduler.slots.num_tokens[plan.slots]
+        picked = (ends == totals).nonzero()[0]
+        seqs = plan.seqs if picked.size == count else list(map(plan.seqs.__getitem__, picked.tolist()))
+        rows, positions, slots = cu[1:][picked] - 1, totals[picked], plan.slots[picked]   # a chunk's last row
+        leaders = self.scheduler.forking_leaders()
+        if not leaders:
+            return rows, positions, seqs, slots
+        forking = _member(slots, [s.slot for s in leaders]).nonzero()[0]
+        if not forking.size:
+            return rows, positions, seqs, slots
+        # each forking leader's siblings right after it: take[i] = the sampled row that result row i uses
+        take, seq_list, slot_parts, prev = [], [], [], 0
+        for k in forking.tolist():
+            siblings = self.scheduler.fork(seqs[k])
+            take += [np.arange(prev, k + 1), np.full(len(siblings), k)]
+            seq_list += seqs[prev:k + 1] + siblings
+            slot_parts += [slots[prev:k + 1], np.fromiter((s.slot for s in siblings), np.int64, len(siblings))]
+            prev = k + 1
+        take.append(np.arange(prev, len(seqs)))
+        seq_list += seqs[prev:]
+        slot_parts.append(slots[prev:])
+        take = np.concatenate(take)
+        return rows[take], positions[take], seq_list, np.concatenate(slot_parts)
 
-    def _sample(self, hidden: torch.Tensor, rows: np.ndarray, positions: np.ndarray,
-                seqs: list[Sequence]) -> Readback:
-        """The eager sampler on the sampling rows: tokens (int64) and logprobs (fp32), on their way to the
-        host in ONE device-to-host copy (:func:`pack_results`)."""
-        dev, n = hidden.device, len(seqs)
+    def _sample(self, hidden: torch.Tensor, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> Readback:
+        """The eager sampler on the sampling rows (sequences in ``slots``): tokens (int64) and logprobs
+        (fp32), on their way to the host in ONE device-to-host copy (:func:`pack_results`)."""
+        dev = hidden.device
         h = hidden.index_select(0, torch.from_numpy(rows).to(dev))
-        seeds = torch.from_numpy(np.fromiter((s.seed for s in seqs), np.int64, n)).to(dev)
-        temperature, top_k, top_p = self._sampling_settings(seqs)
+        seeds = torch.from_numpy(self.scheduler.slots.seed[slots]).to(dev)
+        temperature, top_k, top_p = self._sampling_settings(slots)
         tokens, logprobs = ops.sample_and_score(h, self.model.lm_head_weight, seeds=seeds,
                                                 positions=torch.from_numpy(positions).to(dev),
                                                 temperature=temperature, top_k=top_k, top_p=top_p)
         return Readback(pack_results(tokens, logprobs))
 
-    def _sampling_settings(self, seqs: list[Sequence]):
+    def _sampling_settings(self, slots: np.ndarray):
         """(temperature, top_k, top_p): one number each when every request in flight shares them (the
-        usual case: no per-sequence lists), else per-row lists. ops.sample_and_score treats a list of
-        equal values as that value, so both forms give the same bits."""
+        usual case: no per-sequence lists), else per-row lists (the requests' own Python numbers, read
+        from the slot table). ops.sample_and_score treats a list of equal values as that value, so both
+        forms give the same bits."""
         settings = self._shared_settings().sampling
         if len(settings) == 1:
             return next(iter(settings))
-        params = [s.request.sampling for s in seqs]
-        return [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params]
+        table = self.scheduler.slots
+        return table.temperature[slots].tolist(), table.top_k[slots].tolist(), table.top_p[slots].tolist()
 
     def _shared_settings(self) -> "_SharedSettings":
-        """What the requests in flight set (distinct values), recomputed only when a request enters or
-        leaves: the per-step code reads one value instead of one per sequence when they agree."""
+        """What the requests in flight set (distinct values), recomputed only when a combination of settings
+        appears or disappears (:meth:`_count_settings`), from those combinations: the per-step code reads
+        one value instead of one per sequence when they agree, and a request entering or leaving costs
+        O(1), not a pass over the requests in flight."""
         if self._shared is None:
-            requests = self._requests.values()
-            sampling = {(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in requests}
+            combos = list(self._settings_in_flight)
+            sampling = {combo[1] for combo in combos}
             vocab = self.model.config.vocab_size
             self._shared = _SharedSettings(
-                weights_versions={r.weights_version for r in requests},
+                weights_versions={combo[0] for combo in combos},
                 sampling=sampling,
-                stop_token_ids={r.stop_token_ids for r in requests},
-                limits={(r.sampling.max_new_tokens, bool(r.sampling.stop)) for r in requests},
+                limits={combo[2] for combo in combos},
                 score_temperatures={ops.logprob_temperature(t) for t, _, _ in sampling},
                 filtered=any(t > 0 and (0 < k < vocab or p < 1) for t, k, p in sampling))
         return self._shared
 
-    def _append(self, seqs: list[Sequence], positions: np.ndarray, tokens: np.ndarray | None,
+    def _count_settings(self, request: Request, change: int) -> None:
+        """A request enters (+1) or leaves (-1) the requests in flight; the shared view is recomputed when
+        its combination of settings appears or disappears."""
+        sampling = request.sampling
+        combo = (request.weights_version, (sampling.temperature, sampling.top_k, sampling.top_p),
+                 (sampling.max_new_tokens, bool(sampling.stop)))
+        counts = self._settings_in_flight
+        counts[combo] += change
+        if counts[combo] == 0:
+            del counts[combo]
+            self._shared = None
+        elif counts[combo] == change:   # first of its kind
+            self._shared = None
+
+    def _append(self, seqs: list[Sequence], slots: np.ndarray, positions: np.ndarray, tokens: np.ndarray | None,
                 logprobs: np.ndarray | None, emit_unfinished: bool = True) -> list[StepOutput]:
-        """Append each sampled token (at ``positions``, = the sequence's num_tokens) and logprob; end the
-        samples that stop; the outputs: unfinished ones (``emit_unfinished``), then finished ones."""
+        """Append each sampled token (at ``positions``, = the sequence's num_tokens) and logprob to the
+        sequences in ``slots`` (array writes: :meth:`SlotTable.append`); end the samples that stop; the
+        outputs: unfinished ones (``emit_unfinished``), then finished ones. Python runs per sequence that
+        may stop (:meth:`_stop_candidates`), not per sequence."""
         if not seqs:
             return []
-        may_stop = self._stop_candidates(seqs, positions + 1, tokens)
-        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-        for seq, token, logprob in zip(seqs, token_list, logprob_list):
-            seq.tokens.append(token)
-            seq.logprobs.append(logprob)
-        finished = [seqs[i] for i in may_stop if self._check_stop(seqs[i], token_list[i])]
+        table = self.scheduler.slots
+        may_stop = self._stop_candidates(slots, positions + 1, tokens)
+        table.append(slots, positions, tokens, logprobs)
+        ended = [i for i in may_stop if self._check_stop(seqs[i], int(tokens[i]))]
         outputs = []
-        if emit_unfinished:
-            done = set(map(id, finished))
-            outputs = [StepOutput(seq.request.request_id, seq.request.prompt_index, seq.sample_index, token, logprob,
-                                  False)
-                       for seq, token, logprob in zip(seqs, token_list, logprob_list) if id(seq) not in done]
+        if emit_unfinished:   # one StepOutput per token: the step() API's contract
+            going = slots
+            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+            if ended:
+                keep = np.ones(len(seqs), bool)
+                keep[ended] = False
+                going, token_list = slots[keep], list(itertools.compress(token_list, keep.tolist()))
+                logprob_list = list(itertools.compress(logprob_list, keep.tolist()))
+            outputs = list(map(StepOutput, table.request_id[going].tolist(), table.prompt_index[going].tolist(),
+                               table.sample_index[going].tolist(), token_list, logprob_list,
+                               itertools.repeat(False)))
+        finished = [seqs[i] for i in ended]
         self._finish(finished)
         outputs += [self._finished_output(seq, seq.tokens[-1], seq.logprobs[-1]) for seq in finished]
         return outputs
 
-    def _stop_candidates(self, seqs: list[Sequence], new_len: np.ndarray, tokens: np.ndarray) -> list[int]:
-        """Indices (ascending) of the sequences that may end with this step's ``tokens`` (appended after
-        this call, bringing them to ``new_len`` tokens): :meth:`_check_stop` decides for these, every
-        other one goes on. Vectorised when every request in flight shares its stop tokens and length
-        limit and has no stop strings (the usual case); every sequence otherwise."""
-        shared = self._shared_settings()
-        stop_sets, limits = shared.stop_token_ids, shared.limits
-        if len(stop_sets) != 1 or len(limits) != 1 or next(iter(limits))[1]:
-            return list(range(len(seqs)))
-        (stop_ids,), ((max_new, _),) = stop_sets, limits
-        n = len(seqs)
-        prompt = np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, n)
-        may = (new_len - prompt >= max_new) | (new_len >= self.max_model_len)
-        if stop_ids:
-            may |= np.isin(tokens, np.fromiter(stop_ids, np.int64, len(stop_ids)))
-        return np.flatnonzero(may).tolist()
+    def _stop_candidates(self, slots: np.ndarray, new_len: np.ndarray, tokens: np.ndarray) -> list[int]:
+        """Indices (ascending) of the sequences (in ``slots``) that may end with this step's ``tokens``
+        (appended after this call, bringing them to ``new_len`` tokens): :meth:`_check_stop` decides for
+        these, every other one goes on. One array test on the slots' own stop ids and length limits
+        (requests may differ in both); every sequence while a request with stop strings is in flight
+        (only decoding tells)."""
+        if any(has_strings for _, has_strings in self._shared_settings().limits):
+            return list(range(slots.size))
+        table = self.scheduler.slots
+        may = new_len >= np.minimum(table.length_limit[slots], self.max_model_len)
+        may |= table.hits_stop(slots, tokens)
+        return may.nonzero()[0].tolist()
 
     def _finish(self, seqs: list[Sequence]) -> None:
-        """Free the sequences' pages; with record_routing, first gather their computed rows' routing.
-        While a step is in flight their rows in it are dropped, and their pages freed once it has run
-        (it writes their K/V slots: one step late)."""
+        """Free the sequences' pages and slots; with record_routing, first gather their computed rows'
+        routing. While a step is in flight their rows in it are dropped, and their pages freed once it has
+        run (it writes their K/V slots: one step late)."""
         if self.routing is not None:
             for seq in seqs:
                 seq.routing = self.routing.gather(seq.block_table, seq.num_computed)
@@ -693,14 +725,16 @@ class RolloutEngine:
         if inflight is None:
             self.scheduler.finish(seqs)
             return
+        slots = [seq.slot for seq in seqs if seq.slot is not None]
         self.scheduler.finish(seqs, free_pages=False)
-        inflight.dead.update(map(id, seqs))
+        if slots:
+            inflight.mark_dead(slots)
         inflight.release.extend(seqs)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         request = seq.request
         if token in request.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+            seq.finish_reason, seq.stop_reason = "stop", int(token)
         elif request.sampling.stop and (hit := self._stop_string(seq)) is not None:
             seq.finish_reason, seq.stop_reason = "stop", hit
         elif seq.num_output_tokens >= request.sampling.max_new_tokens or seq.num_tokens >= self.max_model_len:
@@ -725,9 +759,8 @@ class RolloutEngine:
             text=self.tokenizer.decode(seq.output_tokens) if self.tokenizer is not None else None,
             num_preemptions=seq.num_preemptions, routing=seq.routing)
         seq.status = SeqStatus.FINISHED
-        if request.finished:
-            self._requests.pop(request.request_id, None)
-            self._shared = None
+        if request.finished and self._requests.pop(request.request_id, None) is not None:
+            self._count_settings(request, -1)
         return StepOutput(request.request_id, request.prompt_index, seq.sample_index, token, logprob, True, completion)
 
     # ---- batch API -----------------------------------------------------------------------------
@@ -811,11 +844,11 @@ def _prompt_key(ids: list[int]) -> int:
     return prompt_key(ids)
 
 
-def _block_table(tables: list[list[int]]) -> np.ndarray:
-    """The chunks' block tables as one int32 [count, longest] array, 0 past each table's end."""
-    widths = np.fromiter(map(len, tables), np.int64, len(tables))
-    table = np.zeros((len(tables), int(widths.max())), np.int32)
-    # a row-major boolean mask takes the flat pages in table order
-    table[np.arange(table.shape[1]) < widths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), np.int32, int(widths.sum()))
-    return table
+def _member(values: np.ndarray, members: list[int]) -> np.ndarray:
+    """bool [n]: whether each of ``values`` (small non-negative ints: slots) is one of ``members`` (a mask
+    lookup; np.isin sorts both)."""
+    if not values.size or not members:
+        return np.zeros(values.shape, bool)
+    mask = np.zeros(max(int(values.max()), max(members)) + 1, bool)
+    mask[members] = True
+    return mask[values]

@@ -5,6 +5,13 @@ explicit counters. ``num_computed`` is the length of the prefix whose K/V are in
 tokens ``tokens[num_computed:]`` are fed by the next forwards (a whole prompt, a prefill chunk,
 the one token sampled last step, or everything again after a preemption). When a forward brings
 ``num_computed`` up to ``num_tokens``, the last row's hidden state samples the next token.
+
+While a sequence runs it holds a slot of the scheduler's :class:`rlalign.rollout.slots.SlotTable`,
+which owns its per-step state (tokens, logprobs, num_computed, registered pages) in arrays that a
+decode step updates for every running sequence at once. Then the Sequence is a view: its counters
+read the slot, and ``tokens`` / ``logprobs`` are brought up to date from it when read (the lists
+returned are the record: append to them only while the sequence holds no slot; a running sequence's
+tokens are appended through ``SlotTable.append``).
 """
 
 from __future__ import annotations
@@ -28,34 +35,80 @@ class SeqStatus(enum.Enum):
 class Sequence:
     """One sample: ``tokens`` = prompt + generated, ``block_table`` = its KV pages in position order."""
 
-    __slots__ = ("request", "sample_index", "seed", "tokens", "num_prompt_tokens", "num_computed", "block_table",
-                 "logprobs", "status", "finish_reason", "stop_reason", "num_preemptions", "num_registered_pages",
-                 "routing", "_digests")
+    __slots__ = ("request", "sample_index", "seed", "_tokens", "num_prompt_tokens", "_num_computed", "block_table",
+                 "_logprobs", "status", "finish_reason", "stop_reason", "num_preemptions", "_num_registered_pages",
+                 "routing", "_digests", "slot", "slot_table")
 
     def __init__(self, request: "Request", sample_index: int, seed: int, prompt_tokens: list[int]):
         self.request = request
         self.sample_index = sample_index
         self.seed = seed
-        self.tokens = list(prompt_tokens)
+        self._tokens = list(prompt_tokens)
         self.num_prompt_tokens = len(prompt_tokens)
-        self.num_computed = 0
+        self._num_computed = 0
         self.block_table: list[int] = []
-        self.logprobs: list[float] = []
+        self._logprobs: list[float] = []
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.num_registered_pages = 0   # leading full pages already offered to the prefix cache
+        self._num_registered_pages = 0   # leading full pages already offered to the prefix cache
         self.routing = None             # expert ids of the computed rows, gathered when it finishes (record_routing)
         self._digests: list[bytes] = []
+        self.slot: int | None = None    # its row in slot_table while it runs (SlotTable.assign / release)
+        self.slot_table = None
+
+    # ---- the per-step state: the slot's while it runs, else these fields ------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt + generated token ids (the record; read-only while the sequence holds a slot)."""
+        if self.slot is not None:
+            self.slot_table.sync(self)
+        return self._tokens
+
+    @property
+    def logprobs(self) -> list[float]:
+        """The generated tokens' logprobs (read-only while the sequence holds a slot)."""
+        if self.slot is not None:
+            self.slot_table.sync(self)
+        return self._logprobs
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        if self.slot is not None:
+            return int(self.slot_table.num_tokens[self.slot])
+        return len(self._tokens)
+
+    @property
+    def num_computed(self) -> int:
+        if self.slot is not None:
+            return int(self.slot_table.num_computed[self.slot])
+        return self._num_computed
+
+    @num_computed.setter
+    def num_computed(self, value: int) -> None:
+        if self.slot is not None:
+            self.slot_table.num_computed[self.slot] = value
+        else:
+            self._num_computed = value
+
+    @property
+    def num_registered_pages(self) -> int:
+        if self.slot is not None:
+            return int(self.slot_table.num_registered[self.slot])
+        return self._num_registered_pages
+
+    @num_registered_pages.setter
+    def num_registered_pages(self, value: int) -> None:
+        if self.slot is not None:
+            self.slot_table.num_registered[self.slot] = value
+        else:
+            self._num_registered_pages = value
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.tokens) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_tokens(self) -> list[int]:
@@ -63,7 +116,7 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.tokens) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     def page_digests(self, page_size: int, count: int) -> list[bytes]:
         """Digests of the first ``count`` full pages of tokens: d_i = blake2b-128(d_{i-1} || int64 tokens of page i),
@@ -71,9 +124,15 @@ class Sequence:
         while len(self._digests) < count:
             i = len(self._digests)
             prev = self._digests[-1] if i else b""
-            page = array("q", self.tokens[i * page_size:(i + 1) * page_size]).tobytes()
+            page = self._page_bytes(i * page_size, (i + 1) * page_size)
             self._digests.append(hashlib.blake2b(prev + page, digest_size=16).digest())
         return self._digests[:count]
+
+    def _page_bytes(self, start: int, end: int) -> bytes:
+        """tokens[start:end] as int64 bytes (native order), read from the slot while the sequence runs."""
+        if self.slot is not None:
+            return self.slot_table.tokens[self.slot, start:end].tobytes()
+        return array("q", self._tokens[start:end]).tobytes()
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request.request_id}/{self.sample_index}, {self.status.value}, "

@@ -706,6 +706,7 @@ def launch_parallel(cfg: TrainConfig) -> Path:
     """Spawn ``parallel.dp * parallel.tp`` training processes; returns the run directory when they finish."""
     if cfg.launcher != "local":
         raise RLAlignError(f"parallel.dp/tp > 1 run with launcher=local (got launcher={cfg.launcher})")
+    par.check_parallel_device(cfg)
     run = dataclasses.replace(cfg.run, dir=cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = dataclasses.replace(cfg, run=run)
     return Path(spawn(_parallel_rank, cfg.parallel.world_size, cfg, backend=default_backend(cfg.model.device))[0])

@@ -41,6 +41,16 @@ def needs_launch(cfg) -> bool:
     return cfg.parallel.world_size > 1 and not dist.is_initialized() and "RANK" not in os.environ
 
 
+def check_parallel_device(cfg) -> None:
+    """A job of several processes takes one GPU per rank (the rank's current device): a model.device that
+    names one GPU (cuda:0) would put every rank on it. One line, before any process starts."""
+    device = str(cfg.model.device)
+    if cfg.parallel.world_size > 1 and device.startswith("cuda:"):
+        raise RLAlignError(f"model.device={device} puts every one of the {cfg.parallel.world_size} processes of "
+                           "parallel.dp * parallel.tp on one GPU: use model.device=cuda (rank r takes GPU r; pick "
+                           "the GPUs with CUDA_VISIBLE_DEVICES)")
+
+
 def parallel_groups(cfg) -> tuple[Group | None, Group]:
     """(tp group, or None when parallel.tp is unset; dp group), joining torchrun's job when needed."""
     tp = cfg.parallel.tp
@@ -48,6 +58,7 @@ def parallel_groups(cfg) -> tuple[Group | None, Group]:
         return (Group.single() if tp else None), Group.single()
     if cfg.launcher != "local":
         raise RLAlignError(f"parallel.dp/tp > 1 run with launcher=local (got launcher={cfg.launcher})")
+    check_parallel_device(cfg)
     world = Group.world() if dist.is_initialized() else init_from_env(cfg.model.device)
     if world.size != cfg.parallel.world_size:
         raise RLAlignError(f"parallel.dp * parallel.tp = {cfg.parallel.world_size} but the job has {world.size} "
@@ -209,6 +220,6 @@ class NoMetrics:
         pass
 
 
-__all__ = ["NoMetrics", "needs_launch", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
+__all__ = ["NoMetrics", "needs_launch", "check_parallel_device", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
            "load_policy_weights", "clip_grad_norm_", "restack_run_state", "optimizer_state", "load_optimizer_state",
            "unsharded_policy"]

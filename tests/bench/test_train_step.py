@@ -36,6 +36,14 @@ def test_tiny_run_reports_every_variant_and_the_losses_agree(capsys, tmp_path):
     assert result["shape"]["tokens"] == 128 and set(result["ratios"]) >= {"time_strict_over_native"}
 
 
+def test_profile_kernels_adds_a_breakdown_of_one_more_step(capsys):
+    code = train_step.main(["--shape", "tiny", "--device", "cpu", "--tokens", "128", "--mean-seq", "24",
+                            "--variants", "strict", "--iters", "1", "--warmup", "0", "--in-process", "--profile-kernels"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "kernels " in out and "gemm " in out, out
+
+
 def test_matmul_params_equal_the_model_weight_count():
     """N in 6 N T counts every matmul weight (decoder linears + LM head), not the embedding or the norms."""
     from rlalign.models.config import ModelConfig

@@ -51,6 +51,17 @@ def test_dp_gradients_run_to_run_and_rank_to_rank(ranks):
                 assert_bitwise_equal(grad, first[name], f"DP grad {name}")
 
 
+def test_dp_gradient_buckets_change_no_bit(ranks):
+    """Each element is the tree of its ranks' values wherever it sits: any bucket size gives the one-buffer bits."""
+    whole = ranks[0]["dp"]["runs"][0]["reduced"]
+    sizes = sorted(p.numel() for p in workers.dp_model().parameters())
+    assert sizes[0] < 300 < sizes[-1] and sum(sizes) > 5000   # the buckets split the model three ways
+    for r in ranks:
+        for size, grads in r["dp"]["bucketed"].items():
+            for name, grad in grads.items():
+                assert_bitwise_equal(grad, whole[name], f"bucket {size}: {name}")
+
+
 def test_dp2_equals_one_process_accumulating_the_same_shards_in_the_same_tree(ranks):
     """DP=1 reproduces DP=2 when it accumulates each rank's micro-batches in a separate buffer and
     merges the buffers by the same tree (fp32, one rounding)."""

@@ -91,6 +91,7 @@ def test_dp2_training_runs_with_one_writer(runs):
     (["parallel.tp=3"], "tp must be 1, 2, 4 or 8"),
     (["parallel.dp=2", "launcher=ray"], "launcher=local"),
     (["parallel.tp=2", "algo.advantage=gae"], "value model"),
+    (["parallel.tp=2", "model.device=cuda:1"], "use model.device=cuda (rank r takes GPU r"),
 ])
 def test_parallel_config_errors_are_one_line(tmp_path, extra, message):
     proc = _train(tmp_path / "x", *extra)

@@ -109,16 +109,28 @@ def accumulate(model, samples, micro_batches: int) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+# gradient buckets: every parameter alone (1), a few small parameters together (300), several mixed (5000)
+DP_BUCKETS = (1, 300, 5000)
+
+
 def dp_step(world: Group, repeats: int) -> dict:
     """A DP step repeated ``repeats`` times from the same weights: each rank back-propagates its
-    share of the samples in two micro-batches, then the deterministic all-reduce."""
+    share of the samples in two micro-batches, then the deterministic all-reduce (one bucket); and the
+    same local gradients all-reduced in the buckets of DP_BUCKETS."""
     runs = []
     for _ in range(repeats):
         model = dp_model()
         local = accumulate(model, shard_for_rank(dp_samples(), world), micro_batches=2)
-        all_reduce_gradients_(model.parameters(), world)
+        all_reduce_gradients_(model.parameters(), world, bucket_elements=10 ** 9)
         runs.append({"local": local, "reduced": {n: p.grad.clone() for n, p in model.named_parameters()}})
-    return {"runs": runs}
+    bucketed = {}
+    for size in DP_BUCKETS:
+        model = dp_model()
+        for name, p in model.named_parameters():
+            p.grad = runs[0]["local"][name].clone()
+        all_reduce_gradients_(model.parameters(), world, bucket_elements=size)
+        bucketed[size] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"runs": runs, "bucketed": bucketed}
 
 
 def native_tp(world: Group) -> dict:

@@ -199,3 +199,23 @@ def test_no_weights(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "m")
     (path / "model.safetensors").unlink()
     expect_error(path, "no model.safetensors")
+
+
+def test_a_bare_cuda_device_stages_tensors_on_the_current_gpu(monkeypatch, tmp_path):
+    """safetensors reads "cuda" as GPU 0; rank r of a multi-GPU job (model.device=cuda, current device r) must
+    load onto its own GPU, so a bare "cuda" is made explicit as the current device before safetensors sees it."""
+    import safetensors
+
+    opened = []
+
+    def fake_open(path, framework, device):
+        opened.append(device)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(safetensors, "safe_open", fake_open)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    cases = [("cuda", "cuda:3"), (torch.device("cuda"), "cuda:3"), ("cuda:1", "cuda:1"), ("cpu", "cpu")]
+    for device, _ in cases:
+        with pytest.raises(CheckpointError, match="stop here"):
+            ckpt._load_file(tmp_path / "model.safetensors", None, {}, set(), None, device)
+    assert opened == [expected for _, expected in cases]

@@ -1,35 +1,21 @@
-"""The engine's vectorised per-step host work: block tables as one array, and requests with different
-sampling settings, stop tokens and length limits in flight together (the per-step code takes a shortcut
-when every request agrees and must give the same completions when they do not)."""
+"""The engine's vectorised per-step host work: requests with different sampling settings, stop tokens and
+length limits in flight together (the per-step code takes a shortcut when every request agrees and must
+give the same completions when they do not). The slot table's own operations: tests/rollout/test_slots.py."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from rlalign.models.testing import tiny_model
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from rlalign.rollout.engine import _block_table
 from tests.bitwise import assert_bitwise_equal
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("qwen3", seed=5, init_std=0.1)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=9), min_size=1, max_size=12))
-def test_block_table_is_the_tables_padded_with_zeros(tables):
-    got = _block_table(tables)
-    want = np.zeros((len(tables), max(map(len, tables))), np.int32)
-    for k, table in enumerate(tables):
-        want[k, :len(table)] = table
-    assert got.dtype == np.int32 and got.shape == want.shape, (got.dtype, got.shape, want.shape)
-    diff = np.argwhere(got != want)
-    assert diff.size == 0, f"first difference at {tuple(diff[0])}: {got[tuple(diff[0])]} vs {want[tuple(diff[0])]}"
 
 
 def _run(model, requests: dict) -> dict:

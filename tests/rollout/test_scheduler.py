@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from rlalign.rollout.block_manager import BlockManager, pages_for
@@ -31,6 +32,13 @@ def fake_token(seq: Sequence) -> int:
     return (seq.seed * 31 + seq.num_tokens * 7) % 97
 
 
+def append_tokens(sched: Scheduler, seqs: list[Sequence], tokens: list[int]) -> None:
+    """What the engine does after a step: the running sequences' new tokens go into their slots."""
+    slots = np.array([s.slot for s in seqs], np.int64)
+    positions = np.array([s.num_tokens for s in seqs], np.int64)
+    sched.slots.append(slots, positions, np.array(tokens, np.int64), np.zeros(len(seqs), np.float32))
+
+
 def fake_step(sched: Scheduler, config: RolloutConfig, group_size: int = 1) -> list[Sequence]:
     """One step; checks the plan's invariants; returns the sequences that finished."""
     plan = sched.schedule()
@@ -51,11 +59,8 @@ def fake_step(sched: Scheduler, config: RolloutConfig, group_size: int = 1) -> l
             sampled.append(c.seq)
             if c.seq.request.pending_forks and c.seq is c.seq.request.seqs[0]:
                 sampled += sched.fork(c.seq)
-    finished = []
-    for seq in sampled:
-        seq.tokens.append(fake_token(seq))
-        if seq.num_output_tokens >= seq.request.sampling.max_new_tokens:
-            finished.append(seq)
+    append_tokens(sched, sampled, [fake_token(seq) for seq in sampled])
+    finished = [seq for seq in sampled if seq.num_output_tokens >= seq.request.sampling.max_new_tokens]
     sched.finish(finished)
     running_tables = [s.block_table for s in sched.running]
     sched.blocks.check_consistency(running_tables)
@@ -112,8 +117,7 @@ def test_token_budget_is_shared_by_decodes_then_a_prefill_chunk():
     plan = sched.schedule()
     assert [c.length for c in plan.chunks] == [2, 2, 2, 2]    # budget 8: four prompts of 2, the fifth waits
     sched.mark_computed(plan)
-    for c in plan.chunks:
-        c.seq.tokens.append(0)
+    append_tokens(sched, [c.seq for c in plan.chunks], [0] * len(plan.chunks))
     long_prompt = make_request(9, list(range(20)), 1, True, 4).seqs[0]
     sched.add(long_prompt)
     plan = sched.schedule()
@@ -131,8 +135,7 @@ def test_out_of_pages_preempts_the_newest_sequence_which_is_recomputed_later():
     plan = sched.schedule()
     assert [c.seq for c in plan.chunks] == seqs and bm.num_free == 0
     sched.mark_computed(plan)
-    for seq in seqs:
-        seq.tokens.append(7)
+    append_tokens(sched, seqs, [7] * len(seqs))
     plan = sched.schedule()     # every sequence needs a third page: the newest is preempted
     assert [c.seq for c in plan.chunks] == seqs[:2] and plan.preempted == [seqs[2]]
     assert seqs[2].status is SeqStatus.WAITING and seqs[2].num_computed == 0 and seqs[2].block_table == []

@@ -1,0 +1,39 @@
+"""GPU timing shared by the bench/gpu_*.py scripts: a call's median time, eager or replayed from a CUDA graph.
+
+The rollout engine replays its decode steps from CUDA graphs, so a decode-sized call's host launch cost (tens of
+microseconds of Python and launcher work, often more than its GPU work at batch 1-64) is not in its step time;
+``graphed`` times what the engine pays. Import only where CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+
+def bench_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of ``fn()`` (one warm call first; triton's do_bench: 25 ms warm-up, 100 ms of reps)."""
+    import triton
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def graphed(fn: Callable[[], object], capture_context: Callable[[], object] | None = None) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (warmed up eagerly and on a side stream first: compiles and allocator
+    pools happen outside the capture) -> the graph's replay. ``capture_context`` (e.g. ``ops.capturing_graph``)
+    wraps the capture for ops that would otherwise wait for the device."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with (capture_context() if capture_context else contextlib.nullcontext()), torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay

@@ -1,0 +1,52 @@
+"""rlalign/bench/kernel_profile.py: kernel names map to the families the benchmarks report, the families sum to
+the window's total, and ``rlalign bench rollout --profile-kernels`` profiles the decode steps only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlalign.bench.kernel_profile import family, profile_breakdown
+from rlalign.cli.main import main
+
+
+@pytest.mark.parametrize("name,expected", [
+    # our Triton kernels (rlalign/ops/triton_backend)
+    ("attn_fwd_kernel", "attention"), ("attn_merge_kernel", "attention"), ("gemm_kernel", "gemm"),
+    ("segment_partials_kernel", "gemm"), ("merge_partials_kernel", "gemm"), ("grouped_rows_kernel", "moe"),
+    ("route_kernel", "moe"), ("combine_fwd_kernel", "moe"), ("lp_stats_kernel", "logprob_sample"),
+    ("sample_kernel", "logprob_sample"), ("rms_fwd_kernel", "norm_rope_act"), ("rope_kernel", "norm_rope_act"),
+    ("silu_mul_fwd_kernel", "norm_rope_act"),
+    # vendor kernels the native profile and the baselines launch
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"), ("nvjet_tst_192x192_64x4_2x1_v", "gemm"),
+    ("void pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::isfinite_kernel>", "checks"),
+    ("aten::mm", "gemm"), ("some_new_kernel", "other"),
+])
+def test_kernel_names_map_to_their_family(name, expected):
+    assert family(name) == expected, f"{name!r} -> {family(name)!r}, expected {expected!r}"
+
+
+def test_families_sum_to_the_total_and_steps_divide():
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    whole = profile_breakdown(lambda: [torch.mm(a, b).exp() for _ in range(4)], "cpu")
+    per_step = profile_breakdown(lambda: [torch.mm(a, b).exp() for _ in range(4)], "cpu", steps=4)
+    assert whole["per"] == "call" and per_step["per"] == "step (4 profiled)"
+    assert whole["kernel_ms"] > 0
+    assert sum(f["ms"] for f in whole["families"].values()) == pytest.approx(whole["kernel_ms"], rel=1e-3, abs=1e-3)
+    assert sum(f["share"] for f in whole["families"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert {"gemm", "logprob_sample"} <= set(whole["families"])     # aten::mm, aten::exp
+    assert whole["top"][0]["calls"] >= 4
+
+
+def test_bench_rollout_profiles_the_decode_steps(capsys):
+    code = main(["bench", "rollout", "--workload", "tiny", "--engines", "strict", "--repeat", "1",
+                 "--profile-kernels", "--json"])
+    assert code == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    profile = row["kernel_profile"]
+    # profiled from the first decode step's end: every later decode step of the extra call, no prefill
+    assert profile["per"] == f"step ({row['decode_steps'] - 1} profiled)"
+    assert profile["kernel_ms"] > 0 and profile["families"] and profile["top"]
