@@ -52,6 +52,9 @@ def first_token_values(vocab_size: int, answers: list[str]) -> list[float]:
     completion is longer than the answer (the -0.1 applies): what a prompt-blind policy can earn per id."""
     values = []
     for text in token_texts(vocab_size):
+        if not text:   # <eos>: the empty completion scores 0 (<pad>, <bos>, also empty, are counted alike)
+            values.append(0.0)
+            continue
         total = 0.0
         for answer in answers:
             matched = sum(a == b for a, b in zip(text, answer)) + 0.1 * max(0, len(answer) - len(text))
