@@ -93,11 +93,13 @@ class RolloutSection:
         "decode_graphs": one_of("auto", "on", "off"),
         "overlap": one_of("auto", "on", "off"),
         "record_routing": checked_by_type("true or false"),
+        "ignore_eos": checked_by_type("true or false"),
         "share_weights": checked_by_type("true, false or null"),
     }
     prompts_per_step: int = 32         # prompts (groups) per optimizer step
     samples_per_prompt: int = 8        # completions per prompt (the GRPO group size)
     max_new_tokens: int = 6            # completion length limit (longer ones are truncated)
+    ignore_eos: bool = False           # sample past <eos>: every completion is max_new_tokens long (vLLM's ignore_eos)
     temperature: float = 1.0           # sampling temperature (the trainer scores at the same one)
     top_p: float = 1.0                 # nucleus sampling (1.0: off)
     top_k: int = 0                     # top-k sampling (0: off)

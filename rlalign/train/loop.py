@@ -256,7 +256,7 @@ class Trainer:
         prompts = [self.task.encode(p.prompt) for p in problems]
         sampling = SamplingParams(n=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature,
                                   top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-                                  max_new_tokens=cfg.rollout.max_new_tokens,
+                                  max_new_tokens=cfg.rollout.max_new_tokens, ignore_eos=cfg.rollout.ignore_eos,
                                   seed=derive_seed(cfg.run.seed, step, draw_round))
         completions = self.engine.generate(prompts, sampling)
         texts = [self.tokenizer.decode(c.tokens) for c in completions]

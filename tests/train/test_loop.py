@@ -302,3 +302,17 @@ def test_max_minutes_ends_before_a_step_that_would_pass_it():
     assert "reached" in _segment_end(run, 5, elapsed_s=61.0, step_s=0.0)
     assert _segment_end(SimpleNamespace(stop_at_step=None, max_minutes=None), 9, 1e9, 1e9) is None
     assert "stop_at_step" in _segment_end(SimpleNamespace(stop_at_step=2, max_minutes=1.0), 2, 100.0, 50.0)
+
+
+def test_ignore_eos_samples_every_completion_to_its_limit(arithmetic_model_dir, tmp_path):
+    """rollout.ignore_eos: no sample ends at <eos> (each is max_new_tokens long, all truncated), and the sampled
+    <eos> tokens are scored like any other (0 mismatches); without it some samples of this model end early."""
+    def first_step(ignore, name):
+        cfg = load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / name, steps=1) +
+                          ["rollout.max_new_tokens=12", "rollout.samples_per_prompt=8", f"rollout.ignore_eos={ignore}"])
+        return [r for r in read_metrics(run_training(cfg)) if "reward/mean" in r][0]
+    stopping, ignoring = first_step("false", "stop"), first_step("true", "ignore")
+    assert stopping["completion/min_len"] < 12, "the test model must end some samples at <eos> by itself"
+    assert ignoring["completion/min_len"] == ignoring["completion/max_len"] == 12
+    assert ignoring["completion/truncated_frac"] == 1.0
+    assert ignoring["mismatch/count"] == 0 and ignoring["mismatch/tokens"] == 4 * 8 * 12
