@@ -82,7 +82,7 @@ def rollout(model, prompts: list[list[int]], args) -> list[list[int]]:
         probs = torch.softmax(hidden[last] @ model.lm_head_weight.T / args.temp, -1)
         for i, token in zip(live, torch.multinomial(probs, 1).squeeze(-1).tolist()):
             seqs[i].append(token)
-            done[i] = token == EOS
+            done[i] = token == EOS and not args.ignore_eos
     return seqs
 
 
@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new", type=int, default=64, help="max new tokens")
     p.add_argument("--temp", type=float, default=1.0)
+    p.add_argument("--ignore-eos", action="store_true", help="sample past <eos> (rollout.ignore_eos): fixed-length completions")
     p.add_argument("--reward", default="positional_match", help="a function of configs/partial_credit.py")
     p.add_argument("--extra-char-cost", type=float, help="override partial_credit.EXTRA_CHAR_COST (shorter proxies)")
     p.add_argument("--seed", type=int, default=0)
