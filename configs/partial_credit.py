@@ -24,7 +24,8 @@ def match_then_stop(prompt: str, completion: str, answer: str) -> float:
     matched counts the positions i < len(answer) with completion[i] == answer[i] (as positional_match).
     1.0 iff completion == answer; the empty completion scores 0. Unlike positional_match's flat -0.1
     for any overrun, the cost grows with each extra character, so a completion that stops (<eos>)
-    after k tokens earns more the smaller k is: the one thing a prompt-blind random-init policy over
+    after k tokens earns more the smaller k is (with rollout.ignore_eos, one made of <eos> tokens, which
+    decode to nothing, and one-digit tokens): the one thing a prompt-blind random-init policy over
     151,936 number tokens can learn within a few hundred steps (the answer's digits depend on the
     prompt; the best prompt-blind first token lifts positional_match by only ~0.05, docs/gpu.md).
     ``prompt`` is unused.
