@@ -11,12 +11,10 @@ import torch
 from tests.train.test_shared_engine import shared_engine_sees_in_place_steps
 from tests.train.test_master import _assert_same_step
 
-pytestmark = pytest.mark.cuda
+pytestmark = pytest.mark.cuda   # skipped without CUDA (tests/conftest.py)
 
 
 def test_captured_decode_graphs_read_the_shared_weights_after_each_step():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     engine, _ = shared_engine_sees_in_place_steps("cuda", "on")
     assert engine.counters["graph_steps"] > 0
 
@@ -26,7 +24,5 @@ def test_captured_decode_graphs_read_the_shared_weights_after_each_step():
 def test_chunked_step_equals_the_whole_step_on_the_gpu(chunk, offload):
     """bf16 weights on the GPU; masters and AdamW state there (or offloaded to the host): chunk views at odd
     offsets give the whole step's bits (the unchunked reference runs on the same device)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     _assert_same_step([((100_003,), "bf16"), ((257, 129), "bf16"), ((70_001,), "fp32")], offload=offload, clip=True,
                       seed=3, chunk=chunk, device="cuda")
