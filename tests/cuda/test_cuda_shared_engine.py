@@ -6,7 +6,6 @@ unvectorized elementwise kernels)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.train.test_shared_engine import shared_engine_sees_in_place_steps
 from tests.train.test_master import _assert_same_step
