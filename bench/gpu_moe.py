@@ -42,10 +42,9 @@ HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
 
 
 def timed(fn) -> float:
-    import triton
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    """Median ms (rlalign.bench.cuda_timing.bench_ms, shorter windows: the MoE rows are many)."""
+    from rlalign.bench.cuda_timing import bench_ms
+    return bench_ms(fn, warmup=10, rep=60)
 
 
 def make_layer(seed: int = 0, stacked: bool = True):

@@ -13,12 +13,13 @@ from typing import Callable
 import torch
 
 
-def bench_ms(fn: Callable[[], object]) -> float:
-    """Median milliseconds of ``fn()`` (one warm call first; triton's do_bench: 25 ms warm-up, 100 ms of reps)."""
+def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn()`` (one warm call first; triton's do_bench: ``warmup`` ms of warm-up,
+    ``rep`` ms of repetitions)."""
     import triton
     fn()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def graphed(fn: Callable[[], object], capture_context: Callable[[], object] | None = None) -> Callable[[], None]:
