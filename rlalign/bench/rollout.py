@@ -389,7 +389,8 @@ class _EngineRun:
         self.warmup = time.perf_counter() - t0
         self.completions, self.steps, self.captures_timed = None, [], 0
 
-    def timed(self) -> float:
+    def timed(self, profile: KernelProfile | None = None) -> float:
+        """One call of the workload; ``profile``: profiled from its first decode step (_generate_step_by_step)."""
         engine, graphs = self.engine, self.engine.decode_graphs
         engine.blocks.reset_prefix_cache()   # no call reuses an earlier call's prompt pages
         engine.counters.update(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0,
@@ -399,18 +400,12 @@ class _EngineRun:
         captures = graphs.captures if graphs is not None else 0
         _sync(self.args.device)
         t0 = time.perf_counter()
-        self.completions, self.steps = _generate_step_by_step(engine, self.workload.prompts, self.sampling)
+        self.completions, self.steps = _generate_step_by_step(engine, self.workload.prompts, self.sampling,
+                                                              profile=profile)
         _sync(self.args.device)
         seconds = time.perf_counter() - t0
         self.captures_timed = (graphs.captures if graphs is not None else 0) - captures
         return seconds
-
-    def profiled_decode(self) -> dict:
-        engine = self.engine
-        engine.blocks.reset_prefix_cache()
-        prof = KernelProfile(self.args.device)
-        _, steps = _generate_step_by_step(engine, self.workload.prompts, self.sampling, profile=prof)
-        return prof.breakdown(steps=sum(1 for s in steps if s.profiled))
 
     def row(self, runs: list[float]) -> dict:
         seconds = statistics.median(runs)
@@ -430,7 +425,9 @@ class _EngineRun:
         if getattr(self.args, "profile_kernels", False):
             # one more call after the measured ones (the profiler's overhead is in none of them), profiled from
             # its first decode step to its end: the decode steps' kernels, prefill left out
-            row["kernel_profile"] = self.profiled_decode()
+            prof = KernelProfile(self.args.device)
+            self.timed(profile=prof)
+            row["kernel_profile"] = prof.breakdown(steps=sum(1 for step in self.steps if step.profiled))
         if self.args.verify:
             row.update(_verify(self.model, self.completions, self.profile))
         return row
