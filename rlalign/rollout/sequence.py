@@ -32,6 +32,27 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class _SlotCounter:
+    """A per-step counter of a :class:`Sequence`: the slot table's ``column`` while the sequence holds a slot,
+    else its own ``field``."""
+
+    def __init__(self, column: str, field: str):
+        self.column, self.field = column, field
+
+    def __get__(self, seq, owner=None):
+        if seq is None:
+            return self
+        if seq.slot is not None:
+            return int(getattr(seq.slot_table, self.column)[seq.slot])
+        return getattr(seq, self.field)
+
+    def __set__(self, seq, value: int) -> None:
+        if seq.slot is not None:
+            getattr(seq.slot_table, self.column)[seq.slot] = value
+        else:
+            setattr(seq, self.field, value)
+
+
 class Sequence:
     """One sample: ``tokens`` = prompt + generated, ``block_table`` = its KV pages in position order."""
 
@@ -80,31 +101,8 @@ class Sequence:
             return int(self.slot_table.num_tokens[self.slot])
         return len(self._tokens)
 
-    @property
-    def num_computed(self) -> int:
-        if self.slot is not None:
-            return int(self.slot_table.num_computed[self.slot])
-        return self._num_computed
-
-    @num_computed.setter
-    def num_computed(self, value: int) -> None:
-        if self.slot is not None:
-            self.slot_table.num_computed[self.slot] = value
-        else:
-            self._num_computed = value
-
-    @property
-    def num_registered_pages(self) -> int:
-        if self.slot is not None:
-            return int(self.slot_table.num_registered[self.slot])
-        return self._num_registered_pages
-
-    @num_registered_pages.setter
-    def num_registered_pages(self, value: int) -> None:
-        if self.slot is not None:
-            self.slot_table.num_registered[self.slot] = value
-        else:
-            self._num_registered_pages = value
+    num_computed = _SlotCounter("num_computed", "_num_computed")
+    num_registered_pages = _SlotCounter("num_registered", "_num_registered_pages")
 
     @property
     def num_output_tokens(self) -> int:
