@@ -286,6 +286,26 @@ def report_first_token_values(model_dir: str, n: int) -> int:
     return 0
 
 
+def plot_runs(paths: list[str], out: str) -> int:
+    """Reward, entropy and residual-stream RMS per step of each run (a JSON-lines file of this script)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for path in paths:
+        rows = [json.loads(line) for line in open(path)]
+        steps = [r["step"] for r in rows]
+        for ax, key in zip(axes, ("reward", "entropy", "resid_rms")):
+            ax.plot(steps, [r.get(key, float("nan")) for r in rows], label=Path(path).stem)
+    for ax, key in zip(axes, ("reward (mean of 80)", "entropy (nats)", "residual RMS into the final norm")):
+        ax.set_xlabel("step")
+        ax.set_title(key)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", help="a checkpoint dir (or build one: --hidden, --layers)")
@@ -301,6 +321,8 @@ def main(argv=None) -> int:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--entropy-coef", type=float, default=0.0)
     p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--plot", metavar="PNG", help="instead of training: plot the --runs files")
+    p.add_argument("--runs", nargs="*", default=[], help="JSON-lines files of earlier runs (--plot)")
     p.add_argument("--lr", type=float)
     p.add_argument("--first-token-values", type=int, metavar="N",
                    help="instead of training: positional_match's prompt-blind value per first token over N train answers")
@@ -317,6 +339,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the JSON lines here")
     args = p.parse_args(argv)
+    if args.plot:
+        return plot_runs(args.runs, args.plot)
     if args.first_token_values:
         return report_first_token_values(args.model, args.first_token_values)
     if args.lr is None:
