@@ -3,16 +3,19 @@
     python bench/grpo_lr_proxy.py DIR --lr 1e-3 --steps 150 --new 8 --reward match_then_stop \
         --extra-char-cost 0.0244 --out proxy.jsonl
     python bench/grpo_lr_proxy.py DIR --first-token-values 400    # positional_match's prompt-blind ceiling
-    python bench/grpo_lr_proxy.py --hidden 128 --layers 4 --lr 6.4e-3 --top-p 0.95 --ignore-eos \
-        --reward match_then_stop --steps 60 --out h128.jsonl         # the full-vocabulary body, built here
+    python bench/grpo_lr_proxy.py --hidden 64 --layers 4 --vocab 18992 --new 8 --extra-char-cost 0.04 \
+        --lr 7.4e-3 --entropy-coef 0.01 --top-p 0.95 --ignore-eos --reward match_then_stop --steps 75 \
+        --out run.jsonl                                               # an eager toy body, built here
+    python bench/grpo_lr_proxy.py --plot proxy.png --runs a.jsonl b.jsonl
 
 Why it exists: the strict CPU path scores the full 151,936-id vocabulary through tiled kernels (step 0's
 eval of the 8B config on a toy body did not finish in 5 minutes on the 2-core machine), too slow for
 the hundreds of steps an lr study needs. This loop runs the same arithmetic in eager torch:
-rollouts of ``--prompts`` arithmetic problems x ``--samples`` (temperature ``--temp``, no top-p), the
+rollouts of ``--prompts`` arithmetic problems x ``--samples`` (``--temp``, ``--top-p``, ``--top-k``), the
 reward from configs/partial_credit.py, GRPO advantages (rlalign.algos.advantages.grpo_advantages), one
 optimizer step per rollout on loss = -sum(A * log p(token)) / (completion tokens) (ppo_clip's value at
-ratio 1: one epoch, one mini-batch), AdamW (betas 0.9/0.99, no weight decay), grad-norm clip 1.0,
+ratio 1: one epoch, one mini-batch), AdamW (the trainer's betas 0.9/0.99, eps 1e-8, no weight decay: the
+defaults), grad-norm clip 1.0,
 linear warm-up then cosine down to 0.1 x lr over ``--schedule-steps``. Not bit-exact with the trainer
 and without KV cache (each decode step recomputes the prefix).
 
@@ -23,7 +26,14 @@ matrix's output has the 8B's scale (std x sqrt(fan-in) = 1.28; logits ~ N(0, 1.2
 step 0, as on the H200). HF's fixed std 0.02 at H = 64..256 (the models of bench/runs/lr_proxy_2026-12-02)
 gives logits of std 0.16..0.32 and layers that barely touch the residual stream: a different network.
 Under that init an Adam step of lr per coordinate moves a matrix's output by ~lr x H relative to its
-scale, so lr x H is the width-invariant knob (lr 2e-4 at H 4096 = 6.4e-3 at 128 = 1.6e-3 at 512).
+scale, so lr x H is the width-invariant knob (lr 2e-4 at H 4096 = 1.28e-2 at 64), to a factor: the 8B
+collapsed ~3x sooner in summed lr x H than hidden 64 with 4 or 12 layers (bench/runs/lr_proxy_2026-12-02-s10).
+The built body is :class:`ToyQwen3`, eager torch. At the full vocabulary and 64 tokens a step takes ~45 s
+at H 64 on 2 cores (the LM head over 5,120 x 151,936 logits), so the lr studies cut both by 8
+(``--vocab 18992 --new 8``: the share of the vocabulary drawn per step is kept) and scale the character cost
+so that one character moves a completion's advantage as much as at 64 tokens (1/16 at 64 tokens ~ 0.04 at
+8, 1/400 ~ 0.0025: not the total cost, which misled the 2026-12-02 proxy). ``--freeze head|body`` trains
+only the other part.
 
 Each step prints one JSON line: reward, entropy and p(<eos>) averaged over the completion positions,
 completion length in tokens and characters, and ``gain_pos`` / ``gain_neg``: how far the log-probs of
@@ -321,6 +331,9 @@ def main(argv=None) -> int:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--entropy-coef", type=float, default=0.0)
     p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--freeze", choices=("head", "body"), help="head: the LM head stays at its init (only the "
+                   "body trains); body: the embedding, layers and final norm stay (only the head trains); a diagnostic "
+                   "of which part drives a collapse")
     p.add_argument("--plot", metavar="PNG", help="instead of training: plot the --runs files")
     p.add_argument("--runs", nargs="*", default=[], help="JSON-lines files of earlier runs (--plot)")
     p.add_argument("--lr", type=float)
@@ -363,7 +376,11 @@ def main(argv=None) -> int:
     texts = token_texts(vocab_size)
     char_ids = {c: i for i, c in enumerate(texts[:15]) if c}
     task = ArithmeticTask(min_digits=2, max_digits=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), eps=args.eps,
+    if args.freeze:
+        for name, param in model.named_parameters():
+            param.requires_grad_((name == "lm_head") == (args.freeze == "body"))
+    trained = [param for param in model.parameters() if param.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, betas=tuple(args.betas), eps=args.eps,
                             weight_decay=args.weight_decay)
     out = open(args.out, "w") if args.out else None
     tracked = None
@@ -383,7 +400,7 @@ def main(argv=None) -> int:
             group["lr"] = lr_at(step, args)
         opt.zero_grad()
         stats = train_step(model, seqs, rows, targets, adv[owner], args.temp, args.entropy_coef)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trained, args.clip))
         opt.step()
         moved = token_logprobs(model, *tracked[:3], args.temp) - tracked[4]
         record = dict(step=step, lr=lr_at(step, args), reward=float(rewards.mean()), reward_std=float(rewards.std()),
