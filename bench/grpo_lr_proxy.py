@@ -155,7 +155,7 @@ def truncate(probs: torch.Tensor, top_p: float, top_k: int, candidates: int = 40
     Top-p looks at each row's ``candidates`` most likely ids (a full sort of 80 x 151,936 per decode step
     is too slow here): a row whose candidates hold < top_p of the mass keeps all ids, i.e. the proxy does
     not drop the low tail (< 5% of the mass at top-p 0.95) of a flat distribution such as step 0's."""
-    if top_k:
+    if 0 < top_k < probs.shape[-1]:                       # top_k >= the vocabulary keeps every id
         kth = probs.topk(top_k, dim=-1).values[:, -1:]
         probs = probs.masked_fill(probs < kth, 0.0)
     if top_p < 1.0 and bool((probs.max(-1).values * candidates >= top_p * probs.sum(-1)).any()):
