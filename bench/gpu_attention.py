@@ -181,6 +181,7 @@ def _op_launch(A, batch: int, hq: int, hkv: int, table_keys: int, q) -> str:
 # (32/8 heads, 4,096 context, page 16) and checked bit for bit against the per-item default.
 SWEEP_BATCHES = (1, 8, 16, 32, 64, 256)
 SWEEP_CTX, SWEEP_HQ, SWEEP_HKV, SWEEP_PAGE = 4096, 32, 8, 16
+SWEEP_DEVICE = "cuda"   # the CPU smoke test of the sweep (interpreter) sets "cpu"
 
 
 def sweep_candidates(A) -> list[tuple[str, object]]:
@@ -204,13 +205,13 @@ def sweep_decode() -> list[dict]:
     rows = []
     scale = D ** -0.5
     for batch in SWEEP_BATCHES:
-        q = torch.randn(batch, SWEEP_HQ, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(batch, SWEEP_HQ, D, device=SWEEP_DEVICE, dtype=torch.bfloat16)
         pages = SWEEP_CTX // SWEEP_PAGE
-        kc = torch.randn(batch * pages + 7, SWEEP_PAGE, SWEEP_HKV, D, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(batch * pages + 7, SWEEP_PAGE, SWEEP_HKV, D, device=SWEEP_DEVICE, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
-        table = torch.randperm(kc.shape[0], device="cuda")[:batch * pages].view(batch, pages).to(torch.int32)
-        seq_lens = torch.full((batch,), SWEEP_CTX, device="cuda", dtype=torch.int32)
-        cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        table = torch.randperm(kc.shape[0], device=SWEEP_DEVICE)[:batch * pages].view(batch, pages).to(torch.int32)
+        seq_lens = torch.full((batch,), SWEEP_CTX, device=SWEEP_DEVICE, dtype=torch.int32)
+        cu = torch.arange(batch + 1, device=SWEEP_DEVICE, dtype=torch.int32)
 
         def call(kind, launch):
             return A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=kind == "split",
@@ -229,7 +230,7 @@ def sweep_decode() -> list[dict]:
             except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
                 row["error"] = repr(exc)[:200]
             rows.append(row)
-        kk = torch.randn(batch, SWEEP_HKV, SWEEP_CTX, D, device="cuda", dtype=torch.bfloat16)
+        kk = torch.randn(batch, SWEEP_HKV, SWEEP_CTX, D, device=SWEEP_DEVICE, dtype=torch.bfloat16)
         run, backend = _sdpa(q.view(batch, SWEEP_HQ, 1, D), kk, torch.randn_like(kk), False)
         bases = [run] + [f for f in (_flash_varlen_decode(q, kk, torch.randn_like(kk)),) if f is not None]
         base = min(bench_ms(graphed(b), warmup=10, rep=30) for b in bases)
