@@ -88,6 +88,8 @@ class DecodeLaunch:
     programs for about this many per SM (never more than the splits); ``merge_warps`` / ``merge_unroll`` of
     attn_merge_kernel (elementwise: no layout of it can change a bit)."""
     tile: tuple[int, int, int] = DECODE_TILE
+    # 4: the decode programs (~250 registers x 128 threads, 80 / 112 KiB of shared memory) fit twice on an SM,
+    # and two waves absorb uneven contexts
     programs_per_sm: int = 4
     merge_warps: int = 8
     merge_unroll: int = 4   # splits whose partials the merge kernel loads together
