@@ -192,7 +192,8 @@ def sweep_candidates(A) -> list[tuple[str, object]]:
     cands = [("split", split), ("item", item)]
     cands += [("split", replace(split, tile=(bm, warps, s))) for s in (2, 4) if s != split.tile[2]]
     cands += [("split", replace(split, programs_per_sm=p)) for p in (8, 16) if p != split.programs_per_sm]
-    cands += [("split", replace(split, merge_warps=4, merge_unroll=8))]
+    cands += [("split", replace(split, merge_warps=w, merge_unroll=u)) for w, u in ((4, 8), (8, 16))
+              if (w, u) != (split.merge_warps, split.merge_unroll)]
     cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 4) if s != item.tile[2]]
     return cands
 
