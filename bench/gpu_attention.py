@@ -190,11 +190,13 @@ def sweep_candidates(A) -> list[tuple[str, object]]:
     split, item = A.SPLIT_DECODE, A.ITEM_DECODE
     bm, warps, stages = A.DECODE_TILE
     cands = [("split", split), ("item", item)]
-    cands += [("split", replace(split, tile=(bm, warps, s))) for s in (2, 4) if s != split.tile[2]]
+    # stages: 2 or 3 only -- at 4 and more the sm_90a PTX is the 3-stage one (the pipeliner's depth is capped by
+    # the page-table load -> K/V load chain; ptxas: 112 / 80 KiB of shared memory for the split / item kernel)
+    cands += [("split", replace(split, tile=(bm, warps, s))) for s in (2, 3) if s != split.tile[2]]
     cands += [("split", replace(split, programs_per_sm=p)) for p in (8, 16) if p != split.programs_per_sm]
     cands += [("split", replace(split, merge_warps=w, merge_unroll=u)) for w, u in ((4, 8), (8, 16))
               if (w, u) != (split.merge_warps, split.merge_unroll)]
-    cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 4) if s != item.tile[2]]
+    cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 3) if s != item.tile[2]]
     return cands
 
 
