@@ -4,8 +4,8 @@ One MoE layer's experts as ``rlalign.models.moe`` calls them (stacked weights: g
 ``--lists`` adds rows with per-expert lists, the layout before session 8): hidden 2048, 128 experts, top-8,
 moe_intermediate 768, bf16, T = 4,096 / 8,192 / 16,384 tokens routed by a random router (top-8 of
 softmax over random logits: a realistic, uneven load). Through the public op
-``ops.moe_experts(x, experts, gate, up, down, down_segments=4)`` (spec.MOE_K_SEGMENTS) (strict: sort + three grouped GEMMs
-+ silu_mul + unpermute) against, in the same run and with the same routing:
+``ops.moe_experts(x, experts, gate, up, down, down_segments=4)`` (spec.MOE_K_SEGMENTS) (strict: the dispatch kernel
++ one gather + three grouped GEMMs + silu_mul + unpermute) against, in the same run and with the same routing:
 
 * ``loop``: the same op in the native profile -- per expert, three cuBLAS GEMMs (F.linear), the
   vendor path a stock Qwen3-MoE module runs (it reads the expert counts on the host);
@@ -16,7 +16,9 @@ softmax over random logits: a realistic, uneven load). Through the public op
 target). Forward, and forward + backward (``--backward``). Also each grouped GEMM alone vs
 ``torch._grouped_mm`` on the same rows (kernel rows) and TFLOP/s (2 * rows * N * K per projection).
 Each ffn row also profiles one strict call: ``strict_kernel_ms`` (its GPU kernel time), ``gpu_busy`` (that over
-``strict_ms``: well below 1 means the call waits for host work) and ``kernel_families``.
+``strict_ms``: well below 1 means the call waits for host work), ``strict_kernels`` (GPU kernels launched by the
+call: the dispatch kernel's 3, the gathers, the grouped GEMMs, silu_mul, checks; ``grouped_mm_kernels`` the same
+for the vendor path) and ``kernel_families``.
 
     python bench/gpu_moe.py [--out DIR] [--tokens 4096,8192,16384] [--backward] [--sweep] [--lists]
 
@@ -108,22 +110,22 @@ def ffn_case(tokens: int, backward: bool, stacked: bool = True) -> dict:
         x.requires_grad_()
         grad = torch.randn(tokens, TOP_K, HIDDEN, device="cuda").to(torch.bfloat16)
 
-    def one(fn):
+    def one(fn, wrt):
         out = fn()
         if backward:
-            torch.autograd.grad(out, [x, *params], grad, allow_unused=True)
+            torch.autograd.grad(out, [x, *wrt], grad, allow_unused=True)
 
-    def run(fn):
+    def run(fn, wrt=params):
         if not backward:
             with torch.no_grad():
                 return timed(fn)
-        return timed(lambda: one(fn))
+        return timed(lambda: one(fn, wrt))
 
-    def run_once(fn):
+    def run_once(fn, wrt=params):
         if not backward:
             with torch.no_grad():
-                return one(fn)
-        return one(fn)
+                return one(fn, wrt)
+        return one(fn, wrt)
 
     t_strict = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS))
     t_loop = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS,
@@ -133,10 +135,9 @@ def ffn_case(tokens: int, backward: bool, stacked: bool = True) -> dict:
     if grouped_mm_available():
         try:
             vendor_w = stack_for_grouped_mm(gate, up, down)
-            if backward:
+            if backward:   # (the strict rows' gradients stay those of gate, up and down)
                 vendor_w = [w.detach().requires_grad_() for w in vendor_w]
-                params = vendor_w
-            t_gmm = run(lambda: grouped_mm_ffn(vendor_w, x, experts))
+            t_gmm = run(lambda: grouped_mm_ffn(vendor_w, x, experts), vendor_w)
             row["grouped_mm_ms"] = round(t_gmm, 3)
             vendor = min(vendor, t_gmm)
         except Exception as exc:  # report and go on
@@ -149,7 +150,10 @@ def ffn_case(tokens: int, backward: bool, stacked: bool = True) -> dict:
     kp = profile_breakdown(lambda: run_once(lambda: ops.moe_experts(x, experts, gate, up, down,
                                                                     down_segments=spec.MOE_K_SEGMENTS)), "cuda")
     row.update(strict_kernel_ms=kp["kernel_ms"], gpu_busy=round(kp["kernel_ms"] / t_strict, 3),
-               kernel_families={k: v["ms"] for k, v in kp["families"].items()})
+               strict_kernels=kp["kernel_calls"], kernel_families={k: v["ms"] for k, v in kp["families"].items()})
+    if "grouped_mm_ms" in row:   # the vendor path's launches, for comparison
+        row["grouped_mm_kernels"] = profile_breakdown(
+            lambda: run_once(lambda: grouped_mm_ffn(vendor_w, x, experts), vendor_w), "cuda")["kernel_calls"]
     return row
 
 

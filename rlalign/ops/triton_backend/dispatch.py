@@ -40,9 +40,12 @@ import triton.language as tl
 
 from rlalign.contract.errors import fail
 
-CHUNK = 128          # slots per count/place program (the place kernel ranks them with a [C, C] compare)
+# Small blocks: a program holds [C or SB, next_pow2(E + 1)] integer tiles in registers (64 x 256 over 8 warps:
+# 64 per thread; 128- and 256-wide blocks spilled to local memory at E = 128 in ptxas -v for sm_90a).
+CHUNK = 64           # slots per count/place program (the place kernel ranks them with a [C, C] compare)
 SCAN_BLOCK = 1024    # chunks per step of a scan program
-SLOT_BLOCK = 256     # row-tile slots per table program
+SLOT_BLOCK = 64      # row-tile slots per table program
+WARPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,7 @@ def _bucket(ids, n_experts):
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, n, n_chunks, n_experts, C: tl.constexpr, BB: tl.constexpr):
+def _moe_dispatch_count_kernel(ids_ptr, counts_ptr, n, n_chunks, n_experts, C: tl.constexpr, BB: tl.constexpr):
     chunk = tl.program_id(0)
     s = chunk * C + tl.arange(0, C)
     live = s < n
@@ -73,7 +76,7 @@ def _count_kernel(ids_ptr, counts_ptr, n, n_chunks, n_experts, C: tl.constexpr, 
 
 
 @triton.jit
-def _scan_kernel(counts_ptr, prefix_ptr, totals_ptr, n_chunks, B: tl.constexpr):
+def _moe_dispatch_scan_kernel(counts_ptr, prefix_ptr, totals_ptr, n_chunks, B: tl.constexpr):
     bucket = tl.program_id(0)
     row = bucket * n_chunks
     carry = tl.full((), 0, tl.int32)
@@ -127,7 +130,7 @@ def _place_tiles(totals, b, n_experts, block, n_slots, block_m, t_expert, t_row,
 
 
 @triton.jit
-def _place_kernel(ids_ptr, prefix_ptr, totals_ptr, order_ptr, token_ptr, inverse_ptr, offsets_ptr, ok_ptr,
+def _moe_dispatch_place_kernel(ids_ptr, prefix_ptr, totals_ptr, order_ptr, token_ptr, inverse_ptr, offsets_ptr, ok_ptr,
                   t_expert, t_row, t_end, n, k, n_chunks, n_experts, slots0, slots1, block_m0, block_m1,
                   progs0, C: tl.constexpr, BB: tl.constexpr, SB: tl.constexpr):
     pid = tl.program_id(0)
@@ -178,14 +181,14 @@ def dispatch(experts: torch.Tensor, n_experts: int, block_ms: tuple[int, ...]) -
     counts, prefix = work[:(n_experts + 1) * n_chunks], work[(n_experts + 1) * n_chunks:-(n_experts + 1)]
     totals = work[-(n_experts + 1):]
     bb = triton.next_power_of_2(n_experts + 1)
-    _count_kernel[(n_chunks,)](flat, counts, n, n_chunks, n_experts, C=CHUNK, BB=bb)
-    _scan_kernel[(n_experts + 1,)](counts, prefix, totals, n_chunks, B=SCAN_BLOCK)
+    _moe_dispatch_count_kernel[(n_chunks,)](flat, counts, n, n_chunks, n_experts, C=CHUNK, BB=bb, num_warps=WARPS)
+    _moe_dispatch_scan_kernel[(n_experts + 1,)](counts, prefix, totals, n_chunks, B=SCAN_BLOCK)
     progs = [triton.cdiv(s, SLOT_BLOCK) for s in n_slots]
     slots1, bm1 = (n_slots[1], heights[1]) if len(heights) == 2 else (0, heights[0])
-    _place_kernel[(n_chunks + sum(progs),)](
+    _moe_dispatch_place_kernel[(n_chunks + sum(progs),)](
         flat, prefix, totals, order, token, inverse, offsets, ok.view(torch.int8), t_expert, t_row, t_end,
         n, k, n_chunks, n_experts, n_slots[0], slots1, heights[0], bm1, progs[0],
-        C=CHUNK, BB=bb, SB=SLOT_BLOCK)
+        C=CHUNK, BB=bb, SB=SLOT_BLOCK, num_warps=WARPS)
     slots, at = {}, 0
     for bm, s in zip(heights, n_slots):
         slots[bm] = (t_expert[at:at + s], t_row[at:at + s], t_end[at:at + s], s)
