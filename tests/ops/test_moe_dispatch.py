@@ -182,6 +182,22 @@ else:
         for name, a, b in zip(("dx", "d gate", "d up", "d down"), grads, grads_ref):
             assert_bitwise_equal(a, b, name)
 
+    @pytest.mark.parametrize("k", [1, 2])
+    def test_dx_keeps_the_sort_paths_sign_of_zero(k):
+        """Output gradients holding -0.0 (a token's every slot included): dx's bits, zero signs included, are
+        the torch.sort path's. There index_select's backward adds into zeros (-0.0 -> +0.0); the dispatch's
+        gathers copy, which agrees because the grouped GEMMs' backward never produces a -0.0."""
+        hidden, tokens, n_experts = 64, 6, 3
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        w = _weights(n_experts, 64, hidden, 2)
+        ids = _ids(tokens, k, n_experts, "uniform", 3)
+        grad_y = torch.randn(tokens, k, hidden, generator=torch.Generator().manual_seed(4))
+        grad_y[0] = -0.0
+        grad_y[1:, :, :7] = -0.0
+        dx = torch.autograd.grad(ops.moe_experts(x, ids, *w), x, grad_y)[0]
+        ref = torch.autograd.grad(sorted_experts(x, ids, *w, None), x, grad_y)[0]
+        assert_bitwise_equal(dx, ref, "dx with -0.0 gradients")
+
     def test_moe_experts_triton_path_refuses_an_out_of_range_id():
         w = _weights(4, 64, 64, 0)
         with pytest.raises(ContractError, match=r"expert id is outside \[0, 4\)"):

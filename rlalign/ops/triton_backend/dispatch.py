@@ -199,9 +199,11 @@ def dispatch(experts: torch.Tensor, n_experts: int, block_ms: tuple[int, ...]) -
 class _GatherRows(torch.autograd.Function):
     """rows[i] = x[token[i]] (one copy of x's rows in grouped order). Backward: row i's gradient goes back to
     its slot through the inverse permutation (a gather, no scatter-add), and a token's k slot gradients are
-    summed by ``sum_to_size`` over the fixed [T, k, H] view -- the reduction the reference path's
-    ``expand`` backward runs, so the same bits (up to the sign of an exact zero: the reference's
-    ``index_select`` backward adds into zeros, turning a -0.0 into +0.0; this copies it)."""
+    summed by ``sum_to_size`` over the fixed [T, k, H] view: the reduction the reference path's ``expand``
+    backward runs (``ops.moe.sorted_experts``), so the same bits. (The reference's index_select backward
+    adds the gradient into zeros, which would turn a -0.0 into +0.0; none arrives: the rows' gradient is the
+    gate and up projections' grouped dX, whose fp32 accumulators start at +0.0 and so never end at -0.0.
+    tests/ops/test_moe_dispatch.py feeds -0.0 output gradients to check it.)"""
 
     @staticmethod
     def forward(ctx, x, token, inverse, k):
@@ -219,7 +221,9 @@ class _GatherRows(torch.autograd.Function):
 
 class _Permute(torch.autograd.Function):
     """out = x.index_select(0, index) for a permutation ``index`` whose inverse is ``inverse``; the gradient
-    is the inverse gather (the same values as index_select's backward, without its zero fill and scatter)."""
+    is the inverse gather (index_select's backward without its zero fill and scatter; it keeps a -0.0 that
+    one turns into +0.0: this gradient only enters the grouped GEMMs' backward, whose fp32 accumulators
+    start at +0.0, so their results are the same bits)."""
 
     @staticmethod
     def forward(ctx, x, index, inverse):
