@@ -26,8 +26,9 @@ Three launches (C slots per chunk, B = E + 1 buckets):
    exclusive sum of ``totals`` over the buckets below b; the tile programs rebuild each table from
    ``totals`` (the first one also writes ``offsets`` and ``ok``).
 
-int32 arithmetic inside (T*k < 2^31 is checked on the host); it runs under TRITON_INTERPRET=1 on the CPU
-(integers are exact there), where tests/ops/test_moe_dispatch.py compares it with torch.sort.
+int32 arithmetic inside (T*k and the count table's size below 2^31, checked on the host); it runs under
+TRITON_INTERPRET=1 on the CPU (integers are exact there), where tests/ops/test_moe_dispatch.py compares it
+with torch.sort.
 """
 
 from __future__ import annotations
@@ -160,8 +161,9 @@ def dispatch(experts: torch.Tensor, n_experts: int, block_ms: tuple[int, ...]) -
     flat = experts.reshape(-1)
     n, k = flat.numel(), experts.shape[1]
     dev = flat.device
-    if n >= 2 ** 31:
-        raise fail("moe_experts", f"{n} (token, expert) rows: the dispatch indexes them in int32 (at most 2^31 - 1)")
+    if n >= 2 ** 31 or (n_experts + 1) * triton.cdiv(n, CHUNK) >= 2 ** 31:
+        raise fail("moe_experts", f"{n} (token, expert) rows over {n_experts} experts: the dispatch indexes rows "
+                                  "and its per-chunk counts in int32; split the batch")
     order = torch.empty(n, dtype=torch.int64, device=dev)
     token = torch.empty(n, dtype=torch.int64, device=dev)
     inverse = torch.empty(n, dtype=torch.int64, device=dev)
