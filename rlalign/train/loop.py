@@ -57,6 +57,7 @@ from rlalign.train.runconfig import check_resume, read_run_config, write_run_con
 from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
 from rlalign.train.trackers import Trackers
 from rlalign.train.rundir import open_run_dir
+from rlalign.train.stall import StallWatch
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
 from rlalign.train.value import ValueModel
@@ -648,6 +649,7 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
             LOGGER.info(line)
         LOGGER.info(f"  weights  {trainer.weight_sync.path.describe()}")
     progress = StepReporter(cfg, console if trainer.writer else None, trainer.step)
+    stall = StallWatch(cfg.run.stop_when_stalled)
     started = time.perf_counter()
     try:
         if trainer.step == 0:
@@ -666,15 +668,19 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
                 trainer.save()
             if trainer.writer:
                 progress.update(record)
+            warning = stall.update(record)
+            if warning and trainer.writer:
+                LOGGER.warning(warning)
             now = time.perf_counter()
-            stop = _segment_end(cfg.run, step, now - started, now - step_started)
+            stalled = stall.stop_reason()
+            stop = stalled or _segment_end(cfg.run, step, now - started, now - step_started)
             step_started = now
             if stop and not last:
                 if saves:
                     trainer.save()
-                progress.note(f"stopping at step {step}: {stop} "
-                              + ("(resume with run.resume=true)" if saves else
-                                 "(run.save_checkpoints=false: no checkpoint, the run cannot be resumed)"))
+                progress.note(f"stopping at step {step}: {stop} " + (
+                    "(the run ends here)" if stalled else "(resume with run.resume=true)" if saves else
+                    "(run.save_checkpoints=false: no checkpoint, the run cannot be resumed)"))
                 break
     finally:
         progress.close()
