@@ -48,6 +48,7 @@ from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
+from rlalign.train.dp_rollout import generate_sharded
 from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
 from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
@@ -259,13 +260,13 @@ class Trainer:
                                   top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                                   max_new_tokens=cfg.rollout.max_new_tokens, ignore_eos=cfg.rollout.ignore_eos,
                                   seed=derive_seed(cfg.run.seed, step, draw_round))
-        completions = self.engine.generate(prompts, sampling)
+        completions = generate_sharded(self.engine, prompts, sampling, self.dp)   # each DP rank a share, all get all
         texts = [self.tokenizer.decode(c.tokens) for c in completions]
         rewards = self.task.score([problems[c.prompt_index] for c in completions], texts)
         return Rollout(samples=[(c.prompt_tokens + c.tokens, len(c.prompt_tokens)) for c in completions],
-                       logprobs=[list(c.logprobs) for c in completions], rewards=rewards,
+                       logprobs=[c.logprobs for c in completions], rewards=rewards,
                        group_ids=[first_group + c.prompt_index for c in completions],
-                       truncated=[c.finish_reason == "length" for c in completions], texts=texts,
+                       truncated=[c.truncated for c in completions], texts=texts,
                        routing=[c.routing for c in completions])
 
     def rollout(self, step: int) -> tuple[Rollout, dict]:
