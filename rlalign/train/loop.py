@@ -580,7 +580,7 @@ class Trainer:
                                                  seed=derive_seed(self.cfg.run.seed, -1, 0))),
                 ("eval/accuracy_greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens))):
             with use_profile(self.cfg.run.profile):
-                completions = self.engine.generate(prompts, sampling)
+                completions = generate_sharded(self.engine, prompts, sampling, self.dp)
             texts = [self.tokenizer.decode(c.tokens) for c in completions]
             rewards = self.task.score([problems[c.prompt_index] for c in completions], texts)
             out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)

@@ -89,11 +89,14 @@ def test_dp2_training_runs_with_one_writer(runs):
 
 
 def test_dp2_ranks_split_the_rollout_and_train_on_the_one_process_samples(runs):
-    """Each DP rank generated half of step 1's prompts (rlalign/train/dp_rollout.py) and all ranks trained on all
+    """Each DP rank generated half of step 1's prompts (and of step 0's eval) (rlalign/train/dp_rollout.py) and all ranks trained on all
     samples: the rollout's statistics equal those of the one-process run on the same initial weights."""
     keys = ("reward/mean", "reward/std", "reward/min", "reward/max", "reward/zero_std_frac", "completion/mean_len",
             "completion/min_len", "completion/max_len", "completion/truncated_frac", "mismatch/tokens")
     dp2, tp1 = ({k: r[k] for k in keys} for run in ("dp2", "tp1") for r in _metrics(runs[run]) if r["step"] == 1)
+    assert dp2 == tp1
+    evals = ("eval/accuracy", "eval/accuracy_greedy")   # step 0's eval, split over the ranks the same way
+    dp2, tp1 = ({k: r[k] for k in evals} for run in ("dp2", "tp1") for r in _metrics(runs[run]) if r["step"] == 0)
     assert dp2 == tp1
 
 
