@@ -209,7 +209,7 @@ def sweep_decode() -> list[dict]:
     scale = D ** -0.5
     for batch in SWEEP_BATCHES:
         q = torch.randn(batch, SWEEP_HQ, D, device=SWEEP_DEVICE, dtype=torch.bfloat16)
-        pages = SWEEP_CTX // SWEEP_PAGE
+        pages = -(-SWEEP_CTX // SWEEP_PAGE)
         kc = torch.randn(batch * pages + 7, SWEEP_PAGE, SWEEP_HKV, D, device=SWEEP_DEVICE, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         table = torch.randperm(kc.shape[0], device=SWEEP_DEVICE)[:batch * pages].view(batch, pages).to(torch.int32)
