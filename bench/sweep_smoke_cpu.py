@@ -7,18 +7,24 @@ with another block N show DIFFER here; on the GPU that is what the sweep measure
 
     PYTHONPATH=$PWD python bench/sweep_smoke_cpu.py attn|lin
 """
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
-from tests.ops.test_triton_interpret import _patch_interpreter
-_patch_interpreter()
-import torch
-import rlalign.bench.cuda_timing as T
 import itertools
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
+from tests.ops.test_triton_interpret import _patch_interpreter  # noqa: E402
+
+_patch_interpreter()
+import rlalign.bench.cuda_timing as T  # noqa: E402
+
 ctr = itertools.count(1)
 T.bench_ms = lambda fn, warmup=25, rep=100: (fn(), 0.01 * next(ctr) % 0.07 + 0.01)[1]   # a stand-in time
 T.graphed = lambda fn, ctx=None: fn
-import gpu_attention as GA, gpu_linear as GL
+import gpu_attention as GA  # noqa: E402
+import gpu_linear as GL  # noqa: E402
+
 GA.SWEEP_DEVICE = GL.SWEEP_DEVICE = "cpu"
 which = sys.argv[1]
 if which == "attn":
