@@ -34,3 +34,27 @@ def match_then_stop(prompt: str, completion: str, answer: str) -> float:
     matched = sum(a == b for a, b in zip(completion, answer))
     extra = max(0, len(completion) - len(answer))
     return matched / max(len(answer), 1) - EXTRA_CHAR_COST * extra
+
+
+#: match_then_steep's cost per character beyond the answer: the length term must carry a sampled token's
+#: credit. A 64-token completion's length varies by ~3.8 characters (5- vs 6-character ids), its matched
+#: places by ~0.17 of the reward; at 1/400 a character is worth 0.015 of a group's reward std (the 8B run
+#: learned nothing and collapsed onto random ids), at 1/16 0.21 (the ceiling, length alone, is 1/3.8 = 0.26).
+STEEP_EXTRA_CHAR_COST = 1 / 16
+
+
+def match_then_steep(prompt: str, completion: str, answer: str) -> float:
+    """match_then_stop with a cost of 1/16 per character beyond the answer (STEEP_EXTRA_CHAR_COST).
+
+    reward = matched / len(answer) - STEEP_EXTRA_CHAR_COST * max(0, len(completion) - len(answer)):
+    1.0 iff completion == answer, 0 for the empty completion, about -21 for 64 random number tokens
+    (~340 characters). GRPO normalises each group's rewards, so the scale does not matter, the split of
+    their variance does: here most of it is the completion's length, so a one-character token (or
+    <eos>) in a sampled completion moves its advantage by ~0.8 of a group std instead of ~0.06 under
+    match_then_stop, while a matched place of the answer still earns as much as 16 characters.
+    ``prompt`` is unused.
+    """
+    del prompt
+    matched = sum(a == b for a, b in zip(completion, answer))
+    extra = max(0, len(completion) - len(answer))
+    return matched / max(len(answer), 1) - STEEP_EXTRA_CHAR_COST * extra

@@ -1,4 +1,5 @@
-"""configs/partial_credit.py: positional_match (unchanged) and match_then_stop, loaded as a run loads them."""
+"""configs/partial_credit.py: positional_match (unchanged), match_then_stop and match_then_steep, loaded as a
+run loads them."""
 
 from pathlib import Path
 
@@ -10,7 +11,8 @@ from rlalign.tasks.registry import load_reward
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "partial_credit.py"
 positional_match = load_reward(f"{CONFIG}:positional_match")
 match_then_stop = load_reward(f"{CONFIG}:match_then_stop")
-COST = 1 / 400
+match_then_steep = load_reward(f"{CONFIG}:match_then_steep")
+COST, STEEP_COST = 1 / 400, 1 / 16
 
 answers = st.text("0123456789", min_size=1, max_size=6)
 completions = st.text("0123456789", max_size=400)
@@ -64,3 +66,24 @@ def test_match_then_stop_range(answer, completion):
     reward = match_then_stop("", completion, answer)
     assert -1.0 <= reward <= 1.0
     assert (reward == 1.0) == (completion == answer), (answer, completion, reward)
+
+
+def test_match_then_steep_values():
+    assert match_then_steep("12+345=", "357", "357") == 1.0
+    assert match_then_steep("12+345=", "", "357") == 0.0
+    assert match_then_steep("12+345=", "3", "357") == 1 / 3
+    assert match_then_steep("12+345=", "3579", "357") == 1.0 - STEEP_COST
+    assert match_then_steep("12+345=", "0" * 19, "357") == -1.0   # nothing matched, 16 extra
+
+
+@settings(max_examples=200, deadline=None)
+@given(answer=answers, completion=completions, tail=st.text("0123456789", min_size=1, max_size=20))
+def test_match_then_steep_is_match_then_stop_with_a_steeper_cost(answer, completion, tail):
+    """The same matched-place credit as match_then_stop; each character beyond the answer costs exactly
+    STEEP_COST, so the two differ by (STEEP_COST - COST) x the characters beyond the answer."""
+    extra = max(0, len(completion) - len(answer))
+    gap = match_then_stop("", completion, answer) - match_then_steep("", completion, answer)
+    assert abs(gap - (STEEP_COST - COST) * extra) < 1e-9, (answer, completion, gap)
+    longer = completion.ljust(len(answer), "x") if len(completion) < len(answer) else completion
+    step = match_then_steep("", longer, answer) - match_then_steep("", longer + tail, answer)
+    assert abs(step - STEEP_COST * len(tail)) < 1e-9, (answer, longer, tail, step)
