@@ -10,14 +10,20 @@ for decode), and flash varlen decode (``aten._flash_attention_forward`` with cu_
 sequence) where the build has it; ``base_ms`` is the faster. GB/s counts the K/V bytes (the floor).
 Ours three ways: ``ours_ms`` the kernels as the op launches them (key splits over several programs when
 the per-(sequence, kv head) grid is small: ``launch``), ``split_ms`` / ``item_ms`` each launch forced
-(the same bits; these tune attention.PROGRAMS_PER_SM); ``op_ms`` the public op.
+(the same bits; the launch the op picks: attention.use_split_programs); ``op_ms`` the public op.
 Training (info): varlen forward + backward vs SDPA forward + backward.
 
 Columns: ``ratio`` = SDPA time / the strict Triton kernel's time (kernel only); ``op_ratio`` = SDPA
 time / the public op's time (``ops.attention_varlen`` / ``ops.attention_paged``, as the models call
 them: input checks, dispatch and the kernel) -- the figure a model sees.
 
-    python bench/gpu_attention.py [--out DIR]
+    python bench/gpu_attention.py [--out DIR] [--sweep-decode]
+
+``--sweep-decode``: only decode, candidate launch configs (attention.DecodeLaunch: stages, programs per SM,
+merge warps/unroll) of both launches as CUDA-graph replays at batch 1-256, each output compared bit for bit
+with the per-item default (a candidate that differs is marked DIFFER and never "fastest"); prints the
+fastest bit-equal config of each launch per batch vs SDPA/flash and the launch the op picks
+(bench_attention_sweep.csv / .json).
 
 Writes bench_attention.csv / .json to $OUT (or --out, default bench/).
 """
@@ -134,9 +140,7 @@ def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
     ours = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale))
     split = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=True))
     item = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=False))
-    programs = batch * hkv   # the per-item grid of a decode step
-    chosen = A.use_split_programs(A.DECODE_TILE, programs, A.split_scratch_bytes(batch, hq, D, ctx),
-                                  A.device_sms(q))
+    chosen = _op_launch(A, batch, hq, hkv, table.shape[1] * page, q) == "split"
     op = _bench(lambda: ops.attention_paged(q, kc, vc, table, seq_lens, cu))
     kk = torch.randn(batch, hkv, ctx, D, device="cuda", dtype=torch.bfloat16)
     vv = torch.randn_like(kk)
@@ -164,6 +168,102 @@ def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
             "ours_gbs": round(nbytes / ours / 1e6, 0), "base_gbs": round(nbytes / base / 1e6, 0),
             "ratio": round(base / ours, 3), "split_ratio": round(base / split, 3), "item_ratio": round(base / item, 3),
             "target": 0.9 if batch >= 256 else 0.8, **op_fields(base, op), **graph}
+
+
+def _op_launch(A, batch: int, hq: int, hkv: int, table_keys: int, q) -> str:
+    """The launch the op picks for a decode step of ``batch`` sequences (a function of shapes only)."""
+    split = A.use_split_programs(A.decode_items(1, batch, hq, hkv), table_keys,
+                                 A.split_scratch_bytes(batch, hq, D, table_keys), A.device_sms(q))
+    return "split" if split else "item"
+
+
+# --sweep-decode: candidate DecodeLaunch configs of both launches, timed as CUDA-graph replays of a decode step
+# (32/8 heads, 4,096 context, page 16) and checked bit for bit against the per-item default.
+SWEEP_BATCHES = (1, 8, 16, 32, 64, 256)
+SWEEP_CTX, SWEEP_HQ, SWEEP_HKV, SWEEP_PAGE = 4096, 32, 8, 16
+SWEEP_DEVICE = "cuda"   # the CPU smoke test of the sweep (interpreter) sets "cpu"
+
+
+def sweep_candidates(A) -> list[tuple[str, object]]:
+    """(launch kind, DecodeLaunch): the defaults first, then one change at a time (few: compiles count)."""
+    from dataclasses import replace
+    split, item = A.SPLIT_DECODE, A.ITEM_DECODE
+    bm, warps, stages = A.DECODE_TILE
+    cands = [("split", split), ("item", item)]
+    # stages: 2 or 3 only -- at 4 and more the sm_90a PTX is the 3-stage one (the pipeliner's depth is capped by
+    # the page-table load -> K/V load chain; ptxas: 112 / 80 KiB of shared memory for the split / item kernel)
+    cands += [("split", replace(split, tile=(bm, warps, s))) for s in (2, 3) if s != split.tile[2]]
+    cands += [("split", replace(split, programs_per_sm=p)) for p in (8, 16) if p != split.programs_per_sm]
+    cands += [("split", replace(split, merge_warps=w, merge_unroll=u)) for w, u in ((4, 8), (8, 16))
+              if (w, u) != (split.merge_warps, split.merge_unroll)]
+    cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 3) if s != item.tile[2]]
+    return cands
+
+
+def sweep_decode() -> list[dict]:
+    """Rows {batch, launch, config, graph_ms, vs_default, bits} per candidate and batch, plus SDPA/flash."""
+    from rlalign.bench.cuda_timing import bench_ms, graphed
+    from rlalign.contract.bits import bits_equal, describe_difference
+    from rlalign.ops.triton_backend import attention as A
+    rows = []
+    scale = D ** -0.5
+    for batch in SWEEP_BATCHES:
+        q = torch.randn(batch, SWEEP_HQ, D, device=SWEEP_DEVICE, dtype=torch.bfloat16)
+        pages = -(-SWEEP_CTX // SWEEP_PAGE)
+        kc = torch.randn(batch * pages + 7, SWEEP_PAGE, SWEEP_HKV, D, device=SWEEP_DEVICE, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        table = torch.randperm(kc.shape[0], device=SWEEP_DEVICE)[:batch * pages].view(batch, pages).to(torch.int32)
+        seq_lens = torch.full((batch,), SWEEP_CTX, device=SWEEP_DEVICE, dtype=torch.int32)
+        cu = torch.arange(batch + 1, device=SWEEP_DEVICE, dtype=torch.int32)
+
+        def call(kind, launch):
+            return A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=kind == "split",
+                                   launch=launch)
+        ref = call("item", A.ITEM_DECODE)
+        default_ms = {}
+        for kind, launch in sweep_candidates(A):
+            row = {"kind": "sweep-decode", "batch": batch, "launch": kind, "config": repr(launch)}
+            try:
+                out = call(kind, launch)
+                row["bits"] = "equal" if bits_equal(out, ref) else "DIFFER " + describe_difference(out, ref)
+                ms = bench_ms(graphed(lambda: call(kind, launch)), warmup=10, rep=30)
+                row["graph_ms"] = round(ms, 4)
+                default_ms.setdefault(kind, ms)
+                row["vs_default"] = round(default_ms[kind] / ms, 3)
+            except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+                row["error"] = repr(exc)[:200]
+            rows.append(row)
+        kk = torch.randn(batch, SWEEP_HKV, SWEEP_CTX, D, device=SWEEP_DEVICE, dtype=torch.bfloat16)
+        run, backend = _sdpa(q.view(batch, SWEEP_HQ, 1, D), kk, torch.randn_like(kk), False)
+        bases = [run] + [f for f in (_flash_varlen_decode(q, kk, torch.randn_like(kk)),) if f is not None]
+        base = min(bench_ms(graphed(b), warmup=10, rep=30) for b in bases)
+        rows.append({"kind": "sweep-decode", "batch": batch, "launch": "baseline", "config": f"sdpa-{backend}/flash",
+                     "graph_ms": round(base, 4), "op_launch": _op_launch(A, batch, SWEEP_HQ, SWEEP_HKV, SWEEP_CTX, q)})
+    return rows
+
+
+def print_sweep(rows: list[dict]) -> None:
+    """Per batch: each candidate's graph time, speed vs its launch's default, bits; then the best bit-equal
+    candidate of each launch vs the baseline and the launch the op picks."""
+    print(f"{'B':>4} {'launch':>6} {'graph ms':>9} {'vs dflt':>7} {'bits':>6}  config")
+    for r in rows:
+        if r["launch"] == "baseline":
+            continue
+        print(f"{r['batch']:>4} {r['launch']:>6} {r.get('graph_ms', '-'):>9} {r.get('vs_default', '-'):>7} "
+              f"{r.get('bits', 'ERROR')[:6]:>6}  {r['config']}" + (f"  {r['error']}" if "error" in r else "")
+              + (f"  {r['bits']}" if r.get("bits", "equal") != "equal" else ""))
+    print(f"{'B':>4} {'base ms':>8} {'best split':>10} {'best item':>9} {'ratio split':>11} {'ratio item':>10} op picks")
+    for base in (r for r in rows if r["launch"] == "baseline"):
+        best = {}
+        for r in rows:
+            if r["batch"] == base["batch"] and r.get("bits") == "equal" and "graph_ms" in r:
+                if r["launch"] not in best or r["graph_ms"] < best[r["launch"]]["graph_ms"]:
+                    best[r["launch"]] = r
+        ms = {k: best[k]["graph_ms"] if k in best else float("nan") for k in ("split", "item")}
+        print(f"{base['batch']:>4} {base['graph_ms']:>8} {ms['split']:>10} {ms['item']:>9} "
+              f"{base['graph_ms'] / ms['split']:>11.3f} {base['graph_ms'] / ms['item']:>10.3f} {base['op_launch']}")
+        for k, r in best.items():
+            print(f"       fastest bit-equal {k}: {r['config']}")
 
 
 def training(batch: int, seq: int, hq: int, hkv: int) -> dict:
@@ -194,6 +294,10 @@ def training(batch: int, seq: int, hq: int, hkv: int) -> dict:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="strict attention vs SDPA flash (H200)")
     ap.add_argument("--out")
+    ap.add_argument("--sweep-decode", action="store_true",
+                    help="only the decode launch sweep: candidate DecodeLaunch configs of the split and per-item "
+                         "launches as graph replays at batch " + "/".join(map(str, SWEEP_BATCHES)) +
+                         ", each checked bitwise against the per-item default")
     return ap
 
 
@@ -203,6 +307,13 @@ def main() -> int:
         print("gpu_attention: no CUDA device")
         return 1
     import rlalign.ops.triton_backend  # noqa: F401
+    if args.sweep_decode:
+        t0 = time.time()
+        rows = sweep_decode()
+        write(args.out, "attention_sweep", rows, t0)
+        print_sweep(rows)
+        print(f"sweep: {time.time() - t0:.0f} s")
+        return 0
     plan = [(prefill, (4, 4096, 32, 8)), (prefill, (4, 4096, 32, 32)), (prefill, (1, 4096, 32, 8)),
             (prefill, (8, 4096, 32, 8)),
             (decode, (1, 4096, 32, 8, 16)), (decode, (8, 4096, 32, 8, 16)), (decode, (64, 4096, 32, 8, 16)),

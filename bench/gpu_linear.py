@@ -16,7 +16,12 @@ for q/k/v/gate/up -- against ``F.linear(x, W)`` (what a stock model calls), the 
 inputs; ``op_vs_flinear`` = F.linear time / ops.linear time (> 1: ours faster). These, not the
 kernel-only ``ratio``, are the figures a model sees.
 
-    python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick]
+    python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick] [--sweep-small]
+
+``--sweep-small``: only the decode-size K-partition split (M 1-64, k_segments 8, the 8B and 0.6B o_proj /
+down_proj shapes): candidate launches (gemm.SegmentSplitConfig: block N, warps, stages, the tree kernel's
+block) as CUDA-graph replays vs cuBLAS, each output compared bit for bit with the default's; prints the
+SEGMENT_SPLIT_TABLE lines to paste (only candidates bit-equal in every case; bench_linear_sweep_small.*).
 
 Writes bench_linear.csv / bench_linear.json to $OUT (or --out, default bench/).
 """
@@ -118,13 +123,13 @@ def case(m: int, n: int, k: int, segments: int | None = None, config=None) -> di
     x_sets = [torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(len(w_sets))]
     sets = list(zip(x_sets, w_sets))
     row = {"M": m, "N": n, "K": k, "k_segments": segments or 1}
-    from rlalign.ops.triton_backend.gemm import SPLIT_SEGMENTS_MAX_M
+    from rlalign.ops.triton_backend.gemm import SPLIT_SEGMENTS_MAX_M, segment_split_config
     cfg = config or pick_config(m, n, segments or 1, False, device_sms(x_sets[0]))
     split = config is None and (segments or 1) > 1 and m <= SPLIT_SEGMENTS_MAX_M
     # the kernel as the op launches it (same choice: decode-sized M on a K partition runs as per-segment
     # partials + the tree kernel), without the op's input validation
     strict = lambda x, w: gemm(x, w, b_trans=True, segments=segments or 1, config=config)  # noqa: E731
-    row["config"] = "split 64x64/w4/s4 + tree" if split else \
+    row["config"] = split_label(segment_split_config(m)) if split else \
         f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + \
         ("/flat" if cfg.flatten else "") + (f"/rl{cfg.reg_levels}" if (segments or 1) > 1 else "") + \
         ("/nested" if cfg.nested else "")
@@ -145,6 +150,88 @@ def case(m: int, n: int, k: int, segments: int | None = None, config=None) -> di
     del w_sets, x_sets, sets
     torch.cuda.empty_cache()
     return row
+
+
+def split_label(cfg) -> str:
+    """A SegmentSplitConfig as the tables print it: "split 64x64/w4/s4 + tree/1024w4"."""
+    return (f"split 64x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "")
+            + f" + tree/{cfg.merge_block}w{cfg.merge_warps}")
+
+
+# --sweep-small: the decode-size split (k_segments 8, M <= 64) on the 8B / 0.6B o_proj and down_proj shapes,
+# candidate SegmentSplitConfigs as CUDA-graph replays (the rotation of W copies inside one replay), each
+# output compared bit for bit with the default's.
+SMALL_SHAPES = (("8B o_proj", 4096, 4096), ("8B down_proj", 4096, 12288), ("0.6B o_proj", 1024, 2048),
+                ("0.6B down_proj", 1024, 3072))
+SMALL_M = (1, 8, 16, 32, 64)
+SWEEP_DEVICE = "cuda"   # the CPU smoke test of the sweep (interpreter) sets "cpu"
+
+
+def small_candidates():
+    """The table's default first, then one change at a time (BLOCK_M stays 64; few: compiles count)."""
+    from dataclasses import replace
+    from rlalign.ops.triton_backend.gemm import SegmentSplitConfig
+    base = SegmentSplitConfig()
+    cands = [base, replace(base, block_n=32), replace(base, block_n=128), replace(base, num_stages=3),
+             replace(base, num_stages=6), replace(base, block_n=128, num_warps=8), replace(base, merge_block=256)]
+    return list(dict.fromkeys(cands))
+
+
+def sweep_small() -> list[dict]:
+    from rlalign.bench.cuda_timing import bench_ms, graphed
+    from rlalign.contract.bits import bits_equal, describe_difference
+    from rlalign.ops.triton_backend.gemm import gemm
+    rows = []
+    cands = small_candidates()
+    for name, n, k in SMALL_SHAPES:
+        g = torch.Generator(device=SWEEP_DEVICE).manual_seed(n + k)
+        w_sets = rotating(lambda i: torch.randn(n, k, device=SWEEP_DEVICE, generator=g).to(torch.bfloat16), n * k * 2)
+        for m in SMALL_M:
+            sets = [(torch.randn(m, k, device=SWEEP_DEVICE, generator=g).to(torch.bfloat16), w) for w in w_sets]
+            ref = [gemm(x, w, b_trans=True, segments=8, split=cands[0]) for x, w in (sets[0], sets[-1])]
+            base = bench_ms(graphed(lambda: [torch.matmul(x, w.T) for x, w in sets]), warmup=10, rep=30) / len(sets)
+            for cfg in cands:
+                row = {"kind": "sweep-small", "layer": name, "M": m, "N": n, "K": k, "config": repr(cfg),
+                       "label": split_label(cfg), "cublas_ms": round(base, 5)}
+                try:
+                    outs = [gemm(x, w, b_trans=True, segments=8, split=cfg) for x, w in (sets[0], sets[-1])]
+                    bad = [describe_difference(o, r) for o, r in zip(outs, ref) if not bits_equal(o, r)]
+                    row["bits"] = "DIFFER " + bad[0] if bad else "equal"
+                    ms = bench_ms(graphed(lambda: [gemm(x, w, b_trans=True, segments=8, split=cfg) for x, w in sets]),
+                                  warmup=10, rep=30) / len(sets)
+                    row.update(graph_ms=round(ms, 5), ratio=round(base / ms, 3))
+                except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+                    row["error"] = repr(exc)[:200]
+                rows.append(row)
+        del w_sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_small(rows: list[dict]) -> None:
+    """Each case's candidates (ratio = cuBLAS / ours, bits); then per M the candidate with the best geometric-mean
+    ratio over the shapes among those bit-equal in EVERY case, as SEGMENT_SPLIT_TABLE lines to paste."""
+    print(f"{'M':>3} {'layer':>15} {'ratio':>6} {'ms':>8} {'bits':>6}  config")
+    for r in rows:
+        print(f"{r['M']:>3} {r['layer']:>15} {r.get('ratio', '-'):>6} {r.get('graph_ms', '-'):>8} "
+              f"{r.get('bits', 'ERROR')[:6]:>6}  {r['label']}" + (f"  {r.get('error', '')}{r.get('bits', '')[6:]}"
+                                                                   if r.get("bits") != "equal" else ""))
+    disqualified = {r["config"] for r in rows if r.get("bits") != "equal"}
+    print("candidates that differ from the default or failed (never picked): " + (", ".join(
+        sorted({r["label"] for r in rows if r["config"] in disqualified})) or "none"))
+    print("SEGMENT_SPLIT_TABLE (rlalign/ops/triton_backend/gemm.py), geometric-mean ratio over the shapes:")
+    for m in SMALL_M:
+        score = {}
+        for r in rows:
+            if r["M"] == m and r["config"] not in disqualified:
+                score.setdefault(r["config"], []).append(r["ratio"])
+        full = {c: v for c, v in score.items() if len(v) == len(SMALL_SHAPES)}
+        if not full:
+            print(f"    # M <= {m}: no candidate passed everywhere")
+            continue
+        gm = {c: float(torch.tensor(v).log().mean().exp()) for c, v in full.items()}
+        best = max(gm, key=gm.get)
+        print(f"    ({m}, {best}),   # {gm[best]:.3f} (default {gm.get(repr(small_candidates()[0]), float('nan')):.3f})")
 
 
 def layer_row(layer: str, m: int, n: int, k: int, segments: int | None, op_ms: float, flinear_ms: float) -> dict:
@@ -187,6 +274,10 @@ def parser() -> argparse.ArgumentParser:
                          "layers: a Qwen3-8B layer's linears through ops.linear vs F.linear; all: both + the sweep; "
                          "segsweep: only the canonical-partition (k_segments=8) tile/structure sweep")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    ap.add_argument("--sweep-small", action="store_true",
+                    help="only the decode-size K-partition split: candidate SegmentSplitConfigs at M in "
+                         + "/".join(map(str, SMALL_M)) + " on the 8B/0.6B o_proj/down_proj shapes, graph replays, "
+                         "each checked bitwise against the default")
     return ap
 
 
@@ -197,6 +288,13 @@ def main() -> int:
         return 1
     import rlalign.ops.triton_backend  # noqa: F401  (fail loudly if the backend cannot load)
     from rlalign.ops.triton_backend.gemm import GemmConfig
+    if args.sweep_small:
+        t0 = time.time()
+        rows = sweep_small()
+        write(args.out, "linear_sweep_small", rows, t0)
+        print_small(rows)
+        print(f"sweep: {time.time() - t0:.0f} s")
+        return 0
     rows = []
     plan = [(m, n, k, None, None, False) for (n, k) in SHAPES for m in M_VALUES]
     plan += [(m, n, k, 8, None, False) for (n, k) in SEGMENT_SHAPES for m in SEGMENT_M]

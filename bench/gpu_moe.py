@@ -4,8 +4,8 @@ One MoE layer's experts as ``rlalign.models.moe`` calls them (stacked weights: g
 ``--lists`` adds rows with per-expert lists, the layout before session 8): hidden 2048, 128 experts, top-8,
 moe_intermediate 768, bf16, T = 4,096 / 8,192 / 16,384 tokens routed by a random router (top-8 of
 softmax over random logits: a realistic, uneven load). Through the public op
-``ops.moe_experts(x, experts, gate, up, down, down_segments=4)`` (spec.MOE_K_SEGMENTS) (strict: sort + three grouped GEMMs
-+ silu_mul + unpermute) against, in the same run and with the same routing:
+``ops.moe_experts(x, experts, gate, up, down, down_segments=4)`` (spec.MOE_K_SEGMENTS) (strict: the dispatch kernel
++ one gather + three grouped GEMMs + silu_mul + unpermute) against, in the same run and with the same routing:
 
 * ``loop``: the same op in the native profile -- per expert, three cuBLAS GEMMs (F.linear), the
   vendor path a stock Qwen3-MoE module runs (it reads the expert counts on the host);
@@ -16,7 +16,9 @@ softmax over random logits: a realistic, uneven load). Through the public op
 target). Forward, and forward + backward (``--backward``). Also each grouped GEMM alone vs
 ``torch._grouped_mm`` on the same rows (kernel rows) and TFLOP/s (2 * rows * N * K per projection).
 Each ffn row also profiles one strict call: ``strict_kernel_ms`` (its GPU kernel time), ``gpu_busy`` (that over
-``strict_ms``: well below 1 means the call waits for host work) and ``kernel_families``.
+``strict_ms``: well below 1 means the call waits for host work), ``strict_kernels`` (GPU kernels launched by the
+call: the dispatch kernel's 3, the gathers, the grouped GEMMs, silu_mul, checks; ``grouped_mm_kernels`` the same
+for the vendor path) and ``kernel_families``.
 
     python bench/gpu_moe.py [--out DIR] [--tokens 4096,8192,16384] [--backward] [--sweep] [--lists]
 
@@ -108,22 +110,22 @@ def ffn_case(tokens: int, backward: bool, stacked: bool = True) -> dict:
         x.requires_grad_()
         grad = torch.randn(tokens, TOP_K, HIDDEN, device="cuda").to(torch.bfloat16)
 
-    def one(fn):
+    def one(fn, wrt):
         out = fn()
         if backward:
-            torch.autograd.grad(out, [x, *params], grad, allow_unused=True)
+            torch.autograd.grad(out, [x, *wrt], grad, allow_unused=True)
 
-    def run(fn):
+    def run(fn, wrt=params):
         if not backward:
             with torch.no_grad():
                 return timed(fn)
-        return timed(lambda: one(fn))
+        return timed(lambda: one(fn, wrt))
 
-    def run_once(fn):
+    def run_once(fn, wrt=params):
         if not backward:
             with torch.no_grad():
-                return one(fn)
-        return one(fn)
+                return one(fn, wrt)
+        return one(fn, wrt)
 
     t_strict = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS))
     t_loop = run(lambda: ops.moe_experts(x, experts, gate, up, down, down_segments=spec.MOE_K_SEGMENTS,
@@ -133,10 +135,9 @@ def ffn_case(tokens: int, backward: bool, stacked: bool = True) -> dict:
     if grouped_mm_available():
         try:
             vendor_w = stack_for_grouped_mm(gate, up, down)
-            if backward:
+            if backward:   # (the strict rows' gradients stay those of gate, up and down)
                 vendor_w = [w.detach().requires_grad_() for w in vendor_w]
-                params = vendor_w
-            t_gmm = run(lambda: grouped_mm_ffn(vendor_w, x, experts))
+            t_gmm = run(lambda: grouped_mm_ffn(vendor_w, x, experts), vendor_w)
             row["grouped_mm_ms"] = round(t_gmm, 3)
             vendor = min(vendor, t_gmm)
         except Exception as exc:  # report and go on
@@ -149,7 +150,10 @@ def ffn_case(tokens: int, backward: bool, stacked: bool = True) -> dict:
     kp = profile_breakdown(lambda: run_once(lambda: ops.moe_experts(x, experts, gate, up, down,
                                                                     down_segments=spec.MOE_K_SEGMENTS)), "cuda")
     row.update(strict_kernel_ms=kp["kernel_ms"], gpu_busy=round(kp["kernel_ms"] / t_strict, 3),
-               kernel_families={k: v["ms"] for k, v in kp["families"].items()})
+               strict_kernels=kp["kernel_calls"], kernel_families={k: v["ms"] for k, v in kp["families"].items()})
+    if "grouped_mm_ms" in row:   # the vendor path's launches, for comparison
+        row["grouped_mm_kernels"] = profile_breakdown(
+            lambda: run_once(lambda: grouped_mm_ffn(vendor_w, x, experts), vendor_w), "cuda")["kernel_calls"]
     return row
 
 
@@ -181,20 +185,23 @@ def route_combine_case(tokens: int) -> dict:
 
 
 def kernel_cases(tokens: int) -> list[dict]:
-    """Each grouped GEMM of the strict path alone vs torch._grouped_mm on the same sorted rows."""
+    """Each grouped GEMM of the strict path alone vs torch._grouped_mm on the same sorted rows (the row-tile
+    tables built once outside the timing, as ops.moe_experts' dispatch builds them once per layer; before
+    2026-12-02 these rows rebuilt them in every timed call: ~18 small torch launches each)."""
     from rlalign.ops.triton_backend import grouped as G
     gate, up, down = make_layer()
     flat = routing(tokens).reshape(-1)
     order = torch.sort(flat, stable=True).indices
     e_of_row = flat.index_select(0, order)
     offsets = G.expert_offsets(e_of_row, EXPERTS)
+    tables: dict = {}   # row-tile tables by tile height, built once (by the first, untimed call): kernel time only
     rows_n = flat.numel()
     out = []
     for name, ws, k, seg in (("gate/up", gate, HIDDEN, 1), ("down P=4", down, INTER, 4), ("down P=8", down, INTER, 8),
                              ("down P=1", down, INTER, 1)):
         x = (torch.randn(rows_n, k, device="cuda") * 0.5).to(torch.bfloat16)
         n = ws[0].shape[0]
-        t = timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg))
+        t = timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg, slot_cache=tables))
         row = {"kind": "kernel", "tokens": tokens, "proj": name, "rows": rows_n, "N": n, "K": k,
                "strict_ms": round(t, 4), "strict_tflops": round(2.0 * rows_n * n * k / t / 1e9, 1)}
         if grouped_mm_available():
@@ -206,7 +213,8 @@ def kernel_cases(tokens: int) -> list[dict]:
             except Exception as exc:
                 row["grouped_mm_error"] = repr(exc)[:300]
         if seg == 1 and name == "gate/up":
-            row["no_tma_ms"] = round(timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg, use_tma=False)), 4)
+            row["no_tma_ms"] = round(timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg, use_tma=False,
+                                                                    slot_cache=tables)), 4)
         out.append(row)
     return out
 
@@ -237,6 +245,7 @@ def backward_cases(tokens: int, sweep: bool) -> list[dict]:
     flat = routing(tokens).reshape(-1)
     e_of_row = torch.sort(flat, stable=True).values
     offsets = G.expert_offsets(e_of_row, EXPERTS)
+    tables: dict = {}   # row-tile tables by tile height, built once (by the first, untimed call): kernel time only
     offs32 = offsets[1:].to(torch.int32)
     rows_n = flat.numel()
     out = []
@@ -245,7 +254,7 @@ def backward_cases(tokens: int, sweep: bool) -> list[dict]:
         g = (torch.randn(rows_n, n, device="cuda") * 0.5).to(torch.bfloat16)
         x = (torch.randn(rows_n, k, device="cuda") * 0.5).to(torch.bfloat16)
         stacked = ws                             # [E, N, K]: dX = G @ W_e
-        t = timed(lambda: G.grouped_rows(g, offsets, ws, transpose_w=False))
+        t = timed(lambda: G.grouped_rows(g, offsets, ws, transpose_w=False, slot_cache=tables))
         row = {"kind": "dX", "tokens": tokens, "proj": name, "config": "default", "strict_ms": round(t, 4)}
         tg = vendor_time([(g, stacked), (g, stacked.transpose(1, 2).contiguous().transpose(1, 2))], offs32, row)
         if tg:
@@ -253,7 +262,7 @@ def backward_cases(tokens: int, sweep: bool) -> list[dict]:
         out.append(row)
         for shape in (ROWS_SWEEP if sweep else ()):
             cfg = G.GroupedConfig(*shape)
-            t = timed(lambda: G.grouped_rows(g, offsets, ws, transpose_w=False, config=cfg))
+            t = timed(lambda: G.grouped_rows(g, offsets, ws, transpose_w=False, config=cfg, slot_cache=tables))
             out.append({"kind": "dX", "tokens": tokens, "proj": name, "config": "{}x{}/w{}/s{}".format(*shape),
                         "strict_ms": round(t, 4)})
         configs = [None] + ([G.GroupedConfig(*c) for c in REDUCE_SWEEP] if sweep else [])
@@ -284,6 +293,7 @@ def sweep_cases(tokens: int) -> list[dict]:
     flat = routing(tokens).reshape(-1)
     e_of_row = torch.sort(flat, stable=True).values
     offsets = G.expert_offsets(e_of_row, EXPERTS)
+    tables: dict = {}   # row-tile tables by tile height, built once (by the first, untimed call): kernel time only
     out = []
     for name, ws, k, seg in (("gate/up", gate, HIDDEN, 1), ("down P=4", down, INTER, 4)):
         x = (torch.randn(flat.numel(), k, device="cuda") * 0.5).to(torch.bfloat16)
@@ -291,7 +301,7 @@ def sweep_cases(tokens: int) -> list[dict]:
             cfg = G.GroupedConfig(*shape)
             bm, bn, warps, stages = shape[:4]
             try:
-                t = timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg, config=cfg))
+                t = timed(lambda: G.grouped_rows(x, offsets, ws, segments=seg, config=cfg, slot_cache=tables))
                 row = {"kind": "sweep", "tokens": tokens, "proj": name, "config": f"{bm}x{bn}/w{warps}/s{stages}" + ("/nested" if cfg.nested else ""),
                        "strict_ms": round(t, 4), "strict_tflops": round(2.0 * flat.numel() * ws[0].shape[0] * k / t / 1e9, 1)}
             except Exception as exc:

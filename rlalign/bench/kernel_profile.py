@@ -91,6 +91,7 @@ class KernelProfile:
         return {
             "per": f"step ({steps} profiled)" if steps else "call",
             "kernel_ms": round(total / div, 4),
+            "kernel_calls": round(sum(calls for _, calls in times.values()) / max(1, steps or 1), 2),
             "families": {name: {"ms": round(us / div, 4), "share": round(us / total, 4) if total else 0.0}
                          for name, us in sorted(families.items(), key=lambda item: -item[1])},
             "top": [{"name": name[:120], "family": family(name), "ms": round(us / div, 4), "calls": calls}

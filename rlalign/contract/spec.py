@@ -143,7 +143,9 @@ CONTRACT: tuple[OpContract, ...] = (
     ),
     OpContract(
         "moe_experts (expert SwiGLU FFNs)", "H (gate/up) and I (down) of each expert's projections",
-        "the (token, slot) rows grouped by expert (stable sort), each expert's rows through the strict linear per "
+        "the (token, slot) rows grouped by expert in stable order (slot order inside a group; integer bookkeeping: "
+        "torch.sort on the torch backend, the dispatch kernel on the GPU, rlalign.ops.triton_backend.dispatch, the "
+        "same order), each expert's rows through the strict linear per "
         "projection (one grouped GEMM per projection on the GPU, the same per-row arithmetic); down_proj with the "
         "canonical K partition of MOE_K_SEGMENTS = 4 segments",
         "as the strict linear", "as the strict linear and silu_mul", "as the strict linear and silu_mul",

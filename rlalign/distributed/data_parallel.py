@@ -75,12 +75,12 @@ def sum_scalars(values: dict[str, float], group: Group) -> dict[str, float]:
     if group.size == 1:
         return dict(values)
     keys = sorted(values)
-    mine = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_device(group))
+    mine = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=comm_device(group))
     total = tree_reduce(gather_ranks(mine, group)).tolist()
     return dict(zip(keys, total))
 
 
-def _device(group: Group) -> torch.device:
+def comm_device(group: Group) -> torch.device:
     # NCCL moves only CUDA tensors; gloo only CPU ones
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group.pg) == "nccl" \
         else torch.device("cpu")
@@ -93,4 +93,4 @@ def shard_for_rank(items: list, group: Group) -> list:
     return items[start:start + per + (group.rank < extra)]
 
 
-__all__ = ["all_reduce_gradients_", "DEFAULT_BUCKET_ELEMENTS", "sum_scalars", "shard_for_rank"]
+__all__ = ["all_reduce_gradients_", "DEFAULT_BUCKET_ELEMENTS", "sum_scalars", "shard_for_rank", "comm_device"]

@@ -74,30 +74,42 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.T
     Only ``w[e]`` is read, never a copy of all experts. FFN_e(v) = down_e(silu(gate_e(v)) * up_e(v)), each
     projection the strict linear (down
     with the canonical K partition ``down_segments``, as the dense FFN's down_proj, so tensor-parallel
-    shards of I agree). The (token, slot) rows are grouped by expert with a stable sort and the backend's
-    ``moe_expert_ffn`` runs each group through the strict linear's arithmetic (torch: one call per
-    projection per expert; triton: one grouped GEMM per projection, no host sync): a row's result does not
-    depend on the group's size or order. Backward: the grouping is a permutation (its gradient a permutation, no scatter-add)
-    and the k copies of a token's gradient are summed by one reduction over a fixed [T, k, H] view.
+    shards of I agree). The (token, slot) rows are grouped by expert in stable order (slot order inside a
+    group) and each group runs through the strict linear's arithmetic (torch backend: torch.sort, one call
+    per projection per expert, :func:`sorted_experts`; triton: a dispatch kernel and one grouped GEMM per
+    projection, no host sync, rlalign.ops.triton_backend.moe.experts): a row's result does not depend on the
+    group's size or order. Backward: the grouping is a permutation (its gradient a permutation, no
+    scatter-add) and the k copies of a token's gradient are summed by one reduction over a fixed [T, k, H] view.
     """
     chk.ndim("moe_experts", "x", x, 2)
     chk.ndim("moe_experts", "experts", experts, 2)
-    n_experts = len(gate_w)
     _check_expert_shapes(x, gate_w, up_w, down_w)
-    hidden = x.shape[1]
     if experts.shape[0] != x.shape[0]:
         raise fail("moe_experts", f"experts has {experts.shape[0]} rows but x has {x.shape[0]}")
+    if as_profile(profile) is Profile.NATIVE:
+        return sorted_experts(x, experts, gate_w, up_w, down_w, down_segments, profile=profile)
+    chk.finite("moe_experts", "x", x)
+    return strict_impl("moe_experts", x.device)(x, experts, gate_w, up_w, down_w, down_segments)
+
+
+@register("moe_experts", "torch")
+def sorted_experts(x: torch.Tensor, experts: torch.Tensor, gate_w, up_w, down_w, down_segments,
+                   profile=None) -> torch.Tensor:
+    """The reference dispatch of :func:`moe_experts` (the torch backend; the native profile on every device):
+    ids validated, the slots grouped by ``torch.sort(stable=True)``, x's rows gathered through a [T*k, H]
+    copy, the backend's ``moe_expert_ffn``, one gather back to slot order. The triton backend does the same
+    bookkeeping in a dispatch kernel (rlalign.ops.triton_backend.dispatch) and gives the same bits."""
     tokens, k = experts.shape
+    hidden = x.shape[1]
     flat = experts.reshape(-1)
     if flat.numel():
-        _validate_expert_ids(flat, n_experts)
+        _validate_expert_ids(flat, len(gate_w))
     order = torch.sort(flat, stable=True).indices       # slots grouped by expert, slot order inside a group
     rows = x.unsqueeze(1).expand(tokens, k, hidden).reshape(tokens * k, hidden).index_select(0, order)
     expert_of_row = flat.index_select(0, order)
     if as_profile(profile) is Profile.NATIVE:
         grouped = expert_ffn_loop(rows, expert_of_row, gate_w, up_w, down_w, down_segments, profile=profile)
     else:
-        chk.finite("moe_experts", "x", x)
         grouped = strict_impl("moe_expert_ffn", x.device)(rows, expert_of_row, gate_w, up_w, down_w, down_segments)
     # back to slot order: position order[i] receives grouped row i (a permutation)
     inverse = torch.empty_like(order)
@@ -226,9 +238,16 @@ def _validate_expert_ids(flat: torch.Tensor, n_experts: int) -> None:
     range and are never computed. Skipped inside a CUDA graph capture (the caller validated the batch)."""
     if flat.device.type == "cpu":
         chk.memo("moe_expert_ids", lambda: _check_expert_ids(flat, n_experts), flat, extra=(n_experts,))
-    elif not chk.is_capturing():
-        ok = ((flat >= 0) & (flat < n_experts)).all()
-        chk.requeue([("moe_experts", f"an expert id is outside [0, {n_experts})", ok)])
+    else:
+        queue_expert_id_verdict(((flat >= 0) & (flat < n_experts)).all(), n_experts)
+
+
+def queue_expert_id_verdict(ok: torch.Tensor, n_experts: int) -> None:
+    """Hand the device verdict ``ok`` (0-dim bool: every expert id in [0, E)) to the deferred check queue
+    (raised at the next sync point; at once for a CPU tensor, e.g. the Triton interpreter's). Skipped inside
+    a CUDA graph capture (the caller validated the batch). The one place of this check's message."""
+    if not chk.is_capturing():
+        chk.deferred("moe_experts", f"an expert id is outside [0, {n_experts})", ok)
 
 
 def _check_expert_ids(flat: torch.Tensor, n_experts: int) -> bool:

@@ -228,6 +228,7 @@ class RunSection:
         "save_checkpoints": checked_by_type("true or false"),
         "max_minutes": greater_than(0, optional=True),
         "stop_at_step": at_least(1, optional=True),
+        "stop_when_stalled": at_least(1, optional=True),
     }
     dir: str | None = None             # default: runs/<timestamp>
     steps: int = 120                   # optimizer steps of the run
@@ -249,6 +250,7 @@ class RunSection:
     save_checkpoints: bool = True      # false: no checkpoint at all, not even the last (a state too large for the disk)
     max_minutes: float | None = None   # stop (after a checkpoint) when exceeded
     stop_at_step: int | None = None    # stop (after a checkpoint) after this step; the lr schedule still spans run.steps
+    stop_when_stalled: int | None = None   # end the run after N steps in a row with every advantage 0 (rlalign/train/stall.py)
 
 
 @dataclasses.dataclass

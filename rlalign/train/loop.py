@@ -48,6 +48,7 @@ from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
+from rlalign.train.dp_rollout import generate_sharded
 from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
 from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
@@ -57,6 +58,7 @@ from rlalign.train.runconfig import check_resume, read_run_config, write_run_con
 from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
 from rlalign.train.trackers import Trackers
 from rlalign.train.rundir import open_run_dir
+from rlalign.train.stall import StallWatch
 from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
 from rlalign.train.value import ValueModel
@@ -258,13 +260,13 @@ class Trainer:
                                   top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                                   max_new_tokens=cfg.rollout.max_new_tokens, ignore_eos=cfg.rollout.ignore_eos,
                                   seed=derive_seed(cfg.run.seed, step, draw_round))
-        completions = self.engine.generate(prompts, sampling)
+        completions = generate_sharded(self.engine, prompts, sampling, self.dp)   # each DP rank a share, all get all
         texts = [self.tokenizer.decode(c.tokens) for c in completions]
         rewards = self.task.score([problems[c.prompt_index] for c in completions], texts)
         return Rollout(samples=[(c.prompt_tokens + c.tokens, len(c.prompt_tokens)) for c in completions],
-                       logprobs=[list(c.logprobs) for c in completions], rewards=rewards,
+                       logprobs=[c.logprobs for c in completions], rewards=rewards,
                        group_ids=[first_group + c.prompt_index for c in completions],
-                       truncated=[c.finish_reason == "length" for c in completions], texts=texts,
+                       truncated=[c.truncated for c in completions], texts=texts,
                        routing=[c.routing for c in completions])
 
     def rollout(self, step: int) -> tuple[Rollout, dict]:
@@ -578,7 +580,7 @@ class Trainer:
                                                  seed=derive_seed(self.cfg.run.seed, -1, 0))),
                 ("eval/accuracy_greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens))):
             with use_profile(self.cfg.run.profile):
-                completions = self.engine.generate(prompts, sampling)
+                completions = generate_sharded(self.engine, prompts, sampling, self.dp)
             texts = [self.tokenizer.decode(c.tokens) for c in completions]
             rewards = self.task.score([problems[c.prompt_index] for c in completions], texts)
             out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)
@@ -648,6 +650,7 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
             LOGGER.info(line)
         LOGGER.info(f"  weights  {trainer.weight_sync.path.describe()}")
     progress = StepReporter(cfg, console if trainer.writer else None, trainer.step)
+    stall = StallWatch(cfg.run.stop_when_stalled)
     started = time.perf_counter()
     try:
         if trainer.step == 0:
@@ -666,15 +669,19 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
                 trainer.save()
             if trainer.writer:
                 progress.update(record)
+            warning = stall.update(record)
+            if warning and trainer.writer:
+                LOGGER.warning(warning)
             now = time.perf_counter()
-            stop = _segment_end(cfg.run, step, now - started, now - step_started)
+            stalled = stall.stop_reason()
+            stop = stalled or _segment_end(cfg.run, step, now - started, now - step_started)
             step_started = now
             if stop and not last:
                 if saves:
                     trainer.save()
-                progress.note(f"stopping at step {step}: {stop} "
-                              + ("(resume with run.resume=true)" if saves else
-                                 "(run.save_checkpoints=false: no checkpoint, the run cannot be resumed)"))
+                progress.note(f"stopping at step {step}: {stop} " + (
+                    "(the run ends here)" if stalled else "(resume with run.resume=true)" if saves else
+                    "(run.save_checkpoints=false: no checkpoint, the run cannot be resumed)"))
                 break
     finally:
         progress.close()

@@ -6,7 +6,8 @@ NCCL on GPU, one per GPU) that each run the ordinary training loop; under
 ``torchrun --nproc-per-node 4 -m rlalign.cli.main train parallel.dp=2 parallel.tp=2`` each process
 joins torchrun's job. Ranks are laid out TP-major: TP groups are consecutive ranks.
 
-- dp: every rank holds the same weights; rollouts and scoring are replicated; each DP rank
+- dp: every rank holds the same weights; each DP rank generates a share of the step's prompts and all
+  ranks receive all samples (:mod:`rlalign.train.dp_rollout`); scoring is replicated; each DP rank
   back-propagates a contiguous share of the step's micro-batches and
   :func:`rlalign.distributed.all_reduce_gradients_` sums the gradients (deterministic, rank order).
 - tp: the policy is parallelized (canonical partitions, docs/distributed.md); the rollout engine

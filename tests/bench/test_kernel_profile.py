@@ -16,7 +16,7 @@ from rlalign.cli.main import main
     # our Triton kernels (rlalign/ops/triton_backend)
     ("attn_fwd_kernel", "attention"), ("attn_merge_kernel", "attention"), ("gemm_kernel", "gemm"),
     ("segment_partials_kernel", "gemm"), ("merge_partials_kernel", "gemm"), ("grouped_rows_kernel", "moe"),
-    ("route_kernel", "moe"), ("combine_fwd_kernel", "moe"), ("lp_stats_kernel", "logprob_sample"),
+    ("route_kernel", "moe"), ("combine_fwd_kernel", "moe"), ("_moe_dispatch_place_kernel", "moe"), ("lp_stats_kernel", "logprob_sample"),
     ("sample_kernel", "logprob_sample"), ("rms_fwd_kernel", "norm_rope_act"), ("rope_kernel", "norm_rope_act"),
     ("silu_mul_fwd_kernel", "norm_rope_act"),
     # vendor kernels the native profile and the baselines launch
@@ -39,6 +39,8 @@ def test_families_sum_to_the_total_and_steps_divide():
     assert sum(f["share"] for f in whole["families"].values()) == pytest.approx(1.0, abs=1e-3)
     assert {"gemm", "logprob_sample"} <= set(whole["families"])     # aten::mm, aten::exp
     assert whole["top"][0]["calls"] >= 4
+    # kernel_calls: every counted op's calls (4 mm + 4 exp at least), per step when steps are given
+    assert whole["kernel_calls"] >= 8 and per_step["kernel_calls"] == pytest.approx(whole["kernel_calls"] / 4, abs=1)
 
 
 def test_bench_rollout_profiles_the_decode_steps(capsys):

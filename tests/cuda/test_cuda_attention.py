@@ -194,10 +194,11 @@ def _near_splits(n):
 
 @pytest.fixture(params=[False, True], ids=["item-launch", "split-launch"])
 def split_launch(request, monkeypatch):
-    """Decode through the op with the default launch (one program per item: SPLIT_LAUNCH off, the faster on
-    the H200) and with the split-program launch; both must give the packed forward's bits."""
+    """Decode through the op with the per-item launch at every batch (no item count is <= 0 per SM) and with
+    the split-program launch at every batch whose table holds several splits; both must give the packed
+    forward's bits (the op's own choice between them is a function of the shapes)."""
     from rlalign.ops.triton_backend import attention as A
-    monkeypatch.setattr(A, "SPLIT_LAUNCH", request.param)
+    monkeypatch.setattr(A, "SPLIT_MAX_ITEMS_PER_SM", 10 ** 9 if request.param else 0)
     return request.param
 
 
@@ -299,8 +300,8 @@ def test_split_decode_in_a_cuda_graph(triton_backend, split_launch):
     q_buf = q[starts].clone()   # the first token of each sequence: a real row for the warm-up call
     ctx_buf = _i32([1] * len(lens))
     one_per_seq = _i32(list(range(len(lens) + 1)))
-    programs = len(lens) * HKV
-    assert A.use_split_programs(A.DECODE_TILE, programs, 0, A.device_sms(q)), "the capture would not split"
+    items = A.decode_items(1, len(lens), q.shape[1], HKV)
+    assert A.use_split_programs(items, table.shape[1] * 16, 0, A.device_sms(q)), "the capture would not split"
     ops.attention_paged(q_buf, kc, vc, table, ctx_buf, one_per_seq)   # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

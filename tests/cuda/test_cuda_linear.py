@@ -76,7 +76,7 @@ def test_every_tile_config_and_path_gives_the_same_bits(triton_backend, dtype, s
 def test_split_segment_partials_give_the_one_kernel_bits(triton_backend, dtype, segments):
     """Decode-sized M on a K partition runs as per-segment partials + a tree kernel: the bits of the one-kernel
     tree (every tile config of it, rows of M = 1..64 alone or together, bias, fp32 output, TMA and pointers)."""
-    from rlalign.ops.triton_backend.gemm import SPLIT_SEGMENTS_MAX_M, all_configs, gemm
+    from rlalign.ops.triton_backend.gemm import SEGMENT_SPLIT_TABLE, SPLIT_SEGMENTS_MAX_M, all_configs, gemm
     x, w, b = rand(SPLIT_SEGMENTS_MAX_M, 1024, dtype=dtype, seed=6), rand(520, 1024, dtype=dtype, seed=7), \
         rand(520, dtype=dtype, seed=8)
     for m in (1, 17, SPLIT_SEGMENTS_MAX_M):
@@ -84,6 +84,9 @@ def test_split_segment_partials_give_the_one_kernel_bits(triton_backend, dtype, 
         for cfg in all_configs(segments, dtype == torch.float32):
             one = gemm(x[:m], w, b_trans=True, bias=b, segments=segments, config=cfg)
             assert_bitwise_equal(split, one, f"M={m} split vs {cfg}")
+        for _, launch in SEGMENT_SPLIT_TABLE:   # every launch the table holds, at every M
+            other = gemm(x[:m], w, b_trans=True, bias=b, segments=segments, split=launch)
+            assert_bitwise_equal(other, split, f"M={m} split launch {launch}")
         assert_bitwise_equal(split[:1], gemm(x[:1], w, b_trans=True, bias=b, segments=segments), f"row 0 of M={m}")
         pointers = gemm(x[:m], w, b_trans=True, bias=b, segments=segments, use_tma=False)
         assert_bitwise_equal(pointers, split, f"M={m} pointer path")

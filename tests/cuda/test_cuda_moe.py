@@ -4,7 +4,9 @@
   with idle experts, one-row experts and experts holding thousands of rows;
 - a token's expert output does not depend on the expert's load: alone vs 4,000 tokens on the same expert;
 - accuracy against float64;
-- ops.moe_experts can be captured in a CUDA graph (no host sync) and replayed with other routings.
+- ops.moe_experts can be captured in a CUDA graph (no host sync) and replayed with other routings;
+- the dispatch kernel (rlalign.ops.triton_backend.dispatch) gives torch.sort's order, its inverse, the offsets
+  and the row-tile tables exactly, and ops.moe_experts through it has the torch.sort path's bits (y, dx, dW).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from rlalign import ops
 from rlalign.contract import spec
 from rlalign.ops import capturing_graph
-from rlalign.ops.moe import expert_ffn_loop
+from rlalign.ops.moe import expert_ffn_loop, sorted_experts
 from tests.bitwise import assert_bitwise_equal
 from tests.cuda.conftest import rand, rel_err
 
@@ -254,3 +256,70 @@ def test_route_kernel_equals_torch_formulation(triton_backend, n_experts, k, nor
     one_e, one_w = route(logits[4321:4322], k, normalize)
     assert torch.equal(one_e, experts[4321:4322])
     assert_bitwise_equal(one_w, weights[4321:4322], "one token alone vs 5,000")
+
+
+def _int_mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    diff = (got != want).nonzero()
+    if not diff.numel():
+        return ""
+    i = int(diff[0, 0])
+    return f"{diff.shape[0]} of {got.numel()} differ, first at index {i}: {int(got[i])} vs {int(want[i])}"
+
+
+# Few compiled variants: the kernels specialise on the bucket width only (next power of two of E + 1).
+@pytest.mark.parametrize("tokens,k,n_experts,load", [(4096, 8, 128, "router"), (1, 8, 128, "router"),
+                                                      (3001, 2, 128, "one expert"), (777, 3, 8, "skewed")])
+def test_dispatch_kernel_equals_torch_sort_and_the_tables(triton_backend, tokens, k, n_experts, load):
+    from rlalign.ops.triton_backend import dispatch as D, grouped as G
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    if load == "router":
+        ids = torch.topk(torch.rand(tokens, n_experts, device="cuda", generator=g), k, dim=-1).indices
+    elif load == "one expert":
+        ids = torch.full((tokens, k), 5, device="cuda")
+    else:
+        ids = torch.where(torch.rand(tokens, k, device="cuda", generator=g) < 0.7, n_experts - 1,
+                          torch.randint(0, n_experts, (tokens, k), device="cuda", generator=g))
+    heights = (64, 128)
+    plan = D.dispatch(ids, n_experts, heights)
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device="cuda")
+    offsets = G.expert_offsets(flat.index_select(0, order), n_experts)
+    for name, got, want in (("order", plan.order, order), ("token", plan.token, order // k),
+                            ("inverse", plan.inverse, inverse), ("offsets", plan.offsets, offsets)):
+        assert not _int_mismatch(got, want), f"{name}: {_int_mismatch(got, want)}"
+    assert bool(plan.ok)
+    for height in heights:
+        want = G._slots(offsets, flat.numel(), height)
+        assert plan.slots[height][3] == want[3]
+        for name, got, ref in zip(("expert", "row", "end"), plan.slots[height][:3], want[:3]):
+            assert not _int_mismatch(got, ref), f"height {height} slot {name}: {_int_mismatch(got, ref)}"
+    bad = ids.clone()
+    bad[tokens // 2, k - 1] = n_experts
+    assert not bool(D.dispatch(bad, n_experts, heights).ok), "an out-of-range id passed the dispatch's verdict"
+
+
+@pytest.mark.parametrize("tokens", [1, 1000])
+def test_moe_experts_dispatch_has_the_sort_paths_bits(triton_backend, tokens):
+    """ops.moe_experts (dispatch kernel, one gather) against the torch.sort path over the same grouped FFN
+    (sorted_experts): y, dx and each stacked weight's gradient bit for bit."""
+    hidden, inter, n_experts, k = 256, 128, 16, 4
+    gate, up, down = (torch.stack(ws) for ws in _experts(n_experts, hidden, inter, torch.bfloat16, seed=5))
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    ids = torch.topk(torch.rand(tokens, n_experts, device="cuda", generator=g), k, dim=-1).indices
+    ids[: tokens // 3, 0] = 2                                          # one crowded expert
+    x = rand(tokens, hidden, seed=6)
+    grad_y = rand(tokens, k, hidden, seed=7)
+    results = []
+    for fn in (lambda *a: ops.moe_experts(*a, down_segments=spec.MOE_K_SEGMENTS),
+               lambda *a: sorted_experts(*a, spec.MOE_K_SEGMENTS)):
+        leaves = [t.clone().requires_grad_() for t in (x, gate, up, down)]
+        y = fn(leaves[0], ids, *leaves[1:])
+        results.append((y, torch.autograd.grad(y, leaves, grad_y)))
+    (y, grads), (y_ref, grads_ref) = results
+    assert_bitwise_equal(y, y_ref, "forward")
+    for name, a, b in zip(("dx", "d gate", "d up", "d down"), grads, grads_ref):
+        assert_bitwise_equal(a, b, name)

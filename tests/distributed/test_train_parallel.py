@@ -1,5 +1,6 @@
 """`rlalign train` with parallel.tp / parallel.dp (spawned gloo processes): tp=2 trains to the same
-bits as tp=1, for the default model and for a Qwen3-MoE upcycled from it; a dp=2 run completes with one writer and zero mismatches. (DP determinism is tested
+bits as tp=1, for the default model and for a Qwen3-MoE upcycled from it; a dp=2 run completes with one writer and zero mismatches,
+its ranks splitting the rollout into the one-process run's samples. (DP determinism is tested
 at the gradient level in test_collectives_dp.py; a dp=2 run stopped and resumed was checked by hand
 to end with the bits of an uninterrupted one, docs/LOG.md.)"""
 
@@ -85,6 +86,18 @@ def test_dp2_training_runs_with_one_writer(runs):
     assert [r["step"] for r in metrics] == [0, 1, 2]
     assert all(r.get("mismatch/count", 0) == 0 for r in metrics)
     assert (runs["dp2"] / "checkpoints" / "latest.json").exists() and _weights(runs["dp2"])
+
+
+def test_dp2_ranks_split_the_rollout_and_train_on_the_one_process_samples(runs):
+    """Each DP rank generated half of step 1's prompts (and of step 0's eval) (rlalign/train/dp_rollout.py) and all ranks trained on all
+    samples: the rollout's statistics equal those of the one-process run on the same initial weights."""
+    keys = ("reward/mean", "reward/std", "reward/min", "reward/max", "reward/zero_std_frac", "completion/mean_len",
+            "completion/min_len", "completion/max_len", "completion/truncated_frac", "mismatch/tokens")
+    dp2, tp1 = ({k: r[k] for k in keys} for run in ("dp2", "tp1") for r in _metrics(runs[run]) if r["step"] == 1)
+    assert dp2 == tp1
+    evals = ("eval/accuracy", "eval/accuracy_greedy")   # step 0's eval, split over the ranks the same way
+    dp2, tp1 = ({k: r[k] for k in evals} for run in ("dp2", "tp1") for r in _metrics(runs[run]) if r["step"] == 0)
+    assert dp2 == tp1
 
 
 @pytest.mark.parametrize("extra, message", [

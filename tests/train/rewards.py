@@ -3,3 +3,8 @@
 
 def first_digit(prompt: str, completion: str, answer: str) -> float:
     return 1.0 if completion[:1] == answer[:1] else 0.0
+
+
+def constant(prompt: str, completion: str, answer: str) -> float:
+    """The same reward for every completion: every group has zero variance, so no GRPO signal."""
+    return 0.5

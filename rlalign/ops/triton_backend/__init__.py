@@ -48,6 +48,7 @@ IMPLEMENTATIONS = {
     # CUDA as it stands)
     "moe_route": route.route,
     "moe_expert_ffn": moe.expert_ffn,
+    "moe_experts": moe.experts,          # the dispatch kernel + the grouped FFN (ops.moe_experts, strict)
     "moe_combine": combine.combine,
     **shard.IMPLEMENTATIONS,   # tensor-parallel shard entries (rlalign.ops.shard)
 }

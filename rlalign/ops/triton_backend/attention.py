@@ -54,6 +54,8 @@ recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter the
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -74,19 +76,40 @@ PREFILL_TILE = (128, 8, 3)
 DECODE_TILE = (64, 4, 3)
 BWD_TILE = (64, 4, 2)
 DKDV_WARPS = 8
-MERGE_WARPS = 8
-MERGE_UNROLL = 4   # splits whose partials the merge kernel loads together
-# Paged calls on the decode tile with fewer per-item programs than PROGRAMS_PER_SM x SMs (decode at small
-# batch: one program per (sequence, kv head)) spread each item's key splits over up to that many programs
-# in all, if the fp32 partials stay under SPLIT_SCRATCH_MAX_BYTES. Speed only; the bits are those of the
-# per-item kernel. 4: the decode programs (~250 registers x 128 threads, 80 / 112 KiB of shared memory)
-# fit twice on an SM, and two waves absorb uneven contexts. Measured on the H200 (bench/gpu_attention.py,
-# 2026-12-01 session 8, 4,096 context, 32/8 heads): the per-item launch was faster at every batch (vs SDPA
-# flash: 0.22 / 0.59 / 1.43 at batch 1 / 8 / 64, the split launch 0.18 / 0.40 / 1.24; 0.89 vs 0.49 at batch
-# 64 x 1,024), so the split launch is off by default (SPLIT_LAUNCH) until it is made faster; tests and the
-# benchmark force it (the bits are the same).
-SPLIT_LAUNCH = False
-PROGRAMS_PER_SM = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """How a decode-tile paged call is launched. Speed only: every field keeps the bits (the KV split
+    positions, the block order within a split and the merge order are the kernel's, not the launch's).
+
+    ``tile``: (BLOCK_M, warps, stages) of the forward kernel (BLOCK_M >= 16 x warps: warps along rows only,
+    docs/gpu.md). Split launch only: ``programs_per_sm`` -- each item's splits are spread over enough
+    programs for about this many per SM (never more than the splits); ``merge_warps`` / ``merge_unroll`` of
+    attn_merge_kernel (elementwise: no layout of it can change a bit)."""
+    tile: tuple[int, int, int] = DECODE_TILE
+    # 4: the decode programs (~250 registers x 128 threads, 80 / 112 KiB of shared memory) fit twice on an SM,
+    # and two waves absorb uneven contexts
+    programs_per_sm: int = 4
+    merge_warps: int = 8
+    merge_unroll: int = 4   # splits whose partials the merge kernel loads together
+
+
+# The two decode launches (bench/gpu_attention.py --sweep-decode times candidates of both as graph replays
+# and checks their bits against these; paste a faster candidate it prints here).
+ITEM_DECODE = DecodeLaunch()
+SPLIT_DECODE = DecodeLaunch()
+# Paged calls on the decode tile whose one-program-per-item grid (items = tiles x sequences x kv heads) has at
+# most SPLIT_MAX_ITEMS_PER_SM items per SM spread each item's key splits over several programs (the split
+# launch), if there are several splits in the block table's width and the fp32 partials stay under
+# SPLIT_SCRATCH_MAX_BYTES. Set by the H200, 2026-12-02 session 10 (bench/gpu_attention.py, 32/8 heads,
+# 4,096 context, CUDA graph replays, as the engine runs decode; ms split / item): 8 items (batch 1) 0.025 /
+# 0.113, 64 items (batch 8) 0.073 / 0.121, 512 items (batch 64) 0.352 / 0.307, 2,048 items (batch 256) 1.356 /
+# 1.175. Below one item per SM the per-item launch leaves SMs idle while each program walks the whole
+# context; from ~4 per SM (two resident per SM, two waves) it is the faster. 1: between the two measured
+# points (batch 16 at 8 kv heads splits, batch 32 does not); --sweep-decode also times batch 16 and 32.
+# (Eager timings, host-bound at small batch, had put split behind at every batch: session 8.)
+SPLIT_MAX_ITEMS_PER_SM = 1
 SPLIT_SCRATCH_MAX_BYTES = 256 << 20
 
 
@@ -432,10 +455,10 @@ def _dpad(d: int) -> int:
 
 
 def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale, paged, tile, store_lse,
-             max_q_tokens, max_context=0, split_programs=False, progs_per_item=None):
-    """Launch the forward. ``split_programs``: up to PROGRAMS_PER_SM x SMs programs share each item's key
-    splits (and a merge kernel folds them) instead of one program per item walking every split -- the
-    same bits, more programs; ``max_context`` (an upper bound of the contexts) sizes the partials;
+             max_q_tokens, max_context=0, split_programs=False, progs_per_item=None, launch=SPLIT_DECODE):
+    """Launch the forward. ``split_programs``: about ``launch.programs_per_sm`` x SMs programs share the
+    items' key splits (and a merge kernel folds them) instead of one program per item walking every split
+    -- the same bits, more programs; ``max_context`` (an upper bound of the contexts) sizes the partials;
     ``progs_per_item`` forces the programs per item (tests)."""
     t, hq, d = q.shape
     hkv = k_src.shape[-2]
@@ -452,8 +475,11 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         return out, lse
     bt = block_table if paged else cu_q
     n_splits = triton.cdiv(max_context, KV_SPLIT) if split_programs else 1
-    # programs per item: enough for ~PROGRAMS_PER_SM per SM, never more than the splits there can be
-    progs = progs_per_item or triton.cdiv(PROGRAMS_PER_SM * device_sms(q), tiles * n_seq * hkv)
+    # programs per item: enough for ~programs_per_sm per SM, never more than the splits there can be; then the
+    # fewest with the same splits per program (its longest walk): 16 splits on 9 programs -> 8 programs of 2
+    # each (batch 8 at 8 kv heads: 512 programs instead of 576, no partial third wave at 2 resident per SM)
+    progs = progs_per_item or _even_programs(
+        n_splits, triton.cdiv(launch.programs_per_sm * device_sms(q), tiles * n_seq * hkv))
     progs = min(n_splits, progs) if split_programs else 1
     dp = _dpad(d)
     if split_programs:
@@ -473,10 +499,18 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), num_stages=stages, **meta)
     if split_programs:
         # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
-        meta["num_warps"] = MERGE_WARPS
+        meta["num_warps"] = launch.merge_warps
         attn_merge_kernel[(tiles, n_seq, hkv)](pm, pl, pacc, out, cu_q, pos0, t * hq, out.stride(0), out.stride(1),
-                                               hq, SPLIT_KEYS=KV_SPLIT, UNROLL=MERGE_UNROLL, num_stages=1, **meta)
+                                               hq, SPLIT_KEYS=KV_SPLIT, UNROLL=launch.merge_unroll, num_stages=1,
+                                               **meta)
     return out, lse
+
+
+def _even_programs(n_splits: int, progs: int) -> int:
+    """The fewest programs (<= min(progs, n_splits)) that take each item's splits in as few rounds as progs do."""
+    n_splits = max(n_splits, 1)
+    progs = max(1, min(progs, n_splits))
+    return triton.cdiv(n_splits, triton.cdiv(n_splits, progs))
 
 
 def split_scratch_bytes(t: int, hq: int, d: int, max_context: int) -> int:
@@ -484,13 +518,20 @@ def split_scratch_bytes(t: int, hq: int, d: int, max_context: int) -> int:
     return triton.cdiv(max_context, KV_SPLIT) * t * hq * (_dpad(d) + 2) * 4
 
 
-def use_split_programs(tile, programs: int, scratch_bytes: int, sms: int) -> bool:
-    """Whether a paged call spreads each item's key splits over several programs (speed only: the bits
-    are the same either way). Taken for decode tiles (a few query tokens per sequence: prefill tiles
-    have rows enough to fill the GPU, and their partials would be large) when the one-program-per-item
-    grid has fewer than PROGRAMS_PER_SM programs per SM and the partials stay small -- when SPLIT_LAUNCH is on
-    (off by default: slower on the H200, see above)."""
-    return (SPLIT_LAUNCH and tile[0] <= DECODE_TILE[0] and programs < PROGRAMS_PER_SM * sms
+def decode_items(max_q_tokens: int, n_seq: int, hq: int, hkv: int) -> int:
+    """Programs of the one-program-per-item launch on the decode tile: (query tiles) x sequences x kv heads."""
+    return triton.cdiv(max_q_tokens, max(DECODE_TILE[0] // (hq // hkv), 1)) * n_seq * hkv
+
+
+def use_split_programs(items: int, table_keys: int, scratch_bytes: int, sms: int) -> bool:
+    """Whether a decode-tile paged call takes the split launch (speed only: the bits are the same either
+    way). A function of the batch's shape alone -- ``items`` (:func:`decode_items`), ``table_keys`` = the
+    block table's width x page size (the longest context it can hold), ``scratch_bytes`` for that width
+    (:func:`split_scratch_bytes`) and the SMs -- never of the contexts or any tensor's values, so a call and
+    its CUDA-graph capture take the same launch. True when the items are at most SPLIT_MAX_ITEMS_PER_SM per SM
+    (the per-item grid would leave SMs idle), the table holds more than one key split and the partials fit
+    SPLIT_SCRATCH_MAX_BYTES; monotone: more items, or a wider table of several splits, never turn it on."""
+    return (items <= SPLIT_MAX_ITEMS_PER_SM * sms and table_keys > KV_SPLIT
             and scratch_bytes <= SPLIT_SCRATCH_MAX_BYTES)
 
 
@@ -545,24 +586,28 @@ def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):
 
 
 def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile=None, split_programs=None,
-                  progs_per_item=None):
-    """``split_programs``: None picks by the grid's size (:func:`use_split_programs`); True/False force
-    the split-program launch or the per-item one (tests, benchmarks); ``progs_per_item`` forces how many
-    programs share an item's splits. Every choice gives the same bits."""
+                  progs_per_item=None, launch=None):
+    """``split_programs``: None picks by the batch's shape (:func:`use_split_programs`); True/False force
+    the split-program launch or the per-item one (tests, benchmarks); ``launch`` replaces that launch's
+    DecodeLaunch (benchmarks), ``progs_per_item`` forces how many programs share an item's splits. Every
+    choice gives the same bits."""
     q = q.contiguous()
     cu, kv_len, pos0, bt, max_q, max_kv = _paged_meta(block_table, seq_lens, cu_seqlens_q, q.device)
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    t, hq, d = q.shape
+    table_keys = block_table.shape[1] * page_size
     if max_kv is None:   # captured: every context fits its table
-        max_kv = block_table.shape[1] * page_size
+        max_kv = table_keys
+    decode_tile = max_q * (hq // hkv) <= DECODE_TILE[0]   # (a GQA group wider than the tile is refused by _forward)
+    if split_programs is None:
+        split_programs = decode_tile and use_split_programs(
+            decode_items(max_q, cu.shape[0] - 1, hq, hkv), table_keys, split_scratch_bytes(t, hq, d, table_keys),
+            device_sms(q))
+    launch = launch or (SPLIT_DECODE if split_programs else ITEM_DECODE)
     if tile is None:
-        tile = forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or (
-            DECODE_TILE if max_q * (q.shape[1] // hkv) <= DECODE_TILE[0] else PREFILL_TILE)
-    if split_programs is None:   # (a GQA group wider than the tile is refused by _forward)
-        programs = triton.cdiv(max_q, max(tile[0] // (q.shape[1] // hkv), 1)) * (cu.shape[0] - 1) * hkv
-        scratch = split_scratch_bytes(q.shape[0], q.shape[1], q.shape[2], max_kv)
-        split_programs = use_split_programs(tile, programs, scratch, device_sms(q))
+        tile = forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or (launch.tile if decode_tile else PREFILL_TILE)
     out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, page_size, scale, True, tile, False,
-                      max_q, max_kv, split_programs, progs_per_item)
+                      max_q, max_kv, split_programs, progs_per_item, launch)
     return out
 
 
@@ -624,4 +669,5 @@ def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sc
 
 
 __all__ = ["attention_varlen", "attention_paged", "varlen_forward", "paged_forward", "varlen_backward",
-           "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK"]
+           "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK", "DecodeLaunch", "ITEM_DECODE", "SPLIT_DECODE",
+           "decode_items", "use_split_programs"]

@@ -401,11 +401,43 @@ def merge_partials_kernel(ws_ptr, c_ptr, bias_ptr, MN, N, stride_cm, P: tl.const
 # one rounding), so the bits do not change; the P-fold more programs fill the SMs when M <= 64 leaves a
 # handful of output tiles (a 4096-wide layer at M = 1: 128 programs of 64x32 tiles, each walking all of K).
 SPLIT_SEGMENTS_MAX_M = 64
-_SPLIT_TILE = GemmConfig(64, 64, 4, 4)
 
 
-def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s_am, s_ak, s_bk, s_bn, tma):
-    cfg = _SPLIT_TILE
+@dataclasses.dataclass(frozen=True)
+class SegmentSplitConfig:
+    """The launch of the decode-size split (speed only): the partials kernel's tile (BLOCK_M is always 64,
+    the wgmma family of every strict GEMM), warps and pipeline depth; the tree kernel's elements per program
+    and warps (elementwise: its layout cannot change a bit). A candidate is taken into SEGMENT_SPLIT_TABLE
+    only after bench/gpu_linear.py --sweep-small found its output bit-equal to the default's on the H200."""
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8
+    merge_block: int = 1024
+    merge_warps: int = 4
+
+    def tile(self) -> GemmConfig:
+        return GemmConfig(64, self.block_n, self.num_warps, self.num_stages, group_m=self.group_m)
+
+
+# (largest M, config), by increasing M: the first entry whose M bound holds. Paste the lines that
+# bench/gpu_linear.py --sweep-small prints (only bit-equal candidates are ever printed).
+SEGMENT_SPLIT_TABLE: tuple[tuple[int, SegmentSplitConfig], ...] = (
+    (SPLIT_SEGMENTS_MAX_M, SegmentSplitConfig()),
+)
+
+
+def segment_split_config(m: int) -> SegmentSplitConfig:
+    """The decode-size split's launch for M rows (M <= SPLIT_SEGMENTS_MAX_M)."""
+    for max_m, cfg in SEGMENT_SPLIT_TABLE:
+        if m <= max_m:
+            return cfg
+    return SEGMENT_SPLIT_TABLE[-1][1]
+
+
+def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s_am, s_ak, s_bk, s_bn, tma,
+                         split: SegmentSplitConfig):
+    cfg = split.tile()
     seg_k = k // segments
     ws = torch.empty((segments, m, n), dtype=torch.float32, device=a.device)
     if tma:
@@ -418,11 +450,11 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
         a_src, b_src, ws, m, n, seg_k, triton.cdiv(seg_k, BLOCK_K), s_am, s_ak, s_bk, s_bn,
         BM=cfg.block_m, BN=cfg.block_n, BK=BLOCK_K, A_TRANS=a_trans, B_TRANS=b_trans, USE_TMA=tma,
         SPLIT=split_for(a.dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    block = 1024
-    merge_partials_kernel[(triton.cdiv(m * n, block),)](
+    merge_partials_kernel[(triton.cdiv(m * n, split.merge_block),)](
         ws, out, bias if bias is not None else ws, m * n, n, out.stride(0), P=segments, HAS_BIAS=bias is not None,
-        OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, num_warps=4)
+        OUT_BF16=out.dtype == torch.bfloat16, BLOCK=split.merge_block, num_warps=split.merge_warps)
     return out
+
 
 def _logical(t: torch.Tensor, trans: bool) -> tuple[int, int, int, int]:
     """(rows, cols, row stride, col stride) of the logical matrix stored in t (transposed if trans)."""
@@ -434,7 +466,8 @@ def _logical(t: torch.Tensor, trans: bool) -> tuple[int, int, int, int]:
 def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bool = False,
          out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
          bias: torch.Tensor | None = None, segments: int = 1, acc_in: bool = False,
-         config: GemmConfig | None = None, use_tma: bool | None = None) -> torch.Tensor:
+         config: GemmConfig | None = None, use_tma: bool | None = None,
+         split: SegmentSplitConfig | None = None) -> torch.Tensor:
     """C[M, N] = A @ B (+ bias) with the numerics of the module docstring.
 
     a: A [M, K] (or A^T stored [K, M] with ``a_trans``); b: B [K, N] (or B^T stored [N, K] with
@@ -442,7 +475,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     ``out``: an existing [M, N] output (required with ``acc_in``; fp32 then). ``segments`` = P,
     a power of two <= 8 dividing K. ``config`` / ``use_tma`` override the automatic choice (tests and
     benchmarks: every choice gives the same bits; a ``config`` runs the one-kernel tree, never the
-    decode-size split into per-segment partials of _gemm_split_segments).
+    decode-size split into per-segment partials of _gemm_split_segments, whose launch ``split`` replaces
+    the table's :func:`segment_split_config`).
     """
     if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"gemm: operands must share bf16 or fp32, got {a.dtype} and {b.dtype}")
@@ -471,7 +505,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     if segments > 1 and m <= SPLIT_SEGMENTS_MAX_M and config is None:
         seg_k = k // segments
         tma = seg_k % BLOCK_K == 0 and tma_ok(a) and tma_ok(b) and (use_tma is None or use_tma)
-        return _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s_am, s_ak, s_bk, s_bn, tma)
+        return _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s_am, s_ak, s_bk, s_bn, tma,
+                                    split or segment_split_config(m))
     out_mode = "acc_in" if acc_in else ("fp32" if out.dtype == torch.float32 else "bf16")
     cfg = config or pick_config(m, n, segments, fp32, device_sms(a), out_mode)
     seg_k = k // segments
@@ -508,4 +543,5 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     return out
 
 
-__all__ = ["GemmConfig", "gemm", "gemm_kernel", "pick_config", "all_configs", "candidate_configs"]
+__all__ = ["GemmConfig", "gemm", "gemm_kernel", "pick_config", "all_configs", "candidate_configs",
+           "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config"]

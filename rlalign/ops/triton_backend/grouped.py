@@ -69,6 +69,13 @@ def _rows_config(rows: int, experts: int, segments: int, fp32: bool) -> GroupedC
     return _ROWS_LARGE if rows >= 256 * experts else _ROWS_SMALL
 
 
+def row_tile_heights(rows: int, experts: int, segments: int, fp32: bool) -> tuple[int, ...]:
+    """The row-tile heights (BLOCK_M) of one MoE layer's :func:`grouped_rows` calls: gate, up and every dX
+    (one segment), down (``segments``). The dispatch builds one row-tile table per height."""
+    return tuple(sorted({_rows_config(rows, experts, 1, fp32).block_m,
+                         _rows_config(rows, experts, segments, fp32).block_m}))
+
+
 # ---- kernels ---------------------------------------------------------------------------------------
 
 @triton.jit
@@ -182,7 +189,9 @@ def expert_offsets(expert_of_row: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def _slots(offsets: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """The row-tile table (see the module docstring): per slot its expert (-1 idle), first row, end row."""
+    """The row-tile table (see the module docstring): per slot its expert (-1 idle), first row, end row.
+    From offsets alone (about 18 small launches); ``ops.moe_experts`` gets the tables from the dispatch
+    kernel instead (:mod:`.dispatch`, the same values), this builds them for direct callers."""
     n_experts = offsets.numel() - 1
     n_slots = triton.cdiv(rows, block_m) + n_experts
     counts = offsets[1:] - offsets[:-1]
@@ -372,4 +381,4 @@ def supported() -> bool:
     return torch.cuda.is_available() or is_interpreter()
 
 
-__all__ = ["grouped_linear", "grouped_rows", "grouped_weight_grad", "expert_offsets", "GroupedConfig"]
+__all__ = ["grouped_linear", "grouped_rows", "grouped_weight_grad", "expert_offsets", "row_tile_heights", "GroupedConfig"]

@@ -1,0 +1,168 @@
+"""The decode launch of paged attention (rlalign/ops/triton_backend/attention.py) under the CPU interpreter.
+
+A decode-tile paged call runs either one program per (sequence, kv head) item walking all its key splits, or
+the split launch (several programs per item + a merge kernel). Checked here, as properties over shapes:
+
+* the choice (:func:`use_split_programs`) is a function of the batch's shape only: the same shapes with other
+  contexts, other values or inside a CUDA-graph capture take the same launch; it is monotone (more sequences,
+  or a wider block table of several splits, never turn the split launch on); never taken for one split;
+* both launches, forced, and the op's own choice give bit-identical fp32 outputs at every batch size around
+  the threshold (the interpreter's SM count is 4; one kv head, so batch = items), with 1..4 programs per item.
+
+The interpreter runs fp32 with a row-wise dot (see attention._dot); the GPU's bits are tests/cuda's. One
+subprocess (the interpreter must be on before triton is imported); hypothesis runs inside it, derandomized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("hypothesis")
+
+CHECK = r'''
+import json, os, traceback
+os.environ["TRITON_INTERPRET"] = "1"
+from tests.ops.test_triton_interpret import _patch_interpreter
+_patch_interpreter()
+import torch
+from hypothesis import Phase, given, settings, strategies as st
+from rlalign.contract.bits import bits_equal, describe_difference
+from rlalign.contract.spec import ATTN_KV_SPLIT as S
+from rlalign.ops import capturing_graph
+from rlalign.ops.triton_backend import attention as A
+from rlalign.ops.triton_backend._common import num_sms
+
+# no shrinking: every example runs interpreted kernels; the assertion messages name the shapes
+SETTINGS = dict(deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate])
+i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+chosen = []
+_forward = A._forward
+
+
+def recording_forward(*args, **kwargs):
+    chosen.append(args[14] if len(args) > 14 else kwargs.get("split_programs", False))
+    return _forward(*args, **kwargs)
+
+
+A._forward = recording_forward
+
+
+def cache_for(lens, page, hkv, d, g):
+    """A NaN-filled cache holding random K/V of every context in shuffled pages -> (kc, vc, table)."""
+    per = [max(-(-n // page), 1) for n in lens]
+    width = max(per)
+    total = sum(per) + 3
+    kc = torch.full((total, page, hkv, d), float("nan"))
+    vc = torch.full_like(kc, float("nan"))
+    order = torch.randperm(total, generator=g).tolist()
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    for s, n in enumerate(lens):
+        for j in range(per[s]):
+            pid = order.pop()
+            table[s, j] = pid
+            keys = min(page, n - j * page)
+            if keys > 0:
+                kc[pid, :keys] = torch.randn(keys, hkv, d, generator=g)
+                vc[pid, :keys] = torch.randn(keys, hkv, d, generator=g)
+    return kc, vc, table
+
+
+def launch_of(q, kc, vc, table, lens, capturing=False):
+    """The launch the op's paged_forward picks for this call (recorded from its _forward)."""
+    chosen.clear()
+    cu = i32(list(range(len(lens) + 1)))
+    if capturing:
+        with capturing_graph(max_query_len=1):
+            A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.25)
+    else:
+        A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.25)
+    return chosen[-1]
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(n_seq=st.integers(0, 600), max_q=st.integers(1, 64), hkv=st.sampled_from([1, 2, 8]),
+       group=st.sampled_from([1, 3, 4, 8]), table_keys=st.integers(1, 40000), sms=st.sampled_from([1, 4, 132]))
+def chooser_monotone(n_seq, max_q, hkv, group, table_keys, sms):
+    def split(n, keys):
+        return A.use_split_programs(A.decode_items(max_q, n, hkv * group, hkv), keys,
+                                    A.split_scratch_bytes(max_q * n, hkv * group, 128, keys), sms)
+    here = split(n_seq, table_keys)
+    assert here == split(n_seq, table_keys), "the choice is not deterministic"
+    if not here:
+        assert not split(n_seq + 1, table_keys), f"more sequences turned the split launch on at {n_seq + 1}"
+        if table_keys > S:
+            assert not split(n_seq, table_keys + S), "a wider table turned the split launch on"
+    if table_keys <= S:
+        assert not here, f"split launch for a table of {table_keys} keys (one split)"
+
+
+@settings(max_examples=8, **SETTINGS)
+@given(n_seq=st.integers(1, 7), page=st.sampled_from([1, 16, 64]), seed=st.integers(0, 2 ** 16), data=st.data())
+def chooser_shape_only(n_seq, page, seed, data):
+    g = torch.Generator().manual_seed(seed)
+    width_keys = data.draw(st.integers(S + 1, 3 * S), label="table keys")
+    lens = [width_keys] + [data.draw(st.integers(1, width_keys), label="context") for _ in range(n_seq - 1)]
+    kc, vc, table = cache_for(lens, page, 1, 8, g)
+    q = torch.randn(n_seq, 2, 8, generator=g)
+    want = A.use_split_programs(A.decode_items(1, n_seq, 2, 1), table.shape[1] * page,
+                                A.split_scratch_bytes(n_seq, 2, 8, table.shape[1] * page), num_sms(0))
+    got = [launch_of(q, kc, vc, table, lens),
+           launch_of(torch.randn(n_seq, 2, 8, generator=g), kc, vc, table, [1] * n_seq),   # other contexts/values
+           launch_of(q, kc, vc, table, lens, capturing=True)]
+    assert got == [want] * 3, f"launch chosen {got}, the shapes say {want} (batch {n_seq}, page {page})"
+
+
+@settings(max_examples=6, **SETTINGS)
+@given(n_seq=st.integers(1, 6), page=st.sampled_from([1, 16, 64]), group=st.sampled_from([1, 3]),
+       d=st.sampled_from([2, 16]), seed=st.integers(0, 2 ** 16), data=st.data())
+def launches_same_bits(n_seq, page, group, d, seed, data):
+    g = torch.Generator().manual_seed(seed)
+    lens = [data.draw(st.integers(1, 2 * S + 70), label="context") for _ in range(n_seq)]
+    kc, vc, table = cache_for(lens, page, 1, d, g)
+    q = torch.randn(n_seq, group, d, generator=g)
+    cu = i32(list(range(n_seq + 1)))
+    item = A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3, split_programs=False)
+    outs = {"op's choice": A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3)}
+    for progs in (None, 1, data.draw(st.integers(2, 4), label="programs per item")):
+        outs[f"split, {progs or 'default'} programs per item"] = A.paged_forward(
+            q, kc, vc, table, i32(lens), cu, 0.3, split_programs=True, progs_per_item=progs)
+    for name, out in outs.items():
+        assert bits_equal(out, item), (f"batch {n_seq} contexts {lens} page {page} G={group} D={d}: {name} vs "
+                                       f"the per-item launch: {describe_difference(out, item)}")
+    assert bool(torch.isfinite(item).all()), "non-finite output (a NaN page outside a context was read)"
+
+
+results = {}
+for fn in (chooser_monotone, chooser_shape_only, launches_same_bits):
+    try:
+        fn()
+        results[fn.__name__] = "ok"
+    except BaseException:
+        results[fn.__name__] = traceback.format_exc()[-3000:]
+print("RESULTS " + json.dumps(results))
+'''
+
+
+@pytest.fixture(scope="module")
+def results():
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=900)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULTS ")]
+    if not lines:
+        pytest.fail(f"interpreter subprocess failed (rc {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("check", ["chooser_monotone", "chooser_shape_only", "launches_same_bits"])
+def test_decode_launch(results, check):
+    assert results[check] == "ok", results[check]
