@@ -422,8 +422,12 @@ class SegmentSplitConfig:
 
 # (largest M, config), by increasing M: the first entry whose M bound holds. Paste the lines that
 # bench/gpu_linear.py --sweep-small prints (only bit-equal candidates are ever printed).
+# H200, 2026-12-02 (`--sweep-small`, graph replays, every candidate bit-equal to the default; ratio = cuBLAS /
+# ours, geometric mean over the 8B and 0.6B o_proj / down_proj shapes; bench/gpu_2026-12-02-s10/call3):
+# 64x128 tiles at M <= 32 (0.98-1.18, default 64x64: 0.88-1.05), 64x64 with 3 stages at M = 64 (0.93, default 0.90).
 SEGMENT_SPLIT_TABLE: tuple[tuple[int, SegmentSplitConfig], ...] = (
-    (SPLIT_SEGMENTS_MAX_M, SegmentSplitConfig()),
+    (32, SegmentSplitConfig(block_n=128, num_warps=4, num_stages=4)),
+    (SPLIT_SEGMENTS_MAX_M, SegmentSplitConfig(block_n=64, num_warps=4, num_stages=3)),
 )
 
 
