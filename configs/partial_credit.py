@@ -31,9 +31,7 @@ def match_then_stop(prompt: str, completion: str, answer: str) -> float:
     ``prompt`` is unused.
     """
     del prompt
-    matched = sum(a == b for a, b in zip(completion, answer))
-    extra = max(0, len(completion) - len(answer))
-    return matched / max(len(answer), 1) - EXTRA_CHAR_COST * extra
+    return _matched_minus_extra(completion, answer, EXTRA_CHAR_COST)
 
 
 #: match_then_steep's cost per character beyond the answer: the length term must carry a sampled token's
@@ -55,6 +53,11 @@ def match_then_steep(prompt: str, completion: str, answer: str) -> float:
     ``prompt`` is unused.
     """
     del prompt
+    return _matched_minus_extra(completion, answer, STEEP_EXTRA_CHAR_COST)
+
+
+def _matched_minus_extra(completion: str, answer: str, cost: float) -> float:
+    """matched / len(answer) - cost * (characters of the completion beyond the answer's length)."""
     matched = sum(a == b for a, b in zip(completion, answer))
     extra = max(0, len(completion) - len(answer))
-    return matched / max(len(answer), 1) - STEEP_EXTRA_CHAR_COST * extra
+    return matched / max(len(answer), 1) - cost * extra
