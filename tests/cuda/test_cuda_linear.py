@@ -84,7 +84,8 @@ def test_split_segment_partials_give_the_one_kernel_bits(triton_backend, dtype, 
         for cfg in all_configs(segments, dtype == torch.float32):
             one = gemm(x[:m], w, b_trans=True, bias=b, segments=segments, config=cfg)
             assert_bitwise_equal(split, one, f"M={m} split vs {cfg}")
-        for _, launch in SEGMENT_SPLIT_TABLE:   # every launch the table holds, at every M
+        # every launch the table holds, at every M (bf16: fp32 operands keep the default launch)
+        for _, launch in SEGMENT_SPLIT_TABLE if dtype == torch.bfloat16 else ():
             other = gemm(x[:m], w, b_trans=True, bias=b, segments=segments, split=launch)
             assert_bitwise_equal(other, split, f"M={m} split launch {launch}")
         assert_bitwise_equal(split[:1], gemm(x[:1], w, b_trans=True, bias=b, segments=segments), f"row 0 of M={m}")
