@@ -279,16 +279,15 @@ def test_cli_refuses_a_key_the_algorithm_does_not_read_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_max_minutes_without_checkpoints_stops_cleanly_and_writes_none(arithmetic_model_dir, tmp_path, caplog):
+def test_max_minutes_without_checkpoints_stops_cleanly_and_writes_none(arithmetic_model_dir, tmp_path, rlalign_log):
     """run.save_checkpoints=false (a state too large for the disk): run.max_minutes still ends the run after a
     step with its metrics and exported policy, no checkpoint is written, and the note says it cannot resume."""
     cfg = load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / "run", steps=3)
                       + ["run.save_checkpoints=false", "run.max_minutes=0.000001"])
-    with caplog.at_level("INFO"):
-        run_dir = run_training(cfg)
+    run_dir = run_training(cfg)
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
     assert not (run_dir / "checkpoints").exists() and (run_dir / "policy" / "config.json").is_file()
-    assert "run.save_checkpoints=false: no checkpoint, the run cannot be resumed" in caplog.text
+    assert "run.save_checkpoints=false: no checkpoint, the run cannot be resumed" in rlalign_log.text
 
 
 def test_max_minutes_ends_before_a_step_that_would_pass_it():

@@ -1,14 +1,12 @@
 """Stalled runs (rlalign/train/stall.py): a warning once every advantage has been 0 for a few steps, and
 ``run.stop_when_stalled`` to end such a run."""
 
-import logging
 from pathlib import Path
 
 import pytest
 
 from rlalign.configlib import ConfigError, load_config
 from rlalign.train.config import TrainConfig
-from rlalign.train.logs import LOGGER
 from rlalign.train.loop import run_training
 from rlalign.train.runio import read_metrics
 from rlalign.train.stall import WARN_AFTER, StallWatch, stalled
@@ -41,31 +39,14 @@ def test_the_watch_warns_once_per_stall_and_stops_after_its_limit():
     assert StallWatch(None).stop_reason() is None
 
 
-class _Lines(logging.Handler):
-    """Collects the rlalign logger's messages itself: once a CLI test has installed its handler the logger no
-    longer propagates to the root, where pytest's caplog listens."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-def test_a_constant_reward_run_warns_and_stops_when_stalled(arithmetic_model_dir, tmp_path):
+def test_a_constant_reward_run_warns_and_stops_when_stalled(arithmetic_model_dir, tmp_path, rlalign_log):
     steps = WARN_AFTER + 1
     cfg = load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / "run", steps=20) +
                       [f"task.reward={CONSTANT_REWARD}", f"run.stop_when_stalled={steps}"])
-    lines = _Lines()
-    LOGGER.addHandler(lines)
-    try:
-        rows = [r for r in read_metrics(run_training(cfg)) if "reward/mean" in r]
-    finally:
-        LOGGER.removeHandler(lines)
+    rows = [r for r in read_metrics(run_training(cfg)) if "reward/mean" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), "the run must end after the stalled steps"
     assert all(r["reward/zero_std_frac"] == 1.0 and stalled(r) for r in rows)
-    warnings = [m for m in lines.messages if "no learning signal" in m]
+    warnings = [m for m in rlalign_log.messages if "no learning signal" in m]
     assert len(warnings) == 1 and "same reward" in warnings[0]
 
 
