@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_linear import write  # noqa: E402
+from gpu_linear import run_sweep, write  # noqa: E402
 
 from rlalign.bench.cuda_timing import bench_ms as _bench, graphed  # noqa: E402
 
@@ -308,12 +308,7 @@ def main() -> int:
         return 1
     import rlalign.ops.triton_backend  # noqa: F401
     if args.sweep_decode:
-        t0 = time.time()
-        rows = sweep_decode()
-        write(args.out, "attention_sweep", rows, t0)
-        print_sweep(rows)
-        print(f"sweep: {time.time() - t0:.0f} s")
-        return 0
+        return run_sweep(args.out, "attention_sweep", sweep_decode, print_sweep)
     plan = [(prefill, (4, 4096, 32, 8)), (prefill, (4, 4096, 32, 32)), (prefill, (1, 4096, 32, 8)),
             (prefill, (8, 4096, 32, 8)),
             (decode, (1, 4096, 32, 8, 16)), (decode, (8, 4096, 32, 8, 16)), (decode, (64, 4096, 32, 8, 16)),

@@ -77,6 +77,16 @@ def write(out_arg: str | None, name: str, rows: list[dict], started: float) -> N
         json.dump({"env": env, "bench": name, "rows": rows}, f, indent=1, default=str)
 
 
+def run_sweep(out_arg: str | None, name: str, sweep, show) -> int:
+    """A sweep mode's whole run: ``sweep()`` -> rows, written as bench_<name>.* and printed by ``show``."""
+    t0 = time.time()
+    rows = sweep()
+    write(out_arg, name, rows, t0)
+    show(rows)
+    print(f"sweep: {time.time() - t0:.0f} s")
+    return 0
+
+
 def rotating(make, nbytes: int):
     """A list of independent copies of a tensor, enough to exceed ROTATE_BYTES (at least 1)."""
     copies = max(1, min(16, -(-ROTATE_BYTES // max(nbytes, 1))))
@@ -289,12 +299,7 @@ def main() -> int:
     import rlalign.ops.triton_backend  # noqa: F401  (fail loudly if the backend cannot load)
     from rlalign.ops.triton_backend.gemm import GemmConfig
     if args.sweep_small:
-        t0 = time.time()
-        rows = sweep_small()
-        write(args.out, "linear_sweep_small", rows, t0)
-        print_small(rows)
-        print(f"sweep: {time.time() - t0:.0f} s")
-        return 0
+        return run_sweep(args.out, "linear_sweep_small", sweep_small, print_small)
     rows = []
     plan = [(m, n, k, None, None, False) for (n, k) in SHAPES for m in M_VALUES]
     plan += [(m, n, k, 8, None, False) for (n, k) in SEGMENT_SHAPES for m in SEGMENT_M]

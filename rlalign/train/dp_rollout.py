@@ -18,7 +18,8 @@ from rlalign.distributed.collectives import gather_ranks_varlen
 from rlalign.distributed.data_parallel import comm_device, shard_for_rank
 from rlalign.distributed.launch import Group
 
-_ROUTING_DTYPES = {0: None, 1: torch.int16, 2: torch.int32}
+_ROUTING_CODES = {torch.int16: 1, torch.int32: 2}      # a routing record's dtype on the wire (0: no record)
+_ROUTING_DTYPES = {code: dtype for dtype, code in _ROUTING_CODES.items()}
 
 
 @dataclasses.dataclass
@@ -66,7 +67,7 @@ def _layout(s: Sampled) -> list[int]:
     if s.routing is None:
         code, rows, layers, k = 0, 0, 0, 0
     else:
-        code = {torch.int16: 1, torch.int32: 2}[s.routing.dtype]
+        code = _ROUTING_CODES[s.routing.dtype]
         rows, layers, k = s.routing.shape
     return [s.prompt_index, len(s.prompt_tokens), len(s.tokens), int(s.truncated), code, rows, layers, k]
 
