@@ -86,11 +86,18 @@ def comm_device(group: Group) -> torch.device:
         else torch.device("cpu")
 
 
+def shard_range(count: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index`` of ``parts`` contiguous [lo, hi) ranges covering range(count), sizes differing by at
+    most one (the earlier parts the larger): how a step's items are split over ranks or workers."""
+    per, extra = divmod(count, parts)
+    lo = index * per + min(index, extra)
+    return lo, lo + per + (index < extra)
+
+
 def shard_for_rank(items: list, group: Group) -> list:
     """The contiguous share of ``items`` that data-parallel rank ``group.rank`` processes."""
-    per, extra = divmod(len(items), group.size)
-    start = group.rank * per + min(group.rank, extra)
-    return items[start:start + per + (group.rank < extra)]
+    lo, hi = shard_range(len(items), group.size, group.rank)
+    return items[lo:hi]
 
 
-__all__ = ["all_reduce_gradients_", "DEFAULT_BUCKET_ELEMENTS", "sum_scalars", "shard_for_rank", "comm_device"]
+__all__ = ["all_reduce_gradients_", "DEFAULT_BUCKET_ELEMENTS", "sum_scalars", "shard_for_rank", "shard_range", "comm_device"]

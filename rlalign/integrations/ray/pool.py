@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Mapping
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.distributed.data_parallel import shard_range
 from rlalign.integrations.ray.errors import ActorDiedError, death_errors, last_checkpoint_note, short_reason
 from rlalign.integrations.ray.weight_sync import choose_weight_sync
 from rlalign.integrations.ray.worker import RolloutWorker
@@ -83,9 +84,6 @@ class RolloutPool:
 
 
 def even_shards(count: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous [lo, hi) ranges covering range(count), sizes differing by at most one."""
-    base, extra = divmod(count, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return list(zip(bounds[:-1], bounds[1:]))
+    """``parts`` contiguous [lo, hi) ranges covering range(count), sizes differing by at most one
+    (:func:`rlalign.distributed.data_parallel.shard_range`, the split data-parallel ranks use too)."""
+    return [shard_range(count, parts, i) for i in range(parts)]
