@@ -4,8 +4,9 @@ The engine keys every sample's random stream by its prompt's index (``SamplingPa
 the strict engine's bits do not depend on the batch a sequence runs in, so rank r generating prompts
 [a, b) with ``prompt_indices=[a, ..., b-1]`` yields exactly the completions one engine generating all the
 prompts would (tested against dp=1, bit for bit). An all-gather in rank order then gives every rank the
-whole step, prompt by prompt then sample by sample, as ``engine.generate`` returns it: the rollout costs
-1/dp of a replicated one, and the training that follows sees the same samples on every rank.
+whole step, prompt by prompt then sample by sample, as ``engine.generate`` returns it: each rank generates about 1/dp of the samples a
+replicated rollout would (its wall time not yet measured on GPUs), and the training that follows sees the same
+samples on every rank.
 """
 
 from __future__ import annotations
