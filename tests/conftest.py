@@ -1,5 +1,9 @@
+import logging
+
 import pytest
 import torch
+
+from rlalign.train.logs import LOGGER
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -21,3 +25,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+class LogLines(logging.Handler):
+    """The rlalign logger's messages (INFO and up), collected on that logger itself: once a test has installed
+    the CLI handler the logger no longer propagates to the root, where pytest's caplog listens."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.messages)
+
+
+@pytest.fixture
+def rlalign_log():
+    lines = LogLines()
+    LOGGER.addHandler(lines)
+    level = LOGGER.level
+    LOGGER.setLevel(min(level or logging.INFO, logging.INFO))
+    try:
+        yield lines
+    finally:
+        LOGGER.removeHandler(lines)
+        LOGGER.setLevel(level)

@@ -1,4 +1,3 @@
-import logging
 from pathlib import Path
 
 import pytest
@@ -6,37 +5,7 @@ import pytest
 from rlalign.models.checkpoint import save_model
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
-from rlalign.train.logs import LOGGER
 from rlalign.train.pretrain import PretrainConfig, hf_config, write_char_tokenizer
-
-
-class LogLines(logging.Handler):
-    """The rlalign logger's messages (INFO and up), collected on that logger itself: once a test has installed
-    the CLI handler the logger no longer propagates to the root, where pytest's caplog listens."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.messages)
-
-
-@pytest.fixture
-def rlalign_log():
-    lines = LogLines()
-    LOGGER.addHandler(lines)
-    level = LOGGER.level
-    LOGGER.setLevel(min(level or logging.INFO, logging.INFO))
-    try:
-        yield lines
-    finally:
-        LOGGER.removeHandler(lines)
-        LOGGER.setLevel(level)
 
 
 def make_arithmetic_checkpoint(path, seed=0, **sizes):
