@@ -431,8 +431,12 @@ SEGMENT_SPLIT_TABLE: tuple[tuple[int, SegmentSplitConfig], ...] = (
 )
 
 
-def segment_split_config(m: int) -> SegmentSplitConfig:
-    """The decode-size split's launch for M rows (M <= SPLIT_SEGMENTS_MAX_M) of bf16 operands."""
+def segment_split_config(m: int, fp32: bool = False) -> SegmentSplitConfig:
+    """The decode-size split's launch for M rows (M <= SPLIT_SEGMENTS_MAX_M). The table was swept on bf16
+    operands; fp32 ones (bf16x3 in registers, twice the shared memory per stage) keep the default launch
+    their tests ran with."""
+    if fp32:
+        return SegmentSplitConfig()
     for max_m, cfg in SEGMENT_SPLIT_TABLE:
         if m <= max_m:
             return cfg
@@ -509,11 +513,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     if segments > 1 and m <= SPLIT_SEGMENTS_MAX_M and config is None:
         seg_k = k // segments
         tma = seg_k % BLOCK_K == 0 and tma_ok(a) and tma_ok(b) and (use_tma is None or use_tma)
-        # the table was swept on bf16 operands; fp32 (bf16x3 in registers, 2x the shared memory per stage) keeps
-        # the launch its tests ran with
-        launch = split or (SegmentSplitConfig() if fp32 else segment_split_config(m))
         return _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s_am, s_ak, s_bk, s_bn, tma,
-                                    launch)
+                                    split or segment_split_config(m, fp32))
     out_mode = "acc_in" if acc_in else ("fp32" if out.dtype == torch.float32 else "bf16")
     cfg = config or pick_config(m, n, segments, fp32, device_sms(a), out_mode)
     seg_k = k // segments
