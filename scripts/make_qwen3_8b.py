@@ -8,7 +8,8 @@
     python scripts/make_qwen3_8b.py /tmp/t --test-body --hidden 256   # a wider toy body (lr-vs-width studies)
 
 The body is Qwen3-8B's (hidden 4096, 32 q / 8 kv heads, head_dim 128, intermediate 12288, untied
-LM head, rope theta 1e6); weights N(0, 0.02), norms 1 (CausalLM.init_random_), written in bf16
+LM head, rope theta 1e6); weights N(0, 0.02) (the LM head N(0, --lm-head-std) when given), norms 1
+(CausalLM.init_random_), written in bf16
 safetensors shards of ``--shard-gib`` (checksummed in parallel, here and when the trainer loads them).
 On a GPU the normals are drawn there (``init_random_(on_device=True)``: under a second for 8.2B, where the
 CPU generator takes minutes; other values than a CPU-made checkpoint, the same on every run of a GPU
@@ -92,6 +93,10 @@ def main(argv=None) -> int:
     p.add_argument("--shard-gib", type=float, default=2.0, help="safetensors shard size (default 2 GiB)")
     p.add_argument("--config-only", action="store_true", help="config.json and the tokenizer, no weights")
     p.add_argument("--test-body", action="store_true", help="a toy body (hidden 64) for tests; same tokenizer")
+    p.add_argument("--lm-head-std", type=float, default=None,
+                   help="std of the LM head's init (default: the body's 0.02, HF's initializer_range; 0: zeros)."
+                        " At hidden 4096 a 0.02 head lets the body reach ~82-nat logit gaps by aligning the final"
+                        " hidden state with one row (docs/gpu.md, the headline's learning rate)")
     p.add_argument("--hidden", type=int, default=TEST_BODY["hidden_size"],
                    help="with --test-body: the toy body's width (default 64; see toy_body)")
     args = p.parse_args(argv)
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
     else:
         started = time.perf_counter()
         model = CausalLM(ModelConfig.from_hf_dict(cfg), dtype=torch.bfloat16, device=args.device)
-        model.init_random_(seed=args.seed, on_device=model.device.type != "cpu")
+        model.init_random_(seed=args.seed, on_device=model.device.type != "cpu", lm_head_std=args.lm_head_std)
         made = time.perf_counter()
         out = save_model(model, out, max_shard_bytes=int(args.shard_gib * 2**30))
         del model

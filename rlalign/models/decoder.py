@@ -169,19 +169,26 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0, std: float = 0.02, norm_jitter: float = 0.0,
-                     on_device: bool = False) -> "CausalLM":
+                     on_device: bool = False, lm_head_std: float | None = None) -> "CausalLM":
         """Deterministic random init (CPU generator, then cast): matrices ~ N(0, std), biases ~ N(0, std),
-        norm weights 1 + N(0, norm_jitter). ``on_device``: the generator on the parameters' device (a GPU
+        norm weights 1 + N(0, norm_jitter); an untied ``lm_head.weight`` ~ N(0, lm_head_std) when given
+        (0: zeros, the readout of muP / modded-nanogpt inits; the draw is made either way, so the other
+        tensors keep their values). ``on_device``: the generator on the parameters' device (a GPU
         draws 8B normals in well under a second, the CPU generator takes minutes; other values than the CPU
         generator's, deterministic for a device type and torch version). One draw per checkpoint tensor in
         checkpoint order (stacked experts: per expert, rlalign.models.layout), so a seed gives the same
         weights whatever the storage layout."""
+        if lm_head_std is not None and self.lm_head is None:
+            raise ValueError("lm_head_std: this model ties its LM head to the embedding (tie_word_embeddings); "
+                             "there is no separate head to initialise")
         where = self.device if on_device else torch.device("cpu")
         gen = torch.Generator(device=where).manual_seed(seed)
         for name, p in checkpoint_tensors(self):
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=where)
             if name.endswith("norm.weight"):
                 value = 1.0 + norm_jitter * noise
+            elif name == "lm_head.weight" and lm_head_std is not None:
+                value = lm_head_std * noise
             else:
                 value = std * noise
             p.copy_(value.to(p.dtype))

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlalign.cli.main import main
 from rlalign.models.config import ModelConfig
@@ -75,6 +76,32 @@ def test_hidden_widens_only_the_toy_body(tmp_path):
         kit.toy_body(48)             # heads of 16, two query heads per kv head
     with pytest.raises(SystemExit):
         kit.main([str(tmp_path / "x"), "--hidden", "256", "--config-only"])   # a width for the 8B body: refused
+
+
+def test_lm_head_std_changes_only_the_head(toy_8b, tmp_path):
+    from safetensors.torch import load_file
+
+    def tensors(d):
+        out = {}
+        for f in sorted(Path(d).glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    zero = tmp_path / "zero"
+    assert kit.main([str(zero), "--test-body", "--layers", "2", "--vocab", "3000", "--device", "cpu",
+                     "--lm-head-std", "0"]) == 0
+    small = tmp_path / "small"
+    assert kit.main([str(small), "--test-body", "--layers", "2", "--vocab", "3000", "--device", "cpu",
+                     "--lm-head-std", "0.002"]) == 0
+    base, z, s = tensors(toy_8b), tensors(zero), tensors(small)
+    assert base.keys() == z.keys() == s.keys()
+    for name in base:
+        if name != "lm_head.weight":
+            assert torch.equal(base[name], z[name]) and torch.equal(base[name], s[name]), name
+    assert not z["lm_head.weight"].any()
+    # the same draw, scaled: std 0.002 / 0.02 of the default head (bf16 rounding apart)
+    ratio = s["lm_head.weight"].float().std() / base["lm_head.weight"].float().std()
+    assert abs(float(ratio) - 0.1) < 1e-3
 
 
 def test_config_runs_two_strict_steps_on_the_toy_body(toy_8b, tmp_path):
