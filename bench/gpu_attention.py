@@ -20,7 +20,7 @@ them: input checks, dispatch and the kernel) -- the figure a model sees.
     python bench/gpu_attention.py [--out DIR] [--sweep-decode]
 
 ``--sweep-decode``: only decode, candidate launch configs (attention.DecodeLaunch: stages, programs per SM,
-merge warps/unroll) of both launches as CUDA-graph replays at batch 1-256, each output compared bit for bit
+merge warps/unroll, the fused merge, a register cap) of both launches as CUDA-graph replays at batch 1-256, each output compared bit for bit
 with the per-item default (a candidate that differs is marked DIFFER and never "fastest"); prints the
 fastest bit-equal config of each launch per batch vs SDPA/flash and the launch the op picks
 (bench_attention_sweep.csv / .json).
@@ -196,6 +196,14 @@ def sweep_candidates(A) -> list[tuple[str, object]]:
     cands += [("split", replace(split, programs_per_sm=p)) for p in (8, 16) if p != split.programs_per_sm]
     cands += [("split", replace(split, merge_warps=w, merge_unroll=u)) for w, u in ((4, 8), (8, 16))
               if (w, u) != (split.merge_warps, split.merge_unroll)]
+    # the fused merge (no merge kernel: each item's last program folds its partials), then with more splits'
+    # partials loaded per step (16 splits at 4,096 context: 2 round trips, not 4)
+    fused = replace(split, fused_merge=True)
+    cands += [("split", fused), ("split", replace(fused, merge_unroll=8))]
+    # 3 programs per SM (sm_90a, ptxas -v: 248-252 registers / 112 KiB for the split kernel today, 2 per SM):
+    # 1 stage (48 KiB of shared memory) and a 168-register cap (spills 168 / 180 B: two- / one-kernel merge)
+    three = dict(tile=(bm, warps, 1), max_registers=168)
+    cands += [("split", replace(split, **three)), ("split", replace(fused, **three))]
     cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 3) if s != item.tile[2]]
     return cands
 

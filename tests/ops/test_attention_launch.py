@@ -7,7 +7,11 @@ the split launch (several programs per item + a merge kernel). Checked here, as 
   contexts, other values or inside a CUDA-graph capture take the same launch; it is monotone (more sequences,
   or a wider block table of several splits, never turn the split launch on); never taken for one split;
 * both launches, forced, and the op's own choice give bit-identical fp32 outputs at every batch size around
-  the threshold (the interpreter's SM count is 4; one kv head, so batch = items), with 1..4 programs per item.
+  the threshold (the interpreter's SM count is 4; one kv head, so batch = items), with 1..4 programs per item;
+* the fused-merge split launch (no merge kernel: each item's last program folds its partials) gives the bits of
+  the two-kernel split launch and the per-item one at batch 1..40, contexts at / around the split boundaries,
+  any fold width and unroll, and again on the same arrival counters with other contexts (they are reset);
+* the arrival counters are never allocated inside a CUDA-graph capture (refused with a clear error).
 
 The interpreter runs fp32 with a row-wise dot (see attention._dot); the GPU's bits are tests/cuda's. One
 subprocess (the interpreter must be on before triton is imported); hypothesis runs inside it, derandomized.
@@ -139,8 +143,47 @@ def launches_same_bits(n_seq, page, group, d, seed, data):
     assert bool(torch.isfinite(item).all()), "non-finite output (a NaN page outside a context was read)"
 
 
+def counters_zero():
+    """Every arrival-counter buffer is back at zero (the last program of each item reset its counter)."""
+    return all(int(buf.abs().max()) == 0 for buf in A._ARRIVAL_COUNTERS.values())
+
+
+CONTEXT = st.one_of(st.sampled_from([1, S - 1, S, S + 1, 2 * S - 1, 2 * S, 2 * S + 1]), st.integers(1, 2 * S + 70))
+
+
+@settings(max_examples=6, **SETTINGS)
+@given(n_seq=st.integers(1, 40), page=st.sampled_from([1, 16, 64]), group=st.sampled_from([1, 3]),
+       seed=st.integers(0, 2 ** 16), data=st.data())
+def fused_merge_same_bits(n_seq, page, group, seed, data):
+    """The fused-merge split launch == the two-kernel split launch == the per-item launch, raw bits, with
+    1..4 programs per item; a second launch on the same counter buffer with other contexts (the reset)."""
+    import dataclasses
+    g = torch.Generator().manual_seed(seed)
+    fused = dataclasses.replace(A.SPLIT_DECODE, fused_merge=True,
+                                fold_rows=data.draw(st.sampled_from([4, 16, 64]), label="fold rows"),
+                                merge_unroll=data.draw(st.sampled_from([1, 4]), label="unroll"))
+    lens = [data.draw(CONTEXT, label="context") for _ in range(n_seq)]
+    kc, vc, table = cache_for(lens, page, 1, 8, g)
+    cu = i32(list(range(n_seq + 1)))
+    progs = data.draw(st.sampled_from([None, 1, 2, 3, 4]), label="programs per item")
+    buffers = None
+    for launch_no, ctx in enumerate((lens, [max(1, n - data.draw(st.integers(0, 3), label="shorter")) for n in lens])):
+        q = torch.randn(n_seq, group, 8, generator=g)
+        item = A.paged_forward(q, kc, vc, table, i32(ctx), cu, 0.3, split_programs=False)
+        two = A.paged_forward(q, kc, vc, table, i32(ctx), cu, 0.3, split_programs=True, progs_per_item=progs)
+        one = A.paged_forward(q, kc, vc, table, i32(ctx), cu, 0.3, split_programs=True, progs_per_item=progs,
+                              launch=fused)
+        where = f"launch {launch_no}: batch {n_seq} contexts {ctx} page {page} G={group} {progs} programs {fused}"
+        assert bits_equal(two, item), f"{where}: two-kernel split vs per-item: {describe_difference(two, item)}"
+        assert bits_equal(one, item), f"{where}: fused split vs per-item: {describe_difference(one, item)}"
+        assert counters_zero(), f"{where}: arrival counters not reset"
+        ids = {k: v.data_ptr() for k, v in A._ARRIVAL_COUNTERS.items()}
+        assert buffers is None or ids == buffers, f"{where}: the counter buffer was reallocated"
+        buffers = ids
+
+
 results = {}
-for fn in (chooser_monotone, chooser_shape_only, launches_same_bits):
+for fn in (chooser_monotone, chooser_shape_only, launches_same_bits, fused_merge_same_bits):
     try:
         fn()
         results[fn.__name__] = "ok"
@@ -163,6 +206,30 @@ def results():
     return json.loads(lines[-1][len("RESULTS "):])
 
 
-@pytest.mark.parametrize("check", ["chooser_monotone", "chooser_shape_only", "launches_same_bits"])
+@pytest.mark.parametrize("check", ["chooser_monotone", "chooser_shape_only", "launches_same_bits",
+                                   "fused_merge_same_bits"])
 def test_decode_launch(results, check):
     assert results[check] == "ok", results[check]
+
+
+def test_arrival_counters_refused_inside_a_capture_without_a_warm_up(monkeypatch):
+    """A capture allocates nothing: a fused launch of a size class no eager launch has used fails closed."""
+    import torch
+
+    from rlalign.contract.errors import ContractError
+    from rlalign.ops.triton_backend import attention as A
+    monkeypatch.setattr(A, "_ARRIVAL_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ContractError, match="run the decode step once before capturing"):
+        A.arrival_counters(torch.device("cuda", 0), 10)
+    assert A._ARRIVAL_COUNTERS == {}, "a counter buffer was allocated inside the capture"
+
+
+def test_arrival_counters_one_buffer_per_device_and_size_class():
+    """Zeroed int32, at least the items asked for, the same buffer for every launch of its size class."""
+    import torch
+
+    from rlalign.ops.triton_backend import attention as A
+    small, again, big = (A.arrival_counters(torch.device("cpu"), n) for n in (3, 1000, 5000))
+    assert small is again and small.dtype == torch.int32 and small.numel() >= 1000
+    assert big is not small and big.numel() >= 5000 and int(big.abs().max()) == 0

@@ -99,6 +99,9 @@ class DecodeLaunch:
     # (attn_fwd_kernel FUSED_MERGE: the same fold, the same bits; arrival counters: arrival_counters)
     fused_merge: bool = False
     fold_rows: int = 16     # rows the fused merge folds at a time (a power of 2; registers: 4 warps, not 8)
+    # a register cap per thread for the forward kernel (ptxas -maxrregcount through Triton's maxnreg; 0: none):
+    # 65,536 registers / 128 threads / programs per SM -- 168 fits 3 decode programs on an SM, 128 fits 4
+    max_registers: int = 0
 
 
 # The two decode launches (bench/gpu_attention.py --sweep-decode times candidates of both as graph replays
@@ -564,7 +567,7 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged, STORE_LSE=store_lse, SPLIT=split_for(q.dtype),
         SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), FUSED_MERGE=fused,
         FOLD_ROWS=launch.fold_rows if fused else 16, UNROLL=launch.merge_unroll if fused else 4, num_stages=stages,
-        **meta)
+        **meta, **_register_cap(launch))
     if split_programs and not fused:
         # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
         meta["num_warps"] = launch.merge_warps
@@ -605,6 +608,12 @@ def arrival_counters(device: torch.device, items: int) -> torch.Tensor:
             stream.wait_stream(last)
         _COUNTER_STREAMS[key] = stream
     return buf
+
+
+def _register_cap(launch: DecodeLaunch) -> dict:
+    """The forward's compile option for ``launch.max_registers`` (none under the CPU interpreter, which
+    compiles nothing)."""
+    return {"maxnreg": launch.max_registers} if launch.max_registers and not is_interpreter() else {}
 
 
 def _even_programs(n_splits: int, progs: int) -> int:
