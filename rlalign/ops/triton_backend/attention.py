@@ -40,8 +40,9 @@ Two launches, the same arithmetic per row: one program per item walks all its sp
 them in registers (prefill, training, decode at large batch); or, for decode tiles when the items
 are too few to fill the GPU (:func:`use_split_programs`), P programs per item each take splits p,
 p + P, ... and write fp32 partials, which :func:`attn_merge_kernel` folds in the same order with
-the same function. The partials round-trip memory exactly, and the merge is elementwise (its
-layout cannot change a bit).
+the same function (:func:`_fold_partials`) -- or, with ``DecodeLaunch.fused_merge``, the item's program
+that finishes last does (:func:`_merge_if_last`: an arrival counter per item, no second kernel). The
+partials round-trip memory exactly, and the merge is elementwise (its layout cannot change a bit).
 
 ``mma`` always sees a 64-key block and a tile of >= 64 rows on 4 or 8 warps laid along the rows,
 so Hopper issues the same ``wgmma`` shapes per row and ``rowsum`` reduces each row in the same
