@@ -202,8 +202,10 @@ def sweep_candidates(A) -> list[tuple[str, object]]:
     cands += [("split", fused), ("split", replace(fused, merge_unroll=8))]
     # 3 programs per SM (sm_90a, ptxas -v: 248-252 registers / 112 KiB for the split kernel today, 2 per SM):
     # 1 stage (48 KiB of shared memory) and a 168-register cap (spills 168 / 180 B: two- / one-kernel merge)
+    # (and 6 programs per SM: two full waves of 3, e.g. batch 16: 6 programs per item, not 4)
     three = dict(tile=(bm, warps, 1), max_registers=168)
-    cands += [("split", replace(split, **three)), ("split", replace(fused, **three))]
+    cands += [("split", replace(split, **three)), ("split", replace(fused, **three)),
+              ("split", replace(fused, programs_per_sm=6, **three))]
     cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 3) if s != item.tile[2]]
     return cands
 
@@ -252,7 +254,8 @@ def sweep_decode() -> list[dict]:
 
 def print_sweep(rows: list[dict]) -> None:
     """Per batch: each candidate's graph time, speed vs its launch's default, bits; then the best bit-equal
-    candidate of each launch vs the baseline and the launch the op picks."""
+    candidate of each launch vs the baseline and the launch the op picks, and the split launch's fastest
+    bit-equal candidate with the merge kernel and with the fused merge."""
     print(f"{'B':>4} {'launch':>6} {'graph ms':>9} {'vs dflt':>7} {'bits':>6}  config")
     for r in rows:
         if r["launch"] == "baseline":
@@ -272,6 +275,15 @@ def print_sweep(rows: list[dict]) -> None:
               f"{base['graph_ms'] / ms['split']:>11.3f} {base['graph_ms'] / ms['item']:>10.3f} {base['op_launch']}")
         for k, r in best.items():
             print(f"       fastest bit-equal {k}: {r['config']}")
+        merges = {}   # the split launch's two merges: the fastest bit-equal candidate of each
+        for r in rows:
+            if r["batch"] == base["batch"] and r["launch"] == "split" and r.get("bits") == "equal" and "graph_ms" in r:
+                merge = "fused merge" if "fused_merge=True" in r["config"] else "merge kernel"
+                merges[merge] = min(merges.get(merge, float("inf")), r["graph_ms"])
+        if len(merges) == 2:
+            print(f"       split, fastest with the merge kernel {merges['merge kernel']} ms / fused merge "
+                  f"{merges['fused merge']} ms: {base['graph_ms'] / merges['merge kernel']:.3f} / "
+                  f"{base['graph_ms'] / merges['fused merge']:.3f} of the baseline")
 
 
 def training(batch: int, seq: int, hq: int, hkv: int) -> dict:
