@@ -20,10 +20,11 @@ them: input checks, dispatch and the kernel) -- the figure a model sees.
     python bench/gpu_attention.py [--out DIR] [--sweep-decode]
 
 ``--sweep-decode``: only decode, candidate launch configs (attention.DecodeLaunch: stages, programs per SM,
-merge warps/unroll, the fused merge, a register cap) of both launches as CUDA-graph replays at batch 1-256, each output compared bit for bit
-with the per-item default (a candidate that differs is marked DIFFER and never "fastest"); prints the
-fastest bit-equal config of each launch per batch vs SDPA/flash and the launch the op picks
-(bench_attention_sweep.csv / .json).
+merge warps/unroll, the fused merge, a register cap) of both launches as CUDA-graph replays at batch 1-256,
+each output compared bit for bit with the per-item default (a candidate that differs is marked DIFFER and
+never "fastest"); prints the fastest bit-equal config of each launch per batch vs SDPA/flash, the launch the
+op picks and the split launch's fastest merge-kernel vs fused-merge candidate (bench_attention_sweep.csv /
+.json).
 
 Writes bench_attention.csv / .json to $OUT (or --out, default bench/).
 """

@@ -451,6 +451,8 @@ def test_fused_merge_in_a_cuda_graph(triton_backend, split_launch, monkeypatch):
 def test_three_programs_per_sm_candidates_keep_the_bits(triton_backend, cap):
     """The sweep's 3-programs-per-SM candidates (1 stage, a 168-register cap: spills, no other arithmetic),
     two-kernel and fused: the per-item launch's bits at a 4,096 context, batch 8."""
+    import dataclasses
+
     from rlalign.ops.triton_backend import attention as A
     lens = (4096,) * 8
     q, k, v, cu = _batch(128, seed=150, lens=lens)
@@ -459,7 +461,6 @@ def test_three_programs_per_sm_candidates_keep_the_bits(triton_backend, cap):
     args = (q[rows], kc, vc, table, _i32(list(lens)), _i32(list(range(9))), 128 ** -0.5)
     item = A.paged_forward(*args, split_programs=False)
     for fused in (False, True):
-        import dataclasses
         launch = dataclasses.replace(A.SPLIT_DECODE, tile=(64, 4, 1), max_registers=cap, fused_merge=fused)
         out = A.paged_forward(*args, split_programs=True, launch=launch)
         assert_bitwise_equal(out, item, f"{launch} vs per-item")

@@ -89,7 +89,8 @@ class DecodeLaunch:
     programs for about this many per SM (never more than the splits); ``merge_warps`` / ``merge_unroll`` of
     attn_merge_kernel (elementwise: no layout of it can change a bit); ``fused_merge``: the item's last
     program merges instead of a second kernel, ``fold_rows`` rows at a time, ``merge_unroll`` splits per
-    step."""
+    step. ``max_registers``: a per-thread register cap for the forward kernel on ``tile`` (spills move
+    values, not arithmetic)."""
     tile: tuple[int, int, int] = DECODE_TILE
     # 4: the decode programs (~250 registers x 128 threads, 80 / 112 KiB of shared memory) fit twice on an SM,
     # and two waves absorb uneven contexts
@@ -106,7 +107,8 @@ class DecodeLaunch:
 
 
 # The two decode launches (bench/gpu_attention.py --sweep-decode times candidates of both as graph replays
-# and checks their bits against these; paste a faster candidate it prints here).
+# and checks their bits against these; paste a faster candidate it prints here -- e.g. the fused merge:
+# SPLIT_DECODE = DecodeLaunch(fused_merge=True)).
 ITEM_DECODE = DecodeLaunch()
 SPLIT_DECODE = DecodeLaunch()
 # Paged calls on the decode tile whose one-program-per-item grid (items = tiles x sequences x kv heads) has at
@@ -568,7 +570,7 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged, STORE_LSE=store_lse, SPLIT=split_for(q.dtype),
         SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), FUSED_MERGE=fused,
         FOLD_ROWS=launch.fold_rows if fused else 16, UNROLL=launch.merge_unroll if fused else 4, num_stages=stages,
-        **meta, **_register_cap(launch))
+        **meta, **_register_cap(launch, tile))
     if split_programs and not fused:
         # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
         meta["num_warps"] = launch.merge_warps
@@ -611,10 +613,12 @@ def arrival_counters(device: torch.device, items: int) -> torch.Tensor:
     return buf
 
 
-def _register_cap(launch: DecodeLaunch) -> dict:
-    """The forward's compile option for ``launch.max_registers`` (none under the CPU interpreter, which
-    compiles nothing)."""
-    return {"maxnreg": launch.max_registers} if launch.max_registers and not is_interpreter() else {}
+def _register_cap(launch: DecodeLaunch, tile) -> dict:
+    """The forward's compile option for ``launch.max_registers``: only on the launch's own (decode) tile --
+    never on a prefill or training tile the same call might run with -- and none under the CPU interpreter,
+    which compiles nothing."""
+    capped = launch.max_registers and tuple(tile) == tuple(launch.tile) and not is_interpreter()
+    return {"maxnreg": launch.max_registers} if capped else {}
 
 
 def _even_programs(n_splits: int, progs: int) -> int:
