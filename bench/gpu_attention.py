@@ -198,9 +198,12 @@ def sweep_candidates(A) -> list[tuple[str, object]]:
     cands += [("split", replace(split, merge_warps=w, merge_unroll=u)) for w, u in ((4, 8), (8, 16))
               if (w, u) != (split.merge_warps, split.merge_unroll)]
     # the fused merge (no merge kernel: each item's last program folds its partials), then with more splits'
-    # partials loaded per step (16 splits at 4,096 context: 2 round trips, not 4)
+    # partials loaded per step (16 splits at 4,096 context: 2 round trips, not 4), and 4 rows at a time (one
+    # token's 4 heads, the rows that hold a query) with all 16 splits' loads in one round trip (ptxas: 248
+    # registers, no spills, as the default fused kernel)
     fused = replace(split, fused_merge=True)
-    cands += [("split", fused), ("split", replace(fused, merge_unroll=8))]
+    cands += [("split", fused), ("split", replace(fused, merge_unroll=8)),
+              ("split", replace(fused, fold_rows=4, merge_unroll=16))]
     # 3 programs per SM (sm_90a, ptxas -v: 248-252 registers / 112 KiB for the split kernel today, 2 per SM):
     # 1 stage (48 KiB of shared memory) and a 168-register cap (spills 168 / 180 B: two- / one-kernel merge)
     # (and 6 programs per SM: two full waves of 3, e.g. batch 16: 6 programs per item, not 4)
