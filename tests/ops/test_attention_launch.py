@@ -233,8 +233,19 @@ def counters_one_buffer_per_size_class():
     assert big is not small and big.numel() >= 5000 and int(big.abs().max()) == 0, big.shape
 
 
+def launch_fields_checked():
+    """A DecodeLaunch the kernels cannot take is refused where it is made, with one line naming the field."""
+    for bad, field in ((dict(fold_rows=3), "fold_rows=3"), (dict(fold_rows=0), "fold_rows=0"),
+                       (dict(merge_unroll=0), "merge_unroll=0"), (dict(max_registers=300), "max_registers=300")):
+        try:
+            A.DecodeLaunch(**bad)
+            raise AssertionError(f"DecodeLaunch({bad}) accepted")
+        except ValueError as exc:
+            assert field in str(exc) and "\n" not in str(exc), str(exc)
+
+
 CHECKS = (chooser_monotone, chooser_shape_only, launches_same_bits, fused_merge_same_bits, fused_merge_multi_tile,
-          counters_refused_in_a_capture, counters_one_buffer_per_size_class)
+          counters_refused_in_a_capture, counters_one_buffer_per_size_class, launch_fields_checked)
 results = {}
 for fn in CHECKS:
     try:
@@ -261,7 +272,8 @@ def results():
 
 @pytest.mark.parametrize("check", ["chooser_monotone", "chooser_shape_only", "launches_same_bits",
                                    "fused_merge_same_bits", "fused_merge_multi_tile",
-                                   "counters_refused_in_a_capture", "counters_one_buffer_per_size_class"])
+                                   "counters_refused_in_a_capture", "counters_one_buffer_per_size_class",
+                                   "launch_fields_checked"])
 def test_decode_launch(results, check):
     assert results[check] == "ok", results[check]
 

@@ -105,6 +105,13 @@ class DecodeLaunch:
     # 65,536 registers / 128 threads / programs per SM -- 168 fits 3 decode programs on an SM, 128 fits 4
     max_registers: int = 0
 
+    def __post_init__(self):
+        if self.fold_rows < 1 or self.fold_rows & (self.fold_rows - 1) or self.merge_unroll < 1:
+            raise ValueError(f"DecodeLaunch: fold_rows={self.fold_rows} must be a power of 2 and merge_unroll="
+                             f"{self.merge_unroll} at least 1")
+        if self.max_registers and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"DecodeLaunch: max_registers={self.max_registers} must be 0 (no cap) or 24..255")
+
 
 # The two decode launches (bench/gpu_attention.py --sweep-decode times candidates of both as graph replays
 # and checks their bits against these; paste a faster candidate it prints here -- e.g. the fused merge:
