@@ -3,9 +3,10 @@ candidate gives the default schedule's raw bits.
 
 The candidates are different schedules of the same per-element operations (segments from zero in 64-column
 steps, the fixed tree, bias, one rounding): a loop per segment, one stream of k-steps over a program's
-(tile, segment) items, one or two programs per SM. Hypothesis draws the shapes: M including 1, 63, 64, 65 and
-1000, N off the tile grid, P = 2 / 4 / 8, segments of 8..192 columns (off the 64-column step: the pointer path's
-masks), A stored transposed (the dW layout) or not, B stored transposed (the nn.Linear layout) or not, bias.
+(tile, segment) items, one or two programs per SM. Hypothesis draws the shapes: M including 1, 63, 64 and 65
+(and M = 1000 with a short K as an explicit example: the interpreter is slow), N off the tile grid, P = 2 / 4 / 8,
+segments of 8..192 columns (off the 64-column step: the pointer path's masks), A stored transposed (the dW
+layout) or not, B stored transposed (the nn.Linear layout) or not, bias.
 fp32 operands only (the interpreter mis-rounds bf16; its fp32 dot is numpy's, whose summation order follows the
 tile shape, hence the two references of _run_case): this checks indexing, masks, the tile/segment walk and the
 order of the k-steps and of the tree; tests/cuda/test_cuda_linear.py checks the bf16 bits on the GPU.
@@ -29,10 +30,10 @@ MAX_EXAMPLES = 3   # per candidate (the interpreter is slow); the degenerate M v
 def _shapes():
     from hypothesis import strategies as st
     return st.fixed_dictionaries({
-        "m": st.one_of(st.sampled_from([1, 63, 64, 65, 1000]), st.integers(1, 130)),
+        "m": st.one_of(st.sampled_from([1, 63, 64, 65]), st.integers(1, 130)),   # M = 1000: an explicit example
         "n": st.integers(1, 100),
         "p": st.sampled_from([2, 4, 8]),
-        "seg_k": st.sampled_from([8, 48, 64, 128, 192]),
+        "seg_k": st.sampled_from([8, 48, 64, 128]),
         "a_trans": st.booleans(), "b_trans": st.booleans(), "bias": st.booleans(), "seed": st.integers(0, 2**16)})
 
 
@@ -81,9 +82,10 @@ def _check_candidate(cfg) -> str:
     @given(_shapes())
     @example({"m": 1, "n": 33, "p": 8, "seg_k": 64, "a_trans": False, "b_trans": True, "bias": True, "seed": 1})
     @example({"m": 63, "n": 70, "p": 2, "seg_k": 192, "a_trans": False, "b_trans": False, "bias": False, "seed": 2})
+    @example({"m": 65, "n": 33, "p": 8, "seg_k": 128, "a_trans": True, "b_trans": False, "bias": True, "seed": 6})
     @example({"m": 64, "n": 129, "p": 4, "seg_k": 48, "a_trans": True, "b_trans": True, "bias": True, "seed": 3})
     @example({"m": 65, "n": 64, "p": 8, "seg_k": 8, "a_trans": True, "b_trans": False, "bias": False, "seed": 4})
-    @example({"m": 1000, "n": 20, "p": 8, "seg_k": 8, "a_trans": False, "b_trans": True, "bias": True, "seed": 5})
+    @example({"m": 1000, "n": 20, "p": 2, "seg_k": 64, "a_trans": False, "b_trans": True, "bias": True, "seed": 5})
     def prop(case):
         diff = _run_case(cfg, case)
         if diff != "identical":

@@ -120,7 +120,8 @@ def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: s
     best, best_eff = cands[-1], -1.0
     for cfg in cands:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        eff = tiles / (triton.cdiv(tiles, sms) * sms)   # busy fraction of the persistent programs' slots
+        slots = sms * cfg.ctas_per_sm
+        eff = tiles / (triton.cdiv(tiles, slots) * slots)   # busy fraction of the persistent programs' slots
         if eff >= 0.85:
             return cfg
         if eff > best_eff:
