@@ -83,7 +83,7 @@ def test_kpart_schedule_candidates_give_the_default_bits(triton_backend, dtype):
     @settings(max_examples=12, deadline=None, derandomize=True, database=None)
     @given(st.sampled_from([1, 63, 64, 65, 1000, 333]), st.integers(1, 300), st.sampled_from([2, 4, 8]),
            st.sampled_from([64, 128, 192, 512]), st.booleans(), st.booleans(), st.booleans(), st.booleans())
-    @example(65, 130, 8, 64, False, True, True, True)
+    @example(65, 130, 8, 64, False, True, False, True)   # no bias: a -0.0 output survives
     def prop(m, n, p, seg_k, a_trans, b_trans, bias, signed_zeros):
         k = p * seg_k
         a, b = rand(m, k, dtype=dtype, seed=m + n), rand(n, k, dtype=dtype, seed=k + 1)
