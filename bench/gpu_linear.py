@@ -272,7 +272,7 @@ def kpart_label(cfg) -> str:
 
 def _graph_ms(fn, sets) -> float:
     from rlalign.bench.cuda_timing import bench_ms, graphed
-    return bench_ms(graphed(lambda: [fn(*s) for s in sets]), warmup=5, rep=20) / len(sets)
+    return bench_ms(graphed(lambda: [fn(*s) for s in sets]), warmup=10, rep=50) / len(sets)
 
 
 def sweep_kpart() -> list[dict]:
