@@ -82,16 +82,16 @@ class ToyQwen3(torch.nn.Module):
     2-core machine can afford: the project's strict CPU layers took 3.4 s for one forward of 3,360 tokens
     at width 128, and an uncached rollout runs 64 of them. Not bit-exact with rlalign.models (not needed:
     learning dynamics). Heads of 16 (hidden / 16 query, hidden / 32 key-value heads), intermediate 3 x
-    hidden: scripts/make_qwen3_8b.py's toy_body. Init as CausalLM.init_random_: every matrix ~ N(0, std),
-    norms 1."""
+    hidden: scripts/make_qwen3_8b.py's toy_body. Init as CausalLM.init_random_: every matrix ~ N(0, std)
+    (the LM head ~ N(0, head_std) when given; 0: zeros), norms 1."""
 
-    def __init__(self, hidden: int, layers: int, vocab: int, std: float, seed: int):
+    def __init__(self, hidden: int, layers: int, vocab: int, std: float, seed: int, head_std: float | None = None):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.heads, self.kv_heads, self.head_dim = hidden // 16, hidden // 32, 16
 
-        def matrix(rows, cols):
-            return torch.nn.Parameter(std * torch.randn(rows, cols, generator=gen))
+        def matrix(rows, cols, scale=std):
+            return torch.nn.Parameter(scale * torch.randn(rows, cols, generator=gen))
 
         def norm(width):
             return torch.nn.Parameter(torch.ones(width))
@@ -105,7 +105,9 @@ class ToyQwen3(torch.nn.Module):
                 mlp_norm=norm(hidden), gate=matrix(3 * hidden, hidden), up=matrix(3 * hidden, hidden),
                 down=matrix(hidden, 3 * hidden)))
             self.blocks.append(block)
-        self.final_norm, self.lm_head = norm(hidden), matrix(vocab, hidden)
+        # drawn last: a different head_std (0: zeros) leaves every other tensor's draw as it is
+        self.final_norm = norm(hidden)
+        self.lm_head = matrix(vocab, hidden, std if head_std is None else head_std)
         self.inv_freq = 1.0 / (1e6 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
 
     @staticmethod
@@ -189,6 +191,19 @@ def first_token_values(vocab_size: int, answers: list[str]) -> list[float]:
             total += matched / len(answer) - 0.1
         values.append(total / len(answers))
     return values
+
+
+def built_head_std(std_8b: float, hidden: int, match: str) -> float:
+    """The built head's init std standing for an 8B (hidden 4096) head initialised N(0, std_8b).
+
+    After the final RMSNorm |h| = sqrt(hidden), so a head of std s gives random logits of std s x sqrt(hidden)
+    and, to a hidden state aligned with one row, that row a lead of s x hidden nats. At hidden 4096 the lead
+    is 64x the random std, at hidden H only sqrt(H)x: a narrow proxy cannot match both. ``gap`` keeps the
+    lead (S x 4096 nats: 82 at the default 0.02, the one-step one-hot collapse the 8B showed) and overstates
+    the random logits by sqrt(4096 / H) (0.72 instead of 0.128 at S 0.002, H 128: entropy within 0.3 nats of
+    the uniform's); ``signal`` keeps the random logits (step 0's entropy) and understates the lead by the
+    same factor (the body's own convention)."""
+    return std_8b * (4096 / hidden if match == "gap" else math.sqrt(4096 / hidden))
 
 
 def lr_at(step: int, args) -> float:
@@ -323,6 +338,11 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=FULL_VOCAB)
     p.add_argument("--init-std", type=float, help="built model's init std (default: 0.02 x sqrt(4096 / hidden))")
+    p.add_argument("--lm-head-std", type=float, help="the 8B's LM-head init std that the built head stands for "
+                   "(scripts/make_qwen3_8b.py --lm-head-std; 0: zeros), mapped by --head-match; default: the body's")
+    p.add_argument("--head-match", choices=("gap", "signal"), default="gap",
+                   help="gap: std = S x 4096 / hidden, so a hidden state aligned with one row leads by the 8B's "
+                   "S x 4096 nats; signal: std = S x sqrt(4096 / hidden), the 8B's random-logit std S x 64")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99))
@@ -367,7 +387,8 @@ def main(argv=None) -> int:
     reward_fn = getattr(credit, args.reward)
     if args.hidden:
         std = 0.02 * math.sqrt(4096 / args.hidden) if args.init_std is None else args.init_std
-        model, vocab_size = ToyQwen3(args.hidden, args.layers, args.vocab, std, args.seed), args.vocab
+        head_std = None if args.lm_head_std is None else built_head_std(args.lm_head_std, args.hidden, args.head_match)
+        model, vocab_size = ToyQwen3(args.hidden, args.layers, args.vocab, std, args.seed, head_std), args.vocab
     elif args.model:
         model, cfg = load_model(args.model, dtype=torch.float32)
         vocab_size = cfg.vocab_size
