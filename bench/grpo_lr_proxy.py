@@ -67,6 +67,9 @@ from rlalign.tasks.arithmetic import ArithmeticTask
 ROOT = Path(__file__).resolve().parents[1]
 PARTIAL_CREDIT = ROOT / "configs" / "partial_credit.py"
 EOS, ROW_CHUNK, FULL_VOCAB = 2, 1024, 151936
+#: the configs/partial_credit.py constant that --extra-char-cost overrides, per reward (match_then_steep
+#: ignored EXTRA_CHAR_COST: the s11 runs before this map ran it at its own 1/16)
+CHAR_COST_OF = dict(match_then_stop="EXTRA_CHAR_COST", match_then_steep="STEEP_EXTRA_CHAR_COST")
 
 
 def load_file_module(name: str, path: Path):
@@ -368,7 +371,8 @@ def main(argv=None) -> int:
     p.add_argument("--temp", type=float, default=1.0)
     p.add_argument("--ignore-eos", action="store_true", help="sample past <eos> (rollout.ignore_eos): fixed-length completions")
     p.add_argument("--reward", default="positional_match", help="a function of configs/partial_credit.py")
-    p.add_argument("--extra-char-cost", type=float, help="override partial_credit.EXTRA_CHAR_COST (shorter proxies)")
+    p.add_argument("--extra-char-cost", type=float, help="override the --reward's cost per character beyond the "
+                   "answer (match_then_stop's EXTRA_CHAR_COST, match_then_steep's STEEP_EXTRA_CHAR_COST): shorter proxies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the JSON lines here")
     args = p.parse_args(argv)
@@ -383,7 +387,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     credit = load_file_module("partial_credit", PARTIAL_CREDIT)
     if args.extra_char_cost is not None:
-        credit.EXTRA_CHAR_COST = args.extra_char_cost
+        if args.reward not in CHAR_COST_OF:
+            p.error(f"--extra-char-cost: --reward {args.reward} has no cost per character; use one of {sorted(CHAR_COST_OF)}")
+        setattr(credit, CHAR_COST_OF[args.reward], args.extra_char_cost)
     reward_fn = getattr(credit, args.reward)
     if args.hidden:
         std = 0.02 * math.sqrt(4096 / args.hidden) if args.init_std is None else args.init_std

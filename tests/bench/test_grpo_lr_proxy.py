@@ -135,3 +135,25 @@ def test_built_head_matches_the_8b_lead_or_its_random_logits(hidden, std_8b):
     for (name, a), b in zip(model.named_parameters(), plain.parameters()):
         assert name == "lm_head" or torch.equal(a, b), name
     assert std_8b or not model.lm_head.any()
+
+
+@pytest.mark.parametrize("reward", ["match_then_stop", "match_then_steep"])
+def test_extra_char_cost_sets_the_chosen_rewards_cost(tmp_path, reward):
+    """Step 1's mean reward equals the reward recomputed at the overridden cost (the two rewards read
+    different constants; the override once reached only match_then_stop's)."""
+    out = tmp_path / "r.jsonl"
+    args = ["--hidden", "32", "--layers", "1", "--vocab", "300", "--lr", "1e-3", "--steps", "1", "--new", "3",
+            "--prompts", "2", "--samples", "4", "--ignore-eos", "--reward", reward, "--out", str(out)]
+    assert proxy.main(args + ["--extra-char-cost", "0"]) == 0
+    free = json.loads(out.read_text())
+    assert proxy.main(args + ["--extra-char-cost", "1.0"]) == 0
+    costly = json.loads(out.read_text())
+    assert free["chars"] == costly["chars"] > 0                      # same seed: the same completions
+    # 3 tokens of mostly 3-character ids run past the 2-5 digit answers: at cost 1 the overrun costs
+    assert free["reward"] > costly["reward"] + 1.0
+
+
+def test_extra_char_cost_refuses_a_reward_without_one():
+    with pytest.raises(SystemExit):
+        proxy.main(["--hidden", "32", "--layers", "1", "--vocab", "300", "--lr", "1e-3", "--steps", "1",
+                    "--reward", "positional_match", "--extra-char-cost", "0.1"])
