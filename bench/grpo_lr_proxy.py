@@ -33,7 +33,9 @@ at H 64 on 2 cores (the LM head over 5,120 x 151,936 logits), so the lr studies 
 (``--vocab 18992 --new 8``: the share of the vocabulary drawn per step is kept) and scale the character cost
 so that one character moves a completion's advantage as much as at 64 tokens (1/16 at 64 tokens ~ 0.04 at
 8, 1/400 ~ 0.0025: not the total cost, which misled the 2026-12-02 proxy). ``--freeze head|body`` trains
-only the other part.
+only the other part. ``--lm-head-std S`` builds the head that stands for an 8B head drawn N(0, S)
+(scripts/make_qwen3_8b.py --lm-head-std; 0: zeros), ``--head-match gap`` (the 8B's lead of S x 4096 nats
+for a state aligned with one row) or ``signal`` (its random-logit std S x 64): built_head_std.
 
 Each step prints one JSON line: reward, entropy and p(<eos>) averaged over the completion positions,
 completion length in tokens and characters, and ``gain_pos`` / ``gain_neg``: how far the log-probs of
