@@ -16,12 +16,19 @@ for q/k/v/gate/up -- against ``F.linear(x, W)`` (what a stock model calls), the 
 inputs; ``op_vs_flinear`` = F.linear time / ops.linear time (> 1: ours faster). These, not the
 kernel-only ``ratio``, are the figures a model sees.
 
-    python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick] [--sweep-small]
+    python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick] [--sweep-small] [--sweep-kpart]
 
 ``--sweep-small``: only the decode-size K-partition split (M 1-64, k_segments 8, the 8B and 0.6B o_proj /
 down_proj shapes): candidate launches (gemm.SegmentSplitConfig: block N, warps, stages, the tree kernel's
 block) as CUDA-graph replays vs cuBLAS, each output compared bit for bit with the default's; prints the
 SEGMENT_SPLIT_TABLE lines to paste (only candidates bit-equal in every case; bench_linear_sweep_small.*).
+
+``--sweep-kpart``: only the large-M canonical K partition (k_segments 8, M 1024 / 4096 / 16384, the 8B o_proj and
+down_proj shapes, which are also the column-parallel dX shapes): every gemm.KPART_CANDIDATES schedule as CUDA-graph
+replays vs cuBLAS, refused (not timed) unless its output is bit-equal to the default's; then the P = 1 dX / dW
+GEMMs of the trainer's backward as the dispatcher launches them; prints a table and the winning config as the
+one-line change to gemm.py (bench_linear_sweep_kpart.*). Bounded for one GPU call: 5 candidates (one compile each,
+~10-20 s; both shapes share it) x 6 timed cases, then the P = 1 rows (2 more compiles) until 110 s have passed.
 
 Writes bench_linear.csv / bench_linear.json to $OUT (or --out, default bench/).
 """
@@ -244,6 +251,115 @@ def print_small(rows: list[dict]) -> None:
         print(f"    ({m}, {best}),   # {gm[best]:.3f} (default {gm.get(repr(small_candidates()[0]), float('nan')):.3f})")
 
 
+# --sweep-kpart: the large-M K partition (k_segments 8) schedules of gemm.KPART_CANDIDATES on the 8B o_proj
+# (4096x4096, K 4096) and down_proj (4096x12288) shapes, which are also the shapes of the column-parallel dX
+# with the canonical N partition (q/k/v/gate/up backward, distributed.layers: the same b_trans kernel); the
+# P = 1 backward GEMMs the trainer runs (row-parallel dX, dW) as the dispatcher launches them, for reference.
+KPART_SHAPES = (("o_proj", 4096, 4096), ("down_proj", 4096, 12288))
+KPART_M = (1024, 4096, 16384)
+# (name, N, K): dX = dY [M, N] @ W [N, K] (P = 1, B not transposed); dW = dY^T @ X [M, K] (A transposed)
+KPART_BACKWARD = (("o_proj dX", 4096, 4096, "dx"), ("down_proj dX", 4096, 12288, "dx"),
+                  ("o_proj dW", 4096, 4096, "dw"), ("down_proj dW", 4096, 12288, "dw"))
+
+KPART_BACKWARD_AFTER_S = 110   # the reference rows are skipped past this many seconds (the lead's call: <= 150 s)
+
+
+def kpart_label(cfg) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}/rl{cfg.reg_levels}"
+            + ("/stream" if cfg.stream else "/nested" if cfg.nested else "/flat")
+            + (f"/x{cfg.ctas_per_sm}" if cfg.ctas_per_sm != 1 else ""))
+
+
+def _graph_ms(fn, sets) -> float:
+    from rlalign.bench.cuda_timing import bench_ms, graphed
+    return bench_ms(graphed(lambda: [fn(*s) for s in sets]), warmup=10, rep=50) / len(sets)
+
+
+def sweep_kpart() -> list[dict]:
+    from rlalign.contract.bits import bits_equal, describe_difference
+    from rlalign.ops.triton_backend.gemm import KPART_CANDIDATES, gemm
+    rows, t0 = [], time.time()
+    for name, n, k in KPART_SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        w_sets = rotating(lambda i: torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16), n * k * 2)
+        for m in KPART_M:
+            sets = [(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16), w) for w in w_sets[:4]]
+            ref = [gemm(x, w, b_trans=True, segments=8, config=KPART_CANDIDATES[0]) for x, w in (sets[0], sets[-1])]
+            base = _graph_ms(lambda x, w: torch.matmul(x, w.T), sets)
+            for cfg in KPART_CANDIDATES:
+                row = {"kind": "sweep-kpart", "layer": name, "M": m, "N": n, "K": k, "config": repr(cfg),
+                       "label": kpart_label(cfg), "cublas_ms": round(base, 4)}
+                try:
+                    run = lambda x, w: gemm(x, w, b_trans=True, segments=8, config=cfg)  # noqa: E731
+                    outs = [run(x, w) for x, w in (sets[0], sets[-1])]
+                    bad = [describe_difference(o, r) for o, r in zip(outs, ref) if not bits_equal(o, r)]
+                    row["bits"] = "DIFFER " + bad[0] if bad else "equal"
+                    if not bad:   # a candidate that changes a bit is refused, not timed
+                        ms = _graph_ms(run, sets)
+                        row.update(graph_ms=round(ms, 4), ratio=round(base / ms, 3))
+                except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+                    row["error"] = repr(exc)[:200]
+                rows.append(row)
+                print(f"[{time.time() - t0:5.0f} s] {name} M={m} {row['label']}: {row.get('ratio', '-')} "
+                      f"{row.get('bits', row.get('error', ''))[:80]}", flush=True)
+            del sets
+        del w_sets
+        torch.cuda.empty_cache()
+    for name, n, k, kind in KPART_BACKWARD:   # as the trainer launches them (the dispatcher's config)
+        for m in KPART_M:
+            if time.time() - t0 > KPART_BACKWARD_AFTER_S:   # keep the whole sweep inside one GPU call
+                print(f"[{time.time() - t0:5.0f} s] {name} M={m}: skipped (past {KPART_BACKWARD_AFTER_S} s)", flush=True)
+                continue
+            g = torch.Generator(device="cuda").manual_seed(m + n + k)
+            dy = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
+            if kind == "dx":
+                w = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+                ours, cublas = (lambda: gemm(dy, w)), (lambda: torch.matmul(dy, w))
+            else:
+                x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+                ours, cublas = (lambda: gemm(dy, x, a_trans=True)), (lambda: torch.matmul(dy.T, x))
+            base, ms = _graph_ms(cublas, [()]), _graph_ms(ours, [()])
+            rows.append({"kind": "kpart-backward", "layer": name, "M": m, "N": n, "K": k, "label": "dispatcher (P = 1)",
+                         "cublas_ms": round(base, 4), "graph_ms": round(ms, 4), "ratio": round(base / ms, 3)})
+            print(f"[{time.time() - t0:5.0f} s] {name} M={m}: {rows[-1]['ratio']}", flush=True)
+    return rows
+
+
+def print_kpart(rows: list[dict]) -> None:
+    """Per shape and M each candidate's ratio (cuBLAS / ours, graph replays) and bits; then, per shape, the
+    candidate with the best geometric-mean ratio over M among those bit-equal to the default EVERYWHERE, as the
+    one-line change to make in gemm.py (_SEG_LARGE's first entry serves every large-M K partition)."""
+    print(f"{'layer':>14} {'M':>6} {'ratio':>6} {'ms':>8} {'bits':>6}  config")
+    for r in rows:
+        print(f"{r['layer']:>14} {r['M']:>6} {r.get('ratio', '-'):>6} {r.get('graph_ms', '-'):>8} "
+              f"{r.get('bits', 'ERROR' if 'error' in r else '-')[:6]:>6}  {r['label']}"
+              + (f"  {r.get('error', '')}{r.get('bits', '')[6:]}" if r.get("bits", "equal") != "equal" or "error" in r else ""))
+    sweep = [r for r in rows if r["kind"] == "sweep-kpart"]
+    refused = {r["config"] for r in sweep if r.get("bits") != "equal"}
+    print("refused (bits differ from the default, or failed): " + (", ".join(
+        sorted({r["label"] for r in sweep if r["config"] in refused})) or "none"))
+    overall = {}
+    for name, _, _ in KPART_SHAPES:
+        score = {}
+        for r in sweep:
+            if r["layer"] == name and r["config"] not in refused:
+                score.setdefault(r["config"], []).append(r["ratio"])
+                overall.setdefault(r["config"], []).append(r["ratio"])
+        full = {c: v for c, v in score.items() if len(v) == len(KPART_M)}
+        if not full:
+            print(f"{name}: no candidate passed at every M")
+            continue
+        gm = {c: float(torch.tensor(v).log().mean().exp()) for c, v in full.items()}
+        best = max(gm, key=gm.get)
+        print(f"{name}: best {best} (geometric mean {gm[best]:.3f} over M; default {gm.get(sweep[0]['config'], float('nan')):.3f})")
+    full = {c: v for c, v in overall.items() if len(v) == len(KPART_M) * len(KPART_SHAPES)}
+    if full:
+        gm = {c: float(torch.tensor(v).log().mean().exp()) for c, v in full.items()}
+        best = max(gm, key=gm.get)
+        print(f"ONE-LINE CHANGE (gemm.py): _SEG_LARGE = ({best}, GemmConfig(128, 64, 8, 4))   "
+              f"# {gm[best]:.3f} over both shapes and M (default {gm.get(sweep[0]['config'], float('nan')):.3f})")
+
+
 def layer_row(layer: str, m: int, n: int, k: int, segments: int | None, op_ms: float, flinear_ms: float) -> dict:
     """One ``--set layers`` row: ops.linear as the model calls it vs F.linear (times in ms)."""
     return {"kind": "layer", "layer": layer, "M": m, "N": n, "K": k, "k_segments": segments or 1,
@@ -288,6 +404,10 @@ def parser() -> argparse.ArgumentParser:
                     help="only the decode-size K-partition split: candidate SegmentSplitConfigs at M in "
                          + "/".join(map(str, SMALL_M)) + " on the 8B/0.6B o_proj/down_proj shapes, graph replays, "
                          "each checked bitwise against the default")
+    ap.add_argument("--sweep-kpart", action="store_true",
+                    help="only the large-M K partition: gemm.KPART_CANDIDATES at M in " + "/".join(map(str, KPART_M))
+                         + " on the 8B o_proj/down_proj shapes (= the column-parallel dX shapes), graph replays vs "
+                         "cuBLAS, each refused unless bit-equal to the default; + the P = 1 dX/dW the trainer runs")
     return ap
 
 
@@ -300,6 +420,8 @@ def main() -> int:
     from rlalign.ops.triton_backend.gemm import GemmConfig
     if args.sweep_small:
         return run_sweep(args.out, "linear_sweep_small", sweep_small, print_small)
+    if args.sweep_kpart:
+        return run_sweep(args.out, "linear_sweep_kpart", sweep_kpart, print_kpart)
     rows = []
     plan = [(m, n, k, None, None, False) for (n, k) in SHAPES for m in M_VALUES]
     plan += [(m, n, k, 8, None, False) for (n, k) in SEGMENT_SHAPES for m in SEGMENT_M]

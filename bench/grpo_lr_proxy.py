@@ -33,7 +33,9 @@ at H 64 on 2 cores (the LM head over 5,120 x 151,936 logits), so the lr studies 
 (``--vocab 18992 --new 8``: the share of the vocabulary drawn per step is kept) and scale the character cost
 so that one character moves a completion's advantage as much as at 64 tokens (1/16 at 64 tokens ~ 0.04 at
 8, 1/400 ~ 0.0025: not the total cost, which misled the 2026-12-02 proxy). ``--freeze head|body`` trains
-only the other part.
+only the other part. ``--lm-head-std S`` builds the head that stands for an 8B head drawn N(0, S)
+(scripts/make_qwen3_8b.py --lm-head-std; 0: zeros), ``--head-match gap`` (the 8B's lead of S x 4096 nats
+for a state aligned with one row) or ``signal`` (its random-logit std S x 64): built_head_std.
 
 Each step prints one JSON line: reward, entropy and p(<eos>) averaged over the completion positions,
 completion length in tokens and characters, and ``gain_pos`` / ``gain_neg``: how far the log-probs of
@@ -67,6 +69,9 @@ from rlalign.tasks.arithmetic import ArithmeticTask
 ROOT = Path(__file__).resolve().parents[1]
 PARTIAL_CREDIT = ROOT / "configs" / "partial_credit.py"
 EOS, ROW_CHUNK, FULL_VOCAB = 2, 1024, 151936
+#: the configs/partial_credit.py constant that --extra-char-cost overrides, per reward (match_then_steep
+#: ignored EXTRA_CHAR_COST: the s11 runs before this map ran it at its own 1/16)
+CHAR_COST_OF = dict(match_then_stop="EXTRA_CHAR_COST", match_then_steep="STEEP_EXTRA_CHAR_COST")
 
 
 def load_file_module(name: str, path: Path):
@@ -82,16 +87,16 @@ class ToyQwen3(torch.nn.Module):
     2-core machine can afford: the project's strict CPU layers took 3.4 s for one forward of 3,360 tokens
     at width 128, and an uncached rollout runs 64 of them. Not bit-exact with rlalign.models (not needed:
     learning dynamics). Heads of 16 (hidden / 16 query, hidden / 32 key-value heads), intermediate 3 x
-    hidden: scripts/make_qwen3_8b.py's toy_body. Init as CausalLM.init_random_: every matrix ~ N(0, std),
-    norms 1."""
+    hidden: scripts/make_qwen3_8b.py's toy_body. Init as CausalLM.init_random_: every matrix ~ N(0, std)
+    (the LM head ~ N(0, head_std) when given; 0: zeros), norms 1."""
 
-    def __init__(self, hidden: int, layers: int, vocab: int, std: float, seed: int):
+    def __init__(self, hidden: int, layers: int, vocab: int, std: float, seed: int, head_std: float | None = None):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.heads, self.kv_heads, self.head_dim = hidden // 16, hidden // 32, 16
 
-        def matrix(rows, cols):
-            return torch.nn.Parameter(std * torch.randn(rows, cols, generator=gen))
+        def matrix(rows, cols, scale=std):
+            return torch.nn.Parameter(scale * torch.randn(rows, cols, generator=gen))
 
         def norm(width):
             return torch.nn.Parameter(torch.ones(width))
@@ -105,7 +110,9 @@ class ToyQwen3(torch.nn.Module):
                 mlp_norm=norm(hidden), gate=matrix(3 * hidden, hidden), up=matrix(3 * hidden, hidden),
                 down=matrix(hidden, 3 * hidden)))
             self.blocks.append(block)
-        self.final_norm, self.lm_head = norm(hidden), matrix(vocab, hidden)
+        # drawn last: a different head_std (0: zeros) leaves every other tensor's draw as it is
+        self.final_norm = norm(hidden)
+        self.lm_head = matrix(vocab, hidden, std if head_std is None else head_std)
         self.inv_freq = 1.0 / (1e6 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
 
     @staticmethod
@@ -189,6 +196,19 @@ def first_token_values(vocab_size: int, answers: list[str]) -> list[float]:
             total += matched / len(answer) - 0.1
         values.append(total / len(answers))
     return values
+
+
+def built_head_std(std_8b: float, hidden: int, match: str) -> float:
+    """The built head's init std standing for an 8B (hidden 4096) head initialised N(0, std_8b).
+
+    After the final RMSNorm |h| = sqrt(hidden), so a head of std s gives random logits of std s x sqrt(hidden)
+    and, to a hidden state aligned with one row, that row a lead of s x hidden nats. At hidden 4096 the lead
+    is 64x the random std, at hidden H only sqrt(H)x: a narrow proxy cannot match both. ``gap`` keeps the
+    lead (S x 4096 nats: 82 at the default 0.02, the one-step one-hot collapse the 8B showed) and overstates
+    the random logits by sqrt(4096 / H) (0.72 instead of 0.128 at S 0.002, H 128: entropy within 0.3 nats of
+    the uniform's); ``signal`` keeps the random logits (step 0's entropy) and understates the lead by the
+    same factor (the body's own convention)."""
+    return std_8b * (4096 / hidden if match == "gap" else math.sqrt(4096 / hidden))
 
 
 def lr_at(step: int, args) -> float:
@@ -323,6 +343,11 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=FULL_VOCAB)
     p.add_argument("--init-std", type=float, help="built model's init std (default: 0.02 x sqrt(4096 / hidden))")
+    p.add_argument("--lm-head-std", type=float, help="the 8B's LM-head init std that the built head stands for "
+                   "(scripts/make_qwen3_8b.py --lm-head-std; 0: zeros), mapped by --head-match; default: the body's")
+    p.add_argument("--head-match", choices=("gap", "signal"), default="gap",
+                   help="gap: std = S x 4096 / hidden, so a hidden state aligned with one row leads by the 8B's "
+                   "S x 4096 nats; signal: std = S x sqrt(4096 / hidden), the 8B's random-logit std S x 64")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99))
@@ -348,7 +373,8 @@ def main(argv=None) -> int:
     p.add_argument("--temp", type=float, default=1.0)
     p.add_argument("--ignore-eos", action="store_true", help="sample past <eos> (rollout.ignore_eos): fixed-length completions")
     p.add_argument("--reward", default="positional_match", help="a function of configs/partial_credit.py")
-    p.add_argument("--extra-char-cost", type=float, help="override partial_credit.EXTRA_CHAR_COST (shorter proxies)")
+    p.add_argument("--extra-char-cost", type=float, help="override the --reward's cost per character beyond the "
+                   "answer (match_then_stop's EXTRA_CHAR_COST, match_then_steep's STEEP_EXTRA_CHAR_COST): shorter proxies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the JSON lines here")
     args = p.parse_args(argv)
@@ -363,11 +389,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     credit = load_file_module("partial_credit", PARTIAL_CREDIT)
     if args.extra_char_cost is not None:
-        credit.EXTRA_CHAR_COST = args.extra_char_cost
+        if args.reward not in CHAR_COST_OF:
+            p.error(f"--extra-char-cost: --reward {args.reward} has no cost per character; use one of {sorted(CHAR_COST_OF)}")
+        setattr(credit, CHAR_COST_OF[args.reward], args.extra_char_cost)
     reward_fn = getattr(credit, args.reward)
     if args.hidden:
         std = 0.02 * math.sqrt(4096 / args.hidden) if args.init_std is None else args.init_std
-        model, vocab_size = ToyQwen3(args.hidden, args.layers, args.vocab, std, args.seed), args.vocab
+        head_std = None if args.lm_head_std is None else built_head_std(args.lm_head_std, args.hidden, args.head_match)
+        model, vocab_size = ToyQwen3(args.hidden, args.layers, args.vocab, std, args.seed, head_std), args.vocab
     elif args.model:
         model, cfg = load_model(args.model, dtype=torch.float32)
         vocab_size = cfg.vocab_size

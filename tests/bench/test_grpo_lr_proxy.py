@@ -112,3 +112,48 @@ def test_built_body_two_steps_with_entropy_bonus(tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and all(r["mean_len"] == 3 for r in records)
     assert all(r["resid_rms"] > 0 and 0 < r["entropy"] <= 5.71 for r in records)   # ln 300 = 5.70
+
+
+@settings(max_examples=20, deadline=None)
+@given(hidden=st.sampled_from([32, 64, 128]), std_8b=st.sampled_from([0.0, 0.002, 0.02]))
+def test_built_head_matches_the_8b_lead_or_its_random_logits(hidden, std_8b):
+    """--head-match gap: a final-norm state aligned with one head row gives that row the 8B's lead of
+    std_8b x 4096 nats (82 at 0.02) over the random logits; signal: the random logits' std is the 8B's
+    std_8b x 64. The head std changes no other tensor's draw (0 = zeros)."""
+    import torch
+    gap = proxy.built_head_std(std_8b, hidden, "gap")
+    signal = proxy.built_head_std(std_8b, hidden, "signal")
+    model = proxy.ToyQwen3(hidden, 1, 2000, 0.1, seed=3, head_std=gap)
+    plain = proxy.ToyQwen3(hidden, 1, 2000, 0.1, seed=3, head_std=signal)
+    row = model.lm_head.detach()[7]
+    lead = float(row @ (row / row.norm().clamp(min=1e-30) * hidden ** 0.5))      # aligned, |h| = sqrt(H)
+    assert lead == pytest.approx(std_8b * 4096, rel=0.25, abs=1e-6), (lead, std_8b * 4096)
+    h = torch.randn(200, hidden, generator=torch.Generator().manual_seed(0))
+    h = h / h.pow(2).mean(-1, keepdim=True).sqrt()                                           # RMS 1, as after the norm
+    random_std = float((h @ plain.lm_head.detach().T).std())
+    assert random_std == pytest.approx(std_8b * 64, rel=0.1, abs=1e-6), (random_std, std_8b * 64)
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert name == "lm_head" or torch.equal(a, b), name
+    assert std_8b or not model.lm_head.any()
+
+
+@pytest.mark.parametrize("reward", ["match_then_stop", "match_then_steep"])
+def test_extra_char_cost_sets_the_chosen_rewards_cost(tmp_path, reward):
+    """Step 1's mean reward equals the reward recomputed at the overridden cost (the two rewards read
+    different constants; the override once reached only match_then_stop's)."""
+    out = tmp_path / "r.jsonl"
+    args = ["--hidden", "32", "--layers", "1", "--vocab", "300", "--lr", "1e-3", "--steps", "1", "--new", "3",
+            "--prompts", "2", "--samples", "4", "--ignore-eos", "--reward", reward, "--out", str(out)]
+    assert proxy.main(args + ["--extra-char-cost", "0"]) == 0
+    free = json.loads(out.read_text())
+    assert proxy.main(args + ["--extra-char-cost", "1.0"]) == 0
+    costly = json.loads(out.read_text())
+    assert free["chars"] == costly["chars"] > 0                      # same seed: the same completions
+    # 3 tokens of mostly 3-character ids run past the 2-5 digit answers: at cost 1 the overrun costs
+    assert free["reward"] > costly["reward"] + 1.0
+
+
+def test_extra_char_cost_refuses_a_reward_without_one():
+    with pytest.raises(SystemExit):
+        proxy.main(["--hidden", "32", "--layers", "1", "--vocab", "300", "--lr", "1e-3", "--steps", "1",
+                    "--reward", "positional_match", "--extra-char-cost", "0.1"])

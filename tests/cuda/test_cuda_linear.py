@@ -72,6 +72,36 @@ def test_every_tile_config_and_path_gives_the_same_bits(triton_backend, dtype, s
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kpart_schedule_candidates_give_the_default_bits(triton_backend, dtype):
+    """Every large-M K-partition schedule of gemm.KPART_CANDIDATES (the --sweep-kpart candidates: a loop per
+    segment, a stream of k-steps across segments and tiles, two programs per SM) gives the default's raw bits:
+    hypothesis over M (1, 63, 64, 65, 1000 among them), N off the tile grid, P = 2/4/8, A / B transposed, bias;
+    one case has zero rows of A against all-negative B columns (-0.0 products: the sign of a zero must match)."""
+    from hypothesis import example, given, settings, strategies as st
+    from rlalign.ops.triton_backend.gemm import KPART_CANDIDATES, gemm
+
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None)
+    @given(st.sampled_from([1, 63, 64, 65, 1000, 333]), st.integers(1, 300), st.sampled_from([2, 4, 8]),
+           st.sampled_from([64, 128, 192, 512]), st.booleans(), st.booleans(), st.booleans(), st.booleans())
+    @example(65, 130, 8, 64, False, True, False, True)   # no bias: a -0.0 output survives
+    def prop(m, n, p, seg_k, a_trans, b_trans, bias, signed_zeros):
+        k = p * seg_k
+        a, b = rand(m, k, dtype=dtype, seed=m + n), rand(n, k, dtype=dtype, seed=k + 1)
+        if signed_zeros:
+            a[: max(1, m // 2)] = 0.0
+            b[: max(1, n // 3)] = -b[: max(1, n // 3)].abs() - 1.0
+        bvec = rand(n, dtype=dtype, seed=3) if bias else None
+        a_in = a.t().contiguous() if a_trans else a
+        b_in = b if b_trans else b.t().contiguous()
+        ref = gemm(a_in, b_in, a_trans=a_trans, b_trans=b_trans, bias=bvec, segments=p, config=KPART_CANDIDATES[0])
+        for cfg in KPART_CANDIDATES[1:]:
+            out = gemm(a_in, b_in, a_trans=a_trans, b_trans=b_trans, bias=bvec, segments=p, config=cfg)
+            assert_bitwise_equal(out, ref, f"{cfg} vs the default (M={m} N={n} P={p} seg_k={seg_k} "
+                                           f"a_trans={a_trans} b_trans={b_trans} bias={bias})")
+    prop()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("segments", [2, 4, 8])
 def test_split_segment_partials_give_the_one_kernel_bits(triton_backend, dtype, segments):
     """Decode-sized M on a K partition runs as per-segment partials + a tree kernel: the bits of the one-kernel

@@ -732,13 +732,23 @@ def _sm90_worker() -> None:
     before = len(compiled)
     attempt("gemm shape grid", lambda: _compile_gemm_grid(G))
     grid_variants = len(compiled) - before
+    kpart = []
+
+    def compile_kpart(cfg):   # the --sweep-kpart candidates: what the lead's one GPU call compiles
+        G.gemm(x, w, b_trans=True, segments=8, config=cfg)
+        ptx = compiled[-1][2].asm["ptx"]
+        kpart.append({"config": repr(cfg), "ctas": cfg.ctas_per_sm, "warps": cfg.num_warps, "wgmma": "wgmma" in ptx,
+                      "smem": compiled[-1][2].metadata.shared, "ptxas": _ptxas_report(ptx)})
+    for cfg in G.KPART_CANDIDATES:
+        attempt(f"kpart {cfg}", lambda: compile_kpart(cfg))
     variants = []
     for name, kwargs, kernel in compiled:
         ptx = kernel.asm["ptx"]
         variants.append({"kernel": name, "args": {k: v for k, v in kwargs.items() if k.isupper()},
                          "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx,
                          "ptxas": _ptxas_report(ptx) if name.startswith("attn_") else None})
-    print("RESULTS " + json.dumps({"errors": errors, "variants": variants, "grid_variants": grid_variants}))
+    print("RESULTS " + json.dumps({"errors": errors, "variants": variants, "grid_variants": grid_variants,
+                                   "kpart": kpart}))
 
 
 # ---- pytest side --------------------------------------------------------------------------------------
@@ -826,6 +836,20 @@ def test_dispatched_gemm_configs_cover_the_shape_grid(sm90):
     """The shape grid (tiny models with one-k-step segments, fp32 operands, every output mode) was
     compiled: test_shared_memory_fits_sm90 then covers every config the dispatcher picks for it."""
     assert sm90["grid_variants"] >= 30, f"only {sm90['grid_variants']} grid variants compiled"
+
+
+def test_kpart_candidates_fit_their_programs_per_sm(sm90):
+    """Every gemm.KPART_CANDIDATES schedule compiles for sm_90a with wgmma, and ctas_per_sm of its programs fit
+    one SM together: shared memory (+1 KiB reserved per block) within 228 KiB, registers within 64 K."""
+    import re
+    assert len(sm90["kpart"]) >= 2, sm90["kpart"]
+    bad = []
+    for v in sm90["kpart"]:
+        used = re.search(r"Used (\d+) registers", v["ptxas"] or "")
+        regs = int(used.group(1)) * 32 * v["warps"] * v["ctas"] if used else 0
+        if not v["wgmma"] or (v["smem"] + 1024) * v["ctas"] > 233472 or regs > 65536:
+            bad.append(f"{v['config']}: wgmma={v['wgmma']} smem={v['smem']} B x {v['ctas']}, registers {regs}")
+    assert not bad, "; ".join(bad)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -17,7 +17,9 @@ row's position, the number of warps or pipeline stages):
   split across calls at multiples of 64 columns gives the bits of one call.
 
 Tile shape (BLOCK_M in {64, 128}, BLOCK_N in {32..256}), warps (4/8, all along M for BLOCK_M >=
-16 * warps), pipeline depth and persistent scheduling only change which program computes an
+16 * warps), pipeline depth, persistent scheduling (programs per SM) and the loop structure of the
+K partition (one loop per segment, one flat loop per tile, or one flat stream of a program's
+(tile, segment) items: ``GemmConfig.nested`` / ``stream``) only change which program computes an
 element and when, not its sequence of operations; docs/gpu.md says what was verified on the H200.
 BLOCK_M is never below 64 so that Hopper always issues the same ``wgmma`` family.
 """
@@ -44,6 +46,10 @@ class GemmConfig:
     flatten: bool = False
     reg_levels: int = 4   # tree-stack levels kept in registers; deeper ones go to a per-program scratch
     nested: bool = False  # segmented only: a loop per segment (segment_tree_nested) instead of one flat loop
+    # segmented only: segment_stream_kernel, one flat loop over the k-steps of all of a program's (tile, segment)
+    # items (loads stream across segment and tile ends; the tree stack must fit in registers: reg_levels >= 3)
+    stream: bool = False
+    ctas_per_sm: int = 1  # persistent programs per SM (2: one program's MMAs fill another's pipeline bubbles)
 
 
 # Candidate tiles, most efficient first (see pick_config). Shared memory, from sm_90a compiles
@@ -69,6 +75,19 @@ _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(
 # narrower tiles. sm_90a, P=8 (ptxas -v): 128x64/8 warps 228 registers, 112 KiB, no spills; 128x128
 # spills with two or more levels in registers.
 _SEG_LARGE = (GemmConfig(128, 128, 8, 4, reg_levels=1, nested=True), GemmConfig(128, 64, 8, 4))
+# Large-M schedules of the K partition for bench/gpu_linear.py --sweep-kpart (speed only, the default first; no
+# GPU numbers yet, so none is picked by pick_config). sm_90a compiles (TTGIR, ptxas -v; docs/LOG.md 2026-12-02):
+# the default drains its pipeline (wgmma wait 0) and issues the next segment's first loads only after each
+# segment's tree merge; segment_stream_kernel keeps the TMA loads streaming across segment and tile ends but, with
+# its tree stack in registers (the only form Triton 3.6 pipelines: a stack in the scratch leaves the loop
+# unpipelined), waits for every MMA; two programs per SM let one program's MMAs fill the other's refills/waits.
+KPART_CANDIDATES = (
+    _SEG_LARGE[0],
+    GemmConfig(128, 64, 8, 4, stream=True),                                   # 255 regs, 76 B spill, 112 KiB
+    GemmConfig(64, 64, 4, 4, stream=True, ctas_per_sm=2),
+    GemmConfig(128, 64, 4, 3, reg_levels=1, nested=True, ctas_per_sm=2),
+    GemmConfig(64, 128, 4, 3, reg_levels=1, nested=True, ctas_per_sm=2),
+)
 _SEG_SMALL = (GemmConfig(64, 64, 4, 5), GemmConfig(64, 32, 4, 10))
 # fp32 operands (bf16x3 split in registers): modest tiles (128x128 uses 224 KiB of shared memory).
 _FP32 = (GemmConfig(128, 128, 8, 3), GemmConfig(64, 64, 4, 3))
@@ -101,7 +120,8 @@ def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: s
     best, best_eff = cands[-1], -1.0
     for cfg in cands:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        eff = tiles / (triton.cdiv(tiles, sms) * sms)   # busy fraction of the persistent programs' slots
+        slots = sms * cfg.ctas_per_sm
+        eff = tiles / (triton.cdiv(tiles, slots) * slots)   # busy fraction of the persistent programs' slots
         if eff >= 0.85:
             return cfg
         if eff > best_eff:
@@ -295,6 +315,26 @@ def segment_tree_nested(a_src, b_src, scratch, slot, off_m, off_n, M, N, SEG_K, 
     return v
 
 
+@triton.jit
+def store_tile(acc, c_src, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn, BM: tl.constexpr, BN: tl.constexpr,
+               HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, USE_TMA: tl.constexpr):
+    """C[off_m:, off_n:] = acc (+ bias[n] in fp32), one rounding to the output dtype (or fp32)."""
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    if OUT_BF16:
+        out = acc.to(tl.bfloat16)
+    else:
+        out = acc
+    if USE_TMA:
+        c_src.store([off_m, off_n], out)
+    else:
+        c_ptrs = c_src + rm[:, None].to(tl.int64) * stride_cm + rn[None, :].to(tl.int64) * stride_cn
+        tl.store(c_ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
 @triton.jit(do_not_specialize=["M", "num_progs"])
 def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                 M, N, K, SEG_K, steps, num_progs,
@@ -312,14 +352,14 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
         pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
-        rm = off_m + tl.arange(0, BM)
-        rn = off_n + tl.arange(0, BN)
-        c_mask = (rm[:, None] < M) & (rn[None, :] < N)
         if P == 1:
             if ACC_IN:
                 if USE_TMA:
                     acc = c_src.load([off_m, off_n])
                 else:
+                    rm = off_m + tl.arange(0, BM)
+                    rn = off_n + tl.arange(0, BN)
+                    c_mask = (rm[:, None] < M) & (rn[None, :] < N)
                     c_ptrs = c_src + rm[:, None].to(tl.int64) * stride_cm + rn[None, :].to(tl.int64) * stride_cn
                     acc = tl.load(c_ptrs, mask=c_mask, other=0.0)
             else:
@@ -336,18 +376,60 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                 acc = segment_tree(a_src, b_src, scratch, pid, off_m, off_n, M, N, SEG_K, steps,
                                    stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, P, LOG2P, REG_LEVELS,
                                    A_TRANS, B_TRANS, USE_TMA, SPLIT)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-            acc = acc + bias[None, :]
-        if OUT_BF16:
-            out = acc.to(tl.bfloat16)
-        else:
-            out = acc
-        if USE_TMA:
-            c_src.store([off_m, off_n], out)
-        else:
-            c_ptrs = c_src + rm[:, None].to(tl.int64) * stride_cm + rn[None, :].to(tl.int64) * stride_cn
-            tl.store(c_ptrs, out, mask=c_mask)
+        store_tile(acc, c_src, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn, BM, BN, HAS_BIAS, OUT_BF16,
+                   USE_TMA)
+
+
+@triton.jit(do_not_specialize=["M", "num_progs"])
+def segment_stream_kernel(a_src, b_src, c_src, bias_ptr, scratch,
+                          M, N, SEG_K, steps, num_progs,
+                          stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
+                          LOG2P: tl.constexpr, REG_LEVELS: tl.constexpr, A_TRANS: tl.constexpr,
+                          B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, GROUP_M: tl.constexpr):
+    """The canonical K partition (P > 1) as one stream of k-steps per persistent program.
+
+    Program ``pid`` owns tiles pid, pid + num_progs, ... and walks their segments in order: item
+    ``it`` is segment ``it % P`` of the program's tile ``it // P``, and ONE loop runs over the k-steps
+    of all its items. Each item reduces its segment from zero in 64-column steps, in order; at its last
+    step the partial joins merge_segment's stack, and the tile's last segment completes the tree
+    ((s0+s1)+(s2+s3))+(...), then bias and one rounding. Per element these are gemm_kernel's operations
+    in gemm_kernel's order. Being one loop, Triton's software pipeline keeps the next segment's (and
+    the next tile's) TMA loads in flight while a segment ends and its tree merges; segment_tree_nested
+    drains and refills its pipeline at every segment. What it costs (Triton 3.6, sm_90a): the stack is
+    carried from the segment-end branch, so every MMA is waited for (wgmma wait 0 per k-step); a stack
+    level in the scratch (global loads and barriers in the loop) leaves the loop unpipelined, so the
+    launcher requires every level in registers."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    my_tiles = tl.cdiv(num_pid_m * num_pid_n - pid, num_progs)
+    zero = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = zero
+    st0 = zero
+    st1 = zero
+    st2 = zero
+    for i in range(my_tiles * P * steps):
+        item = i // steps
+        j = i - item * steps
+        s = item % P
+        pid_m, pid_n = tile_coords(pid + (item // P) * num_progs, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        k = s * SEG_K + j * BK
+        a = load_a_tile(a_src, off_m, k, (s + 1) * SEG_K, M, stride_am, stride_ak, BM, BK, A_TRANS, USE_TMA)
+        b = load_b_tile(b_src, off_n, k, (s + 1) * SEG_K, N, stride_bk, stride_bn, BN, BK, B_TRANS, USE_TMA)
+        acc = mma(a, b, acc, SPLIT)
+        segment_end = j == steps - 1
+        if segment_end:
+            # the accumulator is read only here (the segment's partial joins the stack)
+            v, st0, st1, st2 = merge_segment(acc, st0, st1, st2, s, scratch, pid, LOG2P, REG_LEVELS, BM, BN)
+            if s == P - 1:
+                store_tile(v, c_src, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn, BM, BN, HAS_BIAS, OUT_BF16,
+                           USE_TMA)
+        # the next segment starts from an exact zero: a select after the MMA, not a branch result
+        acc = tl.where(segment_end, zero, acc)
 
 
 @triton.jit
@@ -532,12 +614,23 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     else:
         a_src, b_src, c_src = a, b, out
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    progs = max(1, min(tiles, device_sms(a)))
+    progs = max(1, min(tiles, cfg.ctas_per_sm * device_sms(a)))
     log2p = segments.bit_length() - 1
     scratch_levels = max(0, log2p - cfg.reg_levels)
     scratch = (torch.empty(progs * 4 * bm * bn, dtype=torch.float32, device=a.device)
                if scratch_levels else out)
     bias_arg = bias if bias is not None else out
+    if cfg.stream and segments > 1:
+        if scratch_levels:
+            raise ValueError(f"gemm: {cfg} streams segments with its tree stack in registers only (reg_levels >= {log2p})")
+        segment_stream_kernel[(progs,)](
+            a_src, b_src, c_src, bias_arg, scratch, m, n, seg_k, steps, progs,
+            s_am, s_ak, s_bk, s_bn, out.stride(0), out.stride(1),
+            BM=bm, BN=bn, BK=BLOCK_K, P=segments, LOG2P=log2p, REG_LEVELS=cfg.reg_levels,
+            A_TRANS=a_trans, B_TRANS=b_trans, USE_TMA=tma, SPLIT=split_for(a.dtype), HAS_BIAS=bias is not None,
+            OUT_BF16=out.dtype == torch.bfloat16, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
     gemm_kernel[(progs,)](
         a_src, b_src, c_src, bias_arg, scratch,
         m, n, k, seg_k, steps, progs,
@@ -551,5 +644,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     return out
 
 
-__all__ = ["GemmConfig", "gemm", "gemm_kernel", "pick_config", "all_configs", "candidate_configs",
+__all__ = ["GemmConfig", "gemm", "gemm_kernel", "segment_stream_kernel", "pick_config", "all_configs",
+           "candidate_configs", "KPART_CANDIDATES",
            "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config"]

@@ -1,0 +1,159 @@
+"""The K-partition schedules of the strict GEMM (gemm.KPART_CANDIDATES) under the CPU interpreter: every
+candidate gives the default schedule's raw bits.
+
+The candidates are different schedules of the same per-element operations (segments from zero in 64-column
+steps, the fixed tree, bias, one rounding): a loop per segment, one stream of k-steps over a program's
+(tile, segment) items, one or two programs per SM. Hypothesis draws the shapes: M including 1, 63, 64 and 65
+(and M = 1000 with a short K as an explicit example: the interpreter is slow), N off the tile grid, P = 2 / 4 / 8,
+segments of 8..192 columns (off the 64-column step: the pointer path's masks), A stored transposed (the dW
+layout) or not, B stored transposed (the nn.Linear layout) or not, bias.
+fp32 operands only (the interpreter mis-rounds bf16; its fp32 dot is numpy's, whose summation order follows the
+tile shape, hence the two references of _run_case): this checks indexing, masks, the tile/segment walk and the
+order of the k-steps and of the tree; tests/cuda/test_cuda_linear.py checks the bf16 bits on the GPU.
+
+The checks run in ONE subprocess with TRITON_INTERPRET=1 (the interpreter must be on before triton is imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+
+MAX_EXAMPLES = 3   # per candidate (the interpreter is slow); the degenerate M values are always among them (explicit examples)
+
+
+def _shapes():
+    from hypothesis import strategies as st
+    return st.fixed_dictionaries({
+        "m": st.one_of(st.sampled_from([1, 63, 64, 65]), st.integers(1, 130)),   # M = 1000: an explicit example
+        "n": st.integers(1, 100),
+        "p": st.sampled_from([2, 4, 8]),
+        "seg_k": st.sampled_from([8, 48, 64, 128]),
+        "a_trans": st.booleans(), "b_trans": st.booleans(), "bias": st.booleans(), "seed": st.integers(0, 2**16)})
+
+
+def _run_case(cfg, case) -> str:
+    """"identical", or the first difference of ``cfg``'s output on one drawn shape, against:
+
+    * the default schedule (KPART_CANDIDATES[0]) on small-integer operands: every partial sum is exact, so any
+      tile shape gives the same bits and a difference is an indexing / mask / segment-boundary / unwritten-element
+      error;
+    * the default's schedule at ``cfg``'s tile shape on random operands: the interpreter's dot is numpy's,
+      whose summation order follows the tile shape, so only a same-tile reference pins the order of the k-steps
+      and of the tree."""
+    import dataclasses
+    import torch
+    from rlalign.ops.triton_backend.gemm import KPART_CANDIDATES, gemm
+    from tests.bitwise import first_difference
+    g = torch.Generator().manual_seed(case["seed"])
+    m, n, k = case["m"], case["n"], case["p"] * case["seg_k"]
+    same_tile = dataclasses.replace(KPART_CANDIDATES[0], block_m=cfg.block_m, block_n=cfg.block_n,
+                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def draw(shape, exact):
+        return torch.randint(-3, 4, shape, generator=g).float() if exact else torch.randn(shape, generator=g)
+
+    for exact, ref_cfg in ((True, KPART_CANDIDATES[0]), (False, same_tile)):
+        a = draw((k, m) if case["a_trans"] else (m, k), exact)
+        b = draw((n, k) if case["b_trans"] else (k, n), exact)
+        bias = draw((n,), exact) if case["bias"] else None
+
+        def run(c):
+            out = torch.full((m, n), float("nan"))   # every element must be written
+            return gemm(a, b, a_trans=case["a_trans"], b_trans=case["b_trans"], bias=bias, segments=case["p"],
+                        config=c, out=out)
+        diff = first_difference(run(cfg), run(ref_cfg))
+        if diff != "identical":
+            return f"{'integer operands vs the default' if exact else 'random operands vs ' + repr(same_tile)}: {diff}"
+    return "identical"
+
+
+def _check_candidate(cfg) -> str:
+    from hypothesis import HealthCheck, example, given, settings
+    failures = []
+
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_shapes())
+    @example({"m": 1, "n": 33, "p": 8, "seg_k": 64, "a_trans": False, "b_trans": True, "bias": True, "seed": 1})
+    @example({"m": 63, "n": 70, "p": 2, "seg_k": 192, "a_trans": False, "b_trans": False, "bias": False, "seed": 2})
+    @example({"m": 65, "n": 33, "p": 8, "seg_k": 128, "a_trans": True, "b_trans": False, "bias": True, "seed": 6})
+    @example({"m": 64, "n": 129, "p": 4, "seg_k": 48, "a_trans": True, "b_trans": True, "bias": True, "seed": 3})
+    @example({"m": 65, "n": 64, "p": 8, "seg_k": 8, "a_trans": True, "b_trans": False, "bias": False, "seed": 4})
+    @example({"m": 1000, "n": 20, "p": 2, "seg_k": 64, "a_trans": False, "b_trans": True, "bias": True, "seed": 5})
+    def prop(case):
+        diff = _run_case(cfg, case)
+        if diff != "identical":
+            failures.append(f"{case}: {diff}")
+        assert diff == "identical"
+
+    try:
+        prop()
+    except AssertionError:
+        return failures[0] if failures else traceback.format_exc()[-1500:]
+    return "identical"
+
+
+def _refuses_stack_in_scratch() -> str:
+    import torch
+    from rlalign.ops.triton_backend.gemm import GemmConfig, gemm
+    try:
+        gemm(torch.zeros(4, 64), torch.zeros(8, 64), b_trans=True, segments=8,
+             config=GemmConfig(128, 128, 8, 4, reg_levels=1, stream=True))
+    except ValueError as exc:
+        return "refused" if "registers only" in str(exc) else f"wrong message: {exc}"
+    return "ran"
+
+
+def _worker() -> None:
+    from tests.ops.test_triton_interpret import _patch_interpreter
+    _patch_interpreter()
+    from rlalign.ops.triton_backend.gemm import KPART_CANDIDATES, pick_config
+    results = {"count": len(KPART_CANDIDATES), "default_is_dispatched": KPART_CANDIDATES[0] == pick_config(4096, 4096, 8, False, 132),
+               "stack_in_scratch": _refuses_stack_in_scratch(), "candidates": {}}
+    for cfg in KPART_CANDIDATES[1:]:
+        try:
+            results["candidates"][repr(cfg)] = _check_candidate(cfg)
+        except Exception:  # report, go on with the other candidates
+            results["candidates"][repr(cfg)] = "error: " + traceback.format_exc()[-1500:]
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    pytest.importorskip("triton")
+    pytest.importorskip("hypothesis")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    if not lines:
+        pytest.fail(f"interpreter worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+def test_the_default_is_the_dispatched_schedule_and_has_rivals(interpreter_results):
+    """KPART_CANDIDATES[0] is what the dispatcher picks at large M on the K partition (the sweep's reference)."""
+    assert interpreter_results["default_is_dispatched"]
+    assert interpreter_results["count"] >= 2
+
+
+def test_every_candidate_gives_the_default_bits(interpreter_results):
+    differing = {c: r for c, r in interpreter_results["candidates"].items() if r != "identical"}
+    assert not differing, "vs the default schedule: " + "; ".join(f"{c}: {r}" for c, r in differing.items())
+
+
+def test_stream_schedule_refuses_a_stack_in_the_scratch(interpreter_results):
+    """segment_stream_kernel keeps its tree stack in registers (a scratch level leaves Triton's loop unpipelined):
+    a config asking for scratch levels is refused, not run slowly."""
+    assert interpreter_results["stack_in_scratch"] == "refused"
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
