@@ -35,7 +35,8 @@ left() { echo $(( DEADLINE - $(elapsed) )); }
 make_model() {   # make_model DIR LAYERS
   echo "[$(elapsed)s] model: qwen3-8b shape, $2 layers, random init -> $1" | tee -a "$SUMMARY"
   rm -rf "$1"
-  $PY scripts/make_qwen3_8b.py "$1" --layers "$2" ${MAKE_ARGS:-} 2>&1 | tail -3 | tee -a "$SUMMARY"
+  # the config's checkpoint has a zero LM head (configs/qwen3-8b-h200-device.yaml, optim's comment); MAKE_ARGS replaces it
+  $PY scripts/make_qwen3_8b.py "$1" --layers "$2" ${MAKE_ARGS---lm-head-std 0} 2>&1 | tail -3 | tee -a "$SUMMARY"
   [ -f "$1/config.json" ] || { echo "FAILED: no checkpoint in $1" | tee -a "$SUMMARY"; exit 1; }
 }
 
