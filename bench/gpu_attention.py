@@ -20,10 +20,11 @@ them: input checks, dispatch and the kernel) -- the figure a model sees.
     python bench/gpu_attention.py [--out DIR] [--sweep-decode]
 
 ``--sweep-decode``: only decode, candidate launch configs (attention.DecodeLaunch: stages, programs per SM,
-merge warps/unroll) of both launches as CUDA-graph replays at batch 1-256, each output compared bit for bit
-with the per-item default (a candidate that differs is marked DIFFER and never "fastest"); prints the
-fastest bit-equal config of each launch per batch vs SDPA/flash and the launch the op picks
-(bench_attention_sweep.csv / .json).
+merge warps/unroll, the fused merge, a register cap) of both launches as CUDA-graph replays at batch 1-256,
+each output compared bit for bit with the per-item default (a candidate that differs is marked DIFFER and
+never "fastest"); prints the fastest bit-equal config of each launch per batch vs SDPA/flash, the launch the
+op picks and the split launch's fastest merge-kernel vs fused-merge candidate (bench_attention_sweep.csv /
+.json).
 
 Writes bench_attention.csv / .json to $OUT (or --out, default bench/).
 """
@@ -196,6 +197,19 @@ def sweep_candidates(A) -> list[tuple[str, object]]:
     cands += [("split", replace(split, programs_per_sm=p)) for p in (8, 16) if p != split.programs_per_sm]
     cands += [("split", replace(split, merge_warps=w, merge_unroll=u)) for w, u in ((4, 8), (8, 16))
               if (w, u) != (split.merge_warps, split.merge_unroll)]
+    # the fused merge (no merge kernel: each item's last program folds its partials), then with more splits'
+    # partials loaded per step (16 splits at 4,096 context: 2 round trips, not 4), and 4 rows at a time (one
+    # token's 4 heads, the rows that hold a query) with all 16 splits' loads in one round trip (ptxas: 248
+    # registers, no spills, as the default fused kernel)
+    fused = replace(split, fused_merge=True)
+    cands += [("split", fused), ("split", replace(fused, merge_unroll=8)),
+              ("split", replace(fused, fold_rows=4, merge_unroll=16))]
+    # 3 programs per SM (sm_90a, ptxas -v: 248-252 registers / 112 KiB for the split kernel today, 2 per SM):
+    # 1 stage (48 KiB of shared memory) and a 168-register cap (spills 168 / 180 B: two- / one-kernel merge)
+    # (and 6 programs per SM: two full waves of 3, e.g. batch 16: 6 programs per item, not 4)
+    three = dict(tile=(bm, warps, 1), max_registers=168)
+    cands += [("split", replace(split, **three)), ("split", replace(fused, **three)),
+              ("split", replace(fused, programs_per_sm=6, **three))]
     cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 3) if s != item.tile[2]]
     return cands
 
@@ -244,7 +258,8 @@ def sweep_decode() -> list[dict]:
 
 def print_sweep(rows: list[dict]) -> None:
     """Per batch: each candidate's graph time, speed vs its launch's default, bits; then the best bit-equal
-    candidate of each launch vs the baseline and the launch the op picks."""
+    candidate of each launch vs the baseline and the launch the op picks, and the split launch's fastest
+    bit-equal candidate with the merge kernel and with the fused merge."""
     print(f"{'B':>4} {'launch':>6} {'graph ms':>9} {'vs dflt':>7} {'bits':>6}  config")
     for r in rows:
         if r["launch"] == "baseline":
@@ -264,6 +279,15 @@ def print_sweep(rows: list[dict]) -> None:
               f"{base['graph_ms'] / ms['split']:>11.3f} {base['graph_ms'] / ms['item']:>10.3f} {base['op_launch']}")
         for k, r in best.items():
             print(f"       fastest bit-equal {k}: {r['config']}")
+        merges = {}   # the split launch's two merges: the fastest bit-equal candidate of each
+        for r in rows:
+            if r["batch"] == base["batch"] and r["launch"] == "split" and r.get("bits") == "equal" and "graph_ms" in r:
+                merge = "fused merge" if "fused_merge=True" in r["config"] else "merge kernel"
+                merges[merge] = min(merges.get(merge, float("inf")), r["graph_ms"])
+        if len(merges) == 2:
+            print(f"       split, fastest with the merge kernel {merges['merge kernel']} ms / fused merge "
+                  f"{merges['fused merge']} ms: {base['graph_ms'] / merges['merge kernel']:.3f} / "
+                  f"{base['graph_ms'] / merges['fused merge']:.3f} of the baseline")
 
 
 def training(batch: int, seq: int, hq: int, hkv: int) -> dict:

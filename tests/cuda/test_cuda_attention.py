@@ -11,7 +11,10 @@ Key splits (spec.ATTN_KV_SPLIT, the production value: there is no override): con
 at / above multiples of the split, chunked prefill whose chunks start mid-split, decode with one
 program per key split (+ the merge kernel) and with one program per (sequence, kv head), alone and
 in batches of 8 / 64 / 256 other sequences, in a CUDA graph whose split grid comes from the table
-width; decode at a 4,096 context vs float64.
+width; decode at a 4,096 context vs float64. The fused merge (the item's last program folds the partials,
+no merge kernel): equal to both launches and the packed forward over hypothesis batches 1..40 and contexts
+around the split boundaries, twice on the same arrival counters, and in a CUDA graph replayed with other
+contexts; the sweep's 3-programs-per-SM candidates (1 stage, 168-register cap) keep the bits.
 """
 
 from __future__ import annotations
@@ -352,3 +355,112 @@ def test_split_backward_accurate_and_deterministic(triton_backend, split_launch)
     for got, want, name in zip(grads[0], (qd.grad, kd.grad, vd.grad), ("dq", "dk", "dv")):
         err = rel_err(got, want)
         assert err < 2e-2, f"{name} rel err {err:.3g}"
+
+
+# ---- the fused merge (DecodeLaunch.fused_merge: no merge kernel, the item's last program folds) ---------
+
+def _fused_launch(**changes):
+    import dataclasses
+
+    from rlalign.ops.triton_backend import attention as A
+    return dataclasses.replace(A.SPLIT_DECODE, fused_merge=True, **changes)
+
+
+def _counters_zero():
+    from rlalign.ops.triton_backend import attention as A
+    torch.cuda.synchronize()
+    return all(int(buf.abs().max()) == 0 for buf in A._ARRIVAL_COUNTERS.values())
+
+
+def test_fused_merge_equals_both_launches(triton_backend):
+    """bf16 decode rows of batch 1..40 (contexts at / around split boundaries, 1 token, shuffled pages, 1..8
+    programs per item, fold widths / unrolls): fused split == two-kernel split == per-item == packed, raw
+    bits; twice on the same arrival counters with other contexts (the last program resets them)."""
+    from hypothesis import Phase, given, settings, strategies as st
+
+    from rlalign.ops.triton_backend import attention as A
+    context = st.one_of(st.sampled_from([1, SPLIT - 1, SPLIT, SPLIT + 1, 2 * SPLIT, 4 * SPLIT + 1]),
+                        st.integers(1, 5 * SPLIT))
+
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+              phases=[Phase.explicit, Phase.generate])
+    @given(lens=st.lists(context, min_size=1, max_size=40), page=st.sampled_from([16, 64]),
+           progs=st.sampled_from([None, 1, 3, 8]), fold=st.sampled_from([4, 16, 64]), unroll=st.sampled_from([1, 4, 8]),
+           seed=st.integers(0, 2 ** 16))
+    def check(lens, page, progs, fold, unroll, seed):
+        d = 128
+        q, k, v, cu = _batch(d, seed=seed, lens=tuple(lens))
+        packed = ops.attention_varlen(q, k, v, cu)
+        kc, vc, table = _paged_cache(k, v, lens, page, seed=seed)
+        starts = [sum(lens[:s]) for s in range(len(lens))]
+        one_per_seq = _i32(list(range(len(lens) + 1)))
+        launch = _fused_launch(fold_rows=fold, merge_unroll=unroll)
+        for back in (0, 1):   # the second launch reuses the counters, with other contexts
+            ctx = [max(n - back, 1) for n in lens]
+            rows = [st_ + c - 1 for st_, c in zip(starts, ctx)]
+            how = f"batch {len(lens)} contexts {ctx} page {page} {progs} programs/item fold {fold} unroll {unroll}"
+            call = dict(progs_per_item=progs)
+            item = A.paged_forward(q[rows], kc, vc, table, _i32(ctx), one_per_seq, d ** -0.5, split_programs=False)
+            two = A.paged_forward(q[rows], kc, vc, table, _i32(ctx), one_per_seq, d ** -0.5, split_programs=True,
+                                  **call)
+            fused = A.paged_forward(q[rows], kc, vc, table, _i32(ctx), one_per_seq, d ** -0.5, split_programs=True,
+                                    launch=launch, **call)
+            assert_bitwise_equal(item, packed[rows], f"per-item vs packed, {how}")
+            assert_bitwise_equal(two, item, f"two-kernel split vs per-item, {how}")
+            assert_bitwise_equal(fused, item, f"fused split vs per-item, {how}")
+            assert _counters_zero(), f"arrival counters not reset after {how}"
+    check()
+
+
+@pytest.mark.parametrize("split_launch", [True], indirect=True)
+def test_fused_merge_in_a_cuda_graph(triton_backend, split_launch, monkeypatch):
+    """The fused merge as the op's split launch, captured once and replayed as the contexts move across split
+    boundaries (the counters, allocated by the warm-up call, are reset by every replay): the packed
+    forward's bits; then an eager call on the same counters."""
+    from rlalign.ops.triton_backend import attention as A
+    monkeypatch.setattr(A, "SPLIT_DECODE", _fused_launch())
+    d = 128
+    lens = (SPLIT + 3, 2 * SPLIT + 2, 5, 3 * SPLIT, 1, 4 * SPLIT + 1)
+    q, k, v, cu = _batch(d, seed=140, lens=lens)
+    packed = ops.attention_varlen(q, k, v, cu)
+    starts = [sum(lens[:s]) for s in range(len(lens))]
+    kc, vc, table = _paged_cache(k, v, lens, 16, seed=140)
+    q_buf = q[starts].clone()
+    ctx_buf = _i32([1] * len(lens))
+    one_per_seq = _i32(list(range(len(lens) + 1)))
+    ops.attention_paged(q_buf, kc, vc, table, ctx_buf, one_per_seq)   # compiles, allocates the counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with ops.capturing_graph(max_query_len=1), torch.cuda.graph(graph):
+        out = ops.attention_paged(q_buf, kc, vc, table, ctx_buf, one_per_seq)
+    for back in (0, 1, 2, 3, 4, SPLIT // 2, SPLIT + 1):
+        ctx = [max(n - back, 1) for n in lens]
+        rows = [st + c - 1 for st, c in zip(starts, ctx)]
+        q_buf.copy_(q[rows])
+        ctx_buf.copy_(_i32(ctx))
+        graph.replay()
+        assert_bitwise_equal(out, packed[rows], f"fused graph replay, {back} tokens before the ends")
+        assert _counters_zero(), f"arrival counters not reset by the replay {back} tokens before the ends"
+    rows = [st + n - 1 for st, n in zip(starts, lens)]
+    eager = ops.attention_paged(q[rows], kc, vc, table, _i32(list(lens)), one_per_seq)
+    assert_bitwise_equal(eager, packed[rows], "eager fused call after the replays")
+    ops.flush_deferred_checks()
+
+
+@pytest.mark.parametrize("cap", [0, 168])
+def test_three_programs_per_sm_candidates_keep_the_bits(triton_backend, cap):
+    """The sweep's 3-programs-per-SM candidates (1 stage, a 168-register cap: spills, no other arithmetic),
+    two-kernel and fused: the per-item launch's bits at a 4,096 context, batch 8."""
+    import dataclasses
+
+    from rlalign.ops.triton_backend import attention as A
+    lens = (4096,) * 8
+    q, k, v, cu = _batch(128, seed=150, lens=lens)
+    kc, vc, table = _paged_cache(k, v, lens, 16, seed=150)
+    rows = [s * 4096 + 4095 for s in range(8)]
+    args = (q[rows], kc, vc, table, _i32(list(lens)), _i32(list(range(9))), 128 ** -0.5)
+    item = A.paged_forward(*args, split_programs=False)
+    for fused in (False, True):
+        launch = dataclasses.replace(A.SPLIT_DECODE, tile=(64, 4, 1), max_registers=cap, fused_merge=fused)
+        out = A.paged_forward(*args, split_programs=True, launch=launch)
+        assert_bitwise_equal(out, item, f"{launch} vs per-item")

@@ -7,7 +7,12 @@ the split launch (several programs per item + a merge kernel). Checked here, as 
   contexts, other values or inside a CUDA-graph capture take the same launch; it is monotone (more sequences,
   or a wider block table of several splits, never turn the split launch on); never taken for one split;
 * both launches, forced, and the op's own choice give bit-identical fp32 outputs at every batch size around
-  the threshold (the interpreter's SM count is 4; one kv head, so batch = items), with 1..4 programs per item.
+  the threshold (the interpreter's SM count is 4; one kv head, so batch = items), with 1..4 programs per item;
+* the fused-merge split launch (no merge kernel: each item's last program folds its partials) gives the bits of
+  the two-kernel split launch and the per-item one at batch 1..40, contexts at / around the split boundaries,
+  any fold width and unroll, 1 or 2 kv heads, and again on the same arrival counters with other contexts (they
+  are reset); with several query tiles per item on a 16-row tile;
+* the arrival counters are never allocated inside a CUDA-graph capture (refused with a clear error).
 
 The interpreter runs fp32 with a row-wise dot (see attention._dot); the GPU's bits are tests/cuda's. One
 subprocess (the interpreter must be on before triton is imported); hypothesis runs inside it, derandomized.
@@ -139,8 +144,110 @@ def launches_same_bits(n_seq, page, group, d, seed, data):
     assert bool(torch.isfinite(item).all()), "non-finite output (a NaN page outside a context was read)"
 
 
+def counters_zero():
+    """Every arrival-counter buffer is back at zero (the last program of each item reset its counter)."""
+    return all(int(buf.abs().max()) == 0 for buf in A._ARRIVAL_COUNTERS.values())
+
+
+CONTEXT = st.one_of(st.sampled_from([1, S - 1, S, S + 1, 2 * S - 1, 2 * S, 2 * S + 1]), st.integers(1, S + 70))
+
+
+@settings(max_examples=4, **SETTINGS)
+@given(n_seq=st.integers(1, 40), page=st.sampled_from([1, 16, 64]), group=st.sampled_from([1, 3]),
+       hkv=st.sampled_from([1, 2]), seed=st.integers(0, 2 ** 16), data=st.data())
+def fused_merge_same_bits(n_seq, page, group, hkv, seed, data):
+    """The fused-merge split launch == the two-kernel split launch == the per-item launch, raw bits, with
+    1..4 programs per item; a second launch on the same counter buffer with other contexts (the reset)."""
+    import dataclasses
+    g = torch.Generator().manual_seed(seed)
+    fused = dataclasses.replace(A.SPLIT_DECODE, fused_merge=True,
+                                fold_rows=data.draw(st.sampled_from([4, 16, 64]), label="fold rows"),
+                                merge_unroll=data.draw(st.sampled_from([1, 4]), label="unroll"))
+    lens = [data.draw(CONTEXT, label="context") for _ in range(n_seq)]
+    kc, vc, table = cache_for(lens, page, hkv, 8, g)
+    cu = i32(list(range(n_seq + 1)))
+    progs = data.draw(st.sampled_from([None, 1, 2, 3, 4]), label="programs per item")
+    buffers = None
+    for launch_no, ctx in enumerate((lens, [max(1, n - data.draw(st.integers(0, 3), label="shorter")) for n in lens])):
+        q = torch.randn(n_seq, group * hkv, 8, generator=g)
+        item = A.paged_forward(q, kc, vc, table, i32(ctx), cu, 0.3, split_programs=False)
+        two = item if launch_no else A.paged_forward(q, kc, vc, table, i32(ctx), cu, 0.3, split_programs=True,
+                                                      progs_per_item=progs)
+        one = A.paged_forward(q, kc, vc, table, i32(ctx), cu, 0.3, split_programs=True, progs_per_item=progs,
+                              launch=fused)
+        where = (f"launch {launch_no}: batch {n_seq} contexts {ctx} page {page} G={group} Hkv={hkv} {progs} "
+                 f"programs {fused}")
+        assert bits_equal(two, item), f"{where}: two-kernel split vs per-item: {describe_difference(two, item)}"
+        assert bits_equal(one, item), f"{where}: fused split vs per-item: {describe_difference(one, item)}"
+        assert counters_zero(), f"{where}: arrival counters not reset"
+        ids = {k: v.data_ptr() for k, v in A._ARRIVAL_COUNTERS.items()}
+        assert buffers is None or ids == buffers, f"{where}: the counter buffer was reallocated"
+        buffers = ids
+
+
+@settings(max_examples=3, **SETTINGS)
+@given(n_seq=st.integers(1, 3), seed=st.integers(0, 2 ** 16), data=st.data())
+def fused_merge_multi_tile(n_seq, seed, data):
+    """Several query tokens per sequence on a 16-row tile (G = 3: 5 tokens a tile, so up to 3 tiles an item)
+    and 2 kv heads: every (tile, sequence, kv head) item has its own counter; fused == two-kernel == per-item."""
+    import dataclasses
+    g = torch.Generator().manual_seed(seed)
+    n_q = [data.draw(st.integers(1, 12), label="queries") for _ in range(n_seq)]
+    lens = [q_ + data.draw(CONTEXT, label="context before the queries") for q_ in n_q]
+    kc, vc, table = cache_for(lens, 16, 2, 8, g)
+    q = torch.randn(sum(n_q), 6, 8, generator=g)
+    cu = i32([0] + [sum(n_q[:i + 1]) for i in range(n_seq)])
+    args = (q, kc, vc, table, i32(lens), cu, 0.3)
+    tile = (16, 4, 3)
+    item = A.paged_forward(*args, tile=tile, split_programs=False)
+    two = A.paged_forward(*args, tile=tile, split_programs=True)
+    one = A.paged_forward(*args, tile=tile, split_programs=True,
+                          launch=dataclasses.replace(A.SPLIT_DECODE, tile=tile, fused_merge=True, fold_rows=4))
+    where = f"queries {n_q} contexts {lens}"
+    assert bits_equal(two, item), f"{where}: two-kernel split vs per-item: {describe_difference(two, item)}"
+    assert bits_equal(one, item), f"{where}: fused split vs per-item: {describe_difference(one, item)}"
+    assert counters_zero(), f"{where}: arrival counters not reset"
+
+
+def counters_refused_in_a_capture():
+    """A capture allocates nothing: a fused launch of a size class no eager launch has used fails closed."""
+    from rlalign.contract.errors import ContractError
+    saved, capturing = dict(A._ARRIVAL_COUNTERS), torch.cuda.is_current_stream_capturing
+    A._ARRIVAL_COUNTERS.clear()
+    torch.cuda.is_current_stream_capturing = lambda: True
+    try:
+        A.arrival_counters(torch.device("cuda", 0), 10)
+        raise AssertionError("arrival counters allocated inside a capture")
+    except ContractError as exc:
+        assert "run the decode step once before capturing" in str(exc), str(exc)
+    finally:
+        torch.cuda.is_current_stream_capturing = capturing
+        assert not A._ARRIVAL_COUNTERS, "a counter buffer was allocated inside the capture"
+        A._ARRIVAL_COUNTERS.update(saved)
+
+
+def counters_one_buffer_per_size_class():
+    """Zeroed int32, at least the items asked for, the same buffer for every launch of its size class."""
+    small, again, big = (A.arrival_counters(torch.device("cpu"), n) for n in (3, 1000, 5000))
+    assert small is again and small.dtype == torch.int32 and small.numel() >= 1000, small.shape
+    assert big is not small and big.numel() >= 5000 and int(big.abs().max()) == 0, big.shape
+
+
+def launch_fields_checked():
+    """A DecodeLaunch the kernels cannot take is refused where it is made, with one line naming the field."""
+    for bad, field in ((dict(fold_rows=3), "fold_rows=3"), (dict(fold_rows=0), "fold_rows=0"),
+                       (dict(merge_unroll=0), "merge_unroll=0"), (dict(max_registers=300), "max_registers=300")):
+        try:
+            A.DecodeLaunch(**bad)
+            raise AssertionError(f"DecodeLaunch({bad}) accepted")
+        except ValueError as exc:
+            assert field in str(exc) and "\n" not in str(exc), str(exc)
+
+
+CHECKS = (chooser_monotone, chooser_shape_only, launches_same_bits, fused_merge_same_bits, fused_merge_multi_tile,
+          counters_refused_in_a_capture, counters_one_buffer_per_size_class, launch_fields_checked)
 results = {}
-for fn in (chooser_monotone, chooser_shape_only, launches_same_bits):
+for fn in CHECKS:
     try:
         fn()
         results[fn.__name__] = "ok"
@@ -163,6 +270,10 @@ def results():
     return json.loads(lines[-1][len("RESULTS "):])
 
 
-@pytest.mark.parametrize("check", ["chooser_monotone", "chooser_shape_only", "launches_same_bits"])
+@pytest.mark.parametrize("check", ["chooser_monotone", "chooser_shape_only", "launches_same_bits",
+                                   "fused_merge_same_bits", "fused_merge_multi_tile",
+                                   "counters_refused_in_a_capture", "counters_one_buffer_per_size_class",
+                                   "launch_fields_checked"])
 def test_decode_launch(results, check):
     assert results[check] == "ok", results[check]
+

@@ -704,6 +704,9 @@ def _sm90_worker() -> None:
     attempt("attention decode", lambda: A.paged_forward(q[:1], cache, cache, table, ctx, one, 0.1, split_programs=False))
     attempt("attention decode, split programs",
             lambda: A.paged_forward(q[:1], cache, cache, table, ctx, one, 0.1, split_programs=True))
+    attempt("attention decode, split programs, fused merge",
+            lambda: A.paged_forward(q[:1], cache, cache, table, ctx, one, 0.1, split_programs=True,
+                                    launch=A.DecodeLaunch(fused_merge=True)))
     attempt("attention paged prefill", lambda: A.paged_forward(q[:600], cache, cache, table, torch.tensor([4000], dtype=torch.int32),
                                                                torch.tensor([0, 600], dtype=torch.int32), 0.1))
     attempt("attention backward", lambda: A.varlen_backward(q, k, k, q, torch.empty(4096, 32), cu, q, 0.1))
@@ -814,15 +817,16 @@ def test_shared_memory_fits_sm90(sm90):
 
 def test_attention_forward_keeps_the_wgmma_pipeline(sm90):
     """The bf16 attention forward kernels (prefill, paged prefill, decode per tile and per key split,
-    the merge) spill nothing and ptxas does not serialise their wgmma (C7514/C7515: a non-wgmma
-    instruction reading or writing the accumulator while the MMA is in flight, e.g. a split merge
-    placed after the P.V MMA)."""
+    the merge kernel or the fused merge) spill nothing and ptxas does not serialise their wgmma
+    (C7514/C7515: a non-wgmma instruction reading or writing the accumulator while the MMA is in
+    flight, e.g. a split merge placed after the P.V MMA)."""
     reports = [v for v in sm90["variants"] if v["kernel"].startswith("attn_") and v["ptxas"] is not None
                and v["kernel"] != "attn_bwd_dkdv_kernel" and v["kernel"] != "attn_bwd_dq_kernel"]
     if not reports:
         pytest.skip("Triton's ptxas could not be run")
     kinds = {(v["kernel"], v["args"].get("PARTIAL")) for v in reports}
     assert {("attn_fwd_kernel", "True"), ("attn_fwd_kernel", "False"), ("attn_merge_kernel", None)} <= kinds, kinds
+    assert any(v["args"].get("FUSED_MERGE") == "True" for v in reports), "the fused-merge kernel was not compiled"
     bad = [(v["kernel"], v["args"], line.strip()) for v in reports for line in v["ptxas"].splitlines()
            if "C7514" in line or "C7515" in line or ("spill" in line and " 0 bytes spill stores" not in line)]
     assert not bad, f"attention kernels serialise wgmma or spill: {bad}"

@@ -40,8 +40,9 @@ Two launches, the same arithmetic per row: one program per item walks all its sp
 them in registers (prefill, training, decode at large batch); or, for decode tiles when the items
 are too few to fill the GPU (:func:`use_split_programs`), P programs per item each take splits p,
 p + P, ... and write fp32 partials, which :func:`attn_merge_kernel` folds in the same order with
-the same function. The partials round-trip memory exactly, and the merge is elementwise (its
-layout cannot change a bit).
+the same function (:func:`_fold_partials`) -- or, with ``DecodeLaunch.fused_merge``, the item's program
+that finishes last does (:func:`_merge_if_last`: an arrival counter per item, no second kernel). The
+partials round-trip memory exactly, and the merge is elementwise (its layout cannot change a bit).
 
 ``mma`` always sees a 64-key block and a tile of >= 64 rows on 4 or 8 warps laid along the rows,
 so Hopper issues the same ``wgmma`` shapes per row and ``rowsum`` reduces each row in the same
@@ -86,17 +87,35 @@ class DecodeLaunch:
     ``tile``: (BLOCK_M, warps, stages) of the forward kernel (BLOCK_M >= 16 x warps: warps along rows only,
     docs/gpu.md). Split launch only: ``programs_per_sm`` -- each item's splits are spread over enough
     programs for about this many per SM (never more than the splits); ``merge_warps`` / ``merge_unroll`` of
-    attn_merge_kernel (elementwise: no layout of it can change a bit)."""
+    attn_merge_kernel (elementwise: no layout of it can change a bit); ``fused_merge``: the item's last
+    program merges instead of a second kernel, ``fold_rows`` rows at a time, ``merge_unroll`` splits per
+    step. ``max_registers``: a per-thread register cap for the forward kernel on ``tile`` (spills move
+    values, not arithmetic)."""
     tile: tuple[int, int, int] = DECODE_TILE
     # 4: the decode programs (~250 registers x 128 threads, 80 / 112 KiB of shared memory) fit twice on an SM,
     # and two waves absorb uneven contexts
     programs_per_sm: int = 4
     merge_warps: int = 8
-    merge_unroll: int = 4   # splits whose partials the merge kernel loads together
+    merge_unroll: int = 4   # splits whose partials the merge (kernel or fused) loads together
+    # True: no merge kernel -- the program that finishes an item's last split folds the item's partials
+    # (attn_fwd_kernel FUSED_MERGE: the same fold, the same bits; arrival counters: arrival_counters)
+    fused_merge: bool = False
+    fold_rows: int = 16     # rows the fused merge folds at a time (a power of 2; registers: 4 warps, not 8)
+    # a register cap per thread for the forward kernel (ptxas -maxrregcount through Triton's maxnreg; 0: none):
+    # 65,536 registers / 128 threads / programs per SM -- 168 fits 3 decode programs on an SM, 128 fits 4
+    max_registers: int = 0
+
+    def __post_init__(self):
+        if self.fold_rows < 1 or self.fold_rows & (self.fold_rows - 1) or self.merge_unroll < 1:
+            raise ValueError(f"DecodeLaunch: fold_rows={self.fold_rows} must be a power of 2 and merge_unroll="
+                             f"{self.merge_unroll} at least 1")
+        if self.max_registers and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"DecodeLaunch: max_registers={self.max_registers} must be 0 (no cap) or 24..255")
 
 
 # The two decode launches (bench/gpu_attention.py --sweep-decode times candidates of both as graph replays
-# and checks their bits against these; paste a faster candidate it prints here).
+# and checks their bits against these; paste a faster candidate it prints here -- e.g. the fused merge:
+# SPLIT_DECODE = DecodeLaunch(fused_merge=True)).
 ITEM_DECODE = DecodeLaunch()
 SPLIT_DECODE = DecodeLaunch()
 # Paged calls on the decode tile whose one-program-per-item grid (items = tiles x sequences x kv heads) has at
@@ -133,16 +152,21 @@ def _load_rows(base, rows, head, ok, dcol, stride_row, stride_head, D: tl.conste
 def _tile_rows(cu_q, pos0_ptr, s, h, tile, G: tl.constexpr, BM: tl.constexpr):
     """The rows of one (sequence s, kv head h, tile) item: BM (query token, query head) rows,
     token-major; padding rows get position -1. -> (q_start, n_q, tok, head, row_ok, pos)."""
-    TPT: tl.constexpr = BM // G                       # query tokens per tile
     q_start = tl.load(cu_q + s)
     n_q = tl.load(cu_q + s + 1) - q_start
-    pos0 = tl.load(pos0_ptr + s)
-    r = tl.arange(0, BM)
+    tok, head, row_ok, pos = _row_coords(tl.arange(0, BM), tile, h, n_q, tl.load(pos0_ptr + s), G, BM)
+    return q_start, n_q, tok, head, row_ok, pos
+
+
+@triton.jit
+def _row_coords(r, tile, h, n_q, pos0, G: tl.constexpr, BM: tl.constexpr):
+    """(tok, head, row_ok, pos) of rows ``r`` (0 <= r < BM) of tile ``tile`` of kv head h."""
+    TPT: tl.constexpr = BM // G                       # query tokens per tile
     tok = tile * TPT + r // G
     head = h * G + r % G
     row_ok = (r < TPT * G) & (tok < n_q)
     pos = tl.where(row_ok, pos0 + tok, -1)
-    return q_start, n_q, tok, head, row_ok, pos
+    return tok, head, row_ok, pos
 
 
 @triton.jit
@@ -228,17 +252,20 @@ def _finish(L, ACC):
 # split_progs and part_rows are not specialised (Triton compiles a variant for an int equal to 1 or divisible
 # by 16): a decode graph's warm-up call and its capture must use one compiled kernel.
 @triton.jit(do_not_specialize=["split_progs", "part_rows"])
-def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, qk_scale2, split_progs,
-                    part_rows, stride_qt, stride_qh, stride_kr, stride_kh, stride_ot, stride_oh, stride_bt,
-                    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    PS: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr, SPLIT: tl.constexpr,
-                    SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr, ROWWISE: tl.constexpr):
+def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, qk_scale2,
+                    split_progs, part_rows, stride_qt, stride_qh, stride_kr, stride_kh, stride_ot, stride_oh,
+                    stride_bt, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, PS: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
+                    SPLIT: tl.constexpr, SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr, ROWWISE: tl.constexpr,
+                    FUSED_MERGE: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 16, UNROLL: tl.constexpr = 4):
     """PARTIAL=False: one program per (tile, sequence, kv head) walks every key split of its rows and
     merges them in order (output, lse). PARTIAL=True: ``split_progs`` = P programs per (tile, sequence,
     kv head); program p walks splits p, p + P, p + 2P, ... of its rows (each from a fresh state) and
     writes each split's fp32 partial (m, l, acc) to PM/PL/PACC [splits, T * Hq (, DP)];
-    attn_merge_kernel folds them with the same _merge_split. The grid does not depend on the contexts
-    (a decode graph's capture bounds them only by the table width), the work does."""
+    attn_merge_kernel folds them with the same _fold_partials, or (FUSED_MERGE) the item's last program to
+    finish does, FOLD_ROWS rows at a time (:func:`_merge_if_last`; ARRIVED: the item's arrival counters,
+    zero at launch and left zero). The grid does not depend on the contexts (a decode graph's capture bounds
+    them only by the table width), the work does."""
     TPT: tl.constexpr = BM // G
     BPS: tl.constexpr = SPLIT_KEYS // BN               # key blocks per split
     if PARTIAL:
@@ -297,14 +324,80 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, cu_q, pos0_ptr, kvlen_ptr, bt
     sp_last = sp_first + (my_splits - 1) * P
     if PARTIAL:
         _store_partial(PM, PL, PACC, sp_last, part_rows, part_row, row_ok, m, l, acc, dcol, D)
+        if FUSED_MERGE:
+            _merge_if_last(PM, PL, PACC, O, ARRIVED, part_rows, tl.minimum(P, n_sp), n_sp, tile, s, h, q_start,
+                           n_q, tl.load(pos0_ptr + s), hq_total, stride_ot, stride_oh, G, D, DP, BM, SPLIT_KEYS,
+                           FOLD_ROWS, UNROLL)
     else:
         M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= sp_last * SPLIT_KEYS)
-        out = _finish(L, ACC)
-        o_offs = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dcol[None, :]
-        tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dcol[None, :] < D))
+        _store_out(O, q_rows, head, row_ok, _finish(L, ACC), dcol, stride_ot, stride_oh, D)
         if STORE_LSE:
             # LSE is [T, Hq] fp32, base 2
             tl.store(LSE + q_rows * hq_total + head, M + tl.log2(tl.where(L > 0, L, 1.0)), mask=row_ok)
+
+
+@triton.jit
+def _fold_partials(PM, PL, PACC, part_rows, row, pos, n_sp, dcol, D: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+                   UNROLL: tl.constexpr):
+    """The total (M, L, ACC) of rows ``row`` (positions ``pos``; -1: padding) from the fresh total folded with
+    the stored partials of split 0, 1, ..., n_sp - 1 in order (_merge_split; a row selects the splits it sees,
+    n_sp covers the rows' last). The one fold of the split launch: attn_merge_kernel and the fused merge of
+    attn_fwd_kernel run it, on any rows of an item (elementwise per row: no layout can change a bit)."""
+    M = tl.full(pos.shape, float("-inf"), tl.float32)
+    L = tl.zeros(pos.shape, tl.float32)
+    ACC = tl.zeros((pos.shape[0], dcol.shape[0]), tl.float32)
+    # UNROLL splits per step: their loads do not depend on the fold, so each step issues them together
+    # (one memory round trip per UNROLL splits, not per split); a split past a row's last is not seen
+    # (masked load, total selected), so the fold is exactly split 0, 1, 2, ... of each row
+    for first in range(0, n_sp, UNROLL):
+        for u in tl.static_range(UNROLL):
+            sp = first + u
+            sees = pos >= sp * SPLIT_KEYS             # only these rows' partials of split sp exist
+            stat, offs = _partial_offsets(sp, part_rows, row, dcol)
+            m = tl.load(PM + stat, mask=sees, other=float("-inf"))
+            l = tl.load(PL + stat, mask=sees, other=0.0)
+            acc = tl.load(PACC + offs, mask=sees[:, None] & (dcol[None, :] < D), other=0.0)
+            M, L, ACC = _merge_split(M, L, ACC, m, l, acc, sees)
+    return M, L, ACC
+
+
+@triton.jit
+def _store_out(O, q_rows, head, row_ok, out, dcol, stride_ot, stride_oh, D: tl.constexpr):
+    o_offs = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dcol[None, :]
+    tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dcol[None, :] < D))
+
+
+@triton.jit
+def _merge_if_last(PM, PL, PACC, O, ARRIVED, part_rows, n_progs, n_sp, tile, s, h, q_start, n_q, pos0, hq_total,
+                   stride_ot, stride_oh, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
+                   SPLIT_KEYS: tl.constexpr, FOLD_ROWS: tl.constexpr, UNROLL: tl.constexpr):
+    """The fused merge of the split launch ("the last program does the reduction"): called by each of the
+    item's ``n_progs`` programs that stored partials, after its stores. Each arrives on the item's counter;
+    the one that arrives last (it sees n_progs - 1 before its own arrival) resets the counter to 0 and
+    writes the item's output from every partial with _fold_partials and _finish -- attn_merge_kernel's
+    arithmetic on the same stored values, so the same bits -- FOLD_ROWS rows at a time (fewer registers
+    than the whole tile; rows are independent) over the rows that hold a query.
+
+    Ordering (the PTX memory model's release / acquire, as in a serial split-K semaphore): the barrier puts
+    every thread's partial stores before the arrival, which is one acq_rel atomic at GPU scope -- a release
+    of this program's partials, an acquire of those of the programs that arrived before; Triton runs a
+    scalar atomic on one thread and hands its result to the others through shared memory behind a barrier,
+    so every thread's partial loads follow the acquire. The reset is a plain store: no program of this
+    launch touches the counter again, and the next launch is ordered after this one on its stream."""
+    TPT: tl.constexpr = BM // G
+    counter = ARRIVED + (tile * tl.num_programs(1) + s) * tl.num_programs(2) + h
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_progs - 1:
+        tl.store(counter, 0)
+        dcol = tl.arange(0, DP)
+        rows_with_queries = tl.minimum(n_q - tile * TPT, TPT) * G
+        for first in range(0, rows_with_queries, FOLD_ROWS):
+            tok, head, row_ok, pos = _row_coords(first + tl.arange(0, FOLD_ROWS), tile, h, n_q, pos0, G, BM)
+            q_rows = (q_start + tok).to(tl.int64)
+            M, L, ACC = _fold_partials(PM, PL, PACC, part_rows, q_rows * hq_total + head, pos, n_sp, dcol, D,
+                                       SPLIT_KEYS, UNROLL)
+            _store_out(O, q_rows, head, row_ok, _finish(L, ACC), dcol, stride_ot, stride_oh, D)
 
 
 @triton.jit(do_not_specialize=["part_rows"])
@@ -312,8 +405,8 @@ def attn_merge_kernel(PM, PL, PACC, O, cu_q, pos0_ptr, part_rows, stride_ot, str
                       G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
                       SPLIT_KEYS: tl.constexpr, UNROLL: tl.constexpr):
     """The output of one (tile, sequence, kv head) item from its key splits' partials: the fresh total
-    folded with split 0, 1, 2, ... in order (_merge_split, rows select the splits they see), then
-    _finish -- the arithmetic attn_fwd_kernel(PARTIAL=False) does in registers."""
+    folded with split 0, 1, 2, ... in order (_fold_partials), then _finish -- the arithmetic
+    attn_fwd_kernel(PARTIAL=False) does in registers."""
     TPT: tl.constexpr = BM // G
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     s = tl.program_id(1)
@@ -324,25 +417,9 @@ def attn_merge_kernel(PM, PL, PACC, O, cu_q, pos0_ptr, part_rows, stride_ot, str
     last_pos = tl.load(pos0_ptr + s) + tl.minimum(n_q, (tile + 1) * TPT) - 1
     dcol = tl.arange(0, DP)
     q_rows = (q_start + tok).to(tl.int64)
-    row = q_rows * hq_total + head
-    M = tl.full((BM,), float("-inf"), tl.float32)
-    L = tl.zeros((BM,), tl.float32)
-    ACC = tl.zeros((BM, DP), tl.float32)
-    # UNROLL splits per step: their loads do not depend on the fold, so each step issues them together
-    # (one memory round trip per UNROLL splits, not per split); a split past a row's last is not seen
-    # (masked load, total selected), so the fold is exactly split 0, 1, 2, ... of each row
-    for first in range(0, last_pos // SPLIT_KEYS + 1, UNROLL):
-        for u in tl.static_range(UNROLL):
-            sp = first + u
-            sees = pos >= sp * SPLIT_KEYS             # only these rows' partials of split sp exist
-            stat, offs = _partial_offsets(sp, part_rows, row, dcol)
-            m = tl.load(PM + stat, mask=sees, other=float("-inf"))
-            l = tl.load(PL + stat, mask=sees, other=0.0)
-            acc = tl.load(PACC + offs, mask=sees[:, None] & (dcol[None, :] < D), other=0.0)
-            M, L, ACC = _merge_split(M, L, ACC, m, l, acc, sees)
-    out = _finish(L, ACC)
-    o_offs = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dcol[None, :]
-    tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dcol[None, :] < D))
+    M, L, ACC = _fold_partials(PM, PL, PACC, part_rows, q_rows * hq_total + head, pos, last_pos // SPLIT_KEYS + 1,
+                               dcol, D, SPLIT_KEYS, UNROLL)
+    _store_out(O, q_rows, head, row_ok, _finish(L, ACC), dcol, stride_ot, stride_oh, D)
 
 
 @triton.jit
@@ -490,20 +567,65 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         pacc = torch.empty((n_splits, t * hq, dp), dtype=torch.float32, device=q.device)
     else:
         pm = pl = pacc = out   # not read
+    fused = split_programs and launch.fused_merge
+    arrived = arrival_counters(q.device, tiles * n_seq * hkv) if fused else out   # not read unless fused
     meta = dict(G=g, D=d, DP=dp, BM=bm, num_warps=warps)
     attn_fwd_kernel[(tiles * progs, n_seq, hkv)](
-        q, k_src, v_src, out, lse, pm, pl, pacc, cu_q, pos0, kv_len, bt, scale * LOG2E, progs, t * hq,
+        q, k_src, v_src, out, lse, pm, pl, pacc, arrived, cu_q, pos0, kv_len, bt, scale * LOG2E, progs, t * hq,
         q.stride(0), q.stride(1), k_src.stride(-3), k_src.stride(-2), out.stride(0), out.stride(1),
         bt.stride(0) if paged else 0,
         BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged, STORE_LSE=store_lse, SPLIT=split_for(q.dtype),
-        SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), num_stages=stages, **meta)
-    if split_programs:
+        SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), FUSED_MERGE=fused,
+        FOLD_ROWS=launch.fold_rows if fused else 16, UNROLL=launch.merge_unroll if fused else 4, num_stages=stages,
+        **meta, **_register_cap(launch, tile))
+    if split_programs and not fused:
         # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
         meta["num_warps"] = launch.merge_warps
         attn_merge_kernel[(tiles, n_seq, hkv)](pm, pl, pacc, out, cu_q, pos0, t * hq, out.stride(0), out.stride(1),
                                                hq, SPLIT_KEYS=KV_SPLIT, UNROLL=launch.merge_unroll, num_stages=1,
                                                **meta)
     return out, lse
+
+
+# The arrival counters of fused-merge split launches: one int32 per item, zero between launches (the last
+# program of an item resets its counter). One buffer per (device, capacity: a power of 2 >= 1,024 items),
+# allocated and zeroed on the first launch that needs it and kept for the process (a captured graph holds its
+# address), so a launch inside a CUDA-graph capture allocates nothing -- and is refused if no launch of its
+# size class ran before the capture (a warm-up call, as graph captures do anyway).
+# Streams: a buffer serves one launch at a time. Eager launches from another stream than the buffer's last
+# one first wait for that stream (torch stream order), so launches on concurrent streams run one after the
+# other; a graph replay is ordered only on the stream that replays it, so replays of graphs holding fused
+# launches must not overlap fused launches on other streams of the device (the rollout engine decodes on one
+# stream).
+_ARRIVAL_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+_COUNTER_STREAMS: dict[tuple[str, int], object] = {}
+_MIN_COUNTERS = 1024
+
+
+def arrival_counters(device: torch.device, items: int) -> torch.Tensor:
+    """The zeroed int32 arrival counters (>= ``items``) of a fused-merge split launch on ``device``."""
+    key = (str(device), max(_MIN_COUNTERS, triton.next_power_of_2(items)))
+    buf = _ARRIVAL_COUNTERS.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if buf is None:
+        if capturing:
+            raise fail("attention_paged", f"the fused-merge split launch of {items} items has no arrival counters "
+                                          "yet; run the decode step once before capturing it in a CUDA graph")
+        buf = _ARRIVAL_COUNTERS[key] = torch.zeros(key[1], dtype=torch.int32, device=device)
+    if device.type == "cuda" and not capturing:
+        stream, last = torch.cuda.current_stream(device), _COUNTER_STREAMS.get(key)
+        if last is not None and last != stream:
+            stream.wait_stream(last)
+        _COUNTER_STREAMS[key] = stream
+    return buf
+
+
+def _register_cap(launch: DecodeLaunch, tile) -> dict:
+    """The forward's compile option for ``launch.max_registers``: only on the launch's own (decode) tile --
+    never on a prefill or training tile the same call might run with -- and none under the CPU interpreter,
+    which compiles nothing."""
+    capped = launch.max_registers and tuple(tile) == tuple(launch.tile) and not is_interpreter()
+    return {"maxnreg": launch.max_registers} if capped else {}
 
 
 def _even_programs(n_splits: int, progs: int) -> int:
@@ -670,4 +792,4 @@ def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sc
 
 __all__ = ["attention_varlen", "attention_paged", "varlen_forward", "paged_forward", "varlen_backward",
            "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK", "DecodeLaunch", "ITEM_DECODE", "SPLIT_DECODE",
-           "decode_items", "use_split_programs"]
+           "decode_items", "use_split_programs", "arrival_counters"]
