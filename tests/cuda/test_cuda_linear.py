@@ -71,10 +71,11 @@ def test_every_tile_config_and_path_gives_the_same_bits(triton_backend, dtype, s
     assert not differing, f"vs {runs[0][0]} tma=True: " + "; ".join(f"{k}: {v}" for k, v in differing.items())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kpart_schedule_candidates_give_the_default_bits(triton_backend, dtype):
+def test_kpart_schedule_candidates_give_the_default_bits(triton_backend):
     """Every large-M K-partition schedule of gemm.KPART_CANDIDATES (the --sweep-kpart candidates: a loop per
-    segment, a stream of k-steps across segments and tiles, two programs per SM) gives the default's raw bits:
+    segment, a stream of k-steps across segments and tiles, two programs per SM) gives the default's raw bits
+    in bf16, the only dtype they are candidates for (fp32 operands take gemm._FP32_SMALL's tiles: the default's
+    128x128 / 4 stages needs 295 KB of shared memory with fp32 operands, over the H200's 227 KiB):
     hypothesis over M (1, 63, 64, 65, 1000 among them), N off the tile grid, P = 2/4/8, A / B transposed, bias;
     one case has zero rows of A against all-negative B columns (-0.0 products: the sign of a zero must match)."""
     from hypothesis import example, given, settings, strategies as st
@@ -85,6 +86,7 @@ def test_kpart_schedule_candidates_give_the_default_bits(triton_backend, dtype):
            st.sampled_from([64, 128, 192, 512]), st.booleans(), st.booleans(), st.booleans(), st.booleans())
     @example(65, 130, 8, 64, False, True, False, True)   # no bias: a -0.0 output survives
     def prop(m, n, p, seg_k, a_trans, b_trans, bias, signed_zeros):
+        dtype = torch.bfloat16
         k = p * seg_k
         a, b = rand(m, k, dtype=dtype, seed=m + n), rand(n, k, dtype=dtype, seed=k + 1)
         if signed_zeros:

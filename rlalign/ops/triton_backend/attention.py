@@ -117,7 +117,7 @@ class DecodeLaunch:
 # and checks their bits against these; paste a faster candidate it prints here -- e.g. the fused merge:
 # SPLIT_DECODE = DecodeLaunch(fused_merge=True)).
 ITEM_DECODE = DecodeLaunch()
-SPLIT_DECODE = DecodeLaunch()
+SPLIT_DECODE = DecodeLaunch(merge_unroll=16, fused_merge=True, fold_rows=4)
 # Paged calls on the decode tile whose one-program-per-item grid (items = tiles x sequences x kv heads) has at
 # most SPLIT_MAX_ITEMS_PER_SM items per SM spread each item's key splits over several programs (the split
 # launch), if there are several splits in the block table's width and the fp32 partials stay under
