@@ -114,8 +114,9 @@ class DecodeLaunch:
 
 
 # The two decode launches (bench/gpu_attention.py --sweep-decode times candidates of both as graph replays
-# and checks their bits against these; paste a faster candidate it prints here -- e.g. the fused merge:
-# SPLIT_DECODE = DecodeLaunch(fused_merge=True)).
+# and checks their bits against these; paste a faster candidate it prints here). The split launch folds its
+# partials in the item's last program since the H200 sweep of 2026-12-02 (session 11: 0.0608 / 0.1011 ms at
+# batch 8 / 16, 4,096 context, against 0.0669 / 0.1058 with the merge kernel; SDPA flash 0.0519 / 0.0814).
 ITEM_DECODE = DecodeLaunch()
 SPLIT_DECODE = DecodeLaunch(merge_unroll=16, fused_merge=True, fold_rows=4)
 # Paged calls on the decode tile whose one-program-per-item grid (items = tiles x sequences x kv heads) has at
