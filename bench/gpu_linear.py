@@ -16,12 +16,18 @@ for q/k/v/gate/up -- against ``F.linear(x, W)`` (what a stock model calls), the 
 inputs; ``op_vs_flinear`` = F.linear time / ops.linear time (> 1: ours faster). These, not the
 kernel-only ``ratio``, are the figures a model sees.
 
-    python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick] [--sweep-small] [--sweep-kpart]
+    python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick] [--sweep-small] [--sweep-mid]
+                               [--sweep-kpart]
 
 ``--sweep-small``: only the decode-size K-partition split (M 1-64, k_segments 8, the 8B and 0.6B o_proj /
 down_proj shapes): candidate launches (gemm.SegmentSplitConfig: block N, warps, stages, the tree kernel's
 block) as CUDA-graph replays vs cuBLAS, each output compared bit for bit with the default's; prints the
 SEGMENT_SPLIT_TABLE lines to paste (only candidates bit-equal in every case; bench_linear_sweep_small.*).
+
+``--sweep-mid``: only the K partition at decode batches past SPLIT_SEGMENTS_MAX_M (M 80-1,024, the rollout's running
+sequences; same shapes): the dispatcher's one-kernel tree vs the split into per-segment partials forced with
+``gemm(split=...)`` (a few launches), bits checked against the dispatcher's; prints per M which is faster and the
+SPLIT_SEGMENTS_MAX_M / SEGMENT_SPLIT_TABLE change (bench_linear_sweep_mid.*).
 
 ``--sweep-kpart``: only the large-M canonical K partition (k_segments 8, M 1024 / 4096 / 16384, the 8B o_proj and
 down_proj shapes, which are also the column-parallel dX shapes): every gemm.KPART_CANDIDATES schedule as CUDA-graph
@@ -251,6 +257,98 @@ def print_small(rows: list[dict]) -> None:
         print(f"    ({m}, {best}),   # {gm[best]:.3f} (default {gm.get(repr(small_candidates()[0]), float('nan')):.3f})")
 
 
+# --sweep-mid: the K partition at decode batches past SPLIT_SEGMENTS_MAX_M (the rollout's 80-1,024 running
+# sequences): the one-kernel tree the dispatcher launches there (a few output tiles per SM, each walking its 8
+# segments with a pipeline drain per segment) against the split into per-segment partials + the tree kernel (P-fold
+# more programs), forced with gemm(split=...). Same bits by construction; checked here.
+MID_M = (80, 128, 256, 462, 512, 1024)   # 80: the 8B headline's decode batch; 462: 0.6b-ctx512's mean decode rows
+
+
+def mid_candidates():
+    """SEGMENT_SPLIT_TABLE's largest-M launch first, then wider tiles (the table's M <= 32 one among them)."""
+    from dataclasses import replace
+    from rlalign.ops.triton_backend.gemm import SEGMENT_SPLIT_TABLE
+    base = SEGMENT_SPLIT_TABLE[-1][1]
+    cands = [base, replace(base, block_n=128), replace(base, block_n=128, num_warps=8), replace(base, num_stages=4),
+             SEGMENT_SPLIT_TABLE[0][1]]
+    return list(dict.fromkeys(cands))
+
+
+def sweep_mid() -> list[dict]:
+    from rlalign.bench.cuda_timing import bench_ms, graphed
+    from rlalign.contract.bits import bits_equal, describe_difference
+    from rlalign.ops.triton_backend.gemm import gemm
+    rows, t0 = [], time.time()
+    cands = mid_candidates()
+    for name, n, k in SMALL_SHAPES:
+        g = torch.Generator(device=SWEEP_DEVICE).manual_seed(n + k)
+        w_sets = rotating(lambda i: torch.randn(n, k, device=SWEEP_DEVICE, generator=g).to(torch.bfloat16), n * k * 2)
+        for m in MID_M:
+            sets = [(torch.randn(m, k, device=SWEEP_DEVICE, generator=g).to(torch.bfloat16), w) for w in w_sets[:8]]
+            ref = [gemm(x, w, b_trans=True, segments=8) for x, w in (sets[0], sets[-1])]   # the dispatcher's launch
+            base = bench_ms(graphed(lambda: [torch.matmul(x, w.T) for x, w in sets]), warmup=10, rep=30) / len(sets)
+            tree = bench_ms(graphed(lambda: [gemm(x, w, b_trans=True, segments=8) for x, w in sets]),
+                            warmup=10, rep=30) / len(sets)
+            common = {"kind": "sweep-mid", "layer": name, "M": m, "N": n, "K": k, "cublas_ms": round(base, 5)}
+            rows.append(dict(common, config="dispatcher", label="one-kernel tree (dispatcher)", bits="equal",
+                             graph_ms=round(tree, 5), ratio=round(base / tree, 3)))
+            for cfg in cands:
+                row = dict(common, config=repr(cfg), label=split_label(cfg))
+                try:
+                    outs = [gemm(x, w, b_trans=True, segments=8, split=cfg) for x, w in (sets[0], sets[-1])]
+                    bad = [describe_difference(o, r) for o, r in zip(outs, ref) if not bits_equal(o, r)]
+                    row["bits"] = "DIFFER " + bad[0] if bad else "equal"
+                    if not bad:   # a launch that changes a bit is refused, not timed
+                        ms = bench_ms(graphed(lambda: [gemm(x, w, b_trans=True, segments=8, split=cfg)
+                                                       for x, w in sets]), warmup=10, rep=30) / len(sets)
+                        row.update(graph_ms=round(ms, 5), ratio=round(base / ms, 3))
+                except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+                    row["error"] = repr(exc)[:200]
+                rows.append(row)
+            print(f"[{time.time() - t0:5.0f} s] {name} M={m}: tree {rows[-len(cands) - 1]['ratio']}, split best "
+                  f"{max((r.get('ratio', 0) for r in rows[-len(cands):]), default='-')}", flush=True)
+            del sets
+        del w_sets
+        if SWEEP_DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_mid(rows: list[dict]) -> None:
+    """Each case (ratio = cuBLAS / ours, graph replays); then per M the geometric mean over the shapes of the
+    dispatcher's one-kernel tree and of the best split launch bit-equal everywhere, and the SPLIT_SEGMENTS_MAX_M
+    / SEGMENT_SPLIT_TABLE lines that take the split up to the largest M where it wins on the geometric mean."""
+    print(f"{'M':>5} {'layer':>15} {'ratio':>6} {'ms':>8} {'bits':>6}  launch")
+    for r in rows:
+        print(f"{r['M']:>5} {r['layer']:>15} {r.get('ratio', '-'):>6} {r.get('graph_ms', '-'):>8} "
+              f"{r.get('bits', 'ERROR')[:6]:>6}  {r['label']}" + (f"  {r.get('error', '')}{r.get('bits', '')[6:]}"
+                                                                   if r.get("bits") != "equal" else ""))
+    refused = {r["config"] for r in rows if r.get("bits") != "equal"}
+    print("split launches refused (bits differ from the dispatcher's, or failed): " + (", ".join(
+        sorted({r["label"] for r in rows if r["config"] in refused})) or "none"))
+    lines, wins_to = [], None
+    for m in MID_M:
+        score = {}
+        for r in rows:
+            if r["M"] == m and r["config"] not in refused and "ratio" in r:
+                score.setdefault(r["config"], []).append(r["ratio"])
+        full = {c: float(torch.tensor(v).log().mean().exp()) for c, v in score.items() if len(v) == len(SMALL_SHAPES)}
+        tree = full.pop("dispatcher", float("nan"))
+        if not full:
+            print(f"M = {m}: no split launch passed on every shape (tree {tree:.3f})")
+            continue
+        best = max(full, key=full.get)
+        print(f"M = {m}: one-kernel tree {tree:.3f}, best split {full[best]:.3f}  {best}")
+        if full[best] > tree and (wins_to is None or wins_to == MID_M[MID_M.index(m) - 1]):
+            wins_to = m
+            lines.append(f"    ({m}, {best}),   # {full[best]:.3f} (one-kernel tree {tree:.3f})")
+    if wins_to is None:
+        print("the split wins at no M above SPLIT_SEGMENTS_MAX_M on the geometric mean: no change")
+    else:
+        print(f"CHANGE (gemm.py): SPLIT_SEGMENTS_MAX_M = {wins_to}, and append to SEGMENT_SPLIT_TABLE:")
+        print("\n".join(lines))
+
+
 # --sweep-kpart: the large-M K partition (k_segments 8) schedules of gemm.KPART_CANDIDATES on the 8B o_proj
 # (4096x4096, K 4096) and down_proj (4096x12288) shapes, which are also the shapes of the column-parallel dX
 # with the canonical N partition (q/k/v/gate/up backward, distributed.layers: the same b_trans kernel); the
@@ -404,6 +502,10 @@ def parser() -> argparse.ArgumentParser:
                     help="only the decode-size K-partition split: candidate SegmentSplitConfigs at M in "
                          + "/".join(map(str, SMALL_M)) + " on the 8B/0.6B o_proj/down_proj shapes, graph replays, "
                          "each checked bitwise against the default")
+    ap.add_argument("--sweep-mid", action="store_true",
+                    help="only the K partition at decode batches M in " + "/".join(map(str, MID_M)) + ": the "
+                         "dispatcher's one-kernel tree vs the forced split into per-segment partials (bits checked), "
+                         "graph replays vs cuBLAS on the 8B/0.6B o_proj/down_proj shapes")
     ap.add_argument("--sweep-kpart", action="store_true",
                     help="only the large-M K partition: gemm.KPART_CANDIDATES at M in " + "/".join(map(str, KPART_M))
                          + " on the 8B o_proj/down_proj shapes (= the column-parallel dX shapes), graph replays vs "
@@ -422,6 +524,8 @@ def main() -> int:
         return run_sweep(args.out, "linear_sweep_small", sweep_small, print_small)
     if args.sweep_kpart:
         return run_sweep(args.out, "linear_sweep_kpart", sweep_kpart, print_kpart)
+    if args.sweep_mid:
+        return run_sweep(args.out, "linear_sweep_mid", sweep_mid, print_mid)
     rows = []
     plan = [(m, n, k, None, None, False) for (n, k) in SHAPES for m in M_VALUES]
     plan += [(m, n, k, 8, None, False) for (n, k) in SEGMENT_SHAPES for m in SEGMENT_M]

@@ -1,5 +1,5 @@
-"""CPU smoke run of the two decode sweeps (bench/gpu_attention.py --sweep-decode, bench/gpu_linear.py
---sweep-small) under the Triton interpreter: tiny shapes, fp32 (the interpreter mis-rounds bf16), the CUDA
+"""CPU smoke run of the decode sweeps (bench/gpu_attention.py --sweep-decode, bench/gpu_linear.py
+--sweep-small and --sweep-mid) under the Triton interpreter: tiny shapes, fp32 (the interpreter mis-rounds bf16), the CUDA
 timing replaced by a counter (the "ms" columns mean nothing). It runs the sweeps' code paths -- candidate
 lists, launches, the bitwise check against the default, the tables -- before they spend device time.
 Note: the interpreter's tl.dot is a BLAS matmul, whose bits depend on the tile width, so GEMM candidates
@@ -51,3 +51,8 @@ else:
     GL.small_candidates = lambda: cands[:3]
     rows = GL.sweep_small()
     GL.print_small(rows)
+    GL.MID_M = (65, 130)
+    mids = GL.mid_candidates()
+    GL.mid_candidates = lambda: mids[:2]
+    rows = GL.sweep_mid()
+    GL.print_mid(rows)

@@ -102,7 +102,7 @@ def _check_gemm_split_segments():
     values (same 64x64 tile, so numpy's dots agree too), every element written, bias and fp32 output,
     segments of whole steps (TMA) and of 48 columns (pointer path, masked), the dX layout."""
     import torch
-    from rlalign.ops.triton_backend.gemm import SPLIT_SEGMENTS_MAX_M, GemmConfig, gemm
+    from rlalign.ops.triton_backend.gemm import SPLIT_SEGMENTS_MAX_M, GemmConfig, SegmentSplitConfig, gemm
     g = torch.Generator().manual_seed(7)
     worst = 0.0
     for m, n, k, seg, bt, has_bias, out_dtype in ((1, 70, 512, 8, True, True, torch.float32),
@@ -117,6 +117,13 @@ def _check_gemm_split_segments():
         one = gemm(a, b, b_trans=bt, bias=bias, segments=seg, out_dtype=out_dtype, config=GemmConfig(64, 64, 4, 2))
         if not torch.equal(out, one):
             return f"split partials differ from the one-kernel tree (m={m}, n={n}, k={k}, P={seg})"
+    # an explicit split launch takes the split past SPLIT_SEGMENTS_MAX_M (bench/gpu_linear.py --sweep-mid): three
+    # 64-row tiles, the last one partial
+    a, b = torch.randn(SPLIT_SEGMENTS_MAX_M * 2 + 5, 256, generator=g), torch.randn(72, 256, generator=g)
+    forced = gemm(a, b, b_trans=True, segments=4, out_dtype=torch.float32, split=SegmentSplitConfig())
+    one = gemm(a, b, b_trans=True, segments=4, out_dtype=torch.float32, config=GemmConfig(64, 64, 4, 2))
+    if not torch.equal(forced, one):
+        return f"a forced split at M={a.shape[0]} differs from the one-kernel tree"
         ref = a.double() @ (b.double().T if bt else b.double())
         if bias is not None:
             ref = ref + bias.double()

@@ -566,7 +566,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     a power of two <= 8 dividing K. ``config`` / ``use_tma`` override the automatic choice (tests and
     benchmarks: every choice gives the same bits; a ``config`` runs the one-kernel tree, never the
     decode-size split into per-segment partials of _gemm_split_segments, whose launch ``split`` replaces
-    the table's :func:`segment_split_config`).
+    the table's :func:`segment_split_config` -- and, given, takes the split at any M: bench/gpu_linear.py
+    --sweep-mid times it against the one-kernel tree above SPLIT_SEGMENTS_MAX_M).
     """
     if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"gemm: operands must share bf16 or fp32, got {a.dtype} and {b.dtype}")
@@ -592,7 +593,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
                 out.add_(bias.to(out.dtype))
         return out
     fp32 = a.dtype == torch.float32
-    if segments > 1 and m <= SPLIT_SEGMENTS_MAX_M and config is None:
+    if segments > 1 and config is None and (m <= SPLIT_SEGMENTS_MAX_M or split is not None):
         seg_k = k // segments
         tma = seg_k % BLOCK_K == 0 and tma_ok(a) and tma_ok(b) and (use_tma is None or use_tma)
         return _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s_am, s_ak, s_bk, s_bn, tma,
