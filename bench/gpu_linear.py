@@ -181,6 +181,22 @@ def split_label(cfg) -> str:
             + f" + tree/{cfg.merge_block}w{cfg.merge_warps}")
 
 
+def time_if_bit_equal(row: dict, run, sets, ref, base_ms: float, ms_of) -> None:
+    """The sweeps' one rule: ``run(x, w)`` on the first and last input sets must give ``ref``'s raw bits, else the
+    candidate is refused (row["bits"] says where it differs) and not timed; a bit-equal one gets graph_ms =
+    ``ms_of(run, sets)`` and ratio = base_ms / graph_ms (> 1: faster than the baseline). Errors are reported."""
+    from rlalign.contract.bits import bits_equal, describe_difference
+    try:
+        outs = [run(x, w) for x, w in (sets[0], sets[-1])]
+        bad = [describe_difference(o, r) for o, r in zip(outs, ref) if not bits_equal(o, r)]
+        row["bits"] = "DIFFER " + bad[0] if bad else "equal"
+        if not bad:
+            ms = ms_of(run, sets)
+            row.update(graph_ms=round(ms, 5), ratio=round(base_ms / ms, 3))
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+        row["error"] = repr(exc)[:200]
+
+
 # --sweep-small: the decode-size split (k_segments 8, M <= 64) on the 8B / 0.6B o_proj and down_proj shapes,
 # candidate SegmentSplitConfigs as CUDA-graph replays (the rotation of W copies inside one replay), each
 # output compared bit for bit with the default's.
@@ -200,9 +216,13 @@ def small_candidates():
     return list(dict.fromkeys(cands))
 
 
-def sweep_small() -> list[dict]:
+def _replay_ms(run, sets) -> float:
+    """ms per input set of one CUDA-graph replay running ``run`` on every set (the decode sweeps' timing)."""
     from rlalign.bench.cuda_timing import bench_ms, graphed
-    from rlalign.contract.bits import bits_equal, describe_difference
+    return bench_ms(graphed(lambda: [run(x, w) for x, w in sets]), warmup=10, rep=30) / len(sets)
+
+
+def sweep_small() -> list[dict]:
     from rlalign.ops.triton_backend.gemm import gemm
     rows = []
     cands = small_candidates()
@@ -212,19 +232,12 @@ def sweep_small() -> list[dict]:
         for m in SMALL_M:
             sets = [(torch.randn(m, k, device=SWEEP_DEVICE, generator=g).to(torch.bfloat16), w) for w in w_sets]
             ref = [gemm(x, w, b_trans=True, segments=8, split=cands[0]) for x, w in (sets[0], sets[-1])]
-            base = bench_ms(graphed(lambda: [torch.matmul(x, w.T) for x, w in sets]), warmup=10, rep=30) / len(sets)
+            base = _replay_ms(lambda x, w: torch.matmul(x, w.T), sets)
             for cfg in cands:
                 row = {"kind": "sweep-small", "layer": name, "M": m, "N": n, "K": k, "config": repr(cfg),
                        "label": split_label(cfg), "cublas_ms": round(base, 5)}
-                try:
-                    outs = [gemm(x, w, b_trans=True, segments=8, split=cfg) for x, w in (sets[0], sets[-1])]
-                    bad = [describe_difference(o, r) for o, r in zip(outs, ref) if not bits_equal(o, r)]
-                    row["bits"] = "DIFFER " + bad[0] if bad else "equal"
-                    ms = bench_ms(graphed(lambda: [gemm(x, w, b_trans=True, segments=8, split=cfg) for x, w in sets]),
-                                  warmup=10, rep=30) / len(sets)
-                    row.update(graph_ms=round(ms, 5), ratio=round(base / ms, 3))
-                except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
-                    row["error"] = repr(exc)[:200]
+                time_if_bit_equal(row, lambda x, w: gemm(x, w, b_trans=True, segments=8, split=cfg), sets, ref, base,
+                                  _replay_ms)
                 rows.append(row)
         del w_sets
         torch.cuda.empty_cache()
@@ -275,8 +288,6 @@ def mid_candidates():
 
 
 def sweep_mid() -> list[dict]:
-    from rlalign.bench.cuda_timing import bench_ms, graphed
-    from rlalign.contract.bits import bits_equal, describe_difference
     from rlalign.ops.triton_backend.gemm import gemm
     rows, t0 = [], time.time()
     cands = mid_candidates()
@@ -286,24 +297,15 @@ def sweep_mid() -> list[dict]:
         for m in MID_M:
             sets = [(torch.randn(m, k, device=SWEEP_DEVICE, generator=g).to(torch.bfloat16), w) for w in w_sets[:8]]
             ref = [gemm(x, w, b_trans=True, segments=8) for x, w in (sets[0], sets[-1])]   # the dispatcher's launch
-            base = bench_ms(graphed(lambda: [torch.matmul(x, w.T) for x, w in sets]), warmup=10, rep=30) / len(sets)
-            tree = bench_ms(graphed(lambda: [gemm(x, w, b_trans=True, segments=8) for x, w in sets]),
-                            warmup=10, rep=30) / len(sets)
+            base = _replay_ms(lambda x, w: torch.matmul(x, w.T), sets)
+            tree = _replay_ms(lambda x, w: gemm(x, w, b_trans=True, segments=8), sets)
             common = {"kind": "sweep-mid", "layer": name, "M": m, "N": n, "K": k, "cublas_ms": round(base, 5)}
             rows.append(dict(common, config="dispatcher", label="one-kernel tree (dispatcher)", bits="equal",
                              graph_ms=round(tree, 5), ratio=round(base / tree, 3)))
             for cfg in cands:
                 row = dict(common, config=repr(cfg), label=split_label(cfg))
-                try:
-                    outs = [gemm(x, w, b_trans=True, segments=8, split=cfg) for x, w in (sets[0], sets[-1])]
-                    bad = [describe_difference(o, r) for o, r in zip(outs, ref) if not bits_equal(o, r)]
-                    row["bits"] = "DIFFER " + bad[0] if bad else "equal"
-                    if not bad:   # a launch that changes a bit is refused, not timed
-                        ms = bench_ms(graphed(lambda: [gemm(x, w, b_trans=True, segments=8, split=cfg)
-                                                       for x, w in sets]), warmup=10, rep=30) / len(sets)
-                        row.update(graph_ms=round(ms, 5), ratio=round(base / ms, 3))
-                except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
-                    row["error"] = repr(exc)[:200]
+                time_if_bit_equal(row, lambda x, w: gemm(x, w, b_trans=True, segments=8, split=cfg), sets, ref, base,
+                                  _replay_ms)
                 rows.append(row)
             print(f"[{time.time() - t0:5.0f} s] {name} M={m}: tree {rows[-len(cands) - 1]['ratio']}, split best "
                   f"{max((r.get('ratio', 0) for r in rows[-len(cands):]), default='-')}", flush=True)
@@ -374,7 +376,6 @@ def _graph_ms(fn, sets) -> float:
 
 
 def sweep_kpart() -> list[dict]:
-    from rlalign.contract.bits import bits_equal, describe_difference
     from rlalign.ops.triton_backend.gemm import KPART_CANDIDATES, gemm
     rows, t0 = [], time.time()
     for name, n, k in KPART_SHAPES:
@@ -387,16 +388,8 @@ def sweep_kpart() -> list[dict]:
             for cfg in KPART_CANDIDATES:
                 row = {"kind": "sweep-kpart", "layer": name, "M": m, "N": n, "K": k, "config": repr(cfg),
                        "label": kpart_label(cfg), "cublas_ms": round(base, 4)}
-                try:
-                    run = lambda x, w: gemm(x, w, b_trans=True, segments=8, config=cfg)  # noqa: E731
-                    outs = [run(x, w) for x, w in (sets[0], sets[-1])]
-                    bad = [describe_difference(o, r) for o, r in zip(outs, ref) if not bits_equal(o, r)]
-                    row["bits"] = "DIFFER " + bad[0] if bad else "equal"
-                    if not bad:   # a candidate that changes a bit is refused, not timed
-                        ms = _graph_ms(run, sets)
-                        row.update(graph_ms=round(ms, 4), ratio=round(base / ms, 3))
-                except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
-                    row["error"] = repr(exc)[:200]
+                time_if_bit_equal(row, lambda x, w: gemm(x, w, b_trans=True, segments=8, config=cfg), sets, ref,
+                                  base, _graph_ms)
                 rows.append(row)
                 print(f"[{time.time() - t0:5.0f} s] {name} M={m} {row['label']}: {row.get('ratio', '-')} "
                       f"{row.get('bits', row.get('error', ''))[:80]}", flush=True)
