@@ -20,6 +20,8 @@ contexts; the sweep's 3-programs-per-SM candidates (1 stage, 168-register cap) k
 from __future__ import annotations
 
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -402,7 +404,7 @@ def test_fused_merge_equals_both_launches(triton_backend):
             call = dict(progs_per_item=progs)
             item = A.paged_forward(q[rows], kc, vc, table, _i32(ctx), one_per_seq, d ** -0.5, split_programs=False)
             two = A.paged_forward(q[rows], kc, vc, table, _i32(ctx), one_per_seq, d ** -0.5, split_programs=True,
-                                  **call)
+                                  launch=dataclasses.replace(A.SPLIT_DECODE, fused_merge=False), **call)
             fused = A.paged_forward(q[rows], kc, vc, table, _i32(ctx), one_per_seq, d ** -0.5, split_programs=True,
                                     launch=launch, **call)
             assert_bitwise_equal(item, packed[rows], f"per-item vs packed, {how}")
