@@ -302,24 +302,32 @@ def test_split_decode_in_a_cuda_graph(triton_backend, split_launch):
     packed = ops.attention_varlen(q, k, v, cu)
     starts = [sum(lens[:s]) for s in range(len(lens))]
     kc, vc, table = _paged_cache(k, v, lens, 16, seed=110)
-    q_buf = q[starts].clone()   # the first token of each sequence: a real row for the warm-up call
-    ctx_buf = _i32([1] * len(lens))
-    one_per_seq = _i32(list(range(len(lens) + 1)))
     items = A.decode_items(1, len(lens), q.shape[1], HKV)
     assert A.use_split_programs(items, table.shape[1] * 16, 0, A.device_sms(q)), "the capture would not split"
+    _replays_equal_packed(q, kc, vc, table, lens, starts, packed, (0, 1, 2, 3, 4, SPLIT // 2), "graph replay")
+    ops.flush_deferred_checks()
+
+
+def _replays_equal_packed(q, kc, vc, table, lens, starts, packed, backs, what, after_replay=lambda back: None):
+    """One decode step of len(lens) sequences captured in a CUDA graph (after an eager warm-up call on each
+    sequence's first token: compiles, allocates), then replayed with every context ``back`` tokens before the
+    sequences' ends: each replay's rows must be the packed forward's bits; ``after_replay(back)`` checks more."""
+    q_buf = q[starts].clone()
+    ctx_buf = _i32([1] * len(lens))
+    one_per_seq = _i32(list(range(len(lens) + 1)))
     ops.attention_paged(q_buf, kc, vc, table, ctx_buf, one_per_seq)   # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with ops.capturing_graph(max_query_len=1), torch.cuda.graph(graph):
         out = ops.attention_paged(q_buf, kc, vc, table, ctx_buf, one_per_seq)
-    for back in (0, 1, 2, 3, 4, SPLIT // 2):
+    for back in backs:
         ctx = [max(n - back, 1) for n in lens]
         rows = [st + c - 1 for st, c in zip(starts, ctx)]
         q_buf.copy_(q[rows])
         ctx_buf.copy_(_i32(ctx))
         graph.replay()
-        assert_bitwise_equal(out, packed[rows], f"graph replay, {back} tokens before the ends")
-    ops.flush_deferred_checks()
+        assert_bitwise_equal(out, packed[rows], f"{what}, {back} tokens before the ends")
+        after_replay(back)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
@@ -427,22 +435,13 @@ def test_fused_merge_in_a_cuda_graph(triton_backend, split_launch, monkeypatch):
     packed = ops.attention_varlen(q, k, v, cu)
     starts = [sum(lens[:s]) for s in range(len(lens))]
     kc, vc, table = _paged_cache(k, v, lens, 16, seed=140)
-    q_buf = q[starts].clone()
-    ctx_buf = _i32([1] * len(lens))
-    one_per_seq = _i32(list(range(len(lens) + 1)))
-    ops.attention_paged(q_buf, kc, vc, table, ctx_buf, one_per_seq)   # compiles, allocates the counters
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with ops.capturing_graph(max_query_len=1), torch.cuda.graph(graph):
-        out = ops.attention_paged(q_buf, kc, vc, table, ctx_buf, one_per_seq)
-    for back in (0, 1, 2, 3, 4, SPLIT // 2, SPLIT + 1):
-        ctx = [max(n - back, 1) for n in lens]
-        rows = [st + c - 1 for st, c in zip(starts, ctx)]
-        q_buf.copy_(q[rows])
-        ctx_buf.copy_(_i32(ctx))
-        graph.replay()
-        assert_bitwise_equal(out, packed[rows], f"fused graph replay, {back} tokens before the ends")
+
+    def counters_reset(back):
         assert _counters_zero(), f"arrival counters not reset by the replay {back} tokens before the ends"
+    # the warm-up call also allocates the counters (a capture never does)
+    _replays_equal_packed(q, kc, vc, table, lens, starts, packed, (0, 1, 2, 3, 4, SPLIT // 2, SPLIT + 1),
+                          "fused graph replay", counters_reset)
+    one_per_seq = _i32(list(range(len(lens) + 1)))
     rows = [st + n - 1 for st, n in zip(starts, lens)]
     eager = ops.attention_paged(q[rows], kc, vc, table, _i32(list(lens)), one_per_seq)
     assert_bitwise_equal(eager, packed[rows], "eager fused call after the replays")
