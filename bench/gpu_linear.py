@@ -181,6 +181,12 @@ def split_label(cfg) -> str:
             + f" + tree/{cfg.merge_block}w{cfg.merge_warps}")
 
 
+def _graph_ms(fn, sets) -> float:
+    """ms per input set of one CUDA-graph replay running ``fn(*set)`` on every set (the sweeps' one timer)."""
+    from rlalign.bench.cuda_timing import bench_ms, graphed
+    return bench_ms(graphed(lambda: [fn(*s) for s in sets]), warmup=10, rep=50) / len(sets)
+
+
 def time_if_bit_equal(row: dict, run, sets, ref, base_ms: float, ms_of) -> None:
     """The sweeps' one rule: ``run(x, w)`` on the first and last input sets must give ``ref``'s raw bits, else the
     candidate is refused (row["bits"] says where it differs) and not timed; a bit-equal one gets graph_ms =
@@ -216,12 +222,6 @@ def small_candidates():
     return list(dict.fromkeys(cands))
 
 
-def _replay_ms(run, sets) -> float:
-    """ms per input set of one CUDA-graph replay running ``run`` on every set (the decode sweeps' timing)."""
-    from rlalign.bench.cuda_timing import bench_ms, graphed
-    return bench_ms(graphed(lambda: [run(x, w) for x, w in sets]), warmup=10, rep=30) / len(sets)
-
-
 def sweep_small() -> list[dict]:
     from rlalign.ops.triton_backend.gemm import gemm
     rows = []
@@ -232,29 +232,35 @@ def sweep_small() -> list[dict]:
         for m in SMALL_M:
             sets = [(torch.randn(m, k, device=SWEEP_DEVICE, generator=g).to(torch.bfloat16), w) for w in w_sets]
             ref = [gemm(x, w, b_trans=True, segments=8, split=cands[0]) for x, w in (sets[0], sets[-1])]
-            base = _replay_ms(lambda x, w: torch.matmul(x, w.T), sets)
+            base = _graph_ms(lambda x, w: torch.matmul(x, w.T), sets)
             for cfg in cands:
                 row = {"kind": "sweep-small", "layer": name, "M": m, "N": n, "K": k, "config": repr(cfg),
                        "label": split_label(cfg), "cublas_ms": round(base, 5)}
                 time_if_bit_equal(row, lambda x, w: gemm(x, w, b_trans=True, segments=8, split=cfg), sets, ref, base,
-                                  _replay_ms)
+                                  _graph_ms)
                 rows.append(row)
         del w_sets
         torch.cuda.empty_cache()
     return rows
 
 
+def print_cases(rows: list[dict], refused_title: str) -> set[str]:
+    """The decode sweeps' table (one line per case: ratio = cuBLAS / ours, graph ms, bits, launch; where it
+    differs or failed) and one line naming the refused launches; returns their configs (never picked)."""
+    print(f"{'M':>5} {'layer':>15} {'ratio':>6} {'ms':>8} {'bits':>6}  launch")
+    for r in rows:
+        print(f"{r['M']:>5} {r['layer']:>15} {r.get('ratio', '-'):>6} {r.get('graph_ms', '-'):>8} "
+              f"{r.get('bits', 'ERROR')[:6]:>6}  {r['label']}" + (f"  {r.get('error', '')}{r.get('bits', '')[6:]}"
+                                                                   if r.get("bits") != "equal" else ""))
+    refused = {r["config"] for r in rows if r.get("bits") != "equal"}
+    print(f"{refused_title}: " + (", ".join(sorted({r["label"] for r in rows if r["config"] in refused})) or "none"))
+    return refused
+
+
 def print_small(rows: list[dict]) -> None:
     """Each case's candidates (ratio = cuBLAS / ours, bits); then per M the candidate with the best geometric-mean
     ratio over the shapes among those bit-equal in EVERY case, as SEGMENT_SPLIT_TABLE lines to paste."""
-    print(f"{'M':>3} {'layer':>15} {'ratio':>6} {'ms':>8} {'bits':>6}  config")
-    for r in rows:
-        print(f"{r['M']:>3} {r['layer']:>15} {r.get('ratio', '-'):>6} {r.get('graph_ms', '-'):>8} "
-              f"{r.get('bits', 'ERROR')[:6]:>6}  {r['label']}" + (f"  {r.get('error', '')}{r.get('bits', '')[6:]}"
-                                                                   if r.get("bits") != "equal" else ""))
-    disqualified = {r["config"] for r in rows if r.get("bits") != "equal"}
-    print("candidates that differ from the default or failed (never picked): " + (", ".join(
-        sorted({r["label"] for r in rows if r["config"] in disqualified})) or "none"))
+    disqualified = print_cases(rows, "candidates that differ from the default or failed (never picked)")
     print("SEGMENT_SPLIT_TABLE (rlalign/ops/triton_backend/gemm.py), geometric-mean ratio over the shapes:")
     for m in SMALL_M:
         score = {}
@@ -297,15 +303,15 @@ def sweep_mid() -> list[dict]:
         for m in MID_M:
             sets = [(torch.randn(m, k, device=SWEEP_DEVICE, generator=g).to(torch.bfloat16), w) for w in w_sets[:8]]
             ref = [gemm(x, w, b_trans=True, segments=8) for x, w in (sets[0], sets[-1])]   # the dispatcher's launch
-            base = _replay_ms(lambda x, w: torch.matmul(x, w.T), sets)
-            tree = _replay_ms(lambda x, w: gemm(x, w, b_trans=True, segments=8), sets)
+            base = _graph_ms(lambda x, w: torch.matmul(x, w.T), sets)
+            tree = _graph_ms(lambda x, w: gemm(x, w, b_trans=True, segments=8), sets)
             common = {"kind": "sweep-mid", "layer": name, "M": m, "N": n, "K": k, "cublas_ms": round(base, 5)}
             rows.append(dict(common, config="dispatcher", label="one-kernel tree (dispatcher)", bits="equal",
                              graph_ms=round(tree, 5), ratio=round(base / tree, 3)))
             for cfg in cands:
                 row = dict(common, config=repr(cfg), label=split_label(cfg))
                 time_if_bit_equal(row, lambda x, w: gemm(x, w, b_trans=True, segments=8, split=cfg), sets, ref, base,
-                                  _replay_ms)
+                                  _graph_ms)
                 rows.append(row)
             print(f"[{time.time() - t0:5.0f} s] {name} M={m}: tree {rows[-len(cands) - 1]['ratio']}, split best "
                   f"{max((r.get('ratio', 0) for r in rows[-len(cands):]), default='-')}", flush=True)
@@ -320,14 +326,7 @@ def print_mid(rows: list[dict]) -> None:
     """Each case (ratio = cuBLAS / ours, graph replays); then per M the geometric mean over the shapes of the
     dispatcher's one-kernel tree and of the best split launch bit-equal everywhere, and the SPLIT_SEGMENTS_MAX_M
     / SEGMENT_SPLIT_TABLE lines that take the split up to the largest M where it wins on the geometric mean."""
-    print(f"{'M':>5} {'layer':>15} {'ratio':>6} {'ms':>8} {'bits':>6}  launch")
-    for r in rows:
-        print(f"{r['M']:>5} {r['layer']:>15} {r.get('ratio', '-'):>6} {r.get('graph_ms', '-'):>8} "
-              f"{r.get('bits', 'ERROR')[:6]:>6}  {r['label']}" + (f"  {r.get('error', '')}{r.get('bits', '')[6:]}"
-                                                                   if r.get("bits") != "equal" else ""))
-    refused = {r["config"] for r in rows if r.get("bits") != "equal"}
-    print("split launches refused (bits differ from the dispatcher's, or failed): " + (", ".join(
-        sorted({r["label"] for r in rows if r["config"] in refused})) or "none"))
+    refused = print_cases(rows, "split launches refused (bits differ from the dispatcher's, or failed)")
     lines, wins_to = [], None
     for m in MID_M:
         score = {}
@@ -368,11 +367,6 @@ def kpart_label(cfg) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}/rl{cfg.reg_levels}"
             + ("/stream" if cfg.stream else "/nested" if cfg.nested else "/flat")
             + (f"/x{cfg.ctas_per_sm}" if cfg.ctas_per_sm != 1 else ""))
-
-
-def _graph_ms(fn, sets) -> float:
-    from rlalign.bench.cuda_timing import bench_ms, graphed
-    return bench_ms(graphed(lambda: [fn(*s) for s in sets]), warmup=10, rep=50) / len(sets)
 
 
 def sweep_kpart() -> list[dict]:
