@@ -482,7 +482,9 @@ def merge_partials_kernel(ws_ptr, c_ptr, bias_ptr, MN, N, stride_cm, P: tl.const
 # one-kernel tree (each segment from zero in 64-column steps, the same fp32 adds in the same tree, bias,
 # one rounding), so the bits do not change; the P-fold more programs fill the SMs when M <= 64 leaves a
 # handful of output tiles (a 4096-wide layer at M = 1: 128 programs of 64x32 tiles, each walking all of K).
-SPLIT_SEGMENTS_MAX_M = 64
+# Up to 256 rows: H200 `--sweep-mid` (2026-12-02, session 12) found the split faster than the one-kernel tree at
+# M = 80-256 (geometric mean over the 8B / 0.6B o_proj / down_proj shapes 0.65-0.82 vs 0.47-0.49) and not at 462+.
+SPLIT_SEGMENTS_MAX_M = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,9 +509,12 @@ class SegmentSplitConfig:
 # H200, 2026-12-02 (`--sweep-small`, graph replays, every candidate bit-equal to the default; ratio = cuBLAS /
 # ours, geometric mean over the 8B and 0.6B o_proj / down_proj shapes; bench/gpu_2026-12-02-s10/call3):
 # 64x128 tiles at M <= 32 (0.98-1.18, default 64x64: 0.88-1.05), 64x64 with 3 stages at M = 64 (0.93, default 0.90).
+# M = 65-256 (`--sweep-mid`, session 12, bench/gpu_2026-12-02-s12/call1): 64x128 with 4 stages, 0.81 / 0.82 / 0.65
+# at M = 80 / 128 / 256.
 SEGMENT_SPLIT_TABLE: tuple[tuple[int, SegmentSplitConfig], ...] = (
     (32, SegmentSplitConfig(block_n=128, num_warps=4, num_stages=4)),
-    (SPLIT_SEGMENTS_MAX_M, SegmentSplitConfig(block_n=64, num_warps=4, num_stages=3)),
+    (64, SegmentSplitConfig(block_n=64, num_warps=4, num_stages=3)),
+    (SPLIT_SEGMENTS_MAX_M, SegmentSplitConfig(block_n=128, num_warps=4, num_stages=4)),
 )
 
 
