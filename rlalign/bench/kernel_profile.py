@@ -79,7 +79,7 @@ class KernelProfile:
         self._prof.stop()
         self.running = False
 
-    def breakdown(self, steps: int | None = None, top: int = 12) -> dict:
+    def breakdown(self, steps: int | None = None, top: int = 40) -> dict:
         """Kernel time of the window by family, per step when ``steps`` is given (see the module docstring)."""
         times = _kernel_times_us(self._prof, self.device)
         div = max(1, steps or 1) * 1000.0   # microseconds -> milliseconds per step
@@ -94,12 +94,12 @@ class KernelProfile:
             "kernel_calls": round(sum(calls for _, calls in times.values()) / max(1, steps or 1), 2),
             "families": {name: {"ms": round(us / div, 4), "share": round(us / total, 4) if total else 0.0}
                          for name, us in sorted(families.items(), key=lambda item: -item[1])},
-            "top": [{"name": name[:120], "family": family(name), "ms": round(us / div, 4), "calls": calls}
+            "top": [{"name": name[:200], "family": family(name), "ms": round(us / div, 4), "calls": calls}
                     for name, (us, calls) in ranked],
         }
 
 
-def profile_breakdown(fn: Callable[[], object], device: str, steps: int | None = None, top: int = 12) -> dict:
+def profile_breakdown(fn: Callable[[], object], device: str, steps: int | None = None, top: int = 40) -> dict:
     """Profile one whole ``fn()`` and group its kernel time (see the module docstring)."""
     prof = KernelProfile(device)
     prof.start()
