@@ -322,6 +322,11 @@ def parser() -> argparse.ArgumentParser:
                     help="only the decode launch sweep: candidate DecodeLaunch configs of the split and per-item "
                          "launches as graph replays at batch " + "/".join(map(str, SWEEP_BATCHES)) +
                          ", each checked bitwise against the per-item default")
+    ap.add_argument("--sweep-batches", help="the decode sweep's batches, comma-separated (e.g. 462: the "
+                                            "0.6b-ctx512 rollout's mean running sequences)")
+    ap.add_argument("--sweep-shape", metavar="CTX,HQ,HKV",
+                    help=f"the decode sweep's context and heads (default {SWEEP_CTX},{SWEEP_HQ},{SWEEP_HKV}; "
+                         "the 0.6B shape: 512,16,8)")
     return ap
 
 
@@ -331,6 +336,11 @@ def main() -> int:
         print("gpu_attention: no CUDA device")
         return 1
     import rlalign.ops.triton_backend  # noqa: F401
+    global SWEEP_BATCHES, SWEEP_CTX, SWEEP_HQ, SWEEP_HKV
+    if args.sweep_batches:
+        SWEEP_BATCHES = tuple(int(b) for b in args.sweep_batches.split(","))
+    if args.sweep_shape:
+        SWEEP_CTX, SWEEP_HQ, SWEEP_HKV = (int(x) for x in args.sweep_shape.split(","))
     if args.sweep_decode:
         return run_sweep(args.out, "attention_sweep", sweep_decode, print_sweep)
     plan = [(prefill, (4, 4096, 32, 8)), (prefill, (4, 4096, 32, 32)), (prefill, (1, 4096, 32, 8)),
