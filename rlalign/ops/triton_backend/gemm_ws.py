@@ -57,7 +57,7 @@ import torch
 import triton
 
 from rlalign.contract.errors import ContractError
-from rlalign.ops.triton_backend._common import BLOCK_K, device_sms, tma_ok
+from rlalign.ops.triton_backend._common import BLOCK_K, device_sms, is_interpreter, tma_ok
 
 try:
     from triton.experimental import gluon
@@ -112,6 +112,8 @@ def unsupported_reason(a: torch.Tensor, b: torch.Tensor, b_trans: bool, segments
     """Why the Gluon kernel cannot take this call (None: it can)."""
     if GLUON_IMPORT_ERROR is not None:
         return f"this Triton has no Gluon ({GLUON_IMPORT_ERROR})"
+    if is_interpreter():
+        return "Gluon kernels have no CPU interpreter (TRITON_INTERPRET=1)"
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         return f"operands {a.dtype} x {b.dtype}: bf16 only (fp32 operands take the Triton kernel)"
     if a_trans:
@@ -273,7 +275,7 @@ if gluon is not None:
         fence_async_shared()
         tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["M", "N", "steps"])
     def kpart_ws_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, steps,
                         P: gl.constexpr, LOG2P: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
                         HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr):
