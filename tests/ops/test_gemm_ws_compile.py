@@ -97,7 +97,49 @@ def _worker() -> None:
                         "zero_start_chains": len(re.findall(r"wgmma\.mma_async[^\n]*\}, %rd\d+, %rd\d+, 0,", ptx)),
                         "drains": ptx.count("wgmma.wait_group.sync.aligned 0;"),
                         "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx))})
-    print("RESULTS " + json.dumps({"results": results}))
+    print("RESULTS " + json.dumps({"results": results, "unsupported": _unsupported_calls(W), "selection": _selection()}))
+
+
+def _unsupported_calls(W) -> list:
+    """(what, exception class, message) of calls the kernel must refuse by name."""
+    import torch
+    bf = torch.bfloat16
+    x, w = torch.empty(64, 1024, dtype=bf), torch.empty(256, 1024, dtype=bf)
+    calls = {
+        "K not a multiple of P * 64": lambda: W.gemm_ws(x[:, :960], w[:, :960], b_trans=True, segments=8,
+                                                        out=torch.empty(64, 256, dtype=bf)),
+        "fp32 operands": lambda: W.gemm_ws(x.float(), w.float(), b_trans=True, segments=8,
+                                           out=torch.empty(64, 256)),
+        "misaligned row stride": lambda: W.gemm_ws(torch.empty(64, 1028, dtype=bf)[:, :1024], w, b_trans=True,
+                                                   segments=8, out=torch.empty(64, 256, dtype=bf)),
+        "wrong out shape": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 128, dtype=bf)),
+        "128-wide tile": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
+                                           config=W.WsConfig(block_n=128)),
+    }
+    out = []
+    for what, call in calls.items():
+        try:
+            call()
+            out.append([what, None, "did not raise"])
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out.append([what, type(exc).__name__, str(exc)])
+    return out
+
+
+def _selection() -> dict:
+    """What the dispatcher's ws_default picks with RLALIGN_TRITON_GEMM_WS unset / 1 (supported and not)."""
+    import torch
+    from rlalign.ops.triton_backend import gemm as G
+    bf = torch.bfloat16
+    x, w = torch.empty(512, 1024, dtype=bf), torch.empty(256, 1024, dtype=bf)
+
+    def pick(a, b, segments):
+        return repr(G.ws_default(a, b, True, segments, False, bf, None, False))
+    os.environ.pop("RLALIGN_TRITON_GEMM_WS", None)
+    off = pick(x, w, 8)
+    os.environ["RLALIGN_TRITON_GEMM_WS"] = "1"
+    return {"off": off, "on": pick(x, w, 8), "on_fp32": pick(x.float(), w.float(), 8),
+            "on_bad_k": pick(x[:, :960], w[:, :960], 8), "default_ws": repr(G.DEFAULT_WS)}
 
 
 @pytest.fixture(scope="module")
@@ -112,16 +154,16 @@ def sm90_ws():
     data = json.loads(lines[-1][len("RESULTS "):])
     if "skip" in data:
         pytest.skip(data["skip"])
-    return data["results"]
+    return data
 
 
 def test_ws_compiles_for_sm90a(sm90_ws):
-    errors = [f"{r['case']}: {r['error']}" for r in sm90_ws if "error" in r]
+    errors = [f"{r['case']}: {r['error']}" for r in sm90_ws["results"] if "error" in r]
     assert not errors, "\n".join(errors)
 
 
 def test_ws_no_spills_no_wgmma_serialization(sm90_ws):
-    reports = [r for r in sm90_ws if r.get("ptxas") is not None]
+    reports = [r for r in sm90_ws["results"] if r.get("ptxas") is not None]
     if not reports:
         pytest.skip("Triton's ptxas could not be run")
     for r in reports:
@@ -133,7 +175,7 @@ def test_ws_no_spills_no_wgmma_serialization(sm90_ws):
 
 
 def test_ws_shared_memory_is_the_documented_budget(sm90_ws):
-    for r in sm90_ws:
+    for r in sm90_ws["results"]:
         if "error" in r:
             continue
         barriers = 2 * r["stages"] * 8
@@ -143,7 +185,7 @@ def test_ws_shared_memory_is_the_documented_budget(sm90_ws):
 
 
 def test_ws_structure_behind_the_bit_exactness(sm90_ws):
-    for r in sm90_ws:
+    for r in sm90_ws["results"]:
         if "error" in r:
             continue
         # one wgmma chain (4 k16 instructions) per k-step: the chain that starts a segment has scale-d = 0 on
@@ -151,6 +193,20 @@ def test_ws_structure_behind_the_bit_exactness(sm90_ws):
         assert r["zero_start_chains"] == r["segments"], r
         assert r["drains"] == 1, r            # wait_group 0 only at a tile's end
         assert r["tma_load_sites"] == 2, r    # A and B, from the producer's one loop over all k-steps
+
+
+def test_ws_refuses_what_it_does_not_implement_by_name(sm90_ws):
+    """Fail closed: a clear GemmWsUnsupported naming the shape, never a silent fallback inside the Gluon path."""
+    for what, cls, msg in sm90_ws["unsupported"]:
+        assert cls == "GemmWsUnsupported", (what, cls, msg)
+        assert "gemm_ws: A (" in msg and "P=8" in msg, (what, msg)
+
+
+def test_ws_dispatcher_selects_only_when_enabled_and_supported(sm90_ws):
+    sel = sm90_ws["selection"]
+    assert sel["off"] == "None", sel
+    assert sel["on"] == sel["default_ws"], sel
+    assert sel["on_fp32"] == "None" and sel["on_bad_k"] == "None", sel
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

@@ -287,9 +287,10 @@ if gluon is not None:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-        # the tree's level-2 subtree (P = 8 only; a 1x1 stand-in otherwise)
-        st2 = gl.allocate_shared_memory(gl.float32, [BM, BN] if P == 8 else [1, 1],
-                                        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        # the tree's level-2 subtree (P = 8 only; a 1x1 stand-in otherwise). The swizzled NVMMA layout: gl.bank_conflicts
+        # of the accumulator's layout against it 1 (an unswizzled row-major tile: 3)
+        ST2_SHAPE: gl.constexpr = [BM, BN] if P == 8 else [1, 1]
+        st2 = gl.allocate_shared_memory(gl.float32, ST2_SHAPE, gl.NVMMASharedLayout.get_default_for(ST2_SHAPE, gl.float32))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
