@@ -556,7 +556,9 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 
 # The warp-specialized Gluon kernel (gemm_ws.py, session 12) is not the default until an H200 sweep
 # (bench/gpu_linear.py --sweep-ws) has found it bit-equal and faster: flip WS_DEFAULT then (or set
-# RLALIGN_TRITON_GEMM_WS=1 to try it in a run). Either way it is taken only where gemm_ws.supported holds.
+# RLALIGN_TRITON_GEMM_WS=1 to try it in a run). Either way the dispatcher takes it only for the K partition
+# (P > 1) above SPLIT_SEGMENTS_MAX_M rows and where gemm_ws.supported holds; P = 1 calls (the dX layout
+# included) reach it only through gemm(..., ws=...), as no sweep has timed them.
 WS_DEFAULT = False
 
 
@@ -617,7 +619,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
                 out.add_(bias.to(out.dtype))
         return out
     fp32 = a.dtype == torch.float32
-    if ws is None and config is None and split is None and (segments == 1 or m > SPLIT_SEGMENTS_MAX_M):
+    if ws is None and config is None and split is None and segments > 1 and m > SPLIT_SEGMENTS_MAX_M:
         ws = ws_default(a, b, b_trans, segments, a_trans, out.dtype, bias, acc_in)
     if ws is not None:
         return gemm_ws(a, b, b_trans=b_trans, segments=segments, out=out, bias=bias, config=ws)
