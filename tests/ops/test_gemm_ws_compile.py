@@ -22,7 +22,9 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-CASES = (("forward P=8", 8, True, "bf16"), ("dX P=1", 1, False, "fp32"))
+# (name, P, b_trans, output, WS_CANDIDATES index): the default launch on the forward's layout, and the 64x128
+# candidate (levels 1 and 2 of the tree in shared memory, the largest output tile) on the dX layout (B [K, N])
+CASES = (("forward P=8", 8, True, "bf16", 0), ("dX layout P=8 64x128 fp32 out", 8, False, "fp32", 1))
 
 
 def _ptxas(ptx: str) -> str | None:
@@ -80,20 +82,21 @@ def _worker() -> None:
     W.kpart_ws_kernel.run = compile_only
     bf = torch.bfloat16
     results = []
-    for name, segments, b_trans, out in CASES:
+    for name, segments, b_trans, out, cand in CASES:
+        cfg = W.WS_CANDIDATES[cand]
         out_dtype = torch.bfloat16 if out == "bf16" else torch.float32
         x, w = torch.empty(4096, 4096, dtype=bf), torch.empty(4096, 4096, dtype=bf)
         try:
             W.gemm_ws(x, w, b_trans=b_trans, segments=segments, out=torch.empty(4096, 4096, dtype=out_dtype),
-                      bias=torch.empty(4096, dtype=bf) if b_trans else None)
+                      bias=torch.empty(4096, dtype=bf) if b_trans else None, config=cfg)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             results.append({"case": name, "error": repr(exc)[-1500:]})
             continue
         kernel = compiled[-1]
         ptx = kernel.asm["ptx"]
-        results.append({"case": name, "segments": segments, "smem": kernel.metadata.shared,
-                        "expected_smem": W.shared_bytes(W.DEFAULT_WS, out_dtype, segments),
-                        "stages": W.DEFAULT_WS.stages, "ptxas": _ptxas(ptx),
+        results.append({"case": name, "segments": segments, "smem": kernel.metadata.shared, "b_trans": b_trans,
+                        "block_n": cfg.block_n,
+                        "expected_smem": W.shared_bytes(cfg, out_dtype, segments), "stages": cfg.stages, "ptxas": _ptxas(ptx),
                         "zero_start_chains": len(re.findall(r"wgmma\.mma_async[^\n]*\}, %rd\d+, %rd\d+, 0,", ptx)),
                         "drains": ptx.count("wgmma.wait_group.sync.aligned 0;"),
                         "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx))})
@@ -113,8 +116,8 @@ def _unsupported_calls(W) -> list:
         "misaligned row stride": lambda: W.gemm_ws(torch.empty(64, 1028, dtype=bf)[:, :1024], w, b_trans=True,
                                                    segments=8, out=torch.empty(64, 256, dtype=bf)),
         "wrong out shape": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 128, dtype=bf)),
-        "128-wide tile": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
-                                           config=W.WsConfig(block_n=128)),
+        "128x128 tile": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
+                                           config=W.WsConfig(block_m=128, block_n=128)),
     }
     out = []
     for what, call in calls.items():
@@ -192,7 +195,9 @@ def test_ws_structure_behind_the_bit_exactness(sm90_ws):
         # its first instruction, once per segment (the unrolled segment loop), nowhere else
         assert r["zero_start_chains"] == r["segments"], r
         assert r["drains"] == 1, r            # wait_group 0 only at a tile's end
-        assert r["tma_load_sites"] == 2, r    # A and B, from the producer's one loop over all k-steps
+        # A and B from the producer's one loop over all k-steps; a row-major B [K, N] tile wider than the 128-byte
+        # swizzle is loaded as one TMA message per 64 columns
+        assert r["tma_load_sites"] == 1 + (1 if r["b_trans"] else r["block_n"] * 2 // 128), r
 
 
 def test_ws_refuses_what_it_does_not_implement_by_name(sm90_ws):

@@ -90,13 +90,22 @@ class WsConfig:
     producer_regs: int = 40
 
     @property
+    def level1_in_shared(self) -> bool:
+        """128-wide tiles keep the tree's level 1 in shared memory too (64 registers a tile: registers hold only
+        the running accumulator, the finished partial and level 0)."""
+        return self.block_n == 128
+
+    @property
     def num_warps(self) -> int:
         return self.block_m // 16
 
 
 DEFAULT_WS = WsConfig()
 # bench/gpu_linear.py --sweep-ws times these (the default first); none is the dispatcher's default yet.
-WS_CANDIDATES = (DEFAULT_WS, WsConfig(block_m=128, block_n=64, stages=4), WsConfig(block_m=64, block_n=64, stages=8))
+# 64x128 (one consumer warpgroup, levels 1-2 in shared memory): 255 registers, no spill, 200 KiB (216 KiB with an fp32
+# output); 6 stages would not fit an fp32 output tile.
+WS_CANDIDATES = (DEFAULT_WS, WsConfig(block_m=64, block_n=128, stages=5), WsConfig(block_m=128, block_n=64, stages=4),
+                 WsConfig(block_m=64, block_n=64, stages=8))
 
 
 def shared_bytes(cfg: WsConfig, out_dtype: torch.dtype, segments: int) -> int:
@@ -104,7 +113,8 @@ def shared_bytes(cfg: WsConfig, out_dtype: torch.dtype, segments: int) -> int:
     the tree's level-2 subtree (fp32)."""
     ring = cfg.stages * (cfg.block_m + cfg.block_n) * BLOCK_K * 2
     tile = cfg.block_m * cfg.block_n
-    return ring + tile * (4 if out_dtype == torch.float32 else 2) + (tile * 4 if segments == 8 else 4)
+    levels = (tile * 4 if segments == 8 else 4) + (tile * 4 if cfg.level1_in_shared and segments >= 4 else 4)
+    return ring + tile * (4 if out_dtype == torch.float32 else 2) + levels
 
 
 def unsupported_reason(a: torch.Tensor, b: torch.Tensor, b_trans: bool, segments: int, a_trans: bool,
@@ -187,7 +197,7 @@ if gluon is not None:
             return b_bufs.index(idx)
 
     @gluon.jit
-    def _merge(v, st0, st1, st2, s: gl.constexpr, LOG2P: gl.constexpr):
+    def _merge(v, st0, st1, st1_smem, st2, s: gl.constexpr, LOG2P: gl.constexpr, L1_SMEM: gl.constexpr):
         """gemm.merge_segment's binary-counter tree with a compile-time segment index: segment s's partial v
         is a left child (kept) or a right child (left + right, carried up). After the last segment v is
         ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (the first P)."""
@@ -196,10 +206,17 @@ if gluon is not None:
         else:
             v = st0 + v
             if LOG2P > 1:
+                # level 1 (a pair's sum) in registers, or with L1_SMEM (128-wide tiles) in shared memory
                 if (s // 2) % 2 == 0:
-                    st1 = v
+                    if L1_SMEM:
+                        st1_smem.store(v)
+                    else:
+                        st1 = v
                 else:
-                    v = st1 + v
+                    if L1_SMEM:
+                        v = st1_smem.load(v.type.layout) + v
+                    else:
+                        v = st1 + v
                     if LOG2P > 2:
                         # level 2 (s0+..+s3, held while s4..s7 run) waits in shared memory: in registers it
                         # makes a fifth live tile and ptxas serializes the wgmma at 8 consumer warps (168 regs).
@@ -219,10 +236,10 @@ if gluon is not None:
                              is_async=True)
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, st2, bias_ptr, M, N, steps,
+    def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps,
                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr,
                   LOG2P: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                  NUM_WARPS: gl.constexpr):
+                  NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BN, 16])
         pid = gl.program_id(0)
@@ -243,7 +260,7 @@ if gluon is not None:
                     # one group outstanding: the previous segment's MMAs are complete, the new one runs on
                     prev, acc = warpgroup_mma_wait(1, deps=(prev, acc))
                     mbarrier.arrive(empty.index((it - 1) % STAGES))
-                    v, st0, st1 = _merge(prev, st0, st1, st2, s - 1, LOG2P)
+                    v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, s - 1, LOG2P, L1_SMEM)
                 else:
                     # nothing else is in flight (the previous tile drained): returns at once; makes acc the
                     # tensor the k-step loop carries
@@ -258,7 +275,7 @@ if gluon is not None:
             # the tile's only drain: its last MMA
             prev = warpgroup_mma_wait(0, deps=(prev, ))
             mbarrier.arrive(empty.index((it - 1) % STAGES))
-            v, st0, st1 = _merge(prev, st0, st1, st2, P - 1, LOG2P)
+            v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM)
             _store_tile(v, c_desc, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, BN, HAS_BIAS, acc_layout)
         tma.store_wait(0)
 
@@ -278,7 +295,8 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M", "N", "steps"])
     def kpart_ws_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, steps,
                         P: gl.constexpr, LOG2P: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        L1_SMEM: gl.constexpr):
         """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / 64."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -291,6 +309,9 @@ if gluon is not None:
         # of the accumulator's layout against it 1 (an unswizzled row-major tile: 3)
         ST2_SHAPE: gl.constexpr = [BM, BN] if P == 8 else [1, 1]
         st2 = gl.allocate_shared_memory(gl.float32, ST2_SHAPE, gl.NVMMASharedLayout.get_default_for(ST2_SHAPE, gl.float32))
+        ST1_SHAPE: gl.constexpr = [BM, BN] if L1_SMEM and P >= 4 else [1, 1]
+        st1_smem = gl.allocate_shared_memory(gl.float32, ST1_SHAPE,
+                                             gl.NVMMASharedLayout.get_default_for(ST1_SHAPE, gl.float32))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -298,8 +319,8 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, st2, bias_ptr, M, N, steps, BM, BN, STAGES, P,
-                         LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps, BM, BN, STAGES, P,
+                         LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS, L1_SMEM)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, steps * P, BM, BN, BK, STAGES, B_TRANS,
                          GROUP_M)),
         ], [1], [PRODUCER_REGS])
@@ -326,8 +347,8 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, o
     why = unsupported_reason(a, b, b_trans, segments, False, out.dtype, bias, False)
     if why is None and (out.shape != (a.shape[0], b.shape[0] if b_trans else b.shape[1]) or not tma_ok(out)):
         why = f"out {tuple(out.shape)} stride {out.stride()}: needs a TMA-addressable row-major [M, N]"
-    if why is None and (config.block_m not in (64, 128) or config.block_n != 64):
-        why = f"{config}: tiles are 64x64 or 128x64"
+    if why is None and (config.block_m, config.block_n) not in ((64, 64), (128, 64), (64, 128)):
+        why = f"{config}: tiles are 64x64, 128x64 or 64x128"
     if why is not None:
         raise GemmWsUnsupported(f"gemm_ws: A {tuple(a.shape)}, B {tuple(b.shape)} (b_trans={b_trans}), "
                                 f"P={segments}: {why}")
@@ -342,6 +363,7 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, o
         a_desc, b_desc, c_desc, bias if bias is not None else out, m, n, k // (segments * BLOCK_K),
         P=segments, LOG2P=segments.bit_length() - 1, STAGES=config.stages, B_TRANS=b_trans,
         HAS_BIAS=bias is not None, GROUP_M=config.group_m, PRODUCER_REGS=config.producer_regs,
+        L1_SMEM=config.level1_in_shared,
         num_warps=config.num_warps)
     return out
 
