@@ -26,25 +26,31 @@ Design (what the kernel does and why):
   producer: with SEG_K a multiple of 64, segment s's step j is the global k-step s * steps + j, so its loads
   run straight across segment ends and tile ends and never wait for a tree merge or an epilogue.
 * The consumer is the default partition (4 warps: BM = 64, one warpgroup; 8 warps: BM = 128, two
-  warpgroups, 64 rows each). Per k-step it issues one async ``wgmma`` (BM x BN x 64 from shared memory),
-  then ``wgmma.wait_group 1`` (the previous k-step's MMA is done, the newest stays in flight) and releases
-  the previous step's stage. At a segment end it does NOT wait for the segment: it issues the next segment's
-  first MMA into a FRESH accumulator (``use_acc=False``), then waits with one group outstanding, which
-  completes the finished segment while the new one runs, and folds the finished partial into the tree stack
-  while that MMA (and the producer's loads) proceed. The stack lives in registers: P is a compile-time
-  constant and the segment loop is unrolled (``static_range``), so the binary-counter tree of the default
-  kernel becomes straight-line SSA (no branch, no scratch, no shared-memory round trip).
-* At a tile's end the consumer waits for the last MMA (the only drain: once per tile, P * steps k-steps),
+  warpgroups, 64 rows each). Per k-step it issues one async ``wgmma`` chain (BM x BN x 64 from shared
+  memory), then ``wgmma.wait_group 1`` (the previous k-step's chain is done, the newest stays in flight) and
+  releases the previous step's stage. At a segment end it does NOT wait for the segment: it issues the next
+  segment's first chain into a FRESH accumulator (``use_acc=False``), then waits with one group outstanding,
+  which completes the finished segment while the new one runs, and folds the finished partial into the tree
+  while that chain (and the producer's loads) proceed. P is a compile-time constant and the segment loop is
+  unrolled (``static_range``), so the default kernel's binary-counter tree becomes straight-line code: no
+  branch, no global scratch.
+* At a tile's end the consumer waits for the last chain (the only drain: once per tile, P * steps k-steps),
   completes the tree, adds the bias, rounds once and stores through shared memory with a TMA store (which
   clips rows >= M and columns >= N; TMA loads fill out-of-range rows/columns with zeros, so tile padding
   never reaches a stored element). The producer is already loading the next tile meanwhile.
-* Registers (per consumer thread, BN = 64 and 64 rows per warpgroup: 32 fp32 per tile): at most 4 tiles live
-  at a segment end (the new accumulator, the finished partial and two stack levels; P = 8) = 128 registers,
-  well under the 255 limit; 128-wide tiles would need 256 and are not offered. Why not two interleaved
-  accumulators (segments 2i and 2i+1 in one loop): their MMAs complete together, so each pair end drains
-  the wgmma pipeline anyway, and both partials plus the stack are live at once.
+* Where the tree waits (registers per consumer thread: a tile is BN / 2 fp32 for 64 rows per warpgroup).
+  Level 0 (a single segment) always in registers. Level 2 (s0+..+s3, held while s4..s7 run) in shared memory
+  (fp32, exact; each thread reads back the elements it stored): with it in registers the 128x64 launch (8
+  consumer warps + the producer's warpgroup: ptxas caps them at 168 registers) had the new accumulator, the
+  finished partial and three levels live and ptxas serialized the wgmma (C7512). Level 1 in registers for
+  64-wide tiles; in shared memory too for 64x128 tiles (64 registers a tile; one consumer warpgroup, 255
+  registers). sm_90a, P = 8: 128x64/6 stages 168 registers, 64x128/5 stages 255, no spill and no wgmma
+  serialization in either; shared memory: :func:`shared_bytes` (+ the mbarriers).
+* Not done: two interleaved accumulators (segments 2i and 2i+1 in one loop of two chains per k-step): their
+  chains complete together, so each pair end drains the wgmma pipeline anyway, with both partials and the
+  stack live at once. 128x128 tiles: the ring, the output tile and two fp32 tree levels exceed 227 KiB.
 
-What this kernel cannot do is reason-free: it has not run on a GPU when written (session 12); the
+Status: written and compiled for sm_90a on a CPU, never run on a GPU (session 12); the
 tests in tests/cuda/test_cuda_gemm_ws.py compare its raw bits with the default kernel's, and
 bench/gpu_linear.py --sweep-ws refuses any configuration that is not bit-equal.
 """
