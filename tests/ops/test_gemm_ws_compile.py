@@ -5,7 +5,8 @@ launcher builds it for the linear forward (P = 8, W [N, K], bias, bf16 out: the 
 deepest tree) and for the trainer's dX layout (P = 1, B [K, N], fp32 out), runs Triton's ptxas -v on the PTX
 and reports. Checked here: no spills and no wgmma serialization (ptxas), the shared memory the module
 documents (gemm_ws.shared_bytes + the mbarriers), and the structure the bit-exactness argument rests on:
-each segment restarts from zero exactly once (P wgmma chains with scale-d = 0), the wgmma pipeline drains
+two wgmma chains per segment (its start and its k-step loop), every wgmma with scale-d = 1 as in the default
+kernel's PTX (a segment starts from a +0.0 tile, not from scale-d = 0), the wgmma pipeline drains
 (wait_group 0) once per tile only, and the TMA loads are issued from one loop (two load sites: A and B).
 Skips when this Triton cannot compile Gluon for sm_90a here (no ptxas, no Gluon).
 """
@@ -97,7 +98,8 @@ def _worker() -> None:
         results.append({"case": name, "segments": segments, "smem": kernel.metadata.shared, "b_trans": b_trans,
                         "block_n": cfg.block_n,
                         "expected_smem": W.shared_bytes(cfg, out_dtype, segments), "stages": cfg.stages, "ptxas": _ptxas(ptx),
-                        "zero_start_chains": len(re.findall(r"wgmma\.mma_async[^\n]*\}, %rd\d+, %rd\d+, 0,", ptx)),
+                        "scale_d_zero": len(re.findall(r"wgmma\.mma_async[^\n]*\}, %rd\d+, %rd\d+, 0,", ptx)),
+                        "wgmma": ptx.count("wgmma.mma_async"),
                         "drains": ptx.count("wgmma.wait_group.sync.aligned 0;"),
                         "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx))})
     print("RESULTS " + json.dumps({"results": results, "unsupported": _unsupported_calls(W), "selection": _selection()}))
@@ -191,9 +193,11 @@ def test_ws_structure_behind_the_bit_exactness(sm90_ws):
     for r in sm90_ws["results"]:
         if "error" in r:
             continue
-        # one wgmma chain (4 k16 instructions) per k-step: the chain that starts a segment has scale-d = 0 on
-        # its first instruction, once per segment (the unrolled segment loop), nowhere else
-        assert r["zero_start_chains"] == r["segments"], r
+        # the unrolled segment loop: per segment one chain (4 k16 wgmma) that starts it and one in the k-step
+        # loop; every wgmma accumulates (scale-d = 1), a segment starting from a +0.0 tile, as in the default
+        # kernel's PTX (a constant-zero accumulator would be lowered to scale-d = 0)
+        assert r["wgmma"] == 8 * r["segments"], r
+        assert r["scale_d_zero"] == 0, r
         assert r["drains"] == 1, r            # wait_group 0 only at a tile's end
         # A and B from the producer's one loop over all k-steps; a row-major B [K, N] tile wider than the 128-byte
         # swizzle is loaded as one TMA message per 64 columns

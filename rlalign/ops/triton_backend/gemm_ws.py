@@ -2,8 +2,9 @@
 
 Contract: exactly the bits of :func:`.gemm.gemm` with ``segments = P`` (its module docstring): per output
 element C[m, n], each of the P segments of SEG_K = K / P columns is reduced from zero in 64-column k-steps in
-increasing k (one ``wgmma`` chain of k16 chunks per k-step, the first one of a segment with ``use_acc=False``:
-the accumulator restarts from zero), the P fp32 partials merge by the fixed tree ((s0+s1)+(s2+s3))+((s4+s5)+
+increasing k (one ``wgmma`` chain of k16 chunks per k-step; a segment's first chain accumulates onto a tile of
++0.0, as the default kernel's PTX does: its wgmma always has scale-d = 1 and its accumulator starts as zeros -- not
+``use_acc=False``, which could differ in the sign of a zero sum), the P fp32 partials merge by the fixed tree ((s0+s1)+(s2+s3))+((s4+s5)+
 (s6+s7)) (left + right, a subtree as soon as both halves exist), then ``+ bias[n]`` in fp32 and one rounding
 to the output dtype (or an fp32 store). The tile shape only decides which warpgroup computes an element (the
 H200 sweeps of sessions 8-11 found 64x64 / 64x128 / 128x128 ``wgmma`` tiles bit-equal); the order of the
@@ -29,7 +30,7 @@ Design (what the kernel does and why):
   warpgroups, 64 rows each). Per k-step it issues one async ``wgmma`` chain (BM x BN x 64 from shared
   memory), then ``wgmma.wait_group 1`` (the previous k-step's chain is done, the newest stays in flight) and
   releases the previous step's stage. At a segment end it does NOT wait for the segment: it issues the next
-  segment's first chain into a FRESH accumulator (``use_acc=False``), then waits with one group outstanding,
+  segment's first chain into a FRESH accumulator (a +0.0 tile), then waits with one group outstanding,
   which completes the finished segment while the new one runs, and folds the finished partial into the tree
   while that chain (and the producer's loads) proceed. P is a compile-time constant and the segment loop is
   unrolled (``static_range``), so the default kernel's binary-counter tree becomes straight-line code: no
@@ -234,11 +235,12 @@ if gluon is not None:
         return v, st0, st1
 
     @gluon.jit
-    def _issue(a_bufs, b_bufs, ready, it, acc, use_acc: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr):
-        """Wait for k-step ``it``'s operands and issue its async wgmma (acc + A_k B_k, or A_k B_k)."""
+    def _issue(a_bufs, b_bufs, ready, it, acc, STAGES: gl.constexpr, B_TRANS: gl.constexpr):
+        """Wait for k-step ``it``'s operands and issue its async wgmma chain: acc + A_k B_k (always accumulating,
+        scale-d = 1, like the default kernel's; a segment starts from a +0.0 tile)."""
         idx = it % STAGES
         mbarrier.wait(ready.index(idx), (it // STAGES) & 1)
-        return warpgroup_mma(a_bufs.index(idx), _b_operand(b_bufs, idx, B_TRANS), acc, use_acc=use_acc,
+        return warpgroup_mma(a_bufs.index(idx), _b_operand(b_bufs, idx, B_TRANS), acc, use_acc=True,
                              is_async=True)
 
     @gluon.jit
@@ -252,6 +254,11 @@ if gluon is not None:
         num_progs = gl.num_programs(0)
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN)
+        # +0.0 that the compiler cannot fold (M >= 0): with a constant-zero accumulator the wgmma lowering issues
+        # the segment's first k16 with scale-d = 0 (D = A B); the default kernel's accumulator is a loop-carried
+        # zero tile, so its PTX has scale-d = 1 onto +0.0 registers (D = A B + 0). The two could differ in the
+        # sign of a zero sum; with this the instruction stream is the default's.
+        opaque_zero = (M < 0).to(gl.float32)
         it = 0
         for tile in range(pid, num_pid_m * num_pid_n, num_progs):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -259,8 +266,8 @@ if gluon is not None:
             st0 = gl.zeros([BM, BN], gl.float32, acc_layout)
             st1 = st0
             for s in gl.static_range(P):
-                # the segment's first k-step starts from an exact zero (use_acc=False) in a fresh accumulator
-                acc = _issue(a_bufs, b_bufs, ready, it, gl.zeros([BM, BN], gl.float32, acc_layout), False,
+                # the segment's first k-step accumulates onto a fresh +0.0 tile (the default kernel's zero start)
+                acc = _issue(a_bufs, b_bufs, ready, it, gl.zeros([BM, BN], gl.float32, acc_layout) + opaque_zero,
                              STAGES, B_TRANS)
                 if s > 0:
                     # one group outstanding: the previous segment's MMAs are complete, the new one runs on
@@ -273,7 +280,7 @@ if gluon is not None:
                     acc = warpgroup_mma_wait(1, deps=(acc, ))
                 it += 1
                 for j in range(1, steps):
-                    acc = _issue(a_bufs, b_bufs, ready, it, acc, True, STAGES, B_TRANS)
+                    acc = _issue(a_bufs, b_bufs, ready, it, acc, STAGES, B_TRANS)
                     acc = warpgroup_mma_wait(1, deps=(acc, ))
                     mbarrier.arrive(empty.index((it - 1) % STAGES))   # k-step it - 1's MMA is done
                     it += 1
