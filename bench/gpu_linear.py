@@ -36,10 +36,10 @@ GEMMs of the trainer's backward as the dispatcher launches them; prints a table 
 one-line change to gemm.py (bench_linear_sweep_kpart.*). Bounded for one GPU call: 5 candidates (one compile each,
 ~10-20 s; both shapes share it) x 6 timed cases, then the P = 1 rows (2 more compiles) until 110 s have passed.
 
-``--sweep-ws``: only the warp-specialized Gluon K-partition kernel (gemm_ws.py): gemm_ws.WS_CANDIDATES vs the default
-and cuBLAS at M 462 / 1,024 / 4,096 / 16,384 on the 8B o_proj and down_proj (k_segments 8), graph replays, refused unless
-bit-equal to the default (the first differing index and values are printed); a table and the one-line change
-(bench_linear_sweep_ws.*). Bounded for one GPU call (<= 90 s): 3 candidates (one compile each), later cases are
+``--sweep-ws``: only the warp-specialized Gluon K-partition kernel (gemm_ws.py): gemm_ws.WS_CANDIDATES vs the
+default and cuBLAS at M 462 / 1,024 / 4,096 / 16,384 on the 8B o_proj and down_proj (k_segments 8), graph replays,
+refused unless bit-equal to the default (the first differing index and values are printed); a table and the one-line
+change (bench_linear_sweep_ws.*). Bounded for one GPU call (<= 90 s): 4 candidates (one compile each), later cases are
 skipped past 75 s; a launch that hangs ends the run naming it. No CPU smoke: Gluon has no interpreter (the CPU
 compile of tests/ops/test_gemm_ws_compile.py stands in for it).
 
@@ -546,7 +546,8 @@ def print_ws(rows: list[dict]) -> None:
         print(f"ONE-LINE CHANGE: gemm_ws.py DEFAULT_WS = {best}; gemm.py WS_DEFAULT = True   # cuBLAS/ours "
               f"{gm[best]:.3f} vs default {gm.get('default', float('nan')):.3f} (geometric mean, {len(cases)} cases)")
     else:
-        print(f"ONE-LINE CHANGE: none (best Gluon {best}: {gm[best]:.3f} <= default {gm.get('default', float('nan')):.3f})")
+        print(f"ONE-LINE CHANGE: none (best Gluon {best}: {gm[best]:.3f} <= default "
+              f"{gm.get('default', float('nan')):.3f})")
 
 
 def layer_row(layer: str, m: int, n: int, k: int, segments: int | None, op_ms: float, flinear_ms: float) -> dict:

@@ -97,12 +97,15 @@ def _worker() -> None:
         ptx = kernel.asm["ptx"]
         results.append({"case": name, "segments": segments, "smem": kernel.metadata.shared, "b_trans": b_trans,
                         "block_n": cfg.block_n,
-                        "expected_smem": W.shared_bytes(cfg, out_dtype, segments), "stages": cfg.stages, "ptxas": _ptxas(ptx),
+                        "expected_smem": W.shared_bytes(cfg, out_dtype, segments), "stages": cfg.stages,
+                        "ptxas": _ptxas(ptx),
                         "scale_d_zero": len(re.findall(r"wgmma\.mma_async[^\n]*\}, %rd\d+, %rd\d+, 0,", ptx)),
                         "wgmma": ptx.count("wgmma.mma_async"),
                         "drains": ptx.count("wgmma.wait_group.sync.aligned 0;"),
-                        "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx))})
-    print("RESULTS " + json.dumps({"results": results, "unsupported": _unsupported_calls(W), "selection": _selection()}))
+                        "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
+                                                         ptx))})
+    print("RESULTS " + json.dumps({"results": results, "unsupported": _unsupported_calls(W),
+                                   "selection": _selection()}))
 
 
 def _unsupported_calls(W) -> list:

@@ -3,12 +3,13 @@
 Contract: exactly the bits of :func:`.gemm.gemm` with ``segments = P`` (its module docstring): per output
 element C[m, n], each of the P segments of SEG_K = K / P columns is reduced from zero in 64-column k-steps in
 increasing k (one ``wgmma`` chain of k16 chunks per k-step; a segment's first chain accumulates onto a tile of
-+0.0, as the default kernel's PTX does: its wgmma always has scale-d = 1 and its accumulator starts as zeros -- not
-``use_acc=False``, which could differ in the sign of a zero sum), the P fp32 partials merge by the fixed tree ((s0+s1)+(s2+s3))+((s4+s5)+
-(s6+s7)) (left + right, a subtree as soon as both halves exist), then ``+ bias[n]`` in fp32 and one rounding
-to the output dtype (or an fp32 store). The tile shape only decides which warpgroup computes an element (the
-H200 sweeps of sessions 8-11 found 64x64 / 64x128 / 128x128 ``wgmma`` tiles bit-equal); the order of the
-k16 chunks and where an accumulation restarts from zero are the same as the default kernel's.
++0.0, as the default kernel's PTX does: its wgmma always has scale-d = 1 and its accumulator starts as zeros --
+not ``use_acc=False``, which could differ in the sign of a zero sum), the P fp32 partials merge by the fixed
+tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (left + right, a subtree as soon as both halves exist), then
+``+ bias[n]`` in fp32 and one rounding to the output dtype (or an fp32 store). The tile shape only decides
+which warpgroup computes an element (the H200 sweeps of sessions 8-11 found 64x64 / 64x128 / 128x128
+``wgmma`` tiles bit-equal); the order of the k16 chunks and where an accumulation restarts from zero are the
+same as the default kernel's.
 
 Supported (anything else raises :class:`GemmWsUnsupported` naming the shape; the dispatcher in
 :mod:`.gemm` selects this kernel only where :func:`supported` holds): bf16 operands, A [M, K] row-major
@@ -265,6 +266,7 @@ if gluon is not None:
             # stack levels (written before read by _merge; these stand-ins are never read, so never live)
             st0 = gl.zeros([BM, BN], gl.float32, acc_layout)
             st1 = st0
+            prev = st0    # the finished segment's partial (assigned at each segment's end)
             for s in gl.static_range(P):
                 # the segment's first k-step accumulates onto a fresh +0.0 tile (the default kernel's zero start)
                 acc = _issue(a_bufs, b_bufs, ready, it, gl.zeros([BM, BN], gl.float32, acc_layout) + opaque_zero,
@@ -318,10 +320,11 @@ if gluon is not None:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-        # the tree's level-2 subtree (P = 8 only; a 1x1 stand-in otherwise). The swizzled NVMMA layout: gl.bank_conflicts
-        # of the accumulator's layout against it 1 (an unswizzled row-major tile: 3)
+        # the tree's level-2 subtree (P = 8 only; a 1x1 stand-in otherwise). The swizzled NVMMA layout:
+        # gl.bank_conflicts of the accumulator's layout against it 1 (an unswizzled row-major tile: 3)
         ST2_SHAPE: gl.constexpr = [BM, BN] if P == 8 else [1, 1]
-        st2 = gl.allocate_shared_memory(gl.float32, ST2_SHAPE, gl.NVMMASharedLayout.get_default_for(ST2_SHAPE, gl.float32))
+        st2 = gl.allocate_shared_memory(gl.float32, ST2_SHAPE,
+                                        gl.NVMMASharedLayout.get_default_for(ST2_SHAPE, gl.float32))
         ST1_SHAPE: gl.constexpr = [BM, BN] if L1_SMEM and P >= 4 else [1, 1]
         st1_smem = gl.allocate_shared_memory(gl.float32, ST1_SHAPE,
                                              gl.NVMMASharedLayout.get_default_for(ST1_SHAPE, gl.float32))
@@ -332,8 +335,8 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps, BM, BN, STAGES, P,
-                         LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS, L1_SMEM)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps, BM, BN,
+                         STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS, L1_SMEM)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, steps * P, BM, BN, BK, STAGES, B_TRANS,
                          GROUP_M)),
         ], [1], [PRODUCER_REGS])
