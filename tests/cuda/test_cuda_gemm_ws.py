@@ -102,3 +102,23 @@ def test_ws_unsupported_shapes_raise(triton_backend):
         gemm(x, w, b_trans=True, segments=8, ws=DEFAULT_WS)
     with pytest.raises(GemmWsUnsupported, match="bf16 only"):
         gemm(x.float()[:, :512], w.float()[:, :512], b_trans=True, segments=8, ws=DEFAULT_WS)
+
+
+def test_ws_shape_class_bits_equal_default(triton_backend):
+    """The shape class, not instances: random M (1..2,100), N (multiples of 8, 8..1,032: the output's 16-byte rows),
+    k-steps per segment (1..4) and P, with bias and a bf16 output (M, N and the k-steps are not specialisations: no
+    new compile). Every failing example is collected before the test fails."""
+    from hypothesis import Phase, given, settings, strategies as st
+    from rlalign.ops.triton_backend.gemm import gemm
+    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS
+    bad = []
+
+    @settings(max_examples=30, deadline=None, derandomize=True, database=None,
+              phases=(Phase.explicit, Phase.generate))
+    @given(m=st.integers(1, 2100), n8=st.integers(1, 129), steps=st.integers(1, 4), segments=st.sampled_from([2, 4, 8]))
+    def check(m, n8, steps, segments):
+        bad.extend(_case_failures(gemm, DEFAULT_WS, m, 8 * n8, segments * steps * 64, segments, True, True,
+                                  torch.bfloat16, m * 7 + n8))
+
+    check()
+    assert not bad, f"{len(bad)} example(s) differ from the default kernel:\n" + "\n".join(bad)
