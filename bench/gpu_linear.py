@@ -459,7 +459,7 @@ def print_kpart(rows: list[dict]) -> None:
 WS_SHAPES = (("o_proj", 4096, 4096), ("down_proj", 4096, 12288))
 WS_M = (462, 1024, 4096, 16384)
 WS_STOP_AFTER_S = 75       # later cases are skipped (the lead's call: <= 90 s with the compiles)
-WS_WATCHDOG_S = 30.0
+WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
 
 
 def ws_label(cfg) -> str:
