@@ -120,6 +120,8 @@ def _unsupported_calls(W) -> list:
                                            out=torch.empty(64, 256)),
         "misaligned row stride": lambda: W.gemm_ws(torch.empty(64, 1028, dtype=bf)[:, :1024], w, b_trans=True,
                                                    segments=8, out=torch.empty(64, 256, dtype=bf)),
+        "A stored transposed (dW)": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, a_trans=True,
+                                                      out=torch.empty(64, 256, dtype=bf)),
         "wrong out shape": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 128, dtype=bf)),
         "128x128 tile": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
                                            config=W.WsConfig(block_m=128, block_n=128)),

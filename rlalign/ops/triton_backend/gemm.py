@@ -622,7 +622,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     if ws is None and config is None and split is None and segments > 1 and m > SPLIT_SEGMENTS_MAX_M:
         ws = ws_default(a, b, b_trans, segments, a_trans, out.dtype, bias, acc_in)
     if ws is not None:
-        return gemm_ws(a, b, b_trans=b_trans, segments=segments, out=out, bias=bias, config=ws)
+        return gemm_ws(a, b, b_trans=b_trans, segments=segments, out=out, bias=bias, config=ws, a_trans=a_trans,
+                       acc_in=acc_in)
     if segments > 1 and config is None and (m <= SPLIT_SEGMENTS_MAX_M or split is not None):
         seg_k = k // segments
         tma = seg_k % BLOCK_K == 0 and tma_ok(a) and tma_ok(b) and (use_tma is None or use_tma)

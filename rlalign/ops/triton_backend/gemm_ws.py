@@ -355,12 +355,14 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 
 def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, out: torch.Tensor,
-            bias: torch.Tensor | None = None, config: WsConfig = DEFAULT_WS) -> torch.Tensor:
+            bias: torch.Tensor | None = None, config: WsConfig = DEFAULT_WS, a_trans: bool = False,
+            acc_in: bool = False) -> torch.Tensor:
     """out[M, N] = A @ B (+ bias) with :func:`.gemm.gemm`'s bits at ``segments`` = P (module docstring).
 
     a: A [M, K] bf16 row-major; b: W [N, K] (``b_trans``) or B [K, N]; out: row-major [M, N] bf16/fp32.
-    Raises GemmWsUnsupported (naming the shape) for anything the kernel does not implement."""
-    why = unsupported_reason(a, b, b_trans, segments, False, out.dtype, bias, False)
+    Raises GemmWsUnsupported (naming the shape) for anything the kernel does not implement (``a_trans`` /
+    ``acc_in``: gemm's flags, passed on so that such a call is refused, never misread)."""
+    why = unsupported_reason(a, b, b_trans, segments, a_trans, out.dtype, bias, acc_in)
     if why is None and (out.shape != (a.shape[0], b.shape[0] if b_trans else b.shape[1]) or not tma_ok(out)):
         why = f"out {tuple(out.shape)} stride {out.stride()}: needs a TMA-addressable row-major [M, N]"
     if why is None and (config.block_m, config.block_n) not in ((64, 64), (128, 64), (64, 128)):
