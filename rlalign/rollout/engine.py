@@ -5,7 +5,7 @@ copy-on-write are done; ONE :class:`ForwardBatch` describes every chunk; ONE mod
 the hidden rows (a decode-only step on a GPU: a CUDA graph replay of that forward on a padded batch,
 :mod:`rlalign.rollout.decode_graphs`); the rows of the sequences that reached their last token are
 sampled together by :func:`ops.sample_and_score` (the one owner of "sample a token, score it with the
-trainer's op"; exact formulas there; in a strict decode graph the same op is captured with the
+trainer's op"; exact formulas there; in a decode graph the same op is captured with the
 forward):
 
     token, logprob = ops.sample_and_score(h, W, seeds=s, positions=p, temperature=T, top_k, top_p)
