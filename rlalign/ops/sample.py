@@ -188,10 +188,10 @@ def _native_sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p,
     filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
     if filtering_rows(filters) if static else bool(filters.any()):
         z = _native_filtered(z, top_k, top_p)
-    noise = torch.empty_like(z).exponential_(generator=None if static else _seeded_generator(seeds))
-    # E = 0 (possible in fp32) would give -log(E) = +inf and a NaN on a masked (-inf) token
-    noise = noise.clamp_min_(torch.finfo(torch.float32).tiny).log_()
-    drawn = torch.argmax(z - noise, dim=-1)
+    race = torch.empty_like(z).exponential_(generator=None if static else _seeded_generator(seeds))
+    # z - log(E) in E's buffer; E = 0 (possible in fp32) would give +inf, and NaN on a masked (-inf) token
+    race = race.clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_().add_(z)
+    drawn = torch.argmax(race, dim=-1)
     return torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
 
 
