@@ -319,8 +319,9 @@ def _peak_gbps(args) -> float | None:
 
 
 def _overlap_setting(args, profile: str, model) -> str:
-    """--overlap for the engine: "on" applies to both profiles, except a native MoE model on CUDA (its
-    per-expert loop decodes eagerly, so its steps never overlap: auto for it)."""
+    """--overlap for the engine: "on" applies to both profiles, except a native MoE model on CUDA (where its
+    experts fall back to the per-expert loop it decodes eagerly and cannot overlap: auto for it, which
+    overlaps whenever its graphs sample)."""
     setting = getattr(args, "overlap", "auto")
     eager_native = profile == "native" and model.config.ffn_kind == "moe" and args.device == "cuda"
     return "auto" if setting == "on" and eager_native else setting

@@ -46,9 +46,10 @@ from rlalign import ops
 from rlalign.contract.profiles import use_profile
 from rlalign.models.batch import ForwardBatch, KVCache
 from rlalign.models.generate import prompt_key
-from rlalign.models.moe import record_routing, sparse_layer_indices
+from rlalign.models.moe import StackedExperts, record_routing, sparse_layer_indices
 from rlalign.models.sizes import kv_bytes_per_token
 from rlalign.ops.attention import native_paged_kernel_unavailable
+from rlalign.ops.moe import native_grouped_unavailable
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.block_manager import BlockManager, pages_for
 from rlalign.rollout.config import DEFAULT_CPU_KV_CACHE_BYTES, RolloutConfig, SamplingParams
@@ -164,15 +165,33 @@ class RolloutEngine:
                                      "use 'auto' or 'off'")
         if setting == "padded":
             return "padded"
-        if gpu and self.config.profile == "native" and self.model.config.ffn_kind == "moe":
-            # the native MoE experts are the vendor per-expert loop, which reads the experts' loads on the
+        eager_experts = gpu and self.config.profile == "native" and self._native_experts_read_host()
+        if eager_experts:
+            # the native MoE experts fall back to the per-expert loop, which reads the experts' loads on the
             # host: not capturable (strict MoE is: its grouped GEMMs need no host read)
             if setting == "on":
-                raise RolloutConfigError("decode_graphs='on' cannot capture the native profile's MoE experts (a "
-                                         "per-expert cuBLAS loop that reads expert loads on the host); use 'auto' "
-                                         "(native MoE decodes eagerly) or the strict profile")
+                raise RolloutConfigError(f"decode_graphs='on' cannot capture the native profile's MoE experts here "
+                                         f"({eager_experts}: a per-expert cuBLAS loop that reads expert loads on "
+                                         "the host); use 'auto' (native MoE decodes eagerly) or the strict profile")
             return None
         return "graphs" if setting == "on" or (setting == "auto" and gpu) else None
+
+    def _native_experts_read_host(self) -> str | None:
+        """Why a MoE model's native experts would read their loads on the host (the per-expert loop), None when
+        every sparse layer's experts run as grouped GEMMs (``ops.moe.native_grouped_unavailable``) or the model
+        is dense."""
+        if self.model.config.ffn_kind != "moe":
+            return None
+        stacked = [m for m in self.model.modules() if isinstance(m, StackedExperts)]
+        if len(stacked) != len(sparse_layer_indices(self.model.config)):
+            return "experts other than one stacked module per sparse layer (e.g. tensor-parallel shards)"
+        for m in stacked:
+            rows = torch.empty(0, m.gate_proj.shape[2], dtype=m.gate_proj.dtype, device=self.device)
+            with torch.no_grad():
+                reason = native_grouped_unavailable(rows, m.gate_proj, m.up_proj, m.down_proj)
+            if reason is not None:
+                return reason
+        return None
 
     def _native_gathers(self) -> bool:
         """Whether this is a native engine whose paged attention gathers K/V for SDPA (CPU, or a dtype the paged
@@ -191,7 +210,7 @@ class RolloutEngine:
         if setting == "on" and not sampling_graphs:
             raise RolloutConfigError(
                 f"overlap='on' needs decode steps sampled inside the decode graphs (decode_graphs 'auto'/'on' "
-                f"on CUDA, or 'padded'; not the native profile's MoE models); this engine has profile "
+                f"on CUDA, or 'padded'; not a native MoE model whose experts decode eagerly); this engine has profile "
                 f"{self.config.profile!r}, decode_graphs {self.config.decode_graphs!r} on {self.device}: "
                 "use overlap='auto' or 'off'")
         if setting == "auto":
