@@ -155,20 +155,32 @@ def native_grouped_unavailable(rows: torch.Tensor, gate_w, up_w, down_w) -> str 
 
 @functools.lru_cache(maxsize=None)
 def _grouped_probe(device: torch.device, dtype: torch.dtype, layout: tuple) -> str | None:
-    """One tiny call per (device, dtype, weight shapes and strides), on zero weights of that layout, every
-    group but the last empty: a torch that refuses them is found here, not mid-run (never inside a capture:
-    the engine's warm-up runs first)."""
+    """One small call per (device, dtype, weight shapes and strides) on random weights of that layout, odd
+    group sizes and an empty group (when E > 2), checked against per-group matmuls: a torch that refuses these
+    tensors, or computes them wrong, is found here, not mid-run (never inside a capture: the engine's warm-up
+    and its own check run first)."""
+    gen = torch.Generator(device=device).manual_seed(0)
     try:
-        mats = [torch.empty_strided(shape, stride, device=device, dtype=dtype).zero_() for shape, stride in layout]
-        rows = torch.zeros(2, mats[0].shape[2], device=device, dtype=dtype)
-        offs = torch.full((mats[0].shape[0],), 2, device=device, dtype=torch.int32)
-        offs[:-1] = 0
-        hidden = torch._grouped_mm(rows, mats[0].transpose(-2, -1), offs=offs)
-        out = torch._grouped_mm(hidden, mats[2].transpose(-2, -1), offs=offs)
-        if tuple(out.shape) != (2, mats[2].shape[1]):
-            return f"_grouped_mm returned {tuple(out.shape)} for ({2}, {mats[2].shape[1]})"
+        gate, _, down = (torch.empty_strided(shape, stride, device=device, dtype=dtype).copy_(
+            torch.randn(shape, generator=gen, device=device)) for shape, stride in layout)
+        n_experts, sizes = gate.shape[0], [1, 0, 3]
+        sizes = (sizes + [2] * n_experts)[:n_experts] if n_experts > 2 else [1, 4][-n_experts:]
+        ends = torch.tensor(sizes, device=device).cumsum(0)
+        rows = torch.randn(int(ends[-1]), gate.shape[2], generator=gen, device=device).to(dtype)
+        offs = ends.to(torch.int32)
+        got = torch._grouped_mm(torch._grouped_mm(rows, gate.transpose(-2, -1), offs=offs), down.transpose(-2, -1),
+                                offs=offs)
     except (RuntimeError, TypeError, NotImplementedError) as exc:
         return f"_grouped_mm failed a probe call ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+    start, want = 0, []
+    for e, n in enumerate(sizes):
+        x = rows[start:start + n].double()
+        want.append((x @ gate[e].double().T).to(dtype).double() @ down[e].double().T)
+        start += n
+    want = torch.cat(want)
+    err = float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-30)) if want.numel() else 0.0
+    if not err < 5e-2:   # bf16 rounding of the intermediate and the output: ~1e-2 at most
+        return f"_grouped_mm computed a probe call wrong (relative error {err:.3g})"
     return None
 
 
