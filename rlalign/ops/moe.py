@@ -181,6 +181,20 @@ def _grouped_probe(device: torch.device, dtype: torch.dtype, layout: tuple) -> s
     err = float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-30)) if want.numel() else 0.0
     if not err < 5e-2:   # bf16 rounding of the intermediate and the output: ~1e-2 at most
         return f"_grouped_mm computed a probe call wrong (relative error {err:.3g})"
+    return _capture_probe(rows, gate, offs) if device.type == "cuda" else None
+
+
+def _capture_probe(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> str | None:
+    """Whether a CUDA graph can hold the grouped GEMM (the reason the native experts use it)."""
+    try:
+        torch.cuda.synchronize(rows.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offs)
+        graph.replay()
+        torch.cuda.synchronize(rows.device)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return f"_grouped_mm cannot be captured in a CUDA graph ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
     return None
 
 
