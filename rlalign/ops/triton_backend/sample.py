@@ -18,7 +18,9 @@ import triton.language as tl
 
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops import _checks as chk
-from rlalign.ops.torch_backend.sample import filtering_rows, keep_mask, overflow_verdict, row_keys, static_keep_mask
+from rlalign.contract.errors import fail
+from rlalign.ops.torch_backend.sample import (LOGITS_VERDICT, OVERFLOW_MESSAGE, filtering_rows, keep_mask,
+                                             raise_bad_logits, static_keep_mask)
 from rlalign.ops.triton_backend._common import is_interpreter, libm_log
 
 BLOCK_V = 2048
@@ -36,21 +38,63 @@ def _noise_bits(key, cols):
 
 
 @triton.jit
-def sample_kernel(LOGITS, KEYS, TEMP, KEEP, OUT, V, stride_l, stride_keep,
+def _mix64(x):
+    """The splitmix64 finaliser on uint64 (wrapping): rlalign.ops.torch_backend.sample.mix64."""
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _row_key(SEEDS, SEQ_IDS, POSITIONS, row):
+    """key(seed, seq_id, position) of the torch backend's ``row_keys``, as uint64 (exact integer ops)."""
+    seed = tl.load(SEEDS + row).to(tl.uint64, bitcast=True)
+    seq_id = tl.load(SEQ_IDS + row).to(tl.uint64, bitcast=True)
+    position = tl.load(POSITIONS + row).to(tl.uint64, bitcast=True)
+    h = _mix64(seed + 0x9E3779B97F4A7C15)
+    h = _mix64((h ^ seq_id) + 0x9E3779B97F4A7C15)
+    return _mix64((h ^ position) + 0x9E3779B97F4A7C15)
+
+
+@triton.jit
+def _bad_and_finite(x):
+    """(any NaN or +inf, any finite value) of a block, as int32 0/1 (masked lanes hold -inf: neither)."""
+    bad = tl.max(((x != x) | (x == float("inf"))).to(tl.int32), 0)
+    fin = tl.max((tl.abs(x) < float("inf")).to(tl.int32), 0)
+    return bad, fin
+
+
+@triton.jit
+def sample_kernel(LOGITS, SEEDS, SEQ_IDS, POSITIONS, TEMP, KEEP, OUT, FLAGS, S, V, stride_l, stride_keep,
                   HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """One row: the token (module docstring) and the row's two validity flags, int8 0/1 (1 = valid):
+    FLAGS[row] the raw logits hold no NaN/+inf and a finite value; FLAGS[S + row] z = logits / T
+    neither (the fp32 overflow rule of ``overflow_verdict``: isfinite(max z))."""
     row = tl.program_id(0)
-    key = tl.load(KEYS + row).to(tl.uint64, bitcast=True)
+    key = _row_key(SEEDS, SEQ_IDS, POSITIONS, row)
     temp = tl.load(TEMP + row)
     greedy = temp == 0.0
     if HAS_KEEP:
         unfiltered = tl.load(KEEP + row.to(tl.int64) * stride_keep + V) == 0
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int32)
+    x_bad = tl.full((), 0, tl.int32)
+    x_fin = tl.full((), 0, tl.int32)
+    z_bad = tl.full((), 0, tl.int32)
+    z_fin = tl.full((), 0, tl.int32)
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         ok = cols < V
         x = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=ok, other=float("-inf"))
         z = tl.math.div_rn(x, tl.where(greedy, 1.0, temp))
+        bad, fin = _bad_and_finite(x)
+        x_bad = tl.maximum(x_bad, bad)
+        x_fin = tl.maximum(x_fin, fin)
+        bad, fin = _bad_and_finite(z)
+        z_bad = tl.maximum(z_bad, bad)
+        z_fin = tl.maximum(z_fin, fin)
         bits = _noise_bits(key, cols)
         u = (((bits >> 40) & 0xFFFFFF) | 1).to(tl.float32) * (2.0 ** -24)
         score = z - libm_log(-libm_log(u, LIBDEVICE), LIBDEVICE)
@@ -65,10 +109,16 @@ def sample_kernel(LOGITS, KEYS, TEMP, KEEP, OUT, V, stride_l, stride_keep,
         best_idx = tl.where(take, v0 + b_idx, best_idx)
         best = tl.where(take, b_max, best)
     tl.store(OUT + row, best_idx.to(tl.int64))
+    tl.store(FLAGS + row, ((x_bad == 0) & (x_fin != 0)).to(tl.int8))
+    tl.store(FLAGS + S + row, ((z_bad == 0) & (z_fin != 0)).to(tl.int8))
 
 
 def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
-    """Validated inputs (rlalign.ops.sample): logits fp32 [S, V]; per-row int64 / fp32 params."""
+    """Validated inputs (rlalign.ops.sample; not the logits' values): logits fp32 [S, V]; per-row int64 / fp32
+    params. The logits' value rule (``check_logit_values``) and the overflow rule (``overflow_verdict``)
+    are checked by the kernel, which reads every logit anyway: each row writes two flags, one reduction
+    turns them into the two verdicts (static form: deferred, same messages as the torch backend's; eager:
+    raised here, the logits' error naming the first bad index)."""
     rows, vocab = logits.shape
     logits = logits.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -77,13 +127,11 @@ def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
     greedy = temperature == 0
     k = torch.where(top_k >= vocab, 0, top_k)
     filtered = ~greedy & ((k > 0) | (top_p < 1))
-    z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
     static = chk.static_shapes()   # CUDA-graph capture: no host read, no data-dependent shape (same bits)
-    overflow_verdict(z, static)
-    keys = row_keys(seeds, seq_ids, positions).contiguous()
     has_keep = filtering_rows(filtered) if static else bool(filtered.any())
     if has_keep:
         # [S, V + 1] int8: the keep mask, and in column V whether the row is filtered at all
+        z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
         keep = torch.zeros((rows, vocab + 1), dtype=torch.int8, device=logits.device)
         if static:   # every row's mask (unfiltered rows ignore theirs: column V)
             keep[:, :vocab] = static_keep_mask(z, k, top_p).to(torch.int8)
@@ -93,10 +141,28 @@ def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
         keep[:, vocab] = filtered.to(torch.int8)
     else:
         keep = out
-    sample_kernel[(rows,)](logits, keys, temperature.contiguous(), keep, out, vocab, logits.stride(0),
+    flags = torch.empty((2, rows), dtype=torch.int8, device=logits.device)
+    sample_kernel[(rows,)](logits, seeds.contiguous(), seq_ids.contiguous(), positions.contiguous(),
+                           temperature.contiguous(), keep, out, flags, rows, vocab, logits.stride(0),
                            keep.stride(0) if has_keep else 0, HAS_KEEP=has_keep, BLOCK=BLOCK_V,
                            LIBDEVICE=not is_interpreter(), num_warps=8)
+    _verdicts(flags, logits, static)
     return out
+
+
+def _verdicts(flags: torch.Tensor, logits: torch.Tensor, static: bool) -> None:
+    """The kernel's per-row flags -> the logits verdict, then the overflow verdict (one reduction)."""
+    logits_ok, z_ok = flags.view(torch.bool).all(dim=1).unbind(0)
+    if static:
+        chk.deferred("sample", LOGITS_VERDICT, logits_ok)
+        chk.deferred("sample", OVERFLOW_MESSAGE, z_ok)
+        return
+    if not bool(logits_ok):
+        raise_bad_logits(logits)   # names the first bad index
+        raise fail("sample", f"internal: the sample kernel flagged the logits but the torch check found no "
+                             f"NaN/+inf or all -inf row ({LOGITS_VERDICT})")
+    if not bool(z_ok):
+        raise fail("sample", OVERFLOW_MESSAGE)
 
 
 __all__ = ["sample"]
