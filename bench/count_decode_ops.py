@@ -1,5 +1,5 @@
 """Count the torch kernels (aten ops that launch one) of a strict decode step's sampler and finiteness checks,
-CPU-side: the Triton sampler runs under the interpreter (TRITON_INTERPRET=1, set here), its kernel is not an aten
+CPU-side: the Triton sampler runs under the interpreter (TRITON_INTERPRET=1, set by main), its kernel is not an aten
 op; every other op of the sampler call and of the boundary checks is one kernel on a GPU (a torch reduction or
 elementwise op), counted with a TorchDispatchMode. Sizes do not change the counts (no op loops over rows here).
 
@@ -14,10 +14,8 @@ import collections
 import json
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # aten ops that launch no kernel (views, metadata, allocation without a fill)
 NO_KERNEL = {"view", "_unsafe_view", "unbind", "select", "slice", "detach", "alias", "expand", "as_strided", "t",
@@ -101,6 +99,7 @@ def boundary_checks(layers: int):
 
 
 def main() -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (sampler_step imports it)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=28, help="decoder layers (Qwen3-0.6B: 28)")
     args = parser.parse_args()
