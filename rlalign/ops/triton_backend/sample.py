@@ -8,6 +8,14 @@ the argmax of the raw logits). One program per row walks the vocab in blocks, so
 noise is never materialised. ``log`` is libdevice's logf, the function torch's CUDA ``log``
 uses, so both backends perturb a logit identically. Rows with top-k / top-p get their keep mask
 from the torch backend's exact integer nucleus (:func:`keep_mask`), then the same fused argmax.
+
+The kernel also computes each row's RNG key (the torch backend's ``row_keys``: exact uint64 arithmetic)
+and checks the strict logits rules while it reads every logit: no NaN/+inf and a finite logit per row
+(``check_logit_values``), and z = logits / T neither (``overflow_verdict``). Each row writes two int8
+flags; one reduction turns them into the two verdicts, with the torch backend's messages. Before the fold
+a decode step spent ~7 full passes over the [S, V] fp32 logits on them (isnan, isposinf, isfinite's
+|x| and compares, the z division, the max of z) and ~35 small int64 kernels on the keys;
+bench/count_decode_ops.py counts the kernels. z is materialised only when a row filters (the keep mask).
 """
 
 from __future__ import annotations
@@ -152,16 +160,18 @@ def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
 
 def _verdicts(flags: torch.Tensor, logits: torch.Tensor, static: bool) -> None:
     """The kernel's per-row flags -> the logits verdict, then the overflow verdict (one reduction)."""
-    logits_ok, z_ok = flags.view(torch.bool).all(dim=1).unbind(0)
+    verdicts = flags.view(torch.bool).all(dim=1)
     if static:
+        logits_ok, z_ok = verdicts.unbind(0)
         chk.deferred("sample", LOGITS_VERDICT, logits_ok)
         chk.deferred("sample", OVERFLOW_MESSAGE, z_ok)
         return
-    if not bool(logits_ok):
+    logits_ok, z_ok = verdicts.tolist()   # one host read for both
+    if not logits_ok:
         raise_bad_logits(logits)   # names the first bad index
         raise fail("sample", f"internal: the sample kernel flagged the logits but the torch check found no "
                              f"NaN/+inf or all -inf row ({LOGITS_VERDICT})")
-    if not bool(z_ok):
+    if not z_ok:
         raise fail("sample", OVERFLOW_MESSAGE)
 
 
