@@ -66,10 +66,10 @@ def _count(fn):
 
 
 def sampler_step(rows: int = 8, vocab: int = 4096):
-    """``ops.sample`` in the static form (the decode graph's), on the Triton backend's launcher."""
+    """``ops.sample`` in the static form as a CUDA-graph capture records it, on the Triton backend's launcher."""
     from tests.ops.test_triton_interpret import _patch_interpreter
     _patch_interpreter()
-    from rlalign.ops import static_decode
+    from rlalign.ops import _checks as chk
     from rlalign.ops.sample import sample as sample_op
     from rlalign.ops._registry import IMPLEMENTATIONS
     from rlalign.ops.triton_backend import sample as triton_sample
@@ -79,8 +79,8 @@ def sampler_step(rows: int = 8, vocab: int = 4096):
     temperature = torch.full((rows,), 0.7)
     ints = torch.arange(rows)
 
-    def step():
-        with static_decode():
+    def step():   # recorded as the decode graph records it (a graph captured without top-k / top-p rows)
+        with chk.capturing_graph(sample_filtered=False):
             sample_op(logits, seeds=ints, seq_ids=ints, positions=ints, temperature=temperature)
     step()   # warm (compile caches, dispatch caches)
     return _count(step)
@@ -103,7 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=28, help="decoder layers (Qwen3-0.6B: 28)")
     args = parser.parse_args()
-    print(json.dumps({"sampler (static form)": sampler_step(), f"write_kv_cache k checks ({args.layers} layers)":
+    print(json.dumps({"sampler (captured static form)": sampler_step(), f"write_kv_cache k checks ({args.layers} layers)":
                       boundary_checks(args.layers)}, indent=1))
 
 

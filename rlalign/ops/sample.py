@@ -72,9 +72,7 @@ def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, 
     _check_logits(logits, strict=not native)
     rows = logits.shape[0]
     params = _row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p)
-    if static:
-        _defer_values(*params)
-    else:
+    if not static:   # static form: the strict implementation checks them on the device (params_verdict)
         _check_values(*params)
     if native:
         return _native_sample(logits, *params)
@@ -143,13 +141,6 @@ def _check_values(seeds, seq_ids, positions, temperature, top_k, top_p) -> None:
         raise fail("sample", f"top_p must be in (0, 1] (1 = off), got {_first_bad(top_p, bad_p)}")
     if bool((top_k < 0).any()):
         raise fail("sample", f"top_k must be >= 0 (0 = off), got {_first_bad(top_k, top_k < 0)}")
-
-
-def _defer_values(seeds, seq_ids, positions, temperature, top_k, top_p) -> None:
-    """:func:`_check_values` as one device verdict (static form: no host read)."""
-    ok = (torch.isfinite(temperature) & (temperature >= 0) & (top_p > 0) & (top_p <= 1) & (top_k >= 0)).all()
-    chk.deferred("sample", "a row's temperature (finite, >= 0), top_p (in (0, 1]) or top_k (>= 0) is out of range "
-                           "(static form: checked on the device)", ok)
 
 
 def _first_bad(values: torch.Tensor, bad: torch.Tensor) -> str:

@@ -239,6 +239,10 @@ def static_keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.zeros_like(z, dtype=torch.bool).scatter_(1, ids, keep_sorted)
 
 
+FILTER_VERDICT = ("a row asks for top-k/top-p but this CUDA graph was captured without filtering (internal: the "
+                  "engine must pick a filtering graph)")
+
+
 def filtering_rows(filtered: torch.Tensor) -> bool:
     """Whether any row filters (top-k / top-p). Eager: read from the device. While a CUDA graph is
     captured: the capture's host hint ``sample_filtered`` (the graph is specialised on it); captured
@@ -247,8 +251,7 @@ def filtering_rows(filtered: torch.Tensor) -> bool:
         return bool(filtered.any())
     hint = bool(chk.capture_hint("sample_filtered"))
     if not hint:
-        chk.deferred("sample", "a row asks for top-k/top-p but this CUDA graph was captured without filtering "
-                               "(internal: the engine must pick a filtering graph)", ~filtered.any())
+        chk.deferred("sample", FILTER_VERDICT, ~filtered.any())
     return hint
 
 
@@ -257,6 +260,17 @@ def filtering_rows(filtered: torch.Tensor) -> bool:
 LOGITS_VERDICT = ("logits contain NaN or +inf, or a row of logits is all -inf (static form: checked on the "
                   "device)")
 OVERFLOW_MESSAGE = "logits / temperature overflows fp32 (temperature too small for these logits)"
+
+
+PARAMS_VERDICT = ("a row's temperature (finite, >= 0), top_p (in (0, 1]) or top_k (>= 0) is out of range "
+                  "(static form: checked on the device)")
+
+
+def params_verdict(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """The sampling parameters' rule as one device verdict (the static form of ``ops.sample``'s host check):
+    temperature finite and >= 0, top_p in (0, 1], top_k >= 0, in every row."""
+    ok = (torch.isfinite(temperature) & (temperature >= 0) & (top_p > 0) & (top_p <= 1) & (top_k >= 0)).all()
+    chk.deferred("sample", PARAMS_VERDICT, ok)
 
 
 def check_logit_values(logits: torch.Tensor, static: bool) -> None:
@@ -315,6 +329,8 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, seq_ids: torch.Tensor, pos
     rows, vocab = logits.shape
     static = chk.static_shapes()
     check_logit_values(logits, static)
+    if static:   # eager: ops.sample checked the parameters on the host
+        params_verdict(temperature, top_k, top_p)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     greedy = temperature == 0
     k = torch.where(top_k >= vocab, 0, top_k)

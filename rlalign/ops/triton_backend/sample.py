@@ -27,8 +27,8 @@ import triton.language as tl
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops import _checks as chk
 from rlalign.contract.errors import fail
-from rlalign.ops.torch_backend.sample import (LOGITS_VERDICT, OVERFLOW_MESSAGE, filtering_rows, keep_mask,
-                                             raise_bad_logits, static_keep_mask)
+from rlalign.ops.torch_backend.sample import (FILTER_VERDICT, LOGITS_VERDICT, OVERFLOW_MESSAGE, PARAMS_VERDICT,
+                                             keep_mask, raise_bad_logits, static_keep_mask)
 from rlalign.ops.triton_backend._common import is_interpreter, libm_log
 
 BLOCK_V = 2048
@@ -75,15 +75,21 @@ def _bad_and_finite(x):
 
 
 @triton.jit
-def sample_kernel(LOGITS, SEEDS, SEQ_IDS, POSITIONS, TEMP, KEEP, OUT, FLAGS, S, V, stride_l, stride_keep,
-                  HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """One row: the token (module docstring) and the row's two validity flags, int8 0/1 (1 = valid):
-    FLAGS[row] the raw logits hold no NaN/+inf and a finite value; FLAGS[S + row] z = logits / T
-    neither (the fp32 overflow rule of ``overflow_verdict``: isfinite(max z))."""
+def sample_kernel(LOGITS, SEEDS, SEQ_IDS, POSITIONS, TEMP, TOPK, TOPP, KEEP, OUT, FLAGS, S, V, stride_l,
+                  stride_keep, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """One row: the token (module docstring) and the row's validity flags, int8 0/1 (1 = valid), FLAGS[i, row]:
+    0 the raw logits hold no NaN/+inf and a finite value (``check_logit_values``); 1 the parameters are in
+    range (``params_verdict``); 2 the row does not filter (top-k / top-p: ``filtering_rows``); 3 z = logits / T
+    holds no NaN/+inf and a finite value (``overflow_verdict``: isfinite(max z))."""
     row = tl.program_id(0)
     key = _row_key(SEEDS, SEQ_IDS, POSITIONS, row)
     temp = tl.load(TEMP + row)
+    top_k = tl.load(TOPK + row)
+    top_p = tl.load(TOPP + row)
     greedy = temp == 0.0
+    params_ok = (tl.abs(temp) < float("inf")) & (temp >= 0.0) & (top_p > 0.0) & (top_p <= 1.0) & (top_k >= 0)
+    filters = ((top_k > 0) & (top_k < V)) | (top_p < 1.0)    # the torch backend's rule (top_k >= V is off)
+    unfiltered = greedy | (filters == 0)
     if HAS_KEEP:
         unfiltered = tl.load(KEEP + row.to(tl.int64) * stride_keep + V) == 0
     best = tl.full((), float("-inf"), tl.float32)
@@ -118,55 +124,73 @@ def sample_kernel(LOGITS, SEEDS, SEQ_IDS, POSITIONS, TEMP, KEEP, OUT, FLAGS, S, 
         best = tl.where(take, b_max, best)
     tl.store(OUT + row, best_idx.to(tl.int64))
     tl.store(FLAGS + row, ((x_bad == 0) & (x_fin != 0)).to(tl.int8))
-    tl.store(FLAGS + S + row, ((z_bad == 0) & (z_fin != 0)).to(tl.int8))
+    tl.store(FLAGS + S + row, params_ok.to(tl.int8))
+    tl.store(FLAGS + 2 * S + row, unfiltered.to(tl.int8))
+    tl.store(FLAGS + 3 * S + row, ((z_bad == 0) & (z_fin != 0)).to(tl.int8))
 
 
 def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
-    """Validated inputs (rlalign.ops.sample; not the logits' values): logits fp32 [S, V]; per-row int64 / fp32
-    params. The logits' value rule (``check_logit_values``) and the overflow rule (``overflow_verdict``)
-    are checked by the kernel, which reads every logit anyway: each row writes two flags, one reduction
-    turns them into the two verdicts (static form: deferred, same messages as the torch backend's; eager:
-    raised here, the logits' error naming the first bad index)."""
+    """Validated inputs (rlalign.ops.sample; in the static form not their values): logits fp32 [S, V]; per-row
+    int64 / fp32 params. The value rules of the torch backend (``check_logit_values``, ``params_verdict``,
+    the capture's ``filtering_rows`` verdict, ``overflow_verdict``) are checked by the kernel, which reads
+    every logit anyway: each row writes its flags, one reduction turns them into the verdicts (static form:
+    deferred, the torch backend's messages; eager: raised here, the logits' error naming the first bad index)."""
     rows, vocab = logits.shape
     logits = logits.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    greedy = temperature == 0
-    k = torch.where(top_k >= vocab, 0, top_k)
-    filtered = ~greedy & ((k > 0) | (top_p < 1))
     static = chk.static_shapes()   # CUDA-graph capture: no host read, no data-dependent shape (same bits)
-    has_keep = filtering_rows(filtered) if static else bool(filtered.any())
+    capturing = chk.is_capturing()
+    filtered = None if capturing else _filtered(temperature, top_k, top_p, vocab)
+    has_keep = bool(chk.capture_hint("sample_filtered")) if capturing else bool(filtered.any())
     if has_keep:
-        # [S, V + 1] int8: the keep mask, and in column V whether the row is filtered at all
-        z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
-        keep = torch.zeros((rows, vocab + 1), dtype=torch.int8, device=logits.device)
-        if static:   # every row's mask (unfiltered rows ignore theirs: column V)
-            keep[:, :vocab] = static_keep_mask(z, k, top_p).to(torch.int8)
-        else:
-            idx = filtered.nonzero().squeeze(1)
-            keep[idx, :vocab] = keep_mask(z[idx], k[idx], top_p[idx]).to(torch.int8)
-        keep[:, vocab] = filtered.to(torch.int8)
+        keep = _keep(logits, temperature, top_k, top_p, static,
+                     _filtered(temperature, top_k, top_p, vocab) if filtered is None else filtered)
     else:
         keep = out
-    flags = torch.empty((2, rows), dtype=torch.int8, device=logits.device)
+    flags = torch.empty((4, rows), dtype=torch.int8, device=logits.device)
     sample_kernel[(rows,)](logits, seeds.contiguous(), seq_ids.contiguous(), positions.contiguous(),
-                           temperature.contiguous(), keep, out, flags, rows, vocab, logits.stride(0),
-                           keep.stride(0) if has_keep else 0, HAS_KEEP=has_keep, BLOCK=BLOCK_V,
-                           LIBDEVICE=not is_interpreter(), num_warps=8)
-    _verdicts(flags, logits, static)
+                           temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), keep, out, flags,
+                           rows, vocab, logits.stride(0), keep.stride(0) if has_keep else 0, HAS_KEEP=has_keep,
+                           BLOCK=BLOCK_V, LIBDEVICE=not is_interpreter(), num_warps=8)
+    _verdicts(flags, logits, static, check_unfiltered=capturing and not has_keep)
     return out
 
 
-def _verdicts(flags: torch.Tensor, logits: torch.Tensor, static: bool) -> None:
-    """The kernel's per-row flags -> the logits verdict, then the overflow verdict (one reduction)."""
+def _filtered(temperature, top_k, top_p, vocab) -> torch.Tensor:
+    """bool [S]: the rows that filter (top-k below the vocab or top-p below 1, not greedy)."""
+    k = torch.where(top_k >= vocab, 0, top_k)
+    return (temperature != 0) & ((k > 0) | (top_p < 1))
+
+
+def _keep(logits, temperature, top_k, top_p, static, filtered) -> torch.Tensor:
+    """[S, V + 1] int8: the keep mask of the filtering rows, and in column V whether the row filters at all."""
+    rows, vocab = logits.shape
+    k = torch.where(top_k >= vocab, 0, top_k)
+    z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
+    keep = torch.zeros((rows, vocab + 1), dtype=torch.int8, device=logits.device)
+    if static:   # every row's mask (unfiltered rows ignore theirs: column V)
+        keep[:, :vocab] = static_keep_mask(z, k, top_p).to(torch.int8)
+    else:
+        idx = filtered.nonzero().squeeze(1)
+        keep[idx, :vocab] = keep_mask(z[idx], k[idx], top_p[idx]).to(torch.int8)
+    keep[:, vocab] = filtered.to(torch.int8)
+    return keep
+
+
+def _verdicts(flags: torch.Tensor, logits: torch.Tensor, static: bool, check_unfiltered: bool) -> None:
+    """The kernel's per-row flags -> the verdicts, in the torch backend's order (one reduction)."""
     verdicts = flags.view(torch.bool).all(dim=1)
     if static:
-        logits_ok, z_ok = verdicts.unbind(0)
+        logits_ok, params_ok, unfiltered_ok, z_ok = verdicts.unbind(0)
         chk.deferred("sample", LOGITS_VERDICT, logits_ok)
+        chk.deferred("sample", PARAMS_VERDICT, params_ok)
+        if check_unfiltered:   # a graph captured without filtering: no row may filter at replay
+            chk.deferred("sample", FILTER_VERDICT, unfiltered_ok)
         chk.deferred("sample", OVERFLOW_MESSAGE, z_ok)
         return
-    logits_ok, z_ok = verdicts.tolist()   # one host read for both
+    logits_ok, _, _, z_ok = verdicts.tolist()   # one host read; ops.sample checked the parameters on the host
     if not logits_ok:
         raise_bad_logits(logits)   # names the first bad index
         raise fail("sample", f"internal: the sample kernel flagged the logits but the torch check found no "
