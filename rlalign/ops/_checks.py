@@ -44,8 +44,9 @@ _pending = threading.local()
 # ---- where NaN/inf are looked for: the check policy ------------------------------------------------
 #
 # PER_OP: every strict op checks its floating inputs (the CPU default: a check there costs a fraction
-# of the op). BOUNDARY (the CUDA default): only the sites of BOUNDARY_SITES check; on a GPU a per-op
-# check is two kernel launches per op (a third of a decode step's kernel time, measured on an H200).
+# of the op). BOUNDARY (the CUDA default): only the sites of BOUNDARY_SITES check; on a GPU every check
+# costs kernel launches (isfinite().all() took five: per-op checks were a third of a decode step's
+# kernel time, measured on an H200; :func:`finite_verdict` takes two).
 # BOUNDARY keeps the guarantee because a non-finite value produced or read anywhere in a forward
 # reaches the final hidden rows of the tokens it affects: matmul (x * inf, inf - inf, NaN * w),
 # residual adds, RMSNorm (inf * rsqrt(inf) = inf * 0 = NaN), silu_mul, rope, and attention's
@@ -57,6 +58,9 @@ _pending = threading.local()
 #     (attention_varlen's k) are checked; NaN keys propagate (exp(NaN) = NaN).
 #   * top-k routing selects experts from router logits (a NaN may just not be chosen): moe_route's
 #     logits are checked.
+# The sampler's logits (fp32 LM-head output, masked by callers with -inf) are checked by the sampler
+# itself under every policy (ops.sample: the torch backend's check_logit_values; the Triton kernel's
+# per-row flags, same rule and messages): they are not a BOUNDARY site.
 # Set RLALIGN_CHECKS=per-op to find the first op (and decoder layer) that saw a non-finite value.
 PER_OP, BOUNDARY = "per-op", "boundary"
 CHECKS_ENV = "RLALIGN_CHECKS"
