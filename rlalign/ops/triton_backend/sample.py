@@ -66,12 +66,22 @@ def _row_key(SEEDS, SEQ_IDS, POSITIONS, row):
     return _mix64((h ^ position) + 0x9E3779B97F4A7C15)
 
 
+# bits of the kernel's per-lane flag word
+X_BAD, X_FINITE, Z_BAD, Z_FINITE = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4), tl.constexpr(8)
+
+
 @triton.jit
-def _bad_and_finite(x):
-    """(any NaN or +inf, any finite value) of a block, as int32 0/1 (masked lanes hold -inf: neither)."""
-    bad = tl.max(((x != x) | (x == float("inf"))).to(tl.int32), 0)
-    fin = tl.max((tl.abs(x) < float("inf")).to(tl.int32), 0)
-    return bad, fin
+def _value_bits(x, z):
+    """Per lane: X_BAD (x is NaN or +inf) | X_FINITE | Z_BAD | Z_FINITE, int32 (masked lanes hold -inf: 0)."""
+    bits = ((x != x) | (x == float("inf"))).to(tl.int32) * X_BAD
+    bits |= (tl.abs(x) < float("inf")).to(tl.int32) * X_FINITE
+    bits |= ((z != z) | (z == float("inf"))).to(tl.int32) * Z_BAD
+    return bits | (tl.abs(z) < float("inf")).to(tl.int32) * Z_FINITE
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
 
 
 @triton.jit
@@ -94,21 +104,13 @@ def sample_kernel(LOGITS, SEEDS, SEQ_IDS, POSITIONS, TEMP, TOPK, TOPP, KEEP, OUT
         unfiltered = tl.load(KEEP + row.to(tl.int64) * stride_keep + V) == 0
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int32)
-    x_bad = tl.full((), 0, tl.int32)
-    x_fin = tl.full((), 0, tl.int32)
-    z_bad = tl.full((), 0, tl.int32)
-    z_fin = tl.full((), 0, tl.int32)
+    seen = tl.zeros((BLOCK,), tl.int32)   # per lane, OR over the blocks: elementwise in the loop, one reduction after
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         ok = cols < V
         x = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=ok, other=float("-inf"))
         z = tl.math.div_rn(x, tl.where(greedy, 1.0, temp))
-        bad, fin = _bad_and_finite(x)
-        x_bad = tl.maximum(x_bad, bad)
-        x_fin = tl.maximum(x_fin, fin)
-        bad, fin = _bad_and_finite(z)
-        z_bad = tl.maximum(z_bad, bad)
-        z_fin = tl.maximum(z_fin, fin)
+        seen |= _value_bits(x, z)
         bits = _noise_bits(key, cols)
         u = (((bits >> 40) & 0xFFFFFF) | 1).to(tl.float32) * (2.0 ** -24)
         score = z - libm_log(-libm_log(u, LIBDEVICE), LIBDEVICE)
@@ -123,10 +125,11 @@ def sample_kernel(LOGITS, SEEDS, SEQ_IDS, POSITIONS, TEMP, TOPK, TOPP, KEEP, OUT
         best_idx = tl.where(take, v0 + b_idx, best_idx)
         best = tl.where(take, b_max, best)
     tl.store(OUT + row, best_idx.to(tl.int64))
-    tl.store(FLAGS + row, ((x_bad == 0) & (x_fin != 0)).to(tl.int8))
+    seen_row = tl.reduce(seen, 0, _bit_or)
+    tl.store(FLAGS + row, ((seen_row & (X_BAD | X_FINITE)) == X_FINITE).to(tl.int8))
     tl.store(FLAGS + S + row, params_ok.to(tl.int8))
     tl.store(FLAGS + 2 * S + row, unfiltered.to(tl.int8))
-    tl.store(FLAGS + 3 * S + row, ((z_bad == 0) & (z_fin != 0)).to(tl.int8))
+    tl.store(FLAGS + 3 * S + row, ((seen_row & (Z_BAD | Z_FINITE)) == Z_FINITE).to(tl.int8))
 
 
 def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
