@@ -129,6 +129,7 @@ def run(max_examples: int) -> None:
         check_case(1, 1, defect, 0, 0, [], [], 3, "capture")
     check_case(3, 100, "none", 0, 5, [1], [0, 1], 5, "capture", hint=False)   # top-k row in an unfiltered graph
     check_case(3, 100, "none", 0, 5, [1], [1], 5, "capture", hint=False)      # greedy rows never filter
+    check_case(3, 100, "overflow", 2, 5, [], [0], 5, "capture", hint=False)   # the verdicts' order
 
 
 if __name__ == "__main__":

@@ -10,12 +10,15 @@ uses, so both backends perturb a logit identically. Rows with top-k / top-p get 
 from the torch backend's exact integer nucleus (:func:`keep_mask`), then the same fused argmax.
 
 The kernel also computes each row's RNG key (the torch backend's ``row_keys``: exact uint64 arithmetic)
-and checks the strict logits rules while it reads every logit: no NaN/+inf and a finite logit per row
-(``check_logit_values``), and z = logits / T neither (``overflow_verdict``). Each row writes two int8
-flags; one reduction turns them into the two verdicts, with the torch backend's messages. Before the fold
-a decode step spent ~7 full passes over the [S, V] fp32 logits on them (isnan, isposinf, isfinite's
-|x| and compares, the z division, the max of z) and ~35 small int64 kernels on the keys;
-bench/count_decode_ops.py counts the kernels. z is materialised only when a row filters (the keep mask).
+and checks the torch backend's value rules while it reads every logit: no NaN/+inf and a finite logit
+per row (``check_logit_values``), the parameters in range (``params_verdict``), z = logits / T without
+NaN/+inf and with a finite value (``overflow_verdict``), and, in a graph captured without filtering, no
+row that filters (``filtering_rows``). Each row writes four int8 flags; one reduction turns them into
+the verdicts, in the torch backend's order and with its messages. Before the fold a captured decode
+step spent ~7 full passes over the [S, V] fp32 logits on these checks (isnan, isposinf, isfinite's |x|
+and compares, the z division, the max of z) and ~80 small kernels on the keys and the parameters: the
+captured sampler was 90 torch kernels and the sample kernel, now 3 and the kernel
+(bench/count_decode_ops.py). z is materialised only when a row filters (its keep mask).
 """
 
 from __future__ import annotations
@@ -189,9 +192,9 @@ def _verdicts(flags: torch.Tensor, logits: torch.Tensor, static: bool, check_unf
         logits_ok, params_ok, unfiltered_ok, z_ok = verdicts.unbind(0)
         chk.deferred("sample", LOGITS_VERDICT, logits_ok)
         chk.deferred("sample", PARAMS_VERDICT, params_ok)
+        chk.deferred("sample", OVERFLOW_MESSAGE, z_ok)
         if check_unfiltered:   # a graph captured without filtering: no row may filter at replay
             chk.deferred("sample", FILTER_VERDICT, unfiltered_ok)
-        chk.deferred("sample", OVERFLOW_MESSAGE, z_ok)
         return
     logits_ok, _, _, z_ok = verdicts.tolist()   # one host read; ops.sample checked the parameters on the host
     if not logits_ok:
