@@ -10,7 +10,6 @@ first error, message for message (eager: naming the first bad index)."""
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 
