@@ -5,7 +5,8 @@ whether any mma.sync is left), the stages asked for, the grid at 2 x 4,096 token
 its programs per SM (registers and shared memory limits of an H200 SM: 64 K registers, 228 KiB).
 Triton ships ptxas, so the whole pipeline runs here (the stand-in driver of tests/ops/test_triton_interpret.py).
 
-    PYTHONPATH=$PWD python bench/attn_bwd_sm90_cpu.py [--all]     (--all: every --sweep-train candidate)
+    PYTHONPATH=$PWD python bench/attn_bwd_sm90_cpu.py [--all | LABEL ...]   (--all: every --sweep-train
+    candidate; LABELs: those candidates)
 """
 import os
 import re
@@ -58,7 +59,9 @@ def main() -> int:
     common.num_sms = lambda index: SMS
     from rlalign.ops.triton_backend import attention as A
     from gpu_attention import train_candidates
-    cands = train_candidates(A) if "--all" in sys.argv else [("default", A.BWD_LAUNCH)]
+    labels = [a for a in sys.argv[1:] if not a.startswith("--")]
+    cands = train_candidates(A) if "--all" in sys.argv or labels else [("default", A.BWD_LAUNCH)]
+    cands = [c for c in cands if not labels or c[0] in labels]
     bf = torch.bfloat16
     t, seq = 8192, 4096
     q, k = torch.empty(t, 32, 128, dtype=bf), torch.empty(t, 8, 128, dtype=bf)

@@ -346,6 +346,8 @@ def train_candidates(A) -> list[tuple[str, object]]:
     # 4 warps with 128 keys spill 2,000 B and serialise the wgmma pipeline (C7511)
     cands += [("hf+dq128", replace(d, heavy_first=True, dq_tile=(128, 8, 2))),
               ("hf+dq128+k128", replace(d, heavy_first=True, dq_tile=(128, 8, 2), dkdv_keys=128))]
+    # one kernel: dK/dV and the dQ terms in key-block order through row-block semaphores (5 products, not 7)
+    cands += [("fused", replace(d, fused=True))]
     return cands
 
 

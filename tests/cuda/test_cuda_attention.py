@@ -485,7 +485,7 @@ def _sweep_train_launches():
 
 def test_backward_launches_accurate_deterministic_per_sequence(triton_backend):
     """Each --sweep-train candidate over hypothesis batches (1-3 sequences of 1-600 tokens, explicit: 1, 67, 129,
-    300): dq, dk, dv within 2e-2 of float64 (bf16), the same bits run to run and for a sequence alone as packed."""
+    300 and 3,000, 1,100): dq, dk, dv within 2e-2 of float64 (bf16), the same bits run to run and for a sequence alone as packed."""
     from hypothesis import Phase, example, given, settings, strategies as st
 
     from rlalign.ops.triton_backend import attention as A
@@ -496,6 +496,7 @@ def test_backward_launches_accurate_deterministic_per_sequence(triton_backend):
     @settings(max_examples=6, deadline=None, derandomize=True, database=None, phases=(Phase.explicit, Phase.generate))
     @given(lens=st.lists(st.integers(1, 600), min_size=1, max_size=3), seed=st.integers(0, 1000))
     @example(lens=[1, 67, 129, 300], seed=0)
+    @example(lens=[3000, 1100], seed=1)      # many programs at once: the fused kernel's semaphores contended
     def check(lens, seed):
         q, k, v, cu = _batch(d, seed=seed, lens=tuple(lens))
         go = rand(*q.shape, seed=seed + 7)
