@@ -50,7 +50,10 @@ order (per-thread, then within the 4 lanes that share a row) for prefill and dec
 
 Backward (varlen only, deterministic, no atomics): dQ by a kernel per query tile walking key
 blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order. Both
-recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them.
+recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them. The launch
+(:class:`BackwardLaunch`) is a speed choice of ours -- tiles, grid order, or one fused kernel that adds
+dQ in key-block order through semaphores -- but not a bit-neutral one: the training forward's bits are
+the contract, the backward's only have to be deterministic (run to run, per sequence) and accurate.
 """
 
 from __future__ import annotations
