@@ -48,7 +48,7 @@ partials round-trip memory exactly, and the merge is elementwise (its layout can
 so Hopper issues the same ``wgmma`` shapes per row and ``rowsum`` reduces each row in the same
 order (per-thread, then within the 4 lanes that share a row) for prefill and decode tiles alike.
 
-Backward (varlen only, deterministic, no atomics): dQ by a kernel per query tile walking key
+Backward (varlen only, deterministic: no atomic adds of values): dQ by a kernel per query tile walking key
 blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order. Both
 recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them. The launch
 (:class:`BackwardLaunch`) is a speed choice of ours -- tiles, grid order, or one fused kernel that adds
@@ -89,7 +89,8 @@ class BackwardLaunch:
     carry it do not always keep its bits: bench/gpu_attention.py --sweep-train compares every candidate's
     gradients with the default's (bit-equal, or within the float64-reference tolerance, labelled).
     Every launch is deterministic run to run and per sequence (a sequence's gradients do not depend on what
-    else is packed with it): no atomics, one program owns each output element.
+    else is packed with it): no atomic adds, each output element is written by one program (the fused dQ: by
+    each key block in turn, in key-block order).
 
     ``dq_tile``: (BLOCK_M rows = BLOCK_M / G tokens x the G query heads of a kv head, warps, stages) of
     attn_bwd_dq_kernel; ``dq_keys``: keys per dQ step (a multiple of KV_BLOCK). ``dkdv_keys``: keys per
@@ -599,7 +600,8 @@ def _dq_add_in_order(DQA, DQ, SEM, ds, k, rows, row_ok, q_offs, msk, j, last_j, 
     tl.debug_barrier()                                # every thread reads after the acquire
     offs = rows[:, None] * dcol.shape[0] + dcol[None, :]
     # branch-free (masks, not ifs: Triton's pipeliner refuses an MMA accumulator chosen by an if)
-    acc = tl.load(DQA + offs, mask=row_ok[:, None] & (j > 0), other=0.0)
+    # .cg: from L2, never a line of this SM's L1 left by an earlier key block's program
+    acc = tl.load(DQA + offs, mask=row_ok[:, None] & (j > 0), other=0.0, cache_modifier=".cg")
     if SPLIT:
         acc = mma(ds, k, acc, SPLIT)
     else:
