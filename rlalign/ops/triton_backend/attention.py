@@ -84,8 +84,8 @@ DKDV_WARPS = 8
 
 @dataclasses.dataclass(frozen=True)
 class BackwardLaunch:
-    """How the varlen backward's two kernels are launched. Each dK/dV/dQ element's sum runs over the same
-    terms in increasing key (dQ) / query-row (dK, dV) order whatever the launch, but the MMA shapes that
+    """How the varlen backward is launched (two kernels, or one fused). Each dK/dV/dQ element's sum runs
+    over the same terms in increasing key (dQ) / query-row (dK, dV) order whatever the launch, but the MMA shapes that
     carry it do not always keep its bits: bench/gpu_attention.py --sweep-train compares every candidate's
     gradients with the default's (bit-equal, or within the float64-reference tolerance, labelled).
     Every launch is deterministic run to run and per sequence (a sequence's gradients do not depend on what
