@@ -493,7 +493,8 @@ def test_backward_launches_accurate_deterministic_per_sequence(triton_backend):
     assert launches, "no backward candidates"
     d, scale = 128, 128 ** -0.5
 
-    @settings(max_examples=6, deadline=None, derandomize=True, database=None, phases=(Phase.explicit, Phase.generate))
+    @settings(max_examples=6, deadline=None, derandomize=True, database=None,
+              phases=(Phase.explicit, Phase.generate))
     @given(lens=st.lists(st.integers(1, 600), min_size=1, max_size=3), seed=st.integers(0, 1000))
     @example(lens=[1, 67, 129, 300], seed=0)
     @example(lens=[3000, 1100], seed=1)      # many programs at once: the fused kernel's semaphores contended
