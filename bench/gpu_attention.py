@@ -332,22 +332,19 @@ TRAIN_DTYPE = torch.bfloat16                            # the CPU smoke test (in
 
 
 def train_candidates(A) -> list[tuple[str, object]]:
-    """(label, BackwardLaunch): the default first, then one change at a time, then combinations (few: compiles
+    """(label, BackwardLaunch): the default first, the launch it replaced, then one change at a time (few: compiles
     count; bench/attn_bwd_sm90_cpu.py --all compiles the same list for sm_90a on a CPU)."""
     from dataclasses import replace
     d = A.BWD_LAUNCH
-    cands = [("default", d), ("heavy-first", replace(d, heavy_first=True)),
-             ("dq 128x8w", replace(d, dq_tile=(128, 8, 2))),      # 32 tokens x 4 heads: half the K/V re-reads
-             ("dq 3stg", replace(d, dq_tile=(64, 4, 3))),
-             ("dkdv 128k", replace(d, dkdv_keys=128)),           # 128 keys: half the Q/dO re-reads
+    cands = [("default", d), ("session-11 default", A.BackwardLaunch()),
+             ("light-first", replace(d, heavy_first=False)),
+             ("dq 64x4w", replace(d, dq_tile=(64, 4, 2))),
+             ("dkdv 64k", replace(d, dkdv_keys=64)),
              ("dkdv 3stg", replace(d, dkdv_stages=3)),
              ("dq 128 keys", replace(d, dq_keys=128))]
     # not listed (bench/attn_bwd_sm90_cpu.py, 2026-12-02): dK/dV at 128 query rows per step spills 408 B, and
-    # 4 warps with 128 keys spill 2,000 B and serialise the wgmma pipeline (C7511)
-    cands += [("hf+dq128", replace(d, heavy_first=True, dq_tile=(128, 8, 2))),
-              ("hf+dq128+k128", replace(d, heavy_first=True, dq_tile=(128, 8, 2), dkdv_keys=128))]
-    # one kernel: dK/dV and the dQ terms in key-block order through row-block semaphores (5 products, not 7)
-    cands += [("fused", replace(d, fused=True))]
+    # 4 warps with 128 keys spill 2,000 B and serialise the wgmma pipeline (C7511); a fused one-kernel backward
+    # (session 12) ran at 0.39-0.42x SDPA and was removed
     return cands
 
 

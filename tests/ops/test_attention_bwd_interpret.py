@@ -1,9 +1,8 @@
 """The varlen attention backward's launch variants (attention.BackwardLaunch) under the CPU interpreter.
 
-Each launch that is not the default (test_triton_interpret.py checks the default) runs its own kernel
-code: the heavy-first grids, 128-row dQ tiles, 128-key dQ steps and 128-key dK/dV programs, and the fused
-one-kernel backward (dQ added in key-block order through row-block semaphores: under the interpreter the
-programs run one by one in grid order, so its waits pass at once; the GPU tier checks them for real). Per launch,
+Each launch that is not the default (test_triton_interpret.py checks the default: heavy-first grids, 128-row dQ
+tiles, 128-key dK/dV programs) runs its own kernel code: the light-first grids with 64-row dQ tiles and 64-key
+dK/dV programs (the session-11 default), and 128-key dQ steps. Per launch,
 hypothesis draws packed batches of 1-2 sequences of 1-90 tokens (and an explicit example: a sequence of
 1 token and one of 67, not a multiple of the 64 / 128 tiles) with GQA 4/2 or 2/2 heads and d 16, and checks:
 
@@ -29,9 +28,8 @@ import pytest
 
 TOL = 2e-5
 # (label, BackwardLaunch keyword arguments): every kernel variant the non-default launches compile
-LAUNCHES = (("heavy-first", dict(heavy_first=True)),
-            ("wide", dict(dq_tile=(128, 8, 2), dq_keys=128, dkdv_keys=128)),
-            ("fused", dict(fused=True)))
+LAUNCHES = (("light-first (the session-11 default)", dict(heavy_first=False)),
+            ("wide", dict(dq_tile=(128, 8, 2), dq_keys=128, dkdv_keys=128)))
 
 
 def _check_launch(kwargs) -> str | None:
@@ -105,7 +103,7 @@ def test_backward_launch_accurate_deterministic_packing_invariant(results, label
 def test_every_new_kernel_variant_is_covered():
     """The launches here compile every backward kernel variant a BackwardLaunch field selects (a constexpr)."""
     fields = set().union(*(kwargs for _, kwargs in LAUNCHES))
-    assert {"heavy_first", "dq_tile", "dq_keys", "dkdv_keys", "fused"} <= fields, fields
+    assert {"heavy_first", "dq_tile", "dq_keys", "dkdv_keys"} <= fields, fields
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

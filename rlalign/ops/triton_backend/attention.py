@@ -51,8 +51,8 @@ order (per-thread, then within the 4 lanes that share a row) for prefill and dec
 Backward (varlen only, deterministic: no atomic adds of values): dQ by a kernel per query tile walking key
 blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order. Both
 recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them. The launch
-(:class:`BackwardLaunch`) is a speed choice of ours -- tiles, grid order, or one fused kernel that adds
-dQ in key-block order through semaphores -- but not a bit-neutral one: the training forward's bits are
+(:class:`BackwardLaunch`) is a speed choice of ours -- tiles, keys per program, grid order -- but not a
+bit-neutral one in general: the training forward's bits are
 the contract, the backward's only have to be deterministic (run to run, per sequence) and accurate.
 """
 
@@ -84,22 +84,21 @@ DKDV_WARPS = 8
 
 @dataclasses.dataclass(frozen=True)
 class BackwardLaunch:
-    """How the varlen backward is launched (two kernels, or one fused). Each dK/dV/dQ element's sum runs
+    """How the varlen backward's two kernels are launched. Each dK/dV/dQ element's sum runs
     over the same terms in increasing key (dQ) / query-row (dK, dV) order whatever the launch, but the MMA shapes that
     carry it do not always keep its bits: bench/gpu_attention.py --sweep-train compares every candidate's
     gradients with the default's (bit-equal, or within the float64-reference tolerance, labelled).
     Every launch is deterministic run to run and per sequence (a sequence's gradients do not depend on what
-    else is packed with it): no atomic adds, each output element is written by one program (the fused dQ: by
-    each key block in turn, in key-block order).
+    else is packed with it): no atomic adds, each output element is written by one program.
 
     ``dq_tile``: (BLOCK_M rows = BLOCK_M / G tokens x the G query heads of a kv head, warps, stages) of
     attn_bwd_dq_kernel; ``dq_keys``: keys per dQ step (a multiple of KV_BLOCK). ``dkdv_keys``: keys per
     attn_bwd_dkdv_kernel program (a multiple of KV_BLOCK), ``dkdv_rows``: query rows per step, ``dkdv_warps``,
     ``dkdv_stages``. ``heavy_first``: both grids run the programs with the most work first over the whole
-    batch (the default runs dK/dV's light blocks of each sequence and kv head first). ``fused``: one kernel
-    (attn_bwd_fused_kernel, on the dK/dV fields; heavy-first by construction) also adds the dQ terms, in
-    key-block order through per-row-block semaphores, into an fp32 accumulator ([T x Hq, DP]: 4 bytes per
-    query-head element); the dQ kernel and its two recomputed products go away."""
+    batch (otherwise dK/dV runs the light blocks of each sequence and kv head first). A fused one-kernel
+    backward (dQ added in key-block order through per-row-block semaphores, 5 products instead of 7) was tried in
+    session 12: correct, but 0.39-0.42x SDPA on the H200 (it spilled, and Triton did not pipeline it), so removed
+    (docs/LOG.md)."""
     dq_tile: tuple[int, int, int] = BWD_TILE
     dq_keys: int = KV_BLOCK
     dkdv_keys: int = KV_BLOCK
@@ -107,7 +106,6 @@ class BackwardLaunch:
     dkdv_warps: int = DKDV_WARPS
     dkdv_stages: int = BWD_TILE[2]
     heavy_first: bool = False
-    fused: bool = False
 
     def __post_init__(self):
         bm, warps, stages = self.dq_tile
@@ -592,91 +590,6 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale
     tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=msk)
 
 
-@triton.jit
-def _dq_add_in_order(DQA, DQ, SEM, ds, k, rows, row_ok, q_offs, msk, j, last_j, dcol, scale,
-                     SPLIT: tl.constexpr):
-    """dQ[rows] += ds @ k for key block j, in key-block order: wait until the row block's semaphore says blocks
-    0..j-1 have added, add into the fp32 accumulator DQA (block 0 writes it fresh), release j + 1. The row
-    block's last key block (last_j) writes dQ = scale * acc in the output dtype instead. SEM: zero at launch."""
-    while tl.atomic_add(SEM, 0, sem="acquire", scope="gpu") != j:
-        pass
-    tl.debug_barrier()                                # every thread reads after the acquire
-    offs = rows[:, None] * dcol.shape[0] + dcol[None, :]
-    # branch-free (masks, not ifs: Triton's pipeliner refuses an MMA accumulator chosen by an if)
-    # .cg: from L2, never a line of this SM's L1 left by an earlier key block's program
-    acc = tl.load(DQA + offs, mask=row_ok[:, None] & (j > 0), other=0.0, cache_modifier=".cg")
-    if SPLIT:
-        acc = mma(ds, k, acc, SPLIT)
-    else:
-        acc = mma(ds.to(k.dtype), k, acc, SPLIT)
-    last = j == last_j
-    tl.store(DQ + q_offs, (acc * scale).to(DQ.dtype.element_ty), mask=msk & last)
-    tl.store(DQA + offs, acc, mask=row_ok[:, None] & (j < last_j))
-    tl.debug_barrier()                                # every thread's store before the release
-    tl.atomic_xchg(SEM, j + 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def attn_bwd_fused_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQA, SEM, cu_q, qk_scale2, scale,
-                          stride_qt, stride_qh, stride_kr, stride_kh, sem_stride,
-                          G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BMQ: tl.constexpr,
-                          BN: tl.constexpr, SPLIT: tl.constexpr):
-    """dK, dV of one block of BN keys (as attn_bwd_dkdv_kernel: BMQ query rows at a time, in increasing row
-    order) and its dQ terms dS @ K, added to each row block's fp32 dQ accumulator in increasing key-block
-    order through the row block's semaphore (_dq_add_in_order): five matrix products per (key block, row
-    block), not the two-kernel split's seven, and the same sums in the same order on every run.
-    Grid (kv heads, sequences, key blocks), key blocks slowest: blocks 0 of the whole batch start first,
-    and a program only ever waits for programs of lower key blocks of its sequence, which started before it
-    (the GPU dispatches a grid's programs in order; the interpreter runs them one by one in order)."""
-    j, s, h = tl.program_id(2), tl.program_id(1), tl.program_id(0)
-    q_start = tl.load(cu_q + s)
-    n = tl.load(cu_q + s + 1) - q_start
-    if j * BN >= n:
-        return
-    kp = j * BN + tl.arange(0, BN)
-    k_ok = kp < n
-    dcol = tl.arange(0, DP)
-    kv_rows = (q_start + kp).to(tl.int64)
-    k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-    v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-    dk = tl.zeros((BN, DP), tl.float32)
-    dv = tl.zeros((BN, DP), tl.float32)
-    hq_total = stride_qt // stride_qh
-    first_row = j * BN * G                            # a multiple of BMQ (the launcher checks BMQ | BN * G)
-    for i in range(tl.cdiv(n * G - first_row, BMQ)):
-        r = first_row + i * BMQ + tl.arange(0, BMQ)
-        tok = r // G
-        head = h * G + r % G
-        row_ok = r < n * G
-        q_rows = (q_start + tok).to(tl.int64)
-        offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
-        msk = row_ok[:, None] & (dcol[None, :] < D)
-        q = tl.load(Q + offs, mask=msk, other=0.0)
-        do = tl.load(DO + offs, mask=msk, other=0.0)
-        lse2 = tl.load(LSE + q_rows * hq_total + head, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + q_rows * hq_total + head, mask=row_ok, other=0.0)
-        st = mma(k, tl.trans(q), tl.zeros((BN, BMQ), tl.float32), SPLIT) * qk_scale2
-        vis = (kp[:, None] <= tok[None, :]) & row_ok[None, :]
-        pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
-        dpt = mma(v, tl.trans(do), tl.zeros((BN, BMQ), tl.float32), SPLIT)
-        dst = pt * (dpt - delta[None, :])
-        if SPLIT:
-            dv = mma(pt, do, dv, SPLIT)
-            dk = mma(dst, q, dk, SPLIT)
-        else:
-            dv = mma(pt.to(do.dtype), do, dv, SPLIT)
-            dk = mma(dst.to(q.dtype), q, dk, SPLIT)
-        rb = first_row // BMQ + i                      # the row block's index within (sequence, kv head)
-        last_j = tl.minimum((rb + 1) * BMQ, n * G) // G  # one past the row block's last token
-        _dq_add_in_order(DQA, DQ, SEM + (s * tl.num_programs(0) + h) * sem_stride + rb, tl.trans(dst), k,
-                         q_rows * hq_total + head, row_ok, offs, msk, j, (last_j - 1) // BN, dcol, scale, SPLIT)
-    dk = dk * scale
-    offs = kv_rows[:, None] * stride_kr + h * stride_kh + dcol[None, :]
-    msk = k_ok[:, None] & (dcol[None, :] < D)
-    tl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=msk)
-    tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=msk)
-
-
 # ---- launchers -------------------------------------------------------------------------------------
 
 def _dpad(d: int) -> int:
@@ -908,9 +821,6 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=None, l
     args = (q, k, v, grad_out, lse, delta)
     common = dict(G=g, D=d, DP=_dpad(d), SPLIT=split_for(q.dtype), GRID_HEAVY_FIRST=launch.heavy_first)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
-    if launch.fused:
-        _fused_backward(args, dq, dk, dv, cu, scale, strides, max_len, launch, common)
-        return dq, dk, dv
     attn_bwd_dq_kernel[_bwd_grid(triton.cdiv(max_len, bm // g), n_seq, hkv, launch.heavy_first)](
         *args, dq, cu, scale * LOG2E, scale, *strides, BM=bm, BN=launch.dq_keys, num_warps=warps, num_stages=stages,
         **common)
@@ -919,24 +829,6 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=None, l
         *args, dk, dv, cu, scale * LOG2E, scale, *strides, BMQ=launch.dkdv_rows, BN=launch.dkdv_keys,
         num_warps=launch.dkdv_warps, num_stages=launch.dkdv_stages, **common)
     return dq, dk, dv
-
-
-def _fused_backward(args, dq, dk, dv, cu, scale, strides, max_len, launch, common):
-    """attn_bwd_fused_kernel's launch: its fp32 dQ accumulator and zeroed row-block semaphores."""
-    q, k = args[0], args[1]
-    t, hq, _ = q.shape
-    hkv, g, rows, keys = k.shape[1], common["G"], launch.dkdv_rows, launch.dkdv_keys
-    if (keys * g) % rows:
-        raise fail("attention_varlen", f"the fused backward needs its {rows} query rows per step to divide "
-                                       f"{keys} keys x {g} heads per kv head (BackwardLaunch.dkdv_rows)")
-    n_seq = cu.shape[0] - 1
-    row_blocks = triton.cdiv(max_len * g, rows)
-    dqa = torch.empty((t * hq, common["DP"]), dtype=torch.float32, device=q.device)
-    sem = torch.zeros(n_seq * hkv * row_blocks, dtype=torch.int32, device=q.device)
-    fused = {key: val for key, val in common.items() if key != "GRID_HEAVY_FIRST"}
-    attn_bwd_fused_kernel[_bwd_grid(triton.cdiv(max_len, keys), n_seq, hkv, True)](
-        *args, dk, dv, dq, dqa, sem, cu, scale * LOG2E, scale, *strides, row_blocks, BMQ=rows, BN=keys,
-        num_warps=launch.dkdv_warps, num_stages=launch.dkdv_stages, **fused)
 
 
 def _bwd_grid(work: int, n_seq: int, hkv: int, heavy_first: bool) -> tuple[int, int, int]:
