@@ -3,7 +3,7 @@ what limits them: per kernel and candidate launch (bench/gpu_attention.py train_
 registers, spill bytes and shared memory, the wgmma instructions in the PTX (wgmma.mma_async count, and
 whether any mma.sync is left), the stages asked for, the grid at 2 x 4,096 tokens (32 / 8 heads, d 128) and
 its programs per SM (registers and shared memory limits of an H200 SM: 64 K registers, 228 KiB).
-Triton ships ptxas, so the whole pipeline runs here (the stand-in driver of tests/ops/test_triton_interpret.py).
+Triton ships ptxas, so the whole pipeline runs here (the stand-in driver of tests/sm90.py).
 
     PYTHONPATH=$PWD python bench/attn_bwd_sm90_cpu.py [--all | LABEL ...]   (--all: every --sweep-train
     candidate; LABELs: those candidates)
@@ -17,35 +17,15 @@ sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from tests.ops.test_triton_interpret import _ptxas_report  # noqa: E402
+from tests.sm90 import H200_SMS as SMS, activate_fake_sm90, ptxas_report  # noqa: E402
 
-SM_REGS, SM_SMEM, SMS = 65536, 233472, 132
-
-
-class _Sm90:
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def is_active(self):
-        return True
+SM_REGS, SM_SMEM = 65536, 233472
 
 
 def main() -> int:
-    driver.set_active(_Sm90())
-    torch.cuda.is_available = lambda: True
+    activate_fake_sm90(SMS)
     compiled = []
     original = JITFunction.run
 
@@ -55,8 +35,6 @@ def main() -> int:
         return kernel
 
     JITFunction.run = compile_only
-    import rlalign.ops.triton_backend._common as common
-    common.num_sms = lambda index: SMS
     from rlalign.ops.triton_backend import attention as A
     from gpu_attention import train_candidates
     labels = [a for a in sys.argv[1:] if not a.startswith("--")]
@@ -77,7 +55,7 @@ def main() -> int:
             continue
         for name, grid, kwargs, kernel in compiled[before:]:
             ptx = kernel.asm["ptx"]
-            rep = _ptxas_report(ptx) or ""
+            rep = ptxas_report(ptx) or ""
             regs = int(m.group(1)) if (m := re.search(r"Used (\d+) registers", rep)) else 0
             spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
             smem = kernel.metadata.shared

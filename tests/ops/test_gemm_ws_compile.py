@@ -23,53 +23,16 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-# (name, P, b_trans, output, WS_CANDIDATES index): the default launch on the forward's layout, and the 64x128
-# candidate (levels 1 and 2 of the tree in shared memory, the largest output tile) on the dX layout (B [K, N])
-CASES = (("forward P=8", 8, True, "bf16", 0), ("dX layout P=8 64x128 fp32 out", 8, False, "fp32", 1))
-
-
-def _ptxas(ptx: str) -> str | None:
-    import tempfile
-    try:
-        import triton.backends.nvidia as nv
-        exe = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(ptx)
-        run = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                             text=True, timeout=120)
-        os.unlink(f.name)
-    except (ImportError, OSError, subprocess.SubprocessError):
-        return None
-    return run.stderr if run.returncode == 0 else None
+# (name, P, b_trans, output, WS_CANDIDATES index): the 128x64 candidate (two consumer warpgroups, level 1 of the
+# tree in registers) on the forward's layout, and the default 64x128 launch (levels 1 and 2 of the tree in shared
+# memory, the largest output tile) on the dX layout (B [K, N]) with an fp32 output
+CASES = (("forward P=8 128x64", 8, True, "bf16", 1), ("dX layout P=8 64x128 (default) fp32 out", 8, False, "fp32", 0))
 
 
 def _worker() -> None:
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
-    class _Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def is_active(self):
-            return True
-
-    driver.set_active(_Sm90())
-    torch.cuda.is_available = lambda: True   # let the backend package import
-    import rlalign.ops.triton_backend._common as common
-    common.num_sms = lambda index: 132
-    import rlalign.ops.triton_backend.gemm_ws as ws
-    ws._capability = lambda device: (9, 0)   # the CPU tensors stand for the faked sm_90 device's
+    import torch  # noqa: F401
+    from tests.sm90 import activate_fake_sm90, ptxas_report
+    activate_fake_sm90(gluon_gemm=True)
     from rlalign.ops.triton_backend import gemm_ws as W
     if W.GLUON_IMPORT_ERROR is not None:
         print("RESULTS " + json.dumps({"skip": f"no Gluon: {W.GLUON_IMPORT_ERROR}"}))
@@ -100,7 +63,7 @@ def _worker() -> None:
         results.append({"case": name, "segments": segments, "smem": kernel.metadata.shared, "b_trans": b_trans,
                         "block_n": cfg.block_n,
                         "expected_smem": W.shared_bytes(cfg, out_dtype, segments), "stages": cfg.stages,
-                        "ptxas": _ptxas(ptx),
+                        "ptxas": ptxas_report(ptx, timeout=120),
                         "scale_d_zero": len(re.findall(r"wgmma\.mma_async[^\n]*\}, %rd\d+, %rd\d+, 0,", ptx)),
                         "wgmma": ptx.count("wgmma.mma_async"),
                         "drains": ptx.count("wgmma.wait_group.sync.aligned 0;"),

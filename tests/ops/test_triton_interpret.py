@@ -633,47 +633,12 @@ def _compile_gemm_grid(G) -> None:
             G.gemm(x, w, b_trans=True, segments=seg, out_dtype=dt if call == "linear" else torch.float32)
 
 
-def _ptxas_report(ptx: str):
-    """ptxas -v for sm_90a on ``ptx``: its info lines (registers, spills, performance warnings), or None
-    when Triton's ptxas cannot be found or run."""
-    import tempfile
-    try:
-        import triton.backends.nvidia as nv
-        exe = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(ptx)
-        run = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                             text=True, timeout=300)
-        os.unlink(f.name)
-    except (ImportError, OSError, subprocess.SubprocessError):
-        return None
-    return run.stderr if run.returncode == 0 else None
-
-
 def _sm90_worker() -> None:
     import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    class _Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def is_active(self):
-            return True
-
-    driver.set_active(_Sm90())
-    torch.cuda.is_available = lambda: True   # let the backend package import
+    from tests.sm90 import activate_fake_sm90, ptxas_report
+    activate_fake_sm90()
     compiled = []
     original = JITFunction.run
 
@@ -683,8 +648,6 @@ def _sm90_worker() -> None:
         return kernel
 
     JITFunction.run = compile_only
-    import rlalign.ops.triton_backend._common as common
-    common.num_sms = lambda index: 132
     from rlalign.ops.triton_backend import attention as A, elementwise as E, gemm as G, logprob as L, sample as S
 
     bf = torch.bfloat16
@@ -750,7 +713,7 @@ def _sm90_worker() -> None:
         G.gemm(x, w, b_trans=True, segments=8, config=cfg)
         ptx = compiled[-1][2].asm["ptx"]
         kpart.append({"config": repr(cfg), "ctas": cfg.ctas_per_sm, "warps": cfg.num_warps, "wgmma": "wgmma" in ptx,
-                      "smem": compiled[-1][2].metadata.shared, "ptxas": _ptxas_report(ptx)})
+                      "smem": compiled[-1][2].metadata.shared, "ptxas": ptxas_report(ptx)})
     # only the candidates with their own kernel (segment_stream_kernel): the others are gemm_kernel's loop per
     # segment at other tiles, and the H200 sweep (2026-12-02) compiled and ran every candidate (CI time)
     for cfg in (c for c in G.KPART_CANDIDATES if c.stream):
@@ -760,7 +723,7 @@ def _sm90_worker() -> None:
         ptx = kernel.asm["ptx"]
         variants.append({"kernel": name, "args": {k: v for k, v in kwargs.items() if k.isupper()},
                          "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx,
-                         "ptxas": _ptxas_report(ptx) if name.startswith("attn_") else None})
+                         "ptxas": ptxas_report(ptx) if name.startswith("attn_") else None})
     print("RESULTS " + json.dumps({"errors": errors, "variants": variants, "grid_variants": grid_variants,
                                    "kpart": kpart}))
 

@@ -120,6 +120,8 @@ class BackwardLaunch:
 # H200, 2026-12-02 (session 12, bench/gpu_2026-12-02-s12/call5): 128-row dQ tiles with 8 warps, 128 keys per dK/dV
 # program, both grids heaviest first -- bit-equal to the previous default (BackwardLaunch()) at 2 x 4,096, 8 x 4,096
 # and 1 x 32,768 tokens; forward + backward 0.99 / 0.90 / 0.95 of SDPA flash (the previous default 0.68 / 0.68 / 0.66).
+# (sm_90a, bench/attn_bwd_sm90_cpu.py: its dK/dV kernel holds 255 registers and spills 100 B, one program per SM; the
+# dQ kernel 181 registers, no spills.)
 BWD_LAUNCH = BackwardLaunch(dq_tile=(128, 8, 2), dkdv_keys=128, heavy_first=True)
 
 
