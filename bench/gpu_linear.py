@@ -467,17 +467,8 @@ def ws_label(cfg) -> str:
 
 
 def _watched(what: str, fn):
-    """fn() and a device synchronize; past WS_WATCHDOG_S print ``what`` and exit (a hung kernel never returns)."""
-    import threading
-    timer = threading.Timer(WS_WATCHDOG_S, lambda: (print(f"HANG (> {WS_WATCHDOG_S:.0f} s): {what}", flush=True),
-                                                    os._exit(3)))
-    timer.start()
-    try:
-        out = fn()
-        torch.cuda.synchronize()
-        return out
-    finally:
-        timer.cancel()
+    from rlalign.bench.cuda_timing import watched
+    return watched(what, fn, WS_WATCHDOG_S)
 
 
 def sweep_ws() -> list[dict]:

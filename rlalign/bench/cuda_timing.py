@@ -8,6 +8,8 @@ microseconds of Python and launcher work, often more than its GPU work at batch 
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from typing import Callable
 
 import torch
@@ -38,3 +40,16 @@ def graphed(fn: Callable[[], object], capture_context: Callable[[], object] | No
         fn()
     torch.cuda.synchronize()
     return graph.replay
+
+
+def watched(what: str, fn: Callable[[], object], seconds: float):
+    """fn() followed by a device synchronize; past ``seconds`` (a hung kernel never returns) print ``what`` and end
+    the process with exit code 3, so a sweep or a test run names the case instead of hanging."""
+    timer = threading.Timer(seconds, lambda: (print(f"\nHANG (> {seconds:.0f} s): {what}", flush=True), os._exit(3)))
+    timer.start()
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    finally:
+        timer.cancel()

@@ -15,6 +15,7 @@ from rlalign.contract import ContractError
 from rlalign.ops import _checks as chk
 from rlalign.ops.torch_backend import sample as reference
 from tests.bitwise import assert_bitwise_equal
+from tests.ops.sample_checks_worker import plant_logit_defect
 
 pytestmark = pytest.mark.cuda
 
@@ -25,15 +26,7 @@ def _defective(rows, vocab, defect, row, col, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=g, device="cuda") * 3
     temperature = torch.full((rows,), 0.8, device="cuda")
-    if defect == "nan":
-        logits[row, col] = float("nan")
-    elif defect == "posinf":
-        logits[row, col] = float("inf")
-    elif defect == "neginf_row":
-        logits[row] = float("-inf")
-    else:
-        logits[row, col] = 3.0e38
-        temperature[row] = 0.25
+    plant_logit_defect(logits, temperature, defect, row, col)
     ints = torch.arange(rows, device="cuda")
     return logits, dict(seeds=ints, seq_ids=ints, positions=ints, temperature=temperature)
 

@@ -8,8 +8,6 @@ case named instead of hanging the suite.
 
 from __future__ import annotations
 
-import os
-import threading
 
 import pytest
 import torch
@@ -25,15 +23,8 @@ M_VALUES = (1, 63, 64, 65, 462, 1000, 4096)
 
 def watched(what: str, fn):
     """fn() followed by a device synchronize; if that takes over WATCHDOG_S, print ``what`` and exit."""
-    timer = threading.Timer(WATCHDOG_S, lambda: (print(f"\nHANG (> {WATCHDOG_S:.0f} s): {what}", flush=True),
-                                                 os._exit(3)))
-    timer.start()
-    try:
-        out = fn()
-        torch.cuda.synchronize()
-        return out
-    finally:
-        timer.cancel()
+    from rlalign.bench.cuda_timing import watched as watch
+    return watch(what, fn, WATCHDOG_S)
 
 
 def _case_failures(gemm, cfg, m, n, k, segments, b_trans, has_bias, out_dtype, seed):

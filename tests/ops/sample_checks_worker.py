@@ -19,14 +19,9 @@ MODES = ("eager", "static", "capture")
 VOCABS = (1, 2, 3, 100, 2047, 2048, 2049, 4097)
 
 
-def _inputs(rows, vocab, defect, row, col, greedy_rows, filter_rows, seed):
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(rows, vocab, generator=g) * 3
-    logits[torch.rand(rows, vocab, generator=g) < 0.2] = float("-inf")   # masked tokens are allowed
-    logits[:, col] = 1.0     # every row keeps a finite logit unless the defect removes them
-    temperature = torch.where(torch.arange(rows) % 3 == 1, 1.0, 0.7).float()
-    temperature[list(greedy_rows)] = 0.0
+def plant_logit_defect(logits, temperature, defect: str, row: int, col: int) -> None:
+    """Write one of the logit defects of DEFECTS into ``logits`` (and ``temperature``, for an overflow that only
+    the temperature makes non-finite) at (row, col), in place; the other defects leave both unchanged."""
     if defect == "nan":
         logits[row, col] = float("nan")
     elif defect == "posinf":
@@ -36,6 +31,17 @@ def _inputs(rows, vocab, defect, row, col, greedy_rows, filter_rows, seed):
     elif defect == "overflow":
         logits[row, col] = 3.0e38
         temperature[row] = 0.25
+
+
+def _inputs(rows, vocab, defect, row, col, greedy_rows, filter_rows, seed):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[torch.rand(rows, vocab, generator=g) < 0.2] = float("-inf")   # masked tokens are allowed
+    logits[:, col] = 1.0     # every row keeps a finite logit unless the defect removes them
+    temperature = torch.where(torch.arange(rows) % 3 == 1, 1.0, 0.7).float()
+    temperature[list(greedy_rows)] = 0.0
+    plant_logit_defect(logits, temperature, defect, row, col)
     top_k = torch.zeros(rows, dtype=torch.int64)
     top_k[list(filter_rows)] = 2
     top_p = torch.ones(rows)
