@@ -17,7 +17,7 @@ inputs; ``op_vs_flinear`` = F.linear time / ops.linear time (> 1: ours faster). 
 kernel-only ``ratio``, are the figures a model sees.
 
     python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick] [--sweep-small] [--sweep-mid]
-                               [--sweep-kpart]
+                               [--sweep-kpart] [--sweep-ws]
 
 ``--sweep-small``: only the decode-size K-partition split (M 1-64, k_segments 8, the 8B and 0.6B o_proj /
 down_proj shapes): candidate launches (gemm.SegmentSplitConfig: block N, warps, stages, the tree kernel's
@@ -35,6 +35,13 @@ replays vs cuBLAS, refused (not timed) unless its output is bit-equal to the def
 GEMMs of the trainer's backward as the dispatcher launches them; prints a table and the winning config as the
 one-line change to gemm.py (bench_linear_sweep_kpart.*). Bounded for one GPU call: 5 candidates (one compile each,
 ~10-20 s; both shapes share it) x 6 timed cases, then the P = 1 rows (2 more compiles) until 110 s have passed.
+
+``--sweep-ws``: only the warp-specialized Gluon K-partition kernel (gemm_ws.py): gemm_ws.WS_CANDIDATES vs the
+default and cuBLAS at M 462 / 1,024 / 4,096 / 16,384 on the 8B o_proj and down_proj (k_segments 8), graph replays,
+refused unless bit-equal to the default (the first differing index and values are printed); a table and the one-line
+change (bench_linear_sweep_ws.*). Bounded for one GPU call (<= 90 s): 4 candidates (one compile each), later cases are
+skipped past 75 s; a launch that hangs ends the run naming it. No CPU smoke: Gluon has no interpreter (the CPU
+compile of tests/ops/test_gemm_ws_compile.py stands in for it).
 
 Writes bench_linear.csv / bench_linear.json to $OUT (or --out, default bench/).
 """
@@ -445,6 +452,104 @@ def print_kpart(rows: list[dict]) -> None:
               f"# {gm[best]:.3f} over both shapes and M (default {gm.get(sweep[0]['config'], float('nan')):.3f})")
 
 
+# --sweep-ws: the warp-specialized Gluon K-partition kernel (gemm_ws.WS_CANDIDATES) vs the default kernel and
+# cuBLAS at the rollout's decode batches (462, 1,024) and training M (4,096, 16,384) on the 8B o_proj and down_proj
+# (k_segments 8), CUDA-graph replays; a candidate is refused (not timed) unless bit-equal to the default. A launch
+# that does not finish within WS_WATCHDOG_S (a pipeline deadlock) ends the run naming the case.
+WS_SHAPES = (("o_proj", 4096, 4096), ("down_proj", 4096, 12288))
+WS_M = (462, 1024, 4096, 16384)
+WS_STOP_AFTER_S = 75       # later cases are skipped (the lead's call: <= 90 s with the compiles)
+WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
+
+
+def ws_label(cfg) -> str:
+    return f"gluon {cfg.block_m}x{cfg.block_n}/s{cfg.stages}" + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "")
+
+
+def _watched(what: str, fn):
+    """fn() and a device synchronize; past WS_WATCHDOG_S print ``what`` and exit (a hung kernel never returns)."""
+    import threading
+    timer = threading.Timer(WS_WATCHDOG_S, lambda: (print(f"HANG (> {WS_WATCHDOG_S:.0f} s): {what}", flush=True),
+                                                    os._exit(3)))
+    timer.start()
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    finally:
+        timer.cancel()
+
+
+def sweep_ws() -> list[dict]:
+    from rlalign.ops.triton_backend.gemm import gemm
+    from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES
+    rows, t0 = [], time.time()
+    for name, n, k in WS_SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        w_sets = rotating(lambda i: torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16), n * k * 2)[:4]
+        for m in WS_M:
+            if time.time() - t0 > WS_STOP_AFTER_S:
+                print(f"[{time.time() - t0:5.0f} s] {name} M={m}: skipped (past {WS_STOP_AFTER_S} s)", flush=True)
+                continue
+            sets = [(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16), w) for w in w_sets]
+            ref = [gemm(x, w, b_trans=True, segments=8) for x, w in (sets[0], sets[-1])]
+            base = _graph_ms(lambda x, w: torch.matmul(x, w.T), sets)
+            default_ms = _graph_ms(lambda x, w: gemm(x, w, b_trans=True, segments=8), sets)
+            rows.append({"kind": "sweep-ws", "layer": name, "M": m, "N": n, "K": k, "config": "default",
+                         "label": "default (Triton)", "cublas_ms": round(base, 4), "graph_ms": round(default_ms, 4),
+                         "ratio": round(base / default_ms, 3), "bits": "equal", "vs_default": 1.0})
+            for cfg in WS_CANDIDATES:
+                row = {"kind": "sweep-ws", "layer": name, "M": m, "N": n, "K": k, "config": repr(cfg),
+                       "label": ws_label(cfg), "cublas_ms": round(base, 4)}
+
+                def run(x, w, cfg=cfg):
+                    return gemm(x, w, b_trans=True, segments=8, ws=cfg)
+                try:
+                    _watched(f"{name} M={m} {cfg}", lambda: run(*sets[0]))
+                except Exception:  # noqa: BLE001 - time_if_bit_equal records the error
+                    pass
+                time_if_bit_equal(row, run, sets, ref, base, _graph_ms)
+                if "graph_ms" in row:
+                    row["vs_default"] = round(default_ms / row["graph_ms"], 3)
+                rows.append(row)
+                print(f"[{time.time() - t0:5.0f} s] {name} M={m} {row['label']}: {row.get('ratio', '-')} "
+                      f"{row.get('bits', row.get('error', ''))[:160]}", flush=True)
+            del sets
+        del w_sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_ws(rows: list[dict]) -> None:
+    """One line per (shape, M, launch): ratio = cuBLAS / ours and vs_default = default / ours (graph replays),
+    bits; the refused candidates; and the one-line change when a candidate bit-equal everywhere beats the
+    default's geometric mean over every case."""
+    print(f"{'layer':>10} {'M':>6} {'ratio':>6} {'vs_def':>6} {'ms':>8} {'bits':>6}  launch")
+    for r in rows:
+        print(f"{r['layer']:>10} {r['M']:>6} {r.get('ratio', '-'):>6} {r.get('vs_default', '-'):>6} "
+              f"{r.get('graph_ms', '-'):>8} {r.get('bits', 'ERROR' if 'error' in r else '-')[:6]:>6}  {r['label']}"
+              + (f"  {r.get('error', '')}{r.get('bits', '')[6:]}" if r.get("bits", "equal") != "equal" or "error" in r
+                 else ""))
+    refused = {r["config"] for r in rows if r.get("bits") != "equal"}
+    print("refused (bits differ from the default, or failed): " + (", ".join(
+        sorted({r["label"] for r in rows if r["config"] in refused})) or "none"))
+    cases = {(r["layer"], r["M"]) for r in rows}
+    score = {}
+    for r in rows:
+        if r["config"] not in refused:
+            score.setdefault(r["config"], []).append(r["ratio"])
+    gm = {c: float(torch.tensor(v).log().mean().exp()) for c, v in score.items() if len(v) == len(cases)}
+    best = max((c for c in gm if c != "default"), key=gm.get, default=None)
+    if best is None:
+        print("ONE-LINE CHANGE: none (no Gluon candidate bit-equal in every case)")
+    elif gm[best] > gm.get("default", 0.0):
+        print(f"ONE-LINE CHANGE: gemm_ws.py DEFAULT_WS = {best}; gemm.py WS_DEFAULT = True   # cuBLAS/ours "
+              f"{gm[best]:.3f} vs default {gm.get('default', float('nan')):.3f} (geometric mean, {len(cases)} cases)")
+    else:
+        print(f"ONE-LINE CHANGE: none (best Gluon {best}: {gm[best]:.3f} <= default "
+              f"{gm.get('default', float('nan')):.3f})")
+
+
 def layer_row(layer: str, m: int, n: int, k: int, segments: int | None, op_ms: float, flinear_ms: float) -> dict:
     """One ``--set layers`` row: ops.linear as the model calls it vs F.linear (times in ms)."""
     return {"kind": "layer", "layer": layer, "M": m, "N": n, "K": k, "k_segments": segments or 1,
@@ -497,6 +602,10 @@ def parser() -> argparse.ArgumentParser:
                     help="only the large-M K partition: gemm.KPART_CANDIDATES at M in " + "/".join(map(str, KPART_M))
                          + " on the 8B o_proj/down_proj shapes (= the column-parallel dX shapes), graph replays vs "
                          "cuBLAS, each refused unless bit-equal to the default; + the P = 1 dX/dW the trainer runs")
+    ap.add_argument("--sweep-ws", action="store_true",
+                    help="only the warp-specialized Gluon K-partition kernel: gemm_ws.WS_CANDIDATES at M in "
+                         + "/".join(map(str, WS_M)) + " on the 8B o_proj/down_proj (k_segments 8) vs the default and "
+                         "cuBLAS, graph replays, each refused unless bit-equal to the default")
     return ap
 
 
@@ -509,6 +618,8 @@ def main() -> int:
     from rlalign.ops.triton_backend.gemm import GemmConfig
     if args.sweep_small:
         return run_sweep(args.out, "linear_sweep_small", sweep_small, print_small)
+    if args.sweep_ws:
+        return run_sweep(args.out, "linear_sweep_ws", sweep_ws, print_ws)
     if args.sweep_kpart:
         return run_sweep(args.out, "linear_sweep_kpart", sweep_kpart, print_kpart)
     if args.sweep_mid:

@@ -16,11 +16,13 @@ sample (eos ignored: every engine generates the same number of tokens), temperat
 
 * rlalign: ``RolloutEngine(model, RolloutConfig(profile=...))`` driven by ``add_request`` / ``step`` as
   ``generate`` does (prompt prefilled once per group, pages shared, per-token logprobs computed); on CUDA
-  both profiles replay decode steps from CUDA graphs (``--decode-graphs``; strict captures every batch
-  bucket at its first decode step, native each (batch, block-table width) bucket at its first use, so
-  the CUDA workloads warm up on the whole workload: no capture falls in a timed call, and the row's
-  ``graph_captures_timed`` says so); native is the same machinery with vendor ops: the baseline that
-  measures the cost of the contract;
+  both profiles replay decode steps from CUDA graphs that also sample, with overlapped scheduling
+  (``--decode-graphs``, ``--overlap``; every batch bucket is captured at the first decode step -- where
+  native gathers K/V, not on CUDA, each (batch, block-table width) bucket at its first use -- and the
+  CUDA workloads warm up on the whole workload: no capture falls in a timed call, and the row's
+  ``graph_captures_timed`` says so); native is the same machinery with the fast non-deterministic ops
+  (the Triton paged kernel without the contract's checks, cuBLAS, an exponential-race sampler): the
+  baseline that measures the cost of the contract;
 * transformers: the same weights saved as a Hugging Face checkpoint and loaded with
   ``AutoModelForCausalLM``; ``generate(do_sample=True, num_return_sequences=n, top_k=0,
   min_new_tokens=max_new_tokens=...)`` on left-padded prompts, all prompts in one call on the CPU
@@ -41,7 +43,7 @@ Decode steps (every running sequence feeds one token; the last timed call's) are
 ``decode_step_ms`` (wall time of ``engine.step()``, which returns after the sampled tokens reached the
 host; with overlapped scheduling the next step is already queued then, so this is the period between
 two completed steps), ``forward_gpu_ms`` (CUDA events around the graph replay: the GPU time of the
-captured forward and, in strict, the sampler and logprob op captured with it; graph steps only),
+captured forward and the sampler and logprob op captured with it; graph steps only),
 ``host_ms_per_step`` = decode_step_ms - forward_gpu_ms (scheduling, batch building, copies,
 bookkeeping: the host time on the critical path; with ``--overlap on`` the part of it not hidden behind
 the device, and the row's ``overlap`` / ``overlapped_steps`` say whether and how often steps overlapped),
@@ -132,7 +134,7 @@ DEFAULTS = {
                  hf_batch_prompts=64, repeat=1, warmup="short", peak_gbps=4300.0),
 }
 # the KV cache of a CUDA run is sized to the workload (plus this margin), not to 80% of the free memory:
-# the native profile's decode attention needs room for its gathered K/V
+# the rest is left to activations, the sampler's [batch, vocab] buffers and the graphs' pool
 KV_CACHE_MARGIN = 1.10
 
 
@@ -178,7 +180,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay decode steps from CUDA graphs, both profiles (auto: on CUDA; RolloutConfig.decode_graphs; "
                         "padded: the graphs' static batches run eagerly, any device)")
     p.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
-                   help="overlapped scheduling of decode steps (auto: strict on CUDA; RolloutConfig.overlap); the "
+                   help="overlapped scheduling of decode steps (auto: on with CUDA graphs; RolloutConfig.overlap); the "
                         "row's 'overlap' field says whether it ran: compare host_ms_per_step of on and off")
     p.add_argument("--kv-cache-gb", type=float, help="engine KV cache size (default: 1 GiB CPU, 80%% of free GPU memory)")
     p.add_argument("--hf-batch-prompts", type=int,
@@ -316,11 +318,13 @@ def _peak_gbps(args) -> float | None:
     return args.peak_gbps or workload_defaults(args).get("peak_gbps")
 
 
-def _overlap_setting(args, profile: str) -> str:
-    """--overlap for the engine: "on" applies to the strict profile (native decode steps sample eagerly,
-    so they never overlap: auto for them)."""
+def _overlap_setting(args, profile: str, model) -> str:
+    """--overlap for the engine: "on" applies to both profiles, except a native MoE model on CUDA (where its
+    experts fall back to the per-expert loop it decodes eagerly and cannot overlap: auto for it, which
+    overlaps whenever its graphs sample)."""
     setting = getattr(args, "overlap", "auto")
-    return "auto" if setting == "on" and profile != "strict" else setting
+    eager_native = profile == "native" and model.config.ffn_kind == "moe" and args.device == "cuda"
+    return "auto" if setting == "on" and eager_native else setting
 
 
 def _sync(device: str) -> None:
@@ -381,7 +385,7 @@ class _EngineRun:
         config = RolloutConfig(profile=profile, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_bytes=_kv_cache_bytes(self.model, workload, args),
-                               decode_graphs=args.decode_graphs, overlap=_overlap_setting(args, profile))
+                               decode_graphs=args.decode_graphs, overlap=_overlap_setting(args, profile, self.model))
         self.engine = RolloutEngine(self.model, config)
         self.sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed,
                                        ignore_eos=True)

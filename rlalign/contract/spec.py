@@ -253,7 +253,12 @@ def render_markdown() -> str:
         "`aten._flash_attention_forward`/`_backward` with cu_seqlens), falling back to one padded SDPA call",
         "with a log line naming why (CPU, fp32, an unsupported head_dim); the log-prob loss is fused like",
         "strict's (token chunks of `token_chunk`, fp32 logits from a bf16 GEMM on CUDA, a recomputing",
-        "backward, no [T, V] logits kept).",
+        "backward, no [T, V] logits kept). In the rollout engine it is the fast non-deterministic engine",
+        "on the same machinery (decode graphs that sample, overlapped steps): paged attention on CUDA is",
+        "the Triton paged kernel reading K/V through the page table, launched by the batch's shape and the",
+        "SM count, without the contract's checks (elsewhere K/V are gathered for one SDPA call); the",
+        "sampler is an exponential race over the tempered, top-k/top-p-filtered logits whose noise comes",
+        "from the device's default generator inside decode graphs. Its bits may depend on the batch.",
         "",
     ]
     return "\n".join(lines)

@@ -39,14 +39,15 @@ def backend_name(device: torch.device) -> str:
 def _resolve_backend(device_type: str, forced: str) -> str:
     if forced:
         if forced == "triton":
-            _triton_available()  # importing the package registers its kernels
+            triton_available()  # importing the package registers its kernels
         return forced
-    if device_type == "cuda" and _triton_available():
+    if device_type == "cuda" and triton_available():
         return "triton"
     return "torch"
 
 
-def _triton_available() -> bool:
+def triton_available() -> bool:
+    """Whether the Triton backend imports (triton installed); importing it registers its kernels."""
     try:
         import rlalign.ops.triton_backend  # noqa: F401  lazy: triton is optional (GPU); importing registers its kernels
     except ImportError:

@@ -10,7 +10,12 @@ page size or the other sequences in the call.
 Native (the fast non-deterministic baseline), no guarantee: packed varlen runs the flash-attention
 varlen kernel (``aten._flash_attention_forward``/``_backward`` with cu_seqlens: no padding) on CUDA
 when it is available for the tensors, else one padded ``scaled_dot_product_attention`` call (with a
-log line naming why); paged runs one padded SDPA call.
+log line naming why). Paged (decode, and prefill with a block table) on CUDA reads K/V through the page
+table inside the Triton backend's paged kernel, with the launch picked from the batch shape and the SM count
+(flash-decoding's split of each sequence's keys over several programs when the batch is too small to fill
+the GPU): no K/V gather. Elsewhere (CPU, float16/float64, no Triton) it gathers every context into a padded
+tensor for one SDPA call (logged on CUDA with the reason). Native's bits may depend on the batch (its size,
+the padding, the launch picked): no invariance promise.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
-from rlalign.ops._dispatch import strict_impl
+from rlalign.ops._dispatch import strict_impl, triton_available
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +188,8 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():  # documented: no autograd (a q that requires grad gives a plain result)
-        if not strict and chk.decode_step():   # inside decode graphs: no host reads, static shapes
-            return _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
         if not strict:
-            return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(), scale)
+            return _native_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
         return strict_impl("attention_paged", q.device)(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                                                          scale)
 
@@ -318,6 +321,47 @@ def _padded_sdpa_varlen(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
     out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)[valid]
+
+
+def native_paged_kernel_unavailable(q: torch.Tensor) -> str | None:
+    """Why the native profile's paged attention cannot read K/V through the page table in a kernel (None: it
+    can, with the Triton backend's paged kernel); it then gathers the contexts for SDPA instead."""
+    if not q.is_cuda:
+        return f"tensors on {q.device.type}: the paged kernel (Triton) is CUDA-only"
+    if q.dtype not in chk.STRICT_DTYPES:
+        return f"dtype {q.dtype} (the Triton paged kernel takes bfloat16 or float32)"
+    if not triton_available():
+        return "Triton is not installed"
+    return None
+
+
+def _native_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float) -> torch.Tensor:
+    """The paged kernel where it runs (:func:`native_paged_kernel_unavailable`), else the SDPA gather: inside
+    decode graphs (``chk.decode_step``: static shapes, no host read) the whole block table's width, otherwise
+    each context's own length."""
+    reason = native_paged_kernel_unavailable(q)
+    if reason is None:
+        return _native_paged_kernel(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
+    if q.is_cuda:
+        _log_paged_fallback(reason)
+    if chk.decode_step():
+        return _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
+    return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(), scale)
+
+
+def _native_paged_kernel(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float) -> torch.Tensor:
+    """The Triton backend's paged kernel: K/V read through the block table (no gather), each sequence up to its
+    own length also inside a CUDA graph (the lengths are read on the device). Launch: ``paged_forward``'s pick
+    from the batch's shape and the SM count -- the one-program-per-(sequence, kv head) grid when it fills the
+    GPU, else each sequence's key splits spread over about ``programs_per_sm`` x SMs programs and merged in
+    the kernel (flash-decoding). Unlike the strict op there is no finiteness check of the output."""
+    from rlalign.ops.triton_backend.attention import paged_forward   # lazy: Triton is optional
+    return paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_paged_fallback(reason: str) -> None:
+    log.warning("native attention_paged: K/V gathered for SDPA instead of the paged kernel: %s", reason)
 
 
 def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[int], scale: float) -> torch.Tensor:

@@ -79,8 +79,8 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float 
     op = "lm_logits"
     _check_shapes(op, hidden, weight)
     temperature = check_temperature(op, temperature)
-    if as_profile(profile) is Profile.NATIVE:
-        logits = hidden.float() @ weight.float().T
+    if as_profile(profile) is Profile.NATIVE:   # bf16 tensor cores into fp32 on CUDA (no widened LM head copy)
+        logits = _mm_fp32(hidden, weight.t())
         return logits if temperature == 1.0 else logits / temperature
     check_strict_inputs(op, hidden, weight)
     return strict_impl(op, hidden.device)(hidden, weight, temperature, DEFAULT_VOCAB_CHUNK)

@@ -12,10 +12,15 @@ are row-wise elementwise/tree arithmetic; the expert FFN runs each expert's rows
 linear, whose per-row result does not depend on how many rows share the call or where they sit, so
 a token's expert output is the same whether 1 or 10,000 tokens chose that expert, and in whatever
 order. Routing is then identical in any two engines that see the same hidden row: no routing replay.
+
+Native (no promise): the same dispatch, then, outside autograd, three grouped GEMMs (``torch._grouped_mm``,
+no host read: capturable in a decode graph) where torch takes the weights, else one linear per projection
+per expert (:func:`expert_ffn_loop`, which reads the expert loads on the host).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -108,13 +113,89 @@ def sorted_experts(x: torch.Tensor, experts: torch.Tensor, gate_w, up_w, down_w,
     rows = x.unsqueeze(1).expand(tokens, k, hidden).reshape(tokens * k, hidden).index_select(0, order)
     expert_of_row = flat.index_select(0, order)
     if as_profile(profile) is Profile.NATIVE:
-        grouped = expert_ffn_loop(rows, expert_of_row, gate_w, up_w, down_w, down_segments, profile=profile)
+        grouped = _native_expert_ffn(rows, expert_of_row, gate_w, up_w, down_w, down_segments, profile)
     else:
         grouped = strict_impl("moe_expert_ffn", x.device)(rows, expert_of_row, gate_w, up_w, down_w, down_segments)
     # back to slot order: position order[i] receives grouped row i (a permutation)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return grouped.index_select(0, inverse).view(tokens, k, hidden)
+
+
+def _native_expert_ffn(rows, expert_of_row, gate_w, up_w, down_w, down_segments, profile) -> torch.Tensor:
+    """Native: three grouped GEMMs (``torch._grouped_mm``, the group offsets found on the device: no host
+    read, so a decode step holding them can be captured in a CUDA graph) where :func:`native_grouped_unavailable`
+    allows, else the per-expert loop (one host read of the expert loads)."""
+    if not rows.shape[0] or native_grouped_unavailable(rows, gate_w, up_w, down_w) is not None:
+        return expert_ffn_loop(rows, expert_of_row, gate_w, up_w, down_w, down_segments, profile=profile)
+    # rows are sorted by expert: group e ends at the number of rows whose expert is <= e
+    ids = torch.arange(gate_w.shape[0], device=rows.device, dtype=expert_of_row.dtype)
+    offs = torch.searchsorted(expert_of_row, ids, right=True).to(torch.int32)
+    gate = torch._grouped_mm(rows, gate_w.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(rows, up_w.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(silu_mul(gate, up, profile=profile), down_w.transpose(-2, -1), offs=offs)
+
+
+def native_grouped_unavailable(rows: torch.Tensor, gate_w, up_w, down_w) -> str | None:
+    """Why the native experts cannot run as grouped GEMMs here (None: they can): they need stacked [E, N, K]
+    weights of the rows' dtype, no autograd (training keeps the loop and its stacked gradients), and a torch
+    whose ``_grouped_mm`` takes these tensors on this device (probed once per configuration: on CUDA it wants
+    bfloat16 on sm90+ and 16-byte aligned strides)."""
+    weights = (gate_w, up_w, down_w)
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+        return "per-expert weight lists (grouped GEMMs take stacked [E, N, K] tensors)"
+    if any(w.dtype != rows.dtype for w in weights):
+        return f"weights {gate_w.dtype} differ from the rows' {rows.dtype}"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (rows, *weights)):
+        return "autograd (the per-expert loop keeps one stacked gradient per projection)"
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no _grouped_mm"
+    return _grouped_probe(rows.device, rows.dtype, tuple((tuple(w.shape), w.stride()) for w in weights))
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_probe(device: torch.device, dtype: torch.dtype, layout: tuple) -> str | None:
+    """One small call per (device, dtype, weight shapes and strides) on random weights of that layout, odd
+    group sizes and an empty group (when E > 2), checked against per-group matmuls: a torch that refuses these
+    tensors, or computes them wrong, is found here, not mid-run (never inside a capture: the engine's warm-up
+    and its own check run first)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    try:
+        gate, _, down = (torch.empty_strided(shape, stride, device=device, dtype=dtype).copy_(
+            torch.randn(shape, generator=gen, device=device)) for shape, stride in layout)
+        n_experts, sizes = gate.shape[0], [1, 0, 3]
+        sizes = (sizes + [2] * n_experts)[:n_experts] if n_experts > 2 else [1, 4][-n_experts:]
+        ends = torch.tensor(sizes, device=device).cumsum(0)
+        rows = torch.randn(int(ends[-1]), gate.shape[2], generator=gen, device=device).to(dtype)
+        offs = ends.to(torch.int32)
+        got = torch._grouped_mm(torch._grouped_mm(rows, gate.transpose(-2, -1), offs=offs), down.transpose(-2, -1),
+                                offs=offs)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return f"_grouped_mm failed a probe call ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+    start, want = 0, []
+    for e, n in enumerate(sizes):
+        x = rows[start:start + n].double()
+        want.append((x @ gate[e].double().T).to(dtype).double() @ down[e].double().T)
+        start += n
+    want = torch.cat(want)
+    err = float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-30)) if want.numel() else 0.0
+    if not err < 5e-2:   # bf16 rounding of the intermediate and the output: ~1e-2 at most
+        return f"_grouped_mm computed a probe call wrong (relative error {err:.3g})"
+    return _capture_probe(rows, gate, offs) if device.type == "cuda" else None
+
+
+def _capture_probe(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> str | None:
+    """Whether a CUDA graph can hold the grouped GEMM (the reason the native experts use it)."""
+    try:
+        torch.cuda.synchronize(rows.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offs)
+        graph.replay()
+        torch.cuda.synchronize(rows.device)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return f"_grouped_mm cannot be captured in a CUDA graph ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+    return None
 
 
 @register("moe_expert_ffn", "torch")

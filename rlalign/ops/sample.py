@@ -4,8 +4,10 @@
 function of the row's logits, its (seed, seq_id, position) and its own temperature / top_k /
 top_p (Gumbel-max with a counter-based splitmix64 RNG; exact formulas in
 :mod:`rlalign.ops.torch_backend.sample`), so it never depends on the batch. In the native
-profile it is what vLLM-style engines do: softmax, torch.multinomial with one torch.Generator
-per call seeded from ``seeds[0]``; the draw of a row depends on the whole batch.
+profile it is what vLLM-style engines do: an exponential race (Gumbel-max) over the temperature-scaled,
+top-k/top-p-filtered logits, its noise from one torch.Generator per call seeded from ``seeds[0]`` (eager)
+or from the device's default generator (static form: inside decode graphs); the draw of a row depends on
+the whole batch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
-from rlalign.ops.torch_backend.sample import GAMMA, MASK64, mix64_int
+from rlalign.ops.torch_backend.sample import GAMMA, MASK64, filtering_rows, mix64_int
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -57,8 +59,14 @@ def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, 
     token)), ties -> lowest id. Logits may hold -inf (masked tokens) but no NaN or +inf, and
     every row needs a finite logit; anything else raises ContractError.
 
-    native: vendor path (softmax + torch.multinomial, generator seeded from seeds[0]); batch
-    dependent, no invariance promise.
+    native: the fast engine's path, no invariance promise (the draw depends on the batch): z = logits /
+    temperature; when a row filters, a sort of every row keeps its top-k tokens and then the smallest
+    prefix whose softmax mass reaches top_p (tokens before the first whose preceding mass is >= top_p);
+    token = argmax over kept tokens of z - log(E), E ~ Exp(1) i.i.d. per token (an exponential race:
+    P(token) = its filtered softmax probability); greedy rows (T = 0) take argmax(logits). E comes from
+    a torch.Generator seeded from seeds[0] (eager: one host read), or, in the static form, from the
+    device's default generator (no host read: a CUDA graph replays it with a fresh philox offset each
+    time; ``torch.manual_seed`` reproduces a run) -- the per-row seeds are then not used.
 
     Static form (strict, inside a CUDA-graph capture or ``ops.static_decode()``: ``_checks.static_shapes``):
     no host read and no data-dependent shape, the same bits. The validations above become device
@@ -68,7 +76,7 @@ def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, 
     graph captured without filtering fails its verdict).
     """
     native = as_profile(profile) is Profile.NATIVE
-    static = not native and chk.static_shapes()
+    static = chk.static_shapes()
     _check_logits(logits, strict=not native, static=static)
     rows = logits.shape[0]
     params = _row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p)
@@ -77,7 +85,7 @@ def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, 
     else:
         _check_values(*params)
     if native:
-        return _native_sample(logits, *params)
+        return _native_sample(logits, *params, static=static)
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     return strict_impl("sample", logits.device)(logits, *params)
@@ -169,22 +177,40 @@ def _first_bad(values: torch.Tensor, bad: torch.Tensor) -> str:
 
 # ---- native profile -----------------------------------------------------------------------------
 
-def _native_sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p) -> torch.Tensor:
-    """softmax(z) with top-k/top-p filtering, torch.multinomial with a per-call generator."""
+def _native_sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p, *, static: bool) -> torch.Tensor:
+    """The native draw (see :func:`sample`): an exponential race over the filtered, tempered logits. Static
+    shapes throughout; in the static form no host read (filtering is the capture's ``sample_filtered`` hint)."""
     rows, vocab = logits.shape
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     greedy = temperature == 0
     z = logits.float() / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    if filtering_rows(filters) if static else bool(filters.any()):
+        z = _native_filtered(z, top_k, top_p)
+    race = torch.empty_like(z).exponential_(generator=None if static else _seeded_generator(seeds))
+    # z - log(E) in E's buffer; E = 0 (possible in fp32) would give +inf, and NaN on a masked (-inf) token
+    race = race.clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_().add_(z)
+    drawn = torch.argmax(race, dim=-1)
+    return torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
+
+
+def _seeded_generator(seeds: torch.Tensor) -> torch.Generator:
+    gen = torch.Generator(device=seeds.device)
+    gen.manual_seed(int(seeds[0]) & MASK64)
+    return gen
+
+
+def _native_filtered(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """z with -inf outside each row's top-k and then outside its nucleus (the smallest prefix, in descending
+    z, whose softmax mass reaches top_p; a token is dropped when the mass before it already does). One sort of
+    every row (a fast engine's torch path; rows that do not filter pass unchanged). Ties at the k-th value
+    may keep either token."""
+    vocab = z.shape[1]
     sorted_z, order = torch.sort(z, dim=-1, descending=True)
     rank = torch.arange(vocab, device=z.device)
     drop = (top_k > 0).unsqueeze(-1) & (rank >= top_k.unsqueeze(-1))
     sorted_z = sorted_z.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_z, dim=-1)
     drop |= ((torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(-1)) & (top_p < 1).unsqueeze(-1)
-    sorted_z = sorted_z.masked_fill(drop, float("-inf"))
-    z = torch.empty_like(z).scatter_(1, order, sorted_z)
-    gen = torch.Generator(device=logits.device)
-    gen.manual_seed(int(seeds[0]) & MASK64)
-    drawn = torch.multinomial(torch.softmax(z, dim=-1), 1, generator=gen).squeeze(1)
-    return torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
+    return torch.empty_like(z).scatter_(1, order, sorted_z.masked_fill(drop, float("-inf")))

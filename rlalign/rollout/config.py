@@ -46,8 +46,8 @@ class RolloutConfig:
     decode_graph_max_batch: largest decode batch with a graph (bigger decode steps run eagerly).
     overlap: overlapped scheduling (docs/rollout.md, "Overlapped scheduling"): while a decode step runs on the
         device, the host plans and launches the next one, whose input ids are the running step's sampled
-        tokens copied on the device. Needs decode steps sampled inside the decode graphs (the strict
-        profile with graphs, or ``decode_graphs="padded"``). ``"auto"``: on for a strict engine replaying
+        tokens copied on the device. Needs decode steps sampled inside the decode graphs (graphs on CUDA,
+        except a native MoE model whose experts read their loads on the host, or ``decode_graphs="padded"``). ``"auto"``: on for an engine replaying
         CUDA graphs, off otherwise; ``"on"`` requires it (``"padded"`` runs it on the CPU: the tests);
         ``"off"``: every step runs serially. Changes no token, logprob, finish reason or routing record.
     record_routing: for a mixture-of-experts model, record the experts each fed row was routed to and

@@ -4,8 +4,7 @@ A decode step (every running sequence feeds one token) is the same ~15 launches 
 step; issued from Python they cost far more host time than the GPU needs for them. So the model's
 ``forward_hidden`` is captured once per bucket size b (1, 2, 4, 8, 16, 20, 24, 28, 32, 40, 48, ...
 up to ``max_batch``; all of them at the first decode step) on static input buffers and replayed;
-in the strict profile the sampler and the logprob op are captured with it (below), in the native
-profile they run eagerly.
+the sampler and the logprob op are captured with it (below), in both profiles.
 
 Why padding cannot change a bit: a step with n < b sequences fills rows n..b-1 with padding
 sequences, and in the strict profile a row's result does not depend on the other rows of the batch
@@ -25,14 +24,15 @@ strict finiteness verdicts recorded in the graph are re-queued after every repla
 ``mode="padded"`` runs the same padded static batches eagerly, without capture: the CPU tests
 check with it that padding leaves every token and logprob unchanged.
 
-The native profile (the benchmarks' baseline) runs the same machinery. Its paged attention has no
-per-row contract, so it cannot read each sequence's length on the host inside a graph: under
-:func:`rlalign.ops.static_decode` it attends over the whole width of the block table it is given,
-masked by ``seq_lens`` on the device. So that width follows the step, native graphs are keyed by
-(batch bucket, width bucket): widths (pages) are bucketed like batch sizes (:func:`buckets_up_to`
-of ``max_pages``), each pair captured at its first use (``width_buckets=True``). Strict graphs use
-the full width (their kernel reads each sequence's own length) and are all captured at the first
-decode step.
+The native profile (the benchmarks' baseline) runs the same machinery: the same buckets, the sampler
+in the graph, overlapped scheduling. On CUDA its paged attention is the Triton paged kernel, which reads
+each sequence's length on the device, so its graphs are the strict ones' (full width, all captured at the
+first decode step). Where native gathers K/V for SDPA instead (CPU, or a dtype the kernel does not take:
+:func:`rlalign.ops.attention.native_paged_kernel_unavailable`), under :func:`rlalign.ops.static_decode` it
+attends over the whole width of the block table it is given, masked by ``seq_lens`` on the device; so that
+width follows the step, those graphs are keyed by (batch bucket, width bucket): widths (pages) are bucketed
+like batch sizes (:func:`buckets_up_to` of ``max_pages``), each pair captured at its first use
+(``width_buckets=True``).
 
 ``time_replays=True`` records a pair of CUDA events around every replay (:attr:`last_events`): the
 GPU time of the captured forward, which the rollout benchmark sets against the step's wall time;
@@ -43,10 +43,11 @@ runs inside :func:`rlalign.models.moe.record_routing` and the stacked expert ids
 are one more static output of the graph; after each replay they hold that step's values.
 :attr:`DecodeGraphs.routing` is then the real rows' part (padding rows dropped), valid until the next run.
 
-Sampling inside the graph (``sampler_weight``: the LM head; strict only): the captured body is the
-forward, then ``ops.sample_and_score`` of every row -- the very op the eager engine calls, in its static
-form (no host read, no data-dependent shape; ``rlalign.ops._checks.static_shapes``), which gives the same
-bits. Its per-row inputs (seeds, positions, temperature, top_k, top_p) are static buffers filled before
+Sampling inside the graph (``sampler_weight``: the LM head): the captured body is the forward, then
+``ops.sample_and_score`` of every row -- the very op the eager engine calls, in its static form (no host
+read, no data-dependent shape; ``rlalign.ops._checks.static_shapes``), which gives the same bits in the
+strict profile (the native static form draws its noise from the device's default generator instead of the
+rows' seeds: ``ops.sample``). Its per-row inputs (seeds, positions, temperature, top_k, top_p) are static buffers filled before
 each replay (:class:`HostSampler`); the sampled tokens and logprobs are static outputs. Two host values
 the op cannot read inside a graph specialise it: the rows' one logprob temperature and whether any row
 filters with top-k/top-p (a full sort of every row; only graphs of filtering batches pay it), so graphs
@@ -180,7 +181,7 @@ class DecodeGraphs:
 
     @property
     def samples(self) -> bool:
-        """Whether the graphs sample (strict engines: the sampler is captured with the forward)."""
+        """Whether the graphs sample (the sampler is captured with the forward; the engine always passes it)."""
         return self.sampler_weight is not None
 
     def bucket(self, n: int) -> int | None:

@@ -5,7 +5,7 @@ copy-on-write are done; ONE :class:`ForwardBatch` describes every chunk; ONE mod
 the hidden rows (a decode-only step on a GPU: a CUDA graph replay of that forward on a padded batch,
 :mod:`rlalign.rollout.decode_graphs`); the rows of the sequences that reached their last token are
 sampled together by :func:`ops.sample_and_score` (the one owner of "sample a token, score it with the
-trainer's op"; exact formulas there; in a strict decode graph the same op is captured with the
+trainer's op"; exact formulas there; in a decode graph the same op is captured with the
 forward):
 
     token, logprob = ops.sample_and_score(h, W, seeds=s, positions=p, temperature=T, top_k, top_p)
@@ -46,8 +46,10 @@ from rlalign import ops
 from rlalign.contract.profiles import use_profile
 from rlalign.models.batch import ForwardBatch, KVCache
 from rlalign.models.generate import prompt_key
-from rlalign.models.moe import record_routing, sparse_layer_indices
+from rlalign.models.moe import StackedExperts, record_routing, sparse_layer_indices
 from rlalign.models.sizes import kv_bytes_per_token
+from rlalign.ops.attention import native_paged_kernel_unavailable
+from rlalign.ops.moe import native_grouped_unavailable
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.block_manager import BlockManager, pages_for
 from rlalign.rollout.config import DEFAULT_CPU_KV_CACHE_BYTES, RolloutConfig, SamplingParams
@@ -132,13 +134,12 @@ class RolloutEngine:
         self.kv_cache = KVCache.for_model(mc, num_pages + scratch, self.page_size, model.dtype, self.device)
         self.blocks = BlockManager(num_pages, self.page_size, self.config.enable_prefix_caching)
         self.routing = self._routing_store(num_pages)
-        # strict graphs sample inside the graph (the native sampler reads a seed on the host: eager)
-        sampler_weight = model.lm_head_weight if self.config.profile == "strict" else None
+        # both profiles sample inside the graphs (the native sampler's static form reads nothing on the host)
         self.decode_graphs = None if not graph_mode else DecodeGraphs(
             model, self.kv_cache, list(range(num_pages, num_pages + scratch)), graph_batch,
             pages_for(self.max_model_len, self.page_size), mode=graph_mode,
-            width_buckets=self.config.profile == "native", record_routing=self.routing is not None,
-            sampler_weight=sampler_weight)
+            width_buckets=self._native_gathers(), record_routing=self.routing is not None,
+            sampler_weight=model.lm_head_weight)
         self.overlap = self._overlap_mode(graph_mode)
         self._inflight: _Launched | None = None      # the step queued on the device, not yet read (overlap)
         self.last_step_events: tuple | None = None   # CUDA events around the completed step's graph replay
@@ -164,15 +165,43 @@ class RolloutEngine:
                                      "use 'auto' or 'off'")
         if setting == "padded":
             return "padded"
-        if gpu and self.config.profile == "native" and self.model.config.ffn_kind == "moe":
-            # the native MoE experts are the vendor per-expert loop, which reads the experts' loads on the
+        eager_experts = gpu and self.config.profile == "native" and self._native_experts_read_host()
+        if eager_experts:
+            # the native MoE experts fall back to the per-expert loop, which reads the experts' loads on the
             # host: not capturable (strict MoE is: its grouped GEMMs need no host read)
             if setting == "on":
-                raise RolloutConfigError("decode_graphs='on' cannot capture the native profile's MoE experts (a "
-                                         "per-expert cuBLAS loop that reads expert loads on the host); use 'auto' "
-                                         "(native MoE decodes eagerly) or the strict profile")
+                raise RolloutConfigError(f"decode_graphs='on' cannot capture the native profile's MoE experts here "
+                                         f"({eager_experts}: a per-expert cuBLAS loop that reads expert loads on "
+                                         "the host); use 'auto' (native MoE decodes eagerly) or the strict profile")
             return None
         return "graphs" if setting == "on" or (setting == "auto" and gpu) else None
+
+    def _native_experts_read_host(self) -> str | None:
+        """Why a MoE model's native experts would read their loads on the host (the per-expert loop), None when
+        every sparse layer's experts run as grouped GEMMs (``ops.moe.native_grouped_unavailable``) or the model
+        is dense."""
+        if self.model.config.ffn_kind != "moe":
+            return None
+        stacked = [m for m in self.model.modules() if isinstance(m, StackedExperts)]
+        if len(stacked) != len(sparse_layer_indices(self.model.config)):
+            return "experts other than one stacked module per sparse layer (e.g. tensor-parallel shards)"
+        for m in stacked:
+            rows = torch.empty(0, m.gate_proj.shape[2], dtype=m.gate_proj.dtype, device=self.device)
+            with torch.no_grad():
+                reason = native_grouped_unavailable(rows, m.gate_proj, m.up_proj, m.down_proj)
+            if reason is not None:
+                return reason
+        return None
+
+    def _native_gathers(self) -> bool:
+        """Whether this is a native engine whose paged attention gathers K/V for SDPA (CPU, or a dtype the paged
+        kernel does not take): its static decode form attends over the whole block-table width, so its graphs
+        are keyed by width buckets too. The paged kernel reads each sequence's own length on the device (as
+        strict does): full-width graphs, all captured at the first decode step."""
+        if self.config.profile != "native":
+            return False
+        probe = torch.empty(0, 1, 2, dtype=self.model.dtype, device=self.device)
+        return native_paged_kernel_unavailable(probe) is not None
 
     def _overlap_mode(self, graph_mode: str | None) -> bool:
         """Whether steps overlap (config.overlap): it needs decode steps sampled inside the graphs."""
@@ -180,8 +209,8 @@ class RolloutEngine:
         sampling_graphs = self.decode_graphs is not None and self.decode_graphs.samples
         if setting == "on" and not sampling_graphs:
             raise RolloutConfigError(
-                f"overlap='on' needs decode steps sampled inside the decode graphs (profile 'strict' with "
-                f"decode_graphs 'auto'/'on' on CUDA, or 'padded'); this engine has profile "
+                f"overlap='on' needs decode steps sampled inside the decode graphs (decode_graphs 'auto'/'on' "
+                f"on CUDA, or 'padded'; not a native MoE model whose experts decode eagerly); this engine has profile "
                 f"{self.config.profile!r}, decode_graphs {self.config.decode_graphs!r} on {self.device}: "
                 "use overlap='auto' or 'off'")
         if setting == "auto":

@@ -59,3 +59,17 @@ def test_layers_cut_the_preset(capsys):
 def test_bench_without_a_benchmark_prints_usage(capsys):
     assert main(["bench"]) == 2
     assert "rollout" in capsys.readouterr().out
+
+
+def test_bench_rollout_strict_and_native_on_the_same_machinery(capsys):
+    """--engines strict,native with the graphs' padded batches and overlap on (the CPU form of the CUDA run):
+    both rows sampled their decode steps in the graphs, overlapped them and report the same fields."""
+    code = main(["bench", "rollout", "--workload", "tiny", "--engines", "strict,native", "--decode-graphs", "padded",
+                 "--overlap", "on", "--repeat", "1", "--json"])
+    assert code == 0
+    rows = {r["profile"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert set(rows) == {"strict", "native"}
+    for profile, row in rows.items():
+        assert row["decode_graphs"] == "padded" and row["graph_steps"] > 0, profile
+        assert row["overlap"] is True and row["overlapped_steps"] > 0, profile
+    assert set(rows["strict"]) == set(rows["native"])

@@ -27,13 +27,16 @@ BLOCK_M is never below 64 so that Hopper always issues the same ``wgmma`` family
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from rlalign.ops.triton_backend._common import (BLOCK_K, aligned, descriptor, device_sms, forced_tile, mma, split_for,
-                                                tma_ok)
+from rlalign.ops.triton_backend._common import (BLOCK_K, aligned, descriptor, device_sms, forced_tile, is_interpreter,
+                                                mma, split_for, tma_ok)
+from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, WsConfig, gemm_ws
+from rlalign.ops.triton_backend.gemm_ws import supported as ws_supported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,6 +554,22 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
     return out
 
 
+# The warp-specialized Gluon kernel (gemm_ws.py, session 12) is not the default until an H200 sweep
+# (bench/gpu_linear.py --sweep-ws) has found it bit-equal and faster: flip WS_DEFAULT then (or set
+# RLALIGN_TRITON_GEMM_WS=1 to try it in a run). Either way the dispatcher takes it only for the K partition
+# (P > 1) above SPLIT_SEGMENTS_MAX_M rows and where gemm_ws.supported holds; P = 1 calls (the dX layout
+# included) reach it only through gemm(..., ws=...), as no sweep has timed them.
+WS_DEFAULT = False
+
+
+def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsConfig | None:
+    """The Gluon kernel's launch when the dispatcher should take it for this call, else None."""
+    enabled = os.environ.get("RLALIGN_TRITON_GEMM_WS", "1" if WS_DEFAULT else "0") == "1"
+    if not enabled or is_interpreter():
+        return None
+    return DEFAULT_WS if ws_supported(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) else None
+
+
 def _logical(t: torch.Tensor, trans: bool) -> tuple[int, int, int, int]:
     """(rows, cols, row stride, col stride) of the logical matrix stored in t (transposed if trans)."""
     if trans:
@@ -562,7 +581,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
          out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
          bias: torch.Tensor | None = None, segments: int = 1, acc_in: bool = False,
          config: GemmConfig | None = None, use_tma: bool | None = None,
-         split: SegmentSplitConfig | None = None) -> torch.Tensor:
+         split: SegmentSplitConfig | None = None, ws: WsConfig | None = None) -> torch.Tensor:
     """C[M, N] = A @ B (+ bias) with the numerics of the module docstring.
 
     a: A [M, K] (or A^T stored [K, M] with ``a_trans``); b: B [K, N] (or B^T stored [N, K] with
@@ -572,7 +591,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     benchmarks: every choice gives the same bits; a ``config`` runs the one-kernel tree, never the
     decode-size split into per-segment partials of _gemm_split_segments, whose launch ``split`` replaces
     the table's :func:`segment_split_config` -- and, given, takes the split at any M: bench/gpu_linear.py
-    --sweep-mid times it against the one-kernel tree above SPLIT_SEGMENTS_MAX_M).
+    --sweep-mid times it against the one-kernel tree above SPLIT_SEGMENTS_MAX_M). ``ws`` runs the warp-specialized
+    Gluon kernel of :mod:`.gemm_ws` (the same bits; raises GemmWsUnsupported where it does not apply); without it
+    the dispatcher takes that kernel only where :func:`ws_default` says so.
     """
     if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"gemm: operands must share bf16 or fp32, got {a.dtype} and {b.dtype}")
@@ -598,6 +619,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
                 out.add_(bias.to(out.dtype))
         return out
     fp32 = a.dtype == torch.float32
+    if ws is None and config is None and split is None and segments > 1 and m > SPLIT_SEGMENTS_MAX_M:
+        ws = ws_default(a, b, b_trans, segments, a_trans, out.dtype, bias, acc_in)
+    if ws is not None:
+        return gemm_ws(a, b, b_trans=b_trans, segments=segments, out=out, bias=bias, config=ws, a_trans=a_trans,
+                       acc_in=acc_in)
     if segments > 1 and config is None and (m <= SPLIT_SEGMENTS_MAX_M or split is not None):
         seg_k = k // segments
         tma = seg_k % BLOCK_K == 0 and tma_ok(a) and tma_ok(b) and (use_tma is None or use_tma)
@@ -652,4 +678,4 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
 
 __all__ = ["GemmConfig", "gemm", "gemm_kernel", "segment_stream_kernel", "pick_config", "all_configs",
            "candidate_configs", "KPART_CANDIDATES",
-           "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config"]
+           "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config", "WS_DEFAULT", "ws_default"]

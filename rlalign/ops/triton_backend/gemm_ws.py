@@ -1,0 +1,390 @@
+"""The canonical K-partition GEMM as a warp-specialized Gluon kernel for Hopper (sm_90a).
+
+Contract: exactly the bits of :func:`.gemm.gemm` with ``segments = P`` (its module docstring): per output
+element C[m, n], each of the P segments of SEG_K = K / P columns is reduced from zero in 64-column k-steps in
+increasing k (one ``wgmma`` chain of k16 chunks per k-step; a segment's first chain accumulates onto a tile of
++0.0, as the default kernel's PTX does: its wgmma always has scale-d = 1 and its accumulator starts as zeros --
+not ``use_acc=False``, which could differ in the sign of a zero sum), the P fp32 partials merge by the fixed
+tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (left + right, a subtree as soon as both halves exist), then
+``+ bias[n]`` in fp32 and one rounding to the output dtype (or an fp32 store). The tile shape only decides
+which warpgroup computes an element (the H200 sweeps of sessions 8-11 found 64x64 / 64x128 / 128x128
+``wgmma`` tiles bit-equal); the order of the k16 chunks and where an accumulation restarts from zero are the
+same as the default kernel's.
+
+Supported (anything else raises :class:`GemmWsUnsupported` naming the shape; the dispatcher in
+:mod:`.gemm` selects this kernel only where :func:`supported` holds): bf16 operands, A [M, K] row-major
+(the activations), B either the nn.Linear weight W [N, K] (``b_trans``: the forward, y = x W^T) or a row-major
+[K, N] matrix (the trainer's dX = dY @ W, with W [N_out, K_in] as B [K = N_out, N = K_in]); P in {1, 2, 4,
+8} with K % (P * 64) == 0; every operand TMA-addressable (16-byte aligned base and row stride); bf16 or fp32
+output, optional bias [N].
+
+Design (what the kernel does and why):
+
+* Persistent: grid = min(tiles, SMs); program ``pid`` owns output tiles pid, pid + grid, ... in the default
+  kernel's grouped order (GROUP_M row tiles sweep the column tiles together).
+* Warp-specialized. A one-warp producer partition streams every k-step of the program's tiles, in order,
+  through a ring of STAGES shared-memory stages with TMA (``cp.async.bulk.tensor``), an mbarrier ``ready``
+  (expect-tx bytes) and ``empty`` (released by the consumer) per stage. Segments do not exist for the
+  producer: with SEG_K a multiple of 64, segment s's step j is the global k-step s * steps + j, so its loads
+  run straight across segment ends and tile ends and never wait for a tree merge or an epilogue.
+* The consumer is the default partition (4 warps: BM = 64, one warpgroup; 8 warps: BM = 128, two
+  warpgroups, 64 rows each). Per k-step it issues one async ``wgmma`` chain (BM x BN x 64 from shared
+  memory), then ``wgmma.wait_group 1`` (the previous k-step's chain is done, the newest stays in flight) and
+  releases the previous step's stage. At a segment end it does NOT wait for the segment: it issues the next
+  segment's first chain into a FRESH accumulator (a +0.0 tile), then waits with one group outstanding,
+  which completes the finished segment while the new one runs, and folds the finished partial into the tree
+  while that chain (and the producer's loads) proceed. P is a compile-time constant and the segment loop is
+  unrolled (``static_range``), so the default kernel's binary-counter tree becomes straight-line code: no
+  branch, no global scratch.
+* At a tile's end the consumer waits for the last chain (the only drain: once per tile, P * steps k-steps),
+  completes the tree, adds the bias, rounds once and stores through shared memory with a TMA store (which
+  clips rows >= M and columns >= N; TMA loads fill out-of-range rows/columns with zeros, so tile padding
+  never reaches a stored element). The producer is already loading the next tile meanwhile.
+* Where the tree waits (registers per consumer thread: a tile is BN / 2 fp32 for 64 rows per warpgroup).
+  Level 0 (a single segment) always in registers. Level 2 (s0+..+s3, held while s4..s7 run) in shared memory
+  (fp32, exact; each thread reads back the elements it stored): with it in registers the 128x64 launch (8
+  consumer warps + the producer's warpgroup: ptxas caps them at 168 registers) had the new accumulator, the
+  finished partial and three levels live and ptxas serialized the wgmma (C7512). Level 1 in registers for
+  64-wide tiles; in shared memory too for 64x128 tiles (64 registers a tile; one consumer warpgroup, 255
+  registers). sm_90a, P = 8: 128x64/6 stages 168 registers, 64x128/5 stages 255, no spill and no wgmma
+  serialization in either; shared memory: :func:`shared_bytes` (+ the mbarriers).
+* Not done: two interleaved accumulators (segments 2i and 2i+1 in one loop of two chains per k-step): their
+  chains complete together, so each pair end drains the wgmma pipeline anyway, with both partials and the
+  stack live at once. 128x128 tiles: the ring, the output tile and two fp32 tree levels exceed 227 KiB.
+
+Status: written and compiled for sm_90a on a CPU, never run on a GPU (session 12); the
+tests in tests/cuda/test_cuda_gemm_ws.py compare its raw bits with the default kernel's, and
+bench/gpu_linear.py --sweep-ws refuses any configuration that is not bit-equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from rlalign.contract.errors import ContractError
+from rlalign.ops.triton_backend._common import BLOCK_K, device_sms, is_interpreter, tma_ok
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    GLUON_IMPORT_ERROR = None
+except ImportError as exc:  # pragma: no cover - a Triton without Gluon: the kernel is never selected
+    gluon = None
+    GLUON_IMPORT_ERROR = exc
+
+
+class GemmWsUnsupported(ContractError, ValueError):
+    """The Gluon K-partition GEMM was asked for a shape / dtype / layout it does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WsConfig:
+    """Launch of the Gluon kernel (speed only: no field changes an element's operations).
+
+    block_m: 64 (4 consumer warps, one warpgroup) or 128 (8 consumer warps, two warpgroups);
+    block_n: 64 (see the module docstring: 128 would not fit the tree stack in registers);
+    stages: depth of the TMA ring (shared memory: stages * (BM + BN) * 64 * 2 bytes + the output tile);
+    producer_regs: registers of the one-warp producer partition (setmaxnreg)."""
+    block_m: int = 128
+    block_n: int = 64
+    stages: int = 6
+    group_m: int = 8
+    producer_regs: int = 40
+
+    @property
+    def level1_in_shared(self) -> bool:
+        """128-wide tiles keep the tree's level 1 in shared memory too (64 registers a tile: registers hold only
+        the running accumulator, the finished partial and level 0)."""
+        return self.block_n == 128
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // 16
+
+
+DEFAULT_WS = WsConfig()
+# bench/gpu_linear.py --sweep-ws times these (the default first); none is the dispatcher's default yet.
+# 64x128 (one consumer warpgroup, levels 1-2 in shared memory): 255 registers, no spill, 200 KiB (216 KiB with an fp32
+# output); 6 stages would not fit an fp32 output tile.
+WS_CANDIDATES = (DEFAULT_WS, WsConfig(block_m=64, block_n=128, stages=5), WsConfig(block_m=128, block_n=64, stages=4),
+                 WsConfig(block_m=64, block_n=64, stages=8))
+
+
+def shared_bytes(cfg: WsConfig, out_dtype: torch.dtype, segments: int) -> int:
+    """Shared memory the kernel allocates, barriers excluded: the ring, the output staging tile and, at P = 8,
+    the tree's level-2 subtree (fp32)."""
+    ring = cfg.stages * (cfg.block_m + cfg.block_n) * BLOCK_K * 2
+    tile = cfg.block_m * cfg.block_n
+    levels = (tile * 4 if segments == 8 else 4) + (tile * 4 if cfg.level1_in_shared and segments >= 4 else 4)
+    return ring + tile * (4 if out_dtype == torch.float32 else 2) + levels
+
+
+def unsupported_reason(a: torch.Tensor, b: torch.Tensor, b_trans: bool, segments: int, a_trans: bool,
+                       out_dtype: torch.dtype, bias: torch.Tensor | None, acc_in: bool) -> str | None:
+    """Why the Gluon kernel cannot take this call (None: it can)."""
+    if GLUON_IMPORT_ERROR is not None:
+        return f"this Triton has no Gluon ({GLUON_IMPORT_ERROR})"
+    if is_interpreter():
+        return "Gluon kernels have no CPU interpreter (TRITON_INTERPRET=1)"
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        return f"operands {a.dtype} x {b.dtype}: bf16 only (fp32 operands take the Triton kernel)"
+    if a_trans:
+        return "A stored transposed (the dW GEMM): only A [M, K] row-major"
+    if acc_in:
+        return "acc_in is not implemented"
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        return f"output dtype {out_dtype}: bf16 or fp32 only"
+    k = a.shape[1]
+    if segments not in (1, 2, 4, 8) or k % (segments * BLOCK_K):
+        return f"K={k}, P={segments}: needs P in (1, 2, 4, 8) and K % (P * {BLOCK_K}) == 0"
+    if not (tma_ok(a) and tma_ok(b)):
+        return (f"A {tuple(a.shape)} stride {a.stride()} / B {tuple(b.shape)} stride {b.stride()}: TMA needs "
+                "16-byte aligned bases and row strides")
+    n = b.shape[0] if b_trans else b.shape[1]
+    if (n * (4 if out_dtype == torch.float32 else 2)) % 16:
+        return f"N={n}: the output's rows must be 16-byte multiples for its TMA store"
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_contiguous()):
+        return f"bias {tuple(bias.shape)}: needs a contiguous [{n}] vector"
+    return None
+
+
+def supported(a, b, b_trans, segments, a_trans=False, out_dtype=torch.bfloat16, bias=None, acc_in=False) -> bool:
+    return unsupported_reason(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) is None
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+        """gemm.tile_coords' grouped order (which program computes a tile: speed only)."""
+        width = GROUP_M * num_pid_n
+        first_m = (tile // width) * GROUP_M
+        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % width) % size_m
+        pid_n = (tile % width) // size_m
+        return pid_m, pid_n
+
+    @gluon.jit
+    def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, k_steps,
+                  BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                  B_TRANS: gl.constexpr, GROUP_M: gl.constexpr):
+        """Every k-step of every tile of this program, in the consumer's order, into the ring of stages."""
+        pid = gl.program_id(0)
+        num_progs = gl.num_programs(0)
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = gl.cdiv(N, BN)
+        it = 0
+        for tile in range(pid, num_pid_m * num_pid_n, num_progs):
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BM
+            off_n = pid_n * BN
+            for kk in range(k_steps):
+                idx = it % STAGES
+                # the stage's previous use (it - STAGES) must have been released; a fresh barrier passes
+                # the wait for phase 1, so the first lap does not block
+                mbarrier.wait(empty.index(idx), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(idx), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(idx), a_bufs.index(idx))
+                if B_TRANS:
+                    tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], ready.index(idx), b_bufs.index(idx))
+                else:
+                    tma.async_copy_global_to_shared(b_desc, [kk * BK, off_n], ready.index(idx), b_bufs.index(idx))
+                it += 1
+
+    @gluon.jit
+    def _b_operand(b_bufs, idx, B_TRANS: gl.constexpr):
+        if B_TRANS:
+            return b_bufs.index(idx).permute((1, 0))   # [BN, BK] stored, [BK, BN] read (K-major B)
+        else:
+            return b_bufs.index(idx)
+
+    @gluon.jit
+    def _merge(v, st0, st1, st1_smem, st2, s: gl.constexpr, LOG2P: gl.constexpr, L1_SMEM: gl.constexpr):
+        """gemm.merge_segment's binary-counter tree with a compile-time segment index: segment s's partial v
+        is a left child (kept) or a right child (left + right, carried up). After the last segment v is
+        ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (the first P)."""
+        if s % 2 == 0:
+            st0 = v
+        else:
+            v = st0 + v
+            if LOG2P > 1:
+                # level 1 (a pair's sum) in registers, or with L1_SMEM (128-wide tiles) in shared memory
+                if (s // 2) % 2 == 0:
+                    if L1_SMEM:
+                        st1_smem.store(v)
+                    else:
+                        st1 = v
+                else:
+                    if L1_SMEM:
+                        v = st1_smem.load(v.type.layout) + v
+                    else:
+                        v = st1 + v
+                    if LOG2P > 2:
+                        # level 2 (s0+..+s3, held while s4..s7 run) waits in shared memory: in registers it
+                        # makes a fifth live tile and ptxas serializes the wgmma at 8 consumer warps (168 regs).
+                        # Each thread reads back exactly the elements it stored (one layout): no barrier, exact.
+                        if (s // 4) % 2 == 0:
+                            st2.store(v)
+                        else:
+                            v = st2.load(v.type.layout) + v
+        return v, st0, st1
+
+    @gluon.jit
+    def _issue(a_bufs, b_bufs, ready, it, acc, STAGES: gl.constexpr, B_TRANS: gl.constexpr):
+        """Wait for k-step ``it``'s operands and issue its async wgmma chain: acc + A_k B_k (always accumulating,
+        scale-d = 1, like the default kernel's; a segment starts from a +0.0 tile)."""
+        idx = it % STAGES
+        mbarrier.wait(ready.index(idx), (it // STAGES) & 1)
+        return warpgroup_mma(a_bufs.index(idx), _b_operand(b_bufs, idx, B_TRANS), acc, use_acc=True,
+                             is_async=True)
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps,
+                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr,
+                  LOG2P: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                  NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr):
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                             instr_shape=[16, BN, 16])
+        pid = gl.program_id(0)
+        num_progs = gl.num_programs(0)
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = gl.cdiv(N, BN)
+        # +0.0 that the compiler cannot fold (M >= 0): with a constant-zero accumulator the wgmma lowering issues
+        # the segment's first k16 with scale-d = 0 (D = A B); the default kernel's accumulator is a loop-carried
+        # zero tile, so its PTX has scale-d = 1 onto +0.0 registers (D = A B + 0). The two could differ in the
+        # sign of a zero sum; with this the instruction stream is the default's.
+        opaque_zero = (M < 0).to(gl.float32)
+        it = 0
+        for tile in range(pid, num_pid_m * num_pid_n, num_progs):
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            # stack levels (written before read by _merge; these stand-ins are never read, so never live)
+            st0 = gl.zeros([BM, BN], gl.float32, acc_layout)
+            st1 = st0
+            prev = st0    # the finished segment's partial (assigned at each segment's end)
+            for s in gl.static_range(P):
+                # the segment's first k-step accumulates onto a fresh +0.0 tile (the default kernel's zero start)
+                acc = _issue(a_bufs, b_bufs, ready, it, gl.zeros([BM, BN], gl.float32, acc_layout) + opaque_zero,
+                             STAGES, B_TRANS)
+                if s > 0:
+                    # one group outstanding: the previous segment's MMAs are complete, the new one runs on
+                    prev, acc = warpgroup_mma_wait(1, deps=(prev, acc))
+                    mbarrier.arrive(empty.index((it - 1) % STAGES))
+                    v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, s - 1, LOG2P, L1_SMEM)
+                else:
+                    # nothing else is in flight (the previous tile drained): returns at once; makes acc the
+                    # tensor the k-step loop carries
+                    acc = warpgroup_mma_wait(1, deps=(acc, ))
+                it += 1
+                for j in range(1, steps):
+                    acc = _issue(a_bufs, b_bufs, ready, it, acc, STAGES, B_TRANS)
+                    acc = warpgroup_mma_wait(1, deps=(acc, ))
+                    mbarrier.arrive(empty.index((it - 1) % STAGES))   # k-step it - 1's MMA is done
+                    it += 1
+                prev = acc
+            # the tile's only drain: its last MMA
+            prev = warpgroup_mma_wait(0, deps=(prev, ))
+            mbarrier.arrive(empty.index((it - 1) % STAGES))
+            v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM)
+            _store_tile(v, c_desc, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, BN, HAS_BIAS, acc_layout)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _store_tile(v, c_desc, c_smem, bias_ptr, off_m, off_n, N, BN: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    acc_layout: gl.constexpr):
+        """C tile = v (+ bias[n] in fp32), one rounding to C's dtype, through shared memory and a TMA store."""
+        if HAS_BIAS:
+            rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+            bias = gl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
+            v = v + gl.expand_dims(bias, 0)
+        tma.store_wait(0)            # the previous tile's store has read c_smem
+        c_smem.store(v.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+
+    @gluon.jit(do_not_specialize=["M", "N", "steps"])
+    def kpart_ws_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, steps,
+                        P: gl.constexpr, LOG2P: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        L1_SMEM: gl.constexpr):
+        """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / 64."""
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = c_desc.block_type.shape[1]
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        # the tree's level-2 subtree (P = 8 only; a 1x1 stand-in otherwise). The swizzled NVMMA layout:
+        # gl.bank_conflicts of the accumulator's layout against it 1 (an unswizzled row-major tile: 3)
+        ST2_SHAPE: gl.constexpr = [BM, BN] if P == 8 else [1, 1]
+        st2 = gl.allocate_shared_memory(gl.float32, ST2_SHAPE,
+                                        gl.NVMMASharedLayout.get_default_for(ST2_SHAPE, gl.float32))
+        ST1_SHAPE: gl.constexpr = [BM, BN] if L1_SMEM and P >= 4 else [1, 1]
+        st1_smem = gl.allocate_shared_memory(gl.float32, ST1_SHAPE,
+                                             gl.NVMMASharedLayout.get_default_for(ST1_SHAPE, gl.float32))
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps, BM, BN,
+                         STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS, L1_SMEM)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, steps * P, BM, BN, BK, STAGES, B_TRANS,
+                         GROUP_M)),
+        ], [1], [PRODUCER_REGS])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float32
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, out: torch.Tensor,
+            bias: torch.Tensor | None = None, config: WsConfig = DEFAULT_WS, a_trans: bool = False,
+            acc_in: bool = False) -> torch.Tensor:
+    """out[M, N] = A @ B (+ bias) with :func:`.gemm.gemm`'s bits at ``segments`` = P (module docstring).
+
+    a: A [M, K] bf16 row-major; b: W [N, K] (``b_trans``) or B [K, N]; out: row-major [M, N] bf16/fp32.
+    Raises GemmWsUnsupported (naming the shape) for anything the kernel does not implement (``a_trans`` /
+    ``acc_in``: gemm's flags, passed on so that such a call is refused, never misread)."""
+    why = unsupported_reason(a, b, b_trans, segments, a_trans, out.dtype, bias, acc_in)
+    if why is None and (out.shape != (a.shape[0], b.shape[0] if b_trans else b.shape[1]) or not tma_ok(out)):
+        why = f"out {tuple(out.shape)} stride {out.stride()}: needs a TMA-addressable row-major [M, N]"
+    if why is None and (config.block_m, config.block_n) not in ((64, 64), (128, 64), (64, 128)):
+        why = f"{config}: tiles are 64x64, 128x64 or 64x128"
+    if why is not None:
+        raise GemmWsUnsupported(f"gemm_ws: A {tuple(a.shape)}, B {tuple(b.shape)} (b_trans={b_trans}), "
+                                f"P={segments}: {why}")
+    m, k = a.shape
+    n = out.shape[1]
+    bm, bn = config.block_m, config.block_n
+    a_desc = _descriptor(a, [bm, BLOCK_K])
+    b_desc = _descriptor(b, [bn, BLOCK_K] if b_trans else [BLOCK_K, bn])
+    c_desc = _descriptor(out, [bm, bn])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    kpart_ws_kernel[(max(1, min(tiles, device_sms(a))),)](
+        a_desc, b_desc, c_desc, bias if bias is not None else out, m, n, k // (segments * BLOCK_K),
+        P=segments, LOG2P=segments.bit_length() - 1, STAGES=config.stages, B_TRANS=b_trans,
+        HAS_BIAS=bias is not None, GROUP_M=config.group_m, PRODUCER_REGS=config.producer_regs,
+        L1_SMEM=config.level1_in_shared,
+        num_warps=config.num_warps)
+    return out
+
+
+__all__ = ["WsConfig", "DEFAULT_WS", "WS_CANDIDATES", "GemmWsUnsupported", "gemm_ws", "supported",
+           "unsupported_reason", "shared_bytes"]

@@ -1,0 +1,227 @@
+"""The Gluon K-partition GEMM (gemm_ws.py) compiled for Hopper (sm_90a) on the CPU, no GPU needed.
+
+One subprocess (the fake sm_90 driver must be active before the backend imports) compiles the kernel as the
+launcher builds it for the linear forward (P = 8, W [N, K], bias, bf16 out: the configuration with the
+deepest tree) and for the trainer's dX layout (P = 1, B [K, N], fp32 out), runs Triton's ptxas -v on the PTX
+and reports. Checked here: no spills and no wgmma serialization (ptxas), the shared memory the module
+documents (gemm_ws.shared_bytes + the mbarriers), and the structure the bit-exactness argument rests on:
+two wgmma chains per segment (its start and its k-step loop), every wgmma with scale-d = 1 as in the default
+kernel's PTX (a segment starts from a +0.0 tile, not from scale-d = 0), the wgmma pipeline drains
+(wait_group 0) once per tile only, and the TMA loads are issued from one loop (two load sites: A and B).
+Skips when this Triton cannot compile Gluon for sm_90a here (no ptxas, no Gluon).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+# (name, P, b_trans, output, WS_CANDIDATES index): the default launch on the forward's layout, and the 64x128
+# candidate (levels 1 and 2 of the tree in shared memory, the largest output tile) on the dX layout (B [K, N])
+CASES = (("forward P=8", 8, True, "bf16", 0), ("dX layout P=8 64x128 fp32 out", 8, False, "fp32", 1))
+
+
+def _ptxas(ptx: str) -> str | None:
+    import tempfile
+    try:
+        import triton.backends.nvidia as nv
+        exe = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        run = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, timeout=120)
+        os.unlink(f.name)
+    except (ImportError, OSError, subprocess.SubprocessError):
+        return None
+    return run.stderr if run.returncode == 0 else None
+
+
+def _worker() -> None:
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    driver.set_active(_Sm90())
+    torch.cuda.is_available = lambda: True   # let the backend package import
+    import rlalign.ops.triton_backend._common as common
+    common.num_sms = lambda index: 132
+    from rlalign.ops.triton_backend import gemm_ws as W
+    if W.GLUON_IMPORT_ERROR is not None:
+        print("RESULTS " + json.dumps({"skip": f"no Gluon: {W.GLUON_IMPORT_ERROR}"}))
+        return
+    compiled = []
+    original = W.kpart_ws_kernel.run
+
+    def compile_only(*args, grid, warmup, **kwargs):
+        kernel = original(*args, grid=grid, warmup=True, **kwargs)
+        compiled.append(kernel)
+        return kernel
+
+    W.kpart_ws_kernel.run = compile_only
+    bf = torch.bfloat16
+    results = []
+    for name, segments, b_trans, out, cand in CASES:
+        cfg = W.WS_CANDIDATES[cand]
+        out_dtype = torch.bfloat16 if out == "bf16" else torch.float32
+        x, w = torch.empty(4096, 4096, dtype=bf), torch.empty(4096, 4096, dtype=bf)
+        try:
+            W.gemm_ws(x, w, b_trans=b_trans, segments=segments, out=torch.empty(4096, 4096, dtype=out_dtype),
+                      bias=torch.empty(4096, dtype=bf) if b_trans else None, config=cfg)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            results.append({"case": name, "error": repr(exc)[-1500:]})
+            continue
+        kernel = compiled[-1]
+        ptx = kernel.asm["ptx"]
+        results.append({"case": name, "segments": segments, "smem": kernel.metadata.shared, "b_trans": b_trans,
+                        "block_n": cfg.block_n,
+                        "expected_smem": W.shared_bytes(cfg, out_dtype, segments), "stages": cfg.stages,
+                        "ptxas": _ptxas(ptx),
+                        "scale_d_zero": len(re.findall(r"wgmma\.mma_async[^\n]*\}, %rd\d+, %rd\d+, 0,", ptx)),
+                        "wgmma": ptx.count("wgmma.mma_async"),
+                        "drains": ptx.count("wgmma.wait_group.sync.aligned 0;"),
+                        "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
+                                                         ptx))})
+    print("RESULTS " + json.dumps({"results": results, "unsupported": _unsupported_calls(W),
+                                   "selection": _selection()}))
+
+
+def _unsupported_calls(W) -> list:
+    """(what, exception class, message) of calls the kernel must refuse by name."""
+    import torch
+    bf = torch.bfloat16
+    x, w = torch.empty(64, 1024, dtype=bf), torch.empty(256, 1024, dtype=bf)
+    calls = {
+        "K not a multiple of P * 64": lambda: W.gemm_ws(x[:, :960], w[:, :960], b_trans=True, segments=8,
+                                                        out=torch.empty(64, 256, dtype=bf)),
+        "fp32 operands": lambda: W.gemm_ws(x.float(), w.float(), b_trans=True, segments=8,
+                                           out=torch.empty(64, 256)),
+        "misaligned row stride": lambda: W.gemm_ws(torch.empty(64, 1028, dtype=bf)[:, :1024], w, b_trans=True,
+                                                   segments=8, out=torch.empty(64, 256, dtype=bf)),
+        "A stored transposed (dW)": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, a_trans=True,
+                                                      out=torch.empty(64, 256, dtype=bf)),
+        "wrong out shape": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 128, dtype=bf)),
+        "128x128 tile": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
+                                           config=W.WsConfig(block_m=128, block_n=128)),
+    }
+    out = []
+    for what, call in calls.items():
+        try:
+            call()
+            out.append([what, None, "did not raise"])
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out.append([what, type(exc).__name__, str(exc)])
+    return out
+
+
+def _selection() -> dict:
+    """What the dispatcher's ws_default picks with RLALIGN_TRITON_GEMM_WS unset / 1 (supported and not)."""
+    import torch
+    from rlalign.ops.triton_backend import gemm as G
+    bf = torch.bfloat16
+    x, w = torch.empty(512, 1024, dtype=bf), torch.empty(256, 1024, dtype=bf)
+
+    def pick(a, b, segments):
+        return repr(G.ws_default(a, b, True, segments, False, bf, None, False))
+    os.environ.pop("RLALIGN_TRITON_GEMM_WS", None)
+    off = pick(x, w, 8)
+    os.environ["RLALIGN_TRITON_GEMM_WS"] = "1"
+    return {"off": off, "on": pick(x, w, 8), "on_fp32": pick(x.float(), w.float(), 8),
+            "on_bad_k": pick(x[:, :960], w[:, :960], 8), "default_ws": repr(G.DEFAULT_WS)}
+
+
+@pytest.fixture(scope="module")
+def sm90_ws():
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=300)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
+    if not lines:
+        pytest.skip(f"the sm_90a Gluon compile did not run here: {run.stderr[-800:]}")
+    data = json.loads(lines[-1][len("RESULTS "):])
+    if "skip" in data:
+        pytest.skip(data["skip"])
+    return data
+
+
+def test_ws_compiles_for_sm90a(sm90_ws):
+    errors = [f"{r['case']}: {r['error']}" for r in sm90_ws["results"] if "error" in r]
+    assert not errors, "\n".join(errors)
+
+
+def test_ws_no_spills_no_wgmma_serialization(sm90_ws):
+    reports = [r for r in sm90_ws["results"] if r.get("ptxas") is not None]
+    if not reports:
+        pytest.skip("Triton's ptxas could not be run")
+    for r in reports:
+        lines = r["ptxas"].splitlines()
+        spills = [line for line in lines if re.search(r"[1-9]\d* bytes spill", line) or
+                  re.search(r"[1-9]\d* bytes (cumulative )?stack", line)]
+        assert not spills, f"{r['case']}: {spills}"
+        assert not [line for line in lines if "C7512" in line or "serialized" in line], f"{r['case']}: {r['ptxas']}"
+
+
+def test_ws_shared_memory_is_the_documented_budget(sm90_ws):
+    for r in sm90_ws["results"]:
+        if "error" in r:
+            continue
+        barriers = 2 * r["stages"] * 8
+        # Triton aligns the allocations; a few hundred bytes of padding at most
+        assert r["expected_smem"] + barriers <= r["smem"] <= r["expected_smem"] + barriers + 1024, r
+        assert r["smem"] <= 232448, f"{r['case']}: {r['smem']} B of shared memory"
+
+
+def test_ws_structure_behind_the_bit_exactness(sm90_ws):
+    for r in sm90_ws["results"]:
+        if "error" in r:
+            continue
+        # the unrolled segment loop: per segment one chain (4 k16 wgmma) that starts it and one in the k-step
+        # loop; every wgmma accumulates (scale-d = 1), a segment starting from a +0.0 tile, as in the default
+        # kernel's PTX (a constant-zero accumulator would be lowered to scale-d = 0)
+        assert r["wgmma"] == 8 * r["segments"], r
+        assert r["scale_d_zero"] == 0, r
+        assert r["drains"] == 1, r            # wait_group 0 only at a tile's end
+        # A and B from the producer's one loop over all k-steps; a row-major B [K, N] tile wider than the 128-byte
+        # swizzle is loaded as one TMA message per 64 columns
+        assert r["tma_load_sites"] == 1 + (1 if r["b_trans"] else r["block_n"] * 2 // 128), r
+
+
+def test_ws_refuses_what_it_does_not_implement_by_name(sm90_ws):
+    """Fail closed: a clear GemmWsUnsupported naming the shape, never a silent fallback inside the Gluon path."""
+    for what, cls, msg in sm90_ws["unsupported"]:
+        assert cls == "GemmWsUnsupported", (what, cls, msg)
+        assert "gemm_ws: A (" in msg and "P=8" in msg, (what, msg)
+
+
+def test_ws_dispatcher_selects_only_when_enabled_and_supported(sm90_ws):
+    sel = sm90_ws["selection"]
+    assert sel["off"] == "None", sel
+    assert sel["on"] == sel["default_ws"], sel
+    assert sel["on_fp32"] == "None" and sel["on_bad_k"] == "None", sel
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker()
