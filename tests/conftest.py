@@ -25,10 +25,13 @@ def _one_thread():
 SLOWEST_FIRST = (
     "tests/ops/test_triton_interpret.py",         # two subprocesses: the interpreter checks, the sm_90a compiles
     "tests/ops/test_attention_launch.py",
+    "tests/integrations/test_ray.py",
     "tests/integrations/vllm/test_plugin.py",
     "tests/ops/test_moe_dispatch.py",
-    "tests/ops/test_gemm_schedules.py",
     "tests/integrations/vllm/test_cli.py",
+    "tests/distributed/test_train_parallel.py",
+    "tests/train/test_gpu_headline.py",
+    "tests/ops/test_gemm_schedules.py",
     "tests/ops/test_gemm_ws_compile.py",          # an sm_90a compile subprocess (new in session 12, not yet timed)
 )
 
