@@ -17,7 +17,7 @@ Columns: ``ratio`` = SDPA time / the strict Triton kernel's time (kernel only); 
 time / the public op's time (``ops.attention_varlen`` / ``ops.attention_paged``, as the models call
 them: input checks, dispatch and the kernel) -- the figure a model sees.
 
-    python bench/gpu_attention.py [--out DIR] [--sweep-decode]
+    python bench/gpu_attention.py [--out DIR] [--sweep-decode | --sweep-train]
 
 ``--sweep-decode``: only decode, candidate launch configs (attention.DecodeLaunch: stages, programs per SM,
 merge warps/unroll, the fused merge, a register cap) of both launches as CUDA-graph replays at batch 1-256,
@@ -25,6 +25,13 @@ each output compared bit for bit with the per-item default (a candidate that dif
 never "fastest"); prints the fastest bit-equal config of each launch per batch vs SDPA/flash, the launch the
 op picks and the split launch's fastest merge-kernel vs fused-merge candidate (bench_attention_sweep.csv /
 .json).
+
+``--sweep-train``: only training, candidate attention.BackwardLaunch configs (tiles, warps, stages, keys per
+dK/dV program, heavy-first grids), forward + backward at 2 x 4,096, 8 x 4,096 and 1 x 32,768 tokens (32/8 heads)
+vs SDPA flash forward + backward, each candidate's dq/dk/dv compared bit for bit with the default launch's and
+its worst error vs a float64 reference on a ragged batch (a candidate with other bits counts only within
+TRAIN_TOL); prints the fastest per shape (bench_attention_train_sweep.csv / .json).
+bench/attn_bwd_sm90_cpu.py compiles the same candidates for sm_90a without a GPU (registers, spills, wgmma).
 
 Writes bench_attention.csv / .json to $OUT (or --out, default bench/).
 """
@@ -315,6 +322,139 @@ def training(batch: int, seq: int, hq: int, hkv: int) -> dict:
             "ratio": round(t_base / t_ours, 3), "target": None}
 
 
+# --sweep-train: candidate BackwardLaunch configs, forward + backward at the training shapes (32/8 heads, d 128)
+# vs SDPA flash forward + backward; every candidate's dq/dk/dv compared with the default launch's.
+TRAIN_SHAPES = ((2, 4096), (8, 4096), (1, 32768))       # (sequences, tokens each)
+TRAIN_HQ, TRAIN_HKV = 32, 8
+TRAIN_ACC_LENS = (1, 100, 700, 1500)                    # the float64-reference check's ragged batch
+TRAIN_TOL = 2e-2                                        # tests/cuda's bf16 backward tolerance vs float64
+TRAIN_DTYPE = torch.bfloat16                            # the CPU smoke test (interpreter) sets float32
+
+
+def train_candidates(A) -> list[tuple[str, object]]:
+    """(label, BackwardLaunch): the default first, the launch it replaced, then one change at a time (few: compiles
+    count; bench/attn_bwd_sm90_cpu.py --all compiles the same list for sm_90a on a CPU)."""
+    from dataclasses import replace
+    d = A.BWD_LAUNCH
+    cands = [("default", d), ("session-11 default", A.BackwardLaunch()),
+             ("light-first", replace(d, heavy_first=False)),
+             ("dq 64x4w", replace(d, dq_tile=(64, 4, 2))),
+             ("dkdv 64k", replace(d, dkdv_keys=64)),
+             ("dkdv 3stg", replace(d, dkdv_stages=3)),
+             ("dq 128 keys", replace(d, dq_keys=128))]
+    # not listed (bench/attn_bwd_sm90_cpu.py, 2026-12-02): dK/dV at 128 query rows per step spills 408 B, and
+    # 4 warps with 128 keys spill 2,000 B and serialise the wgmma pipeline (C7511); a fused one-kernel backward
+    # (session 12) ran at 0.39-0.42x SDPA and was removed
+    return cands
+
+
+def _train_inputs(batch: int, seq_or_lens, seed: int):
+    lens = list(seq_or_lens) if isinstance(seq_or_lens, (tuple, list)) else [seq_or_lens] * batch
+    t = sum(lens)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v, go = (torch.randn(t, h, D, generator=g).to(SWEEP_DEVICE, TRAIN_DTYPE)
+                   for h in (TRAIN_HQ, TRAIN_HKV, TRAIN_HKV, TRAIN_HQ))
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(SWEEP_DEVICE)
+    return lens, q, k, v, go, cu
+
+
+def _grads(A, q, k, v, go, cu, launch):
+    scale = D ** -0.5
+    out, lse = A.varlen_forward(q, k, v, cu, scale, store_lse=True)
+    return A.varlen_backward(q, k, v, out, lse, cu, go, scale, launch=launch)
+
+
+def _compare(got, ref) -> str:
+    from rlalign.contract.bits import bits_equal, describe_difference
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        if not bits_equal(a, b):
+            return f"DIFFER {name}: {describe_difference(a, b)}"
+    return "equal"
+
+
+def _f64_errors(A, launches) -> dict:
+    """Worst relative error (max |got - ref| / max |ref| over dq, dk, dv) of each launch vs the float64
+    autograd reference on a ragged batch (TRAIN_ACC_LENS)."""
+    from tests.references import causal_attention_float64
+    lens, q, k, v, go, cu = _train_inputs(0, TRAIN_ACC_LENS, 7)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    causal_attention_float64(qd, kd, vd, lens, D ** -0.5).backward(go.double())
+    errs = {}
+    for label, launch in launches:
+        try:
+            got = _grads(A, q, k, v, go, cu, launch)
+            errs[label] = max(float((a.double() - r).abs().max() / r.abs().max()) for a, r in
+                              zip(got, (qd.grad, kd.grad, vd.grad)))
+        except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+            errs[label] = repr(exc)[:200]
+    return errs
+
+
+def sweep_train() -> list[dict]:
+    """Rows {shape, config, ms (forward + backward), vs_default, vs_sdpa, bits, f64_err} per candidate and shape,
+    plus the SDPA flash baseline. Plain timing with synchronisation (the backward's host sync for the longest
+    sequence is memoised per batch, but the op path is not graph-captured in training)."""
+    from rlalign.bench.cuda_timing import bench_ms
+    from rlalign.ops.triton_backend import attention as A
+    cands = train_candidates(A)
+    errs = _f64_errors(A, cands)
+    rows = []
+    for batch, seq in TRAIN_SHAPES:
+        lens, q, k, v, go, cu = _train_inputs(batch, seq, 11)
+        ref = _grads(A, q, k, v, go, cu, A.BWD_LAUNCH)
+        default_ms = None
+        for label, launch in cands:
+            row = {"kind": "sweep-train", "batch": batch, "seq": seq, "label": label, "config": repr(launch),
+                   "f64_err": errs[label]}
+            try:
+                row["bits"] = _compare(_grads(A, q, k, v, go, cu, launch), ref)
+                ms = bench_ms(lambda: _grads(A, q, k, v, go, cu, launch), warmup=10, rep=60)
+                row["ms"] = round(ms, 4)
+                default_ms = default_ms or ms
+                row["vs_default"] = round(default_ms / ms, 3)
+            except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+                row["error"] = repr(exc)[:200]
+            rows.append(row)
+        base = _sdpa_train_ms(q, k, v, go, batch, seq)
+        rows.append({"kind": "sweep-train", "batch": batch, "seq": seq, "label": "baseline", "config": base[1],
+                     "ms": round(base[0], 4)})
+        for r in rows[-len(cands) - 1:-1]:
+            if "ms" in r:
+                r["vs_sdpa"] = round(base[0] / r["ms"], 3)
+        del q, k, v, go, ref
+    return rows
+
+
+def _sdpa_train_ms(q, k, v, go, batch: int, seq: int) -> tuple[float, str]:
+    """SDPA (flash if it takes the call) forward + backward on [batch, heads, seq, D] copies of the packed inputs."""
+    from rlalign.bench.cuda_timing import bench_ms
+    qs, ks, vs = (x.view(batch, seq, -1, D).transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    gos = go.view(batch, seq, -1, D).transpose(1, 2)
+    run, backend = _sdpa(qs, ks, vs, True)
+    return bench_ms(lambda: torch.autograd.grad(run(), (qs, ks, vs), gos), warmup=10, rep=60), f"sdpa-{backend}"
+
+
+def print_train(rows: list[dict]) -> None:
+    """Per shape: each candidate's forward + backward time, speed vs the default and vs SDPA, bits vs the
+    default and worst error vs float64; then the fastest candidate within tolerance per shape."""
+    print(f"{'shape':>9} {'label':>16} {'ms':>8} {'vs dflt':>7} {'vs sdpa':>7} {'f64 err':>8} bits")
+    for r in rows:
+        err = r.get("f64_err")
+        err = f"{err:.2e}" if isinstance(err, float) else ("-" if err is None else "ERROR")
+        print(f"{str(r['batch']) + 'x' + str(r['seq']):>9} {r['label']:>16} {r.get('ms', '-'):>8} "
+              f"{r.get('vs_default', '-'):>7} {r.get('vs_sdpa', '-'):>7} {err:>8} "
+              f"{r.get('bits', r['config'] if r['label'] == 'baseline' else 'ERROR')}"
+              + (f"  {r['error']}" if "error" in r else ""))
+    for shape in dict.fromkeys((r["batch"], r["seq"]) for r in rows):
+        ok = [r for r in rows if (r["batch"], r["seq"]) == shape and "ms" in r and r["label"] != "baseline"
+              and (r.get("bits") == "equal" or (isinstance(r.get("f64_err"), float) and r["f64_err"] <= TRAIN_TOL))]
+        if ok:
+            best = min(ok, key=lambda r: r["ms"])
+            how = "bit-equal" if best["bits"] == "equal" else f"within {TRAIN_TOL} of float64, other bits"
+            print(f"{shape[0]}x{shape[1]}: fastest {best['label']} ({how}) {best['ms']} ms, "
+                  f"{best.get('vs_sdpa', '-')} of SDPA: {best['config']}")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="strict attention vs SDPA flash (H200)")
     ap.add_argument("--out")
@@ -322,6 +462,10 @@ def parser() -> argparse.ArgumentParser:
                     help="only the decode launch sweep: candidate DecodeLaunch configs of the split and per-item "
                          "launches as graph replays at batch " + "/".join(map(str, SWEEP_BATCHES)) +
                          ", each checked bitwise against the per-item default")
+    ap.add_argument("--sweep-train", action="store_true",
+                    help="only the training backward sweep: candidate BackwardLaunch configs, forward + backward at "
+                         + ", ".join(f"{b}x{s}" for b, s in TRAIN_SHAPES) + " tokens vs SDPA flash, gradients "
+                         "checked against the default's bits and a float64 reference")
     ap.add_argument("--sweep-batches", help="the decode sweep's batches, comma-separated (e.g. 462: the "
                                             "0.6b-ctx512 rollout's mean running sequences)")
     ap.add_argument("--sweep-shape", metavar="CTX,HQ,HKV",
@@ -341,6 +485,8 @@ def main() -> int:
         SWEEP_BATCHES = tuple(int(b) for b in args.sweep_batches.split(","))
     if args.sweep_shape:
         SWEEP_CTX, SWEEP_HQ, SWEEP_HKV = (int(x) for x in args.sweep_shape.split(","))
+    if args.sweep_train:
+        return run_sweep(args.out, "attention_train_sweep", sweep_train, print_train)
     if args.sweep_decode:
         return run_sweep(args.out, "attention_sweep", sweep_decode, print_sweep)
     plan = [(prefill, (4, 4096, 32, 8)), (prefill, (4, 4096, 32, 32)), (prefill, (1, 4096, 32, 8)),

@@ -482,7 +482,7 @@ def _watched(what: str, fn):
 
 def sweep_ws() -> list[dict]:
     from rlalign.ops.triton_backend.gemm import gemm
-    from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES
+    from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES, triton_kernel_only
     rows, t0 = [], time.time()
     for name, n, k in WS_SHAPES:
         g = torch.Generator(device="cuda").manual_seed(n + k)
@@ -492,9 +492,10 @@ def sweep_ws() -> list[dict]:
                 print(f"[{time.time() - t0:5.0f} s] {name} M={m}: skipped (past {WS_STOP_AFTER_S} s)", flush=True)
                 continue
             sets = [(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16), w) for w in w_sets]
-            ref = [gemm(x, w, b_trans=True, segments=8) for x, w in (sets[0], sets[-1])]
+            with triton_kernel_only():   # the reference and the baseline: the Triton kernel, not the Gluon default
+                ref = [gemm(x, w, b_trans=True, segments=8) for x, w in (sets[0], sets[-1])]
+                default_ms = _graph_ms(lambda x, w: gemm(x, w, b_trans=True, segments=8), sets)
             base = _graph_ms(lambda x, w: torch.matmul(x, w.T), sets)
-            default_ms = _graph_ms(lambda x, w: gemm(x, w, b_trans=True, segments=8), sets)
             rows.append({"kind": "sweep-ws", "layer": name, "M": m, "N": n, "K": k, "config": "default",
                          "label": "default (Triton)", "cublas_ms": round(base, 4), "graph_ms": round(default_ms, 4),
                          "ratio": round(base / default_ms, 3), "bits": "equal", "vs_default": 1.0})

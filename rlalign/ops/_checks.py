@@ -44,8 +44,9 @@ _pending = threading.local()
 # ---- where NaN/inf are looked for: the check policy ------------------------------------------------
 #
 # PER_OP: every strict op checks its floating inputs (the CPU default: a check there costs a fraction
-# of the op). BOUNDARY (the CUDA default): only the sites of BOUNDARY_SITES check; on a GPU a per-op
-# check is two kernel launches per op (a third of a decode step's kernel time, measured on an H200).
+# of the op). BOUNDARY (the CUDA default): only the sites of BOUNDARY_SITES check; on a GPU every check
+# costs kernel launches (isfinite().all() took five: per-op checks were a third of a decode step's
+# kernel time, measured on an H200; :func:`finite_verdict` takes two).
 # BOUNDARY keeps the guarantee because a non-finite value produced or read anywhere in a forward
 # reaches the final hidden rows of the tokens it affects: matmul (x * inf, inf - inf, NaN * w),
 # residual adds, RMSNorm (inf * rsqrt(inf) = inf * 0 = NaN), silu_mul, rope, and attention's
@@ -57,6 +58,9 @@ _pending = threading.local()
 #     (attention_varlen's k) are checked; NaN keys propagate (exp(NaN) = NaN).
 #   * top-k routing selects experts from router logits (a NaN may just not be chosen): moe_route's
 #     logits are checked.
+# The sampler's logits (fp32 LM-head output, masked by callers with -inf) are checked by the sampler
+# itself under every policy (ops.sample: the torch backend's check_logit_values; the Triton kernel's
+# per-row flags, same rule and messages): they are not a BOUNDARY site.
 # Set RLALIGN_CHECKS=per-op to find the first op (and decoder layer) that saw a non-finite value.
 PER_OP, BOUNDARY = "per-op", "boundary"
 CHECKS_ENV = "RLALIGN_CHECKS"
@@ -138,7 +142,7 @@ def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> N
     capture = getattr(_capture, "state", None)
     if capture is not None:  # recorded into the graph; the caller re-queues it after each replay
         capture.verdicts.append((op, f"{message or f'{name} contains NaN or inf'} ({_where(policy)})",
-                                 torch.isfinite(t).all()))
+                                 finite_verdict(t)))
         return
     if t.device.type == "cpu":
         if not _any_nonfinite_cpu(t):
@@ -152,9 +156,18 @@ def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> N
     queue = getattr(_pending, "items", None)
     if queue is None:
         queue = _pending.items = []
-    queue.append((op, f"{message or f'{name} contains NaN or inf'} ({_where(policy)})", torch.isfinite(t).all()))
+    queue.append((op, f"{message or f'{name} contains NaN or inf'} ({_where(policy)})", finite_verdict(t)))
     if len(queue) >= 4096:  # bound the queue on long runs without a flushing op
         flush()
+
+
+def finite_verdict(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on ``t``'s device: every element of ``t`` is finite. Two kernels, one pass over ``t``:
+    max |x| (``vector_norm(t, inf)``, a max reduction that propagates NaN; |±inf| = inf) compared with
+    +inf (NaN < inf is False). The max of |x| is exact (no rounding, no overflow of finite values), so
+    the verdict is exactly isfinite(t).all() -- which on a GPU takes five kernels (isfinite is
+    x == x, |x|, != inf, and; then all) and four passes."""
+    return torch.linalg.vector_norm(t.detach(), float("inf")) < float("inf")
 
 
 def _any_nonfinite_cpu(t: torch.Tensor) -> bool:
@@ -337,4 +350,5 @@ def index_dtype(op: str, name: str, t: torch.Tensor) -> None:
 
 __all__ = ["ContractError", "TensorCache", "dtype_ok", "same_device", "ndim", "finite", "flush", "requeue", "memo", "capturing_graph",
            "is_capturing", "capture_hint", "contiguous", "index_dtype", "check_policy", "use_check_policy", "check_scope",
-           "PER_OP", "BOUNDARY", "BOUNDARY_SITES", "CHECKS_ENV", "decode_step", "static_decode", "static_shapes", "deferred"]
+           "PER_OP", "BOUNDARY", "BOUNDARY_SITES", "CHECKS_ENV", "decode_step", "static_decode", "static_shapes", "deferred",
+           "finite_verdict"]

@@ -18,7 +18,7 @@ from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
-from rlalign.ops.torch_backend.sample import GAMMA, MASK64, filtering_rows, mix64_int
+from rlalign.ops.torch_backend.sample import GAMMA, MASK64, filtering_rows, mix64_int, params_verdict
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -77,13 +77,13 @@ def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, 
     """
     native = as_profile(profile) is Profile.NATIVE
     static = chk.static_shapes()
-    _check_logits(logits, strict=not native, static=static)
+    _check_logits(logits, strict=not native)
     rows = logits.shape[0]
     params = _row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p)
-    if static:
-        _defer_values(*params)
-    else:
+    if not static:
         _check_values(*params)
+    elif native:   # (strict: the implementation checks them on the device, e.g. in the Triton sample kernel)
+        params_verdict(*params[3:])
     if native:
         return _native_sample(logits, *params, static=static)
     if rows == 0:
@@ -93,7 +93,7 @@ def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, 
 
 # ---- validation -------------------------------------------------------------------------------
 
-def _check_logits(logits: torch.Tensor, strict: bool, static: bool = False) -> None:
+def _check_logits(logits: torch.Tensor, strict: bool) -> None:
     if not isinstance(logits, torch.Tensor):
         raise fail("sample", f"logits must be a torch.Tensor, got {type(logits).__name__}")
     chk.ndim("sample", "logits", logits, 2)
@@ -103,18 +103,8 @@ def _check_logits(logits: torch.Tensor, strict: bool, static: bool = False) -> N
         return
     if logits.dtype != torch.float32:
         raise fail("sample", f"logits must be float32 in strict, got {logits.dtype} (cast with .float())")
-    if static:
-        ok = ~(torch.isnan(logits) | torch.isposinf(logits)).any() & torch.isfinite(logits).any(-1).all()
-        chk.deferred("sample", "logits contain NaN or +inf, or a row of logits is all -inf (static form: checked "
-                               "on the device)", ok)
-        return
-    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
-        bad = (torch.isnan(logits) | torch.isposinf(logits)).nonzero()[0].tolist()
-        raise fail("sample", f"logits contains NaN or +inf (first at index {bad}, value {logits[tuple(bad)].item()}); "
-                             "only -inf is allowed, for masked tokens")
-    if logits.shape[0] and not bool(torch.isfinite(logits).any(-1).all()):
-        row = int((~torch.isfinite(logits).any(-1)).nonzero()[0])
-        raise fail("sample", f"row {row} of logits is all -inf: no token can be sampled")
+    # the values (no NaN/+inf, a finite logit per row) are checked by the strict implementation: the torch
+    # backend's check_logit_values, the Triton kernel's flags (it reads every logit anyway); same messages
 
 
 def _row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p):
@@ -161,13 +151,6 @@ def _check_values(seeds, seq_ids, positions, temperature, top_k, top_p) -> None:
         raise fail("sample", f"top_p must be in (0, 1] (1 = off), got {_first_bad(top_p, bad_p)}")
     if bool((top_k < 0).any()):
         raise fail("sample", f"top_k must be >= 0 (0 = off), got {_first_bad(top_k, top_k < 0)}")
-
-
-def _defer_values(seeds, seq_ids, positions, temperature, top_k, top_p) -> None:
-    """:func:`_check_values` as one device verdict (static form: no host read)."""
-    ok = (torch.isfinite(temperature) & (temperature >= 0) & (top_p > 0) & (top_p <= 1) & (top_k >= 0)).all()
-    chk.deferred("sample", "a row's temperature (finite, >= 0), top_p (in (0, 1]) or top_k (>= 0) is out of range "
-                           "(static form: checked on the device)", ok)
 
 
 def _first_bad(values: torch.Tensor, bad: torch.Tensor) -> str:

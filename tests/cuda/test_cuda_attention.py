@@ -15,6 +15,8 @@ width; decode at a 4,096 context vs float64. The fused merge (the item's last pr
 no merge kernel): equal to both launches and the packed forward over hypothesis batches 1..40 and contexts
 around the split boundaries, twice on the same arrival counters, and in a CUDA graph replayed with other
 contexts; the sweep's 3-programs-per-SM candidates (1 stage, 168-register cap) keep the bits.
+The backward's --sweep-train candidates (attention.BackwardLaunch): accurate, deterministic run to run and per
+sequence over hypothesis batches.
 """
 
 from __future__ import annotations
@@ -465,3 +467,54 @@ def test_three_programs_per_sm_candidates_keep_the_bits(triton_backend, cap):
         launch = dataclasses.replace(A.SPLIT_DECODE, tile=(64, 4, 1), max_registers=cap, fused_merge=fused)
         out = A.paged_forward(*args, split_programs=True, launch=launch)
         assert_bitwise_equal(out, item, f"{launch} vs per-item")
+
+
+# ---- the backward's launch candidates (attention.BackwardLaunch; bench/gpu_attention.py --sweep-train) ------
+
+def _sweep_train_launches():
+    """Every non-default --sweep-train candidate (the list the lead's H200 sweep times)."""
+    import importlib.util
+    import os
+    from rlalign.ops.triton_backend import attention as A
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_attention.py")
+    spec = importlib.util.spec_from_file_location("_bench_gpu_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return [launch for label, launch in bench.train_candidates(A) if launch != A.BWD_LAUNCH]
+
+
+def test_backward_launches_accurate_deterministic_per_sequence(triton_backend):
+    """Each --sweep-train candidate over hypothesis batches (1-3 sequences of 1-600 tokens, explicit: 1, 67, 129,
+    300 and 3,000, 1,100): dq, dk, dv within 2e-2 of float64 (bf16), the same bits run to run and for a sequence alone as packed."""
+    from hypothesis import Phase, example, given, settings, strategies as st
+
+    from rlalign.ops.triton_backend import attention as A
+    launches = _sweep_train_launches()
+    assert launches, "no backward candidates"
+    d, scale = 128, 128 ** -0.5
+
+    @settings(max_examples=6, deadline=None, derandomize=True, database=None,
+              phases=(Phase.explicit, Phase.generate))
+    @given(lens=st.lists(st.integers(1, 600), min_size=1, max_size=3), seed=st.integers(0, 1000))
+    @example(lens=[1, 67, 129, 300], seed=0)
+    @example(lens=[3000, 1100], seed=1)      # many programs at once, ragged
+    def check(lens, seed):
+        q, k, v, cu = _batch(d, seed=seed, lens=tuple(lens))
+        go = rand(*q.shape, seed=seed + 7)
+        out, lse = A.varlen_forward(q, k, v, cu, scale, store_lse=True)
+        qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+        causal_attention_float64(qd, kd, vd, lens, scale).backward(go.double())
+        s0, n = sum(lens[:-1]), lens[-1]
+        alone_cu = _i32([0, n])
+        out1, lse1 = A.varlen_forward(q[s0:], k[s0:], v[s0:], alone_cu, scale, store_lse=True)
+        for launch in launches:
+            grads = A.varlen_backward(q, k, v, out, lse, cu, go, scale, launch=launch)
+            again = A.varlen_backward(q, k, v, out, lse, cu, go, scale, launch=launch)
+            alone = A.varlen_backward(q[s0:], k[s0:], v[s0:], out1, lse1, alone_cu, go[s0:], scale, launch=launch)
+            for name, a, b, c, want in zip(("dq", "dk", "dv"), grads, again, alone, (qd.grad, kd.grad, vd.grad)):
+                assert_bitwise_equal(a, b, f"{launch} {lens}: {name} run to run")
+                assert_bitwise_equal(c, a[s0:], f"{launch} {lens}: {name} of the last sequence alone vs packed")
+                # 1-token sequences only: dq = dk = 0 exactly in float64; ours is fp32 rounding of dp - delta
+                err = rel_err(a, want) if bool(want.any()) else float(a.double().abs().max())
+                assert err < 2e-2, f"{launch} {lens}: {name} rel err {err:.3g}"
+    check()

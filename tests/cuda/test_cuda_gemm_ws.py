@@ -42,7 +42,9 @@ def _case_failures(gemm, cfg, m, n, k, segments, b_trans, has_bias, out_dtype, s
     bias = rand(n, seed=seed + 2) if has_bias else None
     what = (f"M={m} N={n} K={k} P={segments} b_trans={b_trans} bias={has_bias} out={out_dtype} "
             f"config={cfg}")
-    ref = gemm(x, w, b_trans=b_trans, segments=segments, bias=bias, out_dtype=out_dtype)
+    from rlalign.ops.triton_backend.gemm_ws import triton_kernel_only
+    with triton_kernel_only():   # the reference: the Triton kernel (the Gluon kernel is the dispatcher's default)
+        ref = gemm(x, w, b_trans=b_trans, segments=segments, bias=bias, out_dtype=out_dtype)
     try:
         out = watched(what, lambda: gemm(x, w, b_trans=b_trans, segments=segments, bias=bias, out_dtype=out_dtype,
                                          ws=cfg))

@@ -68,6 +68,8 @@ def _worker() -> None:
     torch.cuda.is_available = lambda: True   # let the backend package import
     import rlalign.ops.triton_backend._common as common
     common.num_sms = lambda index: 132
+    import rlalign.ops.triton_backend.gemm_ws as ws
+    ws._capability = lambda device: (9, 0)   # the CPU tensors stand for the faked sm_90 device's
     from rlalign.ops.triton_backend import gemm_ws as W
     if W.GLUON_IMPORT_ERROR is not None:
         print("RESULTS " + json.dumps({"skip": f"no Gluon: {W.GLUON_IMPORT_ERROR}"}))
@@ -137,7 +139,8 @@ def _unsupported_calls(W) -> list:
 
 
 def _selection() -> dict:
-    """What the dispatcher's ws_default picks with RLALIGN_TRITON_GEMM_WS unset / 1 (supported and not)."""
+    """What the dispatcher's ws_default picks with RLALIGN_TRITON_GEMM_WS=0 / unset (the default: on; supported
+    and not)."""
     import torch
     from rlalign.ops.triton_backend import gemm as G
     bf = torch.bfloat16
@@ -145,9 +148,9 @@ def _selection() -> dict:
 
     def pick(a, b, segments):
         return repr(G.ws_default(a, b, True, segments, False, bf, None, False))
-    os.environ.pop("RLALIGN_TRITON_GEMM_WS", None)
+    os.environ["RLALIGN_TRITON_GEMM_WS"] = "0"
     off = pick(x, w, 8)
-    os.environ["RLALIGN_TRITON_GEMM_WS"] = "1"
+    os.environ.pop("RLALIGN_TRITON_GEMM_WS", None)
     return {"off": off, "on": pick(x, w, 8), "on_fp32": pick(x.float(), w.float(), 8),
             "on_bad_k": pick(x[:, :960], w[:, :960], 8), "default_ws": repr(G.DEFAULT_WS)}
 

@@ -726,7 +726,12 @@ def _sm90_worker() -> None:
     attempt("silu_mul", lambda: E._silu_fwd(xe, xe))
     attempt("rope", lambda: E._rope_launch(q[:4], torch.empty(4, 64), torch.empty(4, 64), 1.0))
     ints = torch.zeros(4, dtype=torch.int64)
-    attempt("sample", lambda: S.sample(torch.randn(4, 1000), ints, ints, ints, torch.ones(4), ints, torch.ones(4)))
+    from rlalign.ops import _checks as chk
+
+    def sample_compile():   # recorded as in a graph capture: the compile-only launch leaves the flags unwritten
+        with chk.capturing_graph(sample_filtered=False):
+            S.sample(torch.randn(4, 1000), ints, ints, ints, torch.ones(4), ints, torch.ones(4))
+    attempt("sample", sample_compile)
     from rlalign.ops.triton_backend import grouped as GR
     rows, experts = torch.empty(32768, 2048, dtype=bf), [torch.empty(768, 2048, dtype=bf) for _ in range(4)]
     down = [torch.empty(2048, 768, dtype=bf) for _ in range(4)]

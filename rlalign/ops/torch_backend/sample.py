@@ -239,6 +239,10 @@ def static_keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.zeros_like(z, dtype=torch.bool).scatter_(1, ids, keep_sorted)
 
 
+FILTER_VERDICT = ("a row asks for top-k/top-p but this CUDA graph was captured without filtering (internal: the "
+                  "engine must pick a filtering graph)")
+
+
 def filtering_rows(filtered: torch.Tensor) -> bool:
     """Whether any row filters (top-k / top-p). Eager: read from the device. While a CUDA graph is
     captured: the capture's host hint ``sample_filtered`` (the graph is specialised on it); captured
@@ -247,20 +251,57 @@ def filtering_rows(filtered: torch.Tensor) -> bool:
         return bool(filtered.any())
     hint = bool(chk.capture_hint("sample_filtered"))
     if not hint:
-        chk.deferred("sample", "a row asks for top-k/top-p but this CUDA graph was captured without filtering "
-                               "(internal: the engine must pick a filtering graph)", ~filtered.any())
+        chk.deferred("sample", FILTER_VERDICT, ~filtered.any())
     return hint
 
 
+# ---- the strict sampler's value rules (one owner; the Triton kernel checks the same rules, same messages) --
+
+LOGITS_VERDICT = ("logits contain NaN or +inf, or a row of logits is all -inf (static form: checked on the "
+                  "device)")
+OVERFLOW_MESSAGE = "logits / temperature overflows fp32 (temperature too small for these logits)"
+
+
+PARAMS_VERDICT = ("a row's temperature (finite, >= 0), top_p (in (0, 1]) or top_k (>= 0) is out of range "
+                  "(static form: checked on the device)")
+
+
+def params_verdict(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """The sampling parameters' rule as one device verdict (the static form of ``ops.sample``'s host check):
+    temperature finite and >= 0, top_p in (0, 1], top_k >= 0, in every row."""
+    ok = (torch.isfinite(temperature) & (temperature >= 0) & (top_p > 0) & (top_p <= 1) & (top_k >= 0)).all()
+    chk.deferred("sample", PARAMS_VERDICT, ok)
+
+
+def check_logit_values(logits: torch.Tensor, static: bool) -> None:
+    """Strict logits hold no NaN or +inf (-inf marks a masked token) and every row a finite value: at once,
+    naming the first bad index, or as one device verdict in the static form."""
+    if static:
+        ok = ~(torch.isnan(logits) | torch.isposinf(logits)).any() & torch.isfinite(logits).any(-1).all()
+        chk.deferred("sample", LOGITS_VERDICT, ok)
+        return
+    raise_bad_logits(logits)
+
+
+def raise_bad_logits(logits: torch.Tensor) -> None:
+    """Raise for the first violation of :func:`check_logit_values`'s rule (host reads), else return."""
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+        bad = (torch.isnan(logits) | torch.isposinf(logits)).nonzero()[0].tolist()
+        raise fail("sample", f"logits contains NaN or +inf (first at index {bad}, value {logits[tuple(bad)].item()}); "
+                             "only -inf is allowed, for masked tokens")
+    if logits.shape[0] and not bool(torch.isfinite(logits).any(-1).all()):
+        row = int((~torch.isfinite(logits).any(-1)).nonzero()[0])
+        raise fail("sample", f"row {row} of logits is all -inf: no token can be sampled")
+
+
 def overflow_verdict(z: torch.Tensor, static: bool) -> None:
-    """Refuse logits / temperature that overflow fp32 (a row's max is inf): at once, or as a device
+    """Refuse logits / temperature that overflow fp32 (a row's max is not finite): at once, or as a device
     verdict in the static form."""
     ok = torch.isfinite(z.amax(-1)).all()
-    message = "logits / temperature overflows fp32 (temperature too small for these logits)"
     if static:
-        chk.deferred("sample", message, ok)
+        chk.deferred("sample", OVERFLOW_MESSAGE, ok)
     elif not bool(ok):
-        raise fail("sample", message)
+        raise fail("sample", OVERFLOW_MESSAGE)
 
 
 # ---- the op ----------------------------------------------------------------------------------
@@ -283,9 +324,13 @@ def _sample_chunk(logits, keys, offsets, greedy, temperature, k, top_p, filtered
 @register("sample", "torch")
 def sample(logits: torch.Tensor, seeds: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
            temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Strict sample. logits fp32 [S, V] (validated: no NaN/+inf, a finite logit per row);
+    """Strict sample. logits fp32 [S, V] (values checked here: :func:`check_logit_values`);
     seeds/seq_ids/positions/top_k int64 [S]; temperature/top_p fp32 [S]. Returns int64 [S]."""
     rows, vocab = logits.shape
+    static = chk.static_shapes()
+    check_logit_values(logits, static)
+    if static:   # eager: ops.sample checked the parameters on the host
+        params_verdict(temperature, top_k, top_p)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     greedy = temperature == 0
     k = torch.where(top_k >= vocab, 0, top_k)
@@ -293,7 +338,6 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, seq_ids: torch.Tensor, pos
     keys = row_keys(seeds, seq_ids, positions)
     offsets = token_offsets(vocab, logits.device)
     step = max(1, ROW_CHUNK_ELEMS.get(logits.device.type, 1 << 20) // vocab)
-    static = chk.static_shapes()
     for r in range(0, rows, step):
         sl = slice(r, r + step)
         out[sl] = _sample_chunk(logits[sl], keys[sl], offsets, greedy[sl], temperature[sl], k[sl],

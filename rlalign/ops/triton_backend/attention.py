@@ -48,9 +48,12 @@ partials round-trip memory exactly, and the merge is elementwise (its layout can
 so Hopper issues the same ``wgmma`` shapes per row and ``rowsum`` reduces each row in the same
 order (per-thread, then within the 4 lanes that share a row) for prefill and decode tiles alike.
 
-Backward (varlen only, deterministic, no atomics): dQ by a kernel per query tile walking key
+Backward (varlen only, deterministic: no atomic adds of values): dQ by a kernel per query tile walking key
 blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order. Both
-recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them.
+recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them. The launch
+(:class:`BackwardLaunch`) is a speed choice of ours -- tiles, keys per program, grid order -- but not a
+bit-neutral one in general: the training forward's bits are
+the contract, the backward's only have to be deterministic (run to run, per sequence) and accurate.
 """
 
 from __future__ import annotations
@@ -77,6 +80,47 @@ PREFILL_TILE = (128, 8, 3)
 DECODE_TILE = (64, 4, 3)
 BWD_TILE = (64, 4, 2)
 DKDV_WARPS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardLaunch:
+    """How the varlen backward's two kernels are launched. Each dK/dV/dQ element's sum runs
+    over the same terms in increasing key (dQ) / query-row (dK, dV) order whatever the launch, but the MMA shapes that
+    carry it do not always keep its bits: bench/gpu_attention.py --sweep-train compares every candidate's
+    gradients with the default's (bit-equal, or within the float64-reference tolerance, labelled).
+    Every launch is deterministic run to run and per sequence (a sequence's gradients do not depend on what
+    else is packed with it): no atomic adds, each output element is written by one program.
+
+    ``dq_tile``: (BLOCK_M rows = BLOCK_M / G tokens x the G query heads of a kv head, warps, stages) of
+    attn_bwd_dq_kernel; ``dq_keys``: keys per dQ step (a multiple of KV_BLOCK). ``dkdv_keys``: keys per
+    attn_bwd_dkdv_kernel program (a multiple of KV_BLOCK), ``dkdv_rows``: query rows per step, ``dkdv_warps``,
+    ``dkdv_stages``. ``heavy_first``: both grids run the programs with the most work first over the whole
+    batch (otherwise dK/dV runs the light blocks of each sequence and kv head first). A fused one-kernel
+    backward (dQ added in key-block order through per-row-block semaphores, 5 products instead of 7) was tried in
+    session 12: correct, but 0.39-0.42x SDPA on the H200 (it spilled, and Triton did not pipeline it), so removed
+    (docs/LOG.md)."""
+    dq_tile: tuple[int, int, int] = BWD_TILE
+    dq_keys: int = KV_BLOCK
+    dkdv_keys: int = KV_BLOCK
+    dkdv_rows: int = BWD_TILE[0]
+    dkdv_warps: int = DKDV_WARPS
+    dkdv_stages: int = BWD_TILE[2]
+    heavy_first: bool = False
+
+    def __post_init__(self):
+        bm, warps, stages = self.dq_tile
+        pow2 = all(x >= 16 and not x & (x - 1) for x in (bm, self.dkdv_rows, self.dq_keys, self.dkdv_keys))
+        if not pow2 or self.dq_keys % KV_BLOCK or self.dkdv_keys % KV_BLOCK or min(warps, stages, self.dkdv_warps,
+                                                                                    self.dkdv_stages) < 1:
+            raise ValueError(f"BackwardLaunch {self}: tiles must be powers of 2 >= 16, key tiles multiples of "
+                             f"{KV_BLOCK}, warps and stages >= 1")
+
+
+# The backward's launch (bench/gpu_attention.py --sweep-train times candidates; paste a faster one here).
+# H200, 2026-12-02 (session 12, bench/gpu_2026-12-02-s12/call5): 128-row dQ tiles with 8 warps, 128 keys per dK/dV
+# program, both grids heaviest first -- bit-equal to the previous default (BackwardLaunch()) at 2 x 4,096, 8 x 4,096
+# and 1 x 32,768 tokens; forward + backward 0.99 / 0.90 / 0.95 of SDPA flash (the previous default 0.68 / 0.68 / 0.66).
+BWD_LAUNCH = BackwardLaunch(dq_tile=(128, 8, 2), dkdv_keys=128, heavy_first=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,17 +468,35 @@ def attn_merge_kernel(PM, PL, PACC, O, cu_q, pos0_ptr, part_rows, stride_ot, str
 
 
 @triton.jit
+def _bwd_program(GRID_HEAVY_FIRST: tl.constexpr):
+    """(work index, s, h) of a backward program. Default grid (work, sequences, kv heads): the work index runs
+    backwards from the last one within each (sequence, kv head). GRID_HEAVY_FIRST: grid (kv heads, sequences,
+    work), the work index slowest, so the whole batch's index-0 programs start first, then index 1, ..."""
+    if GRID_HEAVY_FIRST:
+        return tl.program_id(2), tl.program_id(1), tl.program_id(0)
+    else:
+        return tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2)
+
+
+@triton.jit
 def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, qk_scale2, scale,
                        stride_qt, stride_qh, stride_kr, stride_kh,
                        G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, SPLIT: tl.constexpr):
-    """dQ of one query tile: sum over key blocks in increasing order of dS @ K, times scale."""
+                       BN: tl.constexpr, SPLIT: tl.constexpr, GRID_HEAVY_FIRST: tl.constexpr = False):
+    """dQ of one query tile (BM rows: BM / G tokens x the G query heads of kv head h, token-major):
+    dQ = scale * sum over the BN-key blocks the tile reaches, in increasing order, of dS @ K, with
+    dS = P * (dO V^T - delta) and P = exp2(Q K^T * c - lse2) recomputed (0 where the key is after the row).
+    Work: the tile's last token / BN blocks, so heavy programs are the LATE tiles."""
     TPT: tl.constexpr = BM // G
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    s = tl.program_id(1)
-    h = tl.program_id(2)
+    wi, s, h = _bwd_program(GRID_HEAVY_FIRST)
     q_start = tl.load(cu_q + s)
     n = tl.load(cu_q + s + 1) - q_start
+    if GRID_HEAVY_FIRST:
+        tile = tl.cdiv(n, TPT) - 1 - wi      # this sequence's last tile first (work index 0 = heaviest)
+        if tile < 0:
+            return
+    else:
+        tile = wi
     if tile * TPT >= n:
         return
     r = tl.arange(0, BM)
@@ -476,12 +538,14 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, qk_scale2, scale,
 def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale,
                          stride_qt, stride_qh, stride_kr, stride_kh,
                          G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BMQ: tl.constexpr,
-                         BN: tl.constexpr, SPLIT: tl.constexpr):
-    """dK, dV of one 64-key block: sums over the query rows (token-major, g heads each) that can
-    see it, in increasing row order, BMQ rows at a time."""
-    j = tl.num_programs(0) - 1 - tl.program_id(0)
-    s = tl.program_id(1)
-    h = tl.program_id(2)
+                         BN: tl.constexpr, SPLIT: tl.constexpr, GRID_HEAVY_FIRST: tl.constexpr = False):
+    """dK, dV of one block of BN keys of kv head h: dV = sum P^T dO, dK = scale * sum dS^T Q over the query
+    rows (token-major, the G heads of kv head h each) that can see the block, in increasing row order, BMQ
+    rows at a time. Work: (tokens - block start) rows, so heavy programs are the EARLY key blocks; the
+    default grid runs each (sequence, kv head)'s blocks last-first (light first), GRID_HEAVY_FIRST
+    first-first over the whole batch."""
+    wi, s, h = _bwd_program(GRID_HEAVY_FIRST)
+    j = wi
     q_start = tl.load(cu_q + s)
     n = tl.load(cu_q + s + 1) - q_start
     if j * BN >= n:
@@ -734,7 +798,12 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     return out
 
 
-def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=BWD_TILE):
+def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=None, launch=None):
+    """dq, dk, dv of the packed causal forward (``lse``: its base-2 lse). ``launch`` (default BWD_LAUNCH);
+    ``tile`` overrides its dq_tile, dkdv_rows and dkdv_stages (tests)."""
+    launch = launch or BWD_LAUNCH
+    if tile is not None:
+        launch = dataclasses.replace(launch, dq_tile=tuple(tile), dkdv_rows=tile[0], dkdv_stages=tile[2])
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -744,18 +813,30 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=BWD_TIL
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if t == 0 or max_len == 0:
         return dq, dk, dv
-    bm, warps, stages = tile
+    bm, warps, stages = launch.dq_tile
+    if g > bm or g > launch.dkdv_rows:
+        raise fail("attention_varlen", f"{g} query heads per kv head exceed the backward tile of "
+                                       f"{min(bm, launch.dkdv_rows)} rows")
     n_seq = cu.shape[0] - 1
-    common = dict(G=g, D=d, DP=_dpad(d), BN=KV_BLOCK, SPLIT=split_for(q.dtype), num_warps=warps,
-                  num_stages=stages)
-    attn_bwd_dq_kernel[(triton.cdiv(max_len, bm // g), n_seq, hkv)](
-        q, k, v, grad_out, lse, delta, dq, cu, scale * LOG2E, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), BM=bm, **common)
-    common["num_warps"] = DKDV_WARPS   # no row reductions here: warps may split the columns
-    attn_bwd_dkdv_kernel[(triton.cdiv(max_len, KV_BLOCK), n_seq, hkv)](
-        q, k, v, grad_out, lse, delta, dk, dv, cu, scale * LOG2E, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), BMQ=bm, **common)
+    args = (q, k, v, grad_out, lse, delta)
+    common = dict(G=g, D=d, DP=_dpad(d), SPLIT=split_for(q.dtype), GRID_HEAVY_FIRST=launch.heavy_first)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+    attn_bwd_dq_kernel[_bwd_grid(triton.cdiv(max_len, bm // g), n_seq, hkv, launch.heavy_first)](
+        *args, dq, cu, scale * LOG2E, scale, *strides, BM=bm, BN=launch.dq_keys, num_warps=warps, num_stages=stages,
+        **common)
+    # no row reductions here: warps may split the columns
+    attn_bwd_dkdv_kernel[_bwd_grid(triton.cdiv(max_len, launch.dkdv_keys), n_seq, hkv, launch.heavy_first)](
+        *args, dk, dv, cu, scale * LOG2E, scale, *strides, BMQ=launch.dkdv_rows, BN=launch.dkdv_keys,
+        num_warps=launch.dkdv_warps, num_stages=launch.dkdv_stages, **common)
     return dq, dk, dv
+
+
+def _bwd_grid(work: int, n_seq: int, hkv: int, heavy_first: bool) -> tuple[int, int, int]:
+    """The backward kernels' grid (:func:`_bwd_program`): ``work`` programs per (sequence, kv head)."""
+    if heavy_first and work > 65535:
+        raise fail("attention_varlen", f"{work} backward programs per sequence exceed the grid's third dimension "
+                                       "(65,535) of the heavy-first launch; use BackwardLaunch(heavy_first=False)")
+    return (hkv, n_seq, work) if heavy_first else (work, n_seq, hkv)
 
 
 class _VarlenAttention(torch.autograd.Function):
@@ -792,5 +873,6 @@ def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sc
 
 
 __all__ = ["attention_varlen", "attention_paged", "varlen_forward", "paged_forward", "varlen_backward",
-           "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK", "DecodeLaunch", "ITEM_DECODE", "SPLIT_DECODE",
+           "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK", "DecodeLaunch", "BackwardLaunch", "BWD_LAUNCH",
+           "ITEM_DECODE", "SPLIT_DECODE",
            "decode_items", "use_split_programs", "arrival_counters"]

@@ -59,7 +59,10 @@ bench/gpu_linear.py --sweep-ws refuses any configuration that is not bit-equal.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import os
 
 import torch
 import triton
@@ -88,7 +91,7 @@ class WsConfig:
     """Launch of the Gluon kernel (speed only: no field changes an element's operations).
 
     block_m: 64 (4 consumer warps, one warpgroup) or 128 (8 consumer warps, two warpgroups);
-    block_n: 64 (see the module docstring: 128 would not fit the tree stack in registers);
+    block_n: 64, or 128 with the tree's level 1 in shared memory too (see the module docstring);
     stages: depth of the TMA ring (shared memory: stages * (BM + BN) * 64 * 2 bytes + the output tile);
     producer_regs: registers of the one-warp producer partition (setmaxnreg)."""
     block_m: int = 128
@@ -108,11 +111,14 @@ class WsConfig:
         return self.block_m // 16
 
 
-DEFAULT_WS = WsConfig()
-# bench/gpu_linear.py --sweep-ws times these (the default first); none is the dispatcher's default yet.
+# H200 `--sweep-ws` (2026-12-02, session 12, bench/gpu_2026-12-02-s12/call3): every candidate bit-equal to the Triton
+# kernel at every case; 64x128 with 5 stages the fastest overall (cuBLAS / ours, geometric mean over 8B o_proj and
+# down_proj at M 462-16,384: 0.675, the Triton kernel 0.529).
+DEFAULT_WS = WsConfig(block_m=64, block_n=128, stages=5)
+# bench/gpu_linear.py --sweep-ws times these (the default first).
 # 64x128 (one consumer warpgroup, levels 1-2 in shared memory): 255 registers, no spill, 200 KiB (216 KiB with an fp32
 # output); 6 stages would not fit an fp32 output tile.
-WS_CANDIDATES = (DEFAULT_WS, WsConfig(block_m=64, block_n=128, stages=5), WsConfig(block_m=128, block_n=64, stages=4),
+WS_CANDIDATES = (DEFAULT_WS, WsConfig(block_m=128, block_n=64, stages=6), WsConfig(block_m=128, block_n=64, stages=4),
                  WsConfig(block_m=64, block_n=64, stages=8))
 
 
@@ -125,6 +131,29 @@ def shared_bytes(cfg: WsConfig, out_dtype: torch.dtype, segments: int) -> int:
     return ring + tile * (4 if out_dtype == torch.float32 else 2) + levels
 
 
+WS_ENV = "RLALIGN_TRITON_GEMM_WS"
+
+
+@contextlib.contextmanager
+def triton_kernel_only():
+    """Inside the block the dispatcher runs the Triton K-partition kernel, not this one (RLALIGN_TRITON_GEMM_WS=0):
+    the reference of the bit-equality tests and sweeps."""
+    before = os.environ.get(WS_ENV)
+    os.environ[WS_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(WS_ENV, None)
+        else:
+            os.environ[WS_ENV] = before
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 def unsupported_reason(a: torch.Tensor, b: torch.Tensor, b_trans: bool, segments: int, a_trans: bool,
                        out_dtype: torch.dtype, bias: torch.Tensor | None, acc_in: bool) -> str | None:
     """Why the Gluon kernel cannot take this call (None: it can)."""
@@ -132,6 +161,8 @@ def unsupported_reason(a: torch.Tensor, b: torch.Tensor, b_trans: bool, segments
         return f"this Triton has no Gluon ({GLUON_IMPORT_ERROR})"
     if is_interpreter():
         return "Gluon kernels have no CPU interpreter (TRITON_INTERPRET=1)"
+    if _capability(a.device) != (9, 0):
+        return f"device {a.device} is not an sm_90 (Hopper) GPU: the kernel is built on Hopper's wgmma and TMA"
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         return f"operands {a.dtype} x {b.dtype}: bf16 only (fp32 operands take the Triton kernel)"
     if a_trans:

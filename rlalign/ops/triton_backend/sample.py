@@ -8,6 +8,17 @@ the argmax of the raw logits). One program per row walks the vocab in blocks, so
 noise is never materialised. ``log`` is libdevice's logf, the function torch's CUDA ``log``
 uses, so both backends perturb a logit identically. Rows with top-k / top-p get their keep mask
 from the torch backend's exact integer nucleus (:func:`keep_mask`), then the same fused argmax.
+
+The kernel also computes each row's RNG key (the torch backend's ``row_keys``: exact uint64 arithmetic)
+and checks the torch backend's value rules while it reads every logit: no NaN/+inf and a finite logit
+per row (``check_logit_values``), the parameters in range (``params_verdict``), z = logits / T without
+NaN/+inf and with a finite value (``overflow_verdict``), and, in a graph captured without filtering, no
+row that filters (``filtering_rows``). Each row writes four int8 flags; one reduction turns them into
+the verdicts, in the torch backend's order and with its messages. Before the fold a captured decode
+step spent ~7 full passes over the [S, V] fp32 logits on these checks (isnan, isposinf, isfinite's |x|
+and compares, the z division, the max of z) and ~80 small kernels on the keys and the parameters: the
+captured sampler was 90 torch kernels and the sample kernel, now 3 and the kernel
+(bench/count_decode_ops.py). z is materialised only when a row filters (its keep mask).
 """
 
 from __future__ import annotations
@@ -18,7 +29,9 @@ import triton.language as tl
 
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops import _checks as chk
-from rlalign.ops.torch_backend.sample import filtering_rows, keep_mask, overflow_verdict, row_keys, static_keep_mask
+from rlalign.contract.errors import fail
+from rlalign.ops.torch_backend.sample import (FILTER_VERDICT, LOGITS_VERDICT, OVERFLOW_MESSAGE, PARAMS_VERDICT,
+                                             keep_mask, raise_bad_logits, static_keep_mask)
 from rlalign.ops.triton_backend._common import is_interpreter, libm_log
 
 BLOCK_V = 2048
@@ -36,21 +49,71 @@ def _noise_bits(key, cols):
 
 
 @triton.jit
-def sample_kernel(LOGITS, KEYS, TEMP, KEEP, OUT, V, stride_l, stride_keep,
-                  HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _mix64(x):
+    """The splitmix64 finaliser on uint64 (wrapping): rlalign.ops.torch_backend.sample.mix64."""
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _row_key(SEEDS, SEQ_IDS, POSITIONS, row):
+    """key(seed, seq_id, position) of the torch backend's ``row_keys``, as uint64 (exact integer ops)."""
+    seed = tl.load(SEEDS + row).to(tl.uint64, bitcast=True)
+    seq_id = tl.load(SEQ_IDS + row).to(tl.uint64, bitcast=True)
+    position = tl.load(POSITIONS + row).to(tl.uint64, bitcast=True)
+    h = _mix64(seed + 0x9E3779B97F4A7C15)
+    h = _mix64((h ^ seq_id) + 0x9E3779B97F4A7C15)
+    return _mix64((h ^ position) + 0x9E3779B97F4A7C15)
+
+
+# bits of the kernel's per-lane flag word
+X_BAD, X_FINITE, Z_BAD, Z_FINITE = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4), tl.constexpr(8)
+
+
+@triton.jit
+def _value_bits(x, z):
+    """Per lane: X_BAD (x is NaN or +inf) | X_FINITE | Z_BAD | Z_FINITE, int32 (masked lanes hold -inf: 0)."""
+    bits = ((x != x) | (x == float("inf"))).to(tl.int32) * X_BAD
+    bits |= (tl.abs(x) < float("inf")).to(tl.int32) * X_FINITE
+    bits |= ((z != z) | (z == float("inf"))).to(tl.int32) * Z_BAD
+    return bits | (tl.abs(z) < float("inf")).to(tl.int32) * Z_FINITE
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def sample_kernel(LOGITS, SEEDS, SEQ_IDS, POSITIONS, TEMP, TOPK, TOPP, KEEP, OUT, FLAGS, S, V, stride_l,
+                  stride_keep, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """One row: the token (module docstring) and the row's validity flags, int8 0/1 (1 = valid), FLAGS[i, row]:
+    0 the raw logits hold no NaN/+inf and a finite value (``check_logit_values``); 1 the parameters are in
+    range (``params_verdict``); 2 the row does not filter (top-k / top-p: ``filtering_rows``); 3 z = logits / T
+    holds no NaN/+inf and a finite value (``overflow_verdict``: isfinite(max z))."""
     row = tl.program_id(0)
-    key = tl.load(KEYS + row).to(tl.uint64, bitcast=True)
+    key = _row_key(SEEDS, SEQ_IDS, POSITIONS, row)
     temp = tl.load(TEMP + row)
+    top_k = tl.load(TOPK + row)
+    top_p = tl.load(TOPP + row)
     greedy = temp == 0.0
+    params_ok = (tl.abs(temp) < float("inf")) & (temp >= 0.0) & (top_p > 0.0) & (top_p <= 1.0) & (top_k >= 0)
+    filters = ((top_k > 0) & (top_k < V)) | (top_p < 1.0)    # the torch backend's rule (top_k >= V is off)
+    unfiltered = greedy | (filters == 0)
     if HAS_KEEP:
         unfiltered = tl.load(KEEP + row.to(tl.int64) * stride_keep + V) == 0
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int32)
+    seen = tl.zeros((BLOCK,), tl.int32)   # per lane, OR over the blocks: elementwise in the loop, one reduction after
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         ok = cols < V
         x = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=ok, other=float("-inf"))
         z = tl.math.div_rn(x, tl.where(greedy, 1.0, temp))
+        seen |= _value_bits(x, z)
         bits = _noise_bits(key, cols)
         u = (((bits >> 40) & 0xFFFFFF) | 1).to(tl.float32) * (2.0 ** -24)
         score = z - libm_log(-libm_log(u, LIBDEVICE), LIBDEVICE)
@@ -65,38 +128,81 @@ def sample_kernel(LOGITS, KEYS, TEMP, KEEP, OUT, V, stride_l, stride_keep,
         best_idx = tl.where(take, v0 + b_idx, best_idx)
         best = tl.where(take, b_max, best)
     tl.store(OUT + row, best_idx.to(tl.int64))
+    seen_row = tl.reduce(seen, 0, _bit_or)
+    tl.store(FLAGS + row, ((seen_row & (X_BAD | X_FINITE)) == X_FINITE).to(tl.int8))
+    tl.store(FLAGS + S + row, params_ok.to(tl.int8))
+    tl.store(FLAGS + 2 * S + row, unfiltered.to(tl.int8))
+    tl.store(FLAGS + 3 * S + row, ((seen_row & (Z_BAD | Z_FINITE)) == Z_FINITE).to(tl.int8))
 
 
 def sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p):
-    """Validated inputs (rlalign.ops.sample): logits fp32 [S, V]; per-row int64 / fp32 params."""
+    """Validated inputs (rlalign.ops.sample; in the static form not their values): logits fp32 [S, V]; per-row
+    int64 / fp32 params. The value rules of the torch backend (``check_logit_values``, ``params_verdict``,
+    the capture's ``filtering_rows`` verdict, ``overflow_verdict``) are checked by the kernel, which reads
+    every logit anyway: each row writes its flags, one reduction turns them into the verdicts (static form:
+    deferred, the torch backend's messages; eager: raised here, the logits' error naming the first bad index)."""
     rows, vocab = logits.shape
     logits = logits.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    greedy = temperature == 0
-    k = torch.where(top_k >= vocab, 0, top_k)
-    filtered = ~greedy & ((k > 0) | (top_p < 1))
-    z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
     static = chk.static_shapes()   # CUDA-graph capture: no host read, no data-dependent shape (same bits)
-    overflow_verdict(z, static)
-    keys = row_keys(seeds, seq_ids, positions).contiguous()
-    has_keep = filtering_rows(filtered) if static else bool(filtered.any())
+    capturing = chk.is_capturing()
+    filtered = None if capturing else _filtered(temperature, top_k, top_p, vocab)
+    has_keep = bool(chk.capture_hint("sample_filtered")) if capturing else bool(filtered.any())
     if has_keep:
-        # [S, V + 1] int8: the keep mask, and in column V whether the row is filtered at all
-        keep = torch.zeros((rows, vocab + 1), dtype=torch.int8, device=logits.device)
-        if static:   # every row's mask (unfiltered rows ignore theirs: column V)
-            keep[:, :vocab] = static_keep_mask(z, k, top_p).to(torch.int8)
-        else:
-            idx = filtered.nonzero().squeeze(1)
-            keep[idx, :vocab] = keep_mask(z[idx], k[idx], top_p[idx]).to(torch.int8)
-        keep[:, vocab] = filtered.to(torch.int8)
+        keep = _keep(logits, temperature, top_k, top_p, static,
+                     _filtered(temperature, top_k, top_p, vocab) if filtered is None else filtered)
     else:
         keep = out
-    sample_kernel[(rows,)](logits, keys, temperature.contiguous(), keep, out, vocab, logits.stride(0),
-                           keep.stride(0) if has_keep else 0, HAS_KEEP=has_keep, BLOCK=BLOCK_V,
-                           LIBDEVICE=not is_interpreter(), num_warps=8)
+    flags = torch.empty((4, rows), dtype=torch.int8, device=logits.device)
+    sample_kernel[(rows,)](logits, seeds.contiguous(), seq_ids.contiguous(), positions.contiguous(),
+                           temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), keep, out, flags,
+                           rows, vocab, logits.stride(0), keep.stride(0) if has_keep else 0, HAS_KEEP=has_keep,
+                           BLOCK=BLOCK_V, LIBDEVICE=not is_interpreter(), num_warps=8)
+    _verdicts(flags, logits, static, check_unfiltered=capturing and not has_keep)
     return out
+
+
+def _filtered(temperature, top_k, top_p, vocab) -> torch.Tensor:
+    """bool [S]: the rows that filter (top-k below the vocab or top-p below 1, not greedy)."""
+    k = torch.where(top_k >= vocab, 0, top_k)
+    return (temperature != 0) & ((k > 0) | (top_p < 1))
+
+
+def _keep(logits, temperature, top_k, top_p, static, filtered) -> torch.Tensor:
+    """[S, V + 1] int8: the keep mask of the filtering rows, and in column V whether the row filters at all."""
+    rows, vocab = logits.shape
+    k = torch.where(top_k >= vocab, 0, top_k)
+    z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))  # greedy rows: / 1
+    keep = torch.zeros((rows, vocab + 1), dtype=torch.int8, device=logits.device)
+    if static:   # every row's mask (unfiltered rows ignore theirs: column V)
+        keep[:, :vocab] = static_keep_mask(z, k, top_p).to(torch.int8)
+    else:
+        idx = filtered.nonzero().squeeze(1)
+        keep[idx, :vocab] = keep_mask(z[idx], k[idx], top_p[idx]).to(torch.int8)
+    keep[:, vocab] = filtered.to(torch.int8)
+    return keep
+
+
+def _verdicts(flags: torch.Tensor, logits: torch.Tensor, static: bool, check_unfiltered: bool) -> None:
+    """The kernel's per-row flags -> the verdicts, in the torch backend's order (one reduction)."""
+    verdicts = flags.view(torch.bool).all(dim=1)
+    if static:
+        logits_ok, params_ok, unfiltered_ok, z_ok = verdicts.unbind(0)
+        chk.deferred("sample", LOGITS_VERDICT, logits_ok)
+        chk.deferred("sample", PARAMS_VERDICT, params_ok)
+        chk.deferred("sample", OVERFLOW_MESSAGE, z_ok)
+        if check_unfiltered:   # a graph captured without filtering: no row may filter at replay
+            chk.deferred("sample", FILTER_VERDICT, unfiltered_ok)
+        return
+    logits_ok, _, _, z_ok = verdicts.tolist()   # one host read; ops.sample checked the parameters on the host
+    if not logits_ok:
+        raise_bad_logits(logits)   # names the first bad index
+        raise fail("sample", f"internal: the sample kernel flagged the logits but the torch check found no "
+                             f"NaN/+inf or all -inf row ({LOGITS_VERDICT})")
+    if not z_ok:
+        raise fail("sample", OVERFLOW_MESSAGE)
 
 
 __all__ = ["sample"]
