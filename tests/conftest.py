@@ -1,4 +1,5 @@
 import logging
+import os
 
 import pytest
 import torch
@@ -18,7 +19,45 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+# The modules that take longest on CI's 2 cores (session 12, --durations), handed to the xdist workers first so
+# that the two finish together (pyproject's addopts: --dist loadfile --no-loadscope-reorder; the other modules
+# follow in collection order). An ordering hint only: a module missing here can cost wall time, never a result.
+SLOWEST_FIRST = (
+    "tests/ops/test_triton_interpret.py",         # two subprocesses: the interpreter checks, the sm_90a compiles
+    "tests/ops/test_attention_launch.py",
+    "tests/integrations/test_ray.py",
+    "tests/integrations/vllm/test_plugin.py",
+    "tests/ops/test_moe_dispatch.py",
+    "tests/integrations/vllm/test_cli.py",
+    "tests/distributed/test_train_parallel.py",
+    "tests/train/test_gpu_headline.py",
+    "tests/ops/test_gemm_schedules.py",
+    "tests/ops/test_gemm_ws_compile.py",          # an sm_90a compile subprocess (new in session 12, not yet timed)
+)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): two test processes on a CPU machine (CI: 2 cores; each runs
+    torch on one thread, see _one_thread), none (the tests run in this process, as without xdist) where
+    CUDA is available, so that the CUDA tier keeps one process per GPU unless a script asks for more
+    with ``-n``. A pytest a test runs as a child (tests/ops/test_moe_dispatch.py) runs in one process too: its
+    parent is already one of the two. PYTEST_XDIST_AUTO_NUM_WORKERS overrides all of these."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    if torch.cuda.is_available() or os.environ.get("PYTEST_XDIST_WORKER"):
+        return 0
+    return 2 if len(os.sched_getaffinity(0)) >= 2 else 0
+
+
+def _slowest_first(items):
+    """Stable: the SLOWEST_FIRST modules' tests first, in that order, each module's tests in their own order."""
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # the order in which xdist hands modules out (see SLOWEST_FIRST)
+        _slowest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
