@@ -102,3 +102,20 @@ def test_no_private_names_across_modules():
                         crossing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {target}.{name}")
     assert not crossing, "imports of another module's private names (make them public, or move the code):\n" + \
         "\n".join(crossing)
+
+
+def test_no_statement_follows_a_return_or_raise():
+    """Unreachable code: a statement after ``return`` / ``raise`` / ``continue`` / ``break`` in the same block never
+    runs (session 12 found a test's float64 accuracy check stranded after a ``return``, so it never checked)."""
+    stranded = []
+    for path in [*ROOT.joinpath("rlalign").rglob("*.py"), *ROOT.joinpath("tests").rglob("*.py"),
+                 *ROOT.joinpath("bench").glob("*.py"), *ROOT.joinpath("scripts").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(node, field, None)
+                if not isinstance(block, list):
+                    continue
+                for stmt, after in zip(block, block[1:]):
+                    if isinstance(stmt, (ast.Return, ast.Raise, ast.Continue, ast.Break)):
+                        stranded.append(f"{path.relative_to(ROOT)}:{after.lineno}")
+    assert not stranded, f"statements that can never run: {stranded}"

@@ -117,6 +117,10 @@ def _check_gemm_split_segments():
         one = gemm(a, b, b_trans=bt, bias=bias, segments=seg, out_dtype=out_dtype, config=GemmConfig(64, 64, 4, 2))
         if not torch.equal(out, one):
             return f"split partials differ from the one-kernel tree (m={m}, n={n}, k={k}, P={seg})"
+        ref = a.double() @ (b.double().T if bt else b.double())
+        if bias is not None:
+            ref = ref + bias.double()
+        worst = max(worst, _rel(out, ref))
     # an explicit split launch takes the split past SPLIT_SEGMENTS_MAX_M (bench/gpu_linear.py --sweep-mid): five
     # 64-row tiles, the last one partial
     a, b = torch.randn(SPLIT_SEGMENTS_MAX_M + 5, 128, generator=g), torch.randn(72, 128, generator=g)
@@ -124,10 +128,6 @@ def _check_gemm_split_segments():
     one = gemm(a, b, b_trans=True, segments=4, out_dtype=torch.float32, config=GemmConfig(64, 64, 4, 2))
     if not torch.equal(forced, one):
         return f"a forced split at M={a.shape[0]} differs from the one-kernel tree"
-        ref = a.double() @ (b.double().T if bt else b.double())
-        if bias is not None:
-            ref = ref + bias.double()
-        worst = max(worst, _rel(out, ref))
     return worst
 
 
