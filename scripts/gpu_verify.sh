@@ -11,7 +11,7 @@ stage() { echo "== $1 (t=$(elapsed)s)" | tee -a "$SUMMARY"; }
 if [ "${TEST_SECONDS:-300}" != 0 ]; then
   stage "CUDA tests: ${TESTS:-$DEFAULT_TESTS}"
   PER_TEST=(); $PY -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 200)
-  timeout "${TEST_SECONDS:-300}" $PY -m pytest -v -n "${WORKERS:-12}" -p no:cacheprovider -rfE "${PER_TEST[@]}" \
+  timeout "${TEST_SECONDS:-300}" $PY -m pytest -v -n "${WORKERS:-12}" --dist load -p no:cacheprovider -rfE "${PER_TEST[@]}" \
     ${TESTS:-$DEFAULT_TESTS} > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$? (124 = timed out)" | tee -a "$SUMMARY"
   grep -E "FAILED|ERROR|passed|failed" "$OUT/cuda_tests.log" | tail -n 25 | tee -a "$SUMMARY"
