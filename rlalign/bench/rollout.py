@@ -115,7 +115,9 @@ PRESETS = {
 }
 # Named workloads: the issue-16 roofline shapes. samples=1: every sequence has its own context, so the K/V
 # bytes counted are distinct bytes (shared prompt pages could be served from L2). Prompt lengths put the
-# decode contexts around 512 / 4,096 tokens.
+# decode contexts around 512 / 4,096 tokens. 8b-ctx4096's 256 sequences need ~157 GB of K/V at full length (147 KB
+# per token), more than an H200 holds beside the weights: the cache is capped at the free memory
+# (_kv_cache_bytes), so fewer sequences run at once and the rest wait (the row reports decode_rows_mean).
 WORKLOADS = {
     "tiny": dict(preset="tiny", prompts=3, samples=2, prompt_len="3:6", new_tokens=4),
     "0.6b-ctx512": dict(preset="qwen3-0.6b", prompts=512, samples=1, prompt_len="384:448", new_tokens=128,
