@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 
 import pytest
+
+from tests.workers import run_worker
 
 TOL = 2e-5
 # (label, BackwardLaunch keyword arguments): every kernel variant the non-default launches compile
@@ -85,14 +86,7 @@ def _worker() -> None:
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULTS ")]
-    if not lines:
-        pytest.fail(f"interpreter worker failed (rc {run.returncode}):\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_worker([os.path.abspath(__file__), "--worker"], interpret=True, timeout=600)
 
 
 @pytest.mark.parametrize("label", [label for label, _ in LAUNCHES])

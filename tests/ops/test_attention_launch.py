@@ -20,13 +20,9 @@ subprocess (the interpreter must be on before triton is imported); hypothesis ru
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.workers import run_worker
 
 pytest.importorskip("triton")
 pytest.importorskip("hypothesis")
@@ -261,15 +257,7 @@ print("RESULTS " + json.dumps(results))
 
 @pytest.fixture(scope="module")
 def results():
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=900)
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULTS ")]
-    if not lines:
-        pytest.fail(f"interpreter subprocess failed (rc {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_worker(["-c", CHECK], interpret=True, timeout=900)
 
 
 @pytest.mark.parametrize("check", ["chooser_monotone", "chooser_shape_only", "launches_same_bits",

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 
 import pytest
+
+from tests.workers import run_worker
 
 MAX_EXAMPLES = 3   # per candidate (the interpreter is slow); the degenerate M values are always among them (explicit examples)
 
@@ -128,14 +129,7 @@ def _worker() -> None:
 def interpreter_results():
     pytest.importorskip("triton")
     pytest.importorskip("hypothesis")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    if not lines:
-        pytest.fail(f"interpreter worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_worker([os.path.abspath(__file__), "--worker"], interpret=True, timeout=900)
 
 
 def test_the_default_is_the_dispatched_schedule_and_has_rivals(interpreter_results):

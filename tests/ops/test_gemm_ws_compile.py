@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+
+from tests.workers import collect, spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -120,14 +121,9 @@ def _selection() -> dict:
 
 @pytest.fixture(scope="module")
 def sm90_ws():
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], capture_output=True, text=True,
-                         cwd=ROOT, env=env, timeout=300)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
-    if not lines:
-        pytest.skip(f"the sm_90a Gluon compile did not run here: {run.stderr[-800:]}")
-    data = json.loads(lines[-1][len("RESULTS "):])
+    data, _, _, err = collect(spawn([os.path.abspath(__file__), "--worker"], interpret=False), timeout=300)
+    if data is None:
+        pytest.skip(f"the sm_90a Gluon compile did not run here: {err[-800:]}")
     if "skip" in data:
         pytest.skip(data["skip"])
     return data

@@ -31,6 +31,8 @@ import traceback
 
 import pytest
 
+from tests.workers import collect, spawn
+
 TOL = 2e-5  # fp32 kernels vs float64 (relative to the reference's max magnitude)
 SMEM_LIMIT = 232448   # bytes of shared memory per block on sm_90
 
@@ -735,21 +737,13 @@ def _root() -> str:
 
 
 def _spawn(flag: str, interpret: bool) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=_root() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), flag], env=env, cwd=_root(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return spawn([os.path.abspath(__file__), flag], interpret)
 
 
 def _results(proc: subprocess.Popen):
     # a hang guard, not a speed check: on CI each worker takes a few minutes, but a 2-core machine shared with
     # other suites took the interpreter worker past 900 s (session 12), failing every check of the module
-    out, err = proc.communicate(timeout=1800)
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULTS ")]
-    return (json.loads(lines[-1][len("RESULTS "):]) if lines else None), proc.returncode, out, err
+    return collect(proc, timeout=1800)
 
 
 @pytest.fixture(scope="module")
