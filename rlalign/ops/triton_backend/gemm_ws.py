@@ -73,6 +73,7 @@ from rlalign.ops.triton_backend._common import BLOCK_K, device_sms, is_interpret
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
@@ -93,12 +94,18 @@ class WsConfig:
     block_m: 64 (4 consumer warps, one warpgroup) or 128 (8 consumer warps, two warpgroups);
     block_n: 64, or 128 with the tree's level 1 in shared memory too (see the module docstring);
     stages: depth of the TMA ring (shared memory: stages * (BM + BN) * 64 * 2 bytes + the output tile);
-    producer_regs: registers of the one-warp producer partition (setmaxnreg)."""
+    producer_regs: registers of the one-warp producer partition (setmaxnreg);
+    release: how the consumer frees a ring stage once its wgmma is done. "cta": one thread arrives on the stage's
+    ``empty`` mbarrier (count 1) after a consumer-wide ``bar.sync`` that Triton inserts before the arrive;
+    "thread": the mbarrier counts every consumer thread (count = 32 * num_warps) and each thread arrives on its own
+    right after its ``wgmma.wait_group`` (``cp.async.mbarrier.arrive.noinc``: with no cp.async in flight it
+    arrives at once), so no warp waits for the others to free a stage."""
     block_m: int = 128
     block_n: int = 64
     stages: int = 6
     group_m: int = 8
     producer_regs: int = 40
+    release: str = "cta"
 
     @property
     def level1_in_shared(self) -> bool:
@@ -118,8 +125,14 @@ DEFAULT_WS = WsConfig(block_m=64, block_n=128, stages=5)
 # bench/gpu_linear.py --sweep-ws times these (the default first).
 # 64x128 (one consumer warpgroup, levels 1-2 in shared memory): 255 registers, no spill, 200 KiB (216 KiB with an fp32
 # output); 6 stages would not fit an fp32 output tile.
+# release="thread" (session 12, compiled for sm_90a on a CPU only, never timed): the two fastest launches with each
+# consumer thread freeing the stage itself, which removes the consumer-wide bar.sync before each release (one of the
+# two per k-step; the other, before the wait for the stage's operands, stays: Triton's barrier pass orders the
+# mbarrier waits on the ring).
 WS_CANDIDATES = (DEFAULT_WS, WsConfig(block_m=128, block_n=64, stages=6), WsConfig(block_m=128, block_n=64, stages=4),
-                 WsConfig(block_m=64, block_n=64, stages=8))
+                 WsConfig(block_m=64, block_n=64, stages=8),
+                 WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
+                 WsConfig(block_m=128, block_n=64, stages=6, release="thread"))
 
 
 def shared_bytes(cfg: WsConfig, out_dtype: torch.dtype, segments: int) -> int:
@@ -276,10 +289,20 @@ if gluon is not None:
                              is_async=True)
 
     @gluon.jit
+    def _release(empty_bar, PER_THREAD_RELEASE: gl.constexpr):
+        """Free a ring stage whose wgmma this thread has waited for (WsConfig.release). Per thread: every consumer
+        thread arrives once (the barrier's count is the consumer's thread count), with no consumer-wide bar.sync
+        first; the producer's next TMA into the stage waits for all of them."""
+        if PER_THREAD_RELEASE:
+            async_copy.mbarrier_arrive(empty_bar, increment_count=False)
+        else:
+            mbarrier.arrive(empty_bar)
+
+    @gluon.jit
     def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps,
                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr,
                   LOG2P: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                  NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr):
+                  NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BN, 16])
         pid = gl.program_id(0)
@@ -305,7 +328,7 @@ if gluon is not None:
                 if s > 0:
                     # one group outstanding: the previous segment's MMAs are complete, the new one runs on
                     prev, acc = warpgroup_mma_wait(1, deps=(prev, acc))
-                    mbarrier.arrive(empty.index((it - 1) % STAGES))
+                    _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
                     v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, s - 1, LOG2P, L1_SMEM)
                 else:
                     # nothing else is in flight (the previous tile drained): returns at once; makes acc the
@@ -315,12 +338,12 @@ if gluon is not None:
                 for j in range(1, steps):
                     acc = _issue(a_bufs, b_bufs, ready, it, acc, STAGES, B_TRANS)
                     acc = warpgroup_mma_wait(1, deps=(acc, ))
-                    mbarrier.arrive(empty.index((it - 1) % STAGES))   # k-step it - 1's MMA is done
+                    _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)   # k-step it - 1's MMA is done
                     it += 1
                 prev = acc
             # the tile's only drain: its last MMA
             prev = warpgroup_mma_wait(0, deps=(prev, ))
-            mbarrier.arrive(empty.index((it - 1) % STAGES))
+            _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
             v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM)
             _store_tile(v, c_desc, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, BN, HAS_BIAS, acc_layout)
         tma.store_wait(0)
@@ -342,7 +365,7 @@ if gluon is not None:
     def kpart_ws_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, steps,
                         P: gl.constexpr, LOG2P: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
                         HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        L1_SMEM: gl.constexpr):
+                        L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr):
         """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / 64."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -363,11 +386,13 @@ if gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            # per-thread release: every consumer thread arrives (32 per warp); otherwise one thread
+            mbarrier.init(empty.index(i), count=32 * NUM_WARPS if PER_THREAD_RELEASE else 1)
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps, BM, BN,
-                         STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS, L1_SMEM)),
+                         STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS, L1_SMEM,
+                         PER_THREAD_RELEASE)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, steps * P, BM, BN, BK, STAGES, B_TRANS,
                          GROUP_M)),
         ], [1], [PRODUCER_REGS])
@@ -398,6 +423,8 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, o
         why = f"out {tuple(out.shape)} stride {out.stride()}: needs a TMA-addressable row-major [M, N]"
     if why is None and (config.block_m, config.block_n) not in ((64, 64), (128, 64), (64, 128)):
         why = f"{config}: tiles are 64x64, 128x64 or 64x128"
+    if why is None and config.release not in ("cta", "thread"):
+        why = f"{config}: release is 'cta' or 'thread'"
     if why is not None:
         raise GemmWsUnsupported(f"gemm_ws: A {tuple(a.shape)}, B {tuple(b.shape)} (b_trans={b_trans}), "
                                 f"P={segments}: {why}")
@@ -412,7 +439,7 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, o
         a_desc, b_desc, c_desc, bias if bias is not None else out, m, n, k // (segments * BLOCK_K),
         P=segments, LOG2P=segments.bit_length() - 1, STAGES=config.stages, B_TRANS=b_trans,
         HAS_BIAS=bias is not None, GROUP_M=config.group_m, PRODUCER_REGS=config.producer_regs,
-        L1_SMEM=config.level1_in_shared,
+        L1_SMEM=config.level1_in_shared, PER_THREAD_RELEASE=config.release == "thread",
         num_warps=config.num_warps)
     return out
 
