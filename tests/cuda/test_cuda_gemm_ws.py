@@ -64,14 +64,18 @@ def test_ws_forward_bits_equal_default(triton_backend, segments):
 
 @pytest.mark.parametrize("segments", (1, 8))
 def test_ws_dx_layout_bits_equal_default(triton_backend, segments):
-    """dX = dY @ W (B row-major [K, N], the trainer's backward; P = 1 as linear.py runs it, and P = 8)."""
+    """dX = dY @ W (B row-major [K, N], the trainer's backward; P = 1 as linear.py runs it, and P = 8): the default
+    on every case, the other candidates (WS_CANDIDATES) on the large shape with an fp32 output (their largest
+    shared-memory footprint)."""
     from rlalign.ops.triton_backend.gemm import gemm
-    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS
+    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, WS_CANDIDATES
     bad = []
     for m in M_VALUES:
         for n, k in ((4096, 4096), (200, 1024)):
             for out_dtype in (torch.bfloat16, torch.float32):
                 bad += _case_failures(gemm, DEFAULT_WS, m, n, k, segments, False, False, out_dtype, 7 * m + k)
+        for cfg in WS_CANDIDATES[1:]:
+            bad += _case_failures(gemm, cfg, m, 4096, 4096, segments, False, False, torch.float32, 7 * m + 4096)
     assert not bad, f"{len(bad)} case(s) differ from the default kernel:\n" + "\n".join(bad)
 
 

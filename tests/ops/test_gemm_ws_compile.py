@@ -27,7 +27,15 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 # (name, P, b_trans, output, WS_CANDIDATES index): the 128x64 candidate (two consumer warpgroups, level 1 of the
 # tree in registers) on the forward's layout, and the default 64x128 launch (levels 1 and 2 of the tree in shared
 # memory, the largest output tile) on the dX layout (B [K, N]) with an fp32 output
-CASES = (("forward P=8 128x64", 8, True, "bf16", 1), ("dX layout P=8 64x128 (default) fp32 out", 8, False, "fp32", 0))
+CASES = (("forward P=8 128x64", 8, True, "bf16", 3), ("dX layout P=8 64x128 (default) fp32 out", 8, False, "fp32", 0),
+         # the per-thread stage release (WsConfig.release="thread"): every such candidate, on the other layout than
+         # its tile shape's case above
+         ("forward P=8 64x128 release=thread", 8, True, "bf16", 1),
+         ("dX layout P=8 128x64 release=thread fp32 out", 8, False, "fp32", 2))
+# a k-step's window in the consumer's PTX: from its wgmma.wait_group 1 (the previous chain done) to the next k-step's
+# wait for its operands; the stage release sits in it
+KSTEP_WINDOW = re.compile(r"wgmma\.wait_group\.sync\.aligned 1;(.*?)mbarrier\.try_wait", re.S)
+RELEASE = re.compile(r"(?:cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64|mbarrier\.arrive\.shared::cta\.b64 _,)")
 
 
 def _worker() -> None:
@@ -69,9 +77,22 @@ def _worker() -> None:
                         "wgmma": ptx.count("wgmma.mma_async"),
                         "drains": ptx.count("wgmma.wait_group.sync.aligned 0;"),
                         "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
-                                                         ptx))})
+                                                         ptx)),
+                        **_release_structure(ptx, cfg)})
     print("RESULTS " + json.dumps({"results": results, "unsupported": _unsupported_calls(W),
                                    "selection": _selection()}))
+
+
+def _release_structure(ptx: str, cfg) -> dict:
+    """How the consumer frees ring stages: per k-step window (KSTEP_WINDOW) the consumer-wide bar.syncs in all of it
+    and before its release; the release instructions; the empty barriers' arrival count."""
+    windows = KSTEP_WINDOW.findall(ptx)
+    before_release = [w[:m.start()].count("bar.sync") for w in windows if (m := RELEASE.search(w))]
+    return {"release": cfg.release, "consumer_threads": 32 * cfg.num_warps,
+            "kstep_bar_syncs": [w.count("bar.sync") for w in windows], "bar_syncs_before_release": before_release,
+            "cta_arrives": ptx.count("mbarrier.arrive.shared::cta.b64 _,"),
+            "thread_arrives": ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64"),
+            "barrier_init_counts": sorted(set(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx)))}
 
 
 def _unsupported_calls(W) -> list:
@@ -91,6 +112,8 @@ def _unsupported_calls(W) -> list:
         "wrong out shape": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 128, dtype=bf)),
         "128x128 tile": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
                                            config=W.WsConfig(block_m=128, block_n=128)),
+        "unknown release": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
+                                             config=W.WsConfig(release="warp")),
     }
     out = []
     for what, call in calls.items():
@@ -169,6 +192,28 @@ def test_ws_structure_behind_the_bit_exactness(sm90_ws):
         # A and B from the producer's one loop over all k-steps; a row-major B [K, N] tile wider than the 128-byte
         # swizzle is loaded as one TMA message per 64 columns
         assert r["tma_load_sites"] == 1 + (1 if r["b_trans"] else r["block_n"] * 2 // 128), r
+
+
+def test_ws_stage_release_barriers(sm90_ws):
+    """release="cta" (the default): one thread frees a stage after a consumer-wide bar.sync in every k-step (two
+    bar.syncs a k-step: that one and the one before the operand wait). release="thread": every consumer thread
+    arrives itself (the empty barriers count all of them), no bar.sync before any release, one left a k-step."""
+    for r in sm90_ws["results"]:
+        if "error" in r:
+            continue
+        windows, before = r["kstep_bar_syncs"], r["bar_syncs_before_release"]
+        # 8 segments, two wait_group-1 sites each (a segment's first chain and its k-step loop); all but the first
+        # (segment 0's start) release a stage
+        assert len(windows) == 2 * r["segments"] and len(before) == 2 * r["segments"] - 1, r
+        if r["release"] == "thread":
+            assert before == [0] * len(before), r
+            assert max(windows) == 1, r
+            assert r["cta_arrives"] == 0 and r["thread_arrives"] >= len(before) + 1, r
+            assert r["barrier_init_counts"] == sorted({"1", str(r["consumer_threads"])}), r
+        else:
+            assert before == [1] * len(before), r
+            assert min(windows[1:-1]) == 2, r
+            assert r["thread_arrives"] == 0 and r["barrier_init_counts"] == ["1"], r
 
 
 def test_ws_refuses_what_it_does_not_implement_by_name(sm90_ws):
