@@ -30,7 +30,12 @@ Design (what the kernel does and why):
 * The consumer is the default partition (4 warps: BM = 64, one warpgroup; 8 warps: BM = 128, two
   warpgroups, 64 rows each). Per k-step it issues one async ``wgmma`` chain (BM x BN x 64 from shared
   memory), then ``wgmma.wait_group 1`` (the previous k-step's chain is done, the newest stays in flight) and
-  releases the previous step's stage. At a segment end it does NOT wait for the segment: it issues the next
+  releases the previous step's stage (:attr:`WsConfig.release`: "cta", the default, one thread arrives on the
+  stage's ``empty`` mbarrier and Triton puts a consumer-wide ``bar.sync`` before it; "thread", every consumer
+  thread arrives itself, ``cp.async.mbarrier.arrive.noinc`` on a barrier counting them all, no ``bar.sync``.
+  Either way one consumer-wide ``bar.sync`` per k-step stays, before the wait for the stage's operands: Triton's
+  shared-memory barrier pass puts one between consecutive mbarrier waits on the ring. sm_90a, P = 8: two per
+  k-step with "cta", one with "thread"; registers and shared memory the same). At a segment end it does NOT wait for the segment: it issues the next
   segment's first chain into a FRESH accumulator (a +0.0 tile), then waits with one group outstanding,
   which completes the finished segment while the new one runs, and folds the finished partial into the tree
   while that chain (and the producer's loads) proceed. P is a compile-time constant and the segment loop is
@@ -50,10 +55,14 @@ Design (what the kernel does and why):
   serialization in either; shared memory: :func:`shared_bytes` (+ the mbarriers).
 * Not done: two interleaved accumulators (segments 2i and 2i+1 in one loop of two chains per k-step): their
   chains complete together, so each pair end drains the wgmma pipeline anyway, with both partials and the
-  stack live at once. 128x128 tiles: the ring, the output tile and two fp32 tree levels exceed 227 KiB.
+  stack live at once. 128x128 tiles: the ring, the output tile and two fp32 tree levels exceed 227 KiB; with
+  every tree level in shared memory, level 0 included (a 32 KiB bf16 output tile + 3 x 64 KiB levels = 224 KiB),
+  not one 32 KiB stage fits, and level 0 in registers makes three 64-register tiles live per consumer thread
+  (192 > the 168 that 8 consumer warps + the producer's warpgroup allow).
 
-Status: written and compiled for sm_90a on a CPU, never run on a GPU (session 12); the
-tests in tests/cuda/test_cuda_gemm_ws.py compare its raw bits with the default kernel's, and
+Status: the launches with release="cta" ran on an H200 in session 12 (bit-equal to the Triton kernel at every
+case of bench/gpu_linear.py --sweep-ws); the release="thread" candidates are compiled for sm_90a on a CPU only,
+never run. tests/cuda/test_cuda_gemm_ws.py compares every candidate's raw bits with the Triton kernel's, and
 bench/gpu_linear.py --sweep-ws refuses any configuration that is not bit-equal.
 """
 
