@@ -37,8 +37,8 @@ Design (what the kernel does and why):
   shared-memory barrier pass puts one between consecutive mbarrier waits on the ring. sm_90a, P = 8: two per
   k-step with "cta", one with "thread"; registers and shared memory the same). At a segment end it does NOT
   wait for the segment: it issues the next segment's first chain into a FRESH accumulator (a +0.0 tile), then
-  waits with one group outstanding, which completes the finished segment while the new one runs, and folds the finished partial into the tree
-  while that chain (and the producer's loads) proceed. P is a compile-time constant and the segment loop is
+  waits with one group outstanding, which completes the finished segment while the new one runs, and folds
+  the finished partial into the tree while that chain (and the producer's loads) proceed. P is a compile-time constant and the segment loop is
   unrolled (``static_range``), so the default kernel's binary-counter tree becomes straight-line code: no
   branch, no global scratch.
 * At a tile's end the consumer waits for the last chain (the only drain: once per tile, P * steps k-steps),
