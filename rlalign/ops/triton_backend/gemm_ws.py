@@ -27,20 +27,20 @@ Design (what the kernel does and why):
   (expect-tx bytes) and ``empty`` (released by the consumer) per stage. Segments do not exist for the
   producer: with SEG_K a multiple of 64, segment s's step j is the global k-step s * steps + j, so its loads
   run straight across segment ends and tile ends and never wait for a tree merge or an epilogue.
-* The consumer is the default partition (4 warps: BM = 64, one warpgroup; 8 warps: BM = 128, two
-  warpgroups, 64 rows each). Per k-step it issues one async ``wgmma`` chain (BM x BN x 64 from shared
-  memory), then ``wgmma.wait_group 1`` (the previous k-step's chain is done, the newest stays in flight) and
-  releases the previous step's stage (:attr:`WsConfig.release`: "cta", the default, one thread arrives on the
-  stage's ``empty`` mbarrier and Triton puts a consumer-wide ``bar.sync`` before it; "thread", every consumer
-  thread arrives itself, ``cp.async.mbarrier.arrive.noinc`` on a barrier counting them all, no ``bar.sync``.
-  Either way one consumer-wide ``bar.sync`` per k-step stays, before the wait for the stage's operands: Triton's
+* The consumer is the default partition (4 warps: BM = 64, one warpgroup; 8 warps: BM = 128, two warpgroups, 64
+  rows each). Per k-step it issues one async ``wgmma`` chain (BM x BN x 64 from shared memory), then
+  ``wgmma.wait_group 1`` (the previous k-step's chain is done, the newest stays in flight) and releases the
+  previous step's stage (:attr:`WsConfig.release`: "cta", the default, one thread arrives on the stage's
+  ``empty`` mbarrier and Triton puts a consumer-wide ``bar.sync`` before it; "thread", every consumer thread
+  arrives itself, ``cp.async.mbarrier.arrive.noinc`` on a barrier counting them all, no ``bar.sync``. Either way
+  one consumer-wide ``bar.sync`` per k-step stays, before the wait for the stage's operands: Triton's
   shared-memory barrier pass puts one between consecutive mbarrier waits on the ring. sm_90a, P = 8: two per
-  k-step with "cta", one with "thread"; registers and shared memory the same). At a segment end it does NOT
-  wait for the segment: it issues the next segment's first chain into a FRESH accumulator (a +0.0 tile), then
-  waits with one group outstanding, which completes the finished segment while the new one runs, and folds
-  the finished partial into the tree while that chain (and the producer's loads) proceed. P is a compile-time constant and the segment loop is
-  unrolled (``static_range``), so the default kernel's binary-counter tree becomes straight-line code: no
-  branch, no global scratch.
+  k-step with "cta", one with "thread"; registers and shared memory the same). At a segment end it does NOT wait
+  for the segment: it issues the next segment's first chain into a FRESH accumulator (a +0.0 tile), then waits
+  with one group outstanding, which completes the finished segment while the new one runs, and folds the
+  finished partial into the tree while that chain (and the producer's loads) proceed. P is a compile-time
+  constant and the segment loop is unrolled (``static_range``), so the default kernel's binary-counter tree
+  becomes straight-line code: no branch, no global scratch.
 * At a tile's end the consumer waits for the last chain (the only drain: once per tile, P * steps k-steps),
   completes the tree, adds the bias, rounds once and stores through shared memory with a TMA store (which
   clips rows >= M and columns >= N; TMA loads fill out-of-range rows/columns with zeros, so tile padding
