@@ -55,6 +55,12 @@ def triton_available() -> bool:
     return True
 
 
+def probe_failure(what: str, exc: BaseException) -> str:
+    """The one-line reason a native vendor path is not taken after its probe call raised: ``what`` (e.g. "the flash
+    varlen kernel failed a probe call"), the exception's type and the first line of its message."""
+    return f"{what} ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"
+
+
 def strict_impl(op: str, device: torch.device) -> Callable:
     """The strict implementation of ``op`` for ``device``; raises if the selected backend has none.
 

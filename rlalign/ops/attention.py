@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
-from rlalign.ops._dispatch import strict_impl, triton_available
+from rlalign.ops._dispatch import probe_failure, strict_impl, triton_available
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _flash_probe(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d:
             cu = torch.tensor([0, 1, 2], device=device, dtype=torch.int32)
             _FlashVarlen.apply(q, k, v, cu, 1, d ** -0.5).sum().backward()
     except (RuntimeError, TypeError, NotImplementedError) as exc:
-        return f"the flash varlen kernel failed a probe call ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        return probe_failure("the flash varlen kernel failed a probe call", exc)
     return None
 
 

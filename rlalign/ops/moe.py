@@ -28,7 +28,7 @@ import torch
 from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
-from rlalign.ops._dispatch import strict_impl
+from rlalign.ops._dispatch import probe_failure, strict_impl
 from rlalign.ops._registry import register
 from rlalign.ops.basic import linear, silu_mul
 
@@ -171,7 +171,7 @@ def _grouped_probe(device: torch.device, dtype: torch.dtype, layout: tuple) -> s
         got = torch._grouped_mm(torch._grouped_mm(rows, gate.transpose(-2, -1), offs=offs), down.transpose(-2, -1),
                                 offs=offs)
     except (RuntimeError, TypeError, NotImplementedError) as exc:
-        return f"_grouped_mm failed a probe call ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        return probe_failure("_grouped_mm failed a probe call", exc)
     start, want = 0, []
     for e, n in enumerate(sizes):
         x = rows[start:start + n].double()
@@ -194,7 +194,7 @@ def _capture_probe(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor)
         graph.replay()
         torch.cuda.synchronize(rows.device)
     except (RuntimeError, TypeError, NotImplementedError) as exc:
-        return f"_grouped_mm cannot be captured in a CUDA graph ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        return probe_failure("_grouped_mm cannot be captured in a CUDA graph", exc)
     return None
 
 
