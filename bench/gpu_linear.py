@@ -194,6 +194,12 @@ def _graph_ms(fn, sets) -> float:
     return bench_ms(graphed(lambda: [fn(*s) for s in sets]), warmup=10, rep=50) / len(sets)
 
 
+def print_progress(t0: float, layer: str, m: int, row: dict, width: int) -> None:
+    """One sweep case as it finishes: elapsed seconds, layer, M, launch, ratio, bits (or the error, cut to width)."""
+    print(f"[{time.time() - t0:5.0f} s] {layer} M={m} {row['label']}: {row.get('ratio', '-')} "
+          f"{row.get('bits', row.get('error', ''))[:width]}", flush=True)
+
+
 def time_if_bit_equal(row: dict, run, sets, ref, base_ms: float, ms_of) -> None:
     """The sweeps' one rule: ``run(x, w)`` on the first and last input sets must give ``ref``'s raw bits, else the
     candidate is refused (row["bits"] says where it differs) and not timed; a bit-equal one gets graph_ms =
@@ -392,8 +398,7 @@ def sweep_kpart() -> list[dict]:
                 time_if_bit_equal(row, lambda x, w: gemm(x, w, b_trans=True, segments=8, config=cfg), sets, ref,
                                   base, _graph_ms)
                 rows.append(row)
-                print(f"[{time.time() - t0:5.0f} s] {name} M={m} {row['label']}: {row.get('ratio', '-')} "
-                      f"{row.get('bits', row.get('error', ''))[:80]}", flush=True)
+                print_progress(t0, name, m, row, 80)
             del sets
         del w_sets
         torch.cuda.empty_cache()
@@ -505,8 +510,7 @@ def sweep_ws() -> list[dict]:
                 if "graph_ms" in row:
                     row["vs_default"] = round(default_ms / row["graph_ms"], 3)
                 rows.append(row)
-                print(f"[{time.time() - t0:5.0f} s] {name} M={m} {row['label']}: {row.get('ratio', '-')} "
-                      f"{row.get('bits', row.get('error', ''))[:160]}", flush=True)
+                print_progress(t0, name, m, row, 160)
             del sets
         del w_sets
         torch.cuda.empty_cache()
