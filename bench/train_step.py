@@ -210,7 +210,7 @@ def run_variant(variant: str, args) -> dict:
            "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS over the timed steps minus RSS before them"}
     if args.profile_kernels:   # one more step, after the timed ones: where its kernel time goes
         from rlalign.bench.kernel_profile import profile_breakdown
-        row["kernel_profile"] = profile_breakdown(step, args.device, steps=1)
+        row["kernel_profile"] = profile_breakdown(step, args.device, steps=1, stacks=True)
     return row
 
 
@@ -336,6 +336,11 @@ def _table(result) -> str:
             kp = r["kernel_profile"]
             lines.append(f"{'':>12}  kernels {kp['kernel_ms']:.1f} ms: " + ", ".join(
                 f"{name} {f['ms']:.1f} ms ({f['share']:.0%})" for name, f in kp["families"].items()))
+            if "idle" in kp:   # CUDA: where the device waited for the host (kernel_profile.idle_gaps)
+                idle = kp["idle"]
+                lines.append(f"{'':>12}  device idle {idle['idle_ms']:.1f} of {idle['span_ms']:.1f} ms; "
+                             f"{idle['gaps']} gaps >= {idle['gap_min_us']:g} us: " + "; ".join(
+                                 f"{c['cause']} {c['ms']:.2f} ms x{c['gaps']}" for c in idle["by_cause"][:6]))
     lines += [f"{k}: {v:.3f}" for k, v in result["ratios"].items() if v is not None]
     return "\n".join(lines)
 

@@ -8,13 +8,14 @@ import json
 import pytest
 import torch
 
-from rlalign.bench.kernel_profile import family, profile_breakdown
+from rlalign.bench.kernel_profile import family, idle_gaps, profile_breakdown
 from rlalign.cli.main import main
 
 
 @pytest.mark.parametrize("name,expected", [
     # our Triton kernels (rlalign/ops/triton_backend)
     ("attn_fwd_kernel", "attention"), ("attn_merge_kernel", "attention"), ("gemm_kernel", "gemm"),
+    ("kpart_ws_kernel", "gemm"),
     ("segment_partials_kernel", "gemm"), ("merge_partials_kernel", "gemm"), ("grouped_rows_kernel", "moe"),
     ("route_kernel", "moe"), ("combine_fwd_kernel", "moe"), ("_moe_dispatch_place_kernel", "moe"), ("lp_stats_kernel", "logprob_sample"),
     ("sample_kernel", "logprob_sample"), ("rms_fwd_kernel", "norm_rope_act"), ("rope_kernel", "norm_rope_act"),
@@ -27,6 +28,25 @@ from rlalign.cli.main import main
 ])
 def test_kernel_names_map_to_their_family(name, expected):
     assert family(name) == expected, f"{name!r} -> {family(name)!r}, expected {expected!r}"
+
+
+def test_idle_gaps_union_overlaps_and_charge_each_gap_to_the_sync_that_ended_in_it():
+    # kernels a [0, 100], b [50, 150] (overlap: one busy stretch), c [400, 500], d [530, 600], e [1000, 1010]
+    kernels = [(400.0, 500.0, "c"), (0.0, 100.0, "a"), (50.0, 150.0, "b"), (530.0, 600.0, "d"),
+               (1000.0, 1010.0, "e")]
+    # a sync that ended inside the 150..400 gap, one that ended before it (not the cause), none in 600..1000
+    syncs = [(20.0, 60.0, "early via aten::item"), (100.0, 155.0, "ops.py(12) via aten::item")]
+    out = idle_gaps(kernels, syncs, min_gap_us=20.0)
+    assert out["span_ms"] == pytest.approx(1.010) and out["busy_ms"] == pytest.approx(0.330)
+    assert out["idle_ms"] == pytest.approx(0.680)
+    # the 30 us gap (500..530) counts, and is a launch gap; 150..400 is the sync's; 600..1000 a launch gap
+    assert out["gaps"] == 3
+    causes = {c["cause"]: (c["ms"], c["gaps"]) for c in out["by_cause"]}
+    assert causes == {"launch": (pytest.approx(0.430), 2), "ops.py(12) via aten::item": (pytest.approx(0.250), 1)}
+    assert out["largest"][0] == {"us": 400.0, "after": "d", "before": "e", "cause": "launch"}
+    assert idle_gaps([], [])["idle_ms"] == 0.0
+    # a gap shorter than the threshold is idle time but no listed gap
+    assert idle_gaps([(0.0, 10.0, "a"), (15.0, 20.0, "b")], [])["gaps"] == 0
 
 
 def test_families_sum_to_the_total_and_steps_divide():
