@@ -197,7 +197,8 @@ def test_ws_structure_behind_the_bit_exactness(sm90_ws):
 def test_ws_stage_release_barriers(sm90_ws):
     """release="cta": one thread frees a stage after a consumer-wide bar.sync in every k-step (two
     bar.syncs a k-step: that one and the one before the operand wait). release="thread" (the default since
-    session 13): every consumer thread arrives itself (the empty barriers count all of them), no bar.sync before any release, one left a k-step."""
+    session 13): every consumer thread arrives itself (the empty barriers count all of them), no bar.sync before
+    any release, one left a k-step."""
     for r in sm90_ws["results"]:
         if "error" in r:
             continue
