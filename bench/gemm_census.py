@@ -21,7 +21,8 @@
    whose capture fails is timed eagerly, cycling the copies, and its "timing" field says so). A row whose replay
    launches another config than the census recorded is reported as an error, not timed.
    Per row: count, ms each (ours, cuBLAS), total ms, TFLOP/s, ratio = cuBLAS ms / ours (< 1: slower than cuBLAS),
-   share of the step's summed GEMM time, and ms lost = count x (ours - cuBLAS). Rows print sorted by ms lost.
+   share of the step's summed GEMM time (over the timed rows), and ms lost = count x (ours - cuBLAS). Rows print
+   sorted by ms lost.
    Rows are timed largest (count x FLOPs) first; past ``--budget-s`` seconds since the start none is started.
 """
 
@@ -378,8 +379,8 @@ def main(argv=None) -> int:
                 time_row(r, torch.device("cuda"))
             except Exception as exc:  # noqa: BLE001 - a benchmark reports the row and goes on
                 r["error"] = repr(exc)[:200]
-            progress(f"row {i + 1}/{len(rows)} {r['roles'][:60]}: ours {r.get('ours_ms', '-')} ms, "
-                     f"cuBLAS {r.get('cublas_ms', '-')} ms {r.get('error', '')[:80]}")
+            progress(f"row {i + 1}/{len(rows)} {r['roles'][:60]}: ours {_ms(r, 'ours_ms')}, "
+                     f"cuBLAS {_ms(r, 'cublas_ms')} {r.get('error', '')[:80]}")
         total_ms = finish_rows(rows)
     else:
         for r in rows:
@@ -398,6 +399,10 @@ def main(argv=None) -> int:
         Path(out_dir, "gemm_census.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result) if args.json else table(rows, total_ms))
     return 0 if all("error" not in r for r in rows) else 1
+
+
+def _ms(row: dict, key: str) -> str:
+    return f"{row[key]:.4f} ms" if key in row else "-"
 
 
 def _call_dict(c) -> dict:
