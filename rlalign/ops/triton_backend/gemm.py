@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.ops import gemm_census
 from rlalign.ops.triton_backend._common import (BLOCK_K, aligned, descriptor, device_sms, forced_tile, is_interpreter,
                                                 mma, split_for, tma_ok)
 from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, WS_ENV, WsConfig, gemm_ws
@@ -577,11 +578,21 @@ def _logical(t: torch.Tensor, trans: bool) -> tuple[int, int, int, int]:
     return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
 
 
+def _note(role, role_of, kernel, cfg, a, b, out, m, n, k, a_trans, b_trans, segments, acc_in, bias, tma) -> None:
+    """One launch into the collecting GEMM census (called only while one collects)."""
+    gemm_census.ACTIVE.add(role, role_of, entry="gemm", kernel=kernel, config=repr(cfg), m=m, n=n, k=k,
+                           a_trans=a_trans, b_trans=b_trans, a_strides=gemm_census.strides(a),
+                           b_strides=gemm_census.strides(b), out_strides=gemm_census.strides(out),
+                           dtype=gemm_census.dtype_name(a.dtype), out_dtype=gemm_census.dtype_name(out.dtype),
+                           segments=segments, acc_in=acc_in, bias=bias is not None, tma=tma)
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bool = False,
          out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
          bias: torch.Tensor | None = None, segments: int = 1, acc_in: bool = False,
          config: GemmConfig | None = None, use_tma: bool | None = None,
-         split: SegmentSplitConfig | None = None, ws: WsConfig | None = None) -> torch.Tensor:
+         split: SegmentSplitConfig | None = None, ws: WsConfig | None = None,
+         role: str = "", role_of: torch.Tensor | None = None) -> torch.Tensor:
     """C[M, N] = A @ B (+ bias) with the numerics of the module docstring.
 
     a: A [M, K] (or A^T stored [K, M] with ``a_trans``); b: B [K, N] (or B^T stored [N, K] with
@@ -593,7 +604,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     the table's :func:`segment_split_config` -- and, given, takes the split at any M: bench/gpu_linear.py
     --sweep-mid times it against the one-kernel tree above SPLIT_SEGMENTS_MAX_M). ``ws`` runs the warp-specialized
     Gluon kernel of :mod:`.gemm_ws` (the same bits; raises GemmWsUnsupported where it does not apply); without it
-    the dispatcher takes that kernel only where :func:`ws_default` says so.
+    the dispatcher takes that kernel only where :func:`ws_default` says so. ``role`` / ``role_of`` (what the call
+    computes, the weight it belongs to) only label the launch for a collecting :mod:`rlalign.ops.gemm_census`.
     """
     if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"gemm: operands must share bf16 or fp32, got {a.dtype} and {b.dtype}")
@@ -622,13 +634,20 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     if ws is None and config is None and split is None and segments > 1 and m > SPLIT_SEGMENTS_MAX_M:
         ws = ws_default(a, b, b_trans, segments, a_trans, out.dtype, bias, acc_in)
     if ws is not None:
+        if gemm_census.ACTIVE is not None:
+            _note(role, role_of, "kpart_ws_kernel", ws, a, b, out, m, n, k, a_trans, b_trans, segments, acc_in, bias,
+                  True)
         return gemm_ws(a, b, b_trans=b_trans, segments=segments, out=out, bias=bias, config=ws, a_trans=a_trans,
                        acc_in=acc_in)
     if segments > 1 and config is None and (m <= SPLIT_SEGMENTS_MAX_M or split is not None):
         seg_k = k // segments
         tma = seg_k % BLOCK_K == 0 and tma_ok(a) and tma_ok(b) and (use_tma is None or use_tma)
+        split = split or segment_split_config(m, fp32)
+        if gemm_census.ACTIVE is not None:
+            _note(role, role_of, "segment_partials_kernel+merge_partials_kernel", split, a, b, out, m, n, k, a_trans,
+                  b_trans, segments, acc_in, bias, tma)
         return _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s_am, s_ak, s_bk, s_bn, tma,
-                                    split or segment_split_config(m, fp32))
+                                    split)
     out_mode = "acc_in" if acc_in else ("fp32" if out.dtype == torch.float32 else "bf16")
     cfg = config or pick_config(m, n, segments, fp32, device_sms(a), out_mode)
     seg_k = k // segments
@@ -652,6 +671,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     scratch = (torch.empty(progs * 4 * bm * bn, dtype=torch.float32, device=a.device)
                if scratch_levels else out)
     bias_arg = bias if bias is not None else out
+    if gemm_census.ACTIVE is not None:
+        _note(role, role_of, "segment_stream_kernel" if cfg.stream and segments > 1 else "gemm_kernel", cfg, a, b, out,
+              m, n, k, a_trans, b_trans, segments, acc_in, bias, tma)
     if cfg.stream and segments > 1:
         if scratch_levels:
             raise ValueError(f"gemm: {cfg} streams segments with its tree stack in registers only (reg_levels >= {log2p})")

@@ -21,10 +21,11 @@ from rlalign.ops.torch_backend.linear import segment_count
 from rlalign.ops.triton_backend.gemm import gemm
 
 
-def _grad_bias(g: torch.Tensor) -> torch.Tensor:
-    """sum over rows of g [M, N] in fp32 via the GEMM (reduction over M in fixed 64-steps)."""
+def _grad_bias(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum over rows of g [M, N] in fp32 via the GEMM (reduction over M in fixed 64-steps); w (the layer's
+    weight) only labels the launch for the GEMM census."""
     ones = torch.ones((g.shape[0], 1), dtype=g.dtype, device=g.device)
-    return gemm(g, ones, a_trans=True, out_dtype=torch.float32)[:, 0]
+    return gemm(g, ones, a_trans=True, out_dtype=torch.float32, role="db", role_of=w)[:, 0]
 
 
 class _TritonLinear(torch.autograd.Function):
@@ -32,7 +33,7 @@ class _TritonLinear(torch.autograd.Function):
     def forward(ctx, x2d, w, bias, segments):
         ctx.save_for_backward(x2d, w)
         ctx.has_bias = bias is not None
-        return gemm(x2d, w, b_trans=True, bias=bias, segments=segments, out_dtype=x2d.dtype)
+        return gemm(x2d, w, b_trans=True, bias=bias, segments=segments, out_dtype=x2d.dtype, role="fwd", role_of=w)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -40,11 +41,11 @@ class _TritonLinear(torch.autograd.Function):
         g = grad_out.contiguous().to(x2d.dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = gemm(g, w, out_dtype=x2d.dtype)
+            grad_x = gemm(g, w, out_dtype=x2d.dtype, role="dX", role_of=w)
         if ctx.needs_input_grad[1]:
-            grad_w = gemm(g, x2d, a_trans=True, out_dtype=w.dtype)
+            grad_w = gemm(g, x2d, a_trans=True, out_dtype=w.dtype, role="dW", role_of=w)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = _grad_bias(g).to(w.dtype)
+            grad_b = _grad_bias(g, w).to(w.dtype)
         return grad_x, grad_w, grad_b, None
 
 
@@ -59,7 +60,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k_segmen
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
         out = _TritonLinear.apply(x2d, w, bias, segments)
     else:
-        out = gemm(x2d, w, b_trans=True, bias=bias, segments=segments, out_dtype=x.dtype)
+        out = gemm(x2d, w, b_trans=True, bias=bias, segments=segments, out_dtype=x.dtype, role="fwd",
+                   role_of=w)
     return out.reshape(*shape[:-1], w.shape[0])
 
 

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.ops import gemm_census
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.triton_backend._common import BLOCK_K, aligned, descriptor, split_for, tma_ok
 from rlalign.ops.triton_backend.gemm import reduce_segment, tile_coords, gemm
@@ -176,6 +177,48 @@ def lp_sources(h: torch.Tensor, w: torch.Tensor, bm: int, bn: int):
     return h, w, False
 
 
+def _note(role, kernel, h, w, out, tma, **options) -> None:
+    """One lp kernel launch into the collecting GEMM census: its GEMM is z [T, V] = h [T, H] @ w [V, H]^T."""
+    bm, bn, warps, stages = lp_tile(h.dtype)
+    gemm_census.ACTIVE.add(role, w, entry=kernel.removesuffix("_kernel"), kernel=kernel,
+                           config=f"lp_tile(BM={bm}, BN={bn}, warps={warps}, stages={stages}, group_m={GROUP_M})",
+                           m=h.shape[0], n=w.shape[0], k=h.shape[1], a_trans=False, b_trans=True,
+                           a_strides=gemm_census.strides(h), b_strides=gemm_census.strides(w),
+                           out_strides=gemm_census.strides(out), dtype=gemm_census.dtype_name(h.dtype),
+                           out_dtype=gemm_census.dtype_name(out.dtype), tma=tma, options=tuple(sorted(options.items())))
+
+
+def launch_stats(hc, w, tgt, stats, zt, temperature: float, with_entropy: bool) -> None:
+    """lp_stats_kernel over one token chunk hc [T, H] (T <= TOKEN_CHUNK): stats [2 or 3, V/256, T], zt [T]."""
+    bm, bn, warps, stages = lp_tile(hc.dtype)
+    tc, hdim = hc.shape
+    v = w.shape[0]
+    h_src, w_src, tma = lp_sources(hc, w, bm, bn)
+    if gemm_census.ACTIVE is not None:
+        _note("lm_stats", "lp_stats_kernel", hc, w, stats[0], tma, with_entropy=with_entropy, temperature=temperature)
+    grid = (triton.cdiv(tc, bm) * triton.cdiv(v, bn),)
+    lp_stats_kernel[grid](h_src, w_src, tgt, stats, zt, tc, v, hdim,
+                          hc.stride(0), hc.stride(1), w.stride(0), w.stride(1), float(temperature),
+                          BM=bm, BN=bn, BK=BLOCK_K, USE_TMA=tma, SPLIT=split_for(hc.dtype), HAS_TEMP=temperature != 1.0,
+                          WITH_W=with_entropy, GROUP=GROUP_M, num_warps=warps, num_stages=stages)
+
+
+def launch_grad_logits(h, wc, tgt, lse, mu, g_lp, g_ent, dz, v0: int, temperature: float, has_ent: bool) -> None:
+    """lp_grad_logits_kernel: dz [T, Vc] for the vocab chunk wc [Vc, H] starting at absolute column v0."""
+    bm, bn, warps, stages = lp_tile(h.dtype)
+    t, hdim = h.shape
+    vc = wc.shape[0]
+    h_src, w_src, tma = lp_sources(h, wc, bm, bn)
+    if gemm_census.ACTIVE is not None:
+        _note("lm_grad_logits", "lp_grad_logits_kernel", h, wc, dz, tma, has_ent=has_ent, temperature=temperature)
+    grid = (triton.cdiv(t, bm) * triton.cdiv(vc, bn),)
+    lp_grad_logits_kernel[grid](h_src, w_src, tgt, lse, mu, g_lp, g_ent, dz, t, vc, hdim, v0,
+                                h.stride(0), h.stride(1), wc.stride(0), wc.stride(1), dz.stride(0),
+                                float(temperature), BM=bm, BN=bn, BK=BLOCK_K, USE_TMA=tma, SPLIT=split_for(h.dtype),
+                                HAS_TEMP=temperature != 1.0, HAS_ENT=has_ent, GROUP=GROUP_M,
+                                num_warps=warps, num_stages=stages)
+
+
 def forward_stats(hidden, weight, targets, temperature, with_entropy):
     """-> (logprob, entropy or None, lse, mu or None), fp32 [T]."""
     h, w = aligned(hidden), aligned(weight)
@@ -187,22 +230,13 @@ def forward_stats(hidden, weight, targets, temperature, with_entropy):
     lse = torch.empty_like(lp)
     ent = torch.empty_like(lp) if with_entropy else lp
     mu = torch.empty_like(lp) if with_entropy else lp
-    bm, bn, warps, stages = lp_tile(h.dtype)
-    nt = triton.cdiv(v, bn)
-    split = split_for(h.dtype)
-    has_temp = temperature != 1.0
+    nt = triton.cdiv(v, VOCAB_TILE)
     for r0 in range(0, t, TOKEN_CHUNK):
         r1 = min(t, r0 + TOKEN_CHUNK)
-        hc = h[r0:r1]
         tc = r1 - r0
-        h_src, w_src, tma = lp_sources(hc, w, bm, bn)
         stats = torch.empty((3 if with_entropy else 2, nt, tc), dtype=torch.float32, device=dev)
         zt = torch.empty(tc, dtype=torch.float32, device=dev)
-        grid = (triton.cdiv(tc, bm) * nt,)
-        lp_stats_kernel[grid](h_src, w_src, tgt[r0:r1], stats, zt, tc, v, hdim,
-                              hc.stride(0), hc.stride(1), w.stride(0), w.stride(1), float(temperature),
-                              BM=bm, BN=bn, BK=BLOCK_K, USE_TMA=tma, SPLIT=split, HAS_TEMP=has_temp,
-                              WITH_W=with_entropy, GROUP=GROUP_M, num_warps=warps, num_stages=stages)
+        launch_stats(h[r0:r1], w, tgt[r0:r1], stats, zt, temperature, with_entropy)
         bt = 256
         lp_merge_kernel[(triton.cdiv(tc, bt),)](stats, zt, lp[r0:r1], ent[r0:r1], lse[r0:r1], mu[r0:r1], tc, nt,
                                                 BT=bt, WITH_W=with_entropy, num_warps=4)
@@ -221,26 +255,17 @@ def backward_grads(hidden, weight, targets, lse, mu, temperature, g_lp, g_ent, n
     mu_arg = mu if has_ent else lse
     dh = torch.zeros((t, hdim), dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.empty_like(w) if need_dw else None
-    bm, bn, warps, stages = lp_tile(h.dtype)
-    split = split_for(h.dtype)
-    has_temp = temperature != 1.0
     for c0 in range(0, v, GRAD_CHUNK):
         c1 = min(v, c0 + GRAD_CHUNK)
         wc = w[c0:c1]
         vc = c1 - c0
         # rows padded to 64 columns: 16-byte aligned rows keep every chunk on the TMA path
         dz = torch.empty((t, triton.cdiv(vc, 64) * 64), dtype=h.dtype, device=dev)[:, :vc]
-        h_src, w_src, tma = lp_sources(h, wc, bm, bn)
-        grid = (triton.cdiv(t, bm) * triton.cdiv(vc, bn),)
-        lp_grad_logits_kernel[grid](h_src, w_src, tgt, lse, mu_arg, g_lp, g_ent, dz, t, vc, hdim, c0,
-                                    h.stride(0), h.stride(1), wc.stride(0), wc.stride(1), dz.stride(0),
-                                    float(temperature), BM=bm, BN=bn, BK=BLOCK_K, USE_TMA=tma, SPLIT=split,
-                                    HAS_TEMP=has_temp, HAS_ENT=has_ent, GROUP=GROUP_M,
-                                    num_warps=warps, num_stages=stages)
+        launch_grad_logits(h, wc, tgt, lse, mu_arg, g_lp, g_ent, dz, c0, temperature, has_ent)
         if need_dh:
-            gemm(dz, wc, out=dh, acc_in=True)
+            gemm(dz, wc, out=dh, acc_in=True, role="lm_dX", role_of=weight)
         if need_dw:
-            gemm(dz, h, a_trans=True, out=dw[c0:c1])
+            gemm(dz, h, a_trans=True, out=dw[c0:c1], role="lm_dW", role_of=weight)
     return (None if dh is None else dh.to(hidden.dtype)), dw
 
 
@@ -282,9 +307,10 @@ def logprob_entropy(hidden, weight, targets, temperature, token_chunk, vocab_chu
 def lm_logits(hidden, weight, temperature, vocab_chunk):
     """fp32 [S, V] = z of the module docstring (the same GEMM K order, IEEE division)."""
     with torch.no_grad():
-        out = gemm(hidden, weight, b_trans=True, out_dtype=torch.float32)
+        out = gemm(hidden, weight, b_trans=True, out_dtype=torch.float32, role="lm_logits", role_of=weight)
         out = divide_by_temperature(out, temperature_divisor(float(temperature), out.device), in_place=True)
     return out
 
 
-__all__ = ["logprob_entropy", "lm_logits", "forward_stats", "backward_grads", "VOCAB_TILE"]
+__all__ = ["logprob_entropy", "lm_logits", "forward_stats", "backward_grads", "launch_stats", "launch_grad_logits",
+           "VOCAB_TILE", "TOKEN_CHUNK", "GRAD_CHUNK"]
