@@ -37,6 +37,7 @@ IMPLEMENTATIONS = {
     "linear": linear.linear,
     "rms_norm": elementwise.rms_norm,
     "rope": elementwise.rope,
+    "rope_write_kv": elementwise.rope_write_kv,
     "silu_mul": elementwise.silu_mul,
     "attention_varlen": attention.attention_varlen,
     "attention_paged": attention.attention_paged,
