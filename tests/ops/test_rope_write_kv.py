@@ -130,7 +130,7 @@ def test_triton_kernel_under_the_interpreter():
     """rope_write_kv_kernel (fp32, interpreter) against rope_kernel + write_kv_cache: bits, caches, the K check
     under per-op / boundary / capture, hypothesis-chosen shapes (the worker's docstring)."""
     pytest.importorskip("triton")
-    results = run_worker(["-m", "tests.ops.rope_write_kv_worker", "--interpret", "40"], interpret=True, timeout=1800)
+    results = run_worker(["-m", "tests.ops.rope_write_kv_worker", "--interpret", "80"], interpret=True, timeout=1800)
     assert results["fixed_cases"] > 1
 
 
