@@ -1,5 +1,5 @@
-"""Count the torch kernels (aten ops that launch one) of a strict decode step's sampler and finiteness checks,
-CPU-side: the Triton sampler runs under the interpreter (TRITON_INTERPRET=1, set by main), its kernel is not an aten
+"""Count the torch kernels (aten ops that launch one) of a strict decode step's sampler, finiteness checks and
+per-layer rope + KV-cache write, CPU-side: the Triton sampler runs under the interpreter (TRITON_INTERPRET=1, set by main), its kernel is not an aten
 op; every other op of the sampler call and of the boundary checks is one kernel on a GPU (a torch reduction or
 elementwise op), counted with a TorchDispatchMode. Sizes do not change the counts (no op loops over rows here).
 
@@ -98,13 +98,46 @@ def boundary_checks(layers: int):
     return _count(step)
 
 
+def rope_kv_write(layers: int, fused: bool, t: int = 8, hq: int = 4, hkv: int = 2, d: int = 16):
+    """A paged layer's rope of q and k, KV-cache write and K check (boundary policy), recorded as a CUDA graph
+    would record them, on the Triton backend's launchers: ``fused``, ops.rope_write_kv (the paged forward's
+    call since session 13); else what it replaced, ops.rope twice and ops.write_kv_cache."""
+    from rlalign import ops
+    from rlalign.ops import _checks as chk, _dispatch
+    from rlalign.ops._registry import IMPLEMENTATIONS
+    from rlalign.ops.triton_backend import elementwise as E
+    IMPLEMENTATIONS[("rope", "torch")] = E.rope                   # CPU tensors: route the ops to the Triton launchers
+    IMPLEMENTATIONS[("rope_write_kv", "torch")] = E.rope_write_kv
+    _dispatch._resolve_impl.cache_clear()
+    for name in ("rope_kernel", "rope_write_kv_kernel"):
+        if not isinstance(getattr(E, name), _CountedLaunch):
+            setattr(E, name, _CountedLaunch(getattr(E, name), name, _ACTIVE))
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    cos, sin = torch.randn(t, d // 2), torch.randn(t, d // 2)
+    caches = [(torch.zeros(4, 4, hkv, d), torch.zeros(4, 4, hkv, d)) for _ in range(layers)]
+    slots = torch.randperm(16)[:t]
+
+    def step():
+        with chk.use_check_policy(chk.BOUNDARY), chk.capturing_graph():
+            for kc, vc in caches:
+                if fused:
+                    ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots)
+                else:
+                    ops.write_kv_cache(ops.rope(k, cos, sin), v, kc, vc, slots)
+                    ops.rope(q, cos, sin)
+    return _count(step)
+
+
 def main() -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (sampler_step imports it)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=28, help="decoder layers (Qwen3-0.6B: 28)")
     args = parser.parse_args()
     print(json.dumps({"sampler (captured static form)": sampler_step(), f"write_kv_cache k checks ({args.layers} layers)":
-                      boundary_checks(args.layers)}, indent=1))
+                      boundary_checks(args.layers),
+                      f"rope + KV write + K check, separate ops ({args.layers} layers)": rope_kv_write(args.layers, False),
+                      f"rope + KV write + K check, rope_write_kv ({args.layers} layers)": rope_kv_write(args.layers, True)},
+                     indent=1))
 
 
 if __name__ == "__main__":

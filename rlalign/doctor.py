@@ -245,6 +245,29 @@ def _op_rope(device, gen):
     return True
 
 
+def _op_rope_write_kv(device, gen):
+    """The paged forward's rope + cache write (one kernel on CUDA) == rope + write_kv_cache, for a batch of 300
+    tokens and for a token alone (NaN-filled caches: the slots not written stay NaN)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (_randn(gen, 300, h, 64, device=device, dtype=dtype) for h in (4, 2, 2))
+        cos, sin = ops.rope_cos_sin(torch.randint(0, 4096, (300,), generator=gen).to(device),
+                                    ops.rope_inv_freq(64, 10000.0))
+        slots = torch.randperm(320, generator=gen)[:300].to(device)
+        cache = torch.full((20, 16, 2, 64), float("nan"), device=device, dtype=dtype)
+        want = [cache.clone(), cache.clone()]
+        rq, rk = ops.rope(q, cos, sin, profile="strict"), ops.rope(k, cos, sin, profile="strict")
+        ops.write_kv_cache(rk, v, *want, slots, profile="strict")
+        got = [cache.clone(), cache.clone()]
+        for rows in (slice(0, 300), slice(17, 18)):   # the batch, then token 17 alone (its slots rewritten)
+            out = ops.rope_write_kv(q[rows], k[rows], v[rows], cos[rows], sin[rows], *got, slots[rows],
+                                    profile="strict")
+            if not (bits_equal(out[0], rq[rows]) and bits_equal(out[1], rk[rows])):
+                return False, f"{dtype}: rotated q/k of tokens {rows.start}..{rows.stop - 1} differ from rope's"
+        if not all(bits_equal(a, b) for a, b in zip(got, want)):
+            return False, f"{dtype}: the caches differ from write_kv_cache's"
+    return True
+
+
 def _op_silu_mul(device, gen):
     for dtype in (torch.float32, torch.bfloat16):
         gate = _randn(gen, 300, 129, device=device, dtype=dtype) * 4
@@ -360,6 +383,7 @@ CHECKS: tuple[Check, ...] = (
     Check("linear", "canonical K partition: TP 1/2/4/8", _op_linear_tp),
     Check("rms_norm", "row alone == row in batch", _op_rms_norm),
     Check("rope", "token alone == token in batch (bf16, fp32)", _op_rope),
+    Check("rope_write_kv", "== rope + write_kv_cache, token alone == in batch (bf16, fp32)", _op_rope_write_kv),
     Check("silu_mul", "row alone == row in batch, odd offsets (bf16, fp32)", _op_silu_mul),
     Check("embedding", "exact row copy, token alone == in batch", _op_embedding),
     Check("attention", "packed == decode vs paged cache == sequence alone", _op_attention_prefill_decode),

@@ -31,7 +31,7 @@ FAMILIES: tuple[tuple[str, str], ...] = (
              r"|aten::bmm|aten::linear"),
     ("logprob_sample", r"logprob|\blp_|sample|sort|topk|top_p|softmax|logsumexp|argmax|gumbel|score|entropy"
                        r"|aten::exp\b"),
-    ("checks", r"isfinite|finite|verdict|check|aten::all|aten::any"),
+    ("checks", r"isfinite|finite|verdict|check|aten::all|aten::any|and_kernel"),   # and_kernel: CUDA's all()
     ("norm_rope_act", r"rms|norm|rope|rotary|silu|swiglu|gelu"),
     ("embedding_copy", r"embedding|index|gather|scatter|copy|cat|fill"),
 )

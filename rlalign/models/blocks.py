@@ -11,7 +11,7 @@ Per layer (stream dtype = parameter dtype):
     x, r  = input_layernorm(h, residual=r)              # fused: h + r rounded once, then RMSNorm
     q,k,v = q_proj(x), k_proj(x), v_proj(x)              # biases only where config.qkv_bias
     q,k   = q_norm(q), k_norm(k)                         # only where config.qk_norm, over head_dim
-    q,k   = rope(q, cos, sin), rope(k, cos, sin)
+    q,k   = rope(q, cos, sin), rope(k, cos, sin)          # paged: rope_write_kv (also writes k, v to the cache)
     a     = attend(q, k, v)                              # causal, scale = head_dim ** -0.5
     h     = o_proj(a)                                    # canonical K partition
     x, r  = post_attention_layernorm(h, residual=r)
@@ -31,15 +31,31 @@ from rlalign.models.taps import FINAL_NORM, layer_tap, tap
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
+class PagedAttend:
+    """Attention through a ForwardBatch's paged KV cache, in two steps per layer: :meth:`rope_write` (rope of
+    q and k, and the rotated k and v written to the layer's cache: one ``ops.rope_write_kv`` call, one kernel
+    on the Triton backend), then the call (paged attention over the cache)."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def rope_write(self, q, k, v, cos, sin, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.batch
+        return ops.rope_write_kv(q, k, v, cos, sin, b.kv_cache.k[layer], b.kv_cache.v[layer], b.slot_mapping)
+
+    def __call__(self, q, k, v, layer: int, scale: float) -> torch.Tensor:
+        b = self.batch
+        return ops.attention_paged(q, b.kv_cache.k[layer], b.kv_cache.v[layer], b.block_table, b.seq_lens,
+                                   b.cu_seqlens, scale=scale)
+
+
 def batch_attend(batch) -> Attend:
-    """Attention over a ForwardBatch: packed varlen, or write to / read from its paged KV cache."""
+    """Attention over a ForwardBatch: packed varlen, or (a :class:`PagedAttend`) its paged KV cache."""
+    if batch.kv_cache is not None:
+        return PagedAttend(batch)
+
     def attend(q, k, v, layer: int, scale: float) -> torch.Tensor:
-        if batch.kv_cache is None:
-            return ops.attention_varlen(q, k, v, batch.cu_seqlens, scale=scale)
-        k_cache, v_cache = batch.kv_cache.k[layer], batch.kv_cache.v[layer]
-        ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-        return ops.attention_paged(q, k_cache, v_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens,
-                                   scale=scale)
+        return ops.attention_varlen(q, k, v, batch.cu_seqlens, scale=scale)
     return attend
 
 
@@ -60,7 +76,10 @@ def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     v = attn.v_proj(x).view(t, num_kv_heads, head_dim)
     if qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+    if isinstance(attend, PagedAttend):   # the cache write folded into the rope (same bits, same checks)
+        q, k = attend.rope_write(q, k, v, cos, sin, layer)
+    else:
+        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
     tap(layer_tap(layer, "q"), q), tap(layer_tap(layer, "k"), k), tap(layer_tap(layer, "v"), v)
     out = attend(q, k, v, layer, head_dim ** -0.5)
     out = tap(layer_tap(layer, "attn"), out.reshape(t, num_heads * head_dim))
@@ -104,4 +123,4 @@ def final_norm_block(norm, h: torch.Tensor, residual: torch.Tensor | None) -> to
     return tap(FINAL_NORM, norm(h, residual)[0])
 
 
-__all__ = ["Attend", "batch_attend", "rope_inv_freq", "attention_block", "dense_ffn_block", "decoder_layer_block", "final_norm_block"]
+__all__ = ["Attend", "PagedAttend", "batch_attend", "rope_inv_freq", "attention_block", "dense_ffn_block", "decoder_layer_block", "final_norm_block"]

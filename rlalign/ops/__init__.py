@@ -3,7 +3,7 @@
 Functional API (the only way models and engines compute):
 
     linear, rms_norm, rope, rope_inv_freq, rope_cos_sin, silu_mul, embedding   (ops.basic)
-    attention_varlen, attention_paged, write_kv_cache                          (ops.attention)
+    attention_varlen, attention_paged, write_kv_cache, rope_write_kv           (ops.attention)
     logprob_entropy, lm_logits                                                 (ops.logprob)
     sample                                                                     (ops.sample)
     sample_and_score: a rollout's sampled token and its logprob, the one owner  (ops.sample_score)
@@ -28,7 +28,7 @@ from rlalign.ops._checks import (capturing_graph, check_policy, check_scope, flu
                                  requeue as requeue_deferred_checks, static_decode, use_check_policy)
 from rlalign.ops._dispatch import backend_name
 from rlalign.ops.basic import embedding, linear, rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_mul
-from rlalign.ops.attention import attention_paged, attention_varlen, write_kv_cache
+from rlalign.ops.attention import attention_paged, attention_varlen, rope_write_kv, write_kv_cache
 from rlalign.ops.logprob import lm_logits, logprob_entropy
 from rlalign.ops.sample import sample
 from rlalign.ops.sample_score import sample_and_score
@@ -37,7 +37,7 @@ from rlalign.ops.moe import moe_combine, moe_experts, moe_route, router_logits
 
 __all__ = [
     "linear", "rms_norm", "rope", "rope_inv_freq", "rope_cos_sin", "silu_mul", "embedding",
-    "attention_varlen", "attention_paged", "write_kv_cache",
+    "attention_varlen", "attention_paged", "write_kv_cache", "rope_write_kv",
     "logprob_entropy", "lm_logits", "sample", "sample_and_score", "logprob_temperature", "backend_name",
     "capturing_graph", "flush_deferred_checks", "requeue_deferred_checks", "static_decode",
     "check_policy", "use_check_policy", "check_scope",

@@ -123,7 +123,8 @@ def _where(policy: str) -> str:
     return f"in {scopes[-1]}" if scopes else "outside the decoder layers"
 
 
-def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> None:
+def finite(op: str, name: str, t: torch.Tensor, message: str | None = None, *,
+           verdict: torch.Tensor | None = None) -> None:
     """Strict ops refuse NaN/inf inputs: they would poison every reduction they enter.
 
     Which calls check depends on :func:`check_policy` (PER_OP: all; BOUNDARY: the sites of
@@ -133,6 +134,10 @@ def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> N
     check that failed -- still an error naming the op, one sync per forward.
     ``message`` replaces the default "<name> contains NaN or inf"; every message ends with where the
     check ran (per-op: the scope, e.g. ``layers.3``; boundary: how to localize).
+    ``verdict``: a 0-dim bool on ``t``'s device, exactly ``isfinite(t).all()``, already computed by a kernel
+    that read ``t`` anyway (rope_write_kv's flags): it replaces :func:`finite_verdict`'s pass over ``t``;
+    the policy, the messages and the deferral are this function's, whoever computed the verdict. On the
+    CPU a False verdict still scans ``t`` to name the first bad index.
     """
     if not (t.is_floating_point() and t.numel()):
         return
@@ -142,21 +147,24 @@ def finite(op: str, name: str, t: torch.Tensor, message: str | None = None) -> N
     capture = getattr(_capture, "state", None)
     if capture is not None:  # recorded into the graph; the caller re-queues it after each replay
         capture.verdicts.append((op, f"{message or f'{name} contains NaN or inf'} ({_where(policy)})",
-                                 finite_verdict(t)))
+                                 finite_verdict(t) if verdict is None else verdict))
         return
     if t.device.type == "cpu":
-        if not _any_nonfinite_cpu(t):
+        if (not _any_nonfinite_cpu(t)) if verdict is None else bool(verdict):
             return
         if not bool(torch.isfinite(t).all()):
             bad = (~torch.isfinite(t)).nonzero()[0].tolist()
             first = f"first at index {bad}, value {t[tuple(bad)].item()}"
             raise fail(op, f"{message} ({first}; {_where(policy)})" if message else
                        f"{name} contains NaN or inf ({first}; {_where(policy)})")
+        if verdict is not None:   # fail closed: the kernel's flag and the scan disagree
+            raise fail(op, f"internal: a kernel's verdict says {name} is not finite but every element is")
         return
     queue = getattr(_pending, "items", None)
     if queue is None:
         queue = _pending.items = []
-    queue.append((op, f"{message or f'{name} contains NaN or inf'} ({_where(policy)})", finite_verdict(t)))
+    queue.append((op, f"{message or f'{name} contains NaN or inf'} ({_where(policy)})",
+                  finite_verdict(t) if verdict is None else verdict))
     if len(queue) >= 4096:  # bound the queue on long runs without a flushing op
         flush()
 

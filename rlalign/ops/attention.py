@@ -30,6 +30,8 @@ from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import probe_failure, strict_impl, triton_available
+from rlalign.ops.basic import check_rope, rope
+from rlalign.ops.torch_backend.elementwise import write_kv_rows
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +146,7 @@ def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, stric
         chk.finite(op, "q", q)
 
 
-def _checked_slots(slot_mapping: torch.Tensor, n_slots: int, device) -> torch.Tensor:
-    op = "write_kv_cache"
+def _checked_slots(op: str, slot_mapping: torch.Tensor, n_slots: int, device) -> torch.Tensor:
     lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
     if lo < 0 or hi >= n_slots:
         raise fail(op, f"slot {lo if lo < 0 else hi} is outside the cache's [0, {n_slots}) slots")
@@ -153,6 +154,43 @@ def _checked_slots(slot_mapping: torch.Tensor, n_slots: int, device) -> torch.Te
     if torch.unique(slots).numel() != slots.numel():
         raise fail(op, "slot_mapping writes the same slot twice")
     return slots
+
+
+def _check_write(op: str, k, v, k_cache, v_cache, slot_mapping) -> None:
+    """A KV-cache write's argument checks (write_kv_cache's and rope_write_kv's)."""
+    for name, t in (("k", k), ("v", v)):
+        chk.ndim(op, name, t, 3)
+    chk.ndim(op, "k_cache", k_cache, 4)
+    if k.shape != v.shape or k_cache.shape != v_cache.shape:
+        raise fail(op, f"k {tuple(k.shape)} / v {tuple(v.shape)} and k_cache {tuple(k_cache.shape)} / "
+                       f"v_cache {tuple(v_cache.shape)} must match pairwise")
+    if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
+        raise fail(op, f"k/v [T, Hkv, D]={tuple(k.shape)} do not match the cache's [.., .., Hkv, D]="
+                       f"{tuple(k_cache.shape)}")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise fail(op, f"k/v dtype {k.dtype} differs from the cache dtype {k_cache.dtype} (the copy must be exact)")
+    chk.same_device(op, k, v, k_cache, v_cache)
+    chk.contiguous(op, "k_cache", k_cache)
+    chk.contiguous(op, "v_cache", v_cache)
+    chk.index_dtype(op, "slot_mapping", slot_mapping)
+    if tuple(slot_mapping.shape) != (k.shape[0],):
+        raise fail(op, f"slot_mapping must be [T]=[{k.shape[0]}], got {tuple(slot_mapping.shape)}")
+
+
+def _cache_slots(op: str, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """slot_mapping as int64 on the cache's device, validated once per forward (in range, no slot twice);
+    inside a graph capture the engine has validated it on the host."""
+    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    return chk.memo("slot_mapping", lambda: _checked_slots(op, slot_mapping, n_slots, k_cache.device), slot_mapping,
+                    extra=(n_slots, k_cache.device),
+                    capturing=lambda: slot_mapping.to(device=k_cache.device, dtype=torch.int64))
+
+
+def _check_k(k: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
+    """The one owner of "strict refuses a non-finite key written to the KV cache" (every check policy:
+    ("write_kv_cache", "k") is a boundary site). ``verdict``: the fused kernel's isfinite(k).all(), if one
+    computed it (rope_write_kv on the Triton backend); else chk.finite computes it."""
+    chk.finite("write_kv_cache", "k", k, verdict=verdict)
 
 
 # ---- public ops ------------------------------------------------------------------------------------
@@ -203,34 +241,38 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     -inf score, which softmax turns into an exact 0 weight -- the value would vanish instead of
     reaching the output where the per-step check looks (docs/gpu.md, "Finiteness checks")."""
     op = "write_kv_cache"
-    for name, t in (("k", k), ("v", v)):
-        chk.ndim(op, name, t, 3)
-    chk.ndim(op, "k_cache", k_cache, 4)
-    if k.shape != v.shape or k_cache.shape != v_cache.shape:
-        raise fail(op, f"k {tuple(k.shape)} / v {tuple(v.shape)} and k_cache {tuple(k_cache.shape)} / "
-                       f"v_cache {tuple(v_cache.shape)} must match pairwise")
-    if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
-        raise fail(op, f"k/v [T, Hkv, D]={tuple(k.shape)} do not match the cache's [.., .., Hkv, D]="
-                       f"{tuple(k_cache.shape)}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
-        raise fail(op, f"k/v dtype {k.dtype} differs from the cache dtype {k_cache.dtype} (the copy must be exact)")
-    chk.same_device(op, k, v, k_cache, v_cache)
-    chk.contiguous(op, "k_cache", k_cache)
-    chk.contiguous(op, "v_cache", v_cache)
-    chk.index_dtype(op, "slot_mapping", slot_mapping)
-    if tuple(slot_mapping.shape) != (k.shape[0],):
-        raise fail(op, f"slot_mapping must be [T]=[{k.shape[0]}], got {tuple(slot_mapping.shape)}")
-    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    _check_write(op, k, v, k_cache, v_cache, slot_mapping)
     if slot_mapping.numel() == 0:
         return
     if as_profile(profile) is not Profile.NATIVE:
-        chk.finite(op, "k", k)
-    slots = chk.memo("slot_mapping", lambda: _checked_slots(slot_mapping, n_slots, k_cache.device), slot_mapping,
-                     extra=(n_slots, k_cache.device),
-                     capturing=lambda: slot_mapping.to(device=k_cache.device, dtype=torch.int64))
-    # the cache holds values, never a place in an autograd graph
-    k_cache.view(n_slots, *k_cache.shape[2:]).index_copy_(0, slots, k.detach())
-    v_cache.view(n_slots, *v_cache.shape[2:]).index_copy_(0, slots, v.detach())
+        _check_k(k)
+    write_kv_rows(k, v, k_cache, v_cache, _cache_slots(op, k_cache, slot_mapping))
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                  profile=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope(q)``, ``rope(k)`` and ``write_kv_cache(rope(k), v, ...)`` as one op -> (rope(q), rope(k)): the
+    paged forward's per-layer step before attention. The same bits and the same errors as the three calls:
+    rope's and write_kv_cache's argument checks (named ``rope_write_kv``), write_kv_cache's K check (its
+    message, its policy, the "write_kv_cache" site). The torch backend runs exactly those (the K check
+    before the write); the Triton backend one kernel that rotates q and k, writes k and v to their slots and
+    flags a non-finite k (the check's verdict without a pass of its own; the cache is written before a
+    deferred verdict is read, as with write_kv_cache on a GPU). Native: ``rope`` and ``write_kv_cache``."""
+    op = "rope_write_kv"
+    strict = as_profile(profile) is not Profile.NATIVE
+    check_rope(op, q, cos, sin, strict)
+    check_rope(op, k, cos, sin, strict)
+    if not strict:
+        q, k = rope(q, cos, sin, profile=profile), rope(k, cos, sin, profile=profile)
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping, profile=profile)
+        return q, k
+    _check_write(op, k, v, k_cache, v_cache, slot_mapping)
+    chk.same_device(op, q, k, cos, sin)
+    if slot_mapping.numel() == 0:   # no token: nothing to rotate or write
+        return q.detach().clone(), k.detach().clone()
+    slots = _cache_slots(op, k_cache, slot_mapping)
+    return strict_impl(op, q.device)(q, k, v, cos, sin, k_cache, v_cache, slots, _check_k)
 
 
 # ---- native profile --------------------------------------------------------------------------------
@@ -425,4 +467,4 @@ def _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale: floa
     return out.reshape(n_seq, hkv * group, d)
 
 
-__all__ = ["attention_varlen", "attention_paged", "write_kv_cache"]
+__all__ = ["attention_varlen", "attention_paged", "write_kv_cache", "rope_write_kv"]

@@ -88,15 +88,23 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scal
     return ((torch.cos(angles) * attention_scaling).float(), (torch.sin(angles) * attention_scaling).float())
 
 
+def check_rope(op: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, strict: bool) -> None:
+    """rope's argument checks (also ops.rope_write_kv's, for q and for k): x [T, H, D], cos/sin [T, D/2];
+    strict: a strict dtype and fp32 tables."""
+    chk.ndim(op, "x", x, 3)
+    if cos.shape != (x.shape[0], x.shape[2] // 2) or sin.shape != cos.shape:
+        raise fail(op, f"cos/sin must be [T, D/2] = {(x.shape[0], x.shape[2] // 2)}, got {tuple(cos.shape)}")
+    if strict:
+        chk.dtype_ok(op, x)
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            raise fail(op, "cos/sin tables must be float32 (build them with rope_cos_sin)")
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, profile=None) -> torch.Tensor:
     """Rotate-half RoPE of x [T, H, D] with per-token tables cos/sin [T, D/2] (fp32)."""
-    chk.ndim("rope", "x", x, 3)
-    if cos.shape != (x.shape[0], x.shape[2] // 2) or sin.shape != cos.shape:
-        raise fail("rope", f"cos/sin must be [T, D/2] = {(x.shape[0], x.shape[2] // 2)}, got {tuple(cos.shape)}")
-    if as_profile(profile) is not Profile.NATIVE:
-        chk.dtype_ok("rope", x)
-        if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-            raise fail("rope", "cos/sin tables must be float32 (build them with rope_cos_sin)")
+    strict = as_profile(profile) is not Profile.NATIVE
+    check_rope("rope", x, cos, sin, strict)
+    if strict:
         return strict_impl("rope", x.device)(x, cos, sin)
     half = x.shape[-1] // 2
     c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)

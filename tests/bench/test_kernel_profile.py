@@ -19,6 +19,9 @@ from rlalign.cli.main import main
     ("segment_partials_kernel", "gemm"), ("merge_partials_kernel", "gemm"), ("grouped_rows_kernel", "moe"),
     ("route_kernel", "moe"), ("combine_fwd_kernel", "moe"), ("_moe_dispatch_place_kernel", "moe"), ("lp_stats_kernel", "logprob_sample"),
     ("sample_kernel", "logprob_sample"), ("rms_fwd_kernel", "norm_rope_act"), ("rope_kernel", "norm_rope_act"),
+    ("rope_write_kv_kernel", "norm_rope_act"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<bool, at::native::func_wrapper_t<bool, "
+     "at::native::and_kernel_cuda(at::TensorIterator&)::{lambda()#1}>, unsigned int, bool, 4, 4> >", "checks"),
     ("silu_mul_fwd_kernel", "norm_rope_act"),
     # vendor kernels the native profile and the baselines launch
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"), ("nvjet_tst_192x192_64x4_2x1_v", "gemm"),

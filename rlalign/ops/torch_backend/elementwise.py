@@ -1,4 +1,5 @@
-"""Strict elementwise ops: rope and silu_mul (fp32 math, one rounding)."""
+"""Strict elementwise ops: rope and silu_mul (fp32 math, one rounding); the KV-cache row copy
+(``write_kv_rows``, every profile's) and rope_write_kv (rope of q and k, then that copy)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,21 @@ def silu_mul_formula(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The definition, in differentiable torch ops."""
     g = gate.float()
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
+
+
+def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor) -> None:
+    """Token t's rows k[t], v[t] [Hkv, D] to cache slot ``slots[t]`` (int64, validated by the caller): exact
+    copies. The cache holds values, never a place in an autograd graph."""
+    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(n_slots, *k_cache.shape[2:]).index_copy_(0, slots, k.detach())
+    v_cache.view(n_slots, *v_cache.shape[2:]).index_copy_(0, slots, v.detach())
+
+
+def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k):
+    """ops.rope_write_kv on the torch backend: rope of q and of k, ``check_k(rope(k), None)`` (the op's K
+    check, before anything is written, as write_kv_cache does), then the rows to their slots."""
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    check_k(k, None)
+    write_kv_rows(k, v, k_cache, v_cache, slots)
+    return q, k

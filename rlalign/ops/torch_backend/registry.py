@@ -7,6 +7,7 @@ register("linear", "torch")(linear.linear)
 register("rms_norm", "torch")(norm.rms_norm)
 register("rope", "torch")(elementwise.rope)
 register("silu_mul", "torch")(elementwise.silu_mul)
+register("rope_write_kv", "torch")(elementwise.rope_write_kv)
 
 # attention, logprob, sample and moe register themselves from their modules
 from rlalign.ops.torch_backend import attention as _attention  # noqa: E402,F401

@@ -5,10 +5,12 @@ when Triton or a CUDA device is missing (the dispatcher then uses the torch back
 op this backend does not register raises in strict (no fallback); one named in
 ``RLALIGN_TRITON_DISABLE`` (comma-separated op names, e.g. ``attention_paged,sample``) runs on the
 torch backend instead -- a debugging switch: cuBLAS on an H200 breaks properties the torch backend
-relies on, so the contract is not guaranteed for those ops. Set it for both engines of a run alike.
+relies on, so the contract is not guaranteed for those ops. Set it for both engines of a run alike, and
+name ``rope`` and ``rope_write_kv`` together (the packed forward rotates with the first, the paged one with
+the second: one backend must do both for their bits to agree).
 
 Kernels: :mod:`.gemm` (linear, LM head GEMMs), :mod:`.attention`, :mod:`.logprob`,
-:mod:`.elementwise` (rms_norm, rope, silu_mul), :mod:`.sample`, :mod:`.grouped` (the MoE experts'
+:mod:`.elementwise` (rms_norm, rope, silu_mul, rope_write_kv), :mod:`.sample`, :mod:`.grouped` (the MoE experts'
 grouped GEMMs, :mod:`.moe`), :mod:`.route` and :mod:`.combine` (MoE routing and combine). docs/gpu.md says what was
 verified on the H200 and which tile shapes are bitwise interchangeable.
 """
@@ -37,6 +39,7 @@ IMPLEMENTATIONS = {
     "linear": linear.linear,
     "rms_norm": elementwise.rms_norm,
     "rope": elementwise.rope,
+    "rope_write_kv": elementwise.rope_write_kv,
     "silu_mul": elementwise.silu_mul,
     "attention_varlen": attention.attention_varlen,
     "attention_paged": attention.attention_paged,

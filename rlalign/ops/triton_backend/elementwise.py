@@ -7,7 +7,9 @@ Backward: dx = inv * (w dy) - x * inv^3 * (sum(x w dy) / H) per row; dw = sum ov
 dy x inv, as per-program partials over fixed row groups summed in program order.
 
 rope (rotate-half): y1 = x1 c - x2 s, y2 = x2 c + x1 s in fp32 (cos/sin fp32 tables), one rounding;
-backward: dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s.
+backward: dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s. The formula is written once (``_rope_rows``), inlined by
+rope_kernel and by rope_write_kv_kernel: the paged forward's per-layer rope of q and k, KV-cache write of the
+rotated k and of v, and the flags of its K finiteness check, in one launch (ops.rope_write_kv).
 
 silu_mul: y = g / (1 + exp(-g)) * u in fp32, one rounding; backward dg = dy u sig (1 + g (1 - sig)),
 du = dy silu(g), sig = 1 / (1 + exp(-g)).
@@ -64,10 +66,9 @@ def rms_bwd_kernel(X, W, DY, INV, DX, DWP, n_rows, H, ROWS: tl.constexpr, BH: tl
 
 
 @triton.jit
-def rope_kernel(X, C, S, Y, n_rows, HEADS, HALF, SIGN: tl.constexpr, ROWS: tl.constexpr,
-                BHALF: tl.constexpr):
-    """Rows are (token, head) pairs of x [T, HEADS, 2*HALF]; SIGN=+1 forward, -1 backward (transpose)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _rope_rows(X, C, S, rows, n_rows, HEADS, HALF, SIGN: tl.constexpr, BHALF: tl.constexpr):
+    """The rotation of rows (token, head) of x [T, HEADS, 2*HALF], the one copy of the formula (rope_kernel and
+    rope_write_kv_kernel inline it, so both compile the same fp32 ops): (y1, y2, offsets of the first half, mask)."""
     cols = tl.arange(0, BHALF)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < HALF)
     base = rows[:, None].to(tl.int64) * (2 * HALF) + cols[None, :]
@@ -77,8 +78,56 @@ def rope_kernel(X, C, S, Y, n_rows, HEADS, HALF, SIGN: tl.constexpr, ROWS: tl.co
     s = tl.load(S + t_offs, mask=ok, other=0.0) * SIGN
     x1 = tl.load(X + base, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(X + base + HALF, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + base, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=ok)
-    tl.store(Y + base + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=ok)
+    return x1 * c - x2 * s, x2 * c + x1 * s, base, ok
+
+
+@triton.jit
+def rope_kernel(X, C, S, Y, n_rows, HEADS, HALF, SIGN: tl.constexpr, ROWS: tl.constexpr,
+                BHALF: tl.constexpr):
+    """Rows are (token, head) pairs of x [T, HEADS, 2*HALF]; SIGN=+1 forward, -1 backward (transpose)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    y1, y2, base, ok = _rope_rows(X, C, S, rows, n_rows, HEADS, HALF, SIGN, BHALF)
+    tl.store(Y + base, y1.to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + base + HALF, y2.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _all_finite(y1, y2, ok):
+    """1 if every unmasked element of the (rounded) tile is finite, else 0: |y| <= FLT_MAX is False for
+    +-inf and for NaN (every compare with NaN is False)."""
+    fin = (tl.abs(y1) <= 3.4028234663852886e38) & (tl.abs(y2) <= 3.4028234663852886e38)
+    return tl.min(tl.min(tl.where(ok, fin, True).to(tl.int32), 1), 0)
+
+
+@triton.jit
+def rope_write_kv_kernel(Q, K, V, C, S, QO, KO, KC, VC, SLOTS, FLAGS, n_q_rows, n_k_rows, HQ, HKV, HALF,
+                         Q_PROGRAMS, ROWS: tl.constexpr, BHALF: tl.constexpr):
+    """Programs [0, Q_PROGRAMS) rotate ROWS (token, head) rows of q; the others ROWS rows of k each: rotate,
+    store the rotated k (KO) and, at the token's cache slot, the rotated k (KC) and v's row unchanged (VC:
+    an exact copy, no conversion), and write FLAGS[program - Q_PROGRAMS] = 1 if every rotated k element
+    (after the rounding to the cache dtype, the value the cache holds) is finite, else 0."""
+    pid = tl.program_id(0)
+    if pid < Q_PROGRAMS:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        y1, y2, base, ok = _rope_rows(Q, C, S, rows, n_q_rows, HQ, HALF, 1.0, BHALF)
+        tl.store(QO + base, y1.to(QO.dtype.element_ty), mask=ok)
+        tl.store(QO + base + HALF, y2.to(QO.dtype.element_ty), mask=ok)
+    else:
+        kp = pid - Q_PROGRAMS
+        rows = kp * ROWS + tl.arange(0, ROWS)
+        y1, y2, base, ok = _rope_rows(K, C, S, rows, n_k_rows, HKV, HALF, 1.0, BHALF)
+        k1, k2 = y1.to(KO.dtype.element_ty), y2.to(KO.dtype.element_ty)
+        tl.store(KO + base, k1, mask=ok)
+        tl.store(KO + base + HALF, k2, mask=ok)
+        # row (t, h) sits at (t * HKV + h) * D in k and at (slot[t] * HKV + h) * D in the cache
+        tok = (rows // HKV).to(tl.int64)
+        slot = tl.load(SLOTS + tok, mask=rows < n_k_rows, other=0)
+        dst = base + ((slot - tok) * HKV * (2 * HALF))[:, None]
+        tl.store(KC + dst, k1, mask=ok)
+        tl.store(KC + dst + HALF, k2, mask=ok)
+        tl.store(VC + dst, tl.load(V + base, mask=ok), mask=ok)
+        tl.store(VC + dst + HALF, tl.load(V + base + HALF, mask=ok), mask=ok)
+        tl.store(FLAGS + kp, _all_finite(k1.to(tl.float32), k2.to(tl.float32), ok).to(tl.int8))
 
 
 @triton.jit
@@ -168,8 +217,7 @@ def _rope_launch(x, cos, sin, sign):
     y = torch.empty_like(x)
     n = t * heads
     if n:
-        bhalf = triton.next_power_of_2(half)
-        rows = max(1, 2048 // bhalf)
+        bhalf, rows = _rope_rows_per_program(half)
         rope_kernel[(triton.cdiv(n, rows),)](x, cos, sin, y, n, heads, half, SIGN=sign, ROWS=rows, BHALF=bhalf,
                                              num_warps=4)
     return y
@@ -192,6 +240,33 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rope.apply(x, cos, sin)
     return _rope_launch(x, cos, sin, 1.0)
+
+
+def _rope_rows_per_program(half: int) -> tuple[int, int]:
+    """(next power of two >= half, (token, head) rows per program): rope_kernel's tiles and rope_write_kv's."""
+    bhalf = triton.next_power_of_2(half)
+    return bhalf, max(1, 2048 // bhalf)
+
+
+def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k):
+    """ops.rope_write_kv on the Triton backend: one launch (rope_write_kv_kernel), then
+    ``check_k(rope(k), verdict)`` with the kernel's verdict (its per-program flags, one reduction: two
+    kernels per layer for the rotations, the cache write and the K check, which were six). The rotated
+    tensors have rope_kernel's bits (same inlined formula, same row tiles). No autograd (decode, prefill)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    bhalf, rows = _rope_rows_per_program(d // 2)
+    q_programs, k_programs = triton.cdiv(t * hq, rows), triton.cdiv(t * hkv, rows)
+    flags = torch.empty(k_programs, dtype=torch.int8, device=k.device)
+    if t:
+        rope_write_kv_kernel[(q_programs + k_programs,)](
+            q, k, v, cos, sin, qo, ko, k_cache, v_cache, slots, flags, t * hq, t * hkv, hq, hkv, d // 2,
+            q_programs, ROWS=rows, BHALF=bhalf, num_warps=4)
+    check_k(ko, flags.view(torch.bool).all())
+    return qo, ko
 
 
 def _silu_fwd(g, u):
@@ -226,4 +301,4 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _silu_fwd(g, u)
 
 
-__all__ = ["rms_norm", "rope", "silu_mul", "rms_forward", "rms_backward"]
+__all__ = ["rms_norm", "rope", "silu_mul", "rms_forward", "rms_backward", "rope_write_kv"]

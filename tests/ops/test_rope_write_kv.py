@@ -1,0 +1,154 @@
+"""ops.rope_write_kv: rope of q and k plus the KV-cache write of the rotated k and v, as one op.
+
+* CPU (torch backend, and native): the same bits as ``rope`` + ``write_kv_cache`` (NaN-filled caches: the
+  slots not written stay NaN), hypothesis over token counts, heads, head_dim, page sizes, shuffled slots; the
+  same K check (write_kv_cache's message under per-op and boundary, its verdict in a capture, before the write);
+  a NaN in q or v is not this op's check; argument errors name the op.
+* The Triton kernel under the interpreter (fp32) against rope_kernel + write_kv_cache, the check included
+  (tests/ops/rope_write_kv_worker.py, in a subprocess), and compiled for sm_90a: no spills.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from rlalign import ops
+from rlalign.contract import ContractError
+from rlalign.contract.bits import bits_equal
+from rlalign.ops import _checks as chk
+from tests.workers import run_worker
+
+
+def _case(t, hq, hkv, d, page_size, extra_pages, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    pos = torch.randperm(4096, generator=g)[:t]
+    cos, sin = ops.rope_cos_sin(pos, ops.rope_inv_freq(d, 10000.0))
+    pages = -(-t // page_size) + extra_pages
+    slots = torch.randperm(pages * page_size, generator=g)[:t]
+    cache = torch.full((pages, page_size, hkv, d), float("nan"), dtype=dtype)
+    return q, k, v, cos, sin, cache, slots
+
+
+@settings(max_examples=60, deadline=None)
+@given(t=st.integers(0, 40), hkv=st.integers(1, 4), group=st.sampled_from([1, 2, 4]), d=st.sampled_from([2, 6, 64]),
+       page_size=st.sampled_from([1, 3, 16]), extra=st.integers(0, 3), bf16=st.booleans(),
+       native=st.booleans(), int32=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_equals_rope_then_write_kv_cache(t, hkv, group, d, page_size, extra, bf16, native, int32, seed):
+    q, k, v, cos, sin, cache, slots = _case(t, hkv * group, hkv, d, page_size, extra,
+                                            torch.bfloat16 if bf16 else torch.float32, seed)
+    slots = slots.to(torch.int32 if int32 else torch.int64)
+    profile = "native" if native else "strict"
+    kc_ref, vc_ref, kc, vc = (cache.clone() for _ in range(4))
+    qr, kr = ops.rope(q, cos, sin, profile=profile), ops.rope(k, cos, sin, profile=profile)
+    ops.write_kv_cache(kr, v, kc_ref, vc_ref, slots, profile=profile)
+    qo, ko = ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots, profile=profile)
+    for name, got, want in (("q", qo, qr), ("k", ko, kr), ("k_cache", kc, kc_ref), ("v_cache", vc, vc_ref)):
+        assert bits_equal(got, want), name
+    written = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool)
+    written[slots.long()] = True
+    assert bool(kc.view(written.shape[0], hkv * d)[~written].isnan().all()), "a slot not in slot_mapping was written"
+
+
+def _planted(where: str, value: float):
+    q, k, v, cos, sin, cache, slots = _case(5, 4, 2, 8, 4, 1, torch.float32, 3)
+    {"q": q, "k": k, "v": v}[where][3, 1, 5] = value
+    return q, k, v, cos, sin, cache, slots
+
+
+@pytest.mark.parametrize("policy", ["per-op", "boundary"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_nonfinite_key_gives_write_kv_cache_error(policy, value):
+    q, k, v, cos, sin, cache, slots = _planted("k", value)
+    kc, vc = cache.clone(), cache.clone()
+    with ops.use_check_policy(policy), ops.check_scope("layers.7"):
+        with pytest.raises(ContractError) as want:
+            ops.write_kv_cache(ops.rope(k, cos, sin), v, kc, vc, slots)
+        with pytest.raises(ContractError) as got:
+            ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots)
+    assert str(got.value) == str(want.value)
+    assert str(got.value).startswith("rlalign.ops.write_kv_cache: k contains NaN or inf")
+    if policy == "per-op":
+        assert "first at index" in str(got.value) and "in layers.7" in str(got.value)
+    assert bool(kc.isnan().all()) and bool(vc.isnan().all()), "the torch backend checks k before the write"
+    ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots, profile="native")   # native: no check
+
+
+@pytest.mark.parametrize("where", ["q", "v"])
+def test_a_nonfinite_query_or_value_is_not_this_ops_check(where):
+    q, k, v, cos, sin, cache, slots = _planted(where, float("nan"))
+    with ops.use_check_policy("per-op"):
+        ops.rope_write_kv(q, k, v, cos, sin, cache.clone(), cache.clone(), slots)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_a_capture_records_write_kv_cache_verdict(where):
+    q, k, v, cos, sin, cache, slots = _planted(where, float("inf"))
+    with ops.use_check_policy("boundary"):
+        with chk.capturing_graph() as want:
+            ops.write_kv_cache(ops.rope(k, cos, sin), v, cache.clone(), cache.clone(), slots)
+        with chk.capturing_graph() as got:
+            ops.rope_write_kv(q, k, v, cos, sin, cache.clone(), cache.clone(), slots)
+    assert [(op, msg, bool(ok)) for op, msg, ok in got] == [(op, msg, bool(ok)) for op, msg, ok in want]
+    assert [bool(ok) for _, _, ok in got] == [where != "k"]
+
+
+def _with(**change):
+    q, k, v, cos, sin, cache, slots = _case(3, 4, 2, 8, 4, 0, torch.float32, 1)
+    args = dict(q=q, k=k, v=v, cos=cos, sin=sin, k_cache=cache, v_cache=cache.clone(), slot_mapping=slots)
+    args.update({name: fn(args) for name, fn in change.items()})
+    return args
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(cos=lambda a: a["cos"][:2]), "cos/sin must be [T, D/2]"),
+    (dict(q=lambda a: a["q"].double()), "dtype torch.float64 is not supported"),
+    (dict(q=lambda a: a["q"][:, :, :6]), "cos/sin must be [T, D/2]"),
+    (dict(k_cache=lambda a: a["k_cache"].bfloat16(), v_cache=lambda a: a["v_cache"].bfloat16()), "differs from the cache dtype"),
+    (dict(v=lambda a: a["v"][:2]), "must match pairwise"),
+    (dict(slot_mapping=lambda a: torch.tensor([0, 3, 3])), "writes the same slot twice"),
+    (dict(slot_mapping=lambda a: torch.tensor([0, 3, 4])), "slot 4 is outside the cache's [0, 4) slots"),
+    (dict(slot_mapping=lambda a: torch.tensor([0.0, 1.0, 2.0])), "must be an int32/int64 tensor"),
+])
+def test_bad_arguments_raise_naming_the_op(change, message):
+    with pytest.raises(ContractError, match="rlalign.ops.rope_write_kv: .*" + re.escape(message)):
+        ops.rope_write_kv(**_with(**change))
+
+
+def test_no_token_writes_nothing():
+    q, k, v, cos, sin, cache, slots = _case(0, 4, 2, 8, 4, 1, torch.float32, 1)
+    kc = cache.clone()
+    qo, ko = ops.rope_write_kv(q, k, v, cos, sin, kc, kc.clone(), slots)
+    assert qo.shape == q.shape and ko.shape == k.shape and bool(kc.isnan().all())
+
+
+def test_triton_kernel_under_the_interpreter():
+    """rope_write_kv_kernel (fp32, interpreter) against rope_kernel + write_kv_cache: bits, caches, the K check
+    under per-op / boundary / capture, hypothesis-chosen shapes (the worker's docstring)."""
+    pytest.importorskip("triton")
+    results = run_worker(["-m", "tests.ops.rope_write_kv_worker", "--interpret", "80"], interpret=True, timeout=1800)
+    assert results["fixed_cases"] > 1
+
+
+def test_triton_kernel_compiles_for_sm90_without_spills():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: tests/cuda/test_cuda_rope_write_kv.py runs the kernel")
+    kernels = run_worker(["-m", "tests.ops.rope_write_kv_worker", "--sm90"], interpret=False, timeout=900)["kernels"]
+    assert {r["kernel"] for r in kernels} == {"rope_write_kv_kernel", "rope_kernel"}
+    if any(r["ptxas"] is None for r in kernels):
+        pytest.skip("Triton's ptxas could not be run here")
+    for r in kernels:
+        spills = [ln for ln in r["ptxas"].splitlines() if re.search(r"[1-9]\d* bytes spill", ln)]
+        assert not spills, f"{r['kernel']} {r['dtype']}: {spills}"
+        assert r["smem"] <= 232448
+    # the same rotation compiled in each branch: twice rope_kernel's fp32 fma / mul (the fma contraction of
+    # x1 c - x2 s is what the bits depend on; the CUDA tier compares the bits themselves)
+    by = {(r["kernel"], r["dtype"]): r for r in kernels}
+    for dtype in ("torch.bfloat16", "torch.float32"):
+        fused, alone = by[("rope_write_kv_kernel", dtype)], by[("rope_kernel", dtype)]
+        assert (fused["fma"], fused["mul"]) == (2 * alone["fma"], 2 * alone["mul"]), (fused, alone)
