@@ -211,7 +211,30 @@ def run_variant(variant: str, args) -> dict:
     if args.profile_kernels:   # one more step, after the timed ones: where its kernel time goes
         from rlalign.bench.kernel_profile import profile_breakdown
         row["kernel_profile"] = profile_breakdown(step, args.device, steps=1, stacks=True)
+    if args.host_profile:
+        row["host_profile"] = _host_profile(step, cuda)
     return row
+
+
+def _host_profile(step, cuda: bool, lines: int = 30) -> str:
+    """One more step under cProfile: where the host's time goes (Python, launches) and how long it waited
+    for the device (the time inside tolist / item / synchronize is the wait of a host sync)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(lines)
+    stats.sort_stats("cumulative").print_stats(lines)
+    return text.getvalue()
 
 
 def _row_with_rates(row: dict, flops: dict, args) -> dict:
@@ -240,7 +263,7 @@ def _run_in_subprocess(variant: str, args) -> dict:
 def _forwarded(args) -> list[str]:
     keys = ("shape", "layers", "tokens", "mean_seq", "dtype", "device", "warmup", "iters", "seed")
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys] + \
-        (["--profile-kernels"] if args.profile_kernels else [])
+        (["--profile-kernels"] if args.profile_kernels else []) + (["--host-profile"] if args.host_profile else [])
 
 
 def parse_args(argv=None):
@@ -264,6 +287,9 @@ def parse_args(argv=None):
     p.add_argument("--profile-kernels", action="store_true",
                    help="one more step per variant under torch.profiler: kernel time by family and the top kernels "
                         "(row field kernel_profile; rlalign/bench/kernel_profile.py)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="one more step per variant under cProfile: the host's top functions by own and by cumulative "
+                        "time (row field host_profile; printed after the table)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a table")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -306,6 +332,9 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result) if args.json else _table(result))
+    for r in result["rows"]:
+        if "host_profile" in r and not args.json:
+            print(f"\n== host profile, {r['variant']}\n{r['host_profile']}")
     return 0 if all("ms" in r for r in rows) else 1
 
 
