@@ -24,6 +24,7 @@ expected the sm_90a tests skip rather than fail.
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -725,6 +726,9 @@ def _sm90_worker() -> None:
         ptx = kernel.asm["ptx"]
         variants.append({"kernel": name, "args": {k: v for k, v in kwargs.items() if k.isupper()},
                          "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx,
+                         # software-pipelined: some wgmma wait leaves a chain in flight
+                         "pipelined": re.search(r"warp_group_dot_wait[^\n]*pendings = [1-9]",
+                                                kernel.asm["ttgir"]) is not None,
                          "ptxas": ptxas_report(ptx) if name.startswith("attn_") else None})
     print("RESULTS " + json.dumps({"errors": errors, "variants": variants, "grid_variants": grid_variants,
                                    "kpart": kpart}))
@@ -781,6 +785,19 @@ def test_kernels_compile_for_sm90(sm90):
 def test_dot_kernels_use_wgmma(sm90):
     missing = [v for v in sm90["variants"] if v["has_dot"] and not v["wgmma"]]
     assert not missing, f"compiled with mma.sync instead of wgmma: {missing}"
+
+
+def test_unsegmented_gemm_configs_are_software_pipelined(sm90):
+    """Every large-M config the dispatcher compiled for the plain bf16 GEMM (128-row tiles, P = 1: linear, dX,
+    dW, fp32 out, acc_in) keeps a wgmma chain in flight across k-steps (a wait with pendings >= 1 in the TTGIR).
+    The acc_in config with a flattened tile loop lost this (wait 0 only, fewer TMA loads in flight) and ran at
+    0.34x cuBLAS on the H200 (session 13). The 64-row configs of small M and the fp32 (bf16x3) ones wait for
+    every chain; they are not what a training step's time is made of."""
+    plain = [v for v in sm90["variants"] if v["kernel"] == "gemm_kernel" and v["args"].get("P") == "1"
+             and v["args"].get("BM") == "128" and v["args"].get("SPLIT") == "False" and v["wgmma"]]
+    assert any(v["args"].get("ACC_IN") == "True" for v in plain), "no acc_in variant was compiled"
+    unpipelined = [v["args"] for v in plain if not v["pipelined"]]
+    assert not unpipelined, f"plain GEMM configs whose k loop is not software-pipelined: {unpipelined}"
 
 
 def test_shared_memory_fits_sm90(sm90):

@@ -68,8 +68,11 @@ _SMALL_M = (GemmConfig(64, 128, 4, 6, flatten=True), GemmConfig(64, 64, 4, 10, f
             GemmConfig(64, 32, 4, 12, flatten=True))
 # fp32 output tiles (lm_logits, fp32 partials): 128x256 would need 272 KiB.
 _LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
-# acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging.
-_LARGE_ACCIN = (GemmConfig(128, 128, 8, 3, flatten=True),)
+# acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging. Not flattened: with the
+# accumulator's load inside the flattened tile loop Triton 3.6 does not software-pipeline the k loop (sm_90a TTGIR:
+# only wgmma wait 0), and the LM head's dX (dh += dz W, 19 calls a step) ran at 0.34x cuBLAS on the H200 (session
+# 13, bench/gemm_census.py); the unflattened loop keeps wait 1 and 4 stages fit (192 KiB).
+_LARGE_ACCIN = (GemmConfig(128, 128, 8, 4),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
 # Segmented (k_segments > 1) tiles. Large M: a loop per segment (segment_tree_nested) on 128x128 tiles
 # with one tree level in registers and the deeper ones in the program's scratch: 0.70x cuBLAS at
