@@ -146,9 +146,11 @@ def test_triton_kernel_compiles_for_sm90_without_spills():
         spills = [ln for ln in r["ptxas"].splitlines() if re.search(r"[1-9]\d* bytes spill", ln)]
         assert not spills, f"{r['kernel']} {r['dtype']}: {spills}"
         assert r["smem"] <= 232448
-    # the same rotation compiled in each branch: twice rope_kernel's fp32 fma / mul (the fma contraction of
-    # x1 c - x2 s is what the bits depend on; the CUDA tier compares the bits themselves)
+    # the rotation's roundings are spelled out (mul_rn / add_rn / sub_rn), so no kernel contracts x1 c - x2 s into
+    # an fma (left to the compiler, the two kernels contracted it differently: fp32 k differed on the H200, session
+    # 13); the fused kernel rotates in both branches: twice rope_kernel's products. The CUDA tier compares bits.
     by = {(r["kernel"], r["dtype"]): r for r in kernels}
     for dtype in ("torch.bfloat16", "torch.float32"):
         fused, alone = by[("rope_write_kv_kernel", dtype)], by[("rope_kernel", dtype)]
-        assert (fused["fma"], fused["mul"]) == (2 * alone["fma"], 2 * alone["mul"]), (fused, alone)
+        assert fused["fma"] == alone["fma"] == 0, (fused, alone)
+        assert fused["mul"] == 2 * alone["mul"] > 0, (fused, alone)

@@ -15,7 +15,9 @@ silu_mul: y = g / (1 + exp(-g)) * u in fp32, one rounding; backward dg = dy u si
 du = dy silu(g), sig = 1 / (1 + exp(-g)).
 
 All elementwise: a value's result does not depend on where it sits (the compiled code is the
-same for every element; contraction of a*b+c into an fma, if any, is the same everywhere).
+same for every element; contraction of a*b+c into an fma, if any, is the same everywhere in one kernel).
+A formula inlined into two kernels whose results must agree (rope) is compiled without fma contraction
+(``rope_no_fma``): two kernels may contract the same expression differently.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.ops.triton_backend._common import is_interpreter
+
 ELEM_BLOCK = 1024
+
+
+def rope_no_fma() -> dict:
+    """Triton's launch option for no a*b+c contraction into an fma anywhere in the kernel (PTX mul.rn / add.rn /
+    sub.rn, each rounded once); the interpreter's numpy rounds each operation anyway and takes no such option."""
+    return {} if is_interpreter() else {"enable_fp_fusion": False}
 
 
 def _rows_per_program(block_h: int) -> int:
@@ -78,6 +88,9 @@ def _rope_rows(X, C, S, rows, n_rows, HEADS, HALF, SIGN: tl.constexpr, BHALF: tl
     s = tl.load(S + t_offs, mask=ok, other=0.0) * SIGN
     x1 = tl.load(X + base, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(X + base + HALF, mask=ok, other=0.0).to(tl.float32)
+    # every product and sum rounded on its own: the launches pass rope_no_fma() (no fma contraction; left to the
+    # compiler, ``x1 * c - x2 * s`` was contracted differently in rope_kernel and in rope_write_kv_kernel's k
+    # branch: fp32 k differed in the last bit on the H200, session 13) -- torch's eager bits
     return x1 * c - x2 * s, x2 * c + x1 * s, base, ok
 
 
@@ -219,7 +232,7 @@ def _rope_launch(x, cos, sin, sign):
     if n:
         bhalf, rows = _rope_rows_per_program(half)
         rope_kernel[(triton.cdiv(n, rows),)](x, cos, sin, y, n, heads, half, SIGN=sign, ROWS=rows, BHALF=bhalf,
-                                             num_warps=4)
+                                             num_warps=4, **rope_no_fma())
     return y
 
 
@@ -264,7 +277,7 @@ def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k):
     if t:
         rope_write_kv_kernel[(q_programs + k_programs,)](
             q, k, v, cos, sin, qo, ko, k_cache, v_cache, slots, flags, t * hq, t * hkv, hq, hkv, d // 2,
-            q_programs, ROWS=rows, BHALF=bhalf, num_warps=4)
+            q_programs, ROWS=rows, BHALF=bhalf, num_warps=4, **rope_no_fma())
     check_k(ko, flags.view(torch.bool).all())
     return qo, ko
 
