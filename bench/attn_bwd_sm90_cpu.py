@@ -17,24 +17,15 @@ sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
-from tests.sm90 import H200_SMS as SMS, activate_fake_sm90, ptxas_report  # noqa: E402
+from tests.sm90 import H200_SMS as SMS, activate_fake_sm90, compile_only_launches, ptxas_report  # noqa: E402
 
 SM_REGS, SM_SMEM = 65536, 233472
 
 
 def main() -> int:
     activate_fake_sm90(SMS)
-    compiled = []
-    original = JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, grid, kwargs, kernel))
-        return kernel
-
-    JITFunction.run = compile_only
+    compiled = compile_only_launches()
     from rlalign.ops.triton_backend import attention as A
     from gpu_attention import train_candidates
     labels = [a for a in sys.argv[1:] if not a.startswith("--")]

@@ -1,13 +1,15 @@
 """Compiling our Triton / Gluon kernels for Hopper (sm_90a) on a machine without a GPU: a stand-in driver whose
 target is sm_90, and Triton's own ptxas for the register / spill / shared-memory report. Used by the sm_90a compile
 checks (tests/ops/test_triton_interpret.py, tests/ops/test_gemm_ws_compile.py) and bench/attn_bwd_sm90_cpu.py.
-Activate the driver in a fresh process before the triton backend package is imported."""
+Activate the driver in a fresh process before the triton backend package is imported; ``compile_only_launches``
+then turns every Triton JIT launch into a compile-only warmup and records it."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import tempfile
+from typing import NamedTuple
 
 H200_SMS = 132
 
@@ -47,6 +49,31 @@ def activate_fake_sm90(sms: int = H200_SMS, gluon_gemm: bool = False) -> None:
     if gluon_gemm:
         import rlalign.ops.triton_backend.gemm_ws as ws
         ws._capability = lambda device: (9, 0)
+
+
+class Launch(NamedTuple):
+    """One compile-only launch: the kernel's name, its grid, the launch's keyword arguments (constexprs and
+    launch options) and the compiled kernel (``.asm["ttgir" | "ptx"]``, ``.metadata.shared``)."""
+    name: str
+    grid: object
+    kwargs: dict
+    kernel: object
+
+
+def compile_only_launches() -> list[Launch]:
+    """Make every Triton JIT launch in this process compile only (``warmup``: the real launchers run on CPU
+    tensors, nothing executes) and return the list each launch appends its :class:`Launch` to."""
+    from triton.runtime.jit import JITFunction
+    compiled: list[Launch] = []
+    original = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(Launch(self.fn.__name__, grid, kwargs, kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+    return compiled
 
 
 def ptxas_report(ptx: str, timeout: int = 300) -> str | None:

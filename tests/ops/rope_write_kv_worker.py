@@ -141,18 +141,9 @@ def run_interpret(max_examples: int) -> dict:
 
 def run_sm90() -> dict:
     import torch
-    from triton.runtime.jit import JITFunction
-    from tests.sm90 import activate_fake_sm90, ptxas_report
+    from tests.sm90 import activate_fake_sm90, compile_only_launches, ptxas_report
     activate_fake_sm90()
-    compiled = []
-    original = JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, kernel))
-        return kernel
-
-    JITFunction.run = compile_only
+    compiled = compile_only_launches()
     from rlalign.ops.triton_backend import elementwise as E
     report = []
     for dtype in (torch.bfloat16, torch.float32):   # Qwen3-0.6B decode: 462 rows, 16 q heads, 8 kv heads, D 128
@@ -163,7 +154,7 @@ def run_sm90() -> dict:
         # a compile-only launch leaves the flags unwritten: the check is not run here
         E.rope_write_kv(q, k, k, cos, cos, cache, cache, slots, lambda kr, ok: None)
         E._rope_launch(q, cos, cos, 1.0)
-        for name, kernel in compiled[-2:]:
+        for name, _, _, kernel in compiled[-2:]:
             ptx = kernel.asm["ptx"]
             report.append({"kernel": name, "dtype": str(dtype), "ptxas": ptxas_report(ptx),
                            "fma": ptx.count("fma.rn.f32"), "mul": ptx.count("mul.f32") + ptx.count("mul.rn.f32"),

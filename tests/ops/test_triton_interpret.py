@@ -638,19 +638,10 @@ def _compile_gemm_grid(G) -> None:
 
 def _sm90_worker() -> None:
     import torch
-    from triton.runtime.jit import JITFunction
 
-    from tests.sm90 import activate_fake_sm90, ptxas_report
+    from tests.sm90 import activate_fake_sm90, compile_only_launches, ptxas_report
     activate_fake_sm90()
-    compiled = []
-    original = JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, {k: str(v) for k, v in kwargs.items()}, kernel))
-        return kernel
-
-    JITFunction.run = compile_only
+    compiled = compile_only_launches()
     from rlalign.ops.triton_backend import attention as A, elementwise as E, gemm as G, logprob as L, sample as S
 
     bf = torch.bfloat16
@@ -714,17 +705,17 @@ def _sm90_worker() -> None:
 
     def compile_kpart(cfg):   # the --sweep-kpart candidates: what the lead's one GPU call compiles
         G.gemm(x, w, b_trans=True, segments=8, config=cfg)
-        ptx = compiled[-1][2].asm["ptx"]
+        ptx = compiled[-1].kernel.asm["ptx"]
         kpart.append({"config": repr(cfg), "ctas": cfg.ctas_per_sm, "warps": cfg.num_warps, "wgmma": "wgmma" in ptx,
-                      "smem": compiled[-1][2].metadata.shared, "ptxas": ptxas_report(ptx)})
+                      "smem": compiled[-1].kernel.metadata.shared, "ptxas": ptxas_report(ptx)})
     # only the candidates with their own kernel (segment_stream_kernel): the others are gemm_kernel's loop per
     # segment at other tiles, and the H200 sweep (2026-12-02) compiled and ran every candidate (CI time)
     for cfg in (c for c in G.KPART_CANDIDATES if c.stream):
         attempt(f"kpart {cfg}", lambda: compile_kpart(cfg))
     variants = []
-    for name, kwargs, kernel in compiled:
+    for name, _, kwargs, kernel in compiled:
         ptx = kernel.asm["ptx"]
-        variants.append({"kernel": name, "args": {k: v for k, v in kwargs.items() if k.isupper()},
+        variants.append({"kernel": name, "args": {k: str(v) for k, v in kwargs.items() if k.isupper()},
                          "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx,
                          # software-pipelined: some wgmma wait leaves a chain in flight
                          "pipelined": re.search(r"warp_group_dot_wait[^\n]*pendings = [1-9]",
