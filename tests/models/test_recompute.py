@@ -28,20 +28,21 @@ from tests.models.test_three_paths import FAMILIES
 DENSE_PACKS = 6   # per dense layer: q/k/v_proj and gate/up_proj read a rebuilt norm output, down_proj silu_mul's
 
 
-def make_model(family="qwen3", dtype=torch.float32):
-    return tiny_model(family, seed=3, dtype=dtype, init_std=0.15, norm_jitter=0.2, **FAMILIES[family])
+def make_model(family="qwen3", dtype=torch.float32, device="cpu", **overrides):
+    return tiny_model(family, seed=3, dtype=dtype, init_std=0.15, norm_jitter=0.2, device=device,
+                      **{**FAMILIES[family], **overrides})
 
 
 def batch_of(model, lengths, seed=5):
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     targets = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=gen)
-    return ForwardBatch.packed(seqs, "cpu"), targets
+    return ForwardBatch.packed(seqs, model.device), targets.to(model.device)
 
 
 def forward_loss(model, batch, targets, layer_wrap=None):
     """forward_hidden from a leaf embedding output (so its gradient is seen), then the fused log-prob."""
-    cos, sin = ops.rope_cos_sin(batch.positions, model.inv_freq)
+    cos, sin = ops.rope_cos_sin(batch.positions, model.inv_freq.to(batch.positions.device))
     h = model.model.embed_tokens(batch.input_ids).detach().requires_grad_(True)
     out, residual = h, None
     for layer in model.model.layers:
@@ -49,7 +50,7 @@ def forward_loss(model, batch, targets, layer_wrap=None):
         out, residual = call(out, residual, cos, sin, batch)
     hidden = ops.rms_norm(out, model.model.norm.weight, model.model.norm.eps, residual=residual)[0]
     lp, _ = ops.logprob_entropy(hidden, model.lm_head_weight, targets)
-    return h, (lp * torch.linspace(-1.0, 1.0, lp.shape[0])).sum()
+    return h, (lp * torch.linspace(-1.0, 1.0, lp.shape[0], device=lp.device)).sum()
 
 
 def saved_bytes_and_grads(model, batch, targets, on: bool, layer_wrap=None):
