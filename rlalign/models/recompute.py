@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from rlalign import ops
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import Profile, current_profile, use_profile
 
@@ -94,7 +95,9 @@ class _Recipe:
                                "supported; turn recomputation off (rlalign.models.recompute.set_enabled(False))")
         if self.cache is None:
             self._check_versions()
-            with torch.no_grad(), use_profile(self.profile):
+            # the forward's profile; no finiteness re-check: the inputs were checked in the forward and are
+            # unchanged (versions), and a deferred GPU check queued here, in autograd's thread, would never be flushed
+            with torch.no_grad(), use_profile(self.profile), ops.use_check_policy("boundary"):
                 self.cache = self.rebuild()
             self.pending = self.packs
         rebuilt = self.cache.view(shape)
