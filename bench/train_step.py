@@ -2,11 +2,14 @@
 
     python bench/train_step.py --device cuda [--layers 6 --tokens 8192] [--json] [--out FILE]   # the H200 figure
     python bench/train_step.py --shape tiny --device cpu --iters 2 --json             # seconds, for CI
+    python bench/train_step.py --device cuda --variants strict,strict_keep              # recompute on vs off
 
 The micro-step (what one micro-batch of a GRPO update costs), same weights and same tokens for all:
 
     strict        rlalign CausalLM, strict profile: packed varlen forward -> ops.logprob_entropy (fused,
-                  chunked, no [T, V] logits) -> loss -> backward
+                  chunked, no [T, V] logits) -> loss -> backward; the norm outputs and silu_mul's output
+                  are rebuilt in the backward instead of saved (rlalign.models.recompute, same bits)
+    strict_keep   the same with recomputation off (every activation saved): not in the default list
     native        the same model in the native profile: cuBLAS linears, flash varlen attention on CUDA,
                   the token-chunked fused log-prob (rlalign/ops/attention.py, logprob.py)
     transformers  Qwen3ForCausalLM (attn_implementation="sdpa") on the sequences right-padded into one
@@ -21,7 +24,8 @@ Each variant runs in a fresh subprocess (a clean peak-memory reading; an out-of-
 reported as such, the others still run): ``--warmup`` steps, then ``--iters`` timed steps, median
 reported. Peak memory: CUDA ``max_memory_allocated`` over the timed steps (weights and gradients
 included); CPU the peak RSS over the timed steps minus the RSS just before them (what the step adds;
-indicative: allocator caching and thread pools count).
+indicative: allocator caching and thread pools count). ``saved_gib``: the distinct storages saved for the
+backward in one more step (counted by a ``saved_tensors_hooks`` pair; parameters included), exact on any device.
 
 Model FLOPs per step (the usual MFU convention: recomputation is not counted):
     6 * N * T + sum over layers and sequences of 6 * Hq * D * L^2
@@ -49,7 +53,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-VARIANTS = ("strict", "native", "transformers")
+VARIANTS = ("strict", "strict_keep", "native", "transformers")
+DEFAULT_VARIANTS = ("strict", "native", "transformers")
 H200_DENSE_BF16_TFLOPS = 989.0
 H200_CUBLAS_CEILING_TFLOPS = 780.0
 _QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu", attention_bias=False,
@@ -125,16 +130,20 @@ def _rlalign_model(args):
     return model.train()
 
 
-def _rlalign_step(profile: str, args, lens):
+def _rlalign_step(profile: str, args, lens, keep: bool = False):
+    """``keep``: every activation saved (rlalign.models.recompute off), the strict_keep variant."""
+    import contextlib
+
     from rlalign import ops
     from rlalign.contract import use_profile
+    from rlalign.models import recompute
     from rlalign.models.batch import ForwardBatch
     model = _rlalign_model(args)
     seqs, targets, adv = _batch(args, model.config.vocab_size, lens, args.device)
     batch = ForwardBatch.packed([s.tolist() for s in seqs], device=args.device)
 
     def step() -> float:
-        with use_profile(profile):
+        with use_profile(profile), (recompute.disabled() if keep else contextlib.nullcontext()):
             hidden = model.forward_hidden(batch)
             lp, _ = ops.logprob_entropy(hidden, model.lm_head_weight, targets, with_entropy=False)
             loss = -(adv * lp).sum() / lp.shape[0]
@@ -187,7 +196,8 @@ def run_variant(variant: str, args) -> dict:
     if variant == "transformers":
         _, step = _transformers_step(args, lens)
     else:
-        _, step = _rlalign_step(variant, args, lens)
+        _, step = _rlalign_step("strict" if variant == "strict_keep" else variant, args, lens,
+                                keep=variant == "strict_keep")
     for _ in range(args.warmup):
         step()
     if cuda:
@@ -207,13 +217,27 @@ def run_variant(variant: str, args) -> dict:
     peak = torch.cuda.max_memory_allocated() if cuda else max(0, peak_rss_bytes() - base_rss)
     row = {"variant": variant, "ms": 1e3 * statistics.median(times), "ms_all": [1e3 * t for t in times],
            "loss": loss, "peak_gib": peak / 2**30,
-           "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS over the timed steps minus RSS before them"}
+           "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS over the timed steps minus RSS before them",
+           "saved_gib": saved_bytes(step) / 2**30}
     if args.profile_kernels:   # one more step, after the timed ones: where its kernel time goes
         from rlalign.bench.kernel_profile import profile_breakdown
         row["kernel_profile"] = profile_breakdown(step, args.device, steps=1, stacks=True)
     if args.host_profile:
         row["host_profile"] = _host_profile(step, cuda)
     return row
+
+
+def saved_bytes(step) -> int:
+    """Bytes of the distinct storages saved for the backward during one ``step()`` (after the timed ones)."""
+    import torch
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(storages.values())
 
 
 def _host_profile(step, cuda: bool, lines: int = 30) -> str:
@@ -274,7 +298,8 @@ def parse_args(argv=None):
     p.add_argument("--mean-seq", type=int, default=None, help="mean sequence length (default 1024; 48 tiny)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated subset of " + ", ".join(VARIANTS))
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -341,7 +366,7 @@ def main(argv=None) -> int:
 def _ratios(rows) -> dict:
     by = {r["variant"]: r for r in rows if "ms" in r}
     out = {}
-    for a, b in (("strict", "native"), ("strict", "transformers"), ("native", "transformers")):
+    for a, b in (("strict", "native"), ("strict", "transformers"), ("native", "transformers"), ("strict", "strict_keep")):
         if a in by and b in by:
             out[f"time_{a}_over_{b}"] = by[a]["ms"] / by[b]["ms"]
             out[f"memory_{a}_over_{b}"] = by[a]["peak_gib"] / by[b]["peak_gib"] if by[b]["peak_gib"] > 0 else None
@@ -360,7 +385,7 @@ def _table(result) -> str:
         mfu = "" if r["mfu"] is None else (f"  MFU {100 * r['mfu']:.1f}% of {result['peak_tflops']:g} "
                                            f"({100 * r['mfu_vs_cublas_ceiling']:.1f}% of {result['ceiling_tflops']:g})")
         lines.append(f"{r['variant']:>12}: {r['ms']:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  peak {r['peak_gib']:7.2f}"
-                     f" GiB{mfu}  loss {r['loss']:.5f}")
+                     f" GiB  saved {1024 * r['saved_gib']:9.2f} MiB{mfu}  loss {r['loss']:.5f}")
         if "kernel_profile" in r:
             kp = r["kernel_profile"]
             lines.append(f"{'':>12}  kernels {kp['kernel_ms']:.1f} ms: " + ", ".join(

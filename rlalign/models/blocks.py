@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from rlalign import ops
+from rlalign.models import recompute
 from rlalign.models.taps import FINAL_NORM, layer_tap, tap
 
 # attend(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], layer index, scale) -> [T, Hq, D]
@@ -87,8 +88,12 @@ def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def dense_ffn_block(mlp, x: torch.Tensor) -> torch.Tensor:
-    """down_proj(silu(gate_proj(x)) * up_proj(x)) (silu_mul: one rounding of the product)."""
-    return mlp.down_proj(ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) (silu_mul: one rounding of the product). In training,
+    down_proj's saved input is rebuilt from gate and up in the backward (:mod:`rlalign.models.recompute`)."""
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    act = ops.silu_mul(gate, up)
+    recompute.register("silu_mul", act, lambda: ops.silu_mul(gate, up), gate, up)
+    return mlp.down_proj(act)
 
 
 def decoder_layer_block(layer, h: torch.Tensor, residual: torch.Tensor | None, attention: Callable, index: int):
@@ -97,7 +102,7 @@ def decoder_layer_block(layer, h: torch.Tensor, residual: torch.Tensor | None, a
     ``layer`` holds input_layernorm / post_attention_layernorm (called as ``norm(x, residual)`` ->
     (normed, x + residual)), ``mlp``; ``attention(x)`` runs the layer's attention block.
     Per-op finiteness errors name the layer (``ops.check_scope``)."""
-    with ops.check_scope(f"layers.{index}"):
+    with ops.check_scope(f"layers.{index}"), recompute.layer_session():
         return _decoder_layer(layer, h, residual, attention, index)
 
 
@@ -106,14 +111,23 @@ def _decoder_layer(layer, h, residual, attention, index: int):
         x, residual = layer.input_layernorm(h), h
     else:
         x, residual = layer.input_layernorm(h, residual)
+    _rebuildable_norm(layer.input_layernorm, x, residual)
     tap(layer_tap(index, "input_norm"), x)
     h = attention(x)
     x, residual = layer.post_attention_layernorm(h, residual)
+    _rebuildable_norm(layer.post_attention_layernorm, x, residual)
     tap(layer_tap(index, "post_norm"), x)
     h = tap(layer_tap(index, "mlp"), layer.mlp(x))
     # the residual stream after the attention add; the next norm adds h to it (fused residual)
     tap(layer_tap(index, "residual"), residual)
     return h, residual
+
+
+def _rebuildable_norm(norm, normed: torch.Tensor, stream: torch.Tensor) -> None:
+    """The norm's output (what q/k/v_proj, gate/up_proj or the router save) is rebuilt from the residual
+    stream it normalised: ``norm(h, r)`` rounds h + r once and normalises that sum (``stream``), so
+    ``norm(stream)`` is the same call on the same input -- the same bits."""
+    recompute.register("rms_norm", normed, lambda: norm(stream), stream, norm.weight)
 
 
 def final_norm_block(norm, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

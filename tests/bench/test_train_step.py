@@ -36,6 +36,23 @@ def test_tiny_run_reports_every_variant_and_the_losses_agree(capsys, tmp_path):
     assert result["shape"]["tokens"] == 128 and set(result["ratios"]) >= {"time_strict_over_native"}
 
 
+def test_strict_keep_saves_exactly_the_rebuilt_activations_more(capsys):
+    """fp32 on the CPU (where the torch backend's norm and silu_mul save their own inputs): strict_keep, with
+    recomputation off, saves per layer 2 norm outputs [T, hidden] and silu_mul's output [T, intermediate] more,
+    and computes the same loss bits."""
+    code = train_step.main(["--shape", "tiny", "--device", "cpu", "--tokens", "128", "--mean-seq", "24",
+                            "--dtype", "float32", "--variants", "strict,strict_keep", "--iters", "1", "--warmup", "0",
+                            "--in-process", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {r["variant"]: r for r in result["rows"]}
+    shape = train_step.SHAPES["tiny"]
+    per_layer = 128 * (2 * shape["hidden_size"] + shape["intermediate_size"]) * 4
+    extra = (rows["strict_keep"]["saved_gib"] - rows["strict"]["saved_gib"]) * 2**30
+    assert round(extra) == 2 * per_layer
+    assert rows["strict"]["loss"] == rows["strict_keep"]["loss"]
+
+
 def test_profile_kernels_adds_a_breakdown_of_one_more_step(capsys):
     code = train_step.main(["--shape", "tiny", "--device", "cpu", "--tokens", "128", "--mean-seq", "24",
                             "--variants", "strict", "--iters", "1", "--warmup", "0", "--in-process", "--profile-kernels"])

@@ -155,6 +155,32 @@ def _hf_grad(hf_grads: dict, name: str) -> torch.Tensor:
     return gate_up[:inter] if proj == "gate_proj" else gate_up[inter:]
 
 
+def test_patched_layers_rebuild_activations_with_the_same_gradient_bits(hf_checkpoints):
+    """The patch shares blocks.py: its layers rebuild the norm / silu_mul outputs in the backward too
+    (rlalign.models.recompute; fp32 on the CPU: 6 saves per layer), and the gradients keep their bits."""
+    from rlalign.models import recompute
+    path = hf_checkpoints[("qwen3", "float32", False)]
+    _quiet()
+    hf = from_pretrained(path)
+    ids, mask = _padded(_sequences((20, 9, 33), seed=4))
+
+    def grads(on: bool):
+        hf.zero_grad(set_to_none=True)
+        before = recompute.pack_count()
+        with (recompute.disabled() if not on else torch.enable_grad()):
+            out = token_logprobs(hf, ids, mask, with_entropy=False)
+        packs = recompute.pack_count() - before
+        (out.logprobs * torch.linspace(-1, 1, out.logprobs.numel()).view(out.logprobs.shape)).sum().backward()
+        return packs, {n: q.grad.clone() for n, q in hf.named_parameters() if q.grad is not None}
+
+    packs_on, on = grads(True)
+    packs_off, off = grads(False)
+    assert packs_on == 6 * hf.config.num_hidden_layers and packs_off == 0
+    assert on.keys() == off.keys() and on
+    for name in on:
+        assert_bitwise_equal(on[name], off[name], name)
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5.2x renames it activation_checkpointing
 def test_gradient_checkpointing_and_packed_gradients(hf_checkpoints):
     path = hf_checkpoints[("qwen3", "float32", False)]
