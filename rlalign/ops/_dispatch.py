@@ -15,7 +15,7 @@ import torch
 
 import rlalign.ops.torch_backend.registry  # noqa: F401  (fills IMPLEMENTATIONS with the torch backend's ops)
 from rlalign.contract.errors import fail
-from rlalign.ops._registry import IMPLEMENTATIONS
+from rlalign.ops._registry import IMPLEMENTATIONS, disabled_ops
 from rlalign.ops.torch_backend import clib
 
 
@@ -77,7 +77,7 @@ def strict_impl(op: str, device: torch.device) -> Callable:
 @functools.lru_cache(maxsize=None)
 def _resolve_impl(op: str, device_type: str, forced: str, disabled: str) -> Callable:
     name = _resolve_backend(device_type, forced)
-    if name == "triton" and op in disabled.replace(" ", "").split(","):
+    if name == "triton" and op in disabled_ops(disabled):
         name = "torch"
     fn = IMPLEMENTATIONS.get((op, name))
     if fn is None:

@@ -15,3 +15,18 @@ def register(op: str, backend: str):
         IMPLEMENTATIONS[(op, backend)] = fn
         return fn
     return deco
+
+
+# Ops whose results must agree bit for bit, so one backend must run all of them: the packed forward rotates with
+# ``rope``, the paged one with ``rope_write_kv``. RLALIGN_TRITON_DISABLE naming one of a group disables the group.
+SAME_BACKEND = (frozenset({"rope", "rope_write_kv"}),)
+
+
+def disabled_ops(names: str) -> frozenset[str]:
+    """The ops ``RLALIGN_TRITON_DISABLE`` (comma-separated names) sends to the torch backend, with the rest of
+    each :data:`SAME_BACKEND` group any of them is in."""
+    ops = {op.strip() for op in names.split(",") if op.strip()}
+    for group in SAME_BACKEND:
+        if ops & group:
+            ops |= group
+    return frozenset(ops)

@@ -154,3 +154,12 @@ def test_triton_kernel_compiles_for_sm90_without_spills():
         fused, alone = by[("rope_write_kv_kernel", dtype)], by[("rope_kernel", dtype)]
         assert fused["fma"] == alone["fma"] == 0, (fused, alone)
         assert fused["mul"] == 2 * alone["mul"] > 0, (fused, alone)
+
+
+def test_disabling_one_of_the_rope_ops_disables_both():
+    """RLALIGN_TRITON_DISABLE naming rope or rope_write_kv sends both to the torch backend: the packed forward's
+    rope and the paged forward's rope_write_kv must come from one backend for their bits to agree."""
+    from rlalign.ops._registry import disabled_ops
+    assert disabled_ops("rope") == {"rope", "rope_write_kv"}
+    assert disabled_ops(" attention_paged , rope_write_kv") == {"attention_paged", "rope", "rope_write_kv"}
+    assert disabled_ops("sample") == {"sample"} and disabled_ops("") == frozenset()

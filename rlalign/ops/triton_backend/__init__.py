@@ -5,9 +5,9 @@ when Triton or a CUDA device is missing (the dispatcher then uses the torch back
 op this backend does not register raises in strict (no fallback); one named in
 ``RLALIGN_TRITON_DISABLE`` (comma-separated op names, e.g. ``attention_paged,sample``) runs on the
 torch backend instead -- a debugging switch: cuBLAS on an H200 breaks properties the torch backend
-relies on, so the contract is not guaranteed for those ops. Set it for both engines of a run alike, and
-name ``rope`` and ``rope_write_kv`` together (the packed forward rotates with the first, the paged one with
-the second: one backend must do both for their bits to agree).
+relies on, so the contract is not guaranteed for those ops. Set it for both engines of a run alike. Ops that
+must agree bit for bit go together (``_registry.SAME_BACKEND``: naming ``rope`` also disables ``rope_write_kv``,
+and the other way round).
 
 Kernels: :mod:`.gemm` (linear, LM head GEMMs), :mod:`.attention`, :mod:`.logprob`,
 :mod:`.elementwise` (rms_norm, rope, silu_mul, rope_write_kv), :mod:`.sample`, :mod:`.grouped` (the MoE experts'
@@ -32,7 +32,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not torch.cuda.is_available() and not _INTERPRET:
     raise ImportError("rlalign triton backend: no CUDA device")
 
-from rlalign.ops._registry import register  # noqa: E402
+from rlalign.ops._registry import disabled_ops, register  # noqa: E402
 from rlalign.ops.triton_backend import attention, combine, elementwise, linear, logprob, moe, route, sample, shard  # noqa: E402
 
 IMPLEMENTATIONS = {
@@ -55,7 +55,7 @@ IMPLEMENTATIONS = {
     "moe_combine": combine.combine,
     **shard.IMPLEMENTATIONS,   # tensor-parallel shard entries (rlalign.ops.shard)
 }
-DISABLED = frozenset(op.strip() for op in os.environ.get("RLALIGN_TRITON_DISABLE", "").split(",") if op.strip())
+DISABLED = disabled_ops(os.environ.get("RLALIGN_TRITON_DISABLE", ""))
 
 if torch.cuda.is_available():
     for _op, _fn in IMPLEMENTATIONS.items():
