@@ -6,7 +6,8 @@
 #   ws      bench/gpu_linear.py --sweep-ws                         WS_S [120]
 #   kpart   bench/gpu_linear.py --sweep-kpart                      KP_S [150]
 #   tests   pytest -n 8 --dist load on TESTS [tests/cuda]            TESTS_S [150]
-#   train   bench/train_step.py --layers 6 --profile-kernels       TR_VARIANTS [strict,native,transformers] TR_ARGS [] TR_S [200]
+#   train   bench/train_step.py --profile-kernels                  TR_LAYERS [6] TR_VARIANTS [strict,native,transformers]
+#                                                                  TR_ARGS [] TR_S [200]
 #   census  bench/gemm_census.py --layers 6                        CENSUS_S [180]
 #   attn    bench/gpu_attention.py $ATTN_ARGS [--sweep-train]      ATTN_S [150]
 #   roll    rlalign bench rollout per workload in ROLL [0.6b-ctx512] ROLL_ENGINES [strict] ROLL_ARGS [] ROLL_S [240]
@@ -34,8 +35,8 @@ for stage in ${STAGES:-}; do
       grep -E "passed|failed|error|FAILED|ERROR" "$OUT/tests.log" | tail -n 25 >> "$SUMMARY" ;;
     train)
       # shellcheck disable=SC2086
-      run_stage train "${TR_S:-200}" $PY bench/train_step.py --device cuda --layers 6 \
-        --variants "${TR_VARIANTS:-strict,native,transformers}" --profile-kernels ${TR_ARGS:-} --out "$OUT/train_step_6l.json"
+      run_stage train "${TR_S:-200}" $PY bench/train_step.py --device cuda --layers "${TR_LAYERS:-6}" \
+        --variants "${TR_VARIANTS:-strict,native,transformers}" --profile-kernels ${TR_ARGS:-} --out "$OUT/train_step_${TR_LAYERS:-6}l.json"
       grep -B2 -A14 "^train step" "$OUT/train.log" | head -n 20 >> "$SUMMARY" ;;
     census)
       run_stage census "${CENSUS_S:-180}" $PY bench/gemm_census.py --device cuda --layers 6 --out "$OUT/census"
