@@ -224,13 +224,6 @@ def lp_pair(call):
     return ours, cublas, "matmul(h, w.T) (bf16 [T, V] logits; ours also fuses the softmax statistics / dz)"
 
 
-def replay_ms(fn, sets) -> float:
-    """ms of one ``fn(*set)``: a CUDA graph replaying every set once, median replay time / sets."""
-    from rlalign.bench.cuda_timing import bench_ms, graphed
-    replay = graphed(lambda: [fn(*s) for s in sets])
-    return bench_ms(replay) / len(sets)
-
-
 def check_launch(call, ours, one_set) -> str | None:
     """The replay's launch must be the census's (same entry, kernel and config): None, or what differs."""
     from rlalign.ops import gemm_census
@@ -252,6 +245,7 @@ def operand_bytes(call) -> int:
 def time_row(row: dict, device) -> None:
     import torch
     from gpu_linear import rotating
+    from rlalign.bench.cuda_timing import replay_ms_per_set
     call = row["_call"]
     lp = call.entry != "gemm"
     ours, cublas, form = lp_pair(call) if lp else gemm_pair(call)
@@ -263,7 +257,7 @@ def time_row(row: dict, device) -> None:
         row["error"] = bad
         return
     try:
-        row["ours_ms"], row["cublas_ms"] = replay_ms(ours, sets), replay_ms(cublas, sets)
+        row["ours_ms"], row["cublas_ms"] = replay_ms_per_set(ours, sets), replay_ms_per_set(cublas, sets)
         row["timing"] = "graph"
     except Exception as exc:  # noqa: BLE001 - said in the row: timed eagerly instead
         from gpu_linear import timed

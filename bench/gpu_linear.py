@@ -190,8 +190,8 @@ def split_label(cfg) -> str:
 
 def _graph_ms(fn, sets) -> float:
     """ms per input set of one CUDA-graph replay running ``fn(*set)`` on every set (the sweeps' one timer)."""
-    from rlalign.bench.cuda_timing import bench_ms, graphed
-    return bench_ms(graphed(lambda: [fn(*s) for s in sets]), warmup=10, rep=50) / len(sets)
+    from rlalign.bench.cuda_timing import replay_ms_per_set
+    return replay_ms_per_set(fn, sets, warmup=10, rep=50)
 
 
 def print_progress(t0: float, layer: str, m: int, row: dict, width: int) -> None:

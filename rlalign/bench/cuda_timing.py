@@ -42,6 +42,12 @@ def graphed(fn: Callable[[], object], capture_context: Callable[[], object] | No
     return graph.replay
 
 
+def replay_ms_per_set(fn: Callable[..., object], sets: list, warmup: int = 25, rep: int = 100) -> float:
+    """ms per input set of one CUDA-graph replay that runs ``fn(*set)`` on every set (rotating copies keep the
+    operands out of L2; the sweeps and the GEMM census time with it)."""
+    return bench_ms(graphed(lambda: [fn(*s) for s in sets]), warmup=warmup, rep=rep) / len(sets)
+
+
 def watched(what: str, fn: Callable[[], object], seconds: float):
     """fn() followed by a device synchronize; past ``seconds`` (a hung kernel never returns) print ``what`` and end
     the process with exit code 3, so a sweep or a test run names the case instead of hanging."""
