@@ -160,6 +160,16 @@ class _Session:
         return packed
 
 
+def _active_hooks():
+    """The saved-tensor hooks already active (torch.utils.checkpoint's, a test's), or None. Private torch API
+    (present in torch 2.8-2.13); without it the session cannot compose with them: a one-line error."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        raise RLAlignError(f"recompute: torch {torch.__version__} does not expose the active saved-tensor hooks; "
+                           "turn recomputation off (rlalign.models.recompute.set_enabled(False))")
+    return top(False)
+
+
 def _under_checkpoint(outer) -> bool:
     return outer is not None and getattr(outer[0], "__module__", "") == "torch.utils.checkpoint"
 
@@ -170,7 +180,7 @@ def layer_session():
     if not (_ENABLED and torch.is_grad_enabled() and current_profile() is Profile.STRICT):
         yield
         return
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer = _active_hooks()
     if _under_checkpoint(outer):
         yield
         return
