@@ -42,8 +42,9 @@ counts the tokens whose bits differ (strict: must be 0; native promises nothing)
 Decode steps (every running sequence feeds one token; the last timed call's) are measured one by one:
 ``decode_step_ms`` (wall time of ``engine.step()``, which returns after the sampled tokens reached the
 host; with overlapped scheduling the next step is already queued then, so this is the period between
-two completed steps), ``forward_gpu_ms`` (CUDA events around the graph replay: the GPU time of the
-captured forward and the sampler and logprob op captured with it; graph steps only),
+two completed steps; ``decode_step_ms_median`` / ``_max``: its median and longest, a long tail is host
+stalls; the steps run with the garbage collector paused, as ``engine.generate()`` runs them),
+``forward_gpu_ms`` (CUDA events around the graph replay: the GPU time of the captured forward and the sampler and logprob op captured with it; graph steps only),
 ``host_ms_per_step`` = decode_step_ms - forward_gpu_ms (scheduling, batch building, copies,
 bookkeeping: the host time on the critical path; with ``--overlap on`` the part of it not hidden behind
 the device, and the row's ``overlap`` / ``overlapped_steps`` say whether and how often steps overlapped),
@@ -89,6 +90,7 @@ from rlalign.models.checkpoint import load_model, load_model_config, resolve_dty
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from rlalign.rollout.engine import collector_paused
 
 HELP = "rollout tokens/s: rlalign engine (strict, native) vs transformers generate"
 ENGINES = ("strict", "native", "transformers")
@@ -475,22 +477,8 @@ def _generate_step_by_step(engine: RolloutEngine, prompts, sampling,
     ids = [engine.add_request(p, sampling, prompt_index=i) for i, p in enumerate(prompts)]
     done, steps = {}, []
     try:
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            # returns once the step's sampled tokens are on the host (with overlap the next step is then
-            # already queued on the device: the wall time is the period between two completed steps)
-            outputs = engine.step()
-            seconds = time.perf_counter() - t0
-            info, events = engine.last_forward, engine.last_step_events   # of the step step() completed
-            if info is not None and info["decode"]:
-                steps.append(DecodeStep(info["rows"], info["context_tokens"], seconds, events,
-                                        graphs.last_checks if events is not None else 0,
-                                        engine.last_step_wait_seconds, profiled=profile is not None and profile.running))
-                if profile is not None and not profile.running:
-                    profile.start()
-            for out in outputs:
-                if out.completion is not None:
-                    done[(out.request_id, out.sample_index)] = out.completion
+        with collector_paused():   # as engine.generate() runs its steps
+            _step_loop(engine, graphs, steps, done, profile)
     except BaseException:
         engine.abort_all()
         raise
@@ -498,6 +486,26 @@ def _generate_step_by_step(engine: RolloutEngine, prompts, sampling,
         if profile is not None and profile.running:
             profile.stop()
     return [done[(rid, j)] for rid in ids for j in range(sampling.n)], steps
+
+
+def _step_loop(engine: RolloutEngine, graphs, steps: list[DecodeStep], done: dict, profile) -> None:
+    """Step the engine until it is idle, recording each decode step (DecodeStep) and each finished sample."""
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        # returns once the step's sampled tokens are on the host (with overlap the next step is then
+        # already queued on the device: the wall time is the period between two completed steps)
+        outputs = engine.step()
+        seconds = time.perf_counter() - t0
+        info, events = engine.last_forward, engine.last_step_events   # of the step step() completed
+        if info is not None and info["decode"]:
+            steps.append(DecodeStep(info["rows"], info["context_tokens"], seconds, events,
+                                    graphs.last_checks if events is not None else 0,
+                                    engine.last_step_wait_seconds, profiled=profile is not None and profile.running))
+            if profile is not None and not profile.running:
+                profile.start()
+        for out in outputs:
+            if out.completion is not None:
+                done[(out.request_id, out.sample_index)] = out.completion
 
 
 def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | None, counts=None) -> dict:
@@ -516,6 +524,7 @@ def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | No
            "decode_context_mean": round(sum(s.context_tokens for s in steps) / sum(s.rows for s in steps), 1),
            "decode_step_ms": round(1e3 * wall / len(steps), 3),
            "decode_step_ms_median": round(1e3 * statistics.median(s.seconds for s in steps), 3),
+           "decode_step_ms_max": round(1e3 * max(s.seconds for s in steps), 3),
            "decode_tokens_per_s": round(sum(s.rows for s in steps) / wall, 1),
            "host_busy_ms_per_step": round(1e3 * sum(s.seconds - s.wait_seconds for s in steps) / len(steps), 3),
            "bytes_per_decode_step": round(total / len(steps)),

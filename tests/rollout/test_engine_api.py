@@ -230,3 +230,33 @@ def test_native_profile_runs_and_is_close_to_the_trainer(model):
     ref = trainer_logprobs(model, out, 1.0)
     for c, r in zip(out, ref):
         assert_close_report(torch.tensor(c.logprobs), r, atol=1e-4, rtol=1e-4, what="native vs strict trainer")
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_generate_pauses_the_garbage_collector_and_restores_it(model, monkeypatch, enabled_before):
+    """generate()'s steps run with the cyclic collector off (a full collection inside a rollout is a host stall
+    on one decode step); afterwards it is as it was, also when a step raises."""
+    import gc
+    engine = small_engine(model)
+    seen = []
+    step = engine._step
+
+    def recording_step(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_step", recording_step)
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert seen and not any(seen) and gc.isenabled() == enabled_before
+
+        def failing_step(*args, **kwargs):
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(engine, "_step", failing_step)
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=3))
+        assert gc.isenabled() == enabled_before and not engine.has_unfinished()
+    finally:
+        gc.enable()
