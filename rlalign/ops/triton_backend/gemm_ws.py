@@ -8,10 +8,10 @@ order onto the same accumulator, restarting from zero only at a segment's start;
 accumulates onto a tile of +0.0, as the default kernel's PTX does: its wgmma always has scale-d = 1 and its
 accumulator starts as zeros -- not ``use_acc=False``, which could differ in the sign of a zero sum), the P fp32
 partials merge by the fixed tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (left + right, a subtree as soon as both
-halves exist), then ``+ bias[n]`` in fp32 and one rounding to the output dtype (or an fp32 store). The tile shape only decides
-which warpgroup computes an element (the H200 sweeps of sessions 8-11 found 64x64 / 64x128 / 128x128
-``wgmma`` tiles bit-equal); the order of the k16 chunks and where an accumulation restarts from zero are the
-same as the default kernel's.
+halves exist), then ``+ bias[n]`` in fp32 and one rounding to the output dtype (or an fp32 store). The tile
+shape only decides which warpgroup computes an element (the H200 sweeps of sessions 8-11 found 64x64 / 64x128 /
+128x128 ``wgmma`` tiles bit-equal); the order of the k16 chunks and where an accumulation restarts from zero are
+the same as the default kernel's.
 
 Supported (anything else raises :class:`GemmWsUnsupported` naming the shape; the dispatcher in
 :mod:`.gemm` selects this kernel only where :func:`supported` holds): bf16 operands, A [M, K] row-major
