@@ -75,8 +75,12 @@ def _worker() -> None:
                         "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
                                                          ptx)),
                         **_release_structure(ptx, cfg)})
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_linear
     print("RESULTS " + json.dumps({"results": results, "unsupported": _unsupported_calls(W),
-                                   "selection": _selection()}))
+                                   "selection": _selection(),
+                                   "sweep_labels": [gpu_linear.ws_label(c) for c in W.WS_CANDIDATES],
+                                   "sweep_subset": [gpu_linear.ws_label(c) for c in gpu_linear.ws_candidates("0,2")]}))
 
 
 def _release_structure(ptx: str, cfg) -> dict:
@@ -234,6 +238,14 @@ def test_ws_dispatcher_selects_only_when_enabled_and_supported(sm90_ws):
     assert sel["off"] == "None", sel
     assert sel["on"] == sel["default_ws"], sel
     assert sel["on_fp32"] == "None" and sel["on_bad_k"] == "None", sel
+
+
+def test_ws_sweep_names_every_candidate_apart(sm90_ws):
+    """bench/gpu_linear.py --sweep-ws's table and refusal list name launches by ws_label: every WS_CANDIDATES launch
+    a different name; --ws-candidates picks by index."""
+    labels = sm90_ws["sweep_labels"]
+    assert len(set(labels)) == len(labels), labels
+    assert sm90_ws["sweep_subset"] == [labels[0], labels[2]], sm90_ws["sweep_subset"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
