@@ -41,8 +41,8 @@ default and cuBLAS at M 462 / 1,024 / 4,096 / 16,384 on the 8B o_proj and down_p
 refused unless bit-equal to the default (the first differing index and values are printed); a table and the one-line
 change (bench_linear_sweep_ws.*). Bounded for one GPU call (<= 90 s): later cases are skipped past 75 s (the
 candidates in WS_CANDIDATES order, one compile each); a launch that hangs ends the run naming it.
-``--ws-candidates 0,1,2,3`` times only those WS_CANDIDATES indices (e.g. the default and the session-14 launches). No CPU smoke: Gluon has no interpreter (the CPU
-compile of tests/ops/test_gemm_ws_compile.py stands in for it).
+``--ws-candidates 0,1,2,3`` times only those WS_CANDIDATES indices (e.g. the default and the session-14 launches).
+No CPU smoke: Gluon has no interpreter (the CPU compile of tests/ops/test_gemm_ws_compile.py stands in for it).
 
 Writes bench_linear.csv / bench_linear.json to $OUT (or --out, default bench/).
 """
