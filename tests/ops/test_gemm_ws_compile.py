@@ -31,6 +31,10 @@ LAYOUTS = (("forward", 8, True, "bf16"), ("dX layout fp32 out", 8, False, "fp32"
 # a k-step's window in the consumer's PTX: from its wgmma.wait_group 1 (the previous chain done) to the next k-step's
 # wait for its operands; the stage release sits in it
 KSTEP_WINDOW = re.compile(r"wgmma\.wait_group\.sync\.aligned 1;(.*?)mbarrier\.try_wait", re.S)
+# out_alias: a level-1 write waits for the previous TMA store's read of the buffer, then a consumer-wide barrier, then
+# the shared-memory stores
+ALIAS_GUARD = re.compile(r"cp\.async\.bulk\.wait_group\.read\s+0;[^\n]*\n(?:(?!st\.shared)[^\n]*\n)*?\s*bar\.sync[^\n]*\n"
+                         r"(?:(?!st\.shared)[^\n]*\n)*?\s*st\.shared")
 RELEASE = re.compile(r"(?:cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64|mbarrier\.arrive\.shared::cta\.b64 _,)")
 
 
@@ -90,6 +94,7 @@ def _release_structure(ptx: str, cfg) -> dict:
     before_release = [w[:m.start()].count("bar.sync") for w in windows if (m := RELEASE.search(w))]
     return {"release": cfg.release, "consumer_threads": 32 * cfg.num_warps,
             "kstep_bar_syncs": [w.count("bar.sync") for w in windows], "bar_syncs_before_release": before_release,
+            "alias_guarded_windows": [i for i, w in enumerate(windows) if ALIAS_GUARD.search(w)],
             "cta_arrives": ptx.count("mbarrier.arrive.shared::cta.b64 _,"),
             "thread_arrives": ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64"),
             "barrier_init_counts": sorted(set(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx)))}
@@ -210,12 +215,15 @@ def test_ws_stage_release_barriers(sm90_ws):
         if "error" in r:
             continue
         windows, before = r["kstep_bar_syncs"], r["bar_syncs_before_release"]
+        # out_alias: exactly the two level-1 writes (segments 2 and 6's first windows) wait for the TMA store's read
+        # of the buffer and then pass a consumer-wide barrier before their shared-memory stores
+        assert r["alias_guarded_windows"] == ([4, 12] if r["out_alias"] else []), r
         # 8 segments, two wait_group-1 sites each (a segment's first chain and its k-step loop); all but the first
         # (segment 0's start) release a stage
         assert len(windows) == 2 * r["segments"] and len(before) == 2 * r["segments"] - 1, r
         if r["release"] == "thread":
             assert before == [0] * len(before), r
-            level1_writes = {4, 12} if r["out_alias"] else set()   # window 2 * s: segment s's first chain
+            level1_writes = {4, 12} if r["out_alias"] else set()
             assert [w for i, w in enumerate(windows) if i not in level1_writes and w > 1] == [], r
             assert [windows[i] for i in sorted(level1_writes)] == [2] * len(level1_writes), r
             assert r["cta_arrives"] == 0 and r["thread_arrives"] >= len(before) + 1, r
