@@ -70,8 +70,12 @@ Design (what the kernel does and why):
   stack live at once. Level 2 in a global fp32 workspace (a per-program [BM, BN] slot, each thread reloading its
   own elements; it would free 64 KiB for two more 128x128 stages): built and compiled in session 14, it spilled
   (52-64 bytes at 128x128/5 stages): the slot's 32 addresses per thread became separate 64-bit registers (not
-  one base + immediates), hoisted or shared between the store and the load; not kept. Ping-pong consumers (two
-  warpgroups on different tiles) not tried.
+  one base + immediates), hoisted or shared between the store and the load; not kept. One tree buffer (s0+s1
+  waiting in it, overwritten in place by s0+..+s3, s4+s5 in registers: 5 stages of 128x128): built and compiled
+  in session 14, it spilled (44 bytes forward, 520 and C7512 on the dX layout): s7's k-step loop then carries 3
+  tiles (the accumulator, s6, s4+s5), where ptxas fits 3 only in straight-line code (segment ends); with 8
+  segments 4 values are live during s7, so 2 of them wait in shared memory whatever the order. Ping-pong
+  consumers (two warpgroups on different tiles) not tried.
 
 Status: every candidate but :data:`WS_CANDIDATES_S14` (compiled on a CPU only) ran on an H200 (release="cta" in
 session 12, release="thread" in session 13), bit-equal to the Triton kernel at every case of bench/gpu_linear.py
