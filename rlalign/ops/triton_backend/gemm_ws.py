@@ -27,8 +27,8 @@ Design (what the kernel does and why):
 * Warp-specialized. A one-warp producer partition streams every k-step of the program's tiles, in order,
   through a ring of STAGES shared-memory stages with TMA (``cp.async.bulk.tensor``), an mbarrier ``ready``
   (expect-tx bytes) and ``empty`` (released by the consumer) per stage. Segments do not exist for the
-  producer: with SEG_K a multiple of BK (64 or 32), segment s's step j is the global k-step s * steps + j, so its loads
-  run straight across segment ends and tile ends and never wait for a tree merge or an epilogue.
+  producer: with SEG_K a multiple of BK (64 or 32), segment s's step j is the global k-step s * steps + j, so its
+  loads run straight across segment ends and tile ends and never wait for a tree merge or an epilogue.
 * The consumer is the default partition (4 warps: BM = 64, one warpgroup; 8 warps: BM = 128, two warpgroups, 64
   rows each). Per k-step it issues one async ``wgmma`` chain (BM x BN x BK from shared memory), then
   ``wgmma.wait_group 1`` (the previous k-step's chain is done, the newest stays in flight) and releases the
@@ -79,10 +79,9 @@ Design (what the kernel does and why):
 
 Status: every candidate but :data:`WS_CANDIDATES_S14` (compiled on a CPU only) ran on an H200 (release="cta" in
 session 12, release="thread" in session 13), bit-equal to the Triton kernel at every case of bench/gpu_linear.py
---sweep-ws; the default is 64x128 x5 with
-release="thread" since session 13. tests/cuda/test_cuda_gemm_ws.py compares every candidate's raw bits with the
-Triton kernel's (55 passed on the H200, session 13), and bench/gpu_linear.py --sweep-ws refuses any configuration
-that is not bit-equal.
+--sweep-ws; the default is 64x128 x5 with release="thread" since session 13. tests/cuda/test_cuda_gemm_ws.py
+compares every candidate's raw bits with the Triton kernel's (55 passed on the H200, session 13; the session-14
+launches not yet), and bench/gpu_linear.py --sweep-ws refuses any configuration that is not bit-equal.
 """
 
 from __future__ import annotations
@@ -515,5 +514,5 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, o
     return out
 
 
-__all__ = ["WsConfig", "DEFAULT_WS", "WS_CANDIDATES", "WS_CANDIDATES_S14", "GemmWsUnsupported", "gemm_ws", "supported",
-           "unsupported_reason", "shared_bytes"]
+__all__ = ["WsConfig", "DEFAULT_WS", "WS_CANDIDATES", "WS_CANDIDATES_S14", "GemmWsUnsupported", "gemm_ws",
+           "supported", "unsupported_reason", "shared_bytes"]
