@@ -69,8 +69,9 @@ Design (what the kernel does and why):
   chains complete together, so each pair end drains the wgmma pipeline anyway, with both partials and the
   stack live at once. Level 2 in a global fp32 workspace (a per-program [BM, BN] slot, each thread reloading its
   own elements; it would free 64 KiB for two more 128x128 stages): built and compiled in session 14, it spilled
-  (32-64 bytes at 128x128/5 stages): the slot's 32 addresses per thread became separate 64-bit registers (not
-  one base + immediates), hoisted or shared between the store and the load; not kept. One tree buffer (s0+s1
+  (32-64 bytes at 128x128/5 stages; the consumer is at R229 of 240 without it): its PTX holds the slot's 32
+  addresses per thread as separate 64-bit values, hoisted to the tile's start or shared between the store and
+  the load (per-use addresses did not help); not kept. One tree buffer (s0+s1
   waiting in it, overwritten in place by s0+..+s3, s4+s5 in registers: 5 stages of 128x128): built and compiled
   in session 14, it spilled (44 bytes forward, 520 and C7512 on the dX layout): s7's k-step loop then carries 3
   tiles (the accumulator, s6, s4+s5), where ptxas fits 3 only in straight-line code (segment ends); with 8
