@@ -17,7 +17,7 @@ inputs; ``op_vs_flinear`` = F.linear time / ops.linear time (> 1: ours faster). 
 kernel-only ``ratio``, are the figures a model sees.
 
     python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick] [--sweep-small] [--sweep-mid]
-                               [--sweep-kpart] [--sweep-ws]
+                               [--sweep-kpart] [--sweep-ws [--ws-candidates I,J,...]]
 
 ``--sweep-small``: only the decode-size K-partition split (M 1-64, k_segments 8, the 8B and 0.6B o_proj /
 down_proj shapes): candidate launches (gemm.SegmentSplitConfig: block N, warps, stages, the tree kernel's
@@ -39,9 +39,10 @@ one-line change to gemm.py (bench_linear_sweep_kpart.*). Bounded for one GPU cal
 ``--sweep-ws``: only the warp-specialized Gluon K-partition kernel (gemm_ws.py): gemm_ws.WS_CANDIDATES vs the
 default and cuBLAS at M 462 / 1,024 / 4,096 / 16,384 on the 8B o_proj and down_proj (k_segments 8), graph replays,
 refused unless bit-equal to the default (the first differing index and values are printed); a table and the one-line
-change (bench_linear_sweep_ws.*). Bounded for one GPU call (<= 90 s): 4 candidates (one compile each), later cases are
-skipped past 75 s; a launch that hangs ends the run naming it. No CPU smoke: Gluon has no interpreter (the CPU
-compile of tests/ops/test_gemm_ws_compile.py stands in for it).
+change (bench_linear_sweep_ws.*). Bounded for one GPU call (<= 90 s): later cases are skipped past 75 s (the
+candidates in WS_CANDIDATES order, one compile each); a launch that hangs ends the run naming it.
+``--ws-candidates 0,1,2,3`` times only those WS_CANDIDATES indices (e.g. the default and the session-14 launches).
+No CPU smoke: Gluon has no interpreter (the CPU compile of tests/ops/test_gemm_ws_compile.py stands in for it).
 
 Writes bench_linear.csv / bench_linear.json to $OUT (or --out, default bench/).
 """
@@ -468,8 +469,21 @@ WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
 
 
 def ws_label(cfg) -> str:
-    return (f"gluon {cfg.block_m}x{cfg.block_n}/s{cfg.stages}" + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "")
-            + (f"/{cfg.release}" if cfg.release != "cta" else ""))
+    return (f"gluon {cfg.block_m}x{cfg.block_n}/s{cfg.stages}" + (f"/k{cfg.block_k}" if cfg.block_k != 64 else "")
+            + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "") + (f"/{cfg.release}" if cfg.release != "cta" else "")
+            + ("/out_alias" if cfg.out_alias else ""))
+
+
+def ws_candidates(only: str | None) -> tuple:
+    """gemm_ws.WS_CANDIDATES, or the ones at the comma-separated indices ``only`` (an unknown index: SystemExit)."""
+    from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES
+    if only is None:
+        return WS_CANDIDATES
+    try:
+        return tuple(WS_CANDIDATES[int(i)] for i in only.split(","))
+    except (ValueError, IndexError):
+        raise SystemExit(f"--ws-candidates {only!r}: comma-separated indices of gemm_ws.WS_CANDIDATES "
+                         f"(0..{len(WS_CANDIDATES) - 1})") from None
 
 
 def _watched(what: str, fn):
@@ -477,9 +491,9 @@ def _watched(what: str, fn):
     return watched(what, fn, WS_WATCHDOG_S)
 
 
-def sweep_ws() -> list[dict]:
+def sweep_ws(candidates: tuple) -> list[dict]:
     from rlalign.ops.triton_backend.gemm import gemm
-    from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES, triton_kernel_only
+    from rlalign.ops.triton_backend.gemm_ws import triton_kernel_only
     rows, t0 = [], time.time()
     for name, n, k in WS_SHAPES:
         g = torch.Generator(device="cuda").manual_seed(n + k)
@@ -496,7 +510,7 @@ def sweep_ws() -> list[dict]:
             rows.append({"kind": "sweep-ws", "layer": name, "M": m, "N": n, "K": k, "config": "default",
                          "label": "Triton kernel", "cublas_ms": round(base, 4), "graph_ms": round(default_ms, 4),
                          "ratio": round(base / default_ms, 3), "bits": "equal", "vs_default": 1.0})
-            for cfg in WS_CANDIDATES:
+            for cfg in candidates:
                 row = {"kind": "sweep-ws", "layer": name, "M": m, "N": n, "K": k, "config": repr(cfg),
                        "label": ws_label(cfg), "cublas_ms": round(base, 4)}
 
@@ -606,11 +620,16 @@ def parser() -> argparse.ArgumentParser:
                     help="only the warp-specialized Gluon K-partition kernel: gemm_ws.WS_CANDIDATES at M in "
                          + "/".join(map(str, WS_M)) + " on the 8B o_proj/down_proj (k_segments 8) vs the default and "
                          "cuBLAS, graph replays, each refused unless bit-equal to the default")
+    ap.add_argument("--ws-candidates", metavar="I,J,...",
+                    help="with --sweep-ws: only these indices of gemm_ws.WS_CANDIDATES (default: all)")
     return ap
 
 
 def main() -> int:
     args = parser().parse_args()
+    if args.ws_candidates is not None and not args.sweep_ws:
+        print("gpu_linear: --ws-candidates only applies to --sweep-ws")
+        return 2
     if not torch.cuda.is_available():
         print("gpu_linear: no CUDA device")
         return 1
@@ -619,7 +638,8 @@ def main() -> int:
     if args.sweep_small:
         return run_sweep(args.out, "linear_sweep_small", sweep_small, print_small)
     if args.sweep_ws:
-        return run_sweep(args.out, "linear_sweep_ws", sweep_ws, print_ws)
+        candidates = ws_candidates(args.ws_candidates)
+        return run_sweep(args.out, "linear_sweep_ws", lambda: sweep_ws(candidates), print_ws)
     if args.sweep_kpart:
         return run_sweep(args.out, "linear_sweep_kpart", sweep_kpart, print_kpart)
     if args.sweep_mid:

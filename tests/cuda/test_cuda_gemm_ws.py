@@ -47,16 +47,19 @@ def _case_failures(gemm, cfg, m, n, k, segments, b_trans, has_bias, out_dtype, s
 @pytest.mark.parametrize("segments", (2, 4, 8))
 def test_ws_forward_bits_equal_default(triton_backend, segments):
     """y = x W^T (+ bias) for the linear forward's layout: every candidate config, M in M_VALUES, N a multiple
-    of 64 and not (200), K with one and several k-steps per segment, bias or not, bf16 or fp32 output."""
+    of 64 and not (200), K with one and several k-steps per segment, bias or not, bf16 or fp32 output. Every
+    case for the default and the launches never run before (WS_CANDIDATES_S14: 128x128 tiles, the output tile in
+    level 1's buffer, 32-column stages); one variant on the large shape for the others."""
     from rlalign.ops.triton_backend.gemm import gemm
-    from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES
+    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, WS_CANDIDATES, WS_CANDIDATES_S14
     bad = []
-    for i, cfg in enumerate(WS_CANDIDATES):
+    for cfg in WS_CANDIDATES:
+        every_case = cfg == DEFAULT_WS or cfg in WS_CANDIDATES_S14
         for m in M_VALUES:
             for n, k in ((200, segments * 64), (4096, 4096 if segments != 8 else 12288), (1000, segments * 192)):
                 for has_bias, out_dtype in ((False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)):
-                    if i and ((n, k) != (4096, 4096 if segments != 8 else 12288) or not has_bias
-                              or out_dtype != torch.bfloat16):
+                    if not every_case and ((n, k) != (4096, 4096 if segments != 8 else 12288) or not has_bias
+                                           or out_dtype != torch.bfloat16):
                         continue   # the other configs: one variant on the large shape (compiles: test time)
                     bad += _case_failures(gemm, cfg, m, n, k, segments, True, has_bias, out_dtype, m + n + k)
     assert not bad, f"{len(bad)} case(s) differ from the default kernel:\n" + "\n".join(bad)
@@ -101,20 +104,24 @@ def test_ws_unsupported_shapes_raise(triton_backend):
         gemm(x.float()[:, :512], w.float()[:, :512], b_trans=True, segments=8, ws=DEFAULT_WS)
 
 
-def test_ws_shape_class_bits_equal_default(triton_backend):
+# one case per WS_CANDIDATES_S14 launch (an index past its end fails: IndexError)
+@pytest.mark.parametrize("which", ("default", "s14-0", "s14-1", "s14-2"))
+def test_ws_shape_class_bits_equal_default(triton_backend, which):
     """The shape class, not instances: random M (1..2,100), N (multiples of 8, 8..1,032: the output's 16-byte rows),
     k-steps per segment (1..4) and P, with bias and a bf16 output (M, N and the k-steps are not specialisations: no
-    new compile). Every failing example is collected before the test fails."""
+    new compile), for the default launch and each of WS_CANDIDATES_S14. Every failing example is collected before
+    the test fails."""
     from hypothesis import Phase, given, settings, strategies as st
     from rlalign.ops.triton_backend.gemm import gemm
-    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS
+    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, WS_CANDIDATES_S14
+    cfg = DEFAULT_WS if which == "default" else WS_CANDIDATES_S14[int(which[-1])]
     bad = []
 
     @settings(max_examples=30, deadline=None, derandomize=True, database=None,
               phases=(Phase.explicit, Phase.generate))
     @given(m=st.integers(1, 2100), n8=st.integers(1, 129), steps=st.integers(1, 4), segments=st.sampled_from([2, 4, 8]))
     def check(m, n8, steps, segments):
-        bad.extend(_case_failures(gemm, DEFAULT_WS, m, 8 * n8, segments * steps * 64, segments, True, True,
+        bad.extend(_case_failures(gemm, cfg, m, 8 * n8, segments * steps * 64, segments, True, True,
                                   torch.bfloat16, m * 7 + n8))
 
     check()

@@ -1,10 +1,11 @@
 """The Gluon K-partition GEMM (gemm_ws.py) compiled for Hopper (sm_90a) on the CPU, no GPU needed.
 
-One subprocess (the fake sm_90 driver must be active before the backend imports) compiles the kernel as the
-launcher builds it for the linear forward (P = 8, W [N, K], bias, bf16 out: the configuration with the
-deepest tree) and for the trainer's dX layout (P = 1, B [K, N], fp32 out), runs Triton's ptxas -v on the PTX
-and reports. Checked here: no spills and no wgmma serialization (ptxas), the shared memory the module
-documents (gemm_ws.shared_bytes + the mbarriers), and the structure the bit-exactness argument rests on:
+One subprocess (the fake sm_90 driver must be active before the backend imports) compiles EVERY launch in
+gemm_ws.WS_CANDIDATES as the launcher builds it, for the linear forward (P = 8, W [N, K], bias, bf16 out: the
+deepest tree) and for the trainer's dX layout (B [K, N], P = 8, fp32 out: the largest shared-memory footprint),
+runs Triton's ptxas -v on the PTX and reports (18 compiles, ~1 min uncached). Checked here: no spills and no
+wgmma serialization (ptxas), the shared memory the module documents (gemm_ws.shared_bytes + the mbarriers, within
+227 KiB), and the structure the bit-exactness argument rests on:
 two wgmma chains per segment (its start and its k-step loop), every wgmma with scale-d = 1 as in the default
 kernel's PTX (a segment starts from a +0.0 tile, not from scale-d = 0), the wgmma pipeline drains
 (wait_group 0) once per tile only, and the TMA loads are issued from one loop (two load sites: A and B).
@@ -13,6 +14,7 @@ Skips when this Triton cannot compile Gluon for sm_90a here (no ptxas, no Gluon)
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -24,17 +26,15 @@ from tests.workers import collect, spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-# (name, P, b_trans, output, WS_CANDIDATES index): the 128x64 candidate (two consumer warpgroups, level 1 of the
-# tree in registers) on the forward's layout, and the default 64x128 launch (levels 1 and 2 of the tree in shared
-# memory, the largest output tile) on the dX layout (B [K, N]) with an fp32 output
-CASES = (("forward P=8 128x64", 8, True, "bf16", 3), ("dX layout P=8 64x128 (default) fp32 out", 8, False, "fp32", 0),
-         # the per-thread stage release (WsConfig.release="thread"): every such candidate, on the other layout than
-         # its tile shape's case above
-         ("forward P=8 64x128 release=thread", 8, True, "bf16", 1),
-         ("dX layout P=8 128x64 release=thread fp32 out", 8, False, "fp32", 2))
+# (layout name, P, b_trans, output): every WS_CANDIDATES launch is compiled on both
+LAYOUTS = (("forward", 8, True, "bf16"), ("dX layout fp32 out", 8, False, "fp32"))
 # a k-step's window in the consumer's PTX: from its wgmma.wait_group 1 (the previous chain done) to the next k-step's
 # wait for its operands; the stage release sits in it
 KSTEP_WINDOW = re.compile(r"wgmma\.wait_group\.sync\.aligned 1;(.*?)mbarrier\.try_wait", re.S)
+# out_alias: a level-1 write waits for the previous TMA store's read of the buffer, then a consumer-wide barrier, then
+# the shared-memory stores
+ALIAS_GUARD = re.compile(r"cp\.async\.bulk\.wait_group\.read\s+0;[^\n]*\n(?:(?!st\.shared)[^\n]*\n)*?\s*bar\.sync[^\n]*\n"
+                         r"(?:(?!st\.shared)[^\n]*\n)*?\s*st\.shared")
 RELEASE = re.compile(r"(?:cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64|mbarrier\.arrive\.shared::cta\.b64 _,)")
 
 
@@ -57,8 +57,8 @@ def _worker() -> None:
     W.kpart_ws_kernel.run = compile_only
     bf = torch.bfloat16
     results = []
-    for name, segments, b_trans, out, cand in CASES:
-        cfg = W.WS_CANDIDATES[cand]
+    for (layout, segments, b_trans, out), (cand, cfg) in itertools.product(LAYOUTS, enumerate(W.WS_CANDIDATES)):
+        name = f"{layout} P={segments} WS_CANDIDATES[{cand}] {cfg}"
         out_dtype = torch.bfloat16 if out == "bf16" else torch.float32
         x, w = torch.empty(4096, 4096, dtype=bf), torch.empty(4096, 4096, dtype=bf)
         try:
@@ -70,7 +70,7 @@ def _worker() -> None:
         kernel = compiled[-1]
         ptx = kernel.asm["ptx"]
         results.append({"case": name, "segments": segments, "smem": kernel.metadata.shared, "b_trans": b_trans,
-                        "block_n": cfg.block_n,
+                        "block_n": cfg.block_n, "block_k": cfg.block_k, "out_alias": cfg.out_alias,
                         "expected_smem": W.shared_bytes(cfg, out_dtype, segments), "stages": cfg.stages,
                         "ptxas": ptxas_report(ptx, timeout=120),
                         "scale_d_zero": len(re.findall(r"wgmma\.mma_async[^\n]*\}, %rd\d+, %rd\d+, 0,", ptx)),
@@ -79,8 +79,12 @@ def _worker() -> None:
                         "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
                                                          ptx)),
                         **_release_structure(ptx, cfg)})
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_linear
     print("RESULTS " + json.dumps({"results": results, "unsupported": _unsupported_calls(W),
-                                   "selection": _selection()}))
+                                   "selection": _selection(),
+                                   "sweep_labels": [gpu_linear.ws_label(c) for c in W.WS_CANDIDATES],
+                                   "sweep_subset": [gpu_linear.ws_label(c) for c in gpu_linear.ws_candidates("0,2")]}))
 
 
 def _release_structure(ptx: str, cfg) -> dict:
@@ -90,6 +94,7 @@ def _release_structure(ptx: str, cfg) -> dict:
     before_release = [w[:m.start()].count("bar.sync") for w in windows if (m := RELEASE.search(w))]
     return {"release": cfg.release, "consumer_threads": 32 * cfg.num_warps,
             "kstep_bar_syncs": [w.count("bar.sync") for w in windows], "bar_syncs_before_release": before_release,
+            "alias_guarded_windows": [i for i, w in enumerate(windows) if ALIAS_GUARD.search(w)],
             "cta_arrives": ptx.count("mbarrier.arrive.shared::cta.b64 _,"),
             "thread_arrives": ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64"),
             "barrier_init_counts": sorted(set(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx)))}
@@ -110,8 +115,13 @@ def _unsupported_calls(W) -> list:
         "A stored transposed (dW)": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, a_trans=True,
                                                       out=torch.empty(64, 256, dtype=bf)),
         "wrong out shape": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 128, dtype=bf)),
-        "128x128 tile": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
-                                           config=W.WsConfig(block_m=128, block_n=128)),
+        "256x128 tile": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
+                                           config=W.WsConfig(block_m=256, block_n=128)),
+        "16-column k-step": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
+                                           config=W.WsConfig(block_k=16)),
+        "out_alias without level 1 in shared memory": lambda: W.gemm_ws(
+            x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
+            config=W.WsConfig(block_m=128, block_n=64, out_alias=True)),
         "unknown release": lambda: W.gemm_ws(x, w, b_trans=True, segments=8, out=torch.empty(64, 256, dtype=bf),
                                              config=W.WsConfig(release="warp")),
     }
@@ -183,10 +193,10 @@ def test_ws_structure_behind_the_bit_exactness(sm90_ws):
     for r in sm90_ws["results"]:
         if "error" in r:
             continue
-        # the unrolled segment loop: per segment one chain (4 k16 wgmma) that starts it and one in the k-step
-        # loop; every wgmma accumulates (scale-d = 1), a segment starting from a +0.0 tile, as in the default
-        # kernel's PTX (a constant-zero accumulator would be lowered to scale-d = 0)
-        assert r["wgmma"] == 8 * r["segments"], r
+        # the unrolled segment loop: per segment one chain (block_k / 16 k16 wgmma: 4, or 2 with 32-column stages)
+        # that starts it and one in the k-step loop; every wgmma accumulates (scale-d = 1), a segment starting from
+        # a +0.0 tile, as in the default kernel's PTX (a constant-zero accumulator would be lowered to scale-d = 0)
+        assert r["wgmma"] == 2 * r["segments"] * (r["block_k"] // 16), r
         assert r["scale_d_zero"] == 0, r
         assert r["drains"] == 1, r            # wait_group 0 only at a tile's end
         # A and B from the producer's one loop over all k-steps; a row-major B [K, N] tile wider than the 128-byte
@@ -198,17 +208,24 @@ def test_ws_stage_release_barriers(sm90_ws):
     """release="cta": one thread frees a stage after a consumer-wide bar.sync in every k-step (two
     bar.syncs a k-step: that one and the one before the operand wait). release="thread" (the default since
     session 13): every consumer thread arrives itself (the empty barriers count all of them), no bar.sync before
-    any release, one left a k-step."""
+    any release, one left a k-step; with out_alias one more at the two level-1 writes of a tile (segments 1 and 5
+    end, in segments 2 and 6's first window): after the wait for the previous tile's TMA store, which read the
+    buffer as the output tile."""
     for r in sm90_ws["results"]:
         if "error" in r:
             continue
         windows, before = r["kstep_bar_syncs"], r["bar_syncs_before_release"]
+        # out_alias: exactly the two level-1 writes (segments 2 and 6's first windows) wait for the TMA store's read
+        # of the buffer and then pass a consumer-wide barrier before their shared-memory stores
+        assert r["alias_guarded_windows"] == ([4, 12] if r["out_alias"] else []), r
         # 8 segments, two wait_group-1 sites each (a segment's first chain and its k-step loop); all but the first
         # (segment 0's start) release a stage
         assert len(windows) == 2 * r["segments"] and len(before) == 2 * r["segments"] - 1, r
         if r["release"] == "thread":
             assert before == [0] * len(before), r
-            assert max(windows) == 1, r
+            level1_writes = {4, 12} if r["out_alias"] else set()
+            assert [w for i, w in enumerate(windows) if i not in level1_writes and w > 1] == [], r
+            assert [windows[i] for i in sorted(level1_writes)] == [2] * len(level1_writes), r
             assert r["cta_arrives"] == 0 and r["thread_arrives"] >= len(before) + 1, r
             assert r["barrier_init_counts"] == sorted({"1", str(r["consumer_threads"])}), r
         else:
@@ -229,6 +246,14 @@ def test_ws_dispatcher_selects_only_when_enabled_and_supported(sm90_ws):
     assert sel["off"] == "None", sel
     assert sel["on"] == sel["default_ws"], sel
     assert sel["on_fp32"] == "None" and sel["on_bad_k"] == "None", sel
+
+
+def test_ws_sweep_names_every_candidate_apart(sm90_ws):
+    """bench/gpu_linear.py --sweep-ws's table and refusal list name launches by ws_label: every WS_CANDIDATES launch
+    a different name; --ws-candidates picks by index."""
+    labels = sm90_ws["sweep_labels"]
+    assert len(set(labels)) == len(labels), labels
+    assert sm90_ws["sweep_subset"] == [labels[0], labels[2]], sm90_ws["sweep_subset"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

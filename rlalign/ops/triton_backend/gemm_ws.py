@@ -1,15 +1,17 @@
 """The canonical K-partition GEMM as a warp-specialized Gluon kernel for Hopper (sm_90a).
 
 Contract: exactly the bits of :func:`.gemm.gemm` with ``segments = P`` (its module docstring): per output
-element C[m, n], each of the P segments of SEG_K = K / P columns is reduced from zero in 64-column k-steps in
-increasing k (one ``wgmma`` chain of k16 chunks per k-step; a segment's first chain accumulates onto a tile of
-+0.0, as the default kernel's PTX does: its wgmma always has scale-d = 1 and its accumulator starts as zeros --
-not ``use_acc=False``, which could differ in the sign of a zero sum), the P fp32 partials merge by the fixed
-tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (left + right, a subtree as soon as both halves exist), then
-``+ bias[n]`` in fp32 and one rounding to the output dtype (or an fp32 store). The tile shape only decides
-which warpgroup computes an element (the H200 sweeps of sessions 8-11 found 64x64 / 64x128 / 128x128
-``wgmma`` tiles bit-equal); the order of the k16 chunks and where an accumulation restarts from zero are the
-same as the default kernel's.
+element C[m, n], each of the P segments of SEG_K = K / P columns is reduced from zero by one fp32 accumulator
+that takes the segment's k16 chunks one ``wgmma`` at a time in increasing k (the default kernel's 64-column
+k-steps are 4 such chunks; :attr:`WsConfig.block_k` = 32 issues them 2 per k-step: the same chunks in the same
+order onto the same accumulator, restarting from zero only at a segment's start; a segment's first chunk
+accumulates onto a tile of +0.0, as the default kernel's PTX does: its wgmma always has scale-d = 1 and its
+accumulator starts as zeros -- not ``use_acc=False``, which could differ in the sign of a zero sum), the P fp32
+partials merge by the fixed tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (left + right, a subtree as soon as both
+halves exist), then ``+ bias[n]`` in fp32 and one rounding to the output dtype (or an fp32 store). The tile
+shape only decides which warpgroup computes an element (the H200 sweeps of sessions 8-11 found 64x64 / 64x128 /
+128x128 ``wgmma`` tiles bit-equal); the order of the k16 chunks and where an accumulation restarts from zero are
+the same as the default kernel's.
 
 Supported (anything else raises :class:`GemmWsUnsupported` naming the shape; the dispatcher in
 :mod:`.gemm` selects this kernel only where :func:`supported` holds): bf16 operands, A [M, K] row-major
@@ -25,10 +27,10 @@ Design (what the kernel does and why):
 * Warp-specialized. A one-warp producer partition streams every k-step of the program's tiles, in order,
   through a ring of STAGES shared-memory stages with TMA (``cp.async.bulk.tensor``), an mbarrier ``ready``
   (expect-tx bytes) and ``empty`` (released by the consumer) per stage. Segments do not exist for the
-  producer: with SEG_K a multiple of 64, segment s's step j is the global k-step s * steps + j, so its loads
-  run straight across segment ends and tile ends and never wait for a tree merge or an epilogue.
+  producer: with SEG_K a multiple of BK (64 or 32), segment s's step j is the global k-step s * steps + j, so its
+  loads run straight across segment ends and tile ends and never wait for a tree merge or an epilogue.
 * The consumer is the default partition (4 warps: BM = 64, one warpgroup; 8 warps: BM = 128, two warpgroups, 64
-  rows each). Per k-step it issues one async ``wgmma`` chain (BM x BN x 64 from shared memory), then
+  rows each). Per k-step it issues one async ``wgmma`` chain (BM x BN x BK from shared memory), then
   ``wgmma.wait_group 1`` (the previous k-step's chain is done, the newest stays in flight) and releases the
   previous step's stage (:attr:`WsConfig.release`: "cta", the default, one thread arrives on the stage's
   ``empty`` mbarrier and Triton puts a consumer-wide ``bar.sync`` before it; "thread", every consumer thread
@@ -53,18 +55,34 @@ Design (what the kernel does and why):
   64-wide tiles; in shared memory too for 64x128 tiles (64 registers a tile; one consumer warpgroup, 255
   registers). sm_90a, P = 8: 128x64/6 stages 168 registers, 64x128/5 stages 255, no spill and no wgmma
   serialization in either; shared memory: :func:`shared_bytes` (+ the mbarriers).
+* Registers at 8 consumer warps: ptxas's "168 registers" is the launch's count (12 warps share the register
+  file); ``gl.warp_specialize`` emits ``setmaxnreg`` (the default partition raises itself to 240, the producer
+  warpgroup drops to 24-40), and the consumer's SASS does use more (128x128: up to R229).
+* 128x128 tiles (session 14, :data:`WS_CANDIDATES_S14`): two consumer warpgroups of 64x128; level 0 in
+  registers (the running accumulator, the finished partial and level 0: 192 of the 240, no spill, no wgmma
+  serialization), levels 1 and 2 in shared memory, and ``out_alias``: the output staging tile is level 1's fp32
+  buffer reinterpreted (``_reinterpret``, bf16 or fp32 tile), which is free from a tile's last merge until the
+  next tile's first level-1 write; that write waits for the previous TMA store's read (``tma.store_wait`` + the
+  consumer-wide ``bar.sync`` Triton puts after it). 3 x 32 KiB stages of 64 columns, or 6 x 16 KiB of 32
+  (``block_k``), + 2 x 64 KiB levels = 224 KiB. ``out_alias`` also gives the 64x128 tile a sixth stage (208 KiB).
 * Not done: two interleaved accumulators (segments 2i and 2i+1 in one loop of two chains per k-step): their
   chains complete together, so each pair end drains the wgmma pipeline anyway, with both partials and the
-  stack live at once. 128x128 tiles: the ring, the output tile and two fp32 tree levels exceed 227 KiB; with
-  every tree level in shared memory, level 0 included (a 32 KiB bf16 output tile + 3 x 64 KiB levels = 224 KiB),
-  not one 32 KiB stage fits, and level 0 in registers makes three 64-register tiles live per consumer thread
-  (192 > the 168 that 8 consumer warps + the producer's warpgroup allow).
+  stack live at once. Level 2 in a global fp32 workspace (a per-program [BM, BN] slot, each thread reloading its
+  own elements; it would free 64 KiB for two more 128x128 stages): built and compiled in session 14, it spilled
+  (32-64 bytes at 128x128/5 stages; the consumer is at R229 of 240 without it): its PTX holds the slot's 32
+  addresses per thread as separate 64-bit values, hoisted to the tile's start or shared between the store and
+  the load (per-use addresses did not help); not kept. One tree buffer (s0+s1
+  waiting in it, overwritten in place by s0+..+s3, s4+s5 in registers: 5 stages of 128x128): built and compiled
+  in session 14, it spilled (44 bytes forward, 520 and C7512 on the dX layout): s7's k-step loop then carries 3
+  tiles (the accumulator, s6, s4+s5), where ptxas fits 3 only in straight-line code (segment ends); with 8
+  segments 4 values are live during s7, so 2 of them wait in shared memory whatever the order. Ping-pong
+  consumers (two warpgroups on different tiles) not tried.
 
-Status: every candidate ran on an H200 (release="cta" in session 12, release="thread" in session 13), bit-equal
-to the Triton kernel at every case of bench/gpu_linear.py --sweep-ws; the default is 64x128 x5 with
-release="thread" since session 13. tests/cuda/test_cuda_gemm_ws.py compares every candidate's raw bits with the
-Triton kernel's (55 passed on the H200, session 13), and bench/gpu_linear.py --sweep-ws refuses any configuration
-that is not bit-equal.
+Status: every candidate but :data:`WS_CANDIDATES_S14` (compiled on a CPU only) ran on an H200 (release="cta" in
+session 12, release="thread" in session 13), bit-equal to the Triton kernel at every case of bench/gpu_linear.py
+--sweep-ws; the default is 64x128 x5 with release="thread" since session 13. tests/cuda/test_cuda_gemm_ws.py
+compares every candidate's raw bits with the Triton kernel's (55 passed on the H200, session 13; the session-14
+launches not yet), and bench/gpu_linear.py --sweep-ws refuses any configuration that is not bit-equal.
 """
 
 from __future__ import annotations
@@ -109,19 +127,37 @@ class WsConfig:
     ``empty`` mbarrier (count 1) after a consumer-wide ``bar.sync`` that Triton inserts before the arrive;
     "thread": the mbarrier counts every consumer thread (count = 32 * num_warps) and each thread arrives on its own
     right after its ``wgmma.wait_group`` (``cp.async.mbarrier.arrive.noinc``: with no cp.async in flight it
-    arrives at once), so no warp waits for the others to free a stage."""
+    arrives at once), so no warp waits for the others to free a stage;
+    block_k: columns of a ring stage, 64 or 32 (32: one k-step is 2 k16 wgmma instead of 4 and a stage half the
+    bytes, so twice the stages fit; the k16 chunks and where a segment restarts from +0.0 are the same);
+    out_alias: the output staging tile lives in level 1's fp32 buffer (free at a tile's end) instead of its own."""
     block_m: int = 128
     block_n: int = 64
     stages: int = 6
     group_m: int = 8
     producer_regs: int = 40
     release: str = "cta"
+    block_k: int = 64
+    out_alias: bool = False
 
     @property
     def level1_in_shared(self) -> bool:
         """128-wide tiles keep the tree's level 1 in shared memory too (64 registers a tile: registers hold only
         the running accumulator, the finished partial and level 0)."""
         return self.block_n == 128
+
+    @property
+    def problem(self) -> str | None:
+        """Why gemm_ws refuses this launch (None: it takes it)."""
+        if (self.block_m, self.block_n) not in ((64, 64), (128, 64), (64, 128), (128, 128)):
+            return "tiles are 64x64, 128x64, 64x128 or 128x128"
+        if self.release not in ("cta", "thread"):
+            return "release is 'cta' or 'thread'"
+        if self.block_k not in (32, 64):
+            return "block_k is 64 or 32"
+        if self.out_alias and not self.level1_in_shared:
+            return "out_alias needs level 1 in shared memory (block_n 128)"
+        return None
 
     @property
     def num_warps(self) -> int:
@@ -141,19 +177,29 @@ DEFAULT_WS = WsConfig(block_m=64, block_n=128, stages=5, release="thread")
 # consumer thread freeing the stage itself, which removes the consumer-wide bar.sync before each release (one of the
 # two per k-step; the other, before the wait for the stage's operands, stays: Triton's barrier pass puts one between
 # consecutive mbarrier waits on the ring). Right after the default: the sweep skips its last cases past its time bound.
-WS_CANDIDATES = (DEFAULT_WS, WsConfig(block_m=64, block_n=128, stages=5),
+# Session 14 (sm_90a CPU compile only, never run): 128x128 tiles (two consumer warpgroups, HGMMA 64x128x16 each) with
+# the output staged in level 1's buffer (out_alias): 3 stages of 64 columns or 6 of 32, 224 KiB either way; 168
+# registers at launch, the consumers raised to 240 by setmaxnreg (their SASS uses up to R229), no spill. And the
+# default's tile with out_alias: a sixth stage (208 KiB, bf16 or fp32 output).
+WS_CANDIDATES_S14 = (WsConfig(block_m=128, block_n=128, stages=3, release="thread", out_alias=True),
+                     WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_alias=True, block_k=32),
+                     WsConfig(block_m=64, block_n=128, stages=6, release="thread", out_alias=True))
+WS_CANDIDATES = (DEFAULT_WS, *WS_CANDIDATES_S14, WsConfig(block_m=64, block_n=128, stages=5),
                  WsConfig(block_m=128, block_n=64, stages=6, release="thread"),
                  WsConfig(block_m=128, block_n=64, stages=6), WsConfig(block_m=128, block_n=64, stages=4),
                  WsConfig(block_m=64, block_n=64, stages=8))
 
 
 def shared_bytes(cfg: WsConfig, out_dtype: torch.dtype, segments: int) -> int:
-    """Shared memory the kernel allocates, barriers excluded: the ring, the output staging tile and, at P = 8,
-    the tree's level-2 subtree (fp32)."""
-    ring = cfg.stages * (cfg.block_m + cfg.block_n) * BLOCK_K * 2
+    """Shared memory the kernel allocates, barriers excluded: the ring, the output staging tile (none of its own
+    with out_alias: it lives in level 1's buffer) and the tree's levels 1 (P >= 4, 128-wide tiles; always with
+    out_alias) and 2 (P = 8) in fp32; an unused level is a 4-byte stand-in."""
+    ring = cfg.stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2
     tile = cfg.block_m * cfg.block_n
-    levels = (tile * 4 if segments == 8 else 4) + (tile * 4 if cfg.level1_in_shared and segments >= 4 else 4)
-    return ring + tile * (4 if out_dtype == torch.float32 else 2) + levels
+    level2 = tile * 4 if segments == 8 else 4
+    level1 = tile * 4 if cfg.out_alias or (cfg.level1_in_shared and segments >= 4) else 4
+    out = 0 if cfg.out_alias else tile * (4 if out_dtype == torch.float32 else 2)
+    return ring + out + level1 + level2
 
 
 WS_ENV = "RLALIGN_TRITON_GEMM_WS"
@@ -261,10 +307,12 @@ if gluon is not None:
             return b_bufs.index(idx)
 
     @gluon.jit
-    def _merge(v, st0, st1, st1_smem, st2, s: gl.constexpr, LOG2P: gl.constexpr, L1_SMEM: gl.constexpr):
+    def _merge(v, st0, st1, st1_smem, st2, s: gl.constexpr, LOG2P: gl.constexpr, L1_SMEM: gl.constexpr,
+               OUT_ALIAS: gl.constexpr):
         """gemm.merge_segment's binary-counter tree with a compile-time segment index: segment s's partial v
         is a left child (kept) or a right child (left + right, carried up). After the last segment v is
-        ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (the first P)."""
+        ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (the first P). Where levels 1 and 2 wait only moves exact fp32
+        values; every add is the same."""
         if s % 2 == 0:
             st0 = v
         else:
@@ -273,6 +321,10 @@ if gluon is not None:
                 # level 1 (a pair's sum) in registers, or with L1_SMEM (128-wide tiles) in shared memory
                 if (s // 2) % 2 == 0:
                     if L1_SMEM:
+                        if OUT_ALIAS:
+                            # the buffer is also the output staging tile: the previous tile's TMA store must have
+                            # read it (long done by now: a segment ago)
+                            tma.store_wait(0)
                         st1_smem.store(v)
                     else:
                         st1 = v
@@ -314,7 +366,8 @@ if gluon is not None:
     def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps,
                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr,
                   LOG2P: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                  NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr):
+                  NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr,
+                  OUT_ALIAS: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BN, 16])
         pid = gl.program_id(0)
@@ -341,7 +394,8 @@ if gluon is not None:
                     # one group outstanding: the previous segment's MMAs are complete, the new one runs on
                     prev, acc = warpgroup_mma_wait(1, deps=(prev, acc))
                     _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-                    v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, s - 1, LOG2P, L1_SMEM)
+                    v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, s - 1, LOG2P, L1_SMEM,
+                                         OUT_ALIAS)
                 else:
                     # nothing else is in flight (the previous tile drained): returns at once; makes acc the
                     # tensor the k-step loop carries
@@ -356,7 +410,8 @@ if gluon is not None:
             # the tile's only drain: its last MMA
             prev = warpgroup_mma_wait(0, deps=(prev, ))
             _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-            v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM)
+            v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
+                                 OUT_ALIAS)
             _store_tile(v, c_desc, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, BN, HAS_BIAS, acc_layout)
         tma.store_wait(0)
 
@@ -377,23 +432,29 @@ if gluon is not None:
     def kpart_ws_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, steps,
                         P: gl.constexpr, LOG2P: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
                         HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr):
-        """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / 64."""
+                        L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr, OUT_ALIAS: gl.constexpr):
+        """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / BK."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = c_desc.block_type.shape[1]
         NUM_WARPS: gl.constexpr = gl.num_warps()
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
         # the tree's level-2 subtree (P = 8 only; a 1x1 stand-in otherwise). The swizzled NVMMA layout:
         # gl.bank_conflicts of the accumulator's layout against it 1 (an unswizzled row-major tile: 3)
         ST2_SHAPE: gl.constexpr = [BM, BN] if P == 8 else [1, 1]
         st2 = gl.allocate_shared_memory(gl.float32, ST2_SHAPE,
                                         gl.NVMMASharedLayout.get_default_for(ST2_SHAPE, gl.float32))
-        ST1_SHAPE: gl.constexpr = [BM, BN] if L1_SMEM and P >= 4 else [1, 1]
+        ST1_SHAPE: gl.constexpr = [BM, BN] if OUT_ALIAS or (L1_SMEM and P >= 4) else [1, 1]
         st1_smem = gl.allocate_shared_memory(gl.float32, ST1_SHAPE,
                                              gl.NVMMASharedLayout.get_default_for(ST1_SHAPE, gl.float32))
+        if OUT_ALIAS:
+            # the output staging tile in level 1's buffer (fp32 [BM, BN]: room for a bf16 or fp32 tile). Level 1 is
+            # read for the last time before the tile's store; the store's TMA read ends before the next tile's
+            # first level-1 write (_merge waits for it)
+            c_smem = st1_smem._reinterpret(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        else:
+            c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -404,7 +465,7 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps, BM, BN,
                          STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS, L1_SMEM,
-                         PER_THREAD_RELEASE)),
+                         PER_THREAD_RELEASE, OUT_ALIAS)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, steps * P, BM, BN, BK, STAGES, B_TRANS,
                          GROUP_M)),
         ], [1], [PRODUCER_REGS])
@@ -433,28 +494,26 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, o
     why = unsupported_reason(a, b, b_trans, segments, a_trans, out.dtype, bias, acc_in)
     if why is None and (out.shape != (a.shape[0], b.shape[0] if b_trans else b.shape[1]) or not tma_ok(out)):
         why = f"out {tuple(out.shape)} stride {out.stride()}: needs a TMA-addressable row-major [M, N]"
-    if why is None and (config.block_m, config.block_n) not in ((64, 64), (128, 64), (64, 128)):
-        why = f"{config}: tiles are 64x64, 128x64 or 64x128"
-    if why is None and config.release not in ("cta", "thread"):
-        why = f"{config}: release is 'cta' or 'thread'"
+    if why is None and config.problem is not None:
+        why = f"{config}: {config.problem}"
     if why is not None:
         raise GemmWsUnsupported(f"gemm_ws: A {tuple(a.shape)}, B {tuple(b.shape)} (b_trans={b_trans}), "
                                 f"P={segments}: {why}")
     m, k = a.shape
     n = out.shape[1]
-    bm, bn = config.block_m, config.block_n
-    a_desc = _descriptor(a, [bm, BLOCK_K])
-    b_desc = _descriptor(b, [bn, BLOCK_K] if b_trans else [BLOCK_K, bn])
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    a_desc = _descriptor(a, [bm, bk])
+    b_desc = _descriptor(b, [bn, bk] if b_trans else [bk, bn])
     c_desc = _descriptor(out, [bm, bn])
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     kpart_ws_kernel[(max(1, min(tiles, device_sms(a))),)](
-        a_desc, b_desc, c_desc, bias if bias is not None else out, m, n, k // (segments * BLOCK_K),
+        a_desc, b_desc, c_desc, bias if bias is not None else out, m, n, k // (segments * bk),
         P=segments, LOG2P=segments.bit_length() - 1, STAGES=config.stages, B_TRANS=b_trans,
         HAS_BIAS=bias is not None, GROUP_M=config.group_m, PRODUCER_REGS=config.producer_regs,
         L1_SMEM=config.level1_in_shared, PER_THREAD_RELEASE=config.release == "thread",
-        num_warps=config.num_warps)
+        OUT_ALIAS=config.out_alias, num_warps=config.num_warps)
     return out
 
 
-__all__ = ["WsConfig", "DEFAULT_WS", "WS_CANDIDATES", "GemmWsUnsupported", "gemm_ws", "supported",
-           "unsupported_reason", "shared_bytes"]
+__all__ = ["WsConfig", "DEFAULT_WS", "WS_CANDIDATES", "WS_CANDIDATES_S14", "GemmWsUnsupported", "gemm_ws",
+           "supported", "unsupported_reason", "shared_bytes"]
