@@ -3,7 +3,7 @@
 # The lead's tool for batching a build-check-benchmark into one H200 call (docs/gpu.md, "Running it").
 #   STAGES="ws tests train roll" bash scripts/gpu_stages.sh
 # Stages and their knobs (environment variables, defaults in brackets):
-#   ws      bench/gpu_linear.py --sweep-ws                         WS_S [120]
+#   ws      bench/gpu_linear.py --sweep-ws $WS_ARGS                WS_ARGS [] WS_S [120]
 #   kpart   bench/gpu_linear.py --sweep-kpart                      KP_S [150]
 #   tests   pytest -n 8 --dist load on TESTS [tests/cuda]            TESTS_S [150]
 #   train   bench/train_step.py --profile-kernels                  TR_LAYERS [6] TR_VARIANTS [strict,native,transformers]
@@ -24,7 +24,8 @@ run_stage() {   # name seconds command...: run with a limit, log to $OUT/<name>.
 for stage in ${STAGES:-}; do
   case $stage in
     ws)
-      run_stage ws "${WS_S:-120}" $PY bench/gpu_linear.py --sweep-ws --out "$OUT/ws"
+      # shellcheck disable=SC2086
+      run_stage ws "${WS_S:-120}" $PY bench/gpu_linear.py --sweep-ws ${WS_ARGS:-} --out "$OUT/ws"
       tail -n 30 "$OUT/ws.log" >> "$SUMMARY" ;;
     kpart)
       run_stage kpart "${KP_S:-150}" $PY bench/gpu_linear.py --sweep-kpart --out "$OUT/kpart"
