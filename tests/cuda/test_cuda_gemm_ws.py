@@ -48,13 +48,13 @@ def _case_failures(gemm, cfg, m, n, k, segments, b_trans, has_bias, out_dtype, s
 def test_ws_forward_bits_equal_default(triton_backend, segments):
     """y = x W^T (+ bias) for the linear forward's layout: every candidate config, M in M_VALUES, N a multiple
     of 64 and not (200), K with one and several k-steps per segment, bias or not, bf16 or fp32 output. Every
-    case for the default and the launches never run before (WS_CANDIDATES_S14: 128x128 tiles, the output tile in
-    level 1's buffer, 32-column stages); one variant on the large shape for the others."""
+    case for the default (128x128 tiles, the output tile in level 1's buffer, 32-column stages) and the first
+    runner-up; one variant on the large shape for the others."""
     from rlalign.ops.triton_backend.gemm import gemm
-    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, WS_CANDIDATES, WS_CANDIDATES_S14
+    from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES
     bad = []
-    for cfg in WS_CANDIDATES:
-        every_case = cfg == DEFAULT_WS or cfg in WS_CANDIDATES_S14
+    for i, cfg in enumerate(WS_CANDIDATES):
+        every_case = i < 2
         for m in M_VALUES:
             for n, k in ((200, segments * 64), (4096, 4096 if segments != 8 else 12288), (1000, segments * 192)):
                 for has_bias, out_dtype in ((False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)):
@@ -104,17 +104,17 @@ def test_ws_unsupported_shapes_raise(triton_backend):
         gemm(x.float()[:, :512], w.float()[:, :512], b_trans=True, segments=8, ws=DEFAULT_WS)
 
 
-# one case per WS_CANDIDATES_S14 launch (an index past its end fails: IndexError)
-@pytest.mark.parametrize("which", ("default", "s14-0", "s14-1", "s14-2"))
+# one case per WS_CANDIDATES launch (an index past its end fails: IndexError; 0 is the default)
+@pytest.mark.parametrize("which", (0, 1, 2, 3))
 def test_ws_shape_class_bits_equal_default(triton_backend, which):
     """The shape class, not instances: random M (1..2,100), N (multiples of 8, 8..1,032: the output's 16-byte rows),
     k-steps per segment (1..4) and P, with bias and a bf16 output (M, N and the k-steps are not specialisations: no
-    new compile), for the default launch and each of WS_CANDIDATES_S14. Every failing example is collected before
+    new compile), for each WS_CANDIDATES launch (the default first). Every failing example is collected before
     the test fails."""
     from hypothesis import Phase, given, settings, strategies as st
     from rlalign.ops.triton_backend.gemm import gemm
-    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, WS_CANDIDATES_S14
-    cfg = DEFAULT_WS if which == "default" else WS_CANDIDATES_S14[int(which[-1])]
+    from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES
+    cfg = WS_CANDIDATES[which]
     bad = []
 
     @settings(max_examples=30, deadline=None, derandomize=True, database=None,

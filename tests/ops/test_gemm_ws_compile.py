@@ -3,7 +3,7 @@
 One subprocess (the fake sm_90 driver must be active before the backend imports) compiles EVERY launch in
 gemm_ws.WS_CANDIDATES as the launcher builds it, for the linear forward (P = 8, W [N, K], bias, bf16 out: the
 deepest tree) and for the trainer's dX layout (B [K, N], P = 8, fp32 out: the largest shared-memory footprint),
-runs Triton's ptxas -v on the PTX and reports (18 compiles, ~1 min uncached). Checked here: no spills and no
+runs Triton's ptxas -v on the PTX and reports (8 compiles, ~25 s uncached). Checked here: no spills and no
 wgmma serialization (ptxas), the shared memory the module documents (gemm_ws.shared_bytes + the mbarriers, within
 227 KiB), and the structure the bit-exactness argument rests on:
 two wgmma chains per segment (its start and its k-step loop), every wgmma with scale-d = 1 as in the default

@@ -58,7 +58,7 @@ Design (what the kernel does and why):
 * Registers at 8 consumer warps: ptxas's "168 registers" is the launch's count (12 warps share the register
   file); ``gl.warp_specialize`` emits ``setmaxnreg`` (the default partition raises itself to 240, the producer
   warpgroup drops to 24-40), and the consumer's SASS does use more (128x128: up to R229).
-* 128x128 tiles (session 14, :data:`WS_CANDIDATES_S14`): two consumer warpgroups of 64x128; level 0 in
+* 128x128 tiles (session 14; the default since its H200 sweep): two consumer warpgroups of 64x128; level 0 in
   registers (the running accumulator, the finished partial and level 0: 192 of the 240, no spill, no wgmma
   serialization), levels 1 and 2 in shared memory, and ``out_alias``: the output staging tile is level 1's fp32
   buffer reinterpreted (``_reinterpret``, bf16 or fp32 tile), which is free from a tile's last merge until the
@@ -78,11 +78,12 @@ Design (what the kernel does and why):
   segments 4 values are live during s7, so 2 of them wait in shared memory whatever the order. Ping-pong
   consumers (two warpgroups on different tiles) not tried.
 
-Status: every candidate but :data:`WS_CANDIDATES_S14` (compiled on a CPU only) ran on an H200 (release="cta" in
-session 12, release="thread" in session 13), bit-equal to the Triton kernel at every case of bench/gpu_linear.py
---sweep-ws; the default is 64x128 x5 with release="thread" since session 13. tests/cuda/test_cuda_gemm_ws.py
-compares every candidate's raw bits with the Triton kernel's (55 passed on the H200, session 13; the session-14
-launches not yet), and bench/gpu_linear.py --sweep-ws refuses any configuration that is not bit-equal.
+Status: every candidate in :data:`WS_CANDIDATES` ran on an H200, bit-equal to the Triton kernel at every case of
+bench/gpu_linear.py --sweep-ws (sessions 12-14); the default is 128x128 with 6 stages of 32 columns and out_alias
+since session 14 (0.747 of cuBLAS, geometric mean of 8 cases; the history beside :data:`DEFAULT_WS`).
+tests/cuda/test_cuda_gemm_ws.py compares every candidate's raw bits with the Triton kernel's (42 passed on the H200
+with the session-14 launches, with the recomputation and rope files), and bench/gpu_linear.py --sweep-ws refuses any
+configuration that is not bit-equal.
 """
 
 from __future__ import annotations
@@ -164,30 +165,26 @@ class WsConfig:
         return self.block_m // 16
 
 
-# H200 `--sweep-ws` (2026-12-02, session 12, bench/gpu_2026-12-02-s12/call3): every candidate bit-equal to the Triton
-# kernel at every case; 64x128 with 5 stages the fastest overall (cuBLAS / ours, geometric mean over 8B o_proj and
-# down_proj at M 462-16,384: 0.675, the Triton kernel 0.529).
-# Session 13 (bench/gpu_2026-12-02-s13/call1): release="thread" bit-equal at every case, 0.676 vs 0.668 (the same
-# tile with release="cta"): +1-3% at M >= 4,096 (the trainer's rows), within 1% either way at M 462-1,024.
-DEFAULT_WS = WsConfig(block_m=64, block_n=128, stages=5, release="thread")
-# bench/gpu_linear.py --sweep-ws times these (the default first).
-# 64x128 (one consumer warpgroup, levels 1-2 in shared memory): 255 registers, no spill, 200 KiB (216 KiB with an fp32
-# output); 6 stages would not fit an fp32 output tile.
-# release="thread" (session 12; on the H200 since session 13): the two fastest launches with each
-# consumer thread freeing the stage itself, which removes the consumer-wide bar.sync before each release (one of the
-# two per k-step; the other, before the wait for the stage's operands, stays: Triton's barrier pass puts one between
-# consecutive mbarrier waits on the ring). Right after the default: the sweep skips its last cases past its time bound.
-# Session 14 (sm_90a CPU compile only, never run): 128x128 tiles (two consumer warpgroups, HGMMA 64x128x16 each) with
-# the output staged in level 1's buffer (out_alias): 3 stages of 64 columns or 6 of 32, 224 KiB either way; 168
-# registers at launch, the consumers raised to 240 by setmaxnreg (their SASS uses up to R229), no spill. And the
-# default's tile with out_alias: a sixth stage (208 KiB, bf16 or fp32 output).
-WS_CANDIDATES_S14 = (WsConfig(block_m=128, block_n=128, stages=3, release="thread", out_alias=True),
-                     WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_alias=True, block_k=32),
-                     WsConfig(block_m=64, block_n=128, stages=6, release="thread", out_alias=True))
-WS_CANDIDATES = (DEFAULT_WS, *WS_CANDIDATES_S14, WsConfig(block_m=64, block_n=128, stages=5),
-                 WsConfig(block_m=128, block_n=64, stages=6, release="thread"),
-                 WsConfig(block_m=128, block_n=64, stages=6), WsConfig(block_m=128, block_n=64, stages=4),
-                 WsConfig(block_m=64, block_n=64, stages=8))
+# H200 `--sweep-ws` history (cuBLAS / ours, geometric mean over 8B o_proj and down_proj at M 462-16,384; every
+# candidate bit-equal to the Triton kernel at every case):
+# - session 12 (bench/gpu_2026-12-02-s12/call3): 64x128 x5 0.675 (128x64 x6/x4, 64x64 x8 slower; the Triton kernel
+#   0.529);
+# - session 13 (bench/gpu_2026-12-02-s13/call1): release="thread" 0.676 vs 0.668 with "cta";
+# - session 14 (bench/gpu_2026-12-02-s14/call1): 128x128 tiles (two consumer warpgroups, HGMMA 64x128x16 each, the
+#   output staged in level 1's buffer, out_alias) with 6 ring stages of 32 columns: **0.747** (down_proj 0.83-0.85 at
+#   M >= 1,024, o_proj 0.67-0.73), the 64x128 x5 default of session 13 0.657 in the same run, 64x128 x6 out_alias 0.72,
+#   128x128 with 3 stages of 64 columns 0.67. 224 KiB of shared memory; 168 registers at launch, the consumers raised
+#   to 240 by setmaxnreg (their SASS reaches R229), no spill.
+DEFAULT_WS = WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_alias=True, block_k=32)
+# bench/gpu_linear.py --sweep-ws times these (the default first; the sweep skips its last cases past its time bound).
+# The runners-up of session 14, and a 64-wide tile so that the tree's level 1 in registers stays compiled and tested:
+# 64x128 (one consumer warpgroup, levels 1-2 in shared memory; 255 registers, no spill) with out_alias and 6 stages,
+# the same with 5 stages and its own output tile (session 13's default), 128x64 x6 (8 consumer warps, level 1 in
+# registers). Dropped from the list after the H200 sweeps (the kernel still takes them as a config): 128x128 x3 of
+# 64 columns, 128x64 x4 and with release="cta", 64x64 x8, 64x128 x5 with release="cta".
+WS_CANDIDATES = (DEFAULT_WS, WsConfig(block_m=64, block_n=128, stages=6, release="thread", out_alias=True),
+                 WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
+                 WsConfig(block_m=128, block_n=64, stages=6, release="thread"))
 
 
 def shared_bytes(cfg: WsConfig, out_dtype: torch.dtype, segments: int) -> int:
@@ -515,5 +512,5 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, o
     return out
 
 
-__all__ = ["WsConfig", "DEFAULT_WS", "WS_CANDIDATES", "WS_CANDIDATES_S14", "GemmWsUnsupported", "gemm_ws",
+__all__ = ["WsConfig", "DEFAULT_WS", "WS_CANDIDATES", "GemmWsUnsupported", "gemm_ws",
            "supported", "unsupported_reason", "shared_bytes"]
