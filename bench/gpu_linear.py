@@ -462,7 +462,8 @@ def print_kpart(rows: list[dict]) -> None:
 # cuBLAS at the rollout's decode batches (462, 1,024) and training M (4,096, 16,384) on the 8B o_proj and down_proj
 # (k_segments 8), CUDA-graph replays; a candidate is refused (not timed) unless bit-equal to the default. A launch
 # that does not finish within WS_WATCHDOG_S (a pipeline deadlock) ends the run naming the case.
-WS_SHAPES = (("o_proj", 4096, 4096), ("down_proj", 4096, 12288))
+WS_SHAPES = {"8b": (("o_proj", 4096, 4096), ("down_proj", 4096, 12288)),
+             "0.6b": (("0.6b o_proj", 1024, 2048), ("0.6b down_proj", 1024, 3072))}
 WS_M = (462, 1024, 4096, 16384)
 WS_STOP_AFTER_S = 75       # later cases are skipped (the lead's call: <= 90 s with the compiles)
 WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
@@ -491,14 +492,16 @@ def _watched(what: str, fn):
     return watched(what, fn, WS_WATCHDOG_S)
 
 
-def sweep_ws(candidates: tuple) -> list[dict]:
+def sweep_ws(candidates: tuple, shapes: tuple = ("8b",), ms: tuple = WS_M) -> list[dict]:
+    """``shapes``: keys of WS_SHAPES; ``ms``: the row counts (at M <= 256 the baseline row is the dispatcher's
+    decode-size split, gemm.SPLIT_SEGMENTS_MAX_M)."""
     from rlalign.ops.triton_backend.gemm import gemm
     from rlalign.ops.triton_backend.gemm_ws import triton_kernel_only
     rows, t0 = [], time.time()
-    for name, n, k in WS_SHAPES:
+    for name, n, k in (shape for key in shapes for shape in WS_SHAPES[key]):
         g = torch.Generator(device="cuda").manual_seed(n + k)
         w_sets = rotating(lambda i: torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16), n * k * 2)[:4]
-        for m in WS_M:
+        for m in ms:
             if time.time() - t0 > WS_STOP_AFTER_S:
                 print(f"[{time.time() - t0:5.0f} s] {name} M={m}: skipped (past {WS_STOP_AFTER_S} s)", flush=True)
                 continue
@@ -622,13 +625,26 @@ def parser() -> argparse.ArgumentParser:
                          "cuBLAS, graph replays, each refused unless bit-equal to the default")
     ap.add_argument("--ws-candidates", metavar="I,J,...",
                     help="with --sweep-ws: only these indices of gemm_ws.WS_CANDIDATES (default: all)")
+    ap.add_argument("--ws-shapes", default="8b", metavar="S,...",
+                    help="with --sweep-ws: model shapes, comma-separated from " + "/".join(WS_SHAPES) + " (default 8b)")
+    ap.add_argument("--ws-m", metavar="M,...",
+                    help="with --sweep-ws: row counts (default " + ",".join(map(str, WS_M)) + ")")
     return ap
 
 
 def main() -> int:
     args = parser().parse_args()
-    if args.ws_candidates is not None and not args.sweep_ws:
-        print("gpu_linear: --ws-candidates only applies to --sweep-ws")
+    if (args.ws_candidates is not None or args.ws_m is not None or args.ws_shapes != "8b") and not args.sweep_ws:
+        print("gpu_linear: --ws-candidates / --ws-shapes / --ws-m only apply to --sweep-ws")
+        return 2
+    shapes = tuple(args.ws_shapes.split(","))
+    if not set(shapes) <= set(WS_SHAPES):
+        print(f"gpu_linear: --ws-shapes {args.ws_shapes!r}: choose from {', '.join(WS_SHAPES)}")
+        return 2
+    try:
+        ws_m = WS_M if args.ws_m is None else tuple(int(m) for m in args.ws_m.split(","))
+    except ValueError:
+        print(f"gpu_linear: --ws-m {args.ws_m!r}: comma-separated row counts")
         return 2
     if not torch.cuda.is_available():
         print("gpu_linear: no CUDA device")
@@ -639,7 +655,7 @@ def main() -> int:
         return run_sweep(args.out, "linear_sweep_small", sweep_small, print_small)
     if args.sweep_ws:
         candidates = ws_candidates(args.ws_candidates)
-        return run_sweep(args.out, "linear_sweep_ws", lambda: sweep_ws(candidates), print_ws)
+        return run_sweep(args.out, "linear_sweep_ws", lambda: sweep_ws(candidates, shapes, ws_m), print_ws)
     if args.sweep_kpart:
         return run_sweep(args.out, "linear_sweep_kpart", sweep_kpart, print_kpart)
     if args.sweep_mid:

@@ -140,6 +140,7 @@ def _selection() -> dict:
     and not)."""
     import torch
     from rlalign.ops.triton_backend import gemm as G
+    from rlalign.ops.triton_backend import gemm_ws as W
     bf = torch.bfloat16
     x, w = torch.empty(512, 1024, dtype=bf), torch.empty(256, 1024, dtype=bf)
 
@@ -148,8 +149,11 @@ def _selection() -> dict:
     os.environ["RLALIGN_TRITON_GEMM_WS"] = "0"
     off = pick(x, w, 8)
     os.environ.pop("RLALIGN_TRITON_GEMM_WS", None)
+    big_x, big_w = torch.empty(4096, 1024, dtype=bf), torch.empty(4096, 1024, dtype=bf)
     return {"off": off, "on": pick(x, w, 8), "on_fp32": pick(x.float(), w.float(), 8),
-            "on_bad_k": pick(x[:, :960], w[:, :960], 8), "default_ws": repr(G.DEFAULT_WS)}
+            "on_big": pick(big_x, big_w, 8), "on_edge": pick(big_x[:528], big_w, 8),
+            "on_bad_k": pick(x[:, :960], w[:, :960], 8), "default_ws": repr(W.DEFAULT_WS),
+            "small_grid_ws": repr(W.SMALL_GRID_WS)}
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +248,10 @@ def test_ws_refuses_what_it_does_not_implement_by_name(sm90_ws):
 def test_ws_dispatcher_selects_only_when_enabled_and_supported(sm90_ws):
     sel = sm90_ws["selection"]
     assert sel["off"] == "None", sel
-    assert sel["on"] == sel["default_ws"], sel
+    # 128x128 tiles where they cover the 132 SMs (4,096 x 4,096: 1,024 tiles; 528 x 4,096: 5 x 32 = 160), the 64x128
+    # launch where they would not (512 x 256: 8 tiles)
+    assert sel["on_big"] == sel["on_edge"] == sel["default_ws"], sel
+    assert sel["on"] == sel["small_grid_ws"] != sel["default_ws"], sel
     assert sel["on_fp32"] == "None" and sel["on_bad_k"] == "None", sel
 
 

@@ -36,8 +36,9 @@ import triton.language as tl
 from rlalign.ops import gemm_census
 from rlalign.ops.triton_backend._common import (BLOCK_K, aligned, descriptor, device_sms, forced_tile, is_interpreter,
                                                 mma, split_for, tma_ok)
-from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, WS_ENV, WsConfig, gemm_ws
+from rlalign.ops.triton_backend.gemm_ws import WS_ENV, WsConfig, gemm_ws
 from rlalign.ops.triton_backend.gemm_ws import supported as ws_supported
+from rlalign.ops.triton_backend.gemm_ws import launch_for as ws_launch_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -571,7 +572,9 @@ def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsC
     enabled = os.environ.get(WS_ENV, "1" if WS_DEFAULT else "0") == "1"
     if not enabled or is_interpreter():
         return None
-    return DEFAULT_WS if ws_supported(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) else None
+    if not ws_supported(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in):
+        return None
+    return ws_launch_for(a, b.shape[0] if b_trans else b.shape[1])
 
 
 def _logical(t: torch.Tensor, trans: bool) -> tuple[int, int, int, int]:

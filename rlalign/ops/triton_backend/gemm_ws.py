@@ -182,8 +182,20 @@ DEFAULT_WS = WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_
 # the same with 5 stages and its own output tile (session 13's default), 128x64 x6 (8 consumer warps, level 1 in
 # registers). Dropped from the list after the H200 sweeps (the kernel still takes them as a config): 128x128 x3 of
 # 64 columns, 128x64 x4 and with release="cta", 64x64 x8, 64x128 x5 with release="cta".
-WS_CANDIDATES = (DEFAULT_WS, WsConfig(block_m=64, block_n=128, stages=6, release="thread", out_alias=True),
-                 WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
+# Where 128x128 tiles leave SMs idle (fewer tiles than SMs: the rollout's decode batches on narrow layers, e.g. the
+# 0.6B shape's N = 1,024 at M = 462: 32 tiles), the 64x128 tile of the same ring depth: twice the programs. Speed
+# only (the tile decides which warpgroup computes an element, not its operations). Session 14: 0.6B decode step
+# 12.23 -> 12.66 ms of GPU time with 128x128 everywhere; at the 8B M = 462 (128 tiles) the two within 1.5%.
+SMALL_GRID_WS = WsConfig(block_m=64, block_n=128, stages=6, release="thread", out_alias=True)
+
+
+def launch_for(a: torch.Tensor, n: int) -> WsConfig:
+    """The dispatcher's launch for an [M, K] x [K, N] call: DEFAULT_WS unless its tiles would not cover the SMs."""
+    tiles = triton.cdiv(a.shape[0], DEFAULT_WS.block_m) * triton.cdiv(n, DEFAULT_WS.block_n)
+    return DEFAULT_WS if tiles >= device_sms(a) else SMALL_GRID_WS
+
+
+WS_CANDIDATES = (DEFAULT_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
                  WsConfig(block_m=128, block_n=64, stages=6, release="thread"))
 
 
@@ -512,5 +524,5 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, o
     return out
 
 
-__all__ = ["WsConfig", "DEFAULT_WS", "WS_CANDIDATES", "GemmWsUnsupported", "gemm_ws",
+__all__ = ["WsConfig", "DEFAULT_WS", "SMALL_GRID_WS", "launch_for", "WS_CANDIDATES", "GemmWsUnsupported", "gemm_ws",
            "supported", "unsupported_reason", "shared_bytes"]
