@@ -26,6 +26,9 @@ reported. Peak memory: CUDA ``max_memory_allocated`` over the timed steps (weigh
 included); CPU the peak RSS over the timed steps minus the RSS just before them (what the step adds;
 indicative: allocator caching and thread pools count). ``saved_gib``: the distinct storages saved for the
 backward in one more step (counted by a ``saved_tensors_hooks`` pair; parameters included), exact on any device.
+``--peak-breakdown`` (CUDA): one more step with the caching allocator's history recorded, replayed to the step's
+peak: what was allocated before the step (weights, ...) and the step's allocations live at the peak, grouped by the
+line of rlalign / bench code that made them.
 
 Model FLOPs per step (the usual MFU convention: recomputation is not counted):
     6 * N * T + sum over layers and sequences of 6 * Hq * D * L^2
@@ -224,6 +227,8 @@ def run_variant(variant: str, args) -> dict:
         row["kernel_profile"] = profile_breakdown(step, args.device, steps=1, stacks=True)
     if args.host_profile:
         row["host_profile"] = _host_profile(step, cuda)
+    if args.peak_breakdown and cuda:
+        row["peak_breakdown"] = _peak_breakdown(step)
     return row
 
 
@@ -238,6 +243,53 @@ def saved_bytes(step) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
     return sum(storages.values())
+
+
+def peak_from_trace(events: list[dict], baseline: int, top: int = 12) -> dict:
+    """Replay a CUDA caching-allocator trace (``torch.cuda.memory._snapshot()["device_traces"][d]``: ``alloc`` /
+    ``free_completed`` events with addr, size and Python frames) on top of ``baseline`` bytes allocated before it;
+    -> the peak, and the allocations live at that moment grouped by where they were made (the innermost frame
+    in rlalign/ or bench/, else the innermost frame), largest first."""
+    live, total, peak, at_peak = {}, baseline, baseline, {}
+    for e in events:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = (e["size"], _where(e.get("frames") or []))
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif e.get("action") == "free_completed" and e.get("addr") in live:
+            total -= live.pop(e["addr"])[0]
+    groups: dict[str, list[int]] = {}
+    for size, where in at_peak.values():
+        g = groups.setdefault(where, [0, 0])
+        g[0] += size
+        g[1] += 1
+    rows = sorted(({"where": w, "gib": b / 2**30, "count": n} for w, (b, n) in groups.items()),
+                  key=lambda r: -r["gib"])
+    return {"baseline_gib": baseline / 2**30, "peak_gib": peak / 2**30,
+            "step_allocations_at_peak_gib": (peak - baseline) / 2**30, "at_peak": rows[:top]}
+
+
+def _where(frames: list[dict]) -> str:
+    ours = [f for f in frames if "/rlalign/" in f.get("filename", "") or "/bench/" in f.get("filename", "")]
+    f = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+    return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+
+
+def _peak_breakdown(step) -> dict:
+    """One more step with the allocator's history recorded: what is allocated at the step's peak, and by whom."""
+    import torch
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = snapshot["device_traces"][torch.cuda.current_device()]
+    return peak_from_trace(events, baseline)
 
 
 def _host_profile(step, cuda: bool, lines: int = 30) -> str:
@@ -287,7 +339,8 @@ def _run_in_subprocess(variant: str, args) -> dict:
 def _forwarded(args) -> list[str]:
     keys = ("shape", "layers", "tokens", "mean_seq", "dtype", "device", "warmup", "iters", "seed")
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys] + \
-        (["--profile-kernels"] if args.profile_kernels else []) + (["--host-profile"] if args.host_profile else [])
+        (["--profile-kernels"] if args.profile_kernels else []) + (["--host-profile"] if args.host_profile else []) + \
+        (["--peak-breakdown"] if args.peak_breakdown else [])
 
 
 def parse_args(argv=None):
@@ -315,6 +368,9 @@ def parse_args(argv=None):
     p.add_argument("--host-profile", action="store_true",
                    help="one more step per variant under cProfile: the host's top functions by own and by cumulative "
                         "time (row field host_profile; printed after the table)")
+    p.add_argument("--peak-breakdown", action="store_true",
+                   help="CUDA: one more step per variant with the allocator's history recorded: the step's peak and "
+                        "the allocations live at it, grouped by the code that made them (row field peak_breakdown)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a table")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -395,6 +451,11 @@ def _table(result) -> str:
                 lines.append(f"{'':>12}  device idle {idle['idle_ms']:.1f} of {idle['span_ms']:.1f} ms; "
                              f"{idle['gaps']} gaps >= {idle['gap_min_us']:g} us: " + "; ".join(
                                  f"{c['cause']} {c['ms']:.2f} ms x{c['gaps']}" for c in idle["by_cause"][:6]))
+        if "peak_breakdown" in r:
+            pb = r["peak_breakdown"]
+            lines.append(f"{'':>12}  peak {pb['peak_gib']:.2f} GiB = {pb['baseline_gib']:.2f} before the step + "
+                         f"{pb['step_allocations_at_peak_gib']:.2f} allocated in it, live at the peak: " + "; ".join(
+                             f"{g['where']} {g['gib']:.3f} GiB x{g['count']}" for g in pb["at_peak"]))
     lines += [f"{k}: {v:.3f}" for k, v in result["ratios"].items() if v is not None]
     return "\n".join(lines)
 

@@ -90,3 +90,21 @@ def test_sequence_lengths_are_ragged_within_the_budget(tokens, mean, seed):
     lo, hi = max(1, mean // 4), max(1, 7 * mean // 4)
     assert all(lo <= n <= hi for n in lens[:-1]) and lens[-1] <= hi
     assert lens == train_step.sequence_lengths(tokens, mean, seed)
+
+
+def test_peak_from_trace_replays_allocations_and_frees():
+    """The peak breakdown's replay: the maximum of baseline + live bytes, and who held them at that moment."""
+    ours = [{"filename": "/x/torch/nn/functional.py", "line": 9, "name": "linear"},
+            {"filename": "/repo/rlalign/ops/linear.py", "line": 40, "name": "forward"}]
+    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+              {"action": "alloc", "addr": 2, "size": 300, "frames": []},
+              {"action": "free_requested", "addr": 1},          # not yet free: the stream may still use it
+              {"action": "free_completed", "addr": 1},
+              {"action": "alloc", "addr": 3, "size": 50, "frames": ours},
+              {"action": "free_completed", "addr": 2},
+              {"action": "free_completed", "addr": 99},         # allocated before the trace began: ignored
+              {"action": "alloc", "addr": 4, "size": 200, "frames": ours}]
+    out = train_step.peak_from_trace(events, baseline=2**30)
+    assert out["peak_gib"] * 2**30 == 2**30 + 400 and out["step_allocations_at_peak_gib"] * 2**30 == 400
+    assert [(g["where"], g["count"], round(g["gib"] * 2**30)) for g in out["at_peak"]] == \
+        [("?:0 ?", 1, 300), ("linear.py:40 forward", 1, 100)]
