@@ -70,9 +70,9 @@ STOP_STRING_SLACK_TOKENS = 8
 def collector_paused():
     """Python's cyclic garbage collector off inside the block (as it was before, after it).
 
-    A full collection walks every tracked object of the process (a trainer's holds ~10^5-10^6) and takes tens
-    of milliseconds: inside a rollout it lands on one decode step, which then outlasts the device's work and
-    shows as host time on the critical path. Reference counting still frees everything that is not in a
+    A full collection walks every tracked object of the process: with torch, transformers and rlalign imported
+    ~2 x 10^5 of them, 0.19 s on the 2-core CPU machine (session 14). Inside a rollout it lands on one decode
+    step, which then outlasts the device's work and shows as host time on the critical path. Reference counting still frees everything that is not in a
     cycle; the cycles made during the block are collected after it. :meth:`RolloutEngine.generate` runs its
     step loop inside this; a caller driving :meth:`RolloutEngine.step` itself can do the same."""
     was_enabled = gc.isenabled()
