@@ -48,13 +48,14 @@ def _case_failures(gemm, cfg, m, n, k, segments, b_trans, has_bias, out_dtype, s
 def test_ws_forward_bits_equal_default(triton_backend, segments):
     """y = x W^T (+ bias) for the linear forward's layout: every candidate config, M in M_VALUES, N a multiple
     of 64 and not (200), K with one and several k-steps per segment, bias or not, bf16 or fp32 output. Every
-    case for the default (128x128 tiles, the output tile in level 1's buffer, 32-column stages) and the first
-    runner-up; one variant on the large shape for the others."""
+    case for the two launches the dispatcher takes (gemm_ws.launch_for: DEFAULT_WS, 128x128 tiles with the output
+    tile in level 1's buffer and 32-column stages, and SMALL_GRID_WS); one variant on the large shape for the
+    others."""
     from rlalign.ops.triton_backend.gemm import gemm
-    from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES
+    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, SMALL_GRID_WS, WS_CANDIDATES
     bad = []
-    for i, cfg in enumerate(WS_CANDIDATES):
-        every_case = i < 2
+    for cfg in WS_CANDIDATES:
+        every_case = cfg in (DEFAULT_WS, SMALL_GRID_WS)   # the two launches the dispatcher takes
         for m in M_VALUES:
             for n, k in ((200, segments * 64), (4096, 4096 if segments != 8 else 12288), (1000, segments * 192)):
                 for has_bias, out_dtype in ((False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)):

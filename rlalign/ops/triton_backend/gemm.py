@@ -37,8 +37,7 @@ from rlalign.ops import gemm_census
 from rlalign.ops.triton_backend._common import (BLOCK_K, aligned, descriptor, device_sms, forced_tile, is_interpreter,
                                                 mma, split_for, tma_ok)
 from rlalign.ops.triton_backend.gemm_ws import WS_ENV, WsConfig, gemm_ws
-from rlalign.ops.triton_backend.gemm_ws import supported as ws_supported
-from rlalign.ops.triton_backend.gemm_ws import launch_for as ws_launch_for
+from rlalign.ops.triton_backend.gemm_ws import launch_for as ws_launch_for, supported as ws_supported
 
 
 @dataclasses.dataclass(frozen=True)
