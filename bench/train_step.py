@@ -382,6 +382,8 @@ def parse_args(argv=None):
     if args.device is None:
         import torch
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.peak_breakdown and args.device != "cuda":
+        p.error("--peak-breakdown needs --device cuda (it replays the CUDA caching allocator's history)")
     if args.device == "cuda":
         args.peak_tflops = args.peak_tflops or H200_DENSE_BF16_TFLOPS
         args.ceiling_tflops = args.ceiling_tflops or H200_CUBLAS_CEILING_TFLOPS

@@ -108,3 +108,9 @@ def test_peak_from_trace_replays_allocations_and_frees():
     assert out["peak_gib"] * 2**30 == 2**30 + 400 and out["step_allocations_at_peak_gib"] * 2**30 == 400
     assert [(g["where"], g["count"], round(g["gib"] * 2**30)) for g in out["at_peak"]] == \
         [("?:0 ?", 1, 300), ("linear.py:40 forward", 1, 100)]
+
+
+def test_peak_breakdown_without_cuda_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        train_step.parse_args(["--device", "cpu", "--peak-breakdown"])
+    assert exc.value.code == 2 and "--peak-breakdown needs --device cuda" in capsys.readouterr().err
