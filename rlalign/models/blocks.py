@@ -75,16 +75,28 @@ def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     q = attn.q_proj(x).view(t, num_heads, head_dim)
     k = attn.k_proj(x).view(t, num_kv_heads, head_dim)
     v = attn.v_proj(x).view(t, num_kv_heads, head_dim)
+    q_in, k_in = q, k
     if qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     if isinstance(attend, PagedAttend):   # the cache write folded into the rope (same bits, same checks)
         q, k = attend.rope_write(q, k, v, cos, sin, layer)
     else:
         q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+        if qk_norm:
+            _rebuildable_rope(attn.q_norm, q, q_in, cos, sin, "rope(q_norm(q))")
+            _rebuildable_rope(attn.k_norm, k, k_in, cos, sin, "rope(k_norm(k))")
     tap(layer_tap(layer, "q"), q), tap(layer_tap(layer, "k"), k), tap(layer_tap(layer, "v"), v)
     out = attend(q, k, v, layer, head_dim ** -0.5)
     out = tap(layer_tap(layer, "attn"), out.reshape(t, num_heads * head_dim))
     return tap(layer_tap(layer, "o_proj"), attn.o_proj(out))
+
+
+def _rebuildable_rope(norm, roped: torch.Tensor, projected: torch.Tensor, cos, sin, name: str) -> None:
+    """The roped q (or k) that attention saves is rebuilt from the projection's output, which the q/k norm saves
+    for its own backward anyway (as do the rope's tables): ``rope(norm(projected))`` is the forward's two calls
+    on the same inputs -- the same bits. Without a q/k norm nothing keeps the projection's output, so there is
+    nothing to rebuild from for free (and nothing is registered)."""
+    recompute.register(name, roped, lambda: ops.rope(norm(projected), cos, sin), projected, norm.weight, cos, sin)
 
 
 def dense_ffn_block(mlp, x: torch.Tensor) -> torch.Tensor:

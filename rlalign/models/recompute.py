@@ -1,10 +1,11 @@
 """Saved activations rebuilt in the backward instead of kept: same bits, less activation memory.
 
 A decoder layer's linears save their input for dW: the RMSNorm outputs that q/k/v_proj and gate/up_proj
-read, and silu_mul's output that down_proj reads. Each of these is one deterministic elementwise op of
-tensors the backward keeps anyway (the norm's input and weight, silu_mul's gate and up), so it can be
-rebuilt in the backward with the forward's bits, and not kept ([T, hidden] twice and [T, intermediate]
-once per layer).
+read, and silu_mul's output that down_proj reads; attention saves the roped q and k. Each of these is
+deterministic elementwise work on tensors the backward keeps anyway (the norm's input and weight,
+silu_mul's gate and up; with a q/k norm, the projection's output that the q/k norm saves, its weight and the
+rope tables), so it can be rebuilt in the backward with the forward's bits, and not kept ([T, hidden] twice,
+[T, intermediate] once, and with a q/k norm [T, (heads + kv_heads) x head_dim] once per layer).
 
 How: :func:`layer_session` (entered by ``blocks.decoder_layer_block`` around a layer's forward) installs
 ``torch.autograd.graph.saved_tensors_hooks``; the block cores :func:`register` each rebuildable tensor

@@ -26,6 +26,11 @@ from tests.bitwise import assert_bitwise_equal
 from tests.models.test_three_paths import FAMILIES
 
 DENSE_PACKS = 6   # per dense layer: q/k/v_proj and gate/up_proj read a rebuilt norm output, down_proj silu_mul's
+QK_NORM_PACKS = 2   # and with a q/k norm: attention's roped q and k
+
+
+def packs_per_layer(model) -> int:
+    return DENSE_PACKS + (QK_NORM_PACKS if model.config.qk_norm else 0)
 
 
 def make_model(family="qwen3", dtype=torch.float32, device="cpu", **overrides):
@@ -79,8 +84,10 @@ def assert_same_grads(a: dict, b: dict) -> None:
 
 
 def rebuilt_bytes_per_dense_layer(model, tokens: int) -> int:
+    """Two norm outputs and silu_mul's output; with a q/k norm also the roped q and k."""
     c, size = model.config, model.dtype.itemsize
-    return tokens * (2 * c.hidden_size + c.intermediate_size) * size
+    qk = (c.num_heads + c.num_kv_heads) * c.head_dim if c.qk_norm else 0
+    return tokens * (2 * c.hidden_size + c.intermediate_size + qk) * size
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -94,7 +101,7 @@ def test_gradients_bitwise_equal_and_bytes_drop(family):
     if family == "qwen3_moe":   # layer 0 sparse: its post-norm output is saved by the router (and rebuilt)
         assert on_packs > DENSE_PACKS and off_bytes > on_bytes
         return
-    assert on_packs == DENSE_PACKS * model.config.num_layers
+    assert on_packs == packs_per_layer(model) * model.config.num_layers
     assert off_bytes - on_bytes == model.config.num_layers * rebuilt_bytes_per_dense_layer(model, 99)
 
 
@@ -117,7 +124,7 @@ def test_any_packing(lengths):
     on_bytes, on_packs, on = saved_bytes_and_grads(model, batch, targets, True)
     off_bytes, _, off = saved_bytes_and_grads(model, batch, targets, False)
     assert_same_grads(on, off)
-    assert on_packs == DENSE_PACKS * model.config.num_layers
+    assert on_packs == packs_per_layer(model) * model.config.num_layers
     assert off_bytes - on_bytes == model.config.num_layers * rebuilt_bytes_per_dense_layer(model, sum(lengths))
 
 
@@ -204,7 +211,7 @@ batch, targets = t.batch_of(model, (9, 66))
 on_bytes, on_packs, on = t.saved_bytes_and_grads(model, batch, targets, True)
 off_bytes, _, off = t.saved_bytes_and_grads(model, batch, targets, False)
 t.assert_same_grads(on, off)
-assert on_packs == t.DENSE_PACKS * model.config.num_layers, on_packs
+assert on_packs == t.packs_per_layer(model) * model.config.num_layers, on_packs
 assert off_bytes - on_bytes == model.config.num_layers * t.rebuilt_bytes_per_dense_layer(model, 75), (off_bytes, on_bytes)
 print("TRITON-RECOMPUTE-OK")
 """
