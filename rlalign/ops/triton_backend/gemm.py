@@ -560,10 +560,14 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 
 # The warp-specialized Gluon kernel (gemm_ws.py, session 12) is the default since the H200 sweep
 # (bench/gpu_linear.py --sweep-ws, session 12) found it bit-equal at every case and 1.0-1.6x faster than the Triton
-# kernel (RLALIGN_TRITON_GEMM_WS=0 turns it off). The dispatcher takes it only for the K partition
-# (P > 1) above SPLIT_SEGMENTS_MAX_M rows and where gemm_ws.supported holds; P = 1 calls (the dX layout
-# included) reach it only through gemm(..., ws=...), as no sweep has timed them.
+# kernel (RLALIGN_TRITON_GEMM_WS=0 turns it off). The dispatcher takes it only for the K partition (P > 1) where
+# gemm_ws.supported holds: above SPLIT_SEGMENTS_MAX_M rows always, at or below it only where its tiles fill at
+# least WS_DECODE_MIN_FILL of the SMs (the per-segment split multiplies the programs by P, the Gluon kernel does
+# not: H200 `--sweep-ws --ws-m 256`, session 14: on the 8B layers at 256 rows, 128 tiles of 64x128, the Gluon
+# launch 0.83 / 0.87 of cuBLAS against the split's 0.48 / 0.62; on the 0.6B layers, 32 tiles, the split
+# better). P = 1 calls (the dX layout included) reach it only through gemm(..., ws=...), as no sweep has timed them.
 WS_DEFAULT = True
+WS_DECODE_MIN_FILL = 0.9
 
 
 def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsConfig | None:
@@ -573,7 +577,13 @@ def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsC
         return None
     if not ws_supported(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in):
         return None
-    return ws_launch_for(a, b.shape[0] if b_trans else b.shape[1])
+    m, n = a.shape[0], (b.shape[0] if b_trans else b.shape[1])   # A [M, K]: ws_supported refuses a_trans
+    launch = ws_launch_for(a, n)
+    if m <= SPLIT_SEGMENTS_MAX_M:
+        tiles = triton.cdiv(m, launch.block_m) * triton.cdiv(n, launch.block_n)
+        if tiles < WS_DECODE_MIN_FILL * device_sms(a):
+            return None
+    return launch
 
 
 def _logical(t: torch.Tensor, trans: bool) -> tuple[int, int, int, int]:
@@ -636,7 +646,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
                 out.add_(bias.to(out.dtype))
         return out
     fp32 = a.dtype == torch.float32
-    if ws is None and config is None and split is None and segments > 1 and m > SPLIT_SEGMENTS_MAX_M:
+    if ws is None and config is None and split is None and segments > 1:
         ws = ws_default(a, b, b_trans, segments, a_trans, out.dtype, bias, acc_in)
     if ws is not None:
         if gemm_census.ACTIVE is not None:
