@@ -462,8 +462,13 @@ def print_kpart(rows: list[dict]) -> None:
 # cuBLAS at the rollout's decode batches (462, 1,024) and training M (4,096, 16,384) on the 8B o_proj and down_proj
 # (k_segments 8), CUDA-graph replays; a candidate is refused (not timed) unless bit-equal to the default. A launch
 # that does not finish within WS_WATCHDOG_S (a pipeline deadlock) ends the run naming the case.
-WS_SHAPES = {"8b": (("o_proj", 4096, 4096), ("down_proj", 4096, 12288)),
-             "0.6b": (("0.6b o_proj", 1024, 2048), ("0.6b down_proj", 1024, 3072))}
+# (layer, N, K, P): the K-partition layers (P = 8), and with "-plain" the P = 1 layers of the same model (q_proj,
+# k_proj = v_proj, gate_proj = up_proj), which the dispatcher runs on the Triton kernel
+WS_SHAPES = {"8b": (("o_proj", 4096, 4096, 8), ("down_proj", 4096, 12288, 8)),
+             "0.6b": (("0.6b o_proj", 1024, 2048, 8), ("0.6b down_proj", 1024, 3072, 8)),
+             "8b-plain": (("q_proj", 4096, 4096, 1), ("kv_proj", 1024, 4096, 1), ("gate_proj", 12288, 4096, 1)),
+             "0.6b-plain": (("0.6b q_proj", 2048, 1024, 1), ("0.6b kv_proj", 1024, 1024, 1),
+                            ("0.6b gate_proj", 3072, 1024, 1))}
 WS_M = (462, 1024, 4096, 16384)
 WS_STOP_AFTER_S = 75       # later cases are skipped (the lead's call: <= 90 s with the compiles)
 WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
@@ -498,7 +503,7 @@ def sweep_ws(candidates: tuple, shapes: tuple = ("8b",), ms: tuple = WS_M) -> li
     from rlalign.ops.triton_backend.gemm import gemm
     from rlalign.ops.triton_backend.gemm_ws import triton_kernel_only
     rows, t0 = [], time.time()
-    for name, n, k in (shape for key in shapes for shape in WS_SHAPES[key]):
+    for name, n, k, p in (shape for key in shapes for shape in WS_SHAPES[key]):
         g = torch.Generator(device="cuda").manual_seed(n + k)
         w_sets = rotating(lambda i: torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16), n * k * 2)[:4]
         for m in ms:
@@ -507,18 +512,18 @@ def sweep_ws(candidates: tuple, shapes: tuple = ("8b",), ms: tuple = WS_M) -> li
                 continue
             sets = [(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16), w) for w in w_sets]
             with triton_kernel_only():   # the reference and the baseline: the Triton kernel, not the Gluon default
-                ref = [gemm(x, w, b_trans=True, segments=8) for x, w in (sets[0], sets[-1])]
-                default_ms = _graph_ms(lambda x, w: gemm(x, w, b_trans=True, segments=8), sets)
+                ref = [gemm(x, w, b_trans=True, segments=p) for x, w in (sets[0], sets[-1])]
+                default_ms = _graph_ms(lambda x, w: gemm(x, w, b_trans=True, segments=p), sets)
             base = _graph_ms(lambda x, w: torch.matmul(x, w.T), sets)
-            rows.append({"kind": "sweep-ws", "layer": name, "M": m, "N": n, "K": k, "config": "default",
+            rows.append({"kind": "sweep-ws", "layer": name, "M": m, "N": n, "K": k, "P": p, "config": "default",
                          "label": "Triton kernel", "cublas_ms": round(base, 4), "graph_ms": round(default_ms, 4),
                          "ratio": round(base / default_ms, 3), "bits": "equal", "vs_default": 1.0})
             for cfg in candidates:
-                row = {"kind": "sweep-ws", "layer": name, "M": m, "N": n, "K": k, "config": repr(cfg),
+                row = {"kind": "sweep-ws", "layer": name, "M": m, "N": n, "K": k, "P": p, "config": repr(cfg),
                        "label": ws_label(cfg), "cublas_ms": round(base, 4)}
 
-                def run(x, w, cfg=cfg):
-                    return gemm(x, w, b_trans=True, segments=8, ws=cfg)
+                def run(x, w, cfg=cfg, p=p):
+                    return gemm(x, w, b_trans=True, segments=p, ws=cfg)
                 try:
                     _watched(f"{name} M={m} {cfg}", lambda: run(*sets[0]))
                 except Exception:  # noqa: BLE001 - time_if_bit_equal records the error

@@ -44,7 +44,7 @@ def _case_failures(gemm, cfg, m, n, k, segments, b_trans, has_bias, out_dtype, s
     return [] if bits_equal(out, ref) else [f"{what}: {describe_difference(out, ref)}"]
 
 
-@pytest.mark.parametrize("segments", (2, 4, 8))
+@pytest.mark.parametrize("segments", (1, 2, 4, 8))
 def test_ws_forward_bits_equal_default(triton_backend, segments):
     """y = x W^T (+ bias) for the linear forward's layout: every candidate config, M in M_VALUES, N a multiple
     of 64 and not (200), K with one and several k-steps per segment, bias or not, bf16 or fp32 output. Every

@@ -153,7 +153,7 @@ def _selection() -> dict:
     return {"off": off, "on": pick(x, w, 8), "on_fp32": pick(x.float(), w.float(), 8),
             "on_big": pick(big_x, big_w, 8), "on_edge": pick(big_x[:528], big_w, 8),
             "on_bad_k": pick(x[:, :960], w[:, :960], 8), "default_ws": repr(W.DEFAULT_WS),
-            "decode_wide": pick(big_x[:244], big_w, 8), "decode_mid": pick(big_x[:192], big_w, 8),
+            "decode_wide": pick(big_x[:244], big_w, 8), "decode_mid": pick(big_x[:128], big_w, 8),
             "decode_narrow": pick(big_x[:256], w, 8),
             "small_grid_ws": repr(W.SMALL_GRID_WS)}
 
@@ -255,8 +255,8 @@ def test_ws_dispatcher_selects_only_when_enabled_and_supported(sm90_ws):
     assert sel["on_big"] == sel["on_edge"] == sel["default_ws"], sel
     assert sel["on"] == sel["small_grid_ws"] != sel["default_ws"], sel
     assert sel["on_fp32"] == "None" and sel["on_bad_k"] == "None", sel
-    # at <= 256 rows (the per-segment split's range) only where the 64x128 tiles fill >= 90% of the SMs:
-    # 244 x 4,096 is 4 x 32 = 128 tiles; 192 x 4,096 is 96, 256 x 256 is 8: the split
+    # at <= 256 rows (the per-segment split's range) only where the 64x128 tiles fill >= 70% of the SMs:
+    # 244 x 4,096 is 4 x 32 = 128 tiles; 128 x 4,096 is 64, 256 x 256 is 8: the split
     assert sel["decode_wide"] == sel["small_grid_ws"], sel
     assert sel["decode_mid"] == sel["decode_narrow"] == "None", sel
 

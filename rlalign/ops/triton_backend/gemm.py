@@ -563,11 +563,12 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 # kernel (RLALIGN_TRITON_GEMM_WS=0 turns it off). The dispatcher takes it only for the K partition (P > 1) where
 # gemm_ws.supported holds: above SPLIT_SEGMENTS_MAX_M rows always, at or below it only where its tiles fill at
 # least WS_DECODE_MIN_FILL of the SMs (the per-segment split multiplies the programs by P, the Gluon kernel does
-# not: H200 `--sweep-ws --ws-m 256`, session 14: on the 8B layers at 256 rows, 128 tiles of 64x128, the Gluon
-# launch 0.83 / 0.87 of cuBLAS against the split's 0.48 / 0.62; on the 0.6B layers, 32 tiles, the split
-# better). P = 1 calls (the dX layout included) reach it only through gemm(..., ws=...), as no sweep has timed them.
+# not). H200 `--sweep-ws --ws-candidates 1 --ws-shapes 0.6b,8b --ws-m 128,192,244,256`, session 15: the 64x128
+# launch over the split on the 8B o_proj / down_proj 1.05 / 0.91x at 128 rows (64 tiles, 48% of the SMs),
+# 1.40 / 1.16x at 192 (96 tiles, 73%), 1.71 / 1.42x at 244; on the 0.6B layers (<= 32 tiles) 0.59-0.79x.
+# P = 1 calls (the dX layout included) reach it only through gemm(..., ws=...), as no sweep has timed them.
 WS_DEFAULT = True
-WS_DECODE_MIN_FILL = 0.9
+WS_DECODE_MIN_FILL = 0.7
 
 
 def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsConfig | None:
