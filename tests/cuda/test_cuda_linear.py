@@ -15,6 +15,7 @@ import torch
 
 from rlalign import ops
 from rlalign.contract import spec
+from rlalign.contract.bits import bits_equal
 from tests.bitwise import assert_bitwise_equal, first_difference
 from tests.cuda.conftest import rand, rel_err
 
@@ -251,6 +252,42 @@ def test_bias_grad_deterministic(triton_backend):
         ops.linear(x, w, b).float().pow(2).sum().backward()
         grads.append(b.grad.clone())
     assert_bitwise_equal(grads[0], grads[1])
+
+
+def _bias_launches(segments: int, m: int, k: int):
+    """(name, context, ws) for every GEMM launch family that can take this call: the dispatcher's choice, the
+    Triton kernel alone, and each Gluon launch the dispatcher uses where the Gluon kernel supports the shape."""
+    import contextlib
+    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, SMALL_GRID_WS, supported, triton_kernel_only
+    yield "dispatcher", contextlib.nullcontext(), None
+    yield "Triton kernel", triton_kernel_only(), None
+    probe_a, probe_b = rand(m, k, seed=0), rand(200, k, seed=1)
+    if supported(probe_a, probe_b, True, segments, out_dtype=torch.float32, bias=rand(200, seed=2)):
+        yield "Gluon 128x128", contextlib.nullcontext(), DEFAULT_WS
+        yield "Gluon 64x128", contextlib.nullcontext(), SMALL_GRID_WS
+
+
+@pytest.mark.parametrize("segments", [1, 2, 4, 8])
+def test_bias_is_added_after_the_whole_sum(triton_backend, segments):
+    """The documented order: the K sum (P segments merged by the tree) in fp32, then + bias[n] in fp32, then one
+    rounding. So with an fp32 output, gemm(bias) == gemm() + bias bit for bit, and the bf16 output is that rounded
+    once -- for every launch family, one k-step per segment (where a folded loop once let Triton's combine pass put
+    the bias into the accumulator first: gemm.KSTEP_UNSPECIALIZED), several, and a K that ends inside a step."""
+    from rlalign.ops.triton_backend.gemm import gemm
+    bad = []
+    for k in (segments * 64, segments * 192, segments * 40):   # one step a segment, three, one ending inside a step
+        for m in (1, 65, 462):
+            x, w, bias = rand(m, k, seed=m + k), rand(200, k, seed=m + k + 1), rand(200, seed=m + k + 2)
+            for name, ctx, ws in _bias_launches(segments, m, k):
+                with ctx:
+                    summed = gemm(x, w, b_trans=True, segments=segments, out_dtype=torch.float32, ws=ws)
+                    biased = gemm(x, w, b_trans=True, segments=segments, bias=bias, out_dtype=torch.float32, ws=ws)
+                    rounded = gemm(x, w, b_trans=True, segments=segments, bias=bias, out_dtype=torch.bfloat16, ws=ws)
+                expected = summed + bias.float()
+                for what, out, ref in (("fp32 out", biased, expected), ("bf16 out", rounded, expected.to(torch.bfloat16))):
+                    if not bits_equal(out, ref):
+                        bad.append(f"{name} M={m} K={k} P={segments} {what}: {first_difference(out, ref)}")
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 4e-3), (torch.float32, 2e-5)])

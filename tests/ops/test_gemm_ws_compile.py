@@ -155,6 +155,10 @@ def _selection() -> dict:
             "on_bad_k": pick(x[:, :960], w[:, :960], 8), "default_ws": repr(W.DEFAULT_WS),
             "decode_wide": pick(big_x[:244], big_w, 8), "decode_mid": pick(big_x[:128], big_w, 8),
             "decode_narrow": pick(big_x[:256], w, 8),
+            "plain_decode": pick(big_x[:244], big_w, 1), "plain_edges": [pick(big_x[:65], big_w, 1),
+                                                                         pick(big_x[:256], big_w, 1)],
+            "plain_other": [pick(big_x[:64], big_w, 1), pick(big_x[:257], big_w, 1), pick(big_x, big_w, 1),
+                            repr(G.ws_default(big_x[:244], torch.empty(1024, 4096, dtype=bf), False, 1, False, bf, None, False))],
             "small_grid_ws": repr(W.SMALL_GRID_WS)}
 
 
@@ -259,6 +263,9 @@ def test_ws_dispatcher_selects_only_when_enabled_and_supported(sm90_ws):
     # 244 x 4,096 is 4 x 32 = 128 tiles; 128 x 4,096 is 64, 256 x 256 is 8: the split
     assert sel["decode_wide"] == sel["small_grid_ws"], sel
     assert sel["decode_mid"] == sel["decode_narrow"] == "None", sel
+    # P = 1: the 64x128 launch in the forward layout at 65-256 rows only (not <= 64, not past 256, not W [K, N])
+    assert sel["plain_decode"] == sel["small_grid_ws"] and sel["plain_edges"] == [sel["small_grid_ws"]] * 2, sel
+    assert sel["plain_other"] == ["None"] * 4, sel
 
 
 def test_ws_sweep_names_every_candidate_apart(sm90_ws):

@@ -36,7 +36,7 @@ import triton.language as tl
 from rlalign.ops import gemm_census
 from rlalign.ops.triton_backend._common import (BLOCK_K, aligned, descriptor, device_sms, forced_tile, is_interpreter,
                                                 mma, split_for, tma_ok)
-from rlalign.ops.triton_backend.gemm_ws import WS_ENV, WsConfig, gemm_ws
+from rlalign.ops.triton_backend.gemm_ws import SMALL_GRID_WS, WS_ENV, WsConfig, gemm_ws
 from rlalign.ops.triton_backend.gemm_ws import launch_for as ws_launch_for, supported as ws_supported
 
 
@@ -342,7 +342,15 @@ def store_tile(acc, c_src, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn, B
         tl.store(c_ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["M", "num_progs"])
+# ``steps`` (k-steps per segment) is never specialized: Triton specializes an integer argument equal to 1, a
+# loop of one iteration is then folded away, and its combine pass rewrites ``dot(a, b, 0) + d`` into
+# ``dot(a, b, d)`` -- for P = 1, K <= 64 with a bias that put the bias in the accumulator before the products
+# (found on the H200 in session 15: the Gluon kernel, which follows the documented order, differed by an ulp).
+# Kept a runtime loop, the accumulator is a loop value and the sum is rounded as documented.
+KSTEP_UNSPECIALIZED = ["M", "num_progs", "steps"]
+
+
+@triton.jit(do_not_specialize=KSTEP_UNSPECIALIZED)
 def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                 M, N, K, SEG_K, steps, num_progs,
                 stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -387,7 +395,7 @@ def gemm_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                    USE_TMA)
 
 
-@triton.jit(do_not_specialize=["M", "num_progs"])
+@triton.jit(do_not_specialize=KSTEP_UNSPECIALIZED)
 def segment_stream_kernel(a_src, b_src, c_src, bias_ptr, scratch,
                           M, N, SEG_K, steps, num_progs,
                           stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -439,7 +447,7 @@ def segment_stream_kernel(a_src, b_src, c_src, bias_ptr, scratch,
         acc = tl.where(segment_end, zero, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["steps"])
 def segment_partials_kernel(a_src, b_src, ws_ptr, M, N, SEG_K, steps,
                             stride_am, stride_ak, stride_bk, stride_bn,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_TRANS: tl.constexpr,
@@ -566,9 +574,14 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 # not). H200 `--sweep-ws --ws-candidates 1 --ws-shapes 0.6b,8b --ws-m 128,192,244,256`, session 15: the 64x128
 # launch over the split on the 8B o_proj / down_proj 1.05 / 0.91x at 128 rows (64 tiles, 48% of the SMs),
 # 1.40 / 1.16x at 192 (96 tiles, 73%), 1.71 / 1.42x at 244; on the 0.6B layers (<= 32 tiles) 0.59-0.79x.
-# P = 1 calls (the dX layout included) reach it only through gemm(..., ws=...), as no sweep has timed them.
+# P = 1 (plain) calls take it only in the forward layout (W [N, K]) at WS_PLAIN_ROWS, decode batches: H200
+# `--sweep-ws --ws-candidates 0,1 --ws-shapes 8b-plain,0.6b-plain`, session 15, the 64x128 launch over the Triton
+# kernel at 244 rows 1.23 / 1.13 / 1.43x on the 8B q / k,v / gate,up projections, 0.89 / 1.06 / 1.83x on the 0.6B
+# ones; from 462 rows on mixed (0.74-1.40x), at 4,096+ the Triton kernel better (0.82-0.89x). M <= 64 not swept.
+# Other P = 1 calls (the dX layout, other M) reach it only through gemm(..., ws=...).
 WS_DEFAULT = True
 WS_DECODE_MIN_FILL = 0.7
+WS_PLAIN_ROWS = (65, SPLIT_SEGMENTS_MAX_M)
 
 
 def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsConfig | None:
@@ -579,6 +592,8 @@ def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsC
     if not ws_supported(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in):
         return None
     m, n = a.shape[0], (b.shape[0] if b_trans else b.shape[1])   # A [M, K]: ws_supported refuses a_trans
+    if segments == 1:
+        return SMALL_GRID_WS if b_trans and WS_PLAIN_ROWS[0] <= m <= WS_PLAIN_ROWS[1] else None
     launch = ws_launch_for(a, n)
     if m <= SPLIT_SEGMENTS_MAX_M:
         tiles = triton.cdiv(m, launch.block_m) * triton.cdiv(n, launch.block_n)
@@ -647,7 +662,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
                 out.add_(bias.to(out.dtype))
         return out
     fp32 = a.dtype == torch.float32
-    if ws is None and config is None and split is None and segments > 1:
+    if ws is None and config is None and split is None:
         ws = ws_default(a, b, b_trans, segments, a_trans, out.dtype, bias, acc_in)
     if ws is not None:
         if gemm_census.ACTIVE is not None:

@@ -91,7 +91,7 @@ def _expert_step(acc, a_desc, a_src, b_src, row0, rows, off_n, k, k_end, N, stri
     return mma(a, b, acc, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["steps"])   # a one-step loop must not fold away: see gemm.KSTEP_UNSPECIALIZED
 def grouped_rows_kernel(a_ptr, a_desc, w_base, w_offsets, c_ptr, slot_expert, slot_row, slot_end, scratch,
                         N, K, SEG_K, steps, num_slots,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
