@@ -218,10 +218,6 @@ def sweep_candidates(A) -> list[tuple[str, object]]:
     cands += [("split", replace(split, **three)), ("split", replace(fused, **three)),
               ("split", replace(fused, programs_per_sm=6, **three))]
     cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 3) if s != item.tile[2]]
-    # the per-item launch with more programs per SM (its grid has one program per item: at 256+ sequences,
-    # thousands): 3 per SM at 168 registers (2 stages: 3 x ~56 KiB of shared memory; 1 stage), 4 at 128
-    cands += [("item", replace(item, tile=(bm, warps, s), max_registers=r)) for s, r in ((2, 168), (1, 168),
-                                                                                         (1, 128))]
     return cands
 
 
