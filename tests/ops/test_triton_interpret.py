@@ -636,6 +636,18 @@ def _compile_gemm_grid(G) -> None:
             G.gemm(x, w, b_trans=True, segments=seg, out_dtype=dt if call == "linear" else torch.float32)
 
 
+def folded_accumulators(ttir: str) -> list[str]:
+    """The tt.dot ops of a TTIR whose accumulator is none of: a loop-carried value (scf.for iter_args), another
+    dot's result (bf16x3 chains), a zero constant, a load (acc_in). Anything else is a value the source adds
+    after the products (a bias, a tree partial) that Triton's combine pass moved into the accumulator."""
+    carried = set(re.findall(r"(%[\w.#]+) = [^,)]+", " ".join(re.findall(r"iter_args\(([^)]*)\)", ttir))))
+    dots = re.findall(r"(%[\w.#]+) = tt\.dot (%[\w.#]+), (%[\w.#]+), (%[\w.#]+)", ttir)
+    zeros = set(re.findall(r"(%[\w.#]+) = arith\.constant dense<0\.0+e\+00>", ttir))
+    loads = set(re.findall(r"(%[\w.#]+) = tt\.(?:load|descriptor_load)", ttir))
+    ok = carried | zeros | loads | {d[0] for d in dots}
+    return [f"{res} = tt.dot {a}, {b}, {acc}" for res, a, b, acc in dots if acc not in ok]
+
+
 def _sm90_worker() -> None:
     import torch
 
@@ -698,6 +710,17 @@ def _sm90_worker() -> None:
     attempt("moe grouped dX", lambda: GR.grouped_rows(rows[:, :768], off, experts, transpose_w=False))
     attempt("moe grouped dW", lambda: GR.grouped_weight_grad(rows[:, :768], rows, off, 4, bf))
     attempt("moe grouped small", lambda: GR.grouped_rows(rows[:64], torch.tensor([0, 1, 2, 3, 64]), experts))
+    # one k-step per segment (steps == 1): the calls where a folded loop would let Triton's combine pass move
+    # an add into the dot's accumulator (gemm.KSTEP_UNSPECIALIZED); the bias path, the tree's adds, the split
+    x64, w64, b64 = torch.empty(256, 64, dtype=bf), torch.empty(200, 64, dtype=bf), torch.empty(200, dtype=bf)
+    attempt("linear K=64 bias", lambda: G.gemm(x64, w64, b_trans=True, bias=b64))
+    attempt("linear K=64 bias M=1000", lambda: G.gemm(torch.empty(1000, 64, dtype=bf), w64, b_trans=True, bias=b64))
+    x512, w512 = torch.empty(1000, 512, dtype=bf), torch.empty(200, 512, dtype=bf)
+    for cfg in G.all_configs(8, False):
+        attempt(f"linear P=8 K=512 {cfg}", lambda: G.gemm(x512, w512, b_trans=True, segments=8, bias=b64, config=cfg))
+    attempt("linear P=8 K=512 split", lambda: G.gemm(x512[:100], w512, b_trans=True, segments=8, bias=b64))
+    attempt("moe grouped K=64", lambda: GR.grouped_rows(rows[:64, :64], torch.tensor([0, 1, 2, 3, 64]),
+                                                        [e[:, :64] for e in experts]))
     before = len(compiled)
     attempt("gemm shape grid", lambda: _compile_gemm_grid(G))
     grid_variants = len(compiled) - before
@@ -720,7 +743,8 @@ def _sm90_worker() -> None:
                          # software-pipelined: some wgmma wait leaves a chain in flight
                          "pipelined": re.search(r"warp_group_dot_wait[^\n]*pendings = [1-9]",
                                                 kernel.asm["ttgir"]) is not None,
-                         "ptxas": ptxas_report(ptx) if name.startswith("attn_") else None})
+                         "ptxas": ptxas_report(ptx) if name.startswith("attn_") else None,
+                         "folded_accumulators": folded_accumulators(kernel.asm["ttir"])})
     print("RESULTS " + json.dumps({"errors": errors, "variants": variants, "grid_variants": grid_variants,
                                    "kpart": kpart}))
 
@@ -789,6 +813,20 @@ def test_unsegmented_gemm_configs_are_software_pipelined(sm90):
     assert any(v["args"].get("ACC_IN") == "True" for v in plain), "no acc_in variant was compiled"
     unpipelined = [v["args"] for v in plain if not v["pipelined"]]
     assert not unpipelined, f"plain GEMM configs whose k loop is not software-pipelined: {unpipelined}"
+
+
+def test_gemm_sums_keep_their_adds_after_the_products(sm90):
+    """No GEMM kernel's dot starts from a value the source adds after the sum (the bias, a tree partial): with a
+    one-iteration k loop folded away, Triton's combine pass rewrites dot(a, b, 0) + d into dot(a, b, d), which
+    rounds differently (gemm.KSTEP_UNSPECIALIZED; found on the H200 in session 15 as a one-ulp difference at K =
+    64 with a bias). The one-k-step calls of the linear (P = 1 and P = 8, every tiled config, the split) and of
+    the MoE grouped GEMM are compiled above; checked on every GEMM variant the worker compiled."""
+    gemm_kernels = ("gemm_kernel", "segment_stream_kernel", "segment_partials_kernel", "merge_partials_kernel",
+                    "grouped_rows_kernel", "grouped_reduce_kernel")
+    checked = [v for v in sm90["variants"] if v["kernel"] in gemm_kernels]
+    assert len(checked) >= 20, f"only {len(checked)} GEMM variants compiled"
+    folded = [(v["kernel"], v["args"], v["folded_accumulators"]) for v in checked if v["folded_accumulators"]]
+    assert not folded, f"dots whose accumulator is a value added after the products: {folded}"
 
 
 def test_shared_memory_fits_sm90(sm90):
