@@ -640,7 +640,7 @@ def folded_accumulators(ttir: str) -> list[str]:
     """The tt.dot ops of a TTIR whose accumulator is none of: a loop-carried value (scf.for iter_args), another
     dot's result (bf16x3 chains), a zero constant, a load (acc_in). Anything else is a value the source adds
     after the products (a bias, a tree partial) that Triton's combine pass moved into the accumulator."""
-    carried = set(re.findall(r"(%[\w.#]+) = [^,)]+", " ".join(re.findall(r"iter_args\(([^)]*)\)", ttir))))
+    carried = set(re.findall(r"(%[\w.#]+) = [^,)]+", ", ".join(re.findall(r"iter_args\(([^)]*)\)", ttir))))
     dots = re.findall(r"(%[\w.#]+) = tt\.dot (%[\w.#]+), (%[\w.#]+), (%[\w.#]+)", ttir)
     zeros = set(re.findall(r"(%[\w.#]+) = arith\.constant dense<0\.0+e\+00>", ttir))
     loads = set(re.findall(r"(%[\w.#]+) = tt\.(?:load|descriptor_load)", ttir))
