@@ -48,14 +48,14 @@ def _case_failures(gemm, cfg, m, n, k, segments, b_trans, has_bias, out_dtype, s
 def test_ws_forward_bits_equal_default(triton_backend, segments):
     """y = x W^T (+ bias) for the linear forward's layout: every candidate config, M in M_VALUES, N a multiple
     of 64 and not (200), K with one and several k-steps per segment, bias or not, bf16 or fp32 output. Every
-    case for the two launches the dispatcher takes (gemm_ws.launch_for: DEFAULT_WS, 128x128 tiles with the output
-    tile in level 1's buffer and 32-column stages, and SMALL_GRID_WS); one variant on the large shape for the
+    case for the launches the dispatcher takes (gemm.ws_default: DEFAULT_WS, 128x128 tiles with the output tile in
+    level 1's buffer and 32-column stages; SMALL_GRID_WS; NARROW_WS); one variant on the large shape for the
     others."""
     from rlalign.ops.triton_backend.gemm import gemm
-    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, SMALL_GRID_WS, WS_CANDIDATES
+    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, NARROW_WS, SMALL_GRID_WS, WS_CANDIDATES
     bad = []
     for cfg in WS_CANDIDATES:
-        every_case = cfg in (DEFAULT_WS, SMALL_GRID_WS)   # the two launches the dispatcher takes
+        every_case = cfg in (DEFAULT_WS, SMALL_GRID_WS, NARROW_WS)   # the launches the dispatcher takes
         for m in M_VALUES:
             for n, k in ((200, segments * 64), (4096, 4096 if segments != 8 else 12288), (1000, segments * 192)):
                 for has_bias, out_dtype in ((False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)):
@@ -106,7 +106,7 @@ def test_ws_unsupported_shapes_raise(triton_backend):
 
 
 # one case per WS_CANDIDATES launch (an index past its end fails: IndexError; 0 is the default)
-@pytest.mark.parametrize("which", (0, 1, 2, 3))
+@pytest.mark.parametrize("which", (0, 1, 2, 3, 4))
 def test_ws_shape_class_bits_equal_default(triton_backend, which):
     """The shape class, not instances: random M (1..2,100), N (multiples of 8, 8..1,032: the output's 16-byte rows),
     k-steps per segment (1..4) and P, with bias and a bf16 output (M, N and the k-steps are not specialisations: no
@@ -120,7 +120,7 @@ def test_ws_shape_class_bits_equal_default(triton_backend, which):
 
     @settings(max_examples=30, deadline=None, derandomize=True, database=None,
               phases=(Phase.explicit, Phase.generate))
-    @given(m=st.integers(1, 2100), n8=st.integers(1, 129), steps=st.integers(1, 4), segments=st.sampled_from([2, 4, 8]))
+    @given(m=st.integers(1, 2100), n8=st.integers(1, 129), steps=st.integers(1, 4), segments=st.sampled_from([1, 2, 4, 8]))
     def check(m, n8, steps, segments):
         bad.extend(_case_failures(gemm, cfg, m, 8 * n8, segments * steps * 64, segments, True, True,
                                   torch.bfloat16, m * 7 + n8))

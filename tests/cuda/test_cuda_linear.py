@@ -258,13 +258,14 @@ def _bias_launches(segments: int, m: int, k: int):
     """(name, context, ws) for every GEMM launch family that can take this call: the dispatcher's choice, the
     Triton kernel alone, and each Gluon launch the dispatcher uses where the Gluon kernel supports the shape."""
     import contextlib
-    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, SMALL_GRID_WS, supported, triton_kernel_only
+    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS, NARROW_WS, SMALL_GRID_WS, supported, triton_kernel_only
     yield "dispatcher", contextlib.nullcontext(), None
     yield "Triton kernel", triton_kernel_only(), None
     probe_a, probe_b = rand(m, k, seed=0), rand(200, k, seed=1)
     if supported(probe_a, probe_b, True, segments, out_dtype=torch.float32, bias=rand(200, seed=2)):
         yield "Gluon 128x128", contextlib.nullcontext(), DEFAULT_WS
         yield "Gluon 64x128", contextlib.nullcontext(), SMALL_GRID_WS
+        yield "Gluon 64x64", contextlib.nullcontext(), NARROW_WS
 
 
 @pytest.mark.parametrize("segments", [1, 2, 4, 8])

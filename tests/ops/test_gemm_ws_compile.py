@@ -157,6 +157,8 @@ def _selection() -> dict:
             "decode_narrow": pick(big_x[:256], w, 8),
             "plain_decode": pick(big_x[:244], big_w, 1), "plain_edges": [pick(big_x[:65], big_w, 1),
                                                                          pick(big_x[:256], big_w, 1)],
+            "plain_narrow": [pick(big_x[:244], big_w[:1024], 1), pick(big_x[:65], big_w[:2048], 1)],
+            "narrow_ws": repr(W.NARROW_WS),
             "plain_other": [pick(big_x[:64], big_w, 1), pick(big_x[:257], big_w, 1), pick(big_x, big_w, 1),
                             repr(G.ws_default(big_x[:244], torch.empty(1024, 4096, dtype=bf), False, 1, False, bf, None, False))],
             "small_grid_ws": repr(W.SMALL_GRID_WS)}
@@ -266,6 +268,8 @@ def test_ws_dispatcher_selects_only_when_enabled_and_supported(sm90_ws):
     # P = 1: the 64x128 launch in the forward layout at 65-256 rows only (not <= 64, not past 256, not W [K, N])
     assert sel["plain_decode"] == sel["small_grid_ws"] and sel["plain_edges"] == [sel["small_grid_ws"]] * 2, sel
     assert sel["plain_other"] == ["None"] * 4, sel
+    # where the 64x128 tiles would fill under a third of the 132 SMs (244 x 1,024: 32 tiles; 65 x 2,048: 32), 64x64
+    assert sel["plain_narrow"] == [sel["narrow_ws"]] * 2, sel
 
 
 def test_ws_sweep_names_every_candidate_apart(sm90_ws):

@@ -36,7 +36,7 @@ import triton.language as tl
 from rlalign.ops import gemm_census
 from rlalign.ops.triton_backend._common import (BLOCK_K, aligned, descriptor, device_sms, forced_tile, is_interpreter,
                                                 mma, split_for, tma_ok)
-from rlalign.ops.triton_backend.gemm_ws import SMALL_GRID_WS, WS_ENV, WsConfig, gemm_ws
+from rlalign.ops.triton_backend.gemm_ws import NARROW_WS, SMALL_GRID_WS, WS_ENV, WsConfig, gemm_ws
 from rlalign.ops.triton_backend.gemm_ws import launch_for as ws_launch_for, supported as ws_supported
 
 
@@ -578,6 +578,8 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 # `--sweep-ws --ws-candidates 0,1 --ws-shapes 8b-plain,0.6b-plain`, session 15, the 64x128 launch over the Triton
 # kernel at 244 rows 1.23 / 1.13 / 1.43x on the 8B q / k,v / gate,up projections, 0.89 / 1.06 / 1.83x on the 0.6B
 # ones; from 462 rows on mixed (0.74-1.40x), at 4,096+ the Triton kernel better (0.82-0.89x). M <= 64 not swept.
+# Where the 64x128 tiles would fill under a third of the SMs (the N = 1,024 k/v_proj: 32 tiles), 64x64 tiles
+# (NARROW_WS; session 15 call 9: 1.24x the 64x128 launch on the 8B k/v_proj at 244 rows).
 # Other P = 1 calls (the dX layout, other M) reach it only through gemm(..., ws=...).
 WS_DEFAULT = True
 WS_DECODE_MIN_FILL = 0.7
@@ -593,7 +595,10 @@ def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsC
         return None
     m, n = a.shape[0], (b.shape[0] if b_trans else b.shape[1])   # A [M, K]: ws_supported refuses a_trans
     if segments == 1:
-        return SMALL_GRID_WS if b_trans and WS_PLAIN_ROWS[0] <= m <= WS_PLAIN_ROWS[1] else None
+        if not (b_trans and WS_PLAIN_ROWS[0] <= m <= WS_PLAIN_ROWS[1]):
+            return None
+        tiles = triton.cdiv(m, SMALL_GRID_WS.block_m) * triton.cdiv(n, SMALL_GRID_WS.block_n)
+        return NARROW_WS if 3 * tiles < device_sms(a) else SMALL_GRID_WS
     launch = ws_launch_for(a, n)
     if m <= SPLIT_SEGMENTS_MAX_M:
         tiles = triton.cdiv(m, launch.block_m) * triton.cdiv(n, launch.block_n)

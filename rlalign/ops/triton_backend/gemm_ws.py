@@ -181,7 +181,7 @@ DEFAULT_WS = WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_
 # 64x128 (one consumer warpgroup, levels 1-2 in shared memory; 255 registers, no spill) with out_alias and 6 stages,
 # the same with 5 stages and its own output tile (session 13's default), 128x64 x6 (8 consumer warps, level 1 in
 # registers). Dropped from the list after the H200 sweeps (the kernel still takes them as a config): 128x128 x3 of
-# 64 columns, 128x64 x4 and with release="cta", 64x64 x8, 64x128 x5 with release="cta".
+# 64 columns, 128x64 x4 and with release="cta", 64x128 x5 with release="cta" (64x64 x8: back as NARROW_WS).
 # Where 128x128 tiles leave SMs idle (fewer tiles than SMs: the rollout's decode batches on narrow layers, e.g. the
 # 0.6B shape's N = 1,024 at M = 462: 32 tiles), the 64x128 tile of the same ring depth: twice the programs. Speed
 # only (the tile decides which warpgroup computes an element, not its operations). Session 14: 0.6B decode step
@@ -195,8 +195,11 @@ def launch_for(a: torch.Tensor, n: int) -> WsConfig:
     return DEFAULT_WS if tiles >= device_sms(a) else SMALL_GRID_WS
 
 
+# For the narrow plain (P = 1) layers at decode rows: 64x64 tiles, 8 stages (session 15, H200: the 8B k/v_proj, N =
+# 1,024, are 32 tiles of 64x128 at 244 rows, 0.59 of cuBLAS; 64 tiles of 64x64: 0.73).
+NARROW_WS = WsConfig(block_m=64, block_n=64, stages=8, release="thread")
 WS_CANDIDATES = (DEFAULT_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
-                 WsConfig(block_m=128, block_n=64, stages=6, release="thread"))
+                 WsConfig(block_m=128, block_n=64, stages=6, release="thread"), NARROW_WS)
 
 
 def shared_bytes(cfg: WsConfig, out_dtype: torch.dtype, segments: int) -> int:
