@@ -41,7 +41,10 @@ default and cuBLAS at M 462 / 1,024 / 4,096 / 16,384 on the 8B o_proj and down_p
 refused unless bit-equal to the default (the first differing index and values are printed); a table and the one-line
 change (bench_linear_sweep_ws.*). Bounded for one GPU call (<= 90 s): later cases are skipped past 75 s (the
 candidates in WS_CANDIDATES order, one compile each); a launch that hangs ends the run naming it.
-``--ws-candidates 0,1,2,3`` times only those WS_CANDIDATES indices (e.g. the default and the session-14 launches).
+``--ws-candidates 0,1,2,3`` times only those WS_CANDIDATES indices (e.g. the default and the session-14 launches);
+``--ws-shapes 8b,0.6b,8b-plain,0.6b-plain`` picks the layers (``-plain``: the P = 1 q/k/v/gate projections, against
+the Triton kernel), ``--ws-m 244,462`` the row counts (at M <= 256 the K partition's baseline is the dispatcher's
+per-segment split).
 No CPU smoke: Gluon has no interpreter (the CPU compile of tests/ops/test_gemm_ws_compile.py stands in for it).
 
 Writes bench_linear.csv / bench_linear.json to $OUT (or --out, default bench/).
@@ -625,9 +628,9 @@ def parser() -> argparse.ArgumentParser:
                          + " on the 8B o_proj/down_proj shapes (= the column-parallel dX shapes), graph replays vs "
                          "cuBLAS, each refused unless bit-equal to the default; + the P = 1 dX/dW the trainer runs")
     ap.add_argument("--sweep-ws", action="store_true",
-                    help="only the warp-specialized Gluon K-partition kernel: gemm_ws.WS_CANDIDATES at M in "
-                         + "/".join(map(str, WS_M)) + " on the 8B o_proj/down_proj (k_segments 8) vs the default and "
-                         "cuBLAS, graph replays, each refused unless bit-equal to the default")
+                    help="only the warp-specialized Gluon kernel: gemm_ws.WS_CANDIDATES at M in "
+                         + "/".join(map(str, WS_M)) + " on the 8B o_proj/down_proj (k_segments 8; --ws-shapes for "
+                         "others) vs the Triton kernel and cuBLAS, graph replays, each refused unless bit-equal")
     ap.add_argument("--ws-candidates", metavar="I,J,...",
                     help="with --sweep-ws: only these indices of gemm_ws.WS_CANDIDATES (default: all)")
     ap.add_argument("--ws-shapes", default="8b", metavar="S,...",

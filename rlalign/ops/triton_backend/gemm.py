@@ -591,12 +591,12 @@ def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsC
     enabled = os.environ.get(WS_ENV, "1" if WS_DEFAULT else "0") == "1"
     if not enabled or is_interpreter():
         return None
+    m, n = a.shape[0], (b.shape[0] if b_trans else b.shape[1])   # A [M, K]: ws_supported refuses a_trans
+    if segments == 1 and not (b_trans and WS_PLAIN_ROWS[0] <= m <= WS_PLAIN_ROWS[1]):
+        return None   # (before the support checks: most plain calls, all of training's, end here)
     if not ws_supported(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in):
         return None
-    m, n = a.shape[0], (b.shape[0] if b_trans else b.shape[1])   # A [M, K]: ws_supported refuses a_trans
     if segments == 1:
-        if not (b_trans and WS_PLAIN_ROWS[0] <= m <= WS_PLAIN_ROWS[1]):
-            return None
         tiles = triton.cdiv(m, SMALL_GRID_WS.block_m) * triton.cdiv(n, SMALL_GRID_WS.block_n)
         return NARROW_WS if 3 * tiles < device_sms(a) else SMALL_GRID_WS
     launch = ws_launch_for(a, n)
