@@ -38,8 +38,8 @@ def test_tiny_run_reports_every_variant_and_the_losses_agree(capsys, tmp_path):
 
 def test_strict_keep_saves_exactly_the_rebuilt_activations_more(capsys):
     """fp32 on the CPU (where the torch backend's norm and silu_mul save their own inputs): strict_keep, with
-    recomputation off, saves per layer 2 norm outputs [T, hidden] and silu_mul's output [T, intermediate] more,
-    and computes the same loss bits."""
+    recomputation off, saves per layer 2 norm outputs [T, hidden], silu_mul's output [T, intermediate] and (Qwen3's
+    q/k norm) the roped q and k [T, (heads + kv_heads) x head_dim] more, and computes the same loss bits."""
     code = train_step.main(["--shape", "tiny", "--device", "cpu", "--tokens", "128", "--mean-seq", "24",
                             "--dtype", "float32", "--variants", "strict,strict_keep", "--iters", "1", "--warmup", "0",
                             "--in-process", "--json"])
@@ -47,7 +47,8 @@ def test_strict_keep_saves_exactly_the_rebuilt_activations_more(capsys):
     result = json.loads(capsys.readouterr().out)
     rows = {r["variant"]: r for r in result["rows"]}
     shape = train_step.SHAPES["tiny"]
-    per_layer = 128 * (2 * shape["hidden_size"] + shape["intermediate_size"]) * 4
+    qk = (shape["num_attention_heads"] + shape["num_key_value_heads"]) * shape["head_dim"]
+    per_layer = 128 * (2 * shape["hidden_size"] + shape["intermediate_size"] + qk) * 4
     extra = (rows["strict_keep"]["saved_gib"] - rows["strict"]["saved_gib"]) * 2**30
     assert round(extra) == 2 * per_layer
     assert rows["strict"]["loss"] == rows["strict_keep"]["loss"]
