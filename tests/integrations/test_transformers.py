@@ -156,8 +156,9 @@ def _hf_grad(hf_grads: dict, name: str) -> torch.Tensor:
 
 
 def test_patched_layers_rebuild_activations_with_the_same_gradient_bits(hf_checkpoints):
-    """The patch shares blocks.py: its layers rebuild the norm / silu_mul outputs in the backward too
-    (rlalign.models.recompute; fp32 on the CPU: 6 saves per layer), and the gradients keep their bits."""
+    """The patch shares blocks.py: its layers rebuild the norm / silu_mul outputs and (Qwen3's q/k norm) the roped
+    q / k in the backward too (rlalign.models.recompute; fp32 on the CPU: 8 saves per layer), and the gradients
+    keep their bits."""
     from rlalign.models import recompute
     path = hf_checkpoints[("qwen3", "float32", False)]
     _quiet()
@@ -175,7 +176,7 @@ def test_patched_layers_rebuild_activations_with_the_same_gradient_bits(hf_check
 
     packs_on, on = grads(True)
     packs_off, off = grads(False)
-    assert packs_on == 6 * hf.config.num_hidden_layers and packs_off == 0
+    assert packs_on == 8 * hf.config.num_hidden_layers and packs_off == 0
     assert on.keys() == off.keys() and on
     for name in on:
         assert_bitwise_equal(on[name], off[name], name)
