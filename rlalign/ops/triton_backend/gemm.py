@@ -36,7 +36,7 @@ import triton.language as tl
 from rlalign.ops import gemm_census
 from rlalign.ops.triton_backend._common import (BLOCK_K, aligned, descriptor, device_sms, forced_tile, is_interpreter,
                                                 mma, split_for, tma_ok)
-from rlalign.ops.triton_backend.gemm_ws import NARROW_WS, SMALL_GRID_WS, WS_ENV, WsConfig, gemm_ws
+from rlalign.ops.triton_backend.gemm_ws import WS_ENV, WsConfig, gemm_ws, tile_count
 from rlalign.ops.triton_backend.gemm_ws import launch_for as ws_launch_for, supported as ws_supported
 
 
@@ -579,7 +579,7 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 # kernel at 244 rows 1.23 / 1.13 / 1.43x on the 8B q / k,v / gate,up projections, 0.89 / 1.06 / 1.83x on the 0.6B
 # ones; from 462 rows on mixed (0.74-1.40x), at 4,096+ the Triton kernel better (0.82-0.89x). M <= 64 not swept.
 # Where the 64x128 tiles would fill under a third of the SMs (the N = 1,024 k/v_proj: 32 tiles), 64x64 tiles
-# (NARROW_WS; session 15 call 9: 1.24x the 64x128 launch on the 8B k/v_proj at 244 rows).
+# (gemm_ws.NARROW_WS, chosen by gemm_ws.launch_for; session 15 call 9: 1.24x the 64x128 launch on the 8B k/v_proj).
 # Other P = 1 calls (the dX layout, other M) reach it only through gemm(..., ws=...).
 WS_DEFAULT = True
 WS_DECODE_MIN_FILL = 0.7
@@ -596,14 +596,9 @@ def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsC
         return None   # (before the support checks: most plain calls, all of training's, end here)
     if not ws_supported(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in):
         return None
-    if segments == 1:
-        tiles = triton.cdiv(m, SMALL_GRID_WS.block_m) * triton.cdiv(n, SMALL_GRID_WS.block_n)
-        return NARROW_WS if 3 * tiles < device_sms(a) else SMALL_GRID_WS
-    launch = ws_launch_for(a, n)
-    if m <= SPLIT_SEGMENTS_MAX_M:
-        tiles = triton.cdiv(m, launch.block_m) * triton.cdiv(n, launch.block_n)
-        if tiles < WS_DECODE_MIN_FILL * device_sms(a):
-            return None
+    launch = ws_launch_for(a, n, segments)
+    if segments > 1 and m <= SPLIT_SEGMENTS_MAX_M and tile_count(launch, m, n) < WS_DECODE_MIN_FILL * device_sms(a):
+        return None   # the per-segment split fills the SMs better
     return launch
 
 

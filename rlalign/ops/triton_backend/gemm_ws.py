@@ -189,15 +189,25 @@ DEFAULT_WS = WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_
 SMALL_GRID_WS = WsConfig(block_m=64, block_n=128, stages=6, release="thread", out_alias=True)
 
 
-def launch_for(a: torch.Tensor, n: int) -> WsConfig:
-    """The dispatcher's launch for an [M, K] x [K, N] call: DEFAULT_WS unless its tiles would not cover the SMs."""
-    tiles = triton.cdiv(a.shape[0], DEFAULT_WS.block_m) * triton.cdiv(n, DEFAULT_WS.block_n)
-    return DEFAULT_WS if tiles >= device_sms(a) else SMALL_GRID_WS
-
-
 # For the narrow plain (P = 1) layers at decode rows: 64x64 tiles, 8 stages (session 15, H200: the 8B k/v_proj, N =
 # 1,024, are 32 tiles of 64x128 at 244 rows, 0.59 of cuBLAS; 64 tiles of 64x64: 0.73).
 NARROW_WS = WsConfig(block_m=64, block_n=64, stages=8, release="thread")
+
+
+def tile_count(cfg: WsConfig, m: int, n: int) -> int:
+    """Output tiles (= programs' work items) of an [M, N] output on ``cfg``'s tiles."""
+    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+
+
+def launch_for(a: torch.Tensor, n: int, segments: int) -> WsConfig:
+    """Which Gluon launch the dispatcher takes for an [M, K] x [K, N] call (speed only; whether it takes the Gluon
+    kernel at all is gemm.ws_default's). K partition (P > 1): DEFAULT_WS unless its tiles would not cover the SMs,
+    then SMALL_GRID_WS. Plain (P = 1, taken only at decode rows): SMALL_GRID_WS unless its tiles would fill under a
+    third of the SMs, then NARROW_WS."""
+    m, sms = a.shape[0], device_sms(a)
+    if segments == 1:
+        return NARROW_WS if 3 * tile_count(SMALL_GRID_WS, m, n) < sms else SMALL_GRID_WS
+    return DEFAULT_WS if tile_count(DEFAULT_WS, m, n) >= sms else SMALL_GRID_WS
 WS_CANDIDATES = (DEFAULT_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
                  WsConfig(block_m=128, block_n=64, stages=6, release="thread"), NARROW_WS)
 
@@ -527,5 +537,5 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, o
     return out
 
 
-__all__ = ["WsConfig", "DEFAULT_WS", "SMALL_GRID_WS", "launch_for", "WS_CANDIDATES", "GemmWsUnsupported", "gemm_ws",
+__all__ = ["WsConfig", "DEFAULT_WS", "SMALL_GRID_WS", "NARROW_WS", "tile_count", "launch_for", "WS_CANDIDATES", "GemmWsUnsupported", "gemm_ws",
            "supported", "unsupported_reason", "shared_bytes"]
