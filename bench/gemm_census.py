@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 T0 = time.time()
 # the ops the census routes to the Triton kernels on the CPU (under the interpreter)
-GEMM_OPS = ("linear", "logprob_entropy")
+GEMM_OPS = ("linear", "linear_group", "logprob_entropy")
 
 
 def progress(msg: str) -> None:
@@ -64,6 +64,7 @@ def route_gemms_to_interpreter() -> None:
     from rlalign.ops._registry import IMPLEMENTATIONS, register
     from rlalign.ops.triton_backend import linear, logprob
     register("linear", "triton")(linear.linear)
+    register("linear_group", "triton")(linear.linear_group)
     register("logprob_entropy", "triton")(logprob.logprob_entropy)
     others = sorted({op for op, backend in IMPLEMENTATIONS if backend == "torch"} - set(GEMM_OPS))
     os.environ["RLALIGN_BACKEND"] = "triton"

@@ -43,7 +43,7 @@ change (bench_linear_sweep_ws.*). Bounded for one GPU call (<= 90 s): later case
 candidates in WS_CANDIDATES order, one compile each); a launch that hangs ends the run naming it.
 ``--ws-candidates 0,1,2,3`` times only those WS_CANDIDATES indices (e.g. the default and the session-14 launches);
 ``--ws-shapes 8b,0.6b,8b-plain,0.6b-plain`` picks the layers (``-plain``: the P = 1 q/k/v/gate projections, against
-the Triton kernel), ``--ws-m 244,462`` the row counts (at M <= 256 the K partition's baseline is the dispatcher's
+the Triton kernel; ``-stacked``: q/k/v and gate/up as the one launch of ops.linear_group), ``--ws-m 244,462`` the row counts (at M <= 256 the K partition's baseline is the dispatcher's
 per-segment split).
 No CPU smoke: Gluon has no interpreter (the CPU compile of tests/ops/test_gemm_ws_compile.py stands in for it).
 
@@ -471,7 +471,10 @@ WS_SHAPES = {"8b": (("o_proj", 4096, 4096, 8), ("down_proj", 4096, 12288, 8)),
              "0.6b": (("0.6b o_proj", 1024, 2048, 8), ("0.6b down_proj", 1024, 3072, 8)),
              "8b-plain": (("q_proj", 4096, 4096, 1), ("kv_proj", 1024, 4096, 1), ("gate_proj", 12288, 4096, 1)),
              "0.6b-plain": (("0.6b q_proj", 2048, 1024, 1), ("0.6b kv_proj", 1024, 1024, 1),
-                            ("0.6b gate_proj", 3072, 1024, 1))}
+                            ("0.6b gate_proj", 3072, 1024, 1)),
+             # the stacked projections ops.linear_group runs as one launch (q/k/v, gate/up)
+             "8b-stacked": (("qkv_proj", 6144, 4096, 1), ("gate_up_proj", 24576, 4096, 1)),
+             "0.6b-stacked": (("0.6b qkv_proj", 4096, 1024, 1), ("0.6b gate_up_proj", 6144, 1024, 1))}
 WS_M = (462, 1024, 4096, 16384)
 WS_STOP_AFTER_S = 75       # later cases are skipped (the lead's call: <= 90 s with the compiles)
 WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)

@@ -26,6 +26,7 @@ import torch
 
 from rlalign import ops
 from rlalign.models import recompute
+from rlalign.models.modules import project
 from rlalign.models.taps import FINAL_NORM, layer_tap, tap
 
 # attend(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], layer index, scale) -> [T, Hq, D]
@@ -72,9 +73,8 @@ def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """o_proj(attend(rope(norm(q)), rope(norm(k)), v)) of rows ``x`` [T, hidden]; ``attn`` holds
     q_proj/k_proj/v_proj/o_proj (and q_norm/k_norm when ``qk_norm``); head counts are rank-local."""
     t = x.shape[0]
-    q = attn.q_proj(x).view(t, num_heads, head_dim)
-    k = attn.k_proj(x).view(t, num_kv_heads, head_dim)
-    v = attn.v_proj(x).view(t, num_kv_heads, head_dim)
+    q, k, v = project(x, attn.q_proj, attn.k_proj, attn.v_proj)   # one GEMM at decode sizes (same bits)
+    q, k, v = q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
     q_in, k_in = q, k
     if qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -102,7 +102,7 @@ def _rebuildable_rope(norm, roped: torch.Tensor, projected: torch.Tensor, cos, s
 def dense_ffn_block(mlp, x: torch.Tensor) -> torch.Tensor:
     """down_proj(silu(gate_proj(x)) * up_proj(x)) (silu_mul: one rounding of the product). In training,
     down_proj's saved input is rebuilt from gate and up in the backward (:mod:`rlalign.models.recompute`)."""
-    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    gate, up = project(x, mlp.gate_proj, mlp.up_proj)
     act = ops.silu_mul(gate, up)
     recompute.register("silu_mul", act, lambda: ops.silu_mul(gate, up), gate, up)
     return mlp.down_proj(act)

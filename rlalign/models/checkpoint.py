@@ -249,7 +249,8 @@ def _write_config(model: CausalLM, out: Path) -> None:
 def _write_tensors(model: CausalLM, out: Path, max_shard_bytes: int | None) -> None:
     from safetensors.torch import save_file
 
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in checkpoint_tensors(model)}
+    # a tensor of its own each: safetensors refuses tensors that share memory (the decoder's stacked projections)
+    tensors = {name: _owned(t.detach().to("cpu").contiguous()) for name, t in checkpoint_tensors(model)}
     shards = _split_shards(tensors, max_shard_bytes)
     meta = {"format": "pt"}
     if len(shards) == 1:
@@ -263,6 +264,12 @@ def _write_tensors(model: CausalLM, out: Path, max_shard_bytes: int | None) -> N
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy where ``t`` is a view into a larger storage."""
+    whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
 
 
 def _split_shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:

@@ -28,7 +28,7 @@ from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import build_ffn
 from rlalign.models import moe as _moe  # noqa: F401  (registers the "moe" FFN kind)
 from rlalign.models.layout import checkpoint_tensors
-from rlalign.models.modules import Embedding, Linear, RMSNorm
+from rlalign.models.modules import Embedding, Linear, RMSNorm, stack_rows
 from rlalign.models.taps import EMBED, note_batch, tap
 
 
@@ -47,6 +47,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
+        self.stack_projections()
+
+    def stack_projections(self) -> None:
+        """q/k/v_proj's weights (and biases) back to back (modules.stack_rows): one GEMM without grad."""
+        stack_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         return attention_block(self, x, cos, sin, attend, layer=self.layer_index, num_heads=self.num_heads,
@@ -104,6 +109,15 @@ class CausalLM(nn.Module):
                                                                       dtype, device)
         # float64 inverse frequencies; cos/sin are derived per batch from absolute positions.
         self.inv_freq = rope_inv_freq(config)
+
+    def _apply(self, fn, *args, **kwargs):
+        """nn.Module's ``.to()`` / ``.cuda()`` / ``.float()`` give every parameter a tensor of its own; the
+        projections are laid back to back again after it (``stack_projections`` of the modules that have one)."""
+        out = super()._apply(fn, *args, **kwargs)
+        for module in self.modules():
+            if module is not self and hasattr(module, "stack_projections"):
+                module.stack_projections()
+        return out
 
     def tp_plan(self) -> dict[str, sharding.ShardSpec]:
         """The LM head (``lm_head``, or the tied embedding) is vocab-parallel."""

@@ -16,7 +16,7 @@ from rlalign.contract import spec
 from rlalign.contract import sharding
 from rlalign.models.blocks import dense_ffn_block
 from rlalign.models.config import ModelConfig, ModelConfigError
-from rlalign.models.modules import Linear
+from rlalign.models.modules import Linear, stack_rows
 
 _KINDS: dict[str, type[nn.Module]] = {}
 
@@ -49,6 +49,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, i, False, dtype, device)
         self.up_proj = Linear(h, i, False, dtype, device)
         self.down_proj = Linear(i, h, False, dtype, device, k_segments=spec.K_SEGMENTS)
+        self.stack_projections()
+
+    def stack_projections(self) -> None:
+        """gate_proj and up_proj's weights back to back (modules.stack_rows): one GEMM without grad."""
+        stack_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x):
         return dense_ffn_block(self, x)

@@ -26,6 +26,37 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight, self.bias, k_segments=self.k_segments)
 
 
+def stack_rows(*linears: Linear) -> None:
+    """Lay the weights of ``linears`` (and their biases, when all have one) back to back in one tensor each, values
+    kept: each parameter becomes a view of its rows (``p.data`` rebound, so the Parameter objects, their names,
+    checkpoints, optimizer state and TP plans are unchanged). :func:`project` then runs them as one
+    ``ops.linear_group`` call -- one GEMM on the CUDA decode path, with each output's bits unchanged. Idempotent;
+    anything that reallocates a parameter later (``p.data = ...``, a TP shard) only undoes the stacking (the
+    projections then run one by one, with the same bits); :meth:`CausalLM._apply` restacks after ``.to()``."""
+    for attr in ("weight", "bias"):
+        params = [getattr(lin, attr) for lin in linears]
+        if any(p is None for p in params) or ops.stacked_rows(params) is not None:
+            continue
+        with torch.no_grad():
+            stacked = torch.cat([p.detach() for p in params])
+            start = 0
+            for p in params:
+                p.data = stacked[start:start + p.shape[0]]
+                start += p.shape[0]
+
+
+def project(x: torch.Tensor, *projections) -> tuple[torch.Tensor, ...]:
+    """``tuple(proj(x) for proj in projections)`` for projections of one input (q/k/v, gate/up). rlalign's plain
+    :class:`Linear` modules (no canonical K partition) go through one ``ops.linear_group`` call when no gradient is
+    taken (rollout, scoring): the same bits, one GEMM where their weights are stacked (:func:`stack_rows`). With
+    gradients, or for other modules (tensor-parallel layers, the transformers patch's), one call each."""
+    plain = all(type(p) is Linear and p.k_segments is None for p in projections)
+    if plain and not (torch.is_grad_enabled() and (x.requires_grad or any(
+            t is not None and t.requires_grad for p in projections for t in (p.weight, p.bias)))):
+        return ops.linear_group(x, [p.weight for p in projections], [p.bias for p in projections])
+    return tuple(p(x) for p in projections)
+
+
 class RMSNorm(nn.Module):
     """``norm(x)`` -> normed; ``norm(x, residual)`` -> (normed(x + residual), x + residual), the add rounded once."""
 
@@ -47,4 +78,4 @@ class Embedding(nn.Module):
         return ops.embedding(ids, self.weight)
 
 
-__all__ = ["Linear", "RMSNorm", "Embedding"]
+__all__ = ["Linear", "RMSNorm", "Embedding", "stack_rows", "project"]

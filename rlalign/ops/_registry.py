@@ -18,8 +18,9 @@ def register(op: str, backend: str):
 
 
 # Ops whose results must agree bit for bit, so one backend must run all of them: the packed forward rotates with
-# ``rope``, the paged one with ``rope_write_kv``. RLALIGN_TRITON_DISABLE naming one of a group disables the group.
-SAME_BACKEND = (frozenset({"rope", "rope_write_kv"}),)
+# ``rope``, the paged one with ``rope_write_kv``; ``linear_group``'s outputs are ``linear``'s (a forward with or
+# without grad). RLALIGN_TRITON_DISABLE naming one of a group disables the group.
+SAME_BACKEND = (frozenset({"rope", "rope_write_kv"}), frozenset({"linear", "linear_group"}))
 
 
 def disabled_ops(names: str) -> frozenset[str]:

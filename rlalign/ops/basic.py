@@ -1,4 +1,4 @@
-"""Public dense ops: linear, rms_norm, rope, silu_mul, embedding.
+"""Public dense ops: linear, linear_group, rms_norm, rope, silu_mul, embedding.
 
 Each validates its inputs (strict fails closed with a message naming the op), then runs the
 strict backend for the tensors' device or, in the native profile, the vendor path.
@@ -27,6 +27,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if as_profile(profile) is Profile.NATIVE:
         return F.linear(x, weight, bias)
+    _check_linear(x, weight, bias)
+    chk.finite("linear", "x", x)
+    return strict_impl("linear", x.device)(x, weight, bias, k_segments)
+
+
+def linear_group(x: torch.Tensor, weights, biases=None, *, profile=None) -> tuple[torch.Tensor, ...]:
+    """``(linear(x, w, b) for w, b in zip(weights, biases))`` -- each output with exactly those bits -- for the
+    projections of one input (q/k/v, gate/up). Where the weights are consecutive row blocks of one tensor
+    (:func:`stacked_rows`; the decoder lays its projections out so) a backend may run them as ONE GEMM over the
+    stacked weight: the Triton backend does where its Hopper kernel takes the whole call (decode batches), which
+    writes each block to its own tensor; an element's operations do not depend on N there (they do on the CPU,
+    whose route is chosen per (K, N): the torch backend runs one linear per weight). ``biases``: None, or one
+    bias (or None) per weight."""
+    weights = tuple(weights)
+    biases = (None, ) * len(weights) if biases is None else tuple(biases)
+    if not weights or len(biases) != len(weights):
+        raise fail("linear", f"linear_group takes one or more weights and as many biases, got {len(weights)} "
+                             f"weights and {len(biases)} biases")
+    if as_profile(profile) is Profile.NATIVE:
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    for w, b in zip(weights, biases):
+        _check_linear(x, w, b)
+    chk.finite("linear", "x", x)
+    return strict_impl("linear_group", x.device)(x, weights, biases)
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     tensors = (x, weight) if bias is None else (x, weight, bias)
     chk.dtype_ok("linear", *tensors)
     chk.same_device("linear", *tensors)
@@ -35,8 +62,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise fail("linear", f"x has {x.shape[-1]} input features but weight is {tuple(weight.shape)} ([N, K])")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise fail("linear", f"bias shape {tuple(bias.shape)} does not match N={weight.shape[0]}")
-    chk.finite("linear", "x", x)
-    return strict_impl("linear", x.device)(x, weight, bias, k_segments)
+
+
+def stacked_rows(tensors) -> torch.Tensor | None:
+    """The one tensor whose consecutive row blocks are exactly ``tensors`` (contiguous views laid back to back in
+    one storage, e.g. a layer's q/k/v weights after :func:`rlalign.models.modules.stack_rows`), or None when they
+    are not so laid out (any tensor reallocated since, a different dtype / device / row shape)."""
+    tensors = tuple(tensors)
+    if not tensors or any(t is None for t in tensors):
+        return None
+    first = tensors[0]
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]
+                or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    if len(tensors) == 1:
+        return first
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,

@@ -8,8 +8,8 @@ fused log-prob's GEMM kernels (``lp_stats_kernel``, ``lp_grad_logits_kernel``). 
 and the launch configuration already chosen; it never changes a launch (so never a bit).
 
 Roles: the caller names what a call computes (``role``: fwd, dX, dW, db for a linear; lm_stats, lm_grad_logits,
-lm_dX, lm_dW, lm_logits for the LM head) and the weight it belongs to; ``names`` maps a weight's storage to its
-parameter name (:func:`weight_names`; by storage, so a vocab chunk of the LM head is the LM head), so a call
+lm_dX, lm_dW, lm_logits for the LM head) and the weight it belongs to; ``names`` maps a weight's bytes to its
+parameter name (:func:`weight_names`; by byte range, so a vocab chunk of the LM head is the LM head), so a call
 reads e.g. ``model.layers.3.mlp.down_proj.weight dW``.
 """
 
@@ -59,13 +59,18 @@ class GemmCall:
 
 
 class Census:
-    def __init__(self, names: dict[int, str] | None = None):
+    def __init__(self, names: dict[tuple[int, int, int], str] | None = None):
         self.names = dict(names or {})
         self.calls: list[GemmCall] = []
 
     def add(self, role: str, role_of: torch.Tensor | None, **fields) -> None:
-        weight = "" if role_of is None else self.names.get(storage_ptr(role_of), "")
+        weight = "" if role_of is None else self.name_of(role_of)
         self.calls.append(GemmCall(role=role, weight=weight, **fields))
+
+    def name_of(self, t: torch.Tensor) -> str:
+        """The parameter whose bytes hold ``t``'s first element ("" unknown)."""
+        ptr, at = storage_ptr(t), t.storage_offset() * t.element_size()
+        return next((name for (p, start, end), name in self.names.items() if p == ptr and start <= at < end), "")
 
 
 # The collecting census, or None (the default: the launch sites' one check).
@@ -73,7 +78,7 @@ ACTIVE: Census | None = None
 
 
 @contextlib.contextmanager
-def collecting(names: dict[int, str] | None = None) -> Iterator[Census]:
+def collecting(names: dict[tuple[int, int, int], str] | None = None) -> Iterator[Census]:
     """Record every strict GEMM launch made inside the block (not nested: one census at a time)."""
     global ACTIVE
     if ACTIVE is not None:
@@ -90,9 +95,15 @@ def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def weight_names(named_parameters) -> dict[int, str]:
-    """``names`` for :func:`collecting`: each parameter's storage -> its name."""
-    return {storage_ptr(p): name for name, p in named_parameters}
+def weight_names(named_parameters) -> dict[tuple[int, int, int], str]:
+    """``names`` for :func:`collecting`: each parameter's bytes (storage, first byte, end byte) -> its name. By bytes,
+    not storage alone: the decoder's q/k/v (and gate/up) weights are views of one storage (models.modules.stack_rows),
+    and a vocab chunk of the LM head is the LM head."""
+    out = {}
+    for name, p in named_parameters:
+        start = p.storage_offset() * p.element_size()
+        out[(storage_ptr(p), start, start + p.numel() * p.element_size())] = name
+    return out
 
 
 def strides(t: torch.Tensor) -> tuple[int, int]:

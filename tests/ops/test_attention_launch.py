@@ -8,6 +8,7 @@ the split launch (several programs per item + a merge kernel). Checked here, as 
   or a wider block table of several splits, never turn the split launch on); never taken for one split;
 * both launches, forced, and the op's own choice give bit-identical fp32 outputs at every batch size around
   the threshold (the interpreter's SM count is 4; one kv head, so batch = items), with 1..4 programs per item;
+  so do both with the next key block prefetched (DecodeLaunch.prefetch);
 * the fused-merge split launch (no merge kernel: each item's last program folds its partials) gives the bits of
   the two-kernel split launch and the per-item one at batch 1..12, contexts at / around the split boundaries,
   any fold width and unroll, 1 or 2 kv heads, and again on the same arrival counters with other contexts (they
@@ -134,6 +135,9 @@ def launches_same_bits(n_seq, page, group, d, seed, data):
     for progs in (None, 1, data.draw(st.integers(2, 4), label="programs per item")):
         outs[f"split, {progs or 'default'} programs per item"] = A.paged_forward(
             q, kc, vc, table, i32(lens), cu, 0.3, split_programs=True, progs_per_item=progs)
+    for name, launch, split in (("item, prefetch", PREFETCH_ITEM, False), ("split, prefetch", PREFETCH_SPLIT, True)):
+        outs[name] = A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3, split_programs=split, launch=launch,
+                                     progs_per_item=data.draw(st.integers(1, 3), label="prefetch programs") if split else None)
     for name, out in outs.items():
         assert bits_equal(out, item), (f"batch {n_seq} contexts {lens} page {page} G={group} D={d}: {name} vs "
                                        f"the per-item launch: {describe_difference(out, item)}")
@@ -145,6 +149,9 @@ def counters_zero():
     return all(int(buf.abs().max()) == 0 for buf in A._ARRIVAL_COUNTERS.values())
 
 
+# the decode launches with the next key block loaded at the top of each step (DecodeLaunch.prefetch)
+PREFETCH_ITEM = A.DecodeLaunch(**{**A.ITEM_DECODE.__dict__, "prefetch": True, "tile": (64, 4, 1)})
+PREFETCH_SPLIT = A.DecodeLaunch(**{**A.SPLIT_DECODE.__dict__, "prefetch": True, "tile": (64, 4, 1)})
 # the split launch with attn_merge_kernel (SPLIT_DECODE folds in the item's last program since 2026-12-02)
 TWO_KERNEL = A.DecodeLaunch(**{**A.SPLIT_DECODE.__dict__, "fused_merge": False})
 CONTEXT = st.one_of(st.sampled_from([1, S - 1, S, S + 1, 2 * S - 1, 2 * S, 2 * S + 1]), st.integers(1, S + 70))

@@ -79,9 +79,19 @@ def _worker() -> None:
                         "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
                                                          ptx)),
                         **_release_structure(ptx, cfg)})
+    blocks = []
+    for cfg, widths in ((W.SMALL_GRID_WS, (4096, 1024, 1024)), (W.NARROW_WS, (1024, 1024))):
+        x, w = torch.empty(244, 4096, dtype=bf), torch.empty(sum(widths), 4096, dtype=bf)
+        W.gemm_ws(x, w, b_trans=True, segments=1, out=tuple(torch.empty(244, n, dtype=bf) for n in widths),
+                  config=cfg)
+        ptx = compiled[-1].asm["ptx"]
+        blocks.append({"case": f"{cfg} widths {widths}", "blocks": len(widths),
+                       "ptxas": ptxas_report(ptx, timeout=120),
+                       "tma_store_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx))})
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_linear
-    print("RESULTS " + json.dumps({"results": results, "unsupported": _unsupported_calls(W),
+    print("RESULTS " + json.dumps({"results": results, "blocks": blocks, "blocks_choice": _blocks_choice(),
+                                   "unsupported": _unsupported_calls(W),
                                    "selection": _selection(),
                                    "sweep_labels": [gpu_linear.ws_label(c) for c in W.WS_CANDIDATES],
                                    "sweep_subset": [gpu_linear.ws_label(c) for c in gpu_linear.ws_candidates("0,2")]}))
@@ -98,6 +108,21 @@ def _release_structure(ptx: str, cfg) -> dict:
             "cta_arrives": ptx.count("mbarrier.arrive.shared::cta.b64 _,"),
             "thread_arrives": ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64"),
             "barrier_init_counts": sorted(set(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx)))}
+
+
+def _blocks_choice() -> dict:
+    """Whether gemm.gemm_blocks takes one launch (compiled only: the fake driver) for stacked projections."""
+    import torch
+    from rlalign.ops.triton_backend import gemm as G
+    bf = torch.bfloat16
+
+    def took(m, widths, k=4096):
+        return G.gemm_blocks(torch.empty(m, k, dtype=bf), torch.empty(sum(widths), k, dtype=bf), widths) is not None
+    qkv, gate_up = (4096, 1024, 1024), (12288, 12288)
+    return {"decode": [took(65, qkv), took(244, qkv), took(256, qkv), took(244, gate_up)],
+            "other_rows": [took(1, qkv), took(64, qkv), took(257, qkv), took(4096, qkv)],
+            "off_tile_edge": took(244, (4000, 1024, 1024)), "four_blocks": took(244, (1024, ) * 4),
+            "fp32": G.gemm_blocks(torch.empty(244, 4096), torch.empty(6144, 4096), qkv) is not None}
 
 
 def _unsupported_calls(W) -> list:
@@ -180,7 +205,7 @@ def test_ws_compiles_for_sm90a(sm90_ws):
 
 
 def test_ws_no_spills_no_wgmma_serialization(sm90_ws):
-    reports = [r for r in sm90_ws["results"] if r.get("ptxas") is not None]
+    reports = [r for r in sm90_ws["results"] + sm90_ws["blocks"] if r.get("ptxas") is not None]
     if not reports:
         pytest.skip("Triton's ptxas could not be run")
     for r in reports:
@@ -244,6 +269,24 @@ def test_ws_stage_release_barriers(sm90_ws):
             assert before == [1] * len(before), r
             assert min(windows[1:-1]) == 2, r
             assert r["thread_arrives"] == 0 and r["barrier_init_counts"] == ["1"], r
+
+
+def test_ws_output_blocks_compile_to_block_stores(sm90_ws):
+    """The launch that writes C's column blocks to separate tensors (linear_group's q/k/v, gate/up) compiles a store
+    per block: more than one TMA store site, at most one per block (ptxas may merge two branches into one store
+    whose descriptor is selected, as it does for blocks 1 and 2). Its spills and wgmma serialization:
+    test_ws_no_spills_no_wgmma_serialization."""
+    assert sm90_ws["blocks"], "no output-block launch compiled"
+    for case in sm90_ws["blocks"]:
+        assert 1 < case["tma_store_sites"] <= case["blocks"], case
+
+
+def test_gemm_blocks_one_launch_only_where_the_dispatcher_takes_gluon(sm90_ws):
+    """gemm_blocks takes the one launch at decode rows (65-256) for blocks on tile edges, and nowhere else."""
+    choice = sm90_ws["blocks_choice"]
+    assert choice["decode"] == [True] * 4, choice
+    assert choice["other_rows"] == [False] * 4, choice
+    assert not choice["off_tile_edge"] and not choice["four_blocks"] and not choice["fp32"], choice
 
 
 def test_ws_refuses_what_it_does_not_implement_by_name(sm90_ws):

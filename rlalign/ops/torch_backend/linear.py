@@ -90,4 +90,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k_segmen
     return out.reshape(*shape[:-1], w.shape[0])
 
 
-__all__ = ["linear", "linear_fp32", "segment_count", "spec"]
+def linear_group(x: torch.Tensor, weights: tuple, biases: tuple) -> tuple[torch.Tensor, ...]:
+    """ops.linear_group on the torch backend: one linear per weight (the CPU route is chosen per (K, N), so a
+    stacked weight's wider N could take another route and change bits)."""
+    return tuple(linear(x, w, b, None) for w, b in zip(weights, biases))
+
+
+__all__ = ["linear", "linear_group", "linear_fp32", "segment_count", "spec"]

@@ -4,6 +4,7 @@ from rlalign.ops._registry import register
 from rlalign.ops.torch_backend import elementwise, linear, norm
 
 register("linear", "torch")(linear.linear)
+register("linear_group", "torch")(linear.linear_group)
 register("rms_norm", "torch")(norm.rms_norm)
 register("rope", "torch")(elementwise.rope)
 register("silu_mul", "torch")(elementwise.silu_mul)

@@ -37,6 +37,7 @@ from rlalign.ops.triton_backend import attention, combine, elementwise, linear, 
 
 IMPLEMENTATIONS = {
     "linear": linear.linear,
+    "linear_group": linear.linear_group,
     "rms_norm": elementwise.rms_norm,
     "rope": elementwise.rope,
     "rope_write_kv": elementwise.rope_write_kv,

@@ -150,6 +150,10 @@ class DecodeLaunch:
     # a register cap per thread for the forward kernel (ptxas -maxrregcount through Triton's maxnreg; 0: none):
     # 65,536 registers / 128 threads / programs per SM -- 168 fits 3 decode programs on an SM, 128 fits 4
     max_registers: int = 0
+    # True: the forward kernel loads key block i + 1 into registers at the top of block i's step (PREFETCH), with
+    # Triton's pipelining off (tile stages 1 is the natural pairing): the next block's loads overlap this block's
+    # MMAs and softmax
+    prefetch: bool = False
 
     def __post_init__(self):
         if self.fold_rows < 1 or self.fold_rows & (self.fold_rows - 1) or self.merge_unroll < 1:
@@ -228,15 +232,22 @@ def _dot(a, b, acc, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
 
 
 @triton.jit
-def _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol,
-                 stride_kr, stride_kh, stride_bt, D: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr,
-                 PAGED: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
-    """One step of the online softmax: key block j (absolute positions j*BN .. j*BN+BN-1)."""
+def _load_block(j, s, h, q_start, kv_len, K, V, bt_ptr, dcol, stride_kr, stride_kh, stride_bt, wanted,
+                BN: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr):
+    """K and V of key block j (absolute positions j*BN .. j*BN+BN-1) of sequence s, kv head h: keys past the
+    context, or all of them where ``wanted`` is false, as exact zeros (nothing read)."""
     kp = j * BN + tl.arange(0, BN)
-    k_ok = kp < kv_len
+    k_ok = (kp < kv_len) & wanted
     kv_rows = _kv_rows(s, kp, k_ok, q_start, bt_ptr, stride_bt, PS, PAGED)
-    k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-    v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+    return (_load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D),
+            _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D))
+
+
+@triton.jit
+def _attend_block(j, q, pos, m, l, acc, k, v, qk_scale2, BN: tl.constexpr, SPLIT: tl.constexpr,
+                  ROWWISE: tl.constexpr):
+    """One step of the online softmax over key block j, given its K and V."""
+    kp = j * BN + tl.arange(0, BN)
     sc = _dot(q, tl.trans(k), tl.zeros((q.shape[0], BN), tl.float32), SPLIT, ROWWISE) * qk_scale2
     sc = tl.where(kp[None, :] <= pos[:, None], sc, float("-inf"))
     sees = pos >= j * BN
@@ -304,7 +315,8 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
                     stride_bt, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, PS: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
                     SPLIT: tl.constexpr, SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr, ROWWISE: tl.constexpr,
-                    FUSED_MERGE: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 16, UNROLL: tl.constexpr = 4):
+                    FUSED_MERGE: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 16, UNROLL: tl.constexpr = 4,
+                    PREFETCH: tl.constexpr = False):
     """PARTIAL=False: one program per (tile, sequence, kv head) walks every key split of its rows and
     merges them in order (output, lse). PARTIAL=True: ``split_progs`` = P programs per (tile, sequence,
     kv head); program p walks splits p, p + P, p + 2P, ... of its rows (each from a fresh state) and
@@ -350,8 +362,19 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
     M = tl.full((BM,), float("-inf"), tl.float32)
     L = tl.zeros((BM,), tl.float32)
     ACC = tl.zeros((BM, DP), tl.float32)
+    if PREFETCH:
+        # block i + 1's K and V are loaded (into registers) at the top of iteration i, before block i's MMAs, so
+        # the loads are in flight while block i is computed (Triton's own pipeliner issues its async copies after
+        # the MMAs here: each block's loads were exposed). Loads only: every value and operation is the same.
+        k_next, v_next = _load_block(sp_first * BPS, s, h, q_start, kv_len, K, V, bt_ptr, dcol, stride_kr,
+                                     stride_kh, stride_bt, n_iter > 0, BN, PS, D, PAGED)
     for i in range(n_iter):
         sp = sp_first + (i // BPS) * P
+        if PREFETCH:
+            k_cur, v_cur = k_next, v_next
+            i1 = i + 1
+            k_next, v_next = _load_block((sp_first + (i1 // BPS) * P) * BPS + i1 % BPS, s, h, q_start, kv_len, K, V,
+                                         bt_ptr, dcol, stride_kr, stride_kh, stride_bt, i1 < n_iter, BN, PS, D, PAGED)
         if (i % BPS == 0) & (i > 0):
             # Split sp - P ended: merge (or store) its partial, restart m = -inf, l = 0. Split sp's first
             # block then has alpha = exp2(-inf - m') = 0 for every row that sees it, so acc * alpha restarts
@@ -366,8 +389,14 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
                 M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (sp - P) * SPLIT_KEYS)
             m = tl.full((BM,), float("-inf"), tl.float32)
             l = tl.zeros((BM,), tl.float32)
-        m, l, acc = _visit_block(sp * BPS + i % BPS, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr,
-                                 qk_scale2, dcol, stride_kr, stride_kh, stride_bt, D, BN, PS, PAGED, SPLIT, ROWWISE)
+        if PREFETCH:
+            m, l, acc = _attend_block(sp * BPS + i % BPS, q, pos, m, l, acc, k_cur, v_cur, qk_scale2, BN, SPLIT,
+                                      ROWWISE)
+        else:
+            k_cur, v_cur = _load_block(sp * BPS + i % BPS, s, h, q_start, kv_len, K, V, bt_ptr, dcol, stride_kr,
+                                       stride_kh, stride_bt, True, BN, PS, D, PAGED)
+            m, l, acc = _attend_block(sp * BPS + i % BPS, q, pos, m, l, acc, k_cur, v_cur, qk_scale2, BN, SPLIT,
+                                      ROWWISE)
     sp_last = sp_first + (my_splits - 1) * P
     if PARTIAL:
         _store_partial(PM, PL, PACC, sp_last, part_rows, part_row, row_ok, m, l, acc, dcol, D)
@@ -644,7 +673,7 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged, STORE_LSE=store_lse, SPLIT=split_for(q.dtype),
         SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), FUSED_MERGE=fused,
         FOLD_ROWS=launch.fold_rows if fused else 16, UNROLL=launch.merge_unroll if fused else 4, num_stages=stages,
-        **meta, **_register_cap(launch, tile))
+        PREFETCH=launch.prefetch and _on_launch_tile(launch, tile), **meta, **_register_cap(launch, tile))
     if split_programs and not fused:
         # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
         meta["num_warps"] = launch.merge_warps
@@ -687,11 +716,16 @@ def arrival_counters(device: torch.device, items: int) -> torch.Tensor:
     return buf
 
 
+def _on_launch_tile(launch: DecodeLaunch, tile) -> bool:
+    """Whether a call runs on ``launch``'s own (decode) tile: its register cap and prefetch apply there only, never
+    to a prefill or training tile the same call might run with."""
+    return tuple(tile) == tuple(launch.tile)
+
+
 def _register_cap(launch: DecodeLaunch, tile) -> dict:
-    """The forward's compile option for ``launch.max_registers``: only on the launch's own (decode) tile --
-    never on a prefill or training tile the same call might run with -- and none under the CPU interpreter,
-    which compiles nothing."""
-    capped = launch.max_registers and tuple(tile) == tuple(launch.tile) and not is_interpreter()
+    """The forward's compile option for ``launch.max_registers`` (on the launch's tile only), none under the CPU
+    interpreter, which compiles nothing."""
+    capped = launch.max_registers and _on_launch_tile(launch, tile) and not is_interpreter()
     return {"maxnreg": launch.max_registers} if capped else {}
 
 

@@ -729,6 +729,32 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     return out
 
 
-__all__ = ["GemmConfig", "gemm", "gemm_kernel", "segment_stream_kernel", "pick_config", "all_configs",
+def gemm_blocks(a: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...], *, bias: torch.Tensor | None = None,
+                role: str = "fwd", role_of: torch.Tensor | None = None,
+                ws: WsConfig | None = None) -> tuple[torch.Tensor, ...] | None:
+    """C = A @ W^T (+ bias) for W [sum(widths), K] (the forward layout), returned as its column blocks of
+    ``widths`` -- separate row-major tensors -- from ONE launch of the Gluon kernel (q, k and v of a layer whose
+    projection weights are stacked rows of one tensor). Each element has :func:`gemm`'s bits (P = 1): the block
+    it is stored in does not enter its operations. Taken where the dispatcher would take the Gluon kernel for the
+    whole [M, sum(widths)] call (:func:`ws_default`; or the launch ``ws``) and every block but the last ends on one
+    of its tile columns; otherwise None and nothing is launched (the caller runs the GEMMs one by one)."""
+    a = aligned(a)
+    m, k = a.shape
+    if k == 0 or m == 0 or w.shape != (sum(widths), k):
+        return None
+    if ws is None:
+        ws = ws_default(a, w, True, 1, False, a.dtype, bias, False)
+    # every block but the last a whole number of tile columns; the last's bf16 rows 16-byte multiples (TMA)
+    if ws is None or not 1 <= len(widths) <= 3 or any(x % ws.block_n for x in widths[:-1]) or widths[-1] % 8:
+        return None
+    outs = tuple(torch.empty((m, x), dtype=a.dtype, device=a.device) for x in widths)
+    if gemm_census.ACTIVE is not None:
+        _note(role, role_of, "kpart_ws_kernel", ws, a, w, outs[0], m, sum(widths), k, False, True, 1, False, bias,
+              True)
+    gemm_ws(a, w, b_trans=True, segments=1, out=outs, bias=bias, config=ws)
+    return outs
+
+
+__all__ = ["GemmConfig", "gemm", "gemm_blocks", "gemm_kernel", "segment_stream_kernel", "pick_config", "all_configs",
            "candidate_configs", "KPART_CANDIDATES",
            "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config", "WS_DEFAULT", "ws_default"]

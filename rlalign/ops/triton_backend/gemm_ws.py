@@ -385,11 +385,11 @@ if gluon is not None:
             mbarrier.arrive(empty_bar)
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps,
-                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr,
+    def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_desc1, c_desc2, c_smem, st1_smem, st2, bias_ptr, M, N,
+                  cut1, cut2, steps, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr,
                   LOG2P: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                   NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr,
-                  OUT_ALIAS: gl.constexpr):
+                  OUT_ALIAS: gl.constexpr, BLOCKS: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BN, 16])
         pid = gl.program_id(0)
@@ -434,13 +434,17 @@ if gluon is not None:
             _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
             v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
                                  OUT_ALIAS)
-            _store_tile(v, c_desc, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, BN, HAS_BIAS, acc_layout)
+            _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, cut1, cut2, BN,
+                        HAS_BIAS, BLOCKS, acc_layout)
         tma.store_wait(0)
 
     @gluon.jit
-    def _store_tile(v, c_desc, c_smem, bias_ptr, off_m, off_n, N, BN: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    acc_layout: gl.constexpr):
-        """C tile = v (+ bias[n] in fp32), one rounding to C's dtype, through shared memory and a TMA store."""
+    def _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, off_m, off_n, N, cut1, cut2, BN: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, BLOCKS: gl.constexpr, acc_layout: gl.constexpr):
+        """C tile = v (+ bias[n] in fp32), one rounding to C's dtype, through shared memory and a TMA store. With
+        BLOCKS > 1, C's columns [0, cut1), [cut1, cut2), [cut2, N) are three (or, cut2 = N, two) tensors of their
+        own (c_desc, c_desc1, c_desc2): the tile goes to the one its columns are in (the cuts are multiples of BN,
+        so no tile straddles two)."""
         if HAS_BIAS:
             rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             bias = gl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
@@ -448,14 +452,24 @@ if gluon is not None:
         tma.store_wait(0)            # the previous tile's store has read c_smem
         c_smem.store(v.to(c_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        if BLOCKS == 1:
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        else:
+            if off_n < cut1:
+                tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+            elif off_n < cut2:
+                tma.async_copy_shared_to_global(c_desc1, [off_m, off_n - cut1], c_smem)
+            else:
+                tma.async_copy_shared_to_global(c_desc2, [off_m, off_n - cut2], c_smem)
 
-    @gluon.jit(do_not_specialize=["M", "N", "steps"])
-    def kpart_ws_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, steps,
+    @gluon.jit(do_not_specialize=["M", "N", "cut1", "cut2", "steps"])
+    def kpart_ws_kernel(a_desc, b_desc, c_desc, c_desc1, c_desc2, bias_ptr, M, N, cut1, cut2, steps,
                         P: gl.constexpr, LOG2P: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
                         HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr, OUT_ALIAS: gl.constexpr):
-        """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / BK."""
+                        L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr, OUT_ALIAS: gl.constexpr,
+                        BLOCKS: gl.constexpr = 1):
+        """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / BK. BLOCKS > 1: C's
+        column blocks are separate tensors (c_desc, c_desc1, c_desc2, split at cut1 and cut2: _store_tile)."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = c_desc.block_type.shape[1]
@@ -485,9 +499,9 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=32 * NUM_WARPS if PER_THREAD_RELEASE else 1)
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, st1_smem, st2, bias_ptr, M, N, steps, BM, BN,
-                         STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS, L1_SMEM,
-                         PER_THREAD_RELEASE, OUT_ALIAS)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_desc1, c_desc2, c_smem, st1_smem, st2, bias_ptr, M,
+                         N, cut1, cut2, steps, BM, BN, STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS,
+                         L1_SMEM, PER_THREAD_RELEASE, OUT_ALIAS, BLOCKS)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, steps * P, BM, BN, BK, STAGES, B_TRANS,
                          GROUP_M)),
         ], [1], [PRODUCER_REGS])
@@ -505,36 +519,58 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int, out: torch.Tensor,
-            bias: torch.Tensor | None = None, config: WsConfig = DEFAULT_WS, a_trans: bool = False,
-            acc_in: bool = False) -> torch.Tensor:
+def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int,
+            out: "torch.Tensor | tuple[torch.Tensor, ...]", bias: torch.Tensor | None = None,
+            config: WsConfig = DEFAULT_WS, a_trans: bool = False, acc_in: bool = False):
     """out[M, N] = A @ B (+ bias) with :func:`.gemm.gemm`'s bits at ``segments`` = P (module docstring).
 
-    a: A [M, K] bf16 row-major; b: W [N, K] (``b_trans``) or B [K, N]; out: row-major [M, N] bf16/fp32.
-    Raises GemmWsUnsupported (naming the shape) for anything the kernel does not implement (``a_trans`` /
+    a: A [M, K] bf16 row-major; b: W [N, K] (``b_trans``) or B [K, N]; out: row-major [M, N] bf16/fp32, or a tuple
+    of up to 3 row-major [M, N_i] tensors (sum N_i = N, one dtype) that receive C's consecutive column blocks --
+    e.g. q, k and v from one launch over their weights stacked as the rows of ``b`` -- where every block but the
+    last is a whole number of ``config``'s tile columns (an element's operations do not depend on where it is
+    stored). Raises GemmWsUnsupported (naming the shape) for anything the kernel does not implement (``a_trans`` /
     ``acc_in``: gemm's flags, passed on so that such a call is refused, never misread)."""
-    why = unsupported_reason(a, b, b_trans, segments, a_trans, out.dtype, bias, acc_in)
-    if why is None and (out.shape != (a.shape[0], b.shape[0] if b_trans else b.shape[1]) or not tma_ok(out)):
-        why = f"out {tuple(out.shape)} stride {out.stride()}: needs a TMA-addressable row-major [M, N]"
+    blocks = tuple(out) if isinstance(out, (tuple, list)) else (out, )
+    why = unsupported_reason(a, b, b_trans, segments, a_trans, blocks[0].dtype, bias, acc_in)
+    n = b.shape[0] if b_trans else b.shape[1]
+    if why is None:
+        why = _blocks_problem(blocks, a.shape[0], n, config)
     if why is None and config.problem is not None:
         why = f"{config}: {config.problem}"
     if why is not None:
         raise GemmWsUnsupported(f"gemm_ws: A {tuple(a.shape)}, B {tuple(b.shape)} (b_trans={b_trans}), "
                                 f"P={segments}: {why}")
     m, k = a.shape
-    n = out.shape[1]
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     a_desc = _descriptor(a, [bm, bk])
     b_desc = _descriptor(b, [bn, bk] if b_trans else [bk, bn])
-    c_desc = _descriptor(out, [bm, bn])
+    c_descs = [_descriptor(c, [bm, bn]) for c in blocks]
+    cuts = [sum(c.shape[1] for c in blocks[:i + 1]) for i in range(len(blocks) - 1)]
+    cut1, cut2 = (cuts + [n, n])[:2]
+    c_descs += c_descs[-1:] * (3 - len(c_descs))   # stand-ins for absent blocks (never stored to)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     kpart_ws_kernel[(max(1, min(tiles, device_sms(a))),)](
-        a_desc, b_desc, c_desc, bias if bias is not None else out, m, n, k // (segments * bk),
+        a_desc, b_desc, *c_descs, bias if bias is not None else blocks[0], m, n, cut1, cut2, k // (segments * bk),
         P=segments, LOG2P=segments.bit_length() - 1, STAGES=config.stages, B_TRANS=b_trans,
         HAS_BIAS=bias is not None, GROUP_M=config.group_m, PRODUCER_REGS=config.producer_regs,
         L1_SMEM=config.level1_in_shared, PER_THREAD_RELEASE=config.release == "thread",
-        OUT_ALIAS=config.out_alias, num_warps=config.num_warps)
+        OUT_ALIAS=config.out_alias, BLOCKS=len(blocks), num_warps=config.num_warps)
     return out
+
+
+def _blocks_problem(blocks: tuple, m: int, n: int, config: WsConfig) -> str | None:
+    """Why the output ``blocks`` cannot receive an [M, N] result on ``config``'s tiles (None: they can)."""
+    if not 1 <= len(blocks) <= 3:
+        return f"{len(blocks)} output blocks: 1 to 3"
+    widths = [c.shape[1] if c.dim() == 2 else -1 for c in blocks]
+    if any(c.dim() != 2 or c.shape[0] != m or not tma_ok(c) for c in blocks) or sum(widths) != n:
+        shapes = ", ".join(f"{tuple(c.shape)} stride {c.stride()}" for c in blocks)
+        return f"out {shapes}: needs TMA-addressable row-major [M, N_i] blocks with sum N_i = N = {n}"
+    if len({c.dtype for c in blocks}) > 1:
+        return "output blocks of different dtypes"
+    if any(w % config.block_n for w in widths[:-1]):
+        return f"output block widths {widths}: each but the last must be a multiple of the tile's {config.block_n} columns"
+    return None
 
 
 __all__ = ["WsConfig", "DEFAULT_WS", "SMALL_GRID_WS", "NARROW_WS", "tile_count", "launch_for", "WS_CANDIDATES", "GemmWsUnsupported", "gemm_ws",

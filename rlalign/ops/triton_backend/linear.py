@@ -18,7 +18,8 @@ import torch
 
 from rlalign.contract.errors import fail
 from rlalign.ops.torch_backend.linear import segment_count
-from rlalign.ops.triton_backend.gemm import gemm
+from rlalign.ops.basic import stacked_rows
+from rlalign.ops.triton_backend.gemm import gemm, gemm_blocks
 
 
 def _grad_bias(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -65,4 +66,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k_segmen
     return out.reshape(*shape[:-1], w.shape[0])
 
 
-__all__ = ["linear"]
+def linear_group(x: torch.Tensor, weights: tuple, biases: tuple) -> tuple[torch.Tensor, ...]:
+    """Validated inputs (rlalign.ops.linear_group). Without grad, weights stacked as one tensor's row blocks (and
+    biases likewise, or none) run as one launch where the dispatcher takes the Gluon kernel for the whole call
+    (gemm_blocks: decode batches on Hopper); anything else is one :func:`linear` per weight. Same bits either
+    way: the stacked call's element is computed as the separate call's (P = 1, fixed 64-column k-steps)."""
+    if not (torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad
+                                                                  for t in weights + biases))):
+        stacked = stacked_rows(weights)
+        bias = None if all(b is None for b in biases) else stacked_rows(biases)
+        if stacked is not None and (bias is not None or all(b is None for b in biases)):
+            k = x.shape[-1]
+            outs = gemm_blocks(x.reshape(-1, k), stacked, tuple(w.shape[0] for w in weights), bias=bias,
+                               role_of=weights[0])
+            if outs is not None:
+                return tuple(o.reshape(*x.shape[:-1], o.shape[1]) for o in outs)
+    return tuple(linear(x, w, b, None) for w, b in zip(weights, biases))
+
+
+__all__ = ["linear", "linear_group"]
