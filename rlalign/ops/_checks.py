@@ -248,6 +248,9 @@ class _CaptureState:
     def __init__(self, hints: dict):
         self.hints = hints
         self.verdicts: list = []
+        # memo's captured derivations: (kind, tensor ids, extra) -> (the tensors, kept alive so that no id is
+        # reused during the capture; the result)
+        self.derived: dict = {}
 
 
 _capture = threading.local()
@@ -338,11 +341,18 @@ def memo(kind: str, compute, *tensors: torch.Tensor, extra: tuple = (), capturin
     validation and the host values derived from them need one device sync per forward, not one
     per layer. Cached in a :class:`TensorCache` (a failing ``compute`` raises and caches nothing).
 
-    While a CUDA graph is captured (:func:`capturing_graph`) nothing is cached and ``compute`` (which
-    may sync) is not called: the result is ``capturing()``, which must not sync (None when omitted:
-    validation only)."""
+    While a CUDA graph is captured (:func:`capturing_graph`) ``compute`` (which may sync) is not called: the
+    result is ``capturing()``, which must not sync (None when omitted: validation only), derived once per
+    capture and (kind, tensors, extra) -- its kernels are recorded once and every later layer of the captured
+    forward reads their outputs (the index tensors do not change within a forward)."""
     if is_capturing():
-        return None if capturing is None else capturing()
+        if capturing is None:
+            return None
+        derived = _capture.state.derived
+        key = (kind, tuple(id(t) for t in tensors), extra)
+        if key not in derived:
+            derived[key] = (tensors, capturing())
+        return derived[key][1]
     return _memo.get(kind, compute, tensors, extra)
 
 

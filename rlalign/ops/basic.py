@@ -87,20 +87,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
              profile=None):
     """RMSNorm over the last dim. With ``residual``: h = x + residual (rounded to x.dtype) is
     normalised and ``(normed, h)`` is returned, h being the new residual stream."""
-    if residual is not None:
-        if residual.shape != x.shape:
-            raise fail("rms_norm", f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-        x = x + residual  # one rounding to the stream dtype, the same in both profiles
+    if residual is not None and residual.shape != x.shape:
+        raise fail("rms_norm", f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if as_profile(profile) is Profile.NATIVE:
+        if residual is not None:
+            x = x + residual  # one rounding to the stream dtype, the same in both profiles
         xf = x.float()
         out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-    else:
-        chk.dtype_ok("rms_norm", x, weight)
-        chk.same_device("rms_norm", x, weight)
-        if weight.shape != x.shape[-1:]:
-            raise fail("rms_norm", f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
-        chk.finite("rms_norm", "x", x)
-        out = strict_impl("rms_norm", x.device)(x, weight, float(eps))
+        return out if residual is None else (out, x)
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    chk.dtype_ok("rms_norm", *tensors)
+    chk.same_device("rms_norm", *tensors)
+    if weight.shape != x.shape[-1:]:
+        raise fail("rms_norm", f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
+    impl = strict_impl("rms_norm", x.device)
+    if residual is not None and getattr(impl, "fuses_residual", False) and not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        # the backend's kernel adds the residual itself (h = x + residual rounded once, as below), then normalises
+        out, h = impl(x, weight, float(eps), residual=residual)
+        chk.finite("rms_norm", "x", h)
+        return out, h
+    if residual is not None:
+        x = x + residual  # one rounding to the stream dtype
+    chk.finite("rms_norm", "x", x)
+    out = impl(x, weight, float(eps))
     return out if residual is None else (out, x)
 
 

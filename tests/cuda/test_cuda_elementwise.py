@@ -25,6 +25,25 @@ def test_rms_norm_rows_invariant(triton_backend, h):
     assert_bitwise_equal(ops.rms_norm(x[perm], w, 1e-6, residual=r[perm])[0], full[perm], "permuted")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("h", [64, 1000, 4096])
+def test_rms_norm_residual_in_kernel_equals_add_first(triton_backend, dtype, h):
+    """Without autograd the residual add runs inside the norm's kernel: the stream == torch's x + r (one rounding)
+    and the normed rows == the norm of that sum, raw bits; with autograd (the add done first) the same bits."""
+    from rlalign.ops.triton_backend import elementwise as E
+    for m in (1, 33, 244, 1000):
+        x, w, r = rand(m, h, seed=m, dtype=dtype), rand(h, seed=2, dtype=dtype), rand(m, h, seed=m + 1, dtype=dtype)
+        with torch.no_grad():
+            out, stream = ops.rms_norm(x, w, 1e-6, residual=r)
+            ref = E.rms_forward(x + r, w, 1e-6)[0]
+        assert_bitwise_equal(stream, x + r, f"stream m={m}")
+        assert_bitwise_equal(out, ref, f"normed m={m}")
+        xg = x.clone().requires_grad_()
+        out_g, stream_g = ops.rms_norm(xg, w, 1e-6, residual=r)
+        assert_bitwise_equal(out_g.detach(), out, f"with autograd m={m}")
+        assert_bitwise_equal(stream_g.detach(), stream)
+
+
 def test_rms_norm_backward_deterministic_and_accurate(triton_backend):
     x, w, g = rand(300, 1024, seed=4), rand(1024, seed=5), rand(300, 1024, seed=6)
     runs = []

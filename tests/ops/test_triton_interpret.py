@@ -375,6 +375,11 @@ def _check_elementwise():
         ref.backward(dy.double())
         dx, dw = E.rms_backward(x, w, dy, inv)
         worst = max(worst, _rel(dx, xd.grad), _rel(dw, wd.grad))
+        # the residual add in the same kernel: the stream and the normed rows of the add done first, raw bits
+        r = torch.randn(rows, hdim, generator=g)
+        y_res, _, stream = E.rms_forward(x, w, 1e-6, r)
+        if not (torch.equal(stream, x + r) and torch.equal(y_res, E.rms_forward(x + r, w, 1e-6)[0])):
+            worst = float("inf")
     t, heads, d = 9, 3, 64
     x = torch.randn(t, heads, d, generator=g)
     ang = torch.rand(t, d // 2, generator=g).double() * 10

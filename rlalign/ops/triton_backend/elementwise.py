@@ -1,6 +1,6 @@
 """rms_norm, rope and silu_mul on the Triton backend (forward and deterministic backward).
 
-rms_norm (rows of H): ss = sum of x^2 over the row by one ``tl.sum`` over a [ROWS, BLOCK_H] tile
+rms_norm (rows of H; with a residual, x = x + residual first, rounded once, in the same kernel): ss = sum of x^2 over the row by one ``tl.sum`` over a [ROWS, BLOCK_H] tile
 whose shape depends on H only (so a row's reduction order does not depend on T);
 inv = 1 / sqrt_rn(ss / H + eps) (IEEE sqrt and division); y = (x * inv) * w in fp32, one rounding.
 Backward: dx = inv * (w dy) - x * inv^3 * (sum(x w dy) / H) per row; dw = sum over rows of
@@ -42,12 +42,19 @@ def _rows_per_program(block_h: int) -> int:
 
 
 @triton.jit
-def rms_fwd_kernel(X, W, Y, INV, n_rows, H, eps, ROWS: tl.constexpr, BH: tl.constexpr):
+def rms_fwd_kernel(X, W, Y, INV, R, HS, n_rows, H, eps, ROWS: tl.constexpr, BH: tl.constexpr,
+                   HAS_RES: tl.constexpr = False):
+    """HAS_RES: x is first replaced by h = x + R rounded once to X's dtype (torch's add: an fp32 sum, one
+    rounding to nearest even), which is stored to HS (the residual stream)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BH)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < H)
     offs = rows[:, None].to(tl.int64) * H + cols[None, :]
-    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(X + offs, mask=ok, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(R + offs, mask=ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(HS + offs, x, mask=ok)
+    x = x.to(tl.float32)
     w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
     ss = tl.sum(x * x, 1)
     inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(ss, H * 1.0) + eps))
@@ -175,15 +182,19 @@ def _rms_launch_shape(h: int):
     return bh, rows, warps
 
 
-def rms_forward(x2d: torch.Tensor, w: torch.Tensor, eps: float):
+def rms_forward(x2d: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """(y, inv) of rows x2d; with ``residual`` (x2d's shape), of h = x2d + residual (one rounding), and h:
+    (y, inv, h)."""
     n, h = x2d.shape
     y = torch.empty_like(x2d)
     inv = torch.empty(n, dtype=torch.float32, device=x2d.device)
+    stream = torch.empty_like(x2d) if residual is not None else None
     if n:
         bh, rows, warps = _rms_launch_shape(h)
-        rms_fwd_kernel[(triton.cdiv(n, rows),)](x2d, w, y, inv, n, h, float(eps), ROWS=rows, BH=bh,
-                                                num_warps=warps)
-    return y, inv
+        rms_fwd_kernel[(triton.cdiv(n, rows),)](x2d, w, y, inv, residual if stream is not None else x2d,
+                                                stream if stream is not None else y, n, h, float(eps), ROWS=rows,
+                                                BH=bh, HAS_RES=stream is not None, num_warps=warps)
+    return (y, inv) if stream is None else (y, inv, stream)
 
 
 def rms_backward(x2d, w, dy, inv):
@@ -213,15 +224,25 @@ class _RmsNorm(torch.autograd.Function):
         return dx, dw, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``residual`` (no autograd only: ops.rms_norm asks only then, see ``fuses_residual``): the residual add in
+    the same kernel -> (normed(x + residual), x + residual)."""
     shape = x.shape
     x2d = x.reshape(-1, shape[-1]).contiguous()
     w = weight.contiguous()
+    if residual is not None:
+        y, _, stream = rms_forward(x2d, w, float(eps), residual.reshape(-1, shape[-1]).contiguous())
+        return y.reshape(shape), stream.reshape(shape)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         y = _RmsNorm.apply(x2d, w, float(eps))
     else:
         y = rms_forward(x2d, w, float(eps))[0]
     return y.reshape(shape)
+
+
+# ops.rms_norm hands this implementation the residual (without autograd) instead of adding it first: one kernel
+# reads x and the residual and writes the new stream and the normed rows (the add was a torch kernel of its own)
+rms_norm.fuses_residual = True
 
 
 def _rope_launch(x, cos, sin, sign):
