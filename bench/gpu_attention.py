@@ -218,12 +218,9 @@ def sweep_candidates(A) -> list[tuple[str, object]]:
     cands += [("split", replace(split, **three)), ("split", replace(fused, **three)),
               ("split", replace(fused, programs_per_sm=6, **three))]
     cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 3) if s != item.tile[2]]
-    # the next key block loaded into registers at the top of each step, Triton's pipelining off (session 17: the
-    # pipeliner issued the async copies of block i + 1 after block i's MMAs, so each block's loads were exposed;
-    # sm_90a ptxas: 64x4 255 registers with 260 B of spill stores, 128x8 243 registers and no spill)
-    cands += [("item", replace(item, prefetch=True, tile=(bm, warps, 1))),
-              ("item", replace(item, prefetch=True, tile=(2 * bm, 2 * warps, 1))),
-              ("split", replace(split, prefetch=True, tile=(bm, warps, 1)))]
+    # several kv heads of a sequence per program, one after the other (a program's start-up -- the sequence's
+    # scalars, its first page-table and K/V loads -- paid once per 2 / 4 items)
+    cands += [("item", replace(item, heads_per_program=hp)) for hp in (2, 4) if hp != item.heads_per_program]
     return cands
 
 

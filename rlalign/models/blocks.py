@@ -102,7 +102,7 @@ def _rebuildable_rope(norm, roped: torch.Tensor, projected: torch.Tensor, cos, s
 def dense_ffn_block(mlp, x: torch.Tensor) -> torch.Tensor:
     """down_proj(silu(gate_proj(x)) * up_proj(x)) (silu_mul: one rounding of the product). In training,
     down_proj's saved input is rebuilt from gate and up in the backward (:mod:`rlalign.models.recompute`)."""
-    gate, up = project(x, mlp.gate_proj, mlp.up_proj)
+    gate, up = project(x, mlp.gate_proj, mlp.up_proj, views=True)   # silu_mul reads strided rows in place
     act = ops.silu_mul(gate, up)
     recompute.register("silu_mul", act, lambda: ops.silu_mul(gate, up), gate, up)
     return mlp.down_proj(act)

@@ -32,14 +32,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return strict_impl("linear", x.device)(x, weight, bias, k_segments)
 
 
-def linear_group(x: torch.Tensor, weights, biases=None, *, profile=None) -> tuple[torch.Tensor, ...]:
+def linear_group(x: torch.Tensor, weights, biases=None, *, views: bool = False,
+                 profile=None) -> tuple[torch.Tensor, ...]:
     """``(linear(x, w, b) for w, b in zip(weights, biases))`` -- each output with exactly those bits -- for the
     projections of one input (q/k/v, gate/up). Where the weights are consecutive row blocks of one tensor
     (:func:`stacked_rows`; the decoder lays its projections out so) a backend may run them as ONE GEMM over the
     stacked weight: the Triton backend does where its Hopper kernel takes the whole call (decode batches), which
     writes each block to its own tensor; an element's operations do not depend on N there (they do on the CPU,
     whose route is chosen per (K, N): the torch backend runs one linear per weight). ``biases``: None, or one
-    bias (or None) per weight."""
+    bias (or None) per weight. ``views``: the caller takes outputs whose rows are strided (column views of one
+    [..., sum N] tensor; silu_mul does), so the stacked GEMM may also run where only one output tensor is possible
+    (the Triton kernel)."""
     weights = tuple(weights)
     biases = (None, ) * len(weights) if biases is None else tuple(biases)
     if not weights or len(biases) != len(weights):
@@ -50,7 +53,7 @@ def linear_group(x: torch.Tensor, weights, biases=None, *, profile=None) -> tupl
     for w, b in zip(weights, biases):
         _check_linear(x, w, b)
     chk.finite("linear", "x", x)
-    return strict_impl("linear_group", x.device)(x, weights, biases)
+    return strict_impl("linear_group", x.device)(x, weights, biases, views)
 
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

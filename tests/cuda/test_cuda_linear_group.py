@@ -65,29 +65,48 @@ def test_linear_group_bits_equal_separate_linears(triton_backend):
     one launch is taken where the dispatcher runs the Gluon kernel (gemm census)."""
     from rlalign import ops
     from rlalign.ops import gemm_census
+    from rlalign.ops.triton_backend.gemm import ws_default
     bad = []
-    for widths, k in SHAPES:
+    for widths, k in SHAPES + (((12288, 12288), 256), ):   # + gate/up at the 8B width: the Triton kernel's waves
         for m in (0, 1, 64, 65, 128, 244, 256, 257, 700):
             for bias in (False, True):
                 weights, biases = _stacked(widths, k, seed=k + m, bias=bias)
                 x = rand(m, k, seed=m + 7)
-                with torch.no_grad():
-                    ref = [ops.linear(x, w, None if not bias else b) for w, b in zip(weights, biases or weights)]
-                    with gemm_census.collecting() as census:
-                        outs = ops.linear_group(x, weights, biases)
-                    apart = ops.linear_group(x, [w.clone() for w in weights],
-                                             [b.clone() for b in biases] if bias else None)
-                what = f"M={m} widths={widths} K={k} bias={bias}"
-                for i, (o, a, r) in enumerate(zip(outs, apart, ref)):
-                    if not (bits_equal(o, r) and bits_equal(a, r)):
-                        bad.append(f"{what} output {i}: stacked {describe_difference(o, r)}; "
-                                   f"apart {describe_difference(a, r)}")
-                one_launch = [c for c in census.calls if c.n == sum(widths)]
-                if 65 <= m <= 256 and widths[0] % 64 == 0 and len(census.calls) != 1:
-                    bad.append(f"{what}: {len(census.calls)} launches, expected one ({census.calls[:3]})")
-                if not 65 <= m <= 256 and one_launch:
-                    bad.append(f"{what}: one stacked launch outside the decode rows")
+                for views in (False, True):
+                    with torch.no_grad():
+                        ref = [ops.linear(x, w, None if not bias else b) for w, b in zip(weights, biases or weights)]
+                        with gemm_census.collecting() as census:
+                            outs = ops.linear_group(x, weights, biases, views=views)
+                        apart = ops.linear_group(x, [w.clone() for w in weights],
+                                                 [b.clone() for b in biases] if bias else None, views=views)
+                    what = f"M={m} widths={widths} K={k} bias={bias} views={views}"
+                    for i, (o, a, r) in enumerate(zip(outs, apart, ref)):
+                        if not (bits_equal(o, r) and bits_equal(a, r)):
+                            bad.append(f"{what} output {i}: stacked {describe_difference(o, r)}; "
+                                       f"apart {describe_difference(a, r)}")
+                    # one launch: with views always; without, where the dispatcher takes the Gluon kernel for the
+                    # stacked call and the blocks end on its tile columns
+                    launch = ws_default(x, torch.cat(weights), True, 1, False, x.dtype, None, False) if m else None
+                    blocks = launch is not None and all(n % launch.block_n == 0 for n in widths[:-1])
+                    if m and (views or blocks) and len(census.calls) != 1:
+                        bad.append(f"{what}: {len(census.calls)} launches, expected one ({census.calls[:3]})")
+                    if m and not (views or blocks) and len(census.calls) != len(widths):
+                        bad.append(f"{what}: {len(census.calls)} launches, expected one per weight")
     assert not bad, f"{len(bad)} cases fail:\n" + "\n".join(bad[:20])
+
+
+def test_silu_mul_reads_strided_rows_in_place(triton_backend):
+    """silu_mul of column views of one [M, 2I] tensor (linear_group's gate/up with views) == of contiguous copies."""
+    from rlalign import ops
+    bad = []
+    for m, i in ((1, 64), (244, 12288), (300, 1000), (0, 128)):
+        both = rand(m, 2 * i, seed=m + i)
+        g, u = both[:, :i], both[:, i:]
+        with torch.no_grad():
+            out, ref = ops.silu_mul(g, u), ops.silu_mul(g.contiguous(), u.contiguous())
+        if not (out.is_contiguous() and bits_equal(out, ref)):
+            bad.append(f"M={m} I={i}: {describe_difference(out, ref)}")
+    assert not bad, "\n".join(bad)
 
 
 def test_decoder_forward_stacked_equals_unstacked(triton_backend):

@@ -8,7 +8,7 @@ the split launch (several programs per item + a merge kernel). Checked here, as 
   or a wider block table of several splits, never turn the split launch on); never taken for one split;
 * both launches, forced, and the op's own choice give bit-identical fp32 outputs at every batch size around
   the threshold (the interpreter's SM count is 4; one kv head, so batch = items), with 1..4 programs per item;
-  so do both with the next key block prefetched (DecodeLaunch.prefetch);
+  so does the per-item launch with 2 or 4 kv heads per program (DecodeLaunch.heads_per_program), 1-4 kv heads;
 * the fused-merge split launch (no merge kernel: each item's last program folds its partials) gives the bits of
   the two-kernel split launch and the per-item one at batch 1..12, contexts at / around the split boundaries,
   any fold width and unroll, 1 or 2 kv heads, and again on the same arrival counters with other contexts (they
@@ -123,23 +123,24 @@ def chooser_shape_only(n_seq, page, seed, data):
 
 @settings(max_examples=6, **SETTINGS)
 @given(n_seq=st.integers(1, 6), page=st.sampled_from([1, 16, 64]), group=st.sampled_from([1, 3]),
-       d=st.sampled_from([2, 16]), seed=st.integers(0, 2 ** 16), data=st.data())
-def launches_same_bits(n_seq, page, group, d, seed, data):
+       d=st.sampled_from([2, 16]), hkv=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2 ** 16), data=st.data())
+def launches_same_bits(n_seq, page, group, d, hkv, seed, data):
     g = torch.Generator().manual_seed(seed)
     lens = [data.draw(st.integers(1, 2 * S + 70), label="context") for _ in range(n_seq)]
-    kc, vc, table = cache_for(lens, page, 1, d, g)
-    q = torch.randn(n_seq, group, d, generator=g)
+    kc, vc, table = cache_for(lens, page, hkv, d, g)
+    q = torch.randn(n_seq, group * hkv, d, generator=g)
     cu = i32(list(range(n_seq + 1)))
     item = A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3, split_programs=False)
     outs = {"op's choice": A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3)}
     for progs in (None, 1, data.draw(st.integers(2, 4), label="programs per item")):
         outs[f"split, {progs or 'default'} programs per item"] = A.paged_forward(
             q, kc, vc, table, i32(lens), cu, 0.3, split_programs=True, progs_per_item=progs)
-    for name, launch, split in (("item, prefetch", PREFETCH_ITEM, False), ("split, prefetch", PREFETCH_SPLIT, True)):
-        outs[name] = A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3, split_programs=split, launch=launch,
-                                     progs_per_item=data.draw(st.integers(1, 3), label="prefetch programs") if split else None)
+    for heads in (2, 4):   # several kv heads per program (taken where they divide the kv heads)
+        outs[f"item, {heads} kv heads a program"] = A.paged_forward(
+            q, kc, vc, table, i32(lens), cu, 0.3, split_programs=False,
+            launch=A.DecodeLaunch(**{**A.ITEM_DECODE.__dict__, "heads_per_program": heads}))
     for name, out in outs.items():
-        assert bits_equal(out, item), (f"batch {n_seq} contexts {lens} page {page} G={group} D={d}: {name} vs "
+        assert bits_equal(out, item), (f"batch {n_seq} contexts {lens} page {page} G={group} D={d} Hkv={hkv}: {name} vs "
                                        f"the per-item launch: {describe_difference(out, item)}")
     assert bool(torch.isfinite(item).all()), "non-finite output (a NaN page outside a context was read)"
 
@@ -149,9 +150,6 @@ def counters_zero():
     return all(int(buf.abs().max()) == 0 for buf in A._ARRIVAL_COUNTERS.values())
 
 
-# the decode launches with the next key block loaded at the top of each step (DecodeLaunch.prefetch)
-PREFETCH_ITEM = A.DecodeLaunch(**{**A.ITEM_DECODE.__dict__, "prefetch": True, "tile": (64, 4, 1)})
-PREFETCH_SPLIT = A.DecodeLaunch(**{**A.SPLIT_DECODE.__dict__, "prefetch": True, "tile": (64, 4, 1)})
 # the split launch with attn_merge_kernel (SPLIT_DECODE folds in the item's last program since 2026-12-02)
 TWO_KERNEL = A.DecodeLaunch(**{**A.SPLIT_DECODE.__dict__, "fused_merge": False})
 CONTEXT = st.one_of(st.sampled_from([1, S - 1, S, S + 1, 2 * S - 1, 2 * S, 2 * S + 1]), st.integers(1, S + 70))

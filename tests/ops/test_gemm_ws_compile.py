@@ -119,7 +119,8 @@ def _blocks_choice() -> dict:
     def took(m, widths, k=4096):
         return G.gemm_blocks(torch.empty(m, k, dtype=bf), torch.empty(sum(widths), k, dtype=bf), widths) is not None
     qkv, gate_up = (4096, 1024, 1024), (12288, 12288)
-    return {"decode": [took(65, qkv), took(244, qkv), took(256, qkv), took(244, gate_up)],
+    return {"decode": [took(65, qkv), took(244, qkv), took(256, qkv), took(128, gate_up)],
+            "many_waves": took(244, gate_up),   # 768 tiles of 64x128 on 132 SMs: the Triton kernel (WS_PLAIN_MAX_WAVES)
             "other_rows": [took(1, qkv), took(64, qkv), took(257, qkv), took(4096, qkv)],
             "off_tile_edge": took(244, (4000, 1024, 1024)), "four_blocks": took(244, (1024, ) * 4),
             "fp32": G.gemm_blocks(torch.empty(244, 4096), torch.empty(6144, 4096), qkv) is not None}
@@ -282,8 +283,10 @@ def test_ws_output_blocks_compile_to_block_stores(sm90_ws):
 
 
 def test_gemm_blocks_one_launch_only_where_the_dispatcher_takes_gluon(sm90_ws):
-    """gemm_blocks takes the one launch at decode rows (65-256) for blocks on tile edges, and nowhere else."""
+    """gemm_blocks takes the one launch at decode rows (65-256) for blocks on tile edges where its tiles take at most
+    WS_PLAIN_MAX_WAVES waves, and nowhere else."""
     choice = sm90_ws["blocks_choice"]
+    assert not choice["many_waves"], choice
     assert choice["decode"] == [True] * 4, choice
     assert choice["other_rows"] == [False] * 4, choice
     assert not choice["off_tile_edge"] and not choice["four_blocks"] and not choice["fp32"], choice

@@ -90,7 +90,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k_segmen
     return out.reshape(*shape[:-1], w.shape[0])
 
 
-def linear_group(x: torch.Tensor, weights: tuple, biases: tuple) -> tuple[torch.Tensor, ...]:
+def linear_group(x: torch.Tensor, weights: tuple, biases: tuple, views: bool = False) -> tuple[torch.Tensor, ...]:
     """ops.linear_group on the torch backend: one linear per weight (the CPU route is chosen per (K, N), so a
     stacked weight's wider N could take another route and change bits)."""
     return tuple(linear(x, w, b, None) for w, b in zip(weights, biases))

@@ -151,13 +151,16 @@ def rope_write_kv_kernel(Q, K, V, C, S, QO, KO, KC, VC, SLOTS, FLAGS, n_q_rows, 
 
 
 @triton.jit
-def silu_mul_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
+def silu_mul_fwd_kernel(G, U, Y, cols, stride_g, stride_u, BLOCK: tl.constexpr):
+    """Row tl.program_id(0), columns of block tl.program_id(1): g and u rows at their own strides (e.g. column
+    views of one stacked gate/up output), y contiguous."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < cols
+    g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
     y = tl.math.div_rn(g, 1.0 + tl.exp(-g)) * u
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + row * cols + offs, y.to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -303,11 +306,21 @@ def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k):
     return qo, ko
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as [rows, cols] rows of one stride with contiguous columns: a view when its layout allows (a column
+    view of a wider tensor does), else a contiguous copy."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def _silu_fwd(g, u):
-    y = torch.empty_like(g)
-    n = g.numel()
-    if n:
-        silu_mul_fwd_kernel[(triton.cdiv(n, ELEM_BLOCK),)](g, u, y, n, BLOCK=ELEM_BLOCK, num_warps=4)
+    """y = silu(g) * u for g, u of one shape whose rows may be strided (last dim contiguous); y contiguous."""
+    g2, u2 = _rows(g), _rows(u)
+    rows, cols = g2.shape
+    y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    if rows and cols:
+        silu_mul_fwd_kernel[(rows, triton.cdiv(cols, ELEM_BLOCK))](g2, u2, y, cols, g2.stride(0), u2.stride(0),
+                                                                   BLOCK=ELEM_BLOCK, num_warps=4)
     return y
 
 
@@ -329,10 +342,9 @@ class _SiluMul(torch.autograd.Function):
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    g, u = gate.contiguous(), up.contiguous()
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _SiluMul.apply(g, u)
-    return _silu_fwd(g, u)
+        return _SiluMul.apply(gate.contiguous(), up.contiguous())
+    return _silu_fwd(gate, up)   # strided rows read in place (ops.linear_group's column views of gate/up)
 
 
 __all__ = ["rms_norm", "rope", "silu_mul", "rms_forward", "rms_backward", "rope_write_kv"]

@@ -581,9 +581,14 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 # Where the 64x128 tiles would fill under a third of the SMs (the N = 1,024 k/v_proj: 32 tiles), 64x64 tiles
 # (gemm_ws.NARROW_WS, chosen by gemm_ws.launch_for; session 15 call 9: 1.24x the 64x128 launch on the 8B k/v_proj).
 # Other P = 1 calls (the dX layout, other M) reach it only through gemm(..., ws=...).
+# P = 1 calls whose Gluon tiles would take more than WS_PLAIN_MAX_WAVES waves of the SMs keep the Triton kernel: H200
+# `--sweep-ws --ws-shapes 8b-stacked`, session 17, the 8B gate/up stacked (N = 24,576, 768 tiles of 64x128 at 244
+# rows, 5.8 waves) 0.0896 ms on the Triton kernel against 0.0982 on the 64x128 Gluon launch (128x128: 0.1007); at
+# 2.9 waves (the 8B gate_proj alone) and below the Gluon launch is the faster (0.78 vs 0.55 of cuBLAS).
 WS_DEFAULT = True
 WS_DECODE_MIN_FILL = 0.7
 WS_PLAIN_ROWS = (65, SPLIT_SEGMENTS_MAX_M)
+WS_PLAIN_MAX_WAVES = 4
 
 
 def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsConfig | None:
@@ -599,6 +604,8 @@ def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsC
     launch = ws_launch_for(a, n, segments)
     if segments > 1 and m <= SPLIT_SEGMENTS_MAX_M and tile_count(launch, m, n) < WS_DECODE_MIN_FILL * device_sms(a):
         return None   # the per-segment split fills the SMs better
+    if segments == 1 and tile_count(launch, m, n) > WS_PLAIN_MAX_WAVES * device_sms(a):
+        return None   # many waves of small tiles: the Triton kernel's larger tiles are the faster
     return launch
 
 
@@ -757,4 +764,4 @@ def gemm_blocks(a: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...], *, bi
 
 __all__ = ["GemmConfig", "gemm", "gemm_blocks", "gemm_kernel", "segment_stream_kernel", "pick_config", "all_configs",
            "candidate_configs", "KPART_CANDIDATES",
-           "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config", "WS_DEFAULT", "ws_default"]
+           "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config", "WS_DEFAULT", "WS_PLAIN_MAX_WAVES", "ws_default"]

@@ -66,19 +66,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k_segmen
     return out.reshape(*shape[:-1], w.shape[0])
 
 
-def linear_group(x: torch.Tensor, weights: tuple, biases: tuple) -> tuple[torch.Tensor, ...]:
+def linear_group(x: torch.Tensor, weights: tuple, biases: tuple, views: bool = False) -> tuple[torch.Tensor, ...]:
     """Validated inputs (rlalign.ops.linear_group). Without grad, weights stacked as one tensor's row blocks (and
-    biases likewise, or none) run as one launch where the dispatcher takes the Gluon kernel for the whole call
-    (gemm_blocks: decode batches on Hopper); anything else is one :func:`linear` per weight. Same bits either
-    way: the stacked call's element is computed as the separate call's (P = 1, fixed 64-column k-steps)."""
+    biases likewise, or none) run as one GEMM over the stacked weight: as separate output tensors where the
+    dispatcher takes the Gluon kernel for the whole call (gemm_blocks: decode batches on Hopper), or, with
+    ``views``, as column views of one output from whichever kernel the dispatcher picks. Anything else is one
+    :func:`linear` per weight. Same bits every way: an element is computed as in the separate call (P = 1, fixed
+    64-column k-steps; neither N nor the tile enters its operations)."""
     if not (torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad
                                                                   for t in weights + biases))):
         stacked = stacked_rows(weights)
         bias = None if all(b is None for b in biases) else stacked_rows(biases)
         if stacked is not None and (bias is not None or all(b is None for b in biases)):
             k = x.shape[-1]
-            outs = gemm_blocks(x.reshape(-1, k), stacked, tuple(w.shape[0] for w in weights), bias=bias,
-                               role_of=weights[0])
+            widths = tuple(w.shape[0] for w in weights)
+            outs = gemm_blocks(x.reshape(-1, k), stacked, widths, bias=bias, role_of=weights[0])
+            if outs is None and views:
+                out = gemm(x.reshape(-1, k), stacked, b_trans=True, bias=bias, out_dtype=x.dtype, role="fwd",
+                           role_of=weights[0])
+                cuts = [sum(widths[:i]) for i in range(len(widths) + 1)]
+                outs = tuple(out[:, a:z] for a, z in zip(cuts, cuts[1:]))
             if outs is not None:
                 return tuple(o.reshape(*x.shape[:-1], o.shape[1]) for o in outs)
     return tuple(linear(x, w, b, None) for w, b in zip(weights, biases))

@@ -100,11 +100,8 @@ def lp_stats_kernel(h_src, w_src, tgt_ptr, stats_ptr, zt_ptr, T, V, H,
 
 @triton.jit
 def lp_merge_kernel(stats_ptr, zt_ptr, lp_ptr, ent_ptr, lse_ptr, mu_ptr, T, NT,
-                    BT: tl.constexpr, WITH_W: tl.constexpr, UNROLL: tl.constexpr = 8):
-    """Fold the NT vocab-tile statistics of BT tokens left to right (see module docstring). UNROLL tiles' loads
-    are issued together (they do not depend on the fold), then folded one by one in order: one memory round trip
-    per UNROLL tiles (the fold of a 151,936-token vocabulary is 594 tiles long); a tile past NT leaves the state
-    selected, untouched."""
+                    BT: tl.constexpr, WITH_W: tl.constexpr):
+    """Fold the NT vocab-tile statistics of BT tokens left to right (see module docstring)."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     ok = rows < T
     plane = NT * T
@@ -113,21 +110,18 @@ def lp_merge_kernel(stats_ptr, zt_ptr, lp_ptr, ent_ptr, lse_ptr, mu_ptr, T, NT,
     w = tl.zeros((BT,), tl.float32)
     if WITH_W:
         w = tl.load(stats_ptr + 2 * plane + rows, mask=ok, other=0.0)
-    for j0 in range(1, NT, UNROLL):
-        for u in tl.static_range(UNROLL):
-            j = j0 + u
-            take = j < NT
-            base = stats_ptr + j * T + rows
-            m_j = tl.load(base, mask=ok & take, other=0.0)
-            s_j = tl.load(base + plane, mask=ok & take, other=1.0)
-            m_new = tl.maximum(m, m_j)
-            a = tl.exp2((m - m_new) * LOG2E)
-            c = tl.exp2((m_j - m_new) * LOG2E)
-            s = tl.where(take, s * a + s_j * c, s)
-            if WITH_W:
-                w_j = tl.load(base + 2 * plane, mask=ok & take, other=0.0)
-                w = tl.where(take, w * a + w_j * c, w)
-            m = tl.where(take, m_new, m)
+    for j in range(1, NT):
+        base = stats_ptr + j * T + rows
+        m_j = tl.load(base, mask=ok, other=0.0)
+        s_j = tl.load(base + plane, mask=ok, other=1.0)
+        m_new = tl.maximum(m, m_j)
+        a = tl.exp2((m - m_new) * LOG2E)
+        c = tl.exp2((m_j - m_new) * LOG2E)
+        s = s * a + s_j * c
+        if WITH_W:
+            w_j = tl.load(base + 2 * plane, mask=ok, other=0.0)
+            w = w * a + w_j * c
+        m = m_new
     lse = m + tl.log(s)
     zt = tl.load(zt_ptr + rows, mask=ok, other=0.0)
     tl.store(lp_ptr + rows, zt - lse, mask=ok)
