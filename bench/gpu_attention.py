@@ -218,9 +218,6 @@ def sweep_candidates(A) -> list[tuple[str, object]]:
     cands += [("split", replace(split, **three)), ("split", replace(fused, **three)),
               ("split", replace(fused, programs_per_sm=6, **three))]
     cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 3) if s != item.tile[2]]
-    # several kv heads of a sequence per program, one after the other (a program's start-up -- the sequence's
-    # scalars, its first page-table and K/V loads -- paid once per 2 / 4 items)
-    cands += [("item", replace(item, heads_per_program=hp)) for hp in (2, 4) if hp != item.heads_per_program]
     return cands
 
 

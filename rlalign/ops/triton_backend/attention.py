@@ -150,17 +150,11 @@ class DecodeLaunch:
     # a register cap per thread for the forward kernel (ptxas -maxrregcount through Triton's maxnreg; 0: none):
     # 65,536 registers / 128 threads / programs per SM -- 168 fits 3 decode programs on an SM, 128 fits 4
     max_registers: int = 0
-    # per-item launch only: each program takes this many kv heads of its sequence one after the other (HEADS), so a
-    # sequence's scalars and page-table reads are shared and a program's start-up is paid once per HEADS items;
-    # 1 where it does not divide the kv heads
-    heads_per_program: int = 1
 
     def __post_init__(self):
         if self.fold_rows < 1 or self.fold_rows & (self.fold_rows - 1) or self.merge_unroll < 1:
             raise ValueError(f"DecodeLaunch: fold_rows={self.fold_rows} must be a power of 2 and merge_unroll="
                              f"{self.merge_unroll} at least 1")
-        if self.heads_per_program < 1:
-            raise ValueError(f"DecodeLaunch: heads_per_program={self.heads_per_program} must be at least 1")
         if self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"DecodeLaunch: max_registers={self.max_registers} must be 0 (no cap) or 24..255")
 
@@ -234,22 +228,15 @@ def _dot(a, b, acc, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
 
 
 @triton.jit
-def _load_block(j, s, h, q_start, kv_len, K, V, bt_ptr, dcol, stride_kr, stride_kh, stride_bt,
-                BN: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr):
-    """K and V of key block j (absolute positions j*BN .. j*BN+BN-1) of sequence s, kv head h: keys past the
-    context as exact zeros (nothing read)."""
+def _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol,
+                 stride_kr, stride_kh, stride_bt, D: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr,
+                 PAGED: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
+    """One step of the online softmax: key block j (absolute positions j*BN .. j*BN+BN-1)."""
     kp = j * BN + tl.arange(0, BN)
     k_ok = kp < kv_len
     kv_rows = _kv_rows(s, kp, k_ok, q_start, bt_ptr, stride_bt, PS, PAGED)
-    return (_load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D),
-            _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D))
-
-
-@triton.jit
-def _attend_block(j, q, pos, m, l, acc, k, v, qk_scale2, BN: tl.constexpr, SPLIT: tl.constexpr,
-                  ROWWISE: tl.constexpr):
-    """One step of the online softmax over key block j, given its K and V."""
-    kp = j * BN + tl.arange(0, BN)
+    k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+    v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
     sc = _dot(q, tl.trans(k), tl.zeros((q.shape[0], BN), tl.float32), SPLIT, ROWWISE) * qk_scale2
     sc = tl.where(kp[None, :] <= pos[:, None], sc, float("-inf"))
     sees = pos >= j * BN
@@ -317,8 +304,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
                     stride_bt, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, PS: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
                     SPLIT: tl.constexpr, SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr, ROWWISE: tl.constexpr,
-                    FUSED_MERGE: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 16, UNROLL: tl.constexpr = 4,
-                    HEADS: tl.constexpr = 1):
+                    FUSED_MERGE: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 16, UNROLL: tl.constexpr = 4):
     """PARTIAL=False: one program per (tile, sequence, kv head) walks every key split of its rows and
     merges them in order (output, lse). PARTIAL=True: ``split_progs`` = P programs per (tile, sequence,
     kv head); program p walks splits p, p + P, p + 2P, ... of its rows (each from a fresh state) and
@@ -338,7 +324,8 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
         sp_first = 0
         tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
     s = tl.program_id(1)
-    q_start, n_q, tok, head, row_ok, pos = _tile_rows(cu_q, pos0_ptr, s, tl.program_id(2) * HEADS, tile, G, BM)
+    h = tl.program_id(2)
+    q_start, n_q, tok, head, row_ok, pos = _tile_rows(cu_q, pos0_ptr, s, h, tile, G, BM)
     if tile * TPT >= n_q:
         return
     last_pos = tl.load(pos0_ptr + s) + tl.minimum(n_q, (tile + 1) * TPT) - 1
@@ -352,54 +339,48 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
     kv_len = tl.load(kvlen_ptr + s)
     dcol = tl.arange(0, DP)
     q_rows = (q_start + tok).to(tl.int64)
+    q_offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
+    q = tl.load(Q + q_offs, mask=row_ok[:, None] & (dcol[None, :] < D), other=0.0)
     hq_total = stride_qt // stride_qh                  # q is [T, Hq, D] contiguous
-    # HEADS kv heads of the sequence one after the other (the per-item launch: HEADS = 1 but for
-    # DecodeLaunch.heads_per_program); each is the item it would be alone -- its rows, splits and merges.
-    for hh in range(HEADS):
-        h = tl.program_id(2) * HEADS + hh
-        head = h * G + tl.arange(0, BM) % G
-        q_offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
-        q = tl.load(Q + q_offs, mask=row_ok[:, None] & (dcol[None, :] < D), other=0.0)
-        part_row = q_rows * hq_total + head
+    part_row = q_rows * hq_total + head
 
-        m = tl.full((BM,), float("-inf"), tl.float32)
-        l = tl.zeros((BM,), tl.float32)
-        acc = tl.zeros((BM, DP), tl.float32)
-        M = tl.full((BM,), float("-inf"), tl.float32)
-        L = tl.zeros((BM,), tl.float32)
-        ACC = tl.zeros((BM, DP), tl.float32)
-        for i in range(n_iter):
-            sp = sp_first + (i // BPS) * P
-            if (i % BPS == 0) & (i > 0):
-                # Split sp - P ended: merge (or store) its partial, restart m = -inf, l = 0. Split sp's first
-                # block then has alpha = exp2(-inf - m') = 0 for every row that sees it, so acc * alpha restarts
-                # acc from 0 inside the MMA's accumulator input; a row that does not see the block sees nothing
-                # of the split, and its stale acc is never merged. Resetting acc itself, or merging after the
-                # block's MMA, puts non-wgmma instructions on the accumulator while the MMA is in flight (ptxas
-                # C7514/C7515: the wgmma pipeline is serialised); here alpha depends on the reset, which keeps
-                # this before the P.V MMA is issued.
-                if PARTIAL:
-                    _store_partial(PM, PL, PACC, sp - P, part_rows, part_row, row_ok, m, l, acc, dcol, D)
-                else:
-                    M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (sp - P) * SPLIT_KEYS)
-                m = tl.full((BM,), float("-inf"), tl.float32)
-                l = tl.zeros((BM,), tl.float32)
-            k, v = _load_block(sp * BPS + i % BPS, s, h, q_start, kv_len, K, V, bt_ptr, dcol, stride_kr, stride_kh,
-                               stride_bt, BN, PS, D, PAGED)
-            m, l, acc = _attend_block(sp * BPS + i % BPS, q, pos, m, l, acc, k, v, qk_scale2, BN, SPLIT, ROWWISE)
-        sp_last = sp_first + (my_splits - 1) * P
-        if PARTIAL:
-            _store_partial(PM, PL, PACC, sp_last, part_rows, part_row, row_ok, m, l, acc, dcol, D)
-            if FUSED_MERGE:
-                _merge_if_last(PM, PL, PACC, O, ARRIVED, part_rows, tl.minimum(P, n_sp), n_sp, tile, s, h, q_start,
-                               n_q, tl.load(pos0_ptr + s), hq_total, stride_ot, stride_oh, G, D, DP, BM, SPLIT_KEYS,
-                               FOLD_ROWS, UNROLL)
-        else:
-            M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= sp_last * SPLIT_KEYS)
-            _store_out(O, q_rows, head, row_ok, _finish(L, ACC), dcol, stride_ot, stride_oh, D)
-            if STORE_LSE:
-                # LSE is [T, Hq] fp32, base 2
-                tl.store(LSE + q_rows * hq_total + head, M + tl.log2(tl.where(L > 0, L, 1.0)), mask=row_ok)
+    m = tl.full((BM,), float("-inf"), tl.float32)
+    l = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, DP), tl.float32)
+    M = tl.full((BM,), float("-inf"), tl.float32)
+    L = tl.zeros((BM,), tl.float32)
+    ACC = tl.zeros((BM, DP), tl.float32)
+    for i in range(n_iter):
+        sp = sp_first + (i // BPS) * P
+        if (i % BPS == 0) & (i > 0):
+            # Split sp - P ended: merge (or store) its partial, restart m = -inf, l = 0. Split sp's first
+            # block then has alpha = exp2(-inf - m') = 0 for every row that sees it, so acc * alpha restarts
+            # acc from 0 inside the MMA's accumulator input; a row that does not see the block sees nothing
+            # of the split, and its stale acc is never merged. Resetting acc itself, or merging after the
+            # block's MMA, puts non-wgmma instructions on the accumulator while the MMA is in flight (ptxas
+            # C7514/C7515: the wgmma pipeline is serialised); here alpha depends on the reset, which keeps
+            # this before the P.V MMA is issued.
+            if PARTIAL:
+                _store_partial(PM, PL, PACC, sp - P, part_rows, part_row, row_ok, m, l, acc, dcol, D)
+            else:
+                M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (sp - P) * SPLIT_KEYS)
+            m = tl.full((BM,), float("-inf"), tl.float32)
+            l = tl.zeros((BM,), tl.float32)
+        m, l, acc = _visit_block(sp * BPS + i % BPS, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr,
+                                 qk_scale2, dcol, stride_kr, stride_kh, stride_bt, D, BN, PS, PAGED, SPLIT, ROWWISE)
+    sp_last = sp_first + (my_splits - 1) * P
+    if PARTIAL:
+        _store_partial(PM, PL, PACC, sp_last, part_rows, part_row, row_ok, m, l, acc, dcol, D)
+        if FUSED_MERGE:
+            _merge_if_last(PM, PL, PACC, O, ARRIVED, part_rows, tl.minimum(P, n_sp), n_sp, tile, s, h, q_start,
+                           n_q, tl.load(pos0_ptr + s), hq_total, stride_ot, stride_oh, G, D, DP, BM, SPLIT_KEYS,
+                           FOLD_ROWS, UNROLL)
+    else:
+        M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= sp_last * SPLIT_KEYS)
+        _store_out(O, q_rows, head, row_ok, _finish(L, ACC), dcol, stride_ot, stride_oh, D)
+        if STORE_LSE:
+            # LSE is [T, Hq] fp32, base 2
+            tl.store(LSE + q_rows * hq_total + head, M + tl.log2(tl.where(L > 0, L, 1.0)), mask=row_ok)
 
 
 @triton.jit
@@ -656,16 +637,14 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
     fused = split_programs and launch.fused_merge
     arrived = arrival_counters(q.device, tiles * n_seq * hkv) if fused else out   # not read unless fused
     meta = dict(G=g, D=d, DP=dp, BM=bm, num_warps=warps)
-    heads = launch.heads_per_program if not split_programs and _on_launch_tile(launch, tile) else 1
-    heads = heads if hkv % heads == 0 else 1
-    attn_fwd_kernel[(tiles * progs, n_seq, hkv // heads)](
+    attn_fwd_kernel[(tiles * progs, n_seq, hkv)](
         q, k_src, v_src, out, lse, pm, pl, pacc, arrived, cu_q, pos0, kv_len, bt, scale * LOG2E, progs, t * hq,
         q.stride(0), q.stride(1), k_src.stride(-3), k_src.stride(-2), out.stride(0), out.stride(1),
         bt.stride(0) if paged else 0,
         BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged, STORE_LSE=store_lse, SPLIT=split_for(q.dtype),
         SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), FUSED_MERGE=fused,
         FOLD_ROWS=launch.fold_rows if fused else 16, UNROLL=launch.merge_unroll if fused else 4, num_stages=stages,
-        HEADS=heads, **meta, **_register_cap(launch, tile))
+        **meta, **_register_cap(launch, tile))
     if split_programs and not fused:
         # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
         meta["num_warps"] = launch.merge_warps
@@ -708,16 +687,11 @@ def arrival_counters(device: torch.device, items: int) -> torch.Tensor:
     return buf
 
 
-def _on_launch_tile(launch: DecodeLaunch, tile) -> bool:
-    """Whether a call runs on ``launch``'s own (decode) tile: its register cap and heads per program apply there
-    only, never to a prefill or training tile the same call might run with."""
-    return tuple(tile) == tuple(launch.tile)
-
-
 def _register_cap(launch: DecodeLaunch, tile) -> dict:
-    """The forward's compile option for ``launch.max_registers`` (on the launch's tile only), none under the CPU
-    interpreter, which compiles nothing."""
-    capped = launch.max_registers and _on_launch_tile(launch, tile) and not is_interpreter()
+    """The forward's compile option for ``launch.max_registers``: only on the launch's own (decode) tile --
+    never on a prefill or training tile the same call might run with -- and none under the CPU interpreter,
+    which compiles nothing."""
+    capped = launch.max_registers and tuple(tile) == tuple(launch.tile) and not is_interpreter()
     return {"maxnreg": launch.max_registers} if capped else {}
 
 
