@@ -80,7 +80,8 @@ def _worker() -> None:
                                                          ptx)),
                         **_release_structure(ptx, cfg)})
     blocks = []
-    for cfg, widths in ((W.SMALL_GRID_WS, (4096, 1024, 1024)), (W.NARROW_WS, (1024, 1024))):
+    # (blocks straddled by tiles: 1,000 and 4,000 are not multiples of 64 / 128)
+    for cfg, widths in ((W.SMALL_GRID_WS, (4000, 1096, 1048)), (W.NARROW_WS, (1000, 1048))):
         x, w = torch.empty(244, 4096, dtype=bf), torch.empty(sum(widths), 4096, dtype=bf)
         W.gemm_ws(x, w, b_trans=True, segments=1, out=tuple(torch.empty(244, n, dtype=bf) for n in widths),
                   config=cfg)
@@ -123,6 +124,10 @@ def _blocks_choice() -> dict:
             "many_waves": took(244, gate_up),   # 768 tiles of 64x128 on 132 SMs: the Triton kernel (WS_PLAIN_MAX_WAVES)
             "other_rows": [took(1, qkv), took(64, qkv), took(257, qkv), took(4096, qkv)],
             "off_tile_edge": took(244, (4000, 1024, 1024)), "four_blocks": took(244, (1024, ) * 4),
+            "rows_not_16_bytes": took(244, (4092, 1028, 1024)),
+            "launches": {name: repr(G.ws_default(torch.empty(244, 4096, dtype=bf), torch.empty(n, 4096, dtype=bf), True,
+                                                 1, False, bf, None, False))
+                         for name, n in (("8b qkv", 6144), ("8b gate_up", 24576), ("8b k", 1024))},
             "fp32": G.gemm_blocks(torch.empty(244, 4096), torch.empty(6144, 4096), qkv) is not None}
 
 
@@ -193,8 +198,9 @@ def _selection() -> dict:
 @pytest.fixture(scope="module")
 def sm90_ws():
     data, _, _, err = collect(spawn([os.path.abspath(__file__), "--worker"], interpret=False), timeout=300)
-    if data is None:
+    if data is None and "No module named 'triton" in err:
         pytest.skip(f"the sm_90a Gluon compile did not run here: {err[-800:]}")
+    assert data is not None, f"the sm_90a compile worker failed: {err[-3000:]}"   # a crash of ours is a failure
     if "skip" in data:
         pytest.skip(data["skip"])
     return data
@@ -274,12 +280,11 @@ def test_ws_stage_release_barriers(sm90_ws):
 
 def test_ws_output_blocks_compile_to_block_stores(sm90_ws):
     """The launch that writes C's column blocks to separate tensors (linear_group's q/k/v, gate/up) compiles a store
-    per block: more than one TMA store site, at most one per block (ptxas may merge two branches into one store
-    whose descriptor is selected, as it does for blocks 1 and 2). Its spills and wgmma serialization:
-    test_ws_no_spills_no_wgmma_serialization."""
+    per block the kernel can have: more than one TMA store site, at most three (ptxas may merge two branches into one
+    store whose descriptor is selected). Its spills and wgmma serialization: test_ws_no_spills_no_wgmma_serialization."""
     assert sm90_ws["blocks"], "no output-block launch compiled"
     for case in sm90_ws["blocks"]:
-        assert 1 < case["tma_store_sites"] <= case["blocks"], case
+        assert 1 < case["tma_store_sites"] <= 3, case
 
 
 def test_gemm_blocks_one_launch_only_where_the_dispatcher_takes_gluon(sm90_ws):
@@ -289,7 +294,17 @@ def test_gemm_blocks_one_launch_only_where_the_dispatcher_takes_gluon(sm90_ws):
     assert not choice["many_waves"], choice
     assert choice["decode"] == [True] * 4, choice
     assert choice["other_rows"] == [False] * 4, choice
-    assert not choice["off_tile_edge"] and not choice["four_blocks"] and not choice["fp32"], choice
+    assert choice["off_tile_edge"], choice   # a tile straddling two blocks is stored into both
+    assert not choice["rows_not_16_bytes"] and not choice["four_blocks"] and not choice["fp32"], choice
+
+
+def test_plain_decode_launches(sm90_ws):
+    """P = 1 at decode rows (244): 64x128 tiles for the 8B q/k/v stacked, 64x64 for k/v alone, the Triton kernel for
+    the stacked gate/up (over WS_PLAIN_MAX_WAVES waves of 64x128 tiles)."""
+    launches = sm90_ws["blocks_choice"]["launches"]
+    assert "block_m=64, block_n=128" in launches["8b qkv"], launches
+    assert "block_m=64, block_n=64" in launches["8b k"], launches
+    assert launches["8b gate_up"] == "None", launches
 
 
 def test_ws_refuses_what_it_does_not_implement_by_name(sm90_ws):
