@@ -80,8 +80,7 @@ def _worker() -> None:
                                                          ptx)),
                         **_release_structure(ptx, cfg)})
     blocks = []
-    # (blocks straddled by tiles: 1,000 and 4,000 are not multiples of 64 / 128)
-    for cfg, widths in ((W.SMALL_GRID_WS, (4000, 1096, 1048)), (W.NARROW_WS, (1000, 1048))):
+    for cfg, widths in ((W.SMALL_GRID_WS, (4096, 1024, 1024)), (W.NARROW_WS, (1024, 1024))):
         x, w = torch.empty(244, 4096, dtype=bf), torch.empty(sum(widths), 4096, dtype=bf)
         W.gemm_ws(x, w, b_trans=True, segments=1, out=tuple(torch.empty(244, n, dtype=bf) for n in widths),
                   config=cfg)
@@ -280,11 +279,12 @@ def test_ws_stage_release_barriers(sm90_ws):
 
 def test_ws_output_blocks_compile_to_block_stores(sm90_ws):
     """The launch that writes C's column blocks to separate tensors (linear_group's q/k/v, gate/up) compiles a store
-    per block the kernel can have: more than one TMA store site, at most three (ptxas may merge two branches into one
-    store whose descriptor is selected). Its spills and wgmma serialization: test_ws_no_spills_no_wgmma_serialization."""
+    per block: more than one TMA store site, at most one per block (ptxas may merge two branches into one store whose
+    descriptor is selected, as it does for blocks 1 and 2). Its spills and wgmma serialization:
+    test_ws_no_spills_no_wgmma_serialization."""
     assert sm90_ws["blocks"], "no output-block launch compiled"
     for case in sm90_ws["blocks"]:
-        assert 1 < case["tma_store_sites"] <= 3, case
+        assert 1 < case["tma_store_sites"] <= case["blocks"], case
 
 
 def test_gemm_blocks_one_launch_only_where_the_dispatcher_takes_gluon(sm90_ws):
@@ -294,8 +294,8 @@ def test_gemm_blocks_one_launch_only_where_the_dispatcher_takes_gluon(sm90_ws):
     assert not choice["many_waves"], choice
     assert choice["decode"] == [True] * 4, choice
     assert choice["other_rows"] == [False] * 4, choice
-    assert choice["off_tile_edge"], choice   # a tile straddling two blocks is stored into both
-    assert not choice["rows_not_16_bytes"] and not choice["four_blocks"] and not choice["fp32"], choice
+    assert not choice["off_tile_edge"] and not choice["rows_not_16_bytes"], choice   # block edges on tile edges only
+    assert not choice["four_blocks"] and not choice["fp32"], choice
 
 
 def test_plain_decode_launches(sm90_ws):

@@ -743,16 +743,16 @@ def gemm_blocks(a: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...], *, bi
     ``widths`` -- separate row-major tensors -- from ONE launch of the Gluon kernel (q, k and v of a layer whose
     projection weights are stacked rows of one tensor). Each element has :func:`gemm`'s bits (P = 1): the block
     it is stored in does not enter its operations. Taken where the dispatcher would take the Gluon kernel for the
-    whole [M, sum(widths)] call (:func:`ws_default`; or the launch ``ws``) and every block's rows are 16-byte
-    multiples; otherwise None and nothing is launched (the caller runs the GEMMs one by one)."""
+    whole [M, sum(widths)] call (:func:`ws_default`; or the launch ``ws``) and every block but the last ends on one
+    of its tile columns; otherwise None and nothing is launched (the caller runs the GEMMs one by one)."""
     a = aligned(a)
     m, k = a.shape
     if k == 0 or m == 0 or w.shape != (sum(widths), k):
         return None
     if ws is None:
         ws = ws_default(a, w, True, 1, False, a.dtype, bias, False)
-    # each block's bf16 rows 16-byte multiples (its TMA store)
-    if ws is None or not 1 <= len(widths) <= 3 or any(x % 8 for x in widths):
+    # every block but the last a whole number of tile columns; the last's bf16 rows 16-byte multiples (TMA)
+    if ws is None or not 1 <= len(widths) <= 3 or any(x % ws.block_n for x in widths[:-1]) or widths[-1] % 8:
         return None
     outs = tuple(torch.empty((m, x), dtype=a.dtype, device=a.device) for x in widths)
     if gemm_census.ACTIVE is not None:

@@ -443,7 +443,8 @@ if gluon is not None:
                     HAS_BIAS: gl.constexpr, BLOCKS: gl.constexpr, acc_layout: gl.constexpr):
         """C tile = v (+ bias[n] in fp32), one rounding to C's dtype, through shared memory and a TMA store. With
         BLOCKS > 1, C's columns [0, cut1), [cut1, cut2), [cut2, N) are three (or, cut2 = N, two) tensors of their
-        own (c_desc, c_desc1, c_desc2): the tile goes to each one its columns reach."""
+        own (c_desc, c_desc1, c_desc2): the tile goes to the one its columns are in (the cuts are multiples of BN,
+        so no tile straddles two)."""
         if HAS_BIAS:
             rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             bias = gl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
@@ -454,14 +455,11 @@ if gluon is not None:
         if BLOCKS == 1:
             tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
         else:
-            # every block the tile's columns reach: a TMA store writes only the elements inside its tensor (columns
-            # past a block's end, or before its start at a negative coordinate, are clipped), so a tile that
-            # straddles two blocks is stored into both, each element once
             if off_n < cut1:
                 tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
-            if (off_n + BN > cut1) & (off_n < cut2):
+            elif off_n < cut2:
                 tma.async_copy_shared_to_global(c_desc1, [off_m, off_n - cut1], c_smem)
-            if off_n + BN > cut2:
+            else:
                 tma.async_copy_shared_to_global(c_desc2, [off_m, off_n - cut2], c_smem)
 
     @gluon.jit(do_not_specialize=["M", "N", "cut1", "cut2", "steps"])
@@ -528,15 +526,15 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int,
 
     a: A [M, K] bf16 row-major; b: W [N, K] (``b_trans``) or B [K, N]; out: row-major [M, N] bf16/fp32, or a tuple
     of up to 3 row-major [M, N_i] tensors (sum N_i = N, one dtype) that receive C's consecutive column blocks --
-    e.g. q, k and v from one launch over their weights stacked as the rows of ``b`` (an element's operations do not
-    depend on where it is stored; a tile that straddles two blocks is stored into both, clipped). Raises
-    GemmWsUnsupported (naming the shape) for anything the kernel does not implement (``a_trans`` / ``acc_in``:
-    gemm's flags, passed on so that such a call is refused, never misread)."""
+    e.g. q, k and v from one launch over their weights stacked as the rows of ``b`` -- where every block but the
+    last is a whole number of ``config``'s tile columns (an element's operations do not depend on where it is
+    stored). Raises GemmWsUnsupported (naming the shape) for anything the kernel does not implement (``a_trans`` /
+    ``acc_in``: gemm's flags, passed on so that such a call is refused, never misread)."""
     blocks = tuple(out) if isinstance(out, (tuple, list)) else (out, )
     why = unsupported_reason(a, b, b_trans, segments, a_trans, blocks[0].dtype, bias, acc_in)
     n = b.shape[0] if b_trans else b.shape[1]
     if why is None:
-        why = _blocks_problem(blocks, a.shape[0], n)
+        why = _blocks_problem(blocks, a.shape[0], n, config)
     if why is None and config.problem is not None:
         why = f"{config}: {config.problem}"
     if why is not None:
@@ -560,8 +558,8 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int,
     return out
 
 
-def _blocks_problem(blocks: tuple, m: int, n: int) -> str | None:
-    """Why the output ``blocks`` cannot receive an [M, N] result (None: they can)."""
+def _blocks_problem(blocks: tuple, m: int, n: int, config: WsConfig) -> str | None:
+    """Why the output ``blocks`` cannot receive an [M, N] result on ``config``'s tiles (None: they can)."""
     if not 1 <= len(blocks) <= 3:
         return f"{len(blocks)} output blocks: 1 to 3"
     widths = [c.shape[1] if c.dim() == 2 else -1 for c in blocks]
@@ -570,6 +568,8 @@ def _blocks_problem(blocks: tuple, m: int, n: int) -> str | None:
         return f"out {shapes}: needs TMA-addressable row-major [M, N_i] blocks with sum N_i = N = {n}"
     if len({c.dtype for c in blocks}) > 1:
         return "output blocks of different dtypes"
+    if any(w % config.block_n for w in widths[:-1]):
+        return f"output block widths {widths}: each but the last must be a multiple of the tile's {config.block_n} columns"
     return None
 
 
