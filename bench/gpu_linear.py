@@ -43,7 +43,8 @@ change (bench_linear_sweep_ws.*). Bounded for one GPU call (<= 90 s): later case
 candidates in WS_CANDIDATES order, one compile each); a launch that hangs ends the run naming it.
 ``--ws-candidates 0,1,2,3`` times only those WS_CANDIDATES indices (e.g. the default and the session-14 launches);
 ``--ws-shapes 8b,0.6b,8b-plain,0.6b-plain`` picks the layers (``-plain``: the P = 1 q/k/v/gate projections, against
-the Triton kernel; ``-stacked``: q/k/v and gate/up as the one launch of ops.linear_group), ``--ws-m 244,462`` the row counts (at M <= 256 the K partition's baseline is the dispatcher's
+the Triton kernel; ``-stacked``: q/k/v and gate/up as the one launch of ops.linear_group), ``--ws-m 244,462`` the
+row counts (at M <= 256 the K partition's baseline is the dispatcher's
 per-segment split).
 No CPU smoke: Gluon has no interpreter (the CPU compile of tests/ops/test_gemm_ws_compile.py stands in for it).
 

@@ -38,7 +38,8 @@ from rlalign.ops.temperature import logprob_temperature
 from rlalign.ops.moe import moe_combine, moe_experts, moe_route, router_logits
 
 __all__ = [
-    "linear", "linear_group", "stacked_rows", "rms_norm", "rope", "rope_inv_freq", "rope_cos_sin", "silu_mul", "embedding",
+    "linear", "linear_group", "stacked_rows", "rms_norm", "rope", "rope_inv_freq", "rope_cos_sin", "silu_mul",
+    "embedding",
     "attention_varlen", "attention_paged", "write_kv_cache", "rope_write_kv",
     "logprob_entropy", "lm_logits", "sample", "sample_and_score", "logprob_temperature", "backend_name",
     "capturing_graph", "flush_deferred_checks", "requeue_deferred_checks", "static_decode",

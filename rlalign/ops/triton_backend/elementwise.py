@@ -1,7 +1,8 @@
 """rms_norm, rope and silu_mul on the Triton backend (forward and deterministic backward).
 
-rms_norm (rows of H; with a residual, x = x + residual first, rounded once, in the same kernel): ss = sum of x^2 over the row by one ``tl.sum`` over a [ROWS, BLOCK_H] tile
-whose shape depends on H only (so a row's reduction order does not depend on T);
+rms_norm (rows of H; with a residual, x = x + residual first, rounded once, in the same kernel): ss = sum of x^2
+over the row by one ``tl.sum`` over a [ROWS, BLOCK_H] tile whose shape depends on H only (so a row's reduction
+order does not depend on T);
 inv = 1 / sqrt_rn(ss / H + eps) (IEEE sqrt and division); y = (x * inv) * w in fp32, one rounding.
 Backward: dx = inv * (w dy) - x * inv^3 * (sum(x w dy) / H) per row; dw = sum over rows of
 dy x inv, as per-program partials over fixed row groups summed in program order.

@@ -764,4 +764,5 @@ def gemm_blocks(a: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...], *, bi
 
 __all__ = ["GemmConfig", "gemm", "gemm_blocks", "gemm_kernel", "segment_stream_kernel", "pick_config", "all_configs",
            "candidate_configs", "KPART_CANDIDATES",
-           "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config", "WS_DEFAULT", "WS_PLAIN_MAX_WAVES", "ws_default"]
+           "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config", "WS_DEFAULT", "WS_PLAIN_MAX_WAVES",
+           "ws_default"]

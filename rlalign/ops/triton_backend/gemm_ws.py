@@ -569,7 +569,8 @@ def _blocks_problem(blocks: tuple, m: int, n: int, config: WsConfig) -> str | No
     if len({c.dtype for c in blocks}) > 1:
         return "output blocks of different dtypes"
     if any(w % config.block_n for w in widths[:-1]):
-        return f"output block widths {widths}: each but the last must be a multiple of the tile's {config.block_n} columns"
+        return (f"output block widths {widths}: each but the last must be a multiple of the tile's {config.block_n} "
+                "columns")
     return None
 
 
