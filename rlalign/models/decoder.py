@@ -112,11 +112,14 @@ class CausalLM(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         """nn.Module's ``.to()`` / ``.cuda()`` / ``.float()`` give every parameter a tensor of its own; the
-        projections are laid back to back again after it (``stack_projections`` of the modules that have one)."""
+        projections are laid back to back again after it (``stack_projections`` of the modules that have one), and
+        ``config.dtype`` names the parameters' dtype again (what save_model writes, so a model saved after
+        ``.to(torch.bfloat16)`` reloads as bf16)."""
         out = super()._apply(fn, *args, **kwargs)
         for module in self.modules():
             if module is not self and hasattr(module, "stack_projections"):
                 module.stack_projections()
+        self.config = dataclasses.replace(self.config, dtype=str(self.dtype).removeprefix("torch."))
         return out
 
     def tp_plan(self) -> dict[str, sharding.ShardSpec]:

@@ -219,3 +219,17 @@ def test_a_bare_cuda_device_stages_tensors_on_the_current_gpu(monkeypatch, tmp_p
         with pytest.raises(CheckpointError, match="stop here"):
             ckpt._load_file(tmp_path / "model.safetensors", None, {}, set(), None, device)
     assert opened == [expected for _, expected in cases]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("start, moved", [("float32", torch.bfloat16), ("bfloat16", torch.float32)])
+def test_a_moved_model_saves_and_reloads_in_its_new_dtype(tmp_path, family, start, moved):
+    """``.to(dtype)`` updates config.dtype (what config.json records), so the checkpoint reloads with the tensors'
+    dtype and the same bits, not the dtype the model was built with."""
+    from rlalign.models.checkpoint import load_model, save_model, weights_hash
+    from rlalign.models.testing import tiny_model
+    model = tiny_model(family, dtype=start).to(moved)
+    assert model.config.dtype == str(moved).removeprefix("torch.")
+    save_model(model, tmp_path / "ckpt")
+    loaded = load_model(tmp_path / "ckpt")[0]
+    assert loaded.dtype == moved and weights_hash(loaded) == weights_hash(model)

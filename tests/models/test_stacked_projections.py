@@ -55,7 +55,8 @@ def test_stacking_survives_dtype_moves_save_and_load(tmp_path):
     assert ops.stacked_rows(_qkv(model)) is not None and ops.stacked_rows(_gate_up(model)) is not None
     assert all(bits_equal(p, b.to(torch.bfloat16)) for p, b in zip(model.parameters(), before))
     save_model(model, tmp_path / "ckpt")   # safetensors refuses shared memory: each tensor is written on its own
-    loaded = load_model(tmp_path / "ckpt", dtype=torch.bfloat16)[0]
+    loaded = load_model(tmp_path / "ckpt")[0]   # config.json names the dtype the model was moved to
+    assert loaded.dtype == torch.bfloat16 and loaded.config.dtype == "bfloat16"
     assert ops.stacked_rows(_qkv(loaded)) is not None
     assert weights_hash(loaded) == weights_hash(model) == weights_hash(_unstacked(model))
 
