@@ -47,13 +47,11 @@ def stack_rows(*linears: Linear) -> None:
 
 def project(x: torch.Tensor, *projections, views: bool = False) -> tuple[torch.Tensor, ...]:
     """``tuple(proj(x) for proj in projections)`` for projections of one input (q/k/v, gate/up). rlalign's plain
-    :class:`Linear` modules (no canonical K partition) go through one ``ops.linear_group`` call when no gradient is
-    taken (rollout, scoring): the same bits, one GEMM where their weights are stacked (:func:`stack_rows`);
-    ``views``: the caller takes row-strided outputs (ops.linear_group). With gradients, or for other modules
-    (tensor-parallel layers, the transformers patch's), one call each."""
-    plain = all(type(p) is Linear and p.k_segments is None for p in projections)
-    if plain and not (torch.is_grad_enabled() and (x.requires_grad or any(
-            t is not None and t.requires_grad for p in projections for t in (p.weight, p.bias)))):
+    :class:`Linear` modules (no canonical K partition) go through one ``ops.linear_group`` call: the same bits, one
+    GEMM where their weights are stacked (:func:`stack_rows`) and no gradient is taken; ``views``: the caller takes
+    row-strided outputs (ops.linear_group). Other modules (tensor-parallel layers, the transformers patch's): one
+    call each."""
+    if all(type(p) is Linear and p.k_segments is None for p in projections):
         return ops.linear_group(x, [p.weight for p in projections], [p.bias for p in projections], views=views)
     return tuple(p(x) for p in projections)
 
