@@ -3,7 +3,7 @@
 Functional API (the only way models and engines compute):
 
     linear, linear_group, rms_norm, rope, rope_inv_freq, rope_cos_sin, silu_mul, embedding   (ops.basic)
-    stacked_rows: the one tensor of weights laid back to back (what linear_group runs as one GEMM)
+    stacked_rows: the one tensor of weights laid back to back (what linear_group runs as one GEMM) (ops.stacking)
     attention_varlen, attention_paged, write_kv_cache, rope_write_kv           (ops.attention)
     logprob_entropy, lm_logits                                                 (ops.logprob)
     sample                                                                     (ops.sample)
@@ -28,8 +28,8 @@ Each op takes ``profile=`` (``"strict"`` | ``"native"`` | None for the current c
 from rlalign.ops._checks import (capturing_graph, check_policy, check_scope, flush as flush_deferred_checks,
                                  requeue as requeue_deferred_checks, static_decode, use_check_policy)
 from rlalign.ops._dispatch import backend_name
-from rlalign.ops.basic import (embedding, linear, linear_group, rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_mul,
-                               stacked_rows)
+from rlalign.ops.basic import embedding, linear, linear_group, rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_mul
+from rlalign.ops.stacking import stacked_rows
 from rlalign.ops.attention import attention_paged, attention_varlen, rope_write_kv, write_kv_cache
 from rlalign.ops.logprob import lm_logits, logprob_entropy
 from rlalign.ops.sample import sample

@@ -36,7 +36,7 @@ def linear_group(x: torch.Tensor, weights, biases=None, *, views: bool = False,
                  profile=None) -> tuple[torch.Tensor, ...]:
     """``(linear(x, w, b) for w, b in zip(weights, biases))`` -- each output with exactly those bits -- for the
     projections of one input (q/k/v, gate/up). Where the weights are consecutive row blocks of one tensor
-    (:func:`stacked_rows`; the decoder lays its projections out so) a backend may run them as ONE GEMM over the
+    (:func:`rlalign.ops.stacking.stacked_rows`; the decoder lays its projections out so) a backend may run them as ONE GEMM over the
     stacked weight: the Triton backend does where its Hopper kernel takes the whole call (decode batches), which
     writes each block to its own tensor; an element's operations do not depend on N there (they do on the CPU,
     whose route is chosen per (K, N): the torch backend runs one linear per weight). ``biases``: None, or one
@@ -65,25 +65,6 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise fail("linear", f"x has {x.shape[-1]} input features but weight is {tuple(weight.shape)} ([N, K])")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise fail("linear", f"bias shape {tuple(bias.shape)} does not match N={weight.shape[0]}")
-
-
-def stacked_rows(tensors) -> torch.Tensor | None:
-    """The one tensor whose consecutive row blocks are exactly ``tensors`` (contiguous views laid back to back in
-    one storage, e.g. a layer's q/k/v weights after :func:`rlalign.models.modules.stack_rows`), or None when they
-    are not so laid out (any tensor reallocated since, a different dtype / device / row shape)."""
-    tensors = tuple(tensors)
-    if not tensors or any(t is None for t in tensors):
-        return None
-    first = tensors[0]
-    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
-    for t in tensors:
-        if (t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]
-                or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset):
-            return None
-        offset += t.numel()
-    if len(tensors) == 1:
-        return first
-    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,

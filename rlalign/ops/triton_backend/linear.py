@@ -18,7 +18,7 @@ import torch
 
 from rlalign.contract.errors import fail
 from rlalign.ops.torch_backend.linear import segment_count
-from rlalign.ops.basic import stacked_rows
+from rlalign.ops.stacking import stacked_rows
 from rlalign.ops.triton_backend.gemm import gemm, gemm_blocks
 
 
