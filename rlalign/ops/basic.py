@@ -85,9 +85,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     if weight.shape != x.shape[-1:]:
         raise fail("rms_norm", f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
     impl = strict_impl("rms_norm", x.device)
-    if residual is not None and getattr(impl, "fuses_residual", False) and not (
-            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        # the backend's kernel adds the residual itself (h = x + residual rounded once, as below), then normalises
+    if residual is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        # the backend adds the residual itself (h = x + residual rounded once to x.dtype; the Triton kernel in the
+        # norm's own launch), then normalises h; h is checked as x is below
         out, h = impl(x, weight, float(eps), residual=residual)
         chk.finite("rms_norm", "x", h)
         return out, h

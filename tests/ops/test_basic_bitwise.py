@@ -151,3 +151,20 @@ def test_rms_norm_backward_run_to_run():
         grads.append((x.grad.clone(), w.grad.clone()))
     for a, b in zip(*grads):
         assert_bitwise_equal(a, b)
+
+
+@settings(**SETTINGS)
+@given(rows=st.integers(0, 70), h=st.sampled_from([1, 64, 100, 1024]), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_rms_norm_residual_without_grad_equals_the_add_first(rows, h, dtype, seed):
+    """Without autograd the backend adds the residual itself (the Triton kernel in the norm's launch): the stream and
+    the normed rows are those of ``x + residual`` followed by the norm, raw bits, empty batches included."""
+    x, r, w = _rand(rows, h, dtype=dtype, seed=seed), _rand(rows, h, dtype=dtype, seed=seed + 1), _rand(h, seed=seed + 2)
+    w = w.to(dtype)
+    with torch.no_grad():
+        out, stream = ops.rms_norm(x, w, 1e-6, residual=r)
+    assert_bitwise_equal(stream, x + r, "stream")
+    assert_bitwise_equal(out, ops.rms_norm(x + r, w, 1e-6), "normed rows")
+    grad_out, grad_stream = ops.rms_norm(x.clone().requires_grad_(), w, 1e-6, residual=r)
+    assert_bitwise_equal(grad_out.detach(), out, "with autograd")
+    assert_bitwise_equal(grad_stream.detach(), stream, "stream with autograd")

@@ -229,8 +229,9 @@ class _RmsNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """``residual`` (no autograd only: ops.rms_norm asks only then, see ``fuses_residual``): the residual add in
-    the same kernel -> (normed(x + residual), x + residual)."""
+    """``residual`` (no autograd only: ops.rms_norm passes it only then): the residual add in the same kernel ->
+    (normed(x + residual), x + residual); one kernel reads x and the residual and writes the stream and the normed
+    rows (the add was a torch kernel of its own)."""
     shape = x.shape
     x2d = x.reshape(-1, shape[-1]).contiguous()
     w = weight.contiguous()
@@ -243,10 +244,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         y = rms_forward(x2d, w, float(eps))[0]
     return y.reshape(shape)
 
-
-# ops.rms_norm hands this implementation the residual (without autograd) instead of adding it first: one kernel
-# reads x and the residual and writes the new stream and the normed rows (the add was a torch kernel of its own)
-rms_norm.fuses_residual = True
 
 
 def _rope_launch(x, cos, sin, sign):
