@@ -180,9 +180,10 @@ def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
 
 def _op_launch(A, batch: int, hq: int, hkv: int, table_keys: int, q) -> str:
     """The launch the op picks for a decode step of ``batch`` sequences (a function of shapes only)."""
-    split = A.use_split_programs(A.decode_items(1, batch, hq, hkv), table_keys,
-                                 A.split_scratch_bytes(batch, hq, D, table_keys), A.device_sms(q))
-    return "split" if split else "item"
+    items = A.decode_items(1, batch, hq, hkv)
+    if A.use_split_programs(items, table_keys, A.split_scratch_bytes(batch, hq, D, table_keys), A.device_sms(q)):
+        return "split"
+    return "stream" if A.use_stream(items, batch * table_keys * hkv * D, A.device_sms(q)) else "item"
 
 
 # --sweep-decode: candidate DecodeLaunch configs of both launches, timed as CUDA-graph replays of a decode step
@@ -218,6 +219,12 @@ def sweep_candidates(A) -> list[tuple[str, object]]:
     cands += [("split", replace(split, **three)), ("split", replace(fused, **three)),
               ("split", replace(fused, programs_per_sm=6, **three))]
     cands += [("item", replace(item, tile=(bm, warps, s))) for s in (2, 3) if s != item.tile[2]]
+    # the streamed launch (whole items in one pipelined loop per program): 1 or 2 programs per SM (sm_90a: 255
+    # registers, 107 KiB of shared memory at 3 stages -- two fit), and 2 stages
+    stream = A.STREAM_DECODE
+    cands += [("stream", stream)] + [("stream", replace(stream, programs_per_sm=p)) for p in (1, 2)
+                                     if p != stream.programs_per_sm]
+    cands += [("stream", replace(stream, tile=(bm, warps, 2)))]
     return cands
 
 
@@ -239,7 +246,7 @@ def sweep_decode() -> list[dict]:
 
         def call(kind, launch):
             return A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=kind == "split",
-                                   launch=launch)
+                                   stream=kind == "stream", launch=launch)
         ref = call("item", A.ITEM_DECODE)
         default_ms = {}
         for kind, launch in sweep_candidates(A):
@@ -274,16 +281,18 @@ def print_sweep(rows: list[dict]) -> None:
         print(f"{r['batch']:>4} {r['launch']:>6} {r.get('graph_ms', '-'):>9} {r.get('vs_default', '-'):>7} "
               f"{r.get('bits', 'ERROR')[:6]:>6}  {r['config']}" + (f"  {r['error']}" if "error" in r else "")
               + (f"  {r['bits']}" if r.get("bits", "equal") != "equal" else ""))
-    print(f"{'B':>4} {'base ms':>8} {'best split':>10} {'best item':>9} {'ratio split':>11} {'ratio item':>10} op picks")
+    print(f"{'B':>4} {'base ms':>8} {'best split':>10} {'best item':>9} {'best stream':>11} {'ratio split':>11} "
+          f"{'ratio item':>10} {'ratio stream':>12} op picks")
     for base in (r for r in rows if r["launch"] == "baseline"):
         best = {}
         for r in rows:
             if r["batch"] == base["batch"] and r.get("bits") == "equal" and "graph_ms" in r:
                 if r["launch"] not in best or r["graph_ms"] < best[r["launch"]]["graph_ms"]:
                     best[r["launch"]] = r
-        ms = {k: best[k]["graph_ms"] if k in best else float("nan") for k in ("split", "item")}
-        print(f"{base['batch']:>4} {base['graph_ms']:>8} {ms['split']:>10} {ms['item']:>9} "
-              f"{base['graph_ms'] / ms['split']:>11.3f} {base['graph_ms'] / ms['item']:>10.3f} {base['op_launch']}")
+        ms = {k: best[k]["graph_ms"] if k in best else float("nan") for k in ("split", "item", "stream")}
+        print(f"{base['batch']:>4} {base['graph_ms']:>8} {ms['split']:>10} {ms['item']:>9} {ms['stream']:>11} "
+              f"{base['graph_ms'] / ms['split']:>11.3f} {base['graph_ms'] / ms['item']:>10.3f} "
+              f"{base['graph_ms'] / ms['stream']:>12.3f} {base['op_launch']}")
         for k, r in best.items():
             print(f"       fastest bit-equal {k}: {r['config']}")
         merges = {}   # the split launch's two merges: the fastest bit-equal candidate of each

@@ -14,7 +14,10 @@ in batches of 8 / 64 / 256 other sequences, in a CUDA graph whose split grid com
 width; decode at a 4,096 context vs float64. The fused merge (the item's last program folds the partials,
 no merge kernel): equal to both launches and the packed forward over hypothesis batches 1..40 and contexts
 around the split boundaries, twice on the same arrival counters, and in a CUDA graph replayed with other
-contexts; the sweep's 3-programs-per-SM candidates (1 stage, 168-register cap) keep the bits.
+contexts; the sweep's 3-programs-per-SM candidates (1 stage, 168-register cap) keep the bits. The streamed
+decode launch (whole items in one pipelined loop per program): every op-level test above through it too (the
+split_launch fixture), equal to the per-item launch and the packed forward over hypothesis batches 1..300 (bf16,
+fp32), and in a CUDA graph replayed with other contexts.
 The backward's --sweep-train candidates (attention.BackwardLaunch): accurate, deterministic run to run and per
 sequence over hypothesis batches.
 """
@@ -199,13 +202,15 @@ def _near_splits(n):
     return sorted(p for p in pos if 0 <= p < n)
 
 
-@pytest.fixture(params=[False, True], ids=["item-launch", "split-launch"])
+@pytest.fixture(params=[False, True, "stream"], ids=["item-launch", "split-launch", "stream-launch"])
 def split_launch(request, monkeypatch):
-    """Decode through the op with the per-item launch at every batch (no item count is <= 0 per SM) and with
-    the split-program launch at every batch whose table holds several splits; both must give the packed
-    forward's bits (the op's own choice between them is a function of the shapes)."""
+    """Decode through the op with the per-item launch at every batch (no item count is <= 0 per SM, none is
+    >= 10**9), with the split-program launch at every batch whose table holds several splits, and with the
+    streamed launch at every batch; all must give the packed forward's bits (the op's own choice between them
+    is a function of the shapes)."""
     from rlalign.ops.triton_backend import attention as A
-    monkeypatch.setattr(A, "SPLIT_MAX_ITEMS_PER_SM", 10 ** 9 if request.param else 0)
+    monkeypatch.setattr(A, "SPLIT_MAX_ITEMS_PER_SM", 10 ** 9 if request.param is True else 0)
+    monkeypatch.setattr(A, "STREAM_MIN_ITEMS_PER_SM", 0 if request.param == "stream" else 10 ** 9)
     return request.param
 
 
@@ -274,10 +279,11 @@ def test_split_decode_batch_invariant(triton_backend, split_launch, others):
     want = alone[n - 1:n]
     out = ops.attention_paged(q[rows], kc, vc, table, _i32(lens), one_per_seq)
     assert_bitwise_equal(out[at:at + 1], want, f"decode among {others} others (the op's launch)")
-    for split_programs in (False, True):
+    for split_programs, stream in ((False, False), (True, False), (False, True)):
         out = A.paged_forward(q[rows], kc, vc, table, _i32(lens), one_per_seq, d ** -0.5,
-                              split_programs=split_programs)
-        assert_bitwise_equal(out[at:at + 1], want, f"decode among {others} others, split programs {split_programs}")
+                              split_programs=split_programs, stream=stream)
+        assert_bitwise_equal(out[at:at + 1], want, f"decode among {others} others, split programs {split_programs}, "
+                                                   f"streamed {stream}")
 
 
 def test_split_decode_page_layouts_agree(triton_backend, split_launch):
@@ -308,6 +314,53 @@ def test_split_decode_in_a_cuda_graph(triton_backend, split_launch):
     assert A.use_split_programs(items, table.shape[1] * 16, 0, A.device_sms(q)), "the capture would not split"
     _replays_equal_packed(q, kc, vc, table, lens, starts, packed, (0, 1, 2, 3, 4, SPLIT // 2), "graph replay")
     ops.flush_deferred_checks()
+
+
+@pytest.mark.parametrize("split_launch", ["stream"], indirect=True)
+def test_stream_decode_in_a_cuda_graph(triton_backend, split_launch):
+    """A captured decode step of 6 sequences on the streamed launch (its work entries are derived inside the
+    graph, every replay), replayed as the contexts move across split boundaries: the packed forward's bits."""
+    from rlalign.ops.triton_backend import attention as A
+    d = 128
+    lens = (SPLIT + 3, 2 * SPLIT + 2, 5, 3 * SPLIT, 1, 4 * SPLIT + 1)
+    q, k, v, cu = _batch(d, seed=150, lens=lens)
+    packed = ops.attention_varlen(q, k, v, cu)
+    starts = [sum(lens[:s]) for s in range(len(lens))]
+    kc, vc, table = _paged_cache(k, v, lens, 16, seed=150)
+    assert A.use_stream(A.decode_items(1, len(lens), q.shape[1], HKV), 1, A.device_sms(q)), "the capture would not stream"
+    _replays_equal_packed(q, kc, vc, table, lens, starts, packed, (0, 1, 2, 3, 4, SPLIT // 2, SPLIT + 1),
+                          "streamed graph replay")
+    ops.flush_deferred_checks()
+
+
+def test_stream_equals_item_and_packed(triton_backend):
+    """Decode rows of batch 1..300 (contexts at / around split boundaries, 1 token, shuffled pages of 16 / 64,
+    1 or 2 programs per SM -- so programs take one item, several, or none --, bf16 and fp32, head_dim 64 / 128):
+    the streamed launch == the per-item launch == the packed forward, raw bits."""
+    from hypothesis import Phase, given, settings, strategies as st
+
+    from rlalign.ops.triton_backend import attention as A
+    context = st.one_of(st.sampled_from([1, SPLIT - 1, SPLIT, SPLIT + 1, 2 * SPLIT, 4 * SPLIT + 1]),
+                        st.integers(1, 5 * SPLIT))
+
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+              phases=[Phase.explicit, Phase.generate])
+    @given(lens=st.one_of(st.lists(context, min_size=1, max_size=40), st.lists(context, min_size=200, max_size=300)),
+           page=st.sampled_from([16, 64]), per_sm=st.sampled_from([1, 2]), d=st.sampled_from([64, 128]),
+           dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2 ** 16))
+    def check(lens, page, per_sm, d, dtype, seed):
+        q, k, v, cu = _batch(d, seed=seed, lens=tuple(lens), dtype=dtype)
+        packed = ops.attention_varlen(q, k, v, cu)
+        kc, vc, table = _paged_cache(k, v, lens, page, seed=seed)
+        rows = [sum(lens[:s]) + n - 1 for s, n in enumerate(lens)]
+        args = (q[rows], kc, vc, table, _i32(list(lens)), _i32(list(range(len(lens) + 1))), d ** -0.5)
+        how = f"batch {len(lens)} page {page} {per_sm} programs/SM D={d} {dtype}"
+        item = A.paged_forward(*args, split_programs=False, stream=False)
+        streamed = A.paged_forward(*args, stream=True,
+                                   launch=dataclasses.replace(A.STREAM_DECODE, programs_per_sm=per_sm))
+        assert_bitwise_equal(item, packed[rows], f"per-item vs packed, {how}")
+        assert_bitwise_equal(streamed, item, f"streamed vs per-item, {how}")
+    check()
 
 
 def _replays_equal_packed(q, kc, vc, table, lens, starts, packed, backs, what, after_replay=lambda back: None):

@@ -12,7 +12,11 @@ the split launch (several programs per item + a merge kernel). Checked here, as 
   the two-kernel split launch and the per-item one at batch 1..12, contexts at / around the split boundaries,
   any fold width and unroll, 1 or 2 kv heads, and again on the same arrival counters with other contexts (they
   are reset); with several query tiles per item on a 16-row tile;
-* the arrival counters are never allocated inside a CUDA-graph capture (refused with a clear error).
+* the arrival counters are never allocated inside a CUDA-graph capture (refused with a clear error);
+* the streamed launch (whole items in one loop per program, cut at item starts) gives the per-item launch's bits
+  at batch 1..14 with 1..3 programs per SM (programs with several items, one, or none), sequences without a
+  query, up to a tile of query tokens per sequence; the op takes it by the shapes alone (contexts, values and a
+  capture do not change the choice), never for two query tiles per sequence.
 
 The interpreter runs fp32 with a row-wise dot (see attention._dot); the GPU's bits are tests/cuda's. One
 subprocess (the interpreter must be on before triton is imported); hypothesis runs inside it, derandomized.
@@ -28,7 +32,7 @@ pytest.importorskip("triton")
 pytest.importorskip("hypothesis")
 
 CHECK = r'''
-import json, os, traceback
+import dataclasses, json, os, traceback
 os.environ["TRITON_INTERPRET"] = "1"
 from tests.ops.test_triton_interpret import _patch_interpreter
 _patch_interpreter()
@@ -242,8 +246,90 @@ def launch_fields_checked():
             assert field in str(exc) and "\n" not in str(exc), str(exc)
 
 
+@settings(max_examples=6, **SETTINGS)
+@given(n_seq=st.integers(1, 14), page=st.sampled_from([1, 16, 64]), group=st.sampled_from([1, 3, 4]),
+       hkv=st.sampled_from([1, 2]), per_sm=st.integers(1, 3), seed=st.integers(0, 2 ** 16), data=st.data())
+def stream_same_bits(n_seq, page, group, hkv, per_sm, seed, data):
+    """The streamed launch (4 x per_sm programs here, so items share programs, split across them at item starts,
+    or leave programs empty) == the per-item launch, raw bits; sequences without a query in the batch too."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [data.draw(CONTEXT, label="context") for _ in range(n_seq)]
+    queries = [data.draw(st.sampled_from([0, 1, 1, 1]), label="queries") for _ in range(n_seq)]
+    if not any(queries):
+        queries[0] = 1
+    kc, vc, table = cache_for(lens, page, hkv, 8, g)
+    cu = i32([0] + [sum(queries[:i + 1]) for i in range(n_seq)])
+    q = torch.randn(sum(queries), group * hkv, 8, generator=g)
+    launch = dataclasses.replace(A.STREAM_DECODE, programs_per_sm=per_sm)
+    item = A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3, split_programs=False, stream=False)
+    streamed = A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3, stream=True, launch=launch)
+    where = f"batch {n_seq} contexts {lens} queries {queries} page {page} G={group} Hkv={hkv} {per_sm} programs/SM"
+    assert bits_equal(streamed, item), f"{where}: streamed vs per-item: {describe_difference(streamed, item)}"
+
+
+@settings(max_examples=3, **SETTINGS)
+@given(n_seq=st.integers(1, 4), seed=st.integers(0, 2 ** 16), data=st.data())
+def stream_multi_query(n_seq, seed, data):
+    """Up to a tile's worth of query tokens per sequence (a 16-row tile, G = 3: 5 tokens) on the streamed
+    launch == the per-item launch on the same tile, raw bits."""
+    g = torch.Generator().manual_seed(seed)
+    n_q = [data.draw(st.integers(1, 5), label="queries") for _ in range(n_seq)]
+    lens = [q_ + data.draw(CONTEXT, label="context before the queries") for q_ in n_q]
+    kc, vc, table = cache_for(lens, 16, 2, 8, g)
+    q = torch.randn(sum(n_q), 6, 8, generator=g)
+    cu = i32([0] + [sum(n_q[:i + 1]) for i in range(n_seq)])
+    tile = (16, 4, 3)
+    item = A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3, tile=tile, split_programs=False, stream=False)
+    streamed = A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3, tile=tile, stream=True)
+    assert bits_equal(streamed, item), (f"queries {n_q} contexts {lens}: streamed vs per-item: "
+                                        f"{describe_difference(streamed, item)}")
+
+
+def stream_chosen_by_shape():
+    """The op takes the streamed launch from STREAM_MIN_ITEMS_PER_SM items per SM on (the interpreter has 4
+    SMs), whatever the contexts or values and inside a capture; the split launch where it applies; never for
+    more than one query tile per sequence; use_stream is monotone in the items."""
+    streamed = []
+    real = A._stream_forward
+
+    def recording(*args, **kwargs):
+        streamed.append(True)
+        return real(*args, **kwargs)
+    A._stream_forward = recording
+    try:
+        sms = num_sms(0)
+        for n_seq, want in ((A.STREAM_MIN_ITEMS_PER_SM * sms - 1, False), (A.STREAM_MIN_ITEMS_PER_SM * sms, True)):
+            g = torch.Generator().manual_seed(n_seq)
+            lens = [int(x) for x in torch.randint(1, 300, (n_seq,), generator=g)]
+            kc, vc, table = cache_for(lens, 16, 1, 8, g)
+            cu = i32(list(range(n_seq + 1)))
+            for ctx, capturing in ((lens, False), ([1] * n_seq, False), (lens, True)):
+                streamed.clear()
+                q = torch.randn(n_seq, 2, 8, generator=g)
+                if capturing:
+                    with capturing_graph(max_query_len=1):
+                        A.paged_forward(q, kc, vc, table, i32(ctx), cu, 0.25)
+                else:
+                    A.paged_forward(q, kc, vc, table, i32(ctx), cu, 0.25)
+                assert bool(streamed) == want, f"batch {n_seq} (contexts {ctx[:3]}..., capture {capturing}): " \
+                                               f"streamed {bool(streamed)}, want {want}"
+        streamed.clear()   # two query tokens x 40 heads per kv head: two 64-row tiles, never streamed
+        n_seq = A.STREAM_MIN_ITEMS_PER_SM * sms
+        kc, vc, table = cache_for([300] * n_seq, 16, 1, 8, torch.Generator().manual_seed(0))
+        A.paged_forward(torch.randn(2 * n_seq, 40, 8), kc, vc, table, i32([300] * n_seq),
+                        i32(list(range(0, 2 * n_seq + 1, 2))), 0.25)
+        assert not streamed, "a call of two query tiles per sequence took the streamed launch"
+    finally:
+        A._stream_forward = real
+    for items in range(0, 200, 7):
+        if A.use_stream(items, 10 ** 6, 4):
+            assert A.use_stream(items + 1, 10 ** 6, 4), f"use_stream not monotone at {items} items"
+    assert not A.use_stream(10 ** 6, 2 ** 31, 4), "a cache past int32 offsets taken by the streamed launch"
+
+
 CHECKS = (chooser_monotone, chooser_shape_only, launches_same_bits, fused_merge_same_bits, fused_merge_multi_tile,
-          counters_refused_in_a_capture, counters_one_buffer_per_size_class, launch_fields_checked)
+          counters_refused_in_a_capture, counters_one_buffer_per_size_class, launch_fields_checked, stream_same_bits,
+          stream_multi_query, stream_chosen_by_shape)
 results = {}
 for fn in CHECKS:
     try:
@@ -263,7 +349,8 @@ def results():
 @pytest.mark.parametrize("check", ["chooser_monotone", "chooser_shape_only", "launches_same_bits",
                                    "fused_merge_same_bits", "fused_merge_multi_tile",
                                    "counters_refused_in_a_capture", "counters_one_buffer_per_size_class",
-                                   "launch_fields_checked"])
+                                   "launch_fields_checked", "stream_same_bits", "stream_multi_query",
+                                   "stream_chosen_by_shape"])
 def test_decode_launch(results, check):
     assert results[check] == "ok", results[check]
 

@@ -692,6 +692,9 @@ def _sm90_worker() -> None:
                                     launch=A.DecodeLaunch(fused_merge=False)))
     attempt("attention decode, split programs, the default (fused merge)",
             lambda: A.paged_forward(q[:1], cache, cache, table, ctx, one, 0.1, split_programs=True))
+    attempt("attention decode, streamed", lambda: A.paged_forward(q[:244], cache, cache, table.expand(244, -1),
+                                                                  ctx.expand(244), torch.arange(245, dtype=torch.int32),
+                                                                  0.1, stream=True))
     attempt("attention paged prefill", lambda: A.paged_forward(q[:600], cache, cache, table, torch.tensor([4000], dtype=torch.int32),
                                                                torch.tensor([0, 600], dtype=torch.int32), 0.1))
     attempt("attention backward", lambda: A.varlen_backward(q, k, k, q, torch.empty(4096, 32), cu, q, 0.1))
@@ -844,8 +847,8 @@ def test_shared_memory_fits_sm90(sm90):
 
 
 def test_attention_forward_keeps_the_wgmma_pipeline(sm90):
-    """The bf16 attention forward kernels (prefill, paged prefill, decode per tile and per key split,
-    the merge kernel or the fused merge) spill nothing and ptxas does not serialise their wgmma
+    """The bf16 attention forward kernels (prefill, paged prefill, decode per tile, per key split and
+    streamed, the merge kernel or the fused merge) spill nothing and ptxas does not serialise their wgmma
     (C7514/C7515: a non-wgmma instruction reading or writing the accumulator while the MMA is in
     flight, e.g. a split merge placed after the P.V MMA)."""
     reports = [v for v in sm90["variants"] if v["kernel"].startswith("attn_") and v["ptxas"] is not None
@@ -855,6 +858,7 @@ def test_attention_forward_keeps_the_wgmma_pipeline(sm90):
     kinds = {(v["kernel"], v["args"].get("PARTIAL")) for v in reports}
     assert {("attn_fwd_kernel", "True"), ("attn_fwd_kernel", "False"), ("attn_merge_kernel", None)} <= kinds, kinds
     assert any(v["args"].get("FUSED_MERGE") == "True" for v in reports), "the fused-merge kernel was not compiled"
+    assert any(v["kernel"] == "attn_stream_kernel" for v in reports), "the streamed decode kernel was not compiled"
     bad = [(v["kernel"], v["args"], line.strip()) for v in reports for line in v["ptxas"].splitlines()
            if "C7514" in line or "C7515" in line or ("spill" in line and " 0 bytes spill stores" not in line)]
     assert not bad, f"attention kernels serialise wgmma or spill: {bad}"

@@ -150,6 +150,9 @@ class DecodeLaunch:
     # a register cap per thread for the forward kernel (ptxas -maxrregcount through Triton's maxnreg; 0: none):
     # 65,536 registers / 128 threads / programs per SM -- 168 fits 3 decode programs on an SM, 128 fits 4
     max_registers: int = 0
+    # True: the streamed launch (attn_stream_kernel): programs_per_sm x SMs programs, each walking whole items
+    # in one software-pipelined loop; the fields of the split launch are not used
+    stream: bool = False
 
     def __post_init__(self):
         if self.fold_rows < 1 or self.fold_rows & (self.fold_rows - 1) or self.merge_unroll < 1:
@@ -165,6 +168,10 @@ class DecodeLaunch:
 # batch 8 / 16, 4,096 context, against 0.0669 / 0.1058 with the merge kernel; SDPA flash 0.0519 / 0.0814).
 ITEM_DECODE = DecodeLaunch()
 SPLIT_DECODE = DecodeLaunch(merge_unroll=16, fused_merge=True, fold_rows=4)
+STREAM_DECODE = DecodeLaunch(programs_per_sm=2, stream=True)
+# Decode-tile paged calls with at least STREAM_MIN_ITEMS_PER_SM items per SM (and not the split launch) take the
+# streamed launch. (Provisional, session 18: to be set by bench/gpu_attention.py --sweep-decode on the H200.)
+STREAM_MIN_ITEMS_PER_SM = 4
 # Paged calls on the decode tile whose one-program-per-item grid (items = tiles x sequences x kv heads) has at
 # most SPLIT_MAX_ITEMS_PER_SM items per SM spread each item's key splits over several programs (the split
 # launch), if there are several splits in the block table's width and the fp32 partials stay under
@@ -235,6 +242,16 @@ def _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_s
     kp = j * BN + tl.arange(0, BN)
     k_ok = kp < kv_len
     kv_rows = _kv_rows(s, kp, k_ok, q_start, bt_ptr, stride_bt, PS, PAGED)
+    return _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, stride_kr, stride_kh, D, BN,
+                       SPLIT, ROWWISE)
+
+
+@triton.jit
+def _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, stride_kr, stride_kh,
+                D: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
+    """_visit_block's step on key block j whose cache rows are ``kv_rows`` (``k_ok``: the keys inside the
+    context; the others load as exact zeros and are masked by position)."""
+    kp = j * BN + tl.arange(0, BN)
     k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
     v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
     sc = _dot(q, tl.trans(k), tl.zeros((q.shape[0], BN), tl.float32), SPLIT, ROWWISE) * qk_scale2
@@ -467,6 +484,107 @@ def attn_merge_kernel(PM, PL, PACC, O, cu_q, pos0_ptr, part_rows, stride_ot, str
     M, L, ACC = _fold_partials(PM, PL, PACC, part_rows, q_rows * hq_total + head, pos, last_pos // SPLIT_KEYS + 1,
                                dcol, D, SPLIT_KEYS, UNROLL)
     _store_out(O, q_rows, head, row_ok, _finish(L, ACC), dcol, stride_ot, stride_oh, D)
+
+
+# ---- the streamed decode launch ----------------------------------------------------------------------------
+# A work entry is one (item, key block) step of a decode-tile item (one query tile per sequence): its INFO row
+# (STREAM_INFO int32: the fields below), its BM query rows and its BN keys' cache rows, both as row indices of
+# the [rows, D] views of q ([T * Hq, D]) and of the caches ([pages * page size * Hkv, D]), -1 where there is
+# none (padding rows, keys past the context).
+STREAM_INFO = tl.constexpr(8)
+F_N_Q, F_POS0, F_BLOCK, F_FLAGS = (tl.constexpr(i) for i in range(4))
+FIRST_BLOCK, LAST_BLOCK = tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def stream_work_kernel(INFO, Q_ROWS, KV_ROWS, START, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, stride_bt, HKV,
+                       TABLE_BLOCKS, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr):
+    """The work entries of item tl.program_id(0) = sequence * HKV + kv head: its key blocks 0 .. n - 1 in
+    order, at entries START[item] ... (n: the blocks up to its last query's, as attn_fwd_kernel walks them;
+    at most the table's, which the op's validation guarantees and the entry buffer is sized for)."""
+    item = tl.program_id(0)
+    s = item // HKV
+    h = item % HKV
+    q_start = tl.load(cu_q + s)
+    n_q = tl.load(cu_q + s + 1) - q_start
+    pos0 = tl.load(pos0_ptr + s)
+    kv_len = tl.load(kvlen_ptr + s)
+    n_blocks = tl.minimum(tl.where(n_q > 0, (pos0 + n_q - 1) // BN + 1, 0), TABLE_BLOCKS)
+    base = tl.load(START + item).to(tl.int64)
+    lane = tl.arange(0, STREAM_INFO)
+    keys = tl.arange(0, BN)
+    tok, head, row_ok, _ = _row_coords(tl.arange(0, BM), 0, h, n_q, pos0, G, BM)
+    q_rows = tl.where(row_ok, (q_start + tok) * (HKV * G) + head, -1)
+    fixed = tl.where(lane == F_N_Q, n_q, tl.where(lane == F_POS0, pos0, 0))
+    for j in range(n_blocks):
+        e = base + j
+        kp = j * BN + keys
+        ok = kp < kv_len
+        rows = _kv_rows(s, kp, ok, q_start, bt_ptr, stride_bt, PS, True)
+        tl.store(KV_ROWS + e * BN + keys, tl.where(ok, rows * HKV + h, -1).to(tl.int32))
+        tl.store(Q_ROWS + e * BM + tl.arange(0, BM), q_rows)
+        flags = tl.where(j == 0, FIRST_BLOCK, 0) + tl.where(j == n_blocks - 1, LAST_BLOCK, 0)
+        tl.store(INFO + e * STREAM_INFO + lane, tl.where(lane == F_BLOCK, j, tl.where(lane == F_FLAGS, flags, fixed)))
+
+
+@triton.jit
+def _field(info, lane, F: tl.constexpr):
+    return tl.sum(tl.where(lane == F, info, 0), 0)
+
+
+@triton.jit
+def attn_stream_kernel(Q, K, V, O, INFO, Q_ROWS, KV_ROWS, BOUNDS, qk_scale2, G: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                       SPLIT_KEYS: tl.constexpr, ROWWISE: tl.constexpr):
+    """Program p walks work entries BOUNDS[p] .. BOUNDS[p + 1] - 1: whole items, each item's key blocks in
+    order, in ONE loop, so the software pipeline loads the next item's first blocks while this item's last
+    ones compute (one program per item pays its start-up -- metadata, page table, first K/V -- per item).
+    The query and cache rows of an entry are data (Q_ROWS, KV_ROWS), loaded two entries ahead like the page
+    table in attn_fwd_kernel, so no load address waits on a scalar loaded in the loop. Per row the arithmetic
+    of attn_fwd_kernel(PARTIAL=False) on tile 0: a fresh state at the item's first block, _merge_split at
+    each split boundary and after the last block, _finish, one store. A new item restarts acc through
+    alpha = 0 (m = -inf), as a split does; padding rows keep stale values, never stored. (A non-finite
+    accumulator of one item could reach the next one's through acc * 0; the op's output check fails the step
+    either way.)"""
+    BPS: tl.constexpr = SPLIT_KEYS // BN
+    p = tl.program_id(0)
+    e_first = tl.load(BOUNDS + p)
+    e_end = tl.load(BOUNDS + p + 1)
+    dcol = tl.arange(0, DP)
+    lane = tl.arange(0, STREAM_INFO)
+    keys = tl.arange(0, BN)
+    r = tl.arange(0, BM)
+    m = tl.full((BM,), float("-inf"), tl.float32)
+    l = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, DP), tl.float32)
+    M = tl.full((BM,), float("-inf"), tl.float32)
+    L = tl.zeros((BM,), tl.float32)
+    ACC = tl.zeros((BM, DP), tl.float32)
+    for e in range(e_first, e_end):
+        e64 = tl.cast(e, tl.int64)
+        info = tl.load(INFO + e64 * STREAM_INFO + lane)
+        j = _field(info, lane, F_BLOCK)
+        flags = _field(info, lane, F_FLAGS)
+        _, _, _, pos = _row_coords(r, 0, 0, _field(info, lane, F_N_Q), _field(info, lane, F_POS0), G, BM)
+        q_rows = tl.load(Q_ROWS + e64 * BM + r)          # int32 offsets: use_stream bounds q and the caches
+        q = _load_rows(Q, q_rows, 0, q_rows >= 0, dcol, D, 0, D)
+        kv_rows = tl.load(KV_ROWS + e64 * BN + keys)
+        if (j % BPS == 0) & (j > 0):          # split j // BPS - 1 ended (attn_fwd_kernel's merge, same place)
+            M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (j - BPS) * BN)
+            m = tl.full((BM,), float("-inf"), tl.float32)
+            l = tl.zeros((BM,), tl.float32)
+        if (flags & FIRST_BLOCK) != 0:        # a new item: the fresh state
+            m = tl.full((BM,), float("-inf"), tl.float32)
+            l = tl.zeros((BM,), tl.float32)
+            M = tl.full((BM,), float("-inf"), tl.float32)
+            L = tl.zeros((BM,), tl.float32)
+            ACC = tl.zeros((BM, DP), tl.float32)
+        m, l, acc = _visit_rows(j, q, pos, m, l, acc, kv_rows, kv_rows >= 0, 0, K, V, qk_scale2, dcol, D, 0, D, BN,
+                                SPLIT, ROWWISE)
+        if (flags & LAST_BLOCK) != 0:
+            M_end, L_end, ACC_end = _merge_split(M, L, ACC, m, l, acc, pos >= (j // BPS) * SPLIT_KEYS)
+            tl.store(O + q_rows[:, None] * D + dcol[None, :], _finish(L_end, ACC_end).to(O.dtype.element_ty),
+                     mask=(q_rows >= 0)[:, None] & (dcol[None, :] < D))
 
 
 @triton.jit
@@ -724,6 +842,68 @@ def use_split_programs(items: int, table_keys: int, scratch_bytes: int, sms: int
             and scratch_bytes <= SPLIT_SCRATCH_MAX_BYTES)
 
 
+def use_stream(items: int, elements: int, sms: int) -> bool:
+    """Whether a decode-tile paged call that does not take the split launch takes the streamed one (speed
+    only: the same bits). A function of the shapes alone, as :func:`use_split_programs`: ``items``
+    (:func:`decode_items`) at least STREAM_MIN_ITEMS_PER_SM per SM, and ``elements`` -- the most elements of
+    q and of a cache -- below 2**31 (the streamed kernel's offsets are int32: fewer registers, no spills)."""
+    return items >= STREAM_MIN_ITEMS_PER_SM * sms and elements < 2 ** 31
+
+
+def _stream_work(cu, kv_len, pos0, bt, hkv: int, g: int, page_size: int, bm: int, programs: int):
+    """(INFO, Q_ROWS, KV_ROWS, BOUNDS) of a streamed launch: every item's work entries (stream_work_kernel)
+    and the programs' entry ranges, cut at item starts so that the programs get about equal numbers of key
+    blocks (program p starts at the first item starting at or after p / programs of all blocks). Device ops
+    only (no host read): a decode graph captures them once per step and every layer reads them."""
+    n_seq = cu.shape[0] - 1
+    table_blocks = triton.cdiv(bt.shape[1] * page_size, KV_BLOCK)
+    n_q = cu[1:] - cu[:-1]
+    blocks = torch.where(n_q > 0, torch.div(pos0 + n_q - 1, KV_BLOCK, rounding_mode="floor") + 1, 0)
+    per_item = blocks.clamp(max=table_blocks)[:, None].expand(n_seq, hkv).reshape(-1)   # item = s * hkv + h
+    ends = torch.cumsum(per_item, 0, dtype=torch.int64)
+    start = ends - per_item
+    total = ends[-1:]
+    marks = torch.arange(programs + 1, device=cu.device, dtype=torch.int64) * total // programs
+    bounds = torch.cat([start, total])[torch.searchsorted(start, marks)].to(torch.int32)
+    entries = n_seq * hkv * table_blocks
+    info = torch.empty((entries, STREAM_INFO.value), dtype=torch.int32, device=cu.device)
+    q_rows = torch.empty((entries, bm), dtype=torch.int32, device=cu.device)
+    kv_rows = torch.empty((entries, KV_BLOCK), dtype=torch.int32, device=cu.device)
+    stream_work_kernel[(n_seq * hkv,)](info, q_rows, kv_rows, start, cu, pos0, kv_len, bt, bt.stride(0), hkv,
+                                      table_blocks, G=g, BM=bm, BN=KV_BLOCK, PS=page_size)
+    return info, q_rows, kv_rows, bounds
+
+
+def _stream_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile, launch):
+    """The streamed launch of a decode-tile paged call (one query tile per sequence; q contiguous)."""
+    t, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    n_seq = cu_seqlens_q.shape[0] - 1
+    if t == 0 or n_seq == 0:
+        return out
+    programs = launch.programs_per_sm * device_sms(q)
+    bm, warps, stages = tile
+
+    def work():
+        cu, kv_len, pos0, bt, _, _ = _paged_meta(block_table, seq_lens, cu_seqlens_q, q.device)
+        return _stream_work(cu, kv_len, pos0, bt, hkv, hq // hkv, page_size, bm, programs)
+    info, q_rows, kv_rows, bounds = chk.memo("stream_work", work, block_table, seq_lens, cu_seqlens_q,
+                                             extra=(q.device, hkv, hq, page_size, bm, programs), capturing=work)
+    attn_stream_kernel[(programs,)](
+        q, k_cache, v_cache, out, info, q_rows, kv_rows, bounds, scale * LOG2E, G=hq // hkv, D=d, DP=_dpad(d),
+        BM=bm, BN=KV_BLOCK, SPLIT=split_for(q.dtype), SPLIT_KEYS=KV_SPLIT, ROWWISE=is_interpreter(),
+        num_warps=warps, num_stages=stages, **_register_cap(launch, tile))
+    return out
+
+
+def stream_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The caches' layout the streamed launch addresses: [pages, page size, Hkv, D] with contiguous rows
+    (D) and heads, so that (cache row, kv head) is one row index of a [rows * Hkv, D] view."""
+    return all(c.stride(-1) == 1 and c.stride(-2) == c.shape[-1] and c.stride(-3) == c.shape[-2] * c.shape[-1]
+               for c in (k_cache, v_cache)) and k_cache.stride() == v_cache.stride()
+
+
 def _seq_info(cu_seqlens: torch.Tensor, device):
     cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
     lens = (cu[1:] - cu[:-1])
@@ -775,11 +955,11 @@ def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):
 
 
 def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile=None, split_programs=None,
-                  progs_per_item=None, launch=None):
-    """``split_programs``: None picks by the batch's shape (:func:`use_split_programs`); True/False force
-    the split-program launch or the per-item one (tests, benchmarks); ``launch`` replaces that launch's
-    DecodeLaunch (benchmarks), ``progs_per_item`` forces how many programs share an item's splits. Every
-    choice gives the same bits."""
+                  progs_per_item=None, launch=None, stream=None):
+    """``split_programs`` / ``stream``: None picks by the batch's shape (:func:`use_split_programs`, then
+    :func:`use_stream`); True forces the split-program launch or the streamed one, False rules it out
+    (tests, benchmarks); ``launch`` replaces that launch's DecodeLaunch (benchmarks), ``progs_per_item``
+    forces how many programs share an item's splits. Every choice gives the same bits."""
     q = q.contiguous()
     cu, kv_len, pos0, bt, max_q, max_kv = _paged_meta(block_table, seq_lens, cu_seqlens_q, q.device)
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -788,13 +968,30 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     if max_kv is None:   # captured: every context fits its table
         max_kv = table_keys
     decode_tile = max_q * (hq // hkv) <= DECODE_TILE[0]   # (a GQA group wider than the tile is refused by _forward)
+    items = decode_items(max_q, cu.shape[0] - 1, hq, hkv)
     if split_programs is None:
-        split_programs = decode_tile and use_split_programs(
-            decode_items(max_q, cu.shape[0] - 1, hq, hkv), table_keys, split_scratch_bytes(t, hq, d, table_keys),
-            device_sms(q))
-    launch = launch or (SPLIT_DECODE if split_programs else ITEM_DECODE)
-    if tile is None:
-        tile = forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or (launch.tile if decode_tile else PREFILL_TILE)
+        split_programs = decode_tile and not stream and use_split_programs(
+            items, table_keys, split_scratch_bytes(t, hq, d, table_keys), device_sms(q))
+    forced = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE", 3)
+    one_tile = max_q * (hq // hkv) <= (forced[0] if forced else DECODE_TILE[0])   # one query tile per sequence
+    if stream is None:
+        stream = (decode_tile and one_tile and not split_programs and stream_layout_ok(k_cache, v_cache)
+                  and use_stream(items, max(q.numel(), k_cache.numel(), v_cache.numel()), device_sms(q)))
+    if stream and split_programs:
+        raise fail("attention_paged", "stream=True and split_programs=True are two different launches; pick one")
+    if stream and not one_tile:
+        raise fail("attention_paged", f"the streamed launch takes one query tile per sequence: {max_q} queries x "
+                                      f"{hq // hkv} heads per kv head exceed the tile's rows")
+    if stream and max(q.numel(), k_cache.numel(), v_cache.numel()) >= 2 ** 31:
+        raise fail("attention_paged", "the streamed launch indexes q and the caches in int32: a cache of "
+                                      f"{k_cache.numel()} elements is too large for it")
+    if stream and not stream_layout_ok(k_cache, v_cache):
+        raise fail("attention_paged", f"the streamed launch needs caches with contiguous heads and rows; got strides "
+                                      f"{tuple(k_cache.stride())} / {tuple(v_cache.stride())}")
+    launch = launch or (STREAM_DECODE if stream else SPLIT_DECODE if split_programs else ITEM_DECODE)
+    tile = forced or (launch.tile if decode_tile else PREFILL_TILE)
+    if stream:
+        return _stream_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile, launch)
     out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, page_size, scale, True, tile, False,
                       max_q, max_kv, split_programs, progs_per_item, launch)
     return out
@@ -876,5 +1073,5 @@ def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sc
 
 __all__ = ["attention_varlen", "attention_paged", "varlen_forward", "paged_forward", "varlen_backward",
            "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK", "DecodeLaunch", "BackwardLaunch", "BWD_LAUNCH",
-           "ITEM_DECODE", "SPLIT_DECODE",
-           "decode_items", "use_split_programs", "arrival_counters"]
+           "ITEM_DECODE", "SPLIT_DECODE", "STREAM_DECODE",
+           "decode_items", "use_split_programs", "use_stream", "arrival_counters"]
