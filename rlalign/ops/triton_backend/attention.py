@@ -853,8 +853,9 @@ def use_stream(items: int, elements: int, sms: int) -> bool:
 def _stream_work(cu, kv_len, pos0, bt, hkv: int, g: int, page_size: int, bm: int, programs: int):
     """(INFO, Q_ROWS, KV_ROWS, BOUNDS) of a streamed launch: every item's work entries (stream_work_kernel)
     and the programs' entry ranges, cut at item starts so that the programs get about equal numbers of key
-    blocks (program p starts at the first item starting at or after p / programs of all blocks). Device ops
-    only (no host read): a decode graph captures them once per step and every layer reads them."""
+    blocks (program p starts at the item start nearest to p / programs of all blocks: non-decreasing in p,
+    0 for the first, every block for the last). Device ops only (no host read): a decode graph captures them
+    once per step and every layer reads them."""
     n_seq = cu.shape[0] - 1
     table_blocks = triton.cdiv(bt.shape[1] * page_size, KV_BLOCK)
     n_q = cu[1:] - cu[:-1]
@@ -864,7 +865,10 @@ def _stream_work(cu, kv_len, pos0, bt, hkv: int, g: int, page_size: int, bm: int
     start = ends - per_item
     total = ends[-1:]
     marks = torch.arange(programs + 1, device=cu.device, dtype=torch.int64) * total // programs
-    bounds = torch.cat([start, total])[torch.searchsorted(start, marks)].to(torch.int32)
+    starts = torch.cat([start, total])
+    after = starts[torch.searchsorted(start, marks)]                     # first item start >= mark
+    before = starts[(torch.searchsorted(start, marks, right=True) - 1).clamp(min=0)]   # last item start <= mark
+    bounds = torch.where(marks - before < after - marks, before, after).to(torch.int32)
     entries = n_seq * hkv * table_blocks
     info = torch.empty((entries, STREAM_INFO.value), dtype=torch.int32, device=cu.device)
     q_rows = torch.empty((entries, bm), dtype=torch.int32, device=cu.device)
