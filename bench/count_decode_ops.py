@@ -74,7 +74,8 @@ def sampler_step(rows: int = 8, vocab: int = 4096):
     from rlalign.ops._registry import IMPLEMENTATIONS
     from rlalign.ops.triton_backend import sample as triton_sample
     IMPLEMENTATIONS[("sample", "torch")] = triton_sample.sample   # CPU tensors: route the op to the Triton launcher
-    triton_sample.sample_kernel = _CountedLaunch(triton_sample.sample_kernel, "sample_kernel", _ACTIVE)
+    for name in ("sample_chunk_kernel", "sample_fold_kernel"):
+        setattr(triton_sample, name, _CountedLaunch(getattr(triton_sample, name), name, _ACTIVE))
     logits = torch.randn(rows, vocab)
     temperature = torch.full((rows,), 0.7)
     ints = torch.arange(rows)

@@ -18,7 +18,8 @@ from rlalign.cli.main import main
     ("kpart_ws_kernel", "gemm"),
     ("segment_partials_kernel", "gemm"), ("merge_partials_kernel", "gemm"), ("grouped_rows_kernel", "moe"),
     ("route_kernel", "moe"), ("combine_fwd_kernel", "moe"), ("_moe_dispatch_place_kernel", "moe"), ("lp_stats_kernel", "logprob_sample"),
-    ("sample_kernel", "logprob_sample"), ("rms_fwd_kernel", "norm_rope_act"), ("rope_kernel", "norm_rope_act"),
+    ("sample_chunk_kernel", "logprob_sample"), ("sample_fold_kernel", "logprob_sample"),
+    ("attn_stream_kernel", "attention"), ("attn_stream_work_kernel", "attention"), ("rms_fwd_kernel", "norm_rope_act"), ("rope_kernel", "norm_rope_act"),
     ("rope_write_kv_kernel", "norm_rope_act"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<bool, at::native::func_wrapper_t<bool, "
      "at::native::and_kernel_cuda(at::TensorIterator&)::{lambda()#1}>, unsigned int, bool, 4, 4> >", "checks"),

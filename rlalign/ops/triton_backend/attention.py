@@ -497,7 +497,7 @@ FIRST_BLOCK, LAST_BLOCK = tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def stream_work_kernel(INFO, Q_ROWS, KV_ROWS, START, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, stride_bt, HKV,
+def attn_stream_work_kernel(INFO, Q_ROWS, KV_ROWS, START, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, stride_bt, HKV,
                        TABLE_BLOCKS, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr):
     """The work entries of item tl.program_id(0) = sequence * HKV + kv head: its key blocks 0 .. n - 1 in
     order, at entries START[item] ... (n: the blocks up to its last query's, as attn_fwd_kernel walks them;
@@ -851,7 +851,7 @@ def use_stream(items: int, elements: int, sms: int) -> bool:
 
 
 def _stream_work(cu, kv_len, pos0, bt, hkv: int, g: int, page_size: int, bm: int, programs: int):
-    """(INFO, Q_ROWS, KV_ROWS, BOUNDS) of a streamed launch: every item's work entries (stream_work_kernel)
+    """(INFO, Q_ROWS, KV_ROWS, BOUNDS) of a streamed launch: every item's work entries (attn_stream_work_kernel)
     and the programs' entry ranges, cut at item starts so that the programs get about equal numbers of key
     blocks (program p starts at the item start nearest to p / programs of all blocks: non-decreasing in p,
     0 for the first, every block for the last). Device ops only (no host read): a decode graph captures them
@@ -873,7 +873,7 @@ def _stream_work(cu, kv_len, pos0, bt, hkv: int, g: int, page_size: int, bm: int
     info = torch.empty((entries, STREAM_INFO.value), dtype=torch.int32, device=cu.device)
     q_rows = torch.empty((entries, bm), dtype=torch.int32, device=cu.device)
     kv_rows = torch.empty((entries, KV_BLOCK), dtype=torch.int32, device=cu.device)
-    stream_work_kernel[(n_seq * hkv,)](info, q_rows, kv_rows, start, cu, pos0, kv_len, bt, bt.stride(0), hkv,
+    attn_stream_work_kernel[(n_seq * hkv,)](info, q_rows, kv_rows, start, cu, pos0, kv_len, bt, bt.stride(0), hkv,
                                       table_blocks, G=g, BM=bm, BN=KV_BLOCK, PS=page_size)
     return info, q_rows, kv_rows, bounds
 
