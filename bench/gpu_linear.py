@@ -481,7 +481,25 @@ WS_STOP_AFTER_S = 75       # later cases are skipped (the lead's call: <= 90 s w
 WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
 
 
+# --ws-triton: the Triton kernel's own tiles as candidates beside the Gluon ones (gemm(config=...): the same bits as
+# the dispatcher's tile by the interchangeability rules of docs/gpu.md, checked here like every candidate); the
+# decode-row P = 1 projections are compute-bound at 244-462 rows, where the tile decides the waves and the L2 traffic
+TRITON_PLAIN_CANDIDATES = (("128x128/w8/s3/flat", dict(block_m=128, block_n=128, num_warps=8, num_stages=3, flatten=True)),
+                           ("128x128/w8/s5/flat", dict(block_m=128, block_n=128, num_warps=8, num_stages=5, flatten=True)),
+                           ("128x128/w8/s4", dict(block_m=128, block_n=128, num_warps=8, num_stages=4)),
+                           ("128x128/w8/s4/flat/g1", dict(block_m=128, block_n=128, num_warps=8, num_stages=4,
+                                                          flatten=True, group_m=1)),
+                           ("128x256/w8/s3/flat", dict(block_m=128, block_n=256, num_warps=8, num_stages=3, flatten=True)),
+                           ("64x256/w4/s4/flat", dict(block_m=64, block_n=256, num_warps=4, num_stages=4, flatten=True)),
+                           ("64x128/w4/s6/flat", dict(block_m=64, block_n=128, num_warps=4, num_stages=6, flatten=True)),
+                           ("64x128/w4/s4/2cta", dict(block_m=64, block_n=128, num_warps=4, num_stages=4, flatten=True,
+                                                      ctas_per_sm=2)))
+
+
 def ws_label(cfg) -> str:
+    if not hasattr(cfg, "release"):   # a Triton GemmConfig
+        return "triton " + next((name for name, kw in TRITON_PLAIN_CANDIDATES
+                                 if all(getattr(cfg, k) == v for k, v in kw.items())), repr(cfg))
     return (f"gluon {cfg.block_m}x{cfg.block_n}/s{cfg.stages}" + (f"/k{cfg.block_k}" if cfg.block_k != 64 else "")
             + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "") + (f"/{cfg.release}" if cfg.release != "cta" else "")
             + ("/out_alias" if cfg.out_alias else ""))
@@ -530,7 +548,10 @@ def sweep_ws(candidates: tuple, shapes: tuple = ("8b",), ms: tuple = WS_M) -> li
                        "label": ws_label(cfg), "cublas_ms": round(base, 4)}
 
                 def run(x, w, cfg=cfg, p=p):
-                    return gemm(x, w, b_trans=True, segments=p, ws=cfg)
+                    if hasattr(cfg, "release"):
+                        return gemm(x, w, b_trans=True, segments=p, ws=cfg)
+                    with triton_kernel_only():
+                        return gemm(x, w, b_trans=True, segments=p, config=cfg)
                 try:
                     _watched(f"{name} M={m} {cfg}", lambda: run(*sets[0]))
                 except Exception:  # noqa: BLE001 - time_if_bit_equal records the error
@@ -637,6 +658,8 @@ def parser() -> argparse.ArgumentParser:
                          "others) vs the Triton kernel and cuBLAS, graph replays, each refused unless bit-equal")
     ap.add_argument("--ws-candidates", metavar="I,J,...",
                     help="with --sweep-ws: only these indices of gemm_ws.WS_CANDIDATES (default: all)")
+    ap.add_argument("--ws-triton", action="store_true",
+                    help="with --sweep-ws: also the Triton kernel's tiles TRITON_PLAIN_CANDIDATES (P = 1 shapes)")
     ap.add_argument("--ws-shapes", default="8b", metavar="S,...",
                     help="with --sweep-ws: model shapes, comma-separated from " + "/".join(WS_SHAPES) + " (default 8b)")
     ap.add_argument("--ws-m", metavar="M,...",
@@ -646,7 +669,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = parser().parse_args()
-    if (args.ws_candidates is not None or args.ws_m is not None or args.ws_shapes != "8b") and not args.sweep_ws:
+    if (args.ws_candidates is not None or args.ws_m is not None or args.ws_shapes != "8b" or args.ws_triton) \
+            and not args.sweep_ws:
         print("gpu_linear: --ws-candidates / --ws-shapes / --ws-m only apply to --sweep-ws")
         return 2
     shapes = tuple(args.ws_shapes.split(","))
@@ -667,6 +691,8 @@ def main() -> int:
         return run_sweep(args.out, "linear_sweep_small", sweep_small, print_small)
     if args.sweep_ws:
         candidates = ws_candidates(args.ws_candidates)
+        if args.ws_triton:
+            candidates += tuple(GemmConfig(**kw) for _, kw in TRITON_PLAIN_CANDIDATES)
         return run_sweep(args.out, "linear_sweep_ws", lambda: sweep_ws(candidates, shapes, ws_m), print_ws)
     if args.sweep_kpart:
         return run_sweep(args.out, "linear_sweep_kpart", sweep_kpart, print_kpart)

@@ -11,7 +11,7 @@ Per layer (stream dtype = parameter dtype):
     x, r  = input_layernorm(h, residual=r)              # fused: h + r rounded once, then RMSNorm
     q,k,v = q_proj(x), k_proj(x), v_proj(x)              # biases only where config.qkv_bias
     q,k   = q_norm(q), k_norm(k)                         # only where config.qk_norm, over head_dim
-    q,k   = rope(q, cos, sin), rope(k, cos, sin)          # paged: rope_write_kv (also writes k, v to the cache)
+    q,k   = rope(q, cos, sin), rope(k, cos, sin)          # paged: rope_write_kv (the norms too; writes k, v to the cache)
     a     = attend(q, k, v)                              # causal, scale = head_dim ** -0.5
     h     = o_proj(a)                                    # canonical K partition
     x, r  = post_attention_layernorm(h, residual=r)
@@ -26,7 +26,7 @@ import torch
 
 from rlalign import ops
 from rlalign.models import recompute
-from rlalign.models.modules import project
+from rlalign.models.modules import RMSNorm, project
 from rlalign.models.taps import FINAL_NORM, layer_tap, tap
 
 # attend(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], layer index, scale) -> [T, Hq, D]
@@ -41,9 +41,10 @@ class PagedAttend:
     def __init__(self, batch):
         self.batch = batch
 
-    def rope_write(self, q, k, v, cos, sin, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_write(self, q, k, v, cos, sin, layer: int, qk_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.batch
-        return ops.rope_write_kv(q, k, v, cos, sin, b.kv_cache.k[layer], b.kv_cache.v[layer], b.slot_mapping)
+        return ops.rope_write_kv(q, k, v, cos, sin, b.kv_cache.k[layer], b.kv_cache.v[layer], b.slot_mapping,
+                                 qk_norm=qk_norm)
 
     def __call__(self, q, k, v, layer: int, scale: float) -> torch.Tensor:
         b = self.batch
@@ -76,11 +77,17 @@ def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     q, k, v = project(x, attn.q_proj, attn.k_proj, attn.v_proj)   # one GEMM at decode sizes (same bits)
     q, k, v = q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
     q_in, k_in = q, k
-    if qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    if isinstance(attend, PagedAttend):   # the cache write folded into the rope (same bits, same checks)
+    if isinstance(attend, PagedAttend) and qk_norm and _fusable_norms(attn):
+        # the q/k norms and the cache write folded into the rope (same bits, same checks)
+        q, k = attend.rope_write(q, k, v, cos, sin, layer, qk_norm=(attn.q_norm.weight, attn.k_norm.weight,
+                                                                     attn.q_norm.eps))
+    elif isinstance(attend, PagedAttend):   # the cache write folded into the rope (same bits, same checks)
+        if qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = attend.rope_write(q, k, v, cos, sin, layer)
     else:
+        if qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
         if qk_norm:
             _rebuildable_rope(attn.q_norm, q, q_in, cos, sin, "rope(q_norm(q))")
@@ -89,6 +96,13 @@ def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out = attend(q, k, v, layer, head_dim ** -0.5)
     out = tap(layer_tap(layer, "attn"), out.reshape(t, num_heads * head_dim))
     return tap(layer_tap(layer, "o_proj"), attn.o_proj(out))
+
+
+def _fusable_norms(attn) -> bool:
+    """Whether ``attn``'s q/k norms are rlalign RMSNorms of one eps (what ops.rope_write_kv's qk_norm computes);
+    other modules (e.g. a patched Hugging Face model's) are called as they are."""
+    return (isinstance(attn.q_norm, RMSNorm) and isinstance(attn.k_norm, RMSNorm)
+            and attn.q_norm.eps == attn.k_norm.eps)
 
 
 def _rebuildable_rope(norm, roped: torch.Tensor, projected: torch.Tensor, cos, sin, name: str) -> None:

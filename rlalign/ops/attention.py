@@ -30,7 +30,7 @@ from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import probe_failure, strict_impl, triton_available
-from rlalign.ops.basic import check_rope, rope
+from rlalign.ops.basic import check_rope, rms_norm, rope
 from rlalign.ops.torch_backend.elementwise import write_kv_rows
 
 log = logging.getLogger(__name__)
@@ -251,6 +251,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                  qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                   profile=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``rope(q)``, ``rope(k)`` and ``write_kv_cache(rope(k), v, ...)`` as one op -> (rope(q), rope(k)): the
     paged forward's per-layer step before attention. The same bits and the same errors as the three calls:
@@ -258,9 +259,20 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     message, its policy, the "write_kv_cache" site). The torch backend runs exactly those (the K check
     before the write); the Triton backend one kernel that rotates q and k, writes k and v to their slots and
     flags a non-finite k (the check's verdict without a pass of its own; the cache is written before a
-    deferred verdict is read, as with write_kv_cache on a GPU). Native: ``rope`` and ``write_kv_cache``."""
+    deferred verdict is read, as with write_kv_cache on a GPU). Native: ``rope`` and ``write_kv_cache``.
+
+    ``qk_norm`` = (q weight, k weight, eps): q and k are first ``rms_norm``-ed over the head dim (Qwen3's
+    q_norm / k_norm) -- the bits and the checks of the two rms_norm calls (their argument checks and input
+    finiteness checks, named ``rms_norm``); the Triton backend normalises in the same launch."""
     op = "rope_write_kv"
     strict = as_profile(profile) is not Profile.NATIVE
+    if qk_norm is not None and not strict:
+        q = rms_norm(q, qk_norm[0], qk_norm[2], profile=profile)
+        k = rms_norm(k, qk_norm[1], qk_norm[2], profile=profile)
+        qk_norm = None
+    if qk_norm is not None:   # strict: checked as the two rms_norm calls would be, before the rope's checks
+        _check_qk_norm(q, k, qk_norm)
+        qk_norm = (qk_norm[0], qk_norm[1], float(qk_norm[2]))
     check_rope(op, q, cos, sin, strict)
     check_rope(op, k, cos, sin, strict)
     if not strict:
@@ -269,10 +281,21 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         return q, k
     _check_write(op, k, v, k_cache, v_cache, slot_mapping)
     chk.same_device(op, q, k, cos, sin)
-    if slot_mapping.numel() == 0:   # no token: nothing to rotate or write
+    if slot_mapping.numel() == 0:   # no token: nothing to normalise, rotate or write
         return q.detach().clone(), k.detach().clone()
     slots = _cache_slots(op, k_cache, slot_mapping)
-    return strict_impl(op, q.device)(q, k, v, cos, sin, k_cache, v_cache, slots, _check_k)
+    return strict_impl(op, q.device)(q, k, v, cos, sin, k_cache, v_cache, slots, _check_k, qk_norm=qk_norm)
+
+
+def _check_qk_norm(q: torch.Tensor, k: torch.Tensor, qk_norm) -> None:
+    """rms_norm's argument and input checks for the fused q / k norm (the op's name: ``rms_norm``)."""
+    q_weight, k_weight, _ = qk_norm
+    for x, weight in ((q, q_weight), (k, k_weight)):
+        chk.dtype_ok("rms_norm", x, weight)
+        chk.same_device("rms_norm", x, weight)
+        if weight.shape != x.shape[-1:]:
+            raise fail("rms_norm", f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
+        chk.finite("rms_norm", "x", x)
 
 
 # ---- native profile --------------------------------------------------------------------------------

@@ -52,6 +52,23 @@ def test_bits_equal_the_separate_kernels(triton_backend, t, hkv, group, d, page_
         assert bits_equal(got, ref), f"{name} differs (T={t}, Hkv={hkv}, G={group}, D={d}, page={page_size})"
 
 
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(1, 600), hkv=st.sampled_from([1, 2, 8]), group=st.sampled_from([1, 2, 4]),
+       d=st.sampled_from([64, 96, 128, 256]), bf16=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_qk_norm_bits_equal_rms_norm_then_the_op(triton_backend, t, hkv, group, d, bf16, seed):
+    """The q/k norm in rope_write_kv's launch: the bits of ops.rms_norm (rms_fwd_kernel) on q and k, then the op."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    q, k, v, cos, sin, cache, slots = _case(t, hkv * group, hkv, d, 16, 2, dtype, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    wq, wk = (torch.randn(d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    kc_ref, vc_ref, kc, vc = (cache.clone() for _ in range(4))
+    want = ops.rope_write_kv(ops.rms_norm(q, wq, 1e-6), ops.rms_norm(k, wk, 1e-6), v, cos, sin, kc_ref, vc_ref, slots)
+    got = ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots, qk_norm=(wq, wk, 1e-6))
+    ops.flush_deferred_checks()
+    for name, a, b in (("q", got[0], want[0]), ("k", got[1], want[1]), ("k_cache", kc, kc_ref), ("v_cache", vc, vc_ref)):
+        assert bits_equal(a, b), f"{name} differs (T={t}, Hkv={hkv}, G={group}, D={d}, {dtype})"
+
+
 def test_qwen3_decode_shape(triton_backend):
     q, k, v, cos, sin, cache, slots = _case(462, 16, 8, 128, 16, 8, torch.bfloat16, 7)
     want = _separate(q, k, v, cos, sin, cache, slots)

@@ -44,20 +44,26 @@ def _outcome(fn):
         return "error", str(exc)
 
 
-def _separate(q, k, v, cos, sin, cache, slots, policy):
-    """The path rope_write_kv replaces: rope_kernel for q and k, then write_kv_cache (strict, torch backend)."""
+def _separate(q, k, v, cos, sin, cache, slots, policy, norm):
+    """The path rope_write_kv replaces: (with ``norm`` = (q weight, k weight, eps): ops.rms_norm of q and k, on the
+    Triton launcher) rope_kernel for q and k, then write_kv_cache (strict, torch backend)."""
     from rlalign import ops
-    from rlalign.ops import _checks as chk
     from rlalign.ops.triton_backend import elementwise as E
     kc, vc = cache.clone(), cache.clone()
-    qr, kr = E._rope_launch(q, cos, sin, 1.0), E._rope_launch(k, cos, sin, 1.0)
-    return _under(policy, lambda: ops.write_kv_cache(kr, v, kc, vc, slots)), (qr, kr, kc, vc)
+    rotated = []
+
+    def run():
+        qn, kn = (ops.rms_norm(q, norm[0], norm[2]), ops.rms_norm(k, norm[1], norm[2])) if norm else (q, k)
+        rotated.extend((E._rope_launch(qn, cos, sin, 1.0), E._rope_launch(kn, cos, sin, 1.0)))
+        return ops.write_kv_cache(rotated[1], v, kc, vc, slots)
+    outcome = _under(policy, run)
+    return outcome, (*(rotated or (None, None)), kc, vc)
 
 
-def _fused(q, k, v, cos, sin, cache, slots, policy):
+def _fused(q, k, v, cos, sin, cache, slots, policy, norm):
     from rlalign import ops
     kc, vc = cache.clone(), cache.clone()
-    outcome = _under(policy, lambda: ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots))
+    outcome = _under(policy, lambda: ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots, qk_norm=norm))
     return outcome, kc, vc
 
 
@@ -74,18 +80,25 @@ def _under(policy, fn):
             return _outcome(fn), []
 
 
-def check_case(t, hq, hkv, d, page_size, extra_pages, seed, int32_slots, where, value, at, policy) -> None:
+def check_case(t, hq, hkv, d, page_size, extra_pages, seed, int32_slots, where, value, at, policy, norm=False) -> None:
+    """``norm``: with the fused q/k norm (against ops.rms_norm before the rope): its input checks (the
+    separate path's outcome, whatever the policy makes of a bad q or k) and its bits."""
+    import torch
     from rlalign.contract.bits import bits_equal
     q, k, v, cos, sin, cache, slots = _inputs(t, hq, hkv, d, page_size, extra_pages, seed, int32_slots)
+    weights = None
+    if norm:
+        g = torch.Generator().manual_seed(seed + 1)
+        weights = (torch.randn(d, generator=g), torch.randn(d, generator=g), 1e-6)
     if where != "none":
         target = {"q": q, "k": k, "v": v}[where]
         target.view(-1)[at % target.numel()] = value
     case = f"T={t} Hq={hq} Hkv={hkv} D={d} page={page_size} slots int32={int32_slots} {where}={value} " \
-           f"at {at} policy={policy}"
-    (want, want_verdicts), (qr, kr, kc_ref, vc_ref) = _separate(q, k, v, cos, sin, cache, slots, policy)
-    (got, got_verdicts), kc, vc = _fused(q, k, v, cos, sin, cache, slots, policy)
+           f"at {at} policy={policy} q/k norm={norm}"
+    (want, want_verdicts), (qr, kr, kc_ref, vc_ref) = _separate(q, k, v, cos, sin, cache, slots, policy, weights)
+    (got, got_verdicts), kc, vc = _fused(q, k, v, cos, sin, cache, slots, policy, weights)
     expect_error = where == "k" and policy != "capture"
-    if (want[0] == "error") != expect_error:
+    if not norm and (want[0] == "error") != expect_error:
         raise AssertionError(f"{case}: the separate path gave {want}, not what the defect implies")
     if got[0] != want[0] or (got[0] == "error" and got[1] != want[1]):
         raise AssertionError(f"{case}: rope_write_kv gave {got}, the separate path {want}")
@@ -107,6 +120,7 @@ def _route_to_triton() -> None:
     from rlalign.ops._registry import IMPLEMENTATIONS
     from rlalign.ops.triton_backend import elementwise as E
     IMPLEMENTATIONS[("rope_write_kv", "torch")] = E.rope_write_kv
+    IMPLEMENTATIONS[("rms_norm", "torch")] = E.rms_norm   # the separate path's norm: the kernel the fused one inlines
     _dispatch._resolve_impl.cache_clear()
 
 
@@ -121,7 +135,7 @@ def run_interpret(max_examples: int) -> dict:
                 draw(st.sampled_from([2, 6, 8, 64, 128])), draw(st.sampled_from([1, 3, 16])),
                 draw(st.integers(0, 3)), draw(st.integers(0, 2 ** 16)), draw(st.booleans()),
                 draw(st.sampled_from(WHERE)), draw(st.sampled_from(VALUES)), draw(st.integers(0, 10 ** 6)),
-                draw(st.sampled_from(POLICIES)))
+                draw(st.sampled_from(POLICIES)), draw(st.booleans()))
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -134,8 +148,9 @@ def run_interpret(max_examples: int) -> dict:
     for where in WHERE:   # every defect place and policy at least once, on several programs (T x Hkv > 32 rows)
         for value in VALUES:
             for policy in POLICIES:
-                check_case(37, 8, 2, 128, 16, 1, 11, False, where, value, 12345, policy)
-                n += 1
+                for norm in (False, True):
+                    check_case(37, 8, 2, 128, 16, 1, 11, False, where, value, 12345, policy, norm)
+                    n += 1
     return {"fixed_cases": n}
 
 
@@ -154,9 +169,13 @@ def run_sm90() -> dict:
         # a compile-only launch leaves the flags unwritten: the check is not run here
         E.rope_write_kv(q, k, k, cos, cos, cache, cache, slots, lambda kr, ok: None)
         E._rope_launch(q, cos, cos, 1.0)
-        for name, _, _, kernel in compiled[-2:]:
+        w = torch.empty(128, dtype=dtype)   # the fused q/k norm, and the rms_norm kernel it matches
+        E.rope_write_kv(q, k, k, cos, cos, cache, cache, slots, lambda kr, ok: None, qk_norm=(w, w, 1e-6))
+        E.rms_forward(q.view(-1, 128), w, 1e-6)
+        for name, _, kwargs, kernel in compiled[-4:]:
             ptx = kernel.asm["ptx"]
-            report.append({"kernel": name, "dtype": str(dtype), "ptxas": ptxas_report(ptx),
+            report.append({"kernel": name + ("+norm" if kwargs.get("NORM") else ""), "dtype": str(dtype),
+                           "ptxas": ptxas_report(ptx),
                            "fma": ptx.count("fma.rn.f32"), "mul": ptx.count("mul.f32") + ptx.count("mul.rn.f32"),
                            "smem": kernel.metadata.shared})
     return {"kernels": report}

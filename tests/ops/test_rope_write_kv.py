@@ -5,7 +5,8 @@
   same K check (write_kv_cache's message under per-op and boundary, its verdict in a capture, before the write);
   a NaN in q or v is not this op's check; argument errors name the op.
 * The Triton kernel under the interpreter (fp32) against rope_kernel + write_kv_cache, the check included
-  (tests/ops/rope_write_kv_worker.py, in a subprocess), and compiled for sm_90a: no spills.
+  (tests/ops/rope_write_kv_worker.py, in a subprocess), with and without the fused q/k norm (against
+  ops.rms_norm first: its checks and bits), and compiled for sm_90a: no spills, no fma.
 """
 
 from __future__ import annotations
@@ -52,6 +53,42 @@ def test_equals_rope_then_write_kv_cache(t, hkv, group, d, page_size, extra, bf1
     written = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool)
     written[slots.long()] = True
     assert bool(kc.view(written.shape[0], hkv * d)[~written].isnan().all()), "a slot not in slot_mapping was written"
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(0, 30), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]), d=st.sampled_from([2, 6, 64]),
+       bf16=st.booleans(), native=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_qk_norm_equals_rms_norm_then_rope_write_kv(t, hkv, group, d, bf16, native, seed):
+    """qk_norm = (q weight, k weight, eps): the bits of ops.rms_norm on q and k, then the op."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    q, k, v, cos, sin, cache, slots = _case(t, hkv * group, hkv, d, 3, 1, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    wq, wk = (torch.randn(d, generator=g).to(dtype) for _ in range(2))
+    profile = "native" if native else "strict"
+    kc_ref, vc_ref, kc, vc = (cache.clone() for _ in range(4))
+    qn, kn = ops.rms_norm(q, wq, 1e-6, profile=profile), ops.rms_norm(k, wk, 1e-6, profile=profile)
+    want = ops.rope_write_kv(qn, kn, v, cos, sin, kc_ref, vc_ref, slots, profile=profile)
+    got = ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots, qk_norm=(wq, wk, 1e-6), profile=profile)
+    for name, a, b in (("q", got[0], want[0]), ("k", got[1], want[1]), ("k_cache", kc, kc_ref), ("v_cache", vc, vc_ref)):
+        assert bits_equal(a, b), name
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_qk_norm_checks_its_inputs_as_rms_norm(where):
+    """A NaN in q (or k) with qk_norm: rms_norm's own error (per-op policy), before anything is written; a weight
+    of the wrong size: rms_norm's message."""
+    q, k, v, cos, sin, cache, slots = _planted(where, float("nan"))
+    w = torch.ones(q.shape[-1])
+    kc, vc = cache.clone(), cache.clone()
+    with ops.use_check_policy("per-op"):
+        with pytest.raises(ContractError) as want:
+            ops.rms_norm({"q": q, "k": k}[where], w, 1e-6)
+        with pytest.raises(ContractError) as got:
+            ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots, qk_norm=(w, w, 1e-6))
+    assert str(got.value) == str(want.value) and "rms_norm" in str(got.value)
+    assert bool(kc.isnan().all()), "the cache was written before the norm's check failed"
+    with pytest.raises(ContractError, match="rms_norm.*weight shape"):
+        ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots, qk_norm=(w[:-1], w, 1e-6))
 
 
 def _planted(where: str, value: float):
@@ -139,7 +176,8 @@ def test_triton_kernel_compiles_for_sm90_without_spills():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: tests/cuda/test_cuda_rope_write_kv.py runs the kernel")
     kernels = run_worker(["-m", "tests.ops.rope_write_kv_worker", "--sm90"], interpret=False, timeout=900)["kernels"]
-    assert {r["kernel"] for r in kernels} == {"rope_write_kv_kernel", "rope_kernel"}
+    assert {r["kernel"] for r in kernels} == {"rope_write_kv_kernel", "rope_kernel", "rope_write_kv_kernel+norm",
+                                              "rms_fwd_kernel"}
     if any(r["ptxas"] is None for r in kernels):
         pytest.skip("Triton's ptxas could not be run here")
     for r in kernels:
@@ -154,6 +192,9 @@ def test_triton_kernel_compiles_for_sm90_without_spills():
         fused, alone = by[("rope_write_kv_kernel", dtype)], by[("rope_kernel", dtype)]
         assert fused["fma"] == alone["fma"] == 0, (fused, alone)
         assert fused["mul"] == 2 * alone["mul"] > 0, (fused, alone)
+        # the fused q/k norm and rms_norm's kernel: the same sum of squares, neither contracted into an fma
+        assert by[("rope_write_kv_kernel+norm", dtype)]["fma"] == by[("rms_fwd_kernel", dtype)]["fma"] == 0, by
+    # (the CUDA tier compares the fused norm's bits with rms_norm + rope_write_kv's)
 
 
 def test_disabling_one_of_the_rope_ops_disables_both():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from rlalign.ops.torch_backend import clib
+from rlalign.ops.torch_backend.norm import rms_norm
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -60,9 +61,12 @@ def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache.view(n_slots, *v_cache.shape[2:]).index_copy_(0, slots, v.detach())
 
 
-def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k):
-    """ops.rope_write_kv on the torch backend: rope of q and of k, ``check_k(rope(k), None)`` (the op's K
-    check, before anything is written, as write_kv_cache does), then the rows to their slots."""
+def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm=None):
+    """ops.rope_write_kv on the torch backend: (with ``qk_norm`` = (q weight, k weight, eps): rms_norm of q
+    and of k first) rope of q and of k, ``check_k(rope(k), None)`` (the op's K check, before anything is
+    written, as write_kv_cache does), then the rows to their slots."""
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
     q, k = rope(q, cos, sin), rope(k, cos, sin)
     check_k(k, None)
     write_kv_rows(k, v, k_cache, v_cache, slots)

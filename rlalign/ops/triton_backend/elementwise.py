@@ -18,7 +18,7 @@ du = dy silu(g), sig = 1 / (1 + exp(-g)).
 All elementwise: a value's result does not depend on where it sits (the compiled code is the
 same for every element; contraction of a*b+c into an fma, if any, is the same everywhere in one kernel).
 A formula inlined into two kernels whose results must agree (rope) is compiled without fma contraction
-(``rope_no_fma``): two kernels may contract the same expression differently.
+(``no_fma``): two kernels may contract the same expression differently.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from rlalign.ops.triton_backend._common import is_interpreter
 ELEM_BLOCK = 1024
 
 
-def rope_no_fma() -> dict:
+def no_fma() -> dict:
     """Triton's launch option for no a*b+c contraction into an fma anywhere in the kernel (PTX mul.rn / add.rn /
     sub.rn, each rounded once); the interpreter's numpy rounds each operation anyway and takes no such option."""
     return {} if is_interpreter() else {"enable_fp_fusion": False}
@@ -40,6 +40,18 @@ def rope_no_fma() -> dict:
 
 def _rows_per_program(block_h: int) -> int:
     return max(1, 4096 // block_h)
+
+
+@triton.jit
+def _rms_tile(x, W, cols, H, eps):
+    """(y, inv) of the rows of the fp32 tile x [ROWS, BH] (columns ``cols``, the first H real, the others 0):
+    ss = one tl.sum of x^2 per row, inv = 1 / sqrt_rn(ss / H + eps), y = (x * inv) * w in fp32 -- the one copy
+    of the formula (rms_fwd_kernel and rope_write_kv_kernel's fused q/k norm inline it on tiles of one shape and
+    layout, and both compile without fma contraction, so the sum's adds are the same instructions)."""
+    w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
+    ss = tl.sum(x * x, 1)
+    inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(ss, H * 1.0) + eps))
+    return (x * inv[:, None]) * w[None, :], inv
 
 
 @triton.jit
@@ -55,13 +67,22 @@ def rms_fwd_kernel(X, W, Y, INV, R, HS, n_rows, H, eps, ROWS: tl.constexpr, BH: 
     if HAS_RES:
         x = (x.to(tl.float32) + tl.load(R + offs, mask=ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
         tl.store(HS + offs, x, mask=ok)
-    x = x.to(tl.float32)
-    w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
-    ss = tl.sum(x * x, 1)
-    inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(ss, H * 1.0) + eps))
-    y = (x * inv[:, None]) * w[None, :]
+    y, inv = _rms_tile(x.to(tl.float32), W, cols, H, eps)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
     tl.store(INV + rows, inv, mask=rows < n_rows)
+
+
+@triton.jit
+def _normed_rows(X, W, Y, rows, n_rows, HALF, eps, BHALF: tl.constexpr):
+    """rms_fwd_kernel's rows ``rows`` of x [n_rows, 2 * HALF] (its tile: the same rows per program, 2 * BHALF
+    columns), rounded to Y's dtype and stored to Y; then a barrier, so that the program's threads read the
+    normed rows back (the rotation loads halves of them)."""
+    cols = tl.arange(0, 2 * BHALF)
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < 2 * HALF)
+    offs = rows[:, None].to(tl.int64) * (2 * HALF) + cols[None, :]
+    y, _ = _rms_tile(tl.load(X + offs, mask=ok, other=0.0).to(tl.float32), W, cols, 2 * HALF, eps)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -96,7 +117,7 @@ def _rope_rows(X, C, S, rows, n_rows, HEADS, HALF, SIGN: tl.constexpr, BHALF: tl
     s = tl.load(S + t_offs, mask=ok, other=0.0) * SIGN
     x1 = tl.load(X + base, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(X + base + HALF, mask=ok, other=0.0).to(tl.float32)
-    # every product and sum rounded on its own: the launches pass rope_no_fma() (no fma contraction; left to the
+    # every product and sum rounded on its own: the launches pass no_fma() (no fma contraction; left to the
     # compiler, ``x1 * c - x2 * s`` was contracted differently in rope_kernel and in rope_write_kv_kernel's k
     # branch: fp32 k differed in the last bit on the H200, session 13) -- torch's eager bits
     return x1 * c - x2 * s, x2 * c + x1 * s, base, ok
@@ -121,22 +142,32 @@ def _all_finite(y1, y2, ok):
 
 
 @triton.jit
-def rope_write_kv_kernel(Q, K, V, C, S, QO, KO, KC, VC, SLOTS, FLAGS, n_q_rows, n_k_rows, HQ, HKV, HALF,
-                         Q_PROGRAMS, ROWS: tl.constexpr, BHALF: tl.constexpr):
+def rope_write_kv_kernel(Q, K, V, C, S, QO, KO, KC, VC, SLOTS, FLAGS, QW, KW, eps, n_q_rows, n_k_rows, HQ, HKV,
+                         HALF, Q_PROGRAMS, ROWS: tl.constexpr, BHALF: tl.constexpr, NORM: tl.constexpr = False):
     """Programs [0, Q_PROGRAMS) rotate ROWS (token, head) rows of q; the others ROWS rows of k each: rotate,
     store the rotated k (KO) and, at the token's cache slot, the rotated k (KC) and v's row unchanged (VC:
     an exact copy, no conversion), and write FLAGS[program - Q_PROGRAMS] = 1 if every rotated k element
-    (after the rounding to the cache dtype, the value the cache holds) is finite, else 0."""
+    (after the rounding to the cache dtype, the value the cache holds) is finite, else 0. NORM: q's and k's
+    rows are first RMS-normalised over the head dim (weights QW / KW: the q_norm / k_norm of Qwen3) into
+    QO / KO, rms_fwd_kernel's bits, and the rotation reads them from there."""
     pid = tl.program_id(0)
     if pid < Q_PROGRAMS:
         rows = pid * ROWS + tl.arange(0, ROWS)
-        y1, y2, base, ok = _rope_rows(Q, C, S, rows, n_q_rows, HQ, HALF, 1.0, BHALF)
+        if NORM:
+            _normed_rows(Q, QW, QO, rows, n_q_rows, HALF, eps, BHALF)
+            y1, y2, base, ok = _rope_rows(QO, C, S, rows, n_q_rows, HQ, HALF, 1.0, BHALF)
+        else:
+            y1, y2, base, ok = _rope_rows(Q, C, S, rows, n_q_rows, HQ, HALF, 1.0, BHALF)
         tl.store(QO + base, y1.to(QO.dtype.element_ty), mask=ok)
         tl.store(QO + base + HALF, y2.to(QO.dtype.element_ty), mask=ok)
     else:
         kp = pid - Q_PROGRAMS
         rows = kp * ROWS + tl.arange(0, ROWS)
-        y1, y2, base, ok = _rope_rows(K, C, S, rows, n_k_rows, HKV, HALF, 1.0, BHALF)
+        if NORM:
+            _normed_rows(K, KW, KO, rows, n_k_rows, HALF, eps, BHALF)
+            y1, y2, base, ok = _rope_rows(KO, C, S, rows, n_k_rows, HKV, HALF, 1.0, BHALF)
+        else:
+            y1, y2, base, ok = _rope_rows(K, C, S, rows, n_k_rows, HKV, HALF, 1.0, BHALF)
         k1, k2 = y1.to(KO.dtype.element_ty), y2.to(KO.dtype.element_ty)
         tl.store(KO + base, k1, mask=ok)
         tl.store(KO + base + HALF, k2, mask=ok)
@@ -197,7 +228,7 @@ def rms_forward(x2d: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.
         bh, rows, warps = _rms_launch_shape(h)
         rms_fwd_kernel[(triton.cdiv(n, rows),)](x2d, w, y, inv, residual if stream is not None else x2d,
                                                 stream if stream is not None else y, n, h, float(eps), ROWS=rows,
-                                                BH=bh, HAS_RES=stream is not None, num_warps=warps)
+                                                BH=bh, HAS_RES=stream is not None, num_warps=warps, **no_fma())
     return (y, inv) if stream is None else (y, inv, stream)
 
 
@@ -254,7 +285,7 @@ def _rope_launch(x, cos, sin, sign):
     if n:
         bhalf, rows = _rope_rows_per_program(half)
         rope_kernel[(triton.cdiv(n, rows),)](x, cos, sin, y, n, heads, half, SIGN=sign, ROWS=rows, BHALF=bhalf,
-                                             num_warps=4, **rope_no_fma())
+                                             num_warps=4, **no_fma())
     return y
 
 
@@ -283,11 +314,13 @@ def _rope_rows_per_program(half: int) -> tuple[int, int]:
     return bhalf, max(1, 2048 // bhalf)
 
 
-def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k):
+def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm=None):
     """ops.rope_write_kv on the Triton backend: one launch (rope_write_kv_kernel), then
     ``check_k(rope(k), verdict)`` with the kernel's verdict (its per-program flags, one reduction: two
     kernels per layer for the rotations, the cache write and the K check, which were six). The rotated
-    tensors have rope_kernel's bits (same inlined formula, same row tiles). No autograd (decode, prefill)."""
+    tensors have rope_kernel's bits (same inlined formula, same row tiles); with ``qk_norm`` = (q weight,
+    k weight, eps), of the rows normalised first in the same launch with rms_norm's bits (its tile: the rope's
+    rows per program are rms_norm's for a head-dim row, 4,096 / next_pow2(D), on 4 warps). No autograd."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     t, hq, d = q.shape
@@ -296,10 +329,13 @@ def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k):
     bhalf, rows = _rope_rows_per_program(d // 2)
     q_programs, k_programs = triton.cdiv(t * hq, rows), triton.cdiv(t * hkv, rows)
     flags = torch.empty(k_programs, dtype=torch.int8, device=k.device)
+    qw, kw, eps = (qk_norm[0].contiguous(), qk_norm[1].contiguous(), float(qk_norm[2])) if qk_norm else (q, q, 0.0)
+    if qk_norm and (_rms_launch_shape(d)[1:] != (rows, 4) or 2 * bhalf != _rms_launch_shape(d)[0]):
+        raise AssertionError(f"rope_write_kv: the rope's tile ({rows} rows) is not rms_norm's for head_dim {d}")
     if t:
         rope_write_kv_kernel[(q_programs + k_programs,)](
-            q, k, v, cos, sin, qo, ko, k_cache, v_cache, slots, flags, t * hq, t * hkv, hq, hkv, d // 2,
-            q_programs, ROWS=rows, BHALF=bhalf, num_warps=4, **rope_no_fma())
+            q, k, v, cos, sin, qo, ko, k_cache, v_cache, slots, flags, qw, kw, eps, t * hq, t * hkv, hq, hkv, d // 2,
+            q_programs, ROWS=rows, BHALF=bhalf, NORM=qk_norm is not None, num_warps=4, **no_fma())
     check_k(ko, flags.view(torch.bool).all())
     return qo, ko
 
