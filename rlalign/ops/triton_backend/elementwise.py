@@ -10,15 +10,16 @@ dy x inv, as per-program partials over fixed row groups summed in program order.
 rope (rotate-half): y1 = x1 c - x2 s, y2 = x2 c + x1 s in fp32 (cos/sin fp32 tables), one rounding;
 backward: dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s. The formula is written once (``_rope_rows``), inlined by
 rope_kernel and by rope_write_kv_kernel: the paged forward's per-layer rope of q and k, KV-cache write of the
-rotated k and of v, and the flags of its K finiteness check, in one launch (ops.rope_write_kv).
+rotated k and of v, and the flags of its K finiteness check, in one launch (ops.rope_write_kv) -- with Qwen3's
+q/k norms first when asked (``_rms_tile``, rms_fwd_kernel's formula on its tile).
 
 silu_mul: y = g / (1 + exp(-g)) * u in fp32, one rounding; backward dg = dy u sig (1 + g (1 - sig)),
 du = dy silu(g), sig = 1 / (1 + exp(-g)).
 
 All elementwise: a value's result does not depend on where it sits (the compiled code is the
 same for every element; contraction of a*b+c into an fma, if any, is the same everywhere in one kernel).
-A formula inlined into two kernels whose results must agree (rope) is compiled without fma contraction
-(``no_fma``): two kernels may contract the same expression differently.
+A formula inlined into two kernels whose results must agree (rope; rms_norm's sum of squares) is compiled without
+fma contraction (``no_fma``): two kernels may contract the same expression differently.
 """
 
 from __future__ import annotations
