@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign.contract.errors import fail
+
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: the pointer path is used everywhere
@@ -142,3 +144,37 @@ def split_for(dtype: torch.dtype) -> bool:
     """Whether fp32 operands take the bf16x3 split. The CPU interpreter mis-rounds bf16, so its
     fp32 kernels use an exact fp32 dot instead (it only checks indexing and masking)."""
     return dtype == torch.float32 and not is_interpreter()
+
+
+# Arrival counters ("the last program to arrive does the reduction": attention's fused-merge split launch, one
+# per item; rope_write_kv's K verdict, one per launch): int32, zero between launches (the last program resets its
+# counter). One buffer per (device, capacity: a power of 2 >= 1,024, owner),
+# allocated and zeroed on the first launch that needs it and kept for the process (a captured graph holds its
+# address), so a launch inside a CUDA-graph capture allocates nothing -- and is refused if no launch of its
+# size class ran before the capture (a warm-up call, as graph captures do anyway).
+# Streams: a buffer serves one launch at a time. Eager launches from another stream than the buffer's last
+# one first wait for that stream (torch stream order), so launches on concurrent streams run one after the
+# other; a graph replay is ordered only on the stream that replays it, so replays of graphs holding fused
+# launches must not overlap fused launches on other streams of the device (the rollout engine decodes on one
+# stream).
+_ARRIVAL_COUNTERS: dict[tuple[str, int, str], torch.Tensor] = {}
+_COUNTER_STREAMS: dict[tuple[str, int, str], object] = {}
+_MIN_COUNTERS = 1024
+
+
+def arrival_counters(device: torch.device, items: int, op: str = "attention_paged") -> torch.Tensor:
+    """The zeroed int32 arrival counters (>= ``items``) of ``op``'s launches on ``device`` (its own buffers)."""
+    key = (str(device), max(_MIN_COUNTERS, triton.next_power_of_2(items)), op)
+    buf = _ARRIVAL_COUNTERS.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if buf is None:
+        if capturing:
+            raise fail(op, f"the launch of {items} items has no arrival counters yet; run the decode step once "
+                           "before capturing it in a CUDA graph")
+        buf = _ARRIVAL_COUNTERS[key] = torch.zeros(key[1], dtype=torch.int32, device=device)
+    if device.type == "cuda" and not capturing:
+        stream, last = torch.cuda.current_stream(device), _COUNTER_STREAMS.get(key)
+        if last is not None and last != stream:
+            stream.wait_stream(last)
+        _COUNTER_STREAMS[key] = stream
+    return buf

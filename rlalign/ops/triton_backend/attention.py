@@ -67,7 +67,8 @@ import triton.language as tl
 from rlalign.contract import spec
 from rlalign.contract.errors import fail
 from rlalign.ops import _checks as chk
-from rlalign.ops.triton_backend._common import device_sms, forced_tile, is_interpreter, mma, split_for
+from rlalign.ops.triton_backend._common import (_ARRIVAL_COUNTERS, arrival_counters, device_sms, forced_tile,
+                                                 is_interpreter, mma, split_for)
 
 KV_BLOCK = spec.ATTN_KV_BLOCK
 KV_SPLIT = spec.ATTN_KV_SPLIT
@@ -770,39 +771,6 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
                                                hq, SPLIT_KEYS=KV_SPLIT, UNROLL=launch.merge_unroll, num_stages=1,
                                                **meta)
     return out, lse
-
-
-# The arrival counters of fused-merge split launches: one int32 per item, zero between launches (the last
-# program of an item resets its counter). One buffer per (device, capacity: a power of 2 >= 1,024 items),
-# allocated and zeroed on the first launch that needs it and kept for the process (a captured graph holds its
-# address), so a launch inside a CUDA-graph capture allocates nothing -- and is refused if no launch of its
-# size class ran before the capture (a warm-up call, as graph captures do anyway).
-# Streams: a buffer serves one launch at a time. Eager launches from another stream than the buffer's last
-# one first wait for that stream (torch stream order), so launches on concurrent streams run one after the
-# other; a graph replay is ordered only on the stream that replays it, so replays of graphs holding fused
-# launches must not overlap fused launches on other streams of the device (the rollout engine decodes on one
-# stream).
-_ARRIVAL_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
-_COUNTER_STREAMS: dict[tuple[str, int], object] = {}
-_MIN_COUNTERS = 1024
-
-
-def arrival_counters(device: torch.device, items: int) -> torch.Tensor:
-    """The zeroed int32 arrival counters (>= ``items``) of a fused-merge split launch on ``device``."""
-    key = (str(device), max(_MIN_COUNTERS, triton.next_power_of_2(items)))
-    buf = _ARRIVAL_COUNTERS.get(key)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if buf is None:
-        if capturing:
-            raise fail("attention_paged", f"the fused-merge split launch of {items} items has no arrival counters "
-                                          "yet; run the decode step once before capturing it in a CUDA graph")
-        buf = _ARRIVAL_COUNTERS[key] = torch.zeros(key[1], dtype=torch.int32, device=device)
-    if device.type == "cuda" and not capturing:
-        stream, last = torch.cuda.current_stream(device), _COUNTER_STREAMS.get(key)
-        if last is not None and last != stream:
-            stream.wait_stream(last)
-        _COUNTER_STREAMS[key] = stream
-    return buf
 
 
 def _register_cap(launch: DecodeLaunch, tile) -> dict:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlalign.ops.triton_backend._common import is_interpreter
+from rlalign.ops.triton_backend._common import arrival_counters, is_interpreter
 
 ELEM_BLOCK = 1024
 
@@ -143,12 +143,14 @@ def _all_finite(y1, y2, ok):
 
 
 @triton.jit
-def rope_write_kv_kernel(Q, K, V, C, S, QO, KO, KC, VC, SLOTS, FLAGS, QW, KW, eps, n_q_rows, n_k_rows, HQ, HKV,
-                         HALF, Q_PROGRAMS, ROWS: tl.constexpr, BHALF: tl.constexpr, NORM: tl.constexpr = False):
+def rope_write_kv_kernel(Q, K, V, C, S, QO, KO, KC, VC, SLOTS, FLAGS, VERDICT, ARRIVED, QW, KW, eps, n_q_rows,
+                         n_k_rows, HQ, HKV, HALF, Q_PROGRAMS, ROWS: tl.constexpr, BHALF: tl.constexpr,
+                         NORM: tl.constexpr = False):
     """Programs [0, Q_PROGRAMS) rotate ROWS (token, head) rows of q; the others ROWS rows of k each: rotate,
     store the rotated k (KO) and, at the token's cache slot, the rotated k (KC) and v's row unchanged (VC:
     an exact copy, no conversion), and write FLAGS[program - Q_PROGRAMS] = 1 if every rotated k element
-    (after the rounding to the cache dtype, the value the cache holds) is finite, else 0. NORM: q's and k's
+    (after the rounding to the cache dtype, the value the cache holds) is finite, else 0; the last k program
+    to finish writes their AND to VERDICT (int8, 0-dim; ARRIVED: its arrival counter). NORM: q's and k's
     rows are first RMS-normalised over the head dim (weights QW / KW: the q_norm / k_norm of Qwen3) into
     QO / KO, rms_fwd_kernel's bits, and the rotation reads them from there."""
     pid = tl.program_id(0)
@@ -181,6 +183,22 @@ def rope_write_kv_kernel(Q, K, V, C, S, QO, KO, KC, VC, SLOTS, FLAGS, QW, KW, ep
         tl.store(VC + dst, tl.load(V + base, mask=ok), mask=ok)
         tl.store(VC + dst + HALF, tl.load(V + base + HALF, mask=ok), mask=ok)
         tl.store(FLAGS + kp, _all_finite(k1.to(tl.float32), k2.to(tl.float32), ok).to(tl.int8))
+        _verdict_if_last(FLAGS, VERDICT, ARRIVED, tl.num_programs(0) - Q_PROGRAMS)
+
+
+@triton.jit
+def _verdict_if_last(FLAGS, VERDICT, ARRIVED, n_flags, BLOCK: tl.constexpr = 1024):
+    """The k programs' verdict, by the one that arrives last (attention's fused merge's pattern: a barrier puts
+    the program's flag store before its acq_rel arrival, so the last one's loads see every flag): VERDICT = 1 if
+    every FLAGS[0 .. n_flags) is 1, else 0; the counter back to 0. No reduction kernel of its own per layer."""
+    tl.debug_barrier()
+    if tl.atomic_add(ARRIVED, 1, sem="acq_rel", scope="gpu") == n_flags - 1:
+        tl.store(ARRIVED, 0)
+        ok = tl.full((), 1, tl.int32)
+        for first in range(0, n_flags, BLOCK):
+            idx = first + tl.arange(0, BLOCK)
+            ok = tl.minimum(ok, tl.min(tl.load(FLAGS + idx, mask=idx < n_flags, other=1).to(tl.int32), 0))
+        tl.store(VERDICT, ok.to(tl.int8))
 
 
 @triton.jit
@@ -317,8 +335,8 @@ def _rope_rows_per_program(half: int) -> tuple[int, int]:
 
 def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm=None):
     """ops.rope_write_kv on the Triton backend: one launch (rope_write_kv_kernel), then
-    ``check_k(rope(k), verdict)`` with the kernel's verdict (its per-program flags, one reduction: two
-    kernels per layer for the rotations, the cache write and the K check, which were six). The rotated
+    ``check_k(rope(k), verdict)`` with the kernel's verdict (its per-program flags, ANDed by the last k program:
+    one kernel per layer for the rotations, the cache write and the K check, which were six). The rotated
     tensors have rope_kernel's bits (same inlined formula, same row tiles); with ``qk_norm`` = (q weight,
     k weight, eps), of the rows normalised first in the same launch with rms_norm's bits (its tile: the rope's
     rows per program are rms_norm's for a head-dim row, 4,096 / next_pow2(D), on 4 warps). No autograd."""
@@ -330,14 +348,16 @@ def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm=N
     bhalf, rows = _rope_rows_per_program(d // 2)
     q_programs, k_programs = triton.cdiv(t * hq, rows), triton.cdiv(t * hkv, rows)
     flags = torch.empty(k_programs, dtype=torch.int8, device=k.device)
+    verdict = torch.empty((), dtype=torch.int8, device=k.device)
     qw, kw, eps = (qk_norm[0].contiguous(), qk_norm[1].contiguous(), float(qk_norm[2])) if qk_norm else (q, q, 0.0)
     if qk_norm and (_rms_launch_shape(d)[1:] != (rows, 4) or 2 * bhalf != _rms_launch_shape(d)[0]):
         raise AssertionError(f"rope_write_kv: the rope's tile ({rows} rows) is not rms_norm's for head_dim {d}")
     if t:
         rope_write_kv_kernel[(q_programs + k_programs,)](
-            q, k, v, cos, sin, qo, ko, k_cache, v_cache, slots, flags, qw, kw, eps, t * hq, t * hkv, hq, hkv, d // 2,
+            q, k, v, cos, sin, qo, ko, k_cache, v_cache, slots, flags, verdict,
+            arrival_counters(k.device, 1, "rope_write_kv"), qw, kw, eps, t * hq, t * hkv, hq, hkv, d // 2,
             q_programs, ROWS=rows, BHALF=bhalf, NORM=qk_norm is not None, num_warps=4, **no_fma())
-    check_k(ko, flags.view(torch.bool).all())
+    check_k(ko, verdict.view(torch.bool))
     return qo, ko
 
 
