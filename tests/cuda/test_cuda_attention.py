@@ -432,9 +432,9 @@ def _fused_launch(**changes):
 
 
 def _counters_zero():
-    from rlalign.ops.triton_backend import attention as A
+    from rlalign.ops.triton_backend import _common as C
     torch.cuda.synchronize()
-    return all(int(buf.abs().max()) == 0 for buf in A._ARRIVAL_COUNTERS.values())
+    return all(int(buf.abs().max()) == 0 for buf in C._ARRIVAL_COUNTERS.values())
 
 
 def test_fused_merge_equals_both_launches(triton_backend):

@@ -41,7 +41,7 @@ from hypothesis import Phase, given, settings, strategies as st
 from rlalign.contract.bits import bits_equal, describe_difference
 from rlalign.contract.spec import ATTN_KV_SPLIT as S
 from rlalign.ops import capturing_graph
-from rlalign.ops.triton_backend import attention as A
+from rlalign.ops.triton_backend import _common as C, attention as A
 from rlalign.ops.triton_backend._common import num_sms
 
 # no shrinking: every example runs interpreted kernels; the assertion messages name the shapes
@@ -146,7 +146,7 @@ def launches_same_bits(n_seq, page, group, d, seed, data):
 
 def counters_zero():
     """Every arrival-counter buffer is back at zero (the last program of each item reset its counter)."""
-    return all(int(buf.abs().max()) == 0 for buf in A._ARRIVAL_COUNTERS.values())
+    return all(int(buf.abs().max()) == 0 for buf in C._ARRIVAL_COUNTERS.values())
 
 
 # the split launch with attn_merge_kernel (SPLIT_DECODE folds in the item's last program since 2026-12-02)
@@ -182,7 +182,7 @@ def fused_merge_same_bits(n_seq, page, group, hkv, seed, data):
         assert bits_equal(two, item), f"{where}: two-kernel split vs per-item: {describe_difference(two, item)}"
         assert bits_equal(one, item), f"{where}: fused split vs per-item: {describe_difference(one, item)}"
         assert counters_zero(), f"{where}: arrival counters not reset"
-        ids = {k: v.data_ptr() for k, v in A._ARRIVAL_COUNTERS.items()}
+        ids = {k: v.data_ptr() for k, v in C._ARRIVAL_COUNTERS.items()}
         assert buffers is None or ids == buffers, f"{where}: the counter buffer was reallocated"
         buffers = ids
 
@@ -214,8 +214,8 @@ def fused_merge_multi_tile(n_seq, seed, data):
 def counters_refused_in_a_capture():
     """A capture allocates nothing: a fused launch of a size class no eager launch has used fails closed."""
     from rlalign.contract.errors import ContractError
-    saved, capturing = dict(A._ARRIVAL_COUNTERS), torch.cuda.is_current_stream_capturing
-    A._ARRIVAL_COUNTERS.clear()
+    saved, capturing = dict(C._ARRIVAL_COUNTERS), torch.cuda.is_current_stream_capturing
+    C._ARRIVAL_COUNTERS.clear()
     torch.cuda.is_current_stream_capturing = lambda: True
     try:
         A.arrival_counters(torch.device("cuda", 0), 10)
@@ -224,8 +224,8 @@ def counters_refused_in_a_capture():
         assert "run the decode step once before capturing" in str(exc), str(exc)
     finally:
         torch.cuda.is_current_stream_capturing = capturing
-        assert not A._ARRIVAL_COUNTERS, "a counter buffer was allocated inside the capture"
-        A._ARRIVAL_COUNTERS.update(saved)
+        assert not C._ARRIVAL_COUNTERS, "a counter buffer was allocated inside the capture"
+        C._ARRIVAL_COUNTERS.update(saved)
 
 
 def counters_one_buffer_per_size_class():

@@ -67,8 +67,7 @@ import triton.language as tl
 from rlalign.contract import spec
 from rlalign.contract.errors import fail
 from rlalign.ops import _checks as chk
-from rlalign.ops.triton_backend._common import (_ARRIVAL_COUNTERS, arrival_counters, device_sms, forced_tile,
-                                                 is_interpreter, mma, split_for)
+from rlalign.ops.triton_backend._common import arrival_counters, device_sms, forced_tile, is_interpreter, mma, split_for
 
 KV_BLOCK = spec.ATTN_KV_BLOCK
 KV_SPLIT = spec.ATTN_KV_SPLIT
