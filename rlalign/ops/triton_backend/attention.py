@@ -170,7 +170,10 @@ ITEM_DECODE = DecodeLaunch()
 SPLIT_DECODE = DecodeLaunch(merge_unroll=16, fused_merge=True, fold_rows=4)
 STREAM_DECODE = DecodeLaunch(programs_per_sm=2, stream=True)
 # Decode-tile paged calls with at least STREAM_MIN_ITEMS_PER_SM items per SM (and not the split launch) take the
-# streamed launch. (Provisional, session 18: to be set by bench/gpu_attention.py --sweep-decode on the H200.)
+# streamed launch. H200, 2026-12-03 (session 18, bench/gpu_2026-12-03-s18/call_c1, --sweep-decode at 244 sequences x
+# 484 context, 32/8 heads: 1,952 items, ~15 per SM): streamed 0.1635 ms vs per-item 0.1695, raw bits equal. From 1 to
+# 4 items per SM the per-item launch stays (not measured there: where two programs per SM hold one item each, the
+# streamed launch's range cut at item starts would leave SMs idle).
 STREAM_MIN_ITEMS_PER_SM = 4
 # Paged calls on the decode tile whose one-program-per-item grid (items = tiles x sequences x kv heads) has at
 # most SPLIT_MAX_ITEMS_PER_SM items per SM spread each item's key splits over several programs (the split
