@@ -498,8 +498,7 @@ TRITON_PLAIN_CANDIDATES = (("128x128/w8/s3/flat", dict(block_m=128, block_n=128,
 
 def ws_label(cfg) -> str:
     if not hasattr(cfg, "release"):   # a Triton GemmConfig
-        return "triton " + next((name for name, kw in TRITON_PLAIN_CANDIDATES
-                                 if all(getattr(cfg, k) == v for k, v in kw.items())), repr(cfg))
+        return "triton " + next((name for name, kw in TRITON_PLAIN_CANDIDATES if type(cfg)(**kw) == cfg), repr(cfg))
     return (f"gluon {cfg.block_m}x{cfg.block_n}/s{cfg.stages}" + (f"/k{cfg.block_k}" if cfg.block_k != 64 else "")
             + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "") + (f"/{cfg.release}" if cfg.release != "cta" else "")
             + ("/out_alias" if cfg.out_alias else ""))
@@ -590,7 +589,10 @@ def print_ws(rows: list[dict]) -> None:
     from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS
     current = repr(DEFAULT_WS)
     triton_gm = gm.get("default", float("nan"))   # the "default" rows are the Triton kernel's
-    if best is None:
+    if best is not None and best.startswith("GemmConfig"):
+        print(f"FASTEST: the Triton kernel's tile {best} (cuBLAS/ours {gm[best]:.3f}, geometric mean, {len(cases)} "
+              f"cases; gemm.pick_config decides which tile a call gets, not DEFAULT_WS)")
+    elif best is None:
         print("ONE-LINE CHANGE: none (no Gluon candidate bit-equal in every case)")
     elif best == current or gm[best] <= gm.get(current, 0.0):
         print(f"ONE-LINE CHANGE: none (DEFAULT_WS is the fastest bit-equal launch: {gm.get(current, float('nan')):.3f}; "
