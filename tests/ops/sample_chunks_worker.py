@@ -76,18 +76,13 @@ def _logits(rows, vocab, seed, width, rounded):
 
 
 def plant_defect(logits, params, defect, row, col):
-    """Write a DEFECTS entry at (row, col): into the logits, or the row's temperature (in place)."""
-    if defect == "nan":
-        logits[row, col] = float("nan")
-    elif defect == "posinf":
-        logits[row, col] = float("inf")
-    elif defect == "neginf_row":
-        logits[row] = float("-inf")
-    elif defect == "overflow":
-        logits[row, col] = 3.0e38
-        params[3][row] = 0.25
-    elif defect == "temperature":   # a bad parameter (flag 1; its z flag sees x / -0.5 on the padded lanes too)
+    """Write a DEFECTS entry at (row, col): into the logits (sample_checks_worker's logit defects), or the row's
+    temperature (in place)."""
+    from tests.ops.sample_checks_worker import plant_logit_defect
+    if defect == "temperature":   # a bad parameter (flag 1; its z flag sees x / -0.5 on the padded lanes too)
         params[3][row] = -0.5
+    else:
+        plant_logit_defect(logits, params[3], defect, row, col)
 
 
 def launch(logits, params, chunk_blocks):

@@ -274,6 +274,14 @@ def _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, s
 
 
 @triton.jit
+def _fresh_state(BM: tl.constexpr, DP: tl.constexpr):
+    """(m, l, acc) of a split and (M, L, ACC) of the merged total, fresh: (-inf, 0, 0) each."""
+    m = tl.full((BM,), float("-inf"), tl.float32)
+    acc = tl.zeros((BM, DP), tl.float32)
+    return m, tl.zeros((BM,), tl.float32), acc, m, tl.zeros((BM,), tl.float32), acc
+
+
+@triton.jit
 def _merge_split(M, L, ACC, m, l, acc, sees):
     """Fold one key split's partial (m, l, acc), computed from a fresh state, into the running total
     (M, L, ACC) of the rows that see the split (the others keep their total, selected):
@@ -364,12 +372,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
     hq_total = stride_qt // stride_qh                  # q is [T, Hq, D] contiguous
     part_row = q_rows * hq_total + head
 
-    m = tl.full((BM,), float("-inf"), tl.float32)
-    l = tl.zeros((BM,), tl.float32)
-    acc = tl.zeros((BM, DP), tl.float32)
-    M = tl.full((BM,), float("-inf"), tl.float32)
-    L = tl.zeros((BM,), tl.float32)
-    ACC = tl.zeros((BM, DP), tl.float32)
+    m, l, acc, M, L, ACC = _fresh_state(BM, DP)
     for i in range(n_iter):
         sp = sp_first + (i // BPS) * P
         if (i % BPS == 0) & (i > 0):
@@ -557,12 +560,7 @@ def attn_stream_kernel(Q, K, V, O, INFO, Q_ROWS, KV_ROWS, BOUNDS, qk_scale2, G: 
     lane = tl.arange(0, STREAM_INFO)
     keys = tl.arange(0, BN)
     r = tl.arange(0, BM)
-    m = tl.full((BM,), float("-inf"), tl.float32)
-    l = tl.zeros((BM,), tl.float32)
-    acc = tl.zeros((BM, DP), tl.float32)
-    M = tl.full((BM,), float("-inf"), tl.float32)
-    L = tl.zeros((BM,), tl.float32)
-    ACC = tl.zeros((BM, DP), tl.float32)
+    m, l, acc, M, L, ACC = _fresh_state(BM, DP)
     for e in range(e_first, e_end):
         e64 = tl.cast(e, tl.int64)
         info = tl.load(INFO + e64 * STREAM_INFO + lane)
@@ -576,12 +574,8 @@ def attn_stream_kernel(Q, K, V, O, INFO, Q_ROWS, KV_ROWS, BOUNDS, qk_scale2, G: 
             M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (j - BPS) * BN)
             m = tl.full((BM,), float("-inf"), tl.float32)
             l = tl.zeros((BM,), tl.float32)
-        if (flags & FIRST_BLOCK) != 0:        # a new item: the fresh state
-            m = tl.full((BM,), float("-inf"), tl.float32)
-            l = tl.zeros((BM,), tl.float32)
-            M = tl.full((BM,), float("-inf"), tl.float32)
-            L = tl.zeros((BM,), tl.float32)
-            ACC = tl.zeros((BM, DP), tl.float32)
+        if (flags & FIRST_BLOCK) != 0:        # a new item: the fresh state (acc restarts through alpha = 0)
+            m, l, acc_unused, M, L, ACC = _fresh_state(BM, DP)
         m, l, acc = _visit_rows(j, q, pos, m, l, acc, kv_rows, kv_rows >= 0, 0, K, V, qk_scale2, dcol, D, 0, D, BN,
                                 SPLIT, ROWWISE)
         if (flags & LAST_BLOCK) != 0:
