@@ -183,7 +183,8 @@ def _op_launch(A, batch: int, hq: int, hkv: int, table_keys: int, q) -> str:
     items = A.decode_items(1, batch, hq, hkv)
     if A.use_split_programs(items, table_keys, A.split_scratch_bytes(batch, hq, D, table_keys), A.device_sms(q)):
         return "split"
-    return "stream" if A.use_stream(items, batch * table_keys * hkv * D, A.device_sms(q)) else "item"
+    work = A.stream_work_bytes(batch, hkv, table_keys, A.DECODE_TILE[0])
+    return "stream" if A.use_stream(items, batch * table_keys * hkv * D, A.device_sms(q), work) else "item"
 
 
 # --sweep-decode: candidate DecodeLaunch configs of both launches, timed as CUDA-graph replays of a decode step

@@ -325,6 +325,9 @@ def stream_chosen_by_shape():
         if A.use_stream(items, 10 ** 6, 4):
             assert A.use_stream(items + 1, 10 ** 6, 4), f"use_stream not monotone at {items} items"
     assert not A.use_stream(10 ** 6, 2 ** 31, 4), "a cache past int32 offsets taken by the streamed launch"
+    wide = A.stream_work_bytes(512, 8, 32768, 64)   # 512 sequences x 8 kv heads at a 32k-key table: 1.1 GB
+    assert wide > A.STREAM_WORK_MAX_BYTES and not A.use_stream(4096, 10 ** 6, 4, wide), wide
+    assert A.use_stream(4096, 10 ** 6, 4, A.stream_work_bytes(256, 8, 640, 64)), "the 8B rollout's shape not streamed"
 
 
 CHECKS = (chooser_monotone, chooser_shape_only, launches_same_bits, fused_merge_same_bits, fused_merge_multi_tile,

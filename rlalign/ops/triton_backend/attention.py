@@ -175,6 +175,10 @@ STREAM_DECODE = DecodeLaunch(programs_per_sm=2, stream=True)
 # 4 items per SM the per-item launch stays (not measured there: where two programs per SM hold one item each, the
 # streamed launch's range cut at item starts would leave SMs idle).
 STREAM_MIN_ITEMS_PER_SM = 4
+# the work entries are sized by the block table's width (a capture cannot know the contexts): 544 B per (sequence,
+# kv head, 64-key block) at 64-row tiles -- 11 MB for 256 sequences x 8 kv heads x 640 keys, 1.1 GB for 512 at a 32k-key
+# table, where the per-item launch (nothing to build) is taken instead
+STREAM_WORK_MAX_BYTES = 256 << 20
 # Paged calls on the decode tile whose one-program-per-item grid (items = tiles x sequences x kv heads) has at
 # most SPLIT_MAX_ITEMS_PER_SM items per SM spread each item's key splits over several programs (the split
 # launch), if there are several splits in the block table's width and the fp32 partials stay under
@@ -806,12 +810,20 @@ def use_split_programs(items: int, table_keys: int, scratch_bytes: int, sms: int
             and scratch_bytes <= SPLIT_SCRATCH_MAX_BYTES)
 
 
-def use_stream(items: int, elements: int, sms: int) -> bool:
+def stream_work_bytes(n_seq: int, hkv: int, table_keys: int, bm: int) -> int:
+    """Bytes of a streamed launch's work entries: one per (sequence, kv head, key block of the table's width),
+    each an INFO row, BM query rows and KV_BLOCK cache rows (int32)."""
+    return n_seq * hkv * triton.cdiv(table_keys, KV_BLOCK) * (STREAM_INFO.value + bm + KV_BLOCK) * 4
+
+
+def use_stream(items: int, elements: int, sms: int, work_bytes: int = 0) -> bool:
     """Whether a decode-tile paged call that does not take the split launch takes the streamed one (speed
     only: the same bits). A function of the shapes alone, as :func:`use_split_programs`: ``items``
-    (:func:`decode_items`) at least STREAM_MIN_ITEMS_PER_SM per SM, and ``elements`` -- the most elements of
-    q and of a cache -- below 2**31 (the streamed kernel's offsets are int32: fewer registers, no spills)."""
-    return items >= STREAM_MIN_ITEMS_PER_SM * sms and elements < 2 ** 31
+    (:func:`decode_items`) at least STREAM_MIN_ITEMS_PER_SM per SM; ``elements`` -- the most elements of
+    q and of a cache -- below 2**31 (the streamed kernel's offsets are int32: fewer registers, no spills);
+    the work entries (:func:`stream_work_bytes`, sized by the table's width) within STREAM_WORK_MAX_BYTES."""
+    return (items >= STREAM_MIN_ITEMS_PER_SM * sms and elements < 2 ** 31
+            and work_bytes <= STREAM_WORK_MAX_BYTES)
 
 
 def _stream_work(cu, kv_len, pos0, bt, hkv: int, g: int, page_size: int, bm: int, programs: int):
@@ -944,7 +956,9 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     one_tile = max_q * (hq // hkv) <= (forced[0] if forced else DECODE_TILE[0])   # one query tile per sequence
     if stream is None:
         stream = (decode_tile and one_tile and not split_programs and stream_layout_ok(k_cache, v_cache)
-                  and use_stream(items, max(q.numel(), k_cache.numel(), v_cache.numel()), device_sms(q)))
+                  and use_stream(items, max(q.numel(), k_cache.numel(), v_cache.numel()), device_sms(q),
+                                 stream_work_bytes(cu.shape[0] - 1, hkv, table_keys,
+                                                   forced[0] if forced else DECODE_TILE[0])))
     if stream and split_programs:
         raise fail("attention_paged", "stream=True and split_programs=True are two different launches; pick one")
     if stream and not one_tile:
@@ -1042,4 +1056,4 @@ def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sc
 __all__ = ["attention_varlen", "attention_paged", "varlen_forward", "paged_forward", "varlen_backward",
            "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK", "DecodeLaunch", "BackwardLaunch", "BWD_LAUNCH",
            "ITEM_DECODE", "SPLIT_DECODE", "STREAM_DECODE",
-           "decode_items", "use_split_programs", "use_stream", "arrival_counters"]
+           "decode_items", "use_split_programs", "use_stream", "stream_work_bytes", "arrival_counters"]
