@@ -147,8 +147,9 @@ def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
     scale = D ** -0.5
     ours = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale))
     split = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=True))
-    item = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=False))
-    chosen = _op_launch(A, batch, hq, hkv, table.shape[1] * page, q) == "split"
+    item = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=False, stream=False))
+    streamed = _bench(lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, stream=True))
+    chosen = _op_launch(A, batch, hq, hkv, table.shape[1] * page, q)
     op = _bench(lambda: ops.attention_paged(q, kc, vc, table, seq_lens, cu))
     kk = torch.randn(batch, hkv, ctx, D, device="cuda", dtype=torch.bfloat16)
     vv = torch.randn_like(kk)
@@ -160,31 +161,30 @@ def decode(batch: int, ctx: int, hq: int, hkv: int, page: int) -> dict:
     # the same calls replayed from CUDA graphs, as the engine runs decode (no host launch cost in the time)
     graph = _graph_fields(lambda: ops.attention_paged(q, kc, vc, table, seq_lens, cu),
                           [r for r in (run, flash_run) if r is not None], lambda: ops.capturing_graph(max_query_len=1))
-    # both launches as graph replays (same bits; which one the engine should pick at this batch)
-    for launch, flag in (("split", True), ("item", False)):
+    # the three launches as graph replays (same bits; which one the engine should pick at this batch)
+    for launch in ("split", "item", "stream"):
         try:
             graph[f"graph_{launch}_ms"] = round(_bench(graphed(
-                lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=flag))), 4)
+                lambda: A.paged_forward(q, kc, vc, table, seq_lens, cu, scale, split_programs=launch == "split",
+                                        stream=launch == "stream"))), 4)
         except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
             graph[f"graph_{launch}_error"] = repr(exc)[:200]
     nbytes = 2.0 * batch * ctx * hkv * D * 2
     return {"kind": "decode", "batch": batch, "seq": ctx, "hq": hq, "hkv": hkv, "page": page,
             "baseline": f"sdpa-{backend}" + ("" if flash is None else "|flash-varlen"),
-            "launch": "split" if chosen else "item", "ours_ms": round(ours, 4), "split_ms": round(split, 4),
-            "item_ms": round(item, 4), "sdpa_ms": round(sdpa, 4),
+            "launch": chosen, "ours_ms": round(ours, 4), "split_ms": round(split, 4),
+            "item_ms": round(item, 4), "stream_ms": round(streamed, 4), "sdpa_ms": round(sdpa, 4),
             "flash_varlen_ms": None if flash is None else round(flash, 4), "base_ms": round(base, 4),
             "ours_gbs": round(nbytes / ours / 1e6, 0), "base_gbs": round(nbytes / base / 1e6, 0),
             "ratio": round(base / ours, 3), "split_ratio": round(base / split, 3), "item_ratio": round(base / item, 3),
+            "stream_ratio": round(base / streamed, 3),
             "target": 0.9 if batch >= 256 else 0.8, **op_fields(base, op), **graph}
 
 
 def _op_launch(A, batch: int, hq: int, hkv: int, table_keys: int, q) -> str:
-    """The launch the op picks for a decode step of ``batch`` sequences (a function of shapes only)."""
-    items = A.decode_items(1, batch, hq, hkv)
-    if A.use_split_programs(items, table_keys, A.split_scratch_bytes(batch, hq, D, table_keys), A.device_sms(q)):
-        return "split"
-    work = A.stream_work_bytes(batch, hkv, table_keys, A.DECODE_TILE[0])
-    return "stream" if A.use_stream(items, batch * table_keys * hkv * D, A.device_sms(q), work) else "item"
+    """The launch the op picks for a decode step of ``batch`` sequences (attention.decode_launch: shapes only)."""
+    return A.decode_launch(1, batch, batch, hq, hkv, D, table_keys, max(q.numel(), batch * table_keys * hkv * D),
+                           A.device_sms(q))
 
 
 # --sweep-decode: candidate DecodeLaunch configs of both launches, timed as CUDA-graph replays of a decode step
@@ -524,8 +524,9 @@ def main() -> int:
         print(f"{r['kind']:>14} {r['batch']:>3} {r['seq']:>5} {str(r['hq']) + '/' + str(r['hkv']):>6} "
               f"{r['ours_ms']:>8} {r['base_ms']:>8} {r['ratio']:>6} {r.get('op_ratio', '-'):>8} {str(r['target']):>6}  "
               f"{r['baseline']}" + (f"  launch={r['launch']} split={r['split_ratio']} item={r['item_ratio']}"
-                                    f" graph={r.get('graph_ratio', '-')} graph ms: split {r.get('graph_split_ms', '-')}"
-                                    f" item {r.get('graph_item_ms', '-')} base {r.get('graph_base_ms', '-')}"
+                                    f" stream={r['stream_ratio']} graph={r.get('graph_ratio', '-')} graph ms: split "
+                                    f"{r.get('graph_split_ms', '-')} item {r.get('graph_item_ms', '-')} stream "
+                                    f"{r.get('graph_stream_ms', '-')} base {r.get('graph_base_ms', '-')}"
                                     if r["kind"] == "decode" else ""))
     return 0
 

@@ -826,6 +826,25 @@ def use_stream(items: int, elements: int, sms: int, work_bytes: int = 0) -> bool
             and work_bytes <= STREAM_WORK_MAX_BYTES)
 
 
+def decode_launch(max_q: int, n_seq: int, t: int, hq: int, hkv: int, d: int, table_keys: int, elements: int, sms: int,
+                  layout_ok: bool = True, tile_rows: int = DECODE_TILE[0]) -> str:
+    """The launch a paged call takes: "split" (:func:`use_split_programs`), "stream" (:func:`use_stream`: one query
+    tile of ``tile_rows`` rows per sequence, caches of the streamed layout -- ``layout_ok``, the most ``elements``
+    of q and a cache) or "item" (one program per item; every prefill-size call). The one owner of the choice
+    (paged_forward, the benchmarks); a function of the shapes alone, so an eager call and its CUDA-graph capture
+    take the same launch."""
+    rows = max_q * (hq // hkv)
+    if rows > DECODE_TILE[0]:
+        return "item"
+    items = decode_items(max_q, n_seq, hq, hkv)
+    if use_split_programs(items, table_keys, split_scratch_bytes(t, hq, d, table_keys), sms):
+        return "split"
+    if rows <= tile_rows and layout_ok and use_stream(items, elements, sms,
+                                                      stream_work_bytes(n_seq, hkv, table_keys, tile_rows)):
+        return "stream"
+    return "item"
+
+
 def _stream_work(cu, kv_len, pos0, bt, hkv: int, g: int, page_size: int, bm: int, programs: int):
     """(INFO, Q_ROWS, KV_ROWS, BOUNDS) of a streamed launch: every item's work entries (attn_stream_work_kernel)
     and the programs' entry ranges, cut at item starts so that the programs get about equal numbers of key
@@ -936,10 +955,10 @@ def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):
 
 def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile=None, split_programs=None,
                   progs_per_item=None, launch=None, stream=None):
-    """``split_programs`` / ``stream``: None picks by the batch's shape (:func:`use_split_programs`, then
-    :func:`use_stream`); True forces the split-program launch or the streamed one, False rules it out
-    (tests, benchmarks); ``launch`` replaces that launch's DecodeLaunch (benchmarks), ``progs_per_item``
-    forces how many programs share an item's splits. Every choice gives the same bits."""
+    """``split_programs`` / ``stream``: None picks by the batch's shape (:func:`decode_launch`); True forces the
+    split-program launch or the streamed one, False rules it out (tests, benchmarks); ``launch`` replaces that
+    launch's DecodeLaunch (benchmarks), ``progs_per_item`` forces how many programs share an item's splits. Every
+    choice gives the same bits."""
     q = q.contiguous()
     cu, kv_len, pos0, bt, max_q, max_kv = _paged_meta(block_table, seq_lens, cu_seqlens_q, q.device)
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -948,25 +967,23 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     if max_kv is None:   # captured: every context fits its table
         max_kv = table_keys
     decode_tile = max_q * (hq // hkv) <= DECODE_TILE[0]   # (a GQA group wider than the tile is refused by _forward)
-    items = decode_items(max_q, cu.shape[0] - 1, hq, hkv)
-    if split_programs is None:
-        split_programs = decode_tile and not stream and use_split_programs(
-            items, table_keys, split_scratch_bytes(t, hq, d, table_keys), device_sms(q))
     forced = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE", 3)
-    one_tile = max_q * (hq // hkv) <= (forced[0] if forced else DECODE_TILE[0])   # one query tile per sequence
+    tile_rows = forced[0] if forced else DECODE_TILE[0]
+    elements = max(q.numel(), k_cache.numel(), v_cache.numel())
+    auto = decode_launch(max_q, cu.shape[0] - 1, t, hq, hkv, d, table_keys, elements, device_sms(q),
+                         stream_layout_ok(k_cache, v_cache), tile_rows)
+    if split_programs is None:
+        split_programs = auto == "split" and not stream
     if stream is None:
-        stream = (decode_tile and one_tile and not split_programs and stream_layout_ok(k_cache, v_cache)
-                  and use_stream(items, max(q.numel(), k_cache.numel(), v_cache.numel()), device_sms(q),
-                                 stream_work_bytes(cu.shape[0] - 1, hkv, table_keys,
-                                                   forced[0] if forced else DECODE_TILE[0])))
+        stream = auto == "stream" and not split_programs
     if stream and split_programs:
         raise fail("attention_paged", "stream=True and split_programs=True are two different launches; pick one")
-    if stream and not one_tile:
+    if stream and max_q * (hq // hkv) > tile_rows:
         raise fail("attention_paged", f"the streamed launch takes one query tile per sequence: {max_q} queries x "
                                       f"{hq // hkv} heads per kv head exceed the tile's rows")
-    if stream and max(q.numel(), k_cache.numel(), v_cache.numel()) >= 2 ** 31:
-        raise fail("attention_paged", "the streamed launch indexes q and the caches in int32: a cache of "
-                                      f"{k_cache.numel()} elements is too large for it")
+    if stream and elements >= 2 ** 31:
+        raise fail("attention_paged", f"the streamed launch indexes q and the caches in int32: {elements} elements "
+                                      "in q or a cache are too many for it")
     if stream and not stream_layout_ok(k_cache, v_cache):
         raise fail("attention_paged", f"the streamed launch needs caches with contiguous heads and rows; got strides "
                                       f"{tuple(k_cache.stride())} / {tuple(v_cache.stride())}")
@@ -1056,4 +1073,5 @@ def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sc
 __all__ = ["attention_varlen", "attention_paged", "varlen_forward", "paged_forward", "varlen_backward",
            "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK", "DecodeLaunch", "BackwardLaunch", "BWD_LAUNCH",
            "ITEM_DECODE", "SPLIT_DECODE", "STREAM_DECODE",
-           "decode_items", "use_split_programs", "use_stream", "stream_work_bytes", "arrival_counters"]
+           "decode_items", "decode_launch", "use_split_programs", "use_stream", "stream_work_bytes",
+           "arrival_counters"]
