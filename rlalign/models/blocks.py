@@ -77,17 +77,14 @@ def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     q, k, v = project(x, attn.q_proj, attn.k_proj, attn.v_proj)   # one GEMM at decode sizes (same bits)
     q, k, v = q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
     q_in, k_in = q, k
-    if isinstance(attend, PagedAttend) and qk_norm and _fusable_norms(attn):
-        # the q/k norms and the cache write folded into the rope (same bits, same checks)
-        q, k = attend.rope_write(q, k, v, cos, sin, layer, qk_norm=(attn.q_norm.weight, attn.k_norm.weight,
-                                                                     attn.q_norm.eps))
-    elif isinstance(attend, PagedAttend):   # the cache write folded into the rope (same bits, same checks)
-        if qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = attend.rope_write(q, k, v, cos, sin, layer)
+    paged = isinstance(attend, PagedAttend)
+    fused_norms = paged and qk_norm and _fusable_norms(attn)
+    if qk_norm and not fused_norms:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if paged:   # the cache write (and the q/k norms where they are ours) folded into the rope: same bits, same checks
+        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if fused_norms else None
+        q, k = attend.rope_write(q, k, v, cos, sin, layer, qk_norm=norms)
     else:
-        if qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
         if qk_norm:
             _rebuildable_rope(attn.q_norm, q, q_in, cos, sin, "rope(q_norm(q))")

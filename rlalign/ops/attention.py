@@ -30,7 +30,7 @@ from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import probe_failure, strict_impl, triton_available
-from rlalign.ops.basic import check_rope, rms_norm, rope
+from rlalign.ops.basic import check_rms_norm, check_rope, rms_norm, rope
 from rlalign.ops.torch_backend.elementwise import write_kv_rows
 
 log = logging.getLogger(__name__)
@@ -288,13 +288,10 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 
 def _check_qk_norm(q: torch.Tensor, k: torch.Tensor, qk_norm) -> None:
-    """rms_norm's argument and input checks for the fused q / k norm (the op's name: ``rms_norm``)."""
-    q_weight, k_weight, _ = qk_norm
-    for x, weight in ((q, q_weight), (k, k_weight)):
-        chk.dtype_ok("rms_norm", x, weight)
-        chk.same_device("rms_norm", x, weight)
-        if weight.shape != x.shape[-1:]:
-            raise fail("rms_norm", f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
+    """The checks of rms_norm(q), rms_norm(k) for the fused q / k norms: its argument checks, then its input
+    finiteness check (named ``rms_norm``), in that order for q, then for k."""
+    for x, weight in ((q, qk_norm[0]), (k, qk_norm[1])):
+        check_rms_norm(x, weight)
         chk.finite("rms_norm", "x", x)
 
 

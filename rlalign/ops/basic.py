@@ -67,6 +67,15 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise fail("linear", f"bias shape {tuple(bias.shape)} does not match N={weight.shape[0]}")
 
 
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, *more: torch.Tensor) -> None:
+    """rms_norm's strict argument checks (also ops.rope_write_kv's for its fused q/k norms): strict dtypes, one
+    device (``more``: e.g. the residual), a weight of the hidden size."""
+    chk.dtype_ok("rms_norm", x, weight, *more)
+    chk.same_device("rms_norm", x, weight, *more)
+    if weight.shape != x.shape[-1:]:
+        raise fail("rms_norm", f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
              profile=None):
     """RMSNorm over the last dim. With ``residual``: h = x + residual (rounded to x.dtype) is
@@ -80,10 +89,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
         return out if residual is None else (out, x)
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    chk.dtype_ok("rms_norm", *tensors)
-    chk.same_device("rms_norm", *tensors)
-    if weight.shape != x.shape[-1:]:
-        raise fail("rms_norm", f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
+    check_rms_norm(x, weight, *tensors[2:])
     impl = strict_impl("rms_norm", x.device)
     if residual is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         # the backend adds the residual itself (h = x + residual rounded once to x.dtype; the Triton kernel in the
