@@ -144,6 +144,10 @@ def run_interpret(max_examples: int) -> dict:
         check_case(*case)
 
     fused_matches_the_separate_path()
+    from rlalign.ops.triton_backend import elementwise as E
+    for d in range(2, 1025, 2):   # the fused q/k norm runs rms_norm's own tile (same rows, columns, warps)
+        bhalf, rows = E._rope_rows_per_program(d // 2)
+        assert E._rms_launch_shape(d) == (2 * bhalf, rows, 4), (d, E._rms_launch_shape(d), bhalf, rows)
     n = 1
     for where in WHERE:   # every defect place and policy at least once, on several programs (T x Hkv > 32 rows)
         for value in VALUES:
