@@ -304,12 +304,8 @@ def test_split_decode_in_a_cuda_graph(triton_backend, split_launch):
     """A captured decode step of 4 sequences (split programs: the grid comes from the table width),
     replayed as the contexts grow across split boundaries: the packed forward's bits."""
     from rlalign.ops.triton_backend import attention as A
-    d = 128
     lens = (SPLIT + 3, 2 * SPLIT + 2, 5, 3 * SPLIT)
-    q, k, v, cu = _batch(d, seed=110, lens=lens)
-    packed = ops.attention_varlen(q, k, v, cu)
-    starts = [sum(lens[:s]) for s in range(len(lens))]
-    kc, vc, table = _paged_cache(k, v, lens, 16, seed=110)
+    q, kc, vc, table, starts, packed = _decode_graph_case(lens, seed=110)
     items = A.decode_items(1, len(lens), q.shape[1], HKV)
     assert A.use_split_programs(items, table.shape[1] * 16, 0, A.device_sms(q)), "the capture would not split"
     _replays_equal_packed(q, kc, vc, table, lens, starts, packed, (0, 1, 2, 3, 4, SPLIT // 2), "graph replay")
@@ -321,12 +317,8 @@ def test_stream_decode_in_a_cuda_graph(triton_backend, split_launch):
     """A captured decode step of 6 sequences on the streamed launch (its work entries are derived inside the
     graph, every replay), replayed as the contexts move across split boundaries: the packed forward's bits."""
     from rlalign.ops.triton_backend import attention as A
-    d = 128
     lens = (SPLIT + 3, 2 * SPLIT + 2, 5, 3 * SPLIT, 1, 4 * SPLIT + 1)
-    q, k, v, cu = _batch(d, seed=150, lens=lens)
-    packed = ops.attention_varlen(q, k, v, cu)
-    starts = [sum(lens[:s]) for s in range(len(lens))]
-    kc, vc, table = _paged_cache(k, v, lens, 16, seed=150)
+    q, kc, vc, table, starts, packed = _decode_graph_case(lens, seed=150)
     assert A.use_stream(A.decode_items(1, len(lens), q.shape[1], HKV), 1, A.device_sms(q)), "the capture would not stream"
     _replays_equal_packed(q, kc, vc, table, lens, starts, packed, (0, 1, 2, 3, 4, SPLIT // 2, SPLIT + 1),
                           "streamed graph replay")
@@ -361,6 +353,14 @@ def test_stream_equals_item_and_packed(triton_backend):
         assert_bitwise_equal(item, packed[rows], f"per-item vs packed, {how}")
         assert_bitwise_equal(streamed, item, f"streamed vs per-item, {how}")
     check()
+
+
+def _decode_graph_case(lens, seed):
+    """Sequences of ``lens`` tokens (head_dim 128), their packed forward and a shuffled page-16 cache of their K/V
+    -> (q, k_cache, v_cache, table, sequence starts, packed output)."""
+    q, k, v, cu = _batch(128, seed=seed, lens=lens)
+    kc, vc, table = _paged_cache(k, v, lens, 16, seed=seed)
+    return q, kc, vc, table, [sum(lens[:s]) for s in range(len(lens))], ops.attention_varlen(q, k, v, cu)
 
 
 def _replays_equal_packed(q, kc, vc, table, lens, starts, packed, backs, what, after_replay=lambda back: None):
@@ -484,12 +484,8 @@ def test_fused_merge_in_a_cuda_graph(triton_backend, split_launch, monkeypatch):
     forward's bits; then an eager call on the same counters."""
     from rlalign.ops.triton_backend import attention as A
     monkeypatch.setattr(A, "SPLIT_DECODE", _fused_launch())
-    d = 128
     lens = (SPLIT + 3, 2 * SPLIT + 2, 5, 3 * SPLIT, 1, 4 * SPLIT + 1)
-    q, k, v, cu = _batch(d, seed=140, lens=lens)
-    packed = ops.attention_varlen(q, k, v, cu)
-    starts = [sum(lens[:s]) for s in range(len(lens))]
-    kc, vc, table = _paged_cache(k, v, lens, 16, seed=140)
+    q, kc, vc, table, starts, packed = _decode_graph_case(lens, seed=140)
 
     def counters_reset(back):
         assert _counters_zero(), f"arrival counters not reset by the replay {back} tokens before the ends"

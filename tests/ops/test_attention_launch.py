@@ -187,19 +187,25 @@ def fused_merge_same_bits(n_seq, page, group, hkv, seed, data):
         buffers = ids
 
 
+def multi_query_case(n_seq, max_queries, seed, data):
+    """1..max_queries query tokens per sequence after a CONTEXT draw, 2 kv heads of 3 query heads, D = 8, page 16
+    -> (queries, contexts, paged_forward's positional arguments up to the scale)."""
+    g = torch.Generator().manual_seed(seed)
+    n_q = [data.draw(st.integers(1, max_queries), label="queries") for _ in range(n_seq)]
+    lens = [q_ + data.draw(CONTEXT, label="context before the queries") for q_ in n_q]
+    kc, vc, table = cache_for(lens, 16, 2, 8, g)
+    q = torch.randn(sum(n_q), 6, 8, generator=g)
+    cu = i32([0] + [sum(n_q[:i + 1]) for i in range(n_seq)])
+    return n_q, lens, (q, kc, vc, table, i32(lens), cu, 0.3)
+
+
 @settings(max_examples=3, **SETTINGS)
 @given(n_seq=st.integers(1, 3), seed=st.integers(0, 2 ** 16), data=st.data())
 def fused_merge_multi_tile(n_seq, seed, data):
     """Several query tokens per sequence on a 16-row tile (G = 3: 5 tokens a tile, so up to 3 tiles an item)
     and 2 kv heads: every (tile, sequence, kv head) item has its own counter; fused == two-kernel == per-item."""
     import dataclasses
-    g = torch.Generator().manual_seed(seed)
-    n_q = [data.draw(st.integers(1, 12), label="queries") for _ in range(n_seq)]
-    lens = [q_ + data.draw(CONTEXT, label="context before the queries") for q_ in n_q]
-    kc, vc, table = cache_for(lens, 16, 2, 8, g)
-    q = torch.randn(sum(n_q), 6, 8, generator=g)
-    cu = i32([0] + [sum(n_q[:i + 1]) for i in range(n_seq)])
-    args = (q, kc, vc, table, i32(lens), cu, 0.3)
+    n_q, lens, args = multi_query_case(n_seq, 12, seed, data)
     tile = (16, 4, 3)
     item = A.paged_forward(*args, tile=tile, split_programs=False)
     two = A.paged_forward(*args, tile=tile, split_programs=True, launch=dataclasses.replace(TWO_KERNEL, tile=tile))
@@ -272,15 +278,10 @@ def stream_same_bits(n_seq, page, group, hkv, per_sm, seed, data):
 def stream_multi_query(n_seq, seed, data):
     """Up to a tile's worth of query tokens per sequence (a 16-row tile, G = 3: 5 tokens) on the streamed
     launch == the per-item launch on the same tile, raw bits."""
-    g = torch.Generator().manual_seed(seed)
-    n_q = [data.draw(st.integers(1, 5), label="queries") for _ in range(n_seq)]
-    lens = [q_ + data.draw(CONTEXT, label="context before the queries") for q_ in n_q]
-    kc, vc, table = cache_for(lens, 16, 2, 8, g)
-    q = torch.randn(sum(n_q), 6, 8, generator=g)
-    cu = i32([0] + [sum(n_q[:i + 1]) for i in range(n_seq)])
+    n_q, lens, args = multi_query_case(n_seq, 5, seed, data)
     tile = (16, 4, 3)
-    item = A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3, tile=tile, split_programs=False, stream=False)
-    streamed = A.paged_forward(q, kc, vc, table, i32(lens), cu, 0.3, tile=tile, stream=True)
+    item = A.paged_forward(*args, tile=tile, split_programs=False, stream=False)
+    streamed = A.paged_forward(*args, tile=tile, stream=True)
     assert bits_equal(streamed, item), (f"queries {n_q} contexts {lens}: streamed vs per-item: "
                                         f"{describe_difference(streamed, item)}")
 
@@ -303,6 +304,8 @@ def stream_chosen_by_shape():
             lens = [int(x) for x in torch.randint(1, 300, (n_seq,), generator=g)]
             kc, vc, table = cache_for(lens, 16, 1, 8, g)
             cu = i32(list(range(n_seq + 1)))
+            kind = A.decode_launch(1, n_seq, n_seq, 2, 1, 8, table.shape[1] * 16, kc.numel(), sms)
+            assert (kind == "stream") == want, f"decode_launch says {kind} at batch {n_seq}, want streamed {want}"
             for ctx, capturing in ((lens, False), ([1] * n_seq, False), (lens, True)):
                 streamed.clear()
                 q = torch.randn(n_seq, 2, 8, generator=g)
