@@ -74,10 +74,12 @@ def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """o_proj(attend(rope(norm(q)), rope(norm(k)), v)) of rows ``x`` [T, hidden]; ``attn`` holds
     q_proj/k_proj/v_proj/o_proj (and q_norm/k_norm when ``qk_norm``); head counts are rank-local."""
     t = x.shape[0]
-    q, k, v = project(x, attn.q_proj, attn.k_proj, attn.v_proj)   # one GEMM at decode sizes (same bits)
+    paged = isinstance(attend, PagedAttend)
+    # one GEMM at decode sizes (same bits); paged, its outputs may be column views of one tensor (rope_write_kv
+    # reads them in place)
+    q, k, v = project(x, attn.q_proj, attn.k_proj, attn.v_proj, views=paged)
     q, k, v = q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
     q_in, k_in = q, k
-    paged = isinstance(attend, PagedAttend)
     fused_norms = paged and qk_norm and _fusable_norms(attn)
     if qk_norm and not fused_norms:
         q, k = attn.q_norm(q), attn.k_norm(k)

@@ -69,6 +69,30 @@ def test_qk_norm_bits_equal_rms_norm_then_the_op(triton_backend, t, hkv, group, 
         assert bits_equal(a, b), f"{name} differs (T={t}, Hkv={hkv}, G={group}, D={d}, {dtype})"
 
 
+@settings(max_examples=30, deadline=None)
+@given(t=st.integers(1, 300), hkv=st.sampled_from([1, 2, 8]), group=st.sampled_from([1, 4]),
+       d=st.sampled_from([64, 128]), spare=st.sampled_from([0, 8, 3]), norm=st.booleans(), bf16=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_column_views_of_one_projection_are_read_in_place(triton_backend, t, hkv, group, d, spare, norm, bf16, seed):
+    """q, k, v as column views of one [T, (Hq + 2 Hkv) D + spare] tensor (the stacked q/k/v GEMM's output the
+    paged forward passes): the bits of the op on contiguous copies, with and without the fused q/k norm."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    hq = hkv * group
+    out = rand(t, (hq + 2 * hkv) * d + spare, dtype=dtype, seed=seed)
+    cuts = (0, hq * d, (hq + hkv) * d, (hq + 2 * hkv) * d)
+    q, k, v = (out[:, a:z].view(t, (z - a) // d, d) for a, z in zip(cuts, cuts[1:]))
+    _, _, _, cos, sin, cache, slots = _case(t, hq, hkv, d, 16, 2, dtype, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    qk_norm = (*(torch.randn(d, device="cuda", generator=g).to(dtype) for _ in range(2)), 1e-6) if norm else None
+    kc_ref, vc_ref, kc, vc = (cache.clone() for _ in range(4))
+    want = ops.rope_write_kv(q.contiguous(), k.contiguous(), v.contiguous(), cos, sin, kc_ref, vc_ref, slots,
+                             qk_norm=qk_norm)
+    got = ops.rope_write_kv(q, k, v, cos, sin, kc, vc, slots, qk_norm=qk_norm)
+    ops.flush_deferred_checks()
+    for name, a, b in (("q", got[0], want[0]), ("k", got[1], want[1]), ("k_cache", kc, kc_ref), ("v_cache", vc, vc_ref)):
+        assert bits_equal(a, b), f"{name} differs (T={t}, Hkv={hkv}, G={group}, D={d}, spare={spare}, norm={norm})"
+
+
 def test_qwen3_decode_shape(triton_backend):
     q, k, v, cos, sin, cache, slots = _case(462, 16, 8, 128, 16, 8, torch.bfloat16, 7)
     want = _separate(q, k, v, cos, sin, cache, slots)

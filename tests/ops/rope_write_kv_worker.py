@@ -5,7 +5,7 @@ stand-in sm_90 driver installed, before triton is imported).
 normally take the torch backend; this process only) against the separate path it replaces -- rope_kernel (the
 Triton backend's rope launcher) for q and k, then ``write_kv_cache`` of the rotated k: rotated q and k and both
 caches bit-equal (NaN-filled caches: every slot not written stays NaN), over hypothesis-chosen token counts,
-head counts, head_dim, page sizes and shuffled slots; a NaN / +inf / -inf planted in k gives write_kv_cache's
+head counts, head_dim, page sizes, shuffled slots and q/k/v laid out apart or as column views of one tensor; a NaN / +inf / -inf planted in k gives write_kv_cache's
 error, message for message, under the per-op policy (naming the first bad index and the layer), the boundary
 policy and a graph capture (the recorded verdict); one planted in q or v is not this op's check (no error,
 the same bits).
@@ -24,10 +24,17 @@ VALUES = (float("nan"), float("inf"), float("-inf"))
 POLICIES = ("per-op", "boundary", "capture")
 
 
-def _inputs(t, hq, hkv, d, page_size, extra_pages, seed, int32_slots):
+def _inputs(t, hq, hkv, d, page_size, extra_pages, seed, int32_slots, stacked=False):
+    """``stacked``: q, k, v are column views of one [T, (Hq + 2 Hkv) D + 3] tensor (the stacked projection's
+    output the paged forward passes; 3 spare columns make the token stride odd)."""
     import torch
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    if stacked:
+        out = torch.randn(t, (hq + 2 * hkv) * d + 3, generator=g)
+        cuts = (0, hq * d, (hq + hkv) * d, (hq + 2 * hkv) * d)
+        q, k, v = (out[:, a:z].view(t, (z - a) // d, d) for a, z in zip(cuts, cuts[1:]))
+    else:
+        q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
     angles = torch.rand(t, d // 2, generator=g).double() * 50
     cos, sin = angles.cos().float(), angles.sin().float()
     pages = -(-t // page_size) + extra_pages
@@ -54,7 +61,7 @@ def _separate(q, k, v, cos, sin, cache, slots, policy, norm):
 
     def run():
         qn, kn = (ops.rms_norm(q, norm[0], norm[2]), ops.rms_norm(k, norm[1], norm[2])) if norm else (q, k)
-        rotated.extend((E._rope_launch(qn, cos, sin, 1.0), E._rope_launch(kn, cos, sin, 1.0)))
+        rotated.extend((E._rope_launch(qn.contiguous(), cos, sin, 1.0), E._rope_launch(kn.contiguous(), cos, sin, 1.0)))
         return ops.write_kv_cache(rotated[1], v, kc, vc, slots)
     outcome = _under(policy, run)
     return outcome, (*(rotated or (None, None)), kc, vc)
@@ -80,21 +87,24 @@ def _under(policy, fn):
             return _outcome(fn), []
 
 
-def check_case(t, hq, hkv, d, page_size, extra_pages, seed, int32_slots, where, value, at, policy, norm=False) -> None:
+def check_case(t, hq, hkv, d, page_size, extra_pages, seed, int32_slots, where, value, at, policy, norm=False,
+               stacked=False) -> None:
     """``norm``: with the fused q/k norm (against ops.rms_norm before the rope): its input checks (the
-    separate path's outcome, whatever the policy makes of a bad q or k) and its bits."""
+    separate path's outcome, whatever the policy makes of a bad q or k) and its bits. ``stacked``: q, k, v are
+    column views of one tensor (read in place by the fused kernel; the separate path copies them)."""
     import torch
     from rlalign.contract.bits import bits_equal
-    q, k, v, cos, sin, cache, slots = _inputs(t, hq, hkv, d, page_size, extra_pages, seed, int32_slots)
+    q, k, v, cos, sin, cache, slots = _inputs(t, hq, hkv, d, page_size, extra_pages, seed, int32_slots, stacked)
     weights = None
     if norm:
         g = torch.Generator().manual_seed(seed + 1)
         weights = (torch.randn(d, generator=g), torch.randn(d, generator=g), 1e-6)
     if where != "none":
         target = {"q": q, "k": k, "v": v}[where]
-        target.view(-1)[at % target.numel()] = value
+        if target.numel():
+            target[torch.unravel_index(torch.tensor(at % target.numel()), target.shape)] = value
     case = f"T={t} Hq={hq} Hkv={hkv} D={d} page={page_size} slots int32={int32_slots} {where}={value} " \
-           f"at {at} policy={policy} q/k norm={norm}"
+           f"at {at} policy={policy} q/k norm={norm} stacked={stacked}"
     (want, want_verdicts), (qr, kr, kc_ref, vc_ref) = _separate(q, k, v, cos, sin, cache, slots, policy, weights)
     (got, got_verdicts), kc, vc = _fused(q, k, v, cos, sin, cache, slots, policy, weights)
     expect_error = where == "k" and policy != "capture"
@@ -135,7 +145,7 @@ def run_interpret(max_examples: int) -> dict:
                 draw(st.sampled_from([2, 6, 8, 64, 128])), draw(st.sampled_from([1, 3, 16])),
                 draw(st.integers(0, 3)), draw(st.integers(0, 2 ** 16)), draw(st.booleans()),
                 draw(st.sampled_from(WHERE)), draw(st.sampled_from(VALUES)), draw(st.integers(0, 10 ** 6)),
-                draw(st.sampled_from(POLICIES)), draw(st.booleans()))
+                draw(st.sampled_from(POLICIES)), draw(st.booleans()), draw(st.booleans()))
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -153,8 +163,9 @@ def run_interpret(max_examples: int) -> dict:
         for value in VALUES:
             for policy in POLICIES:
                 for norm in (False, True):
-                    check_case(37, 8, 2, 128, 16, 1, 11, False, where, value, 12345, policy, norm)
-                    n += 1
+                    for stacked in (False, True):
+                        check_case(37, 8, 2, 128, 16, 1, 11, False, where, value, 12345, policy, norm, stacked)
+                        n += 1
     return {"fixed_cases": n}
 
 

@@ -111,12 +111,41 @@ def _refuses_stack_in_scratch() -> str:
     return "ran"
 
 
+
+# (m, n, segments, fp32 operands, out mode, whether gemm.DECODE_TILE applies)
+DECODE_TILE_CASES = (
+    (244, 6144, 1, False, "bf16", True),      # the 8B stacked q/k/v at a decode batch (96 tiles on 132 SMs)
+    (244, 24576, 1, False, "bf16", True),     # the 8B stacked gate/up
+    (129, 12288, 1, False, "bf16", True),     # the first row count two 128-row tiles cover
+    (256, 12288, 1, False, "bf16", True),
+    (128, 12288, 1, False, "bf16", False),    # one 128-row tile: the other rules
+    (257, 12288, 1, False, "bf16", False),    # above the decode rows
+    (244, 4096, 1, False, "bf16", False),     # 64 tiles: under 0.7 of the SMs
+    (244, 6144, 8, False, "bf16", False),     # the K partition
+    (244, 6144, 1, True, "fp32", False),      # fp32 operands
+    (244, 6144, 1, False, "fp32", False),     # fp32 output
+    (244, 6144, 1, False, "acc_in", False),
+)
+
+
+def _decode_tile_rule() -> list:
+    """Per DECODE_TILE_CASES: (decode_tile gave the tile, pick_config gave it, pick_config's choice is one of
+    all_configs -- whose bits the CUDA tier compares)."""
+    from rlalign.ops.triton_backend.gemm import DECODE_TILE, all_configs, decode_tile, pick_config
+    out = []
+    for m, n, segments, fp32, out_mode, _ in DECODE_TILE_CASES:
+        picked = pick_config(m, n, segments, fp32, 132, out_mode)
+        out.append([decode_tile(m, n, segments, fp32, 132, out_mode) == DECODE_TILE, picked == DECODE_TILE,
+                    picked in all_configs(segments, fp32, out_mode)])
+    return out
+
+
 def _worker() -> None:
     from tests.ops.test_triton_interpret import _patch_interpreter
     _patch_interpreter()
     from rlalign.ops.triton_backend.gemm import KPART_CANDIDATES, pick_config
     results = {"count": len(KPART_CANDIDATES), "default_is_dispatched": KPART_CANDIDATES[0] == pick_config(4096, 4096, 8, False, 132),
-               "stack_in_scratch": _refuses_stack_in_scratch(), "candidates": {}}
+               "stack_in_scratch": _refuses_stack_in_scratch(), "decode_tile": _decode_tile_rule(), "candidates": {}}
     for cfg in KPART_CANDIDATES[1:]:
         try:
             results["candidates"][repr(cfg)] = _check_candidate(cfg)
@@ -149,5 +178,15 @@ def test_stream_schedule_refuses_a_stack_in_the_scratch(interpreter_results):
     assert interpreter_results["stack_in_scratch"] == "refused"
 
 
+@pytest.mark.parametrize("case", range(len(DECODE_TILE_CASES)), ids=lambda i: "-".join(map(str, DECODE_TILE_CASES[i])))
+def test_the_decode_tile_rule(interpreter_results, case):
+    """gemm.decode_tile applies exactly where DECODE_TILE_CASES says; pick_config returns it there (before the
+    fill rule) and not elsewhere at these shapes; every pick is one of all_configs."""
+    applies, picked, listed = interpreter_results["decode_tile"][case]
+    expected = DECODE_TILE_CASES[case][-1]
+    assert applies == expected and picked == expected and listed, (DECODE_TILE_CASES[case], applies, picked, listed)
+
+
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()
+

@@ -23,6 +23,7 @@ expected the sm_90a tests skip rather than fail.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import os
@@ -678,6 +679,8 @@ def _sm90_worker() -> None:
     for m in (1, 4096):
         attempt(f"linear M={m}", lambda: G.gemm(x[:m], w, b_trans=True))
         attempt(f"linear P=8 M={m}", lambda: G.gemm(x[:m], w, b_trans=True, segments=8))
+    wide = torch.empty(6144, 4096, dtype=bf)   # the 8B stacked q/k/v at a decode batch: gemm.DECODE_TILE
+    attempt("linear M=244 (the decode tile)", lambda: G.gemm(x[:244], wide, b_trans=True))
     attempt("dW", lambda: G.gemm(x, x, a_trans=True))
     attempt("acc_in", lambda: G.gemm(x, w, out=torch.zeros(4096, 4096), acc_in=True))
     attempt("fp32 out", lambda: G.gemm(x, w, b_trans=True, out_dtype=torch.float32))
@@ -751,6 +754,7 @@ def _sm90_worker() -> None:
     for name, _, kwargs, kernel in compiled:
         ptx = kernel.asm["ptx"]
         variants.append({"kernel": name, "args": {k: str(v) for k, v in kwargs.items() if k.isupper()},
+                         "stages": kwargs.get("num_stages"),
                          "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx,
                          # software-pipelined: some wgmma wait leaves a chain in flight
                          "pipelined": re.search(r"warp_group_dot_wait[^\n]*pendings = [1-9]",
@@ -758,7 +762,7 @@ def _sm90_worker() -> None:
                          "ptxas": ptxas_report(ptx) if name.startswith("attn_") else None,
                          "folded_accumulators": folded_accumulators(kernel.asm["ttir"])})
     print("RESULTS " + json.dumps({"errors": errors, "variants": variants, "grid_variants": grid_variants,
-                                   "kpart": kpart}))
+                                   "kpart": kpart, "decode_tile": dataclasses.asdict(G.DECODE_TILE)}))
 
 
 # ---- pytest side --------------------------------------------------------------------------------------
@@ -825,6 +829,17 @@ def test_unsegmented_gemm_configs_are_software_pipelined(sm90):
     assert any(v["args"].get("ACC_IN") == "True" for v in plain), "no acc_in variant was compiled"
     unpipelined = [v["args"] for v in plain if not v["pipelined"]]
     assert not unpipelined, f"plain GEMM configs whose k loop is not software-pipelined: {unpipelined}"
+
+
+def test_the_decode_tile_compiles_pipelined(sm90):
+    """gemm.DECODE_TILE (128x128, 5 stages, the 8B stacked q/k/v at 244 rows) fits the shared memory and keeps a
+    wgmma chain in flight across k-steps."""
+    want = sm90["decode_tile"]
+    tile = [v for v in sm90["variants"] if v["kernel"] == "gemm_kernel" and v["args"].get("P") == "1"
+            and v["args"].get("BM") == str(want["block_m"]) and v["args"].get("BN") == str(want["block_n"])
+            and v["stages"] == want["num_stages"]]
+    assert tile, "the decode tile was not compiled"
+    assert all(v["pipelined"] and v["wgmma"] and v["smem"] <= SMEM_LIMIT for v in tile), tile
 
 
 def test_gemm_sums_keep_their_adds_after_the_products(sm90):

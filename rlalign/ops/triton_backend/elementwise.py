@@ -74,14 +74,15 @@ def rms_fwd_kernel(X, W, Y, INV, R, HS, n_rows, H, eps, ROWS: tl.constexpr, BH: 
 
 
 @triton.jit
-def _normed_rows(X, W, Y, rows, n_rows, HALF, eps, BHALF: tl.constexpr):
-    """rms_fwd_kernel's rows ``rows`` of x [n_rows, 2 * HALF] (its tile: the same rows per program, 2 * BHALF
-    columns), rounded to Y's dtype and stored to Y; then a barrier, so that the program's threads read the
-    normed rows back (the rotation loads halves of them)."""
+def _normed_rows(X, W, Y, rows, n_rows, HEADS, X_TOK, HALF, eps, BHALF: tl.constexpr):
+    """rms_fwd_kernel's rows ``rows`` (token, head) of x [T, HEADS, 2 * HALF] (tokens X_TOK elements apart; its
+    tile: the same rows per program, 2 * BHALF columns), rounded to Y's dtype and stored to Y (contiguous); then a
+    barrier, so that the program's threads read the normed rows back (the rotation loads halves of them)."""
     cols = tl.arange(0, 2 * BHALF)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < 2 * HALF)
     offs = rows[:, None].to(tl.int64) * (2 * HALF) + cols[None, :]
-    y, _ = _rms_tile(tl.load(X + offs, mask=ok, other=0.0).to(tl.float32), W, cols, 2 * HALF, eps)
+    src = _strided_rows(rows, HEADS, X_TOK, HALF)[:, None] + cols[None, :]
+    y, _ = _rms_tile(tl.load(X + src, mask=ok, other=0.0).to(tl.float32), W, cols, 2 * HALF, eps)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
     tl.debug_barrier()
 
@@ -106,18 +107,30 @@ def rms_bwd_kernel(X, W, DY, INV, DX, DWP, n_rows, H, ROWS: tl.constexpr, BH: tl
 
 
 @triton.jit
-def _rope_rows(X, C, S, rows, n_rows, HEADS, HALF, SIGN: tl.constexpr, BHALF: tl.constexpr):
-    """The rotation of rows (token, head) of x [T, HEADS, 2*HALF], the one copy of the formula (rope_kernel and
-    rope_write_kv_kernel inline it, so both compile the same fp32 ops): (y1, y2, offsets of the first half, mask)."""
+def _strided_rows(rows, HEADS, X_TOK, HALF):
+    """int64 offsets of rows (token, head) of x [T, HEADS, 2 * HALF] whose tokens are X_TOK elements apart (heads
+    contiguous within a token: a column view of a stacked q/k/v output; X_TOK = HEADS * 2 * HALF when x is
+    contiguous)."""
+    tok = (rows // HEADS).to(tl.int64)
+    return tok * X_TOK + (rows - tok * HEADS) * (2 * HALF)
+
+
+@triton.jit
+def _rope_rows(X, C, S, rows, n_rows, HEADS, X_TOK, HALF, SIGN: tl.constexpr, BHALF: tl.constexpr):
+    """The rotation of rows (token, head) of x [T, HEADS, 2*HALF] (tokens X_TOK elements apart), the one copy of
+    the formula (rope_kernel and rope_write_kv_kernel inline it, so both compile the same fp32 ops): (y1, y2,
+    offsets of the first half in a contiguous [T, HEADS, 2*HALF] output, mask). Only the loads' addresses depend
+    on X_TOK."""
     cols = tl.arange(0, BHALF)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < HALF)
     base = rows[:, None].to(tl.int64) * (2 * HALF) + cols[None, :]
+    src = _strided_rows(rows, HEADS, X_TOK, HALF)[:, None] + cols[None, :]
     tok = (rows // HEADS).to(tl.int64)
     t_offs = tok[:, None] * HALF + cols[None, :]
     c = tl.load(C + t_offs, mask=ok, other=0.0)
     s = tl.load(S + t_offs, mask=ok, other=0.0) * SIGN
-    x1 = tl.load(X + base, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(X + base + HALF, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(X + src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(X + src + HALF, mask=ok, other=0.0).to(tl.float32)
     # every product and sum rounded on its own: the launches pass no_fma() (no fma contraction; left to the
     # compiler, ``x1 * c - x2 * s`` was contracted differently in rope_kernel and in rope_write_kv_kernel's k
     # branch: fp32 k differed in the last bit on the H200, session 13) -- torch's eager bits
@@ -129,7 +142,7 @@ def rope_kernel(X, C, S, Y, n_rows, HEADS, HALF, SIGN: tl.constexpr, ROWS: tl.co
                 BHALF: tl.constexpr):
     """Rows are (token, head) pairs of x [T, HEADS, 2*HALF]; SIGN=+1 forward, -1 backward (transpose)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    y1, y2, base, ok = _rope_rows(X, C, S, rows, n_rows, HEADS, HALF, SIGN, BHALF)
+    y1, y2, base, ok = _rope_rows(X, C, S, rows, n_rows, HEADS, HEADS * 2 * HALF, HALF, SIGN, BHALF)
     tl.store(Y + base, y1.to(Y.dtype.element_ty), mask=ok)
     tl.store(Y + base + HALF, y2.to(Y.dtype.element_ty), mask=ok)
 
@@ -144,8 +157,8 @@ def _all_finite(y1, y2, ok):
 
 @triton.jit
 def rope_write_kv_kernel(Q, K, V, C, S, QO, KO, KC, VC, SLOTS, FLAGS, VERDICT, ARRIVED, QW, KW, eps, n_q_rows,
-                         n_k_rows, HQ, HKV, HALF, Q_PROGRAMS, ROWS: tl.constexpr, BHALF: tl.constexpr,
-                         NORM: tl.constexpr = False):
+                         n_k_rows, HQ, HKV, HALF, Q_TOK, K_TOK, V_TOK, Q_PROGRAMS, ROWS: tl.constexpr,
+                         BHALF: tl.constexpr, NORM: tl.constexpr = False):
     """Programs [0, Q_PROGRAMS) rotate ROWS (token, head) rows of q; the others ROWS rows of k each: rotate,
     store the rotated k (KO) and, at the token's cache slot, the rotated k (KC) and v's row unchanged (VC:
     an exact copy, no conversion), and write FLAGS[program - Q_PROGRAMS] = 1 if every rotated k element
@@ -157,20 +170,20 @@ def rope_write_kv_kernel(Q, K, V, C, S, QO, KO, KC, VC, SLOTS, FLAGS, VERDICT, A
     if pid < Q_PROGRAMS:
         rows = pid * ROWS + tl.arange(0, ROWS)
         if NORM:
-            _normed_rows(Q, QW, QO, rows, n_q_rows, HALF, eps, BHALF)
-            y1, y2, base, ok = _rope_rows(QO, C, S, rows, n_q_rows, HQ, HALF, 1.0, BHALF)
+            _normed_rows(Q, QW, QO, rows, n_q_rows, HQ, Q_TOK, HALF, eps, BHALF)
+            y1, y2, base, ok = _rope_rows(QO, C, S, rows, n_q_rows, HQ, HQ * 2 * HALF, HALF, 1.0, BHALF)
         else:
-            y1, y2, base, ok = _rope_rows(Q, C, S, rows, n_q_rows, HQ, HALF, 1.0, BHALF)
+            y1, y2, base, ok = _rope_rows(Q, C, S, rows, n_q_rows, HQ, Q_TOK, HALF, 1.0, BHALF)
         tl.store(QO + base, y1.to(QO.dtype.element_ty), mask=ok)
         tl.store(QO + base + HALF, y2.to(QO.dtype.element_ty), mask=ok)
     else:
         kp = pid - Q_PROGRAMS
         rows = kp * ROWS + tl.arange(0, ROWS)
         if NORM:
-            _normed_rows(K, KW, KO, rows, n_k_rows, HALF, eps, BHALF)
-            y1, y2, base, ok = _rope_rows(KO, C, S, rows, n_k_rows, HKV, HALF, 1.0, BHALF)
+            _normed_rows(K, KW, KO, rows, n_k_rows, HKV, K_TOK, HALF, eps, BHALF)
+            y1, y2, base, ok = _rope_rows(KO, C, S, rows, n_k_rows, HKV, HKV * 2 * HALF, HALF, 1.0, BHALF)
         else:
-            y1, y2, base, ok = _rope_rows(K, C, S, rows, n_k_rows, HKV, HALF, 1.0, BHALF)
+            y1, y2, base, ok = _rope_rows(K, C, S, rows, n_k_rows, HKV, K_TOK, HALF, 1.0, BHALF)
         k1, k2 = y1.to(KO.dtype.element_ty), y2.to(KO.dtype.element_ty)
         tl.store(KO + base, k1, mask=ok)
         tl.store(KO + base + HALF, k2, mask=ok)
@@ -180,8 +193,9 @@ def rope_write_kv_kernel(Q, K, V, C, S, QO, KO, KC, VC, SLOTS, FLAGS, VERDICT, A
         dst = base + ((slot - tok) * HKV * (2 * HALF))[:, None]
         tl.store(KC + dst, k1, mask=ok)
         tl.store(KC + dst + HALF, k2, mask=ok)
-        tl.store(VC + dst, tl.load(V + base, mask=ok), mask=ok)
-        tl.store(VC + dst + HALF, tl.load(V + base + HALF, mask=ok), mask=ok)
+        v_src = _strided_rows(rows, HKV, V_TOK, HALF)[:, None] + tl.arange(0, BHALF)[None, :]
+        tl.store(VC + dst, tl.load(V + v_src, mask=ok), mask=ok)
+        tl.store(VC + dst + HALF, tl.load(V + v_src + HALF, mask=ok), mask=ok)
         tl.store(FLAGS + kp, _all_finite(k1.to(tl.float32), k2.to(tl.float32), ok).to(tl.int8))
         _verdict_if_last(FLAGS, VERDICT, ARRIVED, tl.num_programs(0) - Q_PROGRAMS)
 
@@ -340,7 +354,7 @@ def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm=N
     tensors have rope_kernel's bits (same inlined formula, same row tiles); with ``qk_norm`` = (q weight,
     k weight, eps), of the rows normalised first in the same launch with rms_norm's bits (its tile: the rope's
     rows per program are rms_norm's for a head-dim row, 4,096 / next_pow2(D), on 4 warps). No autograd."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = (_token_rows(x) for x in (q, k, v))   # column views of one q/k/v output are read in place
     cos, sin = cos.contiguous(), sin.contiguous()
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -356,9 +370,16 @@ def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm=N
         rope_write_kv_kernel[(q_programs + k_programs,)](
             q, k, v, cos, sin, qo, ko, k_cache, v_cache, slots, flags, verdict,
             arrival_counters(k.device, 1, "rope_write_kv"), qw, kw, eps, t * hq, t * hkv, hq, hkv, d // 2,
-            q_programs, ROWS=rows, BHALF=bhalf, NORM=qk_norm is not None, num_warps=4, **no_fma())
+            q.stride(0), k.stride(0), v.stride(0), q_programs, ROWS=rows, BHALF=bhalf, NORM=qk_norm is not None, num_warps=4, **no_fma())
     check_k(ko, verdict.view(torch.bool))
     return qo, ko
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] as it is where each token's heads are contiguous (any token stride: a column view of a
+    stacked projection output), else a contiguous copy."""
+    heads, d = x.shape[1], x.shape[2]
+    return x if x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= heads * d else x.contiguous()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

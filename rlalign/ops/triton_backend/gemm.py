@@ -113,9 +113,30 @@ def candidate_configs(m: int, n: int, segments: int, fp32: bool, out_mode: str =
     return _SMALL_M if m <= 64 else large + _MEDIUM + _SMALL_M[1:]
 
 
+# P = 1 decode batches (bf16 out): 128x128 tiles, 8 warps, 5 stages, one flat loop, where they keep at least
+# DECODE_TILE_MIN_FILL of the SMs busy (the fill rule of pick_config would refuse them there). H200, session 18
+# (`bench/gpu_linear.py --sweep-ws --ws-candidates 1 --ws-triton --ws-shapes 8b-stacked --ws-m 244`, every launch
+# bit-equal): the 8B stacked q/k/v (N = 6,144, 96 tiles) 0.0279 ms against 0.0343 on the Gluon kernel (which the
+# dispatcher took) and 0.0500 on the fill rule's 64x64 tiles; the stacked gate/up (N = 24,576) 0.0866 against 0.0898
+# on the fill rule's 128x128 x4. Two 128-row tiles cover 129..256 rows, so each weight column block is read twice
+# (the 64-row tiles read it four times).
+DECODE_TILE = GemmConfig(128, 128, 8, 5, flatten=True)
+DECODE_TILE_ROWS = (129, 256)
+DECODE_TILE_MIN_FILL = 0.7
+
+
+def decode_tile(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: str = "bf16") -> GemmConfig | None:
+    """:data:`DECODE_TILE` where it applies (P = 1, bf16 operands and output, DECODE_TILE_ROWS, enough tiles),
+    else None. One owner: pick_config takes it, and the dispatcher's choice of the Gluon kernel defers to it."""
+    if segments != 1 or fp32 or out_mode != "bf16" or not DECODE_TILE_ROWS[0] <= m <= DECODE_TILE_ROWS[1]:
+        return None
+    tiles = triton.cdiv(m, DECODE_TILE.block_m) * triton.cdiv(n, DECODE_TILE.block_n)
+    return DECODE_TILE if tiles >= DECODE_TILE_MIN_FILL * sms else None
+
+
 def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: str = "bf16") -> GemmConfig:
-    """The first candidate whose tiles fill at least 85% of the persistent programs' slots over
-    all waves (else the best-filling one).
+    """:func:`decode_tile` where it applies; else the first candidate whose tiles fill at least 85% of the
+    persistent programs' slots over all waves (else the best-filling one).
 
     ``RLALIGN_TRITON_GEMM_TILE="BM,BN,warps,stages"`` forces one tile for every M (a safety switch
     should a GPU ever show two tile shapes to differ)."""
@@ -123,6 +144,9 @@ def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: s
     if forced:
         bm, bn, warps, stages = forced
         return GemmConfig(bm, bn, warps, stages, reg_levels=0 if segments > 1 and bm * bn >= 128 * 128 else 4)
+    decode = decode_tile(m, n, segments, fp32, sms, out_mode)
+    if decode is not None:
+        return decode
     cands = candidate_configs(m, n, segments, fp32, out_mode)
     best, best_eff = cands[-1], -1.0
     for cfg in cands:
@@ -144,7 +168,7 @@ def all_configs(segments: int, fp32: bool, out_mode: str = "bf16") -> tuple[Gemm
         return _SEG_LARGE + _SEG_SMALL
     if out_mode == "acc_in":
         return _LARGE_ACCIN + _MEDIUM + _SMALL_ACCIN
-    large = _LARGE_F32OUT if out_mode == "fp32" else _LARGE + (GemmConfig(128, 256, 8, 3, flatten=False),)
+    large = _LARGE_F32OUT if out_mode == "fp32" else _LARGE + (GemmConfig(128, 256, 8, 3, flatten=False), DECODE_TILE)
     return large + _MEDIUM + _SMALL_M
 
 
@@ -580,7 +604,8 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 # ones; from 462 rows on mixed (0.74-1.40x), at 4,096+ the Triton kernel better (0.82-0.89x). M <= 64 not swept.
 # Where the 64x128 tiles would fill under a third of the SMs (the N = 1,024 k/v_proj: 32 tiles), 64x64 tiles
 # (gemm_ws.NARROW_WS, chosen by gemm_ws.launch_for; session 15 call 9: 1.24x the 64x128 launch on the 8B k/v_proj).
-# Other P = 1 calls (the dX layout, other M) reach it only through gemm(..., ws=...).
+# Other P = 1 calls (the dX layout, other M) reach it only through gemm(..., ws=...); nor do those where the Triton
+# kernel's DECODE_TILE applies (decode_tile: wide layers at 129..256 rows, session 18).
 # P = 1 calls whose Gluon tiles would take more than WS_PLAIN_MAX_WAVES waves of the SMs keep the Triton kernel: H200
 # `--sweep-ws --ws-shapes 8b-stacked`, session 17, the 8B gate/up stacked (N = 24,576, 768 tiles of 64x128 at 244
 # rows, 5.8 waves) 0.0896 ms on the Triton kernel against 0.0982 on the 64x128 Gluon launch (128x128: 0.1007); at
@@ -599,6 +624,9 @@ def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsC
     m, n = a.shape[0], (b.shape[0] if b_trans else b.shape[1])   # A [M, K]: ws_supported refuses a_trans
     if segments == 1 and not (b_trans and WS_PLAIN_ROWS[0] <= m <= WS_PLAIN_ROWS[1]):
         return None   # (before the support checks: most plain calls, all of training's, end here)
+    if decode_tile(m, n, segments, a.dtype == torch.float32, device_sms(a), "bf16" if out_dtype == torch.bfloat16
+                   else "fp32") is not None:
+        return None   # the Triton kernel's decode tile is the faster
     if not ws_supported(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in):
         return None
     launch = ws_launch_for(a, n, segments)
@@ -763,6 +791,7 @@ def gemm_blocks(a: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...], *, bi
 
 
 __all__ = ["GemmConfig", "gemm", "gemm_blocks", "gemm_kernel", "segment_stream_kernel", "pick_config", "all_configs",
+           "DECODE_TILE", "decode_tile",
            "candidate_configs", "KPART_CANDIDATES",
            "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config", "WS_DEFAULT", "WS_PLAIN_MAX_WAVES",
            "ws_default"]
