@@ -22,7 +22,9 @@ sample (eos ignored: every engine generates the same number of tokens), temperat
   CUDA workloads warm up on the whole workload: no capture falls in a timed call, and the row's
   ``graph_captures_timed`` says so); native is the same machinery with the fast non-deterministic ops
   (the Triton paged kernel without the contract's checks, cuBLAS, an exponential-race sampler): the
-  baseline that measures the cost of the contract;
+  baseline that measures the cost of the contract. The engine's ``max_model_len`` is the workload's longest
+  prompt + new tokens (``--max-model-len``; verl sets it so, prompt length + response length): it sizes the
+  block table, which decides the decode attention's launch (gpu.md, "Decode attention");
 * transformers: the same weights saved as a Hugging Face checkpoint and loaded with
   ``AutoModelForCausalLM``; ``generate(do_sample=True, num_return_sequences=n, top_k=0,
   min_new_tokens=max_new_tokens=...)`` on left-padded prompts, all prompts in one call on the CPU
@@ -180,6 +182,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=1024, help="engine decode batch (default 1024)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
+    p.add_argument("--max-model-len", default="workload", metavar="N|workload|model",
+                   help="the engine's max_model_len: 'workload' (default) the longest prompt + new tokens, as verl "
+                        "sets it (prompt length + response length); 'model' the model's max_position_embeddings; "
+                        "or a number. It sizes the block table, so the decode graphs' attention launch (a streamed "
+                        "launch's work entries grow with the table's width)")
     p.add_argument("--decode-graphs", default="auto", choices=("auto", "on", "off", "padded"),
                    help="replay decode steps from CUDA graphs, both profiles (auto: on CUDA; RolloutConfig.decode_graphs; "
                         "padded: the graphs' static batches run eagerly, any device)")
@@ -379,6 +386,25 @@ def _fits_all_at_once(model_dir: Path, count: int) -> bool:
     return count * weights < memory / 3
 
 
+def max_model_len(args, workload: Workload, config) -> int | None:
+    """RolloutConfig.max_model_len for ``--max-model-len``: the workload's longest prompt + its new tokens
+    ('workload'), None (the model's max_position_embeddings: 'model'), or the number given."""
+    choice = str(getattr(args, "max_model_len", "workload"))
+    if choice == "model":
+        return None
+    if choice == "workload":
+        return max(len(p) for p in workload.prompts) + workload.new_tokens
+    try:
+        value = int(choice)
+    except ValueError:
+        raise SystemExit(f"rlalign bench rollout: --max-model-len {choice!r} is not a number, 'workload' or 'model'")
+    longest = max(len(p) for p in workload.prompts) + workload.new_tokens
+    if not longest <= value <= config.max_position_embeddings:
+        raise SystemExit(f"rlalign bench rollout: --max-model-len {value} must hold the workload's longest sequence "
+                         f"({longest} tokens) and be at most max_position_embeddings={config.max_position_embeddings}")
+    return value
+
+
 class _EngineRun:
     """The rlalign engine in one profile: set up and warmed up on creation; :meth:`timed` is one call."""
 
@@ -388,6 +414,7 @@ class _EngineRun:
         self.model, _ = load_model(model_dir, dtype=dtype, device=args.device)
         config = RolloutConfig(profile=profile, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
+                               max_model_len=max_model_len(args, workload, self.model.config),
                                kv_cache_bytes=_kv_cache_bytes(self.model, workload, args),
                                decode_graphs=args.decode_graphs, overlap=_overlap_setting(args, profile, self.model))
         self.engine = RolloutEngine(self.model, config)
@@ -430,7 +457,8 @@ class _EngineRun:
         row = {"engine": "rlalign", "profile": self.profile, "tokens_per_s": round(generated / seconds, 2),
                "seconds": round(seconds, 3), "generated_tokens": generated, "steps": stats["steps"],
                "forward_tokens": stats["forward_tokens"], "preemptions": stats["preemptions"],
-               "kv_pages": stats["num_pages"], "page_size": self.args.page_size, "graph_steps": stats["graph_steps"],
+               "kv_pages": stats["num_pages"], "page_size": self.args.page_size,
+               "max_model_len": self.engine.max_model_len, "graph_steps": stats["graph_steps"],
                "decode_graphs": graphs.mode if graphs is not None else "off",
                "graph_captures": graphs.captures if graphs is not None else 0,
                "graph_captures_timed": self.captures_timed,

@@ -56,6 +56,23 @@ def test_layers_cut_the_preset(capsys):
     assert row["kv_bytes_per_decode_step"] == pytest.approx(256 * (context * rows + rows), rel=2e-2)
 
 
+def test_max_model_len_is_the_workloads_by_default(capsys):
+    """--max-model-len: the longest prompt + new tokens by default (as verl sets it), the model's with 'model', a
+    number checked against both ends."""
+    assert main(["bench", "rollout", "--workload", "tiny", "--engines", "strict", "--repeat", "1", "--json",
+                 "--verify"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert main(["bench", "rollout", "--workload", "tiny", "--engines", "strict", "--repeat", "1", "--json",
+                 "--verify", "--max-model-len", "model"]) == 0
+    model_row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["max_model_len"] < model_row["max_model_len"]
+    assert row["logprob_mismatches"] == model_row["logprob_mismatches"] == 0
+    with pytest.raises(SystemExit, match="must hold the workload's longest sequence"):
+        main(["bench", "rollout", "--workload", "tiny", "--engines", "strict", "--max-model-len", "2"])
+    with pytest.raises(SystemExit, match="is not a number"):
+        main(["bench", "rollout", "--workload", "tiny", "--engines", "strict", "--max-model-len", "big"])
+
+
 def test_bench_without_a_benchmark_prints_usage(capsys):
     assert main(["bench"]) == 2
     assert "rollout" in capsys.readouterr().out
