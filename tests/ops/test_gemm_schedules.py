@@ -112,33 +112,38 @@ def _refuses_stack_in_scratch() -> str:
 
 
 
-# (m, n, segments, fp32 operands, out mode, whether gemm.DECODE_TILE applies)
+# (m, n, segments, fp32 operands, out mode, the gemm.DECODE_TILES tile that applies as "BMxBN", or None)
 DECODE_TILE_CASES = (
-    (244, 6144, 1, False, "bf16", True),      # the 8B stacked q/k/v at a decode batch (96 tiles on 132 SMs)
-    (244, 24576, 1, False, "bf16", True),     # the 8B stacked gate/up
-    (129, 12288, 1, False, "bf16", True),     # the first row count two 128-row tiles cover
-    (256, 12288, 1, False, "bf16", True),
-    (128, 12288, 1, False, "bf16", False),    # one 128-row tile: the other rules
-    (257, 12288, 1, False, "bf16", False),    # above the decode rows
-    (244, 4096, 1, False, "bf16", False),     # 64 tiles: under 0.7 of the SMs
-    (244, 6144, 8, False, "bf16", False),     # the K partition
-    (244, 6144, 1, True, "fp32", False),      # fp32 operands
-    (244, 6144, 1, False, "fp32", False),     # fp32 output
-    (244, 6144, 1, False, "acc_in", False),
+    (244, 6144, 1, False, "bf16", "128x128"),    # the 8B stacked q/k/v at a decode batch (96 tiles on 132 SMs)
+    (244, 24576, 1, False, "bf16", "128x128"),   # the 8B stacked gate/up
+    (129, 12288, 1, False, "bf16", "128x128"),   # the first row count two 128-row tiles cover
+    (256, 12288, 1, False, "bf16", "128x128"),
+    (128, 12288, 1, False, "bf16", None),        # one 128-row tile: the other rules
+    (257, 12288, 1, False, "bf16", "128x256"),   # the next range: 128x256 tiles
+    (462, 6144, 1, False, "bf16", "128x256"),    # the 0.6B stacked gate/up at 512 sequences (96 tiles)
+    (462, 4096, 1, False, "bf16", None),         # the 0.6B stacked q/k/v there: 64 tiles, under 0.7 of the SMs
+    (512, 24576, 1, False, "bf16", "128x256"),
+    (513, 24576, 1, False, "bf16", None),        # above the decode rows
+    (244, 4096, 1, False, "bf16", None),         # 64 tiles: under 0.7 of the SMs
+    (244, 6144, 8, False, "bf16", None),         # the K partition
+    (244, 6144, 1, True, "fp32", None),          # fp32 operands
+    (244, 6144, 1, False, "fp32", None),         # fp32 output
+    (244, 6144, 1, False, "acc_in", None),
 )
 
 
 def _decode_tile_rule() -> list:
-    """Per DECODE_TILE_CASES: (decode_tile gave the tile, pick_config gave it, pick_config's choice is one of
+    """Per DECODE_TILE_CASES: (decode_tile's tile as "BMxBN" or None, pick_config's choice is that tile (when one
+    applies) / is none of DECODE_TILES' tiles chosen for a row range it is not in, pick_config's choice is one of
     all_configs -- whose bits the CUDA tier compares)."""
-    from rlalign.ops.triton_backend.gemm import DECODE_TILE, all_configs, decode_tile, pick_config
+    from rlalign.ops.triton_backend.gemm import all_configs, decode_tile, pick_config
     out = []
     for m, n, segments, fp32, out_mode, _ in DECODE_TILE_CASES:
+        tile = decode_tile(m, n, segments, fp32, 132, out_mode)
         picked = pick_config(m, n, segments, fp32, 132, out_mode)
-        out.append([decode_tile(m, n, segments, fp32, 132, out_mode) == DECODE_TILE, picked == DECODE_TILE,
+        out.append([None if tile is None else f"{tile.block_m}x{tile.block_n}", tile is None or picked == tile,
                     picked in all_configs(segments, fp32, out_mode)])
     return out
-
 
 def _worker() -> None:
     from tests.ops.test_triton_interpret import _patch_interpreter
@@ -180,12 +185,10 @@ def test_stream_schedule_refuses_a_stack_in_the_scratch(interpreter_results):
 
 @pytest.mark.parametrize("case", range(len(DECODE_TILE_CASES)), ids=lambda i: "-".join(map(str, DECODE_TILE_CASES[i])))
 def test_the_decode_tile_rule(interpreter_results, case):
-    """gemm.decode_tile applies exactly where DECODE_TILE_CASES says; pick_config returns it there (before the
-    fill rule) and not elsewhere at these shapes; every pick is one of all_configs."""
-    applies, picked, listed = interpreter_results["decode_tile"][case]
-    expected = DECODE_TILE_CASES[case][-1]
-    assert applies == expected and picked == expected and listed, (DECODE_TILE_CASES[case], applies, picked, listed)
-
+    """gemm.decode_tile gives the tile DECODE_TILE_CASES names (none where it says none); pick_config returns it
+    there (before the fill rule); every pick is one of all_configs."""
+    tile, picked_it, listed = interpreter_results["decode_tile"][case]
+    assert tile == DECODE_TILE_CASES[case][-1] and picked_it and listed, (DECODE_TILE_CASES[case], tile, picked_it, listed)
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()

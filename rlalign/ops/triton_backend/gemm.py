@@ -113,25 +113,33 @@ def candidate_configs(m: int, n: int, segments: int, fp32: bool, out_mode: str =
     return _SMALL_M if m <= 64 else large + _MEDIUM + _SMALL_M[1:]
 
 
-# P = 1 decode batches (bf16 out): 128x128 tiles, 8 warps, 5 stages, one flat loop, where they keep at least
-# DECODE_TILE_MIN_FILL of the SMs busy (the fill rule of pick_config would refuse them there). H200, session 18
-# (`bench/gpu_linear.py --sweep-ws --ws-candidates 1 --ws-triton --ws-shapes 8b-stacked --ws-m 244`, every launch
-# bit-equal): the 8B stacked q/k/v (N = 6,144, 96 tiles) 0.0279 ms against 0.0343 on the Gluon kernel (which the
-# dispatcher took) and 0.0500 on the fill rule's 64x64 tiles; the stacked gate/up (N = 24,576) 0.0866 against 0.0898
-# on the fill rule's 128x128 x4. Two 128-row tiles cover 129..256 rows, so each weight column block is read twice
-# (the 64-row tiles read it four times).
-DECODE_TILE = GemmConfig(128, 128, 8, 5, flatten=True)
-DECODE_TILE_ROWS = (129, 256)
+# P = 1 decode batches (bf16 out): one tile per row range, taken where its tiles keep at least
+# DECODE_TILE_MIN_FILL of the SMs busy (pick_config's fill rule would refuse them there). H200 sweeps
+# (`bench/gpu_linear.py --sweep-ws --ws-candidates 1 --ws-triton --ws-shapes 8b-stacked,0.6b-stacked`, every launch
+# bit-equal; cuBLAS / ours):
+# * 129..256 rows, 128x128 x5 flat (session 18-19): the 8B stacked q/k/v (N = 6,144, 96 tiles at 244 rows) 0.0276 ms
+#   against 0.0344 on the Gluon kernel (which the dispatcher took) and 0.0500 on the fill rule's tiles; the stacked
+#   gate/up (N = 24,576) 0.087-0.091 against 0.090 on the fill rule's 128x128 x4. Two 128-row tiles cover the rows, so
+#   each weight column block is read twice (64-row tiles read it four times).
+# * 257..512 rows, 128x256 x3 flat (session 19, 462 rows): 0.808 / 0.929 on the 8B stacked q/k/v and gate/up, 0.831
+#   on the 0.6B gate/up, against the fill rule's 0.550 / 0.875 / 0.604.
+DECODE_TILES = ((129, 256, GemmConfig(128, 128, 8, 5, flatten=True)),
+                (257, 512, GemmConfig(128, 256, 8, 3, flatten=True)))
+DECODE_TILE = DECODE_TILES[0][2]
 DECODE_TILE_MIN_FILL = 0.7
 
 
 def decode_tile(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: str = "bf16") -> GemmConfig | None:
-    """:data:`DECODE_TILE` where it applies (P = 1, bf16 operands and output, DECODE_TILE_ROWS, enough tiles),
-    else None. One owner: pick_config takes it, and the dispatcher's choice of the Gluon kernel defers to it."""
-    if segments != 1 or fp32 or out_mode != "bf16" or not DECODE_TILE_ROWS[0] <= m <= DECODE_TILE_ROWS[1]:
+    """The :data:`DECODE_TILES` tile of ``m`` rows where one applies (P = 1, bf16 operands and output, enough
+    tiles), else None. One owner: pick_config takes it, and the dispatcher's choice of the Gluon kernel defers to
+    it."""
+    if segments != 1 or fp32 or out_mode != "bf16":
         return None
-    tiles = triton.cdiv(m, DECODE_TILE.block_m) * triton.cdiv(n, DECODE_TILE.block_n)
-    return DECODE_TILE if tiles >= DECODE_TILE_MIN_FILL * sms else None
+    for low, high, tile in DECODE_TILES:
+        if low <= m <= high:
+            tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+            return tile if tiles >= DECODE_TILE_MIN_FILL * sms else None
+    return None
 
 
 def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: str = "bf16") -> GemmConfig:
@@ -791,7 +799,7 @@ def gemm_blocks(a: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...], *, bi
 
 
 __all__ = ["GemmConfig", "gemm", "gemm_blocks", "gemm_kernel", "segment_stream_kernel", "pick_config", "all_configs",
-           "DECODE_TILE", "decode_tile",
+           "DECODE_TILE", "DECODE_TILES", "decode_tile",
            "candidate_configs", "KPART_CANDIDATES",
            "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config", "WS_DEFAULT", "WS_PLAIN_MAX_WAVES",
            "ws_default"]
