@@ -119,7 +119,9 @@ def _blocks_choice() -> dict:
     def took(m, widths, k=4096):
         return G.gemm_blocks(torch.empty(m, k, dtype=bf), torch.empty(sum(widths), k, dtype=bf), widths) is not None
     qkv, gate_up = (4096, 1024, 1024), (12288, 12288)
-    return {"decode": [took(65, qkv), took(244, qkv), took(256, qkv), took(128, gate_up)],
+    return {"decode": [took(65, qkv), took(128, qkv), took(128, gate_up)],
+            # 129..256 rows of the wide stacked q/k/v: the Triton kernel's decode tile (gemm.decode_tile)
+            "decode_tile_rows": [took(129, qkv), took(244, qkv), took(256, qkv)],
             "many_waves": took(244, gate_up),   # 768 tiles of 64x128 on 132 SMs: the Triton kernel (WS_PLAIN_MAX_WAVES)
             "other_rows": [took(1, qkv), took(64, qkv), took(257, qkv), took(4096, qkv)],
             "off_tile_edge": took(244, (4000, 1024, 1024)), "four_blocks": took(244, (1024, ) * 4),
@@ -289,20 +291,21 @@ def test_ws_output_blocks_compile_to_block_stores(sm90_ws):
 
 def test_gemm_blocks_one_launch_only_where_the_dispatcher_takes_gluon(sm90_ws):
     """gemm_blocks takes the one launch at decode rows (65-256) for blocks on tile edges where its tiles take at most
-    WS_PLAIN_MAX_WAVES waves, and nowhere else."""
+    WS_PLAIN_MAX_WAVES waves and the Triton kernel's decode tile does not apply, and nowhere else."""
     choice = sm90_ws["blocks_choice"]
     assert not choice["many_waves"], choice
-    assert choice["decode"] == [True] * 4, choice
+    assert choice["decode"] == [True] * 3, choice
+    assert choice["decode_tile_rows"] == [False] * 3, choice
     assert choice["other_rows"] == [False] * 4, choice
     assert not choice["off_tile_edge"] and not choice["rows_not_16_bytes"], choice   # block edges on tile edges only
     assert not choice["four_blocks"] and not choice["fp32"], choice
 
 
 def test_plain_decode_launches(sm90_ws):
-    """P = 1 at decode rows (244): 64x128 tiles for the 8B q/k/v stacked, 64x64 for k/v alone, the Triton kernel for
-    the stacked gate/up (over WS_PLAIN_MAX_WAVES waves of 64x128 tiles)."""
+    """P = 1 at decode rows (244): 64x64 tiles for the 8B k/v alone; the Triton kernel (its decode tile) for the
+    stacked q/k/v and gate/up."""
     launches = sm90_ws["blocks_choice"]["launches"]
-    assert "block_m=64, block_n=128" in launches["8b qkv"], launches
+    assert launches["8b qkv"] == "None", launches
     assert "block_m=64, block_n=64" in launches["8b k"], launches
     assert launches["8b gate_up"] == "None", launches
 
