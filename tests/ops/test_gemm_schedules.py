@@ -119,7 +119,9 @@ DECODE_TILE_CASES = (
     (129, 12288, 1, False, "bf16", "128x128"),   # the first row count two 128-row tiles cover
     (256, 12288, 1, False, "bf16", "128x128"),
     (128, 12288, 1, False, "bf16", None),        # one 128-row tile: the other rules
-    (257, 12288, 1, False, "bf16", "128x256"),   # the next range: 128x256 tiles
+    (257, 12288, 1, False, "bf16", None),        # three 128-row tiles: not measured, the fill rule
+    (384, 24576, 1, False, "bf16", None),
+    (385, 12288, 1, False, "bf16", "128x256"),   # four 128-row tiles: 128x256 tiles
     (462, 6144, 1, False, "bf16", "128x256"),    # the 0.6B stacked gate/up at 512 sequences (96 tiles)
     (462, 4096, 1, False, "bf16", None),         # the 0.6B stacked q/k/v there: 64 tiles, under 0.7 of the SMs
     (512, 24576, 1, False, "bf16", "128x256"),

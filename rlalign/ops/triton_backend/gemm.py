@@ -121,10 +121,11 @@ def candidate_configs(m: int, n: int, segments: int, fp32: bool, out_mode: str =
 #   against 0.0344 on the Gluon kernel (which the dispatcher took) and 0.0500 on the fill rule's tiles; the stacked
 #   gate/up (N = 24,576) 0.087-0.091 against 0.090 on the fill rule's 128x128 x4. Two 128-row tiles cover the rows, so
 #   each weight column block is read twice (64-row tiles read it four times).
-# * 257..512 rows, 128x256 x3 flat (session 19, 462 rows): 0.808 / 0.929 on the 8B stacked q/k/v and gate/up, 0.831
-#   on the 0.6B gate/up, against the fill rule's 0.550 / 0.875 / 0.604.
+# * 385..512 rows (four 128-row tiles, as at the 462 rows of a 512-sequence decode), 128x256 x3 flat (session 19, at
+#   462 rows): 0.808 / 0.929 on the 8B stacked q/k/v and gate/up, 0.831 on the 0.6B gate/up, against the fill rule's
+#   0.550 / 0.875 / 0.604. 257..384 rows (three row tiles) were not measured: the fill rule keeps them.
 DECODE_TILES = ((129, 256, GemmConfig(128, 128, 8, 5, flatten=True)),
-                (257, 512, GemmConfig(128, 256, 8, 3, flatten=True)))
+                (385, 512, GemmConfig(128, 256, 8, 3, flatten=True)))
 DECODE_TILE = DECODE_TILES[0][2]
 DECODE_TILE_MIN_FILL = 0.7
 
