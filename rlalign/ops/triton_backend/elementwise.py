@@ -370,7 +370,8 @@ def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm=N
         rope_write_kv_kernel[(q_programs + k_programs,)](
             q, k, v, cos, sin, qo, ko, k_cache, v_cache, slots, flags, verdict,
             arrival_counters(k.device, 1, "rope_write_kv"), qw, kw, eps, t * hq, t * hkv, hq, hkv, d // 2,
-            q.stride(0), k.stride(0), v.stride(0), q_programs, ROWS=rows, BHALF=bhalf, NORM=qk_norm is not None, num_warps=4, **no_fma())
+            q.stride(0), k.stride(0), v.stride(0), q_programs, ROWS=rows, BHALF=bhalf, NORM=qk_norm is not None,
+            num_warps=4, **no_fma())
     check_k(ko, verdict.view(torch.bool))
     return qo, ko
 

@@ -177,7 +177,8 @@ def all_configs(segments: int, fp32: bool, out_mode: str = "bf16") -> tuple[Gemm
         return _SEG_LARGE + _SEG_SMALL
     if out_mode == "acc_in":
         return _LARGE_ACCIN + _MEDIUM + _SMALL_ACCIN
-    large = _LARGE_F32OUT if out_mode == "fp32" else _LARGE + (GemmConfig(128, 256, 8, 3, flatten=False), DECODE_TILE)
+    large = _LARGE_F32OUT if out_mode == "fp32" else _LARGE + (GemmConfig(128, 256, 8, 3, flatten=False),)
+    large += tuple(tile for _, _, tile in DECODE_TILES if out_mode == "bf16" and tile not in large)
     return large + _MEDIUM + _SMALL_M
 
 
@@ -613,8 +614,8 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 # ones; from 462 rows on mixed (0.74-1.40x), at 4,096+ the Triton kernel better (0.82-0.89x). M <= 64 not swept.
 # Where the 64x128 tiles would fill under a third of the SMs (the N = 1,024 k/v_proj: 32 tiles), 64x64 tiles
 # (gemm_ws.NARROW_WS, chosen by gemm_ws.launch_for; session 15 call 9: 1.24x the 64x128 launch on the 8B k/v_proj).
-# Other P = 1 calls (the dX layout, other M) reach it only through gemm(..., ws=...); nor do those where the Triton
-# kernel's DECODE_TILE applies (decode_tile: wide layers at 129..256 rows, session 18).
+# Other P = 1 calls (the dX layout, other M) reach it only through gemm(..., ws=...); nor do those where one of the
+# Triton kernel's DECODE_TILES applies (decode_tile: wide layers at 129-256 rows, session 19).
 # P = 1 calls whose Gluon tiles would take more than WS_PLAIN_MAX_WAVES waves of the SMs keep the Triton kernel: H200
 # `--sweep-ws --ws-shapes 8b-stacked`, session 17, the 8B gate/up stacked (N = 24,576, 768 tiles of 64x128 at 244
 # rows, 5.8 waves) 0.0896 ms on the Triton kernel against 0.0982 on the 64x128 Gluon launch (128x128: 0.1007); at
