@@ -5,8 +5,8 @@ stand-in sm_90 driver installed, before triton is imported).
 normally take the torch backend; this process only) against the separate path it replaces -- rope_kernel (the
 Triton backend's rope launcher) for q and k, then ``write_kv_cache`` of the rotated k: rotated q and k and both
 caches bit-equal (NaN-filled caches: every slot not written stays NaN), over hypothesis-chosen token counts,
-head counts, head_dim, page sizes, shuffled slots and q/k/v laid out apart or as column views of one tensor; a NaN / +inf / -inf planted in k gives write_kv_cache's
-error, message for message, under the per-op policy (naming the first bad index and the layer), the boundary
+head counts, head_dim, page sizes, shuffled slots and q/k/v laid out apart or as column views of one tensor; a
+NaN / +inf / -inf planted in k gives write_kv_cache's error, message for message, under the per-op policy (naming the first bad index and the layer), the boundary
 policy and a graph capture (the recorded verdict); one planted in q or v is not this op's check (no error,
 the same bits).
 
@@ -61,7 +61,7 @@ def _separate(q, k, v, cos, sin, cache, slots, policy, norm):
 
     def run():
         qn, kn = (ops.rms_norm(q, norm[0], norm[2]), ops.rms_norm(k, norm[1], norm[2])) if norm else (q, k)
-        rotated.extend((E._rope_launch(qn.contiguous(), cos, sin, 1.0), E._rope_launch(kn.contiguous(), cos, sin, 1.0)))
+        rotated.extend(E._rope_launch(x.contiguous(), cos, sin, 1.0) for x in (qn, kn))
         return ops.write_kv_cache(rotated[1], v, kc, vc, slots)
     outcome = _under(policy, run)
     return outcome, (*(rotated or (None, None)), kc, vc)
