@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 
 import pytest
 
@@ -40,3 +41,20 @@ def run_worker(args: list[str], interpret: bool, timeout: float) -> dict:
     if results is None:
         pytest.fail(f"worker {' '.join(args)[:80]} printed no results (rc {rc}):\n{out[-3000:]}\n{err[-3000:]}")
     return results
+
+
+def worker_main(sm90, interpret) -> None:
+    """The child's side for a worker module with two modes: ``--sm90`` runs ``sm90()`` (the stand-in sm_90 driver:
+    no interpreter), anything else ``interpret(sys.argv[2:])`` after patching the interpreter; prints the results
+    line, or the traceback and exits 1."""
+    try:
+        if sys.argv[1] == "--sm90":
+            results = sm90()
+        else:
+            from tests.ops.test_triton_interpret import _patch_interpreter
+            _patch_interpreter()
+            results = interpret(sys.argv[2:])
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
+    print(MARK + json.dumps(results))

@@ -15,10 +15,6 @@ decode shape, bf16 and fp32; prints ptxas's report per kernel."""
 
 from __future__ import annotations
 
-import json
-import sys
-import traceback
-
 WHERE = ("none", "k", "q", "v")
 VALUES = (float("nan"), float("inf"), float("-inf"))
 POLICIES = ("per-op", "boundary", "capture")
@@ -197,14 +193,5 @@ def run_sm90() -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        if sys.argv[1] == "--sm90":
-            results = run_sm90()
-        else:
-            from tests.ops.test_triton_interpret import _patch_interpreter
-            _patch_interpreter()
-            results = run_interpret(int(sys.argv[2]) if len(sys.argv) > 2 else 40)
-    except BaseException:
-        traceback.print_exc()
-        sys.exit(1)
-    print("RESULTS " + json.dumps(results))
+    from tests.workers import worker_main
+    worker_main(run_sm90, lambda args: run_interpret(int(args[0]) if args else 40))

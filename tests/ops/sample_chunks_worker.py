@@ -22,10 +22,6 @@ prints ptxas's report per kernel."""
 
 from __future__ import annotations
 
-import json
-import sys
-import traceback
-
 TIE = 2.0 ** 30
 DEFECTS = ("none", "nan", "posinf", "neginf_row", "overflow", "temperature")
 
@@ -240,14 +236,5 @@ def sm90() -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        if sys.argv[1] == "--sm90":
-            results = sm90()
-        else:
-            from tests.ops.test_triton_interpret import _patch_interpreter
-            _patch_interpreter()
-            results = run(int(sys.argv[2]))
-    except BaseException:
-        traceback.print_exc()
-        sys.exit(1)
-    print("RESULTS " + json.dumps(results))
+    from tests.workers import worker_main
+    worker_main(sm90, lambda args: run(int(args[0])))
