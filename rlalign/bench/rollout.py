@@ -390,15 +390,15 @@ def max_model_len(args, workload: Workload, config) -> int | None:
     """RolloutConfig.max_model_len for ``--max-model-len``: the workload's longest prompt + its new tokens
     ('workload'), None (the model's max_position_embeddings: 'model'), or the number given."""
     choice = str(getattr(args, "max_model_len", "workload"))
+    longest = max(len(p) for p in workload.prompts) + workload.new_tokens
     if choice == "model":
         return None
     if choice == "workload":
-        return max(len(p) for p in workload.prompts) + workload.new_tokens
+        return longest
     try:
         value = int(choice)
     except ValueError:
         raise SystemExit(f"rlalign bench rollout: --max-model-len {choice!r} is not a number, 'workload' or 'model'")
-    longest = max(len(p) for p in workload.prompts) + workload.new_tokens
     if not longest <= value <= config.max_position_embeddings:
         raise SystemExit(f"rlalign bench rollout: --max-model-len {value} must hold the workload's longest sequence "
                          f"({longest} tokens) and be at most max_position_embeddings={config.max_position_embeddings}")
