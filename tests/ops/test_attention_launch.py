@@ -330,7 +330,29 @@ def stream_chosen_by_shape():
     assert not A.use_stream(10 ** 6, 2 ** 31, 4), "a cache past int32 offsets taken by the streamed launch"
     wide = A.stream_work_bytes(512, 8, 32768, 64)   # 512 sequences x 8 kv heads at a 32k-key table: 1.1 GB
     assert wide > A.STREAM_WORK_MAX_BYTES and not A.use_stream(4096, 10 ** 6, 4, wide), wide
-    assert A.use_stream(4096, 10 ** 6, 4, A.stream_work_bytes(256, 8, 640, 64)), "the 8B rollout's shape not streamed"
+    bench_workloads_take_the_streamed_launch()
+
+
+def bench_workloads_take_the_streamed_launch():
+    """Every CUDA workload of `rlalign bench rollout` at its decode batch, with the benchmark's max_model_len (the
+    block table the engine sizes from it), takes the streamed launch on an H200 (132 SMs): the rule's inputs are
+    the table's width, not the contexts (session 18's rule was checked against a 640-key table while the
+    benchmark's was 40,960 keys wide, and the benchmark silently ran the per-item launch)."""
+    import argparse
+    from rlalign.bench import rollout as R
+    from rlalign.rollout.block_manager import pages_for
+    for name, w in R.WORKLOADS.items():
+        if w["preset"] == "tiny":
+            continue
+        cfg = R.PRESETS[w["preset"]]
+        hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        high = int(w["prompt_len"].split(":")[1])
+        work = R.Workload([[0] * high], w["samples"], w["new_tokens"])
+        table_keys = pages_for(R.max_model_len(argparse.Namespace(), work, None), 16) * 16
+        for n_seq in (w["prompts"] * w["samples"] // 2, w["prompts"] * w["samples"]):   # mid-run and full batch
+            elements = n_seq * table_keys * hkv * d   # every sequence's cache at the table's full width
+            kind = A.decode_launch(1, n_seq, n_seq, hq, hkv, d, table_keys, elements, 132)
+            assert kind == "stream", f"{name}: {n_seq} sequences, a {table_keys}-key table: {kind}"
 
 
 CHECKS = (chooser_monotone, chooser_shape_only, launches_same_bits, fused_merge_same_bits, fused_merge_multi_tile,
