@@ -754,7 +754,7 @@ def _sm90_worker() -> None:
     for name, _, kwargs, kernel in compiled:
         ptx = kernel.asm["ptx"]
         variants.append({"kernel": name, "args": {k: str(v) for k, v in kwargs.items() if k.isupper()},
-                         "stages": kwargs.get("num_stages"),
+                         "stages": kwargs.get("num_stages"), "async_copy": "async_copy" in kernel.asm["ttgir"],
                          "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx,
                          # software-pipelined: some wgmma wait leaves a chain in flight
                          "pipelined": re.search(r"warp_group_dot_wait[^\n]*pendings = [1-9]",
@@ -840,6 +840,14 @@ def test_the_decode_tile_compiles_pipelined(sm90):
             and v["stages"] == want["num_stages"]]
     assert tile, "the decode tile was not compiled"
     assert all(v["pipelined"] and v["wgmma"] and v["smem"] <= SMEM_LIMIT for v in tile), tile
+
+
+def test_the_logprob_merge_loop_is_pipelined(sm90):
+    """lp_merge_kernel's fold over the vocab tiles keeps later tiles' loads in flight (async copies in the TTGIR):
+    without it, one program at a decode batch waits a load latency per tile."""
+    merges = [v for v in sm90["variants"] if v["kernel"] == "lp_merge_kernel"]
+    assert merges, "lp_merge_kernel was not compiled"
+    assert all(v["async_copy"] for v in merges), merges
 
 
 def test_gemm_sums_keep_their_adds_after_the_products(sm90):
