@@ -2,7 +2,8 @@
 
     rlalign bench rollout [--device cpu|cuda] [--workload NAME] [--model DIR | --preset NAME] [--layers N]
                           [--prompts 64] [--samples 8] [--new-tokens 64] [--prompt-len 32:128]
-                          [--engines strict,native,transformers] [--peak-gbps 4300] [--verify] [--json]
+                          [--engines strict,native,transformers] [--peak-gbps 4300] [--peak-tflops 780]
+                          [--verify] [--json]
     python bench/rollout.py ...   (the same)
 
 ``--workload`` names a preset (WORKLOADS: ``tiny`` for CI, ``0.6b-ctx512``, ``0.6b-ctx4096``, ``8b-ctx512``,
@@ -56,7 +57,10 @@ the host's own work per step, overlapped or not; on the CPU the forward runs ins
 :mod:`rlalign.bench.roofline`, from the model config and the step's actual context lengths),
 ``achieved_gbps`` = bytes / wall, ``roofline_fraction`` = achieved / ``--peak-gbps`` (default 4300 on
 CUDA, the H200's HBM3e peak; none on the CPU unless given), ``forward_roofline_fraction`` the same
-against the forward's GPU time only; ``graph_finite_checks_per_step``: the finiteness checks captured in
+against the forward's GPU time only; ``op_floor_ms``: the per-op roofline of a step (each op at the slower of
+its bandwidth and ``--peak-tflops`` ceilings, summed: :mod:`rlalign.bench.roofline`; at hundreds of rows the
+GEMMs are compute bound, so this floor is above bytes / bandwidth), ``op_roofline_fraction`` = floor / wall
+(``forward_op_roofline_fraction``: / forward GPU time); ``graph_finite_checks_per_step``: the finiteness checks captured in
 the replayed graphs (docs/gpu.md, "Finiteness checks": a run with ``RLALIGN_CHECKS=per-op`` against the
 default prices one check, hence the default's share of a step).
 
@@ -82,7 +86,7 @@ from pathlib import Path
 
 import torch
 
-from rlalign.bench.roofline import decode_step_bytes, kv_bytes_per_token, parameter_counts
+from rlalign.bench.roofline import decode_step_bytes, decode_step_floor, kv_bytes_per_token, parameter_counts, step_shapes
 from rlalign.bench.kernel_profile import KernelProfile
 from rlalign.contract import use_profile
 from rlalign.contract.bits import count_differences
@@ -137,7 +141,7 @@ DEFAULTS = {
     "cpu": dict(prompts=64, samples=8, new_tokens=64, prompt_len="32:128", dtype="float32", repeat=3, warmup="full"),
     # transformers keeps a dense KV cache per sequence: its generate calls take 64 prompts (512 sequences) each
     "cuda": dict(prompts=256, samples=8, new_tokens=512, prompt_len="64:192", dtype="bfloat16", preset="qwen3-0.6b",
-                 hf_batch_prompts=64, repeat=1, warmup="short", peak_gbps=4300.0),
+                 hf_batch_prompts=64, repeat=1, warmup="short", peak_gbps=4300.0, peak_tflops=780.0),
 }
 # the KV cache of a CUDA run is sized to the workload (plus this margin), not to 80% of the free memory:
 # the rest is left to activations, the sampler's [batch, vocab] buffers and the graphs' pool
@@ -166,6 +170,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, help="keep the first N decoder layers of the preset shape")
     p.add_argument("--peak-gbps", type=float,
                    help="memory bandwidth peak for the roofline fraction (default 4300 on CUDA: H200 HBM3e)")
+    p.add_argument("--peak-tflops", type=float,
+                   help="matmul throughput ceiling for the per-op roofline (default 780 on CUDA: the H200's bf16 "
+                        "ceiling as cuBLAS reaches it; the 989 of the data sheet is reached by no GEMM)")
     p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: see --preset)")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="random-init model shape (default: the embedded default model if present on the CPU, else "
@@ -257,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
               if a in by_name and b in by_name}
     return {"name": "rollout", "rows": rows, "ratios": ratios,
             "workload": {"name": args.workload, "model": model_name, "dtype": dtype, "device": args.device,
-                         "peak_gbps": _peak_gbps(args), "prompts": len(workload.prompts),
+                         "peak_gbps": _peak_gbps(args), "peak_tflops": _peak_tflops(args), "prompts": len(workload.prompts),
                          "samples": workload.samples, "new_tokens": workload.new_tokens,
                          "prompt_tokens": sum(len(p) for p in workload.prompts),
                          "prompt_len": f"{min(map(len, workload.prompts))}:{max(map(len, workload.prompts))}"},
@@ -327,6 +334,10 @@ def _repeats(args) -> int:
 
 def _peak_gbps(args) -> float | None:
     return args.peak_gbps or workload_defaults(args).get("peak_gbps")
+
+
+def _peak_tflops(args) -> float | None:
+    return getattr(args, "peak_tflops", None) or workload_defaults(args).get("peak_tflops")
 
 
 def _overlap_setting(args, profile: str, model) -> str:
@@ -421,6 +432,7 @@ class _EngineRun:
         self.sampling = SamplingParams(n=workload.samples, max_new_tokens=workload.new_tokens, seed=args.seed,
                                        ignore_eos=True)
         self.counts = parameter_counts(self.model.config)
+        self.shapes = step_shapes(self.model.config)
         # warm-up: compiles kernels and, with decode graphs, captures them (as an engine's start-up does)
         t0 = time.perf_counter()
         if _full_warmup(args):
@@ -464,7 +476,8 @@ class _EngineRun:
                "graph_captures_timed": self.captures_timed,
                "overlap": self.engine.overlap, "overlapped_steps": stats["overlapped_steps"],
                "warmup_seconds": round(self.warmup, 2), "runs_seconds": [round(r, 3) for r in runs]}
-        row.update(decode_metrics(self.steps, self.model.config, self.model.dtype, _peak_gbps(self.args), self.counts))
+        row.update(decode_metrics(self.steps, self.model.config, self.model.dtype, _peak_gbps(self.args), self.counts,
+                                  _peak_tflops(self.args), self.shapes))
         if getattr(self.args, "profile_kernels", False):
             # one more call after the measured ones (the profiler's overhead is in none of them), profiled from
             # its first decode step to its end: the decode steps' kernels, prefill left out
@@ -536,9 +549,11 @@ def _step_loop(engine: RolloutEngine, graphs, steps: list[DecodeStep], done: dic
                 done[(out.request_id, out.sample_index)] = out.completion
 
 
-def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | None, counts=None) -> dict:
+def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | None, counts=None,
+                   peak_tflops: float | None = None, shapes=None) -> dict:
     """Per-decode-step figures of one call (module docstring); None where not measurable (no decode step,
-    no graph replay for GPU times, no peak for fractions)."""
+    no graph replay for GPU times, no peak for fractions; the per-op roofline needs both peaks). ``counts`` /
+    ``shapes``: parameter_counts / step_shapes of ``config`` when already known."""
     if not steps:
         return {"decode_steps": 0}
     moved = [decode_step_bytes(config, dtype, s.rows, s.context_tokens, counts) for s in steps]
@@ -562,7 +577,15 @@ def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | No
            "roofline_fraction": None if not peak_gbps else _sig(achieved / peak_gbps),
            "forward_gpu_ms": None, "host_ms_per_step": None, "forward_roofline_fraction": None,
            "timed_forward_steps": len(timed),
-           "graph_finite_checks_per_step": None}
+           "graph_finite_checks_per_step": None,
+           "op_floor_ms": None, "op_roofline_fraction": None, "forward_op_roofline_fraction": None}
+    floors = None
+    if peak_gbps and peak_tflops:
+        shapes = shapes or step_shapes(config)
+        elem = torch.empty((), dtype=dtype).element_size()
+        floors = [decode_step_floor(shapes, b, s.rows, s.context_tokens, elem, peak_gbps, peak_tflops)
+                  for s, b in zip(steps, moved)]
+        out.update(op_floor_ms=round(1e3 * sum(floors) / len(steps), 3), op_roofline_fraction=_sig(sum(floors) / wall))
     if timed:
         gpu_s = sum(gpu_ms) / 1e3
         out.update(graph_finite_checks_per_step=round(sum(s.graph_checks for s, _ in timed) / len(timed), 1),
@@ -570,6 +593,9 @@ def decode_metrics(steps: list[DecodeStep], config, dtype, peak_gbps: float | No
                    host_ms_per_step=round(1e3 * (sum(s.seconds for s, _ in timed) - gpu_s) / len(timed), 3))
         if peak_gbps:
             out["forward_roofline_fraction"] = _sig(sum(b.total for _, b in timed) / gpu_s / 1e9 / peak_gbps)
+        if floors is not None:
+            out["forward_op_roofline_fraction"] = _sig(sum(f for f, s in zip(floors, steps) if s.events is not None)
+                                                       / gpu_s)
     return out
 
 
@@ -716,7 +742,8 @@ def print_table(result: dict) -> None:
                   f"{r['decode_context_mean']} context: step {r['decode_step_ms']} ms (forward on the GPU "
                   f"{r['forward_gpu_ms']} ms, host {r['host_ms_per_step']} ms), {r['bytes_per_decode_step'] / 1e9:.4g} GB "
                   f"moved -> {r['achieved_gbps']} GB/s, roofline fraction {r['roofline_fraction']} "
-                  f"(forward only {r['forward_roofline_fraction']})")
+                  f"(forward only {r['forward_roofline_fraction']}); per-op roofline {r.get('op_floor_ms')} ms a step, "
+                  f"fraction {r.get('op_roofline_fraction')} (forward only {r.get('forward_op_roofline_fraction')})")
     for r in result["rows"]:
         if "kernel_profile" in r:
             kp = r["kernel_profile"]

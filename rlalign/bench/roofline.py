@@ -14,6 +14,21 @@ roofline (bytes / peak bandwidth = the shortest possible step). Counted, in the 
 Not counted: activations (O(rows x hidden) per op) and the sampler's fp32 logits (rows x vocab x 4
 bytes written and re-read): the figure is the minimum, so achieved bandwidth against it is a lower
 bound on the traffic the engine really generates.
+
+The bandwidth roofline treats the step as one memory stream. At hundreds of rows a decode step's GEMMs
+are compute bound instead (Qwen3-8B at 462 rows: 7.0 TFLOP of matmuls, 9.0 ms at 780 TFLOP/s, against
+16 GB of weights, 3.7 ms at 4.3 TB/s), and the kernels of a step run one after another, so the step is
+also bounded by the PER-OP ROOFLINE (:func:`decode_step_floor`): the sum over its ops of each op's
+slower ceiling,
+
+    matmul [N, K] on m rows   max(N K elem / BW, 2 m N K / FLOPS)     every weight matrix, LM head included;
+                                                                      a stacked expert [E, N, K]: E matrices of
+                                                                      m = rows x top_k / E rows (balanced routing)
+    attention                 max(kv bytes / BW, 4 context_tokens heads head_dim layers / FLOPS)
+    the rest                  bytes / BW (norm weights, the gathered embedding rows)
+
+It is the shortest step sequential kernels can take (activations, sampling and launch gaps still
+uncounted); where it exceeds bytes / BW the bandwidth fraction cannot reach 1.
 """
 
 from __future__ import annotations
@@ -60,4 +75,53 @@ def decode_step_bytes(config: ModelConfig, dtype: torch.dtype, rows: int, contex
     return StepBytes(weights=weights, kv_read=context_tokens * per_token, kv_write=rows * per_token)
 
 
-__all__ = ["StepBytes", "parameter_counts", "kv_bytes_per_token", "decode_step_bytes"]
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """What the per-op roofline needs of a model, counted once: its weight matrices (n, k, experts) -- an
+    expert stack is one entry with ``experts`` = E, a dense matrix has 0 --, the bytes of its other
+    parameters read once per step, and the attention's shape."""
+    matrices: tuple[tuple[int, int, int], ...]
+    other_elements: int
+    top_k: int
+    hidden: int
+    heads_dim_layers: int          # num_heads x head_dim x layers: attention FLOPs per context token / 4
+
+
+def step_shapes(config: ModelConfig) -> StepShapes:
+    """The :class:`StepShapes` of ``config``, read off the decoder built on the meta device."""
+    from rlalign.models.decoder import CausalLM
+    model = CausalLM(config, dtype=torch.float32, device="meta")
+    table = model.model.embed_tokens.weight
+    matrices, other = [], 0
+    for p in model.parameters():
+        if p is table and not config.tie_word_embeddings:
+            continue                    # an untied input table: only the gathered rows are read (below)
+        if p.dim() == 2:
+            matrices.append((p.shape[0], p.shape[1], 0))
+        elif p.dim() == 3:
+            matrices.append((p.shape[1], p.shape[2], p.shape[0]))
+        else:
+            other += p.numel()
+    top_k = int(config.ffn_options.get("num_experts_per_tok", 0)) if config.ffn_kind == "moe" else 0
+    return StepShapes(tuple(matrices), other, top_k, config.hidden_size,
+                      config.num_heads * config.head_dim * config.num_layers)
+
+
+def decode_step_floor(shapes: StepShapes, step: StepBytes, rows: int, context_tokens: int, elem: int,
+                      peak_gbps: float, peak_tflops: float) -> float:
+    """The per-op roofline of one decode step in seconds (module docstring): each op at the slower of its
+    bandwidth and compute ceilings, summed. ``step``: the step's :func:`decode_step_bytes`."""
+    bw, flops = peak_gbps * 1e9, peak_tflops * 1e12
+    seconds = (shapes.other_elements + rows * shapes.hidden) * elem / bw
+    for n, k, experts in shapes.matrices:
+        if experts:
+            m = rows * shapes.top_k / experts
+            seconds += experts * max(n * k * elem / bw, 2 * m * n * k / flops)
+        else:
+            seconds += max(n * k * elem / bw, 2 * rows * n * k / flops)
+    seconds += max((step.kv_read + step.kv_write) / bw, 4 * context_tokens * shapes.heads_dim_layers / flops)
+    return seconds
+
+
+__all__ = ["StepBytes", "StepShapes", "parameter_counts", "kv_bytes_per_token", "decode_step_bytes", "step_shapes",
+           "decode_step_floor"]
