@@ -17,7 +17,7 @@ bound on the traffic the engine really generates.
 
 The bandwidth roofline treats the step as one memory stream. At hundreds of rows a decode step's GEMMs
 are compute bound instead (Qwen3-8B at 462 rows: 7.0 TFLOP of matmuls, 9.0 ms at 780 TFLOP/s, against
-16 GB of weights, 3.7 ms at 4.3 TB/s), and the kernels of a step run one after another, so the step is
+15.1 GB of weights, 3.5 ms at 4.3 TB/s), and the kernels of a step run one after another, so the step is
 also bounded by the PER-OP ROOFLINE (:func:`decode_step_floor`): the sum over its ops of each op's
 slower ceiling,
 
