@@ -247,6 +247,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("rlalign bench rollout: --device cuda but no CUDA device is visible")
     if args.threads:
         torch.set_num_threads(args.threads)
+    _check_positive(args)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - set(ENGINES)
     if unknown:
@@ -330,6 +331,19 @@ def _full_warmup(args) -> bool:
 
 def _repeats(args) -> int:
     return max(1, args.repeat or workload_defaults(args)["repeat"])
+
+
+# the options that count or size something: each must be > 0 when given (a zero peak would divide, a negative
+# one print a negative fraction, a zero count run nothing and report it)
+POSITIVE_OPTIONS = ("layers", "peak_gbps", "peak_tflops", "prompts", "samples", "new_tokens", "page_size", "max_num_seqs",
+                    "max_num_batched_tokens", "kv_cache_gb", "hf_batch_prompts", "hf_prompts", "threads", "repeat")
+
+
+def _check_positive(args) -> None:
+    for name in POSITIVE_OPTIONS:
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:
+            raise SystemExit(f"rlalign bench rollout: --{name.replace('_', '-')} must be > 0, got {value}")
 
 
 def _peak_gbps(args) -> float | None:

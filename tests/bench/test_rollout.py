@@ -11,16 +11,17 @@ from rlalign.cli.main import main
 DECODE_FIELDS = {"decode_steps", "decode_rows_mean", "decode_context_mean", "decode_step_ms", "decode_step_ms_median",
                  "decode_tokens_per_s", "bytes_per_decode_step", "weight_bytes_per_decode_step",
                  "kv_bytes_per_decode_step", "achieved_gbps", "roofline_fraction", "forward_gpu_ms",
-                 "host_ms_per_step", "forward_roofline_fraction", "timed_forward_steps", "graph_finite_checks_per_step"}
+                 "host_ms_per_step", "forward_roofline_fraction", "timed_forward_steps", "graph_finite_checks_per_step",
+                 "op_floor_ms", "op_roofline_fraction", "forward_op_roofline_fraction"}
 
 
 def test_bench_rollout_json_schema(capsys):
-    code = main(["bench", "rollout", "--workload", "tiny", "--verify", "--peak-gbps", "0.001", "--repeat", "1",
-                 "--json"])
+    code = main(["bench", "rollout", "--workload", "tiny", "--verify", "--peak-gbps", "0.001", "--peak-tflops", "1e-6",
+                 "--repeat", "1", "--json"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["name"] == "rollout" and result["workload"]["name"] == "tiny"
-    assert result["workload"]["peak_gbps"] == 0.001
+    assert result["workload"]["peak_gbps"] == 0.001 and result["workload"]["peak_tflops"] == 1e-6
     rows = {(r["engine"], r["profile"]): r for r in result["rows"]}
     assert set(rows) == {("rlalign", "strict"), ("rlalign", "native"), ("transformers", "native")}
     assert all(r["tokens_per_s"] > 0 and r["generated_tokens"] == 3 * 2 * 4 for r in rows.values())
@@ -31,6 +32,8 @@ def test_bench_rollout_json_schema(capsys):
         assert row["bytes_per_decode_step"] == row["weight_bytes_per_decode_step"] + row["kv_bytes_per_decode_step"]
         assert row["roofline_fraction"] == pytest.approx(row["achieved_gbps"] / 0.001, rel=1e-2, abs=1e-3)
         assert row["forward_gpu_ms"] is None and row["decode_graphs"] == "off"   # the CPU: no graph replays
+        # the per-op floor is at least the bytes at the bandwidth peak, so its fraction at least the bandwidth one
+        assert row["op_floor_ms"] > 0 and row["op_roofline_fraction"] >= row["roofline_fraction"] * (1 - 1e-2)
         assert row["logprob_tokens_checked"] == 24
     assert rows[("rlalign", "strict")]["logprob_mismatches"] == 0
     assert set(result["ratios"]) == {"strict_vs_native", "strict_vs_transformers", "native_vs_transformers"}
@@ -41,6 +44,14 @@ def test_bench_refuses_unknown_workloads_and_bad_layers():
         main(["bench", "rollout", "--workload", "huge", "--engines", "strict"])
     with pytest.raises(SystemExit, match="--layers must be in 1..2 for tiny"):
         main(["bench", "rollout", "--workload", "tiny", "--layers", "3", "--engines", "strict"])
+
+
+@pytest.mark.parametrize("option", ["--peak-gbps", "--peak-tflops", "--prompts", "--samples", "--new-tokens",
+                                    "--page-size", "--repeat", "--kv-cache-gb", "--hf-prompts", "--layers"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_bench_refuses_counts_and_peaks_that_are_not_positive(option, value):
+    with pytest.raises(SystemExit, match=f"rlalign bench rollout: {option} must be > 0, got {value}"):
+        main(["bench", "rollout", "--workload", "tiny", "--engines", "strict", option, value])
 
 
 def test_layers_cut_the_preset(capsys):
