@@ -376,14 +376,18 @@ def parse_args(argv=None):
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     tiny = args.shape == "tiny"
-    args.layers = args.layers or (2 if tiny else 6)
-    args.tokens = args.tokens or (256 if tiny else 8192)
-    args.mean_seq = args.mean_seq or (48 if tiny else 1024)
+    # `is None`, not `or`: an explicit 0 is refused below, not replaced by the default
+    args.layers = (2 if tiny else 6) if args.layers is None else args.layers
+    args.tokens = (256 if tiny else 8192) if args.tokens is None else args.tokens
+    args.mean_seq = (48 if tiny else 1024) if args.mean_seq is None else args.mean_seq
     if args.device is None:
         import torch
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.peak_breakdown and args.device != "cuda":
         p.error("--peak-breakdown needs --device cuda (it replays the CUDA caching allocator's history)")
+    for name in ("peak_tflops", "ceiling_tflops"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.device == "cuda":
         args.peak_tflops = args.peak_tflops or H200_DENSE_BF16_TFLOPS
         args.ceiling_tflops = args.ceiling_tflops or H200_CUBLAS_CEILING_TFLOPS

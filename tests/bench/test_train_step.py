@@ -76,6 +76,17 @@ def test_matmul_params_equal_the_model_weight_count():
     assert flops["attention_flops"] == 6 * cfg["num_attention_heads"] * cfg["head_dim"] * 3 * (4 + 9)
 
 
+@pytest.mark.parametrize("option, value, message", [
+    ("--layers", "0", "must be >= 1"), ("--tokens", "0", "must be >= 1"), ("--mean-seq", "-1", "must be >= 1"),
+    ("--iters", "0", "must be >= 1"), ("--peak-tflops", "0", "--peak-tflops must be > 0"),
+    ("--ceiling-tflops", "-5", "--ceiling-tflops must be > 0")])
+def test_counts_and_peaks_that_are_not_positive_are_refused(option, value, message, capsys):
+    """An explicit 0 is refused with one line, not replaced by the default (`--layers 0` ran 2 layers)."""
+    with pytest.raises(SystemExit) as exc:
+        train_step.parse_args(["--shape", "tiny", "--device", "cpu", option, value])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_qwen3_8b_shape_has_8b_class_parameter_count():
     args = train_step.parse_args(["--device", "cpu", "--layers", "36"])
     n = train_step.model_flops(train_step.hf_config(args), [1])["matmul_params"]
