@@ -59,7 +59,7 @@ if not lines:
     print("no JSON result"); raise SystemExit
 r = json.loads(lines[-1])
 keys = ("tokens_per_s", "decode_step_ms", "decode_step_ms_median", "decode_step_ms_max", "forward_gpu_ms", "host_ms_per_step", "achieved_gbps", "roofline_fraction", "op_floor_ms", "op_roofline_fraction",
-        "logprob_mismatches", "logprobs_compared")
+        "logprob_mismatches", "logprob_tokens_checked")
 for x in r["rows"]:
     print(x.get("profile", x["engine"]), {k: x[k] for k in keys if k in x})
     prof = x.get("kernel_profile")

@@ -60,8 +60,8 @@ CUDA, the H200's HBM3e peak; none on the CPU unless given), ``forward_roofline_f
 against the forward's GPU time only; ``op_floor_ms``: the per-op roofline of a step (each op at the slower of
 its bandwidth and ``--peak-tflops`` ceilings, summed: :mod:`rlalign.bench.roofline`; at hundreds of rows the
 GEMMs are compute bound, so this floor is above bytes / bandwidth), ``op_roofline_fraction`` = floor / wall
-(``forward_op_roofline_fraction``: / forward GPU time); ``graph_finite_checks_per_step``: the finiteness checks captured in
-the replayed graphs (docs/gpu.md, "Finiteness checks": a run with ``RLALIGN_CHECKS=per-op`` against the
+(``forward_op_roofline_fraction``: / forward GPU time); ``graph_finite_checks_per_step``: the finiteness
+checks captured in the replayed graphs (docs/gpu.md, "Finiteness checks": a run with ``RLALIGN_CHECKS=per-op`` against the
 default prices one check, hence the default's share of a step).
 
 Model: ``--model DIR``; else ``--preset``; by default the embedded default model
@@ -86,7 +86,8 @@ from pathlib import Path
 
 import torch
 
-from rlalign.bench.roofline import decode_step_bytes, decode_step_floor, kv_bytes_per_token, parameter_counts, step_shapes
+from rlalign.bench.roofline import (decode_step_bytes, decode_step_floor, kv_bytes_per_token, parameter_counts,
+                                    step_shapes)
 from rlalign.bench.kernel_profile import KernelProfile
 from rlalign.contract import use_profile
 from rlalign.contract.bits import count_differences
@@ -245,9 +246,9 @@ def run(args: argparse.Namespace) -> dict:
     defaults = workload_defaults(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("rlalign bench rollout: --device cuda but no CUDA device is visible")
+    _check_positive(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    _check_positive(args)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - set(ENGINES)
     if unknown:
@@ -265,7 +266,8 @@ def run(args: argparse.Namespace) -> dict:
               if a in by_name and b in by_name}
     return {"name": "rollout", "rows": rows, "ratios": ratios,
             "workload": {"name": args.workload, "model": model_name, "dtype": dtype, "device": args.device,
-                         "peak_gbps": _peak_gbps(args), "peak_tflops": _peak_tflops(args), "prompts": len(workload.prompts),
+                         "peak_gbps": _peak_gbps(args), "peak_tflops": _peak_tflops(args),
+                         "prompts": len(workload.prompts),
                          "samples": workload.samples, "new_tokens": workload.new_tokens,
                          "prompt_tokens": sum(len(p) for p in workload.prompts),
                          "prompt_len": f"{min(map(len, workload.prompts))}:{max(map(len, workload.prompts))}"},
@@ -335,8 +337,9 @@ def _repeats(args) -> int:
 
 # the options that count or size something: each must be > 0 when given (a zero peak would divide, a negative
 # one print a negative fraction, a zero count run nothing and report it)
-POSITIVE_OPTIONS = ("layers", "peak_gbps", "peak_tflops", "prompts", "samples", "new_tokens", "page_size", "max_num_seqs",
-                    "max_num_batched_tokens", "kv_cache_gb", "hf_batch_prompts", "hf_prompts", "threads", "repeat")
+POSITIVE_OPTIONS = ("layers", "peak_gbps", "peak_tflops", "prompts", "samples", "new_tokens", "page_size",
+                    "max_num_seqs", "max_num_batched_tokens", "kv_cache_gb", "hf_batch_prompts", "hf_prompts", "threads",
+                    "repeat")
 
 
 def _check_positive(args) -> None:
@@ -756,8 +759,8 @@ def print_table(result: dict) -> None:
                   f"{r['decode_context_mean']} context: step {r['decode_step_ms']} ms (forward on the GPU "
                   f"{r['forward_gpu_ms']} ms, host {r['host_ms_per_step']} ms), {r['bytes_per_decode_step'] / 1e9:.4g} GB "
                   f"moved -> {r['achieved_gbps']} GB/s, roofline fraction {r['roofline_fraction']} "
-                  f"(forward only {r['forward_roofline_fraction']}); per-op roofline {r.get('op_floor_ms')} ms a step, "
-                  f"fraction {r.get('op_roofline_fraction')} (forward only {r.get('forward_op_roofline_fraction')})")
+                  f"(forward only {r['forward_roofline_fraction']}); per-op roofline {r.get('op_floor_ms')} ms a "
+                  f"step, fraction {r.get('op_roofline_fraction')} (forward only {r.get('forward_op_roofline_fraction')})")
     for r in result["rows"]:
         if "kernel_profile" in r:
             kp = r["kernel_profile"]

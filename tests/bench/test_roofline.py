@@ -71,8 +71,8 @@ def test_per_op_floor_of_the_tiny_config_by_hand(rows, per_element):
 
 
 def test_per_op_floor_counts_stacked_experts_at_their_routed_rows():
-    moe = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-               norm_topk_prob=True)
+    moe = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=32, norm_topk_prob=True)
     cfg = _config("tiny", **moe)
     shapes = step_shapes(cfg)
     stacks = [m for m in shapes.matrices if m[2]]
