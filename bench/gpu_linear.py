@@ -45,7 +45,8 @@ candidates in WS_CANDIDATES order, one compile each); a launch that hangs ends t
 ``--ws-shapes 8b,0.6b,8b-plain,0.6b-plain`` picks the layers (``-plain``: the P = 1 q/k/v/gate projections, against
 the Triton kernel; ``-stacked``: q/k/v and gate/up as the one launch of ops.linear_group), ``--ws-m 244,462`` the
 row counts (at M <= 256 the K partition's baseline is the dispatcher's
-per-segment split).
+per-segment split). ``--ws-shapes 8b-p4 --ws-deep-ring``: an experiment -- the 8B K-partition layers at P = 4 with
+gemm_ws.DEEP_RING_WS's 160 KiB rings beside the default's 96 KiB (does ring depth limit the kernel?).
 No CPU smoke: Gluon has no interpreter (the CPU compile of tests/ops/test_gemm_ws_compile.py stands in for it).
 
 Writes bench_linear.csv / bench_linear.json to $OUT (or --out, default bench/).
@@ -475,7 +476,10 @@ WS_SHAPES = {"8b": (("o_proj", 4096, 4096, 8), ("down_proj", 4096, 12288, 8)),
                             ("0.6b gate_proj", 3072, 1024, 1)),
              # the stacked projections ops.linear_group runs as one launch (q/k/v, gate/up)
              "8b-stacked": (("qkv_proj", 6144, 4096, 1), ("gate_up_proj", 24576, 4096, 1)),
-             "0.6b-stacked": (("0.6b qkv_proj", 4096, 1024, 1), ("0.6b gate_up_proj", 6144, 1024, 1))}
+             "0.6b-stacked": (("0.6b qkv_proj", 4096, 1024, 1), ("0.6b gate_up_proj", 6144, 1024, 1)),
+             # an experiment (gemm_ws.DEEP_RING_WS): the 8B K-partition layers at P = 4 -- not the contract's P = 8 --
+             # where one fp32 tree level leaves room for a 160 KiB ring
+             "8b-p4": (("o_proj P4", 4096, 4096, 4), ("down_proj P4", 4096, 12288, 4))}
 WS_M = (462, 1024, 4096, 16384)
 WS_STOP_AFTER_S = 75       # later cases are skipped (the lead's call: <= 90 s with the compiles)
 WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
@@ -660,6 +664,9 @@ def parser() -> argparse.ArgumentParser:
                          "others) vs the Triton kernel and cuBLAS, graph replays, each refused unless bit-equal")
     ap.add_argument("--ws-candidates", metavar="I,J,...",
                     help="with --sweep-ws: only these indices of gemm_ws.WS_CANDIDATES (default: all)")
+    ap.add_argument("--ws-deep-ring", action="store_true",
+                    help="with --sweep-ws: also gemm_ws.DEEP_RING_WS (160 KiB rings; with --ws-shapes 8b-p4 only: they "
+                         "do not fit beside P = 8's two tree levels)")
     ap.add_argument("--ws-triton", action="store_true",
                     help="with --sweep-ws: also the Triton kernel's tiles TRITON_PLAIN_CANDIDATES (P = 1 shapes)")
     ap.add_argument("--ws-shapes", default="8b", metavar="S,...",
@@ -671,13 +678,17 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = parser().parse_args()
-    if (args.ws_candidates is not None or args.ws_m is not None or args.ws_shapes != "8b" or args.ws_triton) \
-            and not args.sweep_ws:
-        print("gpu_linear: --ws-candidates / --ws-shapes / --ws-m only apply to --sweep-ws")
+    if (args.ws_candidates is not None or args.ws_m is not None or args.ws_shapes != "8b" or args.ws_triton
+            or args.ws_deep_ring) and not args.sweep_ws:
+        print("gpu_linear: --ws-candidates / --ws-shapes / --ws-m / --ws-triton / --ws-deep-ring only apply to "
+              "--sweep-ws")
         return 2
     shapes = tuple(args.ws_shapes.split(","))
     if not set(shapes) <= set(WS_SHAPES):
         print(f"gpu_linear: --ws-shapes {args.ws_shapes!r}: choose from {', '.join(WS_SHAPES)}")
+        return 2
+    if args.ws_deep_ring and set(shapes) != {"8b-p4"}:
+        print("gpu_linear: --ws-deep-ring needs --ws-shapes 8b-p4 (its rings do not fit beside P = 8's two levels)")
         return 2
     try:
         ws_m = WS_M if args.ws_m is None else tuple(int(m) for m in args.ws_m.split(","))
@@ -695,6 +706,9 @@ def main() -> int:
         candidates = ws_candidates(args.ws_candidates)
         if args.ws_triton:
             candidates += tuple(GemmConfig(**kw) for _, kw in TRITON_PLAIN_CANDIDATES)
+        if args.ws_deep_ring:
+            from rlalign.ops.triton_backend.gemm_ws import DEEP_RING_WS
+            candidates += DEEP_RING_WS
         return run_sweep(args.out, "linear_sweep_ws", lambda: sweep_ws(candidates, shapes, ws_m), print_ws)
     if args.sweep_kpart:
         return run_sweep(args.out, "linear_sweep_kpart", sweep_kpart, print_kpart)

@@ -79,6 +79,16 @@ def _worker() -> None:
                         "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
                                                          ptx)),
                         **_release_structure(ptx, cfg)})
+    # gemm_ws.DEEP_RING_WS (an experiment of bench/gpu_linear.py --ws-deep-ring): P = 4 only, on both layouts
+    experiments = []
+    for (layout, _, b_trans, out), cfg in itertools.product(LAYOUTS, W.DEEP_RING_WS):
+        out_dtype = torch.bfloat16 if out == "bf16" else torch.float32
+        W.gemm_ws(torch.empty(4096, 4096, dtype=bf), torch.empty(4096, 4096, dtype=bf), b_trans=b_trans, segments=4,
+                  out=torch.empty(4096, 4096, dtype=out_dtype), config=cfg)
+        kernel = compiled[-1]
+        experiments.append({"case": f"{layout} P=4 DEEP_RING_WS {cfg}", "smem": kernel.metadata.shared,
+                            "expected_smem": W.shared_bytes(cfg, out_dtype, 4), "stages": cfg.stages,
+                            "ptxas": ptxas_report(kernel.asm["ptx"], timeout=120)})
     blocks = []
     for cfg, widths in ((W.SMALL_GRID_WS, (4096, 1024, 1024)), (W.NARROW_WS, (1024, 1024))):
         x, w = torch.empty(244, 4096, dtype=bf), torch.empty(sum(widths), 4096, dtype=bf)
@@ -90,7 +100,7 @@ def _worker() -> None:
                        "tma_store_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx))})
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_linear
-    print("RESULTS " + json.dumps({"results": results, "blocks": blocks, "blocks_choice": _blocks_choice(),
+    print("RESULTS " + json.dumps({"results": results, "blocks": blocks, "experiments": experiments, "blocks_choice": _blocks_choice(),
                                    "unsupported": _unsupported_calls(W),
                                    "selection": _selection(),
                                    "sweep_labels": [gpu_linear.ws_label(c) for c in W.WS_CANDIDATES],
@@ -213,7 +223,8 @@ def test_ws_compiles_for_sm90a(sm90_ws):
 
 
 def test_ws_no_spills_no_wgmma_serialization(sm90_ws):
-    reports = [r for r in sm90_ws["results"] + sm90_ws["blocks"] if r.get("ptxas") is not None]
+    reports = [r for r in sm90_ws["results"] + sm90_ws["blocks"] + sm90_ws["experiments"]
+               if r.get("ptxas") is not None]
     if not reports:
         pytest.skip("Triton's ptxas could not be run")
     for r in reports:
@@ -225,7 +236,8 @@ def test_ws_no_spills_no_wgmma_serialization(sm90_ws):
 
 
 def test_ws_shared_memory_is_the_documented_budget(sm90_ws):
-    for r in sm90_ws["results"]:
+    assert len(sm90_ws["experiments"]) == 4, sm90_ws["experiments"]     # the deep rings at P = 4, both layouts
+    for r in sm90_ws["results"] + sm90_ws["experiments"]:
         if "error" in r:
             continue
         barriers = 2 * r["stages"] * 8

@@ -208,6 +208,14 @@ def launch_for(a: torch.Tensor, n: int, segments: int) -> WsConfig:
     if segments == 1:
         return NARROW_WS if 3 * tile_count(SMALL_GRID_WS, m, n) < sms else SMALL_GRID_WS
     return DEFAULT_WS if tile_count(DEFAULT_WS, m, n) >= sms else SMALL_GRID_WS
+# An experiment, not a launch the dispatcher takes: the 160 KiB ring (10 stages of 32 columns, or 5 of 64) that fits
+# beside ONE fp32 tree level -- P <= 4 at 128x128 (at P = 8 the second level leaves 96 KiB; these do not fit there).
+# It is the ring of a program in the untried split of a tile's 8 segments over two programs (docs/LOG.md, session 20):
+# bench/gpu_linear.py --sweep-ws --ws-shapes 8b-p4 --ws-deep-ring times them at P = 4 beside DEFAULT_WS, and if the
+# deeper ring reaches cuBLAS where the 96 KiB one does not, the split is worth building. sm_90a (CPU compile,
+# tests/ops/test_gemm_ws_compile.py): 229,652 / 229,580 B of shared memory at P = 4, no spill.
+DEEP_RING_WS = (WsConfig(block_m=128, block_n=128, stages=10, release="thread", out_alias=True, block_k=32),
+                WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64))
 WS_CANDIDATES = (DEFAULT_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
                  WsConfig(block_m=128, block_n=64, stages=6, release="thread"), NARROW_WS)
 
@@ -574,5 +582,5 @@ def _blocks_problem(blocks: tuple, m: int, n: int, config: WsConfig) -> str | No
     return None
 
 
-__all__ = ["WsConfig", "DEFAULT_WS", "SMALL_GRID_WS", "NARROW_WS", "tile_count", "launch_for", "WS_CANDIDATES", "GemmWsUnsupported", "gemm_ws",
-           "supported", "unsupported_reason", "shared_bytes"]
+__all__ = ["WsConfig", "DEFAULT_WS", "SMALL_GRID_WS", "NARROW_WS", "DEEP_RING_WS", "tile_count", "launch_for",
+           "WS_CANDIDATES", "GemmWsUnsupported", "gemm_ws", "supported", "unsupported_reason", "shared_bytes"]
