@@ -7,7 +7,8 @@ as ``ops.linear`` launches it (``gemm`` with the dispatcher's config; columns st
 check synchronises with the host) and ``torch.matmul(x, W.T)`` (cuBLAS), each over a
 rotation of input copies larger than L2; TFLOP/s, GB/s (bytes = W + x + y, the decode floor) and
 the ratio strict/cuBLAS speed. For M <= 512 also both replayed from a CUDA graph, as the rollout engine
-runs decode (graph_strict_ms, graph_cublas_ms, graph_ratio; no host launch cost). Also: the canonical K partition (k_segments=8: o_proj, down_proj)
+runs decode (graph_strict_ms, graph_cublas_ms, graph_ratio; no host launch cost), and ``ops.linear`` captured
+as the engine captures it (graph_op_ms, graph_op_ratio: the op's checks recorded into the graph). Also: the canonical K partition (k_segments=8: o_proj, down_proj)
 and a tile-config sweep at M=4096 (every config gives the same bits; this says which is fastest).
 
 Model layers (``--set layers``; rows with ``"kind": "layer"``): each linear of a Qwen3-8B layer
@@ -137,6 +138,19 @@ def timed(fn, sets) -> float:
 GRAPH_MAX_M = 512
 
 
+def graph_op_fields(op, sets, cublas_ms: float) -> dict:
+    """graph_op_ms / graph_op_ratio: ``op`` (ops.linear) captured as the rollout engine captures its decode step --
+    inside ops.capturing_graph, where the op's checks are recorded into the graph instead of synchronising -- one
+    replay per rotation of the input sets; or graph_op_error naming what could not be captured."""
+    from rlalign import ops
+    from rlalign.bench.cuda_timing import bench_ms, graphed
+    try:
+        g_op = bench_ms(graphed(lambda: [op(x, w) for x, w in sets], capture_context=ops.capturing_graph)) / len(sets)
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports and goes on
+        return {"graph_op_error": repr(exc)[:200]}
+    return {"graph_op_ms": round(g_op, 4), "graph_op_ratio": round(cublas_ms / g_op, 3)}
+
+
 def graph_fields(strict, sets) -> dict:
     """graph_strict_ms / graph_cublas_ms / graph_ratio: one replay runs every input set once (the rotation that
     keeps W out of L2), divided by the number of sets; or graph_error naming what could not be captured."""
@@ -175,8 +189,11 @@ def case(m: int, n: int, k: int, segments: int | None = None, config=None) -> di
         row.update(graph_fields(strict, sets))
     if config is None:
         # the public op end to end: + validation (its NaN/inf check syncs with the host) + dispatch
-        t_op = timed(lambda x, w: ops.linear(x, w, k_segments=segments), sets)
+        op = lambda x, w: ops.linear(x, w, k_segments=segments)  # noqa: E731
+        t_op = timed(op, sets)
         row.update(op_ms=round(t_op, 4), op_ratio=round(t_cublas / t_op, 3))
+        if m <= GRAPH_MAX_M and "graph_cublas_ms" in row:
+            row.update(graph_op_fields(op, sets, row["graph_cublas_ms"]))
     flops = 2.0 * m * n * k
     nbytes = 2.0 * (n * k + m * k + m * n)
     row.update(strict_ms=round(t_strict, 4), cublas_ms=round(t_cublas, 4),
@@ -762,8 +779,8 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     write(args.out, "linear", rows, t0)
-    print(f"{'M':>6} {'N':>7} {'K':>6} {'seg':>3} {'config':>22} {'strict TF':>9} {'cuBLAS TF':>9} {'ratio':>6} {'op ratio':>8} "
-          f"{'graph':>6} target")
+    print(f"{'M':>6} {'N':>7} {'K':>6} {'seg':>3} {'config':>22} {'strict TF':>9} {'cuBLAS TF':>9} {'ratio':>6} "
+          f"{'op ratio':>8} {'graph':>6} {'graph op':>8} target")
     for r in rows:
         if "error" in r:
             print(f"{r['M']:>6} {r['N']:>7} {r['K']:>6} {r['k_segments']:>3} ERROR {r['error'][:60]}")
@@ -774,7 +791,8 @@ def main() -> int:
             continue
         print(f"{r['M']:>6} {r['N']:>7} {r['K']:>6} {r['k_segments']:>3} {r['config']:>22} "
               f"{r['strict_tflops']:>9} {r['cublas_tflops']:>9} {r['ratio']:>6} {r.get('op_ratio', '-'):>8} "
-              f"{r.get('graph_ratio', '-'):>6} {'sweep' if r['sweep'] else (r['target'] or '-')}")
+              f"{r.get('graph_ratio', '-'):>6} {r.get('graph_op_ratio', '-'):>8} "
+              f"{'sweep' if r['sweep'] else (r['target'] or '-')}")
     return 0
 
 
