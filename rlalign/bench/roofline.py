@@ -38,6 +38,7 @@ import dataclasses
 import torch
 
 from rlalign.models.config import ModelConfig
+from rlalign.models.decoder import CausalLM
 from rlalign.models.sizes import embedding_size, parameter_sizes
 from rlalign.models.sizes import kv_bytes_per_token as sizes_kv_bytes_per_token
 
@@ -89,7 +90,6 @@ class StepShapes:
 
 def step_shapes(config: ModelConfig) -> StepShapes:
     """The :class:`StepShapes` of ``config``, read off the decoder built on the meta device."""
-    from rlalign.models.decoder import CausalLM
     model = CausalLM(config, dtype=torch.float32, device="meta")
     table = model.model.embed_tokens.weight
     matrices, other = [], 0
