@@ -5,6 +5,7 @@
 # Stages and their knobs (environment variables, defaults in brackets):
 #   ws      bench/gpu_linear.py --sweep-ws $WS_ARGS                WS_ARGS [] WS_S [120]
 #   kpart   bench/gpu_linear.py --sweep-kpart                      KP_S [150]
+#   linear  bench/gpu_linear.py --set $LIN_SET (kernel, op, graph replays of both) LIN_SET [segments] LIN_S [150]
 #   tests   pytest -n 8 --dist load on TESTS [tests/cuda]            TESTS_S [150]
 #   train   bench/train_step.py --profile-kernels                  TR_LAYERS [6] TR_VARIANTS [strict,native,transformers]
 #                                                                  TR_ARGS [] TR_S [200]
@@ -30,6 +31,9 @@ for stage in ${STAGES:-}; do
     kpart)
       run_stage kpart "${KP_S:-150}" $PY bench/gpu_linear.py --sweep-kpart --out "$OUT/kpart"
       tail -n 40 "$OUT/kpart.log" >> "$SUMMARY" ;;
+    linear)
+      run_stage linear "${LIN_S:-150}" $PY bench/gpu_linear.py --set "${LIN_SET:-segments}" --out "$OUT/linear"
+      tail -n 30 "$OUT/linear.log" >> "$SUMMARY" ;;
     tests)
       # shellcheck disable=SC2086
       run_stage tests "${TESTS_S:-150}" $PY -m pytest -q -n 8 --dist load ${TESTS:-tests/cuda} -x -p no:cacheprovider
