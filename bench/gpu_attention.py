@@ -484,17 +484,33 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _positive_ints(text: str, count: int | None = None) -> tuple[int, ...] | None:
+    """Comma-separated integers, each >= 1 (``count`` of them when given); None if ``text`` is not that."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        return None
+    return values if values and min(values) >= 1 and (count is None or len(values) == count) else None
+
+
 def main() -> int:
     args = parser().parse_args()
+    global SWEEP_BATCHES, SWEEP_CTX, SWEEP_HQ, SWEEP_HKV
+    if args.sweep_batches:
+        if (batches := _positive_ints(args.sweep_batches)) is None:
+            print(f"gpu_attention: --sweep-batches {args.sweep_batches!r}: comma-separated batch sizes, each >= 1")
+            return 2
+        SWEEP_BATCHES = batches
+    if args.sweep_shape:
+        shape = _positive_ints(args.sweep_shape, 3)
+        if shape is None or shape[1] % shape[2]:
+            print(f"gpu_attention: --sweep-shape {args.sweep_shape!r}: CTX,HQ,HKV, each >= 1, HQ a multiple of HKV")
+            return 2
+        SWEEP_CTX, SWEEP_HQ, SWEEP_HKV = shape
     if not torch.cuda.is_available():
         print("gpu_attention: no CUDA device")
         return 1
     import rlalign.ops.triton_backend  # noqa: F401
-    global SWEEP_BATCHES, SWEEP_CTX, SWEEP_HQ, SWEEP_HKV
-    if args.sweep_batches:
-        SWEEP_BATCHES = tuple(int(b) for b in args.sweep_batches.split(","))
-    if args.sweep_shape:
-        SWEEP_CTX, SWEEP_HQ, SWEEP_HKV = (int(x) for x in args.sweep_shape.split(","))
     if args.sweep_train:
         return run_sweep(args.out, "attention_train_sweep", sweep_train, print_train)
     if args.sweep_decode:

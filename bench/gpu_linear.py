@@ -710,7 +710,9 @@ def main() -> int:
     try:
         ws_m = WS_M if args.ws_m is None else tuple(int(m) for m in args.ws_m.split(","))
     except ValueError:
-        print(f"gpu_linear: --ws-m {args.ws_m!r}: comma-separated row counts")
+        ws_m = ()
+    if not ws_m or min(ws_m) < 1:
+        print(f"gpu_linear: --ws-m {args.ws_m!r}: comma-separated row counts, each >= 1")
         return 2
     if not torch.cuda.is_available():
         print("gpu_linear: no CUDA device")

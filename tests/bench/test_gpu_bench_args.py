@@ -1,0 +1,37 @@
+"""The H200 benchmark scripts refuse bad sizes with one line and exit code 2 before they look for a GPU (so the
+refusal is checked here, on the CPU): bench/gpu_attention.py's --sweep-batches / --sweep-shape and
+bench/gpu_linear.py's --ws-m, --ws-deep-ring."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--sweep-batches", "0,8"), "--sweep-batches '0,8': comma-separated batch sizes, each >= 1"),
+    (("--sweep-batches", "8,x"), "--sweep-batches '8,x'"),
+    (("--sweep-shape", "512,32"), "--sweep-shape '512,32': CTX,HQ,HKV"),
+    (("--sweep-shape", "512,30,8"), "HQ a multiple of HKV"),
+    (("--sweep-shape=-1,32,8",), "each >= 1")])
+def test_gpu_attention_refuses_bad_sweep_sizes(args, message):
+    proc = _run("gpu_attention.py", "--sweep-decode", *args)
+    assert proc.returncode == 2 and message in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-500:])
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--ws-m=0,462",), "--ws-m '0,462': comma-separated row counts, each >= 1"),
+    (("--ws-m=-3",), "each >= 1"), (("--ws-m", "x"), "--ws-m 'x'"),
+    (("--ws-deep-ring",), "--ws-deep-ring needs --ws-shapes 8b-p4")])
+def test_gpu_linear_refuses_bad_sweep_sizes(args, message):
+    proc = _run("gpu_linear.py", "--sweep-ws", *args)
+    assert proc.returncode == 2 and message in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-500:])
