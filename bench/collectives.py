@@ -48,6 +48,7 @@ for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICA
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from rlalign.bench.args import positive_ints  # noqa: E402
 from rlalign.distributed.collectives import all_reduce_fixed, gather_ranks, merge_ranks, tree_reduce  # noqa: E402
 from rlalign.distributed.launch import Group, spawn  # noqa: E402
 
@@ -68,15 +69,17 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="CPU + gloo, tiny sizes, 2 and 4 processes")
     args = p.parse_args(argv)
-    args.tokens = tuple(int(x) for x in args.tokens.split(","))
-    args.buckets = tuple(int(x) for x in args.buckets.split(","))
+    for name in ("tokens", "buckets"):
+        values = positive_ints(getattr(args, name))
+        if values is None:
+            p.error(f"--{name} {getattr(args, name)!r}: comma-separated counts, each >= 1")
+        setattr(args, name, values)
     args.dtypes = tuple(getattr(torch, d) for d in args.dtypes.split(","))
     if args.smoke:
         args.tokens, args.hidden, args.buckets = SMOKE["tokens"], SMOKE["hidden"], SMOKE["buckets"]
         args.iters, args.warmup = SMOKE["iters"], SMOKE["warmup"]
     available = 4 if args.smoke else torch.cuda.device_count()
-    sizes = (tuple(int(x) for x in args.ranks.split(",")) if args.ranks
-             else tuple(n for n in (2, 4, 8) if n <= available))
+    sizes = ((positive_ints(args.ranks) or ()) if args.ranks else tuple(n for n in (2, 4, 8) if n <= available))
     if not sizes or min(sizes) < 2 or max(sizes) > available:
         p.error(f"--ranks {args.ranks or ''}: group sizes must be 2..{available} (the GPUs here; --smoke: up to 4)")
     args.sizes = tuple(sorted(set(sizes)))

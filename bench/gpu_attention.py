@@ -51,6 +51,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_linear import run_sweep, write  # noqa: E402
 
+from rlalign.bench.args import positive_ints  # noqa: E402
 from rlalign.bench.cuda_timing import bench_ms as _bench, graphed  # noqa: E402
 
 D = 128
@@ -484,25 +485,16 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _positive_ints(text: str, count: int | None = None) -> tuple[int, ...] | None:
-    """Comma-separated integers, each >= 1 (``count`` of them when given); None if ``text`` is not that."""
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        return None
-    return values if values and min(values) >= 1 and (count is None or len(values) == count) else None
-
-
 def main() -> int:
     args = parser().parse_args()
     global SWEEP_BATCHES, SWEEP_CTX, SWEEP_HQ, SWEEP_HKV
     if args.sweep_batches:
-        if (batches := _positive_ints(args.sweep_batches)) is None:
+        if (batches := positive_ints(args.sweep_batches)) is None:
             print(f"gpu_attention: --sweep-batches {args.sweep_batches!r}: comma-separated batch sizes, each >= 1")
             return 2
         SWEEP_BATCHES = batches
     if args.sweep_shape:
-        shape = _positive_ints(args.sweep_shape, 3)
+        shape = positive_ints(args.sweep_shape, 3)
         if shape is None or shape[1] % shape[2]:
             print(f"gpu_attention: --sweep-shape {args.sweep_shape!r}: CTX,HQ,HKV, each >= 1, HQ a multiple of HKV")
             return 2

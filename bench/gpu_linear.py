@@ -67,6 +67,8 @@ import traceback
 
 import torch
 
+from rlalign.bench.args import positive_ints
+
 SHAPES = ((4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096))
 M_VALUES = (1, 16, 64, 256, 1024, 4096, 16384)
 SEGMENT_SHAPES = ((4096, 4096), (4096, 12288))
@@ -707,11 +709,8 @@ def main() -> int:
     if args.ws_deep_ring and set(shapes) != {"8b-p4"}:
         print("gpu_linear: --ws-deep-ring needs --ws-shapes 8b-p4 (its rings do not fit beside P = 8's two levels)")
         return 2
-    try:
-        ws_m = WS_M if args.ws_m is None else tuple(int(m) for m in args.ws_m.split(","))
-    except ValueError:
-        ws_m = ()
-    if not ws_m or min(ws_m) < 1:
+    ws_m = WS_M if args.ws_m is None else positive_ints(args.ws_m)
+    if ws_m is None:
         print(f"gpu_linear: --ws-m {args.ws_m!r}: comma-separated row counts, each >= 1")
         return 2
     if not torch.cuda.is_available():

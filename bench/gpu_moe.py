@@ -37,6 +37,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from rlalign.bench.args import positive_ints
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_linear import write  # noqa: E402
 
@@ -320,12 +322,15 @@ def main() -> int:
     ap.add_argument("--lists", action="store_true",
                     help="also time the experts passed as per-expert lists (the layout before stacked experts)")
     args = ap.parse_args()
+    token_counts = positive_ints(args.tokens)
+    if token_counts is None:
+        ap.error(f"--tokens {args.tokens!r}: comma-separated token counts, each >= 1")
     if not torch.cuda.is_available():
         print("gpu_moe: no CUDA device")
         return 1
     import rlalign.ops.triton_backend  # noqa: F401
     t0, rows = time.time(), []
-    for tokens in (int(t) for t in args.tokens.split(",")):
+    for tokens in token_counts:
         for fn in [lambda: [ffn_case(tokens, False)], lambda: kernel_cases(tokens), lambda: [route_combine_case(tokens)]] + \
                   ([lambda: [ffn_case(tokens, True)], lambda: backward_cases(tokens, args.sweep)]
                    if args.backward else []) + \

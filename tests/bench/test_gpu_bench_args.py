@@ -1,6 +1,7 @@
-"""The H200 benchmark scripts refuse bad sizes with one line and exit code 2 before they look for a GPU (so the
-refusal is checked here, on the CPU): bench/gpu_attention.py's --sweep-batches / --sweep-shape and
-bench/gpu_linear.py's --ws-m, --ws-deep-ring."""
+"""The benchmark scripts refuse bad sizes with one line and exit code 2 before they look for a GPU (so the refusal is
+checked here, on the CPU): bench/gpu_attention.py's --sweep-batches / --sweep-shape, bench/gpu_linear.py's --ws-m /
+--ws-deep-ring, bench/gpu_moe.py's --tokens, bench/collectives.py's --tokens / --buckets; the lists all go through
+rlalign.bench.args.positive_ints, whose class is tested here too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, strategies as st
+
+from rlalign.bench.args import positive_ints
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -35,3 +39,24 @@ def test_gpu_attention_refuses_bad_sweep_sizes(args, message):
 def test_gpu_linear_refuses_bad_sweep_sizes(args, message):
     proc = _run("gpu_linear.py", "--sweep-ws", *args)
     assert proc.returncode == 2 and message in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-500:])
+
+
+@given(st.lists(st.integers(-3, 10 ** 6), min_size=1, max_size=6))
+def test_positive_ints_takes_exactly_lists_of_counts_of_at_least_one(values):
+    text = ",".join(map(str, values))
+    assert positive_ints(text) == (tuple(values) if min(values) >= 1 else None)
+    assert positive_ints(text, len(values) + 1) is None
+
+
+@pytest.mark.parametrize("text", ["", ",", "4,", "x", "4;8", "1.5", " ", "4,,8"])
+def test_positive_ints_refuses_malformed_lists(text):
+    assert positive_ints(text) is None
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("gpu_moe.py", ("--tokens", "4096,0"), "--tokens '4096,0': comma-separated token counts, each >= 1"),
+    ("collectives.py", ("--out", "unused", "--buckets", "x"), "--buckets 'x': comma-separated counts, each >= 1"),
+    ("collectives.py", ("--out", "unused", "--tokens=-8"), "--tokens '-8'")])
+def test_other_scripts_refuse_bad_count_lists(script, args, message):
+    proc = _run(script, *args)
+    assert proc.returncode == 2 and message in proc.stderr, (proc.returncode, proc.stdout, proc.stderr[-500:])
