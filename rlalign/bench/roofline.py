@@ -34,12 +34,12 @@ uncounted); where it exceeds bytes / BW the bandwidth fraction cannot reach 1.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from rlalign.models.config import ModelConfig
-from rlalign.models.decoder import CausalLM
-from rlalign.models.sizes import embedding_size, parameter_sizes
+from rlalign.models.sizes import INPUT_TABLE, embedding_size, parameter_shapes, parameter_sizes
 from rlalign.models.sizes import kv_bytes_per_token as sizes_kv_bytes_per_token
 
 
@@ -89,19 +89,17 @@ class StepShapes:
 
 
 def step_shapes(config: ModelConfig) -> StepShapes:
-    """The :class:`StepShapes` of ``config``, read off the decoder built on the meta device."""
-    model = CausalLM(config, dtype=torch.float32, device="meta")
-    table = model.model.embed_tokens.weight
+    """The :class:`StepShapes` of ``config`` (rlalign.models.sizes.parameter_shapes)."""
     matrices, other = [], 0
-    for p in model.parameters():
-        if p is table and not config.tie_word_embeddings:
+    for name, shape in parameter_shapes(config):
+        if name == INPUT_TABLE and not config.tie_word_embeddings:
             continue                    # an untied input table: only the gathered rows are read (below)
-        if p.dim() == 2:
-            matrices.append((p.shape[0], p.shape[1], 0))
-        elif p.dim() == 3:
-            matrices.append((p.shape[1], p.shape[2], p.shape[0]))
+        if len(shape) == 2:
+            matrices.append((shape[0], shape[1], 0))
+        elif len(shape) == 3:
+            matrices.append((shape[1], shape[2], shape[0]))
         else:
-            other += p.numel()
+            other += math.prod(shape)
     top_k = int(config.ffn_options.get("num_experts_per_tok", 0)) if config.ffn_kind == "moe" else 0
     return StepShapes(tuple(matrices), other, top_k, config.hidden_size,
                       config.num_heads * config.head_dim * config.num_layers)

@@ -8,15 +8,27 @@ per token. Used by the rollout engine (KV-cache pages), the training memory budg
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
 
 
+# the input embedding table's parameter name (a tied LM head is this parameter)
+INPUT_TABLE = "model.embed_tokens.weight"
+
+
+def parameter_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter (each once: a tied head is the embedding, INPUT_TABLE)."""
+    model = CausalLM(config, dtype=torch.float32, device="meta")
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
 def parameter_sizes(config: ModelConfig) -> list[int]:
     """The element count of every parameter (each counted once: a tied head is the embedding)."""
-    return [p.numel() for p in CausalLM(config, dtype=torch.float32, device="meta").parameters()]
+    return [math.prod(shape) for _, shape in parameter_shapes(config)]
 
 
 def embedding_size(config: ModelConfig) -> int:
@@ -29,4 +41,4 @@ def kv_bytes_per_token(config: ModelConfig, element_size: int) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
 
 
-__all__ = ["parameter_sizes", "embedding_size", "kv_bytes_per_token"]
+__all__ = ["INPUT_TABLE", "parameter_shapes", "parameter_sizes", "embedding_size", "kv_bytes_per_token"]
