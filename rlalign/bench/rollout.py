@@ -61,8 +61,8 @@ against the forward's GPU time only; ``op_floor_ms``: the per-op roofline of a s
 its bandwidth and ``--peak-tflops`` ceilings, summed: :mod:`rlalign.bench.roofline`; at hundreds of rows the
 GEMMs are compute bound, so this floor is above bytes / bandwidth), ``op_roofline_fraction`` = floor / wall
 (``forward_op_roofline_fraction``: / forward GPU time); ``graph_finite_checks_per_step``: the finiteness
-checks captured in the replayed graphs (docs/gpu.md, "Finiteness checks": a run with ``RLALIGN_CHECKS=per-op`` against the
-default prices one check, hence the default's share of a step).
+checks captured in the replayed graphs (docs/gpu.md, "Finiteness checks": a run with ``RLALIGN_CHECKS=per-op``
+against the default prices one check, hence the default's share of a step).
 
 Model: ``--model DIR``; else ``--preset``; by default the embedded default model
 (rlalign/assets/default_model) when it exists on the CPU, the ``cpu-small`` preset otherwise, and
@@ -354,7 +354,7 @@ def _peak_gbps(args) -> float | None:
 
 
 def _peak_tflops(args) -> float | None:
-    return getattr(args, "peak_tflops", None) or workload_defaults(args).get("peak_tflops")
+    return args.peak_tflops or workload_defaults(args).get("peak_tflops")
 
 
 def _overlap_setting(args, profile: str, model) -> str:
