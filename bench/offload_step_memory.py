@@ -59,7 +59,10 @@ CHILD = textwrap.dedent('''
     set_grads()                              # the measured step's bf16 gradients exist before the mark
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = rss("VmRSS:")
+    # the baseline from the same counter as the peak: right after the reset VmHWM is the resident set, and it only
+    # grows after that, so the rise is >= 0 by construction (VmRSS read here could exceed a later VmHWM by the
+    # kernel's lagging per-thread RSS counters, and a rise of a few MiB then read negative: CI, session 20)
+    before = rss("VmHWM:")
     optimizer_step()
     print(json.dumps({"mode": mode, "rise": rss("VmHWM:") - before}))
 ''')
