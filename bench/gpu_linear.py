@@ -498,7 +498,8 @@ WS_SHAPES = {"8b": (("o_proj", 4096, 4096, 8), ("down_proj", 4096, 12288, 8)),
              "0.6b-stacked": (("0.6b qkv_proj", 4096, 1024, 1), ("0.6b gate_up_proj", 6144, 1024, 1)),
              # an experiment (gemm_ws.DEEP_RING_WS): the 8B K-partition layers at P = 4 -- not the contract's P = 8 --
              # where one fp32 tree level leaves room for a 160 KiB ring
-             "8b-p4": (("o_proj P4", 4096, 4096, 4), ("down_proj P4", 4096, 12288, 4))}
+             "8b-p4": (("o_proj P4", 4096, 4096, 4), ("down_proj P4", 4096, 12288, 4)),
+             "lm-head": (("lm_head", 151936, 4096, 1), ("0.6b lm_head", 151936, 1024, 1))}
 WS_M = (462, 1024, 4096, 16384)
 WS_STOP_AFTER_S = 75       # later cases are skipped (the lead's call: <= 90 s with the compiles)
 WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
@@ -519,9 +520,28 @@ TRITON_PLAIN_CANDIDATES = (("128x128/w8/s3/flat", dict(block_m=128, block_n=128,
                                                       ctas_per_sm=2)))
 
 
+# --ws-small: decode-size (M <= 64) tiles of the Triton kernel for the P = 1 projections, which stream W with few
+# programs (N / BN of them): wider k-steps (GemmConfig.block_k: the same k16 chunks in fewer loop iterations), and
+# 16 / 32-row tiles, on which Triton issues mma.sync instead of wgmma (bench/mma_bits_probe.py found their bits equal
+# on the attention's products, session 21; each candidate here is refused unless bit-equal to the dispatcher's tile)
+TRITON_SMALL_CANDIDATES = (
+    ("16x32/w4/s4/k256/2cta", dict(block_m=16, block_n=32, num_warps=4, num_stages=4, flatten=True, block_k=256,
+                                   ctas_per_sm=2)),
+    ("16x64/w4/s5/k256", dict(block_m=16, block_n=64, num_warps=4, num_stages=5, flatten=True, block_k=256)),
+    ("16x128/w4/s3/k256", dict(block_m=16, block_n=128, num_warps=4, num_stages=3, flatten=True, block_k=256)),
+    ("32x32/w4/s3/k256/2cta", dict(block_m=32, block_n=32, num_warps=4, num_stages=3, flatten=True, block_k=256,
+                                   ctas_per_sm=2)),
+    ("32x64/w4/s4/k256", dict(block_m=32, block_n=64, num_warps=4, num_stages=4, flatten=True, block_k=256)),
+    ("64x32/w4/s4/k256", dict(block_m=64, block_n=32, num_warps=4, num_stages=4, flatten=True, block_k=256)),
+    ("64x64/w4/s5/k128", dict(block_m=64, block_n=64, num_warps=4, num_stages=5, flatten=True, block_k=128)),
+    ("64x64/w4/s3/k256", dict(block_m=64, block_n=64, num_warps=4, num_stages=3, flatten=True, block_k=256)),
+    ("64x128/w4/s4/k128", dict(block_m=64, block_n=128, num_warps=4, num_stages=4, flatten=True, block_k=128)))
+
+
 def ws_label(cfg) -> str:
     if not hasattr(cfg, "release"):   # a Triton GemmConfig
-        return "triton " + next((name for name, kw in TRITON_PLAIN_CANDIDATES if type(cfg)(**kw) == cfg), repr(cfg))
+        return "triton " + next((name for name, kw in TRITON_PLAIN_CANDIDATES + TRITON_SMALL_CANDIDATES
+                                 if type(cfg)(**kw) == cfg), repr(cfg))
     return (f"gluon {cfg.block_m}x{cfg.block_n}/s{cfg.stages}" + (f"/k{cfg.block_k}" if cfg.block_k != 64 else "")
             + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "") + (f"/{cfg.release}" if cfg.release != "cta" else "")
             + ("/out_alias" if cfg.out_alias else ""))
@@ -532,11 +552,13 @@ def ws_candidates(only: str | None) -> tuple:
     from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES
     if only is None:
         return WS_CANDIDATES
+    if only == "none":
+        return ()
     try:
         return tuple(WS_CANDIDATES[int(i)] for i in only.split(","))
     except (ValueError, IndexError):
         raise SystemExit(f"--ws-candidates {only!r}: comma-separated indices of gemm_ws.WS_CANDIDATES "
-                         f"(0..{len(WS_CANDIDATES) - 1})") from None
+                         f"(0..{len(WS_CANDIDATES) - 1}), or none") from None
 
 
 def _watched(what: str, fn):
@@ -544,9 +566,10 @@ def _watched(what: str, fn):
     return watched(what, fn, WS_WATCHDOG_S)
 
 
-def sweep_ws(candidates: tuple, shapes: tuple = ("8b",), ms: tuple = WS_M) -> list[dict]:
+def sweep_ws(candidates: tuple, shapes: tuple = ("8b",), ms: tuple = WS_M,
+             stop_after_s: float = WS_STOP_AFTER_S) -> list[dict]:
     """``shapes``: keys of WS_SHAPES; ``ms``: the row counts (at M <= 256 the baseline row is the dispatcher's
-    decode-size split, gemm.SPLIT_SEGMENTS_MAX_M)."""
+    decode-size split, gemm.SPLIT_SEGMENTS_MAX_M); cases left after ``stop_after_s`` seconds are skipped."""
     from rlalign.ops.triton_backend.gemm import gemm
     from rlalign.ops.triton_backend.gemm_ws import triton_kernel_only
     rows, t0 = [], time.time()
@@ -554,8 +577,8 @@ def sweep_ws(candidates: tuple, shapes: tuple = ("8b",), ms: tuple = WS_M) -> li
         g = torch.Generator(device="cuda").manual_seed(n + k)
         w_sets = rotating(lambda i: torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16), n * k * 2)[:4]
         for m in ms:
-            if time.time() - t0 > WS_STOP_AFTER_S:
-                print(f"[{time.time() - t0:5.0f} s] {name} M={m}: skipped (past {WS_STOP_AFTER_S} s)", flush=True)
+            if time.time() - t0 > stop_after_s:
+                print(f"[{time.time() - t0:5.0f} s] {name} M={m}: skipped (past {stop_after_s} s)", flush=True)
                 continue
             sets = [(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16), w) for w in w_sets]
             with triton_kernel_only():   # the reference and the baseline: the Triton kernel, not the Gluon default
@@ -688,6 +711,11 @@ def parser() -> argparse.ArgumentParser:
                          "do not fit beside P = 8's two tree levels)")
     ap.add_argument("--ws-triton", action="store_true",
                     help="with --sweep-ws: also the Triton kernel's tiles TRITON_PLAIN_CANDIDATES (P = 1 shapes)")
+    ap.add_argument("--ws-small", action="store_true",
+                    help="with --sweep-ws: also the Triton kernel's decode-size tiles TRITON_SMALL_CANDIDATES (P = 1 "
+                         "shapes, M <= 64: wider k-steps, 16/32-row mma.sync tiles)")
+    ap.add_argument("--ws-stop-after", type=float, default=None, metavar="S",
+                    help=f"with --sweep-ws: skip the cases left after S seconds (default {WS_STOP_AFTER_S})")
     ap.add_argument("--ws-shapes", default="8b", metavar="S,...",
                     help="with --sweep-ws: model shapes, comma-separated from " + "/".join(WS_SHAPES) + " (default 8b)")
     ap.add_argument("--ws-m", metavar="M,...",
@@ -698,9 +726,12 @@ def parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = parser().parse_args()
     if (args.ws_candidates is not None or args.ws_m is not None or args.ws_shapes != "8b" or args.ws_triton
-            or args.ws_deep_ring) and not args.sweep_ws:
-        print("gpu_linear: --ws-candidates / --ws-shapes / --ws-m / --ws-triton / --ws-deep-ring only apply to "
-              "--sweep-ws")
+            or args.ws_deep_ring or args.ws_small or args.ws_stop_after is not None) and not args.sweep_ws:
+        print("gpu_linear: --ws-candidates / --ws-shapes / --ws-m / --ws-triton / --ws-small / --ws-deep-ring / "
+              "--ws-stop-after only apply to --sweep-ws")
+        return 2
+    if args.ws_stop_after is not None and not args.ws_stop_after > 0:
+        print(f"gpu_linear: --ws-stop-after {args.ws_stop_after}: seconds, > 0")
         return 2
     shapes = tuple(args.ws_shapes.split(","))
     if not set(shapes) <= set(WS_SHAPES):
@@ -724,10 +755,13 @@ def main() -> int:
         candidates = ws_candidates(args.ws_candidates)
         if args.ws_triton:
             candidates += tuple(GemmConfig(**kw) for _, kw in TRITON_PLAIN_CANDIDATES)
+        if args.ws_small:
+            candidates += tuple(GemmConfig(**kw) for _, kw in TRITON_SMALL_CANDIDATES)
         if args.ws_deep_ring:
             from rlalign.ops.triton_backend.gemm_ws import DEEP_RING_WS
             candidates += DEEP_RING_WS
-        return run_sweep(args.out, "linear_sweep_ws", lambda: sweep_ws(candidates, shapes, ws_m), print_ws)
+        stop = args.ws_stop_after or WS_STOP_AFTER_S
+        return run_sweep(args.out, "linear_sweep_ws", lambda: sweep_ws(candidates, shapes, ws_m, stop), print_ws)
     if args.sweep_kpart:
         return run_sweep(args.out, "linear_sweep_kpart", sweep_kpart, print_kpart)
     if args.sweep_mid:

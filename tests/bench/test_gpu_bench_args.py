@@ -1,6 +1,6 @@
 """The benchmark scripts refuse bad sizes with one line and exit code 2 before they look for a GPU (so the refusal is
 checked here, on the CPU): bench/gpu_attention.py's --sweep-batches / --sweep-shape, bench/gpu_linear.py's --ws-m /
---ws-deep-ring, bench/gpu_moe.py's --tokens, bench/collectives.py's --tokens / --buckets; the lists all go through
+--ws-deep-ring / --ws-stop-after (and its sweep-only options without --sweep-ws), bench/gpu_moe.py's --tokens, bench/collectives.py's --tokens / --buckets; the lists all go through
 rlalign.bench.args.positive_ints, whose class is tested here too."""
 
 from __future__ import annotations
@@ -35,10 +35,18 @@ def test_gpu_attention_refuses_bad_sweep_sizes(args, message):
 @pytest.mark.parametrize("args, message", [
     (("--ws-m=0,462",), "--ws-m '0,462': comma-separated row counts, each >= 1"),
     (("--ws-m=-3",), "each >= 1"), (("--ws-m", "x"), "--ws-m 'x'"),
-    (("--ws-deep-ring",), "--ws-deep-ring needs --ws-shapes 8b-p4")])
+    (("--ws-deep-ring",), "--ws-deep-ring needs --ws-shapes 8b-p4"),
+    (("--ws-stop-after", "0"), "--ws-stop-after 0.0: seconds, > 0"),
+    (("--ws-stop-after=-5",), "seconds, > 0")])
 def test_gpu_linear_refuses_bad_sweep_sizes(args, message):
     proc = _run("gpu_linear.py", "--sweep-ws", *args)
     assert proc.returncode == 2 and message in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-500:])
+
+
+@pytest.mark.parametrize("args", [("--ws-small",), ("--ws-stop-after", "30")])
+def test_gpu_linear_sweep_options_need_the_sweep(args):
+    proc = _run("gpu_linear.py", *args)
+    assert proc.returncode == 2 and "only apply to --sweep-ws" in proc.stdout, (proc.returncode, proc.stdout)
 
 
 @given(st.lists(st.integers(-3, 10 ** 6), min_size=1, max_size=6))

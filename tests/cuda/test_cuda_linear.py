@@ -72,6 +72,41 @@ def test_every_tile_config_and_path_gives_the_same_bits(triton_backend, dtype, s
     assert not differing, f"vs {runs[0][0]} tma=True: " + "; ".join(f"{k}: {v}" for k, v in differing.items())
 
 
+def test_decode_tiles_give_the_training_tile_bits(triton_backend):
+    """M <= 64 takes gemm.SMALL_M_TILES: 16- and 32-row tiles (mma.sync, not wgmma) and 128/256-column k-steps.
+    Each of them, and the dispatcher's pick, gives the bits of a 128-row wgmma tile with 64-column steps (what a
+    training batch runs): hypothesis over M (1..64 and past it), N off the tile grid, K a multiple of 64 but not
+    always of 128/256 (the wide step then falls back to 64 columns), bias, fp32 output, TMA and pointer paths, and
+    zero rows against all-negative columns (the sign of a zero sum must match)."""
+    from hypothesis import example, given, settings, strategies as st
+    from rlalign.ops.triton_backend.gemm import SMALL_M_TILES, GemmConfig, gemm
+    training_tile = GemmConfig(128, 128, 8, 4, flatten=True)
+    tiles = [tile for _, band in SMALL_M_TILES for tile in band]
+
+    @settings(max_examples=16, deadline=None, derandomize=True, database=None)
+    @given(st.one_of(st.sampled_from([1, 2, 15, 16, 17, 32, 33, 64]), st.integers(1, 200)), st.integers(1, 700),
+           st.sampled_from([64, 192, 256, 640, 1024, 4096]), st.booleans(), st.booleans(), st.booleans(),
+           st.booleans())
+    @example(1, 4096, 4096, False, False, True, False)
+    @example(17, 130, 1024, True, True, False, True)
+    def prop(m, n, k, bias, fp32_out, tma, signed_zeros):
+        x, w = rand(m, k, seed=m + k), rand(n, k, seed=n + 7)
+        if signed_zeros:
+            x[: max(1, m // 2)] = 0.0
+            w[: max(1, n // 3)] = -w[: max(1, n // 3)].abs() - 1.0
+        b = rand(n, seed=3) if bias else None
+        out_dtype = torch.float32 if fp32_out else torch.bfloat16
+        ref = gemm(x, w, b_trans=True, bias=b, out_dtype=out_dtype, config=training_tile, use_tma=tma)
+        runs = {"dispatcher": gemm(x, w, b_trans=True, bias=b, out_dtype=out_dtype, use_tma=tma)}
+        for tile in tiles:
+            runs[repr(tile)] = gemm(x, w, b_trans=True, bias=b, out_dtype=out_dtype, config=tile, use_tma=tma)
+        report = {name: first_difference(out, ref) for name, out in runs.items()}
+        differing = {name: r for name, r in report.items() if r != "identical"}
+        assert not differing, (f"M={m} N={n} K={k} bias={bias} fp32_out={fp32_out} tma={tma} zeros={signed_zeros}: "
+                               + "; ".join(f"{name}: {r}" for name, r in differing.items()))
+    prop()
+
+
 def test_kpart_schedule_candidates_give_the_default_bits(triton_backend):
     """Every large-M K-partition schedule of gemm.KPART_CANDIDATES (the --sweep-kpart candidates: a loop per
     segment, a stream of k-steps across segments and tiles, two programs per SM) gives the default's raw bits
@@ -151,8 +186,10 @@ def test_fp32_output_configs_give_the_same_bits(triton_backend, out_mode):
     assert_bitwise_equal(acc, whole, "K split across acc_in calls")
 
 
-def test_bf16_configs_use_wgmma(triton_backend):
-    """Every bf16 tile config compiles to Hopper's wgmma (the same instruction family for every M)."""
+def test_bf16_configs_use_the_documented_instruction(triton_backend):
+    """Every tile config of 64 or more rows compiles to Hopper's wgmma and no mma.sync; the 16/32-row decode tiles
+    (gemm.SMALL_M_TILES) to mma.sync m16n8k16 and no wgmma -- the two families whose bits docs/gpu.md records as
+    equal (rule 2); a third would be unmeasured."""
     from rlalign.ops.triton_backend.gemm import all_configs, gemm, gemm_kernel
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma is Hopper's")
@@ -160,14 +197,20 @@ def test_bf16_configs_use_wgmma(triton_backend):
     for segments in (1, 8):
         for cfg in all_configs(segments, False):
             gemm(x, w, b_trans=True, segments=segments, config=cfg)
-    missing = []
     compiled = _compiled_kernels(gemm_kernel)
     assert compiled, "found no compiled gemm_kernel variants to inspect"
+    bm_arg = (gemm_kernel.arg_names.index("BM"),)
+    wrong, rows_seen = [], set()
     for kern in compiled:
+        bm = kern.src.constants[bm_arg]
+        rows_seen.add(bm)
         ptx = kern.asm["ptx"]
-        if "wgmma" not in ptx:
-            missing.append(kern.name)
-    assert not missing, f"{len(missing)} of {len(compiled)} GEMM variants compiled without wgmma"
+        want, other = ("wgmma.mma_async", "mma.sync") if bm >= 64 else ("mma.sync.aligned.m16n8k16", "wgmma")
+        if want not in ptx or other in ptx:
+            wrong.append(f"BM={bm}: {want} {'missing' if want not in ptx else 'present'}, {other} "
+                         f"{'present' if other in ptx else 'absent'}")
+    assert not wrong, f"{len(wrong)} of {len(compiled)} GEMM variants: " + "; ".join(wrong)
+    assert {16, 64, 128} <= rows_seen, f"tile heights compiled: {sorted(rows_seen)}"
 
 
 def _compiled_kernels(kernel):

@@ -131,17 +131,32 @@ DECODE_TILE_CASES = (
     (244, 6144, 1, True, "fp32", None),          # fp32 operands
     (244, 6144, 1, False, "fp32", None),         # fp32 output
     (244, 6144, 1, False, "acc_in", None),
+    # M <= 64 (gemm.small_m_tile): the narrowest row tile covering M, the widest N that keeps 0.7 of the SMs busy
+    (1, 4096, 1, False, "bf16", "16x32"),         # 8B q_proj: 128 tiles of 32
+    (1, 1024, 1, False, "bf16", "16x32"),         # kv_proj: no tile fills; the band's narrowest
+    (16, 6144, 1, False, "bf16", "16x64"),        # 8B stacked q/k/v: 96 tiles of 64
+    (8, 151936, 1, False, "bf16", "16x128"),      # the LM head
+    (8, 151936, 1, False, "fp32", "16x128"),      # fp32 logits: the same tile
+    (17, 6144, 1, False, "bf16", "32x64"),        # two 16-row tiles' rows: one 32-row tile
+    (32, 4096, 1, False, "bf16", "16x32"),        # 64 tiles of 32x64 under 0.7: two rows of 16x32
+    (33, 12288, 1, False, "bf16", "64x128"),
+    (64, 6144, 1, False, "bf16", "64x64"),
+    (64, 1024, 1, False, "bf16", "64x32"),
+    (64, 4096, 8, False, "bf16", None),           # the K partition: the per-segment split
+    (16, 4096, 1, True, "fp32", None),            # fp32 operands (bf16x3 per 64-column step)
+    (16, 4096, 1, False, "acc_in", None),
+    (65, 4096, 1, False, "bf16", None),           # above the band
 )
 
 
 def _decode_tile_rule() -> list:
-    """Per DECODE_TILE_CASES: (decode_tile's tile as "BMxBN" or None, pick_config's choice is that tile (when one
+    """Per DECODE_TILE_CASES: (small_m_tile's or decode_tile's tile as "BMxBN" or None, pick_config's choice is that tile (when one
     applies) / is none of DECODE_TILES' tiles chosen for a row range it is not in, pick_config's choice is one of
     all_configs -- whose bits the CUDA tier compares)."""
-    from rlalign.ops.triton_backend.gemm import all_configs, decode_tile, pick_config
+    from rlalign.ops.triton_backend.gemm import all_configs, decode_tile, pick_config, small_m_tile
     out = []
     for m, n, segments, fp32, out_mode, _ in DECODE_TILE_CASES:
-        tile = decode_tile(m, n, segments, fp32, 132, out_mode)
+        tile = small_m_tile(m, n, segments, fp32, 132, out_mode) or decode_tile(m, n, segments, fp32, 132, out_mode)
         picked = pick_config(m, n, segments, fp32, 132, out_mode)
         out.append([None if tile is None else f"{tile.block_m}x{tile.block_n}", tile is None or picked == tile,
                     picked in all_configs(segments, fp32, out_mode)])

@@ -7,7 +7,10 @@ row's position, the number of warps or pipeline stages):
   Segment s is reduced from zero in steps of exactly ``BLOCK_K`` = 64 columns starting at
   ``s * SEG_K``, in increasing order: ``acc = mma(A[m, k:k+64], B[k:k+64, n], acc)``; columns
   past the segment (or past K) are exact zeros. ``mma`` is ``tl.dot`` with an fp32 accumulator
-  (bf16 operands; fp32 operands split bf16x3, see :mod:`._common`).
+  (bf16 operands; fp32 operands split bf16x3, see :mod:`._common`). The hardware takes each step
+  as k16 chunks, in order, onto the one accumulator; so a P = 1 bf16 launch may step 128 or 256
+  columns at a time where K is a multiple of that (``GemmConfig.block_k``): the same chunks in the
+  same order, no padding chunk added.
 * The P segment partials merge in the balanced binary tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))
   in fp32 (a stack of completed subtrees, merged as soon as both halves exist). The kernel walks
   all P segments in one loop of P * steps k-steps; the accumulator restarts from zero at each
@@ -16,12 +19,15 @@ row's position, the number of warps or pipeline stages):
   ``acc_in`` the accumulator starts from the fp32 values already in C (P = 1 only): a reduction
   split across calls at multiples of 64 columns gives the bits of one call.
 
-Tile shape (BLOCK_M in {64, 128}, BLOCK_N in {32..256}), warps (4/8, all along M for BLOCK_M >=
+Tile shape (BLOCK_M in {16, 32, 64, 128}, BLOCK_N in {32..256}), warps (4/8, all along M for BLOCK_M >=
 16 * warps), pipeline depth, persistent scheduling (programs per SM) and the loop structure of the
 K partition (one loop per segment, one flat loop per tile, or one flat stream of a program's
 (tile, segment) items: ``GemmConfig.nested`` / ``stream``) only change which program computes an
 element and when, not its sequence of operations; docs/gpu.md says what was verified on the H200.
-BLOCK_M is never below 64 so that Hopper always issues the same ``wgmma`` family.
+Hopper issues ``wgmma`` (m64nNk16) for tiles of 64 or 128 rows; the decode tiles of 16 and 32 rows
+(:data:`SMALL_M_TILES`) get ``mma.sync`` (m16n8k16), whose per-element bits the H200 showed equal to
+wgmma's on the same k16 chunks in the same order (session 21: bench/mma_bits_probe.py on random
+tiles, every case of the decode sweep, tests/cuda/test_cuda_linear.py).
 """
 
 from __future__ import annotations
@@ -54,6 +60,11 @@ class GemmConfig:
     # items (loads stream across segment and tile ends; the tree stack must fit in registers: reg_levels >= 3)
     stream: bool = False
     ctas_per_sm: int = 1  # persistent programs per SM (2: one program's MMAs fill another's pipeline bubbles)
+    # columns per k-step of the P = 1 bf16 kernel (64, 128 or 256): a wider step issues the same k16 chunks in the
+    # same order onto the same accumulator, in fewer loop iterations (decode-sized M streams W with little work per
+    # step). Used only where K % block_k == 0, so no chunk of padding is added; elsewhere (and for the K partition,
+    # fp32 operands' bf16x3 split -- whose three dots interleave per step -- and acc_in) the step is BLOCK_K.
+    block_k: int = BLOCK_K
 
 
 # Candidate tiles, most efficient first (see pick_config). Shared memory, from sm_90a compiles
@@ -130,6 +141,36 @@ DECODE_TILE = DECODE_TILES[0][2]
 DECODE_TILE_MIN_FILL = 0.7
 
 
+# P = 1 decode batches of at most 64 rows (bf16 operands; bf16 or fp32 output): the GEMM streams W, and only N / BN
+# programs share the stream, so the tile is the narrowest row count that covers the rows, with k-steps of 128-256
+# columns (GemmConfig.block_k: the same k16 chunks in fewer loop iterations). Rows <= 32 take 16- and 32-row tiles,
+# on which Triton issues mma.sync (m16n8k16) instead of wgmma: bench/mma_bits_probe.py and every case of the sweep
+# below found their bits equal to the 64-row wgmma tiles' (docs/gpu.md, "Which tile shapes are interchangeable").
+# Per row band, the widest tile first; a band takes the first whose tiles keep DECODE_TILE_MIN_FILL of the SMs busy,
+# else its last (narrowest). H200 sweep, session 21 (`bench/gpu_linear.py --sweep-ws --ws-candidates none
+# --ws-small --ws-shapes 8b-plain,8b-stacked,lm-head,0.6b-stacked --ws-m 1,8,24,32,48,64`, graph replays, every
+# launch bit-equal; cuBLAS / ours at M = 1 / 8 / 24 / 32 / 48 / 64 on the 9 shapes): 0.80-1.07, against 0.45-1.05
+# for the 64-row tiles with 64-column steps (bench/RESULTS.md, session 21).
+SMALL_M_TILES = (
+    (16, (GemmConfig(16, 128, 4, 3, flatten=True, block_k=256), GemmConfig(16, 64, 4, 5, flatten=True, block_k=256),
+          GemmConfig(16, 32, 4, 4, flatten=True, block_k=256, ctas_per_sm=2))),
+    (32, (GemmConfig(32, 64, 4, 4, flatten=True, block_k=256),
+          GemmConfig(16, 32, 4, 4, flatten=True, block_k=256, ctas_per_sm=2))),
+    (64, (GemmConfig(64, 128, 4, 4, flatten=True, block_k=128), GemmConfig(64, 64, 4, 5, flatten=True, block_k=128),
+          GemmConfig(64, 32, 4, 4, flatten=True, block_k=256))))
+
+
+def small_m_tile(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: str = "bf16") -> GemmConfig | None:
+    """The :data:`SMALL_M_TILES` tile for ``m`` <= 64 rows (P = 1, bf16 operands, bf16 or fp32 output), else None."""
+    if segments != 1 or fp32 or out_mode == "acc_in":
+        return None
+    for max_rows, tiles in SMALL_M_TILES:
+        if m <= max_rows:
+            return next((t for t in tiles if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+                         >= DECODE_TILE_MIN_FILL * sms), tiles[-1])
+    return None
+
+
 def decode_tile(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: str = "bf16") -> GemmConfig | None:
     """The :data:`DECODE_TILES` tile of ``m`` rows where one applies (P = 1, bf16 operands and output, enough
     tiles), else None. One owner: pick_config takes it, and the dispatcher's choice of the Gluon kernel defers to
@@ -144,7 +185,7 @@ def decode_tile(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: s
 
 
 def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: str = "bf16") -> GemmConfig:
-    """:func:`decode_tile` where it applies; else the first candidate whose tiles fill at least 85% of the
+    """:func:`small_m_tile` or :func:`decode_tile` where one applies; else the first candidate whose tiles fill at least 85% of the
     persistent programs' slots over all waves (else the best-filling one).
 
     ``RLALIGN_TRITON_GEMM_TILE="BM,BN,warps,stages"`` forces one tile for every M (a safety switch
@@ -153,7 +194,7 @@ def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: s
     if forced:
         bm, bn, warps, stages = forced
         return GemmConfig(bm, bn, warps, stages, reg_levels=0 if segments > 1 and bm * bn >= 128 * 128 else 4)
-    decode = decode_tile(m, n, segments, fp32, sms, out_mode)
+    decode = small_m_tile(m, n, segments, fp32, sms, out_mode) or decode_tile(m, n, segments, fp32, sms, out_mode)
     if decode is not None:
         return decode
     cands = candidate_configs(m, n, segments, fp32, out_mode)
@@ -179,7 +220,7 @@ def all_configs(segments: int, fp32: bool, out_mode: str = "bf16") -> tuple[Gemm
         return _LARGE_ACCIN + _MEDIUM + _SMALL_ACCIN
     large = _LARGE_F32OUT if out_mode == "fp32" else _LARGE + (GemmConfig(128, 256, 8, 3, flatten=False),)
     large += tuple(tile for _, _, tile in DECODE_TILES if out_mode == "bf16" and tile not in large)
-    return large + _MEDIUM + _SMALL_M
+    return large + _MEDIUM + _SMALL_M + tuple(tile for _, tiles in SMALL_M_TILES for tile in tiles)
 
 
 # ---- kernel --------------------------------------------------------------------------------------
@@ -727,7 +768,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     out_mode = "acc_in" if acc_in else ("fp32" if out.dtype == torch.float32 else "bf16")
     cfg = config or pick_config(m, n, segments, fp32, device_sms(a), out_mode)
     seg_k = k // segments
-    steps = triton.cdiv(seg_k, BLOCK_K)
+    bk = step_columns(cfg, k, segments, fp32, acc_in)
+    steps = triton.cdiv(seg_k, bk)
     # TMA needs segment boundaries on k-steps (it cannot mask inside the tensor); the choice
     # depends on shapes only, and both paths compute the same sequence of dots.
     tma = (segments == 1 or seg_k % BLOCK_K == 0) and tma_ok(a) and tma_ok(b) and tma_ok(out)
@@ -735,8 +777,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
         tma = tma and use_tma
     bm, bn = cfg.block_m, cfg.block_n
     if tma:
-        a_src = descriptor(a, [BLOCK_K, bm] if a_trans else [bm, BLOCK_K])
-        b_src = descriptor(b, [bn, BLOCK_K] if b_trans else [BLOCK_K, bn])
+        a_src = descriptor(a, [bk, bm] if a_trans else [bm, bk])
+        b_src = descriptor(b, [bn, bk] if b_trans else [bk, bn])
         c_src = descriptor(out, [bm, bn])
     else:
         a_src, b_src, c_src = a, b, out
@@ -765,13 +807,21 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
         a_src, b_src, c_src, bias_arg, scratch,
         m, n, k, seg_k, steps, progs,
         s_am, s_ak, s_bk, s_bn, out.stride(0), out.stride(1),
-        BM=bm, BN=bn, BK=BLOCK_K, P=segments, LOG2P=log2p, REG_LEVELS=cfg.reg_levels,
+        BM=bm, BN=bn, BK=bk, P=segments, LOG2P=log2p, REG_LEVELS=cfg.reg_levels,
         A_TRANS=a_trans, B_TRANS=b_trans, USE_TMA=tma, SPLIT=split_for(a.dtype), HAS_BIAS=bias is not None,
         ACC_IN=acc_in, OUT_BF16=out.dtype == torch.bfloat16, GROUP_M=cfg.group_m,
         FLATTEN=cfg.flatten and segments == 1, NESTED=cfg.nested and segments > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def step_columns(cfg: GemmConfig, k: int, segments: int, fp32: bool, acc_in: bool) -> int:
+    """Columns per k-step of a launch: ``cfg.block_k`` where the wider step issues exactly BLOCK_K's k16 chunks
+    (P = 1, bf16 operands, K a multiple of it: no padding chunk is added), else BLOCK_K (see GemmConfig.block_k)."""
+    if cfg.block_k == BLOCK_K or segments != 1 or fp32 or acc_in or k % cfg.block_k:
+        return BLOCK_K
+    return cfg.block_k
 
 
 def gemm_blocks(a: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...], *, bias: torch.Tensor | None = None,
