@@ -195,9 +195,28 @@ SWEEP_CTX, SWEEP_HQ, SWEEP_HKV, SWEEP_PAGE = 4096, 32, 8, 16
 SWEEP_DEVICE = "cuda"   # the CPU smoke test of the sweep (interpreter) sets "cpu"
 
 
+SMALL_TILES = False   # --sweep-small-tiles
+
+
+def small_tile_candidates(A) -> list[tuple[str, object]]:
+    """--sweep-small-tiles: the per-item and streamed defaults, then 16- and 32-row tiles on 1 / 2 warps. A decode
+    item holds one token's G query heads (4 rows of the 64-row tile at 32/8 heads); Triton issues mma.sync for
+    16/32 rows, which bench/mma_bits_probe.py found bit-equal to wgmma on these products (session 21) -- whether the
+    whole kernel keeps the bits (its row reductions too) is what the sweep's bit check answers."""
+    from dataclasses import replace
+    item, stream = A.ITEM_DECODE, A.STREAM_DECODE
+    cands = [("item", item), ("stream", stream)]
+    cands += [("item", replace(item, tile=tile)) for tile in ((16, 1, 2), (16, 1, 3), (32, 2, 2))]
+    cands += [("stream", replace(stream, tile=(16, 1, 2), programs_per_sm=p)) for p in (4, 8)]
+    cands += [("stream", replace(stream, tile=(32, 2, 2), programs_per_sm=4))]
+    return cands
+
+
 def sweep_candidates(A) -> list[tuple[str, object]]:
     """(launch kind, DecodeLaunch): the defaults first, then one change at a time (few: compiles count)."""
     from dataclasses import replace
+    if SMALL_TILES:
+        return small_tile_candidates(A)
     split, item = A.SPLIT_DECODE, A.ITEM_DECODE
     bm, warps, stages = A.DECODE_TILE
     cands = [("split", split), ("item", item)]
@@ -477,6 +496,9 @@ def parser() -> argparse.ArgumentParser:
                     help="only the training backward sweep: candidate BackwardLaunch configs, forward + backward at "
                          + ", ".join(f"{b}x{s}" for b, s in TRAIN_SHAPES) + " tokens vs SDPA flash, gradients "
                          "checked against the default's bits and a float64 reference")
+    ap.add_argument("--sweep-small-tiles", action="store_true",
+                    help="with --sweep-decode: only the per-item and streamed launches, with 16/32-row tiles "
+                         "(mma.sync) beside the 64-row default")
     ap.add_argument("--sweep-batches", help="the decode sweep's batches, comma-separated (e.g. 462: the "
                                             "0.6b-ctx512 rollout's mean running sequences)")
     ap.add_argument("--sweep-shape", metavar="CTX,HQ,HKV",
@@ -487,7 +509,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = parser().parse_args()
-    global SWEEP_BATCHES, SWEEP_CTX, SWEEP_HQ, SWEEP_HKV
+    global SWEEP_BATCHES, SWEEP_CTX, SWEEP_HQ, SWEEP_HKV, SMALL_TILES
+    if args.sweep_small_tiles and not args.sweep_decode:
+        print("gpu_attention: --sweep-small-tiles only applies to --sweep-decode")
+        return 2
+    SMALL_TILES = args.sweep_small_tiles
     if args.sweep_batches:
         if (batches := positive_ints(args.sweep_batches)) is None:
             print(f"gpu_attention: --sweep-batches {args.sweep_batches!r}: comma-separated batch sizes, each >= 1")
