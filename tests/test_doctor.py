@@ -23,3 +23,19 @@ def test_doctor_reports_a_violation(monkeypatch):
     results, _ = doctor.run_checks("cpu", seed=1)
     assert [r.holds for r in results] == [False, False]
     assert results[0].detail == "row 3 differs" and "ZeroDivisionError" in results[1].detail
+
+
+def test_bmm_check_covers_exactly_the_shapes_the_backend_tiles(monkeypatch):
+    """The bmm == mm check is an assumption of the library-tile route only: a (K, N) whose tile fails
+    primitives.tiles_hold runs the compiled kernel, so the check skips it and names it (an AVX-512 Xeon's MKL
+    breaks bmm == mm at K = N = 1,024, where the route never uses it); with every shape refused it does not hold
+    (nothing would have been checked)."""
+    import torch
+    from rlalign.ops.torch_backend import primitives
+    monkeypatch.setattr(primitives, "tiles_hold", lambda k, n, threads: (k, n) == (16, 128))
+    holds, detail = doctor._bmm_equals_mm(torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert holds and detail == ("not relied on (compiled kernel): K=48 N=128, K=128 N=15, K=64 N=1024, K=256 N=768, "
+                                "K=1024 N=1024"), detail
+    monkeypatch.setattr(primitives, "tiles_hold", lambda k, n, threads: False)
+    holds, detail = doctor._bmm_equals_mm(torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert not holds and "no shape left to check" in detail

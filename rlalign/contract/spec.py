@@ -182,7 +182,9 @@ def cpu_backend_assumptions() -> tuple[str, ...]:
         f"A batched fp32 GEMM (torch.bmm) whose items have the fixed shape ({ROW_BLOCK} x K) x (K x N) gives each "
         "item the same bits as that GEMM issued alone (torch.mm), whatever the batch count, the item's index "
         "and whether the items share one (broadcast) weight matrix: the linear op issues its row blocks "
-        "(and K segments) as one batched GEMM.",
+        "(and K segments) as one batched GEMM -- for the (K, N) whose library tile passes the backend's own "
+        "check on the machine (tiles_hold); the others run the compiled row kernel and need nothing of the "
+        "library.",
         "Elementwise exp, log and sqrt give the same bits for a value wherever it sits in a tensor "
         "(vectorised body, vector tail, single element); they need not be correctly rounded (torch 2.13's "
         "CPU sqrt is not). sigmoid and rsqrt are NOT used: sigmoid's scalar tail differs from its vector "

@@ -80,6 +80,10 @@ def _check_gemm():
         (70, 48, 1024, 8, False, True, GemmConfig(64, 32, 4, 2), True, False),  # 2 k-steps per segment
         (70, 48, 1024, 8, False, True, GemmConfig(64, 32, 4, 2, nested=True), True, False),  # a loop per segment
         (130, 70, 384, 4, False, True, GemmConfig(64, 32, 4, 2, nested=True), None, True),
+        # the decode tiles of 16 / 32 rows (gemm.SMALL_M_TILES): M off and on the tile, several row tiles
+        (5, 70, 192, 1, False, True, GemmConfig(16, 32, 4, 2, flatten=True), None, True),
+        (40, 70, 256, 1, False, True, GemmConfig(16, 64, 4, 2, flatten=True, ctas_per_sm=2), None, False),
+        (33, 48, 128, 1, False, True, GemmConfig(32, 64, 4, 2, flatten=True), False, True),
     ]
     for m, n, k, seg, at, bt, cfg, tma, has_bias in cases:
         a = torch.randn((k, m) if at else (m, k), generator=g)
@@ -756,6 +760,7 @@ def _sm90_worker() -> None:
         variants.append({"kernel": name, "args": {k: str(v) for k, v in kwargs.items() if k.isupper()},
                          "stages": kwargs.get("num_stages"), "async_copy": "async_copy" in kernel.asm["ttgir"],
                          "smem": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "has_dot": "mma" in ptx,
+                         "mma_sync": "mma.sync.aligned.m16n8k16" in ptx,
                          # software-pipelined: some wgmma wait leaves a chain in flight
                          "pipelined": re.search(r"warp_group_dot_wait[^\n]*pendings = [1-9]",
                                                 kernel.asm["ttgir"]) is not None,
@@ -814,8 +819,14 @@ def test_kernels_compile_for_sm90(sm90):
 
 
 def test_dot_kernels_use_wgmma(sm90):
-    missing = [v for v in sm90["variants"] if v["has_dot"] and not v["wgmma"]]
+    """Every kernel with a matrix product compiles to wgmma -- except the decode GEMM tiles of 16 / 32 rows
+    (gemm.SMALL_M_TILES), which compile to mma.sync m16n8k16 and nothing else (docs/gpu.md, rule 2: the H200 measured
+    the two families' bits equal); those must be among the compiled variants (the grid's M = 1)."""
+    small = [v for v in sm90["variants"] if v["kernel"] == "gemm_kernel" and int(v["args"].get("BM", 64)) < 64]
+    missing = [v for v in sm90["variants"] if v["has_dot"] and not v["wgmma"] and v not in small]
     assert not missing, f"compiled with mma.sync instead of wgmma: {missing}"
+    wrong = [v["args"] for v in small if v["wgmma"] or not v["mma_sync"]]
+    assert small and not wrong, f"16/32-row GEMM tiles not on mma.sync m16n8k16 alone: {wrong or 'none compiled'}"
 
 
 def test_unsegmented_gemm_configs_are_software_pipelined(sm90):
