@@ -24,7 +24,8 @@ merge warps/unroll, the fused merge, a register cap) of both launches as CUDA-gr
 each output compared bit for bit with the per-item default (a candidate that differs is marked DIFFER and
 never "fastest"); prints the fastest bit-equal config of each launch per batch vs SDPA/flash, the launch the
 op picks and the split launch's fastest merge-kernel vs fused-merge candidate (bench_attention_sweep.csv /
-.json).
+.json). With ``--sweep-small-tiles``: only the per-item and streamed launches, with 16/32-row tiles (mma.sync)
+beside the 64-row default (session 21: 16 rows bit-equal but not faster, 32 rows not bit-equal).
 
 ``--sweep-train``: only training, candidate attention.BackwardLaunch configs (tiles, warps, stages, keys per
 dK/dV program, heavy-first grids), forward + backward at 2 x 4,096, 8 x 4,096 and 1 x 32,768 tokens (32/8 heads)

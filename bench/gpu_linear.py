@@ -18,7 +18,11 @@ inputs; ``op_vs_flinear`` = F.linear time / ops.linear time (> 1: ours faster). 
 kernel-only ``ratio``, are the figures a model sees.
 
     python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick] [--sweep-small] [--sweep-mid]
-                               [--sweep-kpart] [--sweep-ws [--ws-candidates I,J,...]]
+                               [--sweep-kpart] [--sweep-ws [--ws-candidates I,J,...|none] [--ws-small] ...]
+
+``--sweep-ws --ws-small``: the Triton kernel's decode tiles (TRITON_SMALL_CANDIDATES: 16/32-row mma.sync tiles and
+128/256-column k-steps) beside the dispatcher's, e.g. ``--ws-candidates none --ws-small --ws-shapes
+8b-plain,8b-stacked,lm-head,0.6b-stacked --ws-m 1,8,24,32,48,64`` (how gemm.SMALL_M_TILES was chosen).
 
 ``--sweep-small``: only the decode-size K-partition split (M 1-64, k_segments 8, the 8B and 0.6B o_proj /
 down_proj shapes): candidate launches (gemm.SegmentSplitConfig: block N, warps, stages, the tree kernel's

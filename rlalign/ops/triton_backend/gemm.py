@@ -19,8 +19,9 @@ row's position, the number of warps or pipeline stages):
   ``acc_in`` the accumulator starts from the fp32 values already in C (P = 1 only): a reduction
   split across calls at multiples of 64 columns gives the bits of one call.
 
-Tile shape (BLOCK_M in {16, 32, 64, 128}, BLOCK_N in {32..256}), warps (4/8, all along M for BLOCK_M >=
-16 * warps), pipeline depth, persistent scheduling (programs per SM) and the loop structure of the
+Tile shape (BLOCK_M in {16, 32, 64, 128}, BLOCK_N in {32..256}), warps (4/8, along M where BLOCK_M >=
+16 * warps, across N in the 16/32-row decode tiles: an element is one warp's chain either way),
+pipeline depth, persistent scheduling (programs per SM) and the loop structure of the
 K partition (one loop per segment, one flat loop per tile, or one flat stream of a program's
 (tile, segment) items: ``GemmConfig.nested`` / ``stream``) only change which program computes an
 element and when, not its sequence of operations; docs/gpu.md says what was verified on the H200.
@@ -185,8 +186,8 @@ def decode_tile(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: s
 
 
 def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: str = "bf16") -> GemmConfig:
-    """:func:`small_m_tile` or :func:`decode_tile` where one applies; else the first candidate whose tiles fill at least 85% of the
-    persistent programs' slots over all waves (else the best-filling one).
+    """:func:`small_m_tile` or :func:`decode_tile` where one applies; else the first candidate whose tiles fill at
+    least 85% of the persistent programs' slots over all waves (else the best-filling one).
 
     ``RLALIGN_TRITON_GEMM_TILE="BM,BN,warps,stages"`` forces one tile for every M (a safety switch
     should a GPU ever show two tile shapes to differ)."""
