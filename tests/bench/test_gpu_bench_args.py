@@ -43,6 +43,11 @@ def test_gpu_linear_refuses_bad_sweep_sizes(args, message):
     assert proc.returncode == 2 and message in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-500:])
 
 
+def test_gpu_attention_small_tiles_need_the_decode_sweep():
+    proc = _run("gpu_attention.py", "--sweep-small-tiles")
+    assert proc.returncode == 2 and "only applies to --sweep-decode" in proc.stdout, (proc.returncode, proc.stdout)
+
+
 @pytest.mark.parametrize("args", [("--ws-small",), ("--ws-stop-after", "30")])
 def test_gpu_linear_sweep_options_need_the_sweep(args):
     proc = _run("gpu_linear.py", *args)
