@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from rlalign.contract.errors import ContractError
 from rlalign.contract.spec import VOCAB_BLOCK
@@ -356,9 +356,12 @@ def test_lm_logits_bad_inputs(kwargs, message):
 @settings(max_examples=12, deadline=None)
 @given(hidden=st.sampled_from([17, 127, 1000]), tail=st.sampled_from([1, 9, 404]), blocks=st.integers(1, 2),
        rows=st.integers(1, 70), seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(sorted(DTYPES)))
+@example(hidden=17, tail=1, blocks=1, rows=70, seed=0, dtype="fp32")   # an AVX-512 Xeon's MKL, session 21
 def test_vocab_chunk_never_changes_bits(hidden, tail, blocks, rows, seed, dtype):
     """The class of the K=1000, V=1025 finding: the library's column bits depend on a GEMM's width N for
-    narrow N, so the logits were computed per vocab block (width VB or the short tail) whatever the chunk."""
+    narrow N, so the logits were computed per vocab block (width VB or the short tail) whatever the chunk.
+    And on the operands' strides: dW's one-column tail block, sliced from a chunk of 1,024 or of 2,048 columns,
+    took two MKL paths on an AVX-512 Xeon until the block is copied to its own contiguous operand."""
     dt, vocab = DTYPES[dtype], blocks * VOCAB_BLOCK + tail
     weight = _weight(dt, vocab, hidden, seed % 1000).requires_grad_()
     h, targets = _tokens(rows, seed, dt, vocab, hidden)
