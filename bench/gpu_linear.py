@@ -20,8 +20,8 @@ kernel-only ``ratio``, are the figures a model sees.
     python bench/gpu_linear.py [--out DIR] [--set all|kernel|layers] [--quick] [--sweep-small] [--sweep-mid]
                                [--sweep-kpart] [--sweep-ws [--ws-candidates I,J,...|none] [--ws-small] ...]
 
-``--sweep-ws --ws-small``: the Triton kernel's decode tiles (TRITON_SMALL_CANDIDATES: 16/32-row mma.sync tiles and
-128/256-column k-steps) beside the dispatcher's, e.g. ``--ws-candidates none --ws-small --ws-shapes
+``--sweep-ws --ws-small``: the Triton kernel's decode tiles (gemm.SMALL_M_TILES + TRITON_SMALL_EXTRA: 16/32-row
+mma.sync tiles and 128/256-column k-steps) beside the dispatcher's, e.g. ``--ws-candidates none --ws-small --ws-shapes
 8b-plain,8b-stacked,lm-head,0.6b-stacked --ws-m 1,8,24,32,48,64`` (how gemm.SMALL_M_TILES was chosen).
 
 ``--sweep-small``: only the decode-size K-partition split (M 1-64, k_segments 8, the 8B and 0.6B o_proj /
@@ -185,10 +185,7 @@ def case(m: int, n: int, k: int, segments: int | None = None, config=None) -> di
     # the kernel as the op launches it (same choice: decode-sized M on a K partition runs as per-segment
     # partials + the tree kernel), without the op's input validation
     strict = lambda x, w: gemm(x, w, b_trans=True, segments=segments or 1, config=config)  # noqa: E731
-    row["config"] = split_label(segment_split_config(m)) if split else \
-        f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + \
-        ("/flat" if cfg.flatten else "") + (f"/rl{cfg.reg_levels}" if (segments or 1) > 1 else "") + \
-        ("/nested" if cfg.nested else "")
+    row["config"] = split_label(segment_split_config(m)) if split else tile_label(cfg, segments or 1)
     t_strict = timed(strict, sets)
     t_cublas = timed(lambda x, w: torch.matmul(x, w.T), sets)
     if m <= GRAPH_MAX_M:
@@ -512,40 +509,43 @@ WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
 # --ws-triton: the Triton kernel's own tiles as candidates beside the Gluon ones (gemm(config=...): the same bits as
 # the dispatcher's tile by the interchangeability rules of docs/gpu.md, checked here like every candidate); the
 # decode-row P = 1 projections are compute-bound at 244-462 rows, where the tile decides the waves and the L2 traffic
-TRITON_PLAIN_CANDIDATES = (("128x128/w8/s3/flat", dict(block_m=128, block_n=128, num_warps=8, num_stages=3, flatten=True)),
-                           ("128x128/w8/s5/flat", dict(block_m=128, block_n=128, num_warps=8, num_stages=5, flatten=True)),
-                           ("128x128/w8/s4", dict(block_m=128, block_n=128, num_warps=8, num_stages=4)),
-                           ("128x128/w8/s4/flat/g1", dict(block_m=128, block_n=128, num_warps=8, num_stages=4,
-                                                          flatten=True, group_m=1)),
-                           ("128x256/w8/s3/flat", dict(block_m=128, block_n=256, num_warps=8, num_stages=3, flatten=True)),
-                           ("64x256/w4/s4/flat", dict(block_m=64, block_n=256, num_warps=4, num_stages=4, flatten=True)),
-                           ("64x128/w4/s6/flat", dict(block_m=64, block_n=128, num_warps=4, num_stages=6, flatten=True)),
-                           ("64x128/w4/s4/2cta", dict(block_m=64, block_n=128, num_warps=4, num_stages=4, flatten=True,
-                                                      ctas_per_sm=2)))
+TRITON_PLAIN_CANDIDATES = (dict(block_m=128, block_n=128, num_warps=8, num_stages=3, flatten=True),
+                           dict(block_m=128, block_n=128, num_warps=8, num_stages=5, flatten=True),
+                           dict(block_m=128, block_n=128, num_warps=8, num_stages=4),
+                           dict(block_m=128, block_n=128, num_warps=8, num_stages=4, flatten=True, group_m=1),
+                           dict(block_m=128, block_n=256, num_warps=8, num_stages=3, flatten=True),
+                           dict(block_m=64, block_n=256, num_warps=4, num_stages=4, flatten=True),
+                           dict(block_m=64, block_n=128, num_warps=4, num_stages=6, flatten=True),
+                           dict(block_m=64, block_n=128, num_warps=4, num_stages=4, flatten=True, ctas_per_sm=2))
 
 
 # --ws-small: decode-size (M <= 64) tiles of the Triton kernel for the P = 1 projections, which stream W with few
-# programs (N / BN of them): wider k-steps (GemmConfig.block_k: the same k16 chunks in fewer loop iterations), and
-# 16 / 32-row tiles, on which Triton issues mma.sync instead of wgmma (bench/mma_bits_probe.py found their bits equal
-# on the attention's products, session 21; each candidate here is refused unless bit-equal to the dispatcher's tile)
-TRITON_SMALL_CANDIDATES = (
-    ("16x32/w4/s4/k256/2cta", dict(block_m=16, block_n=32, num_warps=4, num_stages=4, flatten=True, block_k=256,
-                                   ctas_per_sm=2)),
-    ("16x64/w4/s5/k256", dict(block_m=16, block_n=64, num_warps=4, num_stages=5, flatten=True, block_k=256)),
-    ("16x128/w4/s3/k256", dict(block_m=16, block_n=128, num_warps=4, num_stages=3, flatten=True, block_k=256)),
-    ("32x32/w4/s3/k256/2cta", dict(block_m=32, block_n=32, num_warps=4, num_stages=3, flatten=True, block_k=256,
-                                   ctas_per_sm=2)),
-    ("32x64/w4/s4/k256", dict(block_m=32, block_n=64, num_warps=4, num_stages=4, flatten=True, block_k=256)),
-    ("64x32/w4/s4/k256", dict(block_m=64, block_n=32, num_warps=4, num_stages=4, flatten=True, block_k=256)),
-    ("64x64/w4/s5/k128", dict(block_m=64, block_n=64, num_warps=4, num_stages=5, flatten=True, block_k=128)),
-    ("64x64/w4/s3/k256", dict(block_m=64, block_n=64, num_warps=4, num_stages=3, flatten=True, block_k=256)),
-    ("64x128/w4/s4/k128", dict(block_m=64, block_n=128, num_warps=4, num_stages=4, flatten=True, block_k=128)))
+# programs (N / BN of them): gemm.SMALL_M_TILES (the dispatcher's) and these runners-up of the session-21 sweep --
+# wider k-steps (GemmConfig.block_k: the same k16 chunks in fewer loop iterations) and 16 / 32-row tiles, on which
+# Triton issues mma.sync instead of wgmma; each candidate is refused unless bit-equal to the dispatcher's tile
+TRITON_SMALL_EXTRA = (dict(block_m=32, block_n=32, num_warps=4, num_stages=3, flatten=True, block_k=256, ctas_per_sm=2),
+                      dict(block_m=64, block_n=64, num_warps=4, num_stages=3, flatten=True, block_k=256))
+
+
+def small_candidates_ws() -> tuple:
+    """--ws-small's Triton tiles: every gemm.SMALL_M_TILES tile (once: two bands share one), then TRITON_SMALL_EXTRA."""
+    from rlalign.ops.triton_backend.gemm import SMALL_M_TILES, GemmConfig
+    tiles = [tile for _, band in SMALL_M_TILES for tile in band] + [GemmConfig(**kw) for kw in TRITON_SMALL_EXTRA]
+    return tuple(dict.fromkeys(tiles))
+
+
+def tile_label(cfg, segments: int = 1) -> str:
+    """A Triton GemmConfig as the tables print it: "16x32/w4/s4/flat/k256/2cta" (fields at their defaults left out)."""
+    return (f"{cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + ("/flat" if cfg.flatten else "")
+            + (f"/k{cfg.block_k}" if cfg.block_k != 64 else "") + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "")
+            + (f"/{cfg.ctas_per_sm}cta" if cfg.ctas_per_sm != 1 else "")
+            + (f"/rl{cfg.reg_levels}" if segments > 1 else "") + ("/nested" if cfg.nested else "")
+            + ("/stream" if cfg.stream else ""))
 
 
 def ws_label(cfg) -> str:
     if not hasattr(cfg, "release"):   # a Triton GemmConfig
-        return "triton " + next((name for name, kw in TRITON_PLAIN_CANDIDATES + TRITON_SMALL_CANDIDATES
-                                 if type(cfg)(**kw) == cfg), repr(cfg))
+        return "triton " + tile_label(cfg)
     return (f"gluon {cfg.block_m}x{cfg.block_n}/s{cfg.stages}" + (f"/k{cfg.block_k}" if cfg.block_k != 64 else "")
             + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "") + (f"/{cfg.release}" if cfg.release != "cta" else "")
             + ("/out_alias" if cfg.out_alias else ""))
@@ -716,7 +716,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ws-triton", action="store_true",
                     help="with --sweep-ws: also the Triton kernel's tiles TRITON_PLAIN_CANDIDATES (P = 1 shapes)")
     ap.add_argument("--ws-small", action="store_true",
-                    help="with --sweep-ws: also the Triton kernel's decode-size tiles TRITON_SMALL_CANDIDATES (P = 1 "
+                    help="with --sweep-ws: also the Triton kernel's decode-size tiles gemm.SMALL_M_TILES + TRITON_SMALL_EXTRA (P = 1 "
                          "shapes, M <= 64: wider k-steps, 16/32-row mma.sync tiles)")
     ap.add_argument("--ws-stop-after", type=float, default=None, metavar="S",
                     help=f"with --sweep-ws: skip the cases left after S seconds (default {WS_STOP_AFTER_S})")
@@ -758,9 +758,9 @@ def main() -> int:
     if args.sweep_ws:
         candidates = ws_candidates(args.ws_candidates)
         if args.ws_triton:
-            candidates += tuple(GemmConfig(**kw) for _, kw in TRITON_PLAIN_CANDIDATES)
+            candidates += tuple(GemmConfig(**kw) for kw in TRITON_PLAIN_CANDIDATES)
         if args.ws_small:
-            candidates += tuple(GemmConfig(**kw) for _, kw in TRITON_SMALL_CANDIDATES)
+            candidates += small_candidates_ws()
         if args.ws_deep_ring:
             from rlalign.ops.triton_backend.gemm_ws import DEEP_RING_WS
             candidates += DEEP_RING_WS

@@ -100,10 +100,13 @@ def _worker() -> None:
                        "tma_store_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx))})
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_linear
+    from rlalign.ops.triton_backend.gemm import GemmConfig
     print("RESULTS " + json.dumps({"results": results, "blocks": blocks, "experiments": experiments, "blocks_choice": _blocks_choice(),
                                    "unsupported": _unsupported_calls(W),
                                    "selection": _selection(),
                                    "sweep_labels": [gpu_linear.ws_label(c) for c in W.WS_CANDIDATES],
+                                   "triton_labels": [gpu_linear.ws_label(c) for c in gpu_linear.small_candidates_ws()]
+                                   + [gpu_linear.ws_label(GemmConfig(**kw)) for kw in gpu_linear.TRITON_PLAIN_CANDIDATES],
                                    "sweep_subset": [gpu_linear.ws_label(c) for c in gpu_linear.ws_candidates("0,2")]}))
 
 
@@ -350,9 +353,11 @@ def test_ws_dispatcher_selects_only_when_enabled_and_supported(sm90_ws):
 
 def test_ws_sweep_names_every_candidate_apart(sm90_ws):
     """bench/gpu_linear.py --sweep-ws's table and refusal list name launches by ws_label: every WS_CANDIDATES launch
-    a different name; --ws-candidates picks by index."""
+    and every Triton tile the sweep takes a different name; --ws-candidates picks by index."""
     labels = sm90_ws["sweep_labels"]
     assert len(set(labels)) == len(labels), labels
+    triton = sm90_ws["triton_labels"]   # --ws-small / --ws-triton: the Triton tiles, named from their fields
+    assert len(set(triton)) == len(triton) and "triton 16x32/w4/s4/flat/k256/2cta" in triton, triton
     assert sm90_ws["sweep_subset"] == [labels[0], labels[2]], sm90_ws["sweep_subset"]
 
 
