@@ -73,11 +73,10 @@ class GemmConfig:
 # output tile (and, with acc_in, the loaded accumulator); everything must fit in 227 KiB.
 _LARGE = (GemmConfig(128, 256, 8, 3, flatten=True), GemmConfig(128, 128, 8, 4, flatten=True))
 _MEDIUM = (GemmConfig(64, 128, 4, 4), GemmConfig(64, 64, 4, 5))
-# M <= 64 streams W: deep pipelines keep >= 48 KiB of W in flight per SM; flatten keeps the pipeline
-# streaming across a program's successive tiles (the LM head: ~9 tiles per program) instead of
-# draining it at each tile's end.
-_SMALL_M = (GemmConfig(64, 128, 4, 6, flatten=True), GemmConfig(64, 64, 4, 10, flatten=True),
-            GemmConfig(64, 32, 4, 12, flatten=True))
+# The fill rule's last resorts above 64 rows (few tiles: narrow N), deep pipelines that keep W streaming; flatten keeps
+# the pipeline going across a program's successive tiles. (M <= 64 takes SMALL_M_TILES, before the fill rule; until
+# session 21 these 64-row tiles, with 64x128 x6 first, were its decode tiles.)
+_NARROW = (GemmConfig(64, 64, 4, 10, flatten=True), GemmConfig(64, 32, 4, 12, flatten=True))
 # fp32 output tiles (lm_logits, fp32 partials): 128x256 would need 272 KiB.
 _LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
 # acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging. Not flattened: with the
@@ -122,7 +121,7 @@ def candidate_configs(m: int, n: int, segments: int, fp32: bool, out_mode: str =
     if out_mode == "acc_in":
         return _SMALL_ACCIN if m <= 64 else _LARGE_ACCIN + _MEDIUM + _SMALL_ACCIN[1:]
     large = _LARGE_F32OUT if out_mode == "fp32" else _LARGE
-    return _SMALL_M if m <= 64 else large + _MEDIUM + _SMALL_M[1:]
+    return large + _MEDIUM + _NARROW   # (P = 1 at M <= 64: small_m_tile, see pick_config)
 
 
 # P = 1 decode batches (bf16 out): one tile per row range, taken where its tiles keep at least
@@ -221,7 +220,7 @@ def all_configs(segments: int, fp32: bool, out_mode: str = "bf16") -> tuple[Gemm
         return _LARGE_ACCIN + _MEDIUM + _SMALL_ACCIN
     large = _LARGE_F32OUT if out_mode == "fp32" else _LARGE + (GemmConfig(128, 256, 8, 3, flatten=False),)
     large += tuple(tile for _, _, tile in DECODE_TILES if out_mode == "bf16" and tile not in large)
-    return large + _MEDIUM + _SMALL_M + tuple(tile for _, tiles in SMALL_M_TILES for tile in tiles)
+    return large + _MEDIUM + _NARROW + tuple(dict.fromkeys(tile for _, tiles in SMALL_M_TILES for tile in tiles))
 
 
 # ---- kernel --------------------------------------------------------------------------------------
