@@ -208,12 +208,15 @@ def launch_for(a: torch.Tensor, n: int, segments: int) -> WsConfig:
     if segments == 1:
         return NARROW_WS if 3 * tile_count(SMALL_GRID_WS, m, n) < sms else SMALL_GRID_WS
     return DEFAULT_WS if tile_count(DEFAULT_WS, m, n) >= sms else SMALL_GRID_WS
+
+
 # An experiment, not a launch the dispatcher takes: the 160 KiB ring (10 stages of 32 columns, or 5 of 64) that fits
 # beside ONE fp32 tree level -- P <= 4 at 128x128 (at P = 8 the second level leaves 96 KiB; these do not fit there).
-# It is the ring of a program in the untried split of a tile's 8 segments over two programs (docs/LOG.md, session 20):
-# bench/gpu_linear.py --sweep-ws --ws-shapes 8b-p4 --ws-deep-ring times them at P = 4 beside DEFAULT_WS, and if the
-# deeper ring reaches cuBLAS where the 96 KiB one does not, the split is worth building. sm_90a (CPU compile,
-# tests/ops/test_gemm_ws_compile.py): 229,652 / 229,580 B of shared memory at P = 4, no spill.
+# bench/gpu_linear.py --sweep-ws --ws-shapes 8b-p4 --ws-deep-ring times them at P = 4 beside DEFAULT_WS. H200, session
+# 21 (bench/RESULTS.md): 5 x 64 columns 0.88-0.95 of cuBLAS on the 8B o_proj / down_proj, 10 x 32 columns 0.64-0.83,
+# DEFAULT_WS 0.71-0.84 -- the depth in 64-column stages is what P = 8's second level costs (docs/LOG.md, session 21,
+# for the two ways to free it). sm_90a (CPU compile, tests/ops/test_gemm_ws_compile.py): 229,652 / 229,580 B of shared
+# memory at P = 4, no spill.
 DEEP_RING_WS = (WsConfig(block_m=128, block_n=128, stages=10, release="thread", out_alias=True, block_k=32),
                 WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64))
 WS_CANDIDATES = (DEFAULT_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
