@@ -81,7 +81,7 @@ def test_decode_tiles_give_the_training_tile_bits(triton_backend):
     from hypothesis import example, given, settings, strategies as st
     from rlalign.ops.triton_backend.gemm import SMALL_M_TILES, GemmConfig, gemm
     training_tile = GemmConfig(128, 128, 8, 4, flatten=True)
-    tiles = [tile for _, band in SMALL_M_TILES for tile in band]
+    tiles = list(dict.fromkeys(tile for _, band in SMALL_M_TILES for tile in band))   # two bands share one
 
     @settings(max_examples=16, deadline=None, derandomize=True, database=None)
     @given(st.one_of(st.sampled_from([1, 2, 15, 16, 17, 32, 33, 64]), st.integers(1, 200)), st.integers(1, 700),
