@@ -140,6 +140,8 @@ class WsConfig:
     release: str = "cta"
     block_k: int = 64
     out_alias: bool = False
+    level2_global: bool = False
+    level2_early: bool = False
 
     @property
     def level1_in_shared(self) -> bool:
@@ -158,6 +160,10 @@ class WsConfig:
             return "block_k is 64 or 32"
         if self.out_alias and not self.level1_in_shared:
             return "out_alias needs level 1 in shared memory (block_n 128)"
+        if self.level2_global and not self.out_alias:
+            return "level2_global needs out_alias (level 1's buffer stages the output)"
+        if self.level2_early and not self.level2_global:
+            return "level2_early needs level2_global"
         return None
 
     @property
@@ -219,6 +225,11 @@ def launch_for(a: torch.Tensor, n: int, segments: int) -> WsConfig:
 # memory at P = 4, no spill.
 DEEP_RING_WS = (WsConfig(block_m=128, block_n=128, stages=10, release="thread", out_alias=True, block_k=32),
                 WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64))
+# Session 22: level 2 (P = 8) in a per-program global fp32 slot (WsConfig.level2_global), so that 128x128 tiles get the
+# 160 KiB ring DEEP_RING_WS measured at P = 4; loaded at the tile's end, or before its drain (level2_early).
+LEVEL2_GLOBAL_WS = tuple(WsConfig(block_m=128, block_n=128, stages=st, release="thread", out_alias=True, block_k=bk,
+                                  level2_global=True, level2_early=early)
+                         for (st, bk) in ((5, 64), (10, 32)) for early in (False, True))
 WS_CANDIDATES = (DEFAULT_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
                  WsConfig(block_m=128, block_n=64, stages=6, release="thread"), NARROW_WS)
 
@@ -229,7 +240,7 @@ def shared_bytes(cfg: WsConfig, out_dtype: torch.dtype, segments: int) -> int:
     out_alias) and 2 (P = 8) in fp32; an unused level is a 4-byte stand-in."""
     ring = cfg.stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2
     tile = cfg.block_m * cfg.block_n
-    level2 = tile * 4 if segments == 8 else 4
+    level2 = tile * 4 if segments == 8 and not cfg.level2_global else 4
     level1 = tile * 4 if cfg.out_alias or (cfg.level1_in_shared and segments >= 4) else 4
     out = 0 if cfg.out_alias else tile * (4 if out_dtype == torch.float32 else 2)
     return ring + out + level1 + level2
@@ -340,8 +351,17 @@ if gluon is not None:
             return b_bufs.index(idx)
 
     @gluon.jit
+    def _slot_ptrs(slot, v):
+        """Addresses of a [BM, BN] fp32 tile (v's shape), row-major from ``slot``, in v's layout."""
+        BM: gl.constexpr = v.shape[0]
+        BN: gl.constexpr = v.shape[1]
+        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, v.type.layout)).to(gl.int64)
+        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, v.type.layout)).to(gl.int64)
+        return slot + (gl.expand_dims(rows * BN, 1) + gl.expand_dims(cols, 0))
+
+    @gluon.jit
     def _merge(v, st0, st1, st1_smem, st2, s: gl.constexpr, LOG2P: gl.constexpr, L1_SMEM: gl.constexpr,
-               OUT_ALIAS: gl.constexpr):
+               OUT_ALIAS: gl.constexpr, L2_GLOBAL: gl.constexpr, level2=None):
         """gemm.merge_segment's binary-counter tree with a compile-time segment index: segment s's partial v
         is a left child (kept) or a right child (left + right, carried up). After the last segment v is
         ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (the first P). Where levels 1 and 2 wait only moves exact fp32
@@ -370,10 +390,21 @@ if gluon is not None:
                         # level 2 (s0+..+s3, held while s4..s7 run) waits in shared memory: in registers it
                         # makes a fifth live tile and ptxas serializes the wgmma at 8 consumer warps (168 regs).
                         # Each thread reads back exactly the elements it stored (one layout): no barrier, exact.
-                        if (s // 4) % 2 == 0:
-                            st2.store(v)
+                        if L2_GLOBAL:
+                            # level 2 in this program's global fp32 slot (WsConfig.level2_global): each thread
+                            # stores its elements and reads back exactly those (its own writes, in program order:
+                            # no fence, no barrier), so the 64 KiB go to the ring
+                            if (s // 4) % 2 == 0:
+                                gl.store(_slot_ptrs(st2, v), v)
+                            elif level2 is None:
+                                v = gl.load(_slot_ptrs(st2, v)) + v
+                            else:
+                                v = level2 + v      # loaded before the tile's drain (WsConfig.level2_early)
                         else:
-                            v = st2.load(v.type.layout) + v
+                            if (s // 4) % 2 == 0:
+                                st2.store(v)
+                            else:
+                                v = st2.load(v.type.layout) + v
         return v, st0, st1
 
     @gluon.jit
@@ -400,7 +431,7 @@ if gluon is not None:
                   cut1, cut2, steps, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr,
                   LOG2P: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                   NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr,
-                  OUT_ALIAS: gl.constexpr, BLOCKS: gl.constexpr):
+                  OUT_ALIAS: gl.constexpr, BLOCKS: gl.constexpr, L2_GLOBAL: gl.constexpr, L2_EARLY: gl.constexpr, slot_ptr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BN, 16])
         pid = gl.program_id(0)
@@ -412,6 +443,8 @@ if gluon is not None:
         # zero tile, so its PTX has scale-d = 1 onto +0.0 registers (D = A B + 0). The two could differ in the
         # sign of a zero sum; with this the instruction stream is the default's.
         opaque_zero = (M < 0).to(gl.float32)
+        if L2_GLOBAL:
+            st2 = slot_ptr + pid.to(gl.int64) * (BM * BN)   # this program's level-2 slot (only it reads or writes it)
         it = 0
         for tile in range(pid, num_pid_m * num_pid_n, num_progs):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -428,7 +461,7 @@ if gluon is not None:
                     prev, acc = warpgroup_mma_wait(1, deps=(prev, acc))
                     _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
                     v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, s - 1, LOG2P, L1_SMEM,
-                                         OUT_ALIAS)
+                                         OUT_ALIAS, L2_GLOBAL)
                 else:
                     # nothing else is in flight (the previous tile drained): returns at once; makes acc the
                     # tensor the k-step loop carries
@@ -441,10 +474,17 @@ if gluon is not None:
                     it += 1
                 prev = acc
             # the tile's only drain: its last MMA
-            prev = warpgroup_mma_wait(0, deps=(prev, ))
-            _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-            v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
-                                 OUT_ALIAS)
+            if L2_EARLY:
+                level2 = gl.load(_slot_ptrs(st2, st0))     # its latency under the drain
+                prev = warpgroup_mma_wait(0, deps=(prev, ))
+                _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
+                v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM, OUT_ALIAS, L2_GLOBAL,
+                                     level2)
+            else:
+                prev = warpgroup_mma_wait(0, deps=(prev, ))
+                _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
+                v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
+                                     OUT_ALIAS, L2_GLOBAL)
             _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, cut1, cut2, BN,
                         HAS_BIAS, BLOCKS, acc_layout)
         tma.store_wait(0)
@@ -478,7 +518,8 @@ if gluon is not None:
                         P: gl.constexpr, LOG2P: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
                         HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr, OUT_ALIAS: gl.constexpr,
-                        BLOCKS: gl.constexpr = 1):
+                        BLOCKS: gl.constexpr = 1, L2_GLOBAL: gl.constexpr = False, L2_EARLY: gl.constexpr = False,
+                        slot_ptr=None):
         """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / BK. BLOCKS > 1: C's
         column blocks are separate tensors (c_desc, c_desc1, c_desc2, split at cut1 and cut2: _store_tile)."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -489,7 +530,7 @@ if gluon is not None:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         # the tree's level-2 subtree (P = 8 only; a 1x1 stand-in otherwise). The swizzled NVMMA layout:
         # gl.bank_conflicts of the accumulator's layout against it 1 (an unswizzled row-major tile: 3)
-        ST2_SHAPE: gl.constexpr = [BM, BN] if P == 8 else [1, 1]
+        ST2_SHAPE: gl.constexpr = [BM, BN] if P == 8 and not L2_GLOBAL else [1, 1]
         st2 = gl.allocate_shared_memory(gl.float32, ST2_SHAPE,
                                         gl.NVMMASharedLayout.get_default_for(ST2_SHAPE, gl.float32))
         ST1_SHAPE: gl.constexpr = [BM, BN] if OUT_ALIAS or (L1_SMEM and P >= 4) else [1, 1]
@@ -512,7 +553,7 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_desc1, c_desc2, c_smem, st1_smem, st2, bias_ptr, M,
                          N, cut1, cut2, steps, BM, BN, STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS,
-                         L1_SMEM, PER_THREAD_RELEASE, OUT_ALIAS, BLOCKS)),
+                         L1_SMEM, PER_THREAD_RELEASE, OUT_ALIAS, BLOCKS, L2_GLOBAL, L2_EARLY, slot_ptr)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, steps * P, BM, BN, BK, STAGES, B_TRANS,
                          GROUP_M)),
         ], [1], [PRODUCER_REGS])
@@ -560,12 +601,18 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int,
     cut1, cut2 = (cuts + [n, n])[:2]
     c_descs += c_descs[-1:] * (3 - len(c_descs))   # stand-ins for absent blocks (never stored to)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    kpart_ws_kernel[(max(1, min(tiles, device_sms(a))),)](
+    grid = max(1, min(tiles, device_sms(a)))
+    level2_global = config.level2_global and segments == 8
+    # one [BM, BN] fp32 level-2 slot per program (level2_global: 64 KiB x SMs at 128x128, L2-resident)
+    slots = torch.empty(grid * bm * bn if level2_global else 1, dtype=torch.float32, device=a.device)
+    kpart_ws_kernel[(grid,)](
         a_desc, b_desc, *c_descs, bias if bias is not None else blocks[0], m, n, cut1, cut2, k // (segments * bk),
         P=segments, LOG2P=segments.bit_length() - 1, STAGES=config.stages, B_TRANS=b_trans,
         HAS_BIAS=bias is not None, GROUP_M=config.group_m, PRODUCER_REGS=config.producer_regs,
         L1_SMEM=config.level1_in_shared, PER_THREAD_RELEASE=config.release == "thread",
-        OUT_ALIAS=config.out_alias, BLOCKS=len(blocks), num_warps=config.num_warps)
+        OUT_ALIAS=config.out_alias, BLOCKS=len(blocks), L2_GLOBAL=level2_global, slot_ptr=slots,
+        L2_EARLY=level2_global and config.level2_early,
+        num_warps=config.num_warps)
     return out
 
 
