@@ -142,6 +142,8 @@ class WsConfig:
     out_alias: bool = False
     level2_global: bool = False
     level2_early: bool = False
+    lead_steps: int = 1
+    overlap_epilogue: bool = False
 
     @property
     def level1_in_shared(self) -> bool:
@@ -164,6 +166,10 @@ class WsConfig:
             return "level2_global needs out_alias (level 1's buffer stages the output)"
         if self.level2_early and not self.level2_global:
             return "level2_early needs level2_global"
+        if self.level2_early and self.overlap_epilogue:
+            return "level2_early and overlap_epilogue exclude each other"
+        if self.lead_steps not in (1, 2):
+            return "lead_steps is 1 or 2"
         return None
 
     @property
@@ -227,9 +233,10 @@ DEEP_RING_WS = (WsConfig(block_m=128, block_n=128, stages=10, release="thread", 
                 WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64))
 # Session 22: level 2 (P = 8) in a per-program global fp32 slot (WsConfig.level2_global), so that 128x128 tiles get the
 # 160 KiB ring DEEP_RING_WS measured at P = 4; loaded at the tile's end, or before its drain (level2_early).
-LEVEL2_GLOBAL_WS = tuple(WsConfig(block_m=128, block_n=128, stages=st, release="thread", out_alias=True, block_k=bk,
-                                  level2_global=True, level2_early=early)
-                         for (st, bk) in ((5, 64), (10, 32)) for early in (False, True))
+_L2G = dict(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64, level2_global=True)
+LEVEL2_GLOBAL_WS = (WsConfig(**_L2G, level2_early=True), WsConfig(**_L2G, lead_steps=2),
+                    WsConfig(**_L2G, level2_early=True, lead_steps=2),
+                    WsConfig(**_L2G, overlap_epilogue=True, lead_steps=2))
 WS_CANDIDATES = (DEFAULT_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
                  WsConfig(block_m=128, block_n=64, stages=6, release="thread"), NARROW_WS)
 
@@ -431,7 +438,8 @@ if gluon is not None:
                   cut1, cut2, steps, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr,
                   LOG2P: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                   NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr,
-                  OUT_ALIAS: gl.constexpr, BLOCKS: gl.constexpr, L2_GLOBAL: gl.constexpr, L2_EARLY: gl.constexpr, slot_ptr):
+                  OUT_ALIAS: gl.constexpr, BLOCKS: gl.constexpr, L2_GLOBAL: gl.constexpr, L2_EARLY: gl.constexpr, slot_ptr, LEAD: gl.constexpr,
+                  OVERLAP: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BN, 16])
         pid = gl.program_id(0)
@@ -446,47 +454,78 @@ if gluon is not None:
         if L2_GLOBAL:
             st2 = slot_ptr + pid.to(gl.int64) * (BM * BN)   # this program's level-2 slot (only it reads or writes it)
         it = 0
+        # stack levels (written before read by _merge; these stand-ins are never read, so never live)
+        st0 = gl.zeros([BM, BN], gl.float32, acc_layout)
+        st1 = st0
+        prev = st0    # the finished segment's partial (assigned at each segment's end)
+        prev_m = 0    # OVERLAP: the tile whose last chain is still in flight
+        prev_n = 0
         for tile in range(pid, num_pid_m * num_pid_n, num_progs):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-            # stack levels (written before read by _merge; these stand-ins are never read, so never live)
-            st0 = gl.zeros([BM, BN], gl.float32, acc_layout)
-            st1 = st0
-            prev = st0    # the finished segment's partial (assigned at each segment's end)
             for s in gl.static_range(P):
-                # the segment's first k-step accumulates onto a fresh +0.0 tile (the default kernel's zero start)
+                # the segment's first k-step accumulates onto a fresh +0.0 tile (the default kernel's zero start);
+                # LEAD = 2: its second k-step too, before the previous segment is waited for
                 acc = _issue(a_bufs, b_bufs, ready, it, gl.zeros([BM, BN], gl.float32, acc_layout) + opaque_zero,
                              STAGES, B_TRANS)
+                if LEAD == 2:
+                    acc = _issue(a_bufs, b_bufs, ready, it + 1, acc, STAGES, B_TRANS)
                 if s > 0:
-                    # one group outstanding: the previous segment's MMAs are complete, the new one runs on
-                    prev, acc = warpgroup_mma_wait(1, deps=(prev, acc))
+                    # LEAD groups outstanding: the previous segment's MMAs are complete, the new one runs on
+                    prev, acc = warpgroup_mma_wait(LEAD, deps=(prev, acc))
                     _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
                     v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, s - 1, LOG2P, L1_SMEM,
                                          OUT_ALIAS, L2_GLOBAL)
+                elif OVERLAP:
+                    # the previous tile's last chain completes under this tile's first one(s); its tree's last
+                    # merges, bias, rounding and store run while they do (the first tile has none: prev is the
+                    # zero stand-in, nothing to wait for)
+                    prev, acc = warpgroup_mma_wait(LEAD, deps=(prev, acc))
+                    if tile != pid:
+                        _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
+                        v, s0_, s1_ = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
+                                             OUT_ALIAS, L2_GLOBAL)
+                        _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, prev_m * BM, prev_n * BN, N,
+                                    cut1, cut2, BN, HAS_BIAS, BLOCKS, acc_layout)
                 else:
                     # nothing else is in flight (the previous tile drained): returns at once; makes acc the
                     # tensor the k-step loop carries
+                    acc = warpgroup_mma_wait(LEAD, deps=(acc, ))
+                if LEAD == 2:
                     acc = warpgroup_mma_wait(1, deps=(acc, ))
+                    _release(empty.index(it % STAGES), PER_THREAD_RELEASE)    # the segment's first k-step is done
+                    it += 1
                 it += 1
-                for j in range(1, steps):
+                for j in range(LEAD, steps):
                     acc = _issue(a_bufs, b_bufs, ready, it, acc, STAGES, B_TRANS)
                     acc = warpgroup_mma_wait(1, deps=(acc, ))
                     _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)   # k-step it - 1's MMA is done
                     it += 1
                 prev = acc
-            # the tile's only drain: its last MMA
-            if L2_EARLY:
-                level2 = gl.load(_slot_ptrs(st2, st0))     # its latency under the drain
-                prev = warpgroup_mma_wait(0, deps=(prev, ))
-                _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-                v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM, OUT_ALIAS, L2_GLOBAL,
-                                     level2)
+            if OVERLAP:
+                prev_m = pid_m
+                prev_n = pid_n
             else:
-                prev = warpgroup_mma_wait(0, deps=(prev, ))
-                _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-                v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
-                                     OUT_ALIAS, L2_GLOBAL)
-            _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, cut1, cut2, BN,
-                        HAS_BIAS, BLOCKS, acc_layout)
+                # the tile's only drain: its last MMA
+                if L2_EARLY:
+                    level2 = gl.load(_slot_ptrs(st2, st0))     # its latency under the drain
+                    prev = warpgroup_mma_wait(0, deps=(prev, ))
+                    _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
+                    v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM, OUT_ALIAS,
+                                         L2_GLOBAL, level2)
+                else:
+                    prev = warpgroup_mma_wait(0, deps=(prev, ))
+                    _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
+                    v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
+                                         OUT_ALIAS, L2_GLOBAL)
+                _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, cut1, cut2,
+                            BN, HAS_BIAS, BLOCKS, acc_layout)
+        if OVERLAP:
+            # the program's only drain: its last tile's last MMA
+            prev = warpgroup_mma_wait(0, deps=(prev, ))
+            _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
+            v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM, OUT_ALIAS, L2_GLOBAL)
+            _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, prev_m * BM, prev_n * BN, N, cut1, cut2,
+                        BN, HAS_BIAS, BLOCKS, acc_layout)
         tma.store_wait(0)
 
     @gluon.jit
@@ -519,7 +558,7 @@ if gluon is not None:
                         HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr, OUT_ALIAS: gl.constexpr,
                         BLOCKS: gl.constexpr = 1, L2_GLOBAL: gl.constexpr = False, L2_EARLY: gl.constexpr = False,
-                        slot_ptr=None):
+                        slot_ptr=None, LEAD: gl.constexpr = 1, OVERLAP: gl.constexpr = False):
         """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / BK. BLOCKS > 1: C's
         column blocks are separate tensors (c_desc, c_desc1, c_desc2, split at cut1 and cut2: _store_tile)."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -553,7 +592,7 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_desc1, c_desc2, c_smem, st1_smem, st2, bias_ptr, M,
                          N, cut1, cut2, steps, BM, BN, STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS,
-                         L1_SMEM, PER_THREAD_RELEASE, OUT_ALIAS, BLOCKS, L2_GLOBAL, L2_EARLY, slot_ptr)),
+                         L1_SMEM, PER_THREAD_RELEASE, OUT_ALIAS, BLOCKS, L2_GLOBAL, L2_EARLY, slot_ptr, LEAD, OVERLAP)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, steps * P, BM, BN, BK, STAGES, B_TRANS,
                          GROUP_M)),
         ], [1], [PRODUCER_REGS])
@@ -611,7 +650,8 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int,
         HAS_BIAS=bias is not None, GROUP_M=config.group_m, PRODUCER_REGS=config.producer_regs,
         L1_SMEM=config.level1_in_shared, PER_THREAD_RELEASE=config.release == "thread",
         OUT_ALIAS=config.out_alias, BLOCKS=len(blocks), L2_GLOBAL=level2_global, slot_ptr=slots,
-        L2_EARLY=level2_global and config.level2_early,
+        L2_EARLY=level2_global and config.level2_early, OVERLAP=config.overlap_epilogue,
+        LEAD=config.lead_steps if k // (segments * bk) >= config.lead_steps else 1,
         num_warps=config.num_warps)
     return out
 
