@@ -549,7 +549,7 @@ def ws_label(cfg) -> str:
     return (f"gluon {cfg.block_m}x{cfg.block_n}/s{cfg.stages}" + (f"/k{cfg.block_k}" if cfg.block_k != 64 else "")
             + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "") + (f"/{cfg.release}" if cfg.release != "cta" else "")
             + ("/out_alias" if cfg.out_alias else "") + ("/l2global" if cfg.level2_global else "")
-            + ("/early" if cfg.level2_early else "") + (f"/lead{cfg.lead_steps}" if cfg.lead_steps != 1 else "")
+            + ("/lane" if cfg.level2_lane_major else "") + ("/early" if cfg.level2_early else "") + (f"/lead{cfg.lead_steps}" if cfg.lead_steps != 1 else "")
             + ("/overlap" if cfg.overlap_epilogue else ""))
 
 

@@ -130,7 +130,7 @@ def test_ws_shape_class_bits_equal_default(triton_backend, which):
 
 
 # one case per gemm_ws.LEVEL2_GLOBAL_WS launch (P = 8's level 2 in a per-program global slot)
-@pytest.mark.parametrize("which", (0, 1, 2, 3))
+@pytest.mark.parametrize("which", (0, 1, 2, 3, 4))
 def test_level2_global_bits_equal_default(triton_backend, which):
     """Level 2 through global memory (WsConfig.level2_global) moves exact fp32 values only: the forward (bias, bf16 /
     fp32 out) and the dX layout at P = 8, M across the tile edges and past one wave of programs (a program reuses its

@@ -143,6 +143,7 @@ class WsConfig:
     level2_global: bool = False
     level2_early: bool = False
     lead_steps: int = 1
+    level2_lane_major: bool = False
     overlap_epilogue: bool = False
 
     @property
@@ -234,9 +235,10 @@ DEEP_RING_WS = (WsConfig(block_m=128, block_n=128, stages=10, release="thread", 
 # Session 22: level 2 (P = 8) in a per-program global fp32 slot (WsConfig.level2_global), so that 128x128 tiles get the
 # 160 KiB ring DEEP_RING_WS measured at P = 4; loaded at the tile's end, or before its drain (level2_early).
 _L2G = dict(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64, level2_global=True)
-LEVEL2_GLOBAL_WS = (WsConfig(**_L2G, level2_early=True), WsConfig(**_L2G, lead_steps=2),
-                    WsConfig(**_L2G, level2_early=True, lead_steps=2),
-                    WsConfig(**_L2G, overlap_epilogue=True, lead_steps=2))
+LEVEL2_GLOBAL_WS = (WsConfig(**_L2G, level2_early=True), WsConfig(**_L2G, level2_early=True, level2_lane_major=True),
+                    WsConfig(**_L2G, level2_early=True, level2_lane_major=True, lead_steps=2),
+                    WsConfig(**_L2G, overlap_epilogue=True, level2_lane_major=True),
+                    WsConfig(**_L2G, overlap_epilogue=True, level2_lane_major=True, lead_steps=2))
 WS_CANDIDATES = (DEFAULT_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
                  WsConfig(block_m=128, block_n=64, stages=6, release="thread"), NARROW_WS)
 
@@ -358,17 +360,24 @@ if gluon is not None:
             return b_bufs.index(idx)
 
     @gluon.jit
-    def _slot_ptrs(slot, v):
-        """Addresses of a [BM, BN] fp32 tile (v's shape), row-major from ``slot``, in v's layout."""
+    def _slot_ptrs(slot, v, LANE_MAJOR: gl.constexpr):
+        """Addresses of a [BM, BN] fp32 tile (v's shape) in ``slot``, in v's layout. Row-major, or LANE_MAJOR: laid
+        out so that a warp's 8-byte store / load of its 2 adjacent columns touches 256 contiguous bytes (the wgmma
+        accumulator's fragment: warp w holds rows 16w..16w+15, lane l rows l // 4 and l // 4 + 8 of them, columns
+        2 (l % 4) + {0, 1} + 8 j). Any bijection is exact (each thread reads back only what it stored)."""
         BM: gl.constexpr = v.shape[0]
         BN: gl.constexpr = v.shape[1]
-        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, v.type.layout)).to(gl.int64)
-        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, v.type.layout)).to(gl.int64)
-        return slot + (gl.expand_dims(rows * BN, 1) + gl.expand_dims(cols, 0))
+        r = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, v.type.layout)).to(gl.int64), 1)
+        c = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(0, v.type.layout)).to(gl.int64), 0)
+        if LANE_MAJOR:
+            pair = (c // 8) * 2 + (r % 16) // 8              # which 2-column fragment of the thread
+            thread = (r // 16) * 32 + (r % 8) * 4 + (c % 8) // 2
+            return slot + (pair * (BM * 4) + thread * 2 + c % 2)
+        return slot + (r * BN + c)
 
     @gluon.jit
     def _merge(v, st0, st1, st1_smem, st2, s: gl.constexpr, LOG2P: gl.constexpr, L1_SMEM: gl.constexpr,
-               OUT_ALIAS: gl.constexpr, L2_GLOBAL: gl.constexpr, level2=None):
+               OUT_ALIAS: gl.constexpr, L2_GLOBAL: gl.constexpr, L2_LANE: gl.constexpr, level2=None):
         """gemm.merge_segment's binary-counter tree with a compile-time segment index: segment s's partial v
         is a left child (kept) or a right child (left + right, carried up). After the last segment v is
         ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (the first P). Where levels 1 and 2 wait only moves exact fp32
@@ -402,9 +411,9 @@ if gluon is not None:
                             # stores its elements and reads back exactly those (its own writes, in program order:
                             # no fence, no barrier), so the 64 KiB go to the ring
                             if (s // 4) % 2 == 0:
-                                gl.store(_slot_ptrs(st2, v), v)
+                                gl.store(_slot_ptrs(st2, v, L2_LANE), v)
                             elif level2 is None:
-                                v = gl.load(_slot_ptrs(st2, v)) + v
+                                v = gl.load(_slot_ptrs(st2, v, L2_LANE)) + v
                             else:
                                 v = level2 + v      # loaded before the tile's drain (WsConfig.level2_early)
                         else:
@@ -439,7 +448,7 @@ if gluon is not None:
                   LOG2P: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                   NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr,
                   OUT_ALIAS: gl.constexpr, BLOCKS: gl.constexpr, L2_GLOBAL: gl.constexpr, L2_EARLY: gl.constexpr, slot_ptr, LEAD: gl.constexpr,
-                  OVERLAP: gl.constexpr):
+                  OVERLAP: gl.constexpr, L2_LANE: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BN, 16])
         pid = gl.program_id(0)
@@ -474,7 +483,7 @@ if gluon is not None:
                     prev, acc = warpgroup_mma_wait(LEAD, deps=(prev, acc))
                     _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
                     v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, s - 1, LOG2P, L1_SMEM,
-                                         OUT_ALIAS, L2_GLOBAL)
+                                         OUT_ALIAS, L2_GLOBAL, L2_LANE)
                 elif OVERLAP:
                     # the previous tile's last chain completes under this tile's first one(s); its tree's last
                     # merges, bias, rounding and store run while they do (the first tile has none: prev is the
@@ -483,7 +492,7 @@ if gluon is not None:
                     if tile != pid:
                         _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
                         v, s0_, s1_ = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
-                                             OUT_ALIAS, L2_GLOBAL)
+                                             OUT_ALIAS, L2_GLOBAL, L2_LANE)
                         _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, prev_m * BM, prev_n * BN, N,
                                     cut1, cut2, BN, HAS_BIAS, BLOCKS, acc_layout)
                 else:
@@ -507,23 +516,23 @@ if gluon is not None:
             else:
                 # the tile's only drain: its last MMA
                 if L2_EARLY:
-                    level2 = gl.load(_slot_ptrs(st2, st0))     # its latency under the drain
+                    level2 = gl.load(_slot_ptrs(st2, st0, L2_LANE))     # its latency under the drain
                     prev = warpgroup_mma_wait(0, deps=(prev, ))
                     _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
                     v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM, OUT_ALIAS,
-                                         L2_GLOBAL, level2)
+                                         L2_GLOBAL, L2_LANE, level2)
                 else:
                     prev = warpgroup_mma_wait(0, deps=(prev, ))
                     _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
                     v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
-                                         OUT_ALIAS, L2_GLOBAL)
+                                         OUT_ALIAS, L2_GLOBAL, L2_LANE)
                 _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, cut1, cut2,
                             BN, HAS_BIAS, BLOCKS, acc_layout)
         if OVERLAP:
             # the program's only drain: its last tile's last MMA
             prev = warpgroup_mma_wait(0, deps=(prev, ))
             _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-            v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM, OUT_ALIAS, L2_GLOBAL)
+            v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM, OUT_ALIAS, L2_GLOBAL, L2_LANE)
             _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, prev_m * BM, prev_n * BN, N, cut1, cut2,
                         BN, HAS_BIAS, BLOCKS, acc_layout)
         tma.store_wait(0)
@@ -558,7 +567,8 @@ if gluon is not None:
                         HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr, OUT_ALIAS: gl.constexpr,
                         BLOCKS: gl.constexpr = 1, L2_GLOBAL: gl.constexpr = False, L2_EARLY: gl.constexpr = False,
-                        slot_ptr=None, LEAD: gl.constexpr = 1, OVERLAP: gl.constexpr = False):
+                        slot_ptr=None, LEAD: gl.constexpr = 1, OVERLAP: gl.constexpr = False,
+                        L2_LANE: gl.constexpr = False):
         """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / BK. BLOCKS > 1: C's
         column blocks are separate tensors (c_desc, c_desc1, c_desc2, split at cut1 and cut2: _store_tile)."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -592,7 +602,7 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_desc1, c_desc2, c_smem, st1_smem, st2, bias_ptr, M,
                          N, cut1, cut2, steps, BM, BN, STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS,
-                         L1_SMEM, PER_THREAD_RELEASE, OUT_ALIAS, BLOCKS, L2_GLOBAL, L2_EARLY, slot_ptr, LEAD, OVERLAP)),
+                         L1_SMEM, PER_THREAD_RELEASE, OUT_ALIAS, BLOCKS, L2_GLOBAL, L2_EARLY, slot_ptr, LEAD, OVERLAP, L2_LANE)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, steps * P, BM, BN, BK, STAGES, B_TRANS,
                          GROUP_M)),
         ], [1], [PRODUCER_REGS])
@@ -650,7 +660,8 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int,
         HAS_BIAS=bias is not None, GROUP_M=config.group_m, PRODUCER_REGS=config.producer_regs,
         L1_SMEM=config.level1_in_shared, PER_THREAD_RELEASE=config.release == "thread",
         OUT_ALIAS=config.out_alias, BLOCKS=len(blocks), L2_GLOBAL=level2_global, slot_ptr=slots,
-        L2_EARLY=level2_global and config.level2_early, OVERLAP=config.overlap_epilogue,
+        L2_EARLY=level2_global and config.level2_early, L2_LANE=config.level2_lane_major,
+        OVERLAP=config.overlap_epilogue and bias is None,   # with a bias the overlapped epilogue spills (sm_90a)
         LEAD=config.lead_steps if k // (segments * bk) >= config.lead_steps else 1,
         num_warps=config.num_warps)
     return out
