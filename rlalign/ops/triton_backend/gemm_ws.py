@@ -48,8 +48,16 @@ Design (what the kernel does and why):
   clips rows >= M and columns >= N; TMA loads fill out-of-range rows/columns with zeros, so tile padding
   never reaches a stored element). The producer is already loading the next tile meanwhile.
 * Where the tree waits (registers per consumer thread: a tile is BN / 2 fp32 for 64 rows per warpgroup).
-  Level 0 (a single segment) always in registers. Level 2 (s0+..+s3, held while s4..s7 run) in shared memory
-  (fp32, exact; each thread reads back the elements it stored): with it in registers the 128x64 launch (8
+  Level 0 (a single segment) always in registers. Level 2 (s0+..+s3, held while s4..s7 run) in shared memory,
+  or (:attr:`WsConfig.level2_global`, the default's since session 22) in a per-program global fp32 slot: each
+  consumer thread stores its own 64 elements at segment 3's end (8-byte ``st.global``, in flight under segment 4's
+  chain) and loads exactly those back at the tile's end (``level2_early``: before the tile's drain, so the loads'
+  latency runs under the last chain). A thread's own store is visible to its own later load in program order, and
+  the accumulator's layout gives every element to exactly one thread (no replication: BM = 16 x warps), so no
+  fence or barrier is needed; the slot lives in L2 (64 KiB x the grid, allocated per call). ``level2_lane_major``
+  lays the slot out by fragment and thread so that a warp's 8-byte accesses cover 256 contiguous bytes (row-major
+  would touch 8 lines per access). Freeing level 2's 64 KiB gives 128x128 tiles a 160 KiB ring (5 stages of 64
+  columns) beside level 1 at P = 8 -- the depth session 21 measured at P = 4. Level 2 in shared memory (fp32, exact; each thread reads back the elements it stored): with it in registers the 128x64 launch (8
   consumer warps + the producer's warpgroup: ptxas caps them at 168 registers) had the new accumulator, the
   finished partial and three levels live and ptxas serialized the wgmma (C7512). Level 1 in registers for
   64-wide tiles; in shared memory too for 64x128 tiles (64 registers a tile; one consumer warpgroup, 255
@@ -67,11 +75,8 @@ Design (what the kernel does and why):
   (``block_k``), + 2 x 64 KiB levels = 224 KiB. ``out_alias`` also gives the 64x128 tile a sixth stage (208 KiB).
 * Not done: two interleaved accumulators (segments 2i and 2i+1 in one loop of two chains per k-step): their
   chains complete together, so each pair end drains the wgmma pipeline anyway, with both partials and the
-  stack live at once. Level 2 in a global fp32 workspace (a per-program [BM, BN] slot, each thread reloading its
-  own elements; it would free 64 KiB for two more 128x128 stages): built and compiled in session 14, it spilled
-  (32-64 bytes at 128x128/5 stages; the consumer is at R229 of 240 without it): its PTX holds the slot's 32
-  addresses per thread as separate 64-bit values, hoisted to the tile's start or shared between the store and
-  the load (per-use addresses did not help); not kept. One tree buffer (s0+s1
+  stack live at once. Level 2 in a global slot spilled in session 14 (32-64 bytes; its addresses int32 offsets);
+  with int64 offsets (session 22) ptxas folds them and nothing spills. One tree buffer (s0+s1
   waiting in it, overwritten in place by s0+..+s3, s4+s5 in registers: 5 stages of 128x128): built and compiled
   in session 14, it spilled (44 bytes forward, 520 and C7512 on the dX layout): s7's k-step loop then carries 3
   tiles (the accumulator, s6, s4+s5), where ptxas fits 3 only in straight-line code (segment ends); with 8
