@@ -548,10 +548,7 @@ def ws_label(cfg) -> str:
         return "triton " + tile_label(cfg)
     return (f"gluon {cfg.block_m}x{cfg.block_n}/s{cfg.stages}" + (f"/k{cfg.block_k}" if cfg.block_k != 64 else "")
             + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "") + (f"/{cfg.release}" if cfg.release != "cta" else "")
-            + ("/out_alias" if cfg.out_alias else "") + ("/l2global" if cfg.level2_global else "")
-            + ("/lane" if cfg.level2_lane_major else "") + ("/early" if cfg.level2_early else "") + (f"/lead{cfg.lead_steps}" if cfg.lead_steps != 1 else "")
-            + ("/overlap" if cfg.overlap_epilogue else ""))
-
+            + ("/out_alias" if cfg.out_alias else "") + ("/level2_global" if cfg.level2_global else ""))
 
 def ws_candidates(only: str | None) -> tuple:
     """gemm_ws.WS_CANDIDATES, or the ones at the comma-separated indices ``only`` (an unknown index: SystemExit)."""
@@ -715,9 +712,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ws-deep-ring", action="store_true",
                     help="with --sweep-ws: also gemm_ws.DEEP_RING_WS (160 KiB rings; with --ws-shapes 8b-p4 only: they "
                          "do not fit beside P = 8's two tree levels)")
-    ap.add_argument("--ws-level2-global", action="store_true",
-                    help="with --sweep-ws: also gemm_ws.LEVEL2_GLOBAL_WS (P = 8's level 2 in a global slot, 160 KiB "
-                         "rings)")
     ap.add_argument("--ws-triton", action="store_true",
                     help="with --sweep-ws: also the Triton kernel's tiles TRITON_PLAIN_CANDIDATES (P = 1 shapes)")
     ap.add_argument("--ws-small", action="store_true",
@@ -735,8 +729,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = parser().parse_args()
     if (args.ws_candidates is not None or args.ws_m is not None or args.ws_shapes != "8b" or args.ws_triton
-            or args.ws_deep_ring or args.ws_small or args.ws_level2_global
-            or args.ws_stop_after is not None) and not args.sweep_ws:
+            or args.ws_deep_ring or args.ws_small or args.ws_stop_after is not None) and not args.sweep_ws:
         print("gpu_linear: --ws-candidates / --ws-shapes / --ws-m / --ws-triton / --ws-small / --ws-deep-ring / "
               "--ws-stop-after only apply to --sweep-ws")
         return 2
@@ -770,9 +763,6 @@ def main() -> int:
         if args.ws_deep_ring:
             from rlalign.ops.triton_backend.gemm_ws import DEEP_RING_WS
             candidates += DEEP_RING_WS
-        if args.ws_level2_global:
-            from rlalign.ops.triton_backend.gemm_ws import LEVEL2_GLOBAL_WS
-            candidates += LEVEL2_GLOBAL_WS
         stop = args.ws_stop_after or WS_STOP_AFTER_S
         return run_sweep(args.out, "linear_sweep_ws", lambda: sweep_ws(candidates, shapes, ws_m, stop), print_ws)
     if args.sweep_kpart:

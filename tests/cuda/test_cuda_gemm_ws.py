@@ -106,7 +106,7 @@ def test_ws_unsupported_shapes_raise(triton_backend):
 
 
 # one case per WS_CANDIDATES launch (an index past its end fails: IndexError; 0 is the default)
-@pytest.mark.parametrize("which", (0, 1, 2, 3, 4))
+@pytest.mark.parametrize("which", (0, 1, 2, 3, 4, 5))
 def test_ws_shape_class_bits_equal_default(triton_backend, which):
     """The shape class, not instances: random M (1..2,100), N (multiples of 8, 8..1,032: the output's 16-byte rows),
     k-steps per segment (1..4) and P, with bias and a bf16 output (M, N and the k-steps are not specialisations: no
@@ -129,16 +129,15 @@ def test_ws_shape_class_bits_equal_default(triton_backend, which):
     assert not bad, f"{len(bad)} example(s) differ from the default kernel:\n" + "\n".join(bad)
 
 
-# one case per gemm_ws.LEVEL2_GLOBAL_WS launch (P = 8's level 2 in a per-program global slot)
-@pytest.mark.parametrize("which", (0, 1, 2, 3, 4))
-def test_level2_global_bits_equal_default(triton_backend, which):
-    """Level 2 through global memory (WsConfig.level2_global) moves exact fp32 values only: the forward (bias, bf16 /
-    fp32 out) and the dX layout at P = 8, M across the tile edges and past one wave of programs (a program reuses its
-    slot for each of its tiles), three launches in a row; then the shape class (random M, N, k-steps)."""
+def test_level2_slot_bits_equal_default(triton_backend):
+    """DEFAULT_WS keeps P = 8's level 2 in a per-program global slot (WsConfig.level2_global), which moves exact fp32
+    values only: the forward (bias, bf16 / fp32 out) and the dX layout at P = 8, M across the tile edges and far past
+    one wave of programs (each program reuses its slot for every one of its tiles; 16,384 x 4,096 is 4,096 tiles on
+    132 programs), launches back to back; then the shape class (random M, N, k-steps, P: other P have no level 2)."""
     from hypothesis import Phase, given, settings, strategies as st
     from rlalign.ops.triton_backend.gemm import gemm
-    from rlalign.ops.triton_backend.gemm_ws import LEVEL2_GLOBAL_WS
-    cfg = LEVEL2_GLOBAL_WS[which]
+    from rlalign.ops.triton_backend.gemm_ws import DEFAULT_WS
+    assert DEFAULT_WS.level2_global
     bad = []
     for m in (1, 127, 128, 129, 1000, 4096, 16384):
         for n, k in ((4096, 4096), (4096, 12288), (200, 1024)):
@@ -146,13 +145,14 @@ def test_level2_global_bits_equal_default(triton_backend, which):
                                                  (False, False, torch.float32), (False, False, torch.bfloat16)):
                 if m == 16384 and (k != 4096 or not b_trans):
                     continue
-                bad += _case_failures(gemm, cfg, m, n, k, 8, b_trans, has_bias, out_dtype, m + n + k + b_trans)
+                bad += _case_failures(gemm, DEFAULT_WS, m, n, k, 8, b_trans, has_bias, out_dtype,
+                                      m + n + k + b_trans)
 
     @settings(max_examples=30, deadline=None, derandomize=True, database=None,
               phases=(Phase.explicit, Phase.generate))
     @given(m=st.integers(1, 3000), n8=st.integers(1, 300), steps=st.integers(1, 4), segments=st.sampled_from([2, 4, 8]))
     def check(m, n8, steps, segments):
-        bad.extend(_case_failures(gemm, cfg, m, 8 * n8, segments * steps * 64, segments, True, True,
+        bad.extend(_case_failures(gemm, DEFAULT_WS, m, 8 * n8, segments * steps * 64, segments, True, True,
                                   torch.bfloat16, m * 7 + n8))
 
     check()

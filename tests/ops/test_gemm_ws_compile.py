@@ -71,7 +71,7 @@ def _worker() -> None:
         ptx = kernel.asm["ptx"]
         results.append({"case": name, "segments": segments, "smem": kernel.metadata.shared, "b_trans": b_trans,
                         "block_m": cfg.block_m, "block_n": cfg.block_n, "block_k": cfg.block_k, "out_alias": cfg.out_alias,
-                        "lead_steps": cfg.lead_steps, "level2_global": cfg.level2_global,
+                        "level2_global": cfg.level2_global,
                         "slot_stores": len(re.findall(r"st\.global\.v2\.b32", ptx)),
                         "slot_loads": len(re.findall(r"ld\.global\.v2\.b32", ptx)),
                         "expected_smem": W.shared_bytes(cfg, out_dtype, segments), "stages": cfg.stages,
@@ -259,10 +259,9 @@ def test_ws_structure_behind_the_bit_exactness(sm90_ws):
         # the unrolled segment loop: per segment one chain (block_k / 16 k16 wgmma: 4, or 2 with 32-column stages)
         # that starts it and one in the k-step loop; every wgmma accumulates (scale-d = 1), a segment starting from
         # a +0.0 tile, as in the default kernel's PTX (a constant-zero accumulator would be lowered to scale-d = 0)
-        # (lead_steps = 2: two chains at a segment's start, then the loop's)
-        assert r["wgmma"] == (1 + r["lead_steps"]) * r["segments"] * (r["block_k"] // 16), r
+        assert r["wgmma"] == 2 * r["segments"] * (r["block_k"] // 16), r
         assert r["scale_d_zero"] == 0, r
-        assert r["drains"] == 1, r            # wait_group 0 only at a tile's end (overlap_epilogue: a program's)
+        assert r["drains"] == 1, r            # wait_group 0 only at a tile's end
         # level2_global (P = 8): level 2 goes to the program's global slot and comes back by 8-byte stores and
         # loads, one per 2 columns of a thread's fragment (BM x BN / 2 per 32 x num_warps threads), nothing else
         expected = r["block_m"] * r["block_n"] // (2 * 2 * r["block_m"]) if r["level2_global"] else 0

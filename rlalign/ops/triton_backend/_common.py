@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -72,7 +73,29 @@ def forced_tile(env: str, fields: int):
     return vals
 
 
+_THREAD = threading.local()
+
+
+def bind_cuda_context(t: torch.Tensor) -> None:
+    """Make ``t``'s device's primary CUDA context current on this thread, once per thread and device. Triton encodes
+    a host-side TMA descriptor with the driver API (cuTensorMapEncodeTiled) at launch, which fails with "invalid
+    device context" on a thread that has none -- autograd's backward worker, whose first CUDA call can be one of our
+    GEMMs (torch does not call cudaSetDevice there when the device is already the default one). A runtime-API call
+    binds the context."""
+    if t.device.type != "cuda":
+        return
+    bound = getattr(_THREAD, "devices", None)
+    if bound is None:
+        bound = _THREAD.devices = set()
+    if t.device.index not in bound:
+        # under graph capture the capturing thread has its context (and a stream query would break the capture)
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(t.device).query()
+        bound.add(t.device.index)
+
+
 def descriptor(t: torch.Tensor, block: list[int]):
+    bind_cuda_context(t)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
 
 

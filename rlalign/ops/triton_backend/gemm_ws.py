@@ -51,12 +51,11 @@ Design (what the kernel does and why):
   Level 0 (a single segment) always in registers. Level 2 (s0+..+s3, held while s4..s7 run) in shared memory,
   or (:attr:`WsConfig.level2_global`, the default's since session 22) in a per-program global fp32 slot: each
   consumer thread stores its own 64 elements at segment 3's end (8-byte ``st.global``, in flight under segment 4's
-  chain) and loads exactly those back at the tile's end (``level2_early``: before the tile's drain, so the loads'
-  latency runs under the last chain). A thread's own store is visible to its own later load in program order, and
+  chain) and loads exactly those back at the tile's end, before the tile's drain (their latency runs under the
+  last chain). A thread's own store is visible to its own later load in program order, and
   the accumulator's layout gives every element to exactly one thread (no replication: BM = 16 x warps), so no
-  fence or barrier is needed; the slot lives in L2 (64 KiB x the grid, allocated per call). ``level2_lane_major``
-  lays the slot out by fragment and thread so that a warp's 8-byte accesses cover 256 contiguous bytes (row-major
-  would touch 8 lines per access). Freeing level 2's 64 KiB gives 128x128 tiles a 160 KiB ring (5 stages of 64
+  fence or barrier is needed; the slot lives in L2 (64 KiB x the grid, allocated per call), laid out by fragment
+  and thread so that a warp's 8-byte accesses cover 256 contiguous bytes (:func:`_slot_ptrs`). Freeing level 2's 64 KiB gives 128x128 tiles a 160 KiB ring (5 stages of 64
   columns) beside level 1 at P = 8 -- the depth session 21 measured at P = 4. Level 2 in shared memory (fp32, exact; each thread reads back the elements it stored): with it in registers the 128x64 launch (8
   consumer warps + the producer's warpgroup: ptxas caps them at 168 registers) had the new accumulator, the
   finished partial and three levels live and ptxas serialized the wgmma (C7512). Level 1 in registers for
@@ -102,7 +101,7 @@ import torch
 import triton
 
 from rlalign.contract.errors import ContractError
-from rlalign.ops.triton_backend._common import BLOCK_K, device_sms, is_interpreter, tma_ok
+from rlalign.ops.triton_backend._common import BLOCK_K, bind_cuda_context, device_sms, is_interpreter, tma_ok
 
 try:
     from triton.experimental import gluon
@@ -136,7 +135,9 @@ class WsConfig:
     arrives at once), so no warp waits for the others to free a stage;
     block_k: columns of a ring stage, 64 or 32 (32: one k-step is 2 k16 wgmma instead of 4 and a stage half the
     bytes, so twice the stages fit; the k16 chunks and where a segment restarts from +0.0 are the same);
-    out_alias: the output staging tile lives in level 1's fp32 buffer (free at a tile's end) instead of its own."""
+    out_alias: the output staging tile lives in level 1's fp32 buffer (free at a tile's end) instead of its own;
+    level2_global: at P = 8 the tree's level 2 waits in a per-program global fp32 slot, not in shared memory (the
+    module docstring); other P have no level 2."""
     block_m: int = 128
     block_n: int = 64
     stages: int = 6
@@ -146,10 +147,6 @@ class WsConfig:
     block_k: int = 64
     out_alias: bool = False
     level2_global: bool = False
-    level2_early: bool = False
-    lead_steps: int = 1
-    level2_lane_major: bool = False
-    overlap_epilogue: bool = False
 
     @property
     def level1_in_shared(self) -> bool:
@@ -168,14 +165,6 @@ class WsConfig:
             return "block_k is 64 or 32"
         if self.out_alias and not self.level1_in_shared:
             return "out_alias needs level 1 in shared memory (block_n 128)"
-        if self.level2_global and not self.out_alias:
-            return "level2_global needs out_alias (level 1's buffer stages the output)"
-        if self.level2_early and not self.level2_global:
-            return "level2_early needs level2_global"
-        if self.level2_early and self.overlap_epilogue:
-            return "level2_early and overlap_epilogue exclude each other"
-        if self.lead_steps not in (1, 2):
-            return "lead_steps is 1 or 2"
         return None
 
     @property
@@ -193,11 +182,18 @@ class WsConfig:
 #   M >= 1,024, o_proj 0.67-0.73), the 64x128 x5 default of session 13 0.657 in the same run, 64x128 x6 out_alias 0.72,
 #   128x128 with 3 stages of 64 columns 0.67. 224 KiB of shared memory; 168 registers at launch, the consumers raised
 #   to 240 by setmaxnreg (their SASS reaches R229), no spill.
+# - session 22 (bench/gpu_2026-12-03-s22/c1-c3; M 1,024 / 4,096 / 16,384): level 2 in a per-program global slot
+#   (level2_global) and 5 ring stages of 64 columns in the 64 KiB it frees: **0.822** vs 0.777 for session 14's
+#   default in the same run (o_proj 0.72-0.81, down_proj 0.87-0.91); the slot row-major 0.803 (a warp's access
+#   touches 8 lines), loaded after the drain instead of before it 1-5% slower (c1). Tried and dropped: two chains
+#   issued at a segment's start before the previous segment is waited for (0.818: no gain), and a tile's
+#   epilogue run under the next tile's first chain instead of after a drain (0.62-0.75: slower, though it compiles
+#   without spill once the slot is lane-major; with a bias it spills).
 SESSION14_WS = WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_alias=True, block_k=32)
 DEFAULT_WS = WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64,
-                      level2_global=True, level2_early=True, level2_lane_major=True)
+                      level2_global=True)
 # bench/gpu_linear.py --sweep-ws times these (the default first; the sweep skips its last cases past its time bound).
-# The runners-up of session 14, and a 64-wide tile so that the tree's level 1 in registers stays compiled and tested:
+# Session 14's default (level 2 in shared memory, 6 stages of 32 columns); the runners-up of session 14, and a 64-wide tile so that the tree's level 1 in registers stays compiled and tested:
 # 64x128 (one consumer warpgroup, levels 1-2 in shared memory; 255 registers, no spill) with out_alias and 6 stages,
 # the same with 5 stages and its own output tile (session 13's default), 128x64 x6 (8 consumer warps, level 1 in
 # registers). Dropped from the list after the H200 sweeps (the kernel still takes them as a config): 128x128 x3 of
@@ -239,14 +235,7 @@ def launch_for(a: torch.Tensor, n: int, segments: int) -> WsConfig:
 # memory at P = 4, no spill.
 DEEP_RING_WS = (WsConfig(block_m=128, block_n=128, stages=10, release="thread", out_alias=True, block_k=32),
                 WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64))
-# Session 22: level 2 (P = 8) in a per-program global fp32 slot (WsConfig.level2_global), so that 128x128 tiles get the
-# 160 KiB ring DEEP_RING_WS measured at P = 4; loaded at the tile's end, or before its drain (level2_early).
-_L2G = dict(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64, level2_global=True)
-LEVEL2_GLOBAL_WS = (SESSION14_WS, WsConfig(**_L2G, level2_early=True),
-                    WsConfig(**_L2G, level2_early=True, level2_lane_major=True, lead_steps=2),
-                    WsConfig(**_L2G, overlap_epilogue=True, level2_lane_major=True),
-                    WsConfig(**_L2G, overlap_epilogue=True, level2_lane_major=True, lead_steps=2))
-WS_CANDIDATES = (DEFAULT_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
+WS_CANDIDATES = (DEFAULT_WS, SESSION14_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
                  WsConfig(block_m=128, block_n=64, stages=6, release="thread"), NARROW_WS)
 
 
@@ -367,25 +356,24 @@ if gluon is not None:
             return b_bufs.index(idx)
 
     @gluon.jit
-    def _slot_ptrs(slot, v, LANE_MAJOR: gl.constexpr):
-        """Addresses of a [BM, BN] fp32 tile (v's shape) in ``slot``, in v's layout. Row-major, or LANE_MAJOR: laid
-        out so that a warp's 8-byte store / load of its 2 adjacent columns touches 256 contiguous bytes (the wgmma
-        accumulator's fragment: warp w holds rows 16w..16w+15, lane l rows l // 4 and l // 4 + 8 of them, columns
-        2 (l % 4) + {0, 1} + 8 j). Any bijection is exact (each thread reads back only what it stored)."""
+    def _slot_ptrs(slot, v):
+        """Addresses of v's [BM, BN] fp32 elements in a program's level-2 slot, in v's layout (the wgmma accumulator's
+        fragment: warp w holds rows 16w..16w+15, lane l rows 16w + l // 4 and + 8, columns 2 (l % 4) + {0, 1} + 8 j).
+        Laid out by fragment, then thread, so that a warp's 8-byte access (2 adjacent columns a thread) covers 256
+        contiguous bytes; row-major would touch 8 lines. slot + fragment * (2 x threads) + 2 x thread + c % 2, where
+        2 x thread + c % 2 = 64 (r // 16) + 8 (r % 8) + c % 8: runs of 8 columns, which Triton sees and vectorizes.
+        A bijection onto the slot, so exact whatever the fragment really is (each thread reads back its own stores);
+        int64 offsets: with int32 ones ptxas kept the 32 addresses live and spilled (session 14)."""
         BM: gl.constexpr = v.shape[0]
         BN: gl.constexpr = v.shape[1]
         r = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, v.type.layout)).to(gl.int64), 1)
         c = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(0, v.type.layout)).to(gl.int64), 0)
-        if LANE_MAJOR:
-            # (fragment ((c // 8) * 2 + (r % 16) // 8)) * (2 per thread x all threads) + 2 x thread + c % 2, with
-            # 2 x thread + c % 2 = 64 (r // 16) + 8 (r % 8) + c % 8: runs of 8 columns, so the 2 per thread vectorize
-            fragment = (c // 8) * 2 + (r % 16) // 8
-            return slot + (fragment * (BM * 4) + (r // 16) * 64 + (r % 8) * 8 + c % 8)
-        return slot + (r * BN + c)
+        fragment = (c // 8) * 2 + (r % 16) // 8
+        return slot + (fragment * (BM * 4) + (r // 16) * 64 + (r % 8) * 8 + c % 8)
 
     @gluon.jit
     def _merge(v, st0, st1, st1_smem, st2, s: gl.constexpr, LOG2P: gl.constexpr, L1_SMEM: gl.constexpr,
-               OUT_ALIAS: gl.constexpr, L2_GLOBAL: gl.constexpr, L2_LANE: gl.constexpr, level2=None):
+               OUT_ALIAS: gl.constexpr, L2_GLOBAL: gl.constexpr, level2=None):
         """gemm.merge_segment's binary-counter tree with a compile-time segment index: segment s's partial v
         is a left child (kept) or a right child (left + right, carried up). After the last segment v is
         ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (the first P). Where levels 1 and 2 wait only moves exact fp32
@@ -419,11 +407,9 @@ if gluon is not None:
                             # stores its elements and reads back exactly those (its own writes, in program order:
                             # no fence, no barrier), so the 64 KiB go to the ring
                             if (s // 4) % 2 == 0:
-                                gl.store(_slot_ptrs(st2, v, L2_LANE), v)
-                            elif level2 is None:
-                                v = gl.load(_slot_ptrs(st2, v, L2_LANE)) + v
+                                gl.store(_slot_ptrs(st2, v), v)
                             else:
-                                v = level2 + v      # loaded before the tile's drain (WsConfig.level2_early)
+                                v = level2 + v      # loaded by the consumer before the tile's drain
                         else:
                             if (s // 4) % 2 == 0:
                                 st2.store(v)
@@ -455,8 +441,7 @@ if gluon is not None:
                   cut1, cut2, steps, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr,
                   LOG2P: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                   NUM_WARPS: gl.constexpr, L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr,
-                  OUT_ALIAS: gl.constexpr, BLOCKS: gl.constexpr, L2_GLOBAL: gl.constexpr, L2_EARLY: gl.constexpr, slot_ptr, LEAD: gl.constexpr,
-                  OVERLAP: gl.constexpr, L2_LANE: gl.constexpr):
+                  OUT_ALIAS: gl.constexpr, BLOCKS: gl.constexpr, L2_GLOBAL: gl.constexpr, slot_ptr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BN, 16])
         pid = gl.program_id(0)
@@ -471,78 +456,43 @@ if gluon is not None:
         if L2_GLOBAL:
             st2 = slot_ptr + pid.to(gl.int64) * (BM * BN)   # this program's level-2 slot (only it reads or writes it)
         it = 0
-        # stack levels (written before read by _merge; these stand-ins are never read, so never live)
-        st0 = gl.zeros([BM, BN], gl.float32, acc_layout)
-        st1 = st0
-        prev = st0    # the finished segment's partial (assigned at each segment's end)
-        prev_m = 0    # OVERLAP: the tile whose last chain is still in flight
-        prev_n = 0
         for tile in range(pid, num_pid_m * num_pid_n, num_progs):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            # stack levels (written before read by _merge; these stand-ins are never read, so never live)
+            st0 = gl.zeros([BM, BN], gl.float32, acc_layout)
+            st1 = st0
+            prev = st0    # the finished segment's partial (assigned at each segment's end)
             for s in gl.static_range(P):
-                # the segment's first k-step accumulates onto a fresh +0.0 tile (the default kernel's zero start);
-                # LEAD = 2: its second k-step too, before the previous segment is waited for
+                # the segment's first k-step accumulates onto a fresh +0.0 tile (the default kernel's zero start)
                 acc = _issue(a_bufs, b_bufs, ready, it, gl.zeros([BM, BN], gl.float32, acc_layout) + opaque_zero,
                              STAGES, B_TRANS)
-                if LEAD == 2:
-                    acc = _issue(a_bufs, b_bufs, ready, it + 1, acc, STAGES, B_TRANS)
                 if s > 0:
-                    # LEAD groups outstanding: the previous segment's MMAs are complete, the new one runs on
-                    prev, acc = warpgroup_mma_wait(LEAD, deps=(prev, acc))
+                    # one group outstanding: the previous segment's MMAs are complete, the new one runs on
+                    prev, acc = warpgroup_mma_wait(1, deps=(prev, acc))
                     _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-                    v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, s - 1, LOG2P, L1_SMEM,
-                                         OUT_ALIAS, L2_GLOBAL, L2_LANE)
-                elif OVERLAP:
-                    # the previous tile's last chain completes under this tile's first one(s); its tree's last
-                    # merges, bias, rounding and store run while they do (the first tile has none: prev is the
-                    # zero stand-in, nothing to wait for)
-                    prev, acc = warpgroup_mma_wait(LEAD, deps=(prev, acc))
-                    if tile != pid:
-                        _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-                        v, s0_, s1_ = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
-                                             OUT_ALIAS, L2_GLOBAL, L2_LANE)
-                        _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, prev_m * BM, prev_n * BN, N,
-                                    cut1, cut2, BN, HAS_BIAS, BLOCKS, acc_layout)
+                    v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, s - 1, LOG2P, L1_SMEM, OUT_ALIAS, L2_GLOBAL)
                 else:
                     # nothing else is in flight (the previous tile drained): returns at once; makes acc the
                     # tensor the k-step loop carries
-                    acc = warpgroup_mma_wait(LEAD, deps=(acc, ))
-                if LEAD == 2:
                     acc = warpgroup_mma_wait(1, deps=(acc, ))
-                    _release(empty.index(it % STAGES), PER_THREAD_RELEASE)    # the segment's first k-step is done
-                    it += 1
                 it += 1
-                for j in range(LEAD, steps):
+                for j in range(1, steps):
                     acc = _issue(a_bufs, b_bufs, ready, it, acc, STAGES, B_TRANS)
                     acc = warpgroup_mma_wait(1, deps=(acc, ))
                     _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)   # k-step it - 1's MMA is done
                     it += 1
                 prev = acc
-            if OVERLAP:
-                prev_m = pid_m
-                prev_n = pid_n
+            # L2_GLOBAL: level 2 comes back from the slot before the drain (its latency under the last chain)
+            if L2_GLOBAL:
+                level2 = gl.load(_slot_ptrs(st2, st0))
             else:
-                # the tile's only drain: its last MMA
-                if L2_EARLY:
-                    level2 = gl.load(_slot_ptrs(st2, st0, L2_LANE))     # its latency under the drain
-                    prev = warpgroup_mma_wait(0, deps=(prev, ))
-                    _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-                    v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM, OUT_ALIAS,
-                                         L2_GLOBAL, L2_LANE, level2)
-                else:
-                    prev = warpgroup_mma_wait(0, deps=(prev, ))
-                    _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-                    v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM,
-                                         OUT_ALIAS, L2_GLOBAL, L2_LANE)
-                _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, cut1, cut2,
-                            BN, HAS_BIAS, BLOCKS, acc_layout)
-        if OVERLAP:
-            # the program's only drain: its last tile's last MMA
+                level2 = st0       # a stand-in, never read
+            # the tile's only drain: its last MMA
             prev = warpgroup_mma_wait(0, deps=(prev, ))
             _release(empty.index((it - 1) % STAGES), PER_THREAD_RELEASE)
-            v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM, OUT_ALIAS, L2_GLOBAL, L2_LANE)
-            _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, prev_m * BM, prev_n * BN, N, cut1, cut2,
-                        BN, HAS_BIAS, BLOCKS, acc_layout)
+            v, st0, st1 = _merge(prev, st0, st1, st1_smem, st2, P - 1, LOG2P, L1_SMEM, OUT_ALIAS, L2_GLOBAL, level2)
+            _store_tile(v, c_desc, c_desc1, c_desc2, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, cut1, cut2, BN,
+                        HAS_BIAS, BLOCKS, acc_layout)
         tma.store_wait(0)
 
     @gluon.jit
@@ -574,9 +524,7 @@ if gluon is not None:
                         P: gl.constexpr, LOG2P: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
                         HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         L1_SMEM: gl.constexpr, PER_THREAD_RELEASE: gl.constexpr, OUT_ALIAS: gl.constexpr,
-                        BLOCKS: gl.constexpr = 1, L2_GLOBAL: gl.constexpr = False, L2_EARLY: gl.constexpr = False,
-                        slot_ptr=None, LEAD: gl.constexpr = 1, OVERLAP: gl.constexpr = False,
-                        L2_LANE: gl.constexpr = False):
+                        BLOCKS: gl.constexpr = 1, L2_GLOBAL: gl.constexpr = False, slot_ptr=None):
         """C = A @ B (+ bias) with the canonical K partition (module docstring). steps = SEG_K / BK. BLOCKS > 1: C's
         column blocks are separate tensors (c_desc, c_desc1, c_desc2, split at cut1 and cut2: _store_tile)."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -610,7 +558,7 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_desc1, c_desc2, c_smem, st1_smem, st2, bias_ptr, M,
                          N, cut1, cut2, steps, BM, BN, STAGES, P, LOG2P, B_TRANS, HAS_BIAS, GROUP_M, NUM_WARPS,
-                         L1_SMEM, PER_THREAD_RELEASE, OUT_ALIAS, BLOCKS, L2_GLOBAL, L2_EARLY, slot_ptr, LEAD, OVERLAP, L2_LANE)),
+                         L1_SMEM, PER_THREAD_RELEASE, OUT_ALIAS, BLOCKS, L2_GLOBAL, slot_ptr)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, steps * P, BM, BN, BK, STAGES, B_TRANS,
                          GROUP_M)),
         ], [1], [PRODUCER_REGS])
@@ -624,6 +572,7 @@ def _gl_dtype(dtype: torch.dtype):
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
+    bind_cuda_context(t)
     layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
     return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
@@ -668,9 +617,6 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int,
         HAS_BIAS=bias is not None, GROUP_M=config.group_m, PRODUCER_REGS=config.producer_regs,
         L1_SMEM=config.level1_in_shared, PER_THREAD_RELEASE=config.release == "thread",
         OUT_ALIAS=config.out_alias, BLOCKS=len(blocks), L2_GLOBAL=level2_global, slot_ptr=slots,
-        L2_EARLY=level2_global and config.level2_early, L2_LANE=config.level2_lane_major,
-        OVERLAP=config.overlap_epilogue and bias is None,   # with a bias the overlapped epilogue spills (sm_90a)
-        LEAD=config.lead_steps if k // (segments * bk) >= config.lead_steps else 1,
         num_warps=config.num_warps)
     return out
 
