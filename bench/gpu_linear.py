@@ -550,6 +550,7 @@ def ws_label(cfg) -> str:
             + (f"/g{cfg.group_m}" if cfg.group_m != 8 else "") + (f"/{cfg.release}" if cfg.release != "cta" else "")
             + ("/out_alias" if cfg.out_alias else "") + ("/level2_global" if cfg.level2_global else ""))
 
+
 def ws_candidates(only: str | None) -> tuple:
     """gemm_ws.WS_CANDIDATES, or the ones at the comma-separated indices ``only`` (an unknown index: SystemExit)."""
     from rlalign.ops.triton_backend.gemm_ws import WS_CANDIDATES

@@ -70,7 +70,8 @@ def _worker() -> None:
         kernel = compiled[-1]
         ptx = kernel.asm["ptx"]
         results.append({"case": name, "segments": segments, "smem": kernel.metadata.shared, "b_trans": b_trans,
-                        "block_m": cfg.block_m, "block_n": cfg.block_n, "block_k": cfg.block_k, "out_alias": cfg.out_alias,
+                        "block_m": cfg.block_m, "block_n": cfg.block_n, "block_k": cfg.block_k,
+                        "out_alias": cfg.out_alias,
                         "level2_global": cfg.level2_global,
                         "slot_stores": len(re.findall(r"st\.global\.v2\.b32", ptx)),
                         "slot_loads": len(re.findall(r"ld\.global\.v2\.b32", ptx)),

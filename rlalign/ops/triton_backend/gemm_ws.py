@@ -52,11 +52,13 @@ Design (what the kernel does and why):
   or (:attr:`WsConfig.level2_global`, the default's since session 22) in a per-program global fp32 slot: each
   consumer thread stores its own 64 elements at segment 3's end (8-byte ``st.global``, in flight under segment 4's
   chain) and loads exactly those back at the tile's end, before the tile's drain (their latency runs under the
-  last chain). A thread's own store is visible to its own later load in program order, and
-  the accumulator's layout gives every element to exactly one thread (no replication: BM = 16 x warps), so no
-  fence or barrier is needed; the slot lives in L2 (64 KiB x the grid, allocated per call), laid out by fragment
-  and thread so that a warp's 8-byte accesses cover 256 contiguous bytes (:func:`_slot_ptrs`). Freeing level 2's 64 KiB gives 128x128 tiles a 160 KiB ring (5 stages of 64
-  columns) beside level 1 at P = 8 -- the depth session 21 measured at P = 4. Level 2 in shared memory (fp32, exact; each thread reads back the elements it stored): with it in registers the 128x64 launch (8
+  last chain). A thread's own store is visible to its own later load in program order, and the accumulator's
+  layout gives every element to exactly one thread (no replication: BM = 16 x warps), so no fence or barrier is
+  needed; the slot lives in L2 (64 KiB x the grid, allocated per call), laid out by fragment and thread so that a
+  warp's 8-byte accesses cover 256 contiguous bytes (:func:`_slot_ptrs`). Freeing level 2's 64 KiB gives 128x128
+  tiles a 160 KiB ring (5 stages of 64 columns) beside level 1 at P = 8 -- the depth session 21 measured at P = 4.
+  Level 2 in shared memory (fp32, exact; each thread reads back the elements it stored): with it in registers the
+  128x64 launch (8
   consumer warps + the producer's warpgroup: ptxas caps them at 168 registers) had the new accumulator, the
   finished partial and three levels live and ptxas serialized the wgmma (C7512). Level 1 in registers for
   64-wide tiles; in shared memory too for 64x128 tiles (64 registers a tile; one consumer warpgroup, 255
@@ -83,11 +85,12 @@ Design (what the kernel does and why):
   consumers (two warpgroups on different tiles) not tried.
 
 Status: every candidate in :data:`WS_CANDIDATES` ran on an H200, bit-equal to the Triton kernel at every case of
-bench/gpu_linear.py --sweep-ws (sessions 12-14); the default is 128x128 with 6 stages of 32 columns and out_alias
-since session 14 (0.747 of cuBLAS, geometric mean of 8 cases; the history beside :data:`DEFAULT_WS`).
-tests/cuda/test_cuda_gemm_ws.py compares every candidate's raw bits with the Triton kernel's (42 passed on the H200
-with the session-14 launches, with the recomputation and rope files), and bench/gpu_linear.py --sweep-ws refuses any
-configuration that is not bit-equal.
+bench/gpu_linear.py --sweep-ws (sessions 12-14, 22); the default is 128x128 with 5 stages of 64 columns, out_alias
+and level 2 in a global slot since session 22 (0.822 of cuBLAS, geometric mean of 6 cases, against 0.777 for session
+14's 128x128 launch with 6 stages of 32 columns in the same run; the history beside :data:`DEFAULT_WS`).
+tests/cuda/test_cuda_gemm_ws.py compares every candidate's raw bits with the Triton kernel's (the whole CUDA tier, 446
+tests, passed on the H200 with the session-22 default), and bench/gpu_linear.py --sweep-ws refuses any configuration
+that is not bit-equal.
 """
 
 from __future__ import annotations
@@ -182,18 +185,19 @@ class WsConfig:
 #   M >= 1,024, o_proj 0.67-0.73), the 64x128 x5 default of session 13 0.657 in the same run, 64x128 x6 out_alias 0.72,
 #   128x128 with 3 stages of 64 columns 0.67. 224 KiB of shared memory; 168 registers at launch, the consumers raised
 #   to 240 by setmaxnreg (their SASS reaches R229), no spill.
-# - session 22 (bench/gpu_2026-12-03-s22/c1-c3; M 1,024 / 4,096 / 16,384): level 2 in a per-program global slot
+# - session 22 (bench/gpu_2026-12-03-s22/c1-c4; M 1,024 / 4,096 / 16,384): level 2 in a per-program global slot
 #   (level2_global) and 5 ring stages of 64 columns in the 64 KiB it frees: **0.822** vs 0.777 for session 14's
-#   default in the same run (o_proj 0.72-0.81, down_proj 0.87-0.91); the slot row-major 0.803 (a warp's access
-#   touches 8 lines), loaded after the drain instead of before it 1-5% slower (c1). Tried and dropped: two chains
-#   issued at a segment's start before the previous segment is waited for (0.818: no gain), and a tile's
-#   epilogue run under the next tile's first chain instead of after a drain (0.62-0.75: slower, though it compiles
-#   without spill once the slot is lane-major; with a bias it spills).
+#   default in the same run (c3; c4 on the final code: o_proj 0.81-0.83, down_proj 0.77-0.90); the slot row-major
+#   0.803 (a warp's access touches 8 lines); loading level 2 after the drain instead of before it was slower in 5 of
+#   6 cases (c1). Tried and dropped: two chains issued at a segment's start before the previous segment is waited
+#   for (0.818: no gain), and a tile's epilogue run under the next tile's first chain instead of after a drain
+#   (0.69: slower, though it compiles without spill once the slot is lane-major; with a bias it spills).
 SESSION14_WS = WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_alias=True, block_k=32)
 DEFAULT_WS = WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64,
                       level2_global=True)
 # bench/gpu_linear.py --sweep-ws times these (the default first; the sweep skips its last cases past its time bound).
-# Session 14's default (level 2 in shared memory, 6 stages of 32 columns); the runners-up of session 14, and a 64-wide tile so that the tree's level 1 in registers stays compiled and tested:
+# Session 14's default (level 2 in shared memory, 6 stages of 32 columns); the runners-up of session 14, and a 64-wide
+# tile so that the tree's level 1 in registers stays compiled and tested:
 # 64x128 (one consumer warpgroup, levels 1-2 in shared memory; 255 registers, no spill) with out_alias and 6 stages,
 # the same with 5 stages and its own output tile (session 13's default), 128x64 x6 (8 consumer warps, level 1 in
 # registers). Dropped from the list after the H200 sweeps (the kernel still takes them as a config): 128x128 x3 of
