@@ -234,8 +234,9 @@ def launch_for(a: torch.Tensor, n: int, segments: int) -> WsConfig:
 # beside ONE fp32 tree level -- P <= 4 at 128x128 (at P = 8 the second level leaves 96 KiB; these do not fit there).
 # bench/gpu_linear.py --sweep-ws --ws-shapes 8b-p4 --ws-deep-ring times them at P = 4 beside DEFAULT_WS. H200, session
 # 21 (bench/RESULTS.md): 5 x 64 columns 0.88-0.95 of cuBLAS on the 8B o_proj / down_proj, 10 x 32 columns 0.64-0.83,
-# DEFAULT_WS 0.71-0.84 -- the depth in 64-column stages is what P = 8's second level costs (docs/LOG.md, session 21,
-# for the two ways to free it). sm_90a (CPU compile, tests/ops/test_gemm_ws_compile.py): 229,652 / 229,580 B of shared
+# session 14's DEFAULT_WS 0.71-0.84 -- the depth in 64-column stages is what P = 8's second level cost. Since session
+# 22 DEFAULT_WS has the 5 x 64 ring at every P (level 2 in global memory), so at P <= 4 the second entry here is the
+# default's launch; kept as the sweep's measuring stick for ring depth. sm_90a (CPU compile, tests/ops/test_gemm_ws_compile.py): 229,652 / 229,580 B of shared
 # memory at P = 4, no spill.
 DEEP_RING_WS = (WsConfig(block_m=128, block_n=128, stages=10, release="thread", out_alias=True, block_k=32),
                 WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64))
@@ -246,7 +247,8 @@ WS_CANDIDATES = (DEFAULT_WS, SESSION14_WS, SMALL_GRID_WS, WsConfig(block_m=64, b
 def shared_bytes(cfg: WsConfig, out_dtype: torch.dtype, segments: int) -> int:
     """Shared memory the kernel allocates, barriers excluded: the ring, the output staging tile (none of its own
     with out_alias: it lives in level 1's buffer) and the tree's levels 1 (P >= 4, 128-wide tiles; always with
-    out_alias) and 2 (P = 8) in fp32; an unused level is a 4-byte stand-in."""
+    out_alias) and 2 (P = 8, unless level2_global puts it in global memory) in fp32; an unused level is a 4-byte
+    stand-in."""
     ring = cfg.stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2
     tile = cfg.block_m * cfg.block_n
     level2 = tile * 4 if segments == 8 and not cfg.level2_global else 4
@@ -613,8 +615,9 @@ def gemm_ws(a: torch.Tensor, b: torch.Tensor, *, b_trans: bool, segments: int,
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = max(1, min(tiles, device_sms(a)))
     level2_global = config.level2_global and segments == 8
-    # one [BM, BN] fp32 level-2 slot per program (level2_global: 64 KiB x SMs at 128x128, L2-resident)
-    slots = torch.empty(grid * bm * bn if level2_global else 1, dtype=torch.float32, device=a.device)
+    # one [BM, BN] fp32 level-2 slot per program (level2_global: 64 KiB x SMs at 128x128, L2-resident); otherwise
+    # the kernel never touches slot_ptr and an existing tensor stands in (no allocation on the call's path)
+    slots = torch.empty(grid * bm * bn, dtype=torch.float32, device=a.device) if level2_global else blocks[0]
     kpart_ws_kernel[(grid,)](
         a_desc, b_desc, *c_descs, bias if bias is not None else blocks[0], m, n, cut1, cut2, k // (segments * bk),
         P=segments, LOG2P=segments.bit_length() - 1, STAGES=config.stages, B_TRANS=b_trans,
