@@ -7,6 +7,7 @@ then turns every Triton JIT launch into a compile-only warmup and records it."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 from typing import NamedTuple
@@ -49,6 +50,21 @@ def activate_fake_sm90(sms: int = H200_SMS, gluon_gemm: bool = False) -> None:
     if gluon_gemm:
         import rlalign.ops.triton_backend.gemm_ws as ws
         ws._capability = lambda device: (9, 0)
+
+
+_REDUCE = re.compile(r'"tt\.reduce"\([^)]*\) <\{axis = (\d+) : i32\}> \(\{.*?\}\) : \(tensor<([\dx]+)x(\w+),',
+                     re.DOTALL)
+
+
+def float_reduction_widths(ttgir: str) -> list[int]:
+    """The width (elements along the reduced axis) of every floating-point ``tt.reduce`` in a TTGIR module. A
+    reduction over more than two values adds them in the order of the operand's register layout, which Triton
+    derives from the kernel's loads; over two values the order cannot matter (a + b == b + a)."""
+    widths = []
+    for axis, shape, elem in _REDUCE.findall(ttgir):
+        if elem.startswith(("f", "bf")):
+            widths.append(int(shape.split("x")[int(axis)]))
+    return widths
 
 
 class Launch(NamedTuple):

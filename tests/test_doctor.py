@@ -11,7 +11,7 @@ def test_doctor_json_is_green_on_this_machine():
     report = json.loads(out.stdout)
     assert out.returncode == 0, [c for c in report["checks"] if not c["holds"]]
     assert report["ok"] is True and report["device"] == "cpu"
-    assert {c["op"] for c in report["checks"]} >= {"linear", "rms_norm", "attention", "logprob/entropy", "sample"}
+    assert {c["op"] for c in report["checks"]} >= {"linear", "rms_norm", "attention", "logprob/entropy", "sample", "model"}
     assert all(set(c) >= {"op", "invariance", "holds"} for c in report["checks"])
     assert report["environment"]["torch"]
 
@@ -33,9 +33,28 @@ def test_bmm_check_covers_exactly_the_shapes_the_backend_tiles(monkeypatch):
     import torch
     from rlalign.ops.torch_backend import primitives
     monkeypatch.setattr(primitives, "tiles_hold", lambda k, n, threads: (k, n) == (16, 128))
-    holds, detail = doctor._bmm_equals_mm(torch.device("cpu"), torch.Generator().manual_seed(0))
+    holds, detail = doctor.library.bmm_equals_mm(torch.device("cpu"), torch.Generator().manual_seed(0))
     assert holds and detail == ("not relied on (compiled kernel): K=48 N=128, K=128 N=15, K=64 N=1024, K=256 N=768, "
                                 "K=1024 N=1024"), detail
     monkeypatch.setattr(primitives, "tiles_hold", lambda k, n, threads: False)
-    holds, detail = doctor._bmm_equals_mm(torch.device("cpu"), torch.Generator().manual_seed(0))
+    holds, detail = doctor.library.bmm_equals_mm(torch.device("cpu"), torch.Generator().manual_seed(0))
     assert not holds and "no shape left to check" in detail
+
+
+def test_three_paths_check_names_the_path_that_differs(monkeypatch):
+    """The model check catches a paged path one ulp off the packed forward (here: planted in the paged attention's
+    output) and names the family, dtype, path and sequence; unplanted it holds."""
+    import torch
+    from rlalign.doctor import paths
+    from rlalign.models import blocks
+    holds, detail = paths.check_three_paths(torch.device("cpu"), torch.Generator().manual_seed(3))
+    assert holds, detail
+    paged = blocks.PagedAttend.__call__
+
+    def one_ulp_off(self, q, k, v, layer, scale):
+        out = paged(self, q, k, v, layer, scale)
+        return torch.nextafter(out, torch.full_like(out, float("inf")))
+    monkeypatch.setattr(blocks.PagedAttend, "__call__", one_ulp_off)
+    holds, detail = paths.check_three_paths(torch.device("cpu"), torch.Generator().manual_seed(3))
+    assert not holds
+    assert detail.startswith("qwen3 (q/k norm, head_dim 16) fp32: one-shot prefill: hidden rows of sequence"), detail

@@ -26,6 +26,21 @@ def test_rms_norm_rows_invariant(triton_backend, h):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("h", [16, 48, 128, 1000, 4096])
+def test_rms_norm_bits_do_not_depend_on_where_the_rows_live(triton_backend, dtype, h):
+    """A row's norm has the same bits whether the rows are a fresh tensor, a view starting at an odd element (a
+    pointer Triton cannot prove 16-byte aligned: another load vectorisation, another register layout) or q/k rows of
+    a stacked projection copied out: the sum of squares is a fixed pairwise tree, not a layout-ordered tl.sum."""
+    w = rand(h, dtype=dtype, seed=5)
+    flat = rand(65 * h + 1, dtype=dtype, seed=6)
+    shifted = flat[1:].view(65, h)                    # data_ptr one element past an aligned base
+    ref = ops.rms_norm(shifted.clone(), w, 1e-6)
+    assert_bitwise_equal(ops.rms_norm(shifted, w, 1e-6), ref, f"rows at an odd offset, H={h}")
+    for m in (1, 3, 64):
+        assert_bitwise_equal(ops.rms_norm(flat[1:1 + m * h].view(m, h), w, 1e-6), ref[:m], f"first {m} rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("h", [64, 1000, 4096])
 def test_rms_norm_residual_in_kernel_equals_add_first(triton_backend, dtype, h):
     """Without autograd the residual add runs inside the norm's kernel: the stream == torch's x + r (one rounding)

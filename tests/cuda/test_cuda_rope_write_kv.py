@@ -54,7 +54,7 @@ def test_bits_equal_the_separate_kernels(triton_backend, t, hkv, group, d, page_
 
 @settings(max_examples=40, deadline=None)
 @given(t=st.integers(1, 600), hkv=st.sampled_from([1, 2, 8]), group=st.sampled_from([1, 2, 4]),
-       d=st.sampled_from([64, 96, 128, 256]), bf16=st.booleans(), seed=st.integers(0, 2 ** 16))
+       d=st.sampled_from([16, 48, 64, 80, 96, 128, 256]), bf16=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_qk_norm_bits_equal_rms_norm_then_the_op(triton_backend, t, hkv, group, d, bf16, seed):
     """The q/k norm in rope_write_kv's launch: the bits of ops.rms_norm (rms_fwd_kernel) on q and k, then the op."""
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -71,7 +71,7 @@ def test_qk_norm_bits_equal_rms_norm_then_the_op(triton_backend, t, hkv, group, 
 
 @settings(max_examples=30, deadline=None)
 @given(t=st.integers(1, 300), hkv=st.sampled_from([1, 2, 8]), group=st.sampled_from([1, 4]),
-       d=st.sampled_from([64, 128]), spare=st.sampled_from([0, 8, 3]), norm=st.booleans(), bf16=st.booleans(),
+       d=st.sampled_from([16, 48, 64, 128]), spare=st.sampled_from([0, 8, 3]), norm=st.booleans(), bf16=st.booleans(),
        seed=st.integers(0, 2 ** 16))
 def test_column_views_of_one_projection_are_read_in_place(triton_backend, t, hkv, group, d, spare, norm, bf16, seed):
     """q, k, v as column views of one [T, (Hq + 2 Hkv) D + spare] tensor (the stacked q/k/v GEMM's output the

@@ -189,7 +189,34 @@ def run_sm90() -> dict:
                            "ptxas": ptxas_report(ptx),
                            "fma": ptx.count("fma.rn.f32"), "mul": ptx.count("mul.f32") + ptx.count("mul.rn.f32"),
                            "smem": kernel.metadata.shared})
-    return {"kernels": report}
+    return {"kernels": report, "norm_sums": _norm_sum_widths(compiled)}
+
+
+def _norm_sum_widths(compiled) -> list[dict]:
+    """The float reductions of rms_fwd_kernel and of rope_write_kv_kernel's fused q/k norm, compiled at head dims
+    whose row offsets Triton can (128) and cannot (16, 48: a column view of a stacked q/k/v output with an odd token
+    stride) prove 16-byte aligned, and at hidden sizes of rows: their widths (tests.sm90.float_reduction_widths)."""
+    import torch
+    from tests.sm90 import float_reduction_widths
+    from rlalign.ops.triton_backend import elementwise as E
+    start = len(compiled)
+    for dtype in (torch.bfloat16, torch.float32):
+        for d in (16, 48, 128):
+            t, hq, hkv = 99, 4, 2
+            out = torch.empty(t, (hq + 2 * hkv) * d + 3, dtype=dtype)
+            q, k, v = out[:, :hq * d].view(t, hq, d), out[:, hq * d:(hq + hkv) * d].view(t, hkv, d), out[:, -hkv * d:]
+            w, cos = torch.empty(d, dtype=dtype), torch.empty(t, d // 2)
+            cache = torch.empty(t, 1, hkv, d, dtype=dtype)
+            E.rope_write_kv(q, k, v.view(t, hkv, d), cos, cos, cache, cache, torch.zeros(t, dtype=torch.int64),
+                            lambda kr, ok: None, qk_norm=(w, w, 1e-6))
+            E.rms_forward(q.reshape(-1, d).contiguous(), w, 1e-6)
+        for h in (1000, 4096):
+            x = torch.empty(8, h, dtype=dtype)
+            E.rms_forward(x, x[0], 1e-6)
+            E.rms_backward(x, x[0], x, torch.empty(8))
+    return [{"kernel": name + ("+norm" if kwargs.get("NORM") else ""), "args": {k: str(v) for k, v in kwargs.items()
+             if k.isupper()}, "widths": float_reduction_widths(kernel.asm["ttgir"])}
+            for name, _, kwargs, kernel in compiled[start:]]
 
 
 if __name__ == "__main__":

@@ -171,11 +171,34 @@ def test_triton_kernel_under_the_interpreter():
     assert results["fixed_cases"] > 1
 
 
-def test_triton_kernel_compiles_for_sm90_without_spills():
+@pytest.fixture(scope="module")
+def sm90_report():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: tests/cuda/test_cuda_rope_write_kv.py runs the kernel")
-    kernels = run_worker(["-m", "tests.ops.rope_write_kv_worker", "--sm90"], interpret=False, timeout=900)["kernels"]
+    return run_worker(["-m", "tests.ops.rope_write_kv_worker", "--sm90"], interpret=False, timeout=900)
+
+
+def test_norm_sums_do_not_depend_on_the_register_layout(sm90_report):
+    """rms_norm's sum of squares (and its backward's row sum) and the fused q/k norm of rope_write_kv reduce only
+    pairs (elementwise._row_sum's tree): a tl.sum over a row adds in the order of the register layout, which Triton
+    derives from each kernel's loads -- at head_dim 16 the fused norm's column-view loads got another layout than
+    rms_fwd_kernel's contiguous rows, and fp32 paged prefill differed from the packed forward. Compiled at head dims
+    16 / 48 / 128 through column views with an odd token stride, and at hidden sizes 1,000 and 4,096."""
+    sums = sm90_report["norm_sums"]
+    kinds = {r["kernel"] for r in sums}
+    assert {"rms_fwd_kernel", "rms_bwd_kernel", "rope_write_kv_kernel+norm"} <= kinds, kinds
+    wide = [(r["kernel"], r["args"], r["widths"]) for r in sums
+            if r["kernel"] != "rms_bwd_kernel" and any(w > 2 for w in r["widths"])]
+    # rms_bwd_kernel's dw partial sums its program's rows (one program, one fixed set of rows): only its row sum
+    # (the first reduction) must be a tree
+    wide += [(r["kernel"], r["args"], r["widths"]) for r in sums if r["kernel"] == "rms_bwd_kernel"
+             and sum(w > 2 for w in r["widths"]) > 1]
+    assert not wide, f"float reductions over more than two values (layout-dependent order): {wide}"
+
+
+def test_triton_kernel_compiles_for_sm90_without_spills(sm90_report):
+    kernels = sm90_report["kernels"]
     assert {r["kernel"] for r in kernels} == {"rope_write_kv_kernel", "rope_kernel", "rope_write_kv_kernel+norm",
                                               "rms_fwd_kernel"}
     if any(r["ptxas"] is None for r in kernels):

@@ -1,11 +1,20 @@
 """rms_norm, rope and silu_mul on the Triton backend (forward and deterministic backward).
 
 rms_norm (rows of H; with a residual, x = x + residual first, rounded once, in the same kernel): ss = sum of x^2
-over the row by one ``tl.sum`` over a [ROWS, BLOCK_H] tile whose shape depends on H only (so a row's reduction
-order does not depend on T);
-inv = 1 / sqrt_rn(ss / H + eps) (IEEE sqrt and division); y = (x * inv) * w in fp32, one rounding.
-Backward: dx = inv * (w dy) - x * inv^3 * (sum(x w dy) / H) per row; dw = sum over rows of
+over the row's BLOCK_H = next_pow2(H) columns (zeros past H) by a fixed pairwise tree (:func:`_row_sum`: level by
+level, element j of the next level is element 2j + element 2j + 1 of this one); inv = 1 / sqrt_rn(ss / H + eps)
+(IEEE sqrt and division); y = (x * inv) * w in fp32, one rounding.
+Backward: dx = inv * (w dy) - x * inv^3 * (sum(x w dy) / H) per row (the same tree); dw = sum over rows of
 dy x inv, as per-program partials over fixed row groups summed in program order.
+
+Why a tree and not ``tl.sum``: ``tl.sum`` adds a row in the order of the tile's register layout (each thread's
+elements in turn, then across lanes), and Triton derives that layout from how it vectorises the tile's load --
+from the divisibility it can prove for the pointer and the strides. Two kernels that load the same row through
+different addresses (rms_fwd_kernel reads contiguous rows; rope_write_kv_kernel's fused q/k norm reads column
+views whose head offset Triton cannot prove a multiple of 16 at head_dim 16), or one kernel called on differently
+aligned tensors, then sum in different orders: fp32 q/k norms one bit apart between the packed and the paged
+forward at head_dim 16 (an H100 run caught it). A sum of exactly two values does not depend on their order, so
+the tree's bits depend on the values alone, whatever the layout.
 
 rope (rotate-half): y1 = x1 c - x2 s, y2 = x2 c + x1 s in fp32 (cos/sin fp32 tables), one rounding;
 backward: dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s. The formula is written once (``_rope_rows``), inlined by
@@ -44,13 +53,24 @@ def _rows_per_program(block_h: int) -> int:
 
 
 @triton.jit
+def _row_sum(v):
+    """Row sums of the fp32 tile v [ROWS, BH] (BH a power of two) in a fixed pairwise order: while a row has more
+    than one element, element j becomes element 2j + element 2j + 1 (a sum of two values, the same bits in either
+    order). The order is the tree's, not the register layout's (module docstring)."""
+    for _ in tl.static_range(31):   # unrolled at compile time; levels past a width of 1 compile to nothing
+        if v.shape[1] > 1:
+            v = tl.sum(tl.reshape(v, (v.shape[0], v.shape[1] // 2, 2)), axis=2)
+    return tl.reshape(v, (v.shape[0],))
+
+
+@triton.jit
 def _rms_tile(x, W, cols, H, eps):
     """(y, inv) of the rows of the fp32 tile x [ROWS, BH] (columns ``cols``, the first H real, the others 0):
-    ss = one tl.sum of x^2 per row, inv = 1 / sqrt_rn(ss / H + eps), y = (x * inv) * w in fp32 -- the one copy
-    of the formula (rms_fwd_kernel and rope_write_kv_kernel's fused q/k norm inline it on tiles of one shape and
-    layout, and both compile without fma contraction, so the sum's adds are the same instructions)."""
+    ss = the pairwise-tree sum of x^2 per row, inv = 1 / sqrt_rn(ss / H + eps), y = (x * inv) * w in fp32 -- the
+    one copy of the formula (rms_fwd_kernel and rope_write_kv_kernel's fused q/k norm inline it; both compile
+    without fma contraction, so every step is the same rounded operation, and the tree fixes the sum's order)."""
     w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
-    ss = tl.sum(x * x, 1)
+    ss = _row_sum(x * x)
     inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(ss, H * 1.0) + eps))
     return (x * inv[:, None]) * w[None, :], inv
 
@@ -99,7 +119,7 @@ def rms_bwd_kernel(X, W, DY, INV, DX, DWP, n_rows, H, ROWS: tl.constexpr, BH: tl
     w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
     inv = tl.load(INV + rows, mask=rows < n_rows, other=0.0)
     gw = w[None, :] * dy
-    c = tl.math.div_rn(tl.sum(x * gw, 1), H * 1.0)
+    c = tl.math.div_rn(_row_sum(x * gw), H * 1.0)
     dx = inv[:, None] * gw - x * (inv * inv * inv * c)[:, None]
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok)
     dw = tl.sum(dy * x * inv[:, None], 0)
