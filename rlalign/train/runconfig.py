@@ -155,27 +155,34 @@ def refuse_unrecorded_reward(cfg: TrainConfig) -> None:
                           f"{why}; a run directory never chooses code to run: {again}")
 
 
+def _same_reward_file(old_spec: str, new_spec: str, recorded: "dict | None", now: "dict | None") -> bool:
+    """A reward file that moved (the run directory and its reward copied elsewhere) is the same reward: same
+    function name, same sha256 as the one the run recorded."""
+    return bool(recorded and now and recorded.get("sha256") == now["sha256"]
+                and str(old_spec).rpartition(":")[2] == str(new_spec).rpartition(":")[2])
+
+
 def check_resume(saved: dict, cfg: TrainConfig, recorded_reward_file: "dict | None" = None) -> list[str]:
     """Raise when ``cfg`` changes a key of the saved run (``saved``: the config stored in the checkpoint, every
     key) that alters its meaning and that ``run.resume_override`` does not list, naming each such key; also
-    when the reward file's sha256 differs from ``recorded_reward_file`` (the checkpoint's). Returns the
-    changed keys that were allowed. A key the checkpoint does not hold (a field newer than the run) is not
-    compared."""
+    when the reward file's sha256 differs from ``recorded_reward_file`` (the checkpoint's); a reward file
+    that only moved (same function, same sha256) is no change. Returns the changed keys that were allowed.
+    A key the checkpoint does not hold (a field newer than the run) is not compared."""
     old = flatten(saved)
     new = flatten(cfg)
     unknown = [k for k in cfg.run.resume_override if k not in new]
     if unknown:
         raise ConfigError(f"run.resume_override names unknown keys {unknown}; give section.key names, e.g. "
                           "run.resume_override=[optim.lr]")
-    changed = [k for k in new if k in old and old[k] != new[k] and k not in RESUME_FREE
-               and not k.startswith(RESUME_FREE_PREFIXES)]
-    diffs = {k: f"{k}: {old[k]!r} -> {new[k]!r}" for k in changed}
     reward_now = reward_fingerprint(cfg.task.reward)
-    if recorded_reward_file and reward_now and recorded_reward_file.get("sha256") != reward_now["sha256"] \
-            and "task.reward" not in changed:
-        changed.append("task.reward")
-        diffs["task.reward"] = (f"task.reward: the file {reward_now['file']} changed since the run recorded it "
-                                f"(sha256 {str(recorded_reward_file.get('sha256'))[:12]}... -> {reward_now['sha256'][:12]}...)")
+    changed = [k for k in new if k in old and old[k] != new[k] and k not in RESUME_FREE
+               and not k.startswith(RESUME_FREE_PREFIXES)
+               and not (k == "task.reward" and _same_reward_file(old[k], new[k], recorded_reward_file, reward_now))]
+    diffs = {k: f"{k}: {old[k]!r} -> {new[k]!r}" for k in changed}
+    if recorded_reward_file and reward_now and recorded_reward_file.get("sha256") != reward_now["sha256"]:
+        changed += [] if "task.reward" in changed else ["task.reward"]
+        diffs["task.reward"] = (f"task.reward: the file {reward_now['file']} is not the one the run recorded (sha256 "
+                                f"{str(recorded_reward_file.get('sha256'))[:12]}... -> {reward_now['sha256'][:12]}...)")
     refused = [k for k in changed if k not in cfg.run.resume_override]
     if refused:
         diff = ", ".join(diffs[k] for k in refused)

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlalign.cli.main import main
 from rlalign.configlib import load_config
@@ -19,51 +18,8 @@ from rlalign.train.config import TrainConfig
 from rlalign.train.loop import run_training
 from rlalign.train.rundir import RunDirError, open_run_dir
 from rlalign.train.runio import CheckpointCorrupt, load_latest_checkpoint, save_checkpoint
+from tests.reliability.helpers import checkpoint_state, one_line_error, snapshot
 from tests.train.conftest import tiny_overrides
-
-
-# ---- helpers ------------------------------------------------------------------------------------------
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every entry under ``root``: file -> sha256 of its bytes, link -> where it points, folder -> 'dir'."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                out[rel] = "link -> " + os.readlink(p)
-            elif p.is_dir():
-                out[rel] = "dir"
-            else:
-                out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
-
-
-def one_line_error(capsys, command: str) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith(f"rlalign {command}: error: "), err
-    assert "Traceback" not in err
-    return err
-
-
-def _state(step, model_dir=None, model=None):
-    weights = {k: v.clone() for k, v in model.state_dict().items()} if model is not None else {"w": torch.ones(3)}
-    return {"step": step, "model": weights, "config": {"model": {"path": str(model_dir)}, "run": {"steps": 3}}}
-
-
-@pytest.fixture()
-def exported_run(arithmetic_model_dir, tmp_path):
-    """A run directory R with two recorded checkpoints of the arithmetic model, a user's file in it, and the
-    base model; the checkpoint files are real (export loads them)."""
-    model, _ = load_model(arithmetic_model_dir)
-    run = tmp_path / "R"
-    for step in (1, 2):
-        save_checkpoint(run, step, _state(step, arithmetic_model_dir, model), keep=2)
-    (run / "metrics.jsonl").write_text('{"step": 0}\n')
-    (run / "config.yaml").write_text("run:\n  steps: 2\n")
-    (run / "notes.txt").write_text("the user's notes")
-    return run
 
 
 # ---- export: the target is refused, nothing is changed ------------------------------------------------
@@ -200,7 +156,7 @@ def test_a_lock_file_with_a_second_hard_link_is_refused(tmp_path):
 def _recorded_run(tmp_path, steps=(1, 2), keep=3):
     run = tmp_path / "run"
     for step in steps:
-        save_checkpoint(run, step, _state(step), keep=keep)
+        save_checkpoint(run, step, checkpoint_state(step), keep=keep)
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
     return run
 
@@ -215,10 +171,6 @@ def trained_run(arithmetic_model_dir, tmp_path_factory):
 
 def copy_of(run: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(run, tmp_path / "run", symlinks=True))
-
-
-def without_lock(snap: dict) -> dict:
-    return {k: v for k, v in snap.items() if not k.endswith(".lock")}
 
 
 def test_resume_keeps_another_runs_checkpoint_kept_as_a_backup(trained_run, arithmetic_model_dir, tmp_path):
@@ -237,13 +189,13 @@ def test_resume_refuses_to_write_over_a_foreign_checkpoint_in_its_way(trained_ru
     run = copy_of(trained_run, tmp_path)
     backup = run / "checkpoints" / "step_000003.pt"
     backup.write_bytes(b"another run's step 3")
-    before = snapshot(run)
+    before = snapshot(run, skip_lock=True)
     assert main(["train", *tiny_overrides(arithmetic_model_dir, run, steps=3), "run.resume=true"]) == 2
     assert "holds step_000003.pt, after step 2" in one_line_error(capsys, "train")
-    assert without_lock(snapshot(run)) == without_lock(before)
+    assert snapshot(run, skip_lock=True) == before
     from rlalign.train.runio import CheckpointRefused
     with pytest.raises(CheckpointRefused, match="already exists"):   # the save itself never replaces it either
-        save_checkpoint(run, 3, _state(3))
+        save_checkpoint(run, 3, checkpoint_state(3))
     assert backup.read_bytes() == b"another run's step 3"
 
 
@@ -255,10 +207,10 @@ def test_rewinding_latest_json_does_not_delete_the_later_recorded_checkpoints(tm
     first = run / "checkpoints" / "step_000001.pt"
     manifest.update(step=1, file=first.name, sha256=hashlib.sha256(first.read_bytes()).hexdigest())
     manifest_path.write_text(json.dumps(manifest))
-    before = snapshot(run)
+    before = snapshot(run, skip_lock=True)
     with pytest.raises(RunDirError, match="step_000002.pt, step_000003.pt, after step 1"):
         open_run_dir(run, resume=True, overwrite=False)
-    assert without_lock(snapshot(run)) == without_lock(before)
+    assert snapshot(run, skip_lock=True) == before
 
 
 def test_overwrite_deletes_only_the_previous_runs_files(trained_run, arithmetic_model_dir, tmp_path):
@@ -276,10 +228,10 @@ def test_overwrite_refuses_a_policy_folder_with_foreign_files_and_changes_nothin
     run = _recorded_run(tmp_path)
     save_model(tiny_model("qwen3", num_hidden_layers=1), run / "policy")
     (run / "policy" / "my_eval.json").write_text("{}")
-    before = snapshot(run)
+    before = snapshot(run, skip_lock=True)
     with pytest.raises(RunDirError, match="policy/ holds files rlalign did not write \\(my_eval.json\\)"):
         open_run_dir(run, resume=False, overwrite=True)
-    assert {k: v for k, v in snapshot(run).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
+    assert snapshot(run, skip_lock=True) == before
 
 
 @pytest.mark.parametrize("entry", ["checkpoints", "metrics.jsonl", "policy", "config.yaml"])
@@ -297,11 +249,10 @@ def test_a_run_entry_that_is_a_symlink_is_refused(tmp_path, entry):
         if (run / entry).exists():
             (run / entry).unlink()
         (run / entry).symlink_to(outside / "step_000007.pt")
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, skip_lock=True)
     with pytest.raises(RunDirError, match=f"{entry} is a symbolic link"):
         open_run_dir(run, resume=True, overwrite=False)
-    assert {k: v for k, v in snapshot(tmp_path).items() if not k.endswith(".lock")} == \
-        {k: v for k, v in before.items() if not k.endswith(".lock")}
+    assert snapshot(tmp_path, skip_lock=True) == before
 
 
 def test_a_manifest_naming_files_outside_checkpoints_deletes_nothing(tmp_path):
@@ -313,7 +264,7 @@ def test_a_manifest_naming_files_outside_checkpoints_deletes_nothing(tmp_path):
     manifest["history"] = ["../notes.txt", "step_000001.pt"]
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointCorrupt, match="not a checkpoint of this folder"):
-        save_checkpoint(run, 2, _state(2), keep=1)
+        save_checkpoint(run, 2, checkpoint_state(2), keep=1)
     with pytest.raises(CheckpointCorrupt):
         open_run_dir(run, resume=True, overwrite=False)
     assert (run / "notes.txt").read_text() == "mine"
