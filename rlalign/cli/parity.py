@@ -13,6 +13,7 @@ from rich.table import Table
 import rlalign.integrations  # noqa: F401  (registers the parity sides --rollout vllm, --train transformers)
 from rlalign.cli._device import require_device
 from rlalign.models.checkpoint import CheckpointError
+from rlalign.parity.replay import check_record_target
 from rlalign.parity.report import check_report_folder, localized_sentence, write_report
 from rlalign.parity.run import ParityError, ParityOptions, run_parity
 from rlalign.parity.sides import ROLLOUT_SIDES, TRAINER_SIDES
@@ -85,6 +86,8 @@ def run(args) -> int:
     require_device(args.device)
     if args.report:
         _require_writable(args.report)
+    if args.record:
+        check_record_target(Path(args.record))   # before the comparison runs, not after
     try:
         result = run_parity(options_from_args(args))
     except CheckpointError as exc:

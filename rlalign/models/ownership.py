@@ -97,14 +97,22 @@ def prepare_output_folder(target: Path, *, what: str, owns: Owns) -> Path:
 def refuse_overlap(target: Path, what: str, reads: Iterable[Path] = ()) -> None:
     """The output may not be (or contain) the current directory or one of the command's inputs."""
     resolved = Path(target).resolve()
-    if _contains(resolved, Path.cwd().resolve()):
-        where = "is the current directory" if resolved == Path.cwd().resolve() else "contains the current directory"
+    cwd = _cwd()
+    if cwd is not None and _contains(resolved, cwd):
+        where = "is the current directory" if resolved == cwd else "contains the current directory"
         raise OutputRefused(f"{what} {target} {where}; give a new folder (nothing was changed)")
     for source in reads:
         if source is not None and _contains(resolved, Path(source).resolve()):
             where = "is" if resolved == Path(source).resolve() else "contains"
             raise OutputRefused(f"{what} {target} {where} {source}, which this command reads; give a new folder "
                                 "(nothing was changed)")
+
+
+def _cwd() -> "Path | None":
+    try:
+        return Path.cwd().resolve()
+    except OSError:   # the current directory was deleted: nothing to protect there
+        return None
 
 
 def _contains(folder: Path, path: Path) -> bool:

@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlalign.cli.main import main
 from rlalign.configlib import load_config
@@ -115,6 +117,43 @@ def test_save_model_never_replaces_a_folder_with_foreign_files(tmp_path):
     with pytest.raises(CheckpointError, match="is a file"):
         save_model(tiny_model("qwen3", num_hidden_layers=1), tmp_path / "f")
     assert (tmp_path / "f").read_bytes() == b"precious bytes"
+
+
+MODEL_NAMES = ["config.json", "model.safetensors", "checksums.json", "tokenizer.json",
+               "model-00001-of-00002.safetensors"]
+FOREIGN_NAMES = ["notes.txt", "model.safetensors.bak", "data", ".hidden", "README.md"]
+_TINY = []
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(MODEL_NAMES + FOREIGN_NAMES), st.sampled_from(["file", "dir", "link"])),
+                max_size=5, unique_by=lambda entry: entry[0]))
+def test_save_model_replaces_a_folder_only_when_every_entry_is_its_own(tmp_path_factory, entries):
+    """Whatever a folder holds, save_model replaces it only when every entry is a plain file of a saved model's;
+    otherwise it refuses and nothing under the folder (or where its links point) changes."""
+    if not _TINY:
+        _TINY.append(tiny_model("qwen3", num_hidden_layers=1))
+    root = tmp_path_factory.mktemp("folder")
+    target, outside = root / "out", _file(root / "outside.bin")
+    target.mkdir()
+    for name, kind in entries:
+        if kind == "file":
+            (target / name).write_text(name)
+        elif kind == "dir":
+            _folder(target / name, {"inner.txt": "x"})
+        else:
+            (target / name).symlink_to(outside)
+    ours = all(kind == "file" and name in MODEL_NAMES for name, kind in entries)
+    before = snapshot(root)
+    try:
+        save_model(_TINY[0], target)
+        replaced = True
+    except CheckpointError:
+        replaced = False
+    assert replaced == ours, entries
+    assert outside.read_bytes() == b"precious bytes"
+    if not replaced:
+        assert snapshot(root) == before
 
 
 def test_pretrain_refuses_a_foreign_output_folder_before_training(tmp_path):
@@ -305,3 +344,15 @@ def test_parity_report_folder_with_foreign_files_is_refused_before_the_compariso
     assert main(["parity", "--report", str(out), "--prompts", "1", "--max-new-tokens", "2"]) == 2
     assert "results.csv" in one_line_error(capsys, "parity")
     assert snapshot(tmp_path) == before
+
+
+def test_parity_record_never_replaces_a_file_that_is_not_a_rollout_record(tmp_path, capsys):
+    mine = _file(tmp_path / "results.jsonl")
+    link = _link(tmp_path / "link.jsonl", mine)
+    for target in (mine, link):
+        assert main(["parity", "--record", str(target), "--prompts", "1", "--max-new-tokens", "2"]) == 2
+        one_line_error(capsys, "parity")
+    assert mine.read_bytes() == b"precious bytes"
+    record = tmp_path / "rollout.jsonl"
+    assert main(["parity", "--record", str(record), "--prompts", "1", "--max-new-tokens", "2"]) == 0
+    assert main(["parity", "--record", str(record), "--prompts", "1", "--max-new-tokens", "2"]) == 0   # its own: replaced
