@@ -8,9 +8,9 @@ less the umask), not the 0600 of a temp file.
 
 A checkpoint is one ``torch.save`` file of plain data (tensors, dicts, lists, numbers, strings)
 plus its sha256 in ``latest.json`` (``sha256s`` holds the sha256 of every checkpoint the run still
-keeps, so any of them can be verified, e.g. by ``rlalign export``). It streams to its temp file: torch.save writes each tensor from
-its own memory (a device tensor is copied to the host one at a time) and the sha256 is taken on the
-way, so a save needs no in-memory copy of the checkpoint. Loading verifies the checksum (reading the
+keeps, so any of them can be verified, e.g. by ``rlalign export``). It streams to its temp file:
+torch.save writes each tensor from its own memory (a device tensor is copied to the host one at a
+time) and the sha256 is taken on the way, so a save needs no in-memory copy of the checkpoint. Loading verifies the checksum (reading the
 file in chunks) and then unpickles with ``weights_only=True``: a planted file whose pickle would
 import or call anything is refused without running it, even when its checksum matches. The loaded
 tensors are mapped from the file (mmap, copy-on-write), not read into memory: whoever keeps one past
