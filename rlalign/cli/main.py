@@ -9,7 +9,7 @@ import sys
 from rlalign.contract.errors import RLAlignError
 from rlalign.version import __version__
 
-COMMANDS = ("train", "generate", "parity", "report", "export", "bench", "doctor", "pretrain")
+COMMANDS = ("train", "generate", "parity", "report", "export", "checksum", "bench", "doctor", "pretrain")
 
 
 def build_parser() -> argparse.ArgumentParser:

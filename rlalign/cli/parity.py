@@ -13,7 +13,8 @@ from rich.table import Table
 import rlalign.integrations  # noqa: F401  (registers the parity sides --rollout vllm, --train transformers)
 from rlalign.cli._device import require_device
 from rlalign.models.checkpoint import CheckpointError
-from rlalign.parity.report import localized_sentence, write_report
+from rlalign.parity.replay import check_record_target
+from rlalign.parity.report import check_report_folder, localized_sentence, write_report
 from rlalign.parity.run import ParityError, ParityOptions, run_parity
 from rlalign.parity.sides import ROLLOUT_SIDES, TRAINER_SIDES
 from rlalign.parity.tp import parse_degrees
@@ -63,8 +64,10 @@ def options_from_args(args):
 
 
 def _require_writable(folder: str) -> None:
-    """Fail before the comparison runs, not after, when --report cannot be written."""
+    """Fail before the comparison runs, not after, when --report cannot be written (or holds files that are
+    not a parity report's)."""
     path = Path(folder)
+    check_report_folder(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -83,6 +86,8 @@ def run(args) -> int:
     require_device(args.device)
     if args.report:
         _require_writable(args.report)
+    if args.record:
+        check_record_target(Path(args.record))   # before the comparison runs, not after
     try:
         result = run_parity(options_from_args(args))
     except CheckpointError as exc:

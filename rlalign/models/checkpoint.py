@@ -7,14 +7,22 @@ Tolerated extras, as in transformers: ``lm_head.weight`` when embeddings are tie
 Weights must be floating point (an integer-typed tensor is refused, not cast). :func:`save_model`
 also writes ``checksums.json`` (sha256 of every safetensors file); when it is present, loading
 verifies it first, so flipped bytes in tensor data (which the safetensors format cannot see) are
-refused with the file's name. Directories are written with the user's umask, not ``mkdtemp``'s 0700.
+refused with the file's name; without it, loading says in one line that the tensor bytes are unverified
+(safetensors still checks each file's header and that its size matches) and that ``rlalign checksum DIR``
+records them. Directories are written with the user's umask, not ``mkdtemp``'s 0700.
+
+:func:`save_model` replaces an existing folder only when it holds nothing but the files a saved model
+holds (:func:`is_model_folder_file`): a folder with anything else in it, a file or a symbolic link is
+refused (rlalign.models.ownership).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +34,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import CausalLM
 from rlalign.models.layout import checkpoint_tensors
+from rlalign.models.ownership import OutputRefused, check_output_folder, refuse_link
 from rlalign.models.tokenizer import Tokenizer, load_tokenizer
 
 SINGLE_FILE = "model.safetensors"
@@ -33,11 +42,25 @@ INDEX_FILE = "model.safetensors.index.json"
 CHECKSUM_FILE = "checksums.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt")
+OTHER_MODEL_FILES = ("config.json", "pretrain.json")
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+_LOG = logging.getLogger(__name__)
+_UNVERIFIED_NOTED: set[str] = set()
 
 
 class CheckpointError(RLAlignError, RuntimeError):
     """A checkpoint directory cannot be read or written as a model (message names tensor and file)."""
+
+
+def is_model_folder_file(path: Path) -> bool:
+    """Whether ``path`` is a file :func:`save_model` (with the tokenizer files and ``pretrain.json``) writes:
+    the files a folder may hold for save_model to replace it."""
+    name = Path(path).name
+    known = name in (SINGLE_FILE, INDEX_FILE, CHECKSUM_FILE, *TOKENIZER_FILES, *OTHER_MODEL_FILES)
+    return Path(path).is_file() and not Path(path).is_symlink() and (known or bool(_SHARD_NAME.fullmatch(name)))
 
 
 def load_model_config(directory: str | os.PathLike) -> ModelConfig:
@@ -122,11 +145,13 @@ def _indexed(device: str | torch.device) -> str:
     return str(device)
 
 
-def _load_file(file: Path, names: list[str] | None, expected: dict, seen: set, config: ModelConfig, device) -> None:
+def _load_file(file: Path, names: list[str] | None, expected: dict, seen: set, config: ModelConfig, device,
+               copy: bool = True) -> None:
+    """Check ``file``'s tensors against ``expected`` (name, dtype, shape) and, with ``copy``, copy them in."""
     from safetensors import safe_open
 
     try:
-        with safe_open(str(file), framework="pt", device=_indexed(device)) as f:
+        with safe_open(str(file), framework="pt", device=_indexed(device) if copy else "cpu") as f:
             present = set(f.keys())
             for name in names if names is not None else sorted(present):
                 if name not in present:
@@ -147,8 +172,9 @@ def _load_file(file: Path, names: list[str] | None, expected: dict, seen: set, c
                 if shape != tuple(param.shape):
                     raise CheckpointError(f"{file}: tensor {name!r} has shape {shape}, the config implies "
                                           f"{tuple(param.shape)}")
-                with torch.no_grad():
-                    param.copy_(f.get_tensor(name).to(param.dtype))
+                if copy:
+                    with torch.no_grad():
+                        param.copy_(f.get_tensor(name).to(param.dtype))
                 seen.add(name)
     except CheckpointError:
         raise
@@ -160,9 +186,11 @@ _FLOAT_SAFETENSORS_DTYPES = ("F64", "F32", "BF16", "F16")
 
 
 def verify_checksums(directory: Path, files) -> None:
-    """Check every tensor file against ``checksums.json`` when the directory has one."""
+    """Check every tensor file against ``checksums.json`` when the directory has one; without it, say once
+    (per directory and process) that the tensor bytes are unverified."""
     sidecar = directory / CHECKSUM_FILE
     if not sidecar.is_file():
+        _note_unverified(directory)
         return
     try:
         sums = json.loads(sidecar.read_text(encoding="utf-8"))
@@ -175,6 +203,65 @@ def verify_checksums(directory: Path, files) -> None:
         if got != sums[file.name]:
             raise CheckpointError(f"{file}: sha256 does not match {CHECKSUM_FILE} (the file is corrupt or was "
                                   "modified); restore it, or delete checksums.json to load it anyway")
+
+
+def _note_unverified(directory: Path) -> None:
+    key = str(Path(directory).resolve())
+    if key in _UNVERIFIED_NOTED:
+        return
+    _UNVERIFIED_NOTED.add(key)
+    _LOG.warning(f"note: {directory} has no {CHECKSUM_FILE}: its tensor bytes are unverified (safetensors checks "
+                 f"only each file's header and size); record them with `rlalign checksum {directory}`")
+
+
+def write_checksums(directory: str | os.PathLike, *, overwrite: bool = False) -> tuple[Path, dict[str, str], bool]:
+    """Write ``checksums.json`` (sha256 of every safetensors file) for a model folder that loads: config.json
+    parses and every tensor file's header, names, shapes and size are checked first (:func:`check_model_files`).
+    An existing checksums.json that matches is kept; one that does not is refused unless ``overwrite``
+    (which records the files as they are now). Only checksums.json is written; nothing else is touched.
+    Returns (checksums.json, {file name: sha256}, whether it was written)."""
+    directory = Path(directory)
+    refuse_link(directory, "model folder")
+    files = check_model_files(directory)
+    sidecar = directory / CHECKSUM_FILE
+    refuse_link(sidecar, "checksums file")
+    sums = {f.name: h for f, h in zip(files, _sha256_files(list(files)))}
+    if sidecar.exists() and not overwrite:
+        try:
+            verify_checksums(directory, files)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; if the files are right as they are now, record them with --overwrite") from None
+        return sidecar, sums, False
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{CHECKSUM_FILE}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), default_file_mode())
+            f.write(json.dumps(sums, indent=1, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, sidecar)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return sidecar, sums, True
+
+
+def check_model_files(directory: Path) -> list[Path]:
+    """The model's tensor files after every check that needs no sha256: config.json, each safetensors header
+    (safetensors itself refuses a header that does not parse or a size that does not match it), each tensor's
+    name, dtype and shape against the config. Reads headers only, no tensor data."""
+    config = load_model_config(directory)
+    model = CausalLM(config, dtype=resolve_dtype(config.dtype), device="meta")
+    expected = dict(checkpoint_tensors(model))
+    seen: set[str] = set()
+    files = _tensor_files(Path(directory))
+    for file, names in files.items():
+        _load_file(file, names, expected, seen, config, "meta", copy=False)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return list(files)
 
 
 def _sha256_files(files: list[Path]) -> list[str]:
@@ -213,19 +300,24 @@ def default_file_mode(directory: bool = False) -> int:
 
 
 def save_model(model: CausalLM, directory: str | os.PathLike, *, max_shard_bytes: int | None = None,
-               tokenizer_from: str | os.PathLike | None = None) -> Path:
+               tokenizer_from: str | os.PathLike | None = None, checksums: bool = True) -> Path:
     """Write config.json + safetensors (sharded with an index when larger than ``max_shard_bytes``)
-    atomically: everything goes to a temporary sibling directory that is then renamed into place
-    (an existing ``directory`` is replaced). ``tokenizer_from``: copy the tokenizer files found there."""
+    atomically: everything goes to a temporary sibling directory that is then renamed into place. An
+    existing ``directory`` is replaced only when it is empty or holds only a saved model's files
+    (:func:`is_model_folder_file`); anything else, a file or a link there is refused (nothing changed).
+    ``tokenizer_from``: copy the tokenizer files found there. ``checksums``: write checksums.json (False for
+    weights whose source nobody verified: a checksum would vouch for them)."""
+    check_model_output(directory, overwrite=True, reads=[tokenizer_from] if tokenizer_from is not None else [])
     target = Path(directory).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _write_config(model, tmp)
         _write_tensors(model, tmp, max_shard_bytes)
-        written = sorted(tmp.glob("*.safetensors"))
-        sums = {f.name: h for f, h in zip(written, _sha256_files(written))}
-        (tmp / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
+        if checksums:
+            written = sorted(tmp.glob("*.safetensors"))
+            sums = {f.name: h for f, h in zip(written, _sha256_files(written))}
+            (tmp / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
         if tokenizer_from is not None:
             for name in TOKENIZER_FILES:
                 src = Path(tokenizer_from) / name
@@ -239,6 +331,17 @@ def save_model(model: CausalLM, directory: str | os.PathLike, *, max_shard_bytes
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def check_model_output(directory: str | os.PathLike, *, overwrite: bool, reads=(), hint: str = "") -> None:
+    """Refuse ``directory`` as the folder a model is saved to unless it is new, empty or (with ``overwrite``)
+    a saved model's folder; it may not be or contain the current directory or ``reads``
+    (rlalign.models.ownership). Raises CheckpointError; changes nothing."""
+    try:
+        check_output_folder(Path(directory), what="model folder", owns=is_model_folder_file, overwrite=overwrite,
+                            reads=reads, hint=hint)
+    except OutputRefused as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _write_config(model: CausalLM, out: Path) -> None:
@@ -309,4 +412,5 @@ def weights_hash(model) -> str:
 
 
 __all__ = ["CheckpointError", "load_model_config", "load_model", "save_model", "load_tokenizer", "weights_hash",
-           "resolve_dtype", "Tokenizer"]
+           "resolve_dtype", "Tokenizer", "is_model_folder_file", "check_model_output", "check_model_files",
+           "write_checksums"]

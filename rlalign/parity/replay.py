@@ -22,10 +22,13 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.models.checkpoint import default_file_mode
+from rlalign.models.ownership import refuse_link
 from rlalign.ops import temperature as temperature_rule
 
 FORMAT = "rlalign-rollout"
@@ -34,6 +37,27 @@ VERSION = 1
 
 class ReplayError(RLAlignError, ValueError):
     """A rollout record cannot be read (message names the file and line)."""
+
+
+def check_record_target(path: Path) -> None:
+    """``--record FILE`` may be a new file or a rollout record (replaced); a link, a folder or any other file
+    is refused (rlalign.models.ownership: nothing the command did not write is replaced)."""
+    path = Path(path)
+    refuse_link(path, "--record")
+    if not path.exists():
+        return
+    if not path.is_file() or not _is_record(path):
+        raise ReplayError(f"--record {path} already exists and is not a rollout record; choose a new file "
+                          "(nothing was changed)")
+
+
+def _is_record(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            header = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(header, dict) and header.get("format") == FORMAT
 
 
 @dataclasses.dataclass
@@ -90,15 +114,22 @@ class RolloutRecord:
                 "environment": self.environment, "num_sequences": len(self.sequences)}
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the record atomically (a temporary sibling renamed into place)."""
+        """Write the record atomically (a temporary sibling renamed into place); an existing ``path`` is
+        replaced only when it is a rollout record itself (:func:`check_record_target`)."""
         path = Path(path)
+        check_record_target(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(self.header(), allow_nan=True) + "\n")
-            for seq in self.sequences:
-                f.write(json.dumps(seq.to_json(), allow_nan=True) + "\n")
-        os.replace(tmp, path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(self.header(), allow_nan=True) + "\n")
+                for seq in self.sequences:
+                    f.write(json.dumps(seq.to_json(), allow_nan=True) + "\n")
+            os.chmod(tmp, default_file_mode())   # mkstemp made it 0600
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod

@@ -1,5 +1,8 @@
 """Parity reports: ``parity.json`` (everything), ``parity.md`` (readable) and ``logprob_diff_hist.png``
-(histogram of |Δ logprob| per token, log scale, exact zeros counted in the title)."""
+(histogram of |Δ logprob| per token, log scale, exact zeros counted in the title).
+
+The report folder must be new, empty, or hold only these three files (rlalign.models.ownership):
+a folder with anything else in it, or a link there, is refused before the comparison runs."""
 
 from __future__ import annotations
 
@@ -7,14 +10,24 @@ import json
 import math
 from pathlib import Path
 
+from rlalign.models.ownership import check_output_folder, prepare_output_folder
 from rlalign.parity.run import ParityResult
 
 JSON_NAME, MARKDOWN_NAME, HISTOGRAM_NAME = "parity.json", "parity.md", "logprob_diff_hist.png"
+REPORT_FILES = (JSON_NAME, MARKDOWN_NAME, HISTOGRAM_NAME)
+
+
+def is_report_file(path: Path) -> bool:
+    return Path(path).name in REPORT_FILES and Path(path).is_file()
+
+
+def check_report_folder(directory: str | Path) -> None:
+    """Refuse a report folder that holds anything but a parity report's files (changes nothing)."""
+    check_output_folder(Path(directory), what="--report", owns=is_report_file, overwrite=True)
 
 
 def write_report(result: ParityResult, directory: str | Path) -> dict[str, Path]:
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_output_folder(Path(directory), what="--report", owns=is_report_file)
     paths = {"json": out / JSON_NAME, "markdown": out / MARKDOWN_NAME, "histogram": out / HISTOGRAM_NAME}
     details = result.details()
     details["abs_diffs"] = result.tokens.abs_diffs

@@ -98,6 +98,18 @@ def _import_module(spec: str, module_name: str) -> ModuleType:
         raise RewardLoadError(f"reward {spec!r}: importing {module_name!r} failed: {_one_line(e)}") from e
 
 
+def reward_is_code(spec: str) -> bool:
+    """Whether ``spec`` names code to import (``module:function`` or ``file.py:function``), not a built-in."""
+    return isinstance(spec, str) and spec.strip() not in ("builtin", *BUILTIN_REWARDS)
+
+
+def reward_source_file(spec: str) -> "Path | None":
+    """The ``.py`` file a ``file.py:function`` reward imports (as :func:`load_reward` resolves it: relative to
+    the current directory), None for a built-in or ``module:function`` reward."""
+    module_name, sep, _ = spec.strip().rpartition(":") if isinstance(spec, str) else ("", "", "")
+    return Path(module_name) if sep and module_name.endswith(".py") else None
+
+
 def load_reward(spec: str) -> RewardFn:
     """Resolve a built-in name, ``module:function`` or ``file.py:function`` to a callable."""
     if not isinstance(spec, str) or not spec.strip():

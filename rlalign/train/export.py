@@ -5,18 +5,29 @@ step: the checkpoint's ``model`` tensors and, for a model with fp32 master weigh
 round-to-nearest-even cast of each master (stored only as the master since 2026-12-01). The
 architecture (config.json) and the tokenizer files come from the run's base model directory (the
 checkpoint's ``model.path``, or ``model_dir`` when it has moved).
+
+What it checks before it writes anything:
+
+- **The checkpoint** is read from a run's ``checkpoints/`` folder (or named directly) never through a
+  symbolic link, and its sha256 must equal the one that folder's ``latest.json`` records for it (every
+  kept checkpoint has one); a mismatch is refused. A checkpoint with no recorded sha256 (copied out of
+  its run, or kept from a run of an older rlalign) is refused unless ``unverified``, and then the
+  export has no ``checksums.json`` (loading it says its bytes are unverified).
+- **The output folder** (rlalign.models.ownership): new, or empty; an existing non-empty one only
+  with ``overwrite`` and only when it holds nothing but a saved model's files. It may not be, or
+  contain, the current directory, the checkpoint or its run directory, or the base model.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.models.checkpoint import load_model, save_model
+from rlalign.models.checkpoint import check_model_output, load_model, save_model
 from rlalign.models.layout import stack_checkpoint_names
 from rlalign.train.master import checkpoint_model_weights
-from rlalign.train.runio import load_state
+from rlalign.train.runio import (MANIFEST_FILE, CheckpointCorrupt, file_sha256, load_state, read_manifest,
+                                 recorded_checkpoint_sha256)
 from rlalign.train.setup import resolve_model_dir
 
 
@@ -25,29 +36,63 @@ class ExportError(RLAlignError):
 
 
 def checkpoint_file(path: "str | Path") -> Path:
-    """A ``step_*.pt`` file as given, or the latest checkpoint of a run directory / its checkpoints folder."""
+    """A ``step_*.pt`` file as given, or the latest checkpoint of a run directory / its checkpoints folder
+    (``latest.json`` may name only a file of its own folder, never a link)."""
     path = Path(path)
+    if path.is_symlink():
+        raise ExportError(f"{path} is a symbolic link (to {path.readlink()}); give the checkpoint file itself")
     if path.is_file():
         return path
     for folder in (path / "checkpoints", path):
-        manifest = folder / "latest.json"
-        if manifest.is_file():
+        manifest_path = folder / MANIFEST_FILE
+        if manifest_path.is_file() or manifest_path.is_symlink():
             try:
-                return folder / json.loads(manifest.read_text())["file"]
-            except (ValueError, KeyError):
-                raise ExportError(f"{manifest} is unreadable; give a checkpoint file (checkpoints/step_*.pt)") from None
+                file = folder / read_manifest(manifest_path)["file"]
+            except CheckpointCorrupt as exc:
+                raise ExportError(f"{exc}; or give a checkpoint file (checkpoints/step_*.pt)") from None
+            if file.is_symlink():
+                raise ExportError(f"{manifest_path} names {file.name}, which is a symbolic link; give a checkpoint file")
+            return file
     raise ExportError(f"{path} is neither a checkpoint file nor a run directory with checkpoints/latest.json")
 
 
-def export_checkpoint(checkpoint: "str | Path", out_dir: "str | Path", model_dir: "str | Path | None" = None) -> Path:
+def verify_checkpoint(file: Path, unverified: bool = False) -> bool:
+    """Check ``file`` against the sha256 its folder's ``latest.json`` records; True when verified. No
+    recorded sha256: refused, unless ``unverified`` (then False). A mismatch is always refused."""
+    try:
+        recorded = recorded_checkpoint_sha256(file)
+    except CheckpointCorrupt as exc:
+        raise ExportError(f"{exc}; the checkpoint cannot be verified") from None
+    if recorded is None:
+        if unverified:
+            return False
+        raise ExportError(f"{file}: no sha256 is recorded for it ({file.parent / MANIFEST_FILE} does not list it: a "
+                          "checkpoint copied out of its run, or kept by an older rlalign); export it from its run's "
+                          "checkpoints/ folder, or pass --unverified (the export then has no checksums.json)")
+    if file_sha256(file) != recorded:
+        raise ExportError(f"checkpoint {file} is corrupt (sha256 does not match {file.parent / MANIFEST_FILE}); "
+                          "restore it, or export another step (nothing was written)")
+    return True
 
+
+def export_checkpoint(checkpoint: "str | Path", out_dir: "str | Path", model_dir: "str | Path | None" = None, *,
+                      overwrite: bool = False, unverified: bool = False) -> Path:
+    """Write the checkpoint's policy to ``out_dir`` as a Hugging Face model folder (module doc: what is
+    checked first). ``overwrite``: replace an existing model folder of rlalign's; ``unverified``: allow a
+    checkpoint without a recorded sha256 (the export then has no checksums.json)."""
     file = checkpoint_file(checkpoint)
+    run_dir = file.parent.parent if file.parent.name == "checkpoints" else file.parent
+    reads = [file, run_dir] + ([Path(model_dir)] if model_dir is not None else [])
+    hint = ", or pass --overwrite to replace a model folder rlalign wrote"
+    check_model_output(out_dir, overwrite=overwrite, reads=reads, hint=hint)   # before any work
+    verified = verify_checkpoint(file, unverified)
     state = load_state(file)   # weights_only: no pickled code runs from disk
     if not isinstance(state, dict) or "model" not in state:
         raise ExportError(f"{file} holds no model weights: is it an rlalign training checkpoint?")
     base = Path(model_dir) if model_dir is not None else resolve_model_dir(state["config"]["model"]["path"])
     if not (base / "config.json").is_file():
         raise ExportError(f"the run's base model {base} is gone; pass its new location with --model-dir")
+    check_model_output(out_dir, overwrite=overwrite, reads=reads + [base], hint=hint)
     weights = checkpoint_model_weights(state)   # the weights stored only as fp32 masters, rounded as in training
     dtype = next(iter(weights.values())).dtype
     model, _ = load_model(base, dtype=dtype)
@@ -61,7 +106,7 @@ def export_checkpoint(checkpoint: "str | Path", out_dir: "str | Path", model_dir
     except RuntimeError as exc:
         raise ExportError(f"{file} does not fit the model in {base} ({str(exc).splitlines()[0]}); "
                           "pass the run's base model with --model-dir") from None
-    return save_model(model, out_dir, tokenizer_from=base)
+    return save_model(model, out_dir, tokenizer_from=base, checksums=verified)   # unverified: no checksums.json
 
 
-__all__ = ["ExportError", "checkpoint_file", "export_checkpoint"]
+__all__ = ["ExportError", "checkpoint_file", "verify_checkpoint", "export_checkpoint"]

@@ -54,12 +54,12 @@ from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.master import ROUNDED_KEY, MasterWeights, full_masters, weights_to_store
 from rlalign.train.packing import TrainBatch, logprobs
-from rlalign.train.runconfig import check_resume, read_run_config, write_run_config
+from rlalign.train.runconfig import check_resume, refuse_reward_in_run_dir, reward_fingerprint, write_run_config
 from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
 from rlalign.train.trackers import Trackers
 from rlalign.train.rundir import open_run_dir
 from rlalign.train.stall import StallWatch
-from rlalign.train.runio import MetricsWriter, atomic_write, load_latest_checkpoint, save_checkpoint
+from rlalign.train.runio import MetricsWriter, load_latest_checkpoint, save_checkpoint
 from rlalign.train.setup import SetupError, build_task, load_policy
 from rlalign.train.value import ValueModel
 
@@ -114,8 +114,9 @@ class Trainer:
         self.run_dir = Path(par.shared_run_dir(cfg))
         # The writer locks and prepares the run directory before any work (rlalign.train.rundir): a fresh
         # run needs an empty directory (or run.overwrite), a resume a checkpoint.
-        self.run_lock = (open_run_dir(self.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
-                         if self.writer else None)
+        refuse_reward_in_run_dir(cfg)   # before anything is imported or written
+        self.run_lock = (open_run_dir(self.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
+                                      last_step=cfg.run.steps) if self.writer else None)
         try:
             self._build(cfg)
         except BaseException:
@@ -132,6 +133,7 @@ class Trainer:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
+        self.reward_file = reward_fingerprint(cfg.task.reward)   # recorded with every checkpoint
         # shared (the engine steps the policy's own tensors) or a copy synced each step: rlalign.train.engines
         path = weights_path(cfg)
         self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir, share_weights=path.shared)
@@ -178,7 +180,7 @@ class Trainer:
             self._start_run_files()
             self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()
             return
-        check_resume(read_run_config(self.run_dir) or state["config"], self.cfg)
+        check_resume(state["config"], self.cfg, state.get("reward_file"))   # the checkpoint's config, every key
         state = par.restack_run_state(self.policy, state)   # MoE checkpoints written with per-expert parameters
         self._start_run_files()
         rounded = state.get(ROUNDED_KEY) or {}   # weights stored only as masters: set by the masters' load
@@ -233,20 +235,19 @@ class Trainer:
             **({"master": master, ROUNDED_KEY: rounded} if master is not None else {}),
             "schedule": self.schedule.state_dict(), "torch_rng": torch.get_rng_state(),
             "step": self.step, "data_pos": self.data_pos, "config": dataclasses.asdict(self.cfg),
+            **({"reward_file": self.reward_file} if self.reward_file else {}),
             **({"value": self.value.state_dict(), "value_optimizer": self.value_optimizer.state_dict()}
-               if self.value is not None else {})}, keep=self.cfg.run.keep_checkpoints)
+               if self.value is not None else {})}, keep=self.cfg.run.keep_checkpoints,
+            facts={"reward": self.reward_file} if self.reward_file else None)
 
     def save_policy(self) -> Path:
         policy = par.unsharded_policy(self.policy)
         if not self.writer:
             return self.run_dir / "policy"
         # shards of at most 5 GiB (hashed in parallel): an 8B export is 4 files, a small model's one model.safetensors
-        out = save_model(policy, self.run_dir / "policy", max_shard_bytes=EXPORT_SHARD_BYTES)
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
-            src = Path(self.model_dir) / name
-            if src.exists():
-                atomic_write(out / name, src.read_bytes())
-        return out
+        # policy/ is replaced whole (tokenizer files included) and only when it holds a saved model's files alone
+        return save_model(policy, self.run_dir / "policy", max_shard_bytes=EXPORT_SHARD_BYTES,
+                          tokenizer_from=self.model_dir)
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -665,7 +666,8 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
                 record.update(trainer.evaluate())
             trainer.log_record(record)
             saves = cfg.run.save_checkpoints
-            if saves and (step % cfg.run.checkpoint_every == 0 or last):
+            saved_now = saves and (step % cfg.run.checkpoint_every == 0 or last)
+            if saved_now:
                 trainer.save()
             if trainer.writer:
                 progress.update(record)
@@ -677,7 +679,7 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
             stop = stalled or _segment_end(cfg.run, step, now - started, now - step_started)
             step_started = now
             if stop and not last:
-                if saves:
+                if saves and not saved_now:   # a checkpoint is never written twice for one step
                     trainer.save()
                 progress.note(f"stopping at step {step}: {stop} " + (
                     "(the run ends here)" if stalled else "(resume with run.resume=true)" if saves else

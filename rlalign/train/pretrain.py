@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from rlalign.models.checkpoint import save_model
+from rlalign.models.checkpoint import check_model_output, save_model
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
 from rlalign.models.tokenizer import load_tokenizer
@@ -116,7 +116,10 @@ def _accuracies(model, tokenizer, problems, max_new_tokens: int) -> dict[str, fl
 
 
 def pretrain(cfg: PretrainConfig, log=print) -> Path:
+    """Train and save the model to ``cfg.out``, a new folder or one holding only a saved model's files (it is
+    replaced; anything else there is refused before training starts)."""
     out = Path(cfg.out)
+    check_model_output(out, overwrite=True)
     out.mkdir(parents=True, exist_ok=True)
     write_char_tokenizer(out)
     tokenizer = load_tokenizer(out)

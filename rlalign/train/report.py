@@ -6,14 +6,20 @@ directory, as ``compare.png`` / ``compare.md``). Noisy per-step series are drawn
 smoothed (an exponential moving average with weight ``smooth`` on the past, 0 = raw only); the
 reward panel shades mean ± std. A panel whose series are all zero, or absent from the run, says so
 in the panel instead of showing a flat line without comment.
+
+Where it writes (rlalign.models.ownership): a run directory (one holding metrics.jsonl) takes its
+``report.*`` / ``compare.*`` files; any other ``--out`` folder must be new, empty, or hold only those
+two files. Each file is written atomically and never through a link (a link there is refused).
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.train.runio import read_metrics
+from rlalign.models.ownership import prepare_output_folder, refuse_link
+from rlalign.train.runio import atomic_write, read_metrics
 
 # (title, keys, y label, note when every value is 0, note when the run has none of the keys)
 PANELS = (
@@ -138,9 +144,8 @@ def write_report(run_dirs: "str | Path | list", out_dir: "str | Path | None" = N
         if not records:
             raise RLAlignError(f"{d / 'metrics.jsonl'} holds no records (the run stopped before its first "
                                "evaluation): nothing to report")
-    out = Path(out_dir) if out_dir is not None else dirs[0]
-    out.mkdir(parents=True, exist_ok=True)
     stem = "report" if len(dirs) == 1 else "compare"
+    out = _report_folder(Path(out_dir) if out_dir is not None else dirs[0], stem)
     fig, axes = plt.subplots(3, 4, figsize=(20, 12))
     for ax, panel in zip(axes.flat, PANELS):
         _draw_panel(ax, runs, panel, smooth)
@@ -148,13 +153,24 @@ def write_report(run_dirs: "str | Path | list", out_dir: "str | Path | None" = N
     fig.suptitle(f"rlalign run{'s' if len(runs) > 1 else ''}: {names}"
                  + (f"  (faint: raw; solid: EMA {smooth})" if smooth > 0 else ""))
     fig.tight_layout()
-    png = out / f"{stem}.png"
-    fig.savefig(png, dpi=100)
+    png, md = out / f"{stem}.png", out / f"{stem}.md"
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
-    md = out / f"{stem}.md"
-    md.write_text(summary_markdown(runs[0][1], dirs[0], png.name) if len(runs) == 1
-                  else compare_markdown(runs, png.name))
+    atomic_write(png, image.getvalue())
+    atomic_write(md, (summary_markdown(runs[0][1], dirs[0], png.name) if len(runs) == 1
+                      else compare_markdown(runs, png.name)).encode())
     return png, md
+
+
+def _report_folder(out: Path, stem: str) -> Path:
+    """``out`` checked as the report's folder: a run directory, or a folder holding only this report's files."""
+    names = (f"{stem}.png", f"{stem}.md")
+    if (out / "metrics.jsonl").is_file() and not out.is_symlink():
+        for name in names:
+            refuse_link(out / name, "report file")
+        return out
+    return prepare_output_folder(out, what="report folder", owns=lambda p: p.name in names)
 
 
 def summary_markdown(records, run_dir: Path, png_name: str = "report.png") -> str:

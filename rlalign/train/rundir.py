@@ -1,26 +1,38 @@
-"""The run directory's lifecycle: who may use it, what a fresh run and a resume find there.
+"""The run directory's lifecycle: who may use it, what a fresh run and a resume find there, and
+what a run may delete there (rlalign.models.ownership states the rule for every command).
 
 - **One training at a time.** :func:`open_run_dir` takes an exclusive ``flock`` on
   ``RUN_DIR/.lock`` for the life of the process (the kernel drops it when the process ends, even by
   SIGKILL, so a lock left by a dead process is never in the way); the file records pid, host and
   start time, which the refusal message quotes. A second training in the same directory stops at
-  once with one line.
+  once with one line. The lock file is opened with ``O_NOFOLLOW`` and must be a plain file with a
+  single link: a planted symbolic or hard link is refused, its target untouched.
+- **No links.** A run's own entries (:data:`RUN_FILES`, ``checkpoints/latest.json``) that are
+  symbolic links are refused at the start: a run never reads or writes through a link out of its
+  directory.
 - **A fresh run** (``run.resume=false``) needs a missing or empty directory. A directory holding a
-  previous run is refused unless ``run.overwrite=true``, which deletes that run's files
-  (:data:`RUN_FILES`) and nothing else.
+  previous run is refused unless ``run.overwrite=true``, which deletes that run's files and nothing
+  else: the top-level files of :data:`RUN_FILES`, the checkpoints its ``latest.json`` records, and
+  ``policy/`` when it holds only a saved model's files.
 - **A resume** (``run.resume=true``) needs ``checkpoints/latest.json``; without it the run stops
   (it never restarts at step 0 over the old metrics).
-- **Leftovers** of a killed run (temp files of atomic writes, ``.policy.tmp-*`` / ``.policy.old-*``
-  folders, checkpoint files newer than ``latest.json``) are removed at the next start, after the lock
-  is held.
+- **Never over a checkpoint it did not write.** A file ``checkpoints/step_N.pt`` that the run would
+  write (a step after the one it starts from, up to ``run.steps``) and that it did not write (another
+  run's checkpoint kept there, or a recorded one after ``latest.json`` was rewound) stops the start
+  with one line; one beyond ``run.steps`` is left alone. A ``policy/`` folder holding files other
+  than a saved model's is refused too (the run replaces ``policy/`` at its end).
+- **Leftovers** of a killed run (the temp files of atomic writes, ``.policy.tmp-*`` / ``.policy.old-*``
+  folders, the checkpoint a save put in place but did not record, proven ours by the sha256 in
+  ``checkpoints/pending.json``) are removed at the next start, after the lock is held. Nothing else
+  is deleted.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -28,11 +40,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.train.runio import TEMP_SUFFIX
+from rlalign.models.checkpoint import is_model_folder_file
+from rlalign.models.ownership import foreign_entries, open_own_file
+from rlalign.train.runio import (MANIFEST_FILE, PENDING_FILE, TEMP_SUFFIX, CheckpointCorrupt, checkpoint_step, read_manifest,
+                                 recorded_sha256s, unrecorded_pending)
 
 LOCK_NAME = ".lock"
-# What a run writes at the top of its directory; run.overwrite=true deletes exactly these.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "policy", "report.png", "report.md", "config.yaml")
+# What a run writes at the top of its directory; run.overwrite=true deletes these (the folders: only their
+# files of this run, see the module doc).
+RUN_FILES = ("checkpoints", "metrics.jsonl", "policy", "report.png", "report.md", "compare.png", "compare.md",
+             "config.yaml")
+# The files atomic_write writes in a run directory; their temp files are ".<name>.<random>.tmp".
+_ATOMIC_FILES = ("metrics.jsonl", "config.yaml", "report.png", "report.md", "compare.png", "compare.md",
+                 MANIFEST_FILE, PENDING_FILE)
+_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]+" + re.escape(TEMP_SUFFIX))
+_POLICY_LEFTOVER = re.compile(r"\.policy\.(tmp|old)-[a-z0-9_]+")
 
 
 class RunDirError(RLAlignError):
@@ -67,8 +89,10 @@ class RunDirectory:
             self.lock_fd = -1
 
 
-def open_run_dir(path: Path, *, resume: bool, overwrite: bool) -> RunDirectory:
-    """Create/lock ``path`` and bring it to the state a fresh run or a resume expects."""
+def open_run_dir(path: Path, *, resume: bool, overwrite: bool, last_step: "int | None" = None) -> RunDirectory:
+    """Create/lock ``path`` and bring it to the state a fresh run or a resume expects. ``last_step``: the
+    run's last step (run.steps), the bound of the checkpoints it may write (None: unbounded). Every
+    refusal comes before the first change."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise RunDirError(f"run.dir {path} is a file, not a directory; choose another run.dir")
@@ -81,12 +105,13 @@ def open_run_dir(path: Path, *, resume: bool, overwrite: bool) -> RunDirectory:
         raise RunDirError(f"cannot create run.dir {path}: {exc.strerror}") from None
     fd = _lock(path)
     try:
+        _refuse_links(path)
+        _refuse_foreign_policy(path)
         if resume:
-            if not (path / "checkpoints" / "latest.json").is_file():
-                raise RunDirError(f"run.resume=true but {path} holds no checkpoint (checkpoints/latest.json); "
-                                  "start a fresh run without run.resume (add run.overwrite=true to replace its files)")
+            manifest = _require_checkpoint(path)
+            _refuse_overwriting_checkpoints(path, after=manifest["step"], upto=last_step)
         else:
-            _prepare_fresh(path, overwrite)
+            _prepare_fresh(path, overwrite, last_step)
         removed = remove_leftovers(path)
     except BaseException:
         os.close(fd)
@@ -97,7 +122,7 @@ def open_run_dir(path: Path, *, resume: bool, overwrite: bool) -> RunDirectory:
 def _lock(path: Path) -> int:
     lock_path = path / LOCK_NAME
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = open_own_file(lock_path, os.O_RDWR | os.O_CREAT, "lock file")
     except OSError as exc:
         raise RunDirError(f"cannot create the lock file {lock_path}: {exc.strerror} (is run.dir writable?)") from None
     try:
@@ -115,7 +140,57 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def _prepare_fresh(path: Path, overwrite: bool) -> None:
+def _refuse_links(path: Path) -> None:
+    """A run's own entries may not be symbolic links: it would read or write wherever they point."""
+    for name in (*RUN_FILES, f"checkpoints/{MANIFEST_FILE}", f"checkpoints/{PENDING_FILE}"):
+        entry = path / name
+        if entry.is_symlink():
+            raise RunDirError(f"run.dir {path}: {name} is a symbolic link (to {os.readlink(entry)}); a run never reads "
+                              "or writes through a link out of its directory: replace it with the real "
+                              "file or folder (nothing was changed)")
+
+
+def _refuse_foreign_policy(path: Path) -> None:
+    """``policy/`` is replaced at the end of the run (and deleted by run.overwrite): it may hold only a saved
+    model's files."""
+    policy = path / "policy"
+    if not policy.is_dir():
+        return
+    foreign = foreign_entries(policy, is_model_folder_file)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise RunDirError(f"run.dir {path}: policy/ holds files rlalign did not write ({shown}); the run replaces "
+                          "policy/ when it ends: move them out (nothing was changed)")
+
+
+def _require_checkpoint(path: Path) -> dict:
+    manifest = read_manifest(path / "checkpoints" / MANIFEST_FILE, missing_ok=True)
+    if manifest is None:
+        raise RunDirError(f"run.resume=true but {path} holds no checkpoint (checkpoints/latest.json); "
+                          "start a fresh run without run.resume (add run.overwrite=true to replace its files)")
+    return manifest
+
+
+def _refuse_overwriting_checkpoints(path: Path, after: int, upto: "int | None", ours: "set[str]" = frozenset()) -> None:
+    """Refuse a start whose saves would land on a checkpoint file that is not this run's to replace: a step
+    in ``(after, upto]`` (``ours``: files about to be deleted as this run's, and the save a kill left
+    unrecorded, are not in the way)."""
+    ckpt_dir = path / "checkpoints"
+    if not ckpt_dir.is_dir():
+        return
+    leftover = {p.name for p in unrecorded_pending(ckpt_dir)}
+    in_the_way = sorted(p.name for p in ckpt_dir.iterdir()
+                        if (step := checkpoint_step(p.name)) is not None and step > after
+                        and (upto is None or step <= upto) and p.name not in ours and p.name not in leftover)
+    if in_the_way:
+        shown = ", ".join(in_the_way[:5]) + (", ..." if len(in_the_way) > 5 else "")
+        whose = (f"after step {after}, the step latest.json records" if after
+                 else "that the run being replaced did not record")
+        raise RunDirError(f"run.dir {path}: checkpoints/ holds {shown}, {whose}; this run would write over them: "
+                          "move them out of checkpoints/ and start again (nothing was changed)")
+
+
+def _prepare_fresh(path: Path, overwrite: bool, last_step: "int | None") -> None:
     present = sorted(p.name for p in path.iterdir() if p.name != LOCK_NAME and not _is_leftover(p))
     if not present:
         return
@@ -123,50 +198,66 @@ def _prepare_fresh(path: Path, overwrite: bool) -> None:
         shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
         raise RunDirError(f"run.dir {path} is not empty ({shown}); continue its run with run.resume=true, replace "
                           "it with run.overwrite=true, or choose another run.dir (nothing was changed)")
-    for name in RUN_FILES:
-        target = path / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            target.unlink()
+    doomed = previous_run_files(path)
+    _refuse_overwriting_checkpoints(path, after=0, upto=last_step, ours={p.name for p in doomed})
+    for target in doomed:
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    ckpt_dir = path / "checkpoints"
+    if ckpt_dir.is_dir() and not any(ckpt_dir.iterdir()):
+        ckpt_dir.rmdir()
+
+
+def previous_run_files(path: Path) -> list[Path]:
+    """What ``run.overwrite=true`` deletes: the previous run's top-level files (plain files only), the
+    checkpoints its ``latest.json`` records (with latest.json and pending.json), and ``policy/`` (already
+    checked to hold only a saved model's files). Any other entry stays."""
+    files = [path / name for name in RUN_FILES if name not in ("checkpoints", "policy")]
+    doomed = [f for f in files if f.is_file() and not f.is_symlink()]
+    if (path / "policy").is_dir():
+        doomed.append(path / "policy")
+    ckpt_dir = path / "checkpoints"
+    if ckpt_dir.is_dir():
+        try:
+            manifest = read_manifest(ckpt_dir / MANIFEST_FILE, missing_ok=True)
+        except CheckpointCorrupt:
+            manifest = None   # unreadable: it goes, the files it named count as foreign
+        recorded = set((manifest or {}).get("history", [])) | set(recorded_sha256s(manifest))
+        recorded |= {p.name for p in unrecorded_pending(ckpt_dir)} | {MANIFEST_FILE, PENDING_FILE}
+        doomed += [ckpt_dir / name for name in sorted(recorded)
+                   if (ckpt_dir / name).is_file() and not (ckpt_dir / name).is_symlink()]
+    return doomed
 
 
 def _is_leftover(p: Path) -> bool:
-    name = p.name
-    return (name.startswith(".") and name.endswith(TEMP_SUFFIX)) or name.startswith((".policy.tmp-", ".policy.old-"))
+    """A temp file of an atomic write (``.<name>.<random>.tmp``, ``name`` a file rlalign writes there) or a
+    temp/old policy folder of save_model; never a link."""
+    if p.is_symlink():
+        return False
+    temp = _TEMP_NAME.fullmatch(p.name)
+    if temp:
+        name = temp.group("name")
+        return p.is_file() and (name in _ATOMIC_FILES or checkpoint_step(name) is not None)
+    return p.is_dir() and _POLICY_LEFTOVER.fullmatch(p.name) is not None
 
 
 def remove_leftovers(path: Path) -> list[str]:
-    """Delete what a killed run leaves: temp files, half-written policy folders, checkpoints newer than
-    ``latest.json`` (written, never recorded). Call only while holding the lock."""
+    """Delete what a killed run leaves: temp files, half-written policy folders, and the checkpoint a save
+    put in place without recording it (see :func:`rlalign.train.runio.unrecorded_pending`). Call only while
+    holding the lock."""
     removed = []
     for folder in (path, path / "checkpoints"):
         if not folder.is_dir():
             continue
         for p in folder.iterdir():
             if _is_leftover(p):
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
                 removed.append(str(p.relative_to(path)))
-    removed += _unrecorded_checkpoints(path / "checkpoints")
+    if (path / "checkpoints").is_dir():
+        for p in unrecorded_pending(path / "checkpoints"):
+            if p.name != PENDING_FILE:
+                removed.append(str(p.relative_to(path)))
+            p.unlink(missing_ok=True)
     return removed
 
 
-def _unrecorded_checkpoints(ckpt_dir: Path) -> list[str]:
-    manifest = ckpt_dir / "latest.json"
-    if not manifest.is_file():
-        return []
-    try:
-        recorded = json.loads(manifest.read_text(encoding="utf-8"))
-        last_step = int(recorded["step"])
-    except (ValueError, KeyError, TypeError):
-        return []   # load_latest_checkpoint names the problem
-    out = []
-    for p in ckpt_dir.glob("step_*.pt"):
-        step = p.stem.removeprefix("step_")
-        if step.isdigit() and int(step) > last_step:
-            p.unlink()
-            out.append(f"checkpoints/{p.name}")
-    return out
-
-
-__all__ = ["RUN_FILES", "RunDirError", "RunDirectory", "open_run_dir", "remove_leftovers"]
+__all__ = ["RUN_FILES", "RunDirError", "RunDirectory", "open_run_dir", "previous_run_files", "remove_leftovers"]

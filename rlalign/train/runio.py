@@ -7,14 +7,21 @@ torn one; the temp files such a kill leaves behind are removed at the next start
 less the umask), not the 0600 of a temp file.
 
 A checkpoint is one ``torch.save`` file of plain data (tensors, dicts, lists, numbers, strings)
-plus its sha256 in ``latest.json``. It streams to its temp file: torch.save writes each tensor from
-its own memory (a device tensor is copied to the host one at a time) and the sha256 is taken on the
-way, so a save needs no in-memory copy of the checkpoint. Loading verifies the checksum (reading the
+plus its sha256 in ``latest.json`` (``sha256s`` holds the sha256 of every checkpoint the run still
+keeps, so any of them can be verified, e.g. by ``rlalign export``). It streams to its temp file:
+torch.save writes each tensor from its own memory (a device tensor is copied to the host one at a
+time) and the sha256 is taken on the way, so a save needs no in-memory copy of the checkpoint. Loading verifies the checksum (reading the
 file in chunks) and then unpickles with ``weights_only=True``: a planted file whose pickle would
 import or call anything is refused without running it, even when its checksum matches. The loaded
 tensors are mapped from the file (mmap, copy-on-write), not read into memory: whoever keeps one past
 the load copies it into memory of its own (:func:`own_optimizer_state`), or the mapping would hold
 the file's disk space after the next save deletes it.
+
+Ownership: ``latest.json`` lists the checkpoints the run wrote (``history``); a save deletes only
+those, never replaces an existing file, and records the file it is about to put in place (name and
+sha256) in ``checkpoints/pending.json`` before renaming it there, so a kill between that rename and
+``latest.json`` leaves a file the next start can prove is ours (same sha256) and remove. A file in
+``checkpoints/`` that no manifest names is never deleted.
 
 Disk: a save writes the new checkpoint before deleting any the manifest still needs, so with
 ``run.keep_checkpoints=1`` two checkpoints exist during a save (a kill mid-write leaves the old one
@@ -32,6 +39,7 @@ import json
 import math
 import os
 import pickle
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -40,9 +48,12 @@ import torch
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import default_file_mode
+from rlalign.models.ownership import open_own_file
 
 TEMP_SUFFIX = ".tmp"   # atomic_write's temp files: ".<name>.<random>.tmp"
 CHECKPOINT_KEEP = 2
+MANIFEST_FILE, PENDING_FILE = "latest.json", "pending.json"
+CHECKPOINT_NAME = re.compile(r"step_(\d{6,})\.pt")
 
 
 class CheckpointCorrupt(RLAlignError):
@@ -53,13 +64,19 @@ class MetricsCorrupt(RLAlignError):
     pass
 
 
+class CheckpointRefused(RLAlignError):
+    """A save would replace a file the run did not write; nothing was written."""
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     atomic_write_with(path, lambda f: f.write(data))
 
 
-def atomic_write_with(path: Path, fill: Callable[[BinaryIO], Any]) -> Any:
+def atomic_write_with(path: Path, fill: Callable[[BinaryIO], Any],
+                      before_rename: "Callable[[Any], None] | None" = None) -> Any:
     """``fill(f)`` writes the file's bytes to ``f``; returns what ``fill`` returns. The file appears at
-    ``path`` whole (temp file, fsync, rename) or not at all."""
+    ``path`` whole (temp file, fsync, rename) or not at all. ``before_rename(result)`` runs once the temp
+    file is durable, just before the rename (a save records what it is about to put in place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
@@ -68,6 +85,8 @@ def atomic_write_with(path: Path, fill: Callable[[BinaryIO], Any]) -> Any:
             result = fill(f)
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename(result)
         os.replace(tmp, path)
     except BaseException as exc:
         if os.path.exists(tmp):
@@ -101,28 +120,82 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}.pt"
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = CHECKPOINT_KEEP) -> Path:
-    """Write ``checkpoints/step_{step:06d}.pt`` (streamed, see the module doc) then point
-    ``checkpoints/latest.json`` at it.
+def checkpoint_step(name: str) -> "int | None":
+    """The step of a checkpoint file name (``step_000012.pt`` -> 12), None for any other name."""
+    match = CHECKPOINT_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
 
-    ``latest.json`` lists the checkpoint files this run wrote (``history``, oldest first); only
-    those are ever deleted (all but the newest ``keep``; before the write, all but the newest
-    ``max(keep - 1, 1)``), so files of another run are never touched and the newest recorded
-    checkpoint is never deleted before its successor is recorded.
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = CHECKPOINT_KEEP,
+                    facts: "dict | None" = None) -> Path:
+    """Write ``checkpoints/step_{step:06d}.pt`` (streamed, see the module doc) then point
+    ``checkpoints/latest.json`` at it. ``facts``: small JSON data about the run that a start must read
+    without loading a checkpoint (kept in the manifest under ``facts``).
+
+    ``latest.json`` lists the checkpoint files this run wrote (``history``, oldest first, each with its
+    sha256 in ``sha256s``); only those of earlier steps are ever deleted (all but the newest ``keep``;
+    before the write, all but the newest ``max(keep - 1, 1)``), so files of another run are never
+    touched and the newest recorded checkpoint is never deleted before its successor is recorded. An
+    existing file at the new checkpoint's name is never replaced (:class:`CheckpointRefused`).
     """
     ckpt_dir = run_dir / "checkpoints"
     path = ckpt_dir / checkpoint_name(step)
-    previous = _read_manifest(ckpt_dir / "latest.json", missing_ok=True) or {}
+    previous = read_manifest(ckpt_dir / MANIFEST_FILE, missing_ok=True) or {}
+    if path.exists() or path.is_symlink():
+        raise CheckpointRefused(f"{path} already exists and is not a checkpoint this save may replace; move it out "
+                                f"of {ckpt_dir} and continue with run.resume=true (the last checkpoint is intact)")
+    sums = recorded_sha256s(previous)
     # Files of this run still on disk, oldest first. The manifest lists them before the old ones are
     # deleted, so a kill between the two leaves them recorded and the next save deletes them.
-    earlier = [f for f in previous.get("history", []) if f != path.name and (ckpt_dir / f).exists()]
+    earlier = [f for f in previous.get("history", []) if checkpoint_step(f) < step and (ckpt_dir / f).exists()]
     _delete(ckpt_dir, earlier[:-max(keep - 1, 1)])   # not needed even if this save is killed
-    sha256, nbytes = atomic_write_with(path, lambda f: _stream_state(state, f))
+    sha256, nbytes = atomic_write_with(path, lambda f: _stream_state(state, f),
+                                       before_rename=lambda result: _record_pending(ckpt_dir, path.name, result[0]))
     history = [f for f in earlier if (ckpt_dir / f).exists()] + [path.name]
-    manifest = {"step": step, "file": path.name, "sha256": sha256, "bytes": nbytes, "history": history}
-    atomic_write(ckpt_dir / "latest.json", json.dumps(manifest, indent=1).encode())
+    manifest = {"step": step, "file": path.name, "sha256": sha256, "bytes": nbytes, "history": history,
+                "sha256s": {f: sums[f] for f in history if f in sums} | {path.name: sha256},
+                **({"facts": facts} if facts else {})}
+    atomic_write(ckpt_dir / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
+    (ckpt_dir / PENDING_FILE).unlink(missing_ok=True)
     _delete(ckpt_dir, history[:-keep])
     return path
+
+
+def _record_pending(ckpt_dir: Path, name: str, sha256: str) -> None:
+    atomic_write(ckpt_dir / PENDING_FILE, json.dumps({"file": name, "sha256": sha256}).encode())
+
+
+def recorded_sha256s(manifest: "dict | None") -> dict[str, str]:
+    """{checkpoint file name: sha256} of the checkpoints a manifest records (the newest one alone for a
+    manifest written before every kept checkpoint's sha256 was recorded)."""
+    if not manifest:
+        return {}
+    sums = dict(manifest.get("sha256s") or {})
+    sums.setdefault(manifest["file"], manifest["sha256"])
+    return sums
+
+
+def unrecorded_pending(ckpt_dir: Path) -> list[Path]:
+    """What a save killed after renaming its checkpoint into place but before recording it leaves:
+    ``pending.json`` and the file it names, when that file is not recorded in ``latest.json`` and its
+    sha256 is the one the save noted (the file is provably the one the save wrote)."""
+    pending_path = Path(ckpt_dir) / PENDING_FILE
+    if not pending_path.is_file() or pending_path.is_symlink():
+        return []
+    try:
+        pending = json.loads(pending_path.read_text(encoding="utf-8"))
+        name, sha256 = pending["file"], pending["sha256"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return [pending_path]
+    try:
+        manifest = read_manifest(Path(ckpt_dir) / MANIFEST_FILE, missing_ok=True)
+    except CheckpointCorrupt:
+        return []   # what is recorded is unknown: touch nothing (the start names the manifest's problem)
+    recorded = set((manifest or {}).get("history", [])) | ({manifest["file"]} if manifest else set())
+    file = Path(ckpt_dir) / str(name)
+    ours = (checkpoint_step(str(name)) is not None and name not in recorded and file.is_file()
+            and not file.is_symlink() and file_sha256(file) == sha256)
+    return [file, pending_path] if ours else [pending_path]
 
 
 def _delete(folder: Path, names: list[str]) -> None:
@@ -168,15 +241,24 @@ def _stream_state(state: dict[str, Any], file: BinaryIO) -> tuple[str, int]:
     return sink.sha256.hexdigest(), sink.nbytes
 
 
-def _read_manifest(manifest_path: Path, missing_ok: bool = False) -> "dict | None":
-    if missing_ok and not manifest_path.exists():
+def read_manifest(manifest_path: Path, missing_ok: bool = False) -> "dict | None":
+    """``latest.json``, checked: every file it names (``file``, ``history``, ``sha256s``) is a checkpoint
+    name inside its own folder (``step_NNNNNN.pt``, no path), so nothing it says reaches outside it."""
+    if missing_ok and not manifest_path.exists() and not manifest_path.is_symlink():
         return None
     try:
+        if manifest_path.is_symlink():
+            raise ValueError("it is a symbolic link")
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        if not isinstance(manifest.get("file"), str) or "/" in manifest["file"] or not isinstance(manifest["step"], int):
+        if not isinstance(manifest.get("file"), str) or checkpoint_step(manifest["file"]) is None \
+                or not isinstance(manifest["step"], int):
             raise ValueError("bad 'file' or 'step'")
-        manifest["sha256"]
-    except (ValueError, KeyError, AttributeError, TypeError) as exc:
+        names = list(manifest.setdefault("history", [])) + list(manifest.setdefault("sha256s", {}))
+        if not all(isinstance(n, str) and checkpoint_step(n) is not None for n in names):
+            raise ValueError("'history' or 'sha256s' names a file that is not a checkpoint of this folder")
+        if not isinstance(manifest["sha256"], str):
+            raise ValueError("bad 'sha256'")
+    except (ValueError, KeyError, AttributeError, TypeError, UnicodeDecodeError) as exc:
         raise CheckpointCorrupt(f"{manifest_path} is unreadable ({exc}); restore it, or start the run afresh "
                                 "with run.overwrite=true") from None
     return manifest
@@ -186,10 +268,13 @@ def load_latest_checkpoint(run_dir: Path) -> "dict[str, Any] | None":
     """The state of the newest checkpoint, or None when the run has none; checksum and content checked.
     Its tensors are mapped from the file (see the module doc)."""
     manifest_path = Path(run_dir) / "checkpoints" / "latest.json"
-    manifest = _read_manifest(manifest_path, missing_ok=True)
+    manifest = read_manifest(manifest_path, missing_ok=True)
     if manifest is None:
         return None
     path = manifest_path.parent / manifest["file"]
+    if path.is_symlink():
+        raise CheckpointCorrupt(f"{manifest_path} names {path.name}, which is a symbolic link (to {os.readlink(path)}); "
+                                "rlalign reads a run's checkpoints from its own folder only: put the file itself there")
     if not path.exists():
         raise CheckpointCorrupt(f"{manifest_path} names {path.name}, which is missing; restore it, or start the run "
                                 "afresh with run.overwrite=true")
@@ -197,6 +282,14 @@ def load_latest_checkpoint(run_dir: Path) -> "dict[str, Any] | None":
         raise CheckpointCorrupt(f"checkpoint {path} is corrupt (sha256 mismatch); restore it, or start the run "
                                 "afresh with run.overwrite=true")
     return load_state(path)
+
+
+def recorded_checkpoint_sha256(file: Path) -> "str | None":
+    """The sha256 that the ``latest.json`` next to ``file`` records for it, or None (no manifest there, or
+    the manifest does not list it)."""
+    file = Path(file)
+    manifest = read_manifest(file.parent / MANIFEST_FILE, missing_ok=True)
+    return recorded_sha256s(manifest).get(file.name)
 
 
 def file_sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:
@@ -288,12 +381,17 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps({k: _finite(v) for k, v in record.items()}, sort_keys=True, allow_nan=False) + "\n"
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
+            # never through a link, never into a file with another hard link (rlalign.models.ownership)
+            with open(self.path, "a", encoding="utf-8", opener=_own_file_opener) as f:
                 f.write(line)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:
             raise _naming(exc, self.path) from None
+
+
+def _own_file_opener(path: str, flags: int) -> int:
+    return open_own_file(Path(path), flags, "metrics file")
 
 
 def read_metrics(run_dir: Path, notes: "list[str] | None" = None) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ WRITER = textwrap.dedent('''
 
     def replace(src, dst):
         if (point == "checkpoint_written" and str(dst).endswith("step_000002.pt")) or \\
+                (point == "pending_recorded" and str(dst).endswith("pending.json")) or \\
                 (point == "checkpoint_renamed" and str(dst).endswith("latest.json")):
             die()
         real_replace(src, dst)
@@ -56,7 +57,9 @@ WRITER = textwrap.dedent('''
     print("not killed")
 ''')
 
-EXPECTED_STEP = {"checkpoint_written": 1, "checkpoint_renamed": 1, "manifest_renamed": 2, "metrics_mid_line": 1}
+# pending_recorded: killed while noting (pending.json) the checkpoint about to be renamed into place
+EXPECTED_STEP = {"checkpoint_written": 1, "pending_recorded": 1, "checkpoint_renamed": 1, "manifest_renamed": 2,
+                 "metrics_mid_line": 1}
 
 
 @pytest.mark.parametrize("point", sorted(EXPECTED_STEP))

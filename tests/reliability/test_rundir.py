@@ -1,6 +1,7 @@
 """The run directory's lifecycle (rlalign.train.rundir) and its files (rlalign.train.runio), without training."""
 
 import errno
+import hashlib
 import json
 import os
 import subprocess
@@ -63,10 +64,14 @@ def test_cleanup_deletes_only_checkpoints_this_run_wrote(tmp_path):
 
 
 def test_leftovers_of_a_killed_run_are_removed_at_start(tmp_path):
+    """The checkpoint a save renamed into place but did not record is removed: pending.json proves (sha256)
+    that the save wrote it. (A kill at each of these points: test_kill_points.py.)"""
     run = tmp_path / "run"
     save_checkpoint(run, 1, _state(1))
     (run / "checkpoints" / ".step_000002.pt.abc123.tmp").write_bytes(b"half")
     (run / "checkpoints" / "step_000002.pt").write_bytes(b"written, never recorded")
+    (run / "checkpoints" / "pending.json").write_text(json.dumps(
+        {"file": "step_000002.pt", "sha256": hashlib.sha256(b"written, never recorded").hexdigest()}))
     (run / ".metrics.jsonl.x.tmp").write_bytes(b"")
     (run / ".policy.tmp-q1w2").mkdir()
     handle = open_run_dir(run, resume=True, overwrite=False)
