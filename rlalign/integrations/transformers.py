@@ -49,9 +49,9 @@ outputs the class can record, ``hidden_states`` (the input of every layer plus t
 cache: the patch sets ``config.use_cache = False``, and a KV cache or ``use_cache=True`` is refused (roll out
 with rlalign's engine, or ``generate(..., use_cache=False)``, which also works on right-padded prompts;
 ``generate(inputs_embeds=...)`` always makes transformers use a cache and is refused). The attention
-implementation stays ``"rlalign"`` while patched: ``set_attn_implementation`` to anything else is refused,
-and so is a forward after the config was switched by hand. Taps (:mod:`rlalign.models.taps`) are the block
-cores' own, so they have rlalign's names.
+and (MoE) experts implementations read ``"rlalign"`` while patched: ``set_attn_implementation`` /
+``set_experts_implementation`` to anything else is refused, and so is a forward after the config was switched
+by hand. Taps (:mod:`rlalign.models.taps`) are the block cores' own, so they have rlalign's names.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from rlalign.models.blocks import attention_block, decoder_layer_block, final_no
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import Attention, DecoderLayer
 from rlalign.models.modules import Linear, RMSNorm
-from rlalign.models.moe import SparseMoE, record_routing, sparse_moe_block, stacked_expert_ffns
+from rlalign.models.moe import SparseMoE, record_routing, sparse_layer_indices, sparse_moe_block, stacked_expert_ffns
 from rlalign.models.taps import EMBED, LOGPROB, note_batch, tap
 
 ATTENTION = "rlalign"
@@ -97,6 +97,7 @@ class PatchState:
     config: ModelConfig
     inv_freq: torch.Tensor            # float64 inverse frequencies on the CPU (a plain attribute: never cast by .to())
     previous_attention: str | None
+    previous_experts: str | None      # config._experts_implementation before the patch (MoE models)
     previous_use_cache: Any
     patched: list[tuple[nn.Module, str]]   # (module, method name) of every instance method the patch set
 
@@ -359,7 +360,7 @@ def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=No
     """The patched backbone: what the module's own forward returns (its annotated output class, the outputs its
     class can record), computed by rlalign on the packed valid tokens."""
     state: PatchState = getattr(self, _STATE)
-    _check_attention_implementation(self.config)
+    _check_pinned_kernels(self.config, _pinned(state.config))
     _check_cache(self.config, past_key_values if past_key_values is not None else cache, use_cache, inputs_embeds)
     wanted = _requested_outputs(self, kwargs)
     if (input_ids is None) == (inputs_embeds is None):
@@ -422,21 +423,38 @@ def _check_cache(config, cache, use_cache, inputs_embeds) -> None:
                                     "use_cache=False (generate(..., use_cache=False)) or roll out with rlalign's engine")
 
 
-def _check_attention_implementation(config) -> None:
-    """The patched model runs rlalign's attention whatever the config says: refuse a config that says otherwise."""
-    name = getattr(config, "_attn_implementation", ATTENTION)
-    if name != ATTENTION:
-        raise UnsupportedInputError(f"the model's attention implementation was set to {name!r}, but the rlalign-patched "
-                                    f"model always runs rlalign's attention: call unpatch(model) before switching it")
+# Kernel choices transformers lets a user switch at run time (config attribute, PreTrainedModel setter). The
+# patched model always runs rlalign's: the patch sets them to "rlalign" (experts: on MoE models), refuses the
+# setter for anything else and refuses a forward after the attribute was changed by hand, so the config never
+# names a kernel that does not run.
+PINNED_KERNELS = {"attention": ("_attn_implementation", "set_attn_implementation"),
+                  "experts": ("_experts_implementation", "set_experts_implementation")}
 
 
-def _set_attn_implementation_refused(self, attn_implementation, *args, **kwargs):
-    """``set_attn_implementation`` of a patched model: only ``"rlalign"`` (what runs) is accepted."""
-    names = set(attn_implementation.values()) if isinstance(attn_implementation, dict) else {attn_implementation}
-    if names - {ATTENTION}:
-        raise UnsupportedInputError(f"set_attn_implementation({attn_implementation!r}): the rlalign-patched model "
-                                    "always runs rlalign's attention; call rlalign.integrations.transformers."
-                                    "unpatch(model) first to use another implementation")
+def _pinned(config: ModelConfig) -> tuple[str, ...]:
+    """The kernel choices the patch pins for this model: attention, and the experts of a MoE model."""
+    return ("attention", "experts") if sparse_layer_indices(config) else ("attention",)
+
+
+def _check_pinned_kernels(config, pinned: tuple[str, ...]) -> None:
+    """Refuse a forward whose config names another kernel than the one that runs (one line)."""
+    for what in pinned:
+        attr = PINNED_KERNELS[what][0]
+        name = getattr(config, attr, ATTENTION)
+        if name != ATTENTION:
+            raise UnsupportedInputError(f"config.{attr} was set to {name!r}, but the rlalign-patched model always runs "
+                                        f"rlalign's {what}: call unpatch(model) before switching it")
+
+
+def _refuse_kernel_switch(what: str, setter: str):
+    """The instance ``setter`` (``set_attn_implementation`` ...) of a patched model: only "rlalign" is accepted."""
+    def refuse(self, implementation, *args, **kwargs):
+        names = set(implementation.values()) if isinstance(implementation, dict) else {implementation}
+        if names - {ATTENTION}:
+            raise UnsupportedInputError(f"{setter}({implementation!r}): the rlalign-patched model always runs "
+                                        f"rlalign's {what}; call rlalign.integrations.transformers.unpatch(model) "
+                                        "first to use another implementation")
+    return refuse
 
 
 @contextlib.contextmanager
@@ -508,7 +526,11 @@ def patch(model: nn.Module, profile: str | Profile = "strict") -> nn.Module:
     register_attention()
     previous = getattr(model.config, "_attn_implementation", None)
     _set_attention(model, ATTENTION)
-    state = PatchState(profile, config, rope_inv_freq(config), previous, getattr(model.config, "use_cache", None), [])
+    experts = getattr(model.config, "_experts_implementation", None)
+    state = PatchState(profile, config, rope_inv_freq(config), previous, experts,
+                       getattr(model.config, "use_cache", None), [])
+    if sparse_layer_indices(config):
+        model.config._experts_implementation = ATTENTION   # the sparse blocks run rlalign's experts
     model.config.use_cache = False
     _patch_modules(model, state)
     object.__setattr__(model, _STATE, state)
@@ -525,6 +547,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         module.__dict__.pop(method, None)
     if state.previous_attention:
         _set_attention(model, state.previous_attention)
+    if sparse_layer_indices(state.config):
+        model.config._experts_implementation = state.previous_experts
     model.config.use_cache = state.previous_use_cache
     for obj in (model, model.model):
         obj.__dict__.pop(_STATE, None)
@@ -729,8 +753,10 @@ def _patch_modules(model, state: PatchState) -> None:
     _bind(backbone.norm, _norm_forward, state, eps=_norm_eps(backbone.norm, config.rms_norm_eps))
     _bind(model.lm_head, _linear_forward, state, k_segments=None)
     _bind(backbone, _backbone_forward, state)
-    for owner in (model, backbone):
-        _bind(owner, _set_attn_implementation_refused, state, method="set_attn_implementation")
+    for what in _pinned(config):
+        setter = PINNED_KERNELS[what][1]
+        for owner in (model, backbone):
+            _bind(owner, _refuse_kernel_switch(what, setter), state, method=setter)
 
 
 __all__ = ["patch", "unpatch", "checkpoint_parameters", "is_patched", "from_pretrained", "token_logprobs", "TokenLogprobs",

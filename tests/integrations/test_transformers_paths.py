@@ -27,6 +27,7 @@ from rlalign.integrations.transformers import (  # noqa: E402
 FAMILIES = [("qwen3", "float32", False), ("qwen2", "float32", True), ("llama", "float32", False),
             ("qwen3_moe", "float32", False)]
 IDS = [f[0] for f in FAMILIES]
+MOE = ("qwen3_moe", "float32", False)
 TOL = dict(atol=2e-5, rtol=1e-4)            # fp32: the two sides round differently, nothing more
 
 
@@ -173,6 +174,8 @@ def test_generate_refusals_name_what_works(hf_checkpoints, case):
 
 @pytest.mark.parametrize("case", FAMILIES, ids=IDS)
 def test_attention_implementation_cannot_be_switched_silently(hf_checkpoints, case):
+    """The config names the attention that runs: switching it while patched is refused, by the setter or (set by
+    hand) at the next forward; after unpatch transformers' switch works again."""
     _quiet()
     patched = from_pretrained(hf_checkpoints[case])
     ids = torch.tensor([[5, 6, 7]])
@@ -192,6 +195,25 @@ def test_attention_implementation_cannot_be_switched_silently(hf_checkpoints, ca
         assert patched(input_ids=ids).logits.shape == (1, 3, 320)
 
 
+def test_moe_experts_implementation_names_what_runs(hf_checkpoints):
+    """A patched MoE model's sparse blocks run rlalign's experts: the config says "rlalign", another experts
+    implementation is refused, and unpatch restores transformers' choice."""
+    _quiet()
+    patched = from_pretrained(hf_checkpoints[MOE])
+    assert patched.config._experts_implementation == "rlalign"
+    with pytest.raises(UnsupportedInputError, match=r"set_experts_implementation\('grouped_mm'\).*experts.*unpatch"):
+        patched.set_experts_implementation("grouped_mm")
+    patched.config._experts_implementation = "eager"
+    with pytest.raises(UnsupportedInputError, match=r"_experts_implementation was set to 'eager'"):
+        patched(input_ids=torch.tensor([[5, 6, 7]]))
+    patched.config._experts_implementation = "rlalign"
+    unpatch(patched)
+    assert patched.config._experts_implementation not in (None, "rlalign")
+    patched.set_experts_implementation("eager")
+    with torch.no_grad():
+        assert patched(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 320)
+
+
 @pytest.mark.parametrize("case", FAMILIES, ids=IDS)
 def test_output_attentions_is_refused_in_one_line(hf_checkpoints, case):
     _, patched, _ = _models(hf_checkpoints[case])
@@ -201,8 +223,6 @@ def test_output_attentions_is_refused_in_one_line(hf_checkpoints, case):
 
 
 # ---- the MoE router outputs --------------------------------------------------------------------------------
-
-MOE = ("qwen3_moe", "float32", False)
 
 
 @pytest.mark.parametrize("via", ["argument", "config"])
