@@ -9,9 +9,9 @@
 
 Supported: the ``*ForCausalLM`` class of every family in rlalign's architecture registry
 (:mod:`rlalign.models.architectures`: ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM``,
-``Qwen3MoeForCausalLM``; full attention, SiLU MLP, default or llama3 rope) with float32 or bfloat16 parameters. The
-module's class decides the family (``config.architectures`` may name e.g. the headless ``Qwen3Model``);
-anything else is refused with :class:`UnsupportedModelError` naming the reason.
+``Qwen3MoeForCausalLM``; full attention, SiLU MLP, default or llama3 rope) with float32 or bfloat16
+parameters. The module's class decides the family (``config.architectures`` may name e.g. the headless
+``Qwen3Model``); anything else is refused with :class:`UnsupportedModelError` naming the reason.
 
 What the patch does (per instance; classes and other models are untouched; :func:`unpatch` undoes it):
 
@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import types
 from typing import Any
@@ -376,15 +377,16 @@ def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=No
         fields["hidden_states"] = tuple(layout.unpack(h) for h in per_layer)
     if record is not None:
         fields["router_logits"] = _router_logits(record, layout)
-    out = _output_class(self)(**fields)
+    out = _output_class(type(self))(**fields)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
     return out if return_dict else out.to_tuple()
 
 
 # Outputs a transformers backbone records (``_can_record_outputs``) that the patched backbone computes too;
-# asking for any other one (``output_attentions``) is refused.
+# asking for any other one is refused, with the reason below when there is one.
 COMPUTED_OUTPUTS = ("hidden_states", "router_logits")
+NOT_COMPUTED = {"attentions": "its attention is rlalign's fused kernel, which returns no attention weights"}
 
 
 def _requested_outputs(backbone, kwargs: dict) -> dict[str, bool]:
@@ -399,8 +401,8 @@ def _requested_outputs(backbone, kwargs: dict) -> dict[str, bool]:
         if not value:
             continue
         if name not in COMPUTED_OUTPUTS:
-            raise UnsupportedInputError(f"output_{name}=True is not supported by the rlalign-patched model (its "
-                                        f"attention is rlalign's fused kernel, which returns no {name})")
+            why = NOT_COMPUTED.get(name, f"it does not compute {name}")
+            raise UnsupportedInputError(f"output_{name}=True is not supported by the rlalign-patched model ({why})")
         if isinstance(value, (list, tuple, set)):
             raise UnsupportedInputError(f"output_{name}={sorted(value)}: a list of layers is not supported by the "
                                         f"rlalign-patched model; pass output_{name}=True and index the tuple")
@@ -477,12 +479,13 @@ def _router_logits(record, layout: _Layout) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def _output_class(backbone):
-    """The output class the backbone's own forward is annotated with (BaseModelOutputWithPast if none)."""
+@functools.lru_cache(maxsize=None)
+def _output_class(backbone_class: type):
+    """The output class the backbone class's own forward is annotated with (BaseModelOutputWithPast if none)."""
     from transformers.modeling_outputs import BaseModelOutputWithPast  # lazy: heavy
     from transformers.utils import ModelOutput  # lazy: heavy
 
-    annotation = inspect.signature(type(backbone).forward).return_annotation
+    annotation = inspect.signature(backbone_class.forward).return_annotation
     if isinstance(annotation, type) and issubclass(annotation, ModelOutput):
         return annotation
     return BaseModelOutputWithPast
