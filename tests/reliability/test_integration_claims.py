@@ -141,3 +141,16 @@ def test_pyproject_and_docs_say_the_pin():
     root = Path(__file__).resolve().parents[2]
     assert "requires transformers>=5.16.1,<5.20.0" in (root / "pyproject.toml").read_text()
     assert "The extra pins transformers below 5.20" in (root / "docs" / "vllm.md").read_text()
+
+
+# ---- docs/parity.md: TRL's fused AdamW -------------------------------------------------------------------------
+
+def test_parity_doc_does_not_say_fused_adamw_fails():
+    """The TRL recipe test runs both optimizers and expects both to match (no xfail); the doc must agree."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    recipe = (root / "tests" / "integrations" / "test_trl_recipe.py").read_text()
+    assert '["adamw_torch", "adamw_torch_fused"]' in recipe and "xfail" not in recipe
+    doc = " ".join((root / "docs" / "parity.md").read_text().split())
+    assert 'use `optim="adamw_torch"` until then' not in doc and "strict xfail" not in doc
+    assert 'with TRL\'s default optimizer (`optim="adamw_torch_fused"`) and with `adamw_torch`' in doc
