@@ -28,7 +28,8 @@ def register(subparsers) -> None:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (every key, as config.yaml would hold it) and exit")
     p.add_argument("--dry-run", action="store_true",
-                   help="resolve and validate the config, load the model and the task, print the config; no training")
+                   help="resolve and validate the config, load the model and the task, print the config and the first "
+                        "training prompt as the model receives it, and the memory budget; no training")
     p.set_defaults(func=run)
 
 
@@ -75,14 +76,18 @@ def run(args) -> int:
 
 
 def _dry_run(cfg) -> int:
-    """Everything a run checks before its first step, without writing a run directory."""
+    """Everything a run checks before its first step, without writing a run directory; shows the first
+    training prompt rendered as the model receives it (chat template applied, decoded from its token ids)."""
     policy, tokenizer, model_dir = load_policy(cfg.model)
     task = build_task(cfg.task, tokenizer, cfg.run.seed)
     first = task.train(0, 1)[0]
+    ids = task.encode(first.prompt)
     print(config_yaml(cfg), end="")
     print(f"# dry run: model {model_dir} ({sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters) "
-          f"loaded; task ready ({len(task.eval_problems())} eval problems; first prompt {len(task.encode(first.prompt))} "
-          "tokens); nothing was trained or written")
+          f"loaded; task ready ({len(task.eval_problems())} eval problems); nothing was trained or written")
+    print(f"# first training prompt as the model receives it ({len(ids)} tokens, decoded with special tokens):")
+    print("\n".join(f"#   {line}" for line in tokenizer.decode(ids, skip_special_tokens=False).split("\n")))
+    print(f"# its reference answer: {repr(first.answer)[:200]}")
     print("# memory budget (arithmetic from tensor sizes: python -m rlalign.train.budget; docs/gpu.md):")
     print("\n".join("# " + line for line in format_budget(memory_budget(cfg, policy.config)).splitlines()))
     return 0

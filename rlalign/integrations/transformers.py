@@ -8,10 +8,10 @@
     loss.backward()
 
 Supported: the ``*ForCausalLM`` class of every family in rlalign's architecture registry
-(:mod:`rlalign.models.architectures`: ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM``;
-dense, full attention, SiLU MLP, default or llama3 rope) with float32 or bfloat16 parameters. The
-module's class decides the family (``config.architectures`` may name e.g. the headless ``Qwen3Model``);
-anything else is refused with :class:`UnsupportedModelError` naming the reason.
+(:mod:`rlalign.models.architectures`: ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM``,
+``Qwen3MoeForCausalLM``; full attention, SiLU MLP, default or llama3 rope) with float32 or bfloat16
+parameters. The module's class decides the family (``config.architectures`` may name e.g. the headless
+``Qwen3Model``); anything else is refused with :class:`UnsupportedModelError` naming the reason.
 
 What the patch does (per instance; classes and other models are untouched; :func:`unpatch` undoes it):
 
@@ -40,16 +40,26 @@ What the patch does (per instance; classes and other models are untouched; :func
   through ``ops.linear``, rounded to the parameter dtype) but is not the bitwise path.
 
 The patched forward runs under the patch's profile (``strict`` or ``native``: rlalign's ops with
-vendor kernels). It keeps no KV cache: the patch sets ``config.use_cache = False``, and a KV cache
-or ``use_cache=True`` is refused (roll out with rlalign's engine, or ``generate(..., use_cache=False)``,
-which also works on right-padded prompts). ``output_hidden_states`` (argument or config) returns
-the input of every layer plus the final-norm output; a list of layers is refused. Taps
-(:mod:`rlalign.models.taps`) are the block cores' own, so they have rlalign's names.
+vendor kernels). The patched backbone returns what the module's own forward returns: its annotated output
+class (``MoeModelOutputWithPast`` for Qwen3-MoE), so every caller of the Hugging Face module (the
+``*ForCausalLM`` forward with or without ``labels``, ``generate``, a trainer) gets the fields it reads. Of the
+outputs the class can record, ``hidden_states`` (the input of every layer plus the final-norm output) and
+``router_logits`` (per sparse layer fp32 [batch * seq, experts], padding rows 0; the ``*ForCausalLM`` adds its
+``aux_loss`` from them) are computed; ``output_attentions`` and a list of layers are refused. It keeps no KV
+cache: the patch sets ``config.use_cache = False``, and a KV cache or ``use_cache=True`` is refused (roll out
+with rlalign's engine, or ``generate(..., use_cache=False)``, which also works on right-padded prompts;
+``generate(inputs_embeds=...)`` always makes transformers use a cache and is refused). The attention
+and (MoE) experts implementations read ``"rlalign"`` while patched: ``set_attn_implementation`` /
+``set_experts_implementation`` to anything else is refused, and so is a forward after the config was switched
+by hand. Taps (:mod:`rlalign.models.taps`) are the block cores' own, so they have rlalign's names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import inspect
 import types
 from typing import Any
 
@@ -66,7 +76,7 @@ from rlalign.models.blocks import attention_block, decoder_layer_block, final_no
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import Attention, DecoderLayer
 from rlalign.models.modules import Linear, RMSNorm
-from rlalign.models.moe import SparseMoE, sparse_moe_block, stacked_expert_ffns
+from rlalign.models.moe import SparseMoE, record_routing, sparse_layer_indices, sparse_moe_block, stacked_expert_ffns
 from rlalign.models.taps import EMBED, LOGPROB, note_batch, tap
 
 ATTENTION = "rlalign"
@@ -78,7 +88,8 @@ class UnsupportedModelError(RLAlignError, ValueError):
 
 
 class UnsupportedInputError(RLAlignError, ValueError):
-    """The patched model was called with inputs it cannot compute under the contract."""
+    """The patched model was asked for something it does not compute under the contract (an input, an output,
+    a KV cache, another attention implementation)."""
 
 
 @dataclasses.dataclass
@@ -87,8 +98,9 @@ class PatchState:
     config: ModelConfig
     inv_freq: torch.Tensor            # float64 inverse frequencies on the CPU (a plain attribute: never cast by .to())
     previous_attention: str | None
+    previous_experts: str | None      # config._experts_implementation before the patch (MoE models)
     previous_use_cache: Any
-    patched: list[nn.Module]          # modules whose instance ``forward`` we set
+    patched: list[tuple[nn.Module, str]]   # (module, method name) of every instance method the patch set
 
 
 @dataclasses.dataclass
@@ -345,46 +357,138 @@ def _check_sparse_moe(theirs: nn.Module, ours: SparseMoE, where: str, need) -> N
          f"{where}.gate: top_k / norm_topk_prob differ from the config")
 
 def _backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                      inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
-                      return_dict=None, cache_position=None, cache=None, **kwargs):
-    from transformers.modeling_outputs import BaseModelOutputWithPast  # lazy: heavy
-
+                      inputs_embeds=None, use_cache=None, return_dict=None, cache_position=None, cache=None, **kwargs):
+    """The patched backbone: what the module's own forward returns (its annotated output class, the outputs its
+    class can record), computed by rlalign on the packed valid tokens."""
     state: PatchState = getattr(self, _STATE)
-    keep_layers = _check_call(self.config, past_key_values if past_key_values is not None else cache, use_cache,
-                              output_attentions, output_hidden_states)
+    _check_pinned_kernels(self.config, _pinned(state.config))
+    _check_cache(self.config, past_key_values if past_key_values is not None else cache, use_cache, inputs_embeds)
+    wanted = _requested_outputs(self, kwargs)
     if (input_ids is None) == (inputs_embeds is None):
         raise UnsupportedInputError("pass exactly one of input_ids and inputs_embeds")
     ref = input_ids if input_ids is not None else inputs_embeds
     layout = _layout(tuple(ref.shape[:2]), ref.device, input_ids=input_ids, attention_mask=attention_mask,
                      position_ids=position_ids, cu_seq_lens=kwargs.get("cu_seq_lens_q"))
     embeds = layout.pack(inputs_embeds) if inputs_embeds is not None else None
-    with use_profile(state.profile):
-        hidden, per_layer = _packed_hidden(self, state, layout.batch, embeds, keep_layers)
-    return BaseModelOutputWithPast(
-        last_hidden_state=layout.unpack(hidden),
-        hidden_states=tuple(layout.unpack(h) for h in per_layer) if keep_layers else None)
+    with use_profile(state.profile), _routing_record(wanted["router_logits"]) as record:
+        hidden, per_layer = _packed_hidden(self, state, layout.batch, embeds, wanted["hidden_states"])
+    fields = {"last_hidden_state": layout.unpack(hidden)}
+    if wanted["hidden_states"]:
+        fields["hidden_states"] = tuple(layout.unpack(h) for h in per_layer)
+    if record is not None:
+        fields["router_logits"] = _router_logits(record, layout)
+    out = _output_class(type(self))(**fields)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    return out if return_dict else out.to_tuple()
 
 
-def _check_call(config, cache, use_cache, output_attentions, output_hidden_states) -> bool:
-    """Refuse what the patched model does not compute (one line each); returns whether to keep every layer's input."""
+# Outputs a transformers backbone records (``_can_record_outputs``) that the patched backbone computes too;
+# asking for any other one is refused, with the reason below when there is one.
+COMPUTED_OUTPUTS = ("hidden_states", "router_logits")
+NOT_COMPUTED = {"attentions": "its attention is rlalign's fused kernel, which returns no attention weights"}
+
+
+def _requested_outputs(backbone, kwargs: dict) -> dict[str, bool]:
+    """Which recordable outputs the call asks for (``output_<name>`` argument, else the config), as
+    transformers' ``capture_outputs`` reads them; refuses one the patched model does not compute (one line)."""
+    names = set(getattr(type(backbone), "_can_record_outputs", None) or ()) | {"hidden_states", "attentions"}
+    wanted = {name: False for name in COMPUTED_OUTPUTS}
+    for name in sorted(names):
+        value = kwargs.pop(f"output_{name}", None)
+        if value is None:
+            value = getattr(backbone.config, f"output_{name}", False)
+        if not value:
+            continue
+        if name not in COMPUTED_OUTPUTS:
+            why = NOT_COMPUTED.get(name, f"it does not compute {name}")
+            raise UnsupportedInputError(f"output_{name}=True is not supported by the rlalign-patched model ({why})")
+        if isinstance(value, (list, tuple, set)):
+            raise UnsupportedInputError(f"output_{name}={sorted(value)}: a list of layers is not supported by the "
+                                        f"rlalign-patched model; pass output_{name}=True and index the tuple")
+        wanted[name] = True
+    return wanted
+
+
+def _check_cache(config, cache, use_cache, inputs_embeds) -> None:
+    """Refuse a KV cache (one line each, with the advice that applies to the call)."""
+    if cache is not None and inputs_embeds is not None:
+        raise UnsupportedInputError("generate() from inputs_embeds is not supported by the rlalign-patched model: "
+                                    "transformers generates from embeddings only with a KV cache, which the patched "
+                                    "model does not keep; generate from input_ids with use_cache=False, or roll out "
+                                    "with rlalign's RolloutEngine")
     if cache is not None:
         raise UnsupportedInputError("the rlalign-patched model does not run with a KV cache (generation): roll out "
                                     "with rlalign's RolloutEngine, or call generate(..., use_cache=False)")
     if use_cache if use_cache is not None else getattr(config, "use_cache", False):
         raise UnsupportedInputError("use_cache=True: the rlalign-patched model keeps no KV cache; pass "
                                     "use_cache=False (generate(..., use_cache=False)) or roll out with rlalign's engine")
-    if getattr(config, "output_router_logits", False):
-        raise UnsupportedInputError("output_router_logits=True is not supported by the rlalign-patched model: take "
-                                    "the router logits from rlalign.models.moe.record_routing() and the auxiliary "
-                                    "loss from rlalign.algos.load_balancing_loss")
-    if output_attentions if output_attentions is not None else getattr(config, "output_attentions", False):
-        raise UnsupportedInputError("output_attentions is not supported by the rlalign-patched model")
-    wanted = output_hidden_states if output_hidden_states is not None else getattr(config, "output_hidden_states",
-                                                                                   False)
-    if isinstance(wanted, (list, tuple, set)):
-        raise UnsupportedInputError(f"output_hidden_states={sorted(wanted)}: a list of layers is not supported by the "
-                                    "rlalign-patched model; pass output_hidden_states=True and index the tuple")
-    return bool(wanted)
+
+
+# Kernel choices transformers lets a user switch at run time (config attribute, PreTrainedModel setter). The
+# patched model always runs rlalign's: the patch sets them to "rlalign" (experts: on MoE models), refuses the
+# setter for anything else and refuses a forward after the attribute was changed by hand, so the config never
+# names a kernel that does not run.
+PINNED_KERNELS = {"attention": ("_attn_implementation", "set_attn_implementation"),
+                  "experts": ("_experts_implementation", "set_experts_implementation")}
+
+
+def _pinned(config: ModelConfig) -> tuple[str, ...]:
+    """The kernel choices the patch pins for this model: attention, and the experts of a MoE model."""
+    return ("attention", "experts") if sparse_layer_indices(config) else ("attention",)
+
+
+def _check_pinned_kernels(config, pinned: tuple[str, ...]) -> None:
+    """Refuse a forward whose config names another kernel than the one that runs (one line)."""
+    for what in pinned:
+        attr = PINNED_KERNELS[what][0]
+        name = getattr(config, attr, ATTENTION)
+        if name != ATTENTION:
+            raise UnsupportedInputError(f"config.{attr} was set to {name!r}, but the rlalign-patched model always runs "
+                                        f"rlalign's {what}: call unpatch(model) before switching it")
+
+
+def _refuse_kernel_switch(what: str, setter: str):
+    """The instance ``setter`` (``set_attn_implementation`` ...) of a patched model: only "rlalign" is accepted."""
+    def refuse(self, implementation, *args, **kwargs):
+        names = set(implementation.values()) if isinstance(implementation, dict) else {implementation}
+        if names - {ATTENTION}:
+            raise UnsupportedInputError(f"{setter}({implementation!r}): the rlalign-patched model always runs "
+                                        f"rlalign's {what}; call rlalign.integrations.transformers.unpatch(model) "
+                                        "first to use another implementation")
+    return refuse
+
+
+@contextlib.contextmanager
+def _routing_record(wanted: bool):
+    """rlalign's routing record around the forward when the router logits are asked for, else None."""
+    if not wanted:
+        yield None
+        return
+    with record_routing(keep_logits=True) as record:
+        yield record
+
+
+def _router_logits(record, layout: _Layout) -> tuple[torch.Tensor, ...]:
+    """transformers' ``router_logits``: per sparse layer, fp32 [B * S, num_experts] (rows of padding 0)."""
+    b, s = layout.shape
+    out = []
+    for layer in record.layer_indices:
+        logits = torch.cat([entry[0] for entry in record.layers[layer]])
+        out.append(layout.unpack(logits).reshape(b * s, -1))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _output_class(backbone_class: type):
+    """The output class the backbone class's own forward is annotated with (BaseModelOutputWithPast if none)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast  # lazy: heavy
+    from transformers.utils import ModelOutput  # lazy: heavy
+
+    annotation = inspect.signature(backbone_class.forward).return_annotation
+    if isinstance(annotation, type) and issubclass(annotation, ModelOutput):
+        return annotation
+    return BaseModelOutputWithPast
 
 
 def _packed_hidden(backbone, state: PatchState, batch: ForwardBatch, embeds=None, keep_layers: bool = False):
@@ -425,7 +529,11 @@ def patch(model: nn.Module, profile: str | Profile = "strict") -> nn.Module:
     register_attention()
     previous = getattr(model.config, "_attn_implementation", None)
     _set_attention(model, ATTENTION)
-    state = PatchState(profile, config, rope_inv_freq(config), previous, getattr(model.config, "use_cache", None), [])
+    experts = getattr(model.config, "_experts_implementation", None)
+    state = PatchState(profile, config, rope_inv_freq(config), previous, experts,
+                       getattr(model.config, "use_cache", None), [])
+    if sparse_layer_indices(config):
+        model.config._experts_implementation = ATTENTION   # the sparse blocks run rlalign's experts
     model.config.use_cache = False
     _patch_modules(model, state)
     object.__setattr__(model, _STATE, state)
@@ -438,10 +546,12 @@ def unpatch(model: nn.Module) -> nn.Module:
     state = getattr(model, _STATE, None)
     if state is None:
         return model
-    for module in state.patched:
-        module.__dict__.pop("forward", None)
+    for module, method in state.patched:
+        module.__dict__.pop(method, None)
     if state.previous_attention:
         _set_attention(model, state.previous_attention)
+    if sparse_layer_indices(state.config):
+        model.config._experts_implementation = state.previous_experts
     model.config.use_cache = state.previous_use_cache
     for obj in (model, model.model):
         obj.__dict__.pop(_STATE, None)
@@ -606,11 +716,12 @@ def _set_attention(model, name: str) -> None:
         model.config._attn_implementation = name
 
 
-def _bind(module: nn.Module, fn, state: PatchState, **attrs: Any) -> None:
+def _bind(module: nn.Module, fn, state: PatchState, method: str = "forward", **attrs: Any) -> None:
+    """Set the instance method ``method`` of ``module`` to ``fn`` (undone by :func:`unpatch`)."""
     for key, value in attrs.items():
         object.__setattr__(module, f"_rlalign_{key}", value)
-    module.forward = types.MethodType(fn, module)
-    state.patched.append(module)
+    setattr(module, method, types.MethodType(fn, module))
+    state.patched.append((module, method))
 
 
 def _norm_eps(norm: nn.Module, default: float) -> float:
@@ -645,6 +756,10 @@ def _patch_modules(model, state: PatchState) -> None:
     _bind(backbone.norm, _norm_forward, state, eps=_norm_eps(backbone.norm, config.rms_norm_eps))
     _bind(model.lm_head, _linear_forward, state, k_segments=None)
     _bind(backbone, _backbone_forward, state)
+    for what in _pinned(config):
+        setter = PINNED_KERNELS[what][1]
+        for owner in (model, backbone):
+            _bind(owner, _refuse_kernel_switch(what, setter), state, method=setter)
 
 
 __all__ = ["patch", "unpatch", "checkpoint_parameters", "is_patched", "from_pretrained", "token_logprobs", "TokenLogprobs",

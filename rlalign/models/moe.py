@@ -52,13 +52,19 @@ class RoutingRecord:
 
     ``keep_logits=False`` (the routing-agreement record: rollout engine, trainer re-score) keeps no logits
     (None in their place) and stores the expert ids as int16 (E < 2**15: Qwen3-MoE has 128), so a record of
-    a whole step costs rows x sparse layers x k x 2 bytes."""
+    a whole step costs rows x sparse layers x k x 2 bytes.
 
-    def __init__(self, keep_logits: bool = True):
+    A record opened inside another (``parent``) passes what it records on to the enclosing record too, so an
+    inner record never hides routing from an outer one."""
+
+    def __init__(self, keep_logits: bool = True, parent: RoutingRecord | None = None):
         self.keep_logits = keep_logits
+        self.parent = parent
         self.layers: dict[int, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
 
     def add(self, layer: int, logits: torch.Tensor, experts: torch.Tensor) -> None:
+        if self.parent is not None:
+            self.parent.add(layer, logits, experts)
         if not self.keep_logits:
             logits, experts = None, experts.to(torch.int16)
         self.layers.setdefault(layer, []).append((logits, experts))
@@ -84,7 +90,8 @@ _RECORD = threading.local()
 @contextlib.contextmanager
 def record_routing(keep_logits: bool = True):
     """Collect every sparse layer's routing in this thread while the context is open (see RoutingRecord)."""
-    previous, record = getattr(_RECORD, "current", None), RoutingRecord(keep_logits)
+    previous = getattr(_RECORD, "current", None)
+    record = RoutingRecord(keep_logits, parent=previous)
     _RECORD.current = record
     try:
         yield record

@@ -5,7 +5,9 @@
   ``tensorboard`` package: ``pip install rlalign[trackers]``). View: ``tensorboard --logdir RUN_DIR``.
 - ``wandb``: Weights & Biases, files under ``RUN_DIR/wandb/``; ``WANDB_MODE=offline`` runs without a
   network or an account (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads later). The W&B run id is
-  the run directory's name, so a resumed run continues the same W&B run.
+  random, drawn when the run directory first logs to W&B and kept in ``RUN_DIR/wandb/rlalign-run-id``, so
+  a resumed run continues the same W&B run and two runs never share one (two users' ``runs/exp1`` used to,
+  when the id was the folder's name); the W&B display name is the folder's name.
 
 ``run.metric_names=verl|trl`` renames the metrics these trackers see to the names verl's or TRL's
 trainers log (:data:`ALIASES`, table in docs/training.md); names without a counterpart keep ours.
@@ -16,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import uuid
 from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.train.runio import atomic_write
 
 
 class TrackerError(RLAlignError):
@@ -88,7 +92,7 @@ class WandbTracker:
         run_dir = Path(run_dir).resolve()
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rlalign"), dir=str(run_dir),
-                                  id=run_dir.name.replace("/", "-"), name=run_dir.name, resume="allow",
+                                  id=wandb_run_id(run_dir), name=run_dir.name, resume="allow",
                                   config=dataclasses.asdict(cfg))
         except Exception as exc:   # wandb raises its own types (no login, no network, ...)
             raise TrackerError(f"wandb could not start ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
@@ -99,6 +103,22 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+WANDB_ID_FILE = Path("wandb") / "rlalign-run-id"
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The run directory's W&B run id: the one stored in ``RUN_DIR/wandb/rlalign-run-id`` (a resume continues
+    that W&B run), else a new random one (32 hex digits) written there first, atomically."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if path.exists():
+        stored = path.read_text().strip()
+        if stored:
+            return stored
+    run_id = uuid.uuid4().hex
+    atomic_write(path, (run_id + "\n").encode())
+    return run_id
 
 
 # name -> tracker class(run_dir, cfg); jsonl is MetricsWriter's file, always written.
@@ -127,4 +147,4 @@ class Trackers:
         self.trackers = []
 
 
-__all__ = ["ALIASES", "TRACKERS", "Trackers", "TrackerError", "rename"]
+__all__ = ["ALIASES", "TRACKERS", "Trackers", "TrackerError", "rename", "wandb_run_id"]

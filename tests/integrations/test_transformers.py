@@ -316,7 +316,7 @@ def test_unpatch_and_repatch(hf_checkpoints):
                              stock(input_ids=ids, attention_mask=mask).logits, "unpatched vs stock")
 
 
-# ---- issue 20 A.4: construction under meta, output flags, right-padded generate, module-class validation ------
+# ---- construction under meta, output flags, right-padded generate, module-class validation ------
 
 def test_patched_under_meta_device_then_materialized(hf_checkpoints):
     """FSDP2's construct-on-meta, to_empty, load flow: the rotary tables must not stay on meta."""
@@ -412,11 +412,3 @@ def test_padded_layout_positions_count_valid_tokens(prompt_masks, new):
     assert layout.batch.positions.tolist() == expected.tolist()
     assert layout.batch.cu_seqlens.tolist() == [0] + mask.sum(1).cumsum(0).tolist()
 
-
-def test_moe_router_logits_output_is_refused_with_the_alternative(hf_checkpoints):
-    _quiet()
-    hf = from_pretrained(hf_checkpoints[("qwen3_moe", "float32", False)])
-    hf.config.output_router_logits = True
-    ids, mask = _padded(_sequences((4, 3)))
-    with pytest.raises(UnsupportedInputError, match="record_routing"), torch.no_grad():
-        hf(input_ids=ids, attention_mask=mask, use_cache=False)

@@ -43,7 +43,7 @@ def _recipe_trainer_class(calls):
 # TRL's default optimizer is fused AdamW (``adamw_torch_fused``): it updates the parameters in place without
 # bumping their version counters. Before 2026-12-01 the strict CPU linear cached weight-derived copies keyed on
 # those counters, so the patched model scored with stale weights after the first optimizer step (16 of 16
-# logprobs off, max |diff| 0.12); the caches are gone (issue 20 A.3) and both optimizers must match.
+# logprobs off, max |diff| 0.12); the caches are gone and both optimizers must match.
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])

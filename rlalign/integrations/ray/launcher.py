@@ -7,16 +7,21 @@ ordinary loop (``rlalign.train.loop.run_training``): only its engine differs, so
 and weights are those of the single-process run, bit for bit (docs/ray.md). While it runs, the driver
 follows ``metrics.jsonl`` for the progress bar. A dead actor ends the run with one line naming it and
 the last checkpoint, which a dead actor never touches (checkpoints are written atomically).
+
+The local cluster listens on the loopback interface only (:func:`loopback_only`): nothing outside the
+machine can reach its GCS, raylet, workers, runtime-env agent or autoscaler monitor, and the dashboard is off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import socket
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -75,24 +80,67 @@ def _import_ray():
 
 
 def connect(ray, section) -> bool:
-    """Start a local cluster or join ``section.address``; True when this call started Ray (and stops it)."""
+    """Start a local cluster (bound to loopback) or join ``section.address``; True when this call started Ray
+    (and stops it)."""
     if ray.is_initialized():
         return False
     kwargs = dict(include_dashboard=False, logging_level="WARNING", log_to_driver=True)
-    if section.address is None:
+    local = section.address is None
+    if local:
         # Logical CPUs only schedule actors: a small machine still gets one trainer + N workers.
         needed = section.cpus_per_actor * (section.num_rollout_workers + 1)
         kwargs["num_cpus"] = max(os.cpu_count() or 1, int(needed + 0.999))
+        kwargs["_node_ip_address"] = LOOPBACK
     else:
         probe(section.address)
         kwargs["address"] = section.address
     try:
-        ray.init(**kwargs)
+        with loopback_only(ray) if local else contextlib.nullcontext():
+            ray.init(**kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = section.address or "a local cluster"
         raise RayLaunchError(f"cannot start or reach Ray at {where}: {str(exc).strip().splitlines()[0]} "
                              "(check ray.address, or leave it unset for a local cluster)") from None
+    if local:
+        _check_loopback(ray)
     return True
+
+
+# Ray binds its servers (GCS, raylet, core workers, runtime-env agent, autoscaler monitor) to 127.0.0.1 only when
+# the node's IP is exactly 127.0.0.1, and otherwise to every interface. ray.init turns a loopback _node_ip_address
+# into the machine's address unless Ray believes multi-node clusters are off, which the variable below says (Ray
+# reads it when imported, into ray._private.ray_constants.ENABLE_RAY_CLUSTER); Ray's child processes inherit it.
+LOOPBACK = "127.0.0.1"
+SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def loopback_only(ray):
+    """While the local cluster starts: Ray takes 127.0.0.1 as this node's address (``SINGLE_NODE_ENV=0`` for the
+    processes it starts, and its import-time flag for this one); both are restored afterwards."""
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    saved_env, saved_flag = os.environ.get(SINGLE_NODE_ENV), getattr(constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[SINGLE_NODE_ENV] = "0"
+    if saved_flag is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop(SINGLE_NODE_ENV, None)
+        else:
+            os.environ[SINGLE_NODE_ENV] = saved_env
+        if saved_flag is not None:
+            constants.ENABLE_RAY_CLUSTER = saved_flag
+
+
+def _check_loopback(ray) -> None:
+    """Say so (one warning line) if this Ray version gave the local node another address than loopback."""
+    address = ray.util.get_node_ip_address()
+    if address != LOOPBACK:
+        warnings.warn(f"the local Ray cluster's node address is {address}, not {LOOPBACK}: this Ray version ignores "
+                      f"{SINGLE_NODE_ENV}=0, so its servers listen on every interface (docs/ray.md, Security)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def probe(address: str, timeout_s: float = 5.0) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from rlalign.integrations.vllm import plugin
 from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
+from rlalign.integrations.vllm.requirements import check_transformers
 from rlalign.models.checkpoint import load_model_config
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
@@ -147,6 +148,7 @@ def _build_llm(model_dir: Path, config: VLLMEngineConfig, model_config):
         state = "on" if _PROCESS_MODE[0] else "off"
         raise UnsupportedVLLMConfigError(f"this process already ran vLLM with the plugin {state}, and vLLM resolves "
                                          "model classes once per process: start the other mode in a new process")
+    check_transformers()
     _PROCESS_MODE[:] = [config.plugin]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
