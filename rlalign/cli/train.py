@@ -77,11 +77,15 @@ def run(args) -> int:
 def _dry_run(cfg) -> int:
     """Everything a run checks before its first step, without writing a run directory."""
     policy, tokenizer, model_dir = load_policy(cfg.model)
-    task = build_task(cfg.task, tokenizer, cfg.run.seed)
-    first = task.train(0, 1)[0]
+    task = build_task(cfg.task, tokenizer, cfg.run.seed)   # starts the reward's worker: the reward loads
+    try:
+        first = task.train(0, 1)[0]
+        first_tokens = len(task.encode(first.prompt))
+    finally:
+        task.close()
     print(config_yaml(cfg), end="")
     print(f"# dry run: model {model_dir} ({sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters) "
-          f"loaded; task ready ({len(task.eval_problems())} eval problems; first prompt {len(task.encode(first.prompt))} "
+          f"loaded; task ready ({len(task.eval_problems())} eval problems; first prompt {first_tokens} "
           "tokens); nothing was trained or written")
     print("# memory budget (arithmetic from tensor sizes: python -m rlalign.train.budget; docs/gpu.md):")
     print("\n".join("# " + line for line in format_budget(memory_budget(cfg, policy.config)).splitlines()))

@@ -54,6 +54,7 @@ class TaskSection:
         "chat": checked_by_type("true or false"),
         "system_prompt": non_empty("a system message", optional=True),
         "enable_thinking": checked_by_type("true, false or null"),
+        "reward_timeout_s": within(0, 86400, low_open=True),
     }
     name: Literal["arithmetic", "dataset"] = "arithmetic"   # arithmetic (built-in addition) | dataset (task.path)
     reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function (docs/data_and_rewards.md)
@@ -68,6 +69,7 @@ class TaskSection:
     chat: bool = False                 # apply the tokenizer's chat template to prompts (message-list prompts always are)
     system_prompt: str | None = None   # chat: a system message put before each prompt that has none
     enable_thinking: bool | None = None   # chat: the template's enable_thinking (Qwen3: false = no <think> block); None: unset
+    reward_timeout_s: float = 30.0     # seconds one reward call may take; past it the run stops naming the reward and the sample
 
     def validate(self):
         if self.name == "dataset" and not self.path:
