@@ -6,14 +6,23 @@ import argparse
 import importlib
 import sys
 
+from rlalign import envvars
 from rlalign.contract.errors import RLAlignError
 from rlalign.version import __version__
 
 COMMANDS = ("train", "generate", "parity", "report", "export", "bench", "doctor", "pretrain")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument error is one line, ``rlalign <cmd>: error: <message>`` (exit 2), as every other error of the
+    command; ``--help`` shows the usage. Sub-command parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlalign", description="RL post-training with bit-identical rollout and training log-probs")
+    parser = OneLineParser(prog="rlalign", description="RL post-training with bit-identical rollout and training log-probs")
     parser.add_argument("--version", action="version", version=f"rlalign {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
@@ -34,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        envvars.check_environment()   # every RLALIGN_* variable set is one rlalign reads, with an allowed value
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("rlalign: interrupted", file=sys.stderr)
