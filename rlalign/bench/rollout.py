@@ -86,6 +86,7 @@ from pathlib import Path
 
 import torch
 
+from rlalign.bench.args import positive_int, seed_int
 from rlalign.bench.roofline import (decode_step_bytes, decode_step_floor, kv_bytes_per_token, parameter_counts,
                                     step_shapes)
 from rlalign.bench.kernel_profile import KernelProfile
@@ -168,7 +169,7 @@ def default_model_dir() -> Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--workload", metavar="NAME", help=f"named workload: {', '.join(WORKLOADS)} (module docstring)")
-    p.add_argument("--layers", type=int, help="keep the first N decoder layers of the preset shape")
+    p.add_argument("--layers", type=positive_int, help="keep the first N decoder layers of the preset shape")
     p.add_argument("--peak-gbps", type=float,
                    help="memory bandwidth peak for the roofline fraction (default 4300 on CUDA: H200 HBM3e)")
     p.add_argument("--peak-tflops", type=float,
@@ -178,18 +179,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="random-init model shape (default: the embedded default model if present on the CPU, else "
                         "cpu-small; qwen3-0.6b on CUDA)")
-    p.add_argument("--prompts", type=int, help="number of prompts (default 64 on the CPU, 256 on CUDA)")
-    p.add_argument("--samples", type=int, help="samples per prompt (default 8)")
-    p.add_argument("--new-tokens", type=int,
+    p.add_argument("--prompts", type=positive_int, help="number of prompts (default 64 on the CPU, 256 on CUDA)")
+    p.add_argument("--samples", type=positive_int, help="samples per prompt (default 8)")
+    p.add_argument("--new-tokens", type=positive_int,
                    help="new tokens per sample (default 64 on the CPU, 512 on CUDA, 32 for models of < 256 positions)")
     p.add_argument("--prompt-len", metavar="MIN:MAX",
                    help="prompt length range (default 32:128 CPU, 64:192 CUDA, 8:16 for models of < 256 positions)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=1024, help="engine decode batch (default 1024)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--max-num-seqs", type=positive_int, default=1024, help="engine decode batch (default 1024)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="engine token budget per step")
     p.add_argument("--max-model-len", default="workload", metavar="N|workload|model",
                    help="the engine's max_model_len: 'workload' (default) the longest prompt + new tokens, as verl "
                         "sets it (prompt length + response length); 'model' the model's max_position_embeddings; "
@@ -202,11 +203,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="overlapped scheduling of decode steps (auto: on with CUDA graphs; RolloutConfig.overlap); the "
                         "row's 'overlap' field says whether it ran: compare host_ms_per_step of on and off")
     p.add_argument("--kv-cache-gb", type=float, help="engine KV cache size (default: 1 GiB CPU, 80%% of free GPU memory)")
-    p.add_argument("--hf-batch-prompts", type=int,
+    p.add_argument("--hf-batch-prompts", type=positive_int,
                    help="prompts per transformers generate call (default all on the CPU, 64 on CUDA)")
-    p.add_argument("--hf-prompts", type=int, help="run transformers on the first N prompts only (default all)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default torch's)")
-    p.add_argument("--repeat", type=int, help="timed calls per engine, the median reported (default 3 CPU, 1 CUDA)")
+    p.add_argument("--hf-prompts", type=positive_int, help="run transformers on the first N prompts only (default all)")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default torch's)")
+    p.add_argument("--repeat", type=positive_int, help="timed calls per engine, the median reported (default 3 CPU, 1 CUDA)")
     p.add_argument("--warmup", choices=("full", "short"),
                    help="untimed warm-up per engine: the whole workload once (default on the CPU: the process's "
                         "allocator and caches settle, whichever engine runs first; and for the --workload presets "
