@@ -61,6 +61,7 @@ class RewardWorker:
         self._process = _Process.start()
         self._closer = weakref.finalize(self, self._process.stop)
         self.name = spec
+        self._stopped: "str | None" = None   # why the process ended, once it has (later calls say so)
         try:
             self.name = self._handshake()
         except BaseException:
@@ -87,6 +88,8 @@ class RewardWorker:
         """Each sample's reward, checked (:func:`rlalign.tasks.registry.call_reward`); a :class:`RewardError` names
         the reward and the sample when a call raises, returns a bad value, passes ``timeout_s`` or ends the process."""
         check_lengths(prompts, completions, answers, extras)
+        if self._stopped is not None:
+            raise RewardError(f"reward {self.name}: its process stopped at an earlier call ({self._stopped})")
         batch = ("score", list(prompts), list(completions), list(answers),
                  None if extras is None else [dict(e) for e in extras])
         try:
@@ -96,7 +99,11 @@ class RewardWorker:
                               f"({type(e).__name__}: {e}); dataset fields must be plain data") from None
         except OSError:
             raise self._ended(prompts) from None
-        kind, payload = self._wait_for_result(prompts)
+        try:
+            kind, payload = self._wait_for_result(prompts)
+        except RewardError as e:
+            self._stopped = str(e)
+            raise
         if kind == "error":
             raise RewardError(payload)
         return payload

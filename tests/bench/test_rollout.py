@@ -46,12 +46,22 @@ def test_bench_refuses_unknown_workloads_and_bad_layers():
         main(["bench", "rollout", "--workload", "tiny", "--layers", "3", "--engines", "strict"])
 
 
-@pytest.mark.parametrize("option", ["--peak-gbps", "--peak-tflops", "--prompts", "--samples", "--new-tokens",
-                                    "--page-size", "--repeat", "--kv-cache-gb", "--hf-prompts", "--layers"])
+@pytest.mark.parametrize("option", ["--peak-gbps", "--peak-tflops", "--kv-cache-gb"])
 @pytest.mark.parametrize("value", ["0", "-2"])
-def test_bench_refuses_counts_and_peaks_that_are_not_positive(option, value):
+def test_bench_refuses_peaks_and_sizes_that_are_not_positive(option, value):
     with pytest.raises(SystemExit, match=f"rlalign bench rollout: {option} must be > 0, got {value}"):
         main(["bench", "rollout", "--workload", "tiny", "--engines", "strict", option, value])
+
+
+@pytest.mark.parametrize("option", ["--prompts", "--samples", "--new-tokens", "--page-size", "--repeat", "--hf-prompts",
+                                    "--layers"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_bench_refuses_counts_that_are_not_positive(option, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "rollout", "--workload", "tiny", "--engines", "strict", option, value])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (f"rlalign bench rollout: error: argument {option}: must be an integer "
+                                               f">= 1, got '{value}' (see rlalign bench rollout --help)")
 
 
 def test_layers_cut_the_preset(capsys):
