@@ -49,16 +49,21 @@ def main(argv: list[str] | None = None) -> int:
         print("rlalign: interrupted", file=sys.stderr)
         return 130
     except RLAlignError as exc:
-        print(f"rlalign {args.command}: error: {exc}", file=sys.stderr)
+        print(f"rlalign {_command(args)}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:   # disk full, read-only filesystem, permissions: the environment, not a bug
-        print(f"rlalign {args.command}: error: {os_error_line(exc)}{_RESUME_HINT.get(args.command, '')}",
+        print(f"rlalign {_command(args)}: error: {os_error_line(exc)}{_RESUME_HINT.get(args.command, '')}",
               file=sys.stderr)
         return 2
     except UnicodeDecodeError as exc:
-        print(f"rlalign {args.command}: error: a file is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+        print(f"rlalign {_command(args)}: error: a file is not UTF-8 text ({exc.reason} at byte {exc.start}); "
               "save it as UTF-8", file=sys.stderr)
         return 2
+
+
+def _command(args) -> str:
+    """The command as typed: ``train``, or ``bench rollout`` for a benchmark."""
+    return " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
 
 
 _RESUME_HINT = {"train": "; the last checkpoint is intact: fix this and continue with run.resume=true"}
