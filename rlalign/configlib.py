@@ -78,7 +78,7 @@ def within(low, high, *, low_open=False, high_open=False, optional=False) -> Rul
 
 
 def usual(low, high, bad: tuple, *, low_open=False) -> Rule:
-    """A usual range (``GUARDS``): ``within(low, high)``; ``bad`` lists legal values outside it (the tests feed them)."""
+    """A usual range (``GUARDS``): ``within(low, high)``; ``bad`` lists legal values outside it (tests feed them)."""
     return dataclasses.replace(within(low, high, low_open=low_open), bad=tuple(bad))
 
 

@@ -108,7 +108,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("RLALIGN_BACKEND", "the backend of every strict op; unset: triton on a CUDA device where it imports, else "
            "torch", "", "torch or triton", _choice("", "torch", "triton"), ("tourch", "cuda", "Triton")),
     EnvVar("RLALIGN_TRITON_DISABLE", "strict ops sent to the torch backend on CUDA, for debugging; docs/gpu.md", "",
-           "comma-separated strict op names", _op_names("RLALIGN_TRITON_DISABLE"), ("linaer", "rope,bogus", "rope;sample")),
+           "comma-separated strict op names", _op_names("RLALIGN_TRITON_DISABLE"),
+           ("linaer", "rope,bogus", "rope;sample")),
     EnvVar("RLALIGN_TRITON_GEMM_TILE", "one GEMM tile BM,BN,warps,stages for every M, a safety switch; docs/gpu.md",
            "", "four comma-separated integers >= 1 (BM,BN,warps,stages)", _positive_ints(4),
            ("128,128", "128,128,8,x", "0,128,8,4")),

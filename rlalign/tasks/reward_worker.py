@@ -170,8 +170,9 @@ class _Process:
             fds = (theirs.fileno(), file.fileno())
             # -u: a reward's prints appear as they happen; a new session: the worker and whatever it starts
             # form one process group, stopped together
-            popen = subprocess.Popen([sys.executable, "-u", "-c", _BOOT, json.dumps([str(p) for p in sys.path]), *map(str, fds)],
-                                     pass_fds=fds, start_new_session=True)
+            path = json.dumps([str(p) for p in sys.path])   # the trainer's imports work there too
+            popen = subprocess.Popen([sys.executable, "-u", "-c", _BOOT, path, *map(str, fds)], pass_fds=fds,
+                                     start_new_session=True)
         theirs.close()
         return cls(popen, Connection(ours.detach()), page)
 

@@ -10,8 +10,8 @@ import dataclasses
 import os
 from typing import ClassVar, Literal
 
-from rlalign.configlib import (Rule, at_least, checked_by_type, greater_than, guarded_keys, non_empty, one_of, pair_within,
-                               unusual_value, usual, within)
+from rlalign.configlib import (Rule, at_least, checked_by_type, greater_than, guarded_keys, non_empty, one_of,
+                               pair_within, unusual_value, usual, within)
 from rlalign.tasks.arithmetic import MAX_DIGITS
 from rlalign.algos.registry import (
     ADVANTAGES,

@@ -131,7 +131,8 @@ def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:
     if section.name == "arithmetic":
         task = ArithmeticTask(seed=seed, min_digits=section.min_digits, max_digits=section.max_digits,
                               eval_size=section.eval_size)
-        rewards = RewardWorker("arithmetic" if section.reward == "builtin" else section.reward, section.reward_timeout_s)
+        spec = "arithmetic" if section.reward == "builtin" else section.reward
+        rewards = RewardWorker(spec, section.reward_timeout_s)
         return TaskData(task.train_problem, task.eval_problems, rewards, tokenizer, section.chat,
                         section.system_prompt, section.enable_thinking)
     if section.reward == "builtin":
