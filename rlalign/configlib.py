@@ -2,14 +2,20 @@
 
 ``load_config(Schema, "cfg.yaml", ["algo.kl_coef=0.01", "run.dir=runs/x"])`` returns a ``Schema``
 instance. An unknown key fails with the nearest valid names; a value of the wrong type names the
-field and the type it wants. Values in overrides are parsed as YAML scalars (``0.01``, ``true``,
-``null``, ``[1, 2]``).
+field and the type it wants; a key given twice in one YAML mapping fails with the key and both lines
+(YAML would keep the second silently). Values in overrides are parsed as YAML scalars (``0.01``,
+``true``, ``null``, ``[1, 2]``).
 
 Value rules: a config dataclass declares ``CHECKS: ClassVar[dict[str, Rule]]``, one :class:`Rule`
 per field, next to its fields. :func:`build` applies them after the types are checked, so every
 bad value fails at load with the key and the allowed range (``run.checkpoint_every must be an
 integer >= 1, got 0``). Each rule also lists values it refuses (``Rule.bad``), which the tests
 walk field by field. Rules that need two fields go in the dataclass's ``validate()``.
+
+Usual ranges: a field where a typo gives an absurd but legal value (``optim.lr=1e9``) also declares
+``GUARDS: ClassVar[dict[str, Rule]]``, its usual range. :func:`unusual_value` finds the first value
+outside it whose key the config does not list as meant (``run.allow_unusual`` for the training
+config): a typo stops the run, a deliberate value needs one more key.
 """
 
 from __future__ import annotations
@@ -71,6 +77,11 @@ def within(low, high, *, low_open=False, high_open=False, optional=False) -> Rul
     return Rule(f"a number in {lo}{low}, {high}{hi}", allows, bad, optional)
 
 
+def usual(low, high, bad: tuple, *, low_open=False) -> Rule:
+    """A usual range (``GUARDS``): ``within(low, high)``; ``bad`` lists legal values outside it (tests feed them)."""
+    return dataclasses.replace(within(low, high, low_open=low_open), bad=tuple(bad))
+
+
 def one_of(*choices, optional=False) -> Rule:
     names = [str(c) for c in choices]
     listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
@@ -98,9 +109,29 @@ def load_config(schema: type, path: "str | Path | None" = None, overrides: "list
     return build(schema, merge(base or {}, load_raw(path, overrides)), prefix="")
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping gives the same key twice (YAML itself keeps the second and drops the first silently)."""
+
+    def __init__(self, key, first_line: int, line: int):
+        super().__init__(f"key {key!r} appears twice in one mapping (lines {first_line} and {line}); keep one")
+
+
 class _Loader(yaml.SafeLoader):
     """YAML with the 1.2 booleans: only true/false (any case) are bools. YAML 1.1 also reads on/off/yes/no
-    as bools, which turned the documented ``rollout.decode_graphs=off`` into False and failed the run."""
+    as bools, which turned the documented ``rollout.decode_graphs=off`` into False and failed the run.
+    A key given twice in one mapping is a :class:`DuplicateKeyError` (merge keys ``<<`` may repeat keys)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+                if key in seen:
+                    raise DuplicateKeyError(key, seen[key], line)
+                seen[key] = line
+        return super().construct_mapping(node, deep)
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -200,11 +231,51 @@ def _read_yaml(path: Path) -> dict:
                           "save it as UTF-8") from None
     try:
         data = load_yaml(text) or {}
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and where (``found ... at line 3, column 5``)."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(exc).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
+def unusual_value(obj, allowed, allow_key: str, prefix: str = "") -> "str | None":
+    """The first field of ``obj`` (a nested config dataclass) outside its usual range (the ``GUARDS`` of its
+    section), unless its key is in ``allowed``; None when every value is usual or allowed. ``allow_key`` names
+    the config key that lists the allowed ones, for the message."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            problem = unusual_value(value, allowed, allow_key, f"{prefix}{f.name}.")
+            if problem:
+                return problem
+    for name, rule in getattr(type(obj), "GUARDS", {}).items():
+        key, value = prefix + name, getattr(obj, name)
+        if key not in allowed and value is not None and not rule.allows(value):
+            return (f"{key}={value!r} is outside its usual range, {rule.describe}: a typo? If it is meant, "
+                    f"allow it with {allow_key}=[{key}]")
+    return None
+
+
+def guarded_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every ``section.key`` of a nested config schema that declares a usual range (``GUARDS``)."""
+    hints = typing.get_type_hints(schema)
+    keys = [prefix + name for name in getattr(schema, "GUARDS", {})]
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += guarded_keys(hints[f.name], f"{prefix}{f.name}.")
+    return keys
 
 
 def _set_dotted(raw: dict, key: str, value: Any) -> None:

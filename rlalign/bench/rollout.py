@@ -86,11 +86,13 @@ from pathlib import Path
 
 import torch
 
+from rlalign.bench.args import positive_int, seed_int
 from rlalign.bench.roofline import (decode_step_bytes, decode_step_floor, kv_bytes_per_token, parameter_counts,
                                     step_shapes)
 from rlalign.bench.kernel_profile import KernelProfile
 from rlalign.contract import use_profile
 from rlalign.contract.bits import count_differences
+from rlalign.contract.errors import RLAlignError
 from rlalign.doctor import environment
 from rlalign.models.batch import ForwardBatch
 from rlalign.models.checkpoint import load_model, load_model_config, resolve_dtype, save_model
@@ -100,6 +102,10 @@ from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from rlalign.rollout.engine import collector_paused
 
 HELP = "rollout tokens/s: rlalign engine (strict, native) vs transformers generate"
+
+
+class BenchError(RLAlignError):
+    """A benchmark option or workload that cannot run; the CLI prints it as one line (exit 2)."""
 ENGINES = ("strict", "native", "transformers")
 
 _QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu", attention_bias=False,
@@ -152,7 +158,7 @@ KV_CACHE_MARGIN = 1.10
 def workload_defaults(args) -> dict:
     """The device's defaults, overridden by ``--workload``'s fields (explicit options override both)."""
     if args.workload is not None and args.workload not in WORKLOADS:
-        raise SystemExit(f"rlalign bench rollout: unknown workload {args.workload!r} (choose from {sorted(WORKLOADS)})")
+        raise BenchError(f"unknown workload {args.workload!r} (choose from {sorted(WORKLOADS)})")
     return dict(DEFAULTS[args.device], **WORKLOADS.get(args.workload, {}))
 
 
@@ -168,7 +174,7 @@ def default_model_dir() -> Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--workload", metavar="NAME", help=f"named workload: {', '.join(WORKLOADS)} (module docstring)")
-    p.add_argument("--layers", type=int, help="keep the first N decoder layers of the preset shape")
+    p.add_argument("--layers", type=positive_int, help="keep the first N decoder layers of the preset shape")
     p.add_argument("--peak-gbps", type=float,
                    help="memory bandwidth peak for the roofline fraction (default 4300 on CUDA: H200 HBM3e)")
     p.add_argument("--peak-tflops", type=float,
@@ -178,18 +184,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="random-init model shape (default: the embedded default model if present on the CPU, else "
                         "cpu-small; qwen3-0.6b on CUDA)")
-    p.add_argument("--prompts", type=int, help="number of prompts (default 64 on the CPU, 256 on CUDA)")
-    p.add_argument("--samples", type=int, help="samples per prompt (default 8)")
-    p.add_argument("--new-tokens", type=int,
+    p.add_argument("--prompts", type=positive_int, help="number of prompts (default 64 on the CPU, 256 on CUDA)")
+    p.add_argument("--samples", type=positive_int, help="samples per prompt (default 8)")
+    p.add_argument("--new-tokens", type=positive_int,
                    help="new tokens per sample (default 64 on the CPU, 512 on CUDA, 32 for models of < 256 positions)")
     p.add_argument("--prompt-len", metavar="MIN:MAX",
                    help="prompt length range (default 32:128 CPU, 64:192 CUDA, 8:16 for models of < 256 positions)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=1024, help="engine decode batch (default 1024)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine token budget per step")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--max-num-seqs", type=positive_int, default=1024, help="engine decode batch (default 1024)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="engine token budget per step")
     p.add_argument("--max-model-len", default="workload", metavar="N|workload|model",
                    help="the engine's max_model_len: 'workload' (default) the longest prompt + new tokens, as verl "
                         "sets it (prompt length + response length); 'model' the model's max_position_embeddings; "
@@ -202,11 +208,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="overlapped scheduling of decode steps (auto: on with CUDA graphs; RolloutConfig.overlap); the "
                         "row's 'overlap' field says whether it ran: compare host_ms_per_step of on and off")
     p.add_argument("--kv-cache-gb", type=float, help="engine KV cache size (default: 1 GiB CPU, 80%% of free GPU memory)")
-    p.add_argument("--hf-batch-prompts", type=int,
+    p.add_argument("--hf-batch-prompts", type=positive_int,
                    help="prompts per transformers generate call (default all on the CPU, 64 on CUDA)")
-    p.add_argument("--hf-prompts", type=int, help="run transformers on the first N prompts only (default all)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default torch's)")
-    p.add_argument("--repeat", type=int, help="timed calls per engine, the median reported (default 3 CPU, 1 CUDA)")
+    p.add_argument("--hf-prompts", type=positive_int, help="run transformers on the first N prompts only (default all)")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default torch's)")
+    p.add_argument("--repeat", type=positive_int, help="timed calls per engine, the median reported (default 3 CPU, 1 CUDA)")
     p.add_argument("--warmup", choices=("full", "short"),
                    help="untimed warm-up per engine: the whole workload once (default on the CPU: the process's "
                         "allocator and caches settle, whichever engine runs first; and for the --workload presets "
@@ -245,14 +251,14 @@ def run(args: argparse.Namespace) -> dict:
 
     defaults = workload_defaults(args)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("rlalign bench rollout: --device cuda but no CUDA device is visible")
+        raise BenchError("--device cuda but no CUDA device is visible")
     _check_positive(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - set(ENGINES)
     if unknown:
-        raise SystemExit(f"rlalign bench rollout: unknown engines {sorted(unknown)} (choose from {ENGINES})")
+        raise BenchError(f"unknown engines {sorted(unknown)} (choose from {ENGINES})")
     dtype = args.dtype or defaults["dtype"]
     # a preset's checkpoint is written and read back once: in memory when the machine has a tmpfs (16.4 GB for 8B)
     shm = "/dev/shm" if args.device != "cpu" and os.path.isdir("/dev/shm") else None
@@ -283,7 +289,7 @@ def _progress(message: str) -> None:
 def _model_dir(args, defaults, dtype: str, tmp: Path) -> tuple[Path, str]:
     if args.model:
         if args.layers:
-            raise SystemExit("rlalign bench rollout: --layers cuts a preset shape; it cannot be combined with --model")
+            raise BenchError("--layers cuts a preset shape; it cannot be combined with --model")
         return Path(args.model), str(args.model)
     preset = args.preset or defaults.get("preset")
     if preset is None and default_model_dir().joinpath("config.json").is_file():
@@ -292,7 +298,7 @@ def _model_dir(args, defaults, dtype: str, tmp: Path) -> tuple[Path, str]:
     hf = dict(PRESETS[preset])
     if args.layers:
         if not 1 <= args.layers <= hf["num_hidden_layers"]:
-            raise SystemExit(f"rlalign bench rollout: --layers must be in 1..{hf['num_hidden_layers']} for {preset}")
+            raise BenchError(f"--layers must be in 1..{hf['num_hidden_layers']} for {preset}")
         hf["num_hidden_layers"] = args.layers
     config = ModelConfig.from_hf_dict(hf)
     # drawn where the bench runs: the CPU generator takes minutes for the 8B's 8.2B normals (the 8b-* workloads ran
@@ -317,7 +323,7 @@ def _workload(args, defaults, model_dir: Path) -> Workload:
     count = args.prompts or defaults["prompts"]
     new_tokens = args.new_tokens or defaults["new_tokens"]
     if high + new_tokens > config.max_position_embeddings:
-        raise SystemExit(f"rlalign bench rollout: prompts up to {high} tokens + {new_tokens} new tokens exceed the "
+        raise BenchError(f"prompts up to {high} tokens + {new_tokens} new tokens exceed the "
                          f"model's max_position_embeddings={config.max_position_embeddings}")
     gen = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
@@ -346,7 +352,7 @@ def _check_positive(args) -> None:
     for name in POSITIVE_OPTIONS:
         value = getattr(args, name, None)
         if value is not None and not value > 0:
-            raise SystemExit(f"rlalign bench rollout: --{name.replace('_', '-')} must be > 0, got {value}")
+            raise BenchError(f"--{name.replace('_', '-')} must be > 0, got {value}")
 
 
 def _peak_gbps(args) -> float | None:
@@ -426,9 +432,9 @@ def max_model_len(args, workload: Workload, config) -> int | None:
     try:
         value = int(choice)
     except ValueError:
-        raise SystemExit(f"rlalign bench rollout: --max-model-len {choice!r} is not a number, 'workload' or 'model'")
+        raise BenchError(f"--max-model-len {choice!r} is not a number, 'workload' or 'model'")
     if not longest <= value <= config.max_position_embeddings:
-        raise SystemExit(f"rlalign bench rollout: --max-model-len {value} must hold the workload's longest sequence "
+        raise BenchError(f"--max-model-len {value} must hold the workload's longest sequence "
                          f"({longest} tokens) and be at most max_position_embeddings={config.max_position_embeddings}")
     return value
 
@@ -774,7 +780,11 @@ def print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlalign bench rollout", description=HELP)
     add_arguments(parser)
-    return run_cli(parser.parse_args(argv))
+    try:
+        return run_cli(parser.parse_args(argv))
+    except RLAlignError as exc:   # one line, exit 2, as rlalign.cli.main does
+        print(f"rlalign bench rollout: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

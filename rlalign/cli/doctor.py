@@ -7,6 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from rlalign.bench.args import seed_int
 from rlalign.cli._device import DeviceUnavailable, require_device
 from rlalign.doctor import environment, run_checks
 
@@ -15,7 +16,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="check every strict-profile invariance on this machine")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: fresh)")
+    p.add_argument("--seed", type=seed_int, default=None, help="seed of the random inputs (default: fresh)")
     p.set_defaults(func=run)
 
 

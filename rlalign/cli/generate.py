@@ -16,11 +16,13 @@ import argparse
 import json
 import sys
 
+from rlalign.bench.args import non_negative_int, positive_int, seed_int
 from rlalign.cli._device import require_device
 from rlalign.contract import use_profile
 from rlalign.contract.errors import RLAlignError
 from rlalign.models import load_model, load_tokenizer
 from rlalign.rollout.completions import generate_completions
+from rlalign.train.config import memory_problem
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -35,28 +37,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR",
                         help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
     parser.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="prompt (repeatable)")
-    parser.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, metavar="L", help="default 32")
+    parser.add_argument("--n", type=positive_int, default=1, help="samples per prompt (default 1)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="L", help="default 32")
     parser.add_argument("--temperature", type=float, default=1.0, metavar="T", help="default 1.0; 0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1.0 = off)")
-    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="top-k sampling (default 0 = off)")
-    parser.add_argument("--seed", type=int, default=0, metavar="S", help="default 0")
+    parser.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="top-k sampling (default 0 = off)")
+    parser.add_argument("--seed", type=seed_int, default=0, metavar="S", help="default 0")
     parser.add_argument("--profile", choices=("strict", "native"), default="strict", help="default strict")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                         help="compute dtype (default: the checkpoint's torch_dtype)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--page-size", type=int, default=16, help="KV cache page size (default 16)")
+    parser.add_argument("--page-size", type=positive_int, default=16, help="KV cache page size (default 16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
+def _check_size(args) -> None:
+    """Completions that would not fit in memory are refused before any work (the trainer's estimate and rule)."""
+    problem = memory_problem(f"--n {args.n} x {len(args.prompt)} prompt(s)", args.n * len(args.prompt),
+                             args.max_new_tokens, fix="lower --n or --max-new-tokens")
+    if problem:
+        raise RLAlignError(problem)
+
+
 def _check_request(model, tokenizer, args) -> None:
-    """What ``rlalign train`` refuses for its prompts, refused here too: no EOS, no room for the completion."""
+    """What ``rlalign train`` refuses for its prompts, refused here too: no EOS, characters the tokenizer cannot
+    encode (they would become its unknown token), no room for the completion."""
     if not (tokenizer.eos_token_ids or model.config.eos_token_ids):
         raise RLAlignError(f"{args.model}: no eos token (tokenizer_config.json eos_token or config.json eos_token_id); "
                            "completions could never stop")
     limit = model.config.max_position_embeddings
     for prompt in args.prompt:
+        problem = tokenizer.encodability_problem(prompt)
+        if problem:
+            raise RLAlignError(problem)
         length = len(tokenizer.encode(prompt, chat=args.chat))
         if length + args.max_new_tokens > limit:
             raise RLAlignError(f"prompt {prompt[:40]!r} is {length} tokens; with --max-new-tokens {args.max_new_tokens} "
@@ -66,6 +80,7 @@ def _check_request(model, tokenizer, args) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         require_device(args.device)
+        _check_size(args)
         model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
         tokenizer = load_tokenizer(args.model)
         _check_request(model, tokenizer, args)

@@ -6,14 +6,23 @@ import argparse
 import importlib
 import sys
 
+from rlalign import envvars
 from rlalign.contract.errors import RLAlignError
 from rlalign.version import __version__
 
 COMMANDS = ("train", "generate", "parity", "report", "export", "checksum", "bench", "doctor", "pretrain")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument error is one line, ``rlalign <cmd>: error: <message>`` (exit 2), as every other error of the
+    command; ``--help`` shows the usage. Sub-command parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlalign", description="RL post-training with bit-identical rollout and training log-probs")
+    parser = OneLineParser(prog="rlalign", description="RL post-training with bit-identical rollout and training log-probs")
     parser.add_argument("--version", action="version", version=f"rlalign {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
@@ -34,21 +43,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        envvars.check_environment()   # every RLALIGN_* variable set is one rlalign reads, with an allowed value
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("rlalign: interrupted", file=sys.stderr)
         return 130
     except RLAlignError as exc:
-        print(f"rlalign {args.command}: error: {exc}", file=sys.stderr)
+        print(f"rlalign {_command(args)}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:   # disk full, read-only filesystem, permissions: the environment, not a bug
-        print(f"rlalign {args.command}: error: {os_error_line(exc)}{_RESUME_HINT.get(args.command, '')}",
+        print(f"rlalign {_command(args)}: error: {os_error_line(exc)}{_RESUME_HINT.get(args.command, '')}",
               file=sys.stderr)
         return 2
     except UnicodeDecodeError as exc:
-        print(f"rlalign {args.command}: error: a file is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+        print(f"rlalign {_command(args)}: error: a file is not UTF-8 text ({exc.reason} at byte {exc.start}); "
               "save it as UTF-8", file=sys.stderr)
         return 2
+
+
+def _command(args) -> str:
+    """The command as typed: ``train``, or ``bench rollout`` for a benchmark."""
+    return " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
 
 
 _RESUME_HINT = {"train": "; the last checkpoint is intact: fix this and continue with run.resume=true"}

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 import rlalign.integrations  # noqa: F401  (registers the parity sides --rollout vllm, --train transformers)
+from rlalign.bench.args import non_negative_int, positive_int, seed_int
 from rlalign.cli._device import require_device
 from rlalign.models.checkpoint import CheckpointError
 from rlalign.parity.replay import check_record_target
@@ -31,20 +32,20 @@ def register(subparsers) -> None:
     p.add_argument("--train", default="rlalign", choices=sorted(TRAINER_SIDES),
                    help="training side: rlalign's trainer forward, or a Hugging Face model (patched in strict, "
                         "stock transformers in native)")
-    p.add_argument("--prompts", type=int, default=4, help="number of prompts")
-    p.add_argument("--samples", type=int, default=2, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--prompts", type=positive_int, default=4, help="number of prompts")
+    p.add_argument("--samples", type=positive_int, default=2, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16)
     p.add_argument("--profile", default="strict", choices=["strict", "native"])
     p.add_argument("--localize", action="store_true", help="on a mismatch, find the first op/layer/token that differs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--report", metavar="DIR", help="write parity.json, parity.md and logprob_diff_hist.png here")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=non_negative_int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--train-batch", type=int, default=None, help="sequences per training forward (default: all)")
+    p.add_argument("--train-batch", type=positive_int, default=None, help="sequences per training forward (default: all)")
     p.add_argument("--record", metavar="FILE", help="write the rollout (tokens, seeds, logprobs) to this JSONL file")
     p.add_argument("--replay", metavar="FILE", help="score a recorded rollout instead of generating")
     p.add_argument("--tp", metavar="DEGREES", default=None,

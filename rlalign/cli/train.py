@@ -79,9 +79,12 @@ def _dry_run(cfg) -> int:
     """Everything a run checks before its first step, without writing a run directory; shows the first
     training prompt rendered as the model receives it (chat template applied, decoded from its token ids)."""
     policy, tokenizer, model_dir = load_policy(cfg.model)
-    task = build_task(cfg.task, tokenizer, cfg.run.seed)
-    first = task.train(0, 1)[0]
-    ids = task.encode(first.prompt)
+    task = build_task(cfg.task, tokenizer, cfg.run.seed)   # starts the reward's worker: the reward loads
+    try:
+        first = task.train(0, 1)[0]
+        ids = task.encode(first.prompt)
+    finally:
+        task.close()
     print(config_yaml(cfg), end="")
     print(f"# dry run: model {model_dir} ({sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters) "
           f"loaded; task ready ({len(task.eval_problems())} eval problems); nothing was trained or written")

@@ -6,13 +6,17 @@ decoder reads only the features. Registered: ``llama`` (Llama 2/3, rope scaling 
 ``qwen2`` (Qwen2/2.5: q/k/v bias), ``qwen3`` (dense Qwen3: q/k RMSNorm). Anything the decoder
 would silently compute differently from the reference implementation (MoE, sliding window, other
 rope scalings, extra biases, other activations, partial rotary) is refused with a
-:class:`ModelConfigError` naming the feature.
+:class:`ModelConfigError` naming the feature. Every config.json key this module (or a family) reads is
+type-checked first (:data:`KEY_RULES`): a string ``hidden_size``, a negative size, a float where an
+integer belongs or a string where a bool belongs is one line naming the key, never a traceback from
+deep inside the model's construction.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, Callable
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.models import architectures
@@ -29,6 +33,56 @@ _OWNED_KEYS = {
 
 class ModelConfigError(RLAlignError, ValueError):
     """A config.json describes a model this decoder does not implement (message names the feature)."""
+
+
+def _is_int(x, low: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda x: isinstance(x, list) and all(check(v) for v in x)
+
+
+_SIZE = ("an integer >= 1", lambda x: _is_int(x, 1))
+_COUNT = ("an integer >= 0", lambda x: _is_int(x, 0))
+_TOKEN_ID = ("a token id (an integer)", lambda x: _is_int(x, -2**63))   # some configs write -1 for "none"
+_BOOL = ("true or false", lambda x: isinstance(x, bool))
+_TEXT = ("a string", lambda x: isinstance(x, str))
+_POSITIVE = ("a finite number > 0", _is_number)
+_MAPPING = ("a mapping", lambda x: isinstance(x, dict))
+# config.json keys read here or by a family (rlalign.models.architectures): (what they must be, the check); a null
+# value counts as absent (its default applies, or a required key is missing)
+KEY_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    **{k: _SIZE for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
+                          "decoder_sparse_step")},
+    **{k: _COUNT for k in ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+                           "shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")},
+    **{k: _BOOL for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob")},
+    **{k: _TEXT for k in ("model_type", "hidden_act", "torch_dtype", "dtype")},
+    **{k: _TOKEN_ID for k in ("bos_token_id", "pad_token_id")},
+    **{k: _POSITIVE for k in ("rms_norm_eps", "rope_theta", "partial_rotary_factor")},
+    **{k: _MAPPING for k in ("rope_scaling", "rope_parameters")},
+    "eos_token_id": ("a token id or a list of them", lambda x: _TOKEN_ID[1](x) or _list_of(_TOKEN_ID[1])(x)),
+    "architectures": ("a list of strings", _list_of(lambda v: isinstance(v, str))),
+    "layer_types": ("a list of strings", _list_of(lambda v: isinstance(v, str))),
+    "mlp_only_layers": ("a list of layer indices (integers >= 0)", _list_of(lambda v: _is_int(v, 0))),
+}
+
+
+def check_key_types(d: dict) -> None:
+    """Raise :class:`ModelConfigError` (one line: the key, its rule, the value) for the first key of
+    :data:`KEY_RULES` whose value breaks its rule."""
+    if not isinstance(d, dict):
+        raise ModelConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
+    for key, (rule, check) in KEY_RULES.items():
+        value = d.get(key)
+        if value is not None and not check(value):
+            raise ModelConfigError(f"{key} must be {rule}, got {value!r} ({type(value).__name__})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +121,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Parse a Hugging Face config dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x
-        ``rope_parameters`` layout); raise ModelConfigError for anything unsupported."""
+        ``rope_parameters`` layout); raise ModelConfigError for anything unsupported or of the wrong type
+        (:func:`check_key_types`)."""
+        check_key_types(d)
         family = _family(d)
         _reject_unsupported(d)
         try:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import threading
 
 import torch
 
+from rlalign import envvars
 from rlalign.contract import spec
 from rlalign.contract.errors import ContractError, fail
 from rlalign.ops.torch_backend import clib
@@ -81,11 +81,9 @@ def check_policy(device: torch.device | str) -> str:
     forced = getattr(_policy, "value", None)
     if forced is not None:
         return forced
-    setting = os.environ.get(CHECKS_ENV, "auto").strip().lower() or "auto"
+    setting = envvars.read(CHECKS_ENV)   # per-op, boundary or auto (the rule refuses anything else)
     if setting in (PER_OP, BOUNDARY):
         return setting
-    if setting != "auto":
-        raise ContractError(f"{CHECKS_ENV}={setting!r} is not a check policy: use {PER_OP}, {BOUNDARY} or auto")
     return PER_OP if torch.device(device).type == "cpu" else BOUNDARY
 
 

@@ -8,12 +8,12 @@ once, at the first op (this runs on every op call); :func:`refresh_env` re-reads
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable
 
 import torch
 
 import rlalign.ops.torch_backend.registry  # noqa: F401  (fills IMPLEMENTATIONS with the torch backend's ops)
+from rlalign import envvars
 from rlalign.contract.errors import fail
 from rlalign.ops._registry import IMPLEMENTATIONS, disabled_ops
 from rlalign.ops.torch_backend import clib
@@ -21,7 +21,7 @@ from rlalign.ops.torch_backend import clib
 
 @functools.lru_cache(maxsize=1)
 def _env() -> tuple[str, str]:
-    return os.environ.get("RLALIGN_BACKEND", ""), os.environ.get("RLALIGN_TRITON_DISABLE", "")
+    return envvars.read("RLALIGN_BACKEND"), envvars.read("RLALIGN_TRITON_DISABLE")
 
 
 def refresh_env() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from rlalign import envvars
+
 IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {}
 
 
@@ -31,3 +33,7 @@ def disabled_ops(names: str) -> frozenset[str]:
         if ops & group:
             ops |= group
     return frozenset(ops)
+
+
+# RLALIGN_TRITON_DISABLE may name any registered strict op (rlalign.envvars checks its value against them)
+envvars.name_source("RLALIGN_TRITON_DISABLE", lambda: {op for op, _ in IMPLEMENTATIONS})

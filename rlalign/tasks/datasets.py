@@ -78,7 +78,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow") from None
+        raise DatasetError(f"{path}: reading a .parquet file needs the pyarrow package, which is not installed here: "
+                           "pip install pyarrow (or use .jsonl / .json)") from None
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow raises several types for unreadable files

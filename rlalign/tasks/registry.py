@@ -8,10 +8,12 @@ one-line :class:`RewardLoadError` naming the path. :func:`score` calls a reward 
 turns an exception (``sys.exit`` included), a non-numeric return or a value outside
 ``[-REWARD_LIMIT, REWARD_LIMIT]`` (NaN and +-inf included) into a :class:`RewardError` naming
 the reward by its file and line, the sample (index and prompt excerpt) and, for an exception, the
-file and line that raised it.
+file and line that raised it. :func:`call_reward` is that check for one sample, shared by
+:func:`score` (in this process) and the reward worker (:mod:`rlalign.tasks.reward_worker`, where the
+trainer runs rewards).
 
-Security: a reward given as ``module:function`` or ``file.py:function`` is imported and run in the
-trainer's process with the user's rights, by design (docs/reliability.md).
+Security: a reward given as ``module:function`` or ``file.py:function`` is imported and run with the
+user's rights, by design (docs/reliability.md); the trainer runs it in a process of its own.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class RewardError(RLAlignError, ValueError):
     """A reward function raised or returned a non-finite / non-numeric value on a sample."""
 
 
-def _keyword_filter(reward_fn) -> Callable[[Mapping[str, Any]], dict]:
+def keyword_filter(reward_fn) -> Callable[[Mapping[str, Any]], dict]:
     """Which of a row's extra fields the reward takes: every one with ``**kwargs``, else its keyword-capable
     parameters past the first three (prompt, completion, answer)."""
     try:
@@ -136,11 +138,16 @@ def _excerpt(text: str, limit: int = 60) -> str:
     return repr(_shorten(text, limit))
 
 
+def sample_label(name: str, index: int, prompt: str) -> str:
+    """How a reward error names the call: ``reward NAME on sample I (prompt '...')``."""
+    return f"reward {name} on sample {index} (prompt {_excerpt(prompt)})"
+
+
 def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _name(fn: Callable) -> str:
+def reward_name(fn: Callable) -> str:
     """``module:function``, or ``path/to/file.py:line:function`` for a reward loaded from a file."""
     module = getattr(fn, "__module__", None)
     name = getattr(fn, "__qualname__", None) or repr(fn)
@@ -164,38 +171,50 @@ def _as_float(value: object) -> float | None:
     return None
 
 
-def score(reward_fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
-          answers: Sequence[str], extras: "Sequence[Mapping[str, Any]] | None" = None) -> list[float]:
-    """``[float(reward_fn(p, c, a, **kw)) for each sample]``, checked. ``extras``: each sample's dataset-row
-    fields besides prompt and answer; ``kw`` holds those the function takes as keyword parameters (all of
-    them when it has ``**kwargs``; none for the plain three-argument signature), as TRL passes columns.
+def call_reward(reward_fn: RewardFn, where: str, prompt: str, completion: str, answer: str, keywords: Mapping,
+                catch: tuple = (Exception,)) -> float:
+    """``float(reward_fn(prompt, completion, answer, **keywords))``, checked; ``where`` is the call's
+    :func:`sample_label`. ``sys.exit`` and the exception types in ``catch`` become a :class:`RewardError`
+    (the reward worker catches every ``BaseException``: a ``KeyboardInterrupt`` raised there is the reward's,
+    never the user's), as does a return that is not a real number (bool counts as 0/1) or lies outside
+    ``[-REWARD_LIMIT, REWARD_LIMIT]`` (NaN and +-inf included)."""
+    try:
+        value = reward_fn(prompt, completion, answer, **keywords)
+    except SystemExit as e:   # a reward must not end the training (its checkpoint state would be lost)
+        raise RewardError(f"{where} called sys.exit({e.code!r}){_raised_at(e)}; return a reward instead") from None
+    except catch as e:
+        raise RewardError(f"{where} raised {_one_line(e)}{_raised_at(e)}") from e
+    number = _as_float(value)
+    if number is None:
+        raise RewardError(f"{where} returned {type(value).__name__} {_shorten(repr(value), 60)}, expected a float")
+    if not (math.isfinite(number) and abs(number) <= REWARD_LIMIT):
+        raise RewardError(f"{where} returned {number}, expected a finite float in [-{REWARD_LIMIT:g}, "
+                          f"{REWARD_LIMIT:g}] (larger values overflow the fp32 group statistics); scale the reward")
+    return number
 
-    Raises :class:`RewardError` naming the reward, the sample index and a prompt excerpt when
-    the function raises, returns something that is not a real number (bool counts as 0/1), or
-    returns NaN or +-inf; raises ``ValueError`` when the three lists differ in length.
-    """
+
+def check_lengths(prompts: Sequence, completions: Sequence, answers: Sequence, extras: "Sequence | None") -> None:
+    """``ValueError`` unless the batch's lists (and ``extras`` when given) have one entry per sample."""
     if not len(prompts) == len(completions) == len(answers):
         raise ValueError(f"score: lengths differ: {len(prompts)} prompts, {len(completions)} completions, "
                          f"{len(answers)} answers")
-    name = _name(reward_fn)
     if extras is not None and len(extras) != len(prompts):
         raise ValueError(f"score: {len(extras)} extras for {len(prompts)} prompts")
-    accepts = _keyword_filter(reward_fn)
-    out = []
-    for i, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers, strict=True)):
-        where = f"reward {name} on sample {i} (prompt {_excerpt(prompt)})"
-        kw = accepts(extras[i]) if extras is not None else {}
-        try:
-            value = reward_fn(prompt, completion, answer, **kw)
-        except SystemExit as e:   # a reward must not end the training (its checkpoint state would be lost)
-            raise RewardError(f"{where} called sys.exit({e.code!r}){_raised_at(e)}; return a reward instead") from None
-        except Exception as e:
-            raise RewardError(f"{where} raised {_one_line(e)}{_raised_at(e)}") from e
-        number = _as_float(value)
-        if number is None:
-            raise RewardError(f"{where} returned {type(value).__name__} {_shorten(repr(value), 60)}, expected a float")
-        if not (math.isfinite(number) and abs(number) <= REWARD_LIMIT):
-            raise RewardError(f"{where} returned {number}, expected a finite float in [-{REWARD_LIMIT:g}, "
-                              f"{REWARD_LIMIT:g}] (larger values overflow the fp32 group statistics); scale the reward")
-        out.append(number)
-    return out
+
+
+def score(reward_fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
+          answers: Sequence[str], extras: "Sequence[Mapping[str, Any]] | None" = None) -> list[float]:
+    """``[float(reward_fn(p, c, a, **kw)) for each sample]``, checked, in this process. ``extras``: each sample's
+    dataset-row fields besides prompt and answer; ``kw`` holds those the function takes as keyword parameters
+    (all of them when it has ``**kwargs``; none for the plain three-argument signature), as TRL passes columns.
+
+    Raises :class:`RewardError` naming the reward, the sample index and a prompt excerpt when
+    the function raises, returns something that is not a real number (bool counts as 0/1), or
+    returns NaN or +-inf (:func:`call_reward`); raises ``ValueError`` when the lists differ in length.
+    """
+    check_lengths(prompts, completions, answers, extras)
+    name = reward_name(reward_fn)
+    accepts = keyword_filter(reward_fn)
+    return [call_reward(reward_fn, sample_label(name, i, prompt), prompt, completion, answer,
+                        accepts(extras[i]) if extras is not None else {})
+            for i, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers, strict=True))]

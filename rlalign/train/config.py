@@ -10,7 +10,8 @@ import dataclasses
 import os
 from typing import ClassVar, Literal
 
-from rlalign.configlib import Rule, at_least, checked_by_type, greater_than, non_empty, one_of, pair_within, within
+from rlalign.configlib import (Rule, at_least, checked_by_type, greater_than, guarded_keys, non_empty, one_of,
+                               pair_within, unusual_value, usual, within)
 from rlalign.tasks.arithmetic import MAX_DIGITS
 from rlalign.algos.registry import (
     ADVANTAGES,
@@ -54,6 +55,7 @@ class TaskSection:
         "chat": checked_by_type("true or false"),
         "system_prompt": non_empty("a system message", optional=True),
         "enable_thinking": checked_by_type("true, false or null"),
+        "reward_timeout_s": within(0, 86400, low_open=True),
     }
     name: Literal["arithmetic", "dataset"] = "arithmetic"   # arithmetic (built-in addition) | dataset (task.path)
     reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function (docs/data_and_rewards.md)
@@ -68,6 +70,7 @@ class TaskSection:
     chat: bool = False                 # apply the tokenizer's chat template to prompts (message-list prompts always are)
     system_prompt: str | None = None   # chat: a system message put before each prompt that has none
     enable_thinking: bool | None = None   # chat: the template's enable_thinking (Qwen3: false = no <think> block); None: unset
+    reward_timeout_s: float = 30.0     # seconds one reward call may take; past it the run stops naming the reward and the sample
 
     def validate(self):
         if self.name == "dataset" and not self.path:
@@ -96,6 +99,7 @@ class RolloutSection:
         "ignore_eos": checked_by_type("true or false"),
         "share_weights": checked_by_type("true, false or null"),
     }
+    GUARDS: ClassVar[dict[str, Rule]] = {"temperature": usual(0, 10, (11.0, 1e9), low_open=True)}
     prompts_per_step: int = 32         # prompts (groups) per optimizer step
     samples_per_prompt: int = 8        # completions per prompt (the GRPO group size)
     max_new_tokens: int = 6            # completion length limit (longer ones are truncated)
@@ -151,6 +155,12 @@ class AlgoSection:
         "value_lr": greater_than(0),
         "value_clip": greater_than(0, optional=True),
     }
+    GUARDS: ClassVar[dict[str, Rule]] = {
+        "value_lr": usual(0, 1, (2.0, 1e9), low_open=True),
+        "kl_coef": usual(0, 10, (11.0, 1e6)),
+        "entropy_coef": usual(0, 1, (1.5, 100.0)),
+        "router_aux_coef": usual(0, 1, (1.5, 100.0)),
+    }
     advantage: Literal[ADVANTAGES.names()] = "grpo"       # advantage estimator (gae: PPO with a value model)
     policy_loss: Literal[POLICY_LOSSES.names()] = "ppo_clip"   # surrogate objective
     clip_low: float | None = None      # ratio clip below, 1 - clip_low (unset: the loss's own default)
@@ -194,6 +204,10 @@ class OptimSection:
         "offload": checked_by_type("true or false"),
         "step_chunk_elements": at_least(1),
     }
+    GUARDS: ClassVar[dict[str, Rule]] = {
+        "lr": usual(0, 1, (2.0, 1e9), low_open=True),
+        "weight_decay": usual(0, 1, (1.5, 100.0)),
+    }
     lr: float = 2e-4                   # AdamW peak learning rate
     weight_decay: float = 0.0          # AdamW weight decay
     betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.99])   # AdamW betas
@@ -229,6 +243,8 @@ class RunSection:
         "max_minutes": greater_than(0, optional=True),
         "stop_at_step": at_least(1, optional=True),
         "stop_when_stalled": at_least(1, optional=True),
+        "allow_unusual": Rule("a list of section.key names", lambda x: all(isinstance(k, str) and k.strip() for k in x),
+                              ([""], "bogus")),
     }
     dir: str | None = None             # default: runs/<timestamp>
     steps: int = 120                   # optimizer steps of the run
@@ -251,6 +267,7 @@ class RunSection:
     max_minutes: float | None = None   # stop (after a checkpoint) when exceeded
     stop_at_step: int | None = None    # stop (after a checkpoint) after this step; the lr schedule still spans run.steps
     stop_when_stalled: int | None = None   # end the run after N steps in a row with every advantage 0 (rlalign/train/stall.py)
+    allow_unusual: list[str] = dataclasses.field(default_factory=list)   # keys whose value may lie outside its usual range, e.g. [optim.lr] (docs/training.md)
 
 
 @dataclasses.dataclass
@@ -309,6 +326,9 @@ class TrainConfig:
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
         if self.run.resume and self.run.overwrite:
             return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
+        unusual = self._unusual_value()
+        if unusual:
+            return unusual
         evals = memory_problem("task.eval_size x run.eval_samples (per evaluation)",
                                self.task.eval_size * self.run.eval_samples, self.rollout.max_new_tokens)
         if evals:
@@ -318,22 +338,40 @@ class TrainConfig:
                     "rollout.samples_per_prompt=1 every advantage is 0 and training does nothing; use >= 2")
 
 
+    def _unusual_value(self) -> "str | None":
+        """A value outside its usual range (the sections' GUARDS) that run.allow_unusual does not list as meant."""
+        guarded = guarded_keys(TrainConfig)
+        stray = [k for k in self.run.allow_unusual if k not in guarded]
+        if stray:
+            return (f"run.allow_unusual names {', '.join(stray)}, which has no usual range; the keys with one: "
+                    f"{', '.join(guarded)}")
+        return unusual_value(self, self.run.allow_unusual, "run.allow_unusual")
+
+
 # Advantages measured against the other samples of the same prompt (one sample: always 0).
 GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")
 # Host memory a step's sequences take in Python lists (tokens, logprobs, text): a generous estimate.
 SEQUENCE_BYTES, TOKEN_BYTES = 2048, 256
 
 
-def memory_problem(what: str, sequences: int, max_new_tokens: int) -> "str | None":
-    """Sequences that would not fit in half of this machine's memory are refused at load (instead of
-    hanging while their prompt list is built)."""
-    need = sequences * (SEQUENCE_BYTES + TOKEN_BYTES * max_new_tokens)
+def host_memory_bytes() -> "int | None":
+    """This machine's physical memory in bytes (None where the OS does not say)."""
     try:
-        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
+        return None
+
+
+def memory_problem(what: str, sequences: int, max_new_tokens: int, fix: str = "lower them") -> "str | None":
+    """Sequences that would not fit in half of this machine's memory are refused before any work (instead of
+    hanging while their prompt list is built, or running until killed): the trainer's step and evaluation,
+    and ``rlalign generate``'s completions."""
+    need = sequences * (SEQUENCE_BYTES + TOKEN_BYTES * max_new_tokens)
+    have = host_memory_bytes()
+    if have is None:
         return None
     if need > have // 2:
         return (f"{what} = {sequences} sequences would take about {need / 2**30:.0f} GiB of host memory (estimated "
                 f"{SEQUENCE_BYTES} B + {TOKEN_BYTES} B per new token each), more than half of this machine's "
-                f"{have / 2**30:.0f} GiB; lower them")
+                f"{have / 2**30:.0f} GiB; {fix}")
     return None

@@ -117,12 +117,19 @@ class Trainer:
         refuse_reward_in_run_dir(cfg)   # before anything is imported or written
         self.run_lock = (open_run_dir(self.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
                                       last_step=cfg.run.steps) if self.writer else None)
+        self.task = None
         try:
             self._build(cfg)
         except BaseException:
+            self.close()
             if self.run_lock is not None:
                 self.run_lock.abandon()
             raise
+
+    def close(self) -> None:
+        """Stop what the trainer started besides itself: the reward worker process (idempotent)."""
+        if self.task is not None:
+            self.task.close()
 
     def _build(self, cfg: TrainConfig) -> None:
         self.device = torch.device(cfg.model.device)
@@ -638,6 +645,7 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
         _train_to_end(trainer, cfg, console)
         trainer.save_policy()
     finally:
+        trainer.close()
         if trainer.run_lock is not None:
             trainer.run_lock.release()
     return trainer.run_dir

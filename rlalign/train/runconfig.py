@@ -47,6 +47,7 @@ RESUME_FREE = frozenset({
     "rollout.max_num_batched_tokens", "rollout.kv_cache_bytes", "rollout.decode_graphs", "rollout.overlap",
     "rollout.record_routing", "rollout.share_weights",
     "optim.activation_checkpointing", "optim.offload", "optim.step_chunk_elements", "task.eval_size",
+    "task.reward_timeout_s", "run.allow_unusual",
 })
 
 

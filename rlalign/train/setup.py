@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from rlalign import tasks
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import load_model, load_model_config
 from rlalign.models.tokenizer import load_tokenizer
-from rlalign.tasks import ArithmeticTask, arithmetic_reward, load_dataset, load_reward
+from rlalign.tasks import ArithmeticTask, load_dataset
 from rlalign.tasks.arithmetic import Problem
+from rlalign.tasks.reward_worker import RewardWorker
 from rlalign.train.config import ModelSection, TaskSection
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "default_model"
@@ -61,13 +61,16 @@ def _refuse_float16(model_dir: Path, dtype: "str | None") -> None:
 
 
 class TaskData:
-    """Train stream (indexable by data position), held-out problems, encoding and checked scoring."""
+    """Train stream (indexable by data position), held-out problems, encoding and checked scoring.
 
-    def __init__(self, train_fn, eval_list: Sequence, reward_fn, tokenizer, chat: bool,
+    ``rewards`` scores batches: ``rewards.score(prompts, completions, answers, extras)`` (a
+    :class:`~rlalign.tasks.reward_worker.RewardWorker`, which :meth:`close` stops)."""
+
+    def __init__(self, train_fn, eval_list: Sequence, rewards, tokenizer, chat: bool,
                  system_prompt: "str | None" = None, enable_thinking: "bool | None" = None):
         self._train_fn = train_fn
         self._eval = [Problem(p.prompt, p.answer, p.extra) for p in eval_list]
-        self.reward_fn = reward_fn
+        self.rewards = rewards
         self.tokenizer = tokenizer
         self.chat = chat
         self.system_prompt = system_prompt
@@ -95,10 +98,9 @@ class TaskData:
         """The prompt's token ids; a character the tokenizer can only map to its unknown token is an
         error (it would silently become ``<unk>``/``<pad>`` and the task would be unlearnable)."""
         for text in ([m["content"] for m in self.messages(prompt)] if self.is_chat(prompt) else [prompt]):
-            unknown = _unencodable(self.tokenizer, text)
-            if unknown:
-                raise SetupError(f"the model's tokenizer cannot encode {''.join(unknown)!r} in the prompt {text[:60]!r} "
-                                 "(it maps them to its unknown token); use a tokenizer that covers the task's characters")
+            problem = self.tokenizer.encodability_problem(text)
+            if problem:
+                raise SetupError(problem)
         if self.is_chat(prompt):
             return self.tokenizer.apply_chat_template(self.messages(prompt), add_generation_prompt=True,
                                                       **self.template_kwargs)
@@ -113,28 +115,25 @@ class TaskData:
 
     def score(self, problems, completions) -> list[float]:
         """Each completion's reward against its problem (prompt as the model saw it, answer, the row's extra fields)."""
-        return tasks.score(self.reward_fn, [self.prompt_text(p.prompt) for p in problems], completions,
-                           [p.answer for p in problems], [p.extra for p in problems])
+        return self.rewards.score([self.prompt_text(p.prompt) for p in problems], completions,
+                                  [p.answer for p in problems], [p.extra for p in problems])
 
-
-def _unencodable(tokenizer, text: str) -> list[str]:
-    """Characters of ``text`` that the tokenizer maps to its unknown token (which does not occur in ``text``)."""
-    model = getattr(getattr(tokenizer, "backend", None), "model", None)
-    unk = getattr(model, "unk_token", None)
-    if not unk or unk in text:
-        return []
-    unk_id = tokenizer.token_to_id(unk)
-    enc = tokenizer.backend.encode(text, add_special_tokens=False)
-    return list(dict.fromkeys(text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk_id and b > a))
+    def close(self) -> None:
+        """Stop the reward worker (idempotent)."""
+        close = getattr(self.rewards, "close", None)
+        if close is not None:
+            close()
 
 
 def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:
-
+    """The task of ``section``, its reward loaded in a worker process (rlalign.tasks.reward_worker): a reward
+    that cannot be loaded fails here, before training; :meth:`TaskData.close` stops the worker."""
     if section.name == "arithmetic":
         task = ArithmeticTask(seed=seed, min_digits=section.min_digits, max_digits=section.max_digits,
                               eval_size=section.eval_size)
-        reward = arithmetic_reward if section.reward == "builtin" else load_reward(section.reward)
-        return TaskData(task.train_problem, task.eval_problems, reward, tokenizer, section.chat,
+        spec = "arithmetic" if section.reward == "builtin" else section.reward
+        rewards = RewardWorker(spec, section.reward_timeout_s)
+        return TaskData(task.train_problem, task.eval_problems, rewards, tokenizer, section.chat,
                         section.system_prompt, section.enable_thinking)
     if section.reward == "builtin":
         raise SetupError("task.reward must name a reward for a dataset task (gsm8k, gsm8k_last_number, or module:function)")
@@ -142,5 +141,5 @@ def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:
                                    prompt_template=section.template, eval_fraction=section.eval_fraction, seed=seed)
     if section.eval_size:
         held_out = held_out[:section.eval_size]
-    return TaskData(lambda i: train[i % len(train)], held_out, load_reward(section.reward), tokenizer, section.chat,
-                    section.system_prompt, section.enable_thinking)
+    return TaskData(lambda i: train[i % len(train)], held_out, RewardWorker(section.reward, section.reward_timeout_s),
+                    tokenizer, section.chat, section.system_prompt, section.enable_thinking)

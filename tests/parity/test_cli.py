@@ -85,7 +85,11 @@ def test_human_output(checkpoints, capsys):
 def test_errors_exit_2(capsys, tmp_path):
     assert main(["parity", "--model", str(tmp_path / "missing")]) == 2
     assert "not a checkpoint directory" in capsys.readouterr().err
-    assert main(["parity", "--model", str(tmp_path), "--prompts", "0"]) == 2
+    with pytest.raises(SystemExit) as exit_:   # an argument error: argparse's exit, one line
+        main(["parity", "--model", str(tmp_path), "--prompts", "0"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == ("rlalign parity: error: argument --prompts: must be an integer >= 1, "
+                                               "got '0' (see rlalign parity --help)")
 
 
 def test_default_model(capsys):

@@ -75,3 +75,81 @@ def test_shipped_configs_pass_the_rules():
     from pathlib import Path
     for path in sorted(Path("configs").glob("*.yaml")):
         load_config(TrainConfig, path, [])
+
+
+# keys that other rules refuse unless the algorithm reads them
+GUARD_CONTEXT = {"algo.value_lr": ["algo.advantage=gae"]}
+
+
+def test_optim_lr_has_a_usual_range_and_a_documented_way_past_it():
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, None, ["optim.lr=1e9"])
+    assert str(err.value) == ("optim.lr=1000000000.0 is outside its usual range, a number in (0, 1]: a typo? If it is "
+                              "meant, allow it with run.allow_unusual=[optim.lr]")
+    assert load_config(TrainConfig, None, ["optim.lr=1e9", "run.allow_unusual=[optim.lr]"]).optim.lr == 1e9
+
+
+def test_every_usual_range_refuses_its_examples_unless_allowed():
+    """Each GUARDS rule: the default is usual; each example value is legal (CHECKS) but refused as unusual, naming
+    the key and run.allow_unusual, and accepted once run.allow_unusual lists the key."""
+    from rlalign.configlib import guarded_keys
+    keys = guarded_keys(TrainConfig)
+    assert len(keys) >= 7
+    for key in keys:
+        section, name = key.split(".")
+        schema = type(getattr(TrainConfig(), section))
+        rule = schema.GUARDS[name]
+        assert rule.bad and rule.problem(key, getattr(schema(), name)) is None, f"the default of {key} must be usual"
+        context = GUARD_CONTEXT.get(key, [])
+        for value in rule.bad:
+            assert schema.CHECKS[name].problem(key, value) is None, f"{key}={value!r} must be legal (CHECKS)"
+            with pytest.raises(ConfigError) as err:
+                load_config(TrainConfig, None, [*context, f"{key}={value!r}"])
+            assert str(err.value).startswith(f"{key}={value!r} is outside its usual range") and \
+                f"run.allow_unusual=[{key}]" in str(err.value)
+            load_config(TrainConfig, None, [*context, f"{key}={value!r}", f"run.allow_unusual=[{key}]"])
+
+
+def test_allow_unusual_names_only_keys_with_a_usual_range():
+    with pytest.raises(ConfigError, match=r"run.allow_unusual names optim.lrr, which has no usual range; the keys "
+                                          r"with one: .*optim.lr"):
+        load_config(TrainConfig, None, ["run.allow_unusual=[optim.lrr]"])
+
+
+@pytest.mark.parametrize("text,key,lines", [
+    ("optim:\n  lr: 1e-3\n  warmup_steps: 2\n  lr: 1e-2\n", "lr", (2, 4)),
+    ("optim:\n  lr: 1e-3\nrun:\n  steps: 3\noptim:\n  warmup_steps: 2\n", "optim", (1, 5)),
+    ("run:\n  loggers: [jsonl]\n  steps: 3\n  steps: 4\n", "steps", (3, 4)),
+])
+def test_a_key_given_twice_is_an_error_naming_the_key_and_both_lines(tmp_path, text, key, lines):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, path, [])
+    assert str(err.value) == (f"config file {path}: key {key!r} appears twice in one mapping (lines {lines[0]} and "
+                              f"{lines[1]}); keep one")
+
+
+def test_yaml_merge_keys_may_still_override(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("base: &b {steps: 3, seed: 1}\nrun:\n  <<: *b\n  steps: 5\n")
+    from rlalign.configlib import load_raw
+    assert load_raw(path)["run"] == {"steps": 5, "seed": 1}
+
+
+def test_a_yaml_syntax_error_is_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: [1e-3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, path, [])
+    assert "\n" not in str(err.value) and str(err.value).startswith(f"config file {path} is not valid YAML: ")
+    assert "at line 3, column 1" in str(err.value)
+
+
+def test_the_cli_prints_a_duplicate_key_in_one_line(tmp_path, capsys):
+    from rlalign.cli.main import main
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 1e-3\n  lr: 1e-2\n")
+    assert main(["train", str(path), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == (f"rlalign train: error: config file {path}: key 'lr' appears twice in "
+                                               "one mapping (lines 2 and 3); keep one")

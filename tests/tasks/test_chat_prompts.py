@@ -5,6 +5,7 @@ import json
 import pytest
 
 from rlalign.models.testing import write_tiny_tokenizer
+from rlalign.tasks import score
 from rlalign.models.tokenizer import load_tokenizer
 from rlalign.tasks.datasets import DatasetError, load_examples
 from rlalign.train.config import TaskSection
@@ -23,6 +24,16 @@ def tokenizer(tmp_path):
     tok = load_tokenizer(tmp_path / "tok")
     tok.chat_template = THINKING_TEMPLATE
     return tok
+
+
+class InProcess:
+    """A reward scored in this process (so the test sees what it was called with)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def score(self, *batch):
+        return score(self.fn, *batch)
 
 
 def _write(path, rows):
@@ -46,7 +57,8 @@ def test_message_prompts_system_prompt_and_thinking(tokenizer, tmp_path):
     assert "Be brief." not in task.prompt_text(own.prompt) and "Own system." in task.prompt_text(own.prompt)
     assert task.prompt_text(plain.prompt) == "3+3?"   # task.chat=false: string prompts stay plain text
     seen = []
-    task.reward_fn = lambda p, c, a: seen.append(p) or 1.0
+    task.close()
+    task.rewards = InProcess(lambda p, c, a: seen.append(p) or 1.0)
     task.score([first], ["2"])
     assert seen == [text], "the reward gets the prompt as the model saw it"
 
@@ -56,6 +68,7 @@ def test_string_prompts_under_chat_match_the_tokenizer_chat_encoding(tokenizer, 
     task = build_task(TaskSection(name="dataset", path=str(data), reward="gsm8k", eval_fraction=0.0, chat=True),
                       tokenizer, seed=0)
     assert task.encode("5+5?") == tokenizer.encode("5+5?", chat=True)
+    task.close()
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -83,6 +96,7 @@ def test_a_rows_other_fields_reach_the_reward(tokenizer, tmp_path):
     row, = task.train(0, 1)
     assert row.extra == {"level": "easy", "tags": ["add"]}
     seen = []
-    task.reward_fn = lambda p, c, a, level=None, **rest: seen.append((level, rest)) or 1.0
+    task.close()
+    task.rewards = InProcess(lambda p, c, a, level=None, **rest: seen.append((level, rest)) or 1.0)
     assert task.score([row], ["2"]) == [1.0]
     assert seen == [("easy", {"tags": ["add"]})]

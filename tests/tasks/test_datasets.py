@@ -89,7 +89,8 @@ def test_parquet_without_pyarrow_says_how_to_install(tmp_path, monkeypatch):
     f.write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ImportError, match="d.parquet needs pyarrow, which is not installed: pip install pyarrow"):
+    with pytest.raises(DatasetError, match="d.parquet: reading a .parquet file needs the pyarrow package, which is not "
+                                           "installed here: pip install pyarrow"):
         load_examples(f)
 
 

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import sys
 
+from rlalign import envvars
 from rlalign.integrations.vllm import sampler
 from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
 from rlalign.models import architectures as model_families
@@ -18,7 +19,8 @@ MODEL_CLASS = "rlalign.integrations.vllm.model:RLAlignForCausalLM"
 
 
 def is_enabled() -> bool:
-    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on", "strict")
+    """RLALIGN_VLLM (read through rlalign.envvars: a value its rule refuses is one line, never "off")."""
+    return envvars.read(ENV)
 
 
 def enable() -> None:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from rlalign import envvars
+
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("attention.c", "norm.c", "elementwise.c", "gemm.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "common.h",)
 # -ffp-contract=off: no fused multiply-add but the explicit fmaf calls (each a*b+c rounded as written);
@@ -52,8 +54,8 @@ MAX_NORM_SIZE = 16384
 
 @functools.lru_cache(maxsize=1)
 def enabled() -> bool:
-    """``RLALIGN_CPU_KERNELS`` != 0, read once (``rlalign.ops._dispatch.refresh_env`` re-reads it)."""
-    return os.environ.get("RLALIGN_CPU_KERNELS", "1") != "0"
+    """``RLALIGN_CPU_KERNELS`` (0 or 1, default 1), read once (``rlalign.ops._dispatch.refresh_env`` re-reads it)."""
+    return envvars.read("RLALIGN_CPU_KERNELS")
 
 
 def for_tensors(*tensors):
@@ -132,7 +134,7 @@ def _build() -> Path:
     for part in [*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(FLAGS + OPENMP).encode(), version.encode(),
                  _cpu_id().encode(), platform.machine().encode()]:
         digest.update(part)
-    cache = Path(os.environ.get("RLALIGN_CACHE_DIR") or Path.home() / ".cache" / "rlalign")
+    cache = envvars.read("RLALIGN_CACHE_DIR")
     target = cache / f"cpu_kernels_{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target

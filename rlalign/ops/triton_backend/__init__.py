@@ -32,6 +32,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not torch.cuda.is_available() and not _INTERPRET:
     raise ImportError("rlalign triton backend: no CUDA device")
 
+from rlalign import envvars  # noqa: E402
 from rlalign.ops._registry import disabled_ops, register  # noqa: E402
 from rlalign.ops.triton_backend import attention, combine, elementwise, linear, logprob, moe, route, sample, shard  # noqa: E402
 
@@ -56,7 +57,7 @@ IMPLEMENTATIONS = {
     "moe_combine": combine.combine,
     **shard.IMPLEMENTATIONS,   # tensor-parallel shard entries (rlalign.ops.shard)
 }
-DISABLED = disabled_ops(os.environ.get("RLALIGN_TRITON_DISABLE", ""))
+DISABLED = disabled_ops(envvars.read("RLALIGN_TRITON_DISABLE"))
 
 if torch.cuda.is_available():
     for _op, _fn in IMPLEMENTATIONS.items():

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlalign import envvars
 from rlalign.contract.errors import fail
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
@@ -62,15 +63,9 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def forced_tile(env: str, fields: int):
-    """A tile forced through an environment variable ("128,128,8,4"), or None."""
-    raw = os.environ.get(env, "").strip()
-    if not raw:
-        return None
-    vals = tuple(int(v) for v in raw.split(","))
-    if len(vals) != fields:
-        raise ValueError(f"{env}={raw!r}: expected {fields} comma-separated integers")
-    return vals
+def forced_tile(env: str) -> "tuple[int, ...] | None":
+    """A tile forced through the environment variable ``env`` ("128,128,8,4"; rlalign.envvars checks it), or None."""
+    return envvars.read(env)
 
 
 _THREAD = threading.local()

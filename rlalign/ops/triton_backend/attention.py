@@ -947,7 +947,7 @@ def _paged_meta(block_table, seq_lens, cu_seqlens_q, device):
 
 def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):
     """``RLALIGN_TRITON_ATTN_TILE="BM,warps,stages"`` forces one tile for prefill and decode alike."""
-    tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE", 3) or PREFILL_TILE
+    tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE") or PREFILL_TILE
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu, lens, zeros, max_len = _varlen_meta(cu_seqlens, q.device)
     return _forward(q, k, v, cu, zeros, lens, None, 1, scale, False, tile, store_lse, max_len)
@@ -967,7 +967,7 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     if max_kv is None:   # captured: every context fits its table
         max_kv = table_keys
     decode_tile = max_q * (hq // hkv) <= DECODE_TILE[0]   # (a GQA group wider than the tile is refused by _forward)
-    forced = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE", 3)
+    forced = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE")
     tile_rows = forced[0] if forced else DECODE_TILE[0]
     elements = max(q.numel(), k_cache.numel(), v_cache.numel())
     auto = decode_launch(max_q, cu.shape[0] - 1, t, hq, hkv, d, table_keys, elements, device_sms(q),

@@ -34,12 +34,12 @@ tiles, every case of the decode sweep, tests/cuda/test_cuda_linear.py).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from rlalign import envvars
 from rlalign.ops import gemm_census
 from rlalign.ops.triton_backend._common import (BLOCK_K, aligned, descriptor, device_sms, forced_tile, is_interpreter,
                                                 mma, split_for, tma_ok)
@@ -190,7 +190,7 @@ def pick_config(m: int, n: int, segments: int, fp32: bool, sms: int, out_mode: s
 
     ``RLALIGN_TRITON_GEMM_TILE="BM,BN,warps,stages"`` forces one tile for every M (a safety switch
     should a GPU ever show two tile shapes to differ)."""
-    forced = forced_tile("RLALIGN_TRITON_GEMM_TILE", 4)
+    forced = forced_tile("RLALIGN_TRITON_GEMM_TILE")
     if forced:
         bm, bn, warps, stages = forced
         return GemmConfig(bm, bn, warps, stages, reg_levels=0 if segments > 1 and bm * bn >= 128 * 128 else 4)
@@ -661,7 +661,6 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 # `--sweep-ws --ws-shapes 8b-stacked`, session 17, the 8B gate/up stacked (N = 24,576, 768 tiles of 64x128 at 244
 # rows, 5.8 waves) 0.0896 ms on the Triton kernel against 0.0982 on the 64x128 Gluon launch (128x128: 0.1007); at
 # 2.9 waves (the 8B gate_proj alone) and below the Gluon launch is the faster (0.78 vs 0.55 of cuBLAS).
-WS_DEFAULT = True
 WS_DECODE_MIN_FILL = 0.7
 WS_PLAIN_ROWS = (65, SPLIT_SEGMENTS_MAX_M)
 WS_PLAIN_MAX_WAVES = 4
@@ -669,7 +668,7 @@ WS_PLAIN_MAX_WAVES = 4
 
 def ws_default(a, b, b_trans, segments, a_trans, out_dtype, bias, acc_in) -> WsConfig | None:
     """The Gluon kernel's launch when the dispatcher should take it for this call, else None."""
-    enabled = os.environ.get(WS_ENV, "1" if WS_DEFAULT else "0") == "1"
+    enabled = envvars.read(WS_ENV)   # default on (rlalign.envvars)
     if not enabled or is_interpreter():
         return None
     m, n = a.shape[0], (b.shape[0] if b_trans else b.shape[1])   # A [M, K]: ws_supported refuses a_trans
@@ -853,5 +852,5 @@ def gemm_blocks(a: torch.Tensor, w: torch.Tensor, widths: tuple[int, ...], *, bi
 __all__ = ["GemmConfig", "gemm", "gemm_blocks", "gemm_kernel", "segment_stream_kernel", "pick_config", "all_configs",
            "DECODE_TILE", "DECODE_TILES", "decode_tile",
            "candidate_configs", "KPART_CANDIDATES",
-           "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config", "WS_DEFAULT", "WS_PLAIN_MAX_WAVES",
+           "SegmentSplitConfig", "SEGMENT_SPLIT_TABLE", "segment_split_config", "WS_PLAIN_MAX_WAVES",
            "ws_default"]

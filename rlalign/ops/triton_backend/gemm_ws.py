@@ -264,7 +264,7 @@ WS_ENV = "RLALIGN_TRITON_GEMM_WS"
 def triton_kernel_only():
     """Inside the block the dispatcher runs the Triton K-partition kernel, not this one (RLALIGN_TRITON_GEMM_WS=0):
     the reference of the bit-equality tests and sweeps."""
-    before = os.environ.get(WS_ENV)
+    before = os.environ.pop(WS_ENV, None)   # saved to be put back (rlalign.envvars reads it)
     os.environ[WS_ENV] = "0"
     try:
         yield
