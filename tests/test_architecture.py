@@ -96,9 +96,10 @@ def test_no_private_names_across_modules():
                     if not (own_package == parent or own_package.startswith(parent + ".")):
                         crossing.append(f"{path.relative_to(ROOT)}:{node.lineno}: private module {target}")
                 for name in names:
-                    private_module = (PACKAGE.parent / (target + "." + name).replace(".", "/")).with_suffix(".py")
+                    private_module = PACKAGE.parent / (target + "." + name).replace(".", "/")
+                    is_module = private_module.with_suffix(".py").exists() or (private_module / "__init__.py").exists()
                     if name.startswith("_") and not name.startswith("__") and not (
-                            private_module.exists() and own_package.startswith(target)):
+                            is_module and own_package.startswith(target)):
                         crossing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {target}.{name}")
     assert not crossing, "imports of another module's private names (make them public, or move the code):\n" + \
         "\n".join(crossing)
