@@ -137,7 +137,7 @@ def test_no_private_names_across_modules():
 
 def test_no_statement_follows_a_return_or_raise():
     """Unreachable code: a statement after ``return`` / ``raise`` / ``continue`` / ``break`` in the same block never
-    runs (session 12 found a test's float64 accuracy check stranded after a ``return``, so it never checked)."""
+    runs (a test's float64 accuracy check was once found stranded after a ``return``, so it never checked)."""
     stranded = []
     for path in [*ROOT.joinpath("rlalign").rglob("*.py"), *ROOT.joinpath("tests").rglob("*.py"),
                  *ROOT.joinpath("bench").glob("*.py"), *ROOT.joinpath("scripts").glob("*.py")]:

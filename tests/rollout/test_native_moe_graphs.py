@@ -1,5 +1,5 @@
 """The native profile's MoE experts as grouped GEMMs (``torch._grouped_mm``), so a native MoE engine decodes
-from CUDA graphs like strict (issue 16.1, "same machinery"), CPU tier:
+from CUDA graphs like strict (the same machinery), CPU tier:
 
 - over shapes (empty expert groups, one token, k = 1 and 2, fp32 and bf16) the grouped path equals the
   per-expert loop to rounding, and reads nothing on the host (every host read of a tensor raises inside it);
