@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from rlalign.contract.bits import bits_equal  # noqa: E402
-from rlalign.ops.torch_backend import attention as A  # noqa: E402
+from rlalign.ops.torch_backend.attention import compiled as attention_compiled, formula as attention_formula  # noqa: E402
 from rlalign.ops.torch_backend import clib, elementwise, linear, norm, primitives  # noqa: E402
 
 
@@ -65,8 +65,8 @@ def cases(gen):
     paged = _decode_attention_case(gen)
     partials = torch.randn(8, 512, 128, generator=gen)
     return [
-        ("attention_paged decode, 512 seqs x 4 heads, ctx 8-48", lambda: A._paged_compiled(*paged),
-         lambda: A._paged_formula(*paged), 20),
+        ("attention_paged decode, 512 seqs x 4 heads, ctx 8-48", lambda: attention_compiled.paged_compiled(*paged),
+         lambda: attention_formula.paged_formula(*paged), 20),
         ("linear o_proj 512x128 -> 128, 8 K segments", lambda: linear.linear_fp32(x, w_o, 8),
          lambda: linear._blocks(x, w_o, 8), 50),
         ("linear down_proj 512x384 -> 128, 8 K segments", lambda: linear.linear_fp32(x_mlp, w_down, 8),

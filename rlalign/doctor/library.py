@@ -9,7 +9,8 @@ import torch
 from rlalign.contract import spec
 from rlalign.contract.bits import bits_equal
 from rlalign.doctor.base import Check, randn as _randn
-from rlalign.ops.torch_backend import attention as torch_attention, clib, elementwise, norm, primitives
+from rlalign.ops.torch_backend import clib, elementwise, norm, primitives
+from rlalign.ops.torch_backend.attention import compiled as compiled_attention
 
 def gemm_row_position(device, gen):
     for k, n in ((64, 64), (256, 768), (1024, 1024), (128, 1024)):
@@ -110,11 +111,11 @@ def compiled_kernels(device, gen):
     if clib.library() is None:
         return True, "not built here (no C compiler, or RLALIGN_CPU_KERNELS=0): the torch formulation runs"
     threads = torch.get_num_threads()
-    dims = [d for d in (16, 32, 64, 128) if torch_attention.compiled_matches(d, threads)]
+    dims = [d for d in (16, 32, 64, 128) if compiled_attention.compiled_matches(d, threads)]
     for d in dims:
         lens = torch.randint(1, 200, (5,), generator=gen).tolist()
         n_new = [1 if i % 2 else int(torch.randint(1, n + 1, (1,), generator=gen)) for i, n in enumerate(lens)]
-        if not torch_attention.compiled_agrees(d, gen, lens, n_new):
+        if not compiled_attention.compiled_agrees(d, gen, lens, n_new):
             return False, f"attention, head_dim {d}: the kernels' bits differ from the formulation's"
     x, w = _randn(gen, 300, 129, device=device) * 4, _randn(gen, 129, device=device)
     cos, sin = _randn(gen, 300, 32, device=device), _randn(gen, 300, 32, device=device)

@@ -31,6 +31,7 @@ from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import probe_failure, strict_impl
 from rlalign.ops._registry import register
 from rlalign.ops.basic import linear, silu_mul
+from rlalign.ops.expert_ids import validate_expert_ids
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, *, profile=None) -> torch.Tensor:
@@ -108,7 +109,7 @@ def sorted_experts(x: torch.Tensor, experts: torch.Tensor, gate_w, up_w, down_w,
     hidden = x.shape[1]
     flat = experts.reshape(-1)
     if flat.numel():
-        _validate_expert_ids(flat, len(gate_w))
+        validate_expert_ids(flat, len(gate_w))
     order = torch.sort(flat, stable=True).indices       # slots grouped by expert, slot order inside a group
     rows = x.unsqueeze(1).expand(tokens, k, hidden).reshape(tokens * k, hidden).index_select(0, order)
     expert_of_row = flat.index_select(0, order)
@@ -310,30 +311,3 @@ def _check_expert_shapes(x, gate_w, up_w, down_w) -> None:
         if shapes != want:
             raise fail("moe_experts", f"expert {e}: gate {shapes[0]}, up {shapes[1]}, down {shapes[2]} do not fit "
                        f"x {tuple(x.shape)} (want [I, H], [I, H], [H, I] with H={hidden}, I={inter})")
-
-
-def _validate_expert_ids(flat: torch.Tensor, n_experts: int) -> None:
-    """Expert ids in [0, E). On the CPU at once. On a GPU the verdict stays on the device and the next
-    sync point raises (as the deferred finiteness checks: a host read per MoE layer would stall the
-    launch queue); meanwhile an out-of-range id is harmless -- its rows fall outside every expert's row
-    range and are never computed. Skipped inside a CUDA graph capture (the caller validated the batch)."""
-    if flat.device.type == "cpu":
-        chk.memo("moe_expert_ids", lambda: _check_expert_ids(flat, n_experts), flat, extra=(n_experts,))
-    else:
-        queue_expert_id_verdict(((flat >= 0) & (flat < n_experts)).all(), n_experts)
-
-
-def queue_expert_id_verdict(ok: torch.Tensor, n_experts: int) -> None:
-    """Hand the device verdict ``ok`` (0-dim bool: every expert id in [0, E)) to the deferred check queue
-    (raised at the next sync point; at once for a CPU tensor, e.g. the Triton interpreter's). Skipped inside
-    a CUDA graph capture (the caller validated the batch). The one place of this check's message."""
-    if not chk.is_capturing():
-        chk.deferred("moe_experts", f"an expert id is outside [0, {n_experts})", ok)
-
-
-def _check_expert_ids(flat: torch.Tensor, n_experts: int) -> bool:
-    lo, hi = int(flat.min()), int(flat.max())
-    if lo < 0 or hi >= n_experts:
-        raise fail("moe_experts", f"expert id {lo if lo < 0 else hi} is outside [0, {n_experts})")
-    return True
-

@@ -16,7 +16,7 @@ logprob of that token bit for bit; ``token_i`` depends only on (logits_i, s_i, p
 top_p_i), never on the batch. Rows are scored in groups of equal logprob temperature, in increasing
 order of it (a single call when all rows share one), which changes no bit in strict.
 
-The callers: the rollout engine (:mod:`rlalign.rollout.engine`), the simple generate loop
+The callers: the rollout engine (:mod:`rlalign.rollout.runner`), the simple generate loop
 (:mod:`rlalign.models.generate`) and vLLM's sampler hook (:mod:`rlalign.integrations.vllm.sampler`).
 """
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlalign import ops
-from rlalign.ops.torch_backend import attention as A
+from rlalign.ops.torch_backend.attention import compiled as C, formula as F
 from rlalign.ops.torch_backend import clib, norm
 from tests.bitwise import assert_bitwise_equal
 from tests.ops.test_cpu_speedpaths import _paged_case as paged_case
@@ -38,7 +38,7 @@ _SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[Heal
 @given(data=st.data(), d=st.sampled_from([16, 32, 64, 128]), groups=st.sampled_from([(1, 1), (2, 1), (4, 2), (6, 3)]),
        ps=st.sampled_from([1, 5, 16, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_paged_compiled_equals_formula(data, d, groups, ps, dtype):
-    if not A.compiled_matches(d, torch.get_num_threads()):
+    if not C.compiled_matches(d, torch.get_num_threads()):
         pytest.skip(f"the kernels do not reproduce the library's GEMM tiles for head_dim {d} on this machine")
     hq, hkv = groups
     lens = data.draw(st.lists(st.integers(1, 200), min_size=1, max_size=6))
@@ -46,14 +46,14 @@ def test_paged_compiled_equals_formula(data, d, groups, ps, dtype):
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
     case = _paged_case(gen, lens, n_new, hq, hkv, d, ps, dtype)
     args = (*case, d ** -0.5)
-    assert_same_bits(A._paged_compiled(*args), A._paged_formula(*args), f"paged lens={lens} n_new={n_new}")
+    assert_same_bits(C.paged_compiled(*args), F.paged_formula(*args), f"paged lens={lens} n_new={n_new}")
 
 
 @_SETTINGS
 @given(data=st.data(), d=st.sampled_from([16, 32, 64, 128]), groups=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_varlen_compiled_equals_formula(data, d, groups, dtype):
-    if not A.compiled_matches(d, torch.get_num_threads()):
+    if not C.compiled_matches(d, torch.get_num_threads()):
         pytest.skip(f"the kernels do not reproduce the library's GEMM tiles for head_dim {d} on this machine")
     hq, hkv = groups
     lens = data.draw(st.lists(st.integers(1, 150), min_size=1, max_size=5))
@@ -61,7 +61,7 @@ def test_varlen_compiled_equals_formula(data, d, groups, dtype):
     t = sum(lens)
     q, k, v = (torch.randn(t, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    (out_c, lse_c), (out_f, lse_f) = (f(q, k, v, cu, d ** -0.5) for f in (A._varlen_compiled, A._varlen_formula))
+    (out_c, lse_c), (out_f, lse_f) = (f(q, k, v, cu, d ** -0.5) for f in (C.varlen_compiled, F.varlen_formula))
     assert_same_bits(out_c, out_f, f"varlen out lens={lens}")
     assert_same_bits(lse_c, lse_f, f"varlen lse lens={lens}")
 
@@ -69,11 +69,11 @@ def test_varlen_compiled_equals_formula(data, d, groups, dtype):
 def test_the_op_runs_the_kernels_for_a_matching_head_dim(monkeypatch):
     """ops.attention_paged on the CPU goes through the compiled path when it applies (the self-check
     runs first, so that its own calls are not counted)."""
-    if not A.compiled_matches(32, torch.get_num_threads()):
+    if not C.compiled_matches(32, torch.get_num_threads()):
         pytest.skip("this machine's library orders head_dim 32's GEMM tiles otherwise: the formulation runs")
     calls = []
-    real = A._paged_compiled
-    monkeypatch.setattr(A, "_paged_compiled", lambda *a: calls.append(1) or real(*a))
+    real = C.paged_compiled
+    monkeypatch.setattr(C, "paged_compiled", lambda *a: calls.append(1) or real(*a))
     case = _paged_case(torch.Generator().manual_seed(0), [5, 70], [1, 2], 4, 2, 32, 16, torch.float32)
     ops.attention_paged(*case, profile="strict")
     assert calls == [1]
@@ -86,16 +86,16 @@ def test_a_head_dim_whose_bits_differ_runs_the_formulation(monkeypatch):
         res = real(*args)
         return (res.view(torch.int32) + 1).view(torch.float32) if res.numel() else res
 
-    real = A._paged_compiled
-    monkeypatch.setattr(A, "_paged_compiled", off_by_one_ulp)
-    A.compiled_matches.cache_clear()
+    real = C.paged_compiled
+    monkeypatch.setattr(C, "paged_compiled", off_by_one_ulp)
+    C.compiled_matches.cache_clear()
     try:
-        assert not A.compiled_matches(32, torch.get_num_threads())
-        assert not A._compiled_applies(torch.device("cpu"), 32)
+        assert not C.compiled_matches(32, torch.get_num_threads())
+        assert not C.compiled_applies(torch.device("cpu"), 32)
         case = _paged_case(torch.Generator().manual_seed(1), [9, 64], [1, 1], 2, 1, 32, 16, torch.float32)
-        assert_same_bits(ops.attention_paged(*case, profile="strict"), A._paged_formula(*case, 32 ** -0.5), "op")
+        assert_same_bits(ops.attention_paged(*case, profile="strict"), F.paged_formula(*case, 32 ** -0.5), "op")
     finally:
-        A.compiled_matches.cache_clear()
+        C.compiled_matches.cache_clear()
 
 
 @pytest.mark.parametrize("h", [1, 2, 3, 7, 32, 100, 128, 129, 1024, 4096])
@@ -140,7 +140,7 @@ def test_disabled_or_no_compiler_runs_the_formulation(monkeypatch, tmp_path):
             assert clib.library() is None
         assert any("could not be built" in str(w.message) for w in caught)
         case = _paged_case(torch.Generator().manual_seed(2), [5, 70], [1, 3], 4, 2, 32, 16, torch.float32)
-        assert not A._compiled_applies(torch.device("cpu"), 32)
+        assert not C.compiled_applies(torch.device("cpu"), 32)
         ops.attention_paged(*case, profile="strict")       # runs (the formulation)
     finally:
         clib._load.cache_clear()

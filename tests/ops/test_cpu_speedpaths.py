@@ -15,7 +15,7 @@ import torch
 
 from rlalign import ops
 from rlalign.contract import spec
-from rlalign.ops.torch_backend import attention as A
+from rlalign.ops.torch_backend.attention import plan as attention_plan, scratch as attention_scratch
 from rlalign.ops.torch_backend.linear import linear_fp32, segment_count
 from rlalign.ops.torch_backend.primitives import pad_rows, tile_mm, tree_sum
 from tests.bitwise import assert_bitwise_equal
@@ -158,8 +158,8 @@ def test_paged_equals_plain_formula(dtype, hq, hkv, d, ps, garbage):
 def test_paged_chunks_of_items_and_plan_reuse(monkeypatch):
     """Chunks of a few items (a chunk prefix per key block), a plan dropping its per-block rows
     (rebuilt per block), and one plan reused by calls with other caches and queries."""
-    monkeypatch.setattr(A, "_CHUNK_ELEMS", 3 * KV * 32)
-    monkeypatch.setattr(A, "_PLAN_SLOTS", 0)
+    monkeypatch.setattr(attention_plan, "_CHUNK_ELEMS", 3 * KV * 32)
+    monkeypatch.setattr(attention_plan, "_PLAN_SLOTS", 0)
     gen = torch.Generator().manual_seed(5)
     lens, n_new = [3, 70, 129, 64, 5, 150], [1, 2, 1, 1, 5, 1]
     q, kc, vc, bt, sl, cu = _paged_case(gen, lens, n_new, 4, 2, 32, 16, torch.float32, True)
@@ -202,7 +202,7 @@ def test_varlen_forward_equals_paged_prefill_formula(dtype):
 def test_scratch_buffers_across_inference_mode(monkeypatch):
     """Scratch buffers first made under torch.inference_mode (vLLM runs the ops there) must not be
     reused for in-place writes outside it, and vice versa."""
-    monkeypatch.setattr(A, "_scratch", threading.local())  # none made yet
+    monkeypatch.setattr(attention_scratch, "_scratch", threading.local())  # none made yet
     gen = torch.Generator().manual_seed(13)
     case = _paged_case(gen, [5, 70], [1, 1], 4, 2, 32, 16, torch.float32, False)
     with torch.inference_mode():

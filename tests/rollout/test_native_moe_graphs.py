@@ -1,5 +1,5 @@
 """The native profile's MoE experts as grouped GEMMs (``torch._grouped_mm``), so a native MoE engine decodes
-from CUDA graphs like strict (issue 16.1, "same machinery"), CPU tier:
+from CUDA graphs like strict (the same machinery), CPU tier:
 
 - over shapes (empty expert groups, one token, k = 1 and 2, fp32 and bf16) the grouped path equals the
   per-expert loop to rounding, and reads nothing on the host (every host read of a tensor raises inside it);
@@ -20,6 +20,7 @@ from rlalign import ops
 from rlalign.models.testing import tiny_model
 from rlalign.ops.moe import _native_expert_ffn, expert_ffn_loop, native_grouped_unavailable
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from rlalign.rollout.device_setup import native_experts_read_host
 from tests.bitwise import assert_close_report
 from tests.rollout.test_engine_routing import MOE
 
@@ -86,7 +87,7 @@ def test_native_moe_engine_samples_and_overlaps_in_the_graphs():
     moe = tiny_model("qwen3_moe", seed=4, init_std=0.2, **MOE)
     engine = RolloutEngine(moe, RolloutConfig(profile="native", num_pages=64, page_size=4, decode_graphs="padded",
                                               overlap="on", decode_graph_max_batch=8))
-    assert engine._native_experts_read_host() is None
+    assert native_experts_read_host(engine.model) is None
     got = engine.generate([[1, 2, 3, 4, 5], [7, 8]], SamplingParams(n=2, max_new_tokens=5, seed=1, ignore_eos=True))
     assert all(len(c.tokens) == 5 for c in got)
     assert engine.counters["graph_steps"] > 0 and engine.counters["overlapped_steps"] > 0

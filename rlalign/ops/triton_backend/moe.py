@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rlalign.ops.moe import queue_expert_id_verdict
+from rlalign.ops.expert_ids import queue_expert_id_verdict
 from rlalign.ops.torch_backend.linear import segment_count
 from rlalign.ops.triton_backend.dispatch import dispatch, gather_rows, ungroup_rows
 from rlalign.ops.triton_backend.elementwise import silu_mul
