@@ -57,10 +57,11 @@ _MAPPING = ("a mapping", lambda x: isinstance(x, dict))
 # config.json keys read here or by a family (rlalign.models.architectures): (what they must be, the check); a null
 # value counts as absent (its default applies, or a required key is missing)
 KEY_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    **{k: _SIZE for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    **{k: _SIZE for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                           "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
                           "decoder_sparse_step")},
-    **{k: _COUNT for k in ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+    # no decoder layer (embedding, final norm, head) is a degenerate but valid model
+    **{k: _COUNT for k in ("num_hidden_layers", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
                            "shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")},
     **{k: _BOOL for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob")},
     **{k: _TEXT for k in ("model_type", "hidden_act", "torch_dtype", "dtype")},

@@ -61,7 +61,7 @@ def test_a_string_hidden_size_is_one_line_naming_the_file_and_key(model_dir, cap
 
 @pytest.mark.parametrize("key,value,expected", [
     ("hidden_size", -128, "hidden_size must be an integer >= 1, got -128"),
-    ("num_hidden_layers", 4.0, "num_hidden_layers must be an integer >= 1, got 4.0 (float)"),
+    ("num_hidden_layers", 4.0, "num_hidden_layers must be an integer >= 0, got 4.0 (float)"),
     ("num_key_value_heads", 0, "num_key_value_heads must be an integer >= 1, got 0"),
     ("max_position_embeddings", "64", "max_position_embeddings must be an integer >= 1"),
     ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),
