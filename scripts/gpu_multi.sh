@@ -5,7 +5,7 @@
 #   TP_S      item 1: scripts/gpu_tp.py --tp <degrees> --layers $LAYERS (default 36: the full Qwen3-8B shape,
 #             151,936-token vocabulary, bf16): log-probs, entropy, loss and every gradient of TP=t vs TP=1 in
 #             raw bits, strict and native step time per degree                               -> gpu_tp.json
-#   COLL_S    item 3: bench/collectives.py (the fixed all-gather + tree merge vs NCCL's all-reduce and
+#   COLL_S    item 3: benchmarks/collectives.py (the fixed all-gather + tree merge vs NCCL's all-reduce and
 #             reduce-scatter at a step's sizes, groups of 2, 4, 8)                             -> collectives.json
 #   TRAIN_S   item 2: strict GRPO (configs/gpu-grpo-200.yaml: the Qwen3-0.6B body, default vocabulary) for
 #             TRAIN_STEPS (20) steps at parallel.tp=1 on one GPU and parallel.tp=2; with G >= 4 also
@@ -107,8 +107,8 @@ fi
 
 # ---- item 3: collectives -----------------------------------------------------------------------------------
 if [ "$COLL_S" -gt 0 ]; then
-  say "collectives: bench/collectives.py ${COLL_ARGS[*]}"
-  in_stage "$(limit "$COLL_S")" collectives $PY bench/collectives.py --out "$ROOT/coll" "${COLL_ARGS[@]}"
+  say "collectives: benchmarks/collectives.py ${COLL_ARGS[*]}"
+  in_stage "$(limit "$COLL_S")" collectives $PY benchmarks/collectives.py --out "$ROOT/coll" "${COLL_ARGS[@]}"
   rc=$?; say "collectives: exit $rc (0: every fixed result checked equal to the local tree merge)"
   [ "$rc" = 0 ] || fail "collectives: exit $rc"
   [ -f "$ROOT/coll/collectives.json" ] && cp "$ROOT/coll/collectives.json" "$OUT/collectives.json"

@@ -30,7 +30,6 @@ SLOWEST_FIRST = (
     "tests/ops/test_moe_dispatch.py",
     "tests/integrations/vllm/test_cli.py",
     "tests/distributed/test_train_parallel.py",
-    "tests/train/test_gpu_headline.py",
     "tests/ops/test_gemm_schedules.py",
     "tests/ops/test_gemm_ws_compile.py",          # an sm_90a compile subprocess (new in session 12, not yet timed)
 )

@@ -1,6 +1,6 @@
 """Compiling our Triton / Gluon kernels for Hopper (sm_90a) on a machine without a GPU: a stand-in driver whose
 target is sm_90, and Triton's own ptxas for the register / spill / shared-memory report. Used by the sm_90a compile
-checks (tests/ops/test_triton_interpret.py, tests/ops/test_gemm_ws_compile.py) and bench/attn_bwd_sm90_cpu.py.
+checks (tests/ops/test_triton_interpret.py, tests/ops/test_gemm_ws_compile.py) and benchmarks/attn_bwd_sm90_cpu.py.
 Activate the driver in a fresh process before the triton backend package is imported; ``compile_only_launches``
 then turns every Triton JIT launch into a compile-only warmup and records it."""
 

@@ -1,9 +1,9 @@
-"""bench/reproduce.py's table of published numbers, checked without running anything heavy.
+"""benchmarks/reproduce.py's table of published numbers, checked without running anything heavy.
 
 Every claim: its sentence is in the file that publishes it, with the published value in it; its
 command names an existing script or CLI subcommand whose argument parser accepts it (``rlalign
 train`` overrides: the config loader accepts them); its reader parses a recorded output of that
-command (bench/runs/, bench/gpu_*), giving the published value where the recording is its source.
+command (benchmarks/runs/, benchmarks/gpu_*), giving the published value where the recording is its source.
 Claims measured by a format no committed recording has yet (the GPU through-the-op figures) are
 parsed from rows built by the bench script's own row functions.
 """
@@ -21,7 +21,7 @@ from unittest import mock
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import reproduce  # noqa: E402
 

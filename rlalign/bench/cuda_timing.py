@@ -1,4 +1,4 @@
-"""GPU timing shared by the bench/gpu_*.py scripts: a call's median time, eager or replayed from a CUDA graph.
+"""GPU timing shared by the benchmarks/gpu_*.py scripts: a call's median time, eager or replayed from a CUDA graph.
 
 The rollout engine replays its decode steps from CUDA graphs, so a decode-sized call's host launch cost (tens of
 microseconds of Python and launcher work, often more than its GPU work at batch 1-64) is not in its step time;

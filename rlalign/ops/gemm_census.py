@@ -1,4 +1,4 @@
-"""The GEMM census: every strict GEMM launch of a piece of work, as the dispatcher ran it (bench/gemm_census.py).
+"""The GEMM census: every strict GEMM launch of a piece of work, as the dispatcher ran it (benchmarks/gemm_census.py).
 
 Off by default: ``ACTIVE`` is None and a launch site pays one module-level None check, nothing else. Inside
 ``with collecting(names) as census:`` each launch of the Triton backend's GEMMs appends one :class:`GemmCall` to

@@ -4,7 +4,7 @@
                                    [--device-memory GIB]
 
 Places: ``device`` (the model's device: the GPU, or the CPU), ``host``, ``disk``.
-Arithmetic, not a measurement (``memory/peak_mb`` in metrics.jsonl and bench/train_step.py measure):
+Arithmetic, not a measurement (``memory/peak_mb`` in metrics.jsonl and benchmarks/train_step.py measure):
 P is the policy's exact parameter count (the model built on the meta device), b the bytes of its
 dtype. What each component holds, as the trainer (rlalign.train.loop, master.py) allocates it:
 

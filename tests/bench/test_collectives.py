@@ -1,4 +1,4 @@
-"""bench/collectives.py on gloo (--smoke): every row of a step's collectives runs for a group that is the whole job
+"""benchmarks/collectives.py on gloo (--smoke): every row of a step's collectives runs for a group that is the whole job
 and for one that is part of it (ranks 0..1 of 3), and every fixed result equals the local tree merge, on every
 rank. Timings are recorded, never compared."""
 

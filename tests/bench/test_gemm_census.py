@@ -1,4 +1,4 @@
-"""bench/gemm_census.py on the CPU: the census of bench/train_step.py's strict step on the tiny shape (the step's
+"""benchmarks/gemm_census.py on the CPU: the census of benchmarks/train_step.py's strict step on the tiny shape (the step's
 linear and fused log-prob on the Triton kernels under the interpreter, in a child process) records exactly the
 GEMM launches the step makes -- every layer's q/k/v/o/gate/up/down forward, dX and dW, the LM head's statistics,
 grad-logits, dX and dW -- with the shapes and layouts the autograd formulas imply and the launch the dispatcher
@@ -24,7 +24,7 @@ _spec = importlib.util.spec_from_file_location("bench_gemm_census", ROOT / "benc
 census_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(census_bench)
 
-# the tiny shape (bench/train_step.py SHAPES["tiny"]): hidden 64, 4 x 16 query / 2 x 16 kv heads, FFN 192, vocab 1000
+# the tiny shape (benchmarks/train_step.py SHAPES["tiny"]): hidden 64, 4 x 16 query / 2 x 16 kv heads, FFN 192, vocab 1000
 H, Q, KV, FF, V = 64, 64, 32, 192, 1000
 LAYERS, TOKENS = 2, 130
 PROJ = {  # proj -> (in, out, k_segments of the forward)

@@ -1,6 +1,6 @@
 """The benchmark scripts refuse bad sizes with one line and exit code 2 before they look for a GPU (so the refusal is
-checked here, on the CPU): bench/gpu_attention.py's --sweep-batches / --sweep-shape, bench/gpu_linear.py's --ws-m /
---ws-deep-ring / --ws-stop-after (and its sweep-only options without --sweep-ws), bench/gpu_moe.py's --tokens, bench/collectives.py's --tokens / --buckets; the lists all go through
+checked here, on the CPU): benchmarks/gpu_attention.py's --sweep-batches / --sweep-shape, benchmarks/gpu_linear.py's --ws-m /
+--ws-deep-ring / --ws-stop-after (and its sweep-only options without --sweep-ws), benchmarks/gpu_moe.py's --tokens, benchmarks/collectives.py's --tokens / --buckets; the lists all go through
 rlalign.bench.args.positive_ints, whose class is tested here too."""
 
 from __future__ import annotations

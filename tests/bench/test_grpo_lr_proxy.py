@@ -1,4 +1,4 @@
-"""bench/grpo_lr_proxy.py: the prompt-blind first-token values, two-step runs on a toy checkpoint and on the
+"""benchmarks/grpo_lr_proxy.py: the prompt-blind first-token values, two-step runs on a toy checkpoint and on the
 built eager body, and the built body's pieces (init scale, packed rows, the sampling filter, the sampler)."""
 
 import importlib.util

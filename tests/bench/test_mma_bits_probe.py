@@ -1,4 +1,4 @@
-"""bench/mma_bits_probe.py compiles what it claims to compare (sm_90a on the CPU, tests/sm90.py's stand-in driver):
+"""benchmarks/mma_bits_probe.py compiles what it claims to compare (sm_90a on the CPU, tests/sm90.py's stand-in driver):
 the 64- and 128-row launches to wgmma, the 16- and 32-row ones to mma.sync, each product's full K in k16 steps."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench/offload_step_memory.py runs end to end on a tiny model and reports both paths (no memory asserted)."""
+"""benchmarks/offload_step_memory.py runs end to end on a tiny model and reports both paths (no memory asserted)."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""bench/train_step.py: the three variants run on a tiny shape on the CPU (seconds) and agree on the loss
+"""benchmarks/train_step.py: the three variants run on a tiny shape on the CPU (seconds) and agree on the loss
 (same weights, same tokens); the FLOP count and the ragged workload are checked against independent counts."""
 
 from __future__ import annotations

@@ -518,7 +518,7 @@ def test_three_programs_per_sm_candidates_keep_the_bits(triton_backend, cap):
         assert_bitwise_equal(out, item, f"{launch} vs per-item")
 
 
-# ---- the backward's launch candidates (attention.BackwardLaunch; bench/gpu_attention.py --sweep-train) ------
+# ---- the backward's launch candidates (attention.BackwardLaunch; benchmarks/gpu_attention.py --sweep-train) ------
 
 def _sweep_train_launches():
     """Every non-default --sweep-train candidate (the list the lead's H200 sweep times)."""

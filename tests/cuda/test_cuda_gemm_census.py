@@ -1,4 +1,4 @@
-"""bench/gemm_census.py on CUDA: the census of the strict step, every distinct launch timed (ours and cuBLAS) through
+"""benchmarks/gemm_census.py on CUDA: the census of the strict step, every distinct launch timed (ours and cuBLAS) through
 the entry the trainer called, with the replay checked to launch the census's kernel and config."""
 
 from __future__ import annotations

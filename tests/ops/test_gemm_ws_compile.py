@@ -82,7 +82,7 @@ def _worker() -> None:
                         "tma_load_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
                                                          ptx)),
                         **_release_structure(ptx, cfg)})
-    # gemm_ws.DEEP_RING_WS (an experiment of bench/gpu_linear.py --ws-deep-ring): P = 4 only, on both layouts
+    # gemm_ws.DEEP_RING_WS (an experiment of benchmarks/gpu_linear.py --ws-deep-ring): P = 4 only, on both layouts
     experiments = []
     for (layout, _, b_trans, out), cfg in itertools.product(LAYOUTS, W.DEEP_RING_WS):
         out_dtype = torch.bfloat16 if out == "bf16" else torch.float32
@@ -359,7 +359,7 @@ def test_ws_dispatcher_selects_only_when_enabled_and_supported(sm90_ws):
 
 
 def test_ws_sweep_names_every_candidate_apart(sm90_ws):
-    """bench/gpu_linear.py --sweep-ws's table and refusal list name launches by ws_label: every WS_CANDIDATES launch
+    """benchmarks/gpu_linear.py --sweep-ws's table and refusal list name launches by ws_label: every WS_CANDIDATES launch
     and every Triton tile the sweep takes a different name; --ws-candidates picks by index."""
     labels = sm90_ws["sweep_labels"]
     assert len(set(labels)) == len(labels), labels

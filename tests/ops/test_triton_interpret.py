@@ -129,7 +129,7 @@ def _check_gemm_split_segments():
         if bias is not None:
             ref = ref + bias.double()
         worst = max(worst, _rel(out, ref))
-    # an explicit split launch takes the split past SPLIT_SEGMENTS_MAX_M (bench/gpu_linear.py --sweep-mid): five
+    # an explicit split launch takes the split past SPLIT_SEGMENTS_MAX_M (benchmarks/gpu_linear.py --sweep-mid): five
     # 64-row tiles, the last one partial
     a, b = torch.randn(SPLIT_SEGMENTS_MAX_M + 5, 128, generator=g), torch.randn(72, 128, generator=g)
     forced = gemm(a, b, b_trans=True, segments=4, out_dtype=torch.float32, split=SegmentSplitConfig())

@@ -86,7 +86,7 @@ DKDV_WARPS = 8
 class BackwardLaunch:
     """How the varlen backward's two kernels are launched. Each dK/dV/dQ element's sum runs
     over the same terms in increasing key (dQ) / query-row (dK, dV) order whatever the launch, but the MMA shapes that
-    carry it do not always keep its bits: bench/gpu_attention.py --sweep-train compares every candidate's
+    carry it do not always keep its bits: benchmarks/gpu_attention.py --sweep-train compares every candidate's
     gradients with the default's (bit-equal, or within the float64-reference tolerance, labelled).
     Every launch is deterministic run to run and per sequence (a sequence's gradients do not depend on what
     else is packed with it): no atomic adds, each output element is written by one program.
@@ -116,11 +116,11 @@ class BackwardLaunch:
                              f"{KV_BLOCK}, warps and stages >= 1")
 
 
-# The backward's launch (bench/gpu_attention.py --sweep-train times candidates; paste a faster one here).
-# H200, 2026-12-02 (session 12, bench/gpu_2026-12-02-s12/call5): 128-row dQ tiles with 8 warps, 128 keys per dK/dV
+# The backward's launch (benchmarks/gpu_attention.py --sweep-train times candidates; paste a faster one here).
+# H200, 2026-12-02 (session 12, benchmarks/gpu_2026-12-02-s12/call5): 128-row dQ tiles with 8 warps, 128 keys per dK/dV
 # program, both grids heaviest first -- bit-equal to the previous default (BackwardLaunch()) at 2 x 4,096, 8 x 4,096
 # and 1 x 32,768 tokens; forward + backward 0.99 / 0.90 / 0.95 of SDPA flash (the previous default 0.68 / 0.68 / 0.66).
-# (sm_90a, bench/attn_bwd_sm90_cpu.py: its dK/dV kernel holds 255 registers and spills 100 B, one program per SM; the
+# (sm_90a, benchmarks/attn_bwd_sm90_cpu.py: its dK/dV kernel holds 255 registers and spills 100 B, one program per SM; the
 # dQ kernel 181 registers, no spills.)
 BWD_LAUNCH = BackwardLaunch(dq_tile=(128, 8, 2), dkdv_keys=128, heavy_first=True)
 
@@ -162,7 +162,7 @@ class DecodeLaunch:
             raise ValueError(f"DecodeLaunch: max_registers={self.max_registers} must be 0 (no cap) or 24..255")
 
 
-# The two decode launches (bench/gpu_attention.py --sweep-decode times candidates of both as graph replays
+# The two decode launches (benchmarks/gpu_attention.py --sweep-decode times candidates of both as graph replays
 # and checks their bits against these; paste a faster candidate it prints here). The split launch folds its
 # partials in the item's last program since the H200 sweep of 2026-12-02 (session 11: 0.0608 / 0.1011 ms at
 # batch 8 / 16, 4,096 context, against 0.0669 / 0.1058 with the merge kernel; SDPA flash 0.0519 / 0.0814).
@@ -170,7 +170,7 @@ ITEM_DECODE = DecodeLaunch()
 SPLIT_DECODE = DecodeLaunch(merge_unroll=16, fused_merge=True, fold_rows=4)
 STREAM_DECODE = DecodeLaunch(programs_per_sm=2, stream=True)
 # Decode-tile paged calls with at least STREAM_MIN_ITEMS_PER_SM items per SM (and not the split launch) take the
-# streamed launch. H200, 2026-12-03 (session 18, bench/gpu_2026-12-03-s18/call_c1, --sweep-decode at 244 sequences x
+# streamed launch. H200, 2026-12-03 (session 18, benchmarks/gpu_2026-12-03-s18/call_c1, --sweep-decode at 244 sequences x
 # 484 context, 32/8 heads: 1,952 items, ~15 per SM): streamed 0.1635 ms vs per-item 0.1695, raw bits equal. From 1 to
 # 4 items per SM the per-item launch stays (not measured there: where two programs per SM hold one item each, the
 # streamed launch's range cut at item starts would leave SMs idle).
@@ -182,7 +182,7 @@ STREAM_WORK_MAX_BYTES = 256 << 20
 # Paged calls on the decode tile whose one-program-per-item grid (items = tiles x sequences x kv heads) has at
 # most SPLIT_MAX_ITEMS_PER_SM items per SM spread each item's key splits over several programs (the split
 # launch), if there are several splits in the block table's width and the fp32 partials stay under
-# SPLIT_SCRATCH_MAX_BYTES. Set by the H200, 2026-12-02 session 10 (bench/gpu_attention.py, 32/8 heads,
+# SPLIT_SCRATCH_MAX_BYTES. Set by the H200, 2026-12-02 session 10 (benchmarks/gpu_attention.py, 32/8 heads,
 # 4,096 context, CUDA graph replays, as the engine runs decode; ms split / item): 8 items (batch 1) 0.025 /
 # 0.113, 64 items (batch 8) 0.073 / 0.121, 512 items (batch 64) 0.352 / 0.307, 2,048 items (batch 256) 1.356 /
 # 1.175. Below one item per SM the per-item launch leaves SMs idle while each program walks the whole

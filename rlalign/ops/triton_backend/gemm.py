@@ -27,7 +27,7 @@ K partition (one loop per segment, one flat loop per tile, or one flat stream of
 element and when, not its sequence of operations; docs/gpu.md says what was verified on the H200.
 Hopper issues ``wgmma`` (m64nNk16) for tiles of 64 or 128 rows; the decode tiles of 16 and 32 rows
 (:data:`SMALL_M_TILES`) get ``mma.sync`` (m16n8k16), whose per-element bits the H200 showed equal to
-wgmma's on the same k16 chunks in the same order (session 21: bench/mma_bits_probe.py on random
+wgmma's on the same k16 chunks in the same order (session 21: benchmarks/mma_bits_probe.py on random
 tiles, every case of the decode sweep, tests/cuda/test_cuda_linear.py).
 """
 
@@ -82,18 +82,18 @@ _LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
 # acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging. Not flattened: with the
 # accumulator's load inside the flattened tile loop Triton 3.6 does not software-pipeline the k loop (sm_90a TTGIR:
 # only wgmma wait 0), and the LM head's dX (dh += dz W, 19 calls a step) ran at 0.34x cuBLAS on the H200 (session
-# 13, bench/gemm_census.py); the unflattened loop keeps wait 1 and 4 stages fit (192 KiB).
+# 13, benchmarks/gemm_census.py); the unflattened loop keeps wait 1 and 4 stages fit (192 KiB).
 _LARGE_ACCIN = (GemmConfig(128, 128, 8, 4),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
 # Segmented (k_segments > 1) tiles. Large M: a loop per segment (segment_tree_nested) on 128x128 tiles
 # with one tree level in registers and the deeper ones in the program's scratch: 0.70x cuBLAS at
 # 4096x4096x12288 and 0.46x at K = 4096 on the H200, against 0.43x / 0.38x for the one-loop kernel on
-# 128x64 tiles (bench/gpu_linear.py --set segsweep, docs/LOG.md 2026-12-01). The one-loop kernel
+# 128x64 tiles (benchmarks/gpu_linear.py --set segsweep, docs/LOG.md 2026-12-01). The one-loop kernel
 # (segment_tree: one pipeline across segments, shared memory independent of P and K) stays for the
 # narrower tiles. sm_90a, P=8 (ptxas -v): 128x64/8 warps 228 registers, 112 KiB, no spills; 128x128
 # spills with two or more levels in registers.
 _SEG_LARGE = (GemmConfig(128, 128, 8, 4, reg_levels=1, nested=True), GemmConfig(128, 64, 8, 4))
-# Large-M schedules of the K partition for bench/gpu_linear.py --sweep-kpart (speed only, the default first; no
+# Large-M schedules of the K partition for benchmarks/gpu_linear.py --sweep-kpart (speed only, the default first; no
 # GPU numbers yet, so none is picked by pick_config). sm_90a compiles (TTGIR, ptxas -v; docs/LOG.md 2026-12-02):
 # the default drains its pipeline (wgmma wait 0) and issues the next segment's first loads only after each
 # segment's tree merge; segment_stream_kernel keeps the TMA loads streaming across segment and tile ends but, with
@@ -126,7 +126,7 @@ def candidate_configs(m: int, n: int, segments: int, fp32: bool, out_mode: str =
 
 # P = 1 decode batches (bf16 out): one tile per row range, taken where its tiles keep at least
 # DECODE_TILE_MIN_FILL of the SMs busy (pick_config's fill rule would refuse them there). H200 sweeps
-# (`bench/gpu_linear.py --sweep-ws --ws-candidates 1 --ws-triton --ws-shapes 8b-stacked,0.6b-stacked`, every launch
+# (`benchmarks/gpu_linear.py --sweep-ws --ws-candidates 1 --ws-triton --ws-shapes 8b-stacked,0.6b-stacked`, every launch
 # bit-equal; cuBLAS / ours):
 # * 129..256 rows, 128x128 x5 flat (session 18-19): the 8B stacked q/k/v (N = 6,144, 96 tiles at 244 rows) 0.0276 ms
 #   against 0.0344 on the Gluon kernel (which the dispatcher took) and 0.0500 on the fill rule's tiles; the stacked
@@ -144,13 +144,13 @@ DECODE_TILE_MIN_FILL = 0.7
 # P = 1 decode batches of at most 64 rows (bf16 operands; bf16 or fp32 output): the GEMM streams W, and only N / BN
 # programs share the stream, so the tile is the narrowest row count that covers the rows, with k-steps of 128-256
 # columns (GemmConfig.block_k: the same k16 chunks in fewer loop iterations). Rows <= 32 take 16- and 32-row tiles,
-# on which Triton issues mma.sync (m16n8k16) instead of wgmma: bench/mma_bits_probe.py and every case of the sweep
+# on which Triton issues mma.sync (m16n8k16) instead of wgmma: benchmarks/mma_bits_probe.py and every case of the sweep
 # below found their bits equal to the 64-row wgmma tiles' (docs/gpu.md, "Which tile shapes are interchangeable").
 # Per row band, the widest tile first; a band takes the first whose tiles keep DECODE_TILE_MIN_FILL of the SMs busy,
-# else its last (narrowest). H200 sweep, session 21 (`bench/gpu_linear.py --sweep-ws --ws-candidates none
+# else its last (narrowest). H200 sweep, session 21 (`benchmarks/gpu_linear.py --sweep-ws --ws-candidates none
 # --ws-small --ws-shapes 8b-plain,8b-stacked,lm-head,0.6b-stacked --ws-m 1,8,24,32,48,64`, graph replays, every
 # launch bit-equal; cuBLAS / ours at M = 1 / 8 / 24 / 32 / 48 / 64 on the 9 shapes): 0.80-1.07, against 0.45-1.05
-# for the 64-row tiles with 64-column steps (bench/RESULTS.md, session 21).
+# for the 64-row tiles with 64-column steps (benchmarks/RESULTS.md, session 21).
 SMALL_M_TILES = (
     (16, (GemmConfig(16, 128, 4, 3, flatten=True, block_k=256), GemmConfig(16, 64, 4, 5, flatten=True, block_k=256),
           GemmConfig(16, 32, 4, 4, flatten=True, block_k=256, ctas_per_sm=2))),
@@ -582,7 +582,7 @@ class SegmentSplitConfig:
     """The launch of the decode-size split (speed only): the partials kernel's tile (BLOCK_M is always 64,
     the wgmma family of every strict GEMM), warps and pipeline depth; the tree kernel's elements per program
     and warps (elementwise: its layout cannot change a bit). A candidate is taken into SEGMENT_SPLIT_TABLE
-    only after bench/gpu_linear.py --sweep-small found its output bit-equal to the default's on the H200."""
+    only after benchmarks/gpu_linear.py --sweep-small found its output bit-equal to the default's on the H200."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 4
@@ -595,11 +595,11 @@ class SegmentSplitConfig:
 
 
 # (largest M, config), by increasing M: the first entry whose M bound holds. Paste the lines that
-# bench/gpu_linear.py --sweep-small prints (only bit-equal candidates are ever printed).
+# benchmarks/gpu_linear.py --sweep-small prints (only bit-equal candidates are ever printed).
 # H200, 2026-12-02 (`--sweep-small`, graph replays, every candidate bit-equal to the default; ratio = cuBLAS /
-# ours, geometric mean over the 8B and 0.6B o_proj / down_proj shapes; bench/gpu_2026-12-02-s10/call3):
+# ours, geometric mean over the 8B and 0.6B o_proj / down_proj shapes; benchmarks/gpu_2026-12-02-s10/call3):
 # 64x128 tiles at M <= 32 (0.98-1.18, default 64x64: 0.88-1.05), 64x64 with 3 stages at M = 64 (0.93, default 0.90).
-# M = 65-256 (`--sweep-mid`, session 12, bench/gpu_2026-12-02-s12/call1): 64x128 with 4 stages, 0.81 / 0.82 / 0.65
+# M = 65-256 (`--sweep-mid`, session 12, benchmarks/gpu_2026-12-02-s12/call1): 64x128 with 4 stages, 0.81 / 0.82 / 0.65
 # at M = 80 / 128 / 256.
 SEGMENT_SPLIT_TABLE: tuple[tuple[int, SegmentSplitConfig], ...] = (
     (32, SegmentSplitConfig(block_n=128, num_warps=4, num_stages=4)),
@@ -642,7 +642,7 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
 
 
 # The warp-specialized Gluon kernel (gemm_ws.py, session 12) is the default since the H200 sweep
-# (bench/gpu_linear.py --sweep-ws, session 12) found it bit-equal at every case and 1.0-1.6x faster than the Triton
+# (benchmarks/gpu_linear.py --sweep-ws, session 12) found it bit-equal at every case and 1.0-1.6x faster than the Triton
 # kernel (RLALIGN_TRITON_GEMM_WS=0 turns it off). The dispatcher takes it only for the K partition (P > 1) where
 # gemm_ws.supported holds: above SPLIT_SEGMENTS_MAX_M rows always, at or below it only where its tiles fill at
 # least WS_DECODE_MIN_FILL of the SMs (the per-segment split multiplies the programs by P, the Gluon kernel does
@@ -717,7 +717,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_trans: bool = False, b_trans: bo
     a power of two <= 8 dividing K. ``config`` / ``use_tma`` override the automatic choice (tests and
     benchmarks: every choice gives the same bits; a ``config`` runs the one-kernel tree, never the
     decode-size split into per-segment partials of _gemm_split_segments, whose launch ``split`` replaces
-    the table's :func:`segment_split_config` -- and, given, takes the split at any M: bench/gpu_linear.py
+    the table's :func:`segment_split_config` -- and, given, takes the split at any M: benchmarks/gpu_linear.py
     --sweep-mid times it against the one-kernel tree above SPLIT_SEGMENTS_MAX_M). ``ws`` runs the warp-specialized
     Gluon kernel of :mod:`.gemm_ws` (the same bits; raises GemmWsUnsupported where it does not apply); without it
     the dispatcher takes that kernel only where :func:`ws_default` says so. ``role`` / ``role_of`` (what the call

@@ -85,11 +85,11 @@ Design (what the kernel does and why):
   consumers (two warpgroups on different tiles) not tried.
 
 Status: every candidate in :data:`WS_CANDIDATES` ran on an H200, bit-equal to the Triton kernel at every case of
-bench/gpu_linear.py --sweep-ws (sessions 12-14, 22); the default is 128x128 with 5 stages of 64 columns, out_alias
+benchmarks/gpu_linear.py --sweep-ws (sessions 12-14, 22); the default is 128x128 with 5 stages of 64 columns, out_alias
 and level 2 in a global slot since session 22 (0.822 of cuBLAS, geometric mean of 6 cases, against 0.777 for session
 14's 128x128 launch with 6 stages of 32 columns in the same run; the history beside :data:`DEFAULT_WS`).
 tests/cuda/test_cuda_gemm_ws.py compares every candidate's raw bits with the Triton kernel's (the whole CUDA tier, 446
-tests, passed on the H200 with the session-22 default), and bench/gpu_linear.py --sweep-ws refuses any configuration
+tests, passed on the H200 with the session-22 default), and benchmarks/gpu_linear.py --sweep-ws refuses any configuration
 that is not bit-equal.
 """
 
@@ -177,15 +177,15 @@ class WsConfig:
 
 # H200 `--sweep-ws` history (cuBLAS / ours, geometric mean over 8B o_proj and down_proj at M 462-16,384; every
 # candidate bit-equal to the Triton kernel at every case):
-# - session 12 (bench/gpu_2026-12-02-s12/call3): 64x128 x5 0.675 (128x64 x6/x4, 64x64 x8 slower; the Triton kernel
+# - session 12 (benchmarks/gpu_2026-12-02-s12/call3): 64x128 x5 0.675 (128x64 x6/x4, 64x64 x8 slower; the Triton kernel
 #   0.529);
-# - session 13 (bench/gpu_2026-12-02-s13/call1): release="thread" 0.676 vs 0.668 with "cta";
-# - session 14 (bench/gpu_2026-12-02-s14/call1): 128x128 tiles (two consumer warpgroups, HGMMA 64x128x16 each, the
+# - session 13 (benchmarks/gpu_2026-12-02-s13/call1): release="thread" 0.676 vs 0.668 with "cta";
+# - session 14 (benchmarks/gpu_2026-12-02-s14/call1): 128x128 tiles (two consumer warpgroups, HGMMA 64x128x16 each, the
 #   output staged in level 1's buffer, out_alias) with 6 ring stages of 32 columns: **0.747** (down_proj 0.83-0.85 at
 #   M >= 1,024, o_proj 0.67-0.73), the 64x128 x5 default of session 13 0.657 in the same run, 64x128 x6 out_alias 0.72,
 #   128x128 with 3 stages of 64 columns 0.67. 224 KiB of shared memory; 168 registers at launch, the consumers raised
 #   to 240 by setmaxnreg (their SASS reaches R229), no spill.
-# - session 22 (bench/gpu_2026-12-03-s22/c1-c4; M 1,024 / 4,096 / 16,384): level 2 in a per-program global slot
+# - session 22 (benchmarks/gpu_2026-12-03-s22/c1-c4; M 1,024 / 4,096 / 16,384): level 2 in a per-program global slot
 #   (level2_global) and 5 ring stages of 64 columns in the 64 KiB it frees: **0.822** vs 0.777 for session 14's
 #   default in the same run (c3; c4 on the final code: o_proj 0.81-0.83, down_proj 0.77-0.90); the slot row-major
 #   0.803 (a warp's access touches 8 lines); loading level 2 after the drain instead of before it was slower in 5 of
@@ -195,7 +195,7 @@ class WsConfig:
 SESSION14_WS = WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_alias=True, block_k=32)
 DEFAULT_WS = WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64,
                       level2_global=True)
-# bench/gpu_linear.py --sweep-ws times these (the default first; the sweep skips its last cases past its time bound).
+# benchmarks/gpu_linear.py --sweep-ws times these (the default first; the sweep skips its last cases past its time bound).
 # Session 14's default (level 2 in shared memory, 6 stages of 32 columns); the runners-up of session 14, and a 64-wide
 # tile so that the tree's level 1 in registers stays compiled and tested:
 # 64x128 (one consumer warpgroup, levels 1-2 in shared memory; 255 registers, no spill) with out_alias and 6 stages,
@@ -232,8 +232,8 @@ def launch_for(a: torch.Tensor, n: int, segments: int) -> WsConfig:
 
 # An experiment, not a launch the dispatcher takes: the 160 KiB ring (10 stages of 32 columns, or 5 of 64) that fits
 # beside ONE fp32 tree level -- P <= 4 at 128x128 (at P = 8 the second level leaves 96 KiB; these do not fit there).
-# bench/gpu_linear.py --sweep-ws --ws-shapes 8b-p4 --ws-deep-ring times them at P = 4 beside DEFAULT_WS. H200, session
-# 21 (bench/RESULTS.md): 5 x 64 columns 0.88-0.95 of cuBLAS on the 8B o_proj / down_proj, 10 x 32 columns 0.64-0.83,
+# benchmarks/gpu_linear.py --sweep-ws --ws-shapes 8b-p4 --ws-deep-ring times them at P = 4 beside DEFAULT_WS. H200, session
+# 21 (benchmarks/RESULTS.md): 5 x 64 columns 0.88-0.95 of cuBLAS on the 8B o_proj / down_proj, 10 x 32 columns 0.64-0.83,
 # session 14's DEFAULT_WS 0.71-0.84 -- the depth in 64-column stages is what P = 8's second level cost. Since session
 # 22 DEFAULT_WS has the 5 x 64 ring at every P (level 2 in global memory), so at P <= 4 the second entry here is the
 # default's launch; kept as the sweep's measuring stick for ring depth. sm_90a (CPU compile, tests/ops/test_gemm_ws_compile.py): 229,652 / 229,580 B of shared

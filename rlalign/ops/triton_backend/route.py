@@ -11,7 +11,7 @@ Per token, from its fp32 router logits l [E] (spec row ``moe_route``; rlalign.op
 
 The torch formulation launches ~25 small kernels per layer (amax, exp, seven tree levels, division,
 sort, gather, the normaliser): with a sparse block's other work that is host launch time more than GPU
-time (bench/gpu_moe.py's route_combine rows). This is one launch. The backward recomputes the torch
+time (benchmarks/gpu_moe.py's route_combine rows). This is one launch. The backward recomputes the torch
 formulation from the saved logits and differentiates it (the same forward bits: the CUDA test checks
 experts and weights equal), so the router's gradient is exactly what it was.
 

@@ -27,7 +27,7 @@ the verdicts, in the torch backend's order and with its messages. Before the che
 the kernel a captured decode step spent ~7 full passes over the [S, V] fp32 logits on them (isnan,
 isposinf, isfinite's |x| and compares, the z division, the max of z) and ~80 small kernels on the keys
 and the parameters: the captured sampler was 90 torch kernels and the sample kernel, now 3 and the two
-kernels (bench/count_decode_ops.py). z is materialised only when a row filters (its keep mask).
+kernels (benchmarks/count_decode_ops.py). z is materialised only when a row filters (its keep mask).
 """
 
 from __future__ import annotations
