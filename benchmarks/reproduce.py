@@ -1,32 +1,30 @@
-"""Rerun the published numbers and print each beside the value README.md / benchmarks/RESULTS.md publish.
+"""Rerun the README's published numbers and print each beside the value README.md publishes.
 
     python benchmarks/reproduce.py [--device cpu|cuda] [--only ID,...] [--repeats N] [--json OUT]
-                              [--save-outputs DIR] [--list]
+                                   [--save-outputs DIR] [--list]
 
-The rule for a published number (README.md, benchmarks/RESULTS.md): it names the committed command that
-produces it; it is measured through the public op or engine (a kernel-only figure may appear beside,
-labelled "kernel only"); a timing is the median of >= 3 runs of that command, published with the
-spread [min - max] and the machine's load. ``CLAIMS`` below is that list for the README: for each
-number, the sentence it appears in, the published value, the command a user runs, the device it
-needs, how the value is read from the command's output and how many runs it takes. Deterministic
-results (the default run's accuracy, mismatch counts) take one run: the strict profile makes them
-bit-identical from run to run, so repeating measures nothing.
+The rule for a published number: it names the committed command that produces it; it is measured through the
+public op or engine; it names its card and date; and the raw output it came from is kept under
+``benchmarks/evidence/`` (``Claim.recorded``; ``benchmarks/evidence/README.md`` lists every kept file and the claim
+or document that cites it). ``CLAIMS`` below is README.md's results table: for each row, the sentence it appears
+in, the published value, the command a user runs, the device it needs, how the value is read from the command's
+output and how many runs it takes. Deterministic results (accuracy, mismatch counts) take one run: the strict
+profile makes them bit-identical from run to run, so repeating measures nothing. A timing published from one
+recorded run says so in its sentence; reproducing it takes three runs, compared by their median.
 
 For every claim whose device is present (or those named by ``--only``), each distinct command is run
-``max(repeats)`` times in a fresh temporary directory, with the 1-minute load average read before
-and after; the claim prints published vs reproduced median [min - max] and a verdict:
+``max(repeats)`` times in a fresh temporary directory, with the 1-minute load average read before and after; the
+claim prints published vs reproduced median [min - max] and a verdict:
 
 * ``reproduced``: every element of the median is within the claim's tolerance of the published value;
 * ``NOT reproduced``: it is not (the published number must be corrected or withdrawn);
-* ``not published``: the claim has no published value yet (a marked place in the README that the
-  next run on that device fills in);
+* ``not published``: the claim has no published value yet;
 * ``command failed``: the command exited non-zero (its stderr tail is printed).
 
-Exit status 1 when any claim run is not reproduced or its command failed. ``--save-outputs DIR``
-keeps each run's raw output (the files to commit under benchmarks/runs/ as the recorded output of a new
-measurement). tests/test_reproduce.py checks the table without running anything heavy: every command
-names an existing script / CLI subcommand and parses, every claim's sentence is in the README, and
-every reader parses its recorded output.
+Exit status 1 when any claim run is not reproduced or its command failed. ``--save-outputs DIR`` keeps each run's
+raw output (what to put under benchmarks/evidence/ as the recorded output of a new measurement).
+tests/test_reproduce.py checks the table without running anything heavy: every command names an existing script or
+CLI subcommand and parses, every claim's sentence is in the README, and every reader parses its recorded output.
 """
 
 from __future__ import annotations
@@ -105,13 +103,9 @@ def _json(text: str) -> dict:
 
 def rollout_ratio(key: str, text: str) -> tuple[float, ...]:
     """``rlalign bench rollout --json``: ratios[key] (tokens/s of one engine over another's)."""
-    return (float(_json(text)["ratios"][key]),)
+    return (float(_json_tail(text)["ratios"][key]),)
 
 
-def rollout_mismatches(text: str) -> tuple[float, ...]:
-    """``rlalign bench rollout --verify --json``: (strict logprobs that differ from the trainer's, checked)."""
-    row = next(r for r in _json(text)["rows"] if r["engine"] == "rlalign" and r["profile"] == "strict")
-    return float(row["logprob_mismatches"]), float(row["logprob_tokens_checked"])
 
 
 def _metrics(text: str) -> list[dict]:
@@ -152,202 +146,106 @@ def tp_differences(text: str) -> tuple[float, ...]:
     return float(d[key]["lp"]["differ"]), float(d[key]["grads_differ_total"])
 
 
-def _rows(text: str) -> list[dict]:
-    return [r for r in _json(text)["rows"] if "error" not in r]
 
 
-def _span(values: list[float], what: str) -> tuple[float, ...]:
-    if not values:
-        raise ValueError(f"no rows for {what} in the output")
-    return min(values), max(values)
 
 
-# the 4096-wide linears of a Qwen3-8B layer (k_proj/v_proj, 1,024 outputs, and the LM head are not)
-WIDE_LAYERS = ("q_proj", "o_proj", "gate_proj", "down_proj")
+def _json_tail(text: str) -> dict:
+    """The JSON object a command printed after its progress lines (a recorded log holds both)."""
+    return json.loads(text[text.index("{"):])
 
 
-def linear_layers(m_min: int, m_max: int, text: str) -> tuple[float, ...]:
-    """``benchmarks/gpu_linear.py --set layers``: (min, max) of op_vs_flinear over the 4096-wide layers
-    (ops.linear as the model calls it vs F.linear) at m_min <= M <= m_max."""
-    values = [r["op_vs_flinear"] for r in _rows(text)
-              if r.get("kind") == "layer" and r["layer"] in WIDE_LAYERS and m_min <= r["M"] <= m_max]
-    return _span(values, f"layers at {m_min} <= M <= {m_max}")
+def rollout_strict(text: str) -> tuple[float, ...]:
+    """``rlalign bench rollout --verify --json``: the strict engine's (roofline fraction, strict log-probs that differ
+    from the trainer's, log-probs compared)."""
+    row = next(r for r in _json_tail(text)["rows"] if r["engine"] == "rlalign" and r["profile"] == "strict")
+    return float(row["roofline_fraction"]), float(row["logprob_mismatches"]), float(row["logprob_tokens_checked"])
 
 
-def linear_kernel(m_min: int, text: str) -> tuple[float, ...]:
-    """``benchmarks/gpu_linear.py --set kernel``: (min, max) kernel-only ratio (cuBLAS time / strict kernel
-    time) over the plain (k_segments=1) shapes at M >= m_min."""
-    values = [r["ratio"] for r in _rows(text) if r.get("kind", "shape") == "shape" and not r.get("sweep")
-              and r["k_segments"] == 1 and r["M"] >= m_min]
-    return _span(values, f"plain shapes at M >= {m_min}")
+def train_step(text: str) -> tuple[float, ...]:
+    """``benchmarks/train_step.py --json``: (strict MFU in percent, stock transformers time / strict time, strict peak
+    memory / stock transformers peak memory)."""
+    d = _json_tail(text)
+    strict = next(r for r in d["rows"] if r["variant"] == "strict")
+    return (100.0 * float(strict["mfu"]), 1.0 / float(d["ratios"]["time_strict_over_transformers"]),
+            float(d["ratios"]["memory_strict_over_transformers"]))
 
 
-def attention(kind: str, batch: int, hkv: tuple[int, ...], field: str, text: str) -> tuple[float, ...]:
-    """``benchmarks/gpu_attention.py``: (min, max) of ``field`` (ratio: kernel only; op_ratio: the public op)
-    over the rows of this kind, batch and kv-head counts (seq 4,096, 32 query heads)."""
-    values = [r[field] for r in _rows(text)
-              if r["kind"] == kind and r["batch"] == batch and r["hq"] == 32 and r["hkv"] in hkv and r["seq"] == 4096]
-    return _span(values, f"{kind} batch {batch}")
+def doctor_checks(text: str) -> tuple[float, ...]:
+    """``rlalign doctor --json``: (checks that hold, checks run)."""
+    d = _json_tail(text)
+    return float(sum(c["holds"] for c in d["checks"])), float(len(d["checks"]))
 
 
-def attention_row(kind: str, batch: int, hkv: int, field: str, text: str) -> tuple[float, ...]:
-    """``benchmarks/gpu_attention.py``: ``field`` of the one row of this kind, batch and 32/hkv heads."""
-    lo, hi = attention(kind, batch, (hkv,), field, text)
-    if lo != hi:
-        raise ValueError(f"more than one {kind} row for batch {batch}, 32/{hkv} heads")
-    return (lo,)
+# ---- the claims: README.md's results table, one row per claim ----------------------------------------
 
-
-def logprob(case: str, text: str) -> tuple[float, ...]:
-    """``benchmarks/gpu_logprob.py``: (time, peak memory) of ``case`` as fractions of the naive forward's."""
-    row = next(r for r in _rows(text) if r.get("case") == case)
-    return float(row["time_ratio"]), float(row["mem_ratio"])
-
-
-# ---- the claims ------------------------------------------------------------------------------------
-
-ROLLOUT_CPU = "rlalign bench rollout --device cpu --json"
-ROLLOUT_CPU_PROMPT_HEAVY = "rlalign bench rollout --device cpu --json --prompt-len 32:48 --new-tokens 16"
-ROLLOUT_H200 = "rlalign bench rollout --device cuda --json --prompts 64 --new-tokens 256 --verify"
-ROLLOUT_H200_FULL = "rlalign bench rollout --device cuda --json --hf-prompts 64 --engines strict,transformers --verify"
+EVIDENCE = "benchmarks/evidence"
 DEFAULT_TRAIN = "rlalign train run.dir={out}/run run.progress=false"
-# The default run's own metrics (benchmarks/evidence/default-run-cpu/metrics.jsonl, cited by the README) were never
-# committed; until they are, its readers are checked on `rlalign train`'s metrics.jsonl of the H200
-# 200-step run: the same writer, the same keys.
-DEFAULT_TRAIN_RECORDED = "benchmarks/evidence/default-run-cpu/metrics.jsonl"
-GRPO_200 = ("python scripts/shaped_model.py qwen3-0.6b {out}/m06 --tokenizer default && rlalign train "
-            "configs/gpu-grpo-200.yaml model.path={out}/m06 run.dir={out}/run run.progress=false")
-PARITY_06B = ("python scripts/shaped_model.py qwen3-0.6b {out}/m && rlalign parity --model {out}/m --device cuda "
-              "--prompts 16 --samples 4 --max-new-tokens 64 --json")
-PARITY_8B = ("python scripts/shaped_model.py qwen3-8b {out}/m && rlalign parity --model {out}/m --device cuda "
-             "--prompts 8 --samples 4 --max-new-tokens 32 --json")
+PARITY_CPU_NATIVE = "rlalign parity --profile native --train transformers --prompts 16 --samples 4 --json"
 PARITY_06B_NATIVE = ("python scripts/shaped_model.py qwen3-0.6b {out}/m && rlalign parity --model {out}/m "
                      "--device cuda --profile native --train transformers --prompts 16 --samples 4 "
                      "--max-new-tokens 16 --json")
-MOE_CPU = ("python scripts/make_moe_model.py {out}/moe && rlalign train configs/moe-cpu.yaml model.path={out}/moe "
-           "run.dir={out}/run run.progress=false")
-# what scripts/gpu_moe.sh runs (STEPS=50 TRAIN_ARGS="run.eval_every=25"); the final checkpoint is ~40 GB
+ROLLOUT_06B = "rlalign bench rollout --device cuda --workload 0.6b-ctx512 --engines strict --verify --json"
+ROLLOUT_8B = "rlalign bench rollout --device cuda --workload 8b-ctx512 --prompts 256 --engines strict --verify --json"
+ROLLOUT_VS_GENERATE = ("rlalign bench rollout --device cuda --json --hf-prompts 64 --engines strict,transformers "
+                       "--verify")
+TRAIN_STEP = "python benchmarks/train_step.py --device cuda --layers 6 --variants strict,native,transformers --json"
+Q8B_200 = ("python scripts/make_qwen3_8b.py {out}/q8b --lm-head-std 0 && rlalign train "
+           "configs/qwen3-8b-h200-device.yaml model.path={out}/q8b run.dir={out}/run run.progress=false")
 MOE_H200 = ("python scripts/make_moe_model.py {out}/moe --shape qwen3-30b-a3b --layers 4 && rlalign train "
             "configs/moe-h200.yaml model.path={out}/moe run.dir={out}/run run.steps=50 run.eval_every=25 "
             "run.checkpoint_every=50 run.keep_checkpoints=1 run.progress=false")
-PARITY_CPU_NATIVE = "rlalign parity --profile native --train transformers --prompts 16 --samples 4 --json"
-TIMING_REL = Check("rel", 0.15)   # a shared CPU's runs spread about this much; the GPU's less
-GPU_REL = Check("rel", 0.10)
-ROUNDED_2 = Check("abs", 0.005)   # a deterministic value published to 2 decimals
+TP2 = "python scripts/gpu_tp.py --tp 2 --out {out}"
+DOCTOR_CUDA = "rlalign doctor --device cuda --json"
+GPU_REL = Check("rel", 0.10)     # one card's runs spread about 3%; fresh machines up to ~7%
+ROUNDED_2 = Check("abs", 0.005)  # a deterministic value published to 2 decimals
+GPU_TIMING = "a timing, published from one recorded run (the sentence says so); reproduce runs it 3 times"
 
 CLAIMS: tuple[Claim, ...] = (
-    # -- the embedded default run (CPU): deterministic
-    Claim("default-accuracy", "README.md", "held-out accuracy **0.18 → 0.95**", (0.18, 0.95),
-          ("step 0", "step 120"), DEFAULT_TRAIN, "run/metrics.jsonl", partial(train_first_last, "eval/accuracy"),
-          "cpu", 1, DETERMINISTIC, ROUNDED_2, DEFAULT_TRAIN_RECORDED, recorded_matches=False,
-          note="held-out accuracy, 2 samples per problem at T=1, first and last evaluation"),
-    Claim("default-greedy", "README.md", "(greedy 0.005 → 0.98)", (0.005, 0.98), ("step 0", "step 120"),
-          DEFAULT_TRAIN, "run/metrics.jsonl", partial(train_first_last, "eval/accuracy_greedy"), "cpu", 1,
-          DETERMINISTIC, ROUNDED_2, DEFAULT_TRAIN_RECORDED, recorded_matches=False),
-    Claim("default-mismatches", "README.md", "**0 mismatches in 117,933 token log-probs compared**", (0, 117933),
-          ("differing", "compared"), DEFAULT_TRAIN, "run/metrics.jsonl", train_mismatches, "cpu", 1,
-          DETERMINISTIC, EXACT, DEFAULT_TRAIN_RECORDED, recorded_matches=False,
-          note="rollout vs trainer log-prob of every sampled token of every step"),
+    Claim("default-run", "README.md", "held-out accuracy **0.18 → 0.95**, **0 of 117,933** log-probs differ",
+          (0.18, 0.95, 0, 117933), ("accuracy at step 0", "accuracy at step 120", "differing", "compared"),
+          DEFAULT_TRAIN, "run/metrics.jsonl",
+          lambda text: train_first_last("eval/accuracy", text) + train_mismatches(text), "cpu", 1, DETERMINISTIC,
+          ROUNDED_2, f"{EVIDENCE}/default-run-cpu/metrics.jsonl",
+          note="the embedded default: 120 GRPO steps, held-out accuracy and the log-prob agreement of every step"),
     Claim("cpu-native-parity", "README.md", "differ on **614 of 618** sampled tokens", (614, 618),
-          ("differing", "compared"), PARITY_CPU_NATIVE, "stdout", parity_counts, "cpu", 1,
-          "deterministic at a fixed thread count on one machine (stock kernels do not change from run to run; "
-          "they change with the batch): one run", EXACT, "benchmarks/evidence/parity/cpu-native.json",
-          note="native profile: the engine's log-probs vs transformers' training forward, embedded model",
-          exit_ok=(0, 1)),   # rlalign parity exits 1 when log-probs differ: here that is the finding
-    Claim("h200-native-parity", "README.md",
-          "**1,024 of 1,024** differ (one run, 2026-12-01)", (1024, 1024),
-          ("differing", "compared"), PARITY_06B_NATIVE, "stdout", parity_counts, "cuda", 1,
-          "deterministic at a fixed machine and batch (stock kernels repeat themselves run to run): one run", EXACT,
-          "benchmarks/evidence/parity/h200-06b-native.json", recorded_matches=True, exit_ok=(0, 1),
-          note="native profile: the engine's log-probs vs transformers' training forward, Qwen3-0.6B shape, bf16"),
-    # -- CPU rollout (timings)
-    Claim("cpu-rollout-vs-generate", "README.md", "strict / `generate` **1.27x**", (1.27,), ("strict / generate",),
-          ROLLOUT_CPU, "stdout", partial(rollout_ratio, "strict_vs_transformers"), "cpu", 3, TIMING, TIMING_REL,
-          "benchmarks/runs/rollout_cpu_default_kernels_1.json", recorded_matches=False,
-          note="embedded default model, 64 prompts x 8 samples x 32 new tokens; published: 3 runs, 2026-12-01 "
-               "(1.02-1.39); issue 22's 4 runs the same day gave 0.94-1.03"),
-    Claim("cpu-rollout-vs-native", "README.md", "strict / native profile **1.36x**", (1.36,), ("strict / native",),
-          ROLLOUT_CPU, "stdout", partial(rollout_ratio, "strict_vs_native"), "cpu", 3, TIMING, TIMING_REL,
-          "benchmarks/runs/rollout_cpu_default_kernels_1.json", recorded_matches=False),
-    Claim("cpu-rollout-prompt-heavy", "README.md", "strict / `generate` prompt-heavy: **2.43x**",
-          (2.43,), ("strict / generate",), ROLLOUT_CPU_PROMPT_HEAVY, "stdout",
-          partial(rollout_ratio, "strict_vs_transformers"), "cpu", 3, TIMING, TIMING_REL,
-          "benchmarks/runs/rollout_cpu_kernels_prompt_heavy.json", recorded_matches=False),
-    # -- H200 rollout
-    Claim("h200-rollout-vs-generate", "README.md", "strict / `generate` **4.86x** (64 x 8 x 256", (4.86,),
-          ("strict / generate",), ROLLOUT_H200, "stdout", partial(rollout_ratio, "strict_vs_transformers"), "cuda",
-          3, TIMING, GPU_REL, "benchmarks/runs/rollout_h200_64x8x256_2026-12-01_1.json", recorded_matches=False,
-          note="Qwen3-0.6B shape, bf16, decode from CUDA graphs; published: median of 3 runs, 2026-12-01"),
-    Claim("h200-rollout-vs-native", "README.md", "strict / native profile **7.71x**", (7.71,), ("strict / native",),
-          ROLLOUT_H200, "stdout", partial(rollout_ratio, "strict_vs_native"), "cuda", 3, TIMING, GPU_REL,
-          "benchmarks/runs/rollout_h200_64x8x256_2026-12-01_1.json", recorded_matches=False,
-          note="published: median of 3 runs, 2026-12-01, before the native profile had CUDA-graph decode; "
-               "a rerun now measures native with graphs (the fair baseline), so expect a smaller ratio"),
-    Claim("h200-rollout-mismatches", "README.md", "0 of 131,072 log-probs differ", (0, 131072),
-          ("differing", "checked"), ROLLOUT_H200, "stdout", rollout_mismatches, "cuda", 1, DETERMINISTIC, EXACT,
-          "benchmarks/runs/rollout_h200_64x8x256_session5.json"),
-    Claim("h200-rollout-full-vs-generate", "README.md", "256 x 8 x 512: strict / `generate` **13.5x**", (13.5,),
-          ("strict / generate",), ROLLOUT_H200_FULL, "stdout", partial(rollout_ratio, "strict_vs_transformers"),
-          "cuda", 3, TIMING, GPU_REL, "benchmarks/runs/rollout_h200_256x8x512_2026-12-02.json",
-          note="published: one run, 2026-12-02 (RESULTS session 12); transformers on the first 64 prompts; "
-               "session 4's run gave 7.10x (benchmarks/runs/rollout_h200_256x8x512.json)"),
-    # -- H200 GEMM, attention, logprob
-    Claim("h200-linear-op-m1024", "README.md", "M = 1,024: **0.29-0.85x**", (0.29, 0.85), ("min", "max"),
-          "python benchmarks/gpu_linear.py --set layers --out {out}", "bench_linear.json",
-          partial(linear_layers, 1024, 1024), "cuda", 3, TIMING, GPU_REL, "", recorded_matches=False,
-          note="ops.linear as the models call it vs F.linear, Qwen3-8B q/o/gate/down, bf16; published: 3 runs, 2026-12-01"),
-    Claim("h200-linear-op-m4096", "README.md", "M ≥ 4,096: **0.33-0.91x**", (0.33, 0.91), ("min", "max"),
-          "python benchmarks/gpu_linear.py --set layers --out {out}", "bench_linear.json",
-          partial(linear_layers, 4096, 1 << 30), "cuda", 3, TIMING, GPU_REL, "", recorded_matches=False),
-    Claim("h200-linear-op-decode", "README.md", "M ≤ 64 (decode): **0.14-0.33x**", (0.14, 0.33), ("min", "max"),
-          "python benchmarks/gpu_linear.py --set layers --out {out}", "bench_linear.json",
-          partial(linear_layers, 1, 64), "cuda", 3, TIMING, GPU_REL, ""),
-    Claim("h200-linear-kernel", "README.md", "kernel only, without the op: 0.91-1.06x", (0.91, 1.06), ("min", "max"),
-          "python benchmarks/gpu_linear.py --set kernel --out {out}", "bench_linear.json", partial(linear_kernel, 1024),
-          "cuda", 3, TIMING, GPU_REL, "benchmarks/gpu_2026-11-30b/bench_linear.json",
-          note="kernel only: the strict GEMM kernel vs torch.matmul at M >= 1,024, plain shapes incl. the LM head"),
-    Claim("h200-attention-prefill-op", "README.md", "8 x 4,096 tokens, 32/8 heads: **0.97x**", (0.97,),
-          ("op / SDPA speed",), "python benchmarks/gpu_attention.py --out {out}", "bench_attention.json",
-          partial(attention_row, "prefill", 8, 8, "op_ratio"), "cuda", 3, TIMING, GPU_REL, "",
-          recorded_matches=False, note="ops.attention_varlen vs SDPA flash; published: 3 runs, 2026-12-01"),
-    Claim("h200-attention-prefill-kernel", "README.md", "kernel only: 1.17-1.20x", (1.17, 1.20), ("min", "max"),
-          "python benchmarks/gpu_attention.py --out {out}", "bench_attention.json",
-          partial(attention, "prefill", 4, (8, 32), "ratio"), "cuda", 3, TIMING, GPU_REL,
-          "benchmarks/gpu_2026-11-30/bench_attention.json",
-          note="kernel only: 4 x 4,096 tokens, 32/8 and 32/32 heads"),
-    Claim("h200-logprob-op", "README.md", "fused log-prob through the op: **0.72x** the time and **0.017x**", (0.72, 0.017), ("time", "memory"),
-          "python benchmarks/gpu_logprob.py --out {out}", "bench_logprob.json", partial(logprob, "op logprob"), "cuda",
-          3, TIMING, GPU_REL, ""),
-    Claim("h200-logprob-kernel", "README.md", "kernel only: 0.69x the time and 0.0039x the peak memory",
-          (0.69, 0.0039), ("time", "memory"), "python benchmarks/gpu_logprob.py --out {out}", "bench_logprob.json",
-          partial(logprob, "ours logprob"), "cuda", 3, TIMING, Check("rel", 0.10),
-          "benchmarks/gpu_2026-11-30b/bench_logprob.json"),
-    # -- Qwen3-MoE runs: deterministic
-    Claim("cpu-moe-mismatches", "README.md", "with **0 of 99,644** log-probs", (0, 99644), ("differing", "compared"),
-          MOE_CPU, "run/metrics.jsonl", train_mismatches, "cpu", 1, DETERMINISTIC, EXACT,
-          "benchmarks/evidence/moe-cpu/metrics.jsonl", note="configs/moe-cpu.yaml, 100 steps"),
-    Claim("cpu-moe-routing", "README.md", "and **0 of 1,014,544** (token, layer) expert choices differing",
-          (0, 1014544), ("differing", "compared"), MOE_CPU, "run/metrics.jsonl", train_routing, "cpu", 1,
-          DETERMINISTIC, EXACT, "benchmarks/evidence/moe-cpu/metrics.jsonl"),
-    Claim("h200-moe-mismatches", "README.md", "50 strict GRPO steps with **0 of 204,794** log-probs", (0, 204794),
-          ("differing", "compared"), MOE_H200, "run/metrics.jsonl", train_mismatches, "cuda", 1, DETERMINISTIC,
-          EXACT, "benchmarks/evidence/moe-h200/grpo-30b-a3b-4l-metrics.jsonl",
-          note="Qwen3-30B-A3B shape cut to 4 layers, full vocabulary, configs/moe-h200.yaml"),
-    Claim("h200-moe-routing", "README.md", "**0 of 1,225,576** (token, layer) expert choices", (0, 1225576),
-          ("differing", "compared"), MOE_H200, "run/metrics.jsonl", train_routing, "cuda", 1, DETERMINISTIC,
-          EXACT, "benchmarks/evidence/moe-h200/grpo-30b-a3b-4l-metrics.jsonl"),
-    # -- H200 end to end: deterministic
-    Claim("h200-grpo-200-mismatches", "README.md", "**0 mismatches in 183,353 token log-probs**", (0, 183353),
-          ("differing", "compared"), GRPO_200, "run/metrics.jsonl", train_mismatches, "cuda", 1, DETERMINISTIC,
-          EXACT, "benchmarks/runs/gpu200_h200_graphs_metrics.jsonl"),
-    Claim("h200-parity-06b", "README.md", "0 differing log-probs on a Qwen3-0.6B-shaped model (0 of 4,096)",
-          (0, 4096), ("differing", "compared"), PARITY_06B, "stdout", parity_counts, "cuda", 1, DETERMINISTIC, EXACT,
-          "benchmarks/gpu_2026-11-30c/parity_06b.json"),
-    Claim("h200-parity-8b", "README.md", "on a Qwen3-8B-shaped one (0 of 1,024)", (0, 1024), ("differing", "compared"),
-          PARITY_8B, "stdout", parity_counts, "cuda", 1, DETERMINISTIC, EXACT, "benchmarks/gpu_2026-11-30c/parity_8b.json"),
-    Claim("h200-tp2", "README.md", "TP=2 equals TP=1 bit for bit, gradients included (0 differing", (0, 0),
-          ("logprobs differing", "gradient elements differing"), "python scripts/gpu_tp.py --out {out}",
-          "gpu_tp.json", tp_differences, "cuda:2", 1, DETERMINISTIC, EXACT, "benchmarks/evidence/tp-h200/tp2.json"),
+          ("differing", "compared"), PARITY_CPU_NATIVE, "stdout", parity_counts, "cpu", 1, DETERMINISTIC, EXACT,
+          f"{EVIDENCE}/parity/cpu-native.json",
+          note="the native profile (torch's stock CPU kernels) vs a transformers training forward"),
+    Claim("h200-native-parity", "README.md", "**1,024 of 1,024** on an H200", (1024, 1024), ("differing", "compared"),
+          PARITY_06B_NATIVE, "stdout", parity_counts, "cuda", 1, DETERMINISTIC, EXACT,
+          f"{EVIDENCE}/parity/h200-06b-native.json", note="Qwen3-0.6B shape, bf16, native profile vs transformers"),
+    Claim("h200-rollout-06b", "README.md", "**0.576** of the roofline, 0 of 65,536 differ", (0.576, 0, 65536),
+          ("roofline fraction", "differing", "compared"), ROLLOUT_06B, "stdout", rollout_strict, "cuda", 3, GPU_TIMING,
+          GPU_REL, f"{EVIDENCE}/rollout-h200/0.6b-ctx512.log",
+          note="512 sequences, 384-448-token prompts, 128 new tokens; bandwidth roofline at 4.3 TB/s"),
+    Claim("h200-rollout-8b", "README.md", "**0.509** of the roofline, 0 of 32,768 differ", (0.509, 0, 32768),
+          ("roofline fraction", "differing", "compared"), ROLLOUT_8B, "stdout", rollout_strict, "cuda", 3, GPU_TIMING,
+          GPU_REL, f"{EVIDENCE}/rollout-h200/8b-ctx512-256seq-a.log", note="256 sequences; 4.3 TB/s"),
+    Claim("h200-rollout-vs-generate", "README.md", "**13.5x** Hugging Face `generate`", (13.5,),
+          ("strict / transformers tokens per second",), ROLLOUT_VS_GENERATE, "stdout",
+          partial(rollout_ratio, "strict_vs_transformers"), "cuda", 3, GPU_TIMING, GPU_REL,
+          f"{EVIDENCE}/rollout-h200/vs-generate-256x8x512.json", note="256 prompts x 8 samples x 512 tokens"),
+    Claim("h200-train-step", "README.md", "MFU **52.3%**, **1.64x** faster than stock transformers in **0.244x** "
+          "its memory", (52.3, 1.64, 0.244), ("strict MFU (%)", "stock time / strict time", "strict / stock peak memory"),
+          TRAIN_STEP, "stdout", train_step, "cuda", 3, GPU_TIMING, GPU_REL,
+          f"{EVIDENCE}/train-step-h200/train_step_6l.json",
+          note="one micro-step, Qwen3-8B shape cut to 6 layers, 8,192 tokens, full vocabulary, bf16"),
+    Claim("h200-qwen3-8b-200-steps", "README.md", "**0 of 1,024,000** log-probs differ", (0, 1024000),
+          ("differing", "compared"), Q8B_200, "run/metrics.jsonl", train_mismatches, "cuda", 1, DETERMINISTIC, EXACT,
+          f"{EVIDENCE}/qwen3-8b-200-steps-h200/metrics.jsonl",
+          note="200 strict GRPO steps on the full Qwen3-8B shape, every training state on one H200"),
+    Claim("h200-moe-routing", "README.md", "**0 of 204,794** log-probs and **0 of 1,225,576** expert choices differ",
+          (0, 204794, 0, 1225576), ("log-probs differing", "compared", "expert choices differing", "compared"),
+          MOE_H200, "run/metrics.jsonl", lambda text: train_mismatches(text) + train_routing(text), "cuda", 1,
+          DETERMINISTIC, EXACT, f"{EVIDENCE}/moe-h200/grpo-30b-a3b-4l-metrics.jsonl",
+          note="Qwen3-30B-A3B shape cut to 4 layers (128 experts, top-8), 50 strict GRPO steps"),
+    Claim("h200-tp2", "README.md", "TP=2 equals TP=1 in every log-prob and gradient element (0 and 0 differ)", (0, 0),
+          ("log-probs differing", "gradient elements differing"), TP2, "gpu_tp.json", tp_differences, "cuda:2", 1,
+          DETERMINISTIC, EXACT, f"{EVIDENCE}/tp-h200/tp2.json", note="Qwen3-8B shape cut to 8 layers, 4,096 tokens"),
+    Claim("h100-doctor", "README.md", "**12 of 12** invariances hold", (12, 12), ("holding", "checked"), DOCTOR_CUDA,
+          "stdout", doctor_checks, "cuda", 1, DETERMINISTIC, EXACT, f"{EVIDENCE}/h100-paged-prefill/doctor-after.json",
+          note="rlalign doctor on an H100 80GB: every op's invariances and the model's three paths per family and dtype"),
 )
 
 
@@ -508,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "deterministic claims always run once")
     p.add_argument("--json", metavar="OUT", help="also write every claim's result to this JSON file")
     p.add_argument("--save-outputs", metavar="DIR",
-                   help="keep each run's raw output here, as <claim id>_<run>.<ext> (to record under benchmarks/runs/)")
+                   help="keep each run's raw output here, as <claim id>_<run>.<ext> (to record under benchmarks/evidence/)")
     p.add_argument("--timeout", type=float, metavar="S", help="give up on a command run after S seconds")
     p.add_argument("--list", action="store_true", help="print the claims table and exit")
     args = p.parse_args(argv)
