@@ -525,7 +525,7 @@ def _sweep_train_launches():
     import importlib.util
     import os
     from rlalign.ops.triton_backend import attention as A
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_attention.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu_attention.py")
     spec = importlib.util.spec_from_file_location("_bench_gpu_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -101,7 +101,7 @@ def _worker() -> None:
         blocks.append({"case": f"{cfg} widths {widths}", "blocks": len(widths),
                        "ptxas": ptxas_report(ptx, timeout=120),
                        "tma_store_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx))})
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gpu_linear
     from rlalign.ops.triton_backend.gemm import GemmConfig
     print("RESULTS " + json.dumps({"results": results, "blocks": blocks, "experiments": experiments, "blocks_choice": _blocks_choice(),
