@@ -23,11 +23,11 @@ and without KV cache (each decode step recomputes the prefix).
 around a toy body of width H (scripts/make_qwen3_8b.py's toy_body: intermediate 3H, heads of 16) and
 initialises it like the 8B *in signal terms*: std = 0.02 x sqrt(4096 / H) (``--init-std``), so every
 matrix's output has the 8B's scale (std x sqrt(fan-in) = 1.28; logits ~ N(0, 1.28^2), entropy 11.11 at
-step 0, as on the H200). HF's fixed std 0.02 at H = 64..256 (the models of benchmarks/runs/lr_proxy_2026-12-02)
+step 0, as on the H200). HF's fixed std 0.02 at H = 64..256 (the proxy's first models, 2026-12-02)
 gives logits of std 0.16..0.32 and layers that barely touch the residual stream: a different network.
 Under that init an Adam step of lr per coordinate moves a matrix's output by ~lr x H relative to its
 scale, so lr x H is the width-invariant knob (lr 2e-4 at H 4096 = 1.28e-2 at 64), to a factor: the 8B
-collapsed ~3x sooner in summed lr x H than hidden 64 with 4 or 12 layers (benchmarks/runs/lr_proxy_2026-12-02-s10).
+collapsed ~3x sooner in summed lr x H than hidden 64 with 4 or 12 layers (CPU runs of 2026-12-02).
 The built body is :class:`ToyQwen3`, eager torch. At the full vocabulary and 64 tokens a step takes ~45 s
 at H 64 on 2 cores (the LM head over 5,120 x 151,936 logits), so the lr studies cut both by 8
 (``--vocab 18992 --new 8``: the share of the vocabulary drawn per step is kept) and scale the character cost
@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTIAL_CREDIT = ROOT / "configs" / "partial_credit.py"
 EOS, ROW_CHUNK, FULL_VOCAB = 2, 1024, 151936
 #: the configs/partial_credit.py constant that --extra-char-cost overrides, per reward (match_then_steep
-#: ignored EXTRA_CHAR_COST: the s11 runs before this map ran it at its own 1/16)
+#: ignored EXTRA_CHAR_COST: runs made before this map ran it at its own 1/16)
 CHAR_COST_OF = dict(match_then_stop="EXTRA_CHAR_COST", match_then_steep="STEEP_EXTRA_CHAR_COST")
 
 

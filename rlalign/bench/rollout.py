@@ -301,8 +301,8 @@ def _model_dir(args, defaults, dtype: str, tmp: Path) -> tuple[Path, str]:
             raise BenchError(f"--layers must be in 1..{hf['num_hidden_layers']} for {preset}")
         hf["num_hidden_layers"] = args.layers
     config = ModelConfig.from_hf_dict(hf)
-    # drawn where the bench runs: the CPU generator takes minutes for the 8B's 8.2B normals (the 8b-* workloads ran
-    # past a 130 s job limit before their first token); a GPU draws them in under a second (other values than the
+    # drawn where the bench runs: the CPU generator takes minutes for the 8B's 8.2B normals (the 8b-* workloads took
+    # over 130 s before their first token); a GPU draws them in under a second (other values than the
     # CPU's: the label says which -- tokens/s do not depend on them, every completion runs its new tokens)
     model = CausalLM(config, dtype=resolve_dtype(dtype), device=args.device)
     model.init_random_(seed=args.seed, on_device=args.device != "cpu")

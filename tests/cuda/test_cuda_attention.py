@@ -521,7 +521,7 @@ def test_three_programs_per_sm_candidates_keep_the_bits(triton_backend, cap):
 # ---- the backward's launch candidates (attention.BackwardLaunch; benchmarks/gpu_attention.py --sweep-train) ------
 
 def _sweep_train_launches():
-    """Every non-default --sweep-train candidate (the list the lead's H200 sweep times)."""
+    """Every non-default --sweep-train candidate (the list an H200 sweep times)."""
     import importlib.util
     import os
     from rlalign.ops.triton_backend import attention as A

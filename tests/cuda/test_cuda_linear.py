@@ -270,8 +270,8 @@ def test_tensor_parallel_partition_gives_tp1_bits(triton_backend, tp):
 
 
 def test_tma_launches_from_a_thread_without_a_cuda_context(triton_backend):
-    """The first CUDA call of a thread can be one of our TMA launches (autograd's backward worker: session 22's H200
-    run failed test_backward_rows_invariant_and_deterministic with "Failed to create tensor map descriptor: invalid
+    """The first CUDA call of a thread can be one of our TMA launches (autograd's backward worker: an H200 run of
+    2026-12-03 failed test_backward_rows_invariant_and_deterministic with "Failed to create tensor map descriptor: invalid
     device context"): a fresh thread runs the forward and the dX GEMM first thing and gets the main thread's bits."""
     import threading
     from rlalign.ops.triton_backend.gemm import gemm
