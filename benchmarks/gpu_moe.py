@@ -12,7 +12,7 @@ softmax over random logits: a realistic, uneven load). Through the public op
 * ``grouped_mm``: torch's grouped GEMM (``torch._grouped_mm``, CUTLASS) on stacked weights with the
   same sort / silu / unpermute around it (where this torch build has it);
 
-``vendor`` = the faster of the two; ``ratio`` = vendor time / strict time (>= 0.8 is the issue's
+``vendor`` = the faster of the two; ``ratio`` = vendor time / strict time (>= 0.8 is the
 target). Forward, and forward + backward (``--backward``). Also each grouped GEMM alone vs
 ``torch._grouped_mm`` on the same rows (kernel rows) and TFLOP/s (2 * rows * N * K per projection).
 Each ffn row also profiles one strict call: ``strict_kernel_ms`` (its GPU kernel time), ``gpu_busy`` (that over

@@ -202,11 +202,11 @@ def built_head_std(std_8b: float, hidden: int, match: str) -> float:
     """The built head's init std standing for an 8B (hidden 4096) head initialised N(0, std_8b).
 
     After the final RMSNorm |h| = sqrt(hidden), so a head of std s gives random logits of std s x sqrt(hidden)
-    and, to a hidden state aligned with one row, that row a lead of s x hidden nats. At hidden 4096 the lead
-    is 64x the random std, at hidden H only sqrt(H)x: a narrow proxy cannot match both. ``gap`` keeps the
+    and, to a hidden state aligned with one row, that row a lead of s x hidden nats. At hidden 4096 that lead
+    is 64x the random std, at hidden H only sqrt(H)x: a narrow proxy cannot match both. ``gap`` keeps that
     lead (S x 4096 nats: 82 at the default 0.02, the one-step one-hot collapse the 8B showed) and overstates
     the random logits by sqrt(4096 / H) (0.72 instead of 0.128 at S 0.002, H 128: entropy within 0.3 nats of
-    the uniform's); ``signal`` keeps the random logits (step 0's entropy) and understates the lead by the
+    the uniform's); ``signal`` keeps the random logits (step 0's entropy) and understates that lead by the
     same factor (the body's own convention)."""
     return std_8b * (4096 / hidden if match == "gap" else math.sqrt(4096 / hidden))
 

@@ -188,7 +188,7 @@ def test_fp32_output_configs_give_the_same_bits(triton_backend, out_mode):
 
 def test_bf16_configs_use_the_documented_instruction(triton_backend):
     """Every tile config of 64 or more rows compiles to Hopper's wgmma and no mma.sync; the 16/32-row decode tiles
-    (gemm.SMALL_M_TILES) to mma.sync m16n8k16 and no wgmma -- the two families whose bits docs/gpu.md records as
+    (gemm.SMALL_M_TILES) to mma.sync m16n8k16 and no wgmma -- the two families whose bits docs/design/tile-shapes.md records as
     equal (rule 2); a third would be unmeasured."""
     from rlalign.ops.triton_backend.gemm import all_configs, gemm, gemm_kernel
     if torch.cuda.get_device_capability()[0] != 9:

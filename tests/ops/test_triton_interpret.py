@@ -16,7 +16,7 @@ GPU: Triton ships ptxas, so given a target the whole pipeline (TTIR -> TTGIR -> 
 cubin) runs anywhere. It installs a stand-in active driver reporting an sm_90 device, turns every
 launch into a compile-only ``warmup`` and runs the real launchers on CPU tensors. Checked per
 variant: it compiles, every dot kernel uses ``wgmma`` (the instruction family the bitwise
-interchangeability of tile shapes relies on, docs/gpu.md), its shared memory fits the 227 KiB of an
+interchangeability of tile shapes relies on, docs/design/tile-shapes.md), its shared memory fits the 227 KiB of an
 sm_90 block. It relies on Triton internals (the driver hook, JITFunction.run): if those are not as
 expected the sm_90a tests skip rather than fail.
 """
@@ -820,7 +820,7 @@ def test_kernels_compile_for_sm90(sm90):
 
 def test_dot_kernels_use_wgmma(sm90):
     """Every kernel with a matrix product compiles to wgmma -- except the decode GEMM tiles of 16 / 32 rows
-    (gemm.SMALL_M_TILES), which compile to mma.sync m16n8k16 and nothing else (docs/gpu.md, rule 2: the H200 measured
+    (gemm.SMALL_M_TILES), which compile to mma.sync m16n8k16 and nothing else (docs/design/tile-shapes.md, rule 2: the H200 measured
     the two families' bits equal); those must be among the compiled variants (the grid's M = 1)."""
     small = [v for v in sm90["variants"] if v["kernel"] == "gemm_kernel" and int(v["args"].get("BM", 64)) < 64]
     missing = [v for v in sm90["variants"] if v["has_dot"] and not v["wgmma"] and v not in small]
