@@ -507,7 +507,7 @@ WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
 
 
 # --ws-triton: the Triton kernel's own tiles as candidates beside the Gluon ones (gemm(config=...): the same bits as
-# the dispatcher's tile by the interchangeability rules of docs/design/tile-shapes.md, checked here like every candidate); the
+# the dispatcher's tile by the rules of docs/design/tile-shapes.md, checked here like every candidate); the
 # decode-row P = 1 projections are compute-bound at 244-462 rows, where the tile decides the waves and the L2 traffic
 TRITON_PLAIN_CANDIDATES = (dict(block_m=128, block_n=128, num_warps=8, num_stages=3, flatten=True),
                            dict(block_m=128, block_n=128, num_warps=8, num_stages=5, flatten=True),

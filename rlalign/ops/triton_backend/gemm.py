@@ -69,8 +69,9 @@ class GemmConfig:
     block_k: int = BLOCK_K
 
 
-# Candidate tiles, most efficient first (see pick_config). Shared memory, from sm_90a compiles: the pipeline holds stages x (BM + BN) x 64 operands, and a TMA epilogue stages the
-# output tile (and, with acc_in, the loaded accumulator); everything must fit in 227 KiB.
+# Candidate tiles, most efficient first (see pick_config). Shared memory, from sm_90a compiles: the pipeline
+# holds stages x (BM + BN) x 64 operands, and a TMA epilogue stages the output tile (and, with acc_in, the loaded
+# accumulator); everything must fit in 227 KiB.
 _LARGE = (GemmConfig(128, 256, 8, 3, flatten=True), GemmConfig(128, 128, 8, 4, flatten=True))
 _MEDIUM = (GemmConfig(64, 128, 4, 4), GemmConfig(64, 64, 4, 5))
 # The fill rule's last resorts above 64 rows (few tiles: narrow N), deep pipelines that keep W streaming; flatten keeps

@@ -56,7 +56,8 @@ Design (what the kernel does and why):
   layout gives every element to exactly one thread (no replication: BM = 16 x warps), so no fence or barrier is
   needed; the slot lives in L2 (64 KiB x the grid, allocated per call), laid out by fragment and thread so that a
   warp's 8-byte accesses cover 256 contiguous bytes (:func:`_slot_ptrs`). Freeing level 2's 64 KiB gives 128x128
-  tiles a 160 KiB ring (5 stages of 64 columns) beside level 1 at P = 8 -- the depth measured at P = 4 (:data:`DEEP_RING_WS`).
+  tiles a 160 KiB ring (5 stages of 64 columns) beside level 1 at P = 8 -- the depth measured at P = 4
+  (:data:`DEEP_RING_WS`).
   Level 2 in shared memory (fp32, exact; each thread reads back the elements it stored): with it in registers the
   128x64 launch (8
   consumer warps + the producer's warpgroup: ptxas caps them at 168 registers) had the new accumulator, the
@@ -175,8 +176,9 @@ class WsConfig:
         return self.block_m // 16
 
 
-# DEFAULT_WS: the fastest bit-equal launch of an H200 `--sweep-ws` (2026-12-03; 8B o_proj / down_proj, M 1,024-16,384,
-# 0.822 of cuBLAS against 0.777 for SHARED_LEVEL2_WS, the previous default, in the same run); docs/performance.md.
+# DEFAULT_WS: the fastest bit-equal launch of an H200 `--sweep-ws` (2026-12-03; 8B o_proj / down_proj, M 1,024-16,384:
+# 0.822 of cuBLAS against 0.777 for SHARED_LEVEL2_WS, the previous default, in the same run); docs/performance.md
+# "Launch tables".
 SHARED_LEVEL2_WS = WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_alias=True, block_k=32)
 DEFAULT_WS = WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64,
                       level2_global=True)
@@ -221,7 +223,8 @@ def launch_for(a: torch.Tensor, n: int, segments: int) -> WsConfig:
 # 2026-12-03 (benchmarks/evidence/gemm-h200/kpart-p4-ring-sweep.json): 5 x 64 columns 0.88-0.95 of cuBLAS on the 8B
 # o_proj / down_proj, 10 x 32 columns 0.64-0.83, SHARED_LEVEL2_WS 0.71-0.84 -- the depth in 64-column stages is what
 # P = 8's second level cost. DEFAULT_WS now has the 5 x 64 ring at every P (level 2 in global memory), so at P <= 4
-# the second entry here is the default's launch; kept as the sweep's measuring stick for ring depth. sm_90a (CPU compile, tests/ops/test_gemm_ws_compile.py): 229,652 / 229,580 B of shared
+# the second entry here is the default's launch; kept as the sweep's measuring stick for ring depth. sm_90a (CPU
+# compile, tests/ops/test_gemm_ws_compile.py): 229,652 / 229,580 B of shared
 # memory at P = 4, no spill.
 DEEP_RING_WS = (WsConfig(block_m=128, block_n=128, stages=10, release="thread", out_alias=True, block_k=32),
                 WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64))
