@@ -232,7 +232,7 @@ def worker(world: Group, args) -> list | None:
             tp_rows(rows, group, device, args)
             dp_rows(rows, group, device, args)
         if world.rank == 0:
-            write_doc(args, rows, complete=False)   # what is done so far survives a job's time limit
+            write_doc(args, rows, complete=False)   # what is done so far survives a run cut short
         dist.barrier()
     return rows if world.rank == 0 else None
 

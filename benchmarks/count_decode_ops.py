@@ -102,7 +102,7 @@ def boundary_checks(layers: int):
 def rope_kv_write(layers: int, fused: bool, t: int = 8, hq: int = 4, hkv: int = 2, d: int = 16):
     """A paged layer's rope of q and k, KV-cache write and K check (boundary policy), recorded as a CUDA graph
     would record them, on the Triton backend's launchers: ``fused``, ops.rope_write_kv (the paged forward's
-    call since session 13); else what it replaced, ops.rope twice and ops.write_kv_cache."""
+    call); else what it replaced, ops.rope twice and ops.write_kv_cache."""
     from rlalign import ops
     from rlalign.ops import _checks as chk, _dispatch
     from rlalign.ops._registry import IMPLEMENTATIONS

@@ -40,7 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 T0 = time.time()
 # the ops the census routes to the Triton kernels on the CPU (under the interpreter)

@@ -25,7 +25,7 @@ each output compared bit for bit with the per-item default (a candidate that dif
 never "fastest"); prints the fastest bit-equal config of each launch per batch vs SDPA/flash, the launch the
 op picks and the split launch's fastest merge-kernel vs fused-merge candidate (bench_attention_sweep.csv /
 .json). With ``--sweep-small-tiles``: only the per-item and streamed launches, with 16/32-row tiles (mma.sync)
-beside the 64-row default (session 21: 16 rows bit-equal but not faster, 32 rows not bit-equal).
+beside the 64-row default (H200, 2026-12-03: 16 rows bit-equal but not faster, 32 rows not bit-equal).
 
 ``--sweep-train``: only training, candidate attention.BackwardLaunch configs (tiles, warps, stages, keys per
 dK/dV program, heavy-first grids), forward + backward at 2 x 4,096, 8 x 4,096 and 1 x 32,768 tokens (32/8 heads)
@@ -202,7 +202,7 @@ SMALL_TILES = False   # --sweep-small-tiles
 def small_tile_candidates(A) -> list[tuple[str, object]]:
     """--sweep-small-tiles: the per-item and streamed defaults, then 16- and 32-row tiles on 1 / 2 warps. A decode
     item holds one token's G query heads (4 rows of the 64-row tile at 32/8 heads); Triton issues mma.sync for
-    16/32 rows, which benchmarks/mma_bits_probe.py found bit-equal to wgmma on these products (session 21) -- whether the
+    16/32 rows, which benchmarks/mma_bits_probe.py found bit-equal to wgmma on these products (2026-12-03) -- whether the
     whole kernel keeps the bits (its row reductions too) is what the sweep's bit check answers."""
     from dataclasses import replace
     item, stream = A.ITEM_DECODE, A.STREAM_DECODE
@@ -367,7 +367,7 @@ def train_candidates(A) -> list[tuple[str, object]]:
     count; benchmarks/attn_bwd_sm90_cpu.py --all compiles the same list for sm_90a on a CPU)."""
     from dataclasses import replace
     d = A.BWD_LAUNCH
-    cands = [("default", d), ("session-11 default", A.BackwardLaunch()),
+    cands = [("default", d), ("previous default", A.BackwardLaunch()),
              ("light-first", replace(d, heavy_first=False)),
              ("dq 64x4w", replace(d, dq_tile=(64, 4, 2))),
              ("dkdv 64k", replace(d, dkdv_keys=64)),
@@ -375,7 +375,7 @@ def train_candidates(A) -> list[tuple[str, object]]:
              ("dq 128 keys", replace(d, dq_keys=128))]
     # not listed (benchmarks/attn_bwd_sm90_cpu.py, 2026-12-02): dK/dV at 128 query rows per step spills 408 B, and
     # 4 warps with 128 keys spill 2,000 B and serialise the wgmma pipeline (C7511); a fused one-kernel backward
-    # (session 12) ran at 0.39-0.42x SDPA and was removed
+    # (2026-12-02) ran at 0.39-0.42x SDPA and was removed
     return cands
 
 

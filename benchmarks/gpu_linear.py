@@ -38,15 +38,15 @@ SPLIT_SEGMENTS_MAX_M / SEGMENT_SPLIT_TABLE change (bench_linear_sweep_mid.*).
 down_proj shapes, which are also the column-parallel dX shapes): every gemm.KPART_CANDIDATES schedule as CUDA-graph
 replays vs cuBLAS, refused (not timed) unless its output is bit-equal to the default's; then the P = 1 dX / dW
 GEMMs of the trainer's backward as the dispatcher launches them; prints a table and the winning config as the
-one-line change to gemm.py (bench_linear_sweep_kpart.*). Bounded for one GPU call: 5 candidates (one compile each,
+one-line change to gemm.py (bench_linear_sweep_kpart.*). Bounded in time: 5 candidates (one compile each,
 ~10-20 s; both shapes share it) x 6 timed cases, then the P = 1 rows (2 more compiles) until 110 s have passed.
 
 ``--sweep-ws``: only the warp-specialized Gluon K-partition kernel (gemm_ws.py): gemm_ws.WS_CANDIDATES vs the
 default and cuBLAS at M 462 / 1,024 / 4,096 / 16,384 on the 8B o_proj and down_proj (k_segments 8), graph replays,
 refused unless bit-equal to the default (the first differing index and values are printed); a table and the one-line
-change (bench_linear_sweep_ws.*). Bounded for one GPU call (<= 90 s): later cases are skipped past 75 s (the
+change (bench_linear_sweep_ws.*). Bounded in time (<= 90 s): later cases are skipped past 75 s (the
 candidates in WS_CANDIDATES order, one compile each); a launch that hangs ends the run naming it.
-``--ws-candidates 0,1,2,3`` times only those WS_CANDIDATES indices (e.g. the default and the session-14 launches);
+``--ws-candidates 0,1,2,3`` times only those WS_CANDIDATES indices (e.g. the default and the previous default);
 ``--ws-shapes 8b,0.6b,8b-plain,0.6b-plain`` picks the layers (``-plain``: the P = 1 q/k/v/gate projections, against
 the Triton kernel; ``-stacked``: q/k/v and gate/up as the one launch of ops.linear_group), ``--ws-m 244,462`` the
 row counts (at M <= 256 the K partition's baseline is the dispatcher's
@@ -399,7 +399,7 @@ KPART_M = (1024, 4096, 16384)
 KPART_BACKWARD = (("o_proj dX", 4096, 4096, "dx"), ("down_proj dX", 4096, 12288, "dx"),
                   ("o_proj dW", 4096, 4096, "dw"), ("down_proj dW", 4096, 12288, "dw"))
 
-KPART_BACKWARD_AFTER_S = 110   # the reference rows are skipped past this many seconds (the lead's call: <= 150 s)
+KPART_BACKWARD_AFTER_S = 110   # the reference rows are skipped past this many seconds (the sweep within ~150 s)
 
 
 def kpart_label(cfg) -> str:
@@ -430,7 +430,7 @@ def sweep_kpart() -> list[dict]:
         torch.cuda.empty_cache()
     for name, n, k, kind in KPART_BACKWARD:   # as the trainer launches them (the dispatcher's config)
         for m in KPART_M:
-            if time.time() - t0 > KPART_BACKWARD_AFTER_S:   # keep the whole sweep inside one GPU call
+            if time.time() - t0 > KPART_BACKWARD_AFTER_S:   # keep the whole sweep within its time bound
                 print(f"[{time.time() - t0:5.0f} s] {name} M={m}: skipped (past {KPART_BACKWARD_AFTER_S} s)", flush=True)
                 continue
             g = torch.Generator(device="cuda").manual_seed(m + n + k)
@@ -502,12 +502,12 @@ WS_SHAPES = {"8b": (("o_proj", 4096, 4096, 8), ("down_proj", 4096, 12288, 8)),
              "8b-p4": (("o_proj P4", 4096, 4096, 4), ("down_proj P4", 4096, 12288, 4)),
              "lm-head": (("lm_head", 151936, 4096, 1), ("0.6b lm_head", 151936, 1024, 1))}
 WS_M = (462, 1024, 4096, 16384)
-WS_STOP_AFTER_S = 75       # later cases are skipped (the lead's call: <= 90 s with the compiles)
+WS_STOP_AFTER_S = 75       # later cases are skipped (the sweep within ~90 s with the compiles)
 WS_WATCHDOG_S = 60.0       # includes the first call's compile (a few seconds)
 
 
 # --ws-triton: the Triton kernel's own tiles as candidates beside the Gluon ones (gemm(config=...): the same bits as
-# the dispatcher's tile by the interchangeability rules of docs/gpu.md, checked here like every candidate); the
+# the dispatcher's tile by the rules of docs/design/tile-shapes.md, checked here like every candidate); the
 # decode-row P = 1 projections are compute-bound at 244-462 rows, where the tile decides the waves and the L2 traffic
 TRITON_PLAIN_CANDIDATES = (dict(block_m=128, block_n=128, num_warps=8, num_stages=3, flatten=True),
                            dict(block_m=128, block_n=128, num_warps=8, num_stages=5, flatten=True),
@@ -520,7 +520,7 @@ TRITON_PLAIN_CANDIDATES = (dict(block_m=128, block_n=128, num_warps=8, num_stage
 
 
 # --ws-small: decode-size (M <= 64) tiles of the Triton kernel for the P = 1 projections, which stream W with few
-# programs (N / BN of them): gemm.SMALL_M_TILES (the dispatcher's) and these runners-up of the session-21 sweep --
+# programs (N / BN of them): gemm.SMALL_M_TILES (the dispatcher's) and these runners-up of its sweep (2026-12-03) --
 # wider k-steps (GemmConfig.block_k: the same k16 chunks in fewer loop iterations) and 16 / 32-row tiles, on which
 # Triton issues mma.sync instead of wgmma; each candidate is refused unless bit-equal to the dispatcher's tile
 TRITON_SMALL_EXTRA = (dict(block_m=32, block_n=32, num_warps=4, num_stages=3, flatten=True, block_k=256, ctas_per_sm=2),
@@ -674,7 +674,8 @@ def layer_case(layer: str, m: int, n: int, k: int, segments: int | None) -> dict
 
 
 def target(row: dict) -> float | None:
-    """The issue's target ratio for this row (None where it sets none)."""
+    """The speed target (cuBLAS time / ours) for this row: >= 0.95 at M >= 4,096, >= 0.90 at M >= 1,024 and at decode
+    rows M <= 64 (None where none is set)."""
     if row.get("sweep") or row["k_segments"] != 1 or row.get("kind") == "layer":
         return None
     if row["M"] >= 4096:

@@ -1,7 +1,7 @@
 """Benchmark: the MoE experts' FFN, strict grouped GEMMs vs the vendor paths, Qwen3-30B-A3B shapes (H200).
 
 One MoE layer's experts as ``rlalign.models.moe`` calls them (stacked weights: gate/up [E, I, H], down [E, H, I];
-``--lists`` adds rows with per-expert lists, the layout before session 8): hidden 2048, 128 experts, top-8,
+``--lists`` adds rows with per-expert lists, the layout before 2026-12-01): hidden 2048, 128 experts, top-8,
 moe_intermediate 768, bf16, T = 4,096 / 8,192 / 16,384 tokens routed by a random router (top-8 of
 softmax over random logits: a realistic, uneven load). Through the public op
 ``ops.moe_experts(x, experts, gate, up, down, down_segments=4)`` (spec.MOE_K_SEGMENTS) (strict: the dispatch kernel
@@ -12,7 +12,7 @@ softmax over random logits: a realistic, uneven load). Through the public op
 * ``grouped_mm``: torch's grouped GEMM (``torch._grouped_mm``, CUTLASS) on stacked weights with the
   same sort / silu / unpermute around it (where this torch build has it);
 
-``vendor`` = the faster of the two; ``ratio`` = vendor time / strict time (>= 0.8 is the issue's
+``vendor`` = the faster of the two; ``ratio`` = vendor time / strict time (>= 0.8 is the
 target). Forward, and forward + backward (``--backward``). Also each grouped GEMM alone vs
 ``torch._grouped_mm`` on the same rows (kernel rows) and TFLOP/s (2 * rows * N * K per projection).
 Each ffn row also profiles one strict call: ``strict_kernel_ms`` (its GPU kernel time), ``gpu_busy`` (that over
@@ -52,7 +52,7 @@ def timed(fn) -> float:
 
 
 def make_layer(seed: int = 0, stacked: bool = True):
-    """gate, up [E, I, H] and down [E, H, I]: stacked tensors, the layout the models hold (session 8) and pass
+    """gate, up [E, I, H] and down [E, H, I]: stacked tensors, the layout the models hold (since 2026-12-01) and pass
     to ops.moe_experts; ``stacked=False``: lists of per-expert tensors (the older layout, 3E autograd inputs)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
 

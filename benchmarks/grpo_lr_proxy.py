@@ -23,11 +23,11 @@ and without KV cache (each decode step recomputes the prefix).
 around a toy body of width H (scripts/make_qwen3_8b.py's toy_body: intermediate 3H, heads of 16) and
 initialises it like the 8B *in signal terms*: std = 0.02 x sqrt(4096 / H) (``--init-std``), so every
 matrix's output has the 8B's scale (std x sqrt(fan-in) = 1.28; logits ~ N(0, 1.28^2), entropy 11.11 at
-step 0, as on the H200). HF's fixed std 0.02 at H = 64..256 (the models of benchmarks/runs/lr_proxy_2026-12-02)
+step 0, as on the H200). HF's fixed std 0.02 at H = 64..256 (the proxy's first models, 2026-12-02)
 gives logits of std 0.16..0.32 and layers that barely touch the residual stream: a different network.
 Under that init an Adam step of lr per coordinate moves a matrix's output by ~lr x H relative to its
 scale, so lr x H is the width-invariant knob (lr 2e-4 at H 4096 = 1.28e-2 at 64), to a factor: the 8B
-collapsed ~3x sooner in summed lr x H than hidden 64 with 4 or 12 layers (benchmarks/runs/lr_proxy_2026-12-02-s10).
+collapsed ~3x sooner in summed lr x H than hidden 64 with 4 or 12 layers (CPU runs of 2026-12-02).
 The built body is :class:`ToyQwen3`, eager torch. At the full vocabulary and 64 tokens a step takes ~45 s
 at H 64 on 2 cores (the LM head over 5,120 x 151,936 logits), so the lr studies cut both by 8
 (``--vocab 18992 --new 8``: the share of the vocabulary drawn per step is kept) and scale the character cost
@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTIAL_CREDIT = ROOT / "configs" / "partial_credit.py"
 EOS, ROW_CHUNK, FULL_VOCAB = 2, 1024, 151936
 #: the configs/partial_credit.py constant that --extra-char-cost overrides, per reward (match_then_steep
-#: ignored EXTRA_CHAR_COST: the s11 runs before this map ran it at its own 1/16)
+#: ignored EXTRA_CHAR_COST: runs made before this map ran it at its own 1/16)
 CHAR_COST_OF = dict(match_then_stop="EXTRA_CHAR_COST", match_then_steep="STEEP_EXTRA_CHAR_COST")
 
 
@@ -202,11 +202,11 @@ def built_head_std(std_8b: float, hidden: int, match: str) -> float:
     """The built head's init std standing for an 8B (hidden 4096) head initialised N(0, std_8b).
 
     After the final RMSNorm |h| = sqrt(hidden), so a head of std s gives random logits of std s x sqrt(hidden)
-    and, to a hidden state aligned with one row, that row a lead of s x hidden nats. At hidden 4096 the lead
-    is 64x the random std, at hidden H only sqrt(H)x: a narrow proxy cannot match both. ``gap`` keeps the
+    and, to a hidden state aligned with one row, that row a lead of s x hidden nats. At hidden 4096 that lead
+    is 64x the random std, at hidden H only sqrt(H)x: a narrow proxy cannot match both. ``gap`` keeps that
     lead (S x 4096 nats: 82 at the default 0.02, the one-step one-hot collapse the 8B showed) and overstates
     the random logits by sqrt(4096 / H) (0.72 instead of 0.128 at S 0.002, H 128: entropy within 0.3 nats of
-    the uniform's); ``signal`` keeps the random logits (step 0's entropy) and understates the lead by the
+    the uniform's); ``signal`` keeps the random logits (step 0's entropy) and understates that lead by the
     same factor (the body's own convention)."""
     return std_8b * (4096 / hidden if match == "gap" else math.sqrt(4096 / hidden))
 

@@ -2,8 +2,8 @@
 
 The strict attention fixes its MMA shape (rlalign/ops/triton_backend/attention.py: "mma always sees a 64-key
 block and a tile of >= 64 rows on 4 or 8 warps laid along the rows"), so a decode item -- one token x the 4
-query heads of a kv head -- fills 4 of 64 rows, and 15/16 of the softmax work is padding (benchmarks/RESULTS.md,
-session 20: the 8B shape at 512 sequences). A decode tile of 16 rows on one warp would compile to ``mma.sync``
+query heads of a kv head -- fills 4 of 64 rows, and 15/16 of the softmax work is padding (the 8B shape at 512
+sequences, H200 profile of 2026-12-03; docs/performance.md). A decode tile of 16 rows on one warp would compile to ``mma.sync``
 m16n8k16 instead of ``wgmma`` m64nNk16. This probe answers whether the two give the same bits per element, on
 the attention's two products, through the attention's own ``mma`` helper (bf16 operands, fp32 accumulator):
 

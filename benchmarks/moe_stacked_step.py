@@ -6,8 +6,8 @@ Model: the embedded default model (4 layers, hidden 128, FFN 384) upcycled to ``
 per layer (top ``--top-k``). One step: forward with entropy and backward of ``--tokens`` packed tokens (the
 trainer's fused log-prob), the gradient clip (rlalign.train.parallel.clip_grad_norm_) and an AdamW step
 (foreach=False, as the trainer). Prints the parameter count and each phase's median wall and CPU time. It uses
-only APIs that existed before the experts were stacked, so the same file times both layouts (issue 18:
-3 x E parameters per sparse layer before, 3 after). Numbers are for the machine it runs on; the 2-core shared
+only APIs that existed before the experts were stacked, so the same file times both layouts
+(3 x E parameters per sparse layer before, 3 after). Numbers are for the machine it runs on; the 2-core shared
 development machine is noisy. ``--host-only``: the CUDA path's autograd Function alone (grouped_linear, its
 kernels stubbed; run with TRITON_INTERPRET=1 on a machine without a GPU), per-expert lists against stacked
 weights, in this tree only (lists stay accepted).

@@ -61,7 +61,7 @@ CHILD = textwrap.dedent('''
         f.write("5")
     # the baseline from the same counter as the peak: right after the reset VmHWM is the resident set, and it only
     # grows after that, so the rise is >= 0 by construction (VmRSS read here could exceed a later VmHWM by the
-    # kernel's lagging per-thread RSS counters, and a rise of a few MiB then read negative: CI, session 20)
+    # kernel's lagging per-thread RSS counters, and a rise of a few MiB then read negative on CI, 2026-12-03)
     before = rss("VmHWM:")
     optimizer_step()
     print(json.dumps({"mode": mode, "rise": rss("VmHWM:") - before}))

@@ -191,7 +191,8 @@ ROLLOUT_VS_GENERATE = ("rlalign bench rollout --device cuda --json --hf-prompts 
                        "--verify")
 TRAIN_STEP = "python benchmarks/train_step.py --device cuda --layers 6 --variants strict,native,transformers --json"
 Q8B_200 = ("python scripts/make_qwen3_8b.py {out}/q8b --lm-head-std 0 && rlalign train "
-           "configs/qwen3-8b-h200-device.yaml model.path={out}/q8b run.dir={out}/run run.progress=false")
+           "configs/qwen3-8b-h200-device.yaml model.path={out}/q8b run.dir={out}/run run.save_checkpoints=false "
+           "run.progress=false")
 MOE_H200 = ("python scripts/make_moe_model.py {out}/moe --shape qwen3-30b-a3b --layers 4 && rlalign train "
             "configs/moe-h200.yaml model.path={out}/moe run.dir={out}/run run.steps=50 run.eval_every=25 "
             "run.checkpoint_every=50 run.keep_checkpoints=1 run.progress=false")

@@ -1,4 +1,4 @@
-"""CPU measurement of the rollout engine's host time per decode step (issue 16 item 2).
+"""CPU measurement of the rollout engine's host time per decode step.
 
 Tiny random-init model (so the forward is cheap), many sequences, decode_graphs "padded" or "off".
 Per decode step: wall time of ``engine.step()``, time inside ``model.forward_hidden`` and inside

@@ -54,7 +54,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 VARIANTS = ("strict", "strict_keep", "native", "transformers")
 DEFAULT_VARIANTS = ("strict", "native", "transformers")

@@ -27,7 +27,8 @@ def match_then_stop(prompt: str, completion: str, answer: str) -> float:
     after k tokens earns more the smaller k is (with rollout.ignore_eos, one made of <eos> tokens, which
     decode to nothing, and one-digit tokens): the one thing a prompt-blind random-init policy over
     151,936 number tokens can learn within a few hundred steps (the answer's digits depend on the
-    prompt; the best prompt-blind first token lifts positional_match by only ~0.05, docs/gpu.md).
+    prompt; the best prompt-blind first token lifts positional_match by only ~0.05: 0.069 against the uniform
+    policy's 0.018).
     ``prompt`` is unused.
     """
     del prompt

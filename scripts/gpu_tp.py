@@ -19,7 +19,7 @@ same random weights (a seeded generator per parameter, on the device). Then:
    unsharded model's (the single-GPU baseline).
 
 Rank 0 writes ``gpu_tp.json`` under ``--out`` (rewritten before each degree with ``"complete": false``, so
-a job cut by its time limit keeps what finished): per degree ``tp{t}_vs_tp1`` (differing elements of each
+a run cut short keeps what finished): per degree ``tp{t}_vs_tp1`` (differing elements of each
 output and gradient, worst |diff|), ``tp{t}_equals_tp1_bitwise``, ``time_tp{t}_{strict,native}``,
 ``tp{t}_strict_over_native``; ``tp1_vs_unsharded`` (log-prob and entropy must be equal: the forward at
 any degree is the rollout's); ``step_time_s`` (median per degree and profile) and ``all_degrees_equal``.
@@ -249,7 +249,7 @@ def worker(world: Group, args) -> dict | None:
         if t == 1:
             continue
         if world.rank == 0:
-            write_doc(args, report, complete=False)   # what is done so far survives a job's time limit
+            write_doc(args, report, complete=False)   # what is done so far survives a run cut short
         if world.size > 1:
             dist.barrier()   # the ranks outside TP=t wait here while TP=t runs
         if groups[t] is not None:

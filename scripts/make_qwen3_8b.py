@@ -1,7 +1,7 @@
 """Write a random-init Qwen3-8B-shaped checkpoint with a full-vocabulary tokenizer (nothing is downloaded).
 
     python scripts/make_qwen3_8b.py /tmp/q8b                  # 36 layers, 151,936 tokens, bf16 (~16.4 GB)
-    python scripts/make_qwen3_8b.py /dev/shm/q8b              # in memory (the headline GPU job: scripts/gpu_headline.sh)
+    python scripts/make_qwen3_8b.py /dev/shm/q8b --lm-head-std 0   # in memory, zero LM head (configs/qwen3-8b-h200-device.yaml)
     python scripts/make_qwen3_8b.py /tmp/q8b --layers 6       # the depth cut (bench shapes)
     python scripts/make_qwen3_8b.py /tmp/q8b --config-only    # config.json + tokenizer, no weights (budgets)
     python scripts/make_qwen3_8b.py /tmp/t --test-body --vocab 2000   # tests: toy body, same tokenizer scheme
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--lm-head-std", type=float, default=None,
                    help="std of the LM head's init (default: the body's 0.02, HF's initializer_range; 0: zeros)."
                         " At hidden 4096 a 0.02 head lets the body reach ~82-nat logit gaps by aligning the final"
-                        " hidden state with one row (docs/gpu.md, the headline's learning rate)")
+                        " hidden state with one row (docs/gpu.md, 'Qwen3-8B on one H200')")
     p.add_argument("--hidden", type=int, default=TEST_BODY["hidden_size"],
                    help="with --test-body: the toy body's width (default 64; see toy_body)")
     args = p.parse_args(argv)

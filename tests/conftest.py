@@ -19,7 +19,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-# The modules that take longest on CI's 2 cores (session 12, --durations), handed to the xdist workers first so
+# The modules that take longest on CI's 2 cores (--durations, 2026-12-02), handed to the xdist workers first so
 # that the two finish together (pyproject's addopts: --dist loadfile --no-loadscope-reorder; the other modules
 # follow in collection order). An ordering hint only: a module missing here can cost wall time, never a result.
 SLOWEST_FIRST = (
@@ -31,7 +31,7 @@ SLOWEST_FIRST = (
     "tests/integrations/vllm/test_cli.py",
     "tests/distributed/test_train_parallel.py",
     "tests/ops/test_gemm_schedules.py",
-    "tests/ops/test_gemm_ws_compile.py",          # an sm_90a compile subprocess (new in session 12, not yet timed)
+    "tests/ops/test_gemm_ws_compile.py",          # an sm_90a compile subprocess (not yet timed)
 )
 
 

@@ -140,7 +140,7 @@ def test_no_statement_follows_a_return_or_raise():
     runs (a test's float64 accuracy check was once found stranded after a ``return``, so it never checked)."""
     stranded = []
     for path in [*ROOT.joinpath("rlalign").rglob("*.py"), *ROOT.joinpath("tests").rglob("*.py"),
-                 *ROOT.joinpath("bench").glob("*.py"), *ROOT.joinpath("scripts").glob("*.py")]:
+                 *ROOT.joinpath("benchmarks").glob("*.py"), *ROOT.joinpath("scripts").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             for field in ("body", "orelse", "finalbody"):
                 block = getattr(node, field, None)

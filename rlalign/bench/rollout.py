@@ -25,7 +25,7 @@ sample (eos ignored: every engine generates the same number of tokens), temperat
   (the Triton paged kernel without the contract's checks, cuBLAS, an exponential-race sampler): the
   baseline that measures the cost of the contract. The engine's ``max_model_len`` is the workload's longest
   prompt + new tokens (``--max-model-len``; verl sets it so, prompt length + response length): it sizes the
-  block table, which decides the decode attention's launch (gpu.md, "Decode attention");
+  block table, which decides the decode attention's launch (docs/design/attention-blocks-and-splits.md);
 * transformers: the same weights saved as a Hugging Face checkpoint and loaded with
   ``AutoModelForCausalLM``; ``generate(do_sample=True, num_return_sequences=n, top_k=0,
   min_new_tokens=max_new_tokens=...)`` on left-padded prompts, all prompts in one call on the CPU
@@ -128,7 +128,7 @@ PRESETS = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                      rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=151645, pad_token_id=151643),
 }
-# Named workloads: the issue-16 roofline shapes. samples=1: every sequence has its own context, so the K/V
+# Named workloads: the roofline shapes. samples=1: every sequence has its own context, so the K/V
 # bytes counted are distinct bytes (shared prompt pages could be served from L2). Prompt lengths put the
 # decode contexts around 512 / 4,096 tokens. 8b-ctx4096's 256 sequences need ~157 GB of K/V at full length (147 KB
 # per token), more than an H200 holds beside the weights: the cache is capped at the free memory
@@ -301,8 +301,8 @@ def _model_dir(args, defaults, dtype: str, tmp: Path) -> tuple[Path, str]:
             raise BenchError(f"--layers must be in 1..{hf['num_hidden_layers']} for {preset}")
         hf["num_hidden_layers"] = args.layers
     config = ModelConfig.from_hf_dict(hf)
-    # drawn where the bench runs: the CPU generator takes minutes for the 8B's 8.2B normals (the 8b-* workloads ran
-    # past a 130 s job limit before their first token); a GPU draws them in under a second (other values than the
+    # drawn where the bench runs: the CPU generator takes minutes for the 8B's 8.2B normals (the 8b-* workloads took
+    # over 130 s before their first token); a GPU draws them in under a second (other values than the
     # CPU's: the label says which -- tokens/s do not depend on them, every completion runs its new tokens)
     model = CausalLM(config, dtype=resolve_dtype(dtype), device=args.device)
     model.init_random_(seed=args.seed, on_device=args.device != "cpu")

@@ -20,7 +20,7 @@ K_SEGMENTS = 8
 # The same partition for the experts' down_proj of a mixture-of-experts FFN, with 4 segments: expert
 # FFNs are narrow (Qwen3-30B-A3B: 768), and 8 segments of 96 columns do not fall on the GEMM's 64-column
 # steps -- each would end in a half-masked step (a third of the MMA work wasted) and the GPU kernel could
-# not stream its operand by TMA: 3.0 ms vs 1.0 ms unsegmented on the H200 (benchmarks/gpu_moe.py, docs/LOG.md).
+# not stream its operand by TMA: 3.0 ms vs 1.0 ms unsegmented on the H200 (benchmarks/gpu_moe.py, 2026-12-01).
 # 4 segments of 192 are whole steps. Tensor parallelism of the experts therefore goes up to TP=4.
 MOE_K_SEGMENTS = 4
 # Attention: keys are visited in blocks of this many absolute positions (0, B, 2B, ...);

@@ -38,8 +38,9 @@ from rlalign.ops.torch_backend.primitives import tree_sum
 
 
 # The column-parallel forward relies on a GEMM column's bits not depending on N (doctor-checked at
-# 1024 columns). The CPU GEMM switches micro-kernel for narrow slices, where it fails (the measured
-# threshold is in docs/LOG.md); column shards must be at least this wide.
+# 1024 columns). The CPU GEMM switches micro-kernel for narrow slices, where it fails (measured by slicing tile_mm at
+# widths 1..64 on the CI CPU, 2026-11-30: a column's bits change under 12 columns); column shards must be at least
+# this wide.
 MIN_SHARD_COLUMNS = 16
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "collectives.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "collectives.py"
 
 
 def test_collectives_bench_smoke_on_gloo(tmp_path):

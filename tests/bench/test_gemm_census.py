@@ -20,7 +20,7 @@ from rlalign.contract import spec
 from rlalign.ops import gemm_census
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_gemm_census", ROOT / "bench" / "gemm_census.py")
+_spec = importlib.util.spec_from_file_location("bench_gemm_census", ROOT / "benchmarks" / "gemm_census.py")
 census_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(census_bench)
 
@@ -37,7 +37,7 @@ PROJ = {  # proj -> (in, out, k_segments of the forward)
 def result():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("TRITON_INTERPRET", None)     # the bench switches it on itself, before triton is imported
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gemm_census.py"), "--quick", "--device", "cpu",
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_census.py"), "--quick", "--device", "cpu",
                           "--layers", str(LAYERS), "--tokens", str(TOKENS), "--mean-seq", "40", "--json"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

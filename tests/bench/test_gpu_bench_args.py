@@ -14,7 +14,7 @@ from hypothesis import given, strategies as st
 
 from rlalign.bench.args import positive_ints
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:

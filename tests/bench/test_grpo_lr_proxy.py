@@ -19,7 +19,7 @@ def _load(name, path):
     return module
 
 
-proxy = _load("grpo_lr_proxy", REPO / "bench" / "grpo_lr_proxy.py")
+proxy = _load("grpo_lr_proxy", REPO / "benchmarks" / "grpo_lr_proxy.py")
 kit = _load("make_qwen3_8b", REPO / "scripts" / "make_qwen3_8b.py")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PROBE = Path(__file__).resolve().parents[2] / "bench" / "mma_bits_probe.py"
+PROBE = Path(__file__).resolve().parents[2] / "benchmarks" / "mma_bits_probe.py"
 
 
 def test_probe_launches_compile_to_the_instructions_it_compares():

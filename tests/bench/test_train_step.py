@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "train_step.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "train_step.py"
 _spec = importlib.util.spec_from_file_location("bench_train_step", _PATH)
 train_step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train_step)

@@ -1,4 +1,4 @@
-"""CUDA: the adversarial classes of the CPU suite (issue 20 A) on the Triton backend.
+"""CUDA: the adversarial classes of the CPU suite on the Triton backend.
 
 - linear with narrow outputs (N = 1..9, the PPO value head is N = 1) and odd K (17, 127, 1000, 4099), with and
   without the canonical K partition: a row's bits do not depend on M, its position, or a row permutation;

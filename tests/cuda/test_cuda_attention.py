@@ -521,11 +521,11 @@ def test_three_programs_per_sm_candidates_keep_the_bits(triton_backend, cap):
 # ---- the backward's launch candidates (attention.BackwardLaunch; benchmarks/gpu_attention.py --sweep-train) ------
 
 def _sweep_train_launches():
-    """Every non-default --sweep-train candidate (the list the lead's H200 sweep times)."""
+    """Every non-default --sweep-train candidate (the list an H200 sweep times)."""
     import importlib.util
     import os
     from rlalign.ops.triton_backend import attention as A
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_attention.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu_attention.py")
     spec = importlib.util.spec_from_file_location("_bench_gpu_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_gemm_census", ROOT / "bench" / "gemm_census.py")
+    spec = importlib.util.spec_from_file_location("bench_gemm_census", ROOT / "benchmarks" / "gemm_census.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,7 +1,7 @@
 """The warp-specialized Gluon K-partition GEMM (gemm_ws.py) against the default kernel, in raw bits.
 
-Written before the kernel ever ran (session 12): each test collects EVERY failing case (shape, P, layout,
-bias, output dtype, config, first differing index and both values) before it fails, so one GPU call says
+Written before the kernel ever ran on a GPU: each test collects EVERY failing case (shape, P, layout,
+bias, output dtype, config, first differing index and both values) before it fails, so one run says
 everything; a launch that does not finish within WATCHDOG_S (a pipeline deadlock) ends the process with the
 case named instead of hanging the suite.
 """

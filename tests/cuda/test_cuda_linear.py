@@ -188,7 +188,7 @@ def test_fp32_output_configs_give_the_same_bits(triton_backend, out_mode):
 
 def test_bf16_configs_use_the_documented_instruction(triton_backend):
     """Every tile config of 64 or more rows compiles to Hopper's wgmma and no mma.sync; the 16/32-row decode tiles
-    (gemm.SMALL_M_TILES) to mma.sync m16n8k16 and no wgmma -- the two families whose bits docs/gpu.md records as
+    (gemm.SMALL_M_TILES) to mma.sync m16n8k16 and no wgmma -- the two families whose bits docs/design/tile-shapes.md records as
     equal (rule 2); a third would be unmeasured."""
     from rlalign.ops.triton_backend.gemm import all_configs, gemm, gemm_kernel
     if torch.cuda.get_device_capability()[0] != 9:
@@ -270,8 +270,8 @@ def test_tensor_parallel_partition_gives_tp1_bits(triton_backend, tp):
 
 
 def test_tma_launches_from_a_thread_without_a_cuda_context(triton_backend):
-    """The first CUDA call of a thread can be one of our TMA launches (autograd's backward worker: session 22's H200
-    run failed test_backward_rows_invariant_and_deterministic with "Failed to create tensor map descriptor: invalid
+    """The first CUDA call of a thread can be one of our TMA launches (autograd's backward worker: an H200 run of
+    2026-12-03 failed test_backward_rows_invariant_and_deterministic with "Failed to create tensor map descriptor: invalid
     device context"): a fresh thread runs the forward and the dX GEMM first thing and gets the main thread's bits."""
     import threading
     from rlalign.ops.triton_backend.gemm import gemm

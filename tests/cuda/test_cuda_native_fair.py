@@ -1,4 +1,4 @@
-"""CUDA: the native profile's fast paths for training (issue 17, item 3).
+"""CUDA: the native profile's fast paths for training.
 
 The flash varlen kernel is selected for bf16 packed batches on an sm80+ GPU (no padded fallback),
 and it and the token-chunked native log-prob agree with float64 within bf16 tolerance, forward

@@ -1,4 +1,4 @@
-"""CUDA: the native rollout profile as a fair baseline (issue 16.1).
+"""CUDA: the native rollout profile as a fair baseline.
 
 - Native paged attention reads K/V through the page table in the Triton paged kernel (no gather: no
   index/gather kernel runs), for prefill with a block table and decode, at batch 1 with a long context

@@ -1,6 +1,6 @@
 """CUDA tier of sampling inside the decode graphs and overlapped scheduling (skipped without CUDA).
 
-On an H200 (the lead's run): captured decode graphs that sample give the eager sampler's bits (tokens,
+On an H200: captured decode graphs that sample give the eager sampler's bits (tokens,
 logprobs, finish reasons), for plain, top-k/top-p (the graph variant that sorts every row), greedy and
 mixed-temperature workloads (mixed logprob temperatures: the graph replays and the step samples eagerly);
 overlapped scheduling (the next step queued before the current one's tokens are read, input ids copied on

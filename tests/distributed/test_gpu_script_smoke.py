@@ -1,4 +1,4 @@
-"""scripts/gpu_tp.py --smoke: the lead's multi-GPU TP script, run on CPU + gloo with a tiny Qwen3 shape, for a list
+"""scripts/gpu_tp.py --smoke: the multi-GPU TP script, run on CPU + gloo with a tiny Qwen3 shape, for a list
 of degrees (TP=2 and TP=4 on ranks 0..t-1 of one 4-process job, each compared with TP=1); and its comparison,
 which must see a one-bit difference in any gradient."""
 

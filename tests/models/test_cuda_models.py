@@ -54,7 +54,7 @@ def test_logits_match_transformers_cuda(name, dtype, tmp_path):
     with torch.no_grad():
         ours = model.logits(model.forward_hidden(ForwardBatch.packed(seqs, "cuda"))).cpu()
     # fp32 GEMMs on the GPU are bf16x3 (x = hi + lo, three bf16 products: ~1e-5 relative per dot
-    # product, docs/gpu.md), compounded over the layers: 1e-4 of the largest logit (the CPU test's
+    # product, docs/design/fp32-as-bf16x3.md), compounded over the layers: 1e-4 of the largest logit (the CPU test's
     # fp32 bound is 1e-5; measured worst on the H200: 1.1e-5 of max, 2026-11-30). bf16: the CPU bound.
     tol = {torch.float32: 1e-4, torch.bfloat16: 0.02}[dtype] * float(ref.abs().max())
     assert_close_report(ours, ref, atol=tol, rtol=0, what=f"cuda {name} {dtype}")

@@ -2,7 +2,7 @@
 
 Each launch that is not the default (test_triton_interpret.py checks the default: heavy-first grids, 128-row dQ
 tiles, 128-key dK/dV programs) runs its own kernel code: the light-first grids with 64-row dQ tiles and 64-key
-dK/dV programs (the session-11 default), and 128-key dQ steps. Per launch,
+dK/dV programs (the previous default), and 128-key dQ steps. Per launch,
 hypothesis draws packed batches of 1-2 sequences of 1-90 tokens (and an explicit example: a sequence of
 1 token and one of 67, not a multiple of the 64 / 128 tiles) with GQA 4/2 or 2/2 heads and d 16, and checks:
 
@@ -29,7 +29,7 @@ from tests.workers import run_worker
 
 TOL = 2e-5
 # (label, BackwardLaunch keyword arguments): every kernel variant the non-default launches compile
-LAUNCHES = (("light-first (the session-11 default)", dict(heavy_first=False)),
+LAUNCHES = (("light-first (the previous default)", dict(heavy_first=False)),
             ("wide", dict(dq_tile=(128, 8, 2), dq_keys=128, dkdv_keys=128)))
 
 

@@ -336,7 +336,7 @@ def stream_chosen_by_shape():
 def bench_workloads_take_the_streamed_launch():
     """Every CUDA workload of `rlalign bench rollout` at its decode batch, with the benchmark's max_model_len (the
     block table the engine sizes from it), takes the streamed launch on an H200 (132 SMs): the rule's inputs are
-    the table's width, not the contexts (session 18's rule was checked against a 640-key table while the
+    the table's width, not the contexts (the rule was first checked against a 640-key table while the
     benchmark's was 40,960 keys wide, and the benchmark silently ran the per-item launch)."""
     import argparse
     from rlalign.bench import rollout as R

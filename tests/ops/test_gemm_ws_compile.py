@@ -101,7 +101,7 @@ def _worker() -> None:
         blocks.append({"case": f"{cfg} widths {widths}", "blocks": len(widths),
                        "ptxas": ptxas_report(ptx, timeout=120),
                        "tma_store_sites": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx))})
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gpu_linear
     from rlalign.ops.triton_backend.gemm import GemmConfig
     print("RESULTS " + json.dumps({"results": results, "blocks": blocks, "experiments": experiments, "blocks_choice": _blocks_choice(),
@@ -274,7 +274,7 @@ def test_ws_structure_behind_the_bit_exactness(sm90_ws):
 def test_ws_stage_release_barriers(sm90_ws):
     """release="cta": one thread frees a stage after a consumer-wide bar.sync in every k-step (two
     bar.syncs a k-step: that one and the one before the operand wait). release="thread" (the default since
-    session 13): every consumer thread arrives itself (the empty barriers count all of them), no bar.sync before
+    2026-12-02): every consumer thread arrives itself (the empty barriers count all of them), no bar.sync before
     any release, one left a k-step; with out_alias one more at the two level-1 writes of a tile (segments 1 and 5
     end, in segments 2 and 6's first window): after the wait for the previous tile's TMA store, which read the
     buffer as the output tile."""

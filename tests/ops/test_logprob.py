@@ -356,7 +356,7 @@ def test_lm_logits_bad_inputs(kwargs, message):
 @settings(max_examples=12, deadline=None)
 @given(hidden=st.sampled_from([17, 127, 1000]), tail=st.sampled_from([1, 9, 404]), blocks=st.integers(1, 2),
        rows=st.integers(1, 70), seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(sorted(DTYPES)))
-@example(hidden=17, tail=1, blocks=1, rows=70, seed=0, dtype="fp32")   # an AVX-512 Xeon's MKL, session 21
+@example(hidden=17, tail=1, blocks=1, rows=70, seed=0, dtype="fp32")   # an AVX-512 Xeon's MKL, 2026-12-03
 def test_vocab_chunk_never_changes_bits(hidden, tail, blocks, rows, seed, dtype):
     """The class of the K=1000, V=1025 finding: the library's column bits depend on a GEMM's width N for
     narrow N, so the logits were computed per vocab block (width VB or the short tail) whatever the chunk.

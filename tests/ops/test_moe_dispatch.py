@@ -245,7 +245,7 @@ else:
 
     def test_one_strict_forward_launches_a_handful_of_kernels():
         """The strict triton forward of ops.moe_experts: the dispatch's 3 launches, 2 gathers, 3 grouped GEMMs
-        and silu_mul -- no sort, no per-tile torch bookkeeping (the torch.sort path: 59 at Qwen3-30B-A3B routing, docs/gpu.md).
+        and silu_mul -- no sort, no per-tile torch bookkeeping (the torch.sort path: 59 at Qwen3-30B-A3B routing).
         The count depends on the shapes only (one or two row-tile heights: the tables come from one launch)."""
         hidden, inter, n_experts, k, tokens = 64, 64, 8, 4, 40
         w = tuple(t.detach() for t in _weights(n_experts, inter, hidden, 1))

@@ -1,4 +1,4 @@
-"""The native profile as a fair fast baseline for training (issue 17, item 3), CPU tier.
+"""The native profile as a fair fast baseline for training, CPU tier.
 
 - attention_varlen native vs strict within tolerance, forward and gradients, over ragged packed
   batches (empty and one-token sequences, GQA ratios); on CPU the flash varlen kernel is unavailable

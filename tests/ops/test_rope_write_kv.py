@@ -208,8 +208,8 @@ def test_triton_kernel_compiles_for_sm90_without_spills(sm90_report):
         assert not spills, f"{r['kernel']} {r['dtype']}: {spills}"
         assert r["smem"] <= 232448
     # the rotation's roundings are spelled out (mul_rn / add_rn / sub_rn), so no kernel contracts x1 c - x2 s into
-    # an fma (left to the compiler, the two kernels contracted it differently: fp32 k differed on the H200, session
-    # 13); the fused kernel rotates in both branches: twice rope_kernel's products. The CUDA tier compares bits.
+    # an fma (left to the compiler, the two kernels contracted it differently: fp32 k differed on the H200,
+    # 2026-12-02); the fused kernel rotates in both branches: twice rope_kernel's products. The CUDA tier compares bits.
     by = {(r["kernel"], r["dtype"]): r for r in kernels}
     for dtype in ("torch.bfloat16", "torch.float32"):
         fused, alone = by[("rope_write_kv_kernel", dtype)], by[("rope_kernel", dtype)]

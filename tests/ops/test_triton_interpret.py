@@ -16,7 +16,7 @@ GPU: Triton ships ptxas, so given a target the whole pipeline (TTIR -> TTGIR -> 
 cubin) runs anywhere. It installs a stand-in active driver reporting an sm_90 device, turns every
 launch into a compile-only ``warmup`` and runs the real launchers on CPU tensors. Checked per
 variant: it compiles, every dot kernel uses ``wgmma`` (the instruction family the bitwise
-interchangeability of tile shapes relies on, docs/gpu.md), its shared memory fits the 227 KiB of an
+interchangeability of tile shapes relies on, docs/design/tile-shapes.md), its shared memory fits the 227 KiB of an
 sm_90 block. It relies on Triton internals (the driver hook, JITFunction.run): if those are not as
 expected the sm_90a tests skip rather than fail.
 """
@@ -745,7 +745,7 @@ def _sm90_worker() -> None:
     grid_variants = len(compiled) - before
     kpart = []
 
-    def compile_kpart(cfg):   # the --sweep-kpart candidates: what the lead's one GPU call compiles
+    def compile_kpart(cfg):   # the --sweep-kpart candidates: what a --sweep-kpart run compiles
         G.gemm(x, w, b_trans=True, segments=8, config=cfg)
         ptx = compiled[-1].kernel.asm["ptx"]
         kpart.append({"config": repr(cfg), "ctas": cfg.ctas_per_sm, "warps": cfg.num_warps, "wgmma": "wgmma" in ptx,
@@ -782,7 +782,7 @@ def _spawn(flag: str, interpret: bool) -> subprocess.Popen:
 
 def _results(proc: subprocess.Popen):
     # a hang guard, not a speed check: on CI each worker takes a few minutes, but a 2-core machine shared with
-    # other suites took the interpreter worker past 900 s (session 12), failing every check of the module
+    # other suites took the interpreter worker past 900 s (2026-12-02), failing every check of the module
     return collect(proc, timeout=1800)
 
 
@@ -820,7 +820,7 @@ def test_kernels_compile_for_sm90(sm90):
 
 def test_dot_kernels_use_wgmma(sm90):
     """Every kernel with a matrix product compiles to wgmma -- except the decode GEMM tiles of 16 / 32 rows
-    (gemm.SMALL_M_TILES), which compile to mma.sync m16n8k16 and nothing else (docs/gpu.md, rule 2: the H200 measured
+    (gemm.SMALL_M_TILES), which compile to mma.sync m16n8k16 and nothing else (docs/design/tile-shapes.md, rule 2: the H200 measured
     the two families' bits equal); those must be among the compiled variants (the grid's M = 1)."""
     small = [v for v in sm90["variants"] if v["kernel"] == "gemm_kernel" and int(v["args"].get("BM", 64)) < 64]
     missing = [v for v in sm90["variants"] if v["has_dot"] and not v["wgmma"] and v not in small]
@@ -833,7 +833,7 @@ def test_unsegmented_gemm_configs_are_software_pipelined(sm90):
     """Every large-M config the dispatcher compiled for the plain bf16 GEMM (128-row tiles, P = 1: linear, dX,
     dW, fp32 out, acc_in) keeps a wgmma chain in flight across k-steps (a wait with pendings >= 1 in the TTGIR).
     The acc_in config with a flattened tile loop lost this (wait 0 only, fewer TMA loads in flight) and ran at
-    0.34x cuBLAS on the H200 (session 13). The 64-row configs of small M and the fp32 (bf16x3) ones wait for
+    0.34x cuBLAS on the H200 (2026-12-02). The 64-row configs of small M and the fp32 (bf16x3) ones wait for
     every chain; they are not what a training step's time is made of."""
     plain = [v for v in sm90["variants"] if v["kernel"] == "gemm_kernel" and v["args"].get("P") == "1"
              and v["args"].get("BM") == "128" and v["args"].get("SPLIT") == "False" and v["wgmma"]]
@@ -864,7 +864,7 @@ def test_the_logprob_merge_loop_is_pipelined(sm90):
 def test_gemm_sums_keep_their_adds_after_the_products(sm90):
     """No GEMM kernel's dot starts from a value the source adds after the sum (the bias, a tree partial): with a
     one-iteration k loop folded away, Triton's combine pass rewrites dot(a, b, 0) + d into dot(a, b, d), which
-    rounds differently (gemm.KSTEP_UNSPECIALIZED; found on the H200 in session 15 as a one-ulp difference at K =
+    rounds differently (gemm.KSTEP_UNSPECIALIZED; found on the H200, 2026-12-02, as a one-ulp difference at K =
     64 with a bias). The one-k-step calls of the linear (P = 1 and P = 8, every tiled config, the split) and of
     the MoE grouped GEMM are compiled above; checked on every GEMM variant the worker compiled."""
     gemm_kernels = ("gemm_kernel", "segment_stream_kernel", "segment_partials_kernel", "merge_partials_kernel",

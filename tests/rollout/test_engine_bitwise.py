@@ -1,4 +1,4 @@
-"""The issue's bitwise test: every sampled token's logprob equals the trainer's packed-forward logprob,
+"""The rollout's bitwise test: every sampled token's logprob equals the trainer's packed-forward logprob,
 and tokens + logprobs are identical across random engine configurations.
 
 Configurations vary max_num_seqs, page size, token budget, prefill chunk, prefix sharing, prefix

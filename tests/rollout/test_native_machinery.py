@@ -1,4 +1,4 @@
-"""The native profile runs the strict profile's engine machinery (issue 16.1: strict / native measures the
+"""The native profile runs the strict profile's engine machinery (strict / native measures the
 cost of the contract and nothing else), CPU tier: the graphs' padded static batches, with the sampler
 inside them and overlapped scheduling.
 

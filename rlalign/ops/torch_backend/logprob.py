@@ -197,7 +197,7 @@ def _add_grad_weight(dw_chunk: torch.Tensor, dlogits: torch.Tensor, h_f32: torch
     """dw_chunk (=|+=) dlogits^T @ h, one vocab block per GEMM (a row's bits depend on its block's width only,
     never on vocab_chunk; token chunks still add in increasing order). The block's dlogits^T is copied to its own
     contiguous [width, T] matrix: sliced from the chunk it has the chunk's row stride, and MKL on AVX-512 takes a
-    different path (other bits) for another stride of the same shape (measured, session 21: the one-column tail
+    different path (other bits) for another stride of the same shape (measured 2026-12-03: the one-column tail
     block at vocab_chunk 1,024 vs 2,048); a fresh contiguous operand makes the call depend on the shape only."""
     for block in index_chunks(dlogits.shape[1], VB):
         part = torch.mm(dlogits[:, block].t().contiguous(), h_f32)

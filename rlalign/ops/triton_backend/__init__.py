@@ -11,8 +11,8 @@ and the other way round).
 
 Kernels: :mod:`.gemm` (linear, LM head GEMMs), :mod:`.attention`, :mod:`.logprob`,
 :mod:`.elementwise` (rms_norm, rope, silu_mul, rope_write_kv), :mod:`.sample`, :mod:`.grouped` (the MoE experts'
-grouped GEMMs, :mod:`.moe`), :mod:`.route` and :mod:`.combine` (MoE routing and combine). docs/gpu.md says what was
-verified on the H200 and which tile shapes are bitwise interchangeable.
+grouped GEMMs, :mod:`.moe`), :mod:`.route` and :mod:`.combine` (MoE routing and combine). docs/design/tile-shapes.md
+says what was verified on the H200 and which tile shapes are bitwise interchangeable.
 """
 
 from __future__ import annotations

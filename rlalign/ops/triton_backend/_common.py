@@ -28,7 +28,7 @@ try:  # host-side TMA descriptors (Triton >= 3.3)
 except ImportError:  # pragma: no cover - older Triton: the pointer path is used everywhere
     TensorDescriptor = None
 
-BLOCK_K = 64  # the one K step of every strict GEMM (see docs/gpu.md)
+BLOCK_K = 64  # the one K step of every strict GEMM (see docs/design/tile-shapes.md)
 
 
 @functools.lru_cache(maxsize=None)

@@ -75,7 +75,7 @@ if KV_SPLIT <= 0 or KV_SPLIT % KV_BLOCK:
     raise ValueError(f"spec.ATTN_KV_SPLIT={KV_SPLIT} must be a positive multiple of ATTN_KV_BLOCK={KV_BLOCK}")
 LOG2E = 1.4426950408889634
 # (BLOCK_M, num_warps, num_stages): prefill/training and decode tiles. Both lay warps along rows
-# only (BLOCK_M >= 16 * warps), which is what makes them interchangeable (docs/gpu.md).
+# only (BLOCK_M >= 16 * warps), which is what makes them interchangeable (docs/design/tile-shapes.md).
 PREFILL_TILE = (128, 8, 3)
 DECODE_TILE = (64, 4, 3)
 BWD_TILE = (64, 4, 2)
@@ -96,9 +96,9 @@ class BackwardLaunch:
     attn_bwd_dkdv_kernel program (a multiple of KV_BLOCK), ``dkdv_rows``: query rows per step, ``dkdv_warps``,
     ``dkdv_stages``. ``heavy_first``: both grids run the programs with the most work first over the whole
     batch (otherwise dK/dV runs the light blocks of each sequence and kv head first). A fused one-kernel
-    backward (dQ added in key-block order through per-row-block semaphores, 5 products instead of 7) was tried in
-    session 12: correct, but 0.39-0.42x SDPA on the H200 (it spilled, and Triton did not pipeline it), so removed
-    (docs/LOG.md)."""
+    backward (dQ added in key-block order through per-row-block semaphores, 5 products instead of 7) was tried
+    (2026-12-02): correct, but 0.39-0.42x SDPA on the H200 (it spilled, and Triton did not pipeline it), so removed
+    (docs/performance.md, "What was tried and did not work")."""
     dq_tile: tuple[int, int, int] = BWD_TILE
     dq_keys: int = KV_BLOCK
     dkdv_keys: int = KV_BLOCK
@@ -117,11 +117,10 @@ class BackwardLaunch:
 
 
 # The backward's launch (benchmarks/gpu_attention.py --sweep-train times candidates; paste a faster one here).
-# H200, 2026-12-02 (session 12, benchmarks/gpu_2026-12-02-s12/call5): 128-row dQ tiles with 8 warps, 128 keys per dK/dV
-# program, both grids heaviest first -- bit-equal to the previous default (BackwardLaunch()) at 2 x 4,096, 8 x 4,096
-# and 1 x 32,768 tokens; forward + backward 0.99 / 0.90 / 0.95 of SDPA flash (the previous default 0.68 / 0.68 / 0.66).
-# (sm_90a, benchmarks/attn_bwd_sm90_cpu.py: its dK/dV kernel holds 255 registers and spills 100 B, one program per SM; the
-# dQ kernel 181 registers, no spills.)
+# Chosen by an H200 `--sweep-train` (2026-12-02; benchmarks/evidence/attention-h200/train-sweep.csv): bit-equal to the
+# previous default (BackwardLaunch()), forward + backward 0.90-0.99 of SDPA flash against 0.66-0.68; docs/performance.md
+# "Launch tables". (sm_90a, benchmarks/attn_bwd_sm90_cpu.py: its dK/dV kernel holds 255 registers and spills 100 B, one
+# program per SM; the dQ kernel 181 registers, no spills.)
 BWD_LAUNCH = BackwardLaunch(dq_tile=(128, 8, 2), dkdv_keys=128, heavy_first=True)
 
 
@@ -131,7 +130,7 @@ class DecodeLaunch:
     positions, the block order within a split and the merge order are the kernel's, not the launch's).
 
     ``tile``: (BLOCK_M, warps, stages) of the forward kernel (BLOCK_M >= 16 x warps: warps along rows only,
-    docs/gpu.md). Split launch only: ``programs_per_sm`` -- each item's splits are spread over enough
+    docs/design/tile-shapes.md). Split launch only: ``programs_per_sm`` -- each item's splits are spread over enough
     programs for about this many per SM (never more than the splits); ``merge_warps`` / ``merge_unroll`` of
     attn_merge_kernel (elementwise: no layout of it can change a bit); ``fused_merge``: the item's last
     program merges instead of a second kernel, ``fold_rows`` rows at a time, ``merge_unroll`` splits per
@@ -164,16 +163,15 @@ class DecodeLaunch:
 
 # The two decode launches (benchmarks/gpu_attention.py --sweep-decode times candidates of both as graph replays
 # and checks their bits against these; paste a faster candidate it prints here). The split launch folds its
-# partials in the item's last program since the H200 sweep of 2026-12-02 (session 11: 0.0608 / 0.1011 ms at
-# batch 8 / 16, 4,096 context, against 0.0669 / 0.1058 with the merge kernel; SDPA flash 0.0519 / 0.0814).
+# partials in the item's last program: faster than the merge kernel at batch 8 / 16, 4,096 context (H200
+# `--sweep-decode`, 2026-12-02); docs/performance.md "Launch tables".
 ITEM_DECODE = DecodeLaunch()
 SPLIT_DECODE = DecodeLaunch(merge_unroll=16, fused_merge=True, fold_rows=4)
 STREAM_DECODE = DecodeLaunch(programs_per_sm=2, stream=True)
 # Decode-tile paged calls with at least STREAM_MIN_ITEMS_PER_SM items per SM (and not the split launch) take the
-# streamed launch. H200, 2026-12-03 (session 18, benchmarks/gpu_2026-12-03-s18/call_c1, --sweep-decode at 244 sequences x
-# 484 context, 32/8 heads: 1,952 items, ~15 per SM): streamed 0.1635 ms vs per-item 0.1695, raw bits equal. From 1 to
-# 4 items per SM the per-item launch stays (not measured there: where two programs per SM hold one item each, the
-# streamed launch's range cut at item starts would leave SMs idle).
+# streamed launch: 1.037x the per-item launch at ~15 items per SM, raw bits equal (H200 `--sweep-decode`, 2026-12-03;
+# docs/performance.md "Launch tables"). From 1 to 4 items per SM the per-item launch stays (not measured there: where
+# two programs per SM hold one item each, the streamed launch's range cut at item starts would leave SMs idle).
 STREAM_MIN_ITEMS_PER_SM = 4
 # the work entries are sized by the block table's width (a capture cannot know the contexts): 544 B per (sequence,
 # kv head, 64-key block) at 64-row tiles -- 11 MB for 256 sequences x 8 kv heads x 640 keys, 1.1 GB for 512 at a 32k-key
@@ -182,13 +180,10 @@ STREAM_WORK_MAX_BYTES = 256 << 20
 # Paged calls on the decode tile whose one-program-per-item grid (items = tiles x sequences x kv heads) has at
 # most SPLIT_MAX_ITEMS_PER_SM items per SM spread each item's key splits over several programs (the split
 # launch), if there are several splits in the block table's width and the fp32 partials stay under
-# SPLIT_SCRATCH_MAX_BYTES. Set by the H200, 2026-12-02 session 10 (benchmarks/gpu_attention.py, 32/8 heads,
-# 4,096 context, CUDA graph replays, as the engine runs decode; ms split / item): 8 items (batch 1) 0.025 /
-# 0.113, 64 items (batch 8) 0.073 / 0.121, 512 items (batch 64) 0.352 / 0.307, 2,048 items (batch 256) 1.356 /
-# 1.175. Below one item per SM the per-item launch leaves SMs idle while each program walks the whole
-# context; from ~4 per SM (two resident per SM, two waves) it is the faster. 1: between the two measured
-# points (batch 16 at 8 kv heads splits, batch 32 does not); --sweep-decode also times batch 16 and 32.
-# (Eager timings, host-bound at small batch, had put split behind at every batch: session 8.)
+# SPLIT_SCRATCH_MAX_BYTES. Below one item per SM the per-item launch leaves SMs idle while each program walks the
+# whole context; from ~4 per SM (two resident per SM, two waves) it is the faster. Set by H200 graph replays of
+# benchmarks/gpu_attention.py (2026-12-02, 32/8 heads, 4,096 context; 1: between the measured batches 8 and 64);
+# docs/performance.md "Launch tables".
 SPLIT_MAX_ITEMS_PER_SM = 1
 SPLIT_SCRATCH_MAX_BYTES = 256 << 20
 

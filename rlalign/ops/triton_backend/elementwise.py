@@ -153,7 +153,7 @@ def _rope_rows(X, C, S, rows, n_rows, HEADS, X_TOK, HALF, SIGN: tl.constexpr, BH
     x2 = tl.load(X + src + HALF, mask=ok, other=0.0).to(tl.float32)
     # every product and sum rounded on its own: the launches pass no_fma() (no fma contraction; left to the
     # compiler, ``x1 * c - x2 * s`` was contracted differently in rope_kernel and in rope_write_kv_kernel's k
-    # branch: fp32 k differed in the last bit on the H200, session 13) -- torch's eager bits
+    # branch: fp32 k differed in the last bit on the H200, 2026-12-02) -- torch's eager bits
     return x1 * c - x2 * s, x2 * c + x1 * s, base, ok
 
 

@@ -24,11 +24,12 @@ Tile shape (BLOCK_M in {16, 32, 64, 128}, BLOCK_N in {32..256}), warps (4/8, alo
 pipeline depth, persistent scheduling (programs per SM) and the loop structure of the
 K partition (one loop per segment, one flat loop per tile, or one flat stream of a program's
 (tile, segment) items: ``GemmConfig.nested`` / ``stream``) only change which program computes an
-element and when, not its sequence of operations; docs/gpu.md says what was verified on the H200.
+element and when, not its sequence of operations; docs/design/tile-shapes.md says what was verified on the H200.
 Hopper issues ``wgmma`` (m64nNk16) for tiles of 64 or 128 rows; the decode tiles of 16 and 32 rows
 (:data:`SMALL_M_TILES`) get ``mma.sync`` (m16n8k16), whose per-element bits the H200 showed equal to
-wgmma's on the same k16 chunks in the same order (session 21: benchmarks/mma_bits_probe.py on random
-tiles, every case of the decode sweep, tests/cuda/test_cuda_linear.py).
+wgmma's on the same k16 chunks in the same order (2026-12-03: benchmarks/mma_bits_probe.py on random
+tiles, every case of the decode sweep, tests/cuda/test_cuda_linear.py;
+benchmarks/evidence/gemm-h200/mma-bits-probe.txt).
 """
 
 from __future__ import annotations
@@ -68,33 +69,33 @@ class GemmConfig:
     block_k: int = BLOCK_K
 
 
-# Candidate tiles, most efficient first (see pick_config). Shared memory, from sm_90a compiles
-# (docs/gpu.md): the pipeline holds stages x (BM + BN) x 64 operands, and a TMA epilogue stages the
-# output tile (and, with acc_in, the loaded accumulator); everything must fit in 227 KiB.
+# Candidate tiles, most efficient first (see pick_config). Shared memory, from sm_90a compiles: the pipeline
+# holds stages x (BM + BN) x 64 operands, and a TMA epilogue stages the output tile (and, with acc_in, the loaded
+# accumulator); everything must fit in 227 KiB.
 _LARGE = (GemmConfig(128, 256, 8, 3, flatten=True), GemmConfig(128, 128, 8, 4, flatten=True))
 _MEDIUM = (GemmConfig(64, 128, 4, 4), GemmConfig(64, 64, 4, 5))
 # The fill rule's last resorts above 64 rows (few tiles: narrow N), deep pipelines that keep W streaming; flatten keeps
 # the pipeline going across a program's successive tiles. (M <= 64 takes SMALL_M_TILES, before the fill rule; until
-# session 21 these 64-row tiles, with 64x128 x6 first, were its decode tiles.)
+# 2026-12-03 these 64-row tiles, with 64x128 x6 first, were its decode tiles.)
 _NARROW = (GemmConfig(64, 64, 4, 10, flatten=True), GemmConfig(64, 32, 4, 12, flatten=True))
 # fp32 output tiles (lm_logits, fp32 partials): 128x256 would need 272 KiB.
 _LARGE_F32OUT = (GemmConfig(128, 128, 8, 4, flatten=True),)
 # acc_in (the fp32 accumulator is loaded and stored): one more fp32 tile of staging. Not flattened: with the
 # accumulator's load inside the flattened tile loop Triton 3.6 does not software-pipeline the k loop (sm_90a TTGIR:
-# only wgmma wait 0), and the LM head's dX (dh += dz W, 19 calls a step) ran at 0.34x cuBLAS on the H200 (session
-# 13, benchmarks/gemm_census.py); the unflattened loop keeps wait 1 and 4 stages fit (192 KiB).
+# only wgmma wait 0), and the LM head's dX (dh += dz W, 19 calls a step) ran at 0.34x cuBLAS on the H200 (2026-12-02,
+# benchmarks/gemm_census.py); the unflattened loop keeps wait 1 and 4 stages fit (192 KiB).
 _LARGE_ACCIN = (GemmConfig(128, 128, 8, 4),)
 _SMALL_ACCIN = (GemmConfig(64, 128, 4, 5), GemmConfig(64, 64, 4, 8), GemmConfig(64, 32, 4, 10))
 # Segmented (k_segments > 1) tiles. Large M: a loop per segment (segment_tree_nested) on 128x128 tiles
 # with one tree level in registers and the deeper ones in the program's scratch: 0.70x cuBLAS at
 # 4096x4096x12288 and 0.46x at K = 4096 on the H200, against 0.43x / 0.38x for the one-loop kernel on
-# 128x64 tiles (benchmarks/gpu_linear.py --set segsweep, docs/LOG.md 2026-12-01). The one-loop kernel
+# 128x64 tiles (benchmarks/gpu_linear.py --set segsweep, 2026-12-01; docs/performance.md). The one-loop kernel
 # (segment_tree: one pipeline across segments, shared memory independent of P and K) stays for the
 # narrower tiles. sm_90a, P=8 (ptxas -v): 128x64/8 warps 228 registers, 112 KiB, no spills; 128x128
 # spills with two or more levels in registers.
 _SEG_LARGE = (GemmConfig(128, 128, 8, 4, reg_levels=1, nested=True), GemmConfig(128, 64, 8, 4))
 # Large-M schedules of the K partition for benchmarks/gpu_linear.py --sweep-kpart (speed only, the default first; no
-# GPU numbers yet, so none is picked by pick_config). sm_90a compiles (TTGIR, ptxas -v; docs/LOG.md 2026-12-02):
+# GPU numbers yet, so none is picked by pick_config). sm_90a compiles (TTGIR, ptxas -v; 2026-12-02):
 # the default drains its pipeline (wgmma wait 0) and issues the next segment's first loads only after each
 # segment's tree merge; segment_stream_kernel keeps the TMA loads streaming across segment and tile ends but, with
 # its tree stack in registers (the only form Triton 3.6 pipelines: a stack in the scratch leaves the loop
@@ -125,16 +126,11 @@ def candidate_configs(m: int, n: int, segments: int, fp32: bool, out_mode: str =
 
 
 # P = 1 decode batches (bf16 out): one tile per row range, taken where its tiles keep at least
-# DECODE_TILE_MIN_FILL of the SMs busy (pick_config's fill rule would refuse them there). H200 sweeps
-# (`benchmarks/gpu_linear.py --sweep-ws --ws-candidates 1 --ws-triton --ws-shapes 8b-stacked,0.6b-stacked`, every launch
-# bit-equal; cuBLAS / ours):
-# * 129..256 rows, 128x128 x5 flat (session 18-19): the 8B stacked q/k/v (N = 6,144, 96 tiles at 244 rows) 0.0276 ms
-#   against 0.0344 on the Gluon kernel (which the dispatcher took) and 0.0500 on the fill rule's tiles; the stacked
-#   gate/up (N = 24,576) 0.087-0.091 against 0.090 on the fill rule's 128x128 x4. Two 128-row tiles cover the rows, so
-#   each weight column block is read twice (64-row tiles read it four times).
-# * 385..512 rows (four 128-row tiles, as at the 462 rows of a 512-sequence decode), 128x256 x3 flat (session 19, at
-#   462 rows): 0.808 / 0.929 on the 8B stacked q/k/v and gate/up, 0.831 on the 0.6B gate/up, against the fill rule's
-#   0.550 / 0.875 / 0.604. 257..384 rows (three row tiles) were not measured: the fill rule keeps them.
+# DECODE_TILE_MIN_FILL of the SMs busy (pick_config's fill rule would refuse them there). Two 128-row tiles cover
+# 129..256 rows, so each weight column block is read twice (64-row tiles read it four times); 257..384 rows were not
+# measured and keep the fill rule. Chosen by H200 sweeps of the stacked decode projections (2026-12-03, `--sweep-ws
+# --ws-triton --ws-shapes 8b-stacked,0.6b-stacked`, every launch bit-equal; faster than the fill rule's tiles and the
+# Gluon kernel at 244 and 462 rows); docs/performance.md "Launch tables".
 DECODE_TILES = ((129, 256, GemmConfig(128, 128, 8, 5, flatten=True)),
                 (385, 512, GemmConfig(128, 256, 8, 3, flatten=True)))
 DECODE_TILE = DECODE_TILES[0][2]
@@ -145,12 +141,11 @@ DECODE_TILE_MIN_FILL = 0.7
 # programs share the stream, so the tile is the narrowest row count that covers the rows, with k-steps of 128-256
 # columns (GemmConfig.block_k: the same k16 chunks in fewer loop iterations). Rows <= 32 take 16- and 32-row tiles,
 # on which Triton issues mma.sync (m16n8k16) instead of wgmma: benchmarks/mma_bits_probe.py and every case of the sweep
-# below found their bits equal to the 64-row wgmma tiles' (docs/gpu.md, "Which tile shapes are interchangeable").
+# below found their bits equal to the 64-row wgmma tiles' (docs/design/tile-shapes.md).
 # Per row band, the widest tile first; a band takes the first whose tiles keep DECODE_TILE_MIN_FILL of the SMs busy,
-# else its last (narrowest). H200 sweep, session 21 (`benchmarks/gpu_linear.py --sweep-ws --ws-candidates none
-# --ws-small --ws-shapes 8b-plain,8b-stacked,lm-head,0.6b-stacked --ws-m 1,8,24,32,48,64`, graph replays, every
-# launch bit-equal; cuBLAS / ours at M = 1 / 8 / 24 / 32 / 48 / 64 on the 9 shapes): 0.80-1.07, against 0.45-1.05
-# for the 64-row tiles with 64-column steps (benchmarks/RESULTS.md, session 21).
+# else its last (narrowest). Chosen by an H200 sweep (2026-12-03, `--sweep-ws --ws-small`, graph replays, every launch
+# bit-equal): 0.80-1.07 of cuBLAS at M = 1-64 on 9 decode shapes, against 0.45-1.05 for the 64-row tiles with
+# 64-column steps; docs/performance.md "Launch tables".
 SMALL_M_TILES = (
     (16, (GemmConfig(16, 128, 4, 3, flatten=True, block_k=256), GemmConfig(16, 64, 4, 5, flatten=True, block_k=256),
           GemmConfig(16, 32, 4, 4, flatten=True, block_k=256, ctas_per_sm=2))),
@@ -420,7 +415,7 @@ def store_tile(acc, c_src, bias_ptr, off_m, off_n, M, N, stride_cm, stride_cn, B
 # ``steps`` (k-steps per segment) is never specialized: Triton specializes an integer argument equal to 1, a
 # loop of one iteration is then folded away, and its combine pass rewrites ``dot(a, b, 0) + d`` into
 # ``dot(a, b, d)`` -- for P = 1, K <= 64 with a bias that put the bias in the accumulator before the products
-# (found on the H200 in session 15: the Gluon kernel, which follows the documented order, differed by an ulp).
+# (found on the H200, 2026-12-02: the Gluon kernel, which follows the documented order, differed by an ulp).
 # Kept a runtime loop, the accumulator is a loop value and the sum is rounded as documented.
 KSTEP_UNSPECIALIZED = ["M", "num_progs", "steps"]
 
@@ -572,7 +567,7 @@ def merge_partials_kernel(ws_ptr, c_ptr, bias_ptr, MN, N, stride_cm, P: tl.const
 # one-kernel tree (each segment from zero in 64-column steps, the same fp32 adds in the same tree, bias,
 # one rounding), so the bits do not change; the P-fold more programs fill the SMs when M <= 64 leaves a
 # handful of output tiles (a 4096-wide layer at M = 1: 128 programs of 64x32 tiles, each walking all of K).
-# Up to 256 rows: H200 `--sweep-mid` (2026-12-02, session 12) found the split faster than the one-kernel tree at
+# Up to 256 rows: H200 `--sweep-mid` (2026-12-02) found the split faster than the one-kernel tree at
 # M = 80-256 (geometric mean over the 8B / 0.6B o_proj / down_proj shapes 0.65-0.82 vs 0.47-0.49) and not at 462+.
 SPLIT_SEGMENTS_MAX_M = 256
 
@@ -596,11 +591,8 @@ class SegmentSplitConfig:
 
 # (largest M, config), by increasing M: the first entry whose M bound holds. Paste the lines that
 # benchmarks/gpu_linear.py --sweep-small prints (only bit-equal candidates are ever printed).
-# H200, 2026-12-02 (`--sweep-small`, graph replays, every candidate bit-equal to the default; ratio = cuBLAS /
-# ours, geometric mean over the 8B and 0.6B o_proj / down_proj shapes; benchmarks/gpu_2026-12-02-s10/call3):
-# 64x128 tiles at M <= 32 (0.98-1.18, default 64x64: 0.88-1.05), 64x64 with 3 stages at M = 64 (0.93, default 0.90).
-# M = 65-256 (`--sweep-mid`, session 12, benchmarks/gpu_2026-12-02-s12/call1): 64x128 with 4 stages, 0.81 / 0.82 / 0.65
-# at M = 80 / 128 / 256.
+# Chosen by H200 sweeps (2026-12-02, `--sweep-small` and `--sweep-mid`, graph replays, every candidate bit-equal): the
+# fastest launch per M band over the 8B and 0.6B o_proj / down_proj shapes; docs/performance.md "Launch tables".
 SEGMENT_SPLIT_TABLE: tuple[tuple[int, SegmentSplitConfig], ...] = (
     (32, SegmentSplitConfig(block_n=128, num_warps=4, num_stages=4)),
     (64, SegmentSplitConfig(block_n=64, num_warps=4, num_stages=3)),
@@ -641,26 +633,16 @@ def _gemm_split_segments(a, b, out, bias, m, n, k, segments, a_trans, b_trans, s
     return out
 
 
-# The warp-specialized Gluon kernel (gemm_ws.py, session 12) is the default since the H200 sweep
-# (benchmarks/gpu_linear.py --sweep-ws, session 12) found it bit-equal at every case and 1.0-1.6x faster than the Triton
-# kernel (RLALIGN_TRITON_GEMM_WS=0 turns it off). The dispatcher takes it only for the K partition (P > 1) where
-# gemm_ws.supported holds: above SPLIT_SEGMENTS_MAX_M rows always, at or below it only where its tiles fill at
-# least WS_DECODE_MIN_FILL of the SMs (the per-segment split multiplies the programs by P, the Gluon kernel does
-# not). H200 `--sweep-ws --ws-candidates 1 --ws-shapes 0.6b,8b --ws-m 128,192,244,256`, session 15: the 64x128
-# launch over the split on the 8B o_proj / down_proj 1.05 / 0.91x at 128 rows (64 tiles, 48% of the SMs),
-# 1.40 / 1.16x at 192 (96 tiles, 73%), 1.71 / 1.42x at 244; on the 0.6B layers (<= 32 tiles) 0.59-0.79x.
-# P = 1 (plain) calls take it only in the forward layout (W [N, K]) at WS_PLAIN_ROWS, decode batches: H200
-# `--sweep-ws --ws-candidates 0,1 --ws-shapes 8b-plain,0.6b-plain`, session 15, the 64x128 launch over the Triton
-# kernel at 244 rows 1.23 / 1.13 / 1.43x on the 8B q / k,v / gate,up projections, 0.89 / 1.06 / 1.83x on the 0.6B
-# ones; from 462 rows on mixed (0.74-1.40x), at 4,096+ the Triton kernel better (0.82-0.89x). M <= 64 not swept.
-# Where the 64x128 tiles would fill under a third of the SMs (the N = 1,024 k/v_proj: 32 tiles), 64x64 tiles
-# (gemm_ws.NARROW_WS, chosen by gemm_ws.launch_for; session 15 call 9: 1.24x the 64x128 launch on the 8B k/v_proj).
-# Other P = 1 calls (the dX layout, other M) reach it only through gemm(..., ws=...); nor do those where one of the
-# Triton kernel's DECODE_TILES applies (decode_tile: wide layers at 129-256 rows, session 19).
-# P = 1 calls whose Gluon tiles would take more than WS_PLAIN_MAX_WAVES waves of the SMs keep the Triton kernel: H200
-# `--sweep-ws --ws-shapes 8b-stacked`, session 17, the 8B gate/up stacked (N = 24,576, 768 tiles of 64x128 at 244
-# rows, 5.8 waves) 0.0896 ms on the Triton kernel against 0.0982 on the 64x128 Gluon launch (128x128: 0.1007); at
-# 2.9 waves (the 8B gate_proj alone) and below the Gluon launch is the faster (0.78 vs 0.55 of cuBLAS).
+# The warp-specialized Gluon kernel (gemm_ws.py) is the default since an H200 `--sweep-ws` (2026-12-02) found it
+# bit-equal at every case and 1.0-1.6x faster than the Triton kernel (RLALIGN_TRITON_GEMM_WS=0 turns it off). The
+# dispatcher takes it only for the K partition (P > 1) where gemm_ws.supported holds: above SPLIT_SEGMENTS_MAX_M rows
+# always, at or below it only where its tiles fill at least WS_DECODE_MIN_FILL of the SMs (the per-segment split
+# multiplies the programs by P, the Gluon kernel does not). P = 1 (plain) calls take it only in the forward layout
+# (W [N, K]) at WS_PLAIN_ROWS, decode batches, where its tiles fill the SMs in at most WS_PLAIN_MAX_WAVES waves
+# (narrow layers on gemm_ws.NARROW_WS, chosen by gemm_ws.launch_for); other P = 1 calls (the dX layout, other M, the
+# rows where one of the Triton kernel's DECODE_TILES applies) reach it only through gemm(..., ws=...). The three
+# thresholds: H200 `--sweep-ws` on the 8B and 0.6B layers at 128-462 rows (2026-12-02/03); docs/performance.md
+# "Launch tables".
 WS_DECODE_MIN_FILL = 0.7
 WS_PLAIN_ROWS = (65, SPLIT_SEGMENTS_MAX_M)
 WS_PLAIN_MAX_WAVES = 4

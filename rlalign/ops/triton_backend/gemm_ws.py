@@ -9,7 +9,7 @@ accumulates onto a tile of +0.0, as the default kernel's PTX does: its wgmma alw
 accumulator starts as zeros -- not ``use_acc=False``, which could differ in the sign of a zero sum), the P fp32
 partials merge by the fixed tree ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)) (left + right, a subtree as soon as both
 halves exist), then ``+ bias[n]`` in fp32 and one rounding to the output dtype (or an fp32 store). The tile
-shape only decides which warpgroup computes an element (the H200 sweeps of sessions 8-11 found 64x64 / 64x128 /
+shape only decides which warpgroup computes an element (H200 sweeps of 2026-12-01/02 found 64x64 / 64x128 /
 128x128 ``wgmma`` tiles bit-equal); the order of the k16 chunks and where an accumulation restarts from zero are
 the same as the default kernel's.
 
@@ -49,14 +49,15 @@ Design (what the kernel does and why):
   never reaches a stored element). The producer is already loading the next tile meanwhile.
 * Where the tree waits (registers per consumer thread: a tile is BN / 2 fp32 for 64 rows per warpgroup).
   Level 0 (a single segment) always in registers. Level 2 (s0+..+s3, held while s4..s7 run) in shared memory,
-  or (:attr:`WsConfig.level2_global`, the default's since session 22) in a per-program global fp32 slot: each
+  or (:attr:`WsConfig.level2_global`, the default's since 2026-12-03) in a per-program global fp32 slot: each
   consumer thread stores its own 64 elements at segment 3's end (8-byte ``st.global``, in flight under segment 4's
   chain) and loads exactly those back at the tile's end, before the tile's drain (their latency runs under the
   last chain). A thread's own store is visible to its own later load in program order, and the accumulator's
   layout gives every element to exactly one thread (no replication: BM = 16 x warps), so no fence or barrier is
   needed; the slot lives in L2 (64 KiB x the grid, allocated per call), laid out by fragment and thread so that a
   warp's 8-byte accesses cover 256 contiguous bytes (:func:`_slot_ptrs`). Freeing level 2's 64 KiB gives 128x128
-  tiles a 160 KiB ring (5 stages of 64 columns) beside level 1 at P = 8 -- the depth session 21 measured at P = 4.
+  tiles a 160 KiB ring (5 stages of 64 columns) beside level 1 at P = 8 -- the depth measured at P = 4
+  (:data:`DEEP_RING_WS`).
   Level 2 in shared memory (fp32, exact; each thread reads back the elements it stored): with it in registers the
   128x64 launch (8
   consumer warps + the producer's warpgroup: ptxas caps them at 168 registers) had the new accumulator, the
@@ -67,7 +68,7 @@ Design (what the kernel does and why):
 * Registers at 8 consumer warps: ptxas's "168 registers" is the launch's count (12 warps share the register
   file); ``gl.warp_specialize`` emits ``setmaxnreg`` (the default partition raises itself to 240, the producer
   warpgroup drops to 24-40), and the consumer's SASS does use more (128x128: up to R229).
-* 128x128 tiles (session 14; the default since its H200 sweep): two consumer warpgroups of 64x128; level 0 in
+* 128x128 tiles (the default since an H200 sweep of 2026-12-02): two consumer warpgroups of 64x128; level 0 in
   registers (the running accumulator, the finished partial and level 0: 192 of the 240, no spill, no wgmma
   serialization), levels 1 and 2 in shared memory, and ``out_alias``: the output staging tile is level 1's fp32
   buffer reinterpreted (``_reinterpret``, bf16 or fp32 tile), which is free from a tile's last merge until the
@@ -76,20 +77,20 @@ Design (what the kernel does and why):
   (``block_k``), + 2 x 64 KiB levels = 224 KiB. ``out_alias`` also gives the 64x128 tile a sixth stage (208 KiB).
 * Not done: two interleaved accumulators (segments 2i and 2i+1 in one loop of two chains per k-step): their
   chains complete together, so each pair end drains the wgmma pipeline anyway, with both partials and the
-  stack live at once. Level 2 in a global slot spilled in session 14 (32-64 bytes; its addresses int32 offsets);
-  with int64 offsets (session 22) ptxas folds them and nothing spills. One tree buffer (s0+s1
-  waiting in it, overwritten in place by s0+..+s3, s4+s5 in registers: 5 stages of 128x128): built and compiled
-  in session 14, it spilled (44 bytes forward, 520 and C7512 on the dX layout): s7's k-step loop then carries 3
+  stack live at once. Level 2 in a global slot at first spilled (32-64 bytes; its addresses int32 offsets);
+  with int64 offsets ptxas folds them and nothing spills. One tree buffer (s0+s1
+  waiting in it, overwritten in place by s0+..+s3, s4+s5 in registers: 5 stages of 128x128): built and compiled,
+  it spilled (44 bytes forward, 520 and C7512 on the dX layout): s7's k-step loop then carries 3
   tiles (the accumulator, s6, s4+s5), where ptxas fits 3 only in straight-line code (segment ends); with 8
   segments 4 values are live during s7, so 2 of them wait in shared memory whatever the order. Ping-pong
   consumers (two warpgroups on different tiles) not tried.
 
 Status: every candidate in :data:`WS_CANDIDATES` ran on an H200, bit-equal to the Triton kernel at every case of
-benchmarks/gpu_linear.py --sweep-ws (sessions 12-14, 22); the default is 128x128 with 5 stages of 64 columns, out_alias
-and level 2 in a global slot since session 22 (0.822 of cuBLAS, geometric mean of 6 cases, against 0.777 for session
-14's 128x128 launch with 6 stages of 32 columns in the same run; the history beside :data:`DEFAULT_WS`).
+benchmarks/gpu_linear.py --sweep-ws (2026-12-02 and 2026-12-03); the default is 128x128 with 5 stages of 64 columns,
+out_alias and level 2 in a global slot since 2026-12-03 (0.822 of cuBLAS, geometric mean of 6 cases, against 0.777 for
+the previous 128x128 launch with 6 stages of 32 columns in the same run: docs/design/kpart-level2-global-slot.md).
 tests/cuda/test_cuda_gemm_ws.py compares every candidate's raw bits with the Triton kernel's (the whole CUDA tier, 446
-tests, passed on the H200 with the session-22 default), and benchmarks/gpu_linear.py --sweep-ws refuses any configuration
+tests, passed on the H200 with this default, 2026-12-03), and benchmarks/gpu_linear.py --sweep-ws refuses any configuration
 that is not bit-equal.
 """
 
@@ -175,41 +176,27 @@ class WsConfig:
         return self.block_m // 16
 
 
-# H200 `--sweep-ws` history (cuBLAS / ours, geometric mean over 8B o_proj and down_proj at M 462-16,384; every
-# candidate bit-equal to the Triton kernel at every case):
-# - session 12 (benchmarks/gpu_2026-12-02-s12/call3): 64x128 x5 0.675 (128x64 x6/x4, 64x64 x8 slower; the Triton kernel
-#   0.529);
-# - session 13 (benchmarks/gpu_2026-12-02-s13/call1): release="thread" 0.676 vs 0.668 with "cta";
-# - session 14 (benchmarks/gpu_2026-12-02-s14/call1): 128x128 tiles (two consumer warpgroups, HGMMA 64x128x16 each, the
-#   output staged in level 1's buffer, out_alias) with 6 ring stages of 32 columns: **0.747** (down_proj 0.83-0.85 at
-#   M >= 1,024, o_proj 0.67-0.73), the 64x128 x5 default of session 13 0.657 in the same run, 64x128 x6 out_alias 0.72,
-#   128x128 with 3 stages of 64 columns 0.67. 224 KiB of shared memory; 168 registers at launch, the consumers raised
-#   to 240 by setmaxnreg (their SASS reaches R229), no spill.
-# - session 22 (benchmarks/gpu_2026-12-03-s22/c1-c4; M 1,024 / 4,096 / 16,384): level 2 in a per-program global slot
-#   (level2_global) and 5 ring stages of 64 columns in the 64 KiB it frees: **0.822** vs 0.777 for session 14's
-#   default in the same run (c3; c4 on the final code: o_proj 0.81-0.83, down_proj 0.77-0.90); the slot row-major
-#   0.803 (a warp's access touches 8 lines); loading level 2 after the drain instead of before it was slower in 5 of
-#   6 cases (c1). Tried and dropped: two chains issued at a segment's start before the previous segment is waited
-#   for (0.818: no gain), and a tile's epilogue run under the next tile's first chain instead of after a drain
-#   (0.69: slower, though it compiles without spill once the slot is lane-major; with a bias it spills).
-SESSION14_WS = WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_alias=True, block_k=32)
+# DEFAULT_WS: the fastest bit-equal launch of an H200 `--sweep-ws` (2026-12-03; 8B o_proj / down_proj, M 1,024-16,384:
+# 0.822 of cuBLAS against 0.777 for SHARED_LEVEL2_WS, the previous default, in the same run); docs/performance.md
+# "Launch tables".
+SHARED_LEVEL2_WS = WsConfig(block_m=128, block_n=128, stages=6, release="thread", out_alias=True, block_k=32)
 DEFAULT_WS = WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64,
                       level2_global=True)
 # benchmarks/gpu_linear.py --sweep-ws times these (the default first; the sweep skips its last cases past its time bound).
-# Session 14's default (level 2 in shared memory, 6 stages of 32 columns); the runners-up of session 14, and a 64-wide
-# tile so that the tree's level 1 in registers stays compiled and tested:
+# SHARED_LEVEL2_WS (the previous default: level 2 in shared memory, 6 stages of 32 columns); the runners-up of its
+# sweep, and a 64-wide tile so that the tree's level 1 in registers stays compiled and tested:
 # 64x128 (one consumer warpgroup, levels 1-2 in shared memory; 255 registers, no spill) with out_alias and 6 stages,
-# the same with 5 stages and its own output tile (session 13's default), 128x64 x6 (8 consumer warps, level 1 in
+# the same with 5 stages and its own output tile (an earlier default), 128x64 x6 (8 consumer warps, level 1 in
 # registers). Dropped from the list after the H200 sweeps (the kernel still takes them as a config): 128x128 x3 of
 # 64 columns, 128x64 x4 and with release="cta", 64x128 x5 with release="cta" (64x64 x8: back as NARROW_WS).
 # Where 128x128 tiles leave SMs idle (fewer tiles than SMs: the rollout's decode batches on narrow layers, e.g. the
 # 0.6B shape's N = 1,024 at M = 462: 32 tiles), the 64x128 tile of the same ring depth: twice the programs. Speed
-# only (the tile decides which warpgroup computes an element, not its operations). Session 14: 0.6B decode step
-# 12.23 -> 12.66 ms of GPU time with 128x128 everywhere; at the 8B M = 462 (128 tiles) the two within 1.5%.
+# only (the tile decides which warpgroup computes an element, not its operations). H200, 2026-12-02: the 0.6B decode
+# step 12.23 -> 12.66 ms of GPU time with 128x128 everywhere; at the 8B M = 462 (128 tiles) the two within 1.5%.
 SMALL_GRID_WS = WsConfig(block_m=64, block_n=128, stages=6, release="thread", out_alias=True)
 
 
-# For the narrow plain (P = 1) layers at decode rows: 64x64 tiles, 8 stages (session 15, H200: the 8B k/v_proj, N =
+# For the narrow plain (P = 1) layers at decode rows: 64x64 tiles, 8 stages (H200, 2026-12-02: the 8B k/v_proj, N =
 # 1,024, are 32 tiles of 64x128 at 244 rows, 0.59 of cuBLAS; 64 tiles of 64x64: 0.73).
 NARROW_WS = WsConfig(block_m=64, block_n=64, stages=8, release="thread")
 
@@ -232,15 +219,16 @@ def launch_for(a: torch.Tensor, n: int, segments: int) -> WsConfig:
 
 # An experiment, not a launch the dispatcher takes: the 160 KiB ring (10 stages of 32 columns, or 5 of 64) that fits
 # beside ONE fp32 tree level -- P <= 4 at 128x128 (at P = 8 the second level leaves 96 KiB; these do not fit there).
-# benchmarks/gpu_linear.py --sweep-ws --ws-shapes 8b-p4 --ws-deep-ring times them at P = 4 beside DEFAULT_WS. H200, session
-# 21 (benchmarks/RESULTS.md): 5 x 64 columns 0.88-0.95 of cuBLAS on the 8B o_proj / down_proj, 10 x 32 columns 0.64-0.83,
-# session 14's DEFAULT_WS 0.71-0.84 -- the depth in 64-column stages is what P = 8's second level cost. Since session
-# 22 DEFAULT_WS has the 5 x 64 ring at every P (level 2 in global memory), so at P <= 4 the second entry here is the
-# default's launch; kept as the sweep's measuring stick for ring depth. sm_90a (CPU compile, tests/ops/test_gemm_ws_compile.py): 229,652 / 229,580 B of shared
+# benchmarks/gpu_linear.py --sweep-ws --ws-shapes 8b-p4 --ws-deep-ring times them at P = 4 beside DEFAULT_WS. H200,
+# 2026-12-03 (benchmarks/evidence/gemm-h200/kpart-p4-ring-sweep.json): 5 x 64 columns 0.88-0.95 of cuBLAS on the 8B
+# o_proj / down_proj, 10 x 32 columns 0.64-0.83, SHARED_LEVEL2_WS 0.71-0.84 -- the depth in 64-column stages is what
+# P = 8's second level cost. DEFAULT_WS now has the 5 x 64 ring at every P (level 2 in global memory), so at P <= 4
+# the second entry here is the default's launch; kept as the sweep's measuring stick for ring depth. sm_90a (CPU
+# compile, tests/ops/test_gemm_ws_compile.py): 229,652 / 229,580 B of shared
 # memory at P = 4, no spill.
 DEEP_RING_WS = (WsConfig(block_m=128, block_n=128, stages=10, release="thread", out_alias=True, block_k=32),
                 WsConfig(block_m=128, block_n=128, stages=5, release="thread", out_alias=True, block_k=64))
-WS_CANDIDATES = (DEFAULT_WS, SESSION14_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
+WS_CANDIDATES = (DEFAULT_WS, SHARED_LEVEL2_WS, SMALL_GRID_WS, WsConfig(block_m=64, block_n=128, stages=5, release="thread"),
                  WsConfig(block_m=128, block_n=64, stages=6, release="thread"), NARROW_WS)
 
 
@@ -369,7 +357,7 @@ if gluon is not None:
         contiguous bytes; row-major would touch 8 lines. slot + fragment * (2 x threads) + 2 x thread + c % 2, where
         2 x thread + c % 2 = 64 (r // 16) + 8 (r % 8) + c % 8: runs of 8 columns, which Triton sees and vectorizes.
         A bijection onto the slot, so exact whatever the fragment really is (each thread reads back its own stores);
-        int64 offsets: with int32 ones ptxas kept the 32 addresses live and spilled (session 14)."""
+        int64 offsets: with int32 ones ptxas kept the 32 addresses live and spilled."""
         BM: gl.constexpr = v.shape[0]
         BN: gl.constexpr = v.shape[1]
         r = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, v.type.layout)).to(gl.int64), 1)

@@ -49,9 +49,9 @@ class GroupedConfig:
     nested: bool = False   # segmented: a loop per segment (gemm.segment_tree_nested's structure)
 
 
-# BLOCK_M >= 64 always (the same wgmma family as the dense kernel: docs/gpu.md). Tiles never change
+# BLOCK_M >= 64 always (the same wgmma family as the dense kernel: docs/design/tile-shapes.md). Tiles never change
 # bits; these were the fastest of sweeps on the H200 at Qwen3-30B-A3B shapes (benchmarks/gpu_moe.py --sweep,
-# docs/LOG.md 2026-12-01): 128x128 once experts hold >= 256 rows on average (forward and dX), 64x64 below
+# 2026-12-01; docs/performance.md "Launch tables"): 128x128 once experts hold >= 256 rows on average (forward and dX), 64x64 below
 # that and for the segmented down_proj (its merge tree keeps up to log2(P)+1 accumulators live); dW on
 # 128x256 tiles of [N, K] (each program re-reads its expert's G and X columns: the widest tile reads least).
 _ROWS_SMALL = GroupedConfig(64, 64, 4, 5)

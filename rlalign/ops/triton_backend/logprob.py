@@ -112,7 +112,7 @@ def lp_merge_kernel(stats_ptr, zt_ptr, lp_ptr, ent_ptr, lse_ptr, mu_ptr, T, NT,
         w = tl.load(stats_ptr + 2 * plane + rows, mask=ok, other=0.0)
     # software-pipelined (the loads of later tiles in flight: the loop carries only m, s, w): at a decode batch one
     # program folds all rows' ~600 tiles, and an unpipelined loop waits one load latency per tile (0.14 ms a step
-    # at the 8B shape, session 18-19 profiles). The arithmetic per row is the same, in the same order.
+    # at the 8B shape, H200 profiles of 2026-12-03). The arithmetic per row is the same, in the same order.
     for j in tl.range(1, NT, num_stages=4):
         base = stats_ptr + j * T + rows
         m_j = tl.load(base, mask=ok, other=0.0)

@@ -21,7 +21,8 @@ Q_TILE = spec.ATTN_Q_TILE
 # many elements (cache sized). Speed and memory only.
 _CHUNK_ELEMS = 1 << 20
 # On GPUs every bmm is issued with exactly this many items (zero padded): cuBLAS picks its kernel
-# by batch count, so an item's bits change with it (the measurement: docs/LOG.md), and the library
+# by batch count, so an item's bits change with it (H200, torch 2.11: an item's bits differed between batch counts
+# 1, 16, 64 and 4,096), and the library
 # must only ever see one shape. MKL's bmm on the CPU is batch-count
 # invariant (spec.cpu_backend_assumptions, checked by `rlalign doctor`) and runs unpadded.
 GPU_BATCH = 1024
