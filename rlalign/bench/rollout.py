@@ -4,7 +4,6 @@
                           [--prompts 64] [--samples 8] [--new-tokens 64] [--prompt-len 32:128]
                           [--engines strict,native,transformers] [--peak-gbps 4300] [--peak-tflops 780]
                           [--verify] [--json]
-    python benchmarks/rollout.py ...   (the same)
 
 ``--workload`` names a preset (WORKLOADS: ``tiny`` for CI, ``0.6b-ctx512``, ``0.6b-ctx4096``, ``8b-ctx512``,
 ``8b-ctx4096``: Qwen3 shapes with the full vocabulary, random init, 256-512 distinct running sequences, contexts

@@ -49,7 +49,7 @@ def test_finite_verdict_is_isfinite_all(shape, bf16, data):
 
 
 def test_captured_finite_checks_record_the_verdict_in_two_ops():
-    from bench.count_decode_ops import CountKernels
+    from benchmarks.count_decode_ops import CountKernels
     clean = torch.randn(5, 3, 8, dtype=torch.bfloat16)
     bad = clean.clone()
     bad[4, 2, 7] = float("-inf")
