@@ -44,23 +44,24 @@ from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_r
 from rlalign.distributed.launch import Group, default_backend, spawn
 from rlalign.distributed.parallelize import parallelize
 from rlalign.models.checkpoint import save_model
+from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.train import parallel as par
 from rlalign.train.config import TrainConfig
 from rlalign.train.dp_rollout import generate_sharded
 from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
-from rlalign.models.moe import record_routing, sparse_layer_indices
-from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.master import ROUNDED_KEY, MasterWeights, full_masters, weights_to_store
 from rlalign.train.packing import TrainBatch, logprobs
-from rlalign.train.runconfig import check_resume, refuse_reward_in_run_dir, reward_fingerprint, write_run_config
-from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
-from rlalign.train.trackers import Trackers
-from rlalign.train.rundir import open_run_dir
-from rlalign.train.stall import StallWatch
-from rlalign.train.runio import MetricsWriter, load_latest_checkpoint, save_checkpoint
+from rlalign.train.run.checkpoint_files import load_latest_checkpoint, save_checkpoint
+from rlalign.train.run.config_file import check_resume, refuse_reward_in_run_dir, reward_fingerprint, write_run_config
+from rlalign.train.run.directory import open_run_dir
+from rlalign.train.run.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
+from rlalign.train.run.metrics import MetricsWriter, NoMetrics
+from rlalign.train.run.trackers import Trackers
 from rlalign.train.setup import SetupError, build_task, load_policy
+from rlalign.train.stall import StallWatch
+from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
 from rlalign.train.value import ValueModel
 
 
@@ -112,7 +113,7 @@ class Trainer:
         self.tp, self.dp = par.parallel_groups(cfg)
         self.writer = par.is_writer(self.tp, self.dp)
         self.run_dir = Path(par.shared_run_dir(cfg))
-        # The writer locks and prepares the run directory before any work (rlalign.train.rundir): a fresh
+        # The writer locks and prepares the run directory before any work (rlalign.train.run.directory): a fresh
         # run needs an empty directory (or run.overwrite), a resume a checkpoint.
         refuse_reward_in_run_dir(cfg)   # before anything is imported or written
         self.run_lock = (open_run_dir(self.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
@@ -185,7 +186,7 @@ class Trainer:
         state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
         if state is None:
             self._start_run_files()
-            self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()
+            self.metrics = MetricsWriter(self.run_dir) if self.writer else NoMetrics()
             return
         check_resume(state["config"], self.cfg, state.get("reward_file"))   # the checkpoint's config, every key
         state = par.restack_run_state(self.policy, state)   # MoE checkpoints written with per-expert parameters
@@ -202,7 +203,7 @@ class Trainer:
             self.value.load_state_dict(state["value"])
             par.load_optimizer_state(self.value_optimizer, state["value_optimizer"], None)
         self.weight_sync.push(lambda: par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
-        self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
+        self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else NoMetrics()
         self._note(getattr(self.metrics, "note", None))
 
     def _note(self, text: "str | None") -> None:

@@ -10,8 +10,8 @@ import torch
 from rlalign.configlib import load_config
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import MismatchError, Trainer, run_training
-from rlalign.train.report import write_report
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.report import write_report
+from rlalign.train.run.metrics import read_metrics
 from tests.bitwise import assert_bitwise_equal
 from tests.train.conftest import tiny_overrides
 

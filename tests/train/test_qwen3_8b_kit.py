@@ -18,8 +18,8 @@ from rlalign.cli.main import main
 from rlalign.models.config import ModelConfig
 from rlalign.models.tokenizer import load_tokenizer
 from rlalign.train import budget
-from rlalign.train.runconfig import resolve_train_config
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.config_file import resolve_train_config
+from rlalign.train.run.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "qwen3-8b-h200.yaml"
