@@ -59,6 +59,7 @@ from rlalign.train.run.directory import open_run_dir
 from rlalign.train.run.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.run.metrics import MetricsWriter, NoMetrics
 from rlalign.train.run.trackers import Trackers
+from rlalign.train.samples import StepSamples
 from rlalign.train.setup import SetupError, build_task, load_policy
 from rlalign.train.stall import StallWatch
 from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
@@ -70,39 +71,6 @@ EXPORT_SHARD_BYTES = 5 * 2**30
 
 class MismatchError(RLAlignError):
     pass
-
-
-@dataclasses.dataclass
-class Rollout:
-    """One step's samples, sequence by sequence (group = prompt)."""
-    samples: list[tuple[list[int], int]]       # (prompt + completion tokens, prompt_len)
-    logprobs: list[list[float]]                # rollout engine's logprob of each completion token
-    rewards: list[float]
-    group_ids: list[int]
-    truncated: list[bool]
-    texts: list[str]
-    routing: list                              # per sample: Completion.routing (expert ids of the fed rows) or None
-
-    def reward_tensor(self, device="cpu") -> torch.Tensor:
-        return torch.tensor(self.rewards, dtype=torch.float32, device=device)
-
-    def group_tensor(self, device="cpu") -> torch.Tensor:
-        """Group ids renumbered 0..G-1 in order of first appearance."""
-        order = {g: i for i, g in enumerate(dict.fromkeys(self.group_ids))}
-        return torch.tensor([order[g] for g in self.group_ids], dtype=torch.int64, device=device)
-
-    def select(self, keep: list[bool]) -> "Rollout":
-        pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
-        return Rollout(pick(self.samples), pick(self.logprobs), pick(self.rewards), pick(self.group_ids),
-                       pick(self.truncated), pick(self.texts), pick(self.routing))
-
-    @property
-    def has_routing(self) -> bool:
-        """Whether every sample carries the rollout's routing (an MoE model on an engine that records it)."""
-        return bool(self.routing) and all(r is not None for r in self.routing)
-
-    def __add__(self, other: "Rollout") -> "Rollout":
-        return Rollout(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(Rollout)))
 
 
 class Trainer:
@@ -259,7 +227,7 @@ class Trainer:
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def _draw(self, step: int, draw_round: int, count: int, first_group: int) -> Rollout:
+    def _draw(self, step: int, draw_round: int, count: int, first_group: int) -> StepSamples:
         """``count`` prompts from the data stream x ``samples_per_prompt`` samples, scored."""
         cfg = self.cfg
         problems = self.task.train(self.data_pos, count)
@@ -269,16 +237,15 @@ class Trainer:
                                   top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                                   max_new_tokens=cfg.rollout.max_new_tokens, ignore_eos=cfg.rollout.ignore_eos,
                                   seed=derive_seed(cfg.run.seed, step, draw_round))
-        completions = generate_sharded(self.engine, prompts, sampling, self.dp)   # each DP rank a share, all get all
-        texts = [self.tokenizer.decode(c.tokens) for c in completions]
-        rewards = self.task.score([problems[c.prompt_index] for c in completions], texts)
-        return Rollout(samples=[(c.prompt_tokens + c.tokens, len(c.prompt_tokens)) for c in completions],
-                       logprobs=[c.logprobs for c in completions], rewards=rewards,
-                       group_ids=[first_group + c.prompt_index for c in completions],
-                       truncated=[c.truncated for c in completions], texts=texts,
-                       routing=[c.routing for c in completions])
+        samples = generate_sharded(self.engine, prompts, sampling, self.dp)   # each DP rank a share, all get all
+        return samples.scored(self._rewards(problems, samples), first_group)
 
-    def rollout(self, step: int) -> tuple[Rollout, dict]:
+    def _rewards(self, problems, samples: StepSamples) -> list[float]:
+        """Each sample's reward: its decoded completion scored against its prompt's problem."""
+        texts = [self.tokenizer.decode(tokens) for tokens in samples.completion_token_lists()]
+        return self.task.score([problems[i] for i in samples.prompt_index.tolist()], texts)
+
+    def rollout(self, step: int) -> tuple[StepSamples, dict]:
         """The step's rollout. With ``algo.dynamic_sampling`` (DAPO): groups whose rewards are all equal
         are dropped and more prompts drawn (at most ``algo.max_draw_rounds`` rounds) until
         ``prompts_per_step`` informative groups are kept; extra groups are trimmed, first drawn first kept."""
@@ -288,29 +255,28 @@ class Trainer:
             return ro, {}
         drawn, kept_ro, rounds = target, None, 1
         while True:
-            keep = algos.informative_groups(ro.reward_tensor(), ro.group_tensor())
-            kept_ro = ro.select(keep.tolist())
-            kept = len(set(kept_ro.group_ids))
+            kept_ro = ro.select(algos.informative_groups(ro.reward_tensor(), ro.group_tensor()))
+            kept = kept_ro.num_groups()
             more = algos.groups_to_draw(target, kept, drawn, max_draw=4 * target)
             if more == 0 or rounds >= self.cfg.algo.max_draw_rounds:
                 break
-            ro = ro + self._draw(step, rounds, more, drawn)
+            ro = StepSamples.concat([ro, self._draw(step, rounds, more, drawn)])
             drawn += more
             rounds += 1
         stats = {"dynamic_sampling/drawn_groups": drawn, "dynamic_sampling/kept_groups": min(kept, target),
                  "dynamic_sampling/rounds": rounds}
         if kept == 0:  # nothing informative: every advantage is 0, the update is a no-op
             return ro, stats
-        trimmed = algos.first_groups(kept_ro.group_tensor(), torch.ones(len(kept_ro.rewards), dtype=torch.bool), target)
-        return kept_ro.select(trimmed.tolist()), stats
+        trimmed = algos.first_groups(kept_ro.group_tensor(), torch.ones(len(kept_ro), dtype=torch.bool), target)
+        return kept_ro.select(trimmed), stats
 
-    def train_batch(self, ro: Rollout) -> TrainBatch:
+    def train_batch(self, ro: StepSamples) -> TrainBatch:
         """The step's :class:`TrainBatch` (layout, mask, rollout log-probs), built once."""
         cfg = self.cfg
-        batch = TrainBatch.build(ro.samples, ro.logprobs, max_tokens=cfg.optim.micro_batch_tokens,
-                                 mini_batches=cfg.algo.mini_batches, device=self.policy.device)
+        batch = TrainBatch.build(ro, max_tokens=cfg.optim.micro_batch_tokens, mini_batches=cfg.algo.mini_batches,
+                                 device=self.policy.device)
         if cfg.algo.overlong_filter:
-            truncated = torch.tensor(ro.truncated, device=batch.mask.device)
+            truncated = ro.truncated.to(batch.mask.device)
             batch = batch.with_mask(algos.overlong_filter(batch.mask, batch.seq_ids, truncated))
         return batch
 
@@ -329,7 +295,7 @@ class Trainer:
         return (self.cfg.run.profile != "strict" or a.mismatch_correction != "none" or a.mini_batches > 1
                 or self.dp.size > 1)
 
-    def token_advantages(self, ro: Rollout, batch: TrainBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    def token_advantages(self, ro: StepSamples, batch: TrainBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         """Per-token advantages [T] by ``algo.advantage`` (rlalign.algos.registry.ADVANTAGES) and, for
         estimators with a value model, the value targets. ``kl`` (per token, or None) is the KL penalty
         folded into the reward when ``algo.kl_in_reward``."""
@@ -390,7 +356,7 @@ class Trainer:
         record.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "entropy": float(old_ent.mean()), "completion/mean_len": float(lens.float().mean()),
-            "completion/truncated_frac": sum(ro.truncated) / len(ro.truncated), **sampling_stats,
+            "completion/truncated_frac": int(ro.truncated.sum()) / len(ro.truncated), **sampling_stats,
             "time/rollout_s": t_rollout, "time/train_s": t_train,
             "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9),
             "memory/peak_mb": _peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
@@ -422,7 +388,7 @@ class Trainer:
                "run `rlalign parity --localize` on this model to find the first diverging op")
         self._report_mismatch(msg)
 
-    def _check_routing(self, step: int, trainer_ids: torch.Tensor | None, ro: Rollout) -> dict:
+    def _check_routing(self, step: int, trainer_ids: torch.Tensor | None, ro: StepSamples) -> dict:
         """Compare the trainer's routing (expert ids [rows of the step's packed forwards, sparse layers, k]: the
         samples in order, every token of each) with the rollout's on the rows both computed; the
         ``moe/routing_*`` record. A (row, sparse layer) pair mismatches when the top-k expert SETS differ
@@ -589,34 +555,31 @@ class Trainer:
                                                  seed=derive_seed(self.cfg.run.seed, -1, 0))),
                 ("eval/accuracy_greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens))):
             with use_profile(self.cfg.run.profile):
-                completions = generate_sharded(self.engine, prompts, sampling, self.dp)
-            texts = [self.tokenizer.decode(c.tokens) for c in completions]
-            rewards = self.task.score([problems[c.prompt_index] for c in completions], texts)
+                samples = generate_sharded(self.engine, prompts, sampling, self.dp)
+            rewards = self._rewards(problems, samples)
             out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)
         out["time/eval_s"] = time.perf_counter() - started
         return out
 
 
-def _rows_both_computed(step: int, trainer_ids: torch.Tensor | None, ro: Rollout):
+def _rows_both_computed(step: int, trainer_ids: torch.Tensor | None, ro: StepSamples):
     """(trainer ids, rollout ids, rollout rows per sample) on the rows both sides computed: sample i's first
-    ``ro.routing[i].shape[0]`` tokens (all but the last sampled token, which the rollout never feeds) out of
-    the trainer's ``len(tokens_i)`` rows. A record that cannot line up is an error, never a silent skip."""
-    lens = [len(tokens) for tokens, _ in ro.samples]
-    rows = [r.shape[0] for r in ro.routing]
-    if trainer_ids is None or trainer_ids.shape[0] != sum(lens) or any(r > n for r, n in zip(rows, lens)):
+    ``routing_rows[i]`` tokens (all but the last sampled token, which the rollout never feeds) out of the
+    trainer's ``sequence_lens[i]`` rows. A record that cannot line up is an error, never a silent skip."""
+    lens, count = ro.sequence_lens, ro.routing_rows
+    if trainer_ids is None or trainer_ids.shape[0] != int(lens.sum()) or bool((count > lens).any()):
         shape = None if trainer_ids is None else tuple(trainer_ids.shape)
         raise RLAlignError(f"step {step}: the trainer's routing record {shape} does not line up with the step's "
-                           f"{sum(lens)} rows (rollout records of {sum(rows)} rows)")
-    theirs = torch.cat(ro.routing)
+                           f"{int(lens.sum())} rows (rollout records of {int(count.sum())} rows)")
+    theirs = ro.routing
     if theirs.shape[1:] != trainer_ids.shape[1:]:
         raise RLAlignError(f"step {step}: the rollout recorded {theirs.shape[1]} sparse layers x top-{theirs.shape[2]} "
                            f"but the policy has {trainer_ids.shape[1]} x top-{trainer_ids.shape[2]}: the rollout "
                            "engine holds a different model")
-    count = torch.tensor(rows, dtype=torch.int64)
     # row j of sample i in the trainer's packing: start_i + j, start_i = len_0 + ... + len_{i-1}
-    shift = torch.tensor(lens, dtype=torch.int64).cumsum(0) - count.cumsum(0) - (torch.tensor(lens) - count)
+    shift = lens.cumsum(0) - count.cumsum(0) - (lens - count)
     picked = torch.arange(int(count.sum()), dtype=torch.int64) + torch.repeat_interleave(shift, count)
-    return trainer_ids.index_select(0, picked.to(trainer_ids.device)), theirs, rows
+    return trainer_ids.index_select(0, picked.to(trainer_ids.device)), theirs, count.tolist()
 
 
 def _peak_memory_mb(device: torch.device) -> float:

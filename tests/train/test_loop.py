@@ -211,9 +211,9 @@ def _nudge_first_rollout_logprob(trainer):
     draw = trainer._draw
 
     def nudged(*args, **kwargs):
-        ro = draw(*args, **kwargs)
-        ro.logprobs[0][0] -= 1e-3
-        return ro
+        samples = draw(*args, **kwargs)
+        samples.logprobs[0] -= 1e-3   # the engine's log-prob of the first completion token
+        return samples
 
     trainer._draw = nudged
 
