@@ -6,7 +6,7 @@
 Places: ``device`` (the model's device: the GPU, or the CPU), ``host``, ``disk``.
 Arithmetic, not a measurement (``memory/peak_mb`` in metrics.jsonl and bench/train_step.py measure):
 P is the policy's exact parameter count (the model built on the meta device), b the bytes of its
-dtype. What each component holds, as the trainer (rlalign.train.loop, master.py) allocates it:
+dtype. What each component holds, as the trainer (rlalign.train.loop, update.py, master.py) allocates it:
 
     policy weights, gradients          P b each, on the device
     fp32 master weights                4 P (every low-precision parameter; every parameter with
