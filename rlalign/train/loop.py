@@ -40,6 +40,7 @@ from rlalign.train.agreement import Agreement, MismatchError
 from rlalign.train.checkpointing import TrainingState
 from rlalign.train.config import TrainConfig
 from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
+from rlalign.train.layer_recompute import recompute_layers
 from rlalign.train.master import MasterWeights
 from rlalign.train.packing import TrainBatch
 from rlalign.train.run.config_file import refuse_reward_in_run_dir, reward_fingerprint, write_run_config
@@ -116,7 +117,7 @@ class Trainer:
         self.step = 0
         self.trackers, self.config_path = None, self.run_dir / "config.yaml"
         if cfg.optim.activation_checkpointing:
-            _checkpoint_layers(self.policy)
+            recompute_layers(self.policy)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -247,15 +248,6 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out accuracy (:meth:`rlalign.train.sampling.Sampler.evaluate`)."""
         return self.sampler.evaluate()
-
-
-def _checkpoint_layers(model) -> None:
-    """Recompute each decoder layer in backward (activation checkpointing, non-reentrant)."""
-    from torch.utils.checkpoint import checkpoint
-    for layer in model.model.layers:
-        forward = layer.forward
-        layer.forward = lambda *args, _f=forward: checkpoint(_f, *args, use_reentrant=False) \
-            if torch.is_grad_enabled() else _f(*args)
 
 
 def run_training(cfg: TrainConfig, console=None) -> Path:

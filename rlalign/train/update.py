@@ -71,7 +71,6 @@ class LearningRate:
         for group in self.optimizer.param_groups:
             group["initial_lr"] = self.optim.lr
             group["lr"] = self.optim.lr * self.factor(self.scheduler.last_epoch)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
 
 @dataclasses.dataclass
