@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from rlalign.train.logs import LOGGER
+from rlalign.train.run.logs import LOGGER
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.train.report import write_report
+from rlalign.train.run.report import write_report
 
 
 def register(subparsers) -> None:

@@ -10,11 +10,11 @@ from rlalign.configlib import describe
 from rlalign.integrations.ray import run_training_on_ray
 from rlalign.train.budget import format_budget, memory_budget
 from rlalign.train.config import TrainConfig
-from rlalign.train.logs import install_cli_handler
+from rlalign.train.run.logs import install_cli_handler
 from rlalign.train.loop import run_training
-from rlalign.train.report import write_report
-from rlalign.train.runconfig import config_yaml, resolve_train_config
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.report import write_report
+from rlalign.train.run.config_file import config_yaml, resolve_train_config
+from rlalign.train.run.metrics import read_metrics
 from rlalign.train.setup import build_task, load_policy
 
 

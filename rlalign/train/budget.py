@@ -6,7 +6,7 @@
 Places: ``device`` (the model's device: the GPU, or the CPU), ``host``, ``disk``.
 Arithmetic, not a measurement (``memory/peak_mb`` in metrics.jsonl and benchmarks/train_step.py measure):
 P is the policy's exact parameter count (the model built on the meta device), b the bytes of its
-dtype. What each component holds, as the trainer (rlalign.train.loop, master.py) allocates it:
+dtype. What each component holds, as the trainer (rlalign.train.loop, update.py, master.py) allocates it:
 
     policy weights, gradients          P b each, on the device
     fp32 master weights                4 P (every low-precision parameter; every parameter with
@@ -35,7 +35,7 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, master.py)
                                        casts it (both live for a moment), every micro-batch
     checkpoint file                    masters + AdamW state (12 P; a weight with a master is stored only
                                        as the master), or weights + AdamW state (3 b P) without masters;
-                                       streamed to disk (runio.save_checkpoint): the host holds at most one
+                                       streamed to disk (save_checkpoint): the host holds at most one
                                        device tensor's copy at a time (nothing when the state is on the
                                        host); on disk max(run.keep_checkpoints, 2) files during a save (the
                                        new one is written before the last old one is deleted); none
@@ -57,7 +57,7 @@ from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 from rlalign.models.config import ModelConfig
 from rlalign.models.sizes import kv_bytes_per_token, parameter_sizes
 from rlalign.train.engines import weights_path
-from rlalign.train.runconfig import resolve_train_config
+from rlalign.train.run.config_file import resolve_train_config
 
 PROMPT_TOKENS_ESTIMATE = 64   # KV sizing when rollout.kv_cache_bytes is unset (arithmetic prompts are ~10 tokens)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

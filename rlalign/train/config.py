@@ -20,9 +20,12 @@ from rlalign.algos.registry import (
     POLICY_LOSSES,
     refused_setting,
 )
-from rlalign.train.trackers import TRACKERS
 
 from rlalign.train.engines import ENGINES, INTEGRATIONS_HINT
+
+
+# run.loggers: where metrics go (rlalign.train.run.trackers.TRACKERS has one entry per name)
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
 @dataclasses.dataclass
@@ -236,7 +239,7 @@ class RunSection:
         "resume_override": Rule("a list of section.key names", lambda x: all(isinstance(k, str) and k.strip() for k in x),
                                 ([""], "bogus")),
         "log_every": at_least(1),
-        "loggers": Rule(f"a list of {', '.join(TRACKERS)}", lambda x: all(n in TRACKERS for n in x), (["bogus"], "bogus")),
+        "loggers": Rule(f"a list of {', '.join(LOGGERS)}", lambda x: all(n in LOGGERS for n in x), (["bogus"], "bogus")),
         "metric_names": checked_by_type("rlalign, verl or trl"),
         "keep_checkpoints": at_least(1),
         "save_checkpoints": checked_by_type("true or false"),

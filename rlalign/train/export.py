@@ -26,8 +26,8 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import check_model_output, load_model, save_model
 from rlalign.models.layout import stack_checkpoint_names
 from rlalign.train.master import checkpoint_model_weights
-from rlalign.train.runio import (MANIFEST_FILE, CheckpointCorrupt, file_sha256, load_state, read_manifest,
-                                 recorded_checkpoint_sha256)
+from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, MANIFEST_FILE, file_sha256, load_state,
+                                                read_manifest, recorded_checkpoint_sha256)
 from rlalign.train.setup import resolve_model_dir
 
 

@@ -1,27 +1,19 @@
 """The RL loop, single process, colocated: rollout -> rewards -> advantages -> update -> push weights.
 
-Objective (GRPO defaults; every term is a function of :mod:`rlalign.algos`, chosen by name from
-:mod:`rlalign.algos.registry`, with its exact formula): for each step, ``P`` prompts x ``K`` samples
-are drawn from the rollout engine at temperature ``T``; each sample gets a scalar reward; the
-advantage of sample i is group-normalised (``(r_i - mean_g) / (std_g + eps)``, unbiased std;
-``dr_grpo`` drops the std); every completion token carries its sample's advantage. The loss is the
-clipped surrogate ``max(-A r_t, -A clamp(r_t, 1 - clip_low, 1 + clip_high))`` with
-``r_t = exp(logp_t - logp_old_t)``, aggregated by ``algo.loss_agg`` with the normaliser of the
-mini-batch (so the gradient does not depend on how it is cut into micro-batches), plus
-``kl_coef * KL_k(pi || ref)`` and ``- entropy_coef * H`` when enabled. Each of ``algo.ppo_epochs``
-passes takes one optimizer step per mini-batch (``algo.mini_batches``).
+Each step draws ``P`` prompts x ``K`` samples from the rollout engine, scores them, weighs every completion token
+by its sample's advantage (GRPO: group-normalised rewards) and takes ``algo.ppo_epochs`` passes of one optimizer
+step per mini-batch on the clipped surrogate (plus the KL and entropy terms when enabled): every term a function
+of :mod:`rlalign.algos`, chosen by name from :mod:`rlalign.algos.registry` (the objective: docs/training.md).
 
-The step's data is one :class:`~rlalign.train.packing.TrainBatch`, laid out once. ``logp_old`` is
-the trainer's own forward on the sampled tokens before the update. In the strict profile with one
-mini-batch it is the first update pass's forward (detached; :meth:`Trainer.needs_rescore`), which
-also gives the logged entropy; otherwise a no-grad forward before the update. Either way it equals
-the rollout engine's logprobs bit for bit in the strict profile; every step compares the two on
-every token, before any optimizer step, and logs ``mismatch/*``. In the native profile they differ,
-and ``algo.mismatch_correction`` (TIS / MIS) can correct for it.
-
-MoE models: the same forward's routing (the experts each row was sent to) is compared with the rollout
-engine's (``Completion.routing``) on every row both computed, and logged as ``moe/routing_*``; in the
-strict profile a differing top-k set is a mismatch like a differing logprob (:meth:`Trainer._check_routing`).
+This module keeps the loop; each part of a step has a room of its own (:meth:`Trainer.train_step`):
+:mod:`~rlalign.train.sampling` draws the step's samples (DAPO's redraws included) into one
+:class:`~rlalign.train.samples.StepSamples` (tensors), laid out once as a :class:`~rlalign.train.packing.TrainBatch`;
+the old policy's log-probs are the trainer's own forward on the sampled tokens before the update (in the strict
+profile with one mini-batch the first update pass's, :func:`~rlalign.train.update.needs_rescore`), compared with
+the engine's on every token, and MoE routing on every row, by :mod:`~rlalign.train.agreement` before any optimizer
+step; :mod:`~rlalign.train.advantages` weighs the tokens; :mod:`~rlalign.train.update` runs the loss terms,
+accumulation, optimizer steps and lr schedule. Between steps :func:`run_training` evaluates, logs
+(:mod:`rlalign.train.run`), checkpoints (:mod:`~rlalign.train.checkpointing`) and decides when to stop.
 """
 
 from __future__ import annotations
@@ -29,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import math
-import resource
 import time
 from pathlib import Path
 
@@ -40,71 +30,38 @@ from rich.console import Console
 from rlalign import algos
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import use_profile
-from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_rank, sum_scalars
 from rlalign.distributed.launch import Group, default_backend, spawn
 from rlalign.distributed.parallelize import parallelize
 from rlalign.models.checkpoint import save_model
-from rlalign.ops.sample import derive_seed
-from rlalign.rollout.config import SamplingParams
-from rlalign.train import parallel as par
-from rlalign.train.config import TrainConfig
-from rlalign.train.dp_rollout import generate_sharded
-from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
 from rlalign.models.moe import record_routing, sparse_layer_indices
-from rlalign.train.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
-from rlalign.train.master import ROUNDED_KEY, MasterWeights, full_masters, weights_to_store
-from rlalign.train.packing import TrainBatch, logprobs
-from rlalign.train.runconfig import check_resume, refuse_reward_in_run_dir, reward_fingerprint, write_run_config
-from rlalign.train.stepstats import policy_step_kl, rollout_stats, token_stats
-from rlalign.train.trackers import Trackers
-from rlalign.train.rundir import open_run_dir
-from rlalign.train.stall import StallWatch
-from rlalign.train.runio import MetricsWriter, load_latest_checkpoint, save_checkpoint
+from rlalign.train import advantages
+from rlalign.train import parallel as par
+from rlalign.train.agreement import Agreement, MismatchError
+from rlalign.train.checkpointing import TrainingState
+from rlalign.train.config import TrainConfig
+from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
+from rlalign.train.layer_recompute import recompute_layers
+from rlalign.train.master import MasterWeights
+from rlalign.train.packing import TrainBatch
+from rlalign.train.run.config_file import refuse_reward_in_run_dir, reward_fingerprint, write_run_config
+from rlalign.train.run.directory import open_run_dir
+from rlalign.train.run.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
+from rlalign.train.run.metrics import MetricsWriter, NoMetrics
+from rlalign.train.run.trackers import Trackers
+from rlalign.train.samples import StepSamples
+from rlalign.train.sampling import Sampler
 from rlalign.train.setup import SetupError, build_task, load_policy
-from rlalign.train.value import ValueModel
+from rlalign.train.stall import StallWatch
+from rlalign.train.stepstats import peak_memory_mb, policy_step_kl, rollout_stats, sample_stats, token_stats
+from rlalign.train.update import PolicyUpdate, UpdateInputs, needs_rescore
 
 
 EXPORT_SHARD_BYTES = 5 * 2**30
 
 
-class MismatchError(RLAlignError):
-    pass
-
-
-@dataclasses.dataclass
-class Rollout:
-    """One step's samples, sequence by sequence (group = prompt)."""
-    samples: list[tuple[list[int], int]]       # (prompt + completion tokens, prompt_len)
-    logprobs: list[list[float]]                # rollout engine's logprob of each completion token
-    rewards: list[float]
-    group_ids: list[int]
-    truncated: list[bool]
-    texts: list[str]
-    routing: list                              # per sample: Completion.routing (expert ids of the fed rows) or None
-
-    def reward_tensor(self, device="cpu") -> torch.Tensor:
-        return torch.tensor(self.rewards, dtype=torch.float32, device=device)
-
-    def group_tensor(self, device="cpu") -> torch.Tensor:
-        """Group ids renumbered 0..G-1 in order of first appearance."""
-        order = {g: i for i, g in enumerate(dict.fromkeys(self.group_ids))}
-        return torch.tensor([order[g] for g in self.group_ids], dtype=torch.int64, device=device)
-
-    def select(self, keep: list[bool]) -> "Rollout":
-        pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
-        return Rollout(pick(self.samples), pick(self.logprobs), pick(self.rewards), pick(self.group_ids),
-                       pick(self.truncated), pick(self.texts), pick(self.routing))
-
-    @property
-    def has_routing(self) -> bool:
-        """Whether every sample carries the rollout's routing (an MoE model on an engine that records it)."""
-        return bool(self.routing) and all(r is not None for r in self.routing)
-
-    def __add__(self, other: "Rollout") -> "Rollout":
-        return Rollout(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(Rollout)))
-
-
 class Trainer:
+    """One training run's objects (policy, engine, task, optimizers, run directory) and its step."""
+
     def __init__(self, cfg: TrainConfig, console=None):
         self.cfg = cfg
         self.console = console
@@ -112,7 +69,7 @@ class Trainer:
         self.tp, self.dp = par.parallel_groups(cfg)
         self.writer = par.is_writer(self.tp, self.dp)
         self.run_dir = Path(par.shared_run_dir(cfg))
-        # The writer locks and prepares the run directory before any work (rlalign.train.rundir): a fresh
+        # The writer locks and prepares the run directory before any work (rlalign.train.run.directory): a fresh
         # run needs an empty directory (or run.overwrite), a resume a checkpoint.
         refuse_reward_in_run_dir(cfg)   # before anything is imported or written
         self.run_lock = (open_run_dir(self.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
@@ -135,12 +92,11 @@ class Trainer:
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.moe = self.policy.config.ffn_kind == "moe"
-        self.sparse_layers = sparse_layer_indices(self.policy.config)
         if cfg.algo.router_aux_coef > 0 and not self.moe:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
-        self.reward_file = reward_fingerprint(cfg.task.reward)   # recorded with every checkpoint
+        reward_file = reward_fingerprint(cfg.task.reward)   # recorded with every checkpoint
         # shared (the engine steps the policy's own tensors) or a copy synced each step: rlalign.train.engines
         path = weights_path(cfg)
         self.engine = build_rollout_engine(cfg, self.policy, self.tokenizer, self.model_dir, share_weights=path.shared)
@@ -154,55 +110,38 @@ class Trainer:
         self.master = MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload,
                                     cfg.optim.step_chunk_elements)
         self.weight_sync = WeightSync(self.engine, self.policy, path)
-        self.optimizer = torch.optim.AdamW(self.master.optim_params(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                           weight_decay=cfg.optim.weight_decay, foreach=False)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.value = self.value_optimizer = None
-        if value_model:
-            self.value = ValueModel(self.policy)
-            self.value_optimizer = torch.optim.AdamW(self.value.parameters(), lr=cfg.algo.value_lr, foreach=False)
+        self.update = PolicyUpdate(cfg, self.policy, self.master, self.dp, self.moe, value_model)
+        self.state = TrainingState(cfg, self.policy, self.master, self.update, self.tp, reward_file)
+        self.sampler = Sampler(cfg, self.task, self.tokenizer, self.engine, self.dp)
+        self.agreement = Agreement(cfg.run.profile, cfg.run.on_mismatch, sparse_layer_indices(self.policy.config))
         self.step = 0
-        self.data_pos = 0
         self.trackers, self.config_path = None, self.run_dir / "config.yaml"
         if cfg.optim.activation_checkpointing:
-            _checkpoint_layers(self.policy)
+            recompute_layers(self.policy)
 
-    # ---- setup ---------------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.update.optimizer
 
-    def _lr_factor(self, step: int) -> float:
-        """Linear warmup over ``warmup_steps``, then cosine down to ``min_lr_ratio`` at ``run.steps``."""
-        o, total = self.cfg.optim, max(self.cfg.run.steps, 1)
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        progress = min((step - o.warmup_steps) / max(total - o.warmup_steps, 1), 1.0)
-        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    @property
+    def value_optimizer(self) -> "torch.optim.Optimizer | None":
+        return self.update.value_optimizer
+
+    # ---- the run's files and state ---------------------------------------------------------------------
 
     def resume_if_asked(self) -> None:
         """Open metrics.jsonl, and with ``run.resume`` load the last checkpoint (the run directory was
         locked and checked in ``__init__``)."""
         if self.run_lock is not None and self.run_lock.removed:
             self._note(f"removed leftovers of an interrupted run: {', '.join(self.run_lock.removed)}")
-        state = load_latest_checkpoint(self.run_dir) if self.cfg.run.resume else None
-        if state is None:
-            self._start_run_files()
-            self.metrics = MetricsWriter(self.run_dir) if self.writer else par.NoMetrics()
-            return
-        check_resume(state["config"], self.cfg, state.get("reward_file"))   # the checkpoint's config, every key
-        state = par.restack_run_state(self.policy, state)   # MoE checkpoints written with per-expert parameters
+        state = self.state.load_latest(self.run_dir) if self.cfg.run.resume else None   # its config checked
         self._start_run_files()
-        rounded = state.get(ROUNDED_KEY) or {}   # weights stored only as masters: set by the masters' load
-        par.load_policy_weights(self.policy, state["model"], absent=rounded)
-        self.master.load_state_dict(state.get("master"), rounded)
-        par.load_optimizer_state(self.optimizer, state["optimizer"], self.tp)
-        self.schedule.load_state_dict(state["schedule"])
-        self._apply_lr_config()
-        torch.set_rng_state(state["torch_rng"])
-        self.step, self.data_pos = state["step"], state["data_pos"]
-        if self.value is not None:
-            self.value.load_state_dict(state["value"])
-            par.load_optimizer_state(self.value_optimizer, state["value_optimizer"], None)
+        if state is None:
+            self.metrics = MetricsWriter(self.run_dir) if self.writer else NoMetrics()
+            return
+        self.step, self.sampler.data_pos = self.state.restore(state)
         self.weight_sync.push(lambda: par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
-        self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else par.NoMetrics()
+        self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else NoMetrics()
         self._note(getattr(self.metrics, "note", None))
 
     def _note(self, text: "str | None") -> None:
@@ -215,15 +154,6 @@ class Trainer:
             write_run_config(self.run_dir, self.cfg)
             self.trackers = Trackers(self.run_dir, self.cfg)
 
-    def _apply_lr_config(self) -> None:
-        """After a resume: the schedule's lr from this config (the same bits as the checkpoint's when
-        optim.* did not change; the new lr when run.resume_override allowed a change)."""
-        self.schedule.base_lrs = [self.cfg.optim.lr for _ in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["initial_lr"] = self.cfg.optim.lr
-            group["lr"] = self.cfg.optim.lr * self._lr_factor(self.schedule.last_epoch)
-        self.schedule._last_lr = [g["lr"] for g in self.optimizer.param_groups]
-
     def log_record(self, record: dict) -> None:
         """One metrics record: metrics.jsonl (always) and the run.loggers trackers."""
         self.metrics.write(record)
@@ -231,21 +161,7 @@ class Trainer:
             self.trackers.log(record)
 
     def save(self) -> None:
-        model, optimizer = par.policy_weights(self.policy), par.optimizer_state(self.optimizer, self.tp)
-        master = full_masters(self.master, self.policy) if self.master.active else None
-        if not self.writer:   # the writer saves for every rank (TP state gathered above)
-            return
-        # a weight with a master is stored once, as the master (the model copy is its rounding)
-        model, rounded = weights_to_store(model, master) if master is not None else (model, {})
-        save_checkpoint(self.run_dir, self.step, {
-            "model": model, "optimizer": optimizer,
-            **({"master": master, ROUNDED_KEY: rounded} if master is not None else {}),
-            "schedule": self.schedule.state_dict(), "torch_rng": torch.get_rng_state(),
-            "step": self.step, "data_pos": self.data_pos, "config": dataclasses.asdict(self.cfg),
-            **({"reward_file": self.reward_file} if self.reward_file else {}),
-            **({"value": self.value.state_dict(), "value_optimizer": self.value_optimizer.state_dict()}
-               if self.value is not None else {})}, keep=self.cfg.run.keep_checkpoints,
-            facts={"reward": self.reward_file} if self.reward_file else None)
+        self.state.save(self.run_dir, self.writer, self.step, self.sampler.data_pos)
 
     def save_policy(self) -> Path:
         policy = par.unsharded_policy(self.policy)
@@ -258,379 +174,80 @@ class Trainer:
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def _draw(self, step: int, draw_round: int, count: int, first_group: int) -> Rollout:
-        """``count`` prompts from the data stream x ``samples_per_prompt`` samples, scored."""
-        cfg = self.cfg
-        problems = self.task.train(self.data_pos, count)
-        self.data_pos += len(problems)
-        prompts = [self.task.encode(p.prompt) for p in problems]
-        sampling = SamplingParams(n=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature,
-                                  top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-                                  max_new_tokens=cfg.rollout.max_new_tokens, ignore_eos=cfg.rollout.ignore_eos,
-                                  seed=derive_seed(cfg.run.seed, step, draw_round))
-        completions = generate_sharded(self.engine, prompts, sampling, self.dp)   # each DP rank a share, all get all
-        texts = [self.tokenizer.decode(c.tokens) for c in completions]
-        rewards = self.task.score([problems[c.prompt_index] for c in completions], texts)
-        return Rollout(samples=[(c.prompt_tokens + c.tokens, len(c.prompt_tokens)) for c in completions],
-                       logprobs=[c.logprobs for c in completions], rewards=rewards,
-                       group_ids=[first_group + c.prompt_index for c in completions],
-                       truncated=[c.truncated for c in completions], texts=texts,
-                       routing=[c.routing for c in completions])
+    def needs_rescore(self) -> bool:
+        """Whether the old policy's log-probs need a forward of their own (:func:`rlalign.train.update.needs_rescore`)."""
+        return needs_rescore(self.cfg, self.dp)
 
-    def rollout(self, step: int) -> tuple[Rollout, dict]:
-        """The step's rollout. With ``algo.dynamic_sampling`` (DAPO): groups whose rewards are all equal
-        are dropped and more prompts drawn (at most ``algo.max_draw_rounds`` rounds) until
-        ``prompts_per_step`` informative groups are kept; extra groups are trimmed, first drawn first kept."""
-        target = self.cfg.rollout.prompts_per_step
-        ro = self._draw(step, 0, target, 0)
-        if not self.cfg.algo.dynamic_sampling:
-            return ro, {}
-        drawn, kept_ro, rounds = target, None, 1
-        while True:
-            keep = algos.informative_groups(ro.reward_tensor(), ro.group_tensor())
-            kept_ro = ro.select(keep.tolist())
-            kept = len(set(kept_ro.group_ids))
-            more = algos.groups_to_draw(target, kept, drawn, max_draw=4 * target)
-            if more == 0 or rounds >= self.cfg.algo.max_draw_rounds:
-                break
-            ro = ro + self._draw(step, rounds, more, drawn)
-            drawn += more
-            rounds += 1
-        stats = {"dynamic_sampling/drawn_groups": drawn, "dynamic_sampling/kept_groups": min(kept, target),
-                 "dynamic_sampling/rounds": rounds}
-        if kept == 0:  # nothing informative: every advantage is 0, the update is a no-op
-            return ro, stats
-        trimmed = algos.first_groups(kept_ro.group_tensor(), torch.ones(len(kept_ro.rewards), dtype=torch.bool), target)
-        return kept_ro.select(trimmed.tolist()), stats
-
-    def train_batch(self, ro: Rollout) -> TrainBatch:
+    def train_batch(self, samples: StepSamples) -> TrainBatch:
         """The step's :class:`TrainBatch` (layout, mask, rollout log-probs), built once."""
         cfg = self.cfg
-        batch = TrainBatch.build(ro.samples, ro.logprobs, max_tokens=cfg.optim.micro_batch_tokens,
-                                 mini_batches=cfg.algo.mini_batches, device=self.policy.device)
+        batch = TrainBatch.build(samples, max_tokens=cfg.optim.micro_batch_tokens, mini_batches=cfg.algo.mini_batches,
+                                 device=self.policy.device)
         if cfg.algo.overlong_filter:
-            truncated = torch.tensor(ro.truncated, device=batch.mask.device)
+            truncated = samples.truncated.to(batch.mask.device)
             batch = batch.with_mask(algos.overlong_filter(batch.mask, batch.seq_ids, truncated))
         return batch
-
-    def needs_rescore(self) -> bool:
-        """Whether the old policy's log-probs need a forward of their own before the update.
-
-        Not in the strict profile when one pass over every micro-batch runs before the first optimizer
-        step (one mini-batch, one data-parallel rank) and no mismatch correction needs the old
-        log-probs before the update: that pass's forward is the old policy's (the same ops with or
-        without grad: the same bits), so its detached log-probs are the old log-probs, compared with
-        the rollout's before the optimizer steps. Needed in the native profile (grad and no-grad
-        forwards may take different vendor kernels), for TIS/MIS, with ``algo.mini_batches > 1``
-        (later mini-batches run after an optimizer step) and with ``parallel.dp > 1`` (each rank
-        forwards only its share)."""
-        a = self.cfg.algo
-        return (self.cfg.run.profile != "strict" or a.mismatch_correction != "none" or a.mini_batches > 1
-                or self.dp.size > 1)
-
-    def token_advantages(self, ro: Rollout, batch: TrainBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-        """Per-token advantages [T] by ``algo.advantage`` (rlalign.algos.registry.ADVANTAGES) and, for
-        estimators with a value model, the value targets. ``kl`` (per token, or None) is the KL penalty
-        folded into the reward when ``algo.kl_in_reward``."""
-        a = self.cfg.algo
-        estimator = algos.ADVANTAGES[a.advantage]
-        dev = batch.seq_ids.device
-        old_values = self.value.old_values(batch) if estimator.value_model else None
-        inputs = algos.AdvantageInputs(ro.reward_tensor(dev), ro.group_tensor(dev), batch.seq_ids, batch.mask,
-                                       kl=kl, kl_coef=a.kl_coef, values=old_values)
-        adv, returns = estimator.fn(inputs, **estimator.knob_values(dataclasses.asdict(a)))
-        return adv, ({"returns": returns, "old_values": old_values} if estimator.value_model else {})
 
     def train_step(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         with use_profile(cfg.run.profile):
-            ro, sampling_stats = self.rollout(step)
+            samples, sampling_stats = self.sampler.draw_step(step)
             t_rollout = time.perf_counter() - t0
             t1 = time.perf_counter()
             temp = cfg.rollout.logprob_temperature
-            batch = self.train_batch(ro)
+            batch = self.train_batch(samples)
             record = {"step": step}
-            old_lp = old_ent = None
-            compare_routing = self.moe and ro.has_routing
+            compare_routing = self.moe and samples.has_routing
+            old = {"lp": None, "ent": None}   # the old policy's log-probs and entropies
             if self.needs_rescore():
                 with record_routing(keep_logits=False) if compare_routing else contextlib.nullcontext() as routing:
-                    old_lp, old_ent = batch.score(self.policy, temperature=temp, with_entropy=True)
-                record.update(self._check_old_logprobs(step, old_lp, batch))
-                if compare_routing:
-                    record.update(self._check_routing(step, routing.expert_ids(), ro))
+                    old["lp"], old["ent"] = batch.score(self.policy, temperature=temp, with_entropy=True)
+                routing_ids = routing.expert_ids() if compare_routing else None
+                record.update(self._agreement(step, old["lp"], routing_ids, samples, batch, compare_routing))
             ref_lp = batch.score(self.ref, temperature=temp)[0] if self.ref is not None else None
-            # in the strict profile without a rescore the rollout's log-probs stand for the old policy's
-            # (equal bit for bit, checked on every token in the first update pass)
-            kl_reward = (algos.kl_estimate(old_lp if old_lp is not None else batch.rollout_logprobs, ref_lp,
-                                           cfg.algo.kl_estimator)
-                         if ref_lp is not None and cfg.algo.kl_in_reward else None)
-            token_adv, value_targets = self.token_advantages(ro, batch, kl_reward)
-            is_weights, corr_stats = self._mismatch_correction(old_lp, batch)
+            kl_reward = advantages.kl_in_reward(cfg.algo, old["lp"], ref_lp, batch)
+            token_adv, value_targets = advantages.token_advantages(cfg.algo, samples, batch, kl_reward,
+                                                                   self.update.value)
+            is_weights, corr_stats = advantages.mismatch_correction(cfg.algo, old["lp"], batch)
 
-            first_lp = old_lp
+            def first_pass(lp, ent, routing_ids):   # strict, no rescore: the first update pass's forward is the old policy's
+                old.update(lp=lp, ent=ent)
+                record.update(self._agreement(step, lp, routing_ids, samples, batch, compare_routing))
 
-            def first_pass(lp, ent, routing):   # strict, no rescore: the first update pass's forward is the old policy's
-                nonlocal old_ent, first_lp
-                old_ent, first_lp = ent, lp
-                record.update(self._check_old_logprobs(step, lp, batch))
-                if compare_routing:
-                    record.update(self._check_routing(step, routing, ro))
-
-            update = self._update(batch, old_lp, token_adv, None if kl_reward is not None else ref_lp, is_weights,
-                                  value_targets, first_pass, keep_routing=compare_routing)
+            inputs = UpdateInputs(old["lp"], token_adv, None if kl_reward is not None else ref_lp, is_weights,
+                                  value_targets)
+            update = self.update.run(self.step, batch, inputs, first_pass, keep_routing=compare_routing)
             if cfg.run.policy_kl:   # the updated policy on the samples its predecessor drew
-                update["kl/policy_step"] = policy_step_kl(first_lp, batch.score(self.policy, temperature=temp)[0],
+                update["kl/policy_step"] = policy_step_kl(old["lp"], batch.score(self.policy, temperature=temp)[0],
                                                           batch.mask)
         t_train = time.perf_counter() - t1
         self.weight_sync.push(lambda: par.policy_weights(self.policy), version=step)
-        lens = batch.completion_lens
-        n_tokens = int(lens.sum())
-        rewards = ro.reward_tensor()
-        record.update({
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "entropy": float(old_ent.mean()), "completion/mean_len": float(lens.float().mean()),
-            "completion/truncated_frac": sum(ro.truncated) / len(ro.truncated), **sampling_stats,
-            "time/rollout_s": t_rollout, "time/train_s": t_train,
-            "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9),
-            "memory/peak_mb": _peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
-            "memory/engine_weight_copy_mb": self.weight_sync.copy_bytes / 2**20,   # 0: the engine shares the policy's
-            **update, **corr_stats, **rollout_stats(rewards, ro.group_tensor(), lens),
-            **token_stats(token_adv, batch.mask, first_lp, ref_lp),
-        })
+        lens, rewards = batch.completion_lens, samples.reward_tensor()
+        record.update({**sample_stats(rewards, samples.truncated, lens, old["ent"]), **sampling_stats,
+                       **self._costs(t_rollout, t_train, int(lens.sum())), **update, **corr_stats,
+                       **rollout_stats(rewards, samples.group_tensor(), lens),
+                       **token_stats(token_adv, batch.mask, old["lp"], ref_lp)})
         return record
 
-    def _check_old_logprobs(self, step: int, old_lp: torch.Tensor, batch: TrainBatch) -> dict:
-        """Compare the trainer's old-policy log-probs with the rollout's on every token (raw bits); the
-        ``mismatch/*`` record. In the strict profile a mismatch warns or, with ``run.on_mismatch=stop``,
-        raises (before any optimizer step of the step)."""
-        mism = algos.logprob_mismatch_stats(old_lp, batch.rollout_logprobs, torch.ones_like(batch.mask))
-        record = self._mismatch_record(mism)
-        self._check_mismatch(step, record)
+    def _agreement(self, step: int, old_lp: torch.Tensor, routing_ids: "torch.Tensor | None", samples: StepSamples,
+                   batch: TrainBatch, compare_routing: bool) -> dict:
+        """The step's agreement checks, before any optimizer step: log-probs, and the routing (the forward's expert
+        ids) where both sides recorded it."""
+        record = self.agreement.check_logprobs(step, old_lp, batch)
+        if compare_routing:
+            record.update(self.agreement.check_routing(step, routing_ids, samples))
         return record
 
-    def _mismatch_record(self, mism: dict) -> dict:
-        return {"mismatch/tokens": int(mism["tokens"]), "mismatch/count": int(mism["count"]),
-                "mismatch/max_abs": float(mism["max_abs"]), "mismatch/mean_abs": float(mism["mean_abs"]),
-                "rollout_corr/kl_k3": float(mism["kl_k3"])}
-
-    def _check_mismatch(self, step: int, record: dict) -> None:
-        if self.cfg.run.profile != "strict" or record["mismatch/count"] == 0:
-            return
-        msg = (f"step {step}: {record['mismatch/count']} of {record['mismatch/tokens']} token logprobs differ between "
-               f"the rollout engine and the trainer (max |diff| {record['mismatch/max_abs']:.3g}) in the strict profile; "
-               "run `rlalign parity --localize` on this model to find the first diverging op")
-        self._report_mismatch(msg)
-
-    def _check_routing(self, step: int, trainer_ids: torch.Tensor | None, ro: Rollout) -> dict:
-        """Compare the trainer's routing (expert ids [rows of the step's packed forwards, sparse layers, k]: the
-        samples in order, every token of each) with the rollout's on the rows both computed; the
-        ``moe/routing_*`` record. A (row, sparse layer) pair mismatches when the top-k expert SETS differ
-        (:func:`rlalign.algos.routing_mismatch`). In the strict profile a mismatch is handled like a logprob
-        mismatch (``run.on_mismatch``); in the native profile it is only reported."""
-        ours, theirs, rows = _rows_both_computed(step, trainer_ids, ro)
-        mism = algos.routing_mismatch(ours, theirs)
-        if mism["count"] and self.cfg.run.profile == "strict":
-            row, layer = mism["first"]
-            sample = int(torch.searchsorted(torch.tensor(rows).cumsum(0), row, right=True))
-            self._report_mismatch(
-                f"step {step}: {mism['count']} of {mism['tokens']} (token, sparse layer) routing choices differ between "
-                f"the rollout engine and the trainer in the strict profile; first at sample {sample} token position "
-                f"{row - sum(rows[:sample])}, layer {self.sparse_layers[layer]}: rollout experts "
-                f"{sorted(theirs[row, layer].tolist())}, trainer {sorted(ours[row, layer].tolist())}; run "
-                "`rlalign parity --localize` on this model to find the first diverging op")
-        return {"moe/routing_tokens": mism["tokens"], "moe/routing_mismatch": mism["count"],
-                "moe/routing_mismatch_frac": mism["count"] / max(mism["tokens"], 1)}
-
-    def _report_mismatch(self, msg: str) -> None:
-        """``run.on_mismatch``: stop raises MismatchError (before any optimizer step of the step), warn logs."""
-        if self.cfg.run.on_mismatch == "stop":
-            raise MismatchError(msg)
-        LOGGER.warning(f"MISMATCH {msg}")
-
-    def _mismatch_correction(self, old_lp, batch: TrainBatch):
-        correction = algos.MISMATCH_CORRECTIONS[self.cfg.algo.mismatch_correction]
-        if correction.fn is None:
-            return None, {}
-        corr = correction.fn(old_lp, batch.rollout_logprobs, batch.mask, batch.seq_ids,
-                             **correction.knob_values(dataclasses.asdict(self.cfg.algo)))
-        stats = {f"rollout_corr/{k}": float(v) for k, v in corr.stats.items()}
-        weights = corr.weights if corr.weights is not None else corr.mask.to(torch.float32)
-        return weights, stats
-
-    def _update(self, batch: TrainBatch, old_lp, token_adv, ref_lp, is_weights, value_targets, first_pass, *,
-                keep_routing: bool = False) -> dict:
-        """``ppo_epochs`` passes over the step's samples; each pass takes one optimizer step per mini-batch
-        after accumulating its gradient micro-batch by micro-batch. The loss of a mini-batch is
-        normalised by its own counts (``algo.loss_agg``); logged losses, ``clip_frac`` and ``grad_norm``
-        are means over the optimizer steps, ``lr`` the learning rate they used.
-
-        ``old_lp`` None: the first pass's detached log-probs are the old log-probs (see
-        :meth:`needs_rescore`); ``first_pass(old_lp, entropy, routing)`` checks them before the first optimizer
-        step, ``routing`` being that pass's expert ids [rows, sparse layers, k] with ``keep_routing`` (else None)."""
-        cfg = self.cfg
-        steps = cfg.algo.ppo_epochs * len(batch.mini_batches)
-        totals = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0, "grad_norm": 0.0}
-        if self.value is not None:
-            totals["loss/value"] = 0.0
-        if self.moe:
-            totals.update({"moe/aux_loss": 0.0, "moe/load_entropy": 0.0})
-        lr = self.optimizer.param_groups[0]["lr"]   # this step's; the schedule moves after the step
-        if old_lp is None and (len(batch.mini_batches) > 1 or self.dp.size > 1):
-            raise RuntimeError("Trainer._update: the first pass stands in for the old log-probs only with one "
-                               "mini-batch on one data-parallel rank (needs_rescore)")
-        for _ in range(cfg.algo.ppo_epochs):
-            for mini in batch.mini_batches:
-                stats, seen = self._accumulate(batch, mini, old_lp, token_adv, ref_lp, is_weights, value_targets,
-                                               keep_routing)
-                if old_lp is None:
-                    old_lp, entropy = torch.cat([s[0] for s in seen]), torch.cat([s[1] for s in seen])
-                    first_pass(old_lp, entropy, torch.cat([s[2] for s in seen]) if keep_routing else None)
-                grad_norm = self._optimizer_step(stats)
-                for k, v in stats.items():
-                    totals[k] += v / steps
-                totals["grad_norm"] += float(grad_norm) / steps
-        self.schedule.step()
-        return {**totals, "lr": lr}
-
-    def _accumulate(self, batch: TrainBatch, mini, old_lp, token_adv, ref_lp, is_weights, value_targets,
-                    keep_routing: bool = False):
-        """Backward of one mini-batch's loss, micro-batch by micro-batch (this rank's share); returns its
-        logged stats and, when ``old_lp`` is None, each micro-batch's detached (log-probs, entropies, expert
-        ids [rows, sparse layers, k] with ``keep_routing``, else None)."""
-        cfg, a = self.cfg, self.cfg.algo
-        span = slice(mini[0].tokens.start, mini[-1].tokens.stop)
-        n_tok, n_seq = algos.batch_counts(batch.mask[span], batch.seq_ids[span])
-        agg = dict(num_tokens=n_tok, num_seqs=n_seq, max_len=cfg.rollout.max_new_tokens)
-        loss_fn = algos.POLICY_LOSSES[a.policy_loss]
-        knobs = loss_fn.knob_values(dataclasses.asdict(a))
-        stats = {"loss/policy": 0.0, "loss/kl": 0.0, "clip_frac": 0.0, "kl/ppo": 0.0}
-        if self.value is not None:
-            stats["loss/value"] = 0.0
-        if self.moe:
-            stats.update({"moe/aux_loss": 0.0, "moe/load_entropy": 0.0})
-        seen = []
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.value is not None:
-            self.value_optimizer.zero_grad(set_to_none=True)
-        for mb in shard_for_rank(mini, self.dp):
-            sl, mask = mb.tokens, batch.mask[mb.tokens]
-            with record_routing() as routing:
-                lp, ent = logprobs(self.policy, mb, temperature=cfg.rollout.logprob_temperature,
-                                   with_entropy=a.entropy_coef > 0 or old_lp is None)
-            if old_lp is None:
-                seen.append((lp.detach(), ent.detach(), routing.expert_ids() if keep_routing else None))
-            old = lp.detach() if old_lp is None else old_lp[sl]
-            out = loss_fn.fn(lp, old, token_adv[sl], mask, mb.seq_ids, len(mb.samples),
-                             None if is_weights is None else is_weights[sl], **knobs)
-            loss = algos.aggregate_loss(out.loss, mask, mb.seq_ids, a.loss_agg, **agg)
-            stats["loss/policy"] += float(loss.detach())
-            if ref_lp is not None:
-                kl = algos.kl_estimate(lp, ref_lp[sl], a.kl_estimator)
-                kl_term = algos.aggregate_loss(kl, mask, mb.seq_ids, a.loss_agg, **agg)
-                stats["loss/kl"] += float(kl_term.detach())
-                loss = loss + a.kl_coef * kl_term
-            if a.entropy_coef > 0:
-                loss = loss - a.entropy_coef * algos.aggregate_loss(ent, mask, mb.seq_ids, a.loss_agg, **agg)
-            if self.moe:
-                aux, load_entropy = algos.routing_terms(routing)
-                share = len(lp) / max(span.stop - span.start, 1)   # this micro-batch's share of the mini-batch's rows
-                stats["moe/aux_loss"] += float(aux.detach()) * share
-                stats["moe/load_entropy"] += load_entropy * share
-                if a.router_aux_coef > 0:
-                    loss = loss + a.router_aux_coef * share * aux
-            if self.value is not None:
-                v = self.value.values(mb)
-                vl = algos.aggregate_loss(algos.value_loss(v, value_targets["old_values"][sl],
-                                                           value_targets["returns"][sl], a.value_clip),
-                                          mask, mb.seq_ids, a.loss_agg, **agg)
-                vl.backward()
-                stats["loss/value"] += float(vl.detach())
-            w = int(mask.sum())
-            stats["clip_frac"] += float(out.stats.get("clip_frac", torch.tensor(0.0))) * w / max(n_tok, 1)
-            stats["kl/ppo"] += float(out.stats.get("approx_kl", torch.tensor(0.0))) * w / max(n_tok, 1)
-            loss.backward()
-        return stats, seen
-
-    def _optimizer_step(self, stats: dict) -> torch.Tensor:
-        """Sum gradients (and ``stats``, in place) over the data-parallel ranks, clip, step; the grad norm."""
-        cfg = self.cfg
-        if self.dp.size > 1:   # deterministic sum over the data-parallel ranks (rank order, fixed tree)
-            all_reduce_gradients_(self.policy.parameters(), self.dp)
-            if self.value is not None:
-                all_reduce_gradients_(self.value.parameters(), self.dp)
-            stats.update(sum_scalars(stats, self.dp))
-        grad_norm = par.clip_grad_norm_(self.policy, cfg.optim.grad_clip)
-        if not torch.isfinite(grad_norm):
-            raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {self.step}: lower optim.lr or check "
-                               "the rewards; the last checkpoint is intact")
-        self.master.step(self.optimizer)   # parameter by parameter; a plain optimizer.step() without masters
-        if self.value is not None:
-            torch.nn.utils.clip_grad_norm_(self.value.parameters(), cfg.optim.grad_clip, foreach=False)
-            self.value_optimizer.step()
-        return grad_norm
-
-    # ---- eval --------------------------------------------------------------------------------------
+    def _costs(self, t_rollout: float, t_train: float, n_tokens: int) -> dict:
+        """The step's time, throughput and memory, and the engine's weights version."""
+        return {"time/rollout_s": t_rollout, "time/train_s": t_train,
+                "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9),
+                "memory/peak_mb": peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
+                "memory/engine_weight_copy_mb": self.weight_sync.copy_bytes / 2**20}   # 0: the engine shares the policy's
 
     def evaluate(self) -> dict:
-        """Held-out accuracy (mean exact-answer reward): ``eval/accuracy`` samples ``run.eval_samples``
-        completions per problem at the rollout temperature with a fixed seed (the same keys at every
-        eval, so curves compare models, not draws); ``eval/accuracy_greedy`` decodes greedily."""
-        problems = self.task.eval_problems()
-        if not problems:
-            return {}
-        started = time.perf_counter()
-        prompts = [self.task.encode(p.prompt) for p in problems]
-        r = self.cfg.rollout
-        out = {}
-        for key, sampling in (
-                ("eval/accuracy", SamplingParams(n=self.cfg.run.eval_samples, temperature=r.temperature, top_k=r.top_k,
-                                                 top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                                 seed=derive_seed(self.cfg.run.seed, -1, 0))),
-                ("eval/accuracy_greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens))):
-            with use_profile(self.cfg.run.profile):
-                completions = generate_sharded(self.engine, prompts, sampling, self.dp)
-            texts = [self.tokenizer.decode(c.tokens) for c in completions]
-            rewards = self.task.score([problems[c.prompt_index] for c in completions], texts)
-            out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)
-        out["time/eval_s"] = time.perf_counter() - started
-        return out
-
-
-def _rows_both_computed(step: int, trainer_ids: torch.Tensor | None, ro: Rollout):
-    """(trainer ids, rollout ids, rollout rows per sample) on the rows both sides computed: sample i's first
-    ``ro.routing[i].shape[0]`` tokens (all but the last sampled token, which the rollout never feeds) out of
-    the trainer's ``len(tokens_i)`` rows. A record that cannot line up is an error, never a silent skip."""
-    lens = [len(tokens) for tokens, _ in ro.samples]
-    rows = [r.shape[0] for r in ro.routing]
-    if trainer_ids is None or trainer_ids.shape[0] != sum(lens) or any(r > n for r, n in zip(rows, lens)):
-        shape = None if trainer_ids is None else tuple(trainer_ids.shape)
-        raise RLAlignError(f"step {step}: the trainer's routing record {shape} does not line up with the step's "
-                           f"{sum(lens)} rows (rollout records of {sum(rows)} rows)")
-    theirs = torch.cat(ro.routing)
-    if theirs.shape[1:] != trainer_ids.shape[1:]:
-        raise RLAlignError(f"step {step}: the rollout recorded {theirs.shape[1]} sparse layers x top-{theirs.shape[2]} "
-                           f"but the policy has {trainer_ids.shape[1]} x top-{trainer_ids.shape[2]}: the rollout "
-                           "engine holds a different model")
-    count = torch.tensor(rows, dtype=torch.int64)
-    # row j of sample i in the trainer's packing: start_i + j, start_i = len_0 + ... + len_{i-1}
-    shift = torch.tensor(lens, dtype=torch.int64).cumsum(0) - count.cumsum(0) - (torch.tensor(lens) - count)
-    picked = torch.arange(int(count.sum()), dtype=torch.int64) + torch.repeat_interleave(shift, count)
-    return trainer_ids.index_select(0, picked.to(trainer_ids.device)), theirs, rows
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _checkpoint_layers(model) -> None:
-    """Recompute each decoder layer in backward (activation checkpointing, non-reentrant)."""
-    from torch.utils.checkpoint import checkpoint
-    for layer in model.model.layers:
-        forward = layer.forward
-        layer.forward = lambda *args, _f=forward: checkpoint(_f, *args, use_reentrant=False) \
-            if torch.is_grad_enabled() else _f(*args)
+        """Held-out accuracy (:meth:`rlalign.train.sampling.Sampler.evaluate`)."""
+        return self.sampler.evaluate()
 
 
 def run_training(cfg: TrainConfig, console=None) -> Path:
@@ -651,13 +268,18 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
     return trainer.run_dir
 
 
+def _log_banner(trainer: Trainer, cfg: TrainConfig) -> None:
+    for line in banner_lines(cfg, trainer.run_dir, trainer.config_path, trainer.model_dir,
+                             sum(p.numel() for p in trainer.policy.parameters()),
+                             str(next(trainer.policy.parameters()).dtype).removeprefix("torch."), trainer.step):
+        LOGGER.info(line)
+    LOGGER.info(f"  weights  {trainer.weight_sync.path.describe()}")
+
+
 def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
+    """The steps from the trainer's to run.steps (or an earlier stop), each evaluated, logged and saved on cue."""
     if trainer.writer:
-        for line in banner_lines(cfg, trainer.run_dir, trainer.config_path, trainer.model_dir,
-                                 sum(p.numel() for p in trainer.policy.parameters()),
-                                 str(next(trainer.policy.parameters()).dtype).removeprefix("torch."), trainer.step):
-            LOGGER.info(line)
-        LOGGER.info(f"  weights  {trainer.weight_sync.path.describe()}")
+        _log_banner(trainer, cfg)
     progress = StepReporter(cfg, console if trainer.writer else None, trainer.step)
     stall = StallWatch(cfg.run.stop_when_stalled)
     started = time.perf_counter()

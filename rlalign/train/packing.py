@@ -4,7 +4,9 @@ per-token scoring of completions.
 A training sample is ``tokens = prompt + completion`` with ``prompt_len``; only completion tokens
 are scored. Token ``t`` of the completion (absolute position ``prompt_len + t``) is predicted by
 the hidden row of position ``prompt_len + t - 1``; those rows go to ``model.head_logprobs`` (ops.logprob_entropy) and
-the [tokens, vocab] logits are never built.
+the [tokens, vocab] logits are never built. The step's :class:`TrainBatch` is laid out from the tensors of its
+:class:`~rlalign.train.samples.StepSamples` (slices of the flat token ids, no Python lists);
+:func:`score_completions` scores samples given as lists (default-model pretraining).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Sequence
 import torch
 
 from rlalign.models.batch import ForwardBatch
+from rlalign.train.samples import StepSamples
 
 
 def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -82,41 +85,43 @@ class TrainBatch:
     """One step's training data, laid out once and read by every consumer (scoring, reference,
     value model, update).
 
-    ``samples`` are ``(prompt + completion tokens, prompt_len)``; the per-token tensors ``[T]``
-    (``seq_ids``, ``mask``, ``rollout_logprobs``) run over the completion tokens, sample by sample.
-    ``mini_batches[m]`` are the micro-batches of mini-batch m (one optimizer step each): the samples
-    cut into ``mini_batches`` consecutive runs of equal size (sizes differ by at most one; none
-    empty, so fewer when there are fewer samples), each cut into micro-batches of at most
-    ``max_tokens`` tokens by :func:`micro_batches`.
+    ``samples`` is the step's :class:`~rlalign.train.samples.StepSamples` (tokens, prompt lengths, the
+    rollout's log-probs); the per-token tensors ``[T]`` (``seq_ids``, ``mask``, ``rollout_logprobs``) run
+    over the completion tokens, sample by sample, on the training device. ``mini_batches[m]`` are the
+    micro-batches of mini-batch m (one optimizer step each): the samples cut into ``mini_batches``
+    consecutive runs of equal size (sizes differ by at most one; none empty, so fewer when there are fewer
+    samples), each cut into micro-batches of at most ``max_tokens`` tokens by :func:`micro_batches`.
     """
-    samples: list
+    samples: StepSamples
     seq_ids: torch.Tensor
     mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     mini_batches: list[list[MicroBatch]]
 
     @classmethod
-    def build(cls, samples: Sequence[tuple[Sequence[int], int]], rollout_logprobs: Sequence[Sequence[float]], *,
-              max_tokens: int, mini_batches: int = 1, device="cpu") -> "TrainBatch":
-        if not samples:
+    def build(cls, samples: StepSamples, *, max_tokens: int, mini_batches: int = 1, device="cpu") -> "TrainBatch":
+        if not len(samples):
             raise ValueError("TrainBatch.build: no samples")
         if mini_batches < 1:
             raise ValueError(f"TrainBatch.build: mini_batches must be >= 1, got {mini_batches}")
-        lens = [len(t) - p for t, p in samples]
-        if [len(lp) for lp in rollout_logprobs] != lens:
+        if samples.logprobs.shape[0] != int(samples.completion_lens.sum()):
             raise ValueError("TrainBatch.build: each sample needs one rollout logprob per completion token")
-        offsets = [0]
-        for n in lens:
-            offsets.append(offsets[-1] + n)
-        seq_ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.int64)).to(device)
-        rollout = torch.tensor([x for lps in rollout_logprobs for x in lps], dtype=torch.float32, device=device)
+        lens = samples.completion_lens
+        seq_ids = torch.repeat_interleave(torch.arange(len(samples)), lens).to(device)
+        layout = _Layout(samples, device)
         count = min(mini_batches, len(samples))
         edges = [i * len(samples) // count for i in range(count + 1)]
+        seq_lens = samples.sequence_lens.tolist()
         minis = []
         for lo, hi in zip(edges[:-1], edges[1:]):
-            parts = micro_batches([len(samples[i][0]) for i in range(lo, hi)], max_tokens)
-            minis.append([_micro_batch(samples, range(lo + mb[0], lo + mb[-1] + 1), offsets, device) for mb in parts])
-        return cls(list(samples), seq_ids, torch.ones(offsets[-1], dtype=torch.bool, device=device), rollout, minis)
+            parts = micro_batches(seq_lens[lo:hi], max_tokens)
+            minis.append([layout.micro_batch(range(lo + mb[0], lo + mb[-1] + 1)) for mb in parts])
+        return cls(samples, seq_ids, torch.ones(int(lens.sum()), dtype=torch.bool, device=device),
+                   samples.logprobs.to(device), minis)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
 
     @property
     def micro_batches(self) -> list[MicroBatch]:
@@ -125,7 +130,7 @@ class TrainBatch:
 
     @property
     def completion_lens(self) -> torch.Tensor:
-        return torch.bincount(self.seq_ids, minlength=len(self.samples))
+        return torch.bincount(self.seq_ids, minlength=self.num_samples)
 
     def with_mask(self, mask: torch.Tensor) -> "TrainBatch":
         return dataclasses.replace(self, mask=mask)
@@ -137,13 +142,37 @@ class TrainBatch:
         return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
 
 
-def _micro_batch(samples, picked: range, offsets: list[int], device) -> MicroBatch:
-    chosen = [samples[i] for i in picked]
-    rows, targets = scored_rows(chosen, device)
-    lens = torch.tensor([offsets[i + 1] - offsets[i] for i in picked], dtype=torch.int64)
-    return MicroBatch(picked, slice(offsets[picked.start], offsets[picked.stop]),
-                      ForwardBatch.packed([list(t) for t, _ in chosen], device=device), rows, targets,
-                      torch.repeat_interleave(torch.arange(len(picked)), lens).to(device))
+class _Layout:
+    """Where each sample's tokens and completion tokens start in the step's flat tensors; cuts micro-batches."""
+
+    def __init__(self, samples: StepSamples, device):
+        self.samples, self.device = samples, device
+        self.token_starts = _starts(samples.sequence_lens)         # in samples.tokens
+        self.completion_starts = _starts(samples.completion_lens)   # in the per-token tensors [T]
+
+    def micro_batch(self, picked: range) -> MicroBatch:
+        """The packed forward of samples ``picked`` and the rows / targets of their completion tokens."""
+        s, lo, hi = self.samples, picked.start, picked.stop
+        seq_lens, prompt_lens = s.sequence_lens[lo:hi], s.prompt_lens[lo:hi]
+        completion_lens = s.completion_lens[lo:hi]
+        ids = s.tokens[self.token_starts[lo]:self.token_starts[hi]]
+        local_starts = _starts(seq_lens)[:-1]
+        positions = torch.arange(ids.shape[0], dtype=torch.int64) - torch.repeat_interleave(local_starts, seq_lens)
+        # row predicting completion token j of sample i: its start + prompt_len_i - 1 + j; the target is the next id
+        first_row = local_starts + prompt_lens - 1
+        within = torch.arange(int(completion_lens.sum()), dtype=torch.int64) - torch.repeat_interleave(
+            _starts(completion_lens)[:-1], completion_lens)
+        rows = torch.repeat_interleave(first_row, completion_lens) + within
+        forward = ForwardBatch(ids.to(self.device), positions.to(self.device),
+                               _starts(seq_lens).to(torch.int32).to(self.device))
+        return MicroBatch(picked, slice(int(self.completion_starts[lo]), int(self.completion_starts[hi])), forward,
+                          rows.to(self.device), ids[rows + 1].to(self.device),
+                          torch.repeat_interleave(torch.arange(len(picked)), completion_lens).to(self.device))
+
+
+def _starts(lens: torch.Tensor) -> torch.Tensor:
+    """int64 [n + 1]: 0, then the running sums of ``lens``."""
+    return torch.cat([torch.zeros(1, dtype=torch.int64), lens.to(torch.int64).cumsum(0)])
 
 
 def logprobs(model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False):

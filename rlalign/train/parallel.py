@@ -34,7 +34,7 @@ from rlalign.distributed.parallelize import full_state
 from rlalign.models.decoder import CausalLM
 from rlalign.models.layout import checkpoint_entries, checkpoint_split, stack_checkpoint_names
 from rlalign.train.master import ROUNDED_KEY
-from rlalign.train.runio import own_optimizer_state
+from rlalign.train.run.checkpoint_files import own_optimizer_state
 
 
 def needs_launch(cfg) -> bool:
@@ -214,13 +214,6 @@ def unsharded_policy(policy):
     return model
 
 
-class NoMetrics:
-    """The metrics sink of the ranks that do not write (the writer writes metrics.jsonl)."""
-
-    def write(self, record: dict) -> None:
-        pass
-
-
-__all__ = ["NoMetrics", "needs_launch", "check_parallel_device", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
+__all__ = ["needs_launch", "check_parallel_device", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
            "load_policy_weights", "clip_grad_norm_", "restack_run_state", "optimizer_state", "load_optimizer_state",
            "unsharded_policy"]

@@ -3,7 +3,7 @@
 GRPO-family advantages are rewards centred (and scaled) within each prompt's group, so a step in which
 every group's samples earned equal rewards gives every token an advantage of exactly 0 -- and a collapsed
 policy (entropy ~0: every prompt's samples identical) stays in that state for good, since no gradient can
-move it out. A 200-step run on the H200 spent 186 steps frozen like that (benchmarks/RESULTS.md, session 10).
+move it out. A 200-step run of the Qwen3-8B shape on an H200 (2026-12-02) spent 186 of its steps frozen like that.
 The trainer warns once a stall has lasted :data:`WARN_AFTER` steps and, with ``run.stop_when_stalled=N``,
 ends the run after N stalled steps in a row (a checkpoint first, as any early stop).
 """

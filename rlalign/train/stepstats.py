@@ -1,15 +1,27 @@
 """The per-step statistics TRL / verl users look for, computed from one step's tensors.
 
 All are means / extremes over the step's samples (rewards, lengths), its groups (zero-std
-fraction), or its unmasked completion tokens (advantages, KL to the reference policy).
+fraction), or its unmasked completion tokens (advantages, KL to the reference policy); and the
+process's peak memory.
 """
 
 from __future__ import annotations
 
+import resource
 
 import torch
 
 from rlalign.algos import kl_estimate
+
+
+def sample_stats(rewards: torch.Tensor, truncated: torch.Tensor, lens: torch.Tensor,
+                 entropy: torch.Tensor) -> dict[str, float]:
+    """Reward mean/std, mean token entropy, mean completion length and the fraction of samples cut at their
+    length limit."""
+    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "entropy": float(entropy.mean()), "completion/mean_len": float(lens.float().mean()),
+            "completion/truncated_frac": int(truncated.sum()) / len(truncated)}
+
 
 def rollout_stats(rewards: torch.Tensor, groups: torch.Tensor, lens: torch.Tensor) -> dict[str, float]:
     """Reward min/max, the fraction of groups whose rewards are all equal (no GRPO signal: zero
@@ -43,5 +55,12 @@ def policy_step_kl(old_lp: torch.Tensor, new_lp: torch.Tensor, mask: torch.Tenso
     return float(kl.mean()) if kl.numel() else 0.0
 
 
-__all__ = ["rollout_stats", "token_stats", "policy_step_kl"]
+def peak_memory_mb(device: torch.device) -> float:
+    """The peak memory of the step's device so far: CUDA's allocator peak, or the process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+__all__ = ["sample_stats", "rollout_stats", "token_stats", "policy_step_kl", "peak_memory_mb"]
 

@@ -8,7 +8,8 @@ import torch
 from rlalign.distributed.launch import Group, spawn
 from rlalign.models.testing import tiny_model
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from rlalign.train.dp_rollout import Sampled, generate_sharded
+from rlalign.train.dp_rollout import generate_sharded
+from rlalign.train.samples import StepSamples
 from tests.rollout.test_engine_bitwise import make_prompts
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])
@@ -21,11 +22,17 @@ def _engine(family: str) -> RolloutEngine:
     return RolloutEngine(model, RolloutConfig(num_pages=256, record_routing=family == "qwen3_moe"))
 
 
-def _plain(samples: list[Sampled]) -> list[tuple]:
-    """Every field as exact data: log-probs by their fp32 bits, routing ids as nested lists with their dtype."""
-    return [(s.prompt_index, s.prompt_tokens, s.tokens,
-             torch.tensor(s.logprobs, dtype=torch.float32).view(torch.int32).tolist(), s.truncated,
-             None if s.routing is None else (str(s.routing.dtype), s.routing.tolist())) for s in samples]
+def _plain(samples: StepSamples) -> list[tuple]:
+    """Per sample, every field as exact data: log-probs by their fp32 bits, routing ids as nested lists with their
+    dtype."""
+    seqs = samples.tokens.split(samples.sequence_lens.tolist())
+    lps = samples.logprobs.split(samples.completion_lens.tolist())
+    routing = (samples.routing.split(samples.routing_rows.tolist()) if samples.routing is not None
+               else [None] * len(samples))
+    return [(int(i), seq[:p].tolist(), seq[p:].tolist(), lp.view(torch.int32).tolist(), bool(t),
+             None if r is None else (str(r.dtype), r.tolist()))
+            for i, seq, p, lp, t, r in zip(samples.prompt_index, seqs, samples.prompt_lens.tolist(), lps,
+                                           samples.truncated, routing)]
 
 
 def _sharded(world: Group, family: str, n_prompts: int) -> list[tuple]:
@@ -36,7 +43,7 @@ def _sharded(world: Group, family: str, n_prompts: int) -> list[tuple]:
 @pytest.mark.parametrize("family, n_prompts", [("qwen3", 5), ("qwen3", 1), ("qwen3_moe", 4)])
 def test_two_ranks_end_with_the_completions_of_one_engine(family, n_prompts):
     prompts = make_prompts(5)[:n_prompts]
-    whole = _plain([Sampled.of(c) for c in _engine(family).generate(prompts, SAMPLING)])
+    whole = _plain(StepSamples.of_completions(_engine(family).generate(prompts, SAMPLING)))
     assert len(whole) == n_prompts * SAMPLING.n
     if family == "qwen3_moe":
         assert all(routing is not None for *_, routing in whole)

@@ -21,7 +21,8 @@ from rlalign.rollout.config import RolloutConfig, SamplingParams
 from rlalign.rollout.engine import RolloutEngine
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import run_training
-from rlalign.train.runio import load_latest_checkpoint, read_metrics
+from rlalign.train.run.checkpoint_files import load_latest_checkpoint
+from rlalign.train.run.metrics import read_metrics
 from rlalign.train.setup import DEFAULT_MODEL_DIR
 from tests.bitwise import assert_bitwise_equal
 

@@ -4,7 +4,7 @@ with real checkpoints of it, for export."""
 import pytest
 
 from rlalign.models.checkpoint import load_model
-from rlalign.train.runio import save_checkpoint
+from rlalign.train.run.checkpoint_files import save_checkpoint
 from tests.reliability.helpers import checkpoint_state
 from tests.train.conftest import arithmetic_model_dir  # noqa: F401  (a fixture)
 

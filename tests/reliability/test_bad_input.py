@@ -179,7 +179,7 @@ def read_only_dir(tmp_path):
 
 
 def test_run_dir_on_a_read_only_filesystem_is_one_line(read_only_dir):
-    from rlalign.train.rundir import RunDirError, open_run_dir
+    from rlalign.train.run.directory import RunDirError, open_run_dir
     with pytest.raises(RunDirError, match="cannot create run.dir .*: Read-only file system"):
         open_run_dir(read_only_dir / "run", resume=False, overwrite=False)
 
@@ -192,7 +192,7 @@ def test_parity_report_on_a_read_only_filesystem_fails_before_the_work(read_only
 
 def test_setup_failure_leaves_no_empty_run_dir_and_a_used_dir_fails_before_the_model_loads(tmp_path, monkeypatch):
     from rlalign.train import loop
-    from rlalign.train.rundir import RunDirError
+    from rlalign.train.run.directory import RunDirError
     from rlalign.train.setup import SetupError
     cfg = load_config(TrainConfig, None, [f"model.path={tmp_path / 'no_model'}", f"run.dir={tmp_path / 'run'}"])
     with pytest.raises(SetupError, match="is not a directory"):

@@ -14,7 +14,7 @@ import tracemalloc
 import pytest
 import torch
 
-from rlalign.train.runio import load_latest_checkpoint, save_checkpoint
+from rlalign.train.run.checkpoint_files import load_latest_checkpoint, save_checkpoint
 
 MIB = 1 << 20
 
@@ -22,7 +22,8 @@ PEAK_RSS = textwrap.dedent('''
     import io, json, sys
     from pathlib import Path
     import torch
-    from rlalign.train import runio
+    from rlalign.train.run import checkpoint_files as runio
+    from rlalign.train.run.atomic import atomic_write
 
     def rss(key):
         with open("/proc/self/status") as f:
@@ -44,7 +45,7 @@ PEAK_RSS = textwrap.dedent('''
     def bytesio_save():   # the pre-2026-12-01 save: the instrument must see its copy
         buf = io.BytesIO()
         torch.save(state, buf)
-        runio.atomic_write(run / "x.pt", buf.getvalue())
+        atomic_write(run / "x.pt", buf.getvalue())
 
     save, _ = growth(bytesio_save if in_memory else lambda: runio.save_checkpoint(run, 2, state))
     load, loaded = growth(lambda: runio.load_latest_checkpoint(run))

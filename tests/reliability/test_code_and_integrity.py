@@ -14,7 +14,7 @@ from rlalign.configlib import ConfigError, load_config
 from rlalign.models.checkpoint import CheckpointError, load_model
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import Trainer, run_training
-from rlalign.train.runconfig import resolve_train_config
+from rlalign.train.run.config_file import resolve_train_config
 from tests.reliability.helpers import one_line_error, snapshot
 from tests.train.conftest import tiny_overrides
 

@@ -24,7 +24,7 @@ from tests.train.conftest import tiny_overrides
 # ---- --dry-run -------------------------------------------------------------------------------------------------
 
 def test_dry_run_renders_the_first_prompt_as_the_model_receives_it(arithmetic_model_dir, tmp_path):
-    from rlalign.train.runconfig import resolve_train_config
+    from rlalign.train.run.config_file import resolve_train_config
     from rlalign.train.setup import build_task, load_policy
 
     overrides = tiny_overrides(arithmetic_model_dir, tmp_path / "run")
@@ -72,7 +72,7 @@ def fake_wandb(monkeypatch):
 
 
 def test_wandb_run_id_is_unique_per_run_folder_and_kept_on_resume(fake_wandb, tmp_path):
-    from rlalign.train.trackers import WandbTracker
+    from rlalign.train.run.trackers import WandbTracker
 
     alice, bob = tmp_path / "alice" / "runs" / "exp1", tmp_path / "bob" / "runs" / "exp1"
     WandbTracker(alice, _Cfg())

@@ -9,19 +9,21 @@ import textwrap
 
 import pytest
 
-from rlalign.train.rundir import open_run_dir
-from rlalign.train.runio import load_latest_checkpoint, read_metrics
+from rlalign.train.run.directory import open_run_dir
+from rlalign.train.run.checkpoint_files import load_latest_checkpoint
+from rlalign.train.run.metrics import read_metrics
 
 WRITER = textwrap.dedent('''
     import builtins, os, signal, sys
     from pathlib import Path
     import torch
-    from rlalign.train import runio
+    from rlalign.train.run import checkpoint_files as runio
+    from rlalign.train.run.metrics import MetricsWriter
 
     run, point = Path(sys.argv[1]), sys.argv[2]
     state = lambda step: {"step": step, "model": {"w": torch.full((4,), float(step))}}
     runio.save_checkpoint(run, 1, state(1), keep=1)
-    metrics = runio.MetricsWriter(run)
+    metrics = MetricsWriter(run)
     metrics.write({"step": 1})
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)
     real_replace, real_unlink, real_open = os.replace, Path.unlink, builtins.open
@@ -80,7 +82,7 @@ def test_sigkill_at_each_write_point_leaves_a_resumable_run(tmp_path, point):
     assert all(not name.endswith(".tmp") for name in left), left
     if point == "manifest_renamed":   # killed before the old file was deleted: the next save deletes it
         assert "step_000001.pt" in left
-        from rlalign.train.runio import save_checkpoint
+        from rlalign.train.run.checkpoint_files import save_checkpoint
         save_checkpoint(run, 3, {"step": 3, "model": {}}, keep=1)
         assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000003.pt"]
     else:

@@ -18,8 +18,8 @@ from rlalign.models.checkpoint import CheckpointError, load_model, save_model
 from rlalign.models.testing import tiny_model
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import run_training
-from rlalign.train.rundir import RunDirError, open_run_dir
-from rlalign.train.runio import CheckpointCorrupt, load_latest_checkpoint, save_checkpoint
+from rlalign.train.run.directory import RunDirError, open_run_dir
+from rlalign.train.run.checkpoint_files import CheckpointCorrupt, load_latest_checkpoint, save_checkpoint
 from tests.reliability.helpers import checkpoint_state, one_line_error, snapshot
 from tests.train.conftest import tiny_overrides
 
@@ -232,7 +232,7 @@ def test_resume_refuses_to_write_over_a_foreign_checkpoint_in_its_way(trained_ru
     assert main(["train", *tiny_overrides(arithmetic_model_dir, run, steps=3), "run.resume=true"]) == 2
     assert "holds step_000003.pt, after step 2" in one_line_error(capsys, "train")
     assert snapshot(run, skip_lock=True) == before
-    from rlalign.train.runio import CheckpointRefused
+    from rlalign.train.run.checkpoint_files import CheckpointRefused
     with pytest.raises(CheckpointRefused, match="already exists"):   # the save itself never replaces it either
         save_checkpoint(run, 3, checkpoint_state(3))
     assert backup.read_bytes() == b"another run's step 3"

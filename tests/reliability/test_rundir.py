@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from rlalign.train.rundir import RunDirError, open_run_dir
-from rlalign.train.runio import (CheckpointCorrupt, MetricsCorrupt, MetricsWriter, atomic_write, load_latest_checkpoint,
-                                 read_metrics, save_checkpoint)
+from rlalign.train.run.directory import RunDirError, open_run_dir
+from rlalign.train.run.atomic import atomic_write
+from rlalign.train.run.checkpoint_files import CheckpointCorrupt, load_latest_checkpoint, save_checkpoint
+from rlalign.train.run.metrics import MetricsCorrupt, MetricsWriter, read_metrics
 
 
 def _state(step):
@@ -84,7 +85,7 @@ def test_leftovers_of_a_killed_run_are_removed_at_start(tmp_path):
 HOLD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from rlalign.train.rundir import open_run_dir
+    from rlalign.train.run.directory import open_run_dir
     handle = open_run_dir(Path(sys.argv[1]), resume=False, overwrite=False)   # kept: dropping it unlocks
     print("locked", flush=True)
     time.sleep(600)
@@ -124,7 +125,7 @@ def test_files_keep_the_umask(tmp_path):
 def test_a_save_needs_at_most_max_keep_2_checkpoint_files(tmp_path, monkeypatch, keep):
     """keep >= 2: the oldest file goes before the write (the newest recorded one stays); keep = 1: the old
     file stays until the new one is recorded (a kill mid-write must leave a checkpoint)."""
-    from rlalign.train import runio
+    from rlalign.train.run import checkpoint_files as runio
     real, during = runio._stream_state, []
 
     def counting(state, file):
@@ -143,7 +144,7 @@ def test_a_save_needs_at_most_max_keep_2_checkpoint_files(tmp_path, monkeypatch,
 def test_disk_full_inside_the_streamed_save_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
     """torch.save's C++ writer would turn the file's OSError into an unrelated RuntimeError: the sink keeps
     it and raises it after; the temp file is removed and the previous checkpoint still loads."""
-    from rlalign.train import runio
+    from rlalign.train.run import checkpoint_files as runio
     save_checkpoint(tmp_path, 1, _state(1), keep=1)
     real_stream = runio._stream_state
     monkeypatch.setattr(runio, "_stream_state", lambda state, file: real_stream(state, _Failing(file)))

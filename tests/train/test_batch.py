@@ -1,11 +1,25 @@
-"""TrainBatch: the step's layout, built once, against a plain re-derivation over random shapes."""
+"""TrainBatch: the step's layout, built once from the step's StepSamples, against a plain re-derivation over
+random shapes."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlalign.models.batch import ForwardBatch
 from rlalign.train.packing import TrainBatch, scored_rows
+from rlalign.train.samples import StepSamples
+
+
+def step_samples(samples, logprobs) -> StepSamples:
+    """The record of ``samples`` ((prompt + completion tokens, prompt_len)) with the engine's ``logprobs``."""
+    n = len(samples)
+    return StepSamples(tokens=torch.tensor([t for tokens, _ in samples for t in tokens], dtype=torch.int64),
+                       prompt_lens=torch.tensor([p for _, p in samples], dtype=torch.int64),
+                       completion_lens=torch.tensor([len(t) - p for t, p in samples], dtype=torch.int64),
+                       logprobs=torch.tensor([x for lp in logprobs for x in lp], dtype=torch.float32),
+                       truncated=torch.zeros(n, dtype=torch.bool), prompt_index=torch.arange(n), routing=None,
+                       routing_rows=torch.zeros(n, dtype=torch.int64))
 
 
 @st.composite
@@ -22,7 +36,7 @@ def batches(draw):
 @given(batches())
 def test_layout_matches_a_plain_derivation(case):
     samples, logprobs, max_tokens, mini_batches = case
-    batch = TrainBatch.build(samples, logprobs, max_tokens=max_tokens, mini_batches=mini_batches)
+    batch = TrainBatch.build(step_samples(samples, logprobs), max_tokens=max_tokens, mini_batches=mini_batches)
     lens = [len(t) - p for t, p in samples]
     assert batch.seq_ids.tolist() == [i for i, n in enumerate(lens) for _ in range(n)]
     assert batch.completion_lens.tolist() == lens
@@ -43,15 +57,18 @@ def test_layout_matches_a_plain_derivation(case):
         rows, targets = scored_rows(chosen, "cpu")
         assert torch.equal(mb.rows, rows) and torch.equal(mb.targets, targets)
         assert torch.equal(mb.seq_ids, batch.seq_ids[mb.tokens] - mb.samples.start)
-        assert mb.forward.input_ids.tolist() == [x for t, _ in chosen for x in t]
-        assert mb.forward.num_seqs == len(chosen)
+        packed = ForwardBatch.packed([list(t) for t, _ in chosen])   # the forward, exactly as built from lists
+        for field in ("input_ids", "positions", "cu_seqlens"):
+            got, want = getattr(mb.forward, field), getattr(packed, field)
+            assert got.dtype == want.dtype and torch.equal(got, want), field
+        assert mb.rows.dtype == mb.targets.dtype == torch.int64
     assert stop == sum(lens)
 
 
 def test_one_mini_batch_keeps_the_micro_batches_of_the_whole_batch():
     samples = [([1, 2, 3, 4], 2), ([5, 6, 7], 1), ([8, 9], 1)]
     logprobs = [[-1.0, -2.0], [-1.0, -1.0], [-0.5]]
-    batch = TrainBatch.build(samples, logprobs, max_tokens=7)
+    batch = TrainBatch.build(step_samples(samples, logprobs), max_tokens=7)
     assert [list(mb.samples) for mb in batch.micro_batches] == [[0, 1], [2]]
     assert len(batch.mini_batches) == 1
 
@@ -60,4 +77,9 @@ def test_one_mini_batch_keeps_the_micro_batches_of_the_whole_batch():
                                                ([[-1.0, -1.0, -1.0]], "one rollout logprob per completion token")])
 def test_bad_input_is_named(logprobs, problem):
     with pytest.raises(ValueError, match=problem):
-        TrainBatch.build([([1, 2, 3], 1)], logprobs, max_tokens=8)
+        TrainBatch.build(step_samples([([1, 2, 3], 1)], logprobs), max_tokens=8)
+
+
+def test_no_samples_is_named():
+    with pytest.raises(ValueError, match="no samples"):
+        TrainBatch.build(step_samples([], []), max_tokens=8)

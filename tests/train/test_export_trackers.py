@@ -7,9 +7,9 @@ import torch
 from rlalign.cli.main import main
 from rlalign.configlib import load_config
 from rlalign.models.checkpoint import load_model
-from rlalign.train.config import TrainConfig
+from rlalign.train.config import LOGGERS, TrainConfig
 from rlalign.train.loop import run_training
-from rlalign.train.trackers import ALIASES, rename
+from rlalign.train.run.trackers import ALIASES, TRACKERS, rename
 from tests.bitwise import assert_bitwise_equal
 from tests.train.conftest import tiny_overrides
 
@@ -59,7 +59,7 @@ def test_tensorboard_and_wandb_offline_receive_trl_names(tracked_run):
 
 
 def test_policy_step_kl_is_logged_and_moves_with_the_update(tracked_run):
-    from rlalign.train.runio import read_metrics
+    from rlalign.train.run.metrics import read_metrics
     steps = [r for r in read_metrics(tracked_run) if "reward/mean" in r]
     assert all("kl/policy_step" in r for r in steps)
     assert any(r["kl/policy_step"] > 0 for r in steps if r["grad_norm"] > 0)
@@ -72,3 +72,8 @@ def test_aliases_keep_unmapped_names():
     assert rename(record, "rlalign") == record
     for table in ALIASES.values():
         assert all("/" in k or k in ("entropy", "clip_frac", "grad_norm", "lr") for k in table)
+
+
+def test_every_configurable_logger_has_a_tracker():
+    """run.loggers accepts the names of rlalign.train.config.LOGGERS; each has its entry in TRACKERS."""
+    assert tuple(TRACKERS) == LOGGERS

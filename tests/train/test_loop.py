@@ -10,8 +10,8 @@ import torch
 from rlalign.configlib import load_config
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import MismatchError, Trainer, run_training
-from rlalign.train.report import write_report
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.report import write_report
+from rlalign.train.run.metrics import read_metrics
 from tests.bitwise import assert_bitwise_equal
 from tests.train.conftest import tiny_overrides
 
@@ -193,7 +193,7 @@ def test_strict_step_forwards_the_policy_once_with_the_bits_of_the_rescore(arith
     fused = _trainer(arithmetic_model_dir, tmp_path / "fused", extra)
     assert not fused.needs_rescore()
     counts, built, build = _count_policy_forwards(fused, monkeypatch), [], fused.train_batch
-    fused.train_batch = lambda ro: built.append(build(ro)) or built[-1]
+    fused.train_batch = lambda samples: built.append(build(samples)) or built[-1]
     records = [fused.train_step(1)]
     micro = len(built[0].micro_batches)
     epochs = fused.cfg.algo.ppo_epochs
@@ -208,14 +208,14 @@ def test_strict_step_forwards_the_policy_once_with_the_bits_of_the_rescore(arith
 
 
 def _nudge_first_rollout_logprob(trainer):
-    draw = trainer._draw
+    draw = trainer.sampler.draw
 
     def nudged(*args, **kwargs):
-        ro = draw(*args, **kwargs)
-        ro.logprobs[0][0] -= 1e-3
-        return ro
+        samples = draw(*args, **kwargs)
+        samples.logprobs[0] -= 1e-3   # the engine's log-prob of the first completion token
+        return samples
 
-    trainer._draw = nudged
+    trainer.sampler.draw = nudged
 
 
 def test_strict_mismatch_is_found_without_the_rescore_and_the_step_is_as_before(arithmetic_model_dir, tmp_path,

@@ -15,7 +15,7 @@ from rlalign.train.config import TrainConfig
 from rlalign.train.loop import Trainer
 from rlalign.train.master import DEFAULT_STEP_CHUNK, MasterWeights
 from rlalign.train.parallel import clip_grad_norm_
-from rlalign.train.runio import load_latest_checkpoint
+from rlalign.train.run.checkpoint_files import load_latest_checkpoint
 from tests.bitwise import assert_bitwise_equal
 from tests.train.conftest import tiny_overrides
 
@@ -275,7 +275,7 @@ def test_offloaded_resume_from_a_streamed_checkpoint_is_bitwise(arithmetic_model
 
     from rlalign.train.export import export_checkpoint
     from rlalign.train.master import ROUNDED_KEY, checkpoint_model_weights
-    from rlalign.train.runio import file_sha256
+    from rlalign.train.run.checkpoint_files import file_sha256
 
     full, full_records = _trained(_offload_over(arithmetic_model_dir, tmp_path / "full", 2), 2)
     full.run_lock.release()

@@ -20,7 +20,7 @@ from rlalign.rollout.engine import RolloutEngine
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import MismatchError, Trainer, run_training
 from rlalign.train.pretrain import PretrainConfig, hf_config, write_char_tokenizer
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.metrics import read_metrics
 from tests.bitwise import assert_bitwise_equal
 from tests.train.conftest import DENSE_REWARD, tiny_overrides
 

@@ -11,7 +11,7 @@ import pytest
 from rlalign.configlib import load_config
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import run_training
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.metrics import read_metrics
 from tests.train.conftest import tiny_overrides
 
 SCRIPT_ARGS = ["--experts", "4", "--top-k", "2"]

@@ -1,4 +1,4 @@
-"""The Qwen3-8B kit (issue 17, item 4) on the CPU: scripts/make_qwen3_8b.py with a toy body, its
+"""The Qwen3-8B kit on the CPU: scripts/make_qwen3_8b.py with a toy body, its
 full-vocabulary tokenizer (scripts/make_moe_model.py's scheme), configs/qwen3-8b-h200.yaml run for two steps on it (offload, activation
 checkpointing, top-p, partial credit; every key of the file is accepted), configs/qwen3-8b-h200-device.yaml
 (all state on the device, no checkpoint) likewise, and the memory budgets."""
@@ -18,8 +18,8 @@ from rlalign.cli.main import main
 from rlalign.models.config import ModelConfig
 from rlalign.models.tokenizer import load_tokenizer
 from rlalign.train import budget
-from rlalign.train.runconfig import resolve_train_config
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.config_file import resolve_train_config
+from rlalign.train.run.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "qwen3-8b-h200.yaml"

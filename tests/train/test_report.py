@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlalign.cli.main import main
-from rlalign.train.report import PANELS, ema, panel_note, write_report
+from rlalign.train.run.report import PANELS, ema, panel_note, write_report
 
 
 def _fake_run(path, steps=30, kl=False, reward_shift=0.0):

@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from rlalign.train.runio import load_latest_checkpoint, read_metrics
+from rlalign.train.run.checkpoint_files import load_latest_checkpoint
+from rlalign.train.run.metrics import read_metrics
 from tests.train.conftest import tiny_overrides
 
 VOLATILE = ("time/", "tokens_per_s/", "memory/")

@@ -14,8 +14,8 @@ from rlalign.cli.main import build_parser, main
 from rlalign.configlib import ConfigError, describe, load_config
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import Trainer, run_training
-from rlalign.train.runconfig import resolve_train_config
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.config_file import resolve_train_config
+from rlalign.train.run.metrics import read_metrics
 from tests.train.conftest import DENSE_REWARD, tiny_overrides
 
 

@@ -11,7 +11,7 @@ from rlalign.integrations.ray.compare import metric_differences, weight_differen
 from rlalign.train.config import TrainConfig
 from rlalign.train.engines import ENGINES, WeightsSharingError, weights_path
 from rlalign.train.loop import Trainer, run_training
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.metrics import read_metrics
 from tests.train.conftest import tiny_overrides
 
 

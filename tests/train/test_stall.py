@@ -8,7 +8,7 @@ import pytest
 from rlalign.configlib import ConfigError, load_config
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import run_training
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.metrics import read_metrics
 from rlalign.train.stall import WARN_AFTER, StallWatch, stalled
 
 from .conftest import tiny_overrides

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from rlalign.contract.bits import first_difference
 from rlalign.contract.errors import RLAlignError
-from rlalign.train.runio import read_metrics
+from rlalign.train.run.metrics import read_metrics
 
 VOLATILE = ("time/", "tokens_per_s/", "memory/")
 

@@ -30,7 +30,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.integrations.ray.errors import (ActorDiedError, RayLaunchError, death_errors, last_checkpoint_note,
                                             short_reason)
 from rlalign.train.loop import run_training
-from rlalign.train.logs import StepReporter
+from rlalign.train.run.logs import StepReporter
 
 
 class TrainerActor:

@@ -1,17 +1,11 @@
-"""Run-directory I/O: atomic files, checksummed checkpoints, metrics.jsonl.
-
-Every file the trainer writes whole goes through :func:`atomic_write` (temp file in the same folder,
-fsync, rename), so a run killed at any instant leaves either the old or the new file, never a
-torn one; the temp files such a kill leaves behind are removed at the next start
-(:mod:`rlalign.train.rundir`). Files get the mode an ordinary ``open()`` would give them (0666
-less the umask), not the 0600 of a temp file.
+"""Checkpoint files of a run directory: checksummed, streamed, owned.
 
 A checkpoint is one ``torch.save`` file of plain data (tensors, dicts, lists, numbers, strings)
 plus its sha256 in ``latest.json`` (``sha256s`` holds the sha256 of every checkpoint the run still
 keeps, so any of them can be verified, e.g. by ``rlalign export``). It streams to its temp file:
 torch.save writes each tensor from its own memory (a device tensor is copied to the host one at a
-time) and the sha256 is taken on the way, so a save needs no in-memory copy of the checkpoint. Loading verifies the checksum (reading the
-file in chunks) and then unpickles with ``weights_only=True``: a planted file whose pickle would
+time) and the sha256 is taken on the way, so a save needs no in-memory copy of the checkpoint. Loading
+verifies the checksum (reading the file in chunks) and then unpickles with ``weights_only=True``: a planted file whose pickle would
 import or call anything is refused without running it, even when its checksum matches. The loaded
 tensors are mapped from the file (mmap, copy-on-write), not read into memory: whoever keeps one past
 the load copies it into memory of its own (:func:`own_optimizer_state`), or the mapping would hold
@@ -26,31 +20,23 @@ sha256) in ``checkpoints/pending.json`` before renaming it there, so a kill betw
 Disk: a save writes the new checkpoint before deleting any the manifest still needs, so with
 ``run.keep_checkpoints=1`` two checkpoints exist during a save (a kill mid-write leaves the old one
 whole); with ``keep >= 2`` the oldest ones go first and a save needs no more than ``keep`` files.
-
-``metrics.jsonl`` is appended one line per record (flushed and fsynced). Only its last line can
-be torn (a kill or a full disk mid-write): readers drop an unparseable last line and report it;
-an unparseable line elsewhere is a corrupt file and is named with its line number.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import pickle
 import re
-import tempfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 import torch
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.models.checkpoint import default_file_mode
-from rlalign.models.ownership import open_own_file
+from rlalign.train.run.atomic import atomic_write, atomic_write_with
 
-TEMP_SUFFIX = ".tmp"   # atomic_write's temp files: ".<name>.<random>.tmp"
 CHECKPOINT_KEEP = 2
 MANIFEST_FILE, PENDING_FILE = "latest.json", "pending.json"
 CHECKPOINT_NAME = re.compile(r"step_(\d{6,})\.pt")
@@ -60,61 +46,9 @@ class CheckpointCorrupt(RLAlignError):
     pass
 
 
-class MetricsCorrupt(RLAlignError):
-    pass
-
-
 class CheckpointRefused(RLAlignError):
     """A save would replace a file the run did not write; nothing was written."""
 
-
-def atomic_write(path: Path, data: bytes) -> None:
-    atomic_write_with(path, lambda f: f.write(data))
-
-
-def atomic_write_with(path: Path, fill: Callable[[BinaryIO], Any],
-                      before_rename: "Callable[[Any], None] | None" = None) -> Any:
-    """``fill(f)`` writes the file's bytes to ``f``; returns what ``fill`` returns. The file appears at
-    ``path`` whole (temp file, fsync, rename) or not at all. ``before_rename(result)`` runs once the temp
-    file is durable, just before the rename (a save records what it is about to put in place)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), default_file_mode())   # mkstemp creates 0600
-            result = fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_rename is not None:
-            before_rename(result)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise _naming(exc, path) from None
-    _fsync_dir(path.parent)
-    return result
-
-
-def _naming(exc: BaseException, path: Path) -> BaseException:
-    """An OSError from write()/fsync() carries no file name: add it, so the user sees which file (and disk)."""
-    if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
-        return OSError(exc.errno, exc.strerror, str(path))
-    return exc
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# ---- checkpoints ----------------------------------------------------------------------------------
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}.pt"
@@ -330,76 +264,7 @@ def own_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 per_param[key] = value.clone()
 
 
-# ---- metrics.jsonl ----------------------------------------------------------------------------------
-
-def _finite(value: Any) -> Any:
-    """JSON has no inf/NaN: such a float is written as null (the report treats null as missing)."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def parse_metrics(path: Path) -> tuple[list[dict[str, Any]], "str | None"]:
-    """(records, note): ``note`` describes a torn last line that was dropped, else None."""
-    raw = path.read_bytes()
-    lines = raw.split(b"\n")
-    records, note = [], None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        last = all(not rest.strip() for rest in lines[number:])
-        try:
-            record = json.loads(line.decode("utf-8"))
-            if not isinstance(record, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            if last:   # a cut-off append: the run was killed (or the disk filled) while writing it
-                note = (f"{path}: dropped a torn last line ({number}: {len(line)} bytes, "
-                        f"{line[:40].decode('utf-8', 'replace')!r}...)")
-                break
-            raise MetricsCorrupt(f"{path}:{number} is not a JSON object and is not the last line: the file is "
-                                 "corrupt; restore it or delete that line") from None
-        records.append(record)
-    return records, note
-
-
-class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl`` (flushed and fsynced each line).
-
-    A fresh run starts the file empty. A resumed run keeps the records of the steps its checkpoint
-    covers and drops the rest (the steps it will redo) and a torn last line; ``note`` says so."""
-
-    def __init__(self, run_dir: Path, resume_after_step: "int | None" = None):
-        self.path = run_dir / "metrics.jsonl"
-        self.note = None
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_after_step is not None and self.path.exists():
-            records, self.note = parse_metrics(self.path)
-            kept = [json.dumps(r, sort_keys=True) for r in records if r.get("step", -1) <= resume_after_step]
-            atomic_write(self.path, ("\n".join(kept) + "\n" if kept else "").encode())
-        elif resume_after_step is None and self.path.exists():
-            self.path.unlink()
-
-    def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps({k: _finite(v) for k, v in record.items()}, sort_keys=True, allow_nan=False) + "\n"
-        try:
-            # never through a link, never into a file with another hard link (rlalign.models.ownership)
-            with open(self.path, "a", encoding="utf-8", opener=_own_file_opener) as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:
-            raise _naming(exc, self.path) from None
-
-
-def _own_file_opener(path: str, flags: int) -> int:
-    return open_own_file(Path(path), flags, "metrics file")
-
-
-def read_metrics(run_dir: Path, notes: "list[str] | None" = None) -> list[dict[str, Any]]:
-    """The records of ``run_dir/metrics.jsonl``; a torn last line is dropped and described in ``notes``."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise RLAlignError(f"{path} does not exist: is {run_dir} a run directory?")
-    records, note = parse_metrics(path)
-    if note and notes is not None:
-        notes.append(note)
-    return records
+__all__ = ["CHECKPOINT_KEEP", "MANIFEST_FILE", "PENDING_FILE", "CheckpointCorrupt", "CheckpointRefused",
+           "checkpoint_name", "checkpoint_step", "file_sha256", "load_latest_checkpoint", "load_state",
+           "own_optimizer_state", "read_manifest", "recorded_checkpoint_sha256", "recorded_sha256s",
+           "save_checkpoint", "unrecorded_pending"]

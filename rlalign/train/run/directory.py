@@ -42,8 +42,9 @@ from pathlib import Path
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import is_model_folder_file
 from rlalign.models.ownership import foreign_entries, open_own_file
-from rlalign.train.runio import (MANIFEST_FILE, PENDING_FILE, TEMP_SUFFIX, CheckpointCorrupt, checkpoint_step, read_manifest,
-                                 recorded_sha256s, unrecorded_pending)
+from rlalign.train.run.atomic import TEMP_SUFFIX
+from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, MANIFEST_FILE, PENDING_FILE, checkpoint_step,
+                                                read_manifest, recorded_sha256s, unrecorded_pending)
 
 LOCK_NAME = ".lock"
 # What a run writes at the top of its directory; run.overwrite=true deletes these (the folders: only their
@@ -242,7 +243,7 @@ def _is_leftover(p: Path) -> bool:
 
 def remove_leftovers(path: Path) -> list[str]:
     """Delete what a killed run leaves: temp files, half-written policy folders, and the checkpoint a save
-    put in place without recording it (see :func:`rlalign.train.runio.unrecorded_pending`). Call only while
+    put in place without recording it (see :func:`rlalign.train.run.checkpoint_files.unrecorded_pending`). Call only while
     holding the lock."""
     removed = []
     for folder in (path, path / "checkpoints"):

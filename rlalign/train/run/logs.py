@@ -19,11 +19,12 @@ import time
 
 LOGGER = logging.getLogger("rlalign")
 STEP_LOGGER = logging.getLogger("rlalign.train")
+CLI_HANDLER = "rlalign-cli"   # the name of the handler install_cli_handler adds
 
 
 def install_cli_handler(console=None) -> None:
     """One handler on the ``rlalign`` logger (once): rich on a terminal, plain ``stderr`` lines otherwise."""
-    if any(getattr(h, "_rlalign_cli", False) for h in LOGGER.handlers):
+    if any(h.get_name() == CLI_HANDLER for h in LOGGER.handlers):
         return
     if console is not None and console.is_terminal:
         from rich.logging import RichHandler
@@ -32,7 +33,7 @@ def install_cli_handler(console=None) -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
-    handler._rlalign_cli = True
+    handler.set_name(CLI_HANDLER)
     LOGGER.addHandler(handler)
     LOGGER.setLevel(logging.INFO)
     LOGGER.propagate = False

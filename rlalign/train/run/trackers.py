@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.train.runio import atomic_write
+from rlalign.train.run.atomic import atomic_write
 
 
 class TrackerError(RLAlignError):
@@ -121,7 +121,8 @@ def wandb_run_id(run_dir: Path) -> str:
     return run_id
 
 
-# name -> tracker class(run_dir, cfg); jsonl is MetricsWriter's file, always written.
+# name (rlalign.train.config.LOGGERS, in that order) -> tracker class(run_dir, cfg); jsonl is MetricsWriter's file,
+# always written.
 TRACKERS: dict[str, type | None] = {"jsonl": None, "tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 
 

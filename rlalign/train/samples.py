@@ -1,0 +1,127 @@
+"""The step's samples: the one record that carries them from the rollout engine to the trainer, as tensors.
+
+:class:`StepSamples` is built once from the engine's :class:`~rlalign.models.completion.Completion` records
+(:meth:`StepSamples.of_completions`) and read by everything after: the data-parallel all-gather
+(:mod:`rlalign.train.dp_rollout`), the rewards and DAPO's group filter (:mod:`rlalign.train.sampling`), the
+step's layout (:class:`rlalign.train.packing.TrainBatch`), the agreement checks (:mod:`rlalign.train.agreement`)
+and the step's statistics. Every field is a tensor on the host, sample by sample in the order the engine
+returned them (prompt-major); variable-length fields are flat with a length per sample:
+
+- ``tokens`` int64 [sum of sequence lengths]: each sample's prompt tokens, then its completion tokens;
+- ``prompt_lens`` / ``completion_lens`` int64 [N];
+- ``logprobs`` fp32 [sum of completion lengths]: the engine's log-prob of each completion token (the
+  behaviour policy's; exact: a fp32 value is exact as a Python float and back);
+- ``truncated`` bool [N]: the sample ended at its length limit;
+- ``prompt_index`` int64 [N]: the sample's prompt among the prompts of its draw;
+- ``routing``: MoE expert ids [sum of routing rows, sparse layers, k] in the engine's dtype, or None unless every
+  sample carries a record (``Completion.routing``); ``routing_rows`` int64 [N] its rows per sample (0 without);
+- ``rewards`` fp32 [N] and ``group_ids`` int64 [N] once scored (:meth:`scored`): a group is one prompt's samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from rlalign.models.completion import Completion
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSamples:
+    tokens: torch.Tensor
+    prompt_lens: torch.Tensor
+    completion_lens: torch.Tensor
+    logprobs: torch.Tensor
+    truncated: torch.Tensor
+    prompt_index: torch.Tensor
+    routing: torch.Tensor | None
+    routing_rows: torch.Tensor
+    rewards: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
+
+    # ---- building -----------------------------------------------------------------------------------
+
+    @classmethod
+    def of_completions(cls, completions: Sequence[Completion]) -> "StepSamples":
+        """The record of ``completions`` (unscored): the one conversion of the engine's lists into tensors."""
+        records = [c.routing for c in completions]
+        routed = bool(records) and all(r is not None for r in records)
+        return cls(
+            tokens=torch.tensor([t for c in completions for t in (*c.prompt_tokens, *c.tokens)], dtype=torch.int64),
+            prompt_lens=torch.tensor([len(c.prompt_tokens) for c in completions], dtype=torch.int64),
+            completion_lens=torch.tensor([len(c.tokens) for c in completions], dtype=torch.int64),
+            logprobs=torch.tensor([x for c in completions for x in c.logprobs], dtype=torch.float32),
+            truncated=torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool),
+            prompt_index=torch.tensor([c.prompt_index for c in completions], dtype=torch.int64),
+            routing=torch.cat(records) if routed else None,
+            routing_rows=torch.tensor([r.shape[0] if routed else 0 for r in records], dtype=torch.int64))
+
+    @classmethod
+    def concat(cls, parts: Sequence["StepSamples"]) -> "StepSamples":
+        """The samples of ``parts`` one after another; the routing record stays only when every part that has
+        samples carries one."""
+        filled = [p for p in parts if len(p)] or list(parts[:1])
+        routed = all(p.routing is not None for p in filled)
+        cat = lambda name: torch.cat([getattr(p, name) for p in filled])  # noqa: E731
+        scored = all(p.rewards is not None for p in filled)
+        return cls(cat("tokens"), cat("prompt_lens"), cat("completion_lens"), cat("logprobs"), cat("truncated"),
+                   cat("prompt_index"), cat("routing") if routed else None,
+                   cat("routing_rows") if routed else torch.zeros(sum(len(p) for p in filled), dtype=torch.int64),
+                   cat("rewards") if scored else None, cat("group_ids") if scored else None)
+
+    def scored(self, rewards: Sequence[float], first_group: int) -> "StepSamples":
+        """These samples with their rewards (fp32) and group ids (``first_group`` + the prompt's index)."""
+        return dataclasses.replace(self, rewards=torch.tensor(rewards, dtype=torch.float32),
+                                   group_ids=self.prompt_index + first_group)
+
+    def select(self, keep: torch.Tensor) -> "StepSamples":
+        """The samples where ``keep`` (bool [N]) is True, in order, each with all of its tokens and rows."""
+        keep = keep.to(torch.bool).cpu()
+        per_token = lambda lens: torch.repeat_interleave(keep, lens)  # noqa: E731
+        pick = lambda t: None if t is None else t[keep]  # noqa: E731
+        return StepSamples(self.tokens[per_token(self.sequence_lens)], self.prompt_lens[keep],
+                           self.completion_lens[keep], self.logprobs[per_token(self.completion_lens)],
+                           self.truncated[keep], self.prompt_index[keep],
+                           None if self.routing is None else self.routing[per_token(self.routing_rows)],
+                           self.routing_rows[keep], pick(self.rewards), pick(self.group_ids))
+
+    # ---- reading ------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return int(self.prompt_lens.shape[0])
+
+    @property
+    def sequence_lens(self) -> torch.Tensor:
+        """int64 [N]: prompt + completion tokens of each sample."""
+        return self.prompt_lens + self.completion_lens
+
+    @property
+    def has_routing(self) -> bool:
+        """Whether every sample carries the rollout's routing (an MoE model on an engine that records it)."""
+        return self.routing is not None and len(self) > 0
+
+    def completion_token_lists(self) -> list[list[int]]:
+        """Each sample's completion tokens, for the tokenizer (the rewards score decoded text)."""
+        sequences = self.tokens.split(self.sequence_lens.tolist())
+        return [seq[p:].tolist() for seq, p in zip(sequences, self.prompt_lens.tolist())]
+
+    def group_tensor(self, device="cpu") -> torch.Tensor:
+        """Group ids renumbered 0..G-1 in order of first appearance."""
+        ids = self.group_ids
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        first_seen = torch.full((len(distinct),), len(ids), dtype=torch.int64).scatter_reduce(
+            0, inverse, torch.arange(len(ids), dtype=torch.int64), "amin")
+        rank = torch.empty_like(first_seen)
+        rank[torch.argsort(first_seen)] = torch.arange(len(distinct), dtype=torch.int64)
+        return rank[inverse].to(device)
+
+    def num_groups(self) -> int:
+        return int(torch.unique(self.group_ids).numel())
+
+    def reward_tensor(self, device="cpu") -> torch.Tensor:
+        return self.rewards.to(device)
+
+
+__all__ = ["StepSamples"]
