@@ -1,6 +1,6 @@
 """No file we read runs code or is trusted unverified: reward code named only by a run directory, checkpoints
 exported without their sha256, model folders without checksums.json, and a resume check that read only
-config.yaml (rlalign.train.runconfig, rlalign.train.export, rlalign.models.checkpoint)."""
+config.yaml (rlalign.train.run.config_file, rlalign.train.export, rlalign.models.checkpoint)."""
 
 import json
 import shutil

@@ -1,6 +1,6 @@
 """Nothing a user owns is destroyed: every command writes only into a folder it creates or one holding only
 its own files, deletes only what it wrote, never writes through a link, and refuses an existing target in one
-line with nothing changed (rlalign.models.ownership, rlalign.train.rundir)."""
+line with nothing changed (rlalign.models.ownership, rlalign.train.run.directory)."""
 
 import hashlib
 import json

@@ -1,4 +1,4 @@
-"""The run directory's lifecycle (rlalign.train.rundir) and its files (rlalign.train.runio), without training."""
+"""The run directory's lifecycle (rlalign.train.run.directory) and its files (rlalign.train.run.checkpoint_files), without training."""
 
 import errno
 import hashlib

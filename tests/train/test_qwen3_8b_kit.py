@@ -1,7 +1,7 @@
 """The Qwen3-8B kit on the CPU: scripts/make_qwen3_8b.py with a toy body, its
 full-vocabulary tokenizer (scripts/make_moe_model.py's scheme), configs/qwen3-8b-h200.yaml run for two steps on it (offload, activation
 checkpointing, top-p, partial credit; every key of the file is accepted), configs/qwen3-8b-h200-device.yaml
-(all state on the device, no checkpoint) likewise, and the memory budgets."""
+(all state on the device) likewise, with and without checkpoints, and the memory budgets."""
 
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ def test_config_runs_two_strict_steps_on_the_toy_body(toy_8b, tmp_path):
     assert all(r["advantage/std"] > 0 for r in records)
     saved = resolve_train_config(str(CONFIG), [])
     assert saved.optim.offload and saved.optim.activation_checkpointing and saved.rollout.top_p < 1.0
-    assert saved.rollout.max_new_tokens >= 64 and saved.model.dtype == "bfloat16" and saved.run.max_minutes
+    assert saved.rollout.max_new_tokens >= 64 and saved.model.dtype == "bfloat16"
+    assert saved.run.checkpoint_every >= 1 and saved.run.max_minutes is None   # a user's run: checkpoints, no deadline
 
 
 def _budget(overrides, layers=36, vocab=151936, config=CONFIG):
@@ -185,14 +186,19 @@ def test_budget_cli_names_a_missing_model_config(tmp_path, capsys):
 
 def test_device_config_fits_one_h200_with_every_state_on_it():
     """configs/qwen3-8b-h200-device.yaml: masters, AdamW state, weights, gradients on the device, the engine
-    sharing the weights, a chunked step; < 132 GiB in all, rows taken as live at once (9 GiB spare of 139)."""
+    sharing the weights, a chunked step; < 132 GiB in all, rows taken as live at once (9 GiB spare of 139); its
+    checkpoints (one kept, plus the one being written) are 91.5 GiB each on disk and cost the device nothing."""
     rows, m = _budget([], config=DEVICE_CONFIG)
     p = budget.parameter_count(m)
-    assert {r.place for r in rows.values() if r.component != "exported policy"} == {"device", "disk"}
+    # every training state on the device; host memory only for a checkpoint being written, disk for the files
+    assert {r.place for r in rows.values() if r.component != "exported policy"} == {"device", "disk", "host"}
+    assert {r.component for r in rows.values() if r.place == "host"} == {"checkpoint save, host copy"}
     assert rows["fp32 master weights"].place == rows["AdamW m, v (fp32)"].place == "device"
     assert rows["rollout engine weights"].nbytes == 0
     assert rows["optimizer step working set"].nbytes == 12 * 32 * 2**20
-    assert rows["checkpoint files"].nbytes == 0 and "checkpoint save, host copy" not in rows
+    assert rows["checkpoint files"].place == "disk" and rows["checkpoint files"].nbytes == 2 * 12 * p   # masters, m, v
+    no_ckpt, _ = _budget(["run.save_checkpoints=false"], config=DEVICE_CONFIG)
+    assert no_ckpt["checkpoint files"].nbytes == 0 and "checkpoint save, host copy" not in no_ckpt
     need = budget.totals(list(rows.values()))["device"]
     assert 16 * p < need < 132 * 2**30
     fits, line = budget.fit_line(list(rows.values()), H200_USABLE)
@@ -219,7 +225,8 @@ def test_device_config_runs_two_strict_steps_on_the_toy_body_without_checkpoints
     args = ["train", str(DEVICE_CONFIG), f"model.path={toy_8b}", "model.device=cpu", f"run.dir={run}", "run.steps=2",
             "run.eval_every=2", "run.progress=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
             "rollout.max_new_tokens=4", "rollout.max_num_seqs=8", "rollout.kv_cache_bytes=8388608",
-            "task.eval_size=2", "run.eval_samples=1", "optim.micro_batch_tokens=64", "optim.step_chunk_elements=1000"]
+            "task.eval_size=2", "run.eval_samples=1", "optim.micro_batch_tokens=64", "optim.step_chunk_elements=1000",
+            "run.save_checkpoints=false"]
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(args) == 0
     records = [r for r in read_metrics(run) if "mismatch/count" in r]
