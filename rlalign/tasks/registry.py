@@ -24,7 +24,9 @@ import importlib.util
 import inspect
 import math
 import numbers
+import os
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -160,9 +162,27 @@ def reward_name(fn: Callable) -> str:
 
 
 def _raised_at(exc: BaseException) -> str:
-    """`` at file.py:line`` of the innermost frame of the traceback (where the reward raised)."""
+    """`` at file.py:line`` of the innermost frame of the traceback that is the user's code (where the reward raised,
+    or called the library that did): frames of the standard library and of installed packages are skipped -- a
+    package may wrap ``sys.exit`` (W&B does) or raise on the reward's behalf. The innermost frame when every frame
+    is a library's."""
     frames = traceback.extract_tb(exc.__traceback__)
-    return f" at {frames[-1].filename}:{frames[-1].lineno}" if len(frames) > 1 else ""
+    if len(frames) <= 1:
+        return ""
+    own = [f for f in frames if not _library_file(f.filename)]
+    frame = own[-1] if own else frames[-1]
+    return f" at {frame.filename}:{frame.lineno}"
+
+
+def _library_file(filename: str) -> bool:
+    """A file of the standard library or an installed package (or frozen / generated code)."""
+    if filename.startswith("<"):
+        return True
+    path = os.path.realpath(filename)
+    return any(path.startswith(os.path.realpath(root) + os.sep) for root in _LIBRARY_ROOTS)
+
+
+_LIBRARY_ROOTS = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
 def _as_float(value: object) -> float | None:
