@@ -177,6 +177,22 @@ class Check:
                 if stdout:
                     out.close()
 
+    def run_captured(self, name: str, cmd: list[str], meaning: str) -> tuple[int, str]:
+        """Run ``cmd`` with its stdout kept (and appended to log.txt); say its exit status and what 0 means, count a
+        non-zero one as a failure. Returns (exit status, stdout)."""
+        raw = self.work / f"{name}.out"
+        rc = self.run(name, cmd, stdout=raw)
+        text = raw.read_text() if raw.exists() else ""
+        self.append_log(text)
+        self.say(f"{name}: exit {rc} (0: {meaning})")
+        if rc != 0:
+            self.fail(f"{name}: exit {rc}")
+        return rc, text
+
+    def append_log(self, text: str) -> None:
+        with self.log.open("a") as f:
+            f.write(text)
+
     def header(self) -> None:
         self.note(f"# rlalign multi-GPU check  {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
         smi = shutil.which("nvidia-smi")
@@ -239,15 +255,9 @@ class Check:
         ranks = ",".join(str(t) for t in self.degrees if t > 1)
         extra = ["--smoke"] if self.args.smoke else []
         self.say(f"collectives: benchmarks/collectives.py --ranks {ranks} {' '.join(extra)}")
-        raw = self.work / "collectives.out"
-        rc = self.run("collectives", [self.py, "benchmarks/collectives.py", "--out", str(self.out), "--ranks", ranks,
-                                      *extra], stdout=raw)
-        text = raw.read_text() if raw.exists() else ""
-        with self.log.open("a") as f:
-            f.write(text)
-        self.say(f"collectives: exit {rc} (0: every fixed result checked equal to the local tree merge)")
-        if rc != 0:
-            self.fail(f"collectives: exit {rc}")
+        _, text = self.run_captured("collectives", [self.py, "benchmarks/collectives.py", "--out", str(self.out),
+                                                    "--ranks", ranks, *extra],
+                                    "every fixed result checked equal to the local tree merge")
         # a row per group size, kind and size: the smallest and largest sizes shown
         shown = re.compile(r"^ranks .* tokens (1|4096|8192) |^ranks .* (1048576|268435456) ")
         for line in [l for l in text.splitlines() if shown.match(l)][-24:]:
@@ -293,8 +303,7 @@ class Check:
         """Exit status (and the log's last lines when it is not 0), steps, mismatches (all must be 0), step time."""
         log = self.work / f"run_{name}.log"
         text = log.read_text() if log.exists() else ""
-        with self.log.open("a") as f:
-            f.write(text)
+        self.append_log(text)
         statuses = [line for line in text.splitlines() if line.startswith("exit status")]
         record = self.work / f"run_{name}.json"
         done = record.exists() and json.loads(record.read_text()).get("done")
@@ -392,16 +401,10 @@ class Check:
         if model is None:
             self.fail("parity: no checkpoint")
             return
-        raw = self.work / "parity.out"
-        rc = self.run("parity", [*self.rlalign, "parity", "--model", str(model), "--device",
-                                 "cpu" if self.args.smoke else "cuda", "--tp", degrees, "--prompts", "4", "--samples",
-                                 "2", "--max-new-tokens", "16", "--json"], stdout=raw)
-        text = raw.read_text() if raw.exists() else ""
-        with self.log.open("a") as f:
-            f.write(text)
-        self.say(f"parity: exit {rc} (0: every degree's log-probs equal TP=1's and the rollout's)")
-        if rc != 0:
-            self.fail(f"parity: exit {rc}")
+        _, text = self.run_captured("parity", [*self.rlalign, "parity", "--model", str(model), "--device",
+                                               "cpu" if self.args.smoke else "cuda", "--tp", degrees, "--prompts", "4",
+                                               "--samples", "2", "--max-new-tokens", "16", "--json"],
+                                    "every degree's log-probs equal TP=1's and the rollout's")
         lines = [l for l in text.splitlines() if l.startswith("{")]   # the --json object's line
         if not lines:
             self.note("  no JSON from rlalign parity (its output is in log.txt)")
