@@ -59,8 +59,8 @@ def test_is_loopback_reads_ss_addresses():
 
 @pytest.fixture
 def local_cluster():
-    if ray.is_initialized():
-        pytest.skip("Ray is already running in this process")
+    if ray.is_initialized():   # a cluster another test left: the launcher must start its own, as a new process would
+        ray.shutdown()
     section = types.SimpleNamespace(address=None, cpus_per_actor=1, num_rollout_workers=1)
     before = (os.environ.get(SINGLE_NODE_ENV), ray._private.ray_constants.ENABLE_RAY_CLUSTER)
     assert launcher.connect(ray, section)
