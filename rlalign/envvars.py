@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import os
 import re
 from pathlib import Path
@@ -98,10 +97,9 @@ def _directory(text: str) -> Path:
     return path
 
 
-def _op_list_description() -> str:
-    known = _NAME_SOURCES.get("RLALIGN_TRITON_DISABLE")
-    names = ", ".join(sorted(known())) if known is not None else "see rlalign.ops"
-    return f"comma-separated strict op names ({names})"
+def _names_description(var: "EnvVar") -> str:
+    """What a variable whose names come from a :func:`name_source` allows, with the names registered now."""
+    return f"{var.allowed} ({', '.join(sorted(_NAME_SOURCES[var.name]()))})"
 
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
@@ -136,19 +134,14 @@ def read(name: str):
     """The value of the registered variable ``name`` (its default when unset or empty), checked by its rule."""
     raw = os.environ.get(name)
     text = raw.strip() if raw is not None and raw.strip() else VARIABLES[name].default
-    try:
-        return _parsed(name, text)
+    try:   # parsed at every read (no memo): a rule may depend on state that changes (the registered ops, HOME)
+        return VARIABLES[name].parse(text)
     except ValueError:
         raise EnvVarError(_refusal(VARIABLES[name], raw)) from None
 
 
-@functools.lru_cache(maxsize=256)
-def _parsed(name: str, text: str):
-    return VARIABLES[name].parse(text)
-
-
 def _refusal(var: EnvVar, raw: "str | None") -> str:
-    allowed = _op_list_description() if var.name == "RLALIGN_TRITON_DISABLE" else var.allowed
+    allowed = _names_description(var) if var.name in _NAME_SOURCES else var.allowed
     return f"{var.name}={raw!r} is not allowed: it must be {allowed}; fix or unset it ({var.name}: {var.meaning})"
 
 
@@ -163,9 +156,4 @@ def check_environment(environ: "dict[str, str] | None" = None) -> None:
         read(name)
 
 
-def table() -> list[tuple[str, str, str, str]]:
-    """(name, default, allowed values, meaning) of every variable, for the docs."""
-    return [(v.name, v.default or "(unset)", v.allowed, v.meaning) for v in VARIABLES.values()]
-
-
-__all__ = ["EnvVar", "EnvVarError", "VARIABLES", "PREFIX", "read", "check_environment", "name_source", "table"]
+__all__ = ["EnvVar", "EnvVarError", "VARIABLES", "PREFIX", "read", "check_environment", "name_source"]

@@ -44,7 +44,7 @@ from pathlib import Path
 FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama")
 MODES = ("unpatched", "patched")
 OUTCOMES = ("passed", "skipped", "refused", "wrong", "crashed")
-ENV_PATCH = "RLALIGN_TF_TESTS_PATCH"          # "1": patch every model the tests build
+ENV_PATCH = "PATCH_WITH_RLALIGN"          # "1": patch every model the tests build
 ENV_REPORT = "RLALIGN_TF_TESTS_REPORT"        # JSON-lines file the conftest appends one outcome per test to
 
 # ---- files written into the rebuilt test tree --------------------------------------------------------------

@@ -8,4 +8,4 @@ from rlalign.contract.errors import ContractError
 from rlalign.contract.profiles import Profile, as_profile, current_profile, use_profile
 from rlalign.contract import spec
 
-__all__ = ["ContractError", "Profile", "as_profile", "current_profile", "use_profile", "bits", "spec"]
+__all__ = ["ContractError", "Profile", "as_profile", "current_profile", "use_profile", "spec"]

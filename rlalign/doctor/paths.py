@@ -13,7 +13,7 @@ import random
 import torch
 
 from rlalign import ops
-from rlalign.contract.bits import bits_equal, differing
+from rlalign.contract.bits import bits_equal, describe_difference
 from rlalign.doctor.base import Check
 from rlalign.models import ForwardBatch, KVCache
 from rlalign.models.batch import pages_needed
@@ -121,18 +121,12 @@ def _compare(reference, got, what: str) -> str | None:
     (ref_rows, ref_lp, ref_ent), (rows, lp, ent) = reference, got
     for i, (r, g) in enumerate(zip(ref_rows, rows)):
         if not bits_equal(g, r):
-            return f"{what}: hidden rows of sequence {i} differ from the packed forward ({_first_difference(g, r)})"
+            return f"{what}: hidden rows of sequence {i} differ from the packed forward ({describe_difference(g, r)})"
     if not bits_equal(lp, ref_lp):
-        return f"{what}: log-probs differ from the packed forward's ({_first_difference(lp, ref_lp)})"
+        return f"{what}: log-probs differ from the packed forward's ({describe_difference(lp, ref_lp)})"
     if not bits_equal(ent, ref_ent):
-        return f"{what}: entropies differ from the packed forward's ({_first_difference(ent, ref_ent)})"
+        return f"{what}: entropies differ from the packed forward's ({describe_difference(ent, ref_ent)})"
     return None
-
-
-def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
-    differ = differing(a, b)
-    first = tuple(int(i) for i in differ.nonzero()[0])
-    return f"{int(differ.sum())} of {differ.numel()} elements, first at {first}"
 
 
 CHECKS: tuple[Check, ...] = (

@@ -192,6 +192,12 @@ def verify_checksums(directory: Path, files) -> None:
     if not sidecar.is_file():
         _note_unverified(directory)
         return
+    recorded = _recorded_sums(sidecar, files)
+    _check_sums(files, recorded, _sha256_files(list(files)))
+
+
+def _recorded_sums(sidecar: Path, files) -> dict:
+    """checksums.json's {file name: sha256}, which must list every one of ``files``."""
     try:
         sums = json.loads(sidecar.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -199,8 +205,12 @@ def verify_checksums(directory: Path, files) -> None:
     for file in files:
         if not isinstance(sums, dict) or sums.get(file.name) is None:
             raise CheckpointError(f"{file}: not listed in {sidecar}; the directory was changed after it was saved")
-    for file, got in zip(files, _sha256_files(list(files))):
-        if got != sums[file.name]:
+    return sums
+
+
+def _check_sums(files, recorded: dict, actual) -> None:
+    for file, got in zip(files, actual):
+        if got != recorded[file.name]:
             raise CheckpointError(f"{file}: sha256 does not match {CHECKSUM_FILE} (the file is corrupt or was "
                                   "modified); restore it, or delete checksums.json to load it anyway")
 
@@ -225,10 +235,11 @@ def write_checksums(directory: str | os.PathLike, *, overwrite: bool = False) ->
     files = check_model_files(directory)
     sidecar = directory / CHECKSUM_FILE
     refuse_link(sidecar, "checksums file")
-    sums = {f.name: h for f, h in zip(files, _sha256_files(list(files)))}
+    hashes = _sha256_files(list(files))   # each file read once, whether the sidecar is checked or written
+    sums = {f.name: h for f, h in zip(files, hashes)}
     if sidecar.exists() and not overwrite:
         try:
-            verify_checksums(directory, files)
+            _check_sums(files, _recorded_sums(sidecar, files), hashes)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc}; if the files are right as they are now, record them with --overwrite") from None
         return sidecar, sums, False

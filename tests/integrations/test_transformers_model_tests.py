@@ -1,6 +1,6 @@
 """transformers' own model tests (scripts/transformers_model_tests.py) on the patched models.
 
-Opt-in (about 2 minutes on 2 cores, and it needs transformers' sdist): set ``RLALIGN_TRANSFORMERS_SDIST`` to
+Opt-in (about 2 minutes on 2 cores, and it needs transformers' sdist): set ``TRANSFORMERS_SDIST_PATH`` to
 ``transformers-<installed version>.tar.gz`` (``pip download --no-binary :all: --no-deps transformers==X``).
 Patched, no test crashes; a test fails only on a one-line refusal of the patch, or because it asserts that the
 config names another attention implementation than ``rlalign`` (the one that runs); and Qwen3-MoE is as good as
@@ -22,12 +22,12 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("parameterized")   # transformers' test_modeling_common imports it
 
-SDIST = os.environ.get("RLALIGN_TRANSFORMERS_SDIST")
+SDIST = os.environ.get("TRANSFORMERS_SDIST_PATH")
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "transformers_model_tests.py"
 ATTENTION_NAME_CHECKS = {"test_can_set_attention_dynamically", "test_sdpa_can_dispatch_non_composite_models"}
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not SDIST, reason="set RLALIGN_TRANSFORMERS_SDIST=transformers-X.tar.gz to run "
+              pytest.mark.skipif(not SDIST, reason="set TRANSFORMERS_SDIST_PATH=transformers-X.tar.gz to run "
                                                   "transformers' model tests (scripts/transformers_model_tests.py)")]
 
 
