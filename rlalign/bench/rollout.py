@@ -342,9 +342,8 @@ def _repeats(args) -> int:
 
 # the options that count or size something: each must be > 0 when given (a zero peak would divide, a negative
 # one print a negative fraction, a zero count run nothing and report it)
-POSITIVE_OPTIONS = ("layers", "peak_gbps", "peak_tflops", "prompts", "samples", "new_tokens", "page_size",
-                    "max_num_seqs", "max_num_batched_tokens", "kv_cache_gb", "hf_batch_prompts", "hf_prompts", "threads",
-                    "repeat")
+# the float options (the integer ones are refused by their argparse type, rlalign.bench.args.positive_int)
+POSITIVE_OPTIONS = ("peak_gbps", "peak_tflops", "kv_cache_gb")
 
 
 def _check_positive(args) -> None:
