@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
 from rlalign.configlib import describe
 from rlalign.integrations.ray import run_training_on_ray
+from rlalign.models.ownership import refuse_overlap
 from rlalign.train.budget import format_budget, memory_budget
 from rlalign.train.config import TrainConfig
 from rlalign.train.run.logs import install_cli_handler
@@ -57,6 +59,8 @@ def run(args) -> int:
         return 0
     if args.dry_run:
         return _dry_run(cfg)
+    if config is not None and cfg.run.overwrite and not cfg.run.resume:   # the trainer checks the run's other inputs
+        refuse_overlap(Path(cfg.run.dir), "run.dir (run.overwrite=true would delete in it)", [Path(config)])
     console = Console(stderr=True, soft_wrap=True)   # no hard wrapping of paths in batch logs
     install_cli_handler(console)
     if cfg.launcher == "ray":   # the trainer and the rollout workers as Ray actors (docs/ray.md)

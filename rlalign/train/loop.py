@@ -43,7 +43,7 @@ from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
 from rlalign.train.layer_recompute import recompute_layers
 from rlalign.train.master import MasterWeights
 from rlalign.train.packing import TrainBatch
-from rlalign.train.run.config_file import refuse_reward_in_run_dir, reward_fingerprint, write_run_config
+from rlalign.train.run.config_file import refuse_reward_in_run_dir, reward_fingerprint, run_inputs, write_run_config
 from rlalign.train.run.directory import open_run_dir
 from rlalign.train.run.logs import LOGGER, StepReporter, banner_lines, install_cli_handler
 from rlalign.train.run.metrics import MetricsWriter, NoMetrics
@@ -73,7 +73,7 @@ class Trainer:
         # run needs an empty directory (or run.overwrite), a resume a checkpoint.
         refuse_reward_in_run_dir(cfg)   # before anything is imported or written
         self.run_lock = (open_run_dir(self.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
-                                      last_step=cfg.run.steps) if self.writer else None)
+                                      last_step=cfg.run.steps, reads=run_inputs(cfg)) if self.writer else None)
         self.task = None
         try:
             self._build(cfg)

@@ -263,6 +263,37 @@ def test_overwrite_deletes_only_the_previous_runs_files(trained_run, arithmetic_
     assert load_latest_checkpoint(run)["step"] == 1
 
 
+@pytest.mark.parametrize("case", ["model inside", "dataset inside", "reward inside", "config inside", "cwd"])
+def test_overwrite_never_deletes_in_a_run_directory_holding_what_the_run_reads(trained_run, tmp_path, monkeypatch,
+                                                                             capsys, case):
+    """run.overwrite=true with model.path=RUN/policy deleted the model it was about to load; run.dir=. deleted the
+    user's ./config.yaml. A run directory that is or contains an input of the run (model, dataset, reward, config
+    file) or the current directory is refused before anything changes."""
+    run = copy_of(trained_run, tmp_path)
+    model = run / "policy"
+    args = [f"model.path={model}" if case == "model inside" else f"model.path={trained_run / 'policy'}",
+            f"run.dir={run}", "run.overwrite=true", "run.steps=1", "run.progress=false"]
+    if case == "dataset inside":
+        (run / "data.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+        args += ["task.name=dataset", f"task.path={run / 'data.jsonl'}"]
+    if case == "reward inside":
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        args += [f"task.reward={run / 'r.py'}:score"]
+        (run / "r.py").write_text("def score(prompt, completion, answer, **kw):\n    return 0.0\n")
+    if case == "config inside":
+        (run / "my.yaml").write_text("run:\n  steps: 1\n")
+        args = [str(run / "my.yaml"), *args]
+    if case == "cwd":
+        monkeypatch.chdir(run)
+    before = snapshot(run, skip_lock=True)
+    assert main(["train", *args]) == 2
+    err = one_line_error(capsys, "train")
+    reason = {"reward inside": "nothing in a run directory runs as code", "cwd": "current directory"}
+    assert "run.dir" in err and reason.get(case, "which this command reads") in err, err
+    assert snapshot(run, skip_lock=True) == before
+
+
 def test_overwrite_refuses_a_policy_folder_with_foreign_files_and_changes_nothing(tmp_path):
     run = _recorded_run(tmp_path)
     save_model(tiny_model("qwen3", num_hidden_layers=1), run / "policy")

@@ -193,7 +193,18 @@ def check_resume(saved: dict, cfg: TrainConfig, recorded_reward_file: "dict | No
                           f"them), or allow it with run.resume_override=[{','.join(refused)}]")
     return changed
 
+def run_inputs(cfg: TrainConfig) -> list[Path]:
+    """What a run reads from disk: the model folder (unless the embedded default), the dataset file and a reward
+    file. ``run.overwrite`` may not delete in a run directory holding one of them (run.directory.open_run_dir)."""
+    reads = [Path(cfg.model.path)] if cfg.model.path != "default" else []
+    if cfg.task.path:
+        reads.append(Path(cfg.task.path))
+    reward = reward_source_file(cfg.task.reward)
+    if reward is not None:
+        reads.append(reward)
+    return reads
 
-__all__ = ["CONFIG_FILE", "RESUME_FREE", "config_yaml", "write_run_config", "read_run_config",
+
+__all__ = ["run_inputs", "CONFIG_FILE", "RESUME_FREE", "config_yaml", "write_run_config", "read_run_config",
            "resolve_train_config", "check_resume", "refuse_reward_in_run_dir", "refuse_unrecorded_reward",
            "reward_fingerprint", "recorded_reward"]

@@ -38,10 +38,11 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import is_model_folder_file
-from rlalign.models.ownership import foreign_entries, open_own_file
+from rlalign.models.ownership import OutputRefused, foreign_entries, open_own_file, refuse_overlap
 from rlalign.train.run.atomic import TEMP_SUFFIX
 from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, MANIFEST_FILE, PENDING_FILE, checkpoint_step,
                                                 read_manifest, recorded_sha256s, unrecorded_pending)
@@ -90,11 +91,19 @@ class RunDirectory:
             self.lock_fd = -1
 
 
-def open_run_dir(path: Path, *, resume: bool, overwrite: bool, last_step: "int | None" = None) -> RunDirectory:
+def open_run_dir(path: Path, *, resume: bool, overwrite: bool, last_step: "int | None" = None,
+                 reads: Iterable[Path] = ()) -> RunDirectory:
     """Create/lock ``path`` and bring it to the state a fresh run or a resume expects. ``last_step``: the
-    run's last step (run.steps), the bound of the checkpoints it may write (None: unbounded). Every
-    refusal comes before the first change."""
+    run's last step (run.steps), the bound of the checkpoints it may write (None: unbounded). ``reads``: the
+    files and folders the run reads (model, dataset, reward, config): ``run.overwrite`` may not delete in a run
+    directory that is, or contains, one of them or the current directory. Every refusal comes before the first
+    change."""
     path = Path(path)
+    if overwrite and not resume:
+        try:
+            refuse_overlap(path, "run.dir", reads)
+        except OutputRefused as exc:
+            raise RunDirError(f"{exc}; run.overwrite=true would delete in it") from None
     if path.exists() and not path.is_dir():
         raise RunDirError(f"run.dir {path} is a file, not a directory; choose another run.dir")
     if resume and not path.is_dir():
