@@ -128,15 +128,28 @@ def record_run(run_dir: Path, argv: list[str], done: bool) -> None:
     run_dir.with_name(run_dir.name + ".json").write_text(json.dumps({"argv": argv, "done": done}))
 
 
+WORK_MARK = ".rlalign-multi-gpu-check"   # in a work folder this script created (or found empty): it may delete it
+
+
+def prepare_work(work: Path, fresh: bool) -> None:
+    """The work folder: created (and marked) when missing or empty; an existing one is used only if this script
+    marked it -- a folder of the user's given as --work is refused, never deleted. ``fresh``: start it over."""
+    if work.exists() and any(work.iterdir()) and not (work / WORK_MARK).exists():
+        raise SystemExit(f"multi_gpu_check: --work {work} holds files this script did not write; give a new or "
+                         "empty folder")
+    if fresh and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / WORK_MARK).touch()
+
+
 class Check:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.out = Path(args.out).resolve()
         self.work = Path(args.work).resolve() if args.work else self.out / "work"
         self.out.mkdir(parents=True, exist_ok=True)
-        if args.fresh:
-            shutil.rmtree(self.work, ignore_errors=True)
-        self.work.mkdir(parents=True, exist_ok=True)
+        prepare_work(self.work, args.fresh)
         self.summary = self.out / "summary.txt"
         self.log = self.out / "log.txt"
         self.summary.write_text("")
@@ -448,7 +461,7 @@ class Check:
         for stage in self.args.stages:
             getattr(self, f"stage_{stage}")()
         if self.failures == 0 and not self.args.keep_work:
-            shutil.rmtree(self.work, ignore_errors=True)
+            shutil.rmtree(self.work, ignore_errors=True)   # ours: prepare_work marked it
         files = " ".join(sorted(p.name for p in self.out.iterdir()))
         self.say(f"done, {self.failures} failed checks; files: {files}")
         return 0 if self.failures == 0 else 1

@@ -79,3 +79,21 @@ def test_unknown_stages_are_refused_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--stages", "tp,headline"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--stages 'tp,headline'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_work_folder_of_the_users_is_refused_never_deleted(tmp_path):
+    """--work naming a folder with other files is refused (--fresh and a passing run delete the work folder); a folder
+    the script created is started over by --fresh."""
+    script = _load_script()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    for fresh in (False, True):
+        with pytest.raises(SystemExit, match="holds files this script did not write"):
+            script.prepare_work(mine, fresh)
+    assert (mine / "notes.txt").read_text() == "keep"
+    work = tmp_path / "work"
+    script.prepare_work(work, fresh=False)
+    (work / "run_tp1").mkdir()
+    script.prepare_work(work, fresh=True)
+    assert [p.name for p in work.iterdir()] == [script.WORK_MARK]
