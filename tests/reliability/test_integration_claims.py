@@ -154,3 +154,21 @@ def test_parity_doc_does_not_say_fused_adamw_fails():
     doc = " ".join((root / "docs" / "parity.md").read_text().split())
     assert 'use `optim="adamw_torch"` until then' not in doc and "strict xfail" not in doc
     assert 'with TRL\'s default optimizer (`optim="adamw_torch_fused"`) and with `adamw_torch`' in doc
+
+
+def test_a_run_replaced_with_overwrite_gets_a_wandb_run_of_its_own(fake_wandb, tmp_path):
+    """run.overwrite=true deletes the previous run's W&B id (a file rlalign wrote), so the new run does not log into
+    the old W&B run; a file of the user's in wandb/ stays."""
+    from rlalign.train.run.directory import open_run_dir
+    from rlalign.train.run.trackers import WandbTracker
+
+    run = tmp_path / "run"
+    open_run_dir(run, resume=False, overwrite=False).release()
+    WandbTracker(run, _Cfg())
+    (run / "metrics.jsonl").write_text("")
+    (run / "wandb" / "mine.txt").write_text("keep")
+    open_run_dir(run, resume=False, overwrite=True).release()
+    WandbTracker(run, _Cfg())
+    first, replaced = fake_wandb
+    assert replaced["id"] != first["id"]
+    assert (run / "wandb" / "mine.txt").read_text() == "keep"

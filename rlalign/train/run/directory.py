@@ -46,6 +46,7 @@ from rlalign.models.ownership import OutputRefused, foreign_entries, open_own_fi
 from rlalign.train.run.atomic import TEMP_SUFFIX
 from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, MANIFEST_FILE, PENDING_FILE, checkpoint_step,
                                                 read_manifest, recorded_sha256s, unrecorded_pending)
+from rlalign.train.run.metrics import WANDB_ID_FILE
 
 LOCK_NAME = ".lock"
 # What a run writes at the top of its directory; run.overwrite=true deletes these (the folders: only their
@@ -218,10 +219,10 @@ def _prepare_fresh(path: Path, overwrite: bool, last_step: "int | None") -> None
 
 
 def previous_run_files(path: Path) -> list[Path]:
-    """What ``run.overwrite=true`` deletes: the previous run's top-level files (plain files only), the
+    """What ``run.overwrite=true`` deletes: the previous run's top-level files and its W&B run id (plain files only), the
     checkpoints its ``latest.json`` records (with latest.json and pending.json), and ``policy/`` (already
     checked to hold only a saved model's files). Any other entry stays."""
-    files = [path / name for name in RUN_FILES if name not in ("checkpoints", "policy")]
+    files = [path / name for name in RUN_FILES if name not in ("checkpoints", "policy")] + [path / WANDB_ID_FILE]
     doomed = [f for f in files if f.is_file() and not f.is_symlink()]
     if (path / "policy").is_dir():
         doomed.append(path / "policy")

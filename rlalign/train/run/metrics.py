@@ -18,6 +18,10 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.models.ownership import open_own_file
 from rlalign.train.run.atomic import atomic_write, naming_the_file
 
+# the W&B run id a run's trackers keep (rlalign.train.run.trackers.wandb_run_id): a file rlalign writes, so
+# run.overwrite deletes it with the previous run's files and the new run gets a W&B run of its own
+WANDB_ID_FILE = Path("wandb") / "rlalign-run-id"
+
 
 class MetricsCorrupt(RLAlignError):
     pass

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.train.run.atomic import atomic_write
+from rlalign.train.run.metrics import WANDB_ID_FILE
 
 
 class TrackerError(RLAlignError):
@@ -105,7 +106,6 @@ class WandbTracker:
         self.run.finish()
 
 
-WANDB_ID_FILE = Path("wandb") / "rlalign-run-id"
 
 
 def wandb_run_id(run_dir: Path) -> str:
