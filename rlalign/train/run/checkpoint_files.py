@@ -128,8 +128,21 @@ def unrecorded_pending(ckpt_dir: Path) -> list[Path]:
     recorded = set((manifest or {}).get("history", [])) | ({manifest["file"]} if manifest else set())
     file = Path(ckpt_dir) / str(name)
     ours = (checkpoint_step(str(name)) is not None and name not in recorded and file.is_file()
-            and not file.is_symlink() and file_sha256(file) == sha256)
+            and not file.is_symlink() and _has_sha256(file, sha256))
     return [file, pending_path] if ours else [pending_path]
+
+
+_PROVEN: dict[tuple, bool] = {}
+
+
+def _has_sha256(file: Path, sha256: str) -> bool:
+    """``file_sha256(file) == sha256``, hashed once per version of the file (a start asks up to three times, and a
+    checkpoint can be ~100 GB); the key is the file's identity, size and modification time."""
+    info = file.stat()
+    key = (str(file.resolve()), info.st_ino, info.st_size, info.st_mtime_ns, sha256)
+    if key not in _PROVEN:
+        _PROVEN[key] = file_sha256(file) == sha256
+    return _PROVEN[key]
 
 
 def _delete(folder: Path, names: list[str]) -> None:
