@@ -17,10 +17,14 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import grimp
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:   # Python 3.10 (requires-python >= 3.10): the same parser as a package, in the test extra
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rlalign"

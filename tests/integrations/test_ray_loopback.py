@@ -24,8 +24,6 @@ from rlalign.integrations.ray import launcher  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a throw-away local cluster needs no auth token file
-os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # what the launcher sets while the cluster starts
 
 
@@ -58,7 +56,11 @@ def test_is_loopback_reads_ss_addresses():
 
 
 @pytest.fixture
-def local_cluster():
+def local_cluster(monkeypatch):
+    # a throw-away cluster needs no auth token file, and no memory monitor killing workers on a shared machine;
+    # set for this test only (the listeners Ray opens do not depend on either)
+    monkeypatch.setenv("RAY_AUTH_MODE", os.environ.get("RAY_AUTH_MODE", "disabled"))
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", os.environ.get("RAY_memory_monitor_refresh_ms", "0"))
     if ray.is_initialized():   # a cluster another test left: the launcher must start its own, as a new process would
         ray.shutdown()
     section = types.SimpleNamespace(address=None, cpus_per_actor=1, num_rollout_workers=1)
