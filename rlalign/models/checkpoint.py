@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.models.atomic import atomic_write, default_file_mode
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import CausalLM
 from rlalign.models.layout import checkpoint_tensors
@@ -243,17 +244,7 @@ def write_checksums(directory: str | os.PathLike, *, overwrite: bool = False) ->
         except CheckpointError as exc:
             raise CheckpointError(f"{exc}; if the files are right as they are now, record them with --overwrite") from None
         return sidecar, sums, False
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{CHECKSUM_FILE}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), default_file_mode())
-            f.write(json.dumps(sums, indent=1, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, sidecar)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(sidecar, (json.dumps(sums, indent=1, sort_keys=True) + "\n").encode())
     return sidecar, sums, True
 
 
@@ -290,24 +281,6 @@ def _sha256(file: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def process_umask() -> int:
-    """The process umask (read from /proc; elsewhere by setting it and restoring it at once)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
-
-
-def default_file_mode(directory: bool = False) -> int:
-    """The mode ``open()`` / ``mkdir()`` give a new file / folder: 0666 / 0777 less the umask."""
-    return (0o777 if directory else 0o666) & ~process_umask()
 
 
 def save_model(model: CausalLM, directory: str | os.PathLike, *, max_shard_bytes: int | None = None,

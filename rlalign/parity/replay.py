@@ -22,12 +22,11 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.models.checkpoint import default_file_mode
+from rlalign.models.atomic import atomic_write
 from rlalign.models.ownership import refuse_link
 from rlalign.ops import temperature as temperature_rule
 
@@ -114,22 +113,13 @@ class RolloutRecord:
                 "environment": self.environment, "num_sequences": len(self.sequences)}
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the record atomically (a temporary sibling renamed into place); an existing ``path`` is
+        """Write the record atomically (rlalign.models.atomic); an existing ``path`` is
         replaced only when it is a rollout record itself (:func:`check_record_target`)."""
         path = Path(path)
         check_record_target(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(json.dumps(self.header(), allow_nan=True) + "\n")
-                for seq in self.sequences:
-                    f.write(json.dumps(seq.to_json(), allow_nan=True) + "\n")
-            os.chmod(tmp, default_file_mode())   # mkstemp made it 0600
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        lines = [json.dumps(self.header(), allow_nan=True)] + [json.dumps(seq.to_json(), allow_nan=True)
+                                                               for seq in self.sequences]
+        atomic_write(path, ("\n".join(lines) + "\n").encode("utf-8"))
         return path
 
     @classmethod

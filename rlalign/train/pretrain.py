@@ -37,7 +37,7 @@ from rlalign.rollout.engine import RolloutEngine
 from rlalign.tasks import (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, VOCAB, ArithmeticTask, arithmetic_reward,
                            parse_answer)
 from rlalign.train.packing import score_completions
-from rlalign.train.run.atomic import atomic_write
+from rlalign.models.atomic import atomic_write
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 

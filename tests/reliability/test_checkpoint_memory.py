@@ -23,7 +23,7 @@ PEAK_RSS = textwrap.dedent('''
     from pathlib import Path
     import torch
     from rlalign.train.run import checkpoint_files as runio
-    from rlalign.train.run.atomic import atomic_write
+    from rlalign.models.atomic import atomic_write
 
     def rss(key):
         with open("/proc/self/status") as f:

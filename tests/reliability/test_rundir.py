@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import torch
 
 from rlalign.train.run.directory import RunDirError, open_run_dir
-from rlalign.train.run.atomic import atomic_write
+from rlalign.models.atomic import atomic_write
 from rlalign.train.run.checkpoint_files import CheckpointCorrupt, load_latest_checkpoint, save_checkpoint
 from rlalign.train.run.metrics import MetricsCorrupt, MetricsWriter, read_metrics
 

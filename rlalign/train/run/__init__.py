@@ -1,7 +1,7 @@
 """A training run's directory and what the run says: the one owner of everything a run writes besides the policy.
 
 - :mod:`~rlalign.train.run.directory`: the directory's lifecycle (lock, fresh run / resume, what may be deleted);
-- :mod:`~rlalign.train.run.atomic`: files written whole (temp file, fsync, rename);
+- :mod:`~rlalign.models.atomic`: files written whole (temp file, fsync, rename);
 - :mod:`~rlalign.train.run.checkpoint_files`: checksummed checkpoint files and ``checkpoints/latest.json``;
 - :mod:`~rlalign.train.run.metrics`: ``metrics.jsonl``;
 - :mod:`~rlalign.train.run.config_file`: ``config.yaml`` and the resume rules for config and reward code;

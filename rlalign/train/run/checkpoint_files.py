@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 import torch
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.train.run.atomic import atomic_write, atomic_write_with
+from rlalign.models.atomic import atomic_write, atomic_write_with
 
 CHECKPOINT_KEEP = 2
 MANIFEST_FILE, PENDING_FILE = "latest.json", "pending.json"

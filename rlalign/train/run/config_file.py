@@ -33,7 +33,7 @@ import yaml
 from rlalign.configlib import ConfigError, flatten, load_config, load_raw, load_yaml, merge
 from rlalign.tasks.registry import reward_is_code, reward_source_file
 from rlalign.train.config import TrainConfig
-from rlalign.train.run.atomic import atomic_write
+from rlalign.models.atomic import atomic_write
 from rlalign.train.run.checkpoint_files import CheckpointCorrupt, MANIFEST_FILE, file_sha256, read_manifest
 
 CONFIG_FILE = "config.yaml"

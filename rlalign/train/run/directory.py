@@ -43,7 +43,7 @@ from typing import Iterable
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import is_model_folder_file
 from rlalign.models.ownership import OutputRefused, foreign_entries, open_own_file, refuse_overlap
-from rlalign.train.run.atomic import TEMP_SUFFIX
+from rlalign.models.atomic import TEMP_SUFFIX
 from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, MANIFEST_FILE, PENDING_FILE, checkpoint_step,
                                                 read_manifest, recorded_sha256s, unrecorded_pending)
 from rlalign.train.run.metrics import WANDB_ID_FILE

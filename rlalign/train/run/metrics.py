@@ -16,7 +16,7 @@ from typing import Any
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.ownership import open_own_file
-from rlalign.train.run.atomic import atomic_write, naming_the_file
+from rlalign.models.atomic import atomic_write, naming_the_file
 
 # the W&B run id a run's trackers keep (rlalign.train.run.trackers.wandb_run_id): a file rlalign writes, so
 # run.overwrite deletes it with the previous run's files and the new run gets a W&B run of its own

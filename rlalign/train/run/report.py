@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.ownership import prepare_output_folder, refuse_link
-from rlalign.train.run.atomic import atomic_write
+from rlalign.models.atomic import atomic_write
 from rlalign.train.run.metrics import read_metrics
 
 # (title, keys, y label, note when every value is 0, note when the run has none of the keys)

@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.train.run.atomic import atomic_write
+from rlalign.models.atomic import atomic_write
 from rlalign.train.run.metrics import WANDB_ID_FILE
 
 

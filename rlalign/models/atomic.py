@@ -1,9 +1,11 @@
-"""Atomic files of a run directory: a file the trainer writes whole appears whole or not at all.
+"""Files written whole: a file rlalign writes appears whole or not at all.
 
-Every such file goes through :func:`atomic_write` (temp file in the same folder, fsync, rename), so a run killed
-at any instant leaves either the old or the new file, never a torn one; the temp files such a kill leaves behind
-(``.<name>.<random>.tmp``) are removed at the next start (:mod:`rlalign.train.run.directory`). Files get the mode
-an ordinary ``open()`` would give them (0666 less the umask), not the 0600 of a temp file.
+Every such file (a run directory's checkpoints, manifest, config and metrics, a model folder's checksums.json, a
+parity recording) goes through :func:`atomic_write` (temp file in the same folder, fsync, rename, the folder
+fsynced), so a kill at any instant leaves either the old or the new file, never a torn one; the temp files such a
+kill leaves in a run directory (``.<name>.<random>.tmp``) are removed at its next start
+(:mod:`rlalign.train.run.directory`). Files get the mode an ordinary ``open()`` would give them
+(:func:`default_file_mode`: 0666 less the umask), not the 0600 of a temp file.
 """
 
 from __future__ import annotations
@@ -13,9 +15,25 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from rlalign.models.checkpoint import default_file_mode
-
 TEMP_SUFFIX = ".tmp"   # atomic_write's temp files: ".<name>.<random>.tmp"
+
+
+def process_umask() -> int:
+    """The process umask (read from /proc; elsewhere by setting it and restoring it at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def default_file_mode(directory: bool = False) -> int:
+    """The mode ``open()`` / ``mkdir()`` give a new file / folder: 0666 / 0777 less the umask."""
+    return (0o777 if directory else 0o666) & ~process_umask()
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -64,4 +82,4 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["TEMP_SUFFIX", "atomic_write", "atomic_write_with", "naming_the_file"]
+__all__ = ["TEMP_SUFFIX", "atomic_write", "atomic_write_with", "naming_the_file", "default_file_mode", "process_umask"]
