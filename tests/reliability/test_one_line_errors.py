@@ -14,6 +14,8 @@ import shutil
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +23,8 @@ from rlalign.cli.main import build_parser, main
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import load_model_config
 from rlalign.train.setup import DEFAULT_MODEL_DIR
+
+ROOT = Path(__file__).resolve().parents[2]   # the checkout, whatever the directory pytest runs from
 
 
 @pytest.fixture()
@@ -195,7 +199,7 @@ def test_generate_n_past_any_machine_stops_at_once():
         resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
     out = subprocess.run([sys.executable, "-m", "rlalign.cli.main", "generate", "--model", str(DEFAULT_MODEL_DIR),
                           "--prompt", "1+2=", "--n", "1000000000"], capture_output=True, text=True, timeout=120,
-                         preexec_fn=limit, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         preexec_fn=limit, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().startswith("rlalign generate: error: --n 1000000000 x 1 prompt(s) = 1000000000 "
                                          "sequences would take about 9537 GiB of host memory")
