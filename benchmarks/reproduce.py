@@ -97,15 +97,9 @@ class Claim:
 
 # ---- readers: the command's output text -> the value ---------------------------------------------
 
-def _json(text: str) -> dict:
-    return json.loads(text)
-
-
 def rollout_ratio(key: str, text: str) -> tuple[float, ...]:
     """``rlalign bench rollout --json``: ratios[key] (tokens/s of one engine over another's)."""
     return (float(_json_tail(text)["ratios"][key]),)
-
-
 
 
 def _metrics(text: str) -> list[dict]:
@@ -135,19 +129,15 @@ def train_routing(text: str) -> tuple[float, ...]:
 
 def parity_counts(text: str) -> tuple[float, ...]:
     """``rlalign parity --json``: (token logprobs that differ, tokens compared)."""
-    d = _json(text)
+    d = _json_tail(text)
     return float(d["mismatches"]), float(d["tokens_compared"])
 
 
 def tp_differences(text: str) -> tuple[float, ...]:
     """``scripts/gpu_tp.py`` JSON: (logprobs differing TP=N vs TP=1, gradient elements differing)."""
-    d = _json(text)
+    d = _json_tail(text)
     key = next(k for k in d if k.startswith("tp") and k.endswith("_vs_tp1"))
     return float(d[key]["lp"]["differ"]), float(d[key]["grads_differ_total"])
-
-
-
-
 
 
 def _json_tail(text: str) -> dict:
