@@ -27,8 +27,8 @@ those of 1, 2, 4, 8 that divide G. The stages (``--stages``, comma-separated, in
     ``rlalign parity --tp <degrees> --device cuda`` on a Qwen3-8B-shaped checkpoint of ``--parity-layers``
     layers (default ``--layers``) made here -> ``parity_tp.json``.
 ``train8b``
-    strict GRPO on that shape with ``configs/qwen3-8b-h200-device.yaml``, ``parallel.tp=--tp8b`` (default G,
-    at most 8) and ``parallel.dp=--dp8b`` (default 1), ``--train8b-layers`` layers (default ``--layers``),
+    strict GRPO on that shape with ``configs/qwen3-8b-h200-device.yaml``, ``parallel.tp=--tp8b`` (default the
+    largest of 2, 4, 8 that divides G) and ``parallel.dp=--dp8b`` (default 1), ``--train8b-layers`` layers (default ``--layers``),
     ``--steps`` steps -> ``metrics_8b_tp.jsonl``.
 
 Results under ``--out``: ``summary.txt`` (machine, versions, each stage's verdict), ``log.txt`` (every stage's
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parity-layers", type=int, default=None, help="layers of the parity stage's model (default --layers)")
     p.add_argument("--train8b-layers", type=int, default=None, help="layers of the train8b stage's model (default --layers)")
     p.add_argument("--steps", type=int, default=20, help="training steps of each run (train, train8b)")
-    p.add_argument("--tp8b", type=int, default=None, help="parallel.tp of the 8B run (default: the GPUs, at most 8)")
+    p.add_argument("--tp8b", type=int, default=None, help="parallel.tp of the 8B run (default: the largest of 2, 4, 8 dividing the GPUs)")
     p.add_argument("--dp8b", type=int, default=1, help="parallel.dp of the 8B run (tp8b x dp8b GPUs)")
     p.add_argument("--checkpoint-every", type=int, default=10, help="training runs checkpoint every N steps (resume)")
     p.add_argument("--work", default=None, help="models and run directories (default OUT/work)")
@@ -430,7 +430,7 @@ class Check:
                       f"{r['rollout_mismatches']} from the rollout")
 
     def stage_train8b(self) -> None:
-        tp = min(self.args.tp8b or self.g, 8)
+        tp = self.args.tp8b or max(self.degrees)   # the largest of 1, 2, 4, 8 that divides the GPUs
         dp = self.args.dp8b
         layers = self.args.train8b_layers or self.args.layers
         self.say(f"train 8B: parallel.tp={tp} parallel.dp={dp}, {layers} layers, {self.args.steps} steps")
