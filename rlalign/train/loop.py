@@ -152,7 +152,7 @@ class Trainer:
         """config.yaml (what this run runs under) and the trackers; the writer rank only."""
         if self.writer:
             write_run_config(self.run_dir, self.cfg)
-            self.trackers = Trackers(self.run_dir, self.cfg)
+            self.trackers = Trackers(self.run_dir, self.cfg, start_step=self.step)
 
     def log_record(self, record: dict) -> None:
         """One metrics record: metrics.jsonl (always) and the run.loggers trackers."""
