@@ -57,9 +57,9 @@ def test_template_missing_key(tmp_path):
 def test_file_errors(tmp_path):
     with pytest.raises(DatasetError, match="no such file"):
         load_examples(tmp_path / "missing.jsonl")
-    (tmp_path / "d.csv").write_text("a,b\n")
-    with pytest.raises(DatasetError, match="unknown file type '.csv'"):
-        load_examples(tmp_path / "d.csv")
+    (tmp_path / "d.txt").write_text("a,b\n")
+    with pytest.raises(DatasetError, match="unknown file type '.txt'"):
+        load_examples(tmp_path / "d.txt")
     (tmp_path / "e.jsonl").write_text("\n")
     with pytest.raises(DatasetError, match="no rows"):
         load_examples(tmp_path / "e.jsonl")
