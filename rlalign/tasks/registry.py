@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from rlalign.tasks.arithmetic import arithmetic_reward
-from rlalign.tasks.rewards import gsm8k_reward, gsm8k_reward_fallback, gsm8k_reward_last_number
+from rlalign.tasks.rewards import (gsm8k_reward, gsm8k_reward_fallback, gsm8k_reward_last_number, math_reward,
+                                   math_verify_reward)
 
 RewardFn = Callable[[str, str, str], float]
 # Largest |reward| accepted: group statistics (squares, sums) must stay finite in fp32 (max ~3.4e38).
@@ -50,6 +51,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
     "gsm8k_fallback": gsm8k_reward_fallback,
     "gsm8k_last_number": gsm8k_reward_last_number,
+    "math": math_reward,
+    "math_verify": math_verify_reward,   # needs the math-verify package (checked at load)
 }
 
 
@@ -156,6 +159,9 @@ def load_reward(spec: str) -> RewardFn:
         raise RewardLoadError(f"reward {spec!r}: expected a built-in name "
                               f"({', '.join(BUILTIN_REWARDS)}) or 'module:function'")
     spec = spec.strip()
+    if spec == "math_verify" and importlib.util.find_spec("math_verify") is None:
+        raise RewardLoadError("reward 'math_verify' needs the math-verify package, which is not installed here: "
+                              "pip install math-verify (or use task.reward=math, rlalign's own parser)")
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     module_name, sep, attr = spec.rpartition(":")
