@@ -122,3 +122,24 @@ def test_task_reward_and_task_rewards_are_exclusive():
 def test_an_unloadable_reward_model_fails_before_training(tmp_path):
     with pytest.raises(RewardLoadError, match="not a directory"):
         RewardSet(parse_terms([{"name": "gsm8k"}, {"reward_model": str(tmp_path / "none")}]), timeout_s=5)
+
+
+def test_a_run_trains_on_a_csv_with_a_rule_reward_and_a_reward_model(tmp_path):
+    from rlalign.models.testing import make_tiny_checkpoint
+    from rlalign.train.loop import run_training
+    from rlalign.train.run.metrics import read_metrics
+
+    policy = make_tiny_checkpoint(tmp_path / "policy", "qwen3", seed=2)
+    rm_dir = make_tiny_reward_model(tmp_path / "rm", "llama", seed=4)
+    data = tmp_path / "gsm8k_style.csv"
+    data.write_text("question,answer,level\n" + "".join(f"What is {a} + {a}?,#### {2 * a},{a % 3}\n" for a in range(8)))
+    overrides = [f"model.path={policy}", f"run.dir={tmp_path / 'run'}", "run.steps=1", "run.progress=false",
+                 "task.name=dataset", f"task.path={data}", "task.columns={prompt: question}", "task.chat=true",
+                 f"task.rewards=[{{name: math, weight: 1.0}}, {{reward_model: {rm_dir}, weight: 0.25}}]",
+                 "task.eval_size=1", "task.shuffle=true", "run.eval_samples=1", "rollout.prompts_per_step=2",
+                 "rollout.samples_per_prompt=2", "rollout.max_new_tokens=3", "optim.micro_batch_tokens=256"]
+    run_dir = run_training(load_config(TrainConfig, None, overrides))
+    step = next(r for r in read_metrics(run_dir) if "reward/mean" in r)
+    assert step["mismatch/count"] == 0 and step["mismatch/tokens"] > 0
+    total = step["reward/mean"] * 4   # four samples: a math reward in {0, 1} plus 0.25 x a reward model's score
+    assert math.isfinite(total) and abs(total - round(total)) > 1e-6
