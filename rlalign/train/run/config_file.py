@@ -194,14 +194,15 @@ def check_resume(saved: dict, cfg: TrainConfig, recorded_reward_file: "dict | No
     return changed
 
 def run_inputs(cfg: TrainConfig) -> list[Path]:
-    """What a run reads from disk: the model folder (unless the embedded default), the dataset file and a reward
-    file. ``run.overwrite`` may not delete in a run directory holding one of them (run.directory.open_run_dir)."""
+    """What a run reads from disk: the model folder (unless the embedded default), the dataset files, reward files
+    and reward model folders. ``run.overwrite`` may not delete in a run directory holding one of them (run.directory.open_run_dir)."""
     reads = [Path(cfg.model.path)] if cfg.model.path != "default" else []
-    if cfg.task.path:
-        reads.append(Path(cfg.task.path))
-    reward = reward_source_file(cfg.task.reward)
-    if reward is not None:
-        reads.append(reward)
+    reads += [Path(p) for p in (cfg.task.path, cfg.task.eval_path) if p]
+    for spec in [cfg.task.reward, *(t.get("name") for t in cfg.task.rewards if isinstance(t, dict))]:
+        reward = reward_source_file(spec) if spec else None
+        if reward is not None:
+            reads.append(reward)
+    reads += [Path(t["reward_model"]) for t in cfg.task.rewards if isinstance(t, dict) and t.get("reward_model")]
     return reads
 
 
