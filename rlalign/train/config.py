@@ -99,7 +99,7 @@ class TaskSection:
         if self.name == "dataset" and not self.path:
             return "path is required when name is 'dataset' (task.path=data.jsonl)"
         if self.rewards and self.reward != "builtin":
-            return "set task.reward (one reward) or task.rewards (weighted terms), not both"
+            return "set task.reward (one reward) or task.rewards (weighted terms), not both (task.reward=builtin unsets it)"
         for i, entry in enumerate(self.rewards):
             problem = term_problem(entry)
             if problem:
