@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 from collections.abc import Iterator, Mapping
@@ -110,7 +111,8 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def hf_datasets():
-    """The ``datasets`` module, offline (``HF_DATASETS_OFFLINE=1`` set before its import: nothing is downloaded)."""
+    """The ``datasets`` module, offline (``HF_DATASETS_OFFLINE=1`` set before its import: nothing is downloaded), its
+    progress bars and log messages off."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
         import datasets
@@ -119,6 +121,8 @@ def hf_datasets():
                            "pip install datasets (or use .jsonl / .json)") from None
     datasets.config.HF_HUB_OFFLINE = True
     datasets.disable_progress_bars()
+    # its own error logs repeat what the one-line DatasetError says (a second, multi-line message on stderr)
+    logging.getLogger("datasets").setLevel(logging.CRITICAL)
     return datasets
 
 
