@@ -20,7 +20,7 @@ import torch
 from rlalign.contract.profiles import use_profile
 from rlalign.models.batch import ForwardBatch
 from rlalign.models.checkpoint import load_tokenizer
-from rlalign.models.scorer import load_scorer, score_index
+from rlalign.models.scorer import load_scorer, load_scorer_config, score_index
 from rlalign.tasks.registry import RewardError, RewardLoadError, sample_label
 
 
@@ -33,6 +33,9 @@ class RewardModel:
         if not self.directory.is_dir():
             raise RewardLoadError(f"reward_model {str(directory)!r}: not a directory (give a Hugging Face "
                                   "*ForSequenceClassification checkpoint folder)")
+        if dtype is None and load_scorer_config(self.directory).dtype == "float16":
+            raise RewardLoadError(f"reward_model {str(directory)!r} is a float16 checkpoint, which the strict ops do not "
+                                  "run; give the entry dtype: bfloat16 or dtype: float32")
         self.model, self.config = load_scorer(self.directory, dtype=dtype, device=device)
         self.tokenizer = load_tokenizer(self.directory)
         self.micro_batch_tokens = int(micro_batch_tokens)
