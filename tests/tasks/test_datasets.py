@@ -199,3 +199,30 @@ def test_streaming_holds_out_by_hash_and_reads_positions_as_a_pure_function(tmp_
     assert [again(i).prompt for i in range(2 * len(train))] == first
     assert stream.eval_examples(limit=1) == stream.eval_examples()[:1]
     assert [row["question"] for _, row in read_rows(f, streaming=True)] == [r["question"] for r in ROWS]
+
+
+def test_build_task_reads_streams_eval_paths_and_columns(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from rlalign.models.testing import write_tiny_tokenizer
+    from rlalign.models.tokenizer import load_tokenizer
+    from rlalign.train.config import TaskSection
+    from rlalign.train.setup import build_task
+
+    (tmp_path / "tok").mkdir()
+    write_tiny_tokenizer(tmp_path / "tok")
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS[:3]),
+                         test=datasets.Dataset.from_list(ROWS[3:5])).save_to_disk(str(tmp_path / "held"))
+    common = dict(name="dataset", path=str(train), reward="math", columns={"prompt": "question", "level": "meta.level"},
+                  eval_path=str(tmp_path / "held"))
+    for streaming in (False, True):
+        task = build_task(TaskSection(**common, streaming=streaming), tokenizer, seed=1)
+        try:
+            assert [p.prompt for p in task.eval_problems()] == ["q3", "q4"]          # the folder's test split
+            problems = task.train(10, 4)                                            # positions 10..13: a second pass
+            assert [p.prompt for p in problems] == ["q10", "q11", "q0", "q1"]
+            assert problems[0].extra == {"meta": {"level": 1}, "level": 1}
+            assert task.score(problems, ["#### 10", "\\boxed{0}", "0", "1"]) == [1.0, 0.0, 1.0, 1.0]
+        finally:
+            task.close()

@@ -26,15 +26,15 @@ def rm_dirs(tmp_path_factory):
     return {f: make_tiny_reward_model(root / f, f, seed=3) for f in FAMILIES}
 
 
-@pytest.fixture(scope="module")
-def qwen3_rm(rm_dirs):
-    return RewardModel(rm_dirs["qwen3"], micro_batch_tokens=64)
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def qwen3_rm(rm_dirs, request):
+    return RewardModel(rm_dirs["qwen3"], dtype=request.param, micro_batch_tokens=64)
 
 
 token_lists = st.lists(st.lists(st.integers(1, 319), min_size=1, max_size=24), min_size=1, max_size=6)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seqs=token_lists, budget=st.integers(1, 80), pads=st.lists(st.integers(0, 3), min_size=6, max_size=6),
        order=st.randoms(use_true_random=False))
 def test_a_samples_score_does_not_depend_on_its_batch(qwen3_rm, seqs, budget, pads, order):
