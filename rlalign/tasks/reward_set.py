@@ -19,7 +19,9 @@ Scoring does not yet overlap generation: it starts when the step's completions a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from rlalign.tasks.reward_model import RewardModel
@@ -34,6 +36,7 @@ class RewardSet:
     def __init__(self, terms: Sequence[RewardTerm], *, timeout_s: float, device: str = "cpu"):
         self.terms = list(terms)
         self._scorers: list = []
+        self._seen: list[list[float]] = [[] for _ in self.terms]   # each term's values since take_term_means
         try:
             for term in self.terms:
                 self._scorers.append(
@@ -67,7 +70,18 @@ class RewardSet:
               conversations: "Sequence[Sequence[dict] | None] | None" = None) -> list[float]:
         """Each sample's weighted sum of the terms' rewards (see the module docstring)."""
         values = self.components(prompts, completions, answers, extras, conversations)
+        for seen, term_values in zip(self._seen, values):
+            seen.extend(term_values)
         return combine(values, [t.weight for t in self.terms])
+
+    def take_term_means(self) -> dict[str, float]:
+        """``{"reward/term<i>_<label>": mean}`` of each term's (unweighted) values scored since the last call, when
+        there are two terms or more (one term: {} -- its values are the reward); then forgets them. Labels: the
+        function's name, or the reward model folder's name."""
+        seen, self._seen = self._seen, [[] for _ in self.terms]
+        if len(self.terms) < 2 or not seen[0]:
+            return {}
+        return {f"reward/term{i}_{term_label(t)}": sum(v) / len(v) for i, (t, v) in enumerate(zip(self.terms, seen))}
 
     def close(self) -> None:
         for scorer in self._scorers:
@@ -76,4 +90,10 @@ class RewardSet:
                 close()
 
 
-__all__ = ["RewardSet"]
+def term_label(term: RewardTerm) -> str:
+    """A short metric-safe label of a term: the function's name, or the reward model folder's name."""
+    source = term.name.rpartition(":")[2] if term.name is not None else Path(term.reward_model).name
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", source.rpartition(".")[2] or source) or "term"
+
+
+__all__ = ["RewardSet", "term_label"]

@@ -121,6 +121,11 @@ class TaskData:
                                   [p.answer for p in problems], [p.extra for p in problems],
                                   [self.messages(p.prompt) if self.is_chat(p.prompt) else None for p in problems])
 
+    def take_reward_terms(self) -> dict[str, float]:
+        """Each weighted reward term's mean since the last call (``task.rewards`` with two terms or more), else {}."""
+        take = getattr(self.rewards, "take_term_means", None)
+        return take() if take is not None else {}
+
     def close(self) -> None:
         """Stop the reward worker (idempotent)."""
         close = getattr(self.rewards, "close", None)

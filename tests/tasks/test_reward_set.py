@@ -88,11 +88,15 @@ def test_rule_and_model_terms_combine_with_weights(reward_file, tmp_path):
     rm_values = RewardModel(rm_dir).score(PROMPTS, COMPLETIONS, conversations)
     rewards = RewardSet(terms, timeout_s=30)
     try:
+        assert rewards.take_term_means() == {}
         parts = rewards.components(PROMPTS, COMPLETIONS, ANSWERS, EXTRAS, conversations)
         assert parts == [[1.0, 1.0, 1.0], rm_values, [1.5, 0.0, 2.0]]
         total = rewards.score(PROMPTS, COMPLETIONS, ANSWERS, EXTRAS, conversations)
         assert total == [0.0 + 0.5 * a + -2.0 * b + 1.0 * c for a, b, c in zip(*parts)]
         assert all(math.isfinite(x) for x in total)
+        means = rewards.take_term_means()   # components() alone records nothing; score() does
+        assert list(means) == ["reward/term0_length", "reward/term1_rm", "reward/term2_batch_match"]
+        assert means["reward/term2_batch_match"] == sum(parts[2]) / 3 and rewards.take_term_means() == {}
     finally:
         rewards.close()
 
@@ -143,3 +147,7 @@ def test_a_run_trains_on_a_csv_with_a_rule_reward_and_a_reward_model(tmp_path):
     assert step["mismatch/count"] == 0 and step["mismatch/tokens"] > 0
     total = step["reward/mean"] * 4   # four samples: a math reward in {0, 1} plus 0.25 x a reward model's score
     assert math.isfinite(total) and abs(total - round(total)) > 1e-6
+    terms = {k: v for k, v in step.items() if k.startswith("reward/term")}
+    assert sorted(terms) == ["reward/term0_math", "reward/term1_rm"]
+    assert math.isclose(step["reward/mean"], terms["reward/term0_math"] + 0.25 * terms["reward/term1_rm"],
+                        rel_tol=1e-5, abs_tol=1e-6)
