@@ -13,6 +13,7 @@ from typing import ClassVar, Literal
 from rlalign.configlib import (Rule, at_least, checked_by_type, greater_than, guarded_keys, non_empty, one_of,
                                pair_within, unusual_value, usual, within)
 from rlalign.tasks.arithmetic import MAX_DIGITS
+from rlalign.tasks.reward_terms import term_problem
 from rlalign.algos.registry import (
     ADVANTAGES,
     KL_ESTIMATOR_REGISTRY,
@@ -59,6 +60,17 @@ class TaskSection:
         "system_prompt": non_empty("a system message", optional=True),
         "enable_thinking": checked_by_type("true, false or null"),
         "reward_timeout_s": within(0, 86400, low_open=True),
+        "rewards": Rule("a list of mappings ({name: REWARD, weight: W} or {reward_model: DIR, weight: W})",
+                        lambda x: all(isinstance(e, dict) for e in x), (["gsm8k"], [1])),
+        "columns": Rule("a mapping {name: column} of non-empty strings", lambda x: isinstance(x, dict) and all(
+            isinstance(k, str) and k.strip() and isinstance(v, str) and v.strip() for k, v in x.items()),
+            ("prompt", {"prompt": ""})),
+        "split": non_empty("a split name"),
+        "eval_path": non_empty("a held-out dataset file or folder", optional=True),
+        "eval_split": non_empty("a split name"),
+        "shuffle": checked_by_type("true or false"),
+        "streaming": checked_by_type("true or false"),
+        "shuffle_buffer": at_least(1),
     }
     name: Literal["arithmetic", "dataset"] = "arithmetic"   # arithmetic (built-in addition) | dataset (task.path)
     reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function (docs/data_and_rewards.md)
@@ -74,10 +86,27 @@ class TaskSection:
     system_prompt: str | None = None   # chat: a system message put before each prompt that has none
     enable_thinking: bool | None = None   # chat: the template's enable_thinking (Qwen3: false = no <think> block); None: unset
     reward_timeout_s: float = 30.0     # seconds one reward call may take; past it the run stops naming the reward and the sample
+    rewards: list[dict] = dataclasses.field(default_factory=list)   # weighted terms instead of task.reward: [{name: gsm8k, weight: 1.0}, {reward_model: DIR, weight: 0.5}]
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)   # dataset: {name the task/reward sees: column}, e.g. {prompt: question}
+    split: str = "train"               # dataset: the split of a datasets save_to_disk DatasetDict folder to train on
+    eval_path: str | None = None       # dataset: a separate held-out file or folder (task.eval_fraction then unused)
+    eval_split: str = "test"           # dataset: the split of an eval_path DatasetDict folder
+    shuffle: bool = False              # dataset: every pass over the train rows in a new order seeded by run.seed
+    streaming: bool = False            # dataset: read task.path lazily (datasets streaming), for data larger than memory
+    shuffle_buffer: int = 10000        # dataset, streaming with shuffle: rows in the shuffle buffer
 
     def validate(self):
         if self.name == "dataset" and not self.path:
             return "path is required when name is 'dataset' (task.path=data.jsonl)"
+        if self.rewards and self.reward != "builtin":
+            return "set task.reward (one reward) or task.rewards (weighted terms), not both (task.reward=builtin unsets it)"
+        for i, entry in enumerate(self.rewards):
+            problem = term_problem(entry)
+            if problem:
+                return f"rewards[{i}] {problem}"
+        for key, field_name in (("prompt", "prompt_field"), ("answer", "answer_field")):
+            if key in self.columns and getattr(self, field_name) != key:
+                return f"columns.{key} and {field_name} both name the {key} column: set one"
         if self.min_digits > self.max_digits:
             return f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})"
 

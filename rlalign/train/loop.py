@@ -95,7 +95,7 @@ class Trainer:
         if cfg.algo.router_aux_coef > 0 and not self.moe:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
-        self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
+        self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed, cfg.model.device)
         reward_file = reward_fingerprint(cfg.task.reward)   # recorded with every checkpoint
         # shared (the engine steps the policy's own tensors) or a copy synced each step: rlalign.train.engines
         path = weights_path(cfg)
