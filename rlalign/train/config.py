@@ -91,6 +91,7 @@ class RolloutSection:
         "temperature": greater_than(0),
         "top_p": within(0, 1, low_open=True),
         "top_k": at_least(0),
+        "min_p": within(0, 1),
         "page_size": at_least(1),
         "max_num_seqs": at_least(1),
         "max_num_batched_tokens": at_least(1),
@@ -110,6 +111,8 @@ class RolloutSection:
     temperature: float = 1.0           # sampling temperature (the trainer scores at the same one)
     top_p: float = 1.0                 # nucleus sampling (1.0: off)
     top_k: int = 0                     # top-k sampling (0: off)
+    min_p: float = 0.0                 # min-p sampling (0.0: off; vLLM's, applied before top-k / top-p)
+    logprobs: Literal["full", "sampled"] = "full"   # full softmax | the kept set's renormalised distribution (strict)
     page_size: int = 16                # KV-cache page size in tokens
     max_num_seqs: int = 512            # sequences decoded at once
     max_num_batched_tokens: int = 8192 # token budget of one engine step (chunked prefill)
@@ -121,6 +124,9 @@ class RolloutSection:
     share_weights: bool | None = None  # the engine reads the policy's own tensors (no copy); None: where possible
 
     def validate(self):
+        if self.logprobs == "sampled" and self.engine != "rlalign":
+            return (f"logprobs=sampled needs engine=rlalign (engine {self.engine!r} reports full-softmax log-probs "
+                    "only)")
         if self.engine not in ENGINES:
             return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r} ({INTEGRATIONS_HINT})"
         return memory_problem("prompts_per_step x samples_per_prompt (per step)",
@@ -132,6 +138,15 @@ class RolloutSection:
         temperature for a sample drawn at ``temperature`` (the one rule, ops.logprob_temperature)."""
         from rlalign.ops import temperature as temperature_rule   # lazy: the config is read before torch is needed
         return temperature_rule.logprob_temperature(self.temperature)
+
+    @property
+    def sampled_scoring(self) -> "dict | None":
+        """``ops.sampled_logprob``'s settings with ``logprobs=sampled`` (the distribution the engine drew from:
+        temperature, top_k, top_p, min_p), None with ``logprobs=full`` (the full softmax at the logprob
+        temperature)."""
+        if self.logprobs != "sampled":
+            return None
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 @dataclasses.dataclass
@@ -327,6 +342,9 @@ class TrainConfig:
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
         if self.parallel.tp is not None and self.algo.advantage == "gae":
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
+        if self.rollout.logprobs == "sampled" and (self.run.profile != "strict" or self.parallel.tp is not None):
+            return ("rollout.logprobs=sampled needs run.profile=strict and no parallel.tp (the kept set is recomputed "
+                    "from the full logits row, bit for bit)")
         if self.run.resume and self.run.overwrite:
             return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
         unusual = self._unusual_value()
