@@ -124,9 +124,9 @@ class RolloutSection:
     share_weights: bool | None = None  # the engine reads the policy's own tensors (no copy); None: where possible
 
     def validate(self):
-        if self.logprobs == "sampled" and self.engine != "rlalign":
-            return (f"logprobs=sampled needs engine=rlalign (engine {self.engine!r} reports full-softmax log-probs "
-                    "only)")
+        if (self.logprobs == "sampled" or self.min_p) and self.engine != "rlalign":
+            return (f"logprobs=sampled and min_p need engine=rlalign (engine {self.engine!r} samples without min-p "
+                    "and reports full-softmax log-probs)")
         if self.engine not in ENGINES:
             return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r} ({INTEGRATIONS_HINT})"
         return memory_problem("prompts_per_step x samples_per_prompt (per step)",
