@@ -342,9 +342,9 @@ class TrainConfig:
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
         if self.parallel.tp is not None and self.algo.advantage == "gae":
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
-        if self.rollout.logprobs == "sampled" and (self.run.profile != "strict" or self.parallel.tp is not None):
-            return ("rollout.logprobs=sampled needs run.profile=strict and no parallel.tp (the kept set is recomputed "
-                    "from the full logits row, bit for bit)")
+        sampled = self._sampled_logprobs_problem()
+        if sampled:
+            return sampled
         if self.run.resume and self.run.overwrite:
             return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
         unusual = self._unusual_value()
@@ -358,6 +358,20 @@ class TrainConfig:
             return (f"algo.advantage={self.algo.advantage} compares the samples of a prompt: with "
                     "rollout.samples_per_prompt=1 every advantage is 0 and training does nothing; use >= 2")
 
+
+    def _sampled_logprobs_problem(self) -> "str | None":
+        """``rollout.logprobs=sampled`` recomputes the engine's kept set from the policy's full logits rows, bit for
+        bit: strict, unsharded; and one optimizer step per rollout step, the only pass whose policy is the
+        engine's (a moved policy may drop a sampled token from its kept set: log-prob -inf)."""
+        if self.rollout.logprobs != "sampled":
+            return None
+        if self.run.profile != "strict" or self.parallel.tp is not None:
+            return ("rollout.logprobs=sampled needs run.profile=strict and no parallel.tp (the kept set is recomputed "
+                    "from the full logits row, bit for bit)")
+        if self.algo.mini_batches != 1 or self.algo.ppo_epochs != 1 or self.run.policy_kl:
+            return ("rollout.logprobs=sampled needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false: "
+                    "a policy moved by an optimizer step may drop a sampled token from its kept set (log-prob -inf)")
+        return None
 
     def _unusual_value(self) -> "str | None":
         """A value outside its usual range (the sections' GUARDS) that run.allow_unusual does not list as meant."""

@@ -58,6 +58,9 @@ def test_ratio_is_exactly_one_before_the_update(arithmetic_model_dir, tmp_path):
     (["run.profile=native"], "rollout.logprobs=sampled needs run.profile=strict and no parallel.tp"),
     (["parallel.tp=2"], "rollout.logprobs=sampled needs run.profile=strict and no parallel.tp"),
     (["rollout.engine=vllm"], "logprobs=sampled and min_p need engine=rlalign"),
+    (["algo.mini_batches=2"], "needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false"),
+    (["algo.ppo_epochs=2"], "needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false"),
+    (["run.policy_kl=true"], "needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false"),
 ])
 def test_unsupported_combinations_are_one_line(extra, message, capsys):
     assert main(["train", "--dry-run", *SAMPLED, *extra]) == 2
