@@ -15,6 +15,8 @@ request's seed, prompt key and sample index), p the absolute position the token 
 (``model.logprobs(ForwardBatch.packed(...), targets, temperature=ops.logprob_temperature(T))``), and
 in the strict profile a row does not depend on the batch, the chunking or the page layout: the
 engine's logprobs equal the trainer's bit for bit, and the tokens do not depend on any engine setting.
+Requests with ``min_p`` or ``logprobs="sampled"`` (the kept set's log-prob, ``ops.sampled_logprob``) sample
+eagerly, outside the decode graphs.
 
 The runner only launches: the forward and the sampling are queued, their results start their copy to the
 host (:class:`rlalign.rollout.readback.Readback`), and a :class:`LaunchedStep` says what to read back. The
