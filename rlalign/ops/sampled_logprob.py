@@ -26,7 +26,8 @@ logits, so it is held fixed): with p_v = exp(z_v - lse_K) on K and 0 elsewhere, 
 
 then through / T and the LM-head GEMM as ``ops.logprob_entropy``'s torch backward does (dh over vocab blocks in
 order with fixed-shape GEMMs, dW over token chunks in order, fp32, no atomics). The backward recomputes the logits
-and K chunk by chunk: peak extra memory O(token_chunk x V), never [T, V].
+chunk by chunk and K from two saved numbers a row (K is a prefix of the order: its last token and that token's z):
+peak extra memory O(token_chunk x V), never [T, V].
 
 Strict profile only: the native sampler keeps its own set (ties at the cut broken by the sort), so its tokens are
 not always in this K; ``profile="native"`` raises.
@@ -44,7 +45,7 @@ from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops.logprob import check_targets, lm_logits
 from rlalign.ops.sample import check_min_p, check_values, per_row
-from rlalign.ops.temperature import temperature_divisor
+from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.logprob import add_grad_hidden, add_grad_weight, index_chunks
 from rlalign.ops.torch_backend.primitives import tree_sum
 from rlalign.ops.torch_backend.sample import kept_set
@@ -104,6 +105,23 @@ def _kept_chunk(hidden, weight, settings, rows: slice):
     return kept_set(logits, *(s[rows] for s in settings))
 
 
+def kept_boundary(z: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z_c, c) per row: the last kept token c of the order (z desc, id asc) and its z. K is a prefix of that order
+    (every rule of ``kept_set`` keeps one), so these two numbers hold it exactly: :func:`kept_from_boundary`."""
+    z_c = torch.where(keep, z, float("inf")).amin(-1)
+    ids = torch.arange(z.shape[1], device=z.device)
+    c = torch.where(keep & (z == z_c.unsqueeze(-1)), ids, -1).amax(-1)
+    return z_c, c
+
+
+def kept_from_boundary(z: torch.Tensor, z_c: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The kept set from its boundary (:func:`kept_boundary`) and the same z bits: the tokens before or at c in the
+    order, i.e. z > z_c, or z == z_c with an id <= c."""
+    ids = torch.arange(z.shape[1], device=z.device)
+    z_c, c = z_c.unsqueeze(-1), c.unsqueeze(-1)
+    return (z > z_c) | ((z == z_c) & (ids <= c))
+
+
 def kept_log_softmax(z: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
     """The forward formula of the module docstring on one chunk: (logprob, entropy | None, full logprob, |K|, lse_K,
     mu | None), all per row."""
@@ -141,12 +159,14 @@ class _SampledLogprob(torch.autograd.Function):
         parts = []
         for rows in index_chunks(tokens, token_chunk):
             z, keep = _kept_chunk(hidden, weight, settings, rows)
-            parts.append(kept_log_softmax(z, keep, targets[rows], with_entropy))
+            parts.append((*kept_log_softmax(z, keep, targets[rows], with_entropy), *kept_boundary(z, keep)))
         if not parts:
             empty = torch.empty(0, dtype=torch.float32, device=dev)
-            parts = [(empty, empty if with_entropy else None, empty, empty.long(), empty, empty if with_entropy else None)]
-        logprob, entropy, full, kept, lse, mu = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
-        ctx.save_for_backward(hidden, weight, targets, lse, *(() if mu is None else (mu,)))
+            parts = [(empty, empty if with_entropy else None, empty, empty.long(), empty, empty if with_entropy else None,
+                      empty, empty.long())]
+        logprob, entropy, full, kept, lse, mu, z_c, c = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        # the backward rebuilds each row's kept set from its boundary (two numbers a row) and the recomputed z
+        ctx.save_for_backward(hidden, weight, targets, lse, z_c, c, *(() if mu is None else (mu,)))
         ctx.settings, ctx.token_chunk = settings, token_chunk
         ctx.mark_non_differentiable(full, kept)
         ctx.set_materialize_grads(False)
@@ -155,7 +175,7 @@ class _SampledLogprob(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_lp, g_ent, _g_full, _g_kept):
-        hidden, weight, targets, lse, *rest = ctx.saved_tensors
+        hidden, weight, targets, lse, z_c, c, *rest = ctx.saved_tensors
         mu = rest[0] if rest else None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float()
@@ -164,8 +184,9 @@ class _SampledLogprob(torch.autograd.Function):
         dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dh else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
         for rows in index_chunks(hidden.shape[0], ctx.token_chunk):
-            z, keep = _kept_chunk(hidden, weight, ctx.settings, rows)
             divisor = temperature_divisor(ctx.settings[0][rows], hidden.device)   # [rows, 1], greedy rows 1
+            z = divide_by_temperature(lm_logits(hidden[rows], weight, profile="strict"), divisor)   # kept_set's z
+            keep = kept_from_boundary(z, z_c[rows], c[rows])
             dlogits = _grad_logits(z, keep, targets[rows], lse[rows], None if mu is None else mu[rows], g_lp[rows],
                                    None if g_ent is None else g_ent[rows], divisor)
             if need_dh:
@@ -176,4 +197,4 @@ class _SampledLogprob(torch.autograd.Function):
                 None, None, None, None)
 
 
-__all__ = ["sampled_logprob", "SampledLogprobs", "kept_log_softmax"]
+__all__ = ["sampled_logprob", "SampledLogprobs", "kept_log_softmax", "kept_boundary", "kept_from_boundary"]

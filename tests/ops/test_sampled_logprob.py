@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from rlalign import ops
 from rlalign.contract.errors import ContractError
+from rlalign.ops.sampled_logprob import kept_boundary, kept_from_boundary
 from rlalign.ops.torch_backend import sample as backend
 from tests.bitwise import assert_bitwise_equal
 
@@ -73,8 +74,10 @@ def test_scorer_kept_set_is_the_samplers(data, rows, vocab, seed):
     s = row_settings(data, rows)
     with pytest.MonkeyPatch.context() as mp:
         want = sampler_kept(logits, s, mp)
-    _, kept = backend.kept_set(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
+    z, kept = backend.kept_set(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
     assert torch.equal(kept, want), (kept ^ want).nonzero()[:4]
+    # the two numbers a row the backward keeps (the last kept token of the order and its z) rebuild the set
+    assert torch.equal(kept_from_boundary(z, *kept_boundary(z, kept)), kept)
     with ops.static_decode():   # the static form (CUDA-graph capture) keeps the same set
         _, static = backend.kept_set(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
     ops.flush_deferred_checks()

@@ -268,7 +268,7 @@ def kept_set(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
     vocab = logits.shape[1]
     greedy = temperature == 0
     z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))
-    k = min_p_top_k(z, top_k, min_p)
+    k = min_p_top_k(z, top_k, min_p) if chk.static_shapes() or bool((min_p > 0).any()) else top_k
     k = torch.where(greedy, 1, k)
     k = torch.where(k >= vocab, 0, k)
     p = torch.where(greedy, torch.ones_like(top_p), top_p)
