@@ -120,6 +120,7 @@ class RolloutSection:
         "temperature": greater_than(0),
         "top_p": within(0, 1, low_open=True),
         "top_k": at_least(0),
+        "min_p": within(0, 1),
         "page_size": at_least(1),
         "max_num_seqs": at_least(1),
         "max_num_batched_tokens": at_least(1),
@@ -139,6 +140,8 @@ class RolloutSection:
     temperature: float = 1.0           # sampling temperature (the trainer scores at the same one)
     top_p: float = 1.0                 # nucleus sampling (1.0: off)
     top_k: int = 0                     # top-k sampling (0: off)
+    min_p: float = 0.0                 # min-p sampling (0.0: off; vLLM's, applied before top-k / top-p)
+    logprobs: Literal["full", "sampled"] = "full"   # full softmax | the kept set's renormalised distribution (strict)
     page_size: int = 16                # KV-cache page size in tokens
     max_num_seqs: int = 512            # sequences decoded at once
     max_num_batched_tokens: int = 8192 # token budget of one engine step (chunked prefill)
@@ -150,6 +153,9 @@ class RolloutSection:
     share_weights: bool | None = None  # the engine reads the policy's own tensors (no copy); None: where possible
 
     def validate(self):
+        if (self.logprobs == "sampled" or self.min_p) and self.engine != "rlalign":
+            return (f"logprobs=sampled and min_p need engine=rlalign (engine {self.engine!r} samples without min-p "
+                    "and reports full-softmax log-probs)")
         if self.engine not in ENGINES:
             return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r} ({INTEGRATIONS_HINT})"
         return memory_problem("prompts_per_step x samples_per_prompt (per step)",
@@ -161,6 +167,15 @@ class RolloutSection:
         temperature for a sample drawn at ``temperature`` (the one rule, ops.logprob_temperature)."""
         from rlalign.ops import temperature as temperature_rule   # lazy: the config is read before torch is needed
         return temperature_rule.logprob_temperature(self.temperature)
+
+    @property
+    def sampled_scoring(self) -> "dict | None":
+        """``ops.sampled_logprob``'s settings with ``logprobs=sampled`` (the distribution the engine drew from:
+        temperature, top_k, top_p, min_p), None with ``logprobs=full`` (the full softmax at the logprob
+        temperature)."""
+        if self.logprobs != "sampled":
+            return None
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 @dataclasses.dataclass
@@ -356,6 +371,9 @@ class TrainConfig:
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
         if self.parallel.tp is not None and self.algo.advantage == "gae":
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
+        sampled = self._sampled_logprobs_problem()
+        if sampled:
+            return sampled
         if self.run.resume and self.run.overwrite:
             return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
         unusual = self._unusual_value()
@@ -369,6 +387,20 @@ class TrainConfig:
             return (f"algo.advantage={self.algo.advantage} compares the samples of a prompt: with "
                     "rollout.samples_per_prompt=1 every advantage is 0 and training does nothing; use >= 2")
 
+
+    def _sampled_logprobs_problem(self) -> "str | None":
+        """``rollout.logprobs=sampled`` recomputes the engine's kept set from the policy's full logits rows, bit for
+        bit: strict, unsharded; and one optimizer step per rollout step, the only pass whose policy is the
+        engine's (a moved policy may drop a sampled token from its kept set: log-prob -inf)."""
+        if self.rollout.logprobs != "sampled":
+            return None
+        if self.run.profile != "strict" or self.parallel.tp is not None:
+            return ("rollout.logprobs=sampled needs run.profile=strict and no parallel.tp (the kept set is recomputed "
+                    "from the full logits row, bit for bit)")
+        if self.algo.mini_batches != 1 or self.algo.ppo_epochs != 1 or self.run.policy_kl:
+            return ("rollout.logprobs=sampled needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false: "
+                    "a policy moved by an optimizer step may drop a sampled token from its kept set (log-prob -inf)")
+        return None
 
     def _unusual_value(self) -> "str | None":
         """A value outside its usual range (the sections' GUARDS) that run.allow_unusual does not list as meant."""

@@ -39,7 +39,7 @@ class Sampler:
         problems = self.task.train(self.data_pos, count)
         self.data_pos += len(problems)
         sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                  max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos,
+                                  min_p=r.min_p, logprobs=r.logprobs, max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos,
                                   seed=derive_seed(self.cfg.run.seed, step, draw_round))
         samples = generate_sharded(self.engine, self._prompts(problems), sampling, self.dp)
         return samples.scored(self._rewards(problems, samples), first_group)
@@ -85,7 +85,7 @@ class Sampler:
         out = {}
         for key, sampling in (
                 ("eval/accuracy", SamplingParams(n=self.cfg.run.eval_samples, temperature=r.temperature, top_k=r.top_k,
-                                                 top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                                 top_p=r.top_p, min_p=r.min_p, max_new_tokens=r.max_new_tokens,
                                                  seed=derive_seed(self.cfg.run.seed, -1, 0))),
                 ("eval/accuracy_greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens))):
             with use_profile(self.cfg.run.profile):
