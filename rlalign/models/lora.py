@@ -24,6 +24,7 @@ checkpoint holds one weight per projection), not bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -111,24 +112,37 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: "torch.Tensor | Non
                 b: torch.Tensor, scaling: float, *, k_segments: "int | None" = None,
                 dropout: float = 0.0) -> torch.Tensor:
     """``x W^T (+ bias) + s (drop(x) A^T) B^T``, unmerged, on the strict ops (module docstring: the roundings).
-    Dropout applies only where a gradient is being taken (scoring forwards and the rollout run without it); it
-    draws from torch's global generator, which a run checkpoint stores (the strict profile refuses it:
-    :func:`check_dropout`)."""
+    Dropout applies only where a gradient is being taken (scoring forwards and the rollout run without it); its
+    masks come from :func:`dropout_seed`'s generator (torch's global one outside it). A strict run refuses it: the
+    training forward would drop what the rollout kept, so their log-probs could not agree."""
     base = ops.linear(x, weight, bias, k_segments=k_segments)
     if dropout > 0.0 and torch.is_grad_enabled():
-        x = nn.functional.dropout(x, dropout, training=True)
+        x = _dropout(x, dropout)
     delta = ops.linear(ops.linear(x, a, k_segments=k_segments), b)
     # fp32 combine: the product and the sum are elementwise (no reduction), one rounding to the stream dtype
     return (base.float() + delta.float() * scaling).to(base.dtype)
 
 
-def check_dropout(spec: LoRASpec, profile: str) -> None:
-    """The strict profile refuses adapter dropout: the training forward would drop what the rollout kept, so the
-    trainer's log-probs could not equal the engine's."""
-    if spec.dropout > 0 and profile == "strict":
-        raise LoRAError(f"model.lora.dropout={spec.dropout}: dropout makes the training forward differ from the "
-                        "rollout's, which the strict profile's bitwise contract forbids; set model.lora.dropout=0 "
-                        "(or run.profile=native)")
+_DROPOUT_GENERATOR: "list[torch.Generator]" = []   # the innermost dropout_seed's generator
+
+
+@contextlib.contextmanager
+def dropout_seed(seed: int):
+    """Draw the adapters' dropout masks inside the block from a CPU generator seeded with ``seed`` (the trainer
+    seeds each step from the run's seed and the step: the masks are then a function of (seed, step, call order),
+    the same in a resumed run, whatever ran in the process before)."""
+    _DROPOUT_GENERATOR.append(torch.Generator().manual_seed(seed))
+    try:
+        yield
+    finally:
+        _DROPOUT_GENERATOR.pop()
+
+
+def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Inverted dropout (kept elements scaled by 1 / (1 - p)); the mask is drawn on the CPU, then moved."""
+    gen = _DROPOUT_GENERATOR[-1] if _DROPOUT_GENERATOR else None
+    keep = torch.empty(x.shape, dtype=torch.float32).bernoulli_(1.0 - p, generator=gen)
+    return x * (keep / (1.0 - p)).to(device=x.device, dtype=x.dtype)
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
@@ -327,7 +341,7 @@ def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["TARGETS", "ATTENTION_TARGETS", "MLP_TARGETS", "CONFIG_FILE", "WEIGHTS_FILE", "PEFT_PREFIX", "LoRAError",
-           "LoRASpec", "LoRAFactor", "LoRALinear", "lora_linear", "check_dropout", "lora_modules", "has_lora",
+           "LoRASpec", "LoRAFactor", "LoRALinear", "lora_linear", "dropout_seed", "lora_modules", "has_lora",
            "apply_lora", "adapter_parameters", "peft_config", "adapter_tensors", "is_adapter_folder_file",
            "save_adapter", "spec_from_peft", "read_adapter", "load_adapter_weights", "load_adapter", "merged_copy",
            "base_state"]

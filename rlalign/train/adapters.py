@@ -11,9 +11,11 @@ merged model (:func:`exportable`) and ``adapter/`` the adapters alone in PEFT's 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from pathlib import Path
 
-from rlalign.models.lora import (LoRAError, LoRASpec, apply_lora, check_dropout, has_lora, load_adapter_weights,
+from rlalign.models.lora import (LoRAError, LoRASpec, apply_lora, dropout_seed, has_lora, load_adapter_weights,
                                  merged_copy, read_adapter, save_adapter)
 
 
@@ -25,26 +27,10 @@ def lora_spec(model_section) -> "LoRASpec | None":
     return LoRASpec(rank=lora.rank, alpha=float(lora.alpha), dropout=float(lora.dropout), targets=tuple(lora.targets))
 
 
-def check_lora_run(cfg) -> None:
-    """Refuse, in one line, a run that LoRA cannot join as configured (before anything is built)."""
-    spec = lora_spec(cfg.model)
-    if spec is None:
-        return
-    check_dropout(spec, cfg.run.profile)
-    if cfg.parallel.tp is not None:
-        raise LoRAError("model.lora with parallel.tp is not supported yet; use parallel.dp (or no parallel.tp)")
-    if cfg.launcher != "local":
-        raise LoRAError(f"model.lora with launcher={cfg.launcher} is not supported yet (its workers load the base "
-                        "model only); use launcher=local")
-    if cfg.rollout.engine != "rlalign":
-        raise LoRAError(f"model.lora with rollout.engine={cfg.rollout.engine} is not supported (the engine does not "
-                        "run adapters); use rollout.engine=rlalign")
-
-
 def adapt_policy(policy, cfg) -> "LoRASpec | None":
     """Adapt ``policy`` in place as ``model.lora`` says (A drawn from ``run.seed``; with ``model.lora.path`` the
-    PEFT folder's adapters loaded, its rank, alpha and targets equal to the config's); None without LoRA."""
-    check_lora_run(cfg)
+    PEFT folder's adapters loaded, its rank, alpha and targets equal to the config's); None without LoRA. What
+    the run cannot combine with adapters was refused with the config (``LoRASection.conflict``)."""
     spec = lora_spec(cfg.model)
     if spec is None:
         return None
@@ -60,6 +46,15 @@ def adapt_policy(policy, cfg) -> "LoRASpec | None":
     return spec
 
 
+def step_dropout(spec: "LoRASpec | None", seed: int, step: int):
+    """The context a training step's update runs in: with adapter dropout, its masks drawn from a generator seeded
+    by (run.seed, step) (:func:`rlalign.models.lora.dropout_seed`), so a resumed step draws the same masks."""
+    if spec is None or spec.dropout == 0:
+        return contextlib.nullcontext()
+    digest = hashlib.sha256(f"lora-dropout:{seed}:{step}".encode()).digest()
+    return dropout_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
 def exportable(policy):
     """The policy as a Hugging Face checkpoint holds it: merged when it has adapters (:func:`merged_copy`)."""
     return merged_copy(policy) if has_lora(policy) else policy
@@ -70,4 +65,4 @@ def save_run_adapter(policy, spec: LoRASpec, directory: Path, base_model: str) -
     return save_adapter(policy, spec, directory, base_model=base_model, overwrite=True)
 
 
-__all__ = ["lora_spec", "check_lora_run", "adapt_policy", "exportable", "save_run_adapter"]
+__all__ = ["lora_spec", "adapt_policy", "step_dropout", "exportable", "save_run_adapter"]

@@ -47,6 +47,24 @@ class LoRASection:
     targets: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])   # projections adapted in every layer
     path: str | None = None            # start from this PEFT adapter folder (its rank, alpha and targets must match)
 
+    def conflict(self, cfg) -> "str | None":
+        """What of the run (``cfg``: the whole TrainConfig) adapters cannot join, in one line; None: nothing."""
+        if self.rank == 0:
+            return None
+        if self.dropout > 0 and cfg.run.profile == "strict":
+            return (f"model.lora.dropout={self.dropout}: dropout makes the training forward differ from the "
+                    "rollout's, which the strict profile's bitwise contract forbids; set model.lora.dropout=0 "
+                    "(or run.profile=native)")
+        if cfg.parallel.tp is not None:
+            return "model.lora with parallel.tp is not supported yet; use parallel.dp (or no parallel.tp)"
+        if cfg.launcher != "local":
+            return (f"model.lora with launcher={cfg.launcher} is not supported yet (its workers load the base model "
+                    "only); use launcher=local")
+        if cfg.rollout.engine != "rlalign":
+            return (f"model.lora with rollout.engine={cfg.rollout.engine} is not supported (its engine does not run "
+                    "adapters); use rollout.engine=rlalign")
+        return None
+
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -351,6 +369,9 @@ class TrainConfig:
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
         if self.parallel.tp is not None and self.algo.advantage == "gae":
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
+        lora = self.model.lora.conflict(self)
+        if lora:
+            return lora
         if self.run.resume and self.run.overwrite:
             return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
         unusual = self._unusual_value()

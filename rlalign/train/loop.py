@@ -35,7 +35,7 @@ from rlalign.distributed.parallelize import parallelize
 from rlalign.models.checkpoint import save_model
 from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train import advantages
-from rlalign.train.adapters import adapt_policy, exportable, save_run_adapter
+from rlalign.train.adapters import adapt_policy, exportable, save_run_adapter, step_dropout
 from rlalign.train import parallel as par
 from rlalign.train.agreement import Agreement, MismatchError
 from rlalign.train.checkpointing import TrainingState
@@ -221,7 +221,8 @@ class Trainer:
 
             inputs = UpdateInputs(old["lp"], token_adv, None if kl_reward is not None else ref_lp, is_weights,
                                   value_targets)
-            update = self.update.run(self.step, batch, inputs, first_pass, keep_routing=compare_routing)
+            with step_dropout(self.lora, cfg.run.seed, step):   # adapter dropout (native): masks seeded by the step
+                update = self.update.run(self.step, batch, inputs, first_pass, keep_routing=compare_routing)
             if cfg.run.policy_kl:   # the updated policy on the samples its predecessor drew
                 update["kl/policy_step"] = policy_step_kl(old["lp"], batch.score(self.policy, temperature=temp)[0],
                                                           batch.mask)
