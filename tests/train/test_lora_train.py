@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlalign.cli.main import main as cli_main
 from rlalign.configlib import ConfigError, load_config
 from rlalign.integrations.ray.compare import metric_differences, weight_differences
 from rlalign.models.lora import read_adapter
@@ -59,11 +60,10 @@ def test_cli_lora_run_zero_mismatches_adapters_only_and_exports(arithmetic_model
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"])
 
-    out = _cli("export", str(run), str(tmp_path / "merged"))
-    assert out.returncode == 0, out.stderr
+    # the export command in this process (its argument parsing and error handling: rlalign.cli.main)
+    assert cli_main(["export", str(run), str(tmp_path / "merged")]) == 0
     assert (tmp_path / "merged" / "model.safetensors").read_bytes() == (run / "policy" / "model.safetensors").read_bytes()
-    out = _cli("export", str(run), str(tmp_path / "adapter"), "--adapter")
-    assert out.returncode == 0, out.stderr
+    assert cli_main(["export", str(run), str(tmp_path / "adapter"), "--adapter"]) == 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == \
         (run / "adapter" / "adapter_model.safetensors").read_bytes()
 
@@ -122,12 +122,15 @@ def test_bf16_masters_and_optimizer_state_hold_adapters_only(arithmetic_model_di
         trainer.run_lock.release()
 
 
-def test_refusals_are_one_line(arithmetic_model_dir, tmp_path):
-    proc = _cli("train", *tiny_overrides(arithmetic_model_dir, tmp_path / "run"), "model.lora.rank=4",
-                "model.lora.dropout=0.1")
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "model.lora.dropout=0.1" in lines[0] and "strict profile" in lines[0], proc.stderr
+def test_refusals_are_one_line(arithmetic_model_dir, tmp_path, capsys):
+    code = cli_main(["train", *tiny_overrides(arithmetic_model_dir, tmp_path / "run"), "model.lora.rank=4",
+                     "model.lora.dropout=0.1"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "model.lora.dropout=0.1" in lines[0] and "strict profile" in lines[0], err
+    assert not (tmp_path / "run").exists()   # refused with the config, before anything was written
+    assert cli_main(["export", str(tmp_path), str(tmp_path / "out"), "--adapter"]) == 2
     for extra, match in [(["parallel.tp=2"], "model.lora with parallel.tp is not supported"),
                          (["launcher=ray"], "model.lora with launcher=ray is not supported"),
                          (["rollout.engine=vllm"], "model.lora with rollout.engine=vllm is not supported"),
