@@ -209,7 +209,7 @@ def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def is_adapter_folder_file(path: Path) -> bool:
-    return path.is_file() and path.name in (CONFIG_FILE, WEIGHTS_FILE, "README.md")
+    return path.is_file() and path.name in (CONFIG_FILE, WEIGHTS_FILE)
 
 
 def save_adapter(model: nn.Module, spec: LoRASpec, directory: "str | os.PathLike", *, base_model: str = "",
@@ -261,6 +261,8 @@ def spec_from_peft(config: dict, where: str = "adapter_config.json") -> LoRASpec
         pattern = targets
         targets = [t for t in TARGETS if pattern == "all-linear" or any(
             re.fullmatch(pattern, f"model.layers.0.{owner}.{t}") for owner in ("self_attn", "mlp"))]
+    elif targets is not None:   # PEFT matches a listed name as a suffix of the module's name: "self_attn.q_proj"
+        targets = [str(t).rpartition(".")[2] for t in targets]
     try:
         return LoRASpec(rank=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
                         dropout=float(config.get("lora_dropout", 0.0) or 0.0), targets=tuple(targets or ()),

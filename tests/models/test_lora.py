@@ -23,10 +23,11 @@ from tests.rollout.test_engine_bitwise import assert_matches_trainer, make_promp
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def adapted(family="qwen3", *, rank=4, targets=TARGETS, dtype=torch.float32, seed=0, b_std=0.2, **overrides):
+def adapted(family="qwen3", *, rank=4, targets=TARGETS, dtype=torch.float32, seed=0, b_std=0.2, device="cpu",
+            **overrides):
     """A tiny model of ``family`` with adapters whose B is non-zero (PEFT's init makes it 0: no effect to test)."""
-    model = tiny_model(family, seed=seed, dtype=dtype, init_std=0.15, norm_jitter=0.2, **{**FAMILIES[family],
-                                                                                           **overrides})
+    model = tiny_model(family, seed=seed, dtype=dtype, init_std=0.15, norm_jitter=0.2, device=device,
+                       **{**FAMILIES[family], **overrides})
     apply_lora(model, LoRASpec(rank=rank, alpha=2.0 * rank, targets=tuple(targets)), seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

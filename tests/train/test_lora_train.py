@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from rlalign.cli.main import main as cli_main
 from rlalign.configlib import ConfigError, load_config
 from rlalign.integrations.ray.compare import metric_differences, weight_differences
-from rlalign.models.lora import read_adapter
+from rlalign.models.lora import LoRAError, read_adapter
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import Trainer, run_training
 from rlalign.train.run.checkpoint_files import load_latest_checkpoint
@@ -67,6 +67,20 @@ def test_cli_lora_run_zero_mismatches_adapters_only_and_exports(arithmetic_model
     assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == \
         (run / "adapter" / "adapter_model.safetensors").read_bytes()
 
+    # a new run starts from the adapter (model.lora.path): the policy holds its tensors; another rank is refused
+    again = Trainer(load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / "again") + [
+        "model.lora.rank=8", f"model.lora.path={run / 'adapter'}"]))
+    try:
+        held = dict(again.policy.named_parameters())
+        for name in adapters:
+            assert torch.equal(held[name].detach(), tensors[name]), name
+    finally:
+        again.close()
+        again.run_lock.release()
+    with pytest.raises(LoRAError, match="the adapter has rank 8, alpha 16.0"):
+        Trainer(load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / "other") + [
+            "model.lora.rank=4", f"model.lora.path={run / 'adapter'}"]))
+
 
 def _over(model_dir, run_dir, steps, *extra):
     return tiny_overrides(model_dir, run_dir, steps=steps, dense_reward=True) + [
@@ -74,7 +88,7 @@ def _over(model_dir, run_dir, steps, *extra):
 
 
 @pytest.mark.parametrize("extra", [
-    ["model.dtype=bfloat16", "optim.step_chunk_elements=100"],
+    ["model.dtype=bfloat16", "optim.step_chunk_elements=100", "optim.activation_checkpointing=true"],
     ["run.profile=native", "model.lora.dropout=0.2"],
 ], ids=["bf16-strict", "native-dropout"])
 def test_lora_run_stopped_and_resumed_equals_uninterrupted(arithmetic_model_dir, tmp_path, extra):
