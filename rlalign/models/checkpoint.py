@@ -35,6 +35,7 @@ from rlalign.models.atomic import atomic_write, default_file_mode
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import CausalLM
 from rlalign.models.layout import checkpoint_tensors
+from rlalign.models.lora import has_lora
 from rlalign.models.ownership import OutputRefused, check_output_folder, refuse_link
 from rlalign.models.tokenizer import Tokenizer, load_tokenizer
 
@@ -298,6 +299,9 @@ def save_model(model: CausalLM, directory: str | os.PathLike, *, max_shard_bytes
     (:func:`is_model_folder_file`); anything else, a file or a link there is refused (nothing changed).
     ``tokenizer_from``: copy the tokenizer files found there. ``checksums``: write checksums.json (False for
     weights whose source nobody verified: a checksum would vouch for them)."""
+    if has_lora(model):
+        raise CheckpointError("save_model: the model holds LoRA adapters; save rlalign.models.lora.merged_copy(model) "
+                              "(a Hugging Face checkpoint) or the adapters alone (rlalign.models.lora.save_adapter)")
     check_model_output(directory, overwrite=True, reads=[tokenizer_from] if tokenizer_from is not None else [])
     target = Path(directory).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)

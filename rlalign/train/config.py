@@ -30,6 +30,47 @@ LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
 @dataclasses.dataclass
+class LoRASection:
+    """LoRA adapters (docs/lora.md): rank 0 trains every weight; rank >= 1 trains only low-rank adapters of the
+    targeted projections (rlalign.models.lora), the base weights frozen."""
+    CHECKS: ClassVar[dict[str, Rule]] = {
+        "rank": at_least(0),
+        "alpha": greater_than(0),
+        "dropout": within(0, 1, high_open=True),
+        "targets": Rule("a list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj", lambda t: (
+            isinstance(t, list) and len(t) > 0 and len(set(t)) == len(t) and all(x in LORA_TARGETS for x in t)),
+            (["qkv"], [], ["q_proj", "q_proj"])),
+        "path": non_empty("a PEFT adapter folder", optional=True),
+    }
+    rank: int = 0                      # adapter rank r (0: no adapters, full fine-tuning)
+    alpha: float = 16.0                # scale s = alpha / r
+    dropout: float = 0.0               # dropout on the adapters' input (refused in the strict profile)
+    targets: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])   # projections adapted in every layer
+    path: str | None = None            # start from this PEFT adapter folder (its rank, alpha and targets must match)
+
+    def conflict(self, cfg) -> "str | None":
+        """What of the run (``cfg``: the whole TrainConfig) adapters cannot join, in one line; None: nothing."""
+        if self.rank == 0:
+            return None
+        if self.dropout > 0 and cfg.run.profile == "strict":
+            return (f"model.lora.dropout={self.dropout}: dropout makes the training forward differ from the "
+                    "rollout's, which the strict profile's bitwise contract forbids; set model.lora.dropout=0 "
+                    "(or run.profile=native)")
+        if cfg.parallel.tp is not None:
+            return "model.lora with parallel.tp is not supported yet; use parallel.dp (or no parallel.tp)"
+        if cfg.launcher != "local":
+            return (f"model.lora with launcher={cfg.launcher} is not supported yet (its workers load the base model "
+                    "only); use launcher=local")
+        if cfg.rollout.engine != "rlalign":
+            return (f"model.lora with rollout.engine={cfg.rollout.engine} is not supported (its engine does not run "
+                    "adapters); use rollout.engine=rlalign")
+        return None
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass
 class ModelSection:
     CHECKS: ClassVar[dict[str, Rule]] = {
         "path": non_empty("a checkpoint directory or 'default'"),
@@ -40,6 +81,7 @@ class ModelSection:
     path: str = "default"              # a Hugging Face checkpoint dir, or "default" (the embedded model)
     dtype: str | None = None           # float32 | bfloat16; None: the checkpoint's
     device: str = "cpu"                # cpu | cuda
+    lora: LoRASection = dataclasses.field(default_factory=LoRASection)
 
 
 @dataclasses.dataclass
@@ -374,6 +416,9 @@ class TrainConfig:
         sampled = self._sampled_logprobs_problem()
         if sampled:
             return sampled
+        lora = self.model.lora.conflict(self)
+        if lora:
+            return lora
         if self.run.resume and self.run.overwrite:
             return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
         unusual = self._unusual_value()

@@ -35,6 +35,7 @@ from rlalign.distributed.parallelize import parallelize
 from rlalign.models.checkpoint import save_model
 from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train import advantages
+from rlalign.train.adapters import adapt_policy, exportable, save_run_adapter, step_dropout
 from rlalign.train import parallel as par
 from rlalign.train.agreement import Agreement, MismatchError
 from rlalign.train.checkpointing import TrainingState
@@ -92,6 +93,7 @@ class Trainer:
     def _build(self, cfg: TrainConfig) -> None:
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
+        self.lora = adapt_policy(self.policy, cfg)   # model.lora: adapters before the engine and optimizer see it
         self.moe = self.policy.config.ffn_kind == "moe"
         if cfg.algo.router_aux_coef > 0 and not self.moe:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
@@ -168,6 +170,9 @@ class Trainer:
         policy = par.unsharded_policy(self.policy)
         if not self.writer:
             return self.run_dir / "policy"
+        if self.lora is not None:   # the adapters alone (PEFT's format) next to the merged policy
+            save_run_adapter(policy, self.lora, self.run_dir / "adapter", base_model=str(self.model_dir))
+            policy = exportable(policy)
         # shards of at most 5 GiB (hashed in parallel): an 8B export is 4 files, a small model's one model.safetensors
         # policy/ is replaced whole (tokenizer files included) and only when it holds a saved model's files alone
         return save_model(policy, self.run_dir / "policy", max_shard_bytes=EXPORT_SHARD_BYTES,
@@ -220,7 +225,8 @@ class Trainer:
 
             inputs = UpdateInputs(old["lp"], token_adv, None if kl_reward is not None else ref_lp, is_weights,
                                   value_targets)
-            update = self.update.run(self.step, batch, inputs, first_pass, keep_routing=compare_routing)
+            with step_dropout(self.lora, cfg.run.seed, step):   # adapter dropout (native): masks seeded by the step
+                update = self.update.run(self.step, batch, inputs, first_pass, keep_routing=compare_routing)
             if cfg.run.policy_kl:   # the updated policy on the samples its predecessor drew
                 update["kl/policy_step"] = policy_step_kl(
                     old["lp"], batch.score(self.policy, temperature=temp, sampled=scoring)[0], batch.mask)
