@@ -77,6 +77,7 @@ class ModelSection:
         "dtype": one_of("float32", "bfloat16", optional=True),
         "device": Rule("cpu, cuda or cuda:N", lambda d: isinstance(d, str) and (
             d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())), ("gpu", "cuda:x")),
+        "lora": checked_by_type("a mapping of rank, alpha, dropout, targets, path", bad=("bogus", 8, [8])),
     }
     path: str = "default"              # a Hugging Face checkpoint dir, or "default" (the embedded model)
     dtype: str | None = None           # float32 | bfloat16; None: the checkpoint's
@@ -163,6 +164,7 @@ class RolloutSection:
         "top_p": within(0, 1, low_open=True),
         "top_k": at_least(0),
         "min_p": within(0, 1),
+        "logprobs": checked_by_type("full or sampled"),
         "page_size": at_least(1),
         "max_num_seqs": at_least(1),
         "max_num_batched_tokens": at_least(1),
