@@ -11,9 +11,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from rlalign.cli.main import main
 from rlalign.configlib import load_config
 from rlalign.models.checkpoint import load_model
+from rlalign.models.config import ModelConfig
+from rlalign.models.decoder import CausalLM
+from rlalign.tasks import ArithmeticTask
 from rlalign.models.testing import make_tiny_checkpoint, tiny_model, write_tiny_tokenizer
 from rlalign.models.tokenizer import load_tokenizer
-from rlalign.train.packing import scored_rows
+from rlalign.train.packing import score_completions, scored_rows
+from rlalign.train.pretrain import HabitCorpus, PretrainConfig, hf_config, pretrain
 from rlalign.train.run.metrics import read_metrics
 from rlalign.train.sft.config import DataSection, SFTConfig
 from rlalign.train.sft.data import SFTDataError, chat_example, prompt_response_example, to_example
@@ -226,3 +230,25 @@ def test_bad_input_is_one_line(tmp_path, capsys, content, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("rlalign sft: error: ") and message in err, err
     assert not (tmp_path / "run").exists()   # refused before the run directory was made
+
+
+def test_pretrain_on_the_sft_step_equals_its_standalone_loop(tmp_path):
+    """rlalign pretrain takes its steps with SFTUpdate; the loop it had before (score_completions, -mean, torch's
+    clip_grad_norm_ and AdamW) gives the same weights bit for bit (the embedded model's sha256 is unchanged)."""
+    cfg = PretrainConfig(out=str(tmp_path / "out"), steps=4, batch_size=16, hidden_size=32, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=16, intermediate_size=64, eval_every=100, eval_size=4)
+    new, _ = load_model(pretrain(cfg, log=lambda _: None))
+    tok = load_tokenizer(cfg.out)
+    corpus = HabitCorpus(ArithmeticTask(seed=0, eval_size=4), tok, cfg)
+    torch.manual_seed(cfg.seed)
+    old = CausalLM(ModelConfig.from_hf_dict(hf_config(cfg))).init_random_(seed=cfg.seed, std=0.05)
+    opt = torch.optim.AdamW(old.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0, foreach=False)
+    for step in range(cfg.steps):
+        batch = [corpus[i] for i in range(step * cfg.batch_size, (step + 1) * cfg.batch_size)]
+        lp, _ = score_completions(old, [(list(e.tokens), len(e.tokens) - e.num_scored) for e in batch])
+        opt.zero_grad(set_to_none=True)
+        (-lp.mean()).backward()
+        torch.nn.utils.clip_grad_norm_(old.parameters(), 1.0, foreach=False)
+        opt.step()
+    for (name, a), b in zip(old.named_parameters(), new.parameters()):
+        assert_bitwise_equal(a, b, name)
