@@ -49,7 +49,9 @@ def read_rows(path: str) -> list[dict]:
     file = Path(path)
     if not file.is_file():
         raise SFTDataError(f"data file {path} does not exist (or is not a file)")
-    if not file.read_bytes().strip():
+    with open(file, "rb") as f:
+        head = f.read(1 << 16)
+    if not head.strip() and file.stat().st_size <= len(head):
         raise SFTDataError(f"{path} is empty: it holds no rows")
     import datasets   # heavy import, only for the command that reads data
     datasets.disable_progress_bars()

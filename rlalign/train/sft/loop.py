@@ -95,7 +95,7 @@ def run_sft(cfg: SFTConfig) -> Path:
             _train(cfg, run_dir, model, update, data, metrics, step, steps, model_dir)
         save_model(model, run_dir / "policy", tokenizer_from=model_dir)
     except BaseException:
-        lock.release()
+        lock.abandon()   # a run directory this run made and wrote nothing to is removed again
         raise
     lock.release()
     return run_dir
