@@ -53,7 +53,11 @@ def read_rows(path: str) -> list[dict]:
         head = f.read(1 << 16)
     if not head.strip() and file.stat().st_size <= len(head):
         raise SFTDataError(f"{path} is empty: it holds no rows")
-    import datasets   # heavy import, only for the command that reads data
+    try:
+        import datasets   # heavy import, only for the command that reads data
+    except ImportError:
+        raise SFTDataError("rlalign sft reads its data with the datasets library, which is not installed: "
+                           "pip install 'rlalign[sft]'") from None
     datasets.disable_progress_bars()
     try:
         with tempfile.TemporaryDirectory(prefix="rlalign-sft-") as cache:
