@@ -580,7 +580,8 @@ def from_pretrained(path, *, profile: str | Profile = "strict", dtype: str | tor
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, *, targets: torch.Tensor | None = None,
                    temperature: float = 1.0, with_entropy: bool = False, token_chunk: int | None = None,
-                   vocab_chunk: int | None = None, cu_seq_lens_q: torch.Tensor | None = None) -> TokenLogprobs:
+                   vocab_chunk: int | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+                   sampled: dict | None = None) -> TokenLogprobs:
     """Per-token logprobs (and entropy) of a patched model, differentiable, without full logits.
 
     ``logprobs[b, s] = log softmax(h[b, s] @ W_lm.T / temperature)[target]`` computed by
@@ -589,6 +590,10 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     next token of the same sequence (``input_ids[b, s+1]`` for a padded row); explicit ``targets``
     [B, S] are used as given. Inputs as for the model: padded (2-D ``attention_mask``) or packed
     (``position_ids`` restarting at 0, or ``cu_seq_lens_q``).
+
+    ``sampled``: ``ops.sampled_logprob``'s settings (``temperature``, ``top_k``, ``top_p``, ``min_p``; strict):
+    the log-prob (and entropy) of the kept set's renormalised distribution the rlalign engine sampled from with
+    ``SamplingParams(logprobs="sampled")``, the same bits as rlalign's trainer (``temperature=`` is then unused).
     """
     state = _require_patched(model)
     layout = _layout(tuple(input_ids.shape[:2]), input_ids.device, input_ids=input_ids, attention_mask=attention_mask,
@@ -603,8 +608,11 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         has_target = torch.ones_like(rows, dtype=torch.bool)
     with use_profile(state.profile):
         hidden, _ = _packed_hidden(model.model, state, batch)
-        lp, ent = ops.logprob_entropy(hidden, model.lm_head.weight, rows, temperature=temperature,
-                                      with_entropy=with_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+        if sampled is not None:
+            lp, ent = ops.sampled_logprob(hidden, model.lm_head.weight, rows, with_entropy=with_entropy, **sampled)[:2]
+        else:
+            lp, ent = ops.logprob_entropy(hidden, model.lm_head.weight, rows, temperature=temperature,
+                                          with_entropy=with_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
     tap(LOGPROB, lp)
     mask = layout.unpack(has_target)
 

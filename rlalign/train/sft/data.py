@@ -21,7 +21,8 @@ assistant turn, a missing or non-string field, a sequence longer than ``data.max
 positions, or a row with no scored token (an empty prompt and a one-token response when the tokenizer adds no
 BOS: the sequence's first token has no prediction).
 
-This reader is small on purpose; rlalign/tasks/datasets.py (RL prompt datasets) may grow to cover it.
+This reader is small on purpose (``datasets`` is imported offline by :func:`rlalign.tasks.datasets.hf_datasets`);
+rlalign/tasks/datasets.py's ``read_rows`` (RL prompt data: more formats, ``file:line`` locations) could replace it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Sequence
 import torch
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.tasks.datasets import hf_datasets
 from rlalign.train.sft.objective import Example, response_mask
 
 ROLES = ("system", "user", "assistant")
@@ -53,12 +55,7 @@ def read_rows(path: str) -> list[dict]:
         head = f.read(1 << 16)
     if not head.strip() and file.stat().st_size <= len(head):
         raise SFTDataError(f"{path} is empty: it holds no rows")
-    try:
-        import datasets   # heavy import, only for the command that reads data
-    except ImportError:
-        raise SFTDataError("rlalign sft reads its data with the datasets library, which is not installed: "
-                           "pip install 'rlalign[sft]'") from None
-    datasets.disable_progress_bars()
+    datasets = hf_datasets()   # offline (nothing downloads), progress bars and log messages off
     try:
         with tempfile.TemporaryDirectory(prefix="rlalign-sft-") as cache:
             table = datasets.load_dataset("json", data_files=str(file), split="train", cache_dir=cache)
