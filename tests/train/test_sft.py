@@ -20,7 +20,7 @@ from rlalign.train.packing import score_completions, scored_rows
 from rlalign.train.pretrain import HabitCorpus, PretrainConfig, hf_config, pretrain
 from rlalign.train.run.metrics import read_metrics
 from rlalign.train.sft.config import DataSection, SFTConfig
-from rlalign.train.sft.data import SFTDataError, chat_example, prompt_response_example, to_example
+from rlalign.train.sft.data import SFTDataError, chat_example, held_out_split, prompt_response_example, to_example
 from rlalign.train.sft.loop import run_sft
 from rlalign.train.sft.objective import Example, micro_batch_loss, pack, response_mask, token_logprobs
 from rlalign.train.sft.update import batch_indices
@@ -252,3 +252,22 @@ def test_pretrain_on_the_sft_step_equals_its_standalone_loop(tmp_path):
         opt.step()
     for (name, a), b in zip(old.named_parameters(), new.parameters()):
         assert_bitwise_equal(a, b, name)
+
+
+def test_chat_messages_run_end_to_end(tmp_path):
+    model = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=1)
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i} + 1?"},
+                          {"role": "assistant", "content": f"The answer is {i + 1}."},
+                          {"role": "user", "content": "Good?"}, {"role": "assistant", "content": "yes"}]}
+            for i in range(6)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = run_sft(load_config(SFTConfig, None, [f"model.path={model}", f"data.path={data}", f"run.dir={tmp_path / 'run'}",
+                                                "data.eval_fraction=0.34", "run.batch_size=2", "optim.lr=1e-2"]))
+    records = read_metrics(run)
+    tok = load_tokenizer(model)
+    train, _ = held_out_split(len(rows), 0.34, seed=0)   # 4 train rows, 2 per step: one epoch covers them once
+    assert sum(r["tokens"] for r in records[1:]) == sum(chat_example(tok, rows[i]["messages"], "").num_scored
+                                                        for i in train)
+    assert len(records) == 3
+    assert records[-1]["eval/loss"] < records[0]["eval/loss"]
