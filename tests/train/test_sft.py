@@ -214,6 +214,12 @@ def test_cli_run_writes_metrics_report_and_refuses_a_changed_resume(char_dir, tm
     assert main(args) == 2 and "is not empty" in capsys.readouterr().err   # never over a previous run
 
 
+def test_a_config_without_data_is_one_line(capsys):
+    assert main(["sft", "run.steps=3"]) == 2
+    assert capsys.readouterr().err == ("rlalign sft: error: data.path is required: the JSONL file of examples "
+                                       "(data.path=train.jsonl; docs/sft.md)\n")
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"prompt": "1+1="}\n{"prompt": "2+2=", "response": "4"}\n', "row 1: missing field 'response'"),
     ("", "is empty: it holds no rows"),

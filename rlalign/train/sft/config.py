@@ -84,6 +84,8 @@ class SFTConfig:
     run: SFTRunSection = dataclasses.field(default_factory=SFTRunSection)
 
     def validate(self):
+        if not self.data.path:
+            return "data.path is required: the JSONL file of examples (data.path=train.jsonl; docs/sft.md)"
         if self.run.resume and self.run.overwrite:
             return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
 
