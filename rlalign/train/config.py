@@ -59,6 +59,10 @@ class TaskSection:
         "system_prompt": non_empty("a system message", optional=True),
         "enable_thinking": checked_by_type("true, false or null"),
         "reward_timeout_s": within(0, 86400, low_open=True),
+        "env": non_empty("an env name (retry_arithmetic, calculator), module:Class or file.py:Class", optional=True),
+        "env_args": Rule("a mapping of the env's keyword arguments", lambda v: isinstance(v, dict), ("x",)),
+        "max_turns": at_least(1),
+        "max_episode_tokens": at_least(1),
     }
     name: Literal["arithmetic", "dataset"] = "arithmetic"   # arithmetic (built-in addition) | dataset (task.path)
     reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function (docs/data_and_rewards.md)
@@ -74,12 +78,18 @@ class TaskSection:
     system_prompt: str | None = None   # chat: a system message put before each prompt that has none
     enable_thinking: bool | None = None   # chat: the template's enable_thinking (Qwen3: false = no <think> block); None: unset
     reward_timeout_s: float = 30.0     # seconds one reward call may take; past it the run stops naming the reward and the sample
+    env: str | None = None             # multi-turn: an env name or module:Class / file.py:Class (docs/agents.md); None: one turn
+    env_args: dict = dataclasses.field(default_factory=dict)   # env: keyword arguments of each episode's env
+    max_turns: int = 4                 # env: model turns per episode at most
+    max_episode_tokens: int = 256      # env: tokens after the prompt per episode at most (turns and observations)
 
     def validate(self):
         if self.name == "dataset" and not self.path:
             return "path is required when name is 'dataset' (task.path=data.jsonl)"
         if self.min_digits > self.max_digits:
             return f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})"
+        if self.env is not None and self.reward != "builtin":
+            return "reward is not read with task.env (the env's rewards score the episode); remove task.reward"
 
 
 @dataclasses.dataclass
@@ -325,6 +335,8 @@ class TrainConfig:
     def validate(self):
         if self.parallel.world_size > 1 and self.launcher != "local":
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
+        if self.task.env is not None and self._env_refusal():
+            return self._env_refusal()
         if self.parallel.tp is not None and self.algo.advantage == "gae":
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
         if self.run.resume and self.run.overwrite:
@@ -340,6 +352,15 @@ class TrainConfig:
             return (f"algo.advantage={self.algo.advantage} compares the samples of a prompt: with "
                     "rollout.samples_per_prompt=1 every advantage is 0 and training does nothing; use >= 2")
 
+
+    def _env_refusal(self) -> "str | None":
+        """Multi-turn episodes (task.env) run on rlalign's engine in one trainer process (docs/agents.md)."""
+        if self.rollout.engine != "rlalign":
+            return (f"task.env needs rollout.engine=rlalign: the {self.rollout.engine} engine cannot continue a "
+                    "sequence with observation tokens bit for bit")
+        if self.launcher != "local" or self.parallel.dp > 1:
+            return "task.env runs with launcher=local and parallel.dp=1 (multi-turn rollouts are not sharded yet)"
+        return None
 
     def _unusual_value(self) -> "str | None":
         """A value outside its usual range (the sections' GUARDS) that run.allow_unusual does not list as meant."""
