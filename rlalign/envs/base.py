@@ -28,9 +28,9 @@ class EnvError(RLAlignError):
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-    """One model turn: ``text`` (decoded), ``token_ids`` (exactly what the engine sampled), ``index`` (0-based),
+    """One model turn: ``text`` (decoded; None when the episodes run without a tokenizer), ``token_ids`` (exactly what the engine sampled), ``index`` (0-based),
     ``finish_reason`` ("stop": an end/stop token; "length": the turn's or the episode's token limit)."""
-    text: str
+    text: str | None
     token_ids: tuple[int, ...]
     index: int
     finish_reason: str

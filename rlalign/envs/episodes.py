@@ -93,7 +93,9 @@ def run_episodes(engine, tokenizer, prompts: Sequence[Sequence[int]], rows: Sequ
                  sampling: SamplingParams, limits: EpisodeLimits, *,
                  prompt_indices: "Sequence[int] | None" = None) -> list[Episode]:
     """``sampling.n`` episodes of each prompt (token ids; ``rows[i]`` its dataset row, given to ``env.reset``),
-    prompt by prompt then by sample; module docstring. ``sampling.max_new_tokens`` is ignored (``limits``)."""
+    prompt by prompt then by sample; module docstring. ``sampling.max_new_tokens`` is ignored (``limits``).
+    ``tokenizer`` decodes each turn's text and encodes text observations; without one (None) a turn's text is None
+    and the env must answer with token ids."""
     if not isinstance(engine, RolloutEngine):
         raise EnvError(f"multi-turn episodes run on rlalign's RolloutEngine; {type(engine).__name__} cannot continue "
                        "a sequence with observation tokens (use rollout.engine=rlalign)")
@@ -147,7 +149,7 @@ def _take_turn(r: _Running, completion, tokenizer, engine, limits: EpisodeLimits
     ep.generated += [True] * len(completion.tokens)
     ep.logprobs += completion.logprobs
     ep.routing = completion.routing
-    text = completion.text if completion.text is not None else tokenizer.decode(completion.tokens)
+    text = completion.text if completion.text is not None or tokenizer is None else tokenizer.decode(completion.tokens)
     result = _call(r.env, "step", Turn(text, tuple(completion.tokens), turn, completion.finish_reason))
     if not isinstance(result, StepResult):
         raise EnvError(f"{_name(r.env)}.step returned {type(result).__name__}, expected a StepResult")
@@ -182,6 +184,9 @@ def _observation_ids(env, observation, tokenizer, vocab_size: int) -> list[int]:
     if observation is None:
         return []
     if isinstance(observation, str):
+        if tokenizer is None:
+            raise EnvError(f"{_name(env)}.step returned a text observation but the episodes run without a tokenizer; "
+                           "return token ids or pass the tokenizer")
         return list(tokenizer.encode(observation, add_special_tokens=False))
     try:
         ids = [int(t) for t in observation]
