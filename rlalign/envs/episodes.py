@@ -95,12 +95,10 @@ def run_episodes(engine, tokenizer, prompts: Sequence[Sequence[int]], rows: Sequ
     """``sampling.n`` episodes of each prompt (token ids; ``rows[i]`` its dataset row, given to ``env.reset``),
     prompt by prompt then by sample; module docstring. ``sampling.max_new_tokens`` is ignored (``limits``).
     ``tokenizer`` decodes each turn's text and encodes text observations; without one (None) a turn's text is None
-    and the env must answer with token ids."""
-    if not isinstance(engine, RolloutEngine):
-        raise EnvError(f"multi-turn episodes run on rlalign's RolloutEngine; {type(engine).__name__} cannot continue "
-                       "a sequence with observation tokens (use rollout.engine=rlalign)")
-    if engine.has_unfinished():
-        raise EnvError("run_episodes needs an idle engine (requests are in flight)")
+    and the env must answer with token ids. ``engine``: a :class:`RolloutEngine` (each turn one batch of requests),
+    or an engine with ``generate(prompts, sampling, prompt_indices=...)`` and ``model_config`` -- the vLLM engine
+    (:mod:`rlalign.integrations.vllm`): one ``generate`` call per distinct turn budget, the same seeds."""
+    max_model_len, vocab_size = _engine_limits(engine)
     if len(rows) != len(prompts):
         raise ValueError(f"run_episodes: {len(prompts)} prompts but {len(rows)} rows")
     indices = list(range(len(prompts))) if prompt_indices is None else [int(i) for i in prompt_indices]
@@ -113,23 +111,45 @@ def run_episodes(engine, tokenizer, prompts: Sequence[Sequence[int]], rows: Sequ
     episodes = [r.episode for r in running]
     turn = 0
     while running:
-        completions = _generate_turn(engine, running, sampling, limits, turn)
-        running = [r for r, c in zip(running, completions) if _take_turn(r, c, tokenizer, engine, limits, turn)]
+        seed = derive_seed(sampling.seed, turn, 0)
+        requests = [(r.episode.prompt_tokens + r.episode.tokens, _budget(r.episode, limits, max_model_len), r.key)
+                    for r in running]
+        generate = _step_engine if isinstance(engine, RolloutEngine) else _generate_by_budget
+        completions = generate(engine, requests, dataclasses.replace(sampling, n=1, seed=seed, seed_by="index"))
+        running = [r for r, c in zip(running, completions)
+                   if _take_turn(r, c, tokenizer, limits, turn, max_model_len, vocab_size)]
         turn += 1
     return episodes
 
 
-def _generate_turn(engine, running: list[_Running], sampling: SamplingParams, limits: EpisodeLimits, turn: int):
+def _engine_limits(engine) -> tuple[int, int]:
+    """(max_model_len, vocab size) of a RolloutEngine or of a generate()-only engine (the vLLM engine's
+    ``config.max_model_len`` or its checkpoint's length)."""
+    if isinstance(engine, RolloutEngine):
+        if engine.has_unfinished():
+            raise EnvError("run_episodes needs an idle engine (requests are in flight)")
+        return engine.max_model_len, engine.model.config.vocab_size
+    model_config = getattr(engine, "model_config", None)
+    if not callable(getattr(engine, "generate", None)) or model_config is None:
+        raise EnvError(f"multi-turn episodes run on rlalign's RolloutEngine or the vLLM engine; {type(engine).__name__} "
+                       "cannot continue a sequence with observation tokens")
+    configured = getattr(getattr(engine, "config", None), "max_model_len", None)
+    return configured or model_config.max_position_embeddings, model_config.vocab_size
+
+
+def _budget(ep: Episode, limits: EpisodeLimits, max_model_len: int) -> int:
+    """The turn's token limit: the per-turn one, what the episode and the model length leave (>= 1 here)."""
+    return min(limits.max_turn_tokens, limits.max_episode_tokens - len(ep.tokens),
+               max_model_len - len(ep.prompt_tokens) - len(ep.tokens))
+
+
+def _step_engine(engine: RolloutEngine, requests, sampling: SamplingParams):
     """Each running episode's next turn: one request per episode (its ids so far), the engine stepped to the end."""
-    seed = derive_seed(sampling.seed, turn, 0)
     request_ids = []
     try:
-        for r in running:
-            ep = r.episode
-            budget = min(limits.max_turn_tokens, limits.max_episode_tokens - len(ep.tokens),
-                         engine.max_model_len - len(ep.prompt_tokens) - len(ep.tokens))
-            params = dataclasses.replace(sampling, n=1, max_new_tokens=budget, seed=seed, seed_by="index")
-            request_ids.append(engine.add_request(ep.prompt_tokens + ep.tokens, params, prompt_index=r.key))
+        for ids, budget, key in requests:
+            params = dataclasses.replace(sampling, max_new_tokens=budget)
+            request_ids.append(engine.add_request(ids, params, prompt_index=key))
         done = {}
         with collector_paused():
             while engine.has_unfinished():
@@ -142,7 +162,20 @@ def _generate_turn(engine, running: list[_Running], sampling: SamplingParams, li
     return [done[rid] for rid in request_ids]
 
 
-def _take_turn(r: _Running, completion, tokenizer, engine, limits: EpisodeLimits, turn: int) -> bool:
+def _generate_by_budget(engine, requests, sampling: SamplingParams):
+    """The turns on a generate()-only engine: one call per distinct budget, each request keyed by its episode."""
+    out = [None] * len(requests)
+    for budget in sorted({b for _, b, _ in requests}):
+        picked = [i for i, (_, b, _) in enumerate(requests) if b == budget]
+        done = engine.generate([requests[i][0] for i in picked], dataclasses.replace(sampling, max_new_tokens=budget),
+                               prompt_indices=[requests[i][2] for i in picked])
+        for i, completion in zip(picked, done, strict=True):
+            out[i] = completion
+    return out
+
+
+def _take_turn(r: _Running, completion, tokenizer, limits: EpisodeLimits, turn: int, max_model_len: int,
+               vocab_size: int) -> bool:
     """Append the turn, ask the env, append its observation; whether the episode goes on."""
     ep = r.episode
     ep.tokens += completion.tokens
@@ -154,11 +187,11 @@ def _take_turn(r: _Running, completion, tokenizer, engine, limits: EpisodeLimits
     if not isinstance(result, StepResult):
         raise EnvError(f"{_name(r.env)}.step returned {type(result).__name__}, expected a StepResult")
     ep.turn_rewards.append(_reward(r.env, "step", result.reward))
-    reason = _end_reason(result, ep, turn, limits, engine)
+    room = min(limits.max_episode_tokens, max_model_len - len(ep.prompt_tokens))
+    reason = _end_reason(result, ep, turn, limits, room)
     if reason is None:
-        obs = _observation_ids(r.env, result.observation, tokenizer, engine.model.config.vocab_size)
-        if len(ep.tokens) + len(obs) < min(limits.max_episode_tokens,
-                                           engine.max_model_len - len(ep.prompt_tokens)):
+        obs = _observation_ids(r.env, result.observation, tokenizer, vocab_size)
+        if len(ep.tokens) + len(obs) < room:
             ep.tokens += obs
             ep.generated += [False] * len(obs)
             ep.logprobs += [0.0] * len(obs)
@@ -169,12 +202,12 @@ def _take_turn(r: _Running, completion, tokenizer, engine, limits: EpisodeLimits
     return False
 
 
-def _end_reason(result: StepResult, ep: Episode, turn: int, limits: EpisodeLimits, engine) -> "str | None":
+def _end_reason(result: StepResult, ep: Episode, turn: int, limits: EpisodeLimits, room: int) -> "str | None":
     if result.done:
         return "done"
     if turn + 1 >= limits.max_turns:
         return "max_turns"
-    if len(ep.tokens) >= min(limits.max_episode_tokens, engine.max_model_len - len(ep.prompt_tokens)):
+    if len(ep.tokens) >= room:
         return "max_episode_tokens"
     return None
 

@@ -356,8 +356,8 @@ class TrainConfig:
     def _env_refusal(self) -> "str | None":
         """Multi-turn episodes (task.env) run on rlalign's engine in one trainer process (docs/agents.md)."""
         if self.rollout.engine != "rlalign":
-            return (f"task.env needs rollout.engine=rlalign: the {self.rollout.engine} engine cannot continue a "
-                    "sequence with observation tokens bit for bit")
+            return (f"task.env in rlalign train needs rollout.engine=rlalign (got {self.rollout.engine}); the vLLM "
+                    "engine runs episodes from Python through rlalign.envs.run_episodes")
         if self.launcher != "local" or self.parallel.dp > 1:
             return "task.env runs with launcher=local and parallel.dp=1 (multi-turn rollouts are not sharded yet)"
         return None

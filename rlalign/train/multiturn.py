@@ -58,7 +58,7 @@ def play(engine, task, tokenizer, problems, sampling, limits: EpisodeLimits) -> 
     before = engine.counters["forward_tokens"]
     episodes = run_episodes(engine, tokenizer, [task.encode(p.prompt) for p in problems], problems, task.env,
                             sampling, limits)
-    return episodes, engine.counters["forward_tokens"] - before
+    return episodes, engine.counters["forward_tokens"] - before   # rlalign's engine (the config refuses others)
 
 
 def draw_episodes(engine, task, tokenizer, problems, sampling, limits: EpisodeLimits):

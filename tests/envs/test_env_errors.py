@@ -48,11 +48,12 @@ def test_a_broken_env_is_one_line(engine, answer, message):
     assert not engine.has_unfinished()   # the engine is left idle
 
 
-def test_only_the_rlalign_engine_runs_episodes():
-    class OtherEngine:   # e.g. the vLLM engine: generate() only
-        def generate(self, prompts, sampling):
+def test_an_engine_that_cannot_continue_is_refused():
+    class OtherEngine:   # no generate(prompts, sampling, prompt_indices=) and no model_config
+        def complete(self, prompts):
             raise AssertionError("not reached")
-    with pytest.raises(EnvError, match="multi-turn episodes run on rlalign's RolloutEngine; OtherEngine cannot"):
+    with pytest.raises(EnvError, match="multi-turn episodes run on rlalign's RolloutEngine or the vLLM engine; "
+                                       "OtherEngine cannot"):
         run_episodes(OtherEngine(), None, [[1]], [None], Env, SamplingParams(), EpisodeLimits(1, 1, 1))
 
 
@@ -110,5 +111,5 @@ def test_the_vllm_engine_is_refused_for_episodes():
     """rollout.engine=vllm (registered by rlalign.integrations) with task.env: the config's one line."""
     cfg = load_config(TrainConfig, None, ["task.env=retry_arithmetic"])
     cfg.rollout.engine = "vllm"
-    assert cfg.validate() == ("task.env needs rollout.engine=rlalign: the vllm engine cannot continue a sequence "
-                              "with observation tokens bit for bit")
+    assert cfg.validate() == ("task.env in rlalign train needs rollout.engine=rlalign (got vllm); the vLLM engine runs "
+                              "episodes from Python through rlalign.envs.run_episodes")
