@@ -51,3 +51,30 @@ def test_a_bad_env_is_one_cli_line(tmp_path, monkeypatch, capsys):
     assert main(["train", "task.env=missing_env.py:Env", f"run.dir={tmp_path / 'run'}"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "rlalign train: error: env 'missing_env.py:Env': file 'missing_env.py' not found")
+
+
+def test_the_docs_env_runs_on_the_default_model(tmp_path, monkeypatch):
+    """docs/agents.md's my_env.py, as written there, plays episodes on the embedded default model."""
+    import re
+    from pathlib import Path
+
+    from rlalign.envs import EpisodeLimits, load_env, run_episodes
+    from rlalign.models import load_model
+    from rlalign.models.tokenizer import load_tokenizer
+    from rlalign.rollout import RolloutEngine, SamplingParams
+    from rlalign.tasks import ArithmeticTask
+    from rlalign.train.setup import DEFAULT_MODEL_DIR
+
+    doc = (Path(__file__).parents[2] / "docs" / "agents.md").read_text()
+    (tmp_path / "my_env.py").write_text(re.search(r"```python\n# my_env.py\n(.*?)```", doc, re.S).group(1))
+    monkeypatch.chdir(tmp_path)
+    model, tokenizer = load_model(DEFAULT_MODEL_DIR)[0], load_tokenizer(DEFAULT_MODEL_DIR)
+    rows = ArithmeticTask().train_problems(0, 3)
+    episodes = run_episodes(RolloutEngine(model, tokenizer=tokenizer), tokenizer,
+                            [tokenizer.encode(r.prompt) for r in rows], rows, load_env("my_env.py:GuessTheSum",
+                                                                                      {"tries": 3}),
+                            SamplingParams(n=4, seed=2), EpisodeLimits(3, 32, 6))
+    assert len(episodes) == 12 and all(1 <= e.num_turns <= 3 for e in episodes)
+    assert any(e.num_turns > 1 and e.generated.count(False) for e in episodes)   # a retry saw the problem again
+    for e in episodes:
+        assert e.episode_return == (1.0 if e.finish_reason == "done" and e.turn_rewards[-1] == 1.0 else 0.0)
