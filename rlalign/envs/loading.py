@@ -46,6 +46,17 @@ def _import(spec: str, module_name: str):
         raise EnvError(f"env {spec!r}: importing {module_name!r} failed: {_one_line(e)}") from e
 
 
+def env_is_code(spec: "str | None") -> bool:
+    """Whether ``task.env`` names code to import (``module:Class`` or ``file.py:Class``), not a built-in or unset."""
+    return isinstance(spec, str) and spec.strip() not in BUILTIN_ENVS
+
+
+def env_source_file(spec: "str | None") -> "Path | None":
+    """The ``.py`` file a ``file.py:Class`` env imports (relative to the current directory), else None."""
+    module_name, sep, _ = spec.strip().rpartition(":") if isinstance(spec, str) else ("", "", "")
+    return Path(module_name) if sep and module_name.endswith(".py") else None
+
+
 def env_class(spec: str) -> Callable:
     """The class (or factory function) ``spec`` names."""
     if not isinstance(spec, str) or not spec.strip():
@@ -87,4 +98,4 @@ def load_env(spec: str, env_args: "Mapping | None" = None) -> Callable[[], objec
     return factory
 
 
-__all__ = ["env_class", "load_env"]
+__all__ = ["env_class", "env_is_code", "env_source_file", "load_env"]

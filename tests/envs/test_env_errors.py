@@ -113,3 +113,24 @@ def test_the_vllm_engine_is_refused_for_episodes():
     cfg.rollout.engine = "vllm"
     assert cfg.validate() == ("task.env in rlalign train needs rollout.engine=rlalign (got vllm); the vLLM engine runs "
                               "episodes from Python through rlalign.envs.run_episodes")
+
+
+def test_a_run_directory_never_chooses_an_env_to_run(tmp_path, monkeypatch):
+    from rlalign.train.run.config_file import resolve_train_config, run_inputs, write_run_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_env.py").write_text(ENV_FILE)
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(TrainConfig, None, ["task.env=my_env.py:Echo", f"run.dir={run}"])
+    assert (tmp_path / "my_env.py").name in {p.name for p in run_inputs(cfg)}
+    write_run_config(run, cfg)
+    with pytest.raises(ConfigError, match=r"task.env=my_env.py:Echo is code, and only .*config.yaml names it"):
+        resolve_train_config(None, [f"run.dir={run}", "run.resume=true"])
+    again = resolve_train_config(None, [f"run.dir={run}", "run.resume=true", "task.env=my_env.py:Echo"])
+    assert again.task.env == "my_env.py:Echo"
+    assert resolve_train_config(None, [f"run.dir={run}", "run.resume=true", "task.env=retry_arithmetic"]).task.env \
+        == "retry_arithmetic"
+    (run / "inside.py").write_text(ENV_FILE)
+    with pytest.raises(ConfigError, match="the file lies inside run.dir .* keep the env file outside it"):
+        resolve_train_config(None, [f"run.dir={run}", f"task.env={run / 'inside.py'}:Echo"])

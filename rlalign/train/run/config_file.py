@@ -22,6 +22,10 @@ Reward code (``task.reward`` as ``file.py:function`` or ``module:function``) and
   before it is imported): name it again.
 - A named reward file whose sha256 differs from the recorded one is refused at the resume (the run
   would optimise a different reward) unless ``run.resume_override=[task.reward]``.
+
+An environment (``task.env`` as ``file.py:Class`` or ``module:Class``, docs/agents.md) is code too: a file inside
+``run.dir`` is never imported, and a resume imports it only if this command names it (no fingerprint is recorded
+for envs: ``config.yaml`` alone never chooses an env to run).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from rlalign.configlib import ConfigError, flatten, load_config, load_raw, load_yaml, merge
+from rlalign.envs.loading import env_is_code, env_source_file
 from rlalign.tasks.registry import reward_is_code, reward_source_file
 from rlalign.train.config import TrainConfig
 from rlalign.models.atomic import atomic_write
@@ -95,15 +100,19 @@ def resolve_train_config(path: "str | None", overrides: list[str]) -> TrainConfi
     refuse_reward_in_run_dir(cfg)
     if not _names_reward(path, overrides, Path(cfg.run.dir)):
         refuse_unrecorded_reward(cfg)
+    if env_is_code(cfg.task.env) and not _names_reward(path, overrides, Path(cfg.run.dir), "env"):
+        raise ConfigError(f"run.resume=true: task.env={cfg.task.env} is code, and only {cfg.run.dir}/config.yaml names "
+                          f"it; a run directory never chooses code to run: name it on the command line "
+                          f"(task.env={cfg.task.env}) or in a config file outside the run directory")
     return cfg
 
 
-def _names_reward(path: "str | None", overrides: list[str], run_dir: Path) -> bool:
-    """Whether this command names task.reward itself: on the command line, or in a config file that does not
-    lie inside the run directory."""
-    if "reward" in (load_raw(None, overrides).get("task") or {}):
+def _names_reward(path: "str | None", overrides: list[str], run_dir: Path, key: str = "reward") -> bool:
+    """Whether this command names task.reward (or task.``key``) itself: on the command line, or in a config file
+    that does not lie inside the run directory."""
+    if key in (load_raw(None, overrides).get("task") or {}):
         return True
-    return path is not None and not _inside(Path(path), run_dir) and "reward" in (load_raw(path).get("task") or {})
+    return path is not None and not _inside(Path(path), run_dir) and key in (load_raw(path).get("task") or {})
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -112,11 +121,12 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def refuse_reward_in_run_dir(cfg: TrainConfig) -> None:
-    """A reward file inside run.dir is never imported: a run directory holds data, never code that runs."""
-    file = reward_source_file(cfg.task.reward)
-    if file is not None and cfg.run.dir and _inside(file, Path(cfg.run.dir)):
-        raise ConfigError(f"task.reward={cfg.task.reward}: the file lies inside run.dir {cfg.run.dir}, and nothing in "
-                          "a run directory runs as code; keep the reward file outside it")
+    """A reward (or env) file inside run.dir is never imported: a run directory holds data, never code that runs."""
+    for key, spec, file in (("reward", cfg.task.reward, reward_source_file(cfg.task.reward)),
+                            ("env", cfg.task.env, env_source_file(cfg.task.env))):
+        if file is not None and cfg.run.dir and _inside(file, Path(cfg.run.dir)):
+            raise ConfigError(f"task.{key}={spec}: the file lies inside run.dir {cfg.run.dir}, and nothing in "
+                              f"a run directory runs as code; keep the {key} file outside it")
 
 
 def reward_fingerprint(spec: str) -> "dict | None":
@@ -194,14 +204,14 @@ def check_resume(saved: dict, cfg: TrainConfig, recorded_reward_file: "dict | No
     return changed
 
 def run_inputs(cfg: TrainConfig) -> list[Path]:
-    """What a run reads from disk: the model folder (unless the embedded default), the dataset file and a reward
-    file. ``run.overwrite`` may not delete in a run directory holding one of them (run.directory.open_run_dir)."""
+    """What a run reads from disk: the model folder (unless the embedded default), the dataset file, a reward
+    file and an env file. ``run.overwrite`` may not delete in a run directory holding one of them (run.directory.open_run_dir)."""
     reads = [Path(cfg.model.path)] if cfg.model.path != "default" else []
     if cfg.task.path:
         reads.append(Path(cfg.task.path))
-    reward = reward_source_file(cfg.task.reward)
-    if reward is not None:
-        reads.append(reward)
+    for code in (reward_source_file(cfg.task.reward), env_source_file(cfg.task.env)):
+        if code is not None:
+            reads.append(code)
     return reads
 
 
