@@ -97,7 +97,7 @@ def assert_same_episodes(got, want):
         assert_bitwise_equal(torch.tensor(g.logprobs), torch.tensor(w.logprobs), "episode log-probs across configs")
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_episodes_match_the_trainer_and_do_not_depend_on_the_engine(model, data):
     rng = random.Random(data.draw(st.integers(0, 2**16), label="seed"))

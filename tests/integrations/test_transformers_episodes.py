@@ -43,7 +43,7 @@ def models(tmp_path_factory):
     return load_model(path)[0], from_pretrained(path)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(turns=st.integers(1, 4), obs_len=st.integers(0, 9), n=st.integers(1, 3), page_size=st.sampled_from([1, 4, 16]),
        seed=st.integers(0, 2**16), left=st.booleans())
 def test_patched_forward_equals_the_engine_on_episodes(models, turns, obs_len, n, page_size, seed, left):
