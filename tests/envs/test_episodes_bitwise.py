@@ -176,3 +176,25 @@ def test_preempted_mid_episode_still_bitwise(model):
     assert engine.scheduler.num_preemptions > 0
     check_tokens_are_the_engines(episodes, envs)
     check_against_trainer(model, episodes, 1.0, 4096)
+
+
+def test_moe_episodes_carry_the_routing_of_every_row(tmp_path):
+    """A mixture-of-experts policy: the episode's routing record (the last turn's, prefix-cache hits included) lines
+    up with the trainer's packed forward of the whole episode and picks the same experts on every row."""
+    from rlalign.models.moe import record_routing, sparse_layer_indices
+    from rlalign.train.agreement import Agreement
+
+    moe = tiny_model("qwen3_moe", seed=4, init_std=0.2, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])
+    prompts = [[5 + i for i in range(13)], [40, 41, 42]]
+    episodes, _, _ = play(moe, RolloutConfig(page_size=4, num_pages=256, record_routing=True), prompts,
+                          [(3, [4, 7])] * 4, SamplingParams(n=2, seed=9), EpisodeLimits(3, 40, 6))
+    samples = episode_samples(episodes)
+    assert samples.has_routing and samples.routing_rows.tolist() == (samples.sequence_lens - 1).tolist()
+    batch = TrainBatch.build(samples, max_tokens=4096)
+    with use_profile("strict"), record_routing(keep_logits=False) as routing:
+        lp, _ = batch.score(moe, temperature=1.0)
+    assert_bitwise_equal(lp[batch.generated], batch.rollout_logprobs[batch.generated], "MoE episodes")
+    agreement = Agreement("strict", "stop", sparse_layer_indices(moe.config))
+    record = agreement.check_routing(1, routing.expert_ids(), samples)
+    assert record["moe/routing_mismatch"] == 0 and record["moe/routing_tokens"] > 0
