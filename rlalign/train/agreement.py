@@ -37,9 +37,9 @@ class Agreement:
         self.sparse_layers = sparse_layers
 
     def check_logprobs(self, step: int, old_lp: torch.Tensor, batch: TrainBatch) -> dict:
-        """Compare the trainer's old-policy log-probs with the rollout's on every token (raw bits); the
-        ``mismatch/*`` record."""
-        mism = algos.logprob_mismatch_stats(old_lp, batch.rollout_logprobs, torch.ones_like(batch.mask))
+        """Compare the trainer's old-policy log-probs with the rollout's on every token the model sampled (raw bits;
+        a multi-turn episode's observation tokens have no rollout log-prob); the ``mismatch/*`` record."""
+        mism = algos.logprob_mismatch_stats(old_lp, batch.rollout_logprobs, batch.generated)
         record = mismatch_record(mism)
         if self.strict and record["mismatch/count"]:
             self._report(f"step {step}: {record['mismatch/count']} of {record['mismatch/tokens']} token logprobs "

@@ -114,6 +114,10 @@ class TaskSection:
         "shuffle": checked_by_type("true or false"),
         "streaming": checked_by_type("true or false"),
         "shuffle_buffer": at_least(1),
+        "env": non_empty("an env name (retry_arithmetic, calculator), module:Class or file.py:Class", optional=True),
+        "env_args": Rule("a mapping of the env's keyword arguments", lambda v: isinstance(v, dict), ("x",)),
+        "max_turns": at_least(1),
+        "max_episode_tokens": at_least(1),
     }
     name: Literal["arithmetic", "dataset"] = "arithmetic"   # arithmetic (built-in addition) | dataset (task.path)
     reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function (docs/data_and_rewards.md)
@@ -137,6 +141,10 @@ class TaskSection:
     shuffle: bool = False              # dataset: every pass over the train rows in a new order seeded by run.seed
     streaming: bool = False            # dataset: read task.path lazily (datasets streaming), for data larger than memory
     shuffle_buffer: int = 10000        # dataset, streaming with shuffle: rows in the shuffle buffer
+    env: str | None = None             # multi-turn: an env name or module:Class / file.py:Class (docs/agents.md); None: one turn
+    env_args: dict = dataclasses.field(default_factory=dict)   # env: keyword arguments of each episode's env
+    max_turns: int = 4                 # env: model turns per episode at most
+    max_episode_tokens: int = 256      # env: tokens after the prompt per episode at most (turns and observations)
 
     def validate(self):
         if self.name == "dataset" and not self.path:
@@ -152,6 +160,9 @@ class TaskSection:
                 return f"columns.{key} and {field_name} both name the {key} column: set one"
         if self.min_digits > self.max_digits:
             return f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})"
+        if self.env is not None and (self.reward != "builtin" or self.rewards):
+            return ("reward and rewards are not read with task.env (the env's rewards score the episode); remove "
+                    "them")
 
 
 @dataclasses.dataclass
@@ -413,6 +424,8 @@ class TrainConfig:
     def validate(self):
         if self.parallel.world_size > 1 and self.launcher != "local":
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
+        if self.task.env is not None and self._env_refusal():
+            return self._env_refusal()
         if self.parallel.tp is not None and self.algo.advantage == "gae":
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
         sampled = self._sampled_logprobs_problem()
@@ -447,6 +460,13 @@ class TrainConfig:
         if self.algo.mini_batches != 1 or self.algo.ppo_epochs != 1 or self.run.policy_kl:
             return ("rollout.logprobs=sampled needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false: "
                     "a policy moved by an optimizer step may drop a sampled token from its kept set (log-prob -inf)")
+    def _env_refusal(self) -> "str | None":
+        """Multi-turn episodes (task.env) run on rlalign's engine in one trainer process (docs/agents.md)."""
+        if self.rollout.engine != "rlalign":
+            return (f"task.env in rlalign train needs rollout.engine=rlalign (got {self.rollout.engine}); the vLLM "
+                    "engine runs episodes from Python through rlalign.envs.run_episodes")
+        if self.launcher != "local" or self.parallel.dp > 1:
+            return "task.env runs with launcher=local and parallel.dp=1 (multi-turn rollouts are not sharded yet)"
         return None
 
     def _unusual_value(self) -> "str | None":

@@ -87,8 +87,10 @@ class TrainBatch:
     value model, update).
 
     ``samples`` is the step's :class:`~rlalign.train.samples.StepSamples` (tokens, prompt lengths, the
-    rollout's log-probs); the per-token tensors ``[T]`` (``seq_ids``, ``mask``, ``rollout_logprobs``) run
-    over the completion tokens, sample by sample, on the training device. ``mini_batches[m]`` are the
+    rollout's log-probs); the per-token tensors ``[T]`` (``seq_ids``, ``mask``, ``rollout_logprobs``,
+    ``generated``) run over the completion tokens, sample by sample, on the training device. ``generated`` marks
+    the tokens the model sampled (False: a multi-turn episode's observation tokens); ``mask`` (the tokens the loss
+    weighs) starts as ``generated``, and the agreement check compares every ``generated`` token. ``mini_batches[m]`` are the
     micro-batches of mini-batch m (one optimizer step each): the samples cut into ``mini_batches``
     consecutive runs of equal size (sizes differ by at most one; none empty, so fewer when there are fewer
     samples), each cut into micro-batches of at most ``max_tokens`` tokens by :func:`micro_batches`.
@@ -98,6 +100,7 @@ class TrainBatch:
     mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     mini_batches: list[list[MicroBatch]]
+    generated: torch.Tensor
 
     @classmethod
     def build(cls, samples: StepSamples, *, max_tokens: int, mini_batches: int = 1, device="cpu") -> "TrainBatch":
@@ -117,8 +120,8 @@ class TrainBatch:
         for lo, hi in zip(edges[:-1], edges[1:]):
             parts = micro_batches(seq_lens[lo:hi], max_tokens)
             minis.append([layout.micro_batch(range(lo + mb[0], lo + mb[-1] + 1)) for mb in parts])
-        return cls(samples, seq_ids, torch.ones(int(lens.sum()), dtype=torch.bool, device=device),
-                   samples.logprobs.to(device), minis)
+        generated = samples.generated_mask().to(device)
+        return cls(samples, seq_ids, generated, samples.logprobs.to(device), minis, generated)
 
     @property
     def num_samples(self) -> int:

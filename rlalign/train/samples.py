@@ -15,7 +15,10 @@ returned them (prompt-major); variable-length fields are flat with a length per 
 - ``prompt_index`` int64 [N]: the sample's prompt among the prompts of its draw;
 - ``routing``: MoE expert ids [sum of routing rows, sparse layers, k] in the engine's dtype, or None unless every
   sample carries a record (``Completion.routing``); ``routing_rows`` int64 [N] its rows per sample (0 without);
-- ``rewards`` fp32 [N] and ``group_ids`` int64 [N] once scored (:meth:`scored`): a group is one prompt's samples.
+- ``rewards`` fp32 [N] and ``group_ids`` int64 [N] once scored (:meth:`scored`): a group is one prompt's samples;
+- ``generated`` bool [sum of completion lengths] or None (every completion token is the model's): for multi-turn
+  episodes (:mod:`rlalign.train.multiturn`) False on the observation tokens the env inserted, which have no
+  rollout log-prob (their ``logprobs`` entry is 0.0), are masked out of the loss and not compared.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class StepSamples:
     routing_rows: torch.Tensor
     rewards: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
+    generated: torch.Tensor | None = None
 
     # ---- building -----------------------------------------------------------------------------------
 
@@ -66,10 +70,12 @@ class StepSamples:
         routed = all(p.routing is not None for p in filled)
         cat = lambda name: torch.cat([getattr(p, name) for p in filled])  # noqa: E731
         scored = all(p.rewards is not None for p in filled)
+        marked = any(p.generated is not None for p in filled)
         return cls(cat("tokens"), cat("prompt_lens"), cat("completion_lens"), cat("logprobs"), cat("truncated"),
                    cat("prompt_index"), cat("routing") if routed else None,
                    cat("routing_rows") if routed else torch.zeros(sum(len(p) for p in filled), dtype=torch.int64),
-                   cat("rewards") if scored else None, cat("group_ids") if scored else None)
+                   cat("rewards") if scored else None, cat("group_ids") if scored else None,
+                   torch.cat([p.generated_mask() for p in filled]) if marked else None)
 
     def scored(self, rewards: Sequence[float], first_group: int) -> "StepSamples":
         """These samples with their rewards (fp32) and group ids (``first_group`` + the prompt's index)."""
@@ -85,7 +91,8 @@ class StepSamples:
                            self.completion_lens[keep], self.logprobs[per_token(self.completion_lens)],
                            self.truncated[keep], self.prompt_index[keep],
                            None if self.routing is None else self.routing[per_token(self.routing_rows)],
-                           self.routing_rows[keep], pick(self.rewards), pick(self.group_ids))
+                           self.routing_rows[keep], pick(self.rewards), pick(self.group_ids),
+                           None if self.generated is None else self.generated[per_token(self.completion_lens)])
 
     # ---- reading ------------------------------------------------------------------------------------
 
@@ -96,6 +103,12 @@ class StepSamples:
     def sequence_lens(self) -> torch.Tensor:
         """int64 [N]: prompt + completion tokens of each sample."""
         return self.prompt_lens + self.completion_lens
+
+    def generated_mask(self) -> torch.Tensor:
+        """bool [sum of completion lengths]: True on the tokens the model sampled (all of them unless ``generated``)."""
+        if self.generated is not None:
+            return self.generated
+        return torch.ones(int(self.completion_lens.sum()), dtype=torch.bool)
 
     @property
     def has_routing(self) -> bool:

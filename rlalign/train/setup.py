@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.envs.loading import load_env
 from rlalign.models.checkpoint import load_model, load_model_config
 from rlalign.models.tokenizer import load_tokenizer
 from rlalign.tasks import ArithmeticTask
@@ -66,10 +67,13 @@ class TaskData:
     """Train stream (indexable by data position), held-out problems, encoding and checked scoring.
 
     ``rewards`` scores batches: ``rewards.score(prompts, completions, answers, extras, conversations)`` (a
-    :class:`~rlalign.tasks.reward_set.RewardSet`, which :meth:`close` stops)."""
+    :class:`~rlalign.tasks.reward_set.RewardSet`, which :meth:`close` stops). A multi-turn task (``task.env``)
+    has ``env``, a factory of one environment per episode (:func:`rlalign.envs.load_env`), and no rewards (None):
+    the env's rewards score the episode."""
 
     def __init__(self, train_fn, eval_list: Sequence, rewards, tokenizer, chat: bool,
-                 system_prompt: "str | None" = None, enable_thinking: "bool | None" = None):
+                 system_prompt: "str | None" = None, enable_thinking: "bool | None" = None, env=None):
+        self.env = env
         self._train_fn = train_fn
         self._eval = [Problem(p.prompt, p.answer, p.extra) for p in eval_list]
         self.rewards = rewards
@@ -136,20 +140,22 @@ class TaskData:
 def build_task(section: TaskSection, tokenizer, seed: int, device: str = "cpu") -> TaskData:
     """The task of ``section``, its rewards loaded (rlalign.tasks.reward_set: rule rewards in worker processes,
     reward models on ``device``): a reward that cannot be loaded fails here, before training; :meth:`TaskData.close`
-    stops the workers."""
+    stops the workers. With ``task.env`` the env is loaded (and tried once) instead of the rewards."""
+    env = load_env(section.env, section.env_args) if section.env is not None else None
     if section.name == "arithmetic":
         task = ArithmeticTask(seed=seed, min_digits=section.min_digits, max_digits=section.max_digits,
                               eval_size=section.eval_size)
-        rewards = _rewards(section, "arithmetic", device)
+        rewards = _rewards(section, "arithmetic", device) if env is None else None
         return TaskData(task.train_problem, task.eval_problems, rewards, tokenizer, section.chat,
-                        section.system_prompt, section.enable_thinking)
-    if section.reward == "builtin" and not section.rewards:
+                        section.system_prompt, section.enable_thinking, env)
+    if section.reward == "builtin" and not section.rewards and env is None:
         raise SetupError("task.reward must name a reward for a dataset task (gsm8k, gsm8k_last_number, or module:function)")
     train_fn, held_out = _dataset(section, seed)
     if section.eval_size:
         held_out = held_out[:section.eval_size]
-    return TaskData(train_fn, held_out, _rewards(section, section.reward, device), tokenizer, section.chat,
-                    section.system_prompt, section.enable_thinking)
+    rewards = _rewards(section, section.reward, device) if env is None else None
+    return TaskData(train_fn, held_out, rewards, tokenizer, section.chat, section.system_prompt,
+                    section.enable_thinking, env)
 
 
 def _rewards(section: TaskSection, builtin: str, device: str) -> RewardSet:

@@ -22,6 +22,10 @@ Reward code (``task.reward`` as ``file.py:function`` or ``module:function``) and
   before it is imported): name it again.
 - A named reward file whose sha256 differs from the recorded one is refused at the resume (the run
   would optimise a different reward) unless ``run.resume_override=[task.reward]``.
+
+An environment (``task.env`` as ``file.py:Class`` or ``module:Class``, docs/agents.md) is code too: a file inside
+``run.dir`` is never imported, and a resume imports it only if this command names it (no fingerprint is recorded
+for envs: ``config.yaml`` alone never chooses an env to run).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from rlalign.configlib import ConfigError, flatten, load_config, load_raw, load_yaml, merge
+from rlalign.envs.loading import env_is_code, env_source_file
 from rlalign.tasks.registry import reward_is_code, reward_source_file
 from rlalign.train.config import TrainConfig
 from rlalign.models.atomic import atomic_write
@@ -97,6 +102,10 @@ def resolve_train_config(path: "str | None", overrides: list[str]) -> TrainConfi
         refuse_unrecorded_reward(cfg)
     if not _names_reward(path, overrides, Path(cfg.run.dir), key="rewards"):
         refuse_saved_reward_terms(cfg)
+    if env_is_code(cfg.task.env) and not _names_reward(path, overrides, Path(cfg.run.dir), "env"):
+        raise ConfigError(f"run.resume=true: task.env={cfg.task.env} is code, and only {cfg.run.dir}/config.yaml names "
+                          f"it; a run directory never chooses code to run: name it on the command line "
+                          f"(task.env={cfg.task.env}) or in a config file outside the run directory")
     return cfg
 
 
@@ -128,12 +137,16 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def refuse_reward_in_run_dir(cfg: TrainConfig) -> None:
-    """A reward file inside run.dir is never imported: a run directory holds data, never code that runs."""
+    """A reward (or env) file inside run.dir is never imported: a run directory holds data, never code that runs."""
     for key, spec in [("task.reward", cfg.task.reward), *(("task.rewards", s) for s in _term_specs(cfg))]:
         file = reward_source_file(spec)
         if file is not None and cfg.run.dir and _inside(file, Path(cfg.run.dir)):
             raise ConfigError(f"{key}={spec}: the file lies inside run.dir {cfg.run.dir}, and nothing in a run "
                               "directory runs as code; keep the reward file outside it")
+    env_file = env_source_file(cfg.task.env)
+    if env_file is not None and cfg.run.dir and _inside(env_file, Path(cfg.run.dir)):
+        raise ConfigError(f"task.env={cfg.task.env}: the file lies inside run.dir {cfg.run.dir}, and nothing in a run "
+                          "directory runs as code; keep the env file outside it")
 
 
 def reward_fingerprint(spec: str) -> "dict | None":
@@ -211,8 +224,8 @@ def check_resume(saved: dict, cfg: TrainConfig, recorded_reward_file: "dict | No
     return changed
 
 def run_inputs(cfg: TrainConfig) -> list[Path]:
-    """What a run reads from disk: the model folder (unless the embedded default), the dataset files, reward files
-    and reward model folders. ``run.overwrite`` may not delete in a run directory holding one of them (run.directory.open_run_dir)."""
+    """What a run reads from disk: the model folder (unless the embedded default), the dataset files, reward files,
+    reward model folders and an env file. ``run.overwrite`` may not delete in a run directory holding one of them (run.directory.open_run_dir)."""
     reads = [Path(cfg.model.path)] if cfg.model.path != "default" else []
     reads += [Path(p) for p in (cfg.task.path, cfg.task.eval_path) if p]
     for spec in [cfg.task.reward, *(t.get("name") for t in cfg.task.rewards if isinstance(t, dict))]:
@@ -220,6 +233,9 @@ def run_inputs(cfg: TrainConfig) -> list[Path]:
         if reward is not None:
             reads.append(reward)
     reads += [Path(t["reward_model"]) for t in cfg.task.rewards if isinstance(t, dict) and t.get("reward_model")]
+    env_file = env_source_file(cfg.task.env)
+    if env_file is not None:
+        reads.append(env_file)
     return reads
 
 

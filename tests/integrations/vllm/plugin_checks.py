@@ -88,7 +88,7 @@ def planted_rule_report(rollout, model, honest) -> dict:
 def prefix_cache_report(directory: Path) -> dict:
     """The same prompts twice through one engine with 32-token blocks: the second round reads the prompts'
     full blocks from vLLM's prefix cache (the plugin's K/V written by the first round) and must still
-    equal rlalign's engine."""
+    equal rlalign's engine. Then multi-turn episodes on the same engine (:func:`episodes_report`)."""
     from rlalign.integrations.vllm.engine import VLLMEngine, VLLMEngineConfig
     from rlalign.integrations.vllm.model import RLAlignForCausalLM
     from rlalign.models.checkpoint import load_model
@@ -110,6 +110,9 @@ def prefix_cache_report(directory: Path) -> dict:
         second = engine.generate(prompts, sampling)
     finally:
         RLAlignForCausalLM._batch = build
+    try:
+        episodes = episodes_report(engine, directory)   # the same engine: one start-up less
+    finally:
         engine.close()
     model, _ = load_model(directory)
     ref = RolloutEngine(model, RolloutConfig()).generate(prompts, sampling)
@@ -117,7 +120,48 @@ def prefix_cache_report(directory: Path) -> dict:
     def key(completions):
         return [(c.tokens, c.logprobs) for c in completions]
     return {"first_equal": key(first) == key(ref), "cached_equal": key(second) == key(ref),
-            "second_round_first_forward": {"computed": computed[0][0], "context": computed[0][1]}}
+            "second_round_first_forward": {"computed": computed[0][0], "context": computed[0][1]}, "episodes": episodes}
+
+
+def episodes_report(engine, directory: Path) -> dict:
+    """Multi-turn episodes (rlalign.envs.run_episodes) on a vLLM engine with 32-token blocks (later turns read the
+    earlier turns' blocks from vLLM's prefix cache): the same episodes as on rlalign's engine, tokens and log-prob
+    bits, and every generated token's log-prob equal to the trainer's packed forward of the whole episode."""
+    import torch
+
+    from rlalign.contract import use_profile
+    from rlalign.contract.bits import count_differences
+    from rlalign.envs import Env, EpisodeLimits, StepResult, run_episodes
+    from rlalign.models.checkpoint import load_model
+    from rlalign.ops import logprob_temperature
+    from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
+    from rlalign.train.multiturn import episode_samples
+    from rlalign.train.packing import TrainBatch
+
+    class Feedback(Env):   # 3 turns; observations of 0, 5, 40 ids that depend on the turn's tokens
+        def step(self, turn):
+            if turn.index == 2:
+                return StepResult(None, 1.0, True)
+            length = (5, 40)[turn.index] if turn.token_ids else 0
+            return StepResult([3 + (t * 7 + i) % 300 for i, t in enumerate(turn.token_ids * 40)][:length], 0.0, False)
+
+    prompts = [list(range(3, 40)), [9, 10, 11]]
+    sampling, limits = SamplingParams(n=2, seed=4, temperature=0.9), EpisodeLimits(3, 120, 10)
+    got = run_episodes(engine, None, prompts, [None, None], Feedback, sampling, limits)
+    model, _ = load_model(directory)
+    with use_profile("strict"):
+        ref = run_episodes(RolloutEngine(model, RolloutConfig()), None, prompts, [None, None], Feedback, sampling,
+                           limits)
+        batch = TrainBatch.build(episode_samples(got), max_tokens=4096)
+        lp, _ = batch.score(model, temperature=logprob_temperature(0.9))
+    keep = batch.generated
+    return {"episodes": len(got), "turns": [e.num_turns for e in got],
+            "observation_tokens": sum(e.generated.count(False) for e in got),
+            "equal_rlalign_engine": [(e.tokens, e.generated, e.logprobs) for e in got]
+            == [(e.tokens, e.generated, e.logprobs) for e in ref],
+            "generated_tokens": int(keep.sum()),
+            "trainer_mismatches": int(count_differences(lp[keep], batch.rollout_logprobs[keep])),
+            "obs_masked": bool(torch.equal(batch.mask, keep))}
 
 
 def refusal(engine, **params) -> str:

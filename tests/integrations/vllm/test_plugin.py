@@ -60,6 +60,13 @@ def test_prefix_cached_prompts_still_equal_rlalign_engine(report):
     assert r["first_equal"] and r["cached_equal"]
 
 
+def test_multi_turn_episodes_on_vllm_equal_rlalign_engine_and_trainer(report):
+    r = report["prefix_cache"]["episodes"]
+    assert r["episodes"] == 4 and r["observation_tokens"] > 0 and max(r["turns"]) == 3, r
+    assert r["equal_rlalign_engine"], r
+    assert r["generated_tokens"] >= 40 and r["trainer_mismatches"] == 0 and r["obs_masked"], r
+
+
 @pytest.mark.parametrize("setting, message", [
     ("tensor_parallel_size=2", "tensor_parallel_size=2 is not supported"),
     ("kv_cache_dtype=fp8", "kv_cache_dtype='fp8' is not supported"),
