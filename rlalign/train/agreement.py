@@ -36,10 +36,13 @@ class Agreement:
         self.on_mismatch = on_mismatch
         self.sparse_layers = sparse_layers
 
-    def check_logprobs(self, step: int, old_lp: torch.Tensor, batch: TrainBatch) -> dict:
-        """Compare the trainer's old-policy log-probs with the rollout's on every token (raw bits); the
-        ``mismatch/*`` record."""
-        mism = algos.logprob_mismatch_stats(old_lp, batch.rollout_logprobs, torch.ones_like(batch.mask))
+    def check_logprobs(self, step: int, old_lp: torch.Tensor, batch: TrainBatch,
+                       tokens: "torch.Tensor | None" = None) -> dict:
+        """Compare the trainer's old-policy log-probs with the rollout's on every token (raw bits), or on the bool
+        [T] ``tokens`` (asynchronous steps: those the trainer's current weights sampled); the ``mismatch/*``
+        record."""
+        tokens = torch.ones_like(batch.mask) if tokens is None else tokens.to(batch.mask.device)
+        mism = algos.logprob_mismatch_stats(old_lp, batch.rollout_logprobs, tokens)
         record = mismatch_record(mism)
         if self.strict and record["mismatch/count"]:
             self._report(f"step {step}: {record['mismatch/count']} of {record['mismatch/tokens']} token logprobs "

@@ -38,8 +38,9 @@ class TrainingState:
     tp: Group | None
     reward_file: dict | None
 
-    def save(self, run_dir: Path, writer: bool, step: int, data_pos: int) -> None:
-        """Checkpoint ``step``. Every rank takes part in gathering the state (TP); the writer writes it."""
+    def save(self, run_dir: Path, writer: bool, step: int, data_pos: int, extra: "dict | None" = None) -> None:
+        """Checkpoint ``step``. Every rank takes part in gathering the state (TP); the writer writes it. ``extra``:
+        more keys of plain data (asynchronous steps: the samples generated ahead, rlalign.train.offpolicy)."""
         model, optimizer = par.policy_weights(self.policy), par.optimizer_state(self.update.optimizer, self.tp)
         master = full_masters(self.master, self.policy) if self.master.active else None
         if not writer:
@@ -53,7 +54,7 @@ class TrainingState:
             "step": step, "data_pos": data_pos, "config": dataclasses.asdict(self.cfg),
             **({"reward_file": self.reward_file} if self.reward_file else {}),
             **({"value": value.state_dict(), "value_optimizer": value_optimizer.state_dict()}
-               if value is not None else {})}, keep=self.cfg.run.keep_checkpoints,
+               if value is not None else {}), **(extra or {})}, keep=self.cfg.run.keep_checkpoints,
             facts={"reward": self.reward_file} if self.reward_file else None)
 
     def load_latest(self, run_dir: Path) -> dict | None:
