@@ -154,6 +154,8 @@ class Trainer:
         self._push(self.step)  # version = optimizer steps
         if self.pipeline is not None:
             self.pipeline.load_state_dict(state.get(offpolicy.STATE_KEY), self.step)
+        if self.verifier is not None:
+            self.verifier.snapshots.update(state.get(offpolicy.SNAPSHOTS_KEY) or {})
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else NoMetrics()
         self._note(getattr(self.metrics, "note", None))
 
@@ -182,7 +184,9 @@ class Trainer:
 
     def save(self) -> None:
         # the samples generated ahead first: waiting for them settles the data position
-        extra = {offpolicy.STATE_KEY: self.pipeline.state_dict()} if self.pipeline is not None else None
+        extra = {offpolicy.STATE_KEY: self.pipeline.state_dict()} if self.pipeline is not None else {}
+        if self.verifier is not None:   # the versions that sampled them, for run.verify_behaviour after a resume
+            extra[offpolicy.SNAPSHOTS_KEY] = self.verifier.needed_after(self.step, self.cfg.rollout.async_steps)
         self.state.save(self.run_dir, self.writer, self.step, self.sampler.data_pos, extra)
 
     def save_policy(self) -> Path:
@@ -197,8 +201,10 @@ class Trainer:
     # ---- one step --------------------------------------------------------------------------------
 
     def needs_rescore(self) -> bool:
-        """Whether the old policy's log-probs need a forward of their own (:func:`rlalign.train.update.needs_rescore`)."""
-        return needs_rescore(self.cfg, self.dp)
+        """Whether the old policy's log-probs need a forward of their own (:func:`rlalign.train.update.needs_rescore`),
+        or, with samples generated ahead (``rollout.async_steps``), the proximal policy's: they weigh the behaviour
+        log-probs before the update (rlalign.train.offpolicy)."""
+        return needs_rescore(self.cfg, self.dp) or self.pipeline is not None
 
     def train_batch(self, samples: StepSamples) -> TrainBatch:
         """The step's :class:`TrainBatch` (layout, mask, rollout log-probs), built once."""

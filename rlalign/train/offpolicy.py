@@ -51,6 +51,7 @@ from rlalign.train.sampling import Sampler
 from rlalign.train.setup import SetupError
 
 STATE_KEY = "async_rollout"   # the checkpoint's key of the samples in flight
+SNAPSHOTS_KEY = "behaviour_weights"   # run.verify_behaviour: the weights of the versions that sampled them
 
 
 class StalenessError(RLAlignError):
@@ -212,8 +213,9 @@ class BehaviourVerifier:
     the version that sampled them, compared bit for bit with what the engine recorded (``verify/*``).
 
     Holds a snapshot of every version a later step still needs (at most ``k + 1``) and one scratch copy of the
-    policy to load them into. A version it does not hold (the samples a resumed run took from its checkpoint,
-    sampled before the checkpoint's weights) is counted in ``verify/unverified_tokens``, never passed."""
+    policy to load them into; a checkpoint keeps those the samples generated ahead need (:meth:`needed_after`:
+    ``k`` copies of the weights, only with ``run.verify_behaviour``). A version it does not hold (a checkpoint
+    written without them) is counted in ``verify/unverified_tokens``, never passed."""
 
     def __init__(self, policy: torch.nn.Module, temperature: float, strict: bool, on_mismatch: str):
         self.temperature, self.strict, self.on_mismatch = temperature, strict, on_mismatch
@@ -223,6 +225,11 @@ class BehaviourVerifier:
     def remember(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         if version not in self.snapshots:
             self.snapshots[version] = {name: t.detach().clone() for name, t in weights.items()}
+
+    def needed_after(self, step: int, async_steps: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The snapshots the steps after ``step`` read (versions from ``behaviour_version(step + 1)`` on)."""
+        first = behaviour_version(step + 1, async_steps)
+        return {v: w for v, w in self.snapshots.items() if v >= first}
 
     def forget_before(self, version: int) -> None:
         for v in [v for v in self.snapshots if v < version]:
@@ -254,6 +261,6 @@ class BehaviourVerifier:
                 "verify/unverified_tokens": unverified}
 
 
-__all__ = ["AsyncRollout", "BehaviourVerifier", "StalenessError", "STATE_KEY", "behaviour_correction",
+__all__ = ["AsyncRollout", "BehaviourVerifier", "StalenessError", "STATE_KEY", "SNAPSHOTS_KEY", "behaviour_correction",
            "behaviour_version", "check_setup", "check_staleness", "fresh_mask", "max_staleness", "samples_state",
            "staleness_record"]

@@ -99,11 +99,9 @@ def needs_rescore(cfg, dp: Group) -> bool:
     the rollout's before the optimizer steps. Needed in the native profile (grad and no-grad
     forwards may take different vendor kernels), for TIS/MIS, with ``algo.mini_batches > 1``
     (later mini-batches run after an optimizer step) and with ``parallel.dp > 1`` (each rank
-    forwards only its share), and with ``rollout.async_steps > 0`` (the proximal policy's log-probs weigh the
-    behaviour's before the update: rlalign.train.offpolicy)."""
+    forwards only its share)."""
     a = cfg.algo
-    return (cfg.run.profile != "strict" or a.mismatch_correction != "none" or a.mini_batches > 1 or dp.size > 1
-            or cfg.rollout.async_steps > 0)
+    return cfg.run.profile != "strict" or a.mismatch_correction != "none" or a.mini_batches > 1 or dp.size > 1
 
 
 class PolicyUpdate:
