@@ -1,10 +1,16 @@
 """Asynchronous steps (rollout.async_steps, rlalign.train.offpolicy): the schedule is the config's, not the threads';
 the generation of step t + k really runs while step t trains; k = 1 runs are bitwise reproducible, across a
-stop + resume too (the checkpoint holds the samples generated ahead); the async machinery with no lookahead gives
+kill + resume too (the checkpoint holds the samples generated ahead); the async machinery with no lookahead gives
 the synchronous run's metrics and weights bit for bit; run.verify_behaviour recomputes the behaviour log-probs under
 the recorded version (0 differ) and catches a one-bit change; the staleness bound is enforced."""
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +21,7 @@ from rlalign.train import offpolicy
 from rlalign.train.agreement import MismatchError
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import Trainer, run_training
+from rlalign.train.run.checkpoint_files import load_latest_checkpoint
 from rlalign.train.run.metrics import read_metrics
 from tests.train.conftest import tiny_overrides
 
@@ -125,26 +132,42 @@ def test_async_machinery_without_lookahead_equals_the_synchronous_run(arithmetic
         _finish(piped)
 
 
-def test_k1_runs_are_bitwise_reproducible_also_across_a_stop_and_resume(arithmetic_model_dir, tmp_path):
-    """Two k = 1 runs of 4 steps, and a third stopped after step 2 (its checkpoint holds step 3's samples, drawn by
-    version 1 < the checkpoint's 2, and version 1's weights for run.verify_behaviour) then resumed: every metric
-    value and the final weights equal."""
+def _cli(model_dir, run_dir, steps, *extra):
+    args = tiny_overrides(model_dir, run_dir, steps=steps, dense_reward=True) + ["optim.warmup_steps=1", *extra]
+    return subprocess.Popen([sys.executable, "-m", "rlalign.cli.main", "train", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_k1_runs_are_bitwise_reproducible_also_across_a_kill_and_resume(arithmetic_model_dir, tmp_path):
+    """Two k = 1 runs of 5 steps, and a third killed (SIGKILL) after its step 2 record and resumed: its checkpoint
+    holds the samples generated ahead (drawn by a version older than its weights) and, for run.verify_behaviour,
+    that version's weights. Every metric value and the final weights equal."""
     extra = ("rollout.async_steps=1", "run.verify_behaviour=true")
     first, second, cut = tmp_path / "a", tmp_path / "b", tmp_path / "cut"
-    run_training(_cfg(arithmetic_model_dir, first, 4, *extra))
-    run_training(_cfg(arithmetic_model_dir, second, 4, *extra))
-    run_training(_cfg(arithmetic_model_dir, cut, 4, *extra, "run.stop_at_step=2"))
-    assert [r["step"] for r in read_metrics(cut)] == [0, 1, 2]
-    run_training(_cfg(arithmetic_model_dir, cut, 4, *extra, "run.resume=true", "run.stop_at_step=null"))
+    run_training(_cfg(arithmetic_model_dir, first, 5, *extra))
+    run_training(_cfg(arithmetic_model_dir, second, 5, *extra))
+    killed = _cli(arithmetic_model_dir, cut, 5, *extra)
+    metrics, deadline = cut / "metrics.jsonl", time.time() + 600
+    while time.time() < deadline and killed.poll() is None:
+        if metrics.exists() and any(json.loads(line).get("step") == 2 for line in metrics.read_text().splitlines()
+                                    if line.strip()):
+            break
+        time.sleep(0.02)
+    assert killed.poll() is None, "the run ended before it could be killed: " + killed.stderr.read()[-500:]
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert 1 <= load_latest_checkpoint(cut)["step"] < 5
+    resumed = _cli(arithmetic_model_dir, cut, 5, *extra, "run.resume=true")
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-2000:]
     assert metric_differences(first, second) == [] and weight_differences(first, second) == []
     assert metric_differences(first, cut) == [] and weight_differences(first, cut) == []
     records = read_metrics(first)[1:]
-    assert [r["offpolicy/staleness_max"] for r in records] == [0, 1, 1, 1]
-    assert [r["offpolicy/behaviour_version"] for r in records] == [0, 0, 1, 2]
+    assert [r["offpolicy/staleness_max"] for r in records] == [0, 1, 1, 1, 1]
+    assert [r["offpolicy/behaviour_version"] for r in records] == [0, 0, 1, 2, 3]
     assert all(r["verify/behaviour_mismatch"] == 0 and r["verify/behaviour_tokens"] > 0 for r in records)
     assert sum(r["grad_norm"] > 0 for r in records) >= 3
     assert any(r["offpolicy/weight_max"] != 1.0 for r in records[1:]), "no stale sample was reweighted"
-    assert all(r["verify/unverified_tokens"] == 0 for r in read_metrics(cut)[1:])   # version 1 came from the checkpoint
+    assert all(r["verify/unverified_tokens"] == 0 for r in read_metrics(cut)[1:])   # the versions came from the checkpoint
 
 
 def test_verify_behaviour_catches_one_flipped_bit(arithmetic_model_dir, tmp_path):
