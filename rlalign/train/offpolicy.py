@@ -90,7 +90,8 @@ def check_staleness(step: int, versions: torch.Tensor, bound: int) -> None:
     """Raise :class:`StalenessError` when a token of step ``step`` was sampled more than ``bound`` versions before
     the trainer's (``step - 1``)."""
     if versions is None:
-        raise StalenessError(f"step {step}: the samples carry no weights versions; the staleness bound cannot be checked")
+        raise StalenessError(f"step {step}: the samples carry no weights versions; the staleness bound cannot be "
+                             "checked")
     if versions.numel() and int(versions.min()) < step - 1 - bound:
         raise StalenessError(f"step {step}: a sample of weights version {int(versions.min())} is "
                              f"{step - 1 - int(versions.min())} versions older than the trainer's ({step - 1}), more "
@@ -103,7 +104,8 @@ def staleness_record(step: int, versions: torch.Tensor) -> dict:
     if not stale.numel():
         return {}
     return {"offpolicy/staleness_mean": float(stale.mean()), "offpolicy/staleness_min": int(stale.min()),
-            "offpolicy/staleness_max": int(stale.max()), "offpolicy/stale_token_frac": float((stale > 0).double().mean()),
+            "offpolicy/staleness_max": int(stale.max()),
+            "offpolicy/stale_token_frac": float((stale > 0).double().mean()),
             "offpolicy/behaviour_version": int(versions.min())}
 
 
