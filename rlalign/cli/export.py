@@ -18,11 +18,14 @@ def register(subparsers) -> None:
                    help="replace OUT_DIR when it holds a model folder rlalign wrote (anything else there is refused)")
     p.add_argument("--unverified", action="store_true",
                    help="export a checkpoint whose sha256 no latest.json records (the export gets no checksums.json)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run's checkpoint: write its adapters alone in PEFT's format (default: merged into a "
+                        "full Hugging Face model)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     out = export_checkpoint(args.checkpoint, args.out_dir, args.model_dir, overwrite=args.overwrite,
-                            unverified=args.unverified)
+                            unverified=args.unverified, adapter=args.adapter)
     print(f"exported {checkpoint_file(args.checkpoint)} -> {out}")
     return 0

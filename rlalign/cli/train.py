@@ -83,7 +83,7 @@ def _dry_run(cfg) -> int:
     """Everything a run checks before its first step, without writing a run directory; shows the first
     training prompt rendered as the model receives it (chat template applied, decoded from its token ids)."""
     policy, tokenizer, model_dir = load_policy(cfg.model)
-    task = build_task(cfg.task, tokenizer, cfg.run.seed)   # starts the reward's worker: the reward loads
+    task = build_task(cfg.task, tokenizer, cfg.run.seed, cfg.model.device)   # starts the reward's worker: the reward loads
     try:
         first = task.train(0, 1)[0]
         ids = task.encode(first.prompt)

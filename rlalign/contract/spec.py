@@ -133,6 +133,29 @@ CONTRACT: tuple[OpContract, ...] = (
         "-", "64-bit integer hash (splitmix64), fp32 log", "batch composition: the token depends on (seed, sequence id, position) and the row's logits only",
     ),
     OpContract(
+        "sample: the kept set (top-k, top-p, min-p)", "vocab (which tokens may be drawn)",
+        "whole row, in the total order (z desc, token id asc) -- ties, and values equal up to the last bit, broken by "
+        "the lower token id",
+        "min-p: c = count of fp32 exp(z - max z) >= fp32(min_p), keep the first c of the order (a tighter top-k); "
+        "top-k: the first k; top-p: keep a token iff the exact int64 sum of trunc(p * 2**60) over the kept tokens "
+        "before it is < top_p * 2**60, p = exp(z - max) / tree_sum over the top-k/min-p set; greedy: the first token",
+        "fp32 logits / temperature (the rule above), fp32 exp and probabilities, int64 prefix sums",
+        "-", "fp32 exp, IEEE div, balanced tree sum, stable sort, exact integer adds",
+        "batch composition, the number of candidates ordered, the backend (the keep mask is this torch formulation "
+        "on every device): a row's set depends on its logits' bits and its own settings only",
+    ),
+    OpContract(
+        "sampled_logprob (rollout.logprobs=sampled)", "the kept set K of the row (log-sum-exp over K)",
+        "whole row; the kept set recomputed from ops.lm_logits' bits of the row by the sampler's own rule",
+        "m = max z (always in K); s = balanced tree sum over the row of exp(z - m) on K, 0 elsewhere; "
+        "logprob = z[target] - (m + log s), -inf outside K",
+        "fp32 throughout; gradient d/dz = onehot - p_K on K, 0 outside (K held fixed), through / temperature and the "
+        "LM head as logprob / entropy's torch backward",
+        "outputs fp32; the logits are materialised per token chunk only (peak extra O(token_chunk x vocab))",
+        "the strict lm_logits GEMM, fp32 exp, log, max, tree sum",
+        "number of tokens, token position, token chunk size: the engine and the trainer get the same bits",
+    ),
+    OpContract(
         "moe_route (router softmax, top-k, renormalisation)", "experts (softmax denominator; top-k renormaliser)",
         "whole row of E router logits (fp32: the strict linear on fp32 copies of the hidden row and router weight)",
         "softmax: m = max (exact), u = exp(l - m), balanced pairwise tree sum of u in expert-index order, p = u / sum; "

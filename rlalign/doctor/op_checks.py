@@ -219,6 +219,23 @@ def op_sample_batch(device, gen):
     return True
 
 
+def op_sampled_logprob(device, gen):
+    h = _randn(gen, 48, 128, device=device, dtype=torch.bfloat16)
+    w = _randn(gen, 3000, 128, device=device, dtype=torch.bfloat16)
+    n = h.shape[0]
+    kw = dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01)
+    tokens, lp = ops.sample_and_score(h, w, seeds=torch.full((n,), 99, device=device),
+                                      positions=torch.arange(n, device=device), logprobs="sampled", profile="strict", **kw)
+    trainer = ops.sampled_logprob(h, w, tokens, profile="strict", **kw).logprob
+    if not bits_equal(lp, trainer) or not bool(torch.isfinite(lp).all()):
+        return False, "the sampler's sampled log-probs differ from the trainer op's (or a token is outside its kept set)"
+    if not bits_equal(ops.sampled_logprob(h, w, tokens, token_chunk=5, profile="strict", **kw).logprob, trainer):
+        return False, "the token chunk size changes the result"
+    if not bits_equal(ops.sampled_logprob(h[7:8], w, tokens[7:8], profile="strict", **kw).logprob, trainer[7:8]):
+        return False, "a token alone differs from the same token in a batch"
+    return True
+
+
 CHECKS: tuple[Check, ...] = (
     Check("linear", "batch size 1..512 (bf16, fp32)", op_linear_batch),
     Check("linear", "narrow N (1-9) and odd K, with/without K partition: batch size, row order (bf16, fp32)",
@@ -233,4 +250,6 @@ CHECKS: tuple[Check, ...] = (
     Check("attention", "packed == decode vs paged cache == sequence alone", op_attention_prefill_decode),
     Check("logprob/entropy", "token/vocab chunk sizes, batch; one-entry last block; lm_logits rows", op_logprob_chunks),
     Check("sample", "token independent of batch", op_sample_batch),
+    Check("sampled_logprob", "engine == trainer (kept set and bits), token alone == in batch, token chunks",
+          op_sampled_logprob),
 )

@@ -78,6 +78,7 @@ from rlalign.models.decoder import Attention, DecoderLayer
 from rlalign.models.modules import Linear, RMSNorm
 from rlalign.models.moe import SparseMoE, record_routing, sparse_layer_indices, sparse_moe_block, stacked_expert_ffns
 from rlalign.models.taps import EMBED, LOGPROB, note_batch, tap
+from rlalign.integrations import peft_lora
 
 ATTENTION = "rlalign"
 _STATE = "_rlalign_patch"
@@ -101,6 +102,9 @@ class PatchState:
     previous_experts: str | None      # config._experts_implementation before the patch (MoE models)
     previous_use_cache: Any
     patched: list[tuple[nn.Module, str]]   # (module, method name) of every instance method the patch set
+    # (decoder layer, path, module) of every projection bound: a module replaced later (e.g. PEFT wrapping the
+    # patched model) would run its own, unpatched forward, so each forward checks they are still in place
+    linears: list[tuple[nn.Module, str, nn.Module]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -494,6 +498,7 @@ def _output_class(backbone_class: type):
 def _packed_hidden(backbone, state: PatchState, batch: ForwardBatch, embeds=None, keep_layers: bool = False):
     """Final-norm hidden rows [T, hidden] of a packed batch: rlalign's forward_hidden, on HF modules.
     With ``keep_layers``, also transformers' hidden_states: each layer's input, then the final-norm output."""
+    _check_linears(state)
     note_batch(batch)
     h = backbone.embed_tokens(batch.input_ids) if embeds is None else embeds
     tap(EMBED, h)
@@ -521,10 +526,13 @@ def patch(model: nn.Module, profile: str | Profile = "strict") -> nn.Module:
     ``config.use_cache = False`` (restored by :func:`unpatch`).
     """
     profile = as_profile(profile)
+    outer, model = model, peft_lora.unwrap(model)   # a PeftModel: its *ForCausalLM, adapters included
     state = getattr(model, _STATE, None)
-    if state is not None:
+    if state is not None and _replaced_linear(state) is None:
         state.profile = profile
-        return model
+        return outer
+    if state is not None:   # wrapped (e.g. by PEFT) after it was patched: patch the new modules too
+        unpatch(model)
     config = _check_supported(model, profile)
     register_attention()
     previous = getattr(model.config, "_attn_implementation", None)
@@ -538,11 +546,12 @@ def patch(model: nn.Module, profile: str | Profile = "strict") -> nn.Module:
     _patch_modules(model, state)
     object.__setattr__(model, _STATE, state)
     object.__setattr__(model.model, _STATE, state)
-    return model
+    return outer
 
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Undo :func:`patch` (the modules' class forwards and the previous attention implementation return)."""
+    outer, model = model, peft_lora.unwrap(model)
     state = getattr(model, _STATE, None)
     if state is None:
         return model
@@ -555,11 +564,11 @@ def unpatch(model: nn.Module) -> nn.Module:
     model.config.use_cache = state.previous_use_cache
     for obj in (model, model.model):
         obj.__dict__.pop(_STATE, None)
-    return model
+    return outer
 
 
 def is_patched(model: nn.Module) -> bool:
-    return getattr(model, _STATE, None) is not None
+    return getattr(peft_lora.unwrap(model), _STATE, None) is not None
 
 
 def from_pretrained(path, *, profile: str | Profile = "strict", dtype: str | torch.dtype | None = None,
@@ -580,7 +589,8 @@ def from_pretrained(path, *, profile: str | Profile = "strict", dtype: str | tor
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, *, targets: torch.Tensor | None = None,
                    temperature: float = 1.0, with_entropy: bool = False, token_chunk: int | None = None,
-                   vocab_chunk: int | None = None, cu_seq_lens_q: torch.Tensor | None = None) -> TokenLogprobs:
+                   vocab_chunk: int | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+                   sampled: dict | None = None) -> TokenLogprobs:
     """Per-token logprobs (and entropy) of a patched model, differentiable, without full logits.
 
     ``logprobs[b, s] = log softmax(h[b, s] @ W_lm.T / temperature)[target]`` computed by
@@ -589,7 +599,12 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     next token of the same sequence (``input_ids[b, s+1]`` for a padded row); explicit ``targets``
     [B, S] are used as given. Inputs as for the model: padded (2-D ``attention_mask``) or packed
     (``position_ids`` restarting at 0, or ``cu_seq_lens_q``).
+
+    ``sampled``: ``ops.sampled_logprob``'s settings (``temperature``, ``top_k``, ``top_p``, ``min_p``; strict):
+    the log-prob (and entropy) of the kept set's renormalised distribution the rlalign engine sampled from with
+    ``SamplingParams(logprobs="sampled")``, the same bits as rlalign's trainer (``temperature=`` is then unused).
     """
+    model = peft_lora.unwrap(model)
     state = _require_patched(model)
     layout = _layout(tuple(input_ids.shape[:2]), input_ids.device, input_ids=input_ids, attention_mask=attention_mask,
                      position_ids=position_ids, cu_seq_lens=cu_seq_lens_q)
@@ -603,8 +618,11 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         has_target = torch.ones_like(rows, dtype=torch.bool)
     with use_profile(state.profile):
         hidden, _ = _packed_hidden(model.model, state, batch)
-        lp, ent = ops.logprob_entropy(hidden, model.lm_head.weight, rows, temperature=temperature,
-                                      with_entropy=with_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+        if sampled is not None:
+            lp, ent = ops.sampled_logprob(hidden, model.lm_head.weight, rows, with_entropy=with_entropy, **sampled)[:2]
+        else:
+            lp, ent = ops.logprob_entropy(hidden, model.lm_head.weight, rows, temperature=temperature,
+                                          with_entropy=with_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
     tap(LOGPROB, lp)
     mask = layout.unpack(has_target)
 
@@ -643,7 +661,7 @@ def _check_supported(model: nn.Module, profile: Profile) -> ModelConfig:
     if float(getattr(model.config, "attention_dropout", 0.0) or 0.0) != 0.0:
         raise UnsupportedModelError(f"rlalign.integrations.transformers.patch: {name}: attention_dropout="
                                     f"{model.config.attention_dropout} is not supported (set it to 0)")
-    _check_modules(model, name, config)
+    _check_modules(model, name, config, profile)
     dtypes = {p.dtype for p in model.parameters()}
     if len(dtypes) != 1 or (profile is Profile.STRICT and not dtypes <= {torch.float32, torch.bfloat16}):
         raise UnsupportedModelError(f"rlalign.integrations.transformers.patch: {name}: parameters must share one "
@@ -657,7 +675,7 @@ def _reference_layer(config: ModelConfig, index: int) -> DecoderLayer:
     return DecoderLayer(config, index, torch.float32, "meta")
 
 
-def _check_modules(model, name: str, config: ModelConfig) -> None:
+def _check_modules(model, name: str, config: ModelConfig, profile: Profile) -> None:
     def need(cond: bool, what: str):
         if not cond:
             raise UnsupportedModelError(f"rlalign.integrations.transformers.patch: {name}: {what}")
@@ -675,9 +693,13 @@ def _check_modules(model, name: str, config: ModelConfig) -> None:
             if isinstance(ours, SparseMoE):
                 _check_sparse_moe(theirs, ours, where, need)
                 continue
+            if isinstance(ours, Linear) and peft_lora.is_lora_layer(theirs):   # PEFT's LoRA: checked, then its base
+                problem = peft_lora.layer_problem(theirs, profile)
+                need(problem is None, f"{where} (a PEFT LoRA layer): {problem}")
+                theirs = theirs.base_layer
             if isinstance(ours, Linear):
-                need(type(theirs) is nn.Linear, f"{where} is not a plain nn.Linear (quantized or adapter-wrapped "
-                     "layers are not supported: merge adapters first, or patch before wrapping)")
+                need(type(theirs) is nn.Linear, f"{where} is not a plain nn.Linear or a PEFT LoRA layer over one "
+                     "(quantized layers are not supported)")
             for pname, p in ours.named_parameters(recurse=False):
                 mine = getattr(theirs, pname, None)
                 need(mine is not None and tuple(mine.shape) == tuple(p.shape),
@@ -705,6 +727,21 @@ def _submodule(root: nn.Module, path: str):
         return root.get_submodule(path) if path else root
     except AttributeError:
         return None
+
+
+def _replaced_linear(state: PatchState) -> "str | None":
+    """The first bound projection no longer at its place in its decoder layer (None: all in place)."""
+    for layer, path, module in state.linears:
+        if _submodule(layer, path) is not module:
+            return f"layers.{layer.self_attn.layer_idx}.{path}"
+    return None
+
+
+def _check_linears(state: PatchState) -> None:
+    replaced = _replaced_linear(state)
+    if replaced is not None:
+        raise UnsupportedModelError(f"{replaced} was replaced after patch() (e.g. PEFT wrapped the patched model), so "
+                                    "it would run unpatched ops: call patch() again on the wrapped model")
 
 
 def _set_attention(model, name: str) -> None:
@@ -744,7 +781,9 @@ def _patch_modules(model, state: PatchState) -> None:
             if isinstance(ours, SparseMoE):
                 _bind(theirs, _sparse_moe_forward, state, top_k=ours.top_k, normalize=ours.normalize, layer=i)
             elif isinstance(ours, Linear):
-                _bind(theirs, _linear_forward, state, k_segments=ours.k_segments)
+                lora = peft_lora.is_lora_layer(theirs)
+                _bind(theirs, peft_lora.lora_forward if lora else _linear_forward, state, k_segments=ours.k_segments)
+                state.linears.append((layer, path, theirs))
             elif isinstance(ours, RMSNorm):
                 _bind(theirs, _norm_forward, state, eps=_norm_eps(theirs, ours.eps))
             elif isinstance(ours, Attention):

@@ -35,6 +35,7 @@ from rlalign.models.atomic import atomic_write, default_file_mode
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import CausalLM
 from rlalign.models.layout import checkpoint_tensors
+from rlalign.models.lora import has_lora
 from rlalign.models.ownership import OutputRefused, check_output_folder, refuse_link
 from rlalign.models.tokenizer import Tokenizer, load_tokenizer
 
@@ -94,6 +95,14 @@ def load_model(directory: str | os.PathLike, dtype: str | torch.dtype | None = N
     config's ``torch_dtype``; tensors are cast to it exactly as ``Tensor.to`` does."""
     config = load_model_config(directory)
     model = CausalLM(config, dtype=resolve_dtype(dtype or config.dtype), device=device)
+    load_weights(model, directory, device)
+    return model, config
+
+
+def load_weights(model: torch.nn.Module, directory: str | os.PathLike, device: str | torch.device = "cpu") -> None:
+    """Copy ``directory``'s safetensors into ``model`` (a :class:`CausalLM` or a model built on it, whose
+    checkpoint tensors and ``config`` say what the files must hold), checked tensor by tensor; then ``eval()``."""
+    config = model.config
     expected = dict(checkpoint_tensors(model))     # checkpoint name -> its place in the model (a view)
     seen: set[str] = set()
     files = _tensor_files(Path(directory))
@@ -105,7 +114,6 @@ def load_model(directory: str | os.PathLike, dtype: str | torch.dtype | None = N
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     verify_checksums(Path(directory), files)   # after the structural checks, whose messages are more precise
     model.eval()
-    return model, config
 
 
 def _tensor_files(directory: Path) -> dict[Path, list[str] | None]:
@@ -291,6 +299,9 @@ def save_model(model: CausalLM, directory: str | os.PathLike, *, max_shard_bytes
     (:func:`is_model_folder_file`); anything else, a file or a link there is refused (nothing changed).
     ``tokenizer_from``: copy the tokenizer files found there. ``checksums``: write checksums.json (False for
     weights whose source nobody verified: a checksum would vouch for them)."""
+    if has_lora(model):
+        raise CheckpointError("save_model: the model holds LoRA adapters; save rlalign.models.lora.merged_copy(model) "
+                              "(a Hugging Face checkpoint) or the adapters alone (rlalign.models.lora.save_adapter)")
     check_model_output(directory, overwrite=True, reads=[tokenizer_from] if tokenizer_from is not None else [])
     target = Path(directory).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -395,6 +406,6 @@ def weights_hash(model) -> str:
     return h.hexdigest()
 
 
-__all__ = ["CheckpointError", "load_model_config", "load_model", "save_model", "load_tokenizer", "weights_hash",
+__all__ = ["CheckpointError", "load_model_config", "load_model", "load_weights", "save_model", "load_tokenizer", "weights_hash",
            "resolve_dtype", "Tokenizer", "is_model_folder_file", "check_model_output", "check_model_files",
            "write_checksums"]

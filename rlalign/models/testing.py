@@ -73,6 +73,27 @@ def make_tiny_checkpoint(directory: str | os.PathLike, family: str = "qwen3", *,
     return path
 
 
+def make_tiny_reward_model(directory: str | os.PathLike, family: str = "qwen3", *, seed: int = 0,
+                           dtype: str = "float32", score_std: float = 0.5, **config_overrides) -> Path:
+    """A tiny ``*ForSequenceClassification`` checkpoint (one label) + tokenizer: the decoder of
+    :func:`tiny_model` and a random ``score`` head ~ N(0, score_std); config.json as transformers writes it."""
+    from safetensors.torch import save_file
+
+    model = tiny_model(family, seed=seed, dtype=dtype, **config_overrides)
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    score = (score_std * torch.randn((1, model.config.hidden_size), generator=gen)).to(model.dtype)
+    tensors = {n: p.detach().contiguous() for n, p in model.named_parameters() if n.startswith("model.")}
+    save_file({**tensors, "score.weight": score}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_hf_dict()
+    config.update(architectures=[architectures.get(family).architecture.removesuffix("ForCausalLM")
+                                 + "ForSequenceClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tiny_tokenizer(path)
+    return path
+
+
 def write_tiny_tokenizer(directory: str | os.PathLike) -> None:
     d = Path(directory)
     (d / "tokenizer.json").write_text(_tiny_tokenizer_json())
@@ -116,5 +137,5 @@ def _tiny_tokenizer_json() -> str:
     return tok.to_str(pretty=True)
 
 
-__all__ = ["make_tiny_checkpoint", "tiny_model", "tiny_hf_config", "write_tiny_tokenizer", "synthetic_corpus",
+__all__ = ["make_tiny_checkpoint", "make_tiny_reward_model", "tiny_model", "tiny_hf_config", "write_tiny_tokenizer", "synthetic_corpus",
            "SPECIAL_TOKENS", "EOS_TOKEN", "PAD_TOKEN", "CHAT_TEMPLATE"]

@@ -7,6 +7,7 @@ Functional API (the only way models and engines compute):
     attention_varlen, attention_paged, write_kv_cache, rope_write_kv           (ops.attention)
     logprob_entropy, lm_logits                                                 (ops.logprob)
     sample                                                                     (ops.sample)
+    sampled_logprob: a token's log-prob under the kept set it was sampled from  (ops.sampled_logprob)
     sample_and_score: a rollout's sampled token and its logprob, the one owner  (ops.sample_score)
     logprob_temperature: the temperature a sampled token is scored at           (ops.temperature)
     router_logits, moe_route, moe_experts, moe_combine                         (ops.moe)
@@ -33,6 +34,7 @@ from rlalign.ops.stacking import stacked_rows
 from rlalign.ops.attention import attention_paged, attention_varlen, rope_write_kv, write_kv_cache
 from rlalign.ops.logprob import lm_logits, logprob_entropy
 from rlalign.ops.sample import sample
+from rlalign.ops.sampled_logprob import SampledLogprobs, sampled_logprob
 from rlalign.ops.sample_score import sample_and_score
 from rlalign.ops.temperature import logprob_temperature
 from rlalign.ops.moe import moe_combine, moe_experts, moe_route, router_logits
@@ -41,7 +43,7 @@ __all__ = [
     "linear", "linear_group", "stacked_rows", "rms_norm", "rope", "rope_inv_freq", "rope_cos_sin", "silu_mul",
     "embedding",
     "attention_varlen", "attention_paged", "write_kv_cache", "rope_write_kv",
-    "logprob_entropy", "lm_logits", "sample", "sample_and_score", "logprob_temperature", "backend_name",
+    "logprob_entropy", "lm_logits", "sample", "sampled_logprob", "SampledLogprobs", "sample_and_score", "logprob_temperature", "backend_name",
     "capturing_graph", "flush_deferred_checks", "requeue_deferred_checks", "static_decode",
     "check_policy", "use_check_policy", "check_scope",
     "router_logits", "moe_route", "moe_experts", "moe_combine",

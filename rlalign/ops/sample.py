@@ -18,7 +18,8 @@ from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
-from rlalign.ops.torch_backend.sample import GAMMA, MASK64, filtering_rows, mix64_int, params_verdict
+from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
+from rlalign.ops.torch_backend.sample import GAMMA, MASK64, filtering_rows, min_p_top_k, mix64_int, params_verdict
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -44,13 +45,16 @@ def derive_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:
     return h >> 1
 
 
-def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, top_k=0, top_p=1.0,
+def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
            profile=None) -> torch.Tensor:
     """Sample one token id per row of ``logits`` (fp32 [S, V], raw, not temperature-scaled).
 
     seeds, seq_ids, positions: int64 [S] tensors (int32 accepted) or Python ints for every row.
     temperature: float or fp32 [S]; 0 = greedy (argmax of the logits, ties -> lowest id).
     top_k: int or int [S]; 0 (or >= V) = off. top_p: float or fp32 [S] in (0, 1]; 1 = off.
+    min_p: float or fp32 [S] in [0, 1]; 0 = off: keep the tokens whose probability is >= min_p x the row's
+    largest, applied as a tighter top-k (:func:`rlalign.ops.torch_backend.sample.min_p_top_k`: a prefix of
+    the order, the same on every backend) before top-k / top-p, as vLLM orders them.
     Python floats are rounded to fp32 once. Returns int64 [S] on the logits' device.
 
     strict: z = logits / temperature (fp32); keep the top-k of the order (z desc, id asc), then the
@@ -79,9 +83,11 @@ def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, 
     static = chk.static_shapes()
     _check_logits(logits, strict=not native)
     rows = logits.shape[0]
-    params = _row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p)
+    params = row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p)
     if not static:
-        _check_values(*params)
+        check_values(*params)
+    if not _is_off(min_p):   # the default (a Python 0) changes nothing: not even one more pass over the logits
+        params = (*params[:4], _min_p_top_k(logits, params[3], params[4], min_p, static), params[5])
     elif native:   # (strict: the implementation checks them on the device, e.g. in the Triton sample kernel)
         params_verdict(*params[3:])
     if native:
@@ -107,17 +113,19 @@ def _check_logits(logits: torch.Tensor, strict: bool) -> None:
     # backend's check_logit_values, the Triton kernel's flags (it reads every logit anyway); same messages
 
 
-def _row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p):
+def row_params(logits, rows, seeds, seq_ids, positions, temperature, top_k, top_p):
+    """(seeds, seq_ids, positions, temperature, top_k, top_p) as [rows] tensors on the logits' device (int64 /
+    fp32), scalars broadcast; shapes, devices and dtypes checked (the values: ``check_values``)."""
     dev = logits.device
-    return (_per_row("seeds", seeds, rows, dev, integer=True),
-            _per_row("seq_ids", seq_ids, rows, dev, integer=True),
-            _per_row("positions", positions, rows, dev, integer=True),
-            _per_row("temperature", temperature, rows, dev, integer=False),
-            _per_row("top_k", top_k, rows, dev, integer=True),
-            _per_row("top_p", top_p, rows, dev, integer=False))
+    return (per_row("seeds", seeds, rows, dev, integer=True),
+            per_row("seq_ids", seq_ids, rows, dev, integer=True),
+            per_row("positions", positions, rows, dev, integer=True),
+            per_row("temperature", temperature, rows, dev, integer=False),
+            per_row("top_k", top_k, rows, dev, integer=True),
+            per_row("top_p", top_p, rows, dev, integer=False))
 
 
-def _per_row(name: str, value, rows: int, device: torch.device, *, integer: bool) -> torch.Tensor:
+def per_row(name: str, value, rows: int, device: torch.device, *, integer: bool) -> torch.Tensor:
     """A scalar broadcast to [rows] or a [rows] tensor, as int64 (integer) or fp32 (not integer)."""
     dtype = torch.int64 if integer else torch.float32
     if isinstance(value, torch.Tensor):
@@ -142,7 +150,7 @@ def _per_row_tensor(name, value, rows, device, integer) -> torch.Tensor:
     return value.to(torch.int64 if integer else torch.float32).expand(rows).contiguous()
 
 
-def _check_values(seeds, seq_ids, positions, temperature, top_k, top_p) -> None:
+def check_values(seeds, seq_ids, positions, temperature, top_k, top_p) -> None:
     bad_t = ~torch.isfinite(temperature) | (temperature < 0)
     if bool(bad_t.any()):
         raise fail("sample", f"temperature must be finite and >= 0 (0 = greedy), got {_first_bad(temperature, bad_t)}")
@@ -151,6 +159,30 @@ def _check_values(seeds, seq_ids, positions, temperature, top_k, top_p) -> None:
         raise fail("sample", f"top_p must be in (0, 1] (1 = off), got {_first_bad(top_p, bad_p)}")
     if bool((top_k < 0).any()):
         raise fail("sample", f"top_k must be >= 0 (0 = off), got {_first_bad(top_k, top_k < 0)}")
+
+
+def _is_off(min_p) -> bool:
+    return not isinstance(min_p, torch.Tensor) and not isinstance(min_p, bool) and min_p == 0
+
+
+def check_min_p(min_p: torch.Tensor) -> None:
+    """min_p in [0, 1] in every row (0 = off)."""
+    bad = ~((min_p >= 0) & (min_p <= 1))   # also catches NaN
+    if bool(bad.any()):
+        raise fail("sample", f"min_p must be in [0, 1] (0 = off), got {_first_bad(min_p, bad)}")
+
+
+def _min_p_top_k(logits, temperature, top_k, min_p, static: bool) -> torch.Tensor:
+    """The rows' top_k tightened by ``min_p`` (checked here; a device verdict in the static form), from the very z
+    the sampler draws from (the temperature rule, greedy rows / 1)."""
+    min_p = per_row("min_p", min_p, logits.shape[0], logits.device, integer=False)
+    if static:
+        chk.deferred("sample", "a row's min_p is outside [0, 1] (static form: checked on the device)",
+                     ((min_p >= 0) & (min_p <= 1)).all())
+    else:
+        check_min_p(min_p)
+    z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))
+    return torch.where(temperature == 0, top_k, min_p_top_k(z, top_k, min_p))
 
 
 def _first_bad(values: torch.Tensor, bad: torch.Tensor) -> str:

@@ -8,7 +8,13 @@ seed, p_i the absolute position the new token takes, T_i / top_k_i / top_p_i its
                            temperature=T_i, top_k=top_k_i, top_p=top_p_i)
     logprob_i = ops.logprob_entropy(h_i, W, token_i, temperature=logprob_temperature(T_i))[0]
 
-(the temperature rule, sampling and scoring: :mod:`rlalign.ops.temperature`). The invariant this
+(the temperature rule, sampling and scoring: :mod:`rlalign.ops.temperature`). With ``logprobs="sampled"`` the
+reported log-prob is instead that of the distribution the token was drawn from, the kept set renormalised:
+
+    logprob_i = ops.sampled_logprob(h_i, W, token_i, temperature=T_i, top_k=top_k_i, top_p=top_p_i,
+                                    min_p=min_p_i).logprob
+
+(:mod:`rlalign.ops.sampled_logprob`), which the trainer calls on its own hidden rows: the same bits. The invariant this
 owns, in the strict profile: ``logprob_i`` is the trainer's op (``CausalLM.logprobs`` /
 ``head_logprobs`` -> ``ops.logprob_entropy``) on the same hidden row at the same temperature, and a
 strict row does not depend on the other rows of a call, so it equals the trainer's packed-forward
@@ -30,15 +36,17 @@ from rlalign.contract.errors import fail
 from rlalign.ops import _checks as chk
 from rlalign.ops.logprob import lm_logits, logprob_entropy
 from rlalign.ops.sample import sample
+from rlalign.ops.sampled_logprob import sampled_logprob
 # the rule is read from its module at each call, so every user sees one definition (a test plants a wrong one)
 from rlalign.ops import temperature as temperature_rule
 
 OP = "sample_and_score"
+LOGPROB_MODES = ("full", "sampled")
 
 
 def sample_and_score(hidden: torch.Tensor, weight: torch.Tensor, *, seeds, positions, temperature=1.0, top_k=0,
-                     top_p=1.0, logits: torch.Tensor | None = None, with_logprobs: bool = True,
-                     score_temperature: float | None = None,
+                     top_p=1.0, min_p=0.0, logits: torch.Tensor | None = None, with_logprobs: bool = True,
+                     score_temperature: float | None = None, logprobs: str = "full",
                      profile=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample one token per row of ``hidden`` [S, H] and score it (module docstring); returns
     (tokens int64 [S], logprobs fp32 [S] or None when ``with_logprobs=False``).
@@ -56,7 +64,13 @@ def sample_and_score(hidden: torch.Tensor, weight: torch.Tensor, *, seeds, posit
     a row whose rule disagrees raises). Required in the static form (inside a CUDA-graph capture or
     ``ops.static_decode()``; the rollout engine's decode graphs), where the op reads nothing on the
     host and allocates no data-dependent shape (``ops.sample``'s static form): the same bits.
+
+    min_p (0 = off): a number, a per-row list or an fp32 [S] tensor (``ops.sample``). ``logprobs``: ``"full"``
+    (the full softmax at the logprob temperature, above) or ``"sampled"`` (the kept set's renormalised
+    distribution, :func:`rlalign.ops.sampled_logprob`; strict, eager form only).
     """
+    if logprobs not in LOGPROB_MODES:
+        raise fail(OP, f"logprobs must be one of {LOGPROB_MODES}, got {logprobs!r}")
     chk.ndim(OP, "hidden", hidden, 2)
     rows = hidden.shape[0]
     if logits is None:
@@ -67,9 +81,12 @@ def sample_and_score(hidden: torch.Tensor, weight: torch.Tensor, *, seeds, posit
     tokens = sample(logits, seeds=seeds, seq_ids=seeds, positions=positions,
                     temperature=_uniform_or_rows("temperature", temperature, rows, torch.float32, dev),
                     top_k=_uniform_or_rows("top_k", top_k, rows, torch.int64, dev),
-                    top_p=_uniform_or_rows("top_p", top_p, rows, torch.float32, dev), profile=profile)
+                    top_p=_uniform_or_rows("top_p", top_p, rows, torch.float32, dev),
+                    min_p=_uniform_or_rows("min_p", min_p, rows, torch.float32, dev), profile=profile)
     if not with_logprobs:
         return tokens, None
+    if logprobs == "sampled":
+        return tokens, _score_sampled(hidden, weight, tokens, rows, temperature, top_k, top_p, min_p, profile)
     if score_temperature is not None:
         _check_score_temperature(temperature, score_temperature, rows, dev)
         return tokens, _score(hidden, weight, tokens, [score_temperature] if rows else [], profile)
@@ -91,6 +108,21 @@ def _check_score_temperature(temperature, score_temperature: float, rows: int, d
     if wrong:
         raise fail(OP, f"score_temperature={score_temperature} but a row's logprob temperature is {wrong[0]} "
                        "(T, or 1.0 for greedy rows); pass score_temperature=None to score rows by their own")
+
+
+def _score_sampled(hidden, weight, tokens, rows: int, temperature, top_k, top_p, min_p, profile) -> torch.Tensor:
+    """Each row's token under its kept-set distribution (``ops.sampled_logprob``, every setting per row)."""
+    if chk.static_shapes():
+        raise fail(OP, "logprobs='sampled' is scored eagerly (not inside a CUDA-graph capture): the rollout engine "
+                       "samples such steps outside its decode graphs")
+    dev = tokens.device
+
+    def rows_of(name, value, dtype):
+        value = _uniform_or_rows(name, value, rows, dtype, dev)
+        return value if isinstance(value, torch.Tensor) else torch.full((rows,), value, dtype=dtype, device=dev)
+    return sampled_logprob(hidden, weight, tokens, temperature=rows_of("temperature", temperature, torch.float32),
+                           top_k=rows_of("top_k", top_k, torch.int64), top_p=rows_of("top_p", top_p, torch.float32),
+                           min_p=rows_of("min_p", min_p, torch.float32), profile=profile).logprob
 
 
 def _score(hidden, weight, tokens, temps: list[float], profile) -> torch.Tensor:

@@ -17,6 +17,7 @@ from rlalign.rollout.errors import RequestError, RolloutConfigError
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 SEED_KEYS = ("index", "content")
+LOGPROB_MODES = ("full", "sampled")
 DECODE_GRAPH_MODES = ("auto", "on", "off", "padded")
 OVERLAP_MODES = ("auto", "on", "off")
 
@@ -101,7 +102,11 @@ class SamplingParams:
         (``seed_by="index"``) or a 63-bit hash of the prompt's token ids (``seed_by="content"``,
         :func:`rlalign.models.generate.prompt_key`, as ``rlalign.models.generate`` does).
     temperature: 0 = greedy. Logprobs are reported at this temperature (at 1.0 when greedy).
-    top_k: 0 = off. top_p: 1.0 = off.
+    top_k: 0 = off. top_p: 1.0 = off. min_p: 0.0 = off (vLLM's: keep tokens with probability >= min_p x the
+        largest; applied before top-k / top-p, ``ops.sample``).
+    logprobs: ``"full"``: each token's log-prob under the full softmax at the logprob temperature;
+        ``"sampled"``: under the distribution it was drawn from (the kept set of temperature, min-p, top-k,
+        top-p, renormalised; ``ops.sampled_logprob``; strict profile; such steps sample outside the decode graphs).
     max_new_tokens: most generated tokens per sample.
     stop_token_ids: extra token ids that end a sample (the token is kept).
     ignore_eos: do not stop at the model's / tokenizer's eos ids.
@@ -113,6 +118,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    logprobs: str = "full"
     max_new_tokens: int = 64
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -131,6 +138,10 @@ class SamplingParams:
             raise RequestError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"SamplingParams.top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"SamplingParams.min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if self.logprobs not in LOGPROB_MODES:
+            raise RequestError(f"SamplingParams.logprobs must be one of {LOGPROB_MODES}, got {self.logprobs!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise RequestError(f"SamplingParams.seed must be an int, got {self.seed!r}")
         if self.seed_by not in SEED_KEYS:

@@ -27,10 +27,11 @@ from rlalign.rollout.sequence import Request, Sequence
 class SharedSettings:
     """The distinct values the requests in flight hold (one element each in the usual case)."""
     weights_versions: set[int]
-    sampling: set[tuple[float, int, float]]      # (temperature, top_k, top_p)
+    sampling: set[tuple[float, int, float, float, str]]   # (temperature, top_k, top_p, min_p, logprobs)
     limits: set[tuple[int, bool]]                # (max_new_tokens, has stop strings)
     score_temperatures: set[float]               # logprob temperatures (a decode graph samples with one)
     filtered: bool                               # whether a request filters (top-k < V or top-p < 1, T > 0)
+    eager_sampling: bool = False                 # a request the decode graphs do not sample (min-p, sampled logprobs)
 
     @property
     def stop_strings(self) -> bool:
@@ -81,8 +82,9 @@ class RequestsInFlight:
                 weights_versions={combo[0] for combo in combos},
                 sampling=sampling,
                 limits={combo[2] for combo in combos},
-                score_temperatures={ops.logprob_temperature(t) for t, _, _ in sampling},
-                filtered=any(t > 0 and (0 < k < vocab or p < 1) for t, k, p in sampling))
+                score_temperatures={ops.logprob_temperature(t) for t, *_ in sampling},
+                filtered=any(t > 0 and (0 < k < vocab or p < 1) for t, k, p, *_ in sampling),
+                eager_sampling=any(min_p > 0 or mode != "full" for *_, min_p, mode in sampling))
         return self._shared
 
     def check_weights_version(self, version: int) -> None:
@@ -96,7 +98,8 @@ class RequestsInFlight:
         """A request enters (+1) or leaves (-1) the requests in flight; the shared view is recomputed when
         its combination of settings appears or disappears."""
         sampling = request.sampling
-        combo = (request.weights_version, (sampling.temperature, sampling.top_k, sampling.top_p),
+        combo = (request.weights_version,
+                 (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.logprobs),
                  (sampling.max_new_tokens, bool(sampling.stop)))
         counts = self._settings_in_flight
         counts[combo] += change

@@ -15,6 +15,8 @@ request's seed, prompt key and sample index), p the absolute position the token 
 (``model.logprobs(ForwardBatch.packed(...), targets, temperature=ops.logprob_temperature(T))``), and
 in the strict profile a row does not depend on the batch, the chunking or the page layout: the
 engine's logprobs equal the trainer's bit for bit, and the tokens do not depend on any engine setting.
+Requests with ``min_p`` or ``logprobs="sampled"`` (the kept set's log-prob, ``ops.sampled_logprob``) sample
+eagerly, outside the decode graphs.
 
 The runner only launches: the forward and the sampling are queued, their results start their copy to the
 host (:class:`rlalign.rollout.readback.Readback`), and a :class:`LaunchedStep` says what to read back. The
@@ -149,12 +151,13 @@ class ModelRunner:
     def _graph_sampler(self, plan: SchedulerOutput, cu: np.ndarray, ends: np.ndarray) -> HostSampler | None:
         """The sampler inputs of a decode step the graphs sample whole: a decode-only step that fits a
         graph, every row sampling (its chunk ends at its last token), no running leader with forks
-        pending (its siblings would share its row), one logprob temperature in flight. None otherwise
-        (the step samples eagerly)."""
+        pending (its siblings would share its row), one logprob temperature in flight, no request with min-p or
+        sampled logprobs. None otherwise (the step samples eagerly)."""
         graphs, count = self.decode_graphs, len(plan.seqs)
         if graphs is None or not graphs.samples or cu[-1] != count or graphs.bucket(count) is None:
             return None
-        if len(self.requests.shared().score_temperatures) != 1 or self.scheduler.forking_leaders():
+        shared = self.requests.shared()
+        if len(shared.score_temperatures) != 1 or shared.eager_sampling or self.scheduler.forking_leaders():
             return None
         totals = self.scheduler.slots.num_tokens[plan.slots]
         if not (ends == totals).all():
@@ -167,7 +170,7 @@ class ModelRunner:
         shared, n, table = self.requests.shared(), slots.size, self.scheduler.slots
         seeds = table.seed[slots]
         if len(shared.sampling) == 1:
-            (t, k, p), = shared.sampling
+            (t, k, p, _, _), = shared.sampling   # (graphs only sample requests without min-p / sampled logprobs)
             temperature, top_k, top_p = np.full(n, t, np.float32), np.full(n, k, np.int64), np.full(n, p, np.float32)
         else:
             temperature = table.temperature[slots].astype(np.float32)
@@ -285,19 +288,34 @@ class ModelRunner:
         dev = hidden.device
         h = hidden.index_select(0, torch.from_numpy(rows).to(dev))
         seeds = torch.from_numpy(self.scheduler.slots.seed[slots]).to(dev)
-        temperature, top_k, top_p = self._sampling_settings(slots)
-        tokens, logprobs = ops.sample_and_score(h, self.model.lm_head_weight, seeds=seeds,
-                                                positions=torch.from_numpy(positions).to(dev),
-                                                temperature=temperature, top_k=top_k, top_p=top_p)
+        pos = torch.from_numpy(positions).to(dev)
+        temperature, top_k, top_p, min_p, mode = self._sampling_settings(slots)
+        if isinstance(mode, str):
+            tokens, logprobs = ops.sample_and_score(h, self.model.lm_head_weight, seeds=seeds, positions=pos,
+                                                    temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                                    logprobs=mode)
+            return Readback(pack_results(tokens, logprobs))
+        # requests of both logprob modes: each mode's rows in one call (a row's token and logprob are its own)
+        tokens = torch.empty(len(mode), dtype=torch.int64, device=dev)
+        logprobs = torch.empty(len(mode), dtype=torch.float32, device=dev)
+        for m in sorted(set(mode)):
+            idx = [i for i, x in enumerate(mode) if x == m]
+            at = torch.tensor(idx, dtype=torch.int64, device=dev)
+            tokens[at], logprobs[at] = ops.sample_and_score(
+                h.index_select(0, at), self.model.lm_head_weight, seeds=seeds[at], positions=pos[at],
+                temperature=[temperature[i] for i in idx], top_k=[top_k[i] for i in idx],
+                top_p=[top_p[i] for i in idx], min_p=[min_p[i] for i in idx], logprobs=m)
         return Readback(pack_results(tokens, logprobs))
 
     def _sampling_settings(self, slots: np.ndarray):
-        """(temperature, top_k, top_p): one number each when every request in flight shares them (the
-        usual case: no per-sequence lists), else per-row lists (the requests' own Python numbers, read
-        from the slot table). ops.sample_and_score treats a list of equal values as that value, so both
-        forms give the same bits."""
+        """(temperature, top_k, top_p, min_p, logprobs mode): one value each when every request in flight
+        shares them (the usual case: no per-sequence lists), else per-row lists (the requests' own Python
+        numbers, read from the slot table). ops.sample_and_score treats a list of equal values as that value,
+        so both forms give the same bits."""
         settings = self.requests.shared().sampling
         if len(settings) == 1:
             return next(iter(settings))
         table = self.scheduler.slots
-        return table.temperature[slots].tolist(), table.top_k[slots].tolist(), table.top_p[slots].tolist()
+        modes = ["sampled" if m else "full" for m in table.sampled_logprobs[slots].tolist()]
+        return (table.temperature[slots].tolist(), table.top_k[slots].tolist(), table.top_p[slots].tolist(),
+                table.min_p[slots].tolist(), modes[0] if len(set(modes)) == 1 else modes)

@@ -13,7 +13,8 @@ The :class:`SlotTable` (owned by the scheduler) holds, for the sequence in slot 
   ``Sequence.block_table`` stays the block manager's, and every change to it is mirrored here with
   :meth:`set_pages` or :meth:`push_pages`);
 - what never changes while it runs: ``seed``, ``length_limit`` (prompt + max_new_tokens),
-  ``temperature`` / ``top_k`` / ``top_p``, ``stop_ids[s]`` its request's stop token ids (ascending, -1
+  ``temperature`` / ``top_k`` / ``top_p`` / ``min_p``, ``sampled_logprobs`` (1: its request's
+  ``logprobs="sampled"``), ``stop_ids[s]`` its request's stop token ids (ascending, -1
   past them: a whole step's stop test is one comparison), and its identity for the step outputs.
 
 A sequence takes a slot when it starts running (:meth:`assign` copies its tokens in) and gives it back
@@ -29,8 +30,8 @@ from __future__ import annotations
 import numpy as np
 
 _INT_FIELDS = ("num_tokens", "num_computed", "num_prompt", "num_registered", "num_pages", "seed",
-               "length_limit", "top_k", "prompt_index", "sample_index")
-_FLOAT_FIELDS = ("temperature", "top_p")   # float64: .tolist() gives back the requests' exact Python floats
+               "length_limit", "top_k", "prompt_index", "sample_index", "sampled_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")   # float64: .tolist() gives back the requests' exact Python floats
 
 
 class SlotTable:
@@ -76,6 +77,7 @@ class SlotTable:
         sampling = seq.request.sampling
         self.seed[s], self.length_limit[s] = seq.seed, prompt + sampling.max_new_tokens
         self.temperature[s], self.top_k[s], self.top_p[s] = sampling.temperature, sampling.top_k, sampling.top_p
+        self.min_p[s], self.sampled_logprobs[s] = sampling.min_p, sampling.logprobs == "sampled"
         stops = sorted(seq.request.stop_token_ids)
         if len(stops) > self.stop_ids.shape[1]:
             self.stop_ids = _widen(self.stop_ids, len(stops), fill=-1)

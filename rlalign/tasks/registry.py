@@ -1,7 +1,9 @@
 """Reward functions by name or import path, and safe scoring.
 
-A reward function has the signature ``fn(prompt: str, completion: str, answer: str) -> float``.
-:func:`load_reward` accepts a built-in name (:data:`BUILTIN_REWARDS`), an import path
+A reward function scores one sample, ``fn(prompt: str, completion: str, answer: str, **fields) -> float``, or a
+whole batch with TRL's signature, ``fn(prompts: list[str], completions: list[str], **columns) -> list[float]`` (its
+first two parameters named ``prompts`` and ``completions``, :func:`is_batched`; ``columns`` holds ``answer`` and the
+rows' other fields, one list each). :func:`load_reward` accepts a built-in name (:data:`BUILTIN_REWARDS`), an import path
 ``"package.module:function"`` (a dotted attribute after the colon is allowed:
 ``"mod:Class.method"``), or a file path ``"path/to/file.py:function"``. Every load problem is a
 one-line :class:`RewardLoadError` naming the path. :func:`score` calls a reward on a batch and
@@ -36,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from rlalign.tasks.arithmetic import arithmetic_reward
-from rlalign.tasks.rewards import gsm8k_reward, gsm8k_reward_fallback, gsm8k_reward_last_number
+from rlalign.tasks.rewards import (gsm8k_reward, gsm8k_reward_fallback, gsm8k_reward_last_number, math_reward,
+                                   math_verify_reward)
 
 RewardFn = Callable[[str, str, str], float]
 # Largest |reward| accepted: group statistics (squares, sums) must stay finite in fp32 (max ~3.4e38).
@@ -48,6 +51,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
     "gsm8k_fallback": gsm8k_reward_fallback,
     "gsm8k_last_number": gsm8k_reward_last_number,
+    "math": math_reward,
+    "math_verify": math_verify_reward,   # needs the math-verify package (checked at load)
 }
 
 
@@ -70,6 +75,40 @@ def keyword_filter(reward_fn) -> Callable[[Mapping[str, Any]], dict]:
         return dict
     names = {p.name for p in params[3:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return lambda extra: {k: v for k, v in extra.items() if k in names}
+
+
+def is_batched(reward_fn) -> bool:
+    """Whether ``reward_fn`` takes the whole batch (TRL's signature): its first two parameters are named
+    ``prompts`` and ``completions`` (TRL passes them by these names)."""
+    try:
+        params = list(inspect.signature(reward_fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[:2] == ["prompts", "completions"]
+
+
+def batch_keyword_filter(reward_fn) -> Callable[[Mapping[str, list]], dict]:
+    """Which columns a batched reward takes: every one with ``**kwargs``, else those it names."""
+    params = list(inspect.signature(reward_fn).parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return dict
+    names = {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return lambda columns: {k: v for k, v in columns.items() if k in names}
+
+
+def batch_columns(answers: Sequence[str], extras: "Sequence[Mapping[str, Any]] | None") -> dict[str, list]:
+    """The columns a batched reward receives: ``answer`` and each extra field, one value per sample (None where a
+    sample's row lacks the field)."""
+    columns: dict[str, list] = {"answer": list(answers)}
+    for key in dict.fromkeys(k for e in (extras or ()) for k in e):
+        columns.setdefault(key, [e.get(key) for e in extras])
+    return columns
+
+
+def batch_label(name: str, prompts: Sequence[str]) -> str:
+    """How a reward error names a batched call: ``reward NAME on a batch of N samples (first prompt '...')``."""
+    first = f" (first prompt {_excerpt(prompts[0])})" if prompts else ""
+    return f"reward {name} on a batch of {len(prompts)} samples{first}"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -120,6 +159,9 @@ def load_reward(spec: str) -> RewardFn:
         raise RewardLoadError(f"reward {spec!r}: expected a built-in name "
                               f"({', '.join(BUILTIN_REWARDS)}) or 'module:function'")
     spec = spec.strip()
+    if spec == "math_verify" and importlib.util.find_spec("math_verify") is None:
+        raise RewardLoadError("reward 'math_verify' needs the math-verify package, which is not installed here: "
+                              "pip install math-verify (or use task.reward=math, rlalign's own parser)")
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     module_name, sep, attr = spec.rpartition(":")
@@ -198,12 +240,32 @@ def call_reward(reward_fn: RewardFn, where: str, prompt: str, completion: str, a
     (the reward worker catches every ``BaseException``: a ``KeyboardInterrupt`` raised there is the reward's,
     never the user's), as does a return that is not a real number (bool counts as 0/1) or lies outside
     ``[-REWARD_LIMIT, REWARD_LIMIT]`` (NaN and +-inf included)."""
+    return _checked(_call(lambda: reward_fn(prompt, completion, answer, **keywords), where, catch), where)
+
+
+def call_batch_reward(reward_fn, name: str, prompts: Sequence[str], completions: Sequence[str],
+                      columns: Mapping[str, list], catch: tuple = (Exception,)) -> list[float]:
+    """A batched reward (:func:`is_batched`) on the whole batch, ``reward_fn(prompts=..., completions=...,
+    **columns)``, checked as :func:`call_reward` checks one value: it must return one real number per sample."""
+    where = batch_label(name, prompts)
+    values = _call(lambda: reward_fn(prompts=list(prompts), completions=list(completions), **columns), where, catch)
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise RewardError(f"{where} returned {type(values).__name__}, expected a list of {len(prompts)} floats")
+    if len(values) != len(prompts):
+        raise RewardError(f"{where} returned {len(values)} values for {len(prompts)} samples")
+    return [_checked(v, sample_label(name, i, prompts[i])) for i, v in enumerate(values)]
+
+
+def _call(thunk, where: str, catch: tuple):
     try:
-        value = reward_fn(prompt, completion, answer, **keywords)
+        return thunk()
     except SystemExit as e:   # a reward must not end the training (its checkpoint state would be lost)
         raise RewardError(f"{where} called sys.exit({e.code!r}){_raised_at(e)}; return a reward instead") from None
     except catch as e:
         raise RewardError(f"{where} raised {_one_line(e)}{_raised_at(e)}") from e
+
+
+def _checked(value, where: str) -> float:
     number = _as_float(value)
     if number is None:
         raise RewardError(f"{where} returned {type(value).__name__} {_shorten(repr(value), 60)}, expected a float")
@@ -224,7 +286,8 @@ def check_lengths(prompts: Sequence, completions: Sequence, answers: Sequence, e
 
 def score(reward_fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
           answers: Sequence[str], extras: "Sequence[Mapping[str, Any]] | None" = None) -> list[float]:
-    """``[float(reward_fn(p, c, a, **kw)) for each sample]``, checked, in this process. ``extras``: each sample's
+    """``[float(reward_fn(p, c, a, **kw)) for each sample]``, checked, in this process (a batched reward,
+    :func:`is_batched`: one :func:`call_batch_reward` call). ``extras``: each sample's
     dataset-row fields besides prompt and answer; ``kw`` holds those the function takes as keyword parameters
     (all of them when it has ``**kwargs``; none for the plain three-argument signature), as TRL passes columns.
 
@@ -234,6 +297,9 @@ def score(reward_fn: RewardFn, prompts: Sequence[str], completions: Sequence[str
     """
     check_lengths(prompts, completions, answers, extras)
     name = reward_name(reward_fn)
+    if is_batched(reward_fn):
+        return call_batch_reward(reward_fn, name, prompts, completions,
+                                 batch_keyword_filter(reward_fn)(batch_columns(answers, extras)))
     accepts = keyword_filter(reward_fn)
     return [call_reward(reward_fn, sample_label(name, i, prompt), prompt, completion, answer,
                         accepts(extras[i]) if extras is not None else {})

@@ -41,7 +41,8 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from rlalign.tasks.registry import (RewardError, RewardLoadError, call_reward, check_lengths, keyword_filter,
+from rlalign.tasks.registry import (RewardError, RewardLoadError, batch_columns, batch_keyword_filter, batch_label,
+                                    call_batch_reward, call_reward, check_lengths, is_batched, keyword_filter,
                                     load_reward, reward_name, sample_label)
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -60,15 +61,16 @@ class RewardWorker:
         self.spec, self.timeout_s = spec, float(timeout_s)
         self._process = _Process.start()
         self._closer = weakref.finalize(self, self._process.stop)
-        self.name = spec
+        self.name, self.batched = spec, False
         self._stopped: "str | None" = None   # why the process ended, once it has (later calls say so)
+        self._pending: "Sequence[str] | None" = None   # the prompts of the batch submitted and not yet collected
         try:
-            self.name = self._handshake()
+            self.name, self.batched = self._handshake()
         except BaseException:
             self.close()
             raise
 
-    def _handshake(self) -> str:
+    def _handshake(self) -> tuple[str, bool]:
         self._process.send(("load", self.spec))
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while not self._process.readable(min(_POLL_S, deadline - time.monotonic())):
@@ -77,17 +79,27 @@ class RewardWorker:
                                       f"({self._process.how_it_ended()})")
             if time.monotonic() > deadline:
                 raise RewardLoadError(f"reward {self.spec!r}: importing it did not finish within {LOAD_TIMEOUT_S:g} s")
-        kind, text = self._process.receive(lambda how: RewardLoadError(
+        kind, text, *batched = self._process.receive(lambda how: RewardLoadError(
             f"reward {self.spec!r}: the reward process ended while importing it ({how})"))
         if kind == "load_error":
             raise RewardLoadError(text)
-        return text
+        return text, bool(batched and batched[0])
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str],
               extras: "Sequence[Mapping[str, Any]] | None" = None) -> list[float]:
         """Each sample's reward, checked (:func:`rlalign.tasks.registry.call_reward`); a :class:`RewardError` names
-        the reward and the sample when a call raises, returns a bad value, passes ``timeout_s`` or ends the process."""
+        the reward and the sample when a call raises, returns a bad value, passes ``timeout_s`` or ends the process.
+        :meth:`submit` then :meth:`result`."""
+        self.submit(prompts, completions, answers, extras)
+        return self.result()
+
+    def submit(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str],
+               extras: "Sequence[Mapping[str, Any]] | None" = None) -> None:
+        """Send the batch to the worker and return at once (the worker scores it while the caller does other work,
+        e.g. a reward model's forward); :meth:`result` collects it. One batch at a time."""
         check_lengths(prompts, completions, answers, extras)
+        if self._pending is not None:
+            raise RuntimeError("RewardWorker.submit: the previous batch was not collected (call result() first)")
         if self._stopped is not None:
             raise RewardError(f"reward {self.name}: its process stopped at an earlier call ({self._stopped})")
         batch = ("score", list(prompts), list(completions), list(answers),
@@ -99,6 +111,13 @@ class RewardWorker:
                               f"({type(e).__name__}: {e}); dataset fields must be plain data") from None
         except OSError:
             raise self._ended(prompts) from None
+        self._pending = list(prompts)
+
+    def result(self) -> list[float]:
+        """The rewards of the batch :meth:`submit` sent (waiting for them, with the per-call timeout)."""
+        prompts, self._pending = self._pending, None
+        if prompts is None:
+            raise RuntimeError("RewardWorker.result: no batch was submitted")
         try:
             kind, payload = self._wait_for_result(prompts)
         except RewardError as e:
@@ -141,7 +160,7 @@ class RewardWorker:
         return RewardError(f"reward {self.name}: the reward process ended ({how}) outside a reward call")
 
     def _label(self, index: int, prompts: Sequence[str]) -> str:
-        return sample_label(self.name, index, prompts[index])
+        return batch_label(self.name, prompts) if self.batched else sample_label(self.name, index, prompts[index])
 
     def close(self) -> None:
         """Stop the worker (and every process it started); idempotent."""
@@ -234,8 +253,9 @@ def serve(conn_fd: int, page_fd: int) -> None:
     except BaseException as e:   # sys.exit or KeyboardInterrupt at the module's import
         conn.send(("load_error", f"reward {spec!r}: importing it raised {type(e).__name__}: {e}"))
         return
-    name, accepts = reward_name(reward_fn), keyword_filter(reward_fn)
-    conn.send(("ready", name))
+    name, batched = reward_name(reward_fn), is_batched(reward_fn)
+    accepts = batch_keyword_filter(reward_fn) if batched else keyword_filter(reward_fn)
+    conn.send(("ready", name, batched))
     while True:
         try:
             message = conn.recv()
@@ -243,7 +263,20 @@ def serve(conn_fd: int, page_fd: int) -> None:
             return
         if message[0] == "close":
             return
-        conn.send(_score_batch(reward_fn, name, accepts, page, *message[1:]))
+        score_batch = _score_whole_batch if batched else _score_batch
+        conn.send(score_batch(reward_fn, name, accepts, page, *message[1:]))
+
+
+def _score_whole_batch(reward_fn, name: str, accepts, page: mmap.mmap, prompts, completions, answers, extras):
+    """A batched reward: one call (the page names it as sample 0 while it runs; the timeout covers the call)."""
+    _PROGRESS.pack_into(page, 0, 0, time.monotonic())
+    try:
+        return "values", call_batch_reward(reward_fn, name, prompts, completions,
+                                           accepts(batch_columns(answers, extras)), catch=(BaseException,))
+    except RewardError as e:
+        return "error", str(e)
+    finally:
+        _PROGRESS.pack_into(page, 0, -1, 0.0)
 
 
 def _score_batch(reward_fn, name: str, accepts, page: mmap.mmap, prompts, completions, answers, extras):

@@ -13,6 +13,7 @@ from typing import ClassVar, Literal
 from rlalign.configlib import (Rule, at_least, checked_by_type, greater_than, guarded_keys, non_empty, one_of,
                                pair_within, unusual_value, usual, within)
 from rlalign.tasks.arithmetic import MAX_DIGITS
+from rlalign.tasks.reward_terms import term_problem
 from rlalign.algos.registry import (
     ADVANTAGES,
     KL_ESTIMATOR_REGISTRY,
@@ -29,16 +30,59 @@ LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
 @dataclasses.dataclass
+class LoRASection:
+    """LoRA adapters (docs/lora.md): rank 0 trains every weight; rank >= 1 trains only low-rank adapters of the
+    targeted projections (rlalign.models.lora), the base weights frozen."""
+    CHECKS: ClassVar[dict[str, Rule]] = {
+        "rank": at_least(0),
+        "alpha": greater_than(0),
+        "dropout": within(0, 1, high_open=True),
+        "targets": Rule("a list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj", lambda t: (
+            isinstance(t, list) and len(t) > 0 and len(set(t)) == len(t) and all(x in LORA_TARGETS for x in t)),
+            (["qkv"], [], ["q_proj", "q_proj"])),
+        "path": non_empty("a PEFT adapter folder", optional=True),
+    }
+    rank: int = 0                      # adapter rank r (0: no adapters, full fine-tuning)
+    alpha: float = 16.0                # scale s = alpha / r
+    dropout: float = 0.0               # dropout on the adapters' input (refused in the strict profile)
+    targets: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])   # projections adapted in every layer
+    path: str | None = None            # start from this PEFT adapter folder (its rank, alpha and targets must match)
+
+    def conflict(self, cfg) -> "str | None":
+        """What of the run (``cfg``: the whole TrainConfig) adapters cannot join, in one line; None: nothing."""
+        if self.rank == 0:
+            return None
+        if self.dropout > 0 and cfg.run.profile == "strict":
+            return (f"model.lora.dropout={self.dropout}: dropout makes the training forward differ from the "
+                    "rollout's, which the strict profile's bitwise contract forbids; set model.lora.dropout=0 "
+                    "(or run.profile=native)")
+        if cfg.parallel.tp is not None:
+            return "model.lora with parallel.tp is not supported yet; use parallel.dp (or no parallel.tp)"
+        if cfg.launcher != "local":
+            return (f"model.lora with launcher={cfg.launcher} is not supported yet (its workers load the base model "
+                    "only); use launcher=local")
+        if cfg.rollout.engine != "rlalign":
+            return (f"model.lora with rollout.engine={cfg.rollout.engine} is not supported (its engine does not run "
+                    "adapters); use rollout.engine=rlalign")
+        return None
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass
 class ModelSection:
     CHECKS: ClassVar[dict[str, Rule]] = {
         "path": non_empty("a checkpoint directory or 'default'"),
         "dtype": one_of("float32", "bfloat16", optional=True),
         "device": Rule("cpu, cuda or cuda:N", lambda d: isinstance(d, str) and (
             d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())), ("gpu", "cuda:x")),
+        "lora": checked_by_type("a mapping of rank, alpha, dropout, targets, path", bad=("bogus", 8, [8])),
     }
     path: str = "default"              # a Hugging Face checkpoint dir, or "default" (the embedded model)
     dtype: str | None = None           # float32 | bfloat16; None: the checkpoint's
     device: str = "cpu"                # cpu | cuda
+    lora: LoRASection = dataclasses.field(default_factory=LoRASection)
 
 
 @dataclasses.dataclass
@@ -59,6 +103,17 @@ class TaskSection:
         "system_prompt": non_empty("a system message", optional=True),
         "enable_thinking": checked_by_type("true, false or null"),
         "reward_timeout_s": within(0, 86400, low_open=True),
+        "rewards": Rule("a list of mappings ({name: REWARD, weight: W} or {reward_model: DIR, weight: W})",
+                        lambda x: all(isinstance(e, dict) for e in x), (["gsm8k"], [1])),
+        "columns": Rule("a mapping {name: column} of non-empty strings", lambda x: isinstance(x, dict) and all(
+            isinstance(k, str) and k.strip() and isinstance(v, str) and v.strip() for k, v in x.items()),
+            ("prompt", {"prompt": ""})),
+        "split": non_empty("a split name"),
+        "eval_path": non_empty("a held-out dataset file or folder", optional=True),
+        "eval_split": non_empty("a split name"),
+        "shuffle": checked_by_type("true or false"),
+        "streaming": checked_by_type("true or false"),
+        "shuffle_buffer": at_least(1),
     }
     name: Literal["arithmetic", "dataset"] = "arithmetic"   # arithmetic (built-in addition) | dataset (task.path)
     reward: str = "builtin"            # builtin | gsm8k | gsm8k_last_number | module:function (docs/data_and_rewards.md)
@@ -74,10 +129,27 @@ class TaskSection:
     system_prompt: str | None = None   # chat: a system message put before each prompt that has none
     enable_thinking: bool | None = None   # chat: the template's enable_thinking (Qwen3: false = no <think> block); None: unset
     reward_timeout_s: float = 30.0     # seconds one reward call may take; past it the run stops naming the reward and the sample
+    rewards: list[dict] = dataclasses.field(default_factory=list)   # weighted terms instead of task.reward: [{name: gsm8k, weight: 1.0}, {reward_model: DIR, weight: 0.5}]
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)   # dataset: {name the task/reward sees: column}, e.g. {prompt: question}
+    split: str = "train"               # dataset: the split of a datasets save_to_disk DatasetDict folder to train on
+    eval_path: str | None = None       # dataset: a separate held-out file or folder (task.eval_fraction then unused)
+    eval_split: str = "test"           # dataset: the split of an eval_path DatasetDict folder
+    shuffle: bool = False              # dataset: every pass over the train rows in a new order seeded by run.seed
+    streaming: bool = False            # dataset: read task.path lazily (datasets streaming), for data larger than memory
+    shuffle_buffer: int = 10000        # dataset, streaming with shuffle: rows in the shuffle buffer
 
     def validate(self):
         if self.name == "dataset" and not self.path:
             return "path is required when name is 'dataset' (task.path=data.jsonl)"
+        if self.rewards and self.reward != "builtin":
+            return "set task.reward (one reward) or task.rewards (weighted terms), not both (task.reward=builtin unsets it)"
+        for i, entry in enumerate(self.rewards):
+            problem = term_problem(entry)
+            if problem:
+                return f"rewards[{i}] {problem}"
+        for key, field_name in (("prompt", "prompt_field"), ("answer", "answer_field")):
+            if key in self.columns and getattr(self, field_name) != key:
+                return f"columns.{key} and {field_name} both name the {key} column: set one"
         if self.min_digits > self.max_digits:
             return f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})"
 
@@ -91,6 +163,8 @@ class RolloutSection:
         "temperature": greater_than(0),
         "top_p": within(0, 1, low_open=True),
         "top_k": at_least(0),
+        "min_p": within(0, 1),
+        "logprobs": checked_by_type("full or sampled"),
         "page_size": at_least(1),
         "max_num_seqs": at_least(1),
         "max_num_batched_tokens": at_least(1),
@@ -112,6 +186,8 @@ class RolloutSection:
     temperature: float = 1.0           # sampling temperature (the trainer scores at the same one)
     top_p: float = 1.0                 # nucleus sampling (1.0: off)
     top_k: int = 0                     # top-k sampling (0: off)
+    min_p: float = 0.0                 # min-p sampling (0.0: off; vLLM's, applied before top-k / top-p)
+    logprobs: Literal["full", "sampled"] = "full"   # full softmax | the kept set's renormalised distribution (strict)
     page_size: int = 16                # KV-cache page size in tokens
     max_num_seqs: int = 512            # sequences decoded at once
     max_num_batched_tokens: int = 8192 # token budget of one engine step (chunked prefill)
@@ -128,6 +204,9 @@ class RolloutSection:
         if self.max_staleness is not None and self.async_steps > self.max_staleness:
             return (f"async_steps={self.async_steps} would train on samples {self.async_steps} versions old, more "
                     f"than max_staleness={self.max_staleness}: lower async_steps or raise max_staleness")
+        if (self.logprobs == "sampled" or self.min_p) and self.engine != "rlalign":
+            return (f"logprobs=sampled and min_p need engine=rlalign (engine {self.engine!r} samples without min-p "
+                    "and reports full-softmax log-probs)")
         if self.engine not in ENGINES:
             return f"engine must be one of {sorted(ENGINES)}, got {self.engine!r} ({INTEGRATIONS_HINT})"
         return memory_problem("prompts_per_step x samples_per_prompt (per step)",
@@ -139,6 +218,15 @@ class RolloutSection:
         temperature for a sample drawn at ``temperature`` (the one rule, ops.logprob_temperature)."""
         from rlalign.ops import temperature as temperature_rule   # lazy: the config is read before torch is needed
         return temperature_rule.logprob_temperature(self.temperature)
+
+    @property
+    def sampled_scoring(self) -> "dict | None":
+        """``ops.sampled_logprob``'s settings with ``logprobs=sampled`` (the distribution the engine drew from:
+        temperature, top_k, top_p, min_p), None with ``logprobs=full`` (the full softmax at the logprob
+        temperature)."""
+        if self.logprobs != "sampled":
+            return None
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 @dataclasses.dataclass
@@ -336,6 +424,12 @@ class TrainConfig:
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
         if self.parallel.tp is not None and self.algo.advantage == "gae":
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
+        sampled = self._sampled_logprobs_problem()
+        if sampled:
+            return sampled
+        lora = self.model.lora.conflict(self)
+        if lora:
+            return lora
         if self.run.resume and self.run.overwrite:
             return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
         unusual = self._unusual_value()
@@ -349,6 +443,20 @@ class TrainConfig:
             return (f"algo.advantage={self.algo.advantage} compares the samples of a prompt: with "
                     "rollout.samples_per_prompt=1 every advantage is 0 and training does nothing; use >= 2")
 
+
+    def _sampled_logprobs_problem(self) -> "str | None":
+        """``rollout.logprobs=sampled`` recomputes the engine's kept set from the policy's full logits rows, bit for
+        bit: strict, unsharded; and one optimizer step per rollout step, the only pass whose policy is the
+        engine's (a moved policy may drop a sampled token from its kept set: log-prob -inf)."""
+        if self.rollout.logprobs != "sampled":
+            return None
+        if self.run.profile != "strict" or self.parallel.tp is not None:
+            return ("rollout.logprobs=sampled needs run.profile=strict and no parallel.tp (the kept set is recomputed "
+                    "from the full logits row, bit for bit)")
+        if self.algo.mini_batches != 1 or self.algo.ppo_epochs != 1 or self.run.policy_kl:
+            return ("rollout.logprobs=sampled needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false: "
+                    "a policy moved by an optimizer step may drop a sampled token from its kept set (log-prob -inf)")
+        return None
 
     def _unusual_value(self) -> "str | None":
         """A value outside its usual range (the sections' GUARDS) that run.allow_unusual does not list as meant."""

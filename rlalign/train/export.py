@@ -25,6 +25,8 @@ from pathlib import Path
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import check_model_output, load_model, save_model
 from rlalign.models.layout import stack_checkpoint_names
+from rlalign.models.lora import LoRASpec, apply_lora, save_adapter
+from rlalign.train.adapters import exportable
 from rlalign.train.master import checkpoint_model_weights
 from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, MANIFEST_FILE, file_sha256, load_state,
                                                 read_manifest, recorded_checkpoint_sha256)
@@ -76,26 +78,35 @@ def verify_checkpoint(file: Path, unverified: bool = False) -> bool:
 
 
 def export_checkpoint(checkpoint: "str | Path", out_dir: "str | Path", model_dir: "str | Path | None" = None, *,
-                      overwrite: bool = False, unverified: bool = False) -> Path:
+                      overwrite: bool = False, unverified: bool = False, adapter: bool = False) -> Path:
     """Write the checkpoint's policy to ``out_dir`` as a Hugging Face model folder (module doc: what is
     checked first). ``overwrite``: replace an existing model folder of rlalign's; ``unverified``: allow a
-    checkpoint without a recorded sha256 (the export then has no checksums.json)."""
+    checkpoint without a recorded sha256 (the export then has no checksums.json). A LoRA run's checkpoint
+    (``model.lora``) is exported merged (rlalign.models.lora.merged_copy), or with ``adapter`` as the adapters
+    alone in PEFT's format."""
     file = checkpoint_file(checkpoint)
     run_dir = file.parent.parent if file.parent.name == "checkpoints" else file.parent
     reads = [file, run_dir] + ([Path(model_dir)] if model_dir is not None else [])
     hint = ", or pass --overwrite to replace a model folder rlalign wrote"
-    check_model_output(out_dir, overwrite=overwrite, reads=reads, hint=hint)   # before any work
+    if not adapter:
+        check_model_output(out_dir, overwrite=overwrite, reads=reads, hint=hint)   # before any work
     verified = verify_checkpoint(file, unverified)
     state = load_state(file)   # weights_only: no pickled code runs from disk
     if not isinstance(state, dict) or "model" not in state:
         raise ExportError(f"{file} holds no model weights: is it an rlalign training checkpoint?")
+    spec = _checkpoint_lora(state)
+    if adapter and spec is None:
+        raise ExportError(f"--adapter: {file} is not a LoRA run's checkpoint (model.lora.rank is 0); export the model")
     base = Path(model_dir) if model_dir is not None else resolve_model_dir(state["config"]["model"]["path"])
     if not (base / "config.json").is_file():
         raise ExportError(f"the run's base model {base} is gone; pass its new location with --model-dir")
-    check_model_output(out_dir, overwrite=overwrite, reads=reads + [base], hint=hint)
+    if not adapter:
+        check_model_output(out_dir, overwrite=overwrite, reads=reads + [base], hint=hint)
     weights = checkpoint_model_weights(state)   # the weights stored only as fp32 masters, rounded as in training
     dtype = next(iter(weights.values())).dtype
     model, _ = load_model(base, dtype=dtype)
+    if spec is not None:
+        apply_lora(model, spec)   # the adapters' structure; their values come from the checkpoint below
     try:
         weights = stack_checkpoint_names(model, weights)    # MoE experts stored per expert (before 2026-12-01)
     except ValueError as exc:
@@ -106,7 +117,20 @@ def export_checkpoint(checkpoint: "str | Path", out_dir: "str | Path", model_dir
     except RuntimeError as exc:
         raise ExportError(f"{file} does not fit the model in {base} ({str(exc).splitlines()[0]}); "
                           "pass the run's base model with --model-dir") from None
+    if adapter:
+        return save_adapter(model, spec, out_dir, base_model=str(base), overwrite=overwrite, reads=reads + [base])
+    model = exportable(model)   # a LoRA run's adapters merged into the weights
     return save_model(model, out_dir, tokenizer_from=base, checksums=verified)   # unverified: no checksums.json
+
+
+def _checkpoint_lora(state: dict) -> "LoRASpec | None":
+    """The LoRA spec of the run that wrote ``state`` (its stored config's ``model.lora``); None without adapters
+    (or for a checkpoint written before ``model.lora`` existed)."""
+    lora = ((state.get("config") or {}).get("model") or {}).get("lora") or {}
+    if not lora.get("rank"):
+        return None
+    return LoRASpec(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora.get("dropout", 0.0)),
+                    targets=tuple(lora["targets"]))
 
 
 __all__ = ["ExportError", "checkpoint_file", "verify_checkpoint", "export_checkpoint"]

@@ -35,6 +35,7 @@ from rlalign.distributed.parallelize import parallelize
 from rlalign.models.checkpoint import save_model
 from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train import advantages, offpolicy
+from rlalign.train.adapters import adapt_policy, exportable, save_run_adapter, step_dropout
 from rlalign.train import parallel as par
 from rlalign.train.agreement import Agreement, MismatchError
 from rlalign.train.checkpointing import TrainingState
@@ -52,7 +53,8 @@ from rlalign.train.samples import StepSamples
 from rlalign.train.sampling import Sampler
 from rlalign.train.setup import SetupError, build_task, load_policy
 from rlalign.train.stall import StallWatch
-from rlalign.train.stepstats import peak_memory_mb, policy_step_kl, rollout_stats, sample_stats, token_stats
+from rlalign.train.stepstats import (peak_memory_mb, policy_step_kl, rollout_stats, sample_stats, sampled_logprob_stats,
+                                     token_stats)
 from rlalign.train.update import PolicyUpdate, UpdateInputs, needs_rescore
 
 
@@ -93,12 +95,13 @@ class Trainer:
     def _build(self, cfg: TrainConfig) -> None:
         self.device = torch.device(cfg.model.device)
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
+        self.lora = adapt_policy(self.policy, cfg)   # model.lora: adapters before the engine and optimizer see it
         self.moe = self.policy.config.ffn_kind == "moe"
         if cfg.algo.router_aux_coef > 0 and not self.moe:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
         offpolicy.check_setup(cfg, self.moe)
-        self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed)
+        self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed, cfg.model.device)
         reward_file = reward_fingerprint(cfg.task.reward)   # recorded with every checkpoint
         # shared (the engine steps the policy's own tensors) or a copy synced each step: rlalign.train.engines
         path = weights_path(cfg)
@@ -121,7 +124,8 @@ class Trainer:
         self.pipeline = (offpolicy.AsyncRollout(cfg, self.sampler, self.engine, self._push)
                          if cfg.rollout.async_steps else None)
         self.verifier = (offpolicy.BehaviourVerifier(self.policy, cfg.rollout.logprob_temperature,
-                                                     cfg.run.profile == "strict", cfg.run.on_mismatch)
+                                                     cfg.run.profile == "strict", cfg.run.on_mismatch,
+                                                     sampled=cfg.rollout.sampled_scoring)
                          if cfg.run.verify_behaviour else None)
         if self.verifier is not None:
             self.verifier.remember(0, par.policy_weights(self.policy))
@@ -167,7 +171,7 @@ class Trainer:
         """config.yaml (what this run runs under) and the trackers; the writer rank only."""
         if self.writer:
             write_run_config(self.run_dir, self.cfg)
-            self.trackers = Trackers(self.run_dir, self.cfg)
+            self.trackers = Trackers(self.run_dir, self.cfg, start_step=self.step)
 
     def log_record(self, record: dict) -> None:
         """One metrics record: metrics.jsonl (always) and the run.loggers trackers."""
@@ -193,6 +197,9 @@ class Trainer:
         policy = par.unsharded_policy(self.policy)
         if not self.writer:
             return self.run_dir / "policy"
+        if self.lora is not None:   # the adapters alone (PEFT's format) next to the merged policy
+            save_run_adapter(policy, self.lora, self.run_dir / "adapter", base_model=str(self.model_dir))
+            policy = exportable(policy)
         # shards of at most 5 GiB (hashed in parallel): an 8B export is 4 files, a small model's one model.safetensors
         # policy/ is replaced whole (tokenizer files included) and only when it holds a saved model's files alone
         return save_model(policy, self.run_dir / "policy", max_shard_bytes=EXPORT_SHARD_BYTES,
@@ -226,14 +233,17 @@ class Trainer:
                 sampling_stats = {**sampling_stats, **generated}
             t_rollout = time.perf_counter() - t0
             t1 = time.perf_counter()
-            temp = cfg.rollout.logprob_temperature
+            temp, scoring = cfg.rollout.logprob_temperature, cfg.rollout.sampled_scoring
             batch = self.train_batch(samples)
             record = {"step": step}
+            if scoring is not None:   # logprobs=sampled: kept-set and full-softmax log-probs before the update
+                scored = batch.score_sampled(self.policy, scoring)
+                record.update(sampled_logprob_stats(scored.logprob, scored.full_logprob, scored.kept, batch.mask))
             compare_routing = self.moe and samples.has_routing
             old = {"lp": None, "ent": None}   # the old policy's log-probs and entropies
             if self.needs_rescore():
                 with record_routing(keep_logits=False) if compare_routing else contextlib.nullcontext() as routing:
-                    old["lp"], old["ent"] = batch.score(self.policy, temperature=temp, with_entropy=True)
+                    old["lp"], old["ent"] = batch.score(self.policy, temperature=temp, with_entropy=True, sampled=scoring)
                 routing_ids = routing.expert_ids() if compare_routing else None
                 record.update(self._agreement(step, old["lp"], routing_ids, samples, batch, compare_routing))
             if self.verifier is not None:   # the engine's log-probs against the recorded version's trainer forward
@@ -255,10 +265,11 @@ class Trainer:
 
             inputs = UpdateInputs(old["lp"], token_adv, None if kl_reward is not None else ref_lp, is_weights,
                                   value_targets)
-            update = self.update.run(self.step, batch, inputs, first_pass, keep_routing=compare_routing)
+            with step_dropout(self.lora, cfg.run.seed, step):   # adapter dropout (native): masks seeded by the step
+                update = self.update.run(self.step, batch, inputs, first_pass, keep_routing=compare_routing)
             if cfg.run.policy_kl:   # the updated policy on the samples its predecessor drew
-                update["kl/policy_step"] = policy_step_kl(old["lp"], batch.score(self.policy, temperature=temp)[0],
-                                                          batch.mask)
+                update["kl/policy_step"] = policy_step_kl(
+                    old["lp"], batch.score(self.policy, temperature=temp, sampled=scoring)[0], batch.mask)
         t_train = time.perf_counter() - t1
         if self.pipeline is None:   # asynchronous: the pipeline pushes when no generation runs
             self._push(step)

@@ -58,7 +58,8 @@ class MasterWeights:
         if chunk_elements < 1:
             raise RLAlignError(f"optim.step_chunk_elements must be >= 1 (got {chunk_elements})")
         self.chunk_elements = int(chunk_elements)
-        self.named = list(model.named_parameters())
+        # trainable parameters only: frozen ones (a LoRA run's base weights) get no master and no optimizer state
+        self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.masters: list[torch.Tensor | None] = []
         for _, p in self.named:
             wants = enabled and (p.dtype != torch.float32 or offload)

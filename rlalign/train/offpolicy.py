@@ -219,8 +219,10 @@ class BehaviourVerifier:
     ``k`` copies of the weights, only with ``run.verify_behaviour``). A version it does not hold (a checkpoint
     written without them) is counted in ``verify/unverified_tokens``, never passed."""
 
-    def __init__(self, policy: torch.nn.Module, temperature: float, strict: bool, on_mismatch: str):
-        self.temperature, self.strict, self.on_mismatch = temperature, strict, on_mismatch
+    def __init__(self, policy: torch.nn.Module, temperature: float, strict: bool, on_mismatch: str,
+                 sampled: "dict | None" = None):
+        # sampled: rollout.logprobs=sampled's scoring (the engine recorded kept-set log-probs): the same rule here
+        self.temperature, self.strict, self.on_mismatch, self.sampled = temperature, strict, on_mismatch, sampled
         self.model = copy.deepcopy(policy).eval().requires_grad_(False)
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -248,7 +250,7 @@ class BehaviourVerifier:
                 unverified += int(on.sum())
                 continue
             self.model.load_state_dict(self.snapshots[version])
-            lp = batch.score(self.model, temperature=self.temperature)[0]
+            lp = batch.score(self.model, temperature=self.temperature, sampled=self.sampled)[0]
             bad = differing(lp, recorded) & on
             compared, differ = compared + int(on.sum()), differ + int(bad.sum())
             if first is None and bool(bad.any()):

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from rlalign import ops
 from rlalign.models.batch import ForwardBatch
 from rlalign.train.samples import StepSamples
 
@@ -136,10 +137,21 @@ class TrainBatch:
         return dataclasses.replace(self, mask=mask)
 
     @torch.no_grad()
-    def score(self, model, *, temperature: float, with_entropy: bool = False):
-        """No-grad (logprobs, entropies | None) of every completion token ``[T]``, micro-batch by micro-batch."""
-        parts = [logprobs(model, mb, temperature=temperature, with_entropy=with_entropy) for mb in self.micro_batches]
+    def score(self, model, *, temperature: float, with_entropy: bool = False, sampled: dict | None = None):
+        """No-grad (logprobs, entropies | None) of every completion token ``[T]``, micro-batch by micro-batch
+        (``sampled``: :func:`logprobs`)."""
+        parts = [logprobs(model, mb, temperature=temperature, with_entropy=with_entropy, sampled=sampled)
+                 for mb in self.micro_batches]
         return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
+
+    @torch.no_grad()
+    def score_sampled(self, model, sampled: dict) -> ops.SampledLogprobs:
+        """No-grad ``ops.sampled_logprob`` of every completion token ``[T]`` (kept-set log-probs, the full-softmax
+        ones and the kept-set sizes), micro-batch by micro-batch."""
+        parts = [ops.sampled_logprob(_head_rows(model, mb), model.lm_head_weight, mb.targets, **sampled)
+                 for mb in self.micro_batches]
+        return ops.SampledLogprobs(torch.cat([p.logprob for p in parts]), None,
+                                   torch.cat([p.full_logprob for p in parts]), torch.cat([p.kept for p in parts]))
 
 
 class _Layout:
@@ -175,9 +187,20 @@ def _starts(lens: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.int64), lens.to(torch.int64).cumsum(0)])
 
 
-def logprobs(model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False):
+def logprobs(model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, sampled: dict | None = None):
     """(logprobs, entropies | None) fp32 ``[tokens of mb]`` of ``model`` on one micro-batch: one packed
-    forward, differentiable when grad is enabled."""
+    forward, differentiable when grad is enabled. ``sampled`` None: the full softmax at ``temperature`` (the
+    logprob temperature); else ``ops.sampled_logprob``'s settings (``RolloutSection.sampled_scoring``): the
+    log-prob and entropy of the kept set's renormalised distribution the engine sampled from."""
+    if sampled is not None:
+        out = ops.sampled_logprob(_head_rows(model, mb), model.lm_head_weight, mb.targets, with_entropy=with_entropy,
+                                  **sampled)
+        return out.logprob, out.entropy
     hidden = model.forward_hidden(mb.forward)
     return model.head_logprobs(hidden.index_select(0, mb.rows), mb.targets, temperature=temperature,
                                with_entropy=with_entropy)
+
+
+def _head_rows(model, mb: MicroBatch) -> torch.Tensor:
+    """The final hidden rows predicting ``mb``'s completion tokens (one packed forward)."""
+    return model.forward_hidden(mb.forward).index_select(0, mb.rows)

@@ -39,7 +39,7 @@ class Sampler:
         problems = self.task.train(self.data_pos, count)
         self.data_pos += len(problems)
         sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                  max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos,
+                                  min_p=r.min_p, logprobs=r.logprobs, max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos,
                                   seed=derive_seed(self.cfg.run.seed, step, draw_round))
         samples = generate_sharded(self.engine, self._prompts(problems), sampling, self.dp)
         return samples.scored(self._rewards(problems, samples), first_group)
@@ -48,11 +48,13 @@ class Sampler:
         """The step's samples. With ``algo.dynamic_sampling`` (DAPO): groups whose rewards are all equal are
         dropped and more prompts drawn (at most ``algo.max_draw_rounds`` rounds) until ``prompts_per_step``
         informative groups are kept; extra groups are trimmed, first drawn first kept. Also the
-        ``dynamic_sampling/*`` record (empty without it)."""
+        ``dynamic_sampling/*`` record (empty without it) and each weighted reward term's mean over every sample drawn
+        (``reward/term<i>_<label>``, with two terms or more)."""
         target = self.cfg.rollout.prompts_per_step
+        self.task.take_reward_terms()   # forget what an evaluation scored: the terms' means are this step's draws
         samples = self.draw(step, 0, target, 0)
         if not self.cfg.algo.dynamic_sampling:
-            return samples, {}
+            return samples, self.task.take_reward_terms()
         drawn, rounds = target, 1
         while True:
             kept_samples = samples.select(algos.informative_groups(samples.reward_tensor(), samples.group_tensor()))
@@ -64,7 +66,7 @@ class Sampler:
             drawn += more
             rounds += 1
         stats = {"dynamic_sampling/drawn_groups": drawn, "dynamic_sampling/kept_groups": min(kept, target),
-                 "dynamic_sampling/rounds": rounds}
+                 "dynamic_sampling/rounds": rounds, **self.task.take_reward_terms()}
         if kept == 0:  # nothing informative: every advantage is 0, the update is a no-op
             return samples, stats
         every = torch.ones(len(kept_samples), dtype=torch.bool)
@@ -83,7 +85,7 @@ class Sampler:
         out = {}
         for key, sampling in (
                 ("eval/accuracy", SamplingParams(n=self.cfg.run.eval_samples, temperature=r.temperature, top_k=r.top_k,
-                                                 top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                                 top_p=r.top_p, min_p=r.min_p, max_new_tokens=r.max_new_tokens,
                                                  seed=derive_seed(self.cfg.run.seed, -1, 0))),
                 ("eval/accuracy_greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens))):
             with use_profile(self.cfg.run.profile):

@@ -8,9 +8,11 @@ from typing import Sequence
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import load_model, load_model_config
 from rlalign.models.tokenizer import load_tokenizer
-from rlalign.tasks import ArithmeticTask, load_dataset
+from rlalign.tasks import ArithmeticTask
 from rlalign.tasks.arithmetic import Problem
-from rlalign.tasks.reward_worker import RewardWorker
+from rlalign.tasks.datasets import Columns, StreamedRows, TrainRows, load_dataset, load_examples
+from rlalign.tasks.reward_set import RewardSet
+from rlalign.tasks.reward_terms import RewardTerm, parse_terms
 from rlalign.train.config import ModelSection, TaskSection
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "default_model"
@@ -63,8 +65,8 @@ def _refuse_float16(model_dir: Path, dtype: "str | None") -> None:
 class TaskData:
     """Train stream (indexable by data position), held-out problems, encoding and checked scoring.
 
-    ``rewards`` scores batches: ``rewards.score(prompts, completions, answers, extras)`` (a
-    :class:`~rlalign.tasks.reward_worker.RewardWorker`, which :meth:`close` stops)."""
+    ``rewards`` scores batches: ``rewards.score(prompts, completions, answers, extras, conversations)`` (a
+    :class:`~rlalign.tasks.reward_set.RewardSet`, which :meth:`close` stops)."""
 
     def __init__(self, train_fn, eval_list: Sequence, rewards, tokenizer, chat: bool,
                  system_prompt: "str | None" = None, enable_thinking: "bool | None" = None):
@@ -116,7 +118,13 @@ class TaskData:
     def score(self, problems, completions) -> list[float]:
         """Each completion's reward against its problem (prompt as the model saw it, answer, the row's extra fields)."""
         return self.rewards.score([self.prompt_text(p.prompt) for p in problems], completions,
-                                  [p.answer for p in problems], [p.extra for p in problems])
+                                  [p.answer for p in problems], [p.extra for p in problems],
+                                  [self.messages(p.prompt) if self.is_chat(p.prompt) else None for p in problems])
+
+    def take_reward_terms(self) -> dict[str, float]:
+        """Each weighted reward term's mean since the last call (``task.rewards`` with two terms or more), else {}."""
+        take = getattr(self.rewards, "take_term_means", None)
+        return take() if take is not None else {}
 
     def close(self) -> None:
         """Stop the reward worker (idempotent)."""
@@ -125,21 +133,46 @@ class TaskData:
             close()
 
 
-def build_task(section: TaskSection, tokenizer, seed: int) -> TaskData:
-    """The task of ``section``, its reward loaded in a worker process (rlalign.tasks.reward_worker): a reward
-    that cannot be loaded fails here, before training; :meth:`TaskData.close` stops the worker."""
+def build_task(section: TaskSection, tokenizer, seed: int, device: str = "cpu") -> TaskData:
+    """The task of ``section``, its rewards loaded (rlalign.tasks.reward_set: rule rewards in worker processes,
+    reward models on ``device``): a reward that cannot be loaded fails here, before training; :meth:`TaskData.close`
+    stops the workers."""
     if section.name == "arithmetic":
         task = ArithmeticTask(seed=seed, min_digits=section.min_digits, max_digits=section.max_digits,
                               eval_size=section.eval_size)
-        spec = "arithmetic" if section.reward == "builtin" else section.reward
-        rewards = RewardWorker(spec, section.reward_timeout_s)
+        rewards = _rewards(section, "arithmetic", device)
         return TaskData(task.train_problem, task.eval_problems, rewards, tokenizer, section.chat,
                         section.system_prompt, section.enable_thinking)
-    if section.reward == "builtin":
+    if section.reward == "builtin" and not section.rewards:
         raise SetupError("task.reward must name a reward for a dataset task (gsm8k, gsm8k_last_number, or module:function)")
-    train, held_out = load_dataset(section.path, prompt_field=section.prompt_field, answer_field=section.answer_field,
-                                   prompt_template=section.template, eval_fraction=section.eval_fraction, seed=seed)
+    train_fn, held_out = _dataset(section, seed)
     if section.eval_size:
         held_out = held_out[:section.eval_size]
-    return TaskData(lambda i: train[i % len(train)], held_out, RewardWorker(section.reward, section.reward_timeout_s),
-                    tokenizer, section.chat, section.system_prompt, section.enable_thinking)
+    return TaskData(train_fn, held_out, _rewards(section, section.reward, device), tokenizer, section.chat,
+                    section.system_prompt, section.enable_thinking)
+
+
+def _rewards(section: TaskSection, builtin: str, device: str) -> RewardSet:
+    """``task.rewards``' terms, or ``task.reward`` alone (``builtin`` standing for the task's own reward)."""
+    terms = parse_terms(section.rewards) if section.rewards else [RewardTerm(name=builtin if section.reward == "builtin"
+                                                                             else section.reward)]
+    return RewardSet(terms, timeout_s=section.reward_timeout_s, device=device)
+
+
+def _dataset(section: TaskSection, seed: int):
+    """(train position -> example, held-out examples) of a dataset task."""
+    columns = Columns(section.columns.get("prompt", section.prompt_field),
+                      section.columns.get("answer", section.answer_field),
+                      {k: v for k, v in section.columns.items() if k not in ("prompt", "answer")})
+    held_out = None
+    if section.eval_path:
+        held_out = load_examples(section.eval_path, columns=columns, prompt_template=section.template,
+                                 split=section.eval_split)
+    if section.streaming:
+        stream = StreamedRows(section.path, columns=columns, template=section.template, split=section.split, seed=seed,
+                              eval_fraction=0.0 if held_out is not None else section.eval_fraction,
+                              shuffle=section.shuffle, shuffle_buffer=section.shuffle_buffer)
+        return stream, held_out if held_out is not None else stream.eval_examples(section.eval_size)
+    train, split_off = load_dataset(section.path, columns=columns, prompt_template=section.template, split=section.split,
+                                    eval_fraction=0.0 if held_out is not None else section.eval_fraction, seed=seed)
+    return TrainRows(train, seed, section.shuffle), held_out if held_out is not None else split_off

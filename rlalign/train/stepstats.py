@@ -55,6 +55,21 @@ def policy_step_kl(old_lp: torch.Tensor, new_lp: torch.Tensor, mask: torch.Tenso
     return float(kl.mean()) if kl.numel() else 0.0
 
 
+def sampled_logprob_stats(logprob: torch.Tensor, full_logprob: torch.Tensor, kept: torch.Tensor,
+                          mask: torch.Tensor) -> dict[str, float]:
+    """``rollout.logprobs=sampled``: the step's tokens under the policy before the update, over ``mask``: the mean
+    log-prob of the kept set's distribution (what the objective uses) and of the full softmax, the mean ratio
+    full / sampled probability (the kept set's probability mass: the importance ratio a full-softmax trainer
+    would see for these samples at the start of the step), and the kept-set sizes."""
+    m = mask.bool()
+    lp, full, k = logprob[m].double(), full_logprob[m].double(), kept[m].double()
+    if not lp.numel():
+        return {}
+    return {"logprob/sampled_mean": float(lp.mean()), "logprob/full_mean": float(full.mean()),
+            "logprob/full_over_sampled_ratio_mean": float(torch.exp(full - lp).mean()),
+            "kept/mean": float(k.mean()), "kept/min": float(k.min()), "kept/max": float(k.max())}
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """The peak memory of the step's device so far: CUDA's allocator peak, or the process's peak RSS on the CPU."""
     if device.type == "cuda":

@@ -168,7 +168,8 @@ class PolicyUpdate:
             sl, mask = mb.tokens, batch.mask[mb.tokens]
             with record_routing() as routing:
                 lp, ent = logprobs(self.policy, mb, temperature=self.cfg.rollout.logprob_temperature,
-                                   with_entropy=a.entropy_coef > 0 or inputs.old_lp is None)
+                                   with_entropy=a.entropy_coef > 0 or inputs.old_lp is None,
+                                   sampled=self.cfg.rollout.sampled_scoring)
             if inputs.old_lp is None:
                 seen.append((lp.detach(), ent.detach(), routing.expert_ids() if keep_routing else None))
             old = lp.detach() if inputs.old_lp is None else inputs.old_lp[sl]

@@ -421,8 +421,12 @@ def _check_sample():
     logits = torch.randn(rows, vocab, generator=g) * 3
     args = (torch.full((rows,), 1234), torch.arange(rows), torch.arange(rows) * 7,
             torch.tensor([0.9, 0.0, 1.0, 0.7, 0.9, 1.3]))
+    # min-p reaches a backend as a tighter top-k (ops.sample applies reference.min_p_top_k before dispatching)
+    z = logits / torch.where(args[3] == 0, 1.0, args[3]).unsqueeze(-1)
+    min_p_k = reference.min_p_top_k(z, torch.tensor([0, 0, 50, 0, 3, 0]), torch.tensor([0.05, 0.0, 0.2, 0.01, 0.5, 0.3]))
     for top_k, top_p in ((torch.tensor([0, 0, 50, 0, 10, 0]), torch.tensor([1.0, 1.0, 1.0, 0.9, 0.8, 1.0])),
-                         (torch.zeros(rows, dtype=torch.int64), torch.ones(rows))):
+                         (torch.zeros(rows, dtype=torch.int64), torch.ones(rows)),
+                         (min_p_k, torch.tensor([1.0, 1.0, 0.9, 1.0, 0.8, 1.0]))):
         want = reference.sample(logits, *args, top_k, top_p)
         got = S.sample(logits, *args, top_k, top_p)
         with static_decode():   # the CUDA-graph form: every row's keep mask from a full sort, same tokens

@@ -109,6 +109,22 @@ def test_a_reward_file_inside_the_run_directory_is_never_imported(reward_run, tm
         assert not (run / "imported.marker").exists()
 
 
+def test_reward_terms_naming_code_only_in_the_run_dirs_config_or_inside_it_are_never_imported(reward_run, tmp_path):
+    run, _ = copy_of(reward_run, tmp_path)
+    planted = tmp_path / "planted.py"
+    planted.write_text(PLANTED)
+    _edit_config(run, "task", "reward", "builtin")
+    _edit_config(run, "task", "rewards", [{"name": f"{planted}:first_digit", "weight": 1.0}])
+    with pytest.raises(ConfigError, match="task.rewards names reward code .*planted.py:first_digit.* never chooses"):
+        resolve_train_config(None, [f"run.dir={run}", "run.resume=true", "run.steps=2"])
+    inside = run / "planted.py"
+    inside.write_text(PLANTED)
+    with pytest.raises(ConfigError, match=r"task.rewards=.*planted.py:first_digit: the file lies inside run.dir"):
+        resolve_train_config(None, [f"run.dir={run}", "run.overwrite=true",
+                                    f"task.rewards=[{{name: {inside}:first_digit}}]"])
+    assert not (tmp_path / "imported.marker").exists() and not (run / "imported.marker").exists()
+
+
 def test_a_named_reward_file_changed_since_the_run_started_is_refused_unless_allowed(reward_run, tmp_path):
     run, reward = copy_of(reward_run, tmp_path)
     reward.write_text(REWARD + "\n# tuned after the run started\n")

@@ -140,6 +140,28 @@ def test_parquet_without_pyarrow_names_the_package_to_install(tmp_path, monkeypa
     assert "pip install pyarrow" in _one_line(capsys, "train")
 
 
+@pytest.mark.parametrize("case", ["hub name", "missing column", "unreadable file", "reward model architecture"])
+def test_data_and_reward_model_errors_are_one_line_at_the_cli(tmp_path, capsys, case):
+    import json
+    from rlalign.models.testing import make_tiny_reward_model
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 but not parquet")
+    rm = make_tiny_reward_model(tmp_path / "rm", "qwen3")
+    config = json.loads((rm / "config.json").read_text())
+    (rm / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForTokenClassification"]}))
+    args, expected = {
+        "hub name": (["task.path=openai/gsm8k", "task.reward=math"], "never downloads a Hugging Face Hub dataset"),
+        "missing column": ([f"task.path={data}", "task.reward=math"], "d.jsonl:1: missing field 'prompt'"),
+        "unreadable file": ([f"task.path={bad}", "task.reward=math"], "bad.parquet: cannot read parquet"),
+        "reward model architecture": ([f"task.path={data}", "task.columns={prompt: question}",
+                                       f"task.rewards=[{{reward_model: {rm}}}]"], "is not a supported reward model"),
+    }[case]
+    assert main(["train", "--dry-run", "task.name=dataset", *args]) == 2
+    assert expected in _one_line(capsys, "train")
+
+
 # ---- integer options -----------------------------------------------------------------------------------------
 
 def test_parity_train_batch_0_is_one_line(capsys):

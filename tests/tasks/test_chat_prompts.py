@@ -32,8 +32,8 @@ class InProcess:
     def __init__(self, fn):
         self.fn = fn
 
-    def score(self, *batch):
-        return score(self.fn, *batch)
+    def score(self, prompts, completions, answers, extras, conversations=None):
+        return score(self.fn, prompts, completions, answers, extras)
 
 
 def _write(path, rows):

@@ -77,3 +77,33 @@ def test_aliases_keep_unmapped_names():
 def test_every_configurable_logger_has_a_tracker():
     """run.loggers accepts the names of rlalign.train.config.LOGGERS; each has its entry in TRACKERS."""
     assert tuple(TRACKERS) == LOGGERS
+
+
+def test_tensorboard_resume_purges_the_killed_runs_later_steps_and_overwrite_deletes_only_its_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    from types import SimpleNamespace
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlalign.train.run.directory import previous_run_files
+    from rlalign.train.run.trackers import TensorBoardTracker
+
+    cfg = SimpleNamespace()
+    first = TensorBoardTracker(tmp_path, cfg)               # a run that logged steps 1..4, then was killed
+    for step in (1, 2, 3, 4):
+        first.log({"loss": float(step)}, step)
+    first.close()
+    resumed = TensorBoardTracker(tmp_path, cfg, start_step=2)   # resumed from the checkpoint of step 2
+    for step in (3, 4, 5):
+        resumed.log({"loss": 10.0 * step}, step)
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
+
+    foreign = tmp_path / "tensorboard" / "events.out.tfevents.someone-elses"
+    foreign.write_bytes(b"not ours")
+    doomed = previous_run_files(tmp_path)
+    events = sorted(p.name for p in (tmp_path / "tensorboard").iterdir() if p.name.startswith("events.out.tfevents."))
+    assert len(events) == 3
+    assert sorted(p.name for p in doomed) == sorted([*(e for e in events if e != foreign.name), "rlalign-event-files"])

@@ -185,13 +185,20 @@ def with_absolute_paths(cfg):
     run_dir = Path(cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
     model = cfg.model.path if cfg.model.path == "default" else str(Path(cfg.model.path).expanduser().resolve())
     task = cfg.task
-    if task.path:
-        task = dataclasses.replace(task, path=str(Path(task.path).expanduser().resolve()))
-    file_reward, sep, fn = task.reward.rpartition(":")
-    if sep and file_reward.endswith(".py"):
-        task = dataclasses.replace(task, reward=f"{Path(file_reward).expanduser().resolve()}:{fn}")
+    for key in ("path", "eval_path"):
+        if getattr(task, key):
+            task = dataclasses.replace(task, **{key: str(Path(getattr(task, key)).expanduser().resolve())})
+    rewards = [{**t, **({"reward_model": str(Path(t["reward_model"]).expanduser().resolve())} if "reward_model" in t
+                        else {"name": _absolute_reward(t["name"])})} for t in task.rewards]
+    task = dataclasses.replace(task, reward=_absolute_reward(task.reward), rewards=rewards)
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)),
                                model=dataclasses.replace(cfg.model, path=model), task=task)
+
+
+def _absolute_reward(spec: str) -> str:
+    """A ``file.py:function`` reward with the file's absolute path (other specs as they are)."""
+    file_reward, sep, fn = spec.rpartition(":")
+    return f"{Path(file_reward).expanduser().resolve()}:{fn}" if sep and file_reward.endswith(".py") else spec
 
 
 def _this_node(ray):

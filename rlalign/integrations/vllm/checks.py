@@ -19,7 +19,8 @@ def check_vllm_config(vllm_config, config: ModelConfig) -> None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise UnsupportedVLLMConfigError("speculative decoding is not supported (drop speculative_config)")
     if getattr(vllm_config, "lora_config", None) is not None:
-        raise UnsupportedVLLMConfigError("LoRA adapters are not supported (merge them into the weights first)")
+        raise UnsupportedVLLMConfigError("LoRA adapters are not supported (serve the merged model: `rlalign "
+                                         "export` merges a LoRA run's adapters; or roll out with rlalign's engine)")
     if getattr(vllm_config, "quant_config", None) is not None or vllm_config.model_config.quantization:
         raise UnsupportedVLLMConfigError(f"quantization={vllm_config.model_config.quantization!r} is not supported "
                                          "(serve the bf16/fp32 checkpoint)")

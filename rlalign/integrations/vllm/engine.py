@@ -79,6 +79,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt  # lazy: optional, heavy
 
         sampling = sampling or SamplingParams()
+        check_sampling(sampling)
         if sampling.stop or sampling.seed_by != "index":
             raise RequestError("the vLLM engine supports token-id stops and seed_by='index' only "
                                "(stop strings / seed_by='content' are rlalign-engine features)")
@@ -130,6 +131,13 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.weights_version = self.weights_version + 1 if version is None else int(version)
         return self.weights_version
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    """Refuse what vLLM's sampler cannot honour bit for bit: sampled log-probs and min-p (rlalign-engine features)."""
+    if sampling.logprobs != "full" or sampling.min_p:
+        raise UnsupportedVLLMConfigError(f"the vLLM engine reports full-softmax log-probs without min-p (got logprobs="
+                                         f"{sampling.logprobs!r}, min_p={sampling.min_p}); use rollout.engine=rlalign")
 
 
 def _vllm_sampling(sampling: SamplingParams, seed: int, stops: list[int]):

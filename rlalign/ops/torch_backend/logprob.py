@@ -187,13 +187,13 @@ def grad_scaled_logits(z, local_targets, lse, mu, g_lp, g_ent, tau):
     return divide_by_temperature(dz, tau, in_place=True)
 
 
-def _add_grad_hidden(dh_rows: torch.Tensor, dlogits: torch.Tensor, w_f32: torch.Tensor) -> None:
+def add_grad_hidden(dh_rows: torch.Tensor, dlogits: torch.Tensor, w_f32: torch.Tensor) -> None:
     """dh_rows += dlogits @ W_chunk, one vocab block at a time in vocab order (vocab_chunk invariant)."""
     for block in index_chunks(dlogits.shape[1], VB):
         dh_rows.add_(tile_mm(dlogits[:, block].contiguous(), w_f32[block].t()))
 
 
-def _add_grad_weight(dw_chunk: torch.Tensor, dlogits: torch.Tensor, h_f32: torch.Tensor, first: bool) -> None:
+def add_grad_weight(dw_chunk: torch.Tensor, dlogits: torch.Tensor, h_f32: torch.Tensor, first: bool) -> None:
     """dw_chunk (=|+=) dlogits^T @ h, one vocab block per GEMM (a row's bits depend on its block's width only,
     never on vocab_chunk; token chunks still add in increasing order). The block's dlogits^T is copied to its own
     contiguous [width, T] matrix: sliced from the chunk it has the chunk's row stride, and MKL on AVX-512 takes a
@@ -223,9 +223,9 @@ def backward_grads(saved, g_lp, g_ent, need_dh, need_dw):
             dlogits = grad_scaled_logits(z, targets[rows] - cols.start, lse[rows], None if mu is None else mu[rows],
                                           g_lp[rows], None if g_ent is None else g_ent[rows], tau)
             if need_dh:
-                _add_grad_hidden(dh[rows], dlogits, w_f32)
+                add_grad_hidden(dh[rows], dlogits, w_f32)
             if need_dw:
-                _add_grad_weight(dw[cols], dlogits, h_f32, first=rows.start == 0)
+                add_grad_weight(dw[cols], dlogits, h_f32, first=rows.start == 0)
     return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype))
 
 
@@ -270,4 +270,5 @@ def lm_logits(hidden, weight, temperature, vocab_chunk):
     return out
 
 
-__all__ = ["logprob_entropy", "lm_logits", "logprob_from_logits", "forward_stats", "backward_grads"]
+__all__ = ["logprob_entropy", "lm_logits", "logprob_from_logits", "forward_stats", "backward_grads", "add_grad_hidden",
+           "add_grad_weight", "index_chunks"]

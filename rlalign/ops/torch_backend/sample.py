@@ -239,6 +239,46 @@ def static_keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.zeros_like(z, dtype=torch.bool).scatter_(1, ids, keep_sorted)
 
 
+def min_p_top_k(z: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """top_k tightened by min-p (vLLM's rule: keep the tokens whose probability is >= min_p x the row's largest;
+    0 = off), as int64 [R], so that min-p is a prefix of the order like top-k and every sampler (both backends,
+    the static form) and the scorer keep the same set.
+
+    With m = max z and c = the number of tokens with fp32 ``exp(z_v - m) >= fp32(min_p)`` (the torch exp of
+    :mod:`.primitives`' assumptions; -inf tokens give 0 and never count), a row with min_p > 0 keeps the first
+    c tokens of the order (z desc, id asc): k' = min(k or V, c), written 0 when it reaches V. The row's max has
+    exp(0) = 1 >= min_p, so c >= 1; a count, not the set {exp >= min_p} itself, so the kept set is a prefix of
+    the order by definition. Rows with min_p == 0 keep ``top_k`` unchanged."""
+    vocab = z.shape[1]
+    count = (torch.exp(z - z.amax(-1, keepdim=True)) >= min_p.unsqueeze(-1)).sum(-1)
+    k = torch.minimum(torch.where((top_k == 0) | (top_k >= vocab), vocab, top_k), count)
+    return torch.where(min_p > 0, torch.where(k >= vocab, 0, k), top_k)
+
+
+def kept_set(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z, keep): each row's scaled logits (the temperature rule; greedy rows / 1) and the bool [R, V] set of tokens
+    :func:`sample` draws from -- the one definition the sampled-logprob scorer (``ops.sampled_logprob``) reads.
+
+    min-p tightens top-k (:func:`min_p_top_k`), top-k / top-p then keep what :func:`keep_mask` keeps (full stable
+    sort in the static form: :func:`static_keep_mask`, the same bits); a greedy row (T = 0) keeps its argmax alone
+    (top-1 of the order: the lowest id among the maxima, the greedy token); an unfiltered row keeps every token.
+    -inf (masked) tokens are never kept. Every step is per row: a row's set depends only on its logits' bits and
+    its own settings."""
+    vocab = logits.shape[1]
+    greedy = temperature == 0
+    z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))
+    k = min_p_top_k(z, top_k, min_p) if chk.static_shapes() or bool((min_p > 0).any()) else top_k
+    k = torch.where(greedy, 1, k)
+    k = torch.where(k >= vocab, 0, k)
+    p = torch.where(greedy, torch.ones_like(top_p), top_p)
+    if chk.static_shapes():
+        keep = static_keep_mask(z, k, p)
+    else:
+        keep = keep_mask(z, k, p)
+    return z, keep & (z > float("-inf"))
+
+
 FILTER_VERDICT = ("a row asks for top-k/top-p but this CUDA graph was captured without filtering (internal: the "
                   "engine must pick a filtering graph)")
 

@@ -96,15 +96,31 @@ def resolve_train_config(path: "str | None", overrides: list[str]) -> TrainConfi
     refuse_reward_in_run_dir(cfg)
     if not _names_reward(path, overrides, Path(cfg.run.dir)):
         refuse_unrecorded_reward(cfg)
+    if not _names_reward(path, overrides, Path(cfg.run.dir), key="rewards"):
+        refuse_saved_reward_terms(cfg)
     return cfg
 
 
-def _names_reward(path: "str | None", overrides: list[str], run_dir: Path) -> bool:
-    """Whether this command names task.reward itself: on the command line, or in a config file that does not
-    lie inside the run directory."""
-    if "reward" in (load_raw(None, overrides).get("task") or {}):
+def _names_reward(path: "str | None", overrides: list[str], run_dir: Path, key: str = "reward") -> bool:
+    """Whether this command names task.<key> (task.reward, task.rewards) itself: on the command line, or in a config
+    file that does not lie inside the run directory."""
+    if key in (load_raw(None, overrides).get("task") or {}):
         return True
-    return path is not None and not _inside(Path(path), run_dir) and "reward" in (load_raw(path).get("task") or {})
+    return path is not None and not _inside(Path(path), run_dir) and key in (load_raw(path).get("task") or {})
+
+
+def _term_specs(cfg: TrainConfig) -> list[str]:
+    return [t["name"] for t in cfg.task.rewards if isinstance(t, dict) and isinstance(t.get("name"), str)]
+
+
+def refuse_saved_reward_terms(cfg: TrainConfig) -> None:
+    """A resume whose task.rewards names reward code only through the run directory's config.yaml: refused (a run
+    directory never chooses code to run; task.rewards' files have no recorded sha256 to compare)."""
+    code = [spec for spec in _term_specs(cfg) if reward_is_code(spec)]
+    if code:
+        raise ConfigError(f"run.resume=true: task.rewards names reward code ({', '.join(code)}) that only "
+                          f"{cfg.run.dir}/config.yaml names; a run directory never chooses code to run: repeat "
+                          "task.rewards on the command line or in a config file outside the run directory")
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -114,10 +130,11 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def refuse_reward_in_run_dir(cfg: TrainConfig) -> None:
     """A reward file inside run.dir is never imported: a run directory holds data, never code that runs."""
-    file = reward_source_file(cfg.task.reward)
-    if file is not None and cfg.run.dir and _inside(file, Path(cfg.run.dir)):
-        raise ConfigError(f"task.reward={cfg.task.reward}: the file lies inside run.dir {cfg.run.dir}, and nothing in "
-                          "a run directory runs as code; keep the reward file outside it")
+    for key, spec in [("task.reward", cfg.task.reward), *(("task.rewards", s) for s in _term_specs(cfg))]:
+        file = reward_source_file(spec)
+        if file is not None and cfg.run.dir and _inside(file, Path(cfg.run.dir)):
+            raise ConfigError(f"{key}={spec}: the file lies inside run.dir {cfg.run.dir}, and nothing in a run "
+                              "directory runs as code; keep the reward file outside it")
 
 
 def reward_fingerprint(spec: str) -> "dict | None":
@@ -195,14 +212,15 @@ def check_resume(saved: dict, cfg: TrainConfig, recorded_reward_file: "dict | No
     return changed
 
 def run_inputs(cfg: TrainConfig) -> list[Path]:
-    """What a run reads from disk: the model folder (unless the embedded default), the dataset file and a reward
-    file. ``run.overwrite`` may not delete in a run directory holding one of them (run.directory.open_run_dir)."""
+    """What a run reads from disk: the model folder (unless the embedded default), the dataset files, reward files
+    and reward model folders. ``run.overwrite`` may not delete in a run directory holding one of them (run.directory.open_run_dir)."""
     reads = [Path(cfg.model.path)] if cfg.model.path != "default" else []
-    if cfg.task.path:
-        reads.append(Path(cfg.task.path))
-    reward = reward_source_file(cfg.task.reward)
-    if reward is not None:
-        reads.append(reward)
+    reads += [Path(p) for p in (cfg.task.path, cfg.task.eval_path) if p]
+    for spec in [cfg.task.reward, *(t.get("name") for t in cfg.task.rewards if isinstance(t, dict))]:
+        reward = reward_source_file(spec) if spec else None
+        if reward is not None:
+            reads.append(reward)
+    reads += [Path(t["reward_model"]) for t in cfg.task.rewards if isinstance(t, dict) and t.get("reward_model")]
     return reads
 
 

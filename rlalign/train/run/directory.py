@@ -46,7 +46,7 @@ from rlalign.models.ownership import OutputRefused, foreign_entries, open_own_fi
 from rlalign.models.atomic import TEMP_SUFFIX
 from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, MANIFEST_FILE, PENDING_FILE, checkpoint_step,
                                                 read_manifest, recorded_sha256s, unrecorded_pending)
-from rlalign.train.run.metrics import WANDB_ID_FILE
+from rlalign.train.run.metrics import TENSORBOARD_EVENT_PREFIX, TENSORBOARD_FILES, WANDB_ID_FILE
 
 LOCK_NAME = ".lock"
 # What a run writes at the top of its directory; run.overwrite=true deletes these (the folders: only their
@@ -153,7 +153,8 @@ def _lock(path: Path) -> int:
 
 def _refuse_links(path: Path) -> None:
     """A run's own entries may not be symbolic links: it would read or write wherever they point."""
-    for name in (*RUN_FILES, f"checkpoints/{MANIFEST_FILE}", f"checkpoints/{PENDING_FILE}"):
+    for name in (*RUN_FILES, f"checkpoints/{MANIFEST_FILE}", f"checkpoints/{PENDING_FILE}", TENSORBOARD_FILES.parent,
+                 TENSORBOARD_FILES, WANDB_ID_FILE.parent, WANDB_ID_FILE):
         entry = path / name
         if entry.is_symlink():
             raise RunDirError(f"run.dir {path}: {name} is a symbolic link (to {os.readlink(entry)}); a run never reads "
@@ -213,17 +214,17 @@ def _prepare_fresh(path: Path, overwrite: bool, last_step: "int | None") -> None
     _refuse_overwriting_checkpoints(path, after=0, upto=last_step, ours={p.name for p in doomed})
     for target in doomed:
         shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-    ckpt_dir = path / "checkpoints"
-    if ckpt_dir.is_dir() and not any(ckpt_dir.iterdir()):
-        ckpt_dir.rmdir()
+    for folder in (path / "checkpoints", path / TENSORBOARD_FILES.parent):
+        if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def previous_run_files(path: Path) -> list[Path]:
-    """What ``run.overwrite=true`` deletes: the previous run's top-level files and its W&B run id (plain files only), the
-    checkpoints its ``latest.json`` records (with latest.json and pending.json), and ``policy/`` (already
-    checked to hold only a saved model's files). Any other entry stays."""
+    """What ``run.overwrite=true`` deletes: the previous run's top-level files, its W&B run id and the TensorBoard
+    event files it listed (plain files only), the checkpoints its ``latest.json`` records (with latest.json and
+    pending.json), and ``policy/`` (already checked to hold only a saved model's files). Any other entry stays."""
     files = [path / name for name in RUN_FILES if name not in ("checkpoints", "policy")] + [path / WANDB_ID_FILE]
-    doomed = [f for f in files if f.is_file() and not f.is_symlink()]
+    doomed = [f for f in files if f.is_file() and not f.is_symlink()] + _own_event_files(path)
     if (path / "policy").is_dir():
         doomed.append(path / "policy")
     ckpt_dir = path / "checkpoints"
@@ -237,6 +238,17 @@ def previous_run_files(path: Path) -> list[Path]:
         doomed += [ckpt_dir / name for name in sorted(recorded)
                    if (ckpt_dir / name).is_file() and not (ckpt_dir / name).is_symlink()]
     return doomed
+
+
+def _own_event_files(path: Path) -> list[Path]:
+    """The TensorBoard event files the run's list names (event-file names only, plain files, no links) and the list."""
+    listing = path / TENSORBOARD_FILES
+    if not listing.is_file() or listing.is_symlink() or listing.parent.is_symlink():
+        return []
+    names = [n for n in listing.read_text(errors="replace").split()
+             if n.startswith(TENSORBOARD_EVENT_PREFIX) and "/" not in n]
+    files = [listing.parent / n for n in names]
+    return [f for f in files if f.is_file() and not f.is_symlink()] + [listing]
 
 
 def _is_leftover(p: Path) -> bool:

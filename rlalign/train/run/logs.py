@@ -45,9 +45,17 @@ def banner_lines(cfg, run_dir, config_path, model_dir, num_params: int, dtype: s
             f"  config   {config_path} (resolved, every key; `rlalign train --print-config` shows one before a run)",
             f"  model    {model_dir} ({num_params / 1e6:.2f}M parameters, {dtype}) on {cfg.model.device}",
             f"  profile  {cfg.run.profile}; algorithm {cfg.algo.advantage}/{cfg.algo.policy_loss}; "
-            f"task {cfg.task.name} (reward {cfg.task.reward}); {cfg.run.steps} steps of "
+            f"task {cfg.task.name} ({_rewards(cfg.task)}); {cfg.run.steps} steps of "
             f"{cfg.rollout.prompts_per_step}x{cfg.rollout.samples_per_prompt} samples",
             f"  loggers  {', '.join(dict.fromkeys(['jsonl', *cfg.run.loggers]))} -> {run_dir}"]
+
+
+def _rewards(task) -> str:
+    """``reward R``, or ``rewards 1*R1 + 0.1*R2`` for weighted terms (task.rewards)."""
+    if not task.rewards:
+        return f"reward {task.reward}"
+    return "rewards " + " + ".join(f"{t.get('weight', 1.0):g}*{t.get('name') or t.get('reward_model')}"
+                                   for t in task.rewards)
 
 
 def step_line(record: dict, total_steps: int, eta_s: "float | None") -> str:

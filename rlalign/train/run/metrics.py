@@ -21,6 +21,10 @@ from rlalign.models.atomic import atomic_write, naming_the_file
 # the W&B run id a run's trackers keep (rlalign.train.run.trackers.wandb_run_id): a file rlalign writes, so
 # run.overwrite deletes it with the previous run's files and the new run gets a W&B run of its own
 WANDB_ID_FILE = Path("wandb") / "rlalign-run-id"
+# the TensorBoard event files a run wrote, one name per line (rlalign.train.run.trackers.TensorBoardTracker):
+# run.overwrite deletes exactly these (and this list), so a new run's curves never mix with the old run's
+TENSORBOARD_FILES = Path("tensorboard") / "rlalign-event-files"
+TENSORBOARD_EVENT_PREFIX = "events.out.tfevents."
 
 
 class MetricsCorrupt(RLAlignError):

@@ -3,6 +3,9 @@
 - ``jsonl``: ``RUN_DIR/metrics.jsonl``, always written (the report and resume read it), our names.
 - ``tensorboard``: ``RUN_DIR/tensorboard/`` event files (``torch.utils.tensorboard``; needs the
   ``tensorboard`` package: ``pip install rlalign[trackers]``). View: ``tensorboard --logdir RUN_DIR``.
+  A resume from step S purges the killed run's events of steps > S (TensorBoard's ``purge_step``), so
+  every step shows once; the event files a run wrote are listed in ``tensorboard/rlalign-event-files``
+  and ``run.overwrite`` deletes exactly those.
 - ``wandb``: Weights & Biases, files under ``RUN_DIR/wandb/``; ``WANDB_MODE=offline`` runs without a
   network or an account (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads later). The W&B run id is
   random, drawn when the run directory first logs to W&B and kept in ``RUN_DIR/wandb/rlalign-run-id``, so
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.atomic import atomic_write
-from rlalign.train.run.metrics import WANDB_ID_FILE
+from rlalign.train.run.metrics import TENSORBOARD_FILES, WANDB_ID_FILE
 
 
 class TrackerError(RLAlignError):
@@ -66,13 +69,18 @@ def _scalars(record: dict) -> dict[str, float]:
 
 
 class TensorBoardTracker:
-    def __init__(self, run_dir: Path, cfg):
+    def __init__(self, run_dir: Path, cfg, start_step: int = 0):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise TrackerError("run.loggers includes tensorboard but the tensorboard package is not installed: "
                                "pip install tensorboard (or rlalign[trackers])") from None
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        # purge_step: TensorBoard hides what earlier files logged at steps >= it (a killed run's steps past
+        # the checkpoint this run resumes from)
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
+                                    purge_step=start_step + 1 if start_step else None)
+        _record_event_file(Path(run_dir), Path(self.writer.file_writer.get_logdir()),
+                           Path(self.writer.file_writer.event_writer._file_name).name)
 
     def log(self, record: dict, step: int) -> None:
         for key, value in _scalars(record).items():
@@ -108,6 +116,15 @@ class WandbTracker:
 
 
 
+def _record_event_file(run_dir: Path, log_dir: Path, name: str) -> None:
+    """Add ``name`` (an event file SummaryWriter opened in ``log_dir``) to the run's list of its own event files."""
+    path = run_dir / TENSORBOARD_FILES
+    assert log_dir.resolve() == path.parent.resolve(), (log_dir, path)
+    names = path.read_text().split() if path.is_file() else []
+    if name not in names:
+        atomic_write(path, "".join(n + "\n" for n in (*names, name)).encode())
+
+
 def wandb_run_id(run_dir: Path) -> str:
     """The run directory's W&B run id: the one stored in ``RUN_DIR/wandb/rlalign-run-id`` (a resume continues
     that W&B run), else a new random one (32 hex digits) written there first, atomically."""
@@ -129,12 +146,15 @@ TRACKERS: dict[str, type | None] = {"jsonl": None, "tensorboard": TensorBoardTra
 class Trackers:
     """The run's trackers besides metrics.jsonl: one ``log`` per metrics record, renamed per ``run.metric_names``."""
 
-    def __init__(self, run_dir: Path, cfg):
+    def __init__(self, run_dir: Path, cfg, start_step: int = 0):
+        """``start_step``: the step the run resumes after (0: a fresh run)."""
         self.metric_names = cfg.run.metric_names
         self.trackers = []
         for name in dict.fromkeys(cfg.run.loggers):
             cls = TRACKERS[name]
-            if cls is not None:
+            if cls is TensorBoardTracker:
+                self.trackers.append(cls(run_dir, cfg, start_step))
+            elif cls is not None:
                 self.trackers.append(cls(run_dir, cfg))
 
     def log(self, record: dict) -> None:

@@ -171,6 +171,7 @@ def main(out_path: str, root: str) -> None:
         refusals["tensor_parallel_size=2"] = config_refusal(ckpt, tensor_parallel_size=2)
         refusals["kv_cache_dtype=fp8"] = config_refusal(ckpt, kv_cache_dtype="fp8")
         refusals["dtype=float16"] = config_refusal(ckpt, dtype="float16")
+        refusals["enable_lora=True"] = config_refusal(ckpt, enable_lora=True)
         # a refused request fails the engine step that runs it: one fresh engine per refused request
         for name, params in (("logprobs=3", dict(temperature=1.0, seed=1, logprobs=3)),
                              ("no seed", dict(temperature=1.0, logprobs=0)),

@@ -64,6 +64,7 @@ def test_prefix_cached_prompts_still_equal_rlalign_engine(report):
     ("tensor_parallel_size=2", "tensor_parallel_size=2 is not supported"),
     ("kv_cache_dtype=fp8", "kv_cache_dtype='fp8' is not supported"),
     ("dtype=float16", "dtype=float16 is not supported in the strict profile"),
+    ("enable_lora=True", "LoRA adapters are not supported (serve the merged model"),
     ("logprobs=3", "logprobs=3 is not supported"),
     ("no seed", "pass SamplingParams(seed=...)"),
     ("repetition_penalty=1.3", "a request uses a logits transform"),
