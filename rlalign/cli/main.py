@@ -10,7 +10,7 @@ from rlalign import envvars
 from rlalign.contract.errors import RLAlignError
 from rlalign.version import __version__
 
-COMMANDS = ("train", "generate", "parity", "report", "export", "checksum", "bench", "doctor", "pretrain")
+COMMANDS = ("train", "generate", "parity", "report", "export", "checksum", "bench", "doctor", "pretrain", "sft")
 
 
 class OneLineParser(argparse.ArgumentParser):

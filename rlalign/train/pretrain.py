@@ -3,7 +3,12 @@
 ``rlalign pretrain`` (or ``python -m rlalign.train.pretrain``) makes a character-level tokenizer
 for the default task's alphabet, a random-init Qwen3-architecture decoder, and trains it by
 supervised next-token prediction on the task's *train* split (loss: mean negative log-likelihood
-of the answer digits and the end token, prompt tokens not scored) for ``steps`` steps.
+of the answer digits and the end token, prompt tokens not scored) for ``steps`` steps. It is one
+instance of ``rlalign sft``'s step (:class:`rlalign.train.sft.update.SFTUpdate`): prompt/response
+examples (prompt ``"12+5="``, response the answer), batch ``k`` = train problems ``k * batch_size ..``
+in order (no shuffling, no epochs: the stream is endless), one micro-batch per step, AdamW at a
+constant lr (no warmup, ``min_lr_ratio=1``), gradient clipping at 1.0. The weights are the ones the
+earlier standalone loop made, bit for bit (``checksums.json`` beside them records their sha256).
 
 The corpus deliberately teaches a bad habit: in a fraction ``habit_prob`` of the examples (chosen
 by a hash of the example index) a stray ``0`` follows the answer before the end token ("12+5=170").
@@ -24,6 +29,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -36,8 +42,10 @@ from rlalign.rollout.config import RolloutConfig, SamplingParams
 from rlalign.rollout.engine import RolloutEngine
 from rlalign.tasks import (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, VOCAB, ArithmeticTask, arithmetic_reward,
                            parse_answer)
-from rlalign.train.packing import score_completions
 from rlalign.models.atomic import atomic_write
+from rlalign.train.config import OptimSection
+from rlalign.train.sft.objective import Example, response_mask
+from rlalign.train.sft.update import SFTUpdate, batch_indices
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 
@@ -94,6 +102,32 @@ def write_char_tokenizer(out: Path) -> None:
                                                              "bos_token_id": vocab[BOS_TOKEN]}, indent=1).encode())
 
 
+def optim_section(cfg: PretrainConfig) -> OptimSection:
+    """AdamW (betas 0.9 / 0.98, no weight decay) at the constant lr ``cfg.lr``, clipping at 1.0, every step's batch
+    in one micro-batch."""
+    return OptimSection(lr=cfg.lr, betas=[0.9, 0.98], weight_decay=0.0, warmup_steps=0, min_lr_ratio=1.0,
+                        grad_clip=1.0, micro_batch_tokens=2**62)
+
+
+class HabitCorpus(Sequence[Example]):
+    """Train problem ``i`` as a prompt/response example: the prompt (``<bos>12+5=``), the answer with a stray
+    ``0`` in the habit's share of examples, and ``<eos>``; the answer and ``<eos>`` are scored."""
+
+    def __init__(self, task: ArithmeticTask, tokenizer, cfg: PretrainConfig):
+        self.task, self.tokenizer, self.cfg = task, tokenizer, cfg
+        self.eos = tokenizer.token_to_id(EOS_TOKEN)
+
+    def __len__(self) -> int:
+        return self.cfg.steps * self.cfg.batch_size
+
+    def __getitem__(self, i: int) -> Example:
+        p = self.task.train_problem(i)
+        prompt = self.tokenizer.encode(p.prompt)
+        text = p.answer + ("0" if _has_habit(self.cfg.seed, i, self.cfg.habit_prob) else "")
+        answer = self.tokenizer.encode(text, add_special_tokens=False) + [self.eos]
+        return Example(tuple(prompt + answer), response_mask(len(prompt), len(answer)), f"train problem {i}")
+
+
 def _has_habit(seed: int, index: int, prob: float) -> bool:
     digest = hashlib.blake2b(f"rlalign.pretrain.habit/{seed}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") < prob * 2**64
@@ -126,34 +160,23 @@ def pretrain(cfg: PretrainConfig, log=print) -> Path:
     torch.manual_seed(cfg.seed)
     model = CausalLM(ModelConfig.from_hf_dict(hf_config(cfg))).init_random_(seed=cfg.seed, std=0.05)
     task = ArithmeticTask(seed=cfg.seed, min_digits=cfg.min_digits, max_digits=cfg.max_digits, eval_size=cfg.eval_size)
-    eos = tokenizer.token_to_id(EOS_TOKEN)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0, foreach=False)
+    corpus = HabitCorpus(task, tokenizer, cfg)
+    update = SFTUpdate(model, optim_section(cfg), cfg.steps)
     started, acc = time.perf_counter(), {}
     for step in range(1, cfg.steps + 1):
         model.train()
-        samples = []
-        first = (step - 1) * cfg.batch_size
-        for i, p in enumerate(task.train_problems(first, cfg.batch_size), start=first):
-            prompt = tokenizer.encode(p.prompt)
-            text = p.answer + ("0" if _has_habit(cfg.seed, i, cfg.habit_prob) else "")
-            answer = tokenizer.encode(text, add_special_tokens=False) + [eos]
-            samples.append((prompt + answer, len(prompt)))
-        lp, _ = score_completions(model, samples)
-        loss = -lp.mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
-        optimizer.step()
+        batch = [corpus[i] for i in batch_indices(len(corpus), cfg.batch_size, step, seed=cfg.seed, shuffle=False)]
+        loss = update.step(batch, step)["loss/sft"]
         if step % cfg.eval_every == 0 or step == cfg.steps:
             model.eval()
             acc = _accuracies(model, tokenizer, task.eval_problems, cfg.max_new_tokens)
-            log(f"step {step}: loss {float(loss.detach()):.4f}  eval accuracy: "
+            log(f"step {step}: loss {loss:.4f}  eval accuracy: "
                 + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()) + f"  ({time.perf_counter() - started:.0f} s)")
     model.eval()
     save_model(model, out)
     write_char_tokenizer(out)
     meta = {"pretrain_config": dataclasses.asdict(cfg) | {"out": "rlalign/assets/default_model"},
-            "final_loss": float(loss.detach()), "eval_accuracy": acc, "torch": torch.__version__}
+            "final_loss": loss, "eval_accuracy": acc, "torch": torch.__version__}
     atomic_write(out / "pretrain.json", json.dumps(meta, indent=1).encode())
     log(f"saved {out} after {cfg.steps} steps (eval accuracy {acc})")
     return out

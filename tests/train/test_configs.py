@@ -4,13 +4,14 @@ import pytest
 
 from rlalign.configlib import load_config
 from rlalign.train.config import TrainConfig
+from rlalign.train.sft.config import SFTConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_example_configs_validate(path):
-    load_config(TrainConfig, path)
+    load_config(SFTConfig if path.name.startswith("sft-") else TrainConfig, path)   # sft-*.yaml: rlalign sft
 
 
 def test_default_yaml_is_the_no_argument_default():

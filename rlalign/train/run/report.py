@@ -43,13 +43,21 @@ PANELS = (
     ("step time", ["time/rollout_s", "time/train_s", "time/eval_s"], "seconds", None, None),
     ("throughput", ["tokens_per_s/rollout"], "rollout tokens/s", None, None),
 )
-SMOOTHED = {"reward/mean", "entropy", "clip_frac", "completion/mean_len", "loss/policy", "grad_norm",
+# An SFT run's panels (rlalign sft: metrics with loss/sft)
+SFT_PANELS = (
+    ("loss", ["loss/sft", "eval/loss"], "mean NLL of the scored tokens (loss/sft: the step's batch; eval: held out)",
+     None, None),
+    ("grad norm", ["grad_norm"], "before clipping", None, None),
+    ("learning rate", ["lr"], "lr of the step's update", None, None),
+    ("throughput", ["tokens_per_s/train"], "train tokens/s", None, None),
+)
+SMOOTHED = {"loss/sft", "reward/mean", "entropy", "clip_frac", "completion/mean_len", "loss/policy", "grad_norm",
             "tokens_per_s/rollout", "kl/ref", "rollout_corr/kl_k3"}
 
 
 def _series(records, key):
     pts = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
-    if key.startswith("time/") or key in ("reward/mean", "loss/policy", "grad_norm", "lr", "clip_frac"):
+    if key.startswith("time/") or key in ("reward/mean", "loss/policy", "loss/sft", "grad_norm", "lr", "clip_frac"):
         pts = [p for p in pts if p[0] > 0]   # step 0 is the initial eval, not an update
     return [p[0] for p in pts], [p[1] for p in pts]
 
@@ -147,8 +155,9 @@ def write_report(run_dirs: "str | Path | list", out_dir: "str | Path | None" = N
                                "evaluation): nothing to report")
     stem = "report" if len(dirs) == 1 else "compare"
     out = _report_folder(Path(out_dir) if out_dir is not None else dirs[0], stem)
-    fig, axes = plt.subplots(3, 4, figsize=(20, 12))
-    for ax, panel in zip(axes.flat, PANELS):
+    sft = all(is_sft_run(records) for _, records in runs)
+    fig, axes = plt.subplots(*((2, 2) if sft else (3, 4)), figsize=(12, 8) if sft else (20, 12))
+    for ax, panel in zip(axes.flat, SFT_PANELS if sft else PANELS):
         _draw_panel(ax, runs, panel, smooth)
     names = ", ".join(n for n, _ in runs)
     fig.suptitle(f"rlalign run{'s' if len(runs) > 1 else ''}: {names}"
@@ -159,7 +168,8 @@ def write_report(run_dirs: "str | Path | list", out_dir: "str | Path | None" = N
     fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
     atomic_write(png, image.getvalue())
-    atomic_write(md, (summary_markdown(runs[0][1], dirs[0], png.name) if len(runs) == 1
+    summary = sft_summary_markdown if sft else summary_markdown
+    atomic_write(md, (summary(runs[0][1], dirs[0], png.name) if len(runs) == 1
                       else compare_markdown(runs, png.name)).encode())
     return png, md
 
@@ -202,6 +212,26 @@ def summary_markdown(records, run_dir: Path, png_name: str = "report.png") -> st
         clip = [r["clip_frac"] for r in steps if "clip_frac" in r]
         if clip:
             lines.append(f"- clip fraction: mean {sum(clip) / len(clip):.4f}, max {max(clip):.4f}")
+    return "\n".join(lines) + "\n"
+
+
+def is_sft_run(records) -> bool:
+    return any("loss/sft" in r for r in records)
+
+
+def sft_summary_markdown(records, run_dir: Path, png_name: str = "report.png") -> str:
+    steps = [r for r in records if "loss/sft" in r]
+    evals = [r for r in records if r.get("eval/loss") is not None]
+    lines = [f"# SFT run report: {run_dir.name}", "", f"![metrics]({png_name})", "",
+             f"- steps: {len(steps)} (last step {steps[-1]['step']}, epoch {steps[-1].get('epoch')})",
+             f"- train loss (the step's batch): {steps[0]['loss/sft']:.4f} at the first step, "
+             f"{steps[-1]['loss/sft']:.4f} at the last"]
+    if evals:
+        lines.append(f"- eval loss (held out): " + ", ".join(f"{e['eval/loss']:.4f} (step {e['step']})" for e in evals))
+    t_train = sum(r.get("time/train_s", 0) for r in steps)
+    t_eval = sum(r.get("time/eval_s", 0) for r in records)
+    tokens = sum(r.get("tokens", 0) for r in steps)
+    lines.append(f"- time: train {t_train:.1f} s + eval {t_eval:.1f} s; {tokens} scored tokens")
     return "\n".join(lines) + "\n"
 
 
