@@ -33,6 +33,7 @@ from rlalign.algos.kl import ESTIMATORS as KL_ESTIMATORS
 from rlalign.algos.kl import kl_estimate, kl_k1, kl_k2, kl_k3, kl_loss, kl_reward_penalty
 from rlalign.algos.mismatch import (
     Correction,
+    behaviour_weights,
     logprob_mismatch_stats,
     sequence_mis,
     sequence_tis,
@@ -50,6 +51,7 @@ from rlalign.algos.registry import (
     refused_setting,
 )
 from rlalign.algos.value import value_loss
+from rlalign.algos.decoupled import behaviour_correction, decoupled_ppo_loss
 
 __all__ = [
     "ADVANTAGES", "AGGREGATION_MODES", "KL_ESTIMATORS", "KL_ESTIMATOR_REGISTRY", "MISMATCH_CORRECTIONS",
@@ -61,4 +63,5 @@ __all__ = [
     "ppo_clip_loss", "reinforce_pp_advantages", "rloo_advantages", "seq_ids_from_lengths",
     "sequence_mis", "sequence_tis", "soft_overlong_penalty", "token_mis", "token_rewards",
     "token_tis", "whiten", "load_balancing_loss", "routing_terms", "routing_mismatch",
+    "behaviour_weights", "behaviour_correction", "decoupled_ppo_loss",
 ]

@@ -165,6 +165,19 @@ def sequence_mis(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mas
     return Correction(_weights(torch.ones_like(log_rho), keep, old_logprobs.dtype), keep, stats)
 
 
+def behaviour_weights(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor
+                      ) -> Correction:
+    """The exact behaviour importance weight of decoupled PPO: ``w_t = exp(prox_t - behav_t)`` on masked-in
+    tokens (computed in float64 from ``exp(min(prox_t - behav_t, 80))``, cast to the log-probs' dtype), else 0.
+
+    ``behav`` are the log-probs the rollout engine recorded when it sampled the token (an older weights version
+    in asynchronous steps), ``prox`` the trainer's log-probs under the weights at the start of the step (the
+    proximal policy). Untruncated: use :func:`token_tis` / :func:`token_mis` on the same inputs to bound it.
+    Stats: ``ratio_mean/max/min`` of ``w`` and ``kl_k3`` (k3 estimate of KL(behaviour || proximal))."""
+    log_w = _log_rho("behaviour_weights", proximal_logprobs, behaviour_logprobs, mask)
+    return Correction(_weights(_ratio(log_w), mask, proximal_logprobs.dtype), mask, _token_ratio_stats(log_w, mask))
+
+
 def logprob_mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                            mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Compare two log-prob tensors token by token over ``mask``.

@@ -36,10 +36,14 @@ class Agreement:
         self.on_mismatch = on_mismatch
         self.sparse_layers = sparse_layers
 
-    def check_logprobs(self, step: int, old_lp: torch.Tensor, batch: TrainBatch) -> dict:
+    def check_logprobs(self, step: int, old_lp: torch.Tensor, batch: TrainBatch,
+                       tokens: "torch.Tensor | None" = None) -> dict:
         """Compare the trainer's old-policy log-probs with the rollout's on every token the model sampled (raw bits;
-        a multi-turn episode's observation tokens have no rollout log-prob); the ``mismatch/*`` record."""
-        mism = algos.logprob_mismatch_stats(old_lp, batch.rollout_logprobs, batch.generated)
+        a multi-turn episode's observation tokens have no rollout log-prob), or on those of them in the bool [T]
+        ``tokens`` (asynchronous steps: the tokens the trainer's current weights sampled); the ``mismatch/*``
+        record."""
+        compared = batch.generated if tokens is None else batch.generated & tokens.to(batch.generated.device)
+        mism = algos.logprob_mismatch_stats(old_lp, batch.rollout_logprobs, compared)
         record = mismatch_record(mism)
         if self.strict and record["mismatch/count"]:
             self._report(f"step {step}: {record['mismatch/count']} of {record['mismatch/tokens']} token logprobs "

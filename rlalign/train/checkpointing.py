@@ -5,7 +5,9 @@ holds: ``model`` (the full weights; under TP gathered), ``optimizer`` (under TP 
 ``master`` and ``model_rounded`` with fp32 masters (a weight with a master is stored once, as the master:
 :func:`rlalign.train.master.weights_to_store`), ``schedule`` (the learning-rate schedule's state),
 ``torch_rng``, ``step``, ``data_pos``, ``config`` (every key, as the run used it), ``reward_file`` (a reward file's
-fingerprint), and ``value`` / ``value_optimizer`` for PPO's value model. The writer rank saves for every rank.
+fingerprint), ``value`` / ``value_optimizer`` for PPO's value model, and with ``rollout.async_steps`` the samples
+generated ahead (``async_rollout``; with ``run.verify_behaviour`` also ``behaviour_weights``, the weights of the
+versions that sampled them: :mod:`rlalign.train.offpolicy`). The writer rank saves for every rank.
 
 A resume (:meth:`TrainingState.load_latest`, then :meth:`TrainingState.restore`) checks the stored config against
 this run's (:func:`rlalign.train.run.config_file.check_resume`), restacks the MoE experts of checkpoints written
@@ -38,8 +40,9 @@ class TrainingState:
     tp: Group | None
     reward_file: dict | None
 
-    def save(self, run_dir: Path, writer: bool, step: int, data_pos: int) -> None:
-        """Checkpoint ``step``. Every rank takes part in gathering the state (TP); the writer writes it."""
+    def save(self, run_dir: Path, writer: bool, step: int, data_pos: int, extra: "dict | None" = None) -> None:
+        """Checkpoint ``step``. Every rank takes part in gathering the state (TP); the writer writes it. ``extra``:
+        more keys of plain data (asynchronous steps: the samples generated ahead, rlalign.train.offpolicy)."""
         model, optimizer = par.policy_weights(self.policy), par.optimizer_state(self.update.optimizer, self.tp)
         master = full_masters(self.master, self.policy) if self.master.active else None
         if not writer:
@@ -53,7 +56,7 @@ class TrainingState:
             "step": step, "data_pos": data_pos, "config": dataclasses.asdict(self.cfg),
             **({"reward_file": self.reward_file} if self.reward_file else {}),
             **({"value": value.state_dict(), "value_optimizer": value_optimizer.state_dict()}
-               if value is not None else {})}, keep=self.cfg.run.keep_checkpoints,
+               if value is not None else {}), **(extra or {})}, keep=self.cfg.run.keep_checkpoints,
             facts={"reward": self.reward_file} if self.reward_file else None)
 
     def load_latest(self, run_dir: Path) -> dict | None:

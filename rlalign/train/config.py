@@ -186,6 +186,8 @@ class RolloutSection:
         "record_routing": checked_by_type("true or false"),
         "ignore_eos": checked_by_type("true or false"),
         "share_weights": checked_by_type("true, false or null"),
+        "async_steps": at_least(0),
+        "max_staleness": at_least(0, optional=True),
     }
     GUARDS: ClassVar[dict[str, Rule]] = {"temperature": usual(0, 10, (11.0, 1e9), low_open=True)}
     prompts_per_step: int = 32         # prompts (groups) per optimizer step
@@ -206,8 +208,13 @@ class RolloutSection:
     overlap: str = "auto"              # overlapped scheduling of decode steps (RolloutConfig.overlap): auto | on | off
     record_routing: bool = True        # MoE models: the engine records expert choices for moe/routing_* (dense: ignored)
     share_weights: bool | None = None  # the engine reads the policy's own tensors (no copy); None: where possible
+    async_steps: int = 0               # generate up to k steps ahead while the trainer trains (docs/async.md); 0: synchronous
+    max_staleness: int | None = None   # most weight versions a sample may lag the trainer (None: async_steps)
 
     def validate(self):
+        if self.max_staleness is not None and self.async_steps > self.max_staleness:
+            return (f"async_steps={self.async_steps} would train on samples {self.async_steps} versions old, more "
+                    f"than max_staleness={self.max_staleness}: lower async_steps or raise max_staleness")
         if (self.logprobs == "sampled" or self.min_p) and self.engine != "rlalign":
             return (f"logprobs=sampled and min_p need engine=rlalign (engine {self.engine!r} samples without min-p "
                     "and reports full-softmax log-probs)")
@@ -334,7 +341,8 @@ class RunSection:
         "eval_every": at_least(1),
         "eval_samples": at_least(1),
         "checkpoint_every": at_least(1),
-        **{k: checked_by_type("true or false") for k in ("resume", "overwrite", "progress", "policy_kl")},
+        **{k: checked_by_type("true or false") for k in ("resume", "overwrite", "progress", "policy_kl",
+                                                          "verify_behaviour")},
         "resume_override": Rule("a list of section.key names", lambda x: all(isinstance(k, str) and k.strip() for k in x),
                                 ([""], "bogus")),
         "log_every": at_least(1),
@@ -361,6 +369,7 @@ class RunSection:
     overwrite: bool = False            # a fresh run may replace the files of a previous run in run.dir
     progress: bool = True              # live progress bar (on a terminal only)
     log_every: int = 1                 # one plain log line every N steps
+    verify_behaviour: bool = False     # recompute each step's behaviour log-probs with the recorded version's weights (bitwise check)
     policy_kl: bool = False            # log kl/policy_step, k3 KL(pi_before || pi_after) of each update (one extra forward)
     loggers: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])   # jsonl (always) | tensorboard | wandb
     metric_names: Literal["rlalign", "verl", "trl"] = "rlalign"   # metric names in tensorboard / wandb
@@ -467,6 +476,9 @@ class TrainConfig:
                     "engine runs episodes from Python through rlalign.envs.run_episodes")
         if self.launcher != "local" or self.parallel.dp > 1:
             return "task.env runs with launcher=local and parallel.dp=1 (multi-turn rollouts are not sharded yet)"
+        if self.rollout.async_steps:
+            return ("task.env runs synchronously (rollout.async_steps=0): asynchronous steps do not record the "
+                    "weights versions of multi-turn episodes yet")
         return None
 
     def _unusual_value(self) -> "str | None":

@@ -94,6 +94,9 @@ def weights_path(cfg) -> WeightsPath:
 
 
 def _sharing_blocker(cfg) -> "str | None":
+    if getattr(cfg.rollout, "async_steps", 0) > 0:
+        return (f"rollout.async_steps={cfg.rollout.async_steps} samples from an older weights version than the one "
+                "the trainer steps")
     if cfg.launcher != "local":
         return f"launcher={cfg.launcher} runs the engines in other processes"
     if cfg.rollout.engine != "rlalign":

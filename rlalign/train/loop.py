@@ -34,7 +34,7 @@ from rlalign.distributed.launch import Group, default_backend, spawn
 from rlalign.distributed.parallelize import parallelize
 from rlalign.models.checkpoint import save_model
 from rlalign.models.moe import record_routing, sparse_layer_indices
-from rlalign.train import advantages
+from rlalign.train import advantages, offpolicy
 from rlalign.train.adapters import adapt_policy, exportable, save_run_adapter, step_dropout
 from rlalign.train import parallel as par
 from rlalign.train.agreement import Agreement, MismatchError
@@ -87,6 +87,8 @@ class Trainer:
 
     def close(self) -> None:
         """Stop what the trainer started besides itself: the reward worker process (idempotent)."""
+        if getattr(self, "pipeline", None) is not None:   # its worker thread may be scoring with the task
+            self.pipeline.close()
         if self.task is not None:
             self.task.close()
 
@@ -98,6 +100,7 @@ class Trainer:
         if cfg.algo.router_aux_coef > 0 and not self.moe:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
+        offpolicy.check_setup(cfg, self.moe)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed, cfg.model.device)
         reward_file = reward_fingerprint(cfg.task.reward)   # recorded with every checkpoint
         # shared (the engine steps the policy's own tensors) or a copy synced each step: rlalign.train.engines
@@ -117,6 +120,15 @@ class Trainer:
         self.state = TrainingState(cfg, self.policy, self.master, self.update, self.tp, reward_file)
         self.sampler = Sampler(cfg, self.task, self.tokenizer, self.engine, self.dp)
         self.agreement = Agreement(cfg.run.profile, cfg.run.on_mismatch, sparse_layer_indices(self.policy.config))
+        # rollout.async_steps > 0: samples generated ahead in a worker thread (rlalign.train.offpolicy); 0: none
+        self.pipeline = (offpolicy.AsyncRollout(cfg, self.sampler, self.engine, self._push)
+                         if cfg.rollout.async_steps else None)
+        self.verifier = (offpolicy.BehaviourVerifier(self.policy, cfg.rollout.logprob_temperature,
+                                                     cfg.run.profile == "strict", cfg.run.on_mismatch,
+                                                     sampled=cfg.rollout.sampled_scoring)
+                         if cfg.run.verify_behaviour else None)
+        if self.verifier is not None:
+            self.verifier.remember(0, par.policy_weights(self.policy))
         self.step = 0
         self.trackers, self.config_path = None, self.run_dir / "config.yaml"
         if cfg.optim.activation_checkpointing:
@@ -143,7 +155,11 @@ class Trainer:
             self.metrics = MetricsWriter(self.run_dir) if self.writer else NoMetrics()
             return
         self.step, self.sampler.data_pos = self.state.restore(state)
-        self.weight_sync.push(lambda: par.policy_weights(self.policy), version=self.step)  # version = optimizer steps
+        self._push(self.step)  # version = optimizer steps
+        if self.pipeline is not None:
+            self.pipeline.load_state_dict(state.get(offpolicy.STATE_KEY), self.step)
+        if self.verifier is not None:
+            self.verifier.snapshots.update(state.get(offpolicy.SNAPSHOTS_KEY) or {})
         self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else NoMetrics()
         self._note(getattr(self.metrics, "note", None))
 
@@ -163,8 +179,19 @@ class Trainer:
         if self.trackers is not None:
             self.trackers.log(record)
 
+    def _push(self, version: int) -> None:
+        """The engine at the policy's current weights, as ``version`` (and the verifier's snapshot of them)."""
+        weights = lambda: par.policy_weights(self.policy)  # noqa: E731
+        self.weight_sync.push(weights, version=version)
+        if self.verifier is not None:
+            self.verifier.remember(version, weights())
+
     def save(self) -> None:
-        self.state.save(self.run_dir, self.writer, self.step, self.sampler.data_pos)
+        # the samples generated ahead first: waiting for them settles the data position
+        extra = {offpolicy.STATE_KEY: self.pipeline.state_dict()} if self.pipeline is not None else {}
+        if self.verifier is not None:   # the versions that sampled them, for run.verify_behaviour after a resume
+            extra[offpolicy.SNAPSHOTS_KEY] = self.verifier.needed_after(self.step, self.cfg.rollout.async_steps)
+        self.state.save(self.run_dir, self.writer, self.step, self.sampler.data_pos, extra)
 
     def save_policy(self) -> Path:
         policy = par.unsharded_policy(self.policy)
@@ -181,8 +208,10 @@ class Trainer:
     # ---- one step --------------------------------------------------------------------------------
 
     def needs_rescore(self) -> bool:
-        """Whether the old policy's log-probs need a forward of their own (:func:`rlalign.train.update.needs_rescore`)."""
-        return needs_rescore(self.cfg, self.dp)
+        """Whether the old policy's log-probs need a forward of their own (:func:`rlalign.train.update.needs_rescore`),
+        or, with samples generated ahead (``rollout.async_steps``), the proximal policy's: they weigh the behaviour
+        log-probs before the update (rlalign.train.offpolicy)."""
+        return needs_rescore(self.cfg, self.dp) or self.pipeline is not None
 
     def train_batch(self, samples: StepSamples) -> TrainBatch:
         """The step's :class:`TrainBatch` (layout, mask, rollout log-probs), built once."""
@@ -197,7 +226,11 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         with use_profile(cfg.run.profile):
-            samples, sampling_stats = self.sampler.draw_step(step)
+            if self.pipeline is None:
+                samples, sampling_stats = self.sampler.draw_step(step)
+            else:   # generated ahead; time/rollout_s is then the wait for them
+                samples, sampling_stats, generated = self.pipeline.draw_step(step)
+                sampling_stats = {**sampling_stats, **generated}
             t_rollout = time.perf_counter() - t0
             t1 = time.perf_counter()
             temp, scoring = cfg.rollout.logprob_temperature, cfg.rollout.sampled_scoring
@@ -213,11 +246,18 @@ class Trainer:
                     old["lp"], old["ent"] = batch.score(self.policy, temperature=temp, with_entropy=True, sampled=scoring)
                 routing_ids = routing.expert_ids() if compare_routing else None
                 record.update(self._agreement(step, old["lp"], routing_ids, samples, batch, compare_routing))
+            if self.verifier is not None:   # the engine's log-probs against the recorded version's trainer forward
+                self.verifier.forget_before(offpolicy.behaviour_version(step, cfg.rollout.async_steps))
+                record.update(self.verifier.check(step, samples.versions, batch))
             ref_lp = batch.score(self.ref, temperature=temp)[0] if self.ref is not None else None
             kl_reward = advantages.kl_in_reward(cfg.algo, old["lp"], ref_lp, batch)
             token_adv, value_targets = advantages.token_advantages(cfg.algo, samples, batch, kl_reward,
                                                                    self.update.value)
-            is_weights, corr_stats = advantages.mismatch_correction(cfg.algo, old["lp"], batch)
+            if self.pipeline is None:
+                is_weights, corr_stats = advantages.mismatch_correction(cfg.algo, old["lp"], batch)
+            else:   # decoupled PPO: the behaviour weights exp(prox - behav), bounded by algo.mismatch_correction
+                is_weights, corr_stats = offpolicy.behaviour_correction(cfg.algo, old["lp"], batch)
+                corr_stats.update(offpolicy.staleness_record(step, samples.versions))
 
             def first_pass(lp, ent, routing_ids):   # strict, no rescore: the first update pass's forward is the old policy's
                 old.update(lp=lp, ent=ent)
@@ -231,7 +271,8 @@ class Trainer:
                 update["kl/policy_step"] = policy_step_kl(
                     old["lp"], batch.score(self.policy, temperature=temp, sampled=scoring)[0], batch.mask)
         t_train = time.perf_counter() - t1
-        self.weight_sync.push(lambda: par.policy_weights(self.policy), version=step)
+        if self.pipeline is None:   # asynchronous: the pipeline pushes when no generation runs
+            self._push(step)
         lens, rewards = batch.completion_lens, samples.reward_tensor()
         record.update({**sample_stats(rewards, samples.truncated, lens, old["ent"]), **sampling_stats,
                        **self._costs(t_rollout, t_train, int(lens.sum())), **update, **corr_stats,
@@ -243,7 +284,9 @@ class Trainer:
                    batch: TrainBatch, compare_routing: bool) -> dict:
         """The step's agreement checks, before any optimizer step: log-probs, and the routing (the forward's expert
         ids) where both sides recorded it."""
-        record = self.agreement.check_logprobs(step, old_lp, batch)
+        fresh = (None if self.pipeline is None     # asynchronous: only the tokens the current weights sampled
+                 else offpolicy.fresh_mask(samples.versions, step - 1))
+        record = self.agreement.check_logprobs(step, old_lp, batch, fresh)
         if compare_routing:
             record.update(self.agreement.check_routing(step, routing_ids, samples))
         return record
@@ -256,7 +299,9 @@ class Trainer:
                 "memory/engine_weight_copy_mb": self.weight_sync.copy_bytes / 2**20}   # 0: the engine shares the policy's
 
     def evaluate(self) -> dict:
-        """Held-out accuracy (:meth:`rlalign.train.sampling.Sampler.evaluate`)."""
+        """Held-out accuracy (:meth:`rlalign.train.sampling.Sampler.evaluate`), by the trainer's current weights."""
+        if self.pipeline is not None:
+            self.pipeline.quiesce(self.step)
         return self.sampler.evaluate()
 
 

@@ -19,6 +19,9 @@ returned them (prompt-major); variable-length fields are flat with a length per 
 - ``generated`` bool [sum of completion lengths] or None (every completion token is the model's): for multi-turn
   episodes (:mod:`rlalign.train.multiturn`) False on the observation tokens the env inserted, which have no
   rollout log-prob (their ``logprobs`` entry is 0.0), are masked out of the loss and not compared.
+- ``versions`` int64 [sum of completion lengths]: the engine's weights version each completion token was sampled
+  with (the behaviour policy's version; :mod:`rlalign.train.offpolicy` reads it), or None where a record lost it
+  (the data-parallel all-gather does not carry it).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class StepSamples:
     rewards: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
     generated: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
 
     # ---- building -----------------------------------------------------------------------------------
 
@@ -60,7 +64,8 @@ class StepSamples:
             truncated=torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool),
             prompt_index=torch.tensor([c.prompt_index for c in completions], dtype=torch.int64),
             routing=torch.cat(records) if routed else None,
-            routing_rows=torch.tensor([r.shape[0] if routed else 0 for r in records], dtype=torch.int64))
+            routing_rows=torch.tensor([r.shape[0] if routed else 0 for r in records], dtype=torch.int64),
+            versions=torch.tensor([c.weights_version for c in completions for _ in c.tokens], dtype=torch.int64))
 
     @classmethod
     def concat(cls, parts: Sequence["StepSamples"]) -> "StepSamples":
@@ -71,11 +76,13 @@ class StepSamples:
         cat = lambda name: torch.cat([getattr(p, name) for p in filled])  # noqa: E731
         scored = all(p.rewards is not None for p in filled)
         marked = any(p.generated is not None for p in filled)
+        versioned = all(p.versions is not None for p in filled)
         return cls(cat("tokens"), cat("prompt_lens"), cat("completion_lens"), cat("logprobs"), cat("truncated"),
                    cat("prompt_index"), cat("routing") if routed else None,
                    cat("routing_rows") if routed else torch.zeros(sum(len(p) for p in filled), dtype=torch.int64),
                    cat("rewards") if scored else None, cat("group_ids") if scored else None,
-                   torch.cat([p.generated_mask() for p in filled]) if marked else None)
+                   torch.cat([p.generated_mask() for p in filled]) if marked else None,
+                   cat("versions") if versioned else None)
 
     def scored(self, rewards: Sequence[float], first_group: int) -> "StepSamples":
         """These samples with their rewards (fp32) and group ids (``first_group`` + the prompt's index)."""
@@ -92,7 +99,8 @@ class StepSamples:
                            self.truncated[keep], self.prompt_index[keep],
                            None if self.routing is None else self.routing[per_token(self.routing_rows)],
                            self.routing_rows[keep], pick(self.rewards), pick(self.group_ids),
-                           None if self.generated is None else self.generated[per_token(self.completion_lens)])
+                           None if self.generated is None else self.generated[per_token(self.completion_lens)],
+                           None if self.versions is None else self.versions[per_token(self.completion_lens)])
 
     # ---- reading ------------------------------------------------------------------------------------
 

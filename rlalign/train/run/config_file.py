@@ -48,6 +48,7 @@ CONFIG_FILE = "config.yaml"
 RESUME_FREE_PREFIXES = ("ray.", "parallel.")
 RESUME_FREE = frozenset({
     "launcher", "run.dir", "run.steps", "run.resume", "run.resume_override", "run.overwrite", "run.progress", "run.log_every", "run.policy_kl",
+    "run.verify_behaviour",
     "run.loggers", "run.metric_names", "run.keep_checkpoints", "run.save_checkpoints", "run.max_minutes", "run.stop_at_step", "run.stop_when_stalled", "run.on_mismatch",
     "run.eval_every", "run.eval_samples", "run.checkpoint_every", "rollout.page_size", "rollout.max_num_seqs",
     "rollout.max_num_batched_tokens", "rollout.kv_cache_bytes", "rollout.decode_graphs", "rollout.overlap",
