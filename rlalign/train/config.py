@@ -469,6 +469,11 @@ class TrainConfig:
         if self.algo.mini_batches != 1 or self.algo.ppo_epochs != 1 or self.run.policy_kl:
             return ("rollout.logprobs=sampled needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false: "
                     "a policy moved by an optimizer step may drop a sampled token from its kept set (log-prob -inf)")
+        if self.rollout.async_steps:
+            return ("rollout.logprobs=sampled needs rollout.async_steps=0: a sample drawn by older weights may lie "
+                    "outside the current policy's kept set (log-prob -inf)")
+        return None
+
     def _env_refusal(self) -> "str | None":
         """Multi-turn episodes (task.env) run on rlalign's engine in one trainer process (docs/agents.md)."""
         if self.rollout.engine != "rlalign":

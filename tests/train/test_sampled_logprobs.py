@@ -61,6 +61,7 @@ def test_ratio_is_exactly_one_before_the_update(arithmetic_model_dir, tmp_path):
     (["algo.mini_batches=2"], "needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false"),
     (["algo.ppo_epochs=2"], "needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false"),
     (["run.policy_kl=true"], "needs algo.mini_batches=1, algo.ppo_epochs=1 and run.policy_kl=false"),
+    (["rollout.async_steps=1"], "rollout.logprobs=sampled needs rollout.async_steps=0"),
 ])
 def test_unsupported_combinations_are_one_line(extra, message, capsys):
     assert main(["train", "--dry-run", *SAMPLED, *extra]) == 2
