@@ -18,3 +18,12 @@ class ContractError(RLAlignError, RuntimeError):
 
 def fail(op: str, problem: str) -> "ContractError":
     return ContractError(f"rlalign.ops.{op}: {problem}")
+
+
+def one_line(exc: BaseException, limit: "int | None" = None) -> str:
+    """``exc`` as one line for a message: its type and its text with every run of whitespace a single space (the
+    text cut to ``limit`` characters where given)."""
+    text = " ".join(str(exc).split())
+    if limit is not None:
+        text = text[:limit]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

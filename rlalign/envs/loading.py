@@ -8,42 +8,15 @@ once here so a bad argument is a one-line error before training. Every problem i
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from rlalign.contract.errors import one_line
 from rlalign.envs.base import EnvError
 from rlalign.envs.builtin import BUILTIN_ENVS
+from rlalign.tasks.user_code import import_user_attr
 
 _FILE_MODULE_PREFIX = "rlalign_user_env_"
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _import(spec: str, module_name: str):
-    if module_name.endswith(".py"):
-        file = Path(module_name)
-        if not file.is_file():
-            raise EnvError(f"env {spec!r}: file {module_name!r} not found")
-        name = f"{_FILE_MODULE_PREFIX}{abs(hash(str(file.resolve())))}"
-        loader = importlib.util.spec_from_file_location(name, file)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[name] = module
-        try:
-            loader.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[name]
-            raise EnvError(f"env {spec!r}: importing {module_name!r} failed: {_one_line(e)}") from e
-        return module
-    try:
-        return importlib.import_module(module_name)
-    except Exception as e:
-        raise EnvError(f"env {spec!r}: importing {module_name!r} failed: {_one_line(e)}") from e
 
 
 def env_is_code(spec: "str | None") -> bool:
@@ -68,11 +41,7 @@ def env_class(spec: str) -> Callable:
     if not sep or not module_name or not attr:
         raise EnvError(f"env {spec!r}: not a built-in name ({', '.join(BUILTIN_ENVS)}) and not of the form "
                        "'module:Class' or 'file.py:Class'")
-    obj = _import(spec, module_name)
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise EnvError(f"env {spec!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_user_attr(f"env {spec!r}", module_name, attr, _FILE_MODULE_PREFIX, EnvError)
     if not callable(obj):
         raise EnvError(f"env {spec!r}: {attr!r} is a {type(obj).__name__}, not a class")
     return obj
@@ -87,7 +56,7 @@ def load_env(spec: str, env_args: "Mapping | None" = None) -> Callable[[], objec
         try:
             env = cls(**kwargs)
         except Exception as e:
-            raise EnvError(f"env {spec!r}: {getattr(cls, '__name__', cls)}(**{kwargs}) raised {_one_line(e)}") from e
+            raise EnvError(f"env {spec!r}: {getattr(cls, '__name__', cls)}(**{kwargs}) raised {one_line(e)}") from e
         missing = [m for m in ("reset", "step", "final_reward") if not callable(getattr(env, m, None))]
         if missing:
             raise EnvError(f"env {spec!r}: {type(env).__name__} has no {', '.join(missing)} method "

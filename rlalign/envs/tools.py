@@ -25,6 +25,8 @@ import threading
 import typing
 from collections.abc import Callable, Mapping
 
+from rlalign.contract.errors import one_line
+
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -34,11 +36,6 @@ class ToolResult:
     name: str
     content: str
     ok: bool
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def schema_of(fn: Callable) -> dict:
@@ -95,7 +92,7 @@ class Tool:
         if worker.is_alive():
             return self._error(f"timed out after {self.timeout_s:g} s")
         if "error" in box:
-            return self._error(f"raised {_one_line(box['error'])}")
+            return self._error(f"raised {one_line(box['error'])}")
         return self._content(box.get("value"))
 
     def _content(self, value) -> ToolResult:
@@ -105,7 +102,7 @@ class Tool:
             try:
                 text = json.dumps(value, allow_nan=False)
             except (TypeError, ValueError) as e:
-                return self._error(f"returned {type(value).__name__}, not text or JSON ({_one_line(e)})")
+                return self._error(f"returned {type(value).__name__}, not text or JSON ({one_line(e)})")
         if len(text) > self.max_chars:
             return self._error(f"returned {len(text)} characters, more than max_chars={self.max_chars}")
         return ToolResult(self.name, text, True)

@@ -65,7 +65,8 @@ def is_model_folder_file(path: Path) -> bool:
     return Path(path).is_file() and not Path(path).is_symlink() and (known or bool(_SHARD_NAME.fullmatch(name)))
 
 
-def load_model_config(directory: str | os.PathLike) -> ModelConfig:
+def read_config_json(directory: str | os.PathLike) -> tuple[Path, dict]:
+    """(the path of ``directory``'s config.json, its parsed object); a missing or unreadable file is one line."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing config.json (is {directory} a Hugging Face checkpoint directory?)")
@@ -73,6 +74,11 @@ def load_model_config(directory: str | os.PathLike) -> ModelConfig:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: cannot parse config.json: {exc}") from None
+    return path, raw
+
+
+def load_model_config(directory: str | os.PathLike) -> ModelConfig:
+    path, raw = read_config_json(directory)
     try:
         return ModelConfig.from_hf_dict(raw)
     except ModelConfigError as exc:

@@ -15,16 +15,14 @@ label (``num_labels`` / ``id2label``); anything else is a one-line :class:`Check
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from rlalign.models import architectures
 from rlalign.models.batch import ForwardBatch
-from rlalign.models.checkpoint import CheckpointError, load_weights, resolve_dtype
+from rlalign.models.checkpoint import CheckpointError, load_weights, read_config_json, resolve_dtype
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.decoder import CausalLM
 from rlalign.models.modules import Linear
@@ -65,13 +63,7 @@ def score_index(tokens: Sequence[int], pad_token_id: "int | None") -> int:
 
 def load_scorer_config(directory: str | os.PathLike) -> ModelConfig:
     """The decoder's :class:`ModelConfig` of a one-label ``*ForSequenceClassification`` checkpoint."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing config.json (is {directory} a Hugging Face checkpoint directory?)")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot parse config.json: {exc}") from None
+    path, raw = read_config_json(directory)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: config.json must hold a JSON object")
     archs = raw.get("architectures")

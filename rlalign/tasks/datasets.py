@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlalign.contract.errors import RLAlignError
+from rlalign.contract.errors import RLAlignError, one_line
 
 _MISSING = object()
 _ROW_INDEX = "__rlalign_row_index__"   # the file-order index a streamed row carries until it becomes an Example
@@ -84,7 +84,7 @@ def _utf8(path: Path) -> str:
         raise DatasetError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as "
                            "UTF-8") from None
     except OSError as e:
-        raise DatasetError(f"{path}: cannot read it ({_one_line(e)})") from None
+        raise DatasetError(f"{path}: cannot read it ({one_line(e, 300)})") from None
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -146,7 +146,7 @@ def _file_dataset(path: Path):
         return datasets.load_dataset(_BUILDERS[path.suffix.lower()], data_files=str(path), split="train",
                                      streaming=True)
     except Exception as e:   # datasets / pyarrow raise many types for unreadable files
-        raise DatasetError(f"{path}: cannot read {path.suffix.lstrip('.').lower()} ({_one_line(e)})") from None
+        raise DatasetError(f"{path}: cannot read {path.suffix.lstrip('.').lower()} ({one_line(e, 300)})") from None
 
 
 def _folder_dataset(path: Path, split: str, streaming: bool):
@@ -155,17 +155,12 @@ def _folder_dataset(path: Path, split: str, streaming: bool):
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:
-        raise DatasetError(f"{path}: not a folder written by datasets' save_to_disk ({_one_line(e)})") from None
+        raise DatasetError(f"{path}: not a folder written by datasets' save_to_disk ({one_line(e, 300)})") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise DatasetError(f"{path}: no split {split!r} (the folder has: {', '.join(ds) or 'none'})")
         ds = ds[split]
     return ds.to_iterable_dataset() if streaming else ds
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 def _local(path: "str | Path") -> Path:
@@ -193,7 +188,7 @@ def _numbered(path: Path, rows) -> Iterator[tuple[str, Any]]:
     except DatasetError:
         raise
     except Exception as e:   # a lazily read file fails to parse further on
-        raise DatasetError(f"{path}: cannot read it ({_one_line(e)})") from None
+        raise DatasetError(f"{path}: cannot read it ({one_line(e, 300)})") from None
 
 
 def read_rows(path: str | Path, *, split: str = "train", streaming: bool = False) -> Iterator[tuple[str, Any]]:

@@ -20,24 +20,23 @@ user's rights, by design (docs/reliability.md); the trainer runs it in a process
 
 from __future__ import annotations
 
-from rlalign.contract.errors import RLAlignError
+from rlalign.contract.errors import RLAlignError, one_line
 import importlib
 import importlib.util
 import inspect
 import math
 import numbers
 import os
-import sys
 import sysconfig
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from rlalign.tasks.arithmetic import arithmetic_reward
+from rlalign.tasks.user_code import import_user_attr
 from rlalign.tasks.rewards import (gsm8k_reward, gsm8k_reward_fallback, gsm8k_reward_last_number, math_reward,
                                    math_verify_reward)
 
@@ -111,36 +110,6 @@ def batch_label(name: str, prompts: Sequence[str]) -> str:
     return f"reward {name} on a batch of {len(prompts)} samples{first}"
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _import_module(spec: str, module_name: str) -> ModuleType:
-    if module_name.endswith(".py"):
-        file = Path(module_name)
-        if not file.is_file():
-            raise RewardLoadError(f"reward {spec!r}: file {module_name!r} not found")
-        name = f"{_FILE_MODULE_PREFIX}{abs(hash(str(file.resolve())))}"
-        loader_spec = importlib.util.spec_from_file_location(name, file)
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[name] = module
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[name]
-            raise RewardLoadError(f"reward {spec!r}: importing {module_name!r} failed: {_one_line(e)}") from e
-        return module
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise RewardLoadError(f"reward {spec!r}: module {module_name!r} not found") from e
-        raise RewardLoadError(f"reward {spec!r}: importing {module_name!r} failed: {_one_line(e)}") from e
-    except Exception as e:
-        raise RewardLoadError(f"reward {spec!r}: importing {module_name!r} failed: {_one_line(e)}") from e
-
-
 def reward_is_code(spec: str) -> bool:
     """Whether ``spec`` names code to import (``module:function`` or ``file.py:function``), not a built-in."""
     return isinstance(spec, str) and spec.strip() not in ("builtin", *BUILTIN_REWARDS)
@@ -168,11 +137,7 @@ def load_reward(spec: str) -> RewardFn:
     if not sep or not module_name or not attr:
         raise RewardLoadError(f"reward {spec!r}: not a built-in name ({', '.join(BUILTIN_REWARDS)}) "
                               f"and not of the form 'module:function'")
-    obj = _import_module(spec, module_name)
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RewardLoadError(f"reward {spec!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_user_attr(f"reward {spec!r}", module_name, attr, _FILE_MODULE_PREFIX, RewardLoadError)
     if not callable(obj):
         raise RewardLoadError(f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
     return obj
@@ -262,7 +227,7 @@ def _call(thunk, where: str, catch: tuple):
     except SystemExit as e:   # a reward must not end the training (its checkpoint state would be lost)
         raise RewardError(f"{where} called sys.exit({e.code!r}){_raised_at(e)}; return a reward instead") from None
     except catch as e:
-        raise RewardError(f"{where} raised {_one_line(e)}{_raised_at(e)}") from e
+        raise RewardError(f"{where} raised {one_line(e)}{_raised_at(e)}") from e
 
 
 def _checked(value, where: str) -> float:
