@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from rlalign import mklmode
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import load_model, load_model_config
 from rlalign.models.tokenizer import load_tokenizer
@@ -36,6 +37,7 @@ def load_policy(section: ModelSection):
     """(model in train mode, tokenizer, model dir). Checks tokenizer and model agree on the vocab."""
 
     model_dir = resolve_model_dir(section.path)
+    mklmode.pin()   # MKL's machine-independent branch, if nothing has called MKL yet (the CLI pinned it already)
     if section.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():

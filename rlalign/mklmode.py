@@ -1,0 +1,78 @@
+"""Intel MKL's code path: pinned to its machine-independent branch for the strict profile on the CPU.
+
+torch's CPU build calls MKL for its GEMMs (``torch.mm``, ``bmm``, the strict ops' row tiles, every weight
+gradient) and for ``exp``, ``log`` and ``sqrt`` of contiguous float tensors (MKL's vector math, high-accuracy
+mode: not correctly rounded). MKL picks a code path per CPU at its first call -- another one on an Intel
+AVX-512 Xeon, an Intel AVX2 machine and an AMD EPYC -- and the paths round differently: the same strict run
+then has other bits on another CPU (measured: advantage std, entropy and gradient norm from step 1).
+
+MKL's Conditional Numerical Reproducibility mode ``COMPATIBLE`` runs one code path on every x86-64 CPU,
+Intel or not, so its results are the same bits everywhere (for a fixed thread count). MKL reads the mode once,
+at its first call; :func:`pin` sets it (``MKL_CBWR=COMPATIBLE`` in the environment, inherited by every process
+a run spawns) and must run before anything has called MKL in the process. The ``rlalign`` command does it
+before any work; a library user who calls MKL before importing rlalign's trainer sets ``MKL_CBWR=COMPATIBLE``
+in the environment instead. :func:`status` says what this process runs (``rlalign doctor`` prints it).
+
+No ``RLALIGN_*`` variable: ``MKL_CBWR`` is MKL's own. A user who set it to another branch keeps it (and
+:func:`status` reports the branch as not machine-independent).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+VARIABLE = "MKL_CBWR"
+PINNED = "COMPATIBLE"
+# mkl_service.h: MKL_CBWR_BRANCH selects the branch in mkl_cbwr_get; the branch values
+_BRANCH_QUERY = 1
+_BRANCHES = {0: "OFF", 1: "BRANCH_OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1",
+             8: "SSE4_2", 9: "AVX", 10: "AVX2", 11: "AVX512_MIC", 12: "AVX512", 13: "AVX512_MIC_E1",
+             14: "AVX512_E1"}
+
+
+def pin() -> None:
+    """Ask MKL for its machine-independent branch (``MKL_CBWR=COMPATIBLE``) unless the environment already names
+    a branch. Effective only before MKL's first call in this process (see :func:`status`)."""
+    os.environ.setdefault(VARIABLE, PINNED)
+
+
+def _library():
+    """torch's CPU library, which links MKL statically and exports its service calls; None without MKL."""
+    if not torch.backends.mkl.is_available():
+        return None
+    path = Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"
+    try:
+        lib = ctypes.CDLL(str(path))
+        get = lib.mkl_serv_cbwr_get
+    except (OSError, AttributeError):
+        return None
+    get.restype, get.argtypes = ctypes.c_int, [ctypes.c_int]
+    return get
+
+
+def branch() -> "str | None":
+    """The MKL branch this process runs (``COMPATIBLE``, ``AUTO``, ``AVX2`` ...), or None when torch has no MKL
+    (or does not expose its mode). Querying it initialises MKL: call it after :func:`pin`."""
+    get = _library()
+    if get is None:
+        return None
+    code = get(_BRANCH_QUERY)
+    return _BRANCHES.get(code, str(code))
+
+
+def status() -> tuple[bool, str]:
+    """(whether MKL's results are machine-independent here, one line saying why)."""
+    name = branch()
+    if name is None:
+        return True, "torch has no MKL here: nothing to pin"
+    if name == PINNED:
+        return True, f"MKL runs its {PINNED} branch (the same bits on every x86-64 CPU)"
+    return False, (f"MKL runs its {name} branch, chosen for this CPU: results reproduce on this machine only "
+                   f"(set {VARIABLE}={PINNED} before the process starts, or import rlalign before calling MKL)")
+
+
+__all__ = ["PINNED", "VARIABLE", "branch", "pin", "status"]
