@@ -14,6 +14,22 @@ def test_doctor_json_is_green_on_this_machine():
     assert {c["op"] for c in report["checks"]} >= {"linear", "rms_norm", "attention", "logprob/entropy", "sample", "model"}
     assert all(set(c) >= {"op", "invariance", "holds"} for c in report["checks"])
     assert report["environment"]["torch"]
+    # the CLI pinned MKL before any work: the across-machines checks run and hold (the probe == the reference)
+    assert {c["op"] for c in report["checks"]} >= {"MKL (library)", "across machines"}
+    assert report["environment"]["mkl_branch"] in ("COMPATIBLE", None)
+    assert report["environment"]["cpu_capability"]
+
+
+def test_machine_probe_names_the_ops_that_differ_from_the_reference(monkeypatch, tmp_path):
+    from rlalign.doctor import machine
+
+    ref = machine.reference()
+    ref["ops"]["rope"] = "0" * 16
+    planted = tmp_path / "reference.json"
+    planted.write_text(json.dumps(ref))
+    monkeypatch.setattr(machine, "REFERENCE", planted)
+    holds, detail = machine.compare()
+    assert not holds and "rope" in detail.split("in: ")[1].split(", ")
 
 
 def test_doctor_reports_a_violation(monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import platform
 import random
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from torch.optim.adam import adam as adam_arithmetic
 
 from rlalign import mklmode, ops
 from rlalign.contract import spec
+from rlalign.doctor.base import Check
 from rlalign.reductions import fixed_mean_std, global_norm
 
 REFERENCE = Path(__file__).with_name("strict_fingerprint.json")
@@ -139,22 +141,37 @@ def compare() -> tuple[bool, str]:
     return False, f"differs from the reference of {ref['recorded_on']} in: {', '.join(differ)}"
 
 
+def _mkl_check(device, gen):
+    return mklmode.status()
+
+
+def _probe_check(device, gen):
+    return compare()
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("MKL (library)", "its machine-independent branch (the same bits on every x86-64 CPU)", _mkl_check,
+          devices=("cpu",), torch_backend_only=True),
+    Check("across machines", "a fixed probe through every strict op == the committed reference bits", _probe_check,
+          devices=("cpu",), torch_backend_only=True),
+)
+
+
 def identity() -> dict:
     """What decides this machine's bits: the CPU, torch's vector capability, MKL's branch."""
     pinned, _ = mklmode.status()
-    return {"cpu": _cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "mkl_branch": mklmode.branch(), "mkl_machine_independent": pinned}
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
     return platform.processor() or "unknown"
 
 
-__all__ = ["PROBES", "REFERENCE", "compare", "fingerprint", "identity", "reference"]
+__all__ = ["CHECKS", "PROBES", "REFERENCE", "compare", "cpu_name", "fingerprint", "identity", "reference"]
