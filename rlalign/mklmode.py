@@ -1,4 +1,5 @@
-"""Intel MKL's code path: pinned to its machine-independent branch for the strict profile on the CPU.
+"""The cross-machine mode of strict CPU runs (``RLALIGN_CPU_CROSS_MACHINE=1``) and Intel MKL's code path, which it
+pins to MKL's machine-independent branch.
 
 torch's CPU build calls MKL for its GEMMs (``torch.mm``, ``bmm``, the strict ops' row tiles, every weight
 gradient) and for ``exp``, ``log`` and ``sqrt`` of contiguous float tensors (MKL's vector math, high-accuracy
@@ -8,13 +9,16 @@ then has other bits on another CPU (measured: advantage std, entropy and gradien
 
 MKL's Conditional Numerical Reproducibility mode ``COMPATIBLE`` runs one code path on every x86-64 CPU,
 Intel or not, so its results are the same bits everywhere (for a fixed thread count). MKL reads the mode once,
-at its first call; :func:`pin` sets it (``MKL_CBWR=COMPATIBLE`` in the environment, inherited by every process
-a run spawns) and must run before anything has called MKL in the process. The ``rlalign`` command does it
-before any work; a library user who calls MKL before importing rlalign's trainer sets ``MKL_CBWR=COMPATIBLE``
-in the environment instead. :func:`status` says what this process runs (``rlalign doctor`` prints it).
-
-No ``RLALIGN_*`` variable: ``MKL_CBWR`` is MKL's own. A user who set it to another branch keeps it (and
+at its first call; with the cross-machine mode on, :func:`pin` sets it (``MKL_CBWR=COMPATIBLE`` in the
+environment, inherited by every process a run spawns) and must run before anything has called MKL in the
+process. The ``rlalign`` command does it before any work, the trainer before it loads the model; a library user
+who calls MKL before sets ``MKL_CBWR=COMPATIBLE`` in the environment instead. :func:`status` says what this
+process runs (``rlalign doctor`` prints it). A user who set ``MKL_CBWR`` to another branch keeps it (and
 :func:`status` reports the branch as not machine-independent).
+
+The mode also selects the fixed-order reductions (:mod:`rlalign.reductions`) for the gradient norm and the
+logged statistics (:func:`cross_machine`). Off by default for now: it changes the bits of every CPU run (the
+recorded default run's among them) and costs speed (docs/cpu.md, "Across machines").
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from rlalign import envvars
+
 VARIABLE = "MKL_CBWR"
 PINNED = "COMPATIBLE"
 # mkl_service.h: MKL_CBWR_BRANCH selects the branch in mkl_cbwr_get; the branch values
@@ -34,10 +40,16 @@ _BRANCHES = {0: "OFF", 1: "BRANCH_OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6
              14: "AVX512_E1"}
 
 
+def cross_machine() -> bool:
+    """Whether strict CPU runs take the cross-machine arithmetic (``RLALIGN_CPU_CROSS_MACHINE=1``)."""
+    return envvars.read("RLALIGN_CPU_CROSS_MACHINE")
+
+
 def pin() -> None:
-    """Ask MKL for its machine-independent branch (``MKL_CBWR=COMPATIBLE``) unless the environment already names
-    a branch. Effective only before MKL's first call in this process (see :func:`status`)."""
-    os.environ.setdefault(VARIABLE, PINNED)
+    """In the cross-machine mode, ask MKL for its machine-independent branch (``MKL_CBWR=COMPATIBLE``) unless the
+    environment already names a branch. Effective only before MKL's first call in this process (:func:`status`)."""
+    if cross_machine():
+        os.environ.setdefault(VARIABLE, PINNED)
 
 
 def _library():
@@ -75,4 +87,4 @@ def status() -> tuple[bool, str]:
                    f"(set {VARIABLE}={PINNED} before the process starts, or import rlalign before calling MKL)")
 
 
-__all__ = ["PINNED", "VARIABLE", "branch", "pin", "status"]
+__all__ = ["PINNED", "VARIABLE", "branch", "cross_machine", "pin", "status"]

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         envvars.check_environment()   # every RLALIGN_* variable set is one rlalign reads, with an allowed value
         if getattr(args, "profile", None) != "native":
-            mklmode.pin()   # before any MKL call: the strict profile's bits are then the same on every x86 CPU
+            mklmode.pin()   # before any MKL call (cross-machine mode): strict bits then equal on every x86 CPU
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("rlalign: interrupted", file=sys.stderr)

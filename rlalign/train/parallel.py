@@ -28,6 +28,7 @@ from collections.abc import Collection
 import torch
 import torch.distributed as dist
 
+from rlalign import mklmode
 from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.launch import Group, init_from_env, split
 from rlalign.distributed.parallelize import full_state
@@ -120,7 +121,7 @@ def clip_grad_norm_(policy, max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_ (foreach=False) with the total norm taken over the gradients of the
     checkpoint's tensors in checkpoint order (rlalign.models.layout: stacked experts per expert), so it has
     the same bits whatever the storage layout; under TP over the gathered full gradients, so it has the
-    tp=1 bits, and each rank scales its shards. On the CPU the norm is :func:`total_norm`'s fixed order."""
+    tp=1 bits, and each rank scales its shards. The norm is :func:`total_norm`'s."""
     params = list(policy.parameters())
     if parallelized(policy):
         grads = full_state(policy, grads=True)
@@ -132,9 +133,10 @@ def clip_grad_norm_(policy, max_norm: float) -> torch.Tensor:
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The gradients' global L2 norm. CPU tensors: rlalign.reductions.global_norm (a fixed pairwise order, the
-    same bits on every x86 CPU whatever its vector width); elsewhere torch's get_total_norm (foreach=False)."""
-    if grads and all(g.device.type == "cpu" for g in grads):
+    """The gradients' global L2 norm. CPU tensors in the cross-machine mode (``RLALIGN_CPU_CROSS_MACHINE=1``):
+    rlalign.reductions.global_norm (a fixed pairwise order, the same bits on every x86 CPU whatever its vector
+    width); otherwise torch's get_total_norm (foreach=False)."""
+    if grads and all(g.device.type == "cpu" for g in grads) and mklmode.cross_machine():
         return global_norm(grads)
     return torch.nn.utils.get_total_norm(grads, foreach=False)
 

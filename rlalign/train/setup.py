@@ -37,7 +37,7 @@ def load_policy(section: ModelSection):
     """(model in train mode, tokenizer, model dir). Checks tokenizer and model agree on the vocab."""
 
     model_dir = resolve_model_dir(section.path)
-    mklmode.pin()   # MKL's machine-independent branch, if nothing has called MKL yet (the CLI pinned it already)
+    mklmode.pin()   # cross-machine mode: MKL's machine-independent branch, if nothing has called MKL yet
     if section.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():

@@ -50,7 +50,7 @@ def _intel_shim(tmp_path: Path) -> Path:
 def test_default_run_first_steps_equal_the_recorded_fingerprint_on_other_code_paths(tmp_path):
     recorded = json.loads(RECORDED.read_text())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MKL_", "ATEN_", "OMP_"))}
-    env.update(PYTHONPATH=str(ROOT), ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2",
+    env.update(PYTHONPATH=str(ROOT), RLALIGN_CPU_CROSS_MACHINE="1", ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2",
                LD_PRELOAD=str(_intel_shim(tmp_path)), OMP_NUM_THREADS=str(recorded["threads"]))
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "rlalign.cli.main", "train", f"run.dir={run_dir}",
