@@ -33,9 +33,10 @@ from rlalign import envvars
 
 VARIABLE = "MKL_CBWR"
 PINNED = "COMPATIBLE"
-# mkl_service.h: MKL_CBWR_BRANCH selects the branch in mkl_cbwr_get; the branch values
+# mkl_service.h: MKL_CBWR_BRANCH selects the branch in mkl_cbwr_get; the branch values (BRANCH_OFF, 1: no
+# reproducibility mode, MKL picks its branch for the CPU; measured here, so are AUTO and COMPATIBLE)
 _BRANCH_QUERY = 1
-_BRANCHES = {0: "OFF", 1: "BRANCH_OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1",
+_BRANCHES = {0: "OFF", 1: "OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1",
              8: "SSE4_2", 9: "AVX", 10: "AVX2", 11: "AVX512_MIC", 12: "AVX512", 13: "AVX512_MIC_E1",
              14: "AVX512_E1"}
 
@@ -83,8 +84,8 @@ def status() -> tuple[bool, str]:
         return True, "torch has no MKL here: nothing to pin"
     if name == PINNED:
         return True, f"MKL runs its {PINNED} branch (the same bits on every x86-64 CPU)"
-    return False, (f"MKL runs its {name} branch, chosen for this CPU: results reproduce on this machine only "
-                   f"(set {VARIABLE}={PINNED} before the process starts, or import rlalign before calling MKL)")
+    return False, (f"MKL's reproducibility mode is {name} (its branch is chosen for this CPU): results reproduce "
+                   f"on this machine only (set {VARIABLE}={PINNED} in the environment before the process starts)")
 
 
 __all__ = ["PINNED", "VARIABLE", "branch", "cross_machine", "pin", "status"]

@@ -234,5 +234,5 @@ def unsharded_policy(policy):
 
 
 __all__ = ["needs_launch", "check_parallel_device", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
-           "load_policy_weights", "clip_grad_norm_", "clip_params_", "total_norm", "restack_run_state", "optimizer_state", "load_optimizer_state",
-           "unsharded_policy"]
+           "load_policy_weights", "clip_grad_norm_", "clip_params_", "total_norm", "restack_run_state",
+           "optimizer_state", "load_optimizer_state", "unsharded_policy"]

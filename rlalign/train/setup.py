@@ -37,7 +37,7 @@ def load_policy(section: ModelSection):
     """(model in train mode, tokenizer, model dir). Checks tokenizer and model agree on the vocab."""
 
     model_dir = resolve_model_dir(section.path)
-    mklmode.pin()   # cross-machine mode: MKL's machine-independent branch, if nothing has called MKL yet
+    _pin_mkl(section.device)
     if section.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
@@ -53,6 +53,17 @@ def load_policy(section: ModelSection):
                          "completions could never stop")
     model.train()
     return model, tokenizer, model_dir
+
+
+def _pin_mkl(device: str) -> None:
+    """In the cross-machine mode (RLALIGN_CPU_CROSS_MACHINE=1), MKL's machine-independent branch for a CPU run
+    (the CLI pinned it already; a library caller's process may not have called MKL yet); fail closed when MKL
+    already runs another branch: the run's bits would then be this machine's only."""
+    mklmode.pin()
+    if mklmode.cross_machine() and not device.startswith("cuda"):
+        pinned, detail = mklmode.status()
+        if not pinned:
+            raise SetupError(f"RLALIGN_CPU_CROSS_MACHINE=1 but {detail}")
 
 
 def _refuse_float16(model_dir: Path, dtype: "str | None") -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlalign import reductions
+from rlalign import mklmode, reductions
 from rlalign.algos import _segments
 from rlalign.ops.torch_backend import primitives
 
@@ -145,3 +145,21 @@ def test_gradient_norm_and_logged_statistics_follow_the_mode(monkeypatch):
     assert torch.equal(bits(norm), bits(reductions.global_norm(grads)))
     scale = torch.clamp(0.5 / (norm + 1e-6), max=1.0)   # torch's clip coefficient, from the fixed-order norm
     assert all(torch.equal(p.grad, g * scale) for p, g in zip(params, grads))
+
+
+def test_cross_machine_mode_refuses_a_process_whose_mkl_already_runs_its_own_branch(monkeypatch):
+    """Fail closed: MKL started before the trainer could pin it (here: a GEMM first), so the run's bits would be
+    this machine's only; one line says so and how to set the branch."""
+    from rlalign.contract.errors import RLAlignError
+    from rlalign.train.config import ModelSection
+    from rlalign.train.setup import load_policy
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("torch without MKL: nothing to pin")
+    torch.ones(64, 64) @ torch.ones(64, 64)   # MKL starts in its own branch
+    monkeypatch.setenv("MKL_CBWR", "AUTO")   # set before this test: the pin keeps it (and none leaks to other tests)
+    monkeypatch.setenv("RLALIGN_CPU_CROSS_MACHINE", "1")
+    if mklmode.status()[0]:
+        pytest.skip("this process's MKL already runs its COMPATIBLE branch")
+    with pytest.raises(RLAlignError, match="RLALIGN_CPU_CROSS_MACHINE=1 but MKL's reproducibility mode is"):
+        load_policy(ModelSection())
