@@ -68,7 +68,7 @@ def test_default_run_first_steps_equal_the_recorded_fingerprint_on_other_code_pa
 _floats = st.floats(-1e4, 1e4, allow_nan=False, width=32)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.lists(_floats, min_size=1, max_size=300))
 def test_tree_sum_is_the_strict_ops_tree(values):
     x = torch.tensor(values, dtype=torch.float32)
@@ -87,7 +87,7 @@ def _pairwise(values: list[float]) -> float:
     return float(level[0])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.lists(_floats, min_size=0, max_size=200))
 def test_mean_std_and_norm_follow_their_stated_arithmetic(values):
     x = torch.tensor(values, dtype=torch.float32)
