@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,35 @@ def test_doctor_json_is_green_on_this_machine():
     assert {c["op"] for c in report["checks"]} >= {"linear", "rms_norm", "attention", "logprob/entropy", "sample", "model"}
     assert all(set(c) >= {"op", "invariance", "holds"} for c in report["checks"])
     assert report["environment"]["torch"]
+    assert {c["op"] for c in report["checks"]} >= {"MKL (library)", "across machines"}
+    assert report["environment"]["cpu_capability"] and "mkl_branch" in report["environment"]
+
+
+def test_cross_machine_mode_pins_mkl_and_the_probe_equals_the_reference():
+    """With RLALIGN_CPU_CROSS_MACHINE=1 the CLI pins MKL before any work; the probe through every strict op then
+    has the reference bits (recorded on another code path's machine: docs/cpu.md, "Across machines")."""
+    code = ("import json, sys; from rlalign.cli.main import main; from rlalign import mklmode; mklmode.pin(); "
+            "from rlalign.doctor import machine; import torch; "
+            "print(json.dumps([c.run(torch.device('cpu'), None) for c in machine.CHECKS] + [mklmode.branch()]))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MKL_")}
+    env["RLALIGN_CPU_CROSS_MACHINE"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (mkl_holds, mkl_detail), (probe_holds, probe_detail), branch = json.loads(out.stdout)
+    assert mkl_holds and probe_holds, (mkl_detail, probe_detail)
+    assert branch in ("COMPATIBLE", None)
+
+
+def test_machine_probe_names_the_ops_that_differ_from_the_reference(monkeypatch, tmp_path):
+    from rlalign.doctor import machine
+
+    ref = machine.reference()
+    ref["ops"]["rope"] = "0" * 16
+    planted = tmp_path / "reference.json"
+    planted.write_text(json.dumps(ref))
+    monkeypatch.setattr(machine, "REFERENCE", planted)
+    holds, detail = machine.compare()
+    assert not holds and "rope" in detail.split("in: ")[1].split(", ")
 
 
 def test_doctor_reports_a_violation(monkeypatch):

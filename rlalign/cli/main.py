@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from rlalign import envvars
+from rlalign import envvars, mklmode
 from rlalign.contract.errors import RLAlignError
 from rlalign.version import __version__
 
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         envvars.check_environment()   # every RLALIGN_* variable set is one rlalign reads, with an allowed value
+        if getattr(args, "profile", None) != "native":
+            mklmode.pin()   # before any MKL call (cross-machine mode): strict bits then equal on every x86 CPU
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("rlalign: interrupted", file=sys.stderr)

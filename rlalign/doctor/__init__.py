@@ -12,7 +12,9 @@ Three kinds of checks, each with fresh random inputs (a new seed every run):
 * *op invariances* (:mod:`.op_checks`) -- each strict op's contract end to end (batch size, row position,
   packing, prefill vs decode, chunk sizes, TP partition), through the public ops;
 * *the model's three paths* (:mod:`.paths`) -- packed == one-shot prefill == chunked prefill + decode through a
-  small model of each family, per dtype: the ops composed as the trainer and the rollout engine compose them.
+  small model of each family, per dtype: the ops composed as the trainer and the rollout engine compose them;
+* *across machines* (:mod:`.machine`, CPU) -- MKL runs its machine-independent branch, and a fixed probe through
+  every strict op gives the committed reference bits: a strict run here has the bits of one recorded elsewhere.
 
 Strict relies on the doctor being green on the machine that runs it.
 """
@@ -26,13 +28,13 @@ from typing import Callable
 
 import torch
 
-from rlalign.doctor import library, op_checks, paths
+from rlalign.doctor import library, machine, op_checks, paths
 from rlalign.doctor.base import Check, CheckResult
 from rlalign.ops import backend_name
 
 
 # library assumptions, then each op's invariances, then the ops composed by a model's three paths
-CHECKS: tuple[Check, ...] = library.CHECKS + op_checks.CHECKS + paths.CHECKS
+CHECKS: tuple[Check, ...] = library.CHECKS + op_checks.CHECKS + paths.CHECKS + machine.CHECKS
 
 
 def run_checks(device: str = "cpu", seed: int | None = None, progress: Callable[[str], None] | None = None):
@@ -60,8 +62,10 @@ def run_checks(device: str = "cpu", seed: int | None = None, progress: Callable[
 
 
 def environment(device: str) -> dict:
+    """The software and the machine; ``cpu``, ``cpu_capability`` (torch's vector width) and ``mkl_branch`` (MKL's
+    code path) are what decides the CPU's bits (:func:`machine.identity`)."""
     info = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "cpu": _cpu_name(), "cpu_capability": getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()}
+            **{k: v for k, v in machine.identity().items() if k != "mkl_machine_independent"}}
     try:
         import triton   # lazy: an optional GPU dependency, reported only when present
         info["triton"] = triton.__version__
@@ -70,14 +74,3 @@ def environment(device: str) -> dict:
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"

@@ -28,11 +28,13 @@ from collections.abc import Collection
 import torch
 import torch.distributed as dist
 
+from rlalign import mklmode
 from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.launch import Group, init_from_env, split
 from rlalign.distributed.parallelize import full_state
 from rlalign.models.decoder import CausalLM
 from rlalign.models.layout import checkpoint_entries, checkpoint_split, stack_checkpoint_names
+from rlalign.reductions import global_norm
 from rlalign.train.master import ROUNDED_KEY
 from rlalign.train.run.checkpoint_files import own_optimizer_state
 
@@ -119,13 +121,30 @@ def clip_grad_norm_(policy, max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_ (foreach=False) with the total norm taken over the gradients of the
     checkpoint's tensors in checkpoint order (rlalign.models.layout: stacked experts per expert), so it has
     the same bits whatever the storage layout; under TP over the gathered full gradients, so it has the
-    tp=1 bits, and each rank scales its shards."""
+    tp=1 bits, and each rank scales its shards. The norm is :func:`total_norm`'s."""
     params = list(policy.parameters())
     if parallelized(policy):
         grads = full_state(policy, grads=True)
     else:
         grads = {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}
-    total = torch.nn.utils.get_total_norm([g for _, g in checkpoint_split(policy, grads)], foreach=False)
+    total = total_norm([g for _, g in checkpoint_split(policy, grads)])
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return total
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The gradients' global L2 norm. CPU tensors in the cross-machine mode (``RLALIGN_CPU_CROSS_MACHINE=1``):
+    rlalign.reductions.global_norm (a fixed pairwise order, the same bits on every x86 CPU whatever its vector
+    width); otherwise torch's get_total_norm (foreach=False)."""
+    if grads and all(g.device.type == "cpu" for g in grads) and mklmode.cross_machine():
+        return global_norm(grads)
+    return torch.nn.utils.get_total_norm(grads, foreach=False)
+
+
+def clip_params_(params, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over ``params`` (in their order) with :func:`total_norm`; the norm."""
+    params = [p for p in params if p.grad is not None]
+    total = total_norm([p.grad for p in params])
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
     return total
 
@@ -215,5 +234,5 @@ def unsharded_policy(policy):
 
 
 __all__ = ["needs_launch", "check_parallel_device", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
-           "load_policy_weights", "clip_grad_norm_", "restack_run_state", "optimizer_state", "load_optimizer_state",
-           "unsharded_policy"]
+           "load_policy_weights", "clip_grad_norm_", "clip_params_", "total_norm", "restack_run_state",
+           "optimizer_state", "load_optimizer_state", "unsharded_policy"]

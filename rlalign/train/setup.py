@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from rlalign import mklmode
 from rlalign.contract.errors import RLAlignError
 from rlalign.envs.loading import load_env
 from rlalign.models.checkpoint import load_model, load_model_config
@@ -39,6 +40,7 @@ def load_policy(section: ModelSection):
     """(model in train mode, tokenizer, model dir). Checks tokenizer and model agree on the vocab."""
 
     model_dir = resolve_model_dir(section.path)
+    _pin_mkl(section.device)
     if section.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
@@ -54,6 +56,17 @@ def load_policy(section: ModelSection):
                          "completions could never stop")
     model.train()
     return model, tokenizer, model_dir
+
+
+def _pin_mkl(device: str) -> None:
+    """In the cross-machine mode (RLALIGN_CPU_CROSS_MACHINE=1), MKL's machine-independent branch for a CPU run
+    (the CLI pinned it already; a library caller's process may not have called MKL yet); fail closed when MKL
+    already runs another branch: the run's bits would then be this machine's only."""
+    mklmode.pin()
+    if mklmode.cross_machine() and not device.startswith("cuda"):
+        pinned, detail = mklmode.status()
+        if not pinned:
+            raise SetupError(f"RLALIGN_CPU_CROSS_MACHINE=1 but {detail}")
 
 
 def _refuse_float16(model_dir: Path, dtype: "str | None") -> None:

@@ -2,7 +2,8 @@
 
 All are means / extremes over the step's samples (rewards, lengths), its groups (zero-std
 fraction), or its unmasked completion tokens (advantages, KL to the reference policy); and the
-process's peak memory.
+process's peak memory. In the cross-machine mode (``RLALIGN_CPU_CROSS_MACHINE=1``) means and standard
+deviations are rlalign.reductions' fixed-order ones (the logged bits do not depend on the CPU); otherwise torch's.
 """
 
 from __future__ import annotations
@@ -11,15 +12,29 @@ import resource
 
 import torch
 
+from rlalign import mklmode
 from rlalign.algos import kl_estimate
+from rlalign.reductions import fixed_mean, fixed_mean_std
+
+
+def _mean(x: torch.Tensor) -> float:
+    """The mean of every element (nan for none, as torch's)."""
+    return (fixed_mean(x) if x.numel() else float("nan")) if mklmode.cross_machine() else float(x.mean())
+
+
+def _std(x: torch.Tensor) -> float:
+    """The unbiased std of every element; 0.0 for fewer than two."""
+    if x.numel() < 2:
+        return 0.0
+    return fixed_mean_std(x)[1] if mklmode.cross_machine() else float(x.std())
 
 
 def sample_stats(rewards: torch.Tensor, truncated: torch.Tensor, lens: torch.Tensor,
                  entropy: torch.Tensor) -> dict[str, float]:
     """Reward mean/std, mean token entropy, mean completion length and the fraction of samples cut at their
     length limit."""
-    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "entropy": float(entropy.mean()), "completion/mean_len": float(lens.float().mean()),
+    return {"reward/mean": _mean(rewards), "reward/std": _std(rewards),
+            "entropy": _mean(entropy), "completion/mean_len": _mean(lens.float()),
             "completion/truncated_frac": int(truncated.sum()) / len(truncated)}
 
 
@@ -30,7 +45,7 @@ def rollout_stats(rewards: torch.Tensor, groups: torch.Tensor, lens: torch.Tenso
     lo = torch.full((num_groups,), float("inf")).scatter_reduce(0, groups.cpu(), rewards.cpu(), "amin")
     hi = torch.full((num_groups,), float("-inf")).scatter_reduce(0, groups.cpu(), rewards.cpu(), "amax")
     return {"reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
-            "reward/zero_std_frac": float((lo == hi).float().mean()) if num_groups else 0.0,
+            "reward/zero_std_frac": _mean((lo == hi).float()) if num_groups else 0.0,
             "completion/min_len": int(lens.min()), "completion/max_len": int(lens.max())}
 
 
@@ -39,11 +54,10 @@ def token_stats(token_adv: torch.Tensor, mask: torch.Tensor, old_lp: torch.Tenso
     """Advantage mean/std over unmasked tokens; ``kl/ref``: mean k3 KL(policy || reference) of the
     sampled tokens under the policy that sampled them (present when a reference model is used)."""
     adv = token_adv.detach()[mask].float()
-    out = {"advantage/mean": float(adv.mean()) if adv.numel() else 0.0,
-           "advantage/std": float(adv.std()) if adv.numel() > 1 else 0.0}
+    out = {"advantage/mean": _mean(adv) if adv.numel() else 0.0, "advantage/std": _std(adv)}
     if ref_lp is not None:
         kl = kl_estimate(old_lp.detach(), ref_lp.detach(), "k3")[mask]
-        out["kl/ref"] = float(kl.mean()) if kl.numel() else 0.0
+        out["kl/ref"] = _mean(kl) if kl.numel() else 0.0
     return out
 
 
@@ -52,7 +66,7 @@ def policy_step_kl(old_lp: torch.Tensor, new_lp: torch.Tensor, mask: torch.Tenso
     sampled: how far one update moved the policy (verl's ``actor/ppo_kl`` measures it only inside the
     update passes, where it is 0 for the first one)."""
     kl = kl_estimate(old_lp.detach(), new_lp.detach(), "k3")[mask]   # samples are from pi_before
-    return float(kl.mean()) if kl.numel() else 0.0
+    return _mean(kl) if kl.numel() else 0.0
 
 
 def sampled_logprob_stats(logprob: torch.Tensor, full_logprob: torch.Tensor, kept: torch.Tensor,

@@ -198,7 +198,7 @@ class PolicyUpdate:
                                "the rewards; the last checkpoint is intact")
         self.master.step(self.optimizer)   # parameter by parameter; a plain optimizer.step() without masters
         if self.value is not None:
-            torch.nn.utils.clip_grad_norm_(self.value.parameters(), self.cfg.optim.grad_clip, foreach=False)
+            par.clip_params_(self.value.parameters(), self.cfg.optim.grad_clip)
             self.value_optimizer.step()
         return grad_norm
 
