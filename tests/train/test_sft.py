@@ -221,11 +221,12 @@ def test_a_config_without_data_is_one_line(capsys):
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"prompt": "1+1="}\n{"prompt": "2+2=", "response": "4"}\n', "row 1: missing field 'response'"),
+    ('{"prompt": "1+1="}\n{"prompt": "2+2=", "response": "4"}\n', "bad.jsonl:1: missing field 'response'"),
     ("", "is empty: it holds no rows"),
-    ('{"messages": [{"role": "user", "content": "hi"}]}\n', "row 1: the conversation has no assistant turn"),
-    ('{"prompt": "1+1=", "response": 2}\n', "row 1: field 'response' must be a string"),
-    ('{"prompt": "1+1=", "response": "2"\n', "is not JSON Lines that datasets can read"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n', "bad.jsonl:1: the conversation has no assistant turn"),
+    ('{"prompt": "1+1=", "response": 2}\n', "bad.jsonl:1: field 'response' must be a string"),
+    ('{"prompt": "1+1=", "response": "2"\n', "bad.jsonl:1: invalid JSON"),
+    ('[1, 2]\n', "bad.jsonl:1: a row must be a JSON object, got list"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, content, message):
     model = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=1)

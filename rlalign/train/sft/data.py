@@ -13,29 +13,29 @@ Two row formats (``data.format``; ``auto`` picks ``messages`` when the first row
   ``<|im_end|>``; the role header and what the template writes after the end-of-turn token (ChatML's newline)
   are not scored.
 
-The rendering is checked, and a row that cannot honour the rule is refused in one line naming ``file: row N``
-(N counts the file's JSON rows from 1): a template that does not render an assistant turn as the conversation
+The rendering is checked, and a row that cannot honour the rule is refused in one line naming the row (``file:line`` in a
+``.jsonl`` file, ``file: row N`` in a ``.json`` list): a template that does not render an assistant turn as the conversation
 before it + the generation prompt + the content unchanged, or that does not follow the content with an eos
 token, a row without an
 assistant turn, a missing or non-string field, a sequence longer than ``data.max_length`` or the model's
 positions, or a row with no scored token (an empty prompt and a one-token response when the tokenizer adds no
 BOS: the sequence's first token has no prediction).
 
-This reader is small on purpose (``datasets`` is imported offline by :func:`rlalign.tasks.datasets.hf_datasets`);
-rlalign/tasks/datasets.py's ``read_rows`` (RL prompt data: more formats, ``file:line`` locations) could replace it.
+Rows come from :func:`rlalign.tasks.datasets.read_rows`, the reader of the RL prompt data: ``.jsonl`` and ``.json``
+with the standard library (no ``datasets`` needed, no column type coercion; errors name ``file:line``),
+``.csv`` and ``.parquet`` through ``datasets``, offline.
 """
 
 from __future__ import annotations
 
 import hashlib
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from rlalign.contract.errors import RLAlignError
-from rlalign.tasks.datasets import hf_datasets
+from rlalign.tasks.datasets import DatasetError, read_rows as read_data_rows
 from rlalign.train.sft.objective import Example, response_mask
 
 ROLES = ("system", "user", "assistant")
@@ -45,25 +45,21 @@ class SFTDataError(RLAlignError, ValueError):
     """A data file or one of its rows cannot be used; the message names the file and row."""
 
 
-def read_rows(path: str) -> list[dict]:
-    """The rows of a JSONL file through ``datasets.load_dataset("json")``, cached in a temporary folder (nothing
-    is written under the user's cache, nothing is downloaded)."""
+def read_rows(path: str) -> list[tuple[str, dict]]:
+    """``(location, row)`` for every row of a local data file (``file:line`` in a ``.jsonl`` file)."""
     file = Path(path)
     if not file.is_file():
         raise SFTDataError(f"data file {path} does not exist (or is not a file)")
-    with open(file, "rb") as f:
-        head = f.read(1 << 16)
-    if not head.strip() and file.stat().st_size <= len(head):
-        raise SFTDataError(f"{path} is empty: it holds no rows")
-    datasets = hf_datasets()   # offline (nothing downloads), progress bars and log messages off
     try:
-        with tempfile.TemporaryDirectory(prefix="rlalign-sft-") as cache:
-            table = datasets.load_dataset("json", data_files=str(file), split="train", cache_dir=cache)
-            return table.to_list()
-    except Exception as exc:   # a malformed file: pyarrow / datasets name it in many ways
-        cause = exc.__cause__ or exc
-        raise SFTDataError(f"{path} is not JSON Lines that datasets can read: {' '.join(str(cause).split())[:200]}"
-                           ) from None
+        rows = list(read_data_rows(file))
+    except DatasetError as exc:
+        raise SFTDataError(str(exc)) from None
+    if not rows:
+        raise SFTDataError(f"{path} is empty: it holds no rows")
+    for where, row in rows:
+        if not isinstance(row, dict):
+            raise SFTDataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    return rows
 
 
 def file_sha256(path: str) -> str:
@@ -163,10 +159,10 @@ def to_example(tokenizer, row: dict, fmt: str, data, where: str, max_length: int
 
 def load_examples(tokenizer, path: str, data, max_length: int) -> list[Example]:
     rows = read_rows(path)
-    fmt = row_format(rows, data.format, data.messages_field)
+    fmt = row_format([row for _, row in rows], data.format, data.messages_field)
     if fmt == "messages" and tokenizer.chat_template is None:
         raise SFTDataError(f"{path}: chat messages need the model's chat template, and its tokenizer has none")
-    return [to_example(tokenizer, row, fmt, data, f"{path}: row {i}", max_length) for i, row in enumerate(rows, 1)]
+    return [to_example(tokenizer, row, fmt, data, where, max_length) for where, row in rows]
 
 
 def held_out_split(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
