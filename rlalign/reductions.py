@@ -11,9 +11,8 @@ Every reduction here is a balanced pairwise tree of elementwise IEEE adds (pair 
 odd last element carried up unchanged): the order is fixed by the length alone, and an elementwise add is one
 correctly rounded operation whatever vector width runs it. Scalars are then finished in Python floats (IEEE
 double: ``/`` and ``math.sqrt`` correctly rounded, no vendor math library) and rounded once to the input's
-dtype. The tree is the one of ``rlalign.ops.torch_backend.primitives.tree_sum`` and
-``rlalign.algos._segments.tree_sum`` (the strict ops' and the loss aggregation's sums), so a sum taken here has
-their bits. docs/design/fixed-order-reductions.md records the decision.
+dtype. :func:`tree_sum` is the one tree of the package (the strict ops' backends and the loss aggregation import
+it from here), so a sum taken here has their bits. docs/design/fixed-order-reductions.md records the decision.
 """
 
 from __future__ import annotations
@@ -25,8 +24,17 @@ import torch
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (length >= 1) as a balanced pairwise tree of elementwise adds, in ``x``'s dtype.
-    Always a new tensor (also for length 1)."""
+    """Sum over the last dim (length >= 1) as a balanced pairwise tree of elementwise adds, in ``x``'s dtype: the
+    one fixed order every strict sum uses (the strict ops' backends, the loss aggregation, the reductions below).
+
+    Level by level: pair (2i, 2i+1) is added; an odd last element is carried to the next level unchanged. The
+    order depends only on the length of the last dim, and every add is an IEEE elementwise add, so a row's sum is
+    independent of how many rows there are or where it sits, and zero padding at the end leaves its bits unchanged
+    (up to the sign of a zero sum).
+
+    Always a new tensor, never a view of ``x`` (also when the last dim has one entry and no add runs): callers
+    reuse their input in place after summing it (the logprob block statistics multiply ``e`` in place after
+    ``tree_sum(e)``), which must not rewrite a sum already taken."""
     if x.shape[-1] == 1:
         return x[..., 0].clone()
     while x.shape[-1] > 1:

@@ -27,22 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-
-def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (length >= 1) as a balanced pairwise tree of elementwise adds.
-
-    Each level adds pairs (2i, 2i+1); an odd last element moves up unchanged. The order
-    depends only on the length, so zero padding at the end leaves a sum's bits unchanged
-    (up to the sign of a zero sum).
-    (Same order as ``rlalign.ops.torch_backend.primitives.tree_sum``; kept here so the
-    algorithms do not import the ops package.)
-    """
-    while x.shape[-1] > 1:
-        n = x.shape[-1]
-        even = n - n % 2
-        pairs = x[..., 0:even:2] + x[..., 1:even:2]
-        x = torch.cat([pairs, x[..., even:]], dim=-1) if n % 2 else pairs
-    return x[..., 0]
+from rlalign.reductions import tree_sum
 
 
 def fail(fn: str, problem: str) -> ValueError:

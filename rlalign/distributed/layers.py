@@ -34,7 +34,7 @@ from rlalign.distributed.launch import Group
 from rlalign.distributed.native import NativeColumn, NativeRow
 from rlalign.ops.shard import linear_partial, linear_weight_grad
 from rlalign.ops.torch_backend.linear import segment_count
-from rlalign.ops.torch_backend.primitives import tree_sum
+from rlalign.reductions import tree_sum
 
 
 # The column-parallel forward relies on a GEMM column's bits not depending on N (doctor-checked at

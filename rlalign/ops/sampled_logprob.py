@@ -47,7 +47,7 @@ from rlalign.ops.logprob import check_targets, lm_logits
 from rlalign.ops.sample import check_min_p, check_values, per_row
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.logprob import add_grad_hidden, add_grad_weight, index_chunks
-from rlalign.ops.torch_backend.primitives import tree_sum
+from rlalign.reductions import tree_sum
 from rlalign.ops.torch_backend.sample import kept_set
 
 OP = "sampled_logprob"

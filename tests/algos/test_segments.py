@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlalign.algos import seq_ids_from_lengths
-from rlalign.algos._segments import seg_sum, segments, tree_sum
+from rlalign.algos._segments import seg_sum, segments
+from rlalign.reductions import tree_sum
 from tests.bitwise import assert_bitwise_equal
 
 

@@ -194,7 +194,7 @@ def test_contract_formula_for_one_tile():
     """The strict output equals the contract written out by hand for one 16-row tile (Hq = Hkv = 1:
     rows are 16 consecutive tokens): per 64-key block, fp32 bmm, -inf mask, online softmax with
     tree_sum, a where-select for unseen blocks, acc / l rounded once."""
-    from rlalign.ops.torch_backend.primitives import tree_sum
+    from rlalign.reductions import tree_sum
     length, first, d = 150, 96, 64
     q, k, v = _seq(length, 1, 1, d, torch.bfloat16, 11)
     out = ops.attention_varlen(q, k, v, torch.tensor([0, length]))

@@ -17,7 +17,8 @@ from rlalign import ops
 from rlalign.contract import spec
 from rlalign.ops.torch_backend.attention import plan as attention_plan, scratch as attention_scratch
 from rlalign.ops.torch_backend.linear import linear_fp32, segment_count
-from rlalign.ops.torch_backend.primitives import pad_rows, tile_mm, tree_sum
+from rlalign.ops.torch_backend.primitives import pad_rows, tile_mm
+from rlalign.reductions import tree_sum
 from tests.bitwise import assert_bitwise_equal
 
 B, KV, QT = spec.ROW_BLOCK, spec.ATTN_KV_BLOCK, spec.ATTN_Q_TILE

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from rlalign.ops.torch_backend.primitives import tree_merge, tree_sum
+from rlalign.ops.torch_backend.primitives import tree_merge
+from rlalign.reductions import tree_sum
 from tests.bitwise import assert_bitwise_equal, assert_close_report
 
 HYP = settings(max_examples=60, deadline=None)

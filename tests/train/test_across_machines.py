@@ -19,12 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from rlalign import mklmode, reductions
 from rlalign.algos import _segments
-from rlalign.ops.torch_backend import primitives
+from rlalign.ops.torch_backend import logprob, norm, sample
 
 from hypothesis import given, settings, strategies as st
 
@@ -73,8 +74,13 @@ _floats = st.floats(-1e4, 1e4, allow_nan=False, width=32)
 def test_tree_sum_is_the_strict_ops_tree(values):
     x = torch.tensor(values, dtype=torch.float32)
     got = reductions.tree_sum(x)
-    assert torch.equal(got.view(torch.int32), primitives.tree_sum(x).view(torch.int32))
-    assert torch.equal(got.view(torch.int32), _segments.tree_sum(x).view(torch.int32))
+    level = [np.float32(v) for v in values]   # the stated order, one float32 add at a time
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] for i in range(0, len(level) - 1, 2)] + level[len(level) - len(level) % 2:]
+    assert torch.equal(got.view(torch.int32), torch.tensor(level[0], dtype=torch.float32).view(torch.int32))
+    # one tree: the strict ops' backends and the loss aggregation sum with this very function
+    for module in (norm, logprob, sample, _segments):
+        assert module.tree_sum is reductions.tree_sum, module.__name__
     assert torch.equal(reductions.fixed_sum(x.reshape(1, -1)).view(torch.int32), got.view(torch.int32))
 
 

@@ -11,7 +11,7 @@ Exact numerics, per token (all fp32; ``VB = spec.VOCAB_BLOCK`` = 1024, rows in `
     vocab blocks [k*VB, (k+1)*VB) at absolute offsets (the last one shorter when VB does not divide V):
         m_b = max_j z_j
         e_j = exp(z_j - m_b)
-        s_b = tree_sum(e)            w_b = tree_sum(e * z)      (balanced pairwise tree, primitives.tree_sum)
+        s_b = tree_sum(e)            w_b = tree_sum(e * z)      (balanced pairwise tree, rlalign.reductions.tree_sum)
     blocks folded strictly left to right, the state starting as block 0's (m_0, s_0, w_0):
         m' = max(m, m_b);  a = exp(m - m');  c = exp(m_b - m')
         s  = s * a + s_b * c;   w = w * a + w_b * c;   m = m'
@@ -46,7 +46,8 @@ from torch.autograd.function import once_differentiable
 from rlalign.contract import spec
 from rlalign.ops._registry import register
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
-from rlalign.ops.torch_backend.primitives import tile_mm, tree_sum
+from rlalign.ops.torch_backend.primitives import tile_mm
+from rlalign.reductions import tree_sum
 
 VB = spec.VOCAB_BLOCK
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from rlalign.ops._registry import register
-from rlalign.ops.torch_backend.primitives import tree_sum
+from rlalign.reductions import tree_sum
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlalign.ops.torch_backend import clib
-from rlalign.ops.torch_backend.primitives import tree_sum
+from rlalign.reductions import tree_sum
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -232,27 +232,6 @@ def gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
     return bits_equal(compiled_gemm(a, w, parts), tile)
 
 
-def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim as a balanced pairwise tree of elementwise adds.
-
-    Level by level: pair (2i, 2i+1) is added; an odd last element is carried to the next level
-    unchanged. The order depends only on the length of the last dim, and every add is an IEEE
-    elementwise add, so a row's sum is independent of how many rows there are or where it sits.
-
-    Always a new tensor, never a view of ``x`` (also when the last dim has one entry and no add
-    runs): callers reuse their input in place after summing it (the logprob block statistics
-    multiply ``e`` in place after ``tree_sum(e)``), which must not rewrite a sum already taken.
-    """
-    if x.shape[-1] == 1:
-        return x[..., 0].clone()
-    while x.shape[-1] > 1:
-        n = x.shape[-1]
-        even = n - (n % 2)
-        pairs = x[..., 0:even:2] + x[..., 1:even:2]
-        x = torch.cat([pairs, x[..., even:]], dim=-1) if n % 2 else pairs
-    return x[..., 0]   # a view of the last level's own tensor, never of the input
-
-
 def tree_merge(parts) -> torch.Tensor:
     """Merge partials by the fixed balanced binary tree ((p0+p1)+(p2+p3))+...
 

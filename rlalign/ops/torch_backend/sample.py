@@ -53,7 +53,7 @@ from rlalign.contract.errors import fail
 from rlalign.ops import _checks as chk
 from rlalign.ops._registry import register
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
-from rlalign.ops.torch_backend.primitives import tree_sum
+from rlalign.reductions import tree_sum
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15

@@ -15,7 +15,7 @@ from rlalign.ops import _checks as chk
 from rlalign.ops.torch_backend.attention.plan import (GPU_BATCH, KV_BLOCK, Q_TILE, Plan, block_data, build_plan,
                                                       packed_rows, paged_rows)
 from rlalign.ops.torch_backend.attention.scratch import scratch_buffer
-from rlalign.ops.torch_backend.primitives import tree_sum
+from rlalign.reductions import tree_sum
 
 NONFINITE_CACHE = "k_cache/v_cache contain NaN or inf within a sequence's context (or the scores overflow fp32)"
 
