@@ -92,7 +92,7 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    def __init__(self, run_dir: Path, cfg):
+    def __init__(self, run_dir: Path, cfg, start_step: int = 0):   # a resume continues the W&B run of the stored id
         try:
             import wandb
         except ImportError:
@@ -138,7 +138,8 @@ def wandb_run_id(run_dir: Path) -> str:
     return run_id
 
 
-# name (rlalign.train.config.LOGGERS, in that order) -> tracker class(run_dir, cfg); jsonl is MetricsWriter's file,
+# name (rlalign.train.config.LOGGERS, in that order) -> tracker class(run_dir, cfg, start_step); jsonl is MetricsWriter's
+# file,
 # always written.
 TRACKERS: dict[str, type | None] = {"jsonl": None, "tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 
@@ -152,10 +153,8 @@ class Trackers:
         self.trackers = []
         for name in dict.fromkeys(cfg.run.loggers):
             cls = TRACKERS[name]
-            if cls is TensorBoardTracker:
+            if cls is not None:
                 self.trackers.append(cls(run_dir, cfg, start_step))
-            elif cls is not None:
-                self.trackers.append(cls(run_dir, cfg))
 
     def log(self, record: dict) -> None:
         renamed = rename(record, self.metric_names)
