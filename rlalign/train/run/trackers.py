@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.atomic import atomic_write
-from rlalign.train.run.metrics import TENSORBOARD_FILES, WANDB_ID_FILE
+from rlalign.train.run.metrics import TENSORBOARD_EVENT_PREFIX, TENSORBOARD_FILES, WANDB_ID_FILE
 
 
 class TrackerError(RLAlignError):
@@ -75,12 +75,12 @@ class TensorBoardTracker:
         except ImportError:
             raise TrackerError("run.loggers includes tensorboard but the tensorboard package is not installed: "
                                "pip install tensorboard (or rlalign[trackers])") from None
+        log_dir = Path(run_dir) / TENSORBOARD_FILES.parent
+        before = _event_files(log_dir)
         # purge_step: TensorBoard hides what earlier files logged at steps >= it (a killed run's steps past
         # the checkpoint this run resumes from)
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"),
-                                    purge_step=start_step + 1 if start_step else None)
-        _record_event_file(Path(run_dir), Path(self.writer.file_writer.get_logdir()),
-                           Path(self.writer.file_writer.event_writer._file_name).name)
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1 if start_step else None)
+        _record_event_files(Path(run_dir), sorted(_event_files(log_dir) - before))   # the writer opens its file at once
 
     def log(self, record: dict, step: int) -> None:
         for key, value in _scalars(record).items():
@@ -116,13 +116,15 @@ class WandbTracker:
 
 
 
-def _record_event_file(run_dir: Path, log_dir: Path, name: str) -> None:
-    """Add ``name`` (an event file SummaryWriter opened in ``log_dir``) to the run's list of its own event files."""
+def _event_files(log_dir: Path) -> set[str]:
+    return {p.name for p in log_dir.glob(TENSORBOARD_EVENT_PREFIX + "*")} if log_dir.is_dir() else set()
+
+
+def _record_event_files(run_dir: Path, new: list[str]) -> None:
+    """Add ``new`` (event files this run's writer opened) to the run's list of its own event files."""
     path = run_dir / TENSORBOARD_FILES
-    assert log_dir.resolve() == path.parent.resolve(), (log_dir, path)
     names = path.read_text().split() if path.is_file() else []
-    if name not in names:
-        atomic_write(path, "".join(n + "\n" for n in (*names, name)).encode())
+    atomic_write(path, "".join(n + "\n" for n in dict.fromkeys([*names, *new])).encode())
 
 
 def wandb_run_id(run_dir: Path) -> str:
@@ -138,9 +140,8 @@ def wandb_run_id(run_dir: Path) -> str:
     return run_id
 
 
-# name (rlalign.train.config.LOGGERS, in that order) -> tracker class(run_dir, cfg, start_step); jsonl is MetricsWriter's
-# file,
-# always written.
+# name (rlalign.train.config.LOGGERS, in that order) -> tracker class(run_dir, cfg, start_step); jsonl is
+# MetricsWriter's file, always written.
 TRACKERS: dict[str, type | None] = {"jsonl": None, "tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 
 
