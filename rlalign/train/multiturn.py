@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 
 from rlalign.envs.episodes import Episode, EpisodeLimits, run_episodes
 from rlalign.train.samples import StepSamples
@@ -24,19 +23,9 @@ def limits_of(cfg) -> EpisodeLimits:
 
 
 def episode_samples(episodes: list[Episode]) -> StepSamples:
-    """The unscored record of ``episodes`` (one sample each, in order)."""
-    records = [e.routing for e in episodes]
-    routed = bool(records) and all(r is not None for r in records)
-    return StepSamples(
-        tokens=torch.tensor([t for e in episodes for t in (*e.prompt_tokens, *e.tokens)], dtype=torch.int64),
-        prompt_lens=torch.tensor([len(e.prompt_tokens) for e in episodes], dtype=torch.int64),
-        completion_lens=torch.tensor([len(e.tokens) for e in episodes], dtype=torch.int64),
-        logprobs=torch.tensor([x for e in episodes for x in e.logprobs], dtype=torch.float32),
-        truncated=torch.tensor([e.finish_reason == "max_episode_tokens" for e in episodes], dtype=torch.bool),
-        prompt_index=torch.tensor([e.prompt_index for e in episodes], dtype=torch.int64),
-        routing=torch.cat(records) if routed else None,
-        routing_rows=torch.tensor([r.shape[0] if routed else 0 for r in records], dtype=torch.int64),
-        generated=torch.tensor([g for e in episodes for g in e.generated], dtype=torch.bool))
+    """The unscored record of ``episodes`` (one sample each, in order; observation tokens marked not generated)."""
+    return StepSamples.of_records(episodes, truncated_by="max_episode_tokens",
+                                  generated=[g for e in episodes for g in e.generated])
 
 
 def episode_stats(episodes: list[Episode], forward_tokens: int) -> dict:

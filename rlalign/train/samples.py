@@ -1,7 +1,7 @@
 """The step's samples: the one record that carries them from the rollout engine to the trainer, as tensors.
 
 :class:`StepSamples` is built once from the engine's :class:`~rlalign.models.completion.Completion` records
-(:meth:`StepSamples.of_completions`) and read by everything after: the data-parallel all-gather
+(:meth:`StepSamples.of_completions`; multi-turn episodes through the same :meth:`StepSamples.of_records`) and read by everything after: the data-parallel all-gather
 (:mod:`rlalign.train.dp_rollout`), the rewards and DAPO's group filter (:mod:`rlalign.train.sampling`), the
 step's layout (:class:`rlalign.train.packing.TrainBatch`), the agreement checks (:mod:`rlalign.train.agreement`)
 and the step's statistics. Every field is a tensor on the host, sample by sample in the order the engine
@@ -53,19 +53,29 @@ class StepSamples:
 
     @classmethod
     def of_completions(cls, completions: Sequence[Completion]) -> "StepSamples":
-        """The record of ``completions`` (unscored): the one conversion of the engine's lists into tensors."""
-        records = [c.routing for c in completions]
-        routed = bool(records) and all(r is not None for r in records)
+        """The record of the engine's ``completions`` (unscored), with the weights version of every token."""
+        return cls.of_records(completions, truncated_by="length",
+                              versions=[c.weights_version for c in completions for _ in c.tokens])
+
+    @classmethod
+    def of_records(cls, records: Sequence, *, truncated_by: str, generated: "Sequence[bool] | None" = None,
+                   versions: "Sequence[int] | None" = None) -> "StepSamples":
+        """The one conversion of per-sample lists into tensors (unscored): ``records`` carry ``prompt_tokens``,
+        ``tokens``, ``logprobs``, ``finish_reason`` (``truncated_by`` marks a cut one), ``prompt_index`` and
+        ``routing`` -- the engine's completions, or multi-turn episodes with their ``generated`` flags."""
+        routes = [r.routing for r in records]
+        routed = bool(routes) and all(r is not None for r in routes)
         return cls(
-            tokens=torch.tensor([t for c in completions for t in (*c.prompt_tokens, *c.tokens)], dtype=torch.int64),
-            prompt_lens=torch.tensor([len(c.prompt_tokens) for c in completions], dtype=torch.int64),
-            completion_lens=torch.tensor([len(c.tokens) for c in completions], dtype=torch.int64),
-            logprobs=torch.tensor([x for c in completions for x in c.logprobs], dtype=torch.float32),
-            truncated=torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool),
-            prompt_index=torch.tensor([c.prompt_index for c in completions], dtype=torch.int64),
-            routing=torch.cat(records) if routed else None,
-            routing_rows=torch.tensor([r.shape[0] if routed else 0 for r in records], dtype=torch.int64),
-            versions=torch.tensor([c.weights_version for c in completions for _ in c.tokens], dtype=torch.int64))
+            tokens=torch.tensor([t for r in records for t in (*r.prompt_tokens, *r.tokens)], dtype=torch.int64),
+            prompt_lens=torch.tensor([len(r.prompt_tokens) for r in records], dtype=torch.int64),
+            completion_lens=torch.tensor([len(r.tokens) for r in records], dtype=torch.int64),
+            logprobs=torch.tensor([x for r in records for x in r.logprobs], dtype=torch.float32),
+            truncated=torch.tensor([r.finish_reason == truncated_by for r in records], dtype=torch.bool),
+            prompt_index=torch.tensor([r.prompt_index for r in records], dtype=torch.int64),
+            routing=torch.cat(routes) if routed else None,
+            routing_rows=torch.tensor([r.shape[0] if routed else 0 for r in routes], dtype=torch.int64),
+            generated=None if generated is None else torch.tensor(generated, dtype=torch.bool),
+            versions=None if versions is None else torch.tensor(versions, dtype=torch.int64))
 
     @classmethod
     def concat(cls, parts: Sequence["StepSamples"]) -> "StepSamples":
