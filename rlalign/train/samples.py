@@ -2,10 +2,11 @@
 
 :class:`StepSamples` is built once from the engine's :class:`~rlalign.models.completion.Completion` records
 (:meth:`StepSamples.of_completions`; multi-turn episodes through the same :meth:`StepSamples.of_records`) and read
-by everything after: the data-parallel all-gather (:mod:`rlalign.train.dp_rollout`), the rewards and DAPO's
-group filter (:mod:`rlalign.train.sampling`), the step's layout (:class:`rlalign.train.packing.TrainBatch`), the
-agreement checks (:mod:`rlalign.train.agreement`) and the step's statistics. Every field is a tensor on the host, sample by sample in the order the engine
-returned them (prompt-major); variable-length fields are flat with a length per sample:
+by everything after: the data-parallel all-gather (:mod:`rlalign.train.dp_rollout`), the rewards and DAPO's group
+filter (:mod:`rlalign.train.sampling`), the step's layout (:class:`rlalign.train.packing.TrainBatch`), the
+agreement checks (:mod:`rlalign.train.agreement`) and the step's statistics. Every field is a tensor on the host,
+sample by sample in the order the engine returned them (prompt-major); variable-length fields are flat with a
+length per sample:
 
 - ``tokens`` int64 [sum of sequence lengths]: each sample's prompt tokens, then its completion tokens;
 - ``prompt_lens`` / ``completion_lens`` int64 [N];
