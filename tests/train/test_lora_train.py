@@ -66,6 +66,14 @@ def test_cli_lora_run_zero_mismatches_adapters_only_and_exports(arithmetic_model
     assert cli_main(["export", str(run), str(tmp_path / "adapter"), "--adapter"]) == 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == \
         (run / "adapter" / "adapter_model.safetensors").read_bytes()
+    # an existing folder: refused without --overwrite; with it, replaced only when it holds nothing but an adapter's
+    # files -- a user's file in it stops the export and stays
+    assert cli_main(["export", str(run), str(tmp_path / "adapter"), "--adapter"]) == 2
+    assert cli_main(["export", str(run), str(tmp_path / "adapter"), "--adapter", "--overwrite"]) == 0
+    (tmp_path / "adapter" / "notes.txt").write_text("mine")
+    assert cli_main(["export", str(run), str(tmp_path / "adapter"), "--adapter", "--overwrite"]) == 2
+    assert (tmp_path / "adapter" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
     # a new run starts from the adapter (model.lora.path): the policy holds its tensors; another rank is refused
     again = Trainer(load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / "again") + [
