@@ -212,3 +212,13 @@ def expert_shapes(world: Group, degrees) -> dict:
 def tp_suite(world: Group, cases, degrees) -> dict:
     """Everything test_tp.py checks, from one 4-process spawn."""
     return {"matrix": tp_matrix(world, cases, degrees), "experts": expert_shapes(world, degrees)}
+
+
+def abort_at_teardown(world: Group, which: int) -> int:
+    """Rank ``which`` aborts in the interpreter's teardown (as a communication library's thread can, after the
+    work is done); returns the rank."""
+    import atexit
+    import os
+    if world.rank == which:
+        atexit.register(os.abort)
+    return world.rank
