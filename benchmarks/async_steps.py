@@ -2,9 +2,10 @@
 the learning curve.
 
     python benchmarks/async_steps.py --steps 12 --async 0 1 2 --repeats 2 --json --out async.json
+    python benchmarks/async_steps.py --config configs/qwen3-0.6b-gpu.yaml --set model.path=/dev/shm/m06 --steps 8
     python benchmarks/async_steps.py --curves RUN_K0 RUN_K1 RUN_K2          # eval/accuracy of finished runs
 
-Timing: each run is ``rlalign train`` with the default config (``run.steps`` stays 120, so the lr schedule is the
+Timing: each run is ``rlalign train`` with the default config (or ``--config`` with ``--set`` overrides) (``run.steps`` stays 120, so the lr schedule is the
 default run's) stopped after ``--steps`` steps (``run.stop_at_step``), without evaluations (``task.eval_size=0``), in
 a fresh directory and a process of its own; the runs are interleaved (0 1 2 2 1 0 ...) so a change of the machine's load hits every setting alike. A
 step's time is ``time/rollout_s + time/train_s`` (asynchronous: the rollout part is the trainer's wait for samples
@@ -41,8 +42,8 @@ def read(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def one_run(k: int, steps: int, run_dir: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", RUNNER, "train", f"run.dir={run_dir}", "run.progress=false",
+def one_run(k: int, steps: int, run_dir: Path, config: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", RUNNER, "train", *config, f"run.dir={run_dir}", "run.progress=false",
                           f"rollout.async_steps={k}", f"run.stop_at_step={steps}", "task.eval_size=0",
                           "run.save_checkpoints=false"], capture_output=True, text=True)
     if out.returncode != 0:
@@ -57,12 +58,12 @@ def one_run(k: int, steps: int, run_dir: Path) -> dict:
             "mismatches": sum(r["mismatch/count"] for r in records)}
 
 
-def timing(settings: list[int], steps: int, repeats: int) -> dict:
+def timing(settings: list[int], steps: int, repeats: int, config: list[str]) -> dict:
     order = [k for i in range(repeats) for k in (settings if i % 2 == 0 else settings[::-1])]
     runs: dict[int, list[dict]] = {k: [] for k in settings}
     with tempfile.TemporaryDirectory() as tmp:
         for i, k in enumerate(order):
-            runs[k].append(one_run(k, steps, Path(tmp) / f"run{i}"))
+            runs[k].append(one_run(k, steps, Path(tmp) / f"run{i}", config))
     out = {}
     for k, rs in runs.items():
         step_s = [s for r in rs for s in r["step_s"]]
@@ -96,6 +97,9 @@ def main() -> int:
     p.add_argument("--async", dest="settings", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--curves", type=Path, nargs="+")
+    p.add_argument("--config", help="a config file (default: the embedded default run)")
+    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides, as rlalign train takes them")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON to this file")
     args = p.parse_args()
@@ -104,7 +108,8 @@ def main() -> int:
         return 0
     if args.steps < 2 or args.repeats < 1 or any(k < 0 for k in args.settings):
         p.error("--steps must be >= 2, --repeats >= 1 and every --async value >= 0")
-    result = timing(args.settings, args.steps, args.repeats)
+    config = ([args.config] if args.config else []) + list(args.overrides)
+    result = timing(args.settings, args.steps, args.repeats, config)
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
