@@ -15,7 +15,8 @@ Also the process's CPU time (user + system, all threads, start-up included) divi
 work (a proximal forward the synchronous strict step folds into its update pass), and on a machine whose cores
 other work keeps busy a process with more runnable threads gets a larger share of them, so read the wall times
 with the CPU times and the load average (printed). Memory: ``memory/engine_weight_copy_mb`` (the engine's own
-weights: 0 when it shares the policy's) and the process's peak RSS. The metrics of every setting are
+weights: 0 when it shares the policy's), the process's peak RSS and the run's ``memory/peak_mb`` (on CUDA the
+device's peak allocation). The metrics of every setting are
 deterministic; the times are not.
 
 ``--curves`` prints ``eval/accuracy`` (and the greedy one) by step, side by side, of finished run directories
@@ -54,6 +55,7 @@ def one_run(k: int, steps: int, run_dir: Path, config: list[str]) -> dict:
     return {"step_s": [r["time/rollout_s"] + r["time/train_s"] for r in records[1:]],
             "rollout_wait_s": [r["time/rollout_s"] for r in records[1:]],
             "engine_copy_mb": records[-1]["memory/engine_weight_copy_mb"], "peak_rss_mb": peak / 1024,
+            "peak_device_mb": max(r.get("memory/peak_mb", 0.0) for r in records),
             "cpu_s_per_step": cpu_s / len(records), "load_avg_1m": os.getloadavg()[0],
             "mismatches": sum(r["mismatch/count"] for r in records)}
 
@@ -73,7 +75,8 @@ def timing(settings: list[int], steps: int, repeats: int, config: list[str]) -> 
             "steps_timed": len(step_s), "engine_weight_copy_mb": rs[0]["engine_copy_mb"],
             "process_cpu_s_per_step": statistics.median(r["cpu_s_per_step"] for r in rs),
             "load_avg_1m_at_end": [r["load_avg_1m"] for r in rs],
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in rs), "mismatches": sum(r["mismatches"] for r in rs)}
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+            "peak_device_mb": max(r["peak_device_mb"] for r in rs), "mismatches": sum(r["mismatches"] for r in rs)}
     base = out[f"async_steps={settings[0]}"]["median_step_s"]
     for v in out.values():
         v["speedup_vs_first"] = base / v["median_step_s"]
