@@ -267,7 +267,7 @@ def test_mini_batches_step_the_optimizer_per_mini_batch_and_clip(arithmetic_mode
 
 def test_value_lr_reaches_the_value_optimizer(arithmetic_model_dir, tmp_path):
     trainer = _trainer(arithmetic_model_dir, tmp_path / "run", ["algo.advantage=gae", "algo.value_lr=0.05"])
-    assert trainer.value_optimizer.param_groups[0]["lr"] == 0.05
+    assert trainer.update.value_optimizer.param_groups[0]["lr"] == 0.05
 
 
 def test_cli_refuses_a_key_the_algorithm_does_not_read_in_one_line(tmp_path):
