@@ -290,19 +290,6 @@ def test_max_minutes_without_checkpoints_stops_cleanly_and_writes_none(arithmeti
     assert "run.save_checkpoints=false: no checkpoint, the run cannot be resumed" in rlalign_log.text
 
 
-def test_max_minutes_ends_before_a_step_that_would_pass_it():
-    """run.max_minutes ends the segment when the next step, estimated as long as the last, would end past the
-    limit -- not one step late; stop_at_step first; nothing without a limit."""
-    from types import SimpleNamespace
-    from rlalign.train.stall import segment_end
-    run = SimpleNamespace(stop_at_step=None, max_minutes=1.0)
-    assert segment_end(run, 3, elapsed_s=40.0, step_s=10.0) is None          # 50 s < 60 s
-    assert "would end past it" in segment_end(run, 4, elapsed_s=50.5, step_s=10.0)
-    assert "reached" in segment_end(run, 5, elapsed_s=61.0, step_s=0.0)
-    assert segment_end(SimpleNamespace(stop_at_step=None, max_minutes=None), 9, 1e9, 1e9) is None
-    assert "stop_at_step" in segment_end(SimpleNamespace(stop_at_step=2, max_minutes=1.0), 2, 100.0, 50.0)
-
-
 def test_ignore_eos_samples_every_completion_to_its_limit(arithmetic_model_dir, tmp_path):
     """rollout.ignore_eos: no sample ends at <eos> (each is max_new_tokens long, all truncated), and the sampled
     <eos> tokens are scored like any other (0 mismatches); without it some samples of this model end early."""
