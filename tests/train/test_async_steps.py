@@ -11,11 +11,13 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlalign.configlib import ConfigError, load_config
+from rlalign.contract.errors import RLAlignError
 from rlalign.integrations.ray.compare import metric_differences, weight_differences
 from rlalign.train import offpolicy, sources
 from rlalign.train.agreement import MismatchError
@@ -56,6 +58,23 @@ def test_schedule_and_staleness_bound():
         load_config(TrainConfig, None, ["rollout.async_steps=2", "rollout.max_staleness=1"])
     with pytest.raises(ConfigError, match="rollout.async_steps"):
         load_config(TrainConfig, None, ["rollout.async_steps=-1"])
+
+
+def test_a_resume_needs_the_checkpoint_of_its_own_async_steps():
+    """The asynchronous source resumes only from a checkpoint holding exactly the steps it would have generated
+    ahead (a synchronous run's checkpoint holds none); the synchronous source keeps nothing of its own."""
+    cfg = SimpleNamespace(rollout=SimpleNamespace(async_steps=2, max_staleness=None),
+                          run=SimpleNamespace(profile="strict"))
+    source = sources.AsynchronousSource(cfg, sampler=None, engine=None, push=None)
+    try:
+        for checkpoint, held in (({}, "none"), ({sources.STATE_KEY: {"async_steps": 1, "ready": {4: {}}}}, "\\[4\\]"),
+                                 ({sources.STATE_KEY: {"async_steps": 2, "ready": {4: {}, 6: {}}}}, "\\[4, 6\\]")):
+            with pytest.raises(RLAlignError, match=f"checkpoint of step 3 holds the samples of steps {held} generated "
+                                                   "ahead, but rollout.async_steps=2 needs steps \\[4, 5\\]"):
+                source.load_state_dict(checkpoint, 3)
+    finally:
+        source.close()
+    assert sources.SynchronousSource(sampler=None, push=None).state_dict() == {}
 
 
 def test_a_sample_older_than_max_staleness_stops_the_step(arithmetic_model_dir, tmp_path):
