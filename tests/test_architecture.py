@@ -7,7 +7,10 @@
 * an import inside a function of ``rlalign`` that names an ``rlalign`` module says why it is not at module
   level (``# lazy: <reason>`` on its line): the only reason is a heavy optional dependency behind it (a cycle
   is not one: move code instead);
-* no module imports another package's private module or another module's underscore names.
+* no module imports another package's private module or another module's underscore names;
+* no statement follows a ``return`` / ``raise`` in its block;
+* the trainer's code uses torch through its public surface: it writes no private attribute of another object
+  (a scheduler's ``_last_lr``, say) and replaces no module's ``forward``.
 """
 
 from __future__ import annotations
@@ -154,3 +157,24 @@ def test_no_statement_follows_a_return_or_raise():
                     if isinstance(stmt, (ast.Return, ast.Raise, ast.Continue, ast.Break)):
                         stranded.append(f"{path.relative_to(ROOT)}:{after.lineno}")
     assert not stranded, f"statements that can never run: {stranded}"
+
+
+def _assigned_attributes(tree: ast.AST):
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute):
+                    yield part
+
+
+def test_trainer_writes_no_private_attribute_of_another_object_and_patches_no_forward():
+    found = []
+    for path in sorted((PACKAGE / "train").rglob("*.py")):
+        for attr in _assigned_attributes(ast.parse(path.read_text())):
+            owner = attr.value.id if isinstance(attr.value, ast.Name) else None
+            private = attr.attr.startswith("_") and not attr.attr.startswith("__") and owner != "self"
+            if private or attr.attr == "forward":
+                found.append(f"{path.relative_to(ROOT)}:{attr.lineno}: .{attr.attr}")
+    assert not found, "\n".join(found)

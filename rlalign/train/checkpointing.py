@@ -6,8 +6,8 @@ holds: ``model`` (the full weights; under TP gathered), ``optimizer`` (under TP 
 :func:`rlalign.train.master.weights_to_store`), ``schedule`` (the learning-rate schedule's state),
 ``torch_rng``, ``step``, ``data_pos``, ``config`` (every key, as the run used it), ``reward_file`` (a reward file's
 fingerprint), ``value`` / ``value_optimizer`` for PPO's value model, and with ``rollout.async_steps`` the samples
-generated ahead (``async_rollout``; with ``run.verify_behaviour`` also ``behaviour_weights``, the weights of the
-versions that sampled them: :mod:`rlalign.train.offpolicy`). The writer rank saves for every rank.
+generated ahead (``async_rollout``: :class:`rlalign.train.sources.AsynchronousSource`; with ``run.verify_behaviour``
+also ``behaviour_weights``, the weights of the versions that sampled them: :mod:`rlalign.train.offpolicy`). The writer rank saves for every rank.
 
 A resume (:meth:`TrainingState.load_latest`, then :meth:`TrainingState.restore`) checks the stored config against
 this run's (:func:`rlalign.train.run.config_file.check_resume`), restacks the MoE experts of checkpoints written

@@ -26,15 +26,29 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.models.checkpoint import check_model_output, load_model, save_model
 from rlalign.models.layout import stack_checkpoint_names
 from rlalign.models.lora import LoRASpec, apply_lora, save_adapter
-from rlalign.train.adapters import exportable
+from rlalign.train.adapters import exportable, save_run_adapter
 from rlalign.train.master import checkpoint_model_weights
 from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, MANIFEST_FILE, file_sha256, load_state,
                                                 read_manifest, recorded_checkpoint_sha256)
 from rlalign.train.setup import resolve_model_dir
 
 
+EXPORT_SHARD_BYTES = 5 * 2**30
+
+
 class ExportError(RLAlignError):
     pass
+
+
+def save_run_policy(policy, lora, run_dir: Path, model_dir: Path) -> Path:
+    """The run's trained (unsharded) ``policy`` as ``run_dir/policy``; a LoRA run's merged, with its adapters alone
+    (PEFT's format) in ``run_dir/adapter``."""
+    if lora is not None:
+        save_run_adapter(policy, lora, run_dir / "adapter", base_model=str(model_dir))
+        policy = exportable(policy)
+    # shards of at most 5 GiB (hashed in parallel): an 8B export is 4 files, a small model's one model.safetensors
+    # policy/ is replaced whole (tokenizer files included) and only when it holds a saved model's files alone
+    return save_model(policy, run_dir / "policy", max_shard_bytes=EXPORT_SHARD_BYTES, tokenizer_from=model_dir)
 
 
 def checkpoint_file(path: "str | Path") -> Path:
@@ -133,4 +147,5 @@ def _checkpoint_lora(state: dict) -> "LoRASpec | None":
                     targets=tuple(lora["targets"]))
 
 
-__all__ = ["ExportError", "checkpoint_file", "verify_checkpoint", "export_checkpoint"]
+__all__ = ["EXPORT_SHARD_BYTES", "ExportError", "checkpoint_file", "export_checkpoint", "save_run_policy",
+           "verify_checkpoint"]

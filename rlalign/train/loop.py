@@ -1,19 +1,16 @@
 """The RL loop, single process, colocated: rollout -> rewards -> advantages -> update -> push weights.
 
-Each step draws ``P`` prompts x ``K`` samples from the rollout engine, scores them, weighs every completion token
-by its sample's advantage (GRPO: group-normalised rewards) and takes ``algo.ppo_epochs`` passes of one optimizer
-step per mini-batch on the clipped surrogate (plus the KL and entropy terms when enabled): every term a function
-of :mod:`rlalign.algos`, chosen by name from :mod:`rlalign.algos.registry` (the objective: docs/training.md).
+Each step takes ``P`` prompts x ``K`` scored samples, weighs every completion token by its sample's advantage (GRPO:
+group-normalised rewards) and takes ``algo.ppo_epochs`` passes of one optimizer step per mini-batch on the clipped
+surrogate (plus the KL and entropy terms when enabled), every term chosen by name from :mod:`rlalign.algos.registry`.
 
-This module keeps the loop; each part of a step has a room of its own (:meth:`Trainer.train_step`):
-:mod:`~rlalign.train.sampling` draws the step's samples (DAPO's redraws included) into one
-:class:`~rlalign.train.samples.StepSamples` (tensors), laid out once as a :class:`~rlalign.train.packing.TrainBatch`;
-the old policy's log-probs are the trainer's own forward on the sampled tokens before the update (in the strict
-profile with one mini-batch the first update pass's, :func:`~rlalign.train.update.needs_rescore`), compared with
-the engine's on every token, and MoE routing on every row, by :mod:`~rlalign.train.agreement` before any optimizer
-step; :mod:`~rlalign.train.advantages` weighs the tokens; :mod:`~rlalign.train.update` runs the loss terms,
-accumulation, optimizer steps and lr schedule. Between steps :func:`run_training` evaluates, logs
-(:mod:`rlalign.train.run`), checkpoints (:mod:`~rlalign.train.checkpointing`) and decides when to stop.
+:meth:`Trainer.train_step` reads linearly, each part in a room of its own: the samples from the run's one
+:class:`~rlalign.train.sources.RolloutSource` (chosen at set-up: drawn by :mod:`~rlalign.train.sampling` at the
+step's start, or generated ahead), laid out once as a :class:`~rlalign.train.packing.TrainBatch`; the old policy's
+log-probs (:func:`~rlalign.train.update.needs_rescore`) checked against the engine's by :mod:`~rlalign.train.agreement`
+before any optimizer step; :mod:`~rlalign.train.advantages`, the source's importance weights and
+:mod:`~rlalign.train.update`; the new weights version told to the source. Between steps :func:`run_training`
+evaluates, logs (:mod:`rlalign.train.run`), checkpoints and decides when to stop (:mod:`~rlalign.train.stall`).
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -32,15 +30,15 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.contract.profiles import use_profile
 from rlalign.distributed.launch import Group, default_backend, spawn
 from rlalign.distributed.parallelize import parallelize
-from rlalign.models.checkpoint import save_model
 from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train import advantages, offpolicy
-from rlalign.train.adapters import adapt_policy, exportable, save_run_adapter, step_dropout
+from rlalign.train.adapters import adapt_policy, step_dropout
 from rlalign.train import parallel as par
 from rlalign.train.agreement import Agreement, MismatchError
 from rlalign.train.checkpointing import TrainingState
 from rlalign.train.config import TrainConfig
 from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
+from rlalign.train.export import save_run_policy
 from rlalign.train.layer_recompute import recompute_layers
 from rlalign.train.master import MasterWeights
 from rlalign.train.packing import TrainBatch
@@ -52,21 +50,18 @@ from rlalign.train.run.trackers import Trackers
 from rlalign.train.samples import StepSamples
 from rlalign.train.sampling import Sampler
 from rlalign.train.setup import SetupError, build_task, load_policy
-from rlalign.train.stall import StallWatch
-from rlalign.train.stepstats import (peak_memory_mb, policy_step_kl, rollout_stats, sample_stats, sampled_logprob_stats,
+from rlalign.train.sources import rollout_source
+from rlalign.train.stall import StallWatch, segment_end
+from rlalign.train.stepstats import (policy_step_kl, rollout_stats, sample_stats, sampled_logprob_stats, step_costs,
                                      token_stats)
 from rlalign.train.update import PolicyUpdate, UpdateInputs, needs_rescore
-
-
-EXPORT_SHARD_BYTES = 5 * 2**30
 
 
 class Trainer:
     """One training run's objects (policy, engine, task, optimizers, run directory) and its step."""
 
     def __init__(self, cfg: TrainConfig, console=None):
-        self.cfg = cfg
-        self.console = console
+        self.cfg, self.console = cfg, console
         # parallel.dp/tp (rlalign.train.parallel): tp shards the policy, each dp rank back-propagates a share
         self.tp, self.dp = par.parallel_groups(cfg)
         self.writer = par.is_writer(self.tp, self.dp)
@@ -86,9 +81,9 @@ class Trainer:
             raise
 
     def close(self) -> None:
-        """Stop what the trainer started besides itself: the reward worker process (idempotent)."""
-        if getattr(self, "pipeline", None) is not None:   # its worker thread may be scoring with the task
-            self.pipeline.close()
+        """Stop what the trainer started besides itself: the rollout source's worker, the reward worker process."""
+        if getattr(self, "source", None) is not None:   # its worker thread may be scoring with the task
+            self.source.close()
         if self.task is not None:
             self.task.close()
 
@@ -120,27 +115,13 @@ class Trainer:
         self.state = TrainingState(cfg, self.policy, self.master, self.update, self.tp, reward_file)
         self.sampler = Sampler(cfg, self.task, self.tokenizer, self.engine, self.dp)
         self.agreement = Agreement(cfg.run.profile, cfg.run.on_mismatch, sparse_layer_indices(self.policy.config))
-        # rollout.async_steps > 0: samples generated ahead in a worker thread (rlalign.train.offpolicy); 0: none
-        self.pipeline = (offpolicy.AsyncRollout(cfg, self.sampler, self.engine, self._push)
-                         if cfg.rollout.async_steps else None)
-        self.verifier = (offpolicy.BehaviourVerifier(self.policy, cfg.rollout.logprob_temperature,
-                                                     cfg.run.profile == "strict", cfg.run.on_mismatch,
-                                                     sampled=cfg.rollout.sampled_scoring)
-                         if cfg.run.verify_behaviour else None)
-        if self.verifier is not None:
-            self.verifier.remember(0, par.policy_weights(self.policy))
+        # where the steps' samples come from, chosen once: drawn at each step, or generated ahead (async_steps > 0)
+        self.source = rollout_source(cfg, self.sampler, self.engine, self._push)
+        self.verifier = offpolicy.behaviour_verifier(cfg, self.policy)   # run.verify_behaviour
         self.step = 0
         self.trackers, self.config_path = None, self.run_dir / "config.yaml"
         if cfg.optim.activation_checkpointing:
             recompute_layers(self.policy)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.update.optimizer
-
-    @property
-    def value_optimizer(self) -> "torch.optim.Optimizer | None":
-        return self.update.value_optimizer
 
     # ---- the run's files and state ---------------------------------------------------------------------
 
@@ -150,28 +131,22 @@ class Trainer:
         if self.run_lock is not None and self.run_lock.removed:
             self._note(f"removed leftovers of an interrupted run: {', '.join(self.run_lock.removed)}")
         state = self.state.load_latest(self.run_dir) if self.cfg.run.resume else None   # its config checked
-        self._start_run_files()
-        if state is None:
-            self.metrics = MetricsWriter(self.run_dir) if self.writer else NoMetrics()
-            return
-        self.step, self.sampler.data_pos = self.state.restore(state)
-        self._push(self.step)  # version = optimizer steps
-        if self.pipeline is not None:
-            self.pipeline.load_state_dict(state.get(offpolicy.STATE_KEY), self.step)
-        if self.verifier is not None:
-            self.verifier.snapshots.update(state.get(offpolicy.SNAPSHOTS_KEY) or {})
-        self.metrics = MetricsWriter(self.run_dir, resume_after_step=self.step) if self.writer else NoMetrics()
+        if self.writer:   # config.yaml (what this run runs under) and the trackers
+            write_run_config(self.run_dir, self.cfg)
+            self.trackers = Trackers(self.run_dir, self.cfg, start_step=self.step)
+        if state is not None:
+            self.step, self.sampler.data_pos = self.state.restore(state)
+            self._push(self.step)  # version = optimizer steps
+            self.source.load_state_dict(state, self.step)
+            if self.verifier is not None:
+                self.verifier.load_state_dict(state)
+        resumed = self.step if state is not None else None   # metrics.jsonl keeps the records through it
+        self.metrics = MetricsWriter(self.run_dir, resume_after_step=resumed) if self.writer else NoMetrics()
         self._note(getattr(self.metrics, "note", None))
 
     def _note(self, text: "str | None") -> None:
         if text and self.console is not None:
             self.console.print(f"note: {text}")
-
-    def _start_run_files(self) -> None:
-        """config.yaml (what this run runs under) and the trackers; the writer rank only."""
-        if self.writer:
-            write_run_config(self.run_dir, self.cfg)
-            self.trackers = Trackers(self.run_dir, self.cfg, start_step=self.step)
 
     def log_record(self, record: dict) -> None:
         """One metrics record: metrics.jsonl (always) and the run.loggers trackers."""
@@ -180,30 +155,25 @@ class Trainer:
             self.trackers.log(record)
 
     def _push(self, version: int) -> None:
-        """The engine at the policy's current weights, as ``version`` (and the verifier's snapshot of them)."""
-        weights = lambda: par.policy_weights(self.policy)  # noqa: E731
+        """The engine at the policy's current weights, as ``version`` (and the verifier's snapshot of them); the
+        weights are gathered once, and only where something reads them."""
+        weights = functools.cache(lambda: par.policy_weights(self.policy))
         self.weight_sync.push(weights, version=version)
         if self.verifier is not None:
             self.verifier.remember(version, weights())
 
     def save(self) -> None:
-        # the samples generated ahead first: waiting for them settles the data position
-        extra = {offpolicy.STATE_KEY: self.pipeline.state_dict()} if self.pipeline is not None else {}
+        extra = self.source.state_dict()   # first: waiting for the samples generated ahead settles the data position
         if self.verifier is not None:   # the versions that sampled them, for run.verify_behaviour after a resume
-            extra[offpolicy.SNAPSHOTS_KEY] = self.verifier.needed_after(self.step, self.cfg.rollout.async_steps)
+            extra.update(self.verifier.state_dict(self.step, self.cfg.rollout.async_steps))
         self.state.save(self.run_dir, self.writer, self.step, self.sampler.data_pos, extra)
 
     def save_policy(self) -> Path:
-        policy = par.unsharded_policy(self.policy)
+        """The trained policy as a Hugging Face model folder, ``policy/`` (and ``adapter/`` for a LoRA run)."""
+        policy = par.unsharded_policy(self.policy)   # every rank joins the gather; the writer writes
         if not self.writer:
             return self.run_dir / "policy"
-        if self.lora is not None:   # the adapters alone (PEFT's format) next to the merged policy
-            save_run_adapter(policy, self.lora, self.run_dir / "adapter", base_model=str(self.model_dir))
-            policy = exportable(policy)
-        # shards of at most 5 GiB (hashed in parallel): an 8B export is 4 files, a small model's one model.safetensors
-        # policy/ is replaced whole (tokenizer files included) and only when it holds a saved model's files alone
-        return save_model(policy, self.run_dir / "policy", max_shard_bytes=EXPORT_SHARD_BYTES,
-                          tokenizer_from=self.model_dir)
+        return save_run_policy(policy, self.lora, self.run_dir, self.model_dir)
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -211,7 +181,7 @@ class Trainer:
         """Whether the old policy's log-probs need a forward of their own (:func:`rlalign.train.update.needs_rescore`),
         or, with samples generated ahead (``rollout.async_steps``), the proximal policy's: they weigh the behaviour
         log-probs before the update (rlalign.train.offpolicy)."""
-        return needs_rescore(self.cfg, self.dp) or self.pipeline is not None
+        return needs_rescore(self.cfg, self.dp) or not self.source.on_policy
 
     def train_batch(self, samples: StepSamples) -> TrainBatch:
         """The step's :class:`TrainBatch` (layout, mask, rollout log-probs), built once."""
@@ -224,84 +194,74 @@ class Trainer:
         return batch
 
     def train_step(self, step: int) -> dict:
+        """One step: the source's samples; the old policy's log-probs, checked against the engine's; advantages and
+        the update; the engine's weights pushed; the step's record."""
         cfg, t0 = self.cfg, time.perf_counter()
         with use_profile(cfg.run.profile):
-            if self.pipeline is None:
-                samples, sampling_stats = self.sampler.draw_step(step)
-            else:   # generated ahead; time/rollout_s is then the wait for them
-                samples, sampling_stats, generated = self.pipeline.draw_step(step)
-                sampling_stats = {**sampling_stats, **generated}
-            t_rollout = time.perf_counter() - t0
-            t1 = time.perf_counter()
+            samples, sampling_stats = self.source.next_step(step)   # generated ahead: the wait is time/rollout_s
+            t_rollout, t1 = time.perf_counter() - t0, time.perf_counter()
+            batch, record = self.train_batch(samples), {"step": step}
+            old = self._old_policy(step, samples, batch, record)
             temp, scoring = cfg.rollout.logprob_temperature, cfg.rollout.sampled_scoring
-            batch = self.train_batch(samples)
-            record = {"step": step}
-            if scoring is not None:   # logprobs=sampled: kept-set and full-softmax log-probs before the update
-                scored = batch.score_sampled(self.policy, scoring)
-                record.update(sampled_logprob_stats(scored.logprob, scored.full_logprob, scored.kept, batch.mask))
-            compare_routing = self.moe and samples.has_routing
-            old = {"lp": None, "ent": None}   # the old policy's log-probs and entropies
-            if self.needs_rescore():
-                with record_routing(keep_logits=False) if compare_routing else contextlib.nullcontext() as routing:
-                    old["lp"], old["ent"] = batch.score(self.policy, temperature=temp, with_entropy=True, sampled=scoring)
-                routing_ids = routing.expert_ids() if compare_routing else None
-                record.update(self._agreement(step, old["lp"], routing_ids, samples, batch, compare_routing))
-            if self.verifier is not None:   # the engine's log-probs against the recorded version's trainer forward
-                self.verifier.forget_before(offpolicy.behaviour_version(step, cfg.rollout.async_steps))
-                record.update(self.verifier.check(step, samples.versions, batch))
             ref_lp = batch.score(self.ref, temperature=temp)[0] if self.ref is not None else None
             kl_reward = advantages.kl_in_reward(cfg.algo, old["lp"], ref_lp, batch)
             token_adv, value_targets = advantages.token_advantages(cfg.algo, samples, batch, kl_reward,
                                                                    self.update.value)
-            if self.pipeline is None:
-                is_weights, corr_stats = advantages.mismatch_correction(cfg.algo, old["lp"], batch)
-            else:   # decoupled PPO: the behaviour weights exp(prox - behav), bounded by algo.mismatch_correction
-                is_weights, corr_stats = offpolicy.behaviour_correction(cfg.algo, old["lp"], batch)
-                corr_stats.update(offpolicy.staleness_record(step, samples.versions))
+            is_weights, corr_stats = self.source.correction(cfg.algo, old["lp"], batch, step, samples)
 
             def first_pass(lp, ent, routing_ids):   # strict, no rescore: the first update pass's forward is the old policy's
                 old.update(lp=lp, ent=ent)
-                record.update(self._agreement(step, lp, routing_ids, samples, batch, compare_routing))
+                record.update(self._agreement(step, lp, routing_ids, samples, batch))
 
             inputs = UpdateInputs(old["lp"], token_adv, None if kl_reward is not None else ref_lp, is_weights,
                                   value_targets)
             with step_dropout(self.lora, cfg.run.seed, step):   # adapter dropout (native): masks seeded by the step
-                update = self.update.run(self.step, batch, inputs, first_pass, keep_routing=compare_routing)
+                update = self.update.run(self.step, batch, inputs, first_pass,
+                                         keep_routing=self.moe and samples.has_routing)
             if cfg.run.policy_kl:   # the updated policy on the samples its predecessor drew
                 update["kl/policy_step"] = policy_step_kl(
                     old["lp"], batch.score(self.policy, temperature=temp, sampled=scoring)[0], batch.mask)
         t_train = time.perf_counter() - t1
-        if self.pipeline is None:   # asynchronous: the pipeline pushes when no generation runs
-            self._push(step)
+        self.source.push_weights(step)
         lens, rewards = batch.completion_lens, samples.reward_tensor()
         record.update({**sample_stats(rewards, samples.truncated, lens, old["ent"]), **sampling_stats,
-                       **self._costs(t_rollout, t_train, int(lens.sum())), **update, **corr_stats,
+                       **step_costs(t_rollout, t_train, int(lens.sum()), self.device, self.engine.weights_version,
+                                    self.weight_sync.copy_bytes), **update, **corr_stats,
                        **rollout_stats(rewards, samples.group_tensor(), lens),
                        **token_stats(token_adv, batch.mask, old["lp"], ref_lp)})
         return record
 
+    def _old_policy(self, step: int, samples: StepSamples, batch: TrainBatch, record: dict) -> dict:
+        """The old policy's log-probs and entropies (``lp``, ``ent``: None until the first update pass supplies them
+        when no rescore is needed), checked against the engine's before any optimizer step into ``record``."""
+        temp, scoring = self.cfg.rollout.logprob_temperature, self.cfg.rollout.sampled_scoring
+        if scoring is not None:   # logprobs=sampled: kept-set and full-softmax log-probs before the update
+            scored = batch.score_sampled(self.policy, scoring)
+            record.update(sampled_logprob_stats(scored.logprob, scored.full_logprob, scored.kept, batch.mask))
+        old = {"lp": None, "ent": None}
+        if self.needs_rescore():
+            compare_routing = self.moe and samples.has_routing
+            with record_routing(keep_logits=False) if compare_routing else contextlib.nullcontext() as routing:
+                old["lp"], old["ent"] = batch.score(self.policy, temperature=temp, with_entropy=True, sampled=scoring)
+            routing_ids = routing.expert_ids() if compare_routing else None
+            record.update(self._agreement(step, old["lp"], routing_ids, samples, batch))
+        if self.verifier is not None:   # the engine's log-probs against the recorded version's trainer forward
+            self.verifier.forget_before(offpolicy.behaviour_version(step, self.cfg.rollout.async_steps))
+            record.update(self.verifier.check(step, samples.versions, batch))
+        return old
+
     def _agreement(self, step: int, old_lp: torch.Tensor, routing_ids: "torch.Tensor | None", samples: StepSamples,
-                   batch: TrainBatch, compare_routing: bool) -> dict:
-        """The step's agreement checks, before any optimizer step: log-probs, and the routing (the forward's expert
-        ids) where both sides recorded it."""
-        fresh = (None if self.pipeline is None     # asynchronous: only the tokens the current weights sampled
-                 else offpolicy.fresh_mask(samples.versions, step - 1))
-        record = self.agreement.check_logprobs(step, old_lp, batch, fresh)
-        if compare_routing:
+                   batch: TrainBatch) -> dict:
+        """The step's agreement checks, before any optimizer step: log-probs (of the tokens the source says the
+        current weights sampled), and the routing (the forward's expert ids) where both sides recorded it."""
+        record = self.agreement.check_logprobs(step, old_lp, batch, self.source.fresh_mask(samples, step))
+        if self.moe and samples.has_routing:
             record.update(self.agreement.check_routing(step, routing_ids, samples))
         return record
 
-    def _costs(self, t_rollout: float, t_train: float, n_tokens: int) -> dict:
-        """The step's time, throughput and memory, and the engine's weights version."""
-        return {"time/rollout_s": t_rollout, "time/train_s": t_train,
-                "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9),
-                "memory/peak_mb": peak_memory_mb(self.device), "weights_version": self.engine.weights_version,
-                "memory/engine_weight_copy_mb": self.weight_sync.copy_bytes / 2**20}   # 0: the engine shares the policy's
-
     def evaluate(self) -> dict:
         """Held-out accuracy (:meth:`rlalign.train.sampling.Sampler.evaluate`), by the trainer's current weights."""
-        if self.pipeline is not None:
-            self.pipeline.quiesce(self.step)
+        self.source.quiesce(self.step)
         return self.sampler.evaluate()
 
 
@@ -323,18 +283,12 @@ def run_training(cfg: TrainConfig, console=None) -> Path:
     return trainer.run_dir
 
 
-def _log_banner(trainer: Trainer, cfg: TrainConfig) -> None:
-    for line in banner_lines(cfg, trainer.run_dir, trainer.config_path, trainer.model_dir,
-                             sum(p.numel() for p in trainer.policy.parameters()),
-                             str(next(trainer.policy.parameters()).dtype).removeprefix("torch."), trainer.step):
-        LOGGER.info(line)
-    LOGGER.info(f"  weights  {trainer.weight_sync.path.describe()}")
-
-
 def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
     """The steps from the trainer's to run.steps (or an earlier stop), each evaluated, logged and saved on cue."""
     if trainer.writer:
-        _log_banner(trainer, cfg)
+        for line in banner_lines(cfg, trainer.run_dir, trainer.config_path, trainer.model_dir, trainer.policy,
+                                 trainer.step, trainer.weight_sync.path.describe()):
+            LOGGER.info(line)
     progress = StepReporter(cfg, console if trainer.writer else None, trainer.step)
     stall = StallWatch(cfg.run.stop_when_stalled)
     started = time.perf_counter()
@@ -361,7 +315,7 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
                 LOGGER.warning(warning)
             now = time.perf_counter()
             stalled = stall.stop_reason()
-            stop = stalled or _segment_end(cfg.run, step, now - started, now - step_started)
+            stop = stalled or segment_end(cfg.run, step, now - started, now - step_started)
             step_started = now
             if stop and not last:
                 if saves and not saved_now:   # a checkpoint is never written twice for one step
@@ -374,21 +328,6 @@ def _train_to_end(trainer: Trainer, cfg: TrainConfig, console) -> None:
         progress.close()
         if trainer.trackers is not None:
             trainer.trackers.close()
-
-
-def _segment_end(run, step: int, elapsed_s: float, step_s: float = 0.0) -> "str | None":
-    """Why this invocation ends after ``step`` before run.steps (a checkpoint is saved first), or None:
-    ``run.stop_at_step`` reached (the schedule still spans run.steps: a resume continues the same run), or
-    ``run.max_minutes`` reached -- or about to be: the next step, estimated to take as long as this one
-    (``step_s``, its eval included), would end past it (a GPU job's wall-clock limit must not cut a step)."""
-    if run.stop_at_step is not None and step >= run.stop_at_step:
-        return f"run.stop_at_step={run.stop_at_step} reached"
-    if run.max_minutes and elapsed_s / 60 > run.max_minutes:
-        return f"run.max_minutes={run.max_minutes} reached"
-    if run.max_minutes and (elapsed_s + step_s) / 60 > run.max_minutes:
-        return (f"run.max_minutes={run.max_minutes}: another step (~{step_s:.0f} s, as long as the last) "
-                f"would end past it")
-    return None
 
 
 def _parallel_rank(world: Group, cfg: TrainConfig) -> str:

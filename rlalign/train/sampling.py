@@ -4,7 +4,8 @@ DAPO's redraws; and the held-out evaluation.
 Each step draws ``rollout.prompts_per_step`` prompts x ``rollout.samples_per_prompt`` samples at
 ``rollout.temperature`` (seeded by ``run.seed``, the step and the draw round: :func:`rlalign.ops.derive_seed`),
 each data-parallel rank generating its share (:mod:`rlalign.train.dp_rollout`), and scores every sample with the
-task's reward. With ``algo.dynamic_sampling`` (DAPO) groups whose rewards are all equal are dropped and more
+task's reward; with ``task.env`` each sample is instead a multi-turn episode scored by its return
+(:mod:`rlalign.train.multiturn`), the one choice made when the :class:`Sampler` is built. With ``algo.dynamic_sampling`` (DAPO) groups whose rewards are all equal are dropped and more
 prompts drawn until enough informative groups are kept (:meth:`Sampler.draw_step`). The result is the step's
 :class:`~rlalign.train.samples.StepSamples`.
 """
@@ -32,7 +33,9 @@ class Sampler:
     def __init__(self, cfg, task: TaskData, tokenizer, engine, dp: Group):
         self.cfg, self.task, self.tokenizer, self.engine, self.dp = cfg, task, tokenizer, engine, dp
         self.data_pos = 0   # the next training prompt of the task's stream (a checkpoint keeps it)
-        self.episode_stats: list[dict] = []   # task.env: each draw's episodes/* record this step
+        self.draw_stats: list[dict] = []   # each draw's own record this step (task.env: episodes/*)
+        # how a draw's problems become samples and rewards, chosen once: one-turn completions or multi-turn episodes
+        self._generate = self._episodes if task.env is not None else self._completions
 
     def draw(self, step: int, draw_round: int, count: int, first_group: int) -> StepSamples:
         """``count`` prompts from the data stream x ``samples_per_prompt`` samples, scored; groups numbered from
@@ -43,13 +46,9 @@ class Sampler:
         sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                   min_p=r.min_p, logprobs=r.logprobs, max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos,
                                   seed=derive_seed(self.cfg.run.seed, step, draw_round))
-        if self.task.env is not None:   # multi-turn episodes (rlalign.train.multiturn)
-            samples, returns, stats = multiturn.draw_episodes(self.engine, self.task, self.tokenizer, problems,
-                                                              sampling, multiturn.limits_of(self.cfg))
-            self.episode_stats.append(stats)
-            return samples.scored(returns, first_group)
-        samples = generate_sharded(self.engine, self._prompts(problems), sampling, self.dp)
-        return samples.scored(self._rewards(problems, samples), first_group)
+        samples, rewards, stats = self._generate(problems, sampling)
+        self.draw_stats.append(stats)
+        return samples.scored(rewards, first_group)
 
     def draw_step(self, step: int) -> tuple[StepSamples, dict]:
         """The step's samples. With ``algo.dynamic_sampling`` (DAPO): groups whose rewards are all equal are
@@ -58,11 +57,11 @@ class Sampler:
         ``dynamic_sampling/*`` record (empty without it) and each weighted reward term's mean over every sample drawn
         (``reward/term<i>_<label>``, with two terms or more)."""
         target = self.cfg.rollout.prompts_per_step
-        self.episode_stats = []
+        self.draw_stats = []
         self.task.take_reward_terms()   # forget what an evaluation scored: the terms' means are this step's draws
         samples = self.draw(step, 0, target, 0)
         if not self.cfg.algo.dynamic_sampling:
-            return samples, {**self.task.take_reward_terms(), **self._episode_record()}
+            return samples, {**self.task.take_reward_terms(), **self._draw_record()}
         drawn, rounds = target, 1
         while True:
             kept_samples = samples.select(algos.informative_groups(samples.reward_tensor(), samples.group_tensor()))
@@ -74,7 +73,7 @@ class Sampler:
             drawn += more
             rounds += 1
         stats = {"dynamic_sampling/drawn_groups": drawn, "dynamic_sampling/kept_groups": min(kept, target),
-                 "dynamic_sampling/rounds": rounds, **self.task.take_reward_terms(), **self._episode_record()}
+                 "dynamic_sampling/rounds": rounds, **self.task.take_reward_terms(), **self._draw_record()}
         if kept == 0:  # nothing informative: every advantage is 0, the update is a no-op
             return samples, stats
         every = torch.ones(len(kept_samples), dtype=torch.bool)
@@ -88,7 +87,6 @@ class Sampler:
         if not problems:
             return {}
         started = time.perf_counter()
-        prompts = self._prompts(problems)
         r = self.cfg.rollout
         out = {}
         for key, sampling in (
@@ -97,25 +95,28 @@ class Sampler:
                                                  seed=derive_seed(self.cfg.run.seed, -1, 0))),
                 ("eval/accuracy_greedy", SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens))):
             with use_profile(self.cfg.run.profile):
-                rewards = self._eval_rewards(problems, prompts, sampling)
+                rewards = self._generate(problems, sampling)[1]
             out[key] = sum(1.0 for x in rewards if x >= 1.0) / len(rewards)
             if self.task.env is not None:
                 out[key.replace("accuracy", "return")] = sum(rewards) / len(rewards)
         out["time/eval_s"] = time.perf_counter() - started
         return out
 
-    def _episode_record(self) -> dict:
-        """task.env: the ``episodes/*`` record of the step's first draw (empty without an env)."""
-        return dict(self.episode_stats[0]) if self.episode_stats else {}
+    def _draw_record(self) -> dict:
+        """The step's first draw's own record (task.env: ``episodes/*``; empty without an env)."""
+        return dict(self.draw_stats[0]) if self.draw_stats else {}
 
-    def _eval_rewards(self, problems, prompts, sampling) -> list[float]:
-        """Each eval sample's reward: its completion's, or with ``task.env`` its episode's return."""
-        if self.task.env is not None:
-            episodes, _ = multiturn.play(self.engine, self.task, self.tokenizer, problems, sampling,
-                                         multiturn.limits_of(self.cfg))
-            return [e.episode_return for e in episodes]
-        samples = generate_sharded(self.engine, prompts, sampling, self.dp)   # each DP rank a share, all get all
-        return self._rewards(problems, samples)
+    def _completions(self, problems, sampling) -> tuple[StepSamples, list[float], dict]:
+        """One turn: (the completions, each DP rank generating a share and every rank getting all; each completion's
+        reward; no record of its own)."""
+        samples = generate_sharded(self.engine, self._prompts(problems), sampling, self.dp)
+        return samples, self._rewards(problems, samples), {}
+
+    def _episodes(self, problems, sampling) -> tuple[StepSamples, list[float], dict]:
+        """``task.env``: (the episodes as samples, each episode's return, their ``episodes/*`` record)
+        (:mod:`rlalign.train.multiturn`)."""
+        return multiturn.draw_episodes(self.engine, self.task, self.tokenizer, problems, sampling,
+                                       multiturn.limits_of(self.cfg))
 
     def _prompts(self, problems) -> list[list[int]]:
         return [self.task.encode(p.prompt) for p in problems]

@@ -1,11 +1,14 @@
-"""Stalled runs: steps in which the policy gradient had no signal at all.
+"""Why a run ends before ``run.steps``: stalled steps, or the end of this invocation's segment.
+
+Stalled runs are steps in which the policy gradient had no signal at all.
 
 GRPO-family advantages are rewards centred (and scaled) within each prompt's group, so a step in which
 every group's samples earned equal rewards gives every token an advantage of exactly 0 -- and a collapsed
 policy (entropy ~0: every prompt's samples identical) stays in that state for good, since no gradient can
 move it out. A 200-step run of the Qwen3-8B shape on an H200 (2026-12-02) spent 186 of its steps frozen like that.
 The trainer warns once a stall has lasted :data:`WARN_AFTER` steps and, with ``run.stop_when_stalled=N``,
-ends the run after N stalled steps in a row (a checkpoint first, as any early stop).
+ends the run after N stalled steps in a row (a checkpoint first, as any early stop). A segment ends at
+``run.stop_at_step`` or ``run.max_minutes`` (:func:`segment_end`); a resume continues the run.
 """
 
 from __future__ import annotations
@@ -46,4 +49,19 @@ class StallWatch:
         return None
 
 
-__all__ = ["StallWatch", "stalled", "WARN_AFTER"]
+def segment_end(run, step: int, elapsed_s: float, step_s: float = 0.0) -> "str | None":
+    """Why this invocation ends after ``step`` before run.steps (a checkpoint is saved first), or None:
+    ``run.stop_at_step`` reached (the schedule still spans run.steps: a resume continues the same run), or
+    ``run.max_minutes`` reached -- or about to be: the next step, estimated to take as long as this one
+    (``step_s``, its eval included), would end past it (a GPU job's wall-clock limit must not cut a step)."""
+    if run.stop_at_step is not None and step >= run.stop_at_step:
+        return f"run.stop_at_step={run.stop_at_step} reached"
+    if run.max_minutes and elapsed_s / 60 > run.max_minutes:
+        return f"run.max_minutes={run.max_minutes} reached"
+    if run.max_minutes and (elapsed_s + step_s) / 60 > run.max_minutes:
+        return (f"run.max_minutes={run.max_minutes}: another step (~{step_s:.0f} s, as long as the last) "
+                f"would end past it")
+    return None
+
+
+__all__ = ["StallWatch", "segment_end", "stalled", "WARN_AFTER"]

@@ -91,5 +91,14 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-__all__ = ["sample_stats", "rollout_stats", "token_stats", "policy_step_kl", "peak_memory_mb"]
+def step_costs(t_rollout: float, t_train: float, n_tokens: int, device: torch.device, weights_version: int,
+               engine_copy_bytes: int) -> dict:
+    """The step's time, throughput and memory, and the engine's weights version."""
+    return {"time/rollout_s": t_rollout, "time/train_s": t_train,
+            "tokens_per_s/rollout": n_tokens / max(t_rollout, 1e-9),
+            "memory/peak_mb": peak_memory_mb(device), "weights_version": weights_version,
+            "memory/engine_weight_copy_mb": engine_copy_bytes / 2**20}   # 0: the engine shares the policy's
+
+
+__all__ = ["sample_stats", "rollout_stats", "token_stats", "policy_step_kl", "peak_memory_mb", "step_costs"]
 

@@ -1,5 +1,5 @@
-"""Asynchronous steps (rollout.async_steps, rlalign.train.offpolicy): the schedule is the config's, not the threads';
-the generation of step t + k really runs while step t trains; k = 1 runs are bitwise reproducible, across a
+"""Asynchronous steps (rollout.async_steps, rlalign.train.offpolicy and .sources): the schedule is the config's, not
+the threads'; the generation of step t + k really runs while step t trains; k = 1 runs are bitwise reproducible, across a
 kill + resume too (the checkpoint holds the samples generated ahead); the async machinery with no lookahead gives
 the synchronous run's metrics and weights bit for bit; run.verify_behaviour recomputes the behaviour log-probs under
 the recorded version (0 differ) and catches a one-bit change; the staleness bound is enforced."""
@@ -11,13 +11,15 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlalign.configlib import ConfigError, load_config
+from rlalign.contract.errors import RLAlignError
 from rlalign.integrations.ray.compare import metric_differences, weight_differences
-from rlalign.train import offpolicy
+from rlalign.train import offpolicy, sources
 from rlalign.train.agreement import MismatchError
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import Trainer, run_training
@@ -58,15 +60,32 @@ def test_schedule_and_staleness_bound():
         load_config(TrainConfig, None, ["rollout.async_steps=-1"])
 
 
+def test_a_resume_needs_the_checkpoint_of_its_own_async_steps():
+    """The asynchronous source resumes only from a checkpoint holding exactly the steps it would have generated
+    ahead (a synchronous run's checkpoint holds none); the synchronous source keeps nothing of its own."""
+    cfg = SimpleNamespace(rollout=SimpleNamespace(async_steps=2, max_staleness=None),
+                          run=SimpleNamespace(profile="strict"))
+    source = sources.AsynchronousSource(cfg, sampler=None, engine=None, push=None)
+    try:
+        for checkpoint, held in (({}, "none"), ({sources.STATE_KEY: {"async_steps": 1, "ready": {4: {}}}}, "\\[4\\]"),
+                                 ({sources.STATE_KEY: {"async_steps": 2, "ready": {4: {}, 6: {}}}}, "\\[4, 6\\]")):
+            with pytest.raises(RLAlignError, match=f"checkpoint of step 3 holds the samples of steps {held} generated "
+                                                   "ahead, but rollout.async_steps=2 needs steps \\[4, 5\\]"):
+                source.load_state_dict(checkpoint, 3)
+    finally:
+        source.close()
+    assert sources.SynchronousSource(sampler=None, push=None).state_dict() == {}
+
+
 def test_a_sample_older_than_max_staleness_stops_the_step(arithmetic_model_dir, tmp_path):
     """The bound is checked on the samples themselves: a step whose samples claim an older version is refused."""
     trainer = _trainer(arithmetic_model_dir, tmp_path / "run", "rollout.async_steps=1")
     try:
         trainer.train_step(1)
         trainer.step = 1
-        trainer.pipeline._wait_all()   # step 2's samples, drawn by version 0, claim version -1 instead
-        samples, stats, t = trainer.pipeline._ready[2]
-        trainer.pipeline._ready[2] = (samples.__class__(**{**offpolicy.samples_state(samples),
+        trainer.source._wait_all()   # step 2's samples, drawn by version 0, claim version -1 instead
+        samples, stats, t = trainer.source._ready[2]
+        trainer.source._ready[2] = (samples.__class__(**{**sources.samples_state(samples),
                                                            "versions": samples.versions - 1}), stats, t)
         with pytest.raises(offpolicy.StalenessError, match="step 2: a sample of weights version -1 is 2 versions older"):
             trainer.train_step(2)
@@ -104,12 +123,12 @@ def test_generation_of_the_next_step_runs_while_this_step_trains(arithmetic_mode
 
 
 def test_async_machinery_without_lookahead_equals_the_synchronous_run(arithmetic_model_dir, tmp_path):
-    """The pipeline with k = 0 (each step's samples drawn in the worker thread by the trainer's current weights, an
-    engine copy, the decoupled weights, which are exactly 1) against the synchronous run (shared engine, no
-    pipeline): every metric both log and every weight, bit for bit."""
+    """The asynchronous source with k = 0 (each step's samples drawn in the worker thread by the trainer's current
+    weights, an engine copy, the decoupled weights, which are exactly 1) against the synchronous source (shared
+    engine): every metric both log and every weight, bit for bit."""
     sync = _trainer(arithmetic_model_dir, tmp_path / "sync")
     piped = _trainer(arithmetic_model_dir, tmp_path / "piped", "rollout.share_weights=false")
-    piped.pipeline = offpolicy.AsyncRollout(piped.cfg, piped.sampler, piped.engine, piped._push)
+    piped.source = sources.AsynchronousSource(piped.cfg, piped.sampler, piped.engine, piped._push)
     try:
         updated = 0
         for step in (1, 2, 3):
@@ -118,7 +137,7 @@ def test_async_machinery_without_lookahead_equals_the_synchronous_run(arithmetic
             a.update(sync.evaluate())
             b.update(piped.evaluate())
             assert b["offpolicy/staleness_max"] == 0 and b["offpolicy/weight_min"] == b["offpolicy/weight_max"] == 1.0
-            # weights_version: the engine's after the step; the pipeline updates its engine when it next draws
+            # weights_version: the engine's after the step; the asynchronous source updates it when it next draws
             assert (a["weights_version"], b["weights_version"]) == (step, step - 1)
             common = sorted(k for k in a if k in b and not k.startswith(VOLATILE) and k != "weights_version")
             assert len(common) > 20
@@ -178,11 +197,11 @@ def test_verify_behaviour_catches_one_flipped_bit(arithmetic_model_dir, tmp_path
     try:
         assert trainer.train_step(1)["verify/behaviour_mismatch"] == 0
         trainer.step = 1
-        trainer.pipeline._wait_all()
-        samples, stats, t = trainer.pipeline._ready[2]
+        trainer.source._wait_all()
+        samples, stats, t = trainer.source._ready[2]
         flipped = samples.logprobs.clone()
         flipped.view(torch.int32)[5] ^= 1
-        trainer.pipeline._ready[2] = (samples.__class__(**{**offpolicy.samples_state(samples), "logprobs": flipped}),
+        trainer.source._ready[2] = (samples.__class__(**{**sources.samples_state(samples), "logprobs": flipped}),
                                       stats, t)
         with pytest.raises(MismatchError, match="step 2: 1 of \\d+ behaviour log-probs differ .*first: token 5, version 0"):
             trainer.train_step(2)

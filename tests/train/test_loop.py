@@ -241,7 +241,7 @@ def test_strict_mismatch_stops_before_any_optimizer_step(arithmetic_model_dir, t
     _nudge_first_rollout_logprob(trainer)
     with pytest.raises(MismatchError, match="1 of .* token logprobs differ"):
         trainer.train_step(1)
-    assert not trainer.optimizer.state   # AdamW never stepped
+    assert not trainer.update.optimizer.state   # AdamW never stepped
     for name, value in trainer.policy.state_dict().items():
         assert_bitwise_equal(value, before[name], name)
 
@@ -252,13 +252,13 @@ def test_mini_batches_step_the_optimizer_per_mini_batch_and_clip(arithmetic_mode
     trainer = _trainer(arithmetic_model_dir, tmp_path / "run", ["algo.mini_batches=2", "algo.ppo_epochs=2",
                                                                 "algo.clip_low=0.001", "algo.clip_high=0.001"])
     assert trainer.needs_rescore()   # mini-batch 2 runs after an optimizer step: old log-probs come first
-    calls, step = [], trainer.optimizer.step
+    calls, step = [], trainer.update.optimizer.step
 
     def counted(*args, **kwargs):
-        calls.append(trainer.optimizer.param_groups[0]["lr"])
+        calls.append(trainer.update.optimizer.param_groups[0]["lr"])
         return step(*args, **kwargs)
 
-    trainer.optimizer.step = counted
+    trainer.update.optimizer.step = counted
     record = trainer.train_step(1)
     assert len(calls) == 4 and len(set(calls)) == 1
     assert record["lr"] == calls[0] == pytest.approx(1e-2 / 5)   # warmup step 1 of 5: the lr used, not the next
@@ -267,7 +267,7 @@ def test_mini_batches_step_the_optimizer_per_mini_batch_and_clip(arithmetic_mode
 
 def test_value_lr_reaches_the_value_optimizer(arithmetic_model_dir, tmp_path):
     trainer = _trainer(arithmetic_model_dir, tmp_path / "run", ["algo.advantage=gae", "algo.value_lr=0.05"])
-    assert trainer.value_optimizer.param_groups[0]["lr"] == 0.05
+    assert trainer.update.value_optimizer.param_groups[0]["lr"] == 0.05
 
 
 def test_cli_refuses_a_key_the_algorithm_does_not_read_in_one_line(tmp_path):
@@ -288,19 +288,6 @@ def test_max_minutes_without_checkpoints_stops_cleanly_and_writes_none(arithmeti
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
     assert not (run_dir / "checkpoints").exists() and (run_dir / "policy" / "config.json").is_file()
     assert "run.save_checkpoints=false: no checkpoint, the run cannot be resumed" in rlalign_log.text
-
-
-def test_max_minutes_ends_before_a_step_that_would_pass_it():
-    """run.max_minutes ends the segment when the next step, estimated as long as the last, would end past the
-    limit -- not one step late; stop_at_step first; nothing without a limit."""
-    from types import SimpleNamespace
-    from rlalign.train.loop import _segment_end
-    run = SimpleNamespace(stop_at_step=None, max_minutes=1.0)
-    assert _segment_end(run, 3, elapsed_s=40.0, step_s=10.0) is None          # 50 s < 60 s
-    assert "would end past it" in _segment_end(run, 4, elapsed_s=50.5, step_s=10.0)
-    assert "reached" in _segment_end(run, 5, elapsed_s=61.0, step_s=0.0)
-    assert _segment_end(SimpleNamespace(stop_at_step=None, max_minutes=None), 9, 1e9, 1e9) is None
-    assert "stop_at_step" in _segment_end(SimpleNamespace(stop_at_step=2, max_minutes=1.0), 2, 100.0, 50.0)
 
 
 def test_ignore_eos_samples_every_completion_to_its_limit(arithmetic_model_dir, tmp_path):

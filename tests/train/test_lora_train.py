@@ -132,7 +132,7 @@ def test_bf16_masters_and_optimizer_state_hold_adapters_only(arithmetic_model_di
         for step in (1, 2):
             record = trainer.train_step(step)
             assert record["mismatch/count"] == 0
-        stepped = {id(p) for p in trainer.optimizer.state}
+        stepped = {id(p) for p in trainer.update.optimizer.state}
         assert stepped == {id(m) for m in trainer.master.masters}
         for name, p in trainer.policy.named_parameters():
             if name not in adapters:

@@ -257,7 +257,7 @@ def _assert_same_training_state(a: Trainer, b: Trainer) -> None:
         assert_bitwise_equal(p.detach(), q.detach(), name)
     for (name, _), m, n in zip(a.master.named, a.master.masters, b.master.masters):
         assert_bitwise_equal(m.detach(), n.detach(), f"master {name}")
-    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    sa, sb = a.update.optimizer.state_dict()["state"], b.update.optimizer.state_dict()["state"]
     assert sa.keys() == sb.keys() and len(sa) == len(a.master.named)
     for index in sa:
         for key in ("step", "exp_avg", "exp_avg_sq"):

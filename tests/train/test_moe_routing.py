@@ -101,7 +101,7 @@ def test_a_strict_routing_mismatch_stops_before_any_optimizer_step(moe_arith_dir
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     with pytest.raises(MismatchError, match="routing choices differ"):
         trainer.train_step(1)
-    assert not trainer.optimizer.state   # AdamW never stepped
+    assert not trainer.update.optimizer.state   # AdamW never stepped
     for name, value in trainer.policy.state_dict().items():
         assert_bitwise_equal(value, before[name], name)
 

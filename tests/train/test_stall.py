@@ -1,7 +1,8 @@
-"""Stalled runs (rlalign/train/stall.py): a warning once every advantage has been 0 for a few steps, and
-``run.stop_when_stalled`` to end such a run."""
+"""Why a run ends early (rlalign/train/stall.py): a warning once every advantage has been 0 for a few steps, and
+``run.stop_when_stalled`` to end such a run; a segment's end at ``run.stop_at_step`` or ``run.max_minutes``."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -9,7 +10,7 @@ from rlalign.configlib import ConfigError, load_config
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import run_training
 from rlalign.train.run.metrics import read_metrics
-from rlalign.train.stall import WARN_AFTER, StallWatch, stalled
+from rlalign.train.stall import WARN_AFTER, StallWatch, segment_end, stalled
 
 from .conftest import tiny_overrides
 
@@ -53,3 +54,14 @@ def test_a_constant_reward_run_warns_and_stops_when_stalled(arithmetic_model_dir
 def test_stop_when_stalled_must_be_a_positive_step_count():
     with pytest.raises(ConfigError, match="stop_when_stalled"):
         load_config(TrainConfig, None, ["run.stop_when_stalled=0"])
+
+
+def test_max_minutes_ends_before_a_step_that_would_pass_it():
+    """run.max_minutes ends the segment when the next step, estimated as long as the last, would end past the
+    limit -- not one step late; stop_at_step first; nothing without a limit."""
+    run = SimpleNamespace(stop_at_step=None, max_minutes=1.0)
+    assert segment_end(run, 3, elapsed_s=40.0, step_s=10.0) is None          # 50 s < 60 s
+    assert "would end past it" in segment_end(run, 4, elapsed_s=50.5, step_s=10.0)
+    assert "reached" in segment_end(run, 5, elapsed_s=61.0, step_s=0.0)
+    assert segment_end(SimpleNamespace(stop_at_step=None, max_minutes=None), 9, 1e9, 1e9) is None
+    assert "stop_at_step" in segment_end(SimpleNamespace(stop_at_step=2, max_minutes=1.0), 2, 100.0, 50.0)

@@ -39,15 +39,19 @@ def install_cli_handler(console=None) -> None:
     LOGGER.propagate = False
 
 
-def banner_lines(cfg, run_dir, config_path, model_dir, num_params: int, dtype: str, resumed_step: int) -> list[str]:
+def banner_lines(cfg, run_dir, config_path, model_dir, policy, resumed_step: int, weights: str) -> list[str]:
+    """The run's opening lines: what it runs, on which model and weights path, where it writes."""
     start = f"resuming at step {resumed_step + 1}" if resumed_step else "starting"
+    num_params = sum(p.numel() for p in policy.parameters())
+    dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
     return [f"rlalign train: {start}; run directory {run_dir}",
             f"  config   {config_path} (resolved, every key; `rlalign train --print-config` shows one before a run)",
             f"  model    {model_dir} ({num_params / 1e6:.2f}M parameters, {dtype}) on {cfg.model.device}",
             f"  profile  {cfg.run.profile}; algorithm {cfg.algo.advantage}/{cfg.algo.policy_loss}; "
             f"task {cfg.task.name} ({_rewards(cfg.task)}); {cfg.run.steps} steps of "
             f"{cfg.rollout.prompts_per_step}x{cfg.rollout.samples_per_prompt} samples",
-            f"  loggers  {', '.join(dict.fromkeys(['jsonl', *cfg.run.loggers]))} -> {run_dir}"]
+            f"  loggers  {', '.join(dict.fromkeys(['jsonl', *cfg.run.loggers]))} -> {run_dir}",
+            f"  weights  {weights}"]
 
 
 def _rewards(task) -> str:
