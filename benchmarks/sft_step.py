@@ -267,8 +267,11 @@ def _run_in_subprocess(variant: str, args) -> dict:
     lines = out.stdout.strip().splitlines()
     if out.returncode == 0 and lines:
         return json.loads(lines[-1])
-    err = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-    return {"variant": variant, "error": "out of memory" if "out of memory" in out.stderr.lower() else err}
+    if "out of memory" in out.stderr.lower():
+        return {"variant": variant, "error": "out of memory"}
+    if out.returncode == -9:   # SIGKILL: on a host, what the kernel's OOM killer sends
+        return {"variant": variant, "error": "killed (SIGKILL: out of host memory?)"}
+    return {"variant": variant, "error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}, no output"])[-1]}
 
 
 def _forwarded(args) -> list[str]:
