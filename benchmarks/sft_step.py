@@ -15,7 +15,9 @@ log-likelihood of the response tokens (prompt tokens unscored), the same weights
                   packed varlen forward (no padding) -> the fused log-prob of the scored rows only (no [T, V]
                   logits) -> backward; gradient-norm clip to ``optim.grad_clip``; the masters' AdamW step; the lr
                   schedule's step. The timed interval is the call to ``SFTUpdate.step`` (it packs the examples
-                  into device tensors and reads the loss back, as in a run).
+                  into device tensors and reads the loss back, as in a run); not timed: what ``run_sft`` does around
+                  a step (metrics line, eval, checkpoints). The model is built in memory with random weights
+                  instead of read by ``load_policy`` from a checkpoint.
     transformers  ``Trainer.train()`` for ``warmup + iters`` steps on ``Qwen3ForCausalLM``
                   (attn_implementation="sdpa", the same bf16 weights copied by name), ``TrainingArguments(bf16=True
                   on cuda, per_device_train_batch_size=the number of sequences, gradient_checkpointing=the rlalign
@@ -29,8 +31,10 @@ log-likelihood of the response tokens (prompt tokens unscored), the same weights
                   (done before ``on_step_begin``; a few small tensors) and the logging after it (off).
 
 Not the same by construction, and stated so: rlalign trains bf16 weights against fp32 masters with fp32 AdamW
-state (12 extra bytes a parameter); the Trainer's ``adamw_torch`` steps the bf16 weights with bf16 state (as a
-user who loads a bf16 model gets). rlalign computes no padded rows and no logits for prompt rows.
+state (16 bytes a parameter with weight and gradient); the Trainer's ``adamw_torch`` steps the bf16 weights with
+bf16 state (8 bytes; what a user who loads a bf16 model gets). rlalign computes no padded rows and no logits for
+prompt rows; with several micro-batches (8192 tokens > the default 4096) it holds one micro-batch's activations at
+a time (``--micro-batch-tokens 8192``: one packed forward, as the Trainer's one padded batch).
 
 The workload: ragged sequences (lengths uniform in [mean/4, 7 mean/4], seeded, the last one the remainder,
 ``--tokens`` in all; benchmarks/train_step.py's ``sequence_lengths``), random token ids, each split into a prompt
@@ -39,14 +43,16 @@ of uniform length in [1, n - 1] and the response (scored, the sequence's last to
 ``rlalign.bench.rollout.PRESETS["qwen3-8b"]`` cut to ``--layers`` decoder layers (full 151,936 vocabulary, untied
 head), or ``--shape tiny`` (a tiny Qwen3, seconds on a CPU).
 
-Each variant runs in a fresh subprocess (a clean peak-memory reading; an out-of-memory variant is reported as
-such, the other still runs): ``--warmup`` steps, then ``--iters`` timed steps; ``step_s`` is the median.
+Each variant runs in a fresh subprocess on one GPU (the first of ``CUDA_VISIBLE_DEVICES``; a clean peak-memory
+reading; an out-of-memory variant is reported as such, the other still runs): ``--warmup`` steps, then
+``--iters`` timed steps; ``step_s`` is the median, ``step_s_all`` every timed step.
 Peak memory: CUDA ``torch.cuda.max_memory_allocated`` from just after the model is built (weights) through the
 last timed step -- weights, gradients, master weights, optimizer state and activations included; CPU the peak
 RSS over the same span minus the RSS before the model was built (indicative: allocator caching and thread pools
-count). ``tokens_per_s`` counts every real (unpadded) token of the step. ``loss_first``: step 1's loss (before any
-update: the two variants agree up to bf16 rounding); ``loss``: the last step's. Ratios: ``time_transformers_over_rlalign``
-(> 1: rlalign is faster) and ``memory_rlalign_over_transformers`` (< 1: rlalign needs less).
+count). ``tokens_per_s`` counts every real (unpadded) token of the step. ``loss_first``: step 1's loss (before
+any update: the two variants agree up to bf16 rounding); ``loss``: the last step's (the optimizers and lr
+schedules differ). Ratios: ``time_transformers_over_rlalign`` (> 1: rlalign is faster) and
+``memory_rlalign_over_transformers`` (< 1: rlalign needs less).
 """
 
 from __future__ import annotations
@@ -263,7 +269,10 @@ def run_variant(variant: str, args) -> dict:
 
 def _run_in_subprocess(variant: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, *_forwarded(args)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if args.device == "cuda":   # one GPU each: with several visible, the Trainer would wrap the model in DataParallel
+        env["CUDA_VISIBLE_DEVICES"] = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = out.stdout.strip().splitlines()
     if out.returncode == 0 and lines:
         return json.loads(lines[-1])
