@@ -10,12 +10,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rlalign.cli.main import main
 from rlalign.configlib import load_config
+from rlalign.contract import use_profile
 from rlalign.models.checkpoint import load_model
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
 from rlalign.tasks import ArithmeticTask
 from rlalign.models.testing import make_tiny_checkpoint, tiny_model, write_tiny_tokenizer
 from rlalign.models.tokenizer import load_tokenizer
+from rlalign.train.layer_recompute import RecomputedLayer
 from rlalign.train.packing import score_completions, scored_rows
 from rlalign.train.pretrain import HabitCorpus, PretrainConfig, hf_config, pretrain
 from rlalign.train.run.metrics import read_metrics
@@ -23,7 +25,7 @@ from rlalign.train.sft.config import DataSection, SFTConfig
 from rlalign.train.sft.data import SFTDataError, chat_example, held_out_split, prompt_response_example, to_example
 from rlalign.train.sft.loop import run_sft
 from rlalign.train.sft.objective import Example, micro_batch_loss, pack, response_mask, token_logprobs
-from rlalign.train.sft.update import batch_indices
+from rlalign.train.sft.update import batch_indices, build_update
 from tests.bitwise import assert_bitwise_equal
 from tests.train.conftest import make_arithmetic_checkpoint, tiny_overrides
 
@@ -237,6 +239,29 @@ def test_bad_input_is_one_line(tmp_path, capsys, content, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("rlalign sft: error: ") and message in err, err
     assert not (tmp_path / "run").exists()   # refused before the run directory was made
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_checkpointing_recomputes_every_layer_and_steps_the_same_bits(dtype):
+    """build_update (what run_sft sets the policy up with): optim.activation_checkpointing=true puts every decoder
+    layer under recomputation, and two optimizer steps give the metrics and weights of the run without it, bit for
+    bit (bf16: through the fp32 masters)."""
+    g = torch.Generator().manual_seed(3)
+    examples = [Example(tuple(torch.randint(0, 300, (p + r,), generator=g).tolist()), response_mask(p, r))
+                for p, r in ((2, 5), (1, 1), (4, 3))]
+    runs = []
+    for checkpointing in (False, True):
+        model = tiny_model("qwen3", seed=1, init_std=0.1, num_hidden_layers=2).to(dtype).train()
+        cfg = SFTConfig()
+        cfg.optim.activation_checkpointing = checkpointing
+        update = build_update(model, cfg.optim, total_steps=2)
+        assert all(isinstance(layer, RecomputedLayer) for layer in model.model.layers) == checkpointing
+        with use_profile(cfg.run.profile):
+            records = [update.step(examples, step) for step in (1, 2)]
+        runs.append((records, dict(model.named_parameters())))
+    assert runs[0][0] == runs[1][0]
+    for name, weight in runs[0][1].items():
+        assert_bitwise_equal(weight, runs[1][1][name], name)
 
 
 def test_pretrain_on_the_sft_step_equals_its_standalone_loop(tmp_path):

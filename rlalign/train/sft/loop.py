@@ -22,7 +22,6 @@ from rlalign.configlib import load_config, load_raw, merge
 from rlalign.contract.profiles import use_profile
 from rlalign.models.checkpoint import load_model_config, save_model
 from rlalign.models.tokenizer import load_tokenizer
-from rlalign.train.layer_recompute import recompute_layers
 from rlalign.train.run.config_file import read_run_config, write_run_config
 from rlalign.train.run.directory import open_run_dir
 from rlalign.train.run.metrics import MetricsWriter
@@ -31,7 +30,7 @@ from rlalign.train.sft import state
 from rlalign.train.sft.config import SFTConfig
 from rlalign.train.sft.data import SFTDataError, file_sha256, held_out_split, load_examples
 from rlalign.train.sft.objective import Example
-from rlalign.train.sft.update import SFTUpdate, batch_indices, batches_per_epoch
+from rlalign.train.sft.update import SFTUpdate, batch_indices, batches_per_epoch, build_update
 
 LOGGER = logging.getLogger("rlalign.sft")
 
@@ -85,9 +84,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     lock = open_run_dir(run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite, last_step=steps, reads=reads)
     try:
         model, tokenizer, model_dir = load_policy(cfg.model)
-        if cfg.optim.activation_checkpointing:
-            recompute_layers(model)
-        update = SFTUpdate(model, cfg.optim, steps)
+        update = build_update(model, cfg.optim, steps)
         step = state.restore(run_dir, cfg, model, update, data.sha256) if cfg.run.resume else 0
         write_run_config(run_dir, cfg)
         metrics = MetricsWriter(run_dir, resume_after_step=step if cfg.run.resume else None)

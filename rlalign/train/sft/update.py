@@ -25,6 +25,7 @@ import torch
 from rlalign.contract.errors import RLAlignError
 from rlalign.ops.sample import derive_seed
 from rlalign.train import parallel as par
+from rlalign.train.layer_recompute import recompute_layers
 from rlalign.train.master import MasterWeights
 from rlalign.train.packing import micro_batches
 from rlalign.train.sft.objective import Example, micro_batch_loss, pack, token_logprobs
@@ -45,6 +46,14 @@ def batch_indices(rows: int, batch_size: int, step: int, *, seed: int, shuffle: 
     else:
         order = list(range(k * batch_size, min((k + 1) * batch_size, rows)))
     return order
+
+
+def build_update(model, optim, total_steps: int) -> "SFTUpdate":
+    """The training setup ``rlalign sft`` gives the policy ``model``: each decoder layer recomputed in backward
+    when ``optim.activation_checkpointing``, then its masters, AdamW and learning rate (:class:`SFTUpdate`)."""
+    if optim.activation_checkpointing:
+        recompute_layers(model)
+    return SFTUpdate(model, optim, total_steps)
 
 
 class SFTUpdate:
@@ -89,4 +98,4 @@ class SFTUpdate:
         return total / max(count, 1)
 
 
-__all__ = ["SFTUpdate", "batch_indices", "batches_per_epoch"]
+__all__ = ["SFTUpdate", "build_update", "batch_indices", "batches_per_epoch"]
