@@ -23,8 +23,8 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, update.py,
                                        (rlalign.train.engines.weights_path), else P b (its own copy)
     reference model                    P b with algo.kl_coef > 0
     KV cache                           rollout.kv_cache_bytes; unset: the step's sequences x
-                                       (prompt + max_new_tokens) x 2 L Hkv D b (the engine itself then
-                                       takes gpu_memory_fraction of the free memory)
+                                       (prompt + max_new_tokens, or max_episode_tokens) x 2 L Hkv D b,
+                                       what the trainer's engine gets on a GPU (engines.step_kv_cache_bytes)
     activations                        optim.micro_batch_tokens x bytes per token: with activation
                                        checkpointing the 2 H b of each layer's saved inputs (hidden,
                                        residual) x L plus one layer recomputed; without, the upper
@@ -56,10 +56,9 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 from rlalign.models.config import ModelConfig
 from rlalign.models.sizes import kv_bytes_per_token, parameter_sizes
-from rlalign.train.engines import weights_path
+from rlalign.train.engines import PROMPT_TOKENS_ESTIMATE, step_kv_cache_bytes, weights_path
 from rlalign.train.run.config_file import resolve_train_config
 
-PROMPT_TOKENS_ESTIMATE = 64   # KV sizing when rollout.kv_cache_bytes is unset (arithmetic prompts are ~10 tokens)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -154,10 +153,10 @@ def _kv_row(cfg, m: ModelConfig, b: int) -> BudgetRow:
         return BudgetRow("KV cache (rollout)", "device", r.kv_cache_bytes,
                          f"rollout.kv_cache_bytes; {per_token / 1024:.0f} KiB per token")
     seqs = r.prompts_per_step * r.samples_per_prompt
-    need = seqs * (PROMPT_TOKENS_ESTIMATE + r.max_new_tokens) * per_token
-    return BudgetRow("KV cache (rollout)", "device", need,
-                     f"{seqs} sequences x ({PROMPT_TOKENS_ESTIMATE} + {r.max_new_tokens}) tokens x "
-                     f"{per_token / 1024:.0f} KiB; unset kv_cache_bytes takes a fraction of free memory")
+    continuation = cfg.task.max_episode_tokens if cfg.task.env else r.max_new_tokens
+    return BudgetRow("KV cache (rollout)", "device", step_kv_cache_bytes(cfg, m, b),
+                     f"{seqs} sequences x ({PROMPT_TOKENS_ESTIMATE} + {continuation}) tokens x "
+                     f"{per_token / 1024:.0f} KiB (unset kv_cache_bytes: the engine's size on a GPU; 1 GiB on the CPU)")
 
 
 def _activation_row(cfg, m: ModelConfig, b: int) -> BudgetRow:

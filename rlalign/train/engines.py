@@ -34,6 +34,7 @@ import torch
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.models.moe import sparse_layer_indices
+from rlalign.models.sizes import kv_bytes_per_token
 from rlalign.rollout.config import RolloutConfig
 from rlalign.rollout.engine import RolloutEngine
 
@@ -113,10 +114,31 @@ def shared_module(policy: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(policy, memo)
 
 
+PROMPT_TOKENS_ESTIMATE = 64   # prompt tokens per sequence assumed by the step-sized KV cache (arithmetic: ~10)
+
+
+def step_kv_cache_bytes(cfg, model_config, elem_bytes: int) -> int:
+    """The KV cache of the trainer's engine on a GPU when ``rollout.kv_cache_bytes`` is unset: one step's sequences
+    (``prompts_per_step x samples_per_prompt``) of ``PROMPT_TOKENS_ESTIMATE`` prompt tokens plus their longest
+    continuation (``max_new_tokens``; with ``task.env`` the episode's ``max_episode_tokens``), at least one page.
+
+    Not the engine's own default (``gpu_memory_fraction`` of the memory free when it is built): the trainer builds
+    its engine before the gradients, the AdamW state and the activations exist, so that fraction would take the
+    memory they need a step later. Longer prompts still run (fewer sequences at a time); a sequence larger than
+    the whole cache is refused in one line by the engine."""
+    r = cfg.rollout
+    continuation = cfg.task.max_episode_tokens if cfg.task.env else r.max_new_tokens
+    tokens = max(r.prompts_per_step * r.samples_per_prompt * (PROMPT_TOKENS_ESTIMATE + continuation), r.page_size)
+    return tokens * kv_bytes_per_token(model_config, elem_bytes)
+
+
 def _engine_config(cfg, policy) -> RolloutConfig:
     r = cfg.rollout
+    kv_bytes = r.kv_cache_bytes
+    if kv_bytes is None and next(policy.parameters()).device.type == "cuda":
+        kv_bytes = step_kv_cache_bytes(cfg, policy.config, next(policy.parameters()).element_size())
     return RolloutConfig(profile=cfg.run.profile, page_size=r.page_size, max_num_seqs=r.max_num_seqs,
-                         max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=r.kv_cache_bytes,
+                         max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=kv_bytes,
                          decode_graphs=r.decode_graphs, overlap=r.overlap,
                          record_routing=r.record_routing and bool(sparse_layer_indices(policy.config)))
 
