@@ -1,7 +1,9 @@
 """What a training checkpoint holds, and how a resume puts it back.
 
 A checkpoint (``checkpoints/step_N.pt``, written by :func:`rlalign.train.run.checkpoint_files.save_checkpoint`)
-holds: ``model`` (the full weights; under TP gathered), ``optimizer`` (under TP every TP rank's state, a list),
+holds: ``model`` (the full weights; under TP gathered), ``optimizer`` (under TP every TP rank's state, a list; with
+``parallel.shard=grads`` gathered from the ranks' ranges into the unsharded state dict, so the file is the one an
+unsharded run writes and resumes at any ``parallel.dp`` and ``parallel.shard``),
 ``master`` and ``model_rounded`` with fp32 masters (a weight with a master is stored once, as the master:
 :func:`rlalign.train.master.weights_to_store`), ``schedule`` (the learning-rate schedule's state),
 ``torch_rng``, ``step``, ``data_pos``, ``config`` (every key, as the run used it), ``reward_file`` (a reward file's
@@ -24,6 +26,7 @@ import torch
 from rlalign.distributed.launch import Group
 from rlalign.train import parallel as par
 from rlalign.train.master import ROUNDED_KEY, MasterWeights, full_masters, weights_to_store
+from rlalign.train.sharding import ShardedMaster
 from rlalign.train.run.checkpoint_files import load_latest_checkpoint, save_checkpoint
 from rlalign.train.run.config_file import check_resume
 from rlalign.train.update import PolicyUpdate
@@ -35,7 +38,7 @@ class TrainingState:
     optimizers and schedule, and the run's config."""
     cfg: object
     policy: torch.nn.Module
-    master: MasterWeights
+    master: "MasterWeights | ShardedMaster"
     update: PolicyUpdate
     tp: Group | None
     reward_file: dict | None
@@ -43,8 +46,13 @@ class TrainingState:
     def save(self, run_dir: Path, writer: bool, step: int, data_pos: int, extra: "dict | None" = None) -> None:
         """Checkpoint ``step``. Every rank takes part in gathering the state (TP); the writer writes it. ``extra``:
         more keys of plain data (asynchronous steps: the samples generated ahead, rlalign.train.offpolicy)."""
-        model, optimizer = par.policy_weights(self.policy), par.optimizer_state(self.update.optimizer, self.tp)
-        master = full_masters(self.master, self.policy) if self.master.active else None
+        model = par.policy_weights(self.policy)
+        if isinstance(self.master, ShardedMaster):   # gathered to the writer in the unsharded format
+            optimizer = self.master.optimizer_state(self.update.optimizer, keep=writer)
+            master = self.master.full_masters(keep=writer) if self.master.active else None
+        else:
+            optimizer = par.optimizer_state(self.update.optimizer, self.tp)
+            master = full_masters(self.master, self.policy) if self.master.active else None
         if not writer:
             return
         model, rounded = weights_to_store(model, master) if master is not None else (model, {})
@@ -74,7 +82,10 @@ class TrainingState:
         rounded = state.get(ROUNDED_KEY) or {}   # weights stored only as masters: set by the masters' load
         par.load_policy_weights(self.policy, state["model"], absent=rounded)
         self.master.load_state_dict(state.get("master"), rounded)
-        par.load_optimizer_state(self.update.optimizer, state["optimizer"], self.tp)
+        if isinstance(self.master, ShardedMaster):
+            self.master.load_optimizer_state(self.update.optimizer, state["optimizer"])
+        else:
+            par.load_optimizer_state(self.update.optimizer, state["optimizer"], self.tp)
         self.update.lr.load_state_dict(state["schedule"])
         torch.set_rng_state(state["torch_rng"])
         if self.update.value is not None:

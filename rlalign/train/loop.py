@@ -52,6 +52,7 @@ from rlalign.train.run.trackers import Trackers
 from rlalign.train.samples import StepSamples
 from rlalign.train.sampling import Sampler
 from rlalign.train.setup import SetupError, build_task, load_policy
+from rlalign.train.sharding import ShardedMaster
 from rlalign.train.stall import StallWatch
 from rlalign.train.stepstats import (peak_memory_mb, policy_step_kl, rollout_stats, sample_stats, sampled_logprob_stats,
                                      token_stats)
@@ -113,8 +114,11 @@ class Trainer:
                 raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
             self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
         # low-precision weights train against fp32 masters (rlalign.train.master); fp32 ones are stepped as before
-        self.master = MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload,
-                                    cfg.optim.step_chunk_elements)
+        # parallel.shard=grads: each dp rank holds the masters and AdamW state of its range (rlalign.train.sharding)
+        self.master = (ShardedMaster(self.policy, self.dp, cfg.optim.master_weights, cfg.optim.step_chunk_elements)
+                       if cfg.parallel.shard == "grads" else
+                       MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload,
+                                     cfg.optim.step_chunk_elements))
         self.weight_sync = WeightSync(self.engine, self.policy, path)
         self.update = PolicyUpdate(cfg, self.policy, self.master, self.dp, self.moe, value_model)
         self.state = TrainingState(cfg, self.policy, self.master, self.update, self.tp, reward_file)
