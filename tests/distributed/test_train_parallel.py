@@ -6,11 +6,15 @@ to end with the bits of an uninterrupted one, 2026-11-30.)"""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from tests.bitwise import assert_bitwise_equal
 
 # the CLI in a subprocess: one OpenMP thread, like the spawned ranks (and fast on a busy 2-core machine)
 ONE_THREAD = dict(os.environ, OMP_NUM_THREADS="1")
@@ -100,11 +104,61 @@ def test_dp2_ranks_split_the_rollout_and_train_on_the_one_process_samples(runs):
     assert dp2 == tp1
 
 
+def _rewind(run: Path, step: int) -> None:
+    """The run directory as it was after checkpoint ``step``: later checkpoints gone, latest.json pointing at it."""
+    ckpt = run / "checkpoints"
+    manifest = json.loads((ckpt / "latest.json").read_text())
+    name = f"step_{step:06d}.pt"
+    for later in manifest["history"][manifest["history"].index(name) + 1:]:
+        (ckpt / later).unlink()
+    sha = manifest["sha256s"][name]
+    (ckpt / "latest.json").write_text(json.dumps({"step": step, "file": name, "sha256": sha, "history": [name],
+                                                  "bytes": (ckpt / name).stat().st_size, "sha256s": {name: sha}}))
+
+
+def _checkpoint(run: Path) -> dict:
+    manifest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    return torch.load(run / "checkpoints" / manifest["file"], weights_only=True)
+
+
+def test_dp2_sharded_resume_continues_the_unsharded_run_bitwise(runs, tmp_path):
+    """parallel.shard=grads (rlalign.train.sharding) resumes the unsharded dp=2 run's step-1 checkpoint and ends
+    with its bits: weights, metrics and the step-2 checkpoint (masters/weights, AdamW state, schedule) -- the
+    sharded state is gathered into the unsharded format, so the checkpoint resumes at any parallel.dp."""
+    run = tmp_path / "dp2shard"
+    shutil.copytree(runs["dp2"], run)
+    _rewind(run, 1)
+    _ok(_train(run, "parallel.dp=2", "parallel.shard=grads", "run.resume=true"))
+    assert _weights(run) == _weights(runs["dp2"])
+    assert _metrics(run) == _metrics(runs["dp2"])
+    got, want = _checkpoint(run), _checkpoint(runs["dp2"])
+    assert got["step"] == want["step"] == 2
+    for key in ("model", "optimizer", "schedule"):
+        assert_same_state(got[key], want[key], key)
+
+
+def assert_same_state(got, want, where: str) -> None:
+    """Nested dicts / lists of tensors and plain values: the same keys, raw-bit equal tensors."""
+    if isinstance(want, torch.Tensor):
+        assert_bitwise_equal(got, want, where)
+    elif isinstance(want, dict):
+        assert set(got) == set(want), where
+        for k in want:
+            assert_same_state(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert_same_state(a, b, f"{where}[{k}]")
+    else:
+        assert got == want, where
+
+
 @pytest.mark.parametrize("extra, message", [
     (["parallel.tp=3"], "tp must be 1, 2, 4 or 8"),
     (["parallel.dp=2", "launcher=ray"], "launcher=local"),
     (["parallel.tp=2", "algo.advantage=gae"], "value model"),
     (["parallel.tp=2", "model.device=cuda:1"], "use model.device=cuda (rank r takes GPU r"),
+    (["parallel.dp=2", "parallel.shard=grads", "parallel.tp=1"], "parallel.shard=grads with parallel.tp is not supported"),
 ])
 def test_parallel_config_errors_are_one_line(tmp_path, extra, message):
     proc = _train(tmp_path / "x", *extra)
