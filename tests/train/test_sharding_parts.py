@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 from rlalign.configlib import ConfigError, load_config
 from rlalign.distributed.data_parallel import FlatShards
 from rlalign.reductions import global_norm
+from rlalign.models.config import ModelConfig
+from rlalign.models.testing import tiny_hf_config
+from rlalign.train.budget import memory_budget
 from rlalign.train.config import TrainConfig
 from rlalign.train.master import adamw_groups, step_chunked
 from rlalign.train.parallel import norm_from_parts, norm_part, total_norm
@@ -100,3 +103,17 @@ def test_shard_values():
     assert load_config(TrainConfig, None, []).parallel.shard == "none"
     with pytest.raises(ConfigError, match="parallel.shard"):
         load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=optimizer"])
+
+
+def test_budget_divides_the_sharded_state_by_dp():
+    """rlalign.train.budget: with parallel.shard=grads the masters and AdamW rows are this rank's ceil(P / dp)."""
+    model = ModelConfig.from_hf_dict(tiny_hf_config("qwen3"))
+    rows = {}
+    for shard in ("none", "grads"):
+        cfg = load_config(TrainConfig, None, ["parallel.dp=4", f"parallel.shard={shard}", "model.dtype=bfloat16"])
+        rows[shard] = {r.component: r.nbytes for r in memory_budget(cfg, model)}
+    p = rows["none"]["fp32 master weights"] // 4
+    assert rows["grads"]["fp32 master weights"] == 4 * -(-p // 4)
+    assert rows["grads"]["AdamW m, v (fp32)"] == 8 * -(-p // 4) and rows["none"]["AdamW m, v (fp32)"] == 8 * p
+    assert rows["grads"]["policy gradients"] == rows["none"]["policy gradients"]
+    assert rows["grads"]["checkpoint save, host copy"] == rows["none"]["fp32 master weights"] * 3
