@@ -141,8 +141,9 @@ class FlatShards:
         """(parameter index, lo, hi): rank ``rank``'s part of each parameter it owns elements of, in parameter
         coordinates (flat, row-major), in parameter order."""
         lo, hi = self.range(rank)
-        return [(i, max(lo, off) - off, min(hi, off + n) - off) for i, (off, n) in enumerate(zip(self.offsets, self.numels))
-                if max(lo, off) < min(hi, off + n)]
+        spans = [(i, max(lo, off) - off, min(hi, off + n) - off)
+                 for i, (off, n) in enumerate(zip(self.offsets, self.numels))]
+        return [(i, a, b) for i, a, b in spans if a < b]
 
 
 def _global(group: Group, rank: int) -> int:
@@ -200,4 +201,5 @@ def broadcast_segments_(flat: torch.Tensor, segments: list[tuple[int, int, int]]
         dist.broadcast(flat[lo - base:hi - base], src=_global(group, r), group=group.pg)
 
 
-__all__ = ["all_reduce_gradients_", "FlatShards", "reduce_scatter_gradients", "broadcast_segments_", "DEFAULT_BUCKET_ELEMENTS", "sum_scalars", "shard_for_rank", "shard_range", "comm_device"]
+__all__ = ["all_reduce_gradients_", "DEFAULT_BUCKET_ELEMENTS", "sum_scalars", "shard_for_rank", "shard_range",
+           "comm_device", "FlatShards", "reduce_scatter_gradients", "broadcast_segments_"]

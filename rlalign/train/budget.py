@@ -36,8 +36,7 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, update.py,
     parallel.shard=grads               each of the parallel.dp ranks (N) holds ceil(P / N) of the masters and
                                        AdamW state (and of the step's working set); the gradients stay P b
                                        (each rank accumulates its micro-batches' full gradient before the
-                                       reduction); a save gathers masters + AdamW state (12 P, or 2 b P without
-                                       masters) on the writer's host (rlalign.train.sharding)
+                                       reduction); a save streams each rank's part (rlalign.train.sharding)
     checkpoint file                    masters + AdamW state (12 P; a weight with a master is stored only
                                        as the master), or weights + AdamW state (3 b P) without masters;
                                        streamed to disk (save_checkpoint): the host holds at most one
@@ -144,11 +143,8 @@ def _checkpoint_rows(cfg, p: int, largest: int, b: int, masters: bool, state_pla
     writer), and the files on disk."""
     ckpt, what = (12 * p, "masters + AdamW state") if masters else (3 * b * p, "weights + AdamW state")
     copy = 0 if state_place == "host" else largest * (4 if masters else b)
-    if sharded:
-        gathered = 12 * p if masters else 2 * b * p
-        return [BudgetRow("checkpoint save, host copy", "host", gathered,
-                          "parallel.shard=grads: the masters and AdamW state gathered on the writer")] + \
-            _checkpoint_rows(cfg, p, largest, b, masters, "host")[1:]
+    if sharded:   # each rank streams its own part; the main file holds the model weights
+        ckpt, what = ckpt + (b * p if masters else 0), what + " in one part per rank, + the weights"
     keep = cfg.run.keep_checkpoints
     files = max(keep, 2)
     if not cfg.run.save_checkpoints:

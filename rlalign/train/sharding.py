@@ -26,10 +26,11 @@ the unsharded bits:
    range gives the range of the whole step's bits; the stepped range is rounded into the weight, then every
    range is broadcast from its owner (bytes only) so that every rank holds the full weights again.
 
-Checkpoints (:meth:`full_masters`, :meth:`optimizer_state`): gathered to the writer in the unsharded format
-(``master`` by name, torch's AdamW state dict by parameter index), so a checkpoint does not depend on
-``parallel.shard`` or ``parallel.dp`` and resumes at any degree, sharded or not; loading takes each rank's range
-(:meth:`load_state_dict`, :meth:`load_optimizer_state`).
+Checkpoints: one part file per rank (:meth:`part_state`: its ranges of the masters and AdamW state; written by
+rlalign.train.checkpointing) next to the main file, which holds the full low-precision weights and the
+:meth:`layout`. A resume at any ``parallel.dp`` reads the ranges it needs from the parts (:meth:`load_parts`); a
+``parallel.shard=none`` run gets them assembled into the unsharded format (:func:`unsharded_state`); a sharded run
+also resumes from an unsharded checkpoint (:meth:`load_state_dict`, :meth:`load_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ from rlalign.models.layout import checkpoint_entries
 from rlalign.train import parallel as par
 from rlalign.train.master import DEFAULT_STEP_CHUNK, adamw_groups, check_rounded, step_chunked
 
+
 class ShardedMaster:
     """The masters, AdamW state and reduced gradients of this rank's range (module docstring); the interface of
     :class:`~rlalign.train.master.MasterWeights` the trainer uses, plus the gradient reduction and the clip."""
 
     def __init__(self, model: torch.nn.Module, group: Group, enabled: bool = True,
                  chunk_elements: int = DEFAULT_STEP_CHUNK, bucket_elements: int = DEFAULT_BUCKET_ELEMENTS):
-        self.model, self.group, self.chunk_elements, self.bucket_elements = model, group, chunk_elements, bucket_elements
+        self.model, self.group = model, group
+        self.chunk_elements, self.bucket_elements = chunk_elements, bucket_elements
         self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         for name, p in self.named:
             if not p.is_contiguous():
@@ -194,61 +197,78 @@ class ShardedMaster:
             segments = self.shards.segments(offsets[i], offsets[i] + p.numel())
             broadcast_segments_(self._weight(i), segments, self.group, base=offsets[i])
 
-    # ---- checkpoints: the unsharded format -------------------------------------------------------------------
+    # ---- checkpoints: one part per rank ------------------------------------------------------------------------
 
-    def _gather(self, i: int, local: "dict[int, torch.Tensor]", dtype) -> torch.Tensor:
-        """Parameter i's full tensor (its shape, on the host) assembled from every owner's range of a per-range
-        tensor (``local``: range index -> tensor)."""
-        p = self.named[i][1]
-        off = self.shards.offsets[i]
-        full = torch.empty(p.numel(), dtype=dtype, device=p.device)
-        for k, (j, a, b) in enumerate(self.pieces):
-            if j == i:
-                full[a:b] = local[k].reshape(-1)
-        broadcast_segments_(full, self.shards.segments(off, off + p.numel()), self.group, base=off)
-        return full.view(p.shape).cpu()
+    def layout(self, optimizer: torch.optim.Optimizer) -> dict:
+        """What a checkpoint's main file says of its parts: the rank count, the trainable parameters (names, sizes,
+        which have a master) and AdamW's hyperparameters (its param group without the parameters)."""
+        group = {k: v for k, v in optimizer.state_dict()["param_groups"][0].items() if k != "params"}
+        return {"ranks": self.group.size, "names": [n for n, _ in self.named], "numels": list(self.shards.numels),
+                "has_master": list(self.has_master), "param_group": group}
 
-    def full_masters(self, keep: bool = True) -> dict[str, torch.Tensor]:
-        """The unsharded masters by name (a collective; ``keep`` False: this rank takes part and keeps nothing)."""
-        local = dict(enumerate(self.stepped))
-        out = {}
-        for i, (name, _) in enumerate(self.named):
+    def part_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """This rank's part of a checkpoint: its ranges ``pieces`` [(parameter index, lo, hi)] and per range the
+        master (None without one: the weight itself is in the main file), AdamW's ``exp_avg`` / ``exp_avg_sq`` and
+        ``step`` (None before the first step). Plain data and flat tensors."""
+        state = optimizer.state
+        per = [state.get(t) or {} for t in self.stepped]
+        return {"pieces": [list(p) for p in self.pieces],
+                "master": [t.detach() if self.has_master[i] else None
+                           for t, (i, _, _) in zip(self.stepped, self.pieces)],
+                "exp_avg": [s.get("exp_avg") for s in per], "exp_avg_sq": [s.get("exp_avg_sq") for s in per],
+                "step": [float(s["step"]) if "step" in s else None for s in per]}
+
+    @torch.no_grad()
+    def load_parts(self, optimizer: torch.optim.Optimizer, layout: dict, parts: list[dict]) -> None:
+        """This rank's ranges from a checkpoint's parts, written at any ``parallel.dp``: each range copied from
+        the old ranges that overlap it (exact copies), masters rounded into the weights (the main file's weights
+        are those roundings already), the AdamW state loaded into ``optimizer``."""
+        self._check_layout(layout)
+        old = {}   # parameter index -> [(lo, hi, part, position)]
+        for part in parts:
+            for pos, (i, a, b) in enumerate(part["pieces"]):
+                old.setdefault(i, []).append((a, b, part, pos))
+        state = {}
+        for k, (i, a, b) in enumerate(self.pieces):
+            sources = [(lo, hi, part, pos) for lo, hi, part, pos in old.get(i, []) if max(lo, a) < min(hi, b)]
+            if sum(min(hi, b) - max(lo, a) for lo, hi, _, _ in sources) != b - a:
+                raise RLAlignError(f"the checkpoint's parts do not cover {self.named[i][0]}: it is incomplete")
+            steps = {part["step"][pos] for _, _, part, pos in sources}
+            if len(steps) != 1:
+                raise RLAlignError(f"the checkpoint's parts hold different step counts for {self.named[i][0]}: corrupt")
             if self.has_master[i]:
-                full = self._gather(i, local, torch.float32)
-                if keep:
-                    out[name] = full
-        return out
+                self._fill(self.stepped[k], a, sources, "master")
+                self._weight(i)[a:b].copy_(self.stepped[k].to(self.named[i][1].dtype))
+            step = steps.pop()
+            if step is not None:
+                moments = {key: torch.empty_like(self.stepped[k]) for key in ("exp_avg", "exp_avg_sq")}
+                for key, t in moments.items():
+                    self._fill(t, a, sources, key)
+                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                state[k] = {"step": torch.tensor(step, dtype=scalar), **moments}
+        group = layout["param_group"]
+        self._load_ranges_state(optimizer, state, group)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer, keep: bool = True) -> dict:
-        """The state dict an unsharded run's AdamW (over every trainable parameter, in order) would hold: each
-        parameter's ``step``, ``exp_avg``, ``exp_avg_sq`` assembled from the ranges (a collective; ``keep`` False:
-        this rank takes part and keeps nothing)."""
-        sd = optimizer.state_dict()
-        states, out = sd["state"], {}
-        for i, (_, p) in enumerate(self.named):
-            mine = [k for k, (j, _, _) in enumerate(self.pieces) if j == i]
-            step = self._step_of(i, [states.get(k) for k in mine])
-            if step is None:   # never stepped (every range of a parameter is stepped together)
-                continue
-            dtype = torch.float32 if self.has_master[i] else p.dtype
-            full = {key: self._gather(i, {k: states[k][key] for k in mine}, dtype) for key in ("exp_avg", "exp_avg_sq")}
-            if keep:
-                out[i] = {"step": step, **full}
-        group = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
-        return {"state": out, "param_groups": [{**group, "params": list(range(len(self.named)))}]}
+    def _load_ranges_state(self, optimizer: torch.optim.Optimizer, state: dict, group: dict) -> None:
+        """``state`` (range index -> AdamW state) into ``optimizer`` with the hyperparameters ``group``."""
+        params = list(range(len(self.pieces)))
+        optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": params}]})
 
-    def _step_of(self, i: int, mine: list) -> "torch.Tensor | None":
-        """Parameter i's AdamW step count as its first owner holds it (one broadcast); None: no state yet."""
-        off, n = self.shards.offsets[i], self.named[i][1].numel()
-        segments = self.shards.segments(off, off + n)
-        if not segments:
-            return None
-        value = torch.tensor([float(mine[0]["step"]) if mine and mine[0] is not None else -1.0],
-                             dtype=torch.float64, device=self._comm())
-        broadcast_segments_(value, [(segments[0][0], 0, 1)], self.group)
-        step = float(value.item())
-        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32   # as torch's AdamW
-        return None if step < 0 else torch.tensor(step, dtype=scalar)
+    @staticmethod
+    def _fill(target: torch.Tensor, a: int, sources, key: str) -> None:
+        """``target`` (this rank's range starting at element ``a`` of its parameter) from the overlapping old ranges."""
+        b = a + target.numel()
+        for lo, hi, part, pos in sources:
+            x, y = max(lo, a), min(hi, b)
+            target[x - a:y - a].copy_(part[key][pos][x - lo:y - lo])
+
+    def _check_layout(self, layout: dict) -> None:
+        if layout["names"] != [n for n, _ in self.named] or list(layout["numels"]) != list(self.shards.numels):
+            raise RLAlignError("the checkpoint's sharded state does not fit this model's trainable parameters: it was "
+                               "written for another model")
+        if list(layout["has_master"]) != list(self.has_master):
+            raise RLAlignError("the checkpoint's sharded state was written with other fp32 masters: resume with the "
+                               "checkpoint's optim.master_weights and model.dtype")
 
     def _comm(self):
         return comm_device(self.group) if self.group.size > 1 else None
@@ -300,7 +320,45 @@ class ShardedMaster:
                         "exp_avg": s["exp_avg"].reshape(-1)[a:b].to(self.stepped[k].device, dtype).clone(),
                         "exp_avg_sq": s["exp_avg_sq"].reshape(-1)[a:b].to(self.stepped[k].device, dtype).clone()}
         group = {key: v for key, v in groups[0].items() if key != "params"}
-        optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(len(self.pieces)))}]})
+        self._load_ranges_state(optimizer, state, group)
 
 
-__all__ = ["ShardedMaster"]
+
+
+def unsharded_state(layout: dict, parts: list[dict], shapes: dict[str, torch.Size]) -> tuple[dict, dict]:
+    """A checkpoint's parts (every rank's, any order) as the unsharded format: (masters by name, torch's AdamW state
+    dict over every trainable parameter in order) -- what a ``parallel.shard=none`` run at any ``parallel.dp``
+    loads. ``shapes``: each parameter's shape (the main file's weights)."""
+    names, numels = layout["names"], layout["numels"]
+    ranges: dict[int, list] = {}
+    for part in parts:
+        for pos, (i, a, b) in enumerate(part["pieces"]):
+            ranges.setdefault(i, []).append((a, b, part, pos))
+    masters, state = {}, {}
+    for i, name in enumerate(names):
+        pieces = sorted(ranges.get(i, []), key=lambda r: r[0])
+        ends = [0] + [b for _, b, _, _ in pieces]
+        if [a for a, _, _, _ in pieces] != ends[:-1] or ends[-1] != numels[i]:
+            raise RLAlignError(f"the checkpoint's parts do not cover {name}: it is incomplete")
+        if not pieces:   # an empty parameter: no range holds it
+            if layout["has_master"][i]:
+                masters[name] = torch.zeros(shapes[name])
+            continue
+
+        def whole(key: str) -> torch.Tensor:
+            return torch.cat([part[key][pos] for _, _, part, pos in pieces]).view(shapes[name])
+
+        if layout["has_master"][i]:
+            masters[name] = whole("master")
+        steps = {part["step"][pos] for _, _, part, pos in pieces}
+        if len(steps) != 1:
+            raise RLAlignError(f"the checkpoint's parts hold different step counts for {name}: it is corrupt")
+        step = steps.pop()
+        if step is not None:
+            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            state[i] = {"step": torch.tensor(step, dtype=scalar), "exp_avg": whole("exp_avg"),
+                        "exp_avg_sq": whole("exp_avg_sq")}
+    return masters, {"state": state, "param_groups": [{**layout["param_group"], "params": list(range(len(names)))}]}
+
+
+__all__ = ["ShardedMaster", "unsharded_state"]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 
 from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_rank
 from rlalign.distributed.launch import Group, split
 from rlalign.models import ForwardBatch
 from rlalign.train import parallel as par
 from rlalign.train.master import MasterWeights, full_masters
-from rlalign.train.sharding import ShardedMaster
+from rlalign.train.sharding import ShardedMaster, unsharded_state
 from tests.distributed.workers import SHAPE, _family_model
 
 # a dense bf16 model with fp32 masters and a bf16 Qwen3-MoE (stacked experts: the norm's tensors are per expert,
@@ -81,11 +82,20 @@ class _Sharded(_Plain):
         return norm
 
     def state(self) -> dict:
-        return {"master": self.master.full_masters(), "optimizer": self.master.optimizer_state(self.optimizer)}
+        """Every rank's checkpoint part (exchanged), assembled into the unsharded format as a resume does."""
+        parts = [None] * self.group.size
+        dist.all_gather_object(parts, self.master.part_state(self.optimizer), group=self.group.pg)
+        layout = self.master.layout(self.optimizer)
+        shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        masters, optimizer = unsharded_state(layout, parts, shapes)
+        return {"master": masters, "optimizer": optimizer, "layout": layout, "parts": parts}
 
     def load(self, state: dict) -> None:
-        self.master.load_state_dict(state["master"] or None)
-        self.master.load_optimizer_state(self.optimizer, state["optimizer"])
+        if "parts" in state:   # the parts of a sharded run, as a sharded resume reads them
+            self.master.load_parts(self.optimizer, state["layout"], state["parts"])
+        else:
+            self.master.load_state_dict(state["master"] or None)
+            self.master.load_optimizer_state(self.optimizer, state["optimizer"])
 
 
 def _weights(model) -> dict:
@@ -110,7 +120,8 @@ def _run(kind, base, group: Group, steps, start: int = 0, state: "dict | None" =
 def shard_suite(world: Group) -> dict:
     """At dp = 2 (ranks 0-1 and 2-3) and dp = 4: the unsharded and the sharded step from the same weights, STEPS
     steps (the dp=2 sharded run with buckets of 1,000 elements: ranges cut across buckets and parameters); then
-    the dp=2 sharded state resumed at dp = 4, sharded and not, for RESUMED steps."""
+    the dp=2 sharded run's checkpoint parts resumed at dp = 4, sharded (its ranges read from the parts) and not
+    (the parts assembled into the unsharded format), for RESUMED steps."""
     pair = split(world, 2)[0]
     out = {}
     for family, dtype in CASES:
@@ -119,13 +130,19 @@ def shard_suite(world: Group) -> dict:
         for dp, group in {2: pair, 4: world}.items():
             res[("plain", dp)] = _run(_Plain, base, group, STEPS)
             res[("sharded", dp)] = _run(_Sharded, base, group, STEPS, bucket_elements=1000 if dp == 2 else 1 << 28)
-        state = state_for_resume(res[("sharded", 2)])
-        res[("resumed-plain", 4)] = _run(_Plain, base, world, RESUMED, STEPS, state)
-        res[("resumed-sharded", 4)] = _run(_Sharded, base, world, RESUMED, STEPS, state)
+        dp2 = res[("sharded", 2)]
+        res[("resumed-plain", 4)] = _run(_Plain, base, world, RESUMED, STEPS, state_for_resume(dp2, parts=False))
+        res[("resumed-sharded", 4)] = _run(_Sharded, base, world, RESUMED, STEPS, state_for_resume(dp2, parts=True))
+        for run in res.values():
+            run.pop("parts", None)
     return out
 
 
-def state_for_resume(run: dict) -> dict:
-    """What a checkpoint restore reads, from a run's results."""
+def state_for_resume(run: dict, parts: bool) -> dict:
+    """What a checkpoint restore reads, from a run's results: the unsharded format (``parts`` False: the weights
+    with a master left out, as a parallel.shard=none checkpoint stores them) or the sharded run's parts (every
+    weight, the layout and the parts)."""
+    if parts:
+        return {"weights": run["weights"], "rounded": {}, "layout": run["layout"], "parts": run["parts"]}
     return {"weights": {n: w for n, w in run["weights"].items() if n not in run["master"]}, "master": run["master"],
             "rounded": run["master"], "optimizer": run["optimizer"]}

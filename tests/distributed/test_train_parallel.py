@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
+from rlalign.train.checkpointing import with_parts
 from tests.bitwise import assert_bitwise_equal
 
 # the CLI in a subprocess: one OpenMP thread, like the spawned ranks (and fast on a busy 2-core machine)
@@ -123,18 +126,25 @@ def _checkpoint(run: Path) -> dict:
 
 def test_dp2_sharded_resume_continues_the_unsharded_run_bitwise(runs, tmp_path):
     """parallel.shard=grads (rlalign.train.sharding) resumes the unsharded dp=2 run's step-1 checkpoint and ends
-    with its bits: weights, metrics and the step-2 checkpoint (masters/weights, AdamW state, schedule) -- the
-    sharded state is gathered into the unsharded format, so the checkpoint resumes at any parallel.dp."""
+    with its bits: weights and metrics; its step-2 checkpoint (a main file + one part per rank), read as an
+    unsharded run reads it (any parallel.dp), is the unsharded run's; `rlalign export` makes the same model."""
     run = tmp_path / "dp2shard"
     shutil.copytree(runs["dp2"], run)
     _rewind(run, 1)
     _ok(_train(run, "parallel.dp=2", "parallel.shard=grads", "run.resume=true"))
     assert _weights(run) == _weights(runs["dp2"])
     assert _metrics(run) == _metrics(runs["dp2"])
-    got, want = _checkpoint(run), _checkpoint(runs["dp2"])
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_000002*")) == [
+        "step_000002.pt", "step_000002.rank0.pt", "step_000002.rank1.pt"]
+    got, want = with_parts(run, _checkpoint(run), sharded=False), _checkpoint(runs["dp2"])
     assert got["step"] == want["step"] == 2
     for key in ("model", "optimizer", "schedule"):
         assert_same_state(got[key], want[key], key)
+    exported = subprocess.run([sys.executable, "-m", "rlalign.cli.main", "export", str(run), str(tmp_path / "hf")],
+                              capture_output=True, text=True, timeout=300, env=ONE_THREAD)
+    _ok(exported)
+    assert_same_state(load_file(tmp_path / "hf" / "model.safetensors"),
+                      load_file(runs["dp2"] / "policy" / "model.safetensors"), "exported")
 
 
 def assert_same_state(got, want, where: str) -> None:

@@ -2,6 +2,8 @@
 the ranges cover every element once, AdamW stepped range by range at any offsets gives the whole step's bits, and
 the global gradient norm built from per-tensor parts is torch's (and the fixed-order one) bit for bit."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,6 +18,9 @@ from rlalign.train.budget import memory_budget
 from rlalign.train.config import TrainConfig
 from rlalign.train.master import adamw_groups, step_chunked
 from rlalign.train.parallel import norm_from_parts, norm_part, total_norm
+from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, load_part, note_pending_parts, part_in_the_way,
+                                                read_manifest, save_checkpoint, save_part)
+from rlalign.train.run.directory import open_run_dir, previous_run_files
 from tests.bitwise import assert_bitwise_equal
 
 
@@ -116,4 +121,48 @@ def test_budget_divides_the_sharded_state_by_dp():
     assert rows["grads"]["fp32 master weights"] == 4 * -(-p // 4)
     assert rows["grads"]["AdamW m, v (fp32)"] == 8 * -(-p // 4) and rows["none"]["AdamW m, v (fp32)"] == 8 * p
     assert rows["grads"]["policy gradients"] == rows["none"]["policy gradients"]
-    assert rows["grads"]["checkpoint save, host copy"] == rows["none"]["fp32 master weights"] * 3
+    files = max(cfg.run.keep_checkpoints, 2)   # the main file also holds the bf16 weights (2 bytes each)
+    assert rows["grads"]["checkpoint files"] == rows["none"]["checkpoint files"] + files * 2 * p
+
+
+def _part(run: Path, step: int, rank: int) -> tuple[str, str]:
+    """A part file written as a sharded save writes one (pending noted before the rename)."""
+    noted = {}
+    name, sha = save_part(run, step, rank, {"pieces": [[0, rank, rank + 1]]}, lambda named: noted.update([named]))
+    assert noted == {name: sha}
+    return name, sha
+
+
+def test_checkpoint_parts_are_recorded_deleted_and_proved_like_checkpoints(tmp_path):
+    """A sharded checkpoint's parts (one per rank) are recorded in latest.json with their main file, deleted with
+    it (run.keep_checkpoints), removed by run.overwrite, and never replaced; parts a kill left renamed but
+    unrecorded are proved by pending.json's sha256 and removed at the next start, a foreign file never."""
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    for step in (1, 2, 3):
+        parts = dict(_part(run, step, r) for r in range(2))
+        note_pending_parts(run, parts)
+        save_checkpoint(run, step, {"step": step}, keep=2, parts=parts)
+    assert sorted(p.name for p in ckpt.glob("step_*")) == [
+        "step_000002.pt", "step_000002.rank0.pt", "step_000002.rank1.pt",
+        "step_000003.pt", "step_000003.rank0.pt", "step_000003.rank1.pt"]
+    manifest = read_manifest(ckpt / "latest.json")
+    assert sorted(manifest["parts"]) == ["step_000002.pt", "step_000003.pt"]
+    assert load_part(run, "step_000003.rank1.pt", manifest["parts"]["step_000003.pt"]["step_000003.rank1.pt"])["pieces"]
+    with pytest.raises(CheckpointCorrupt, match="sha256"):
+        load_part(run, "step_000003.rank1.pt", "0" * 64)
+    assert part_in_the_way(run, 3, 2) and part_in_the_way(run, 4, 2) is None
+    # killed after the parts of step 4 were renamed into place, before latest.json: proved and removed at start
+    parts = dict(_part(run, 4, r) for r in range(2))
+    note_pending_parts(run, parts)
+    (ckpt / "step_000005.rank0.pt").write_bytes(b"a user's file")   # named like a part, never noted: stays
+    (ckpt / ".step_000004.rank1.pt.abc123.tmp").write_bytes(b"half")
+    handle = open_run_dir(run, resume=True, overwrite=False, last_step=4)
+    handle.release()
+    assert sorted(handle.removed) == ["checkpoints/.step_000004.rank1.pt.abc123.tmp",
+                                      "checkpoints/step_000004.rank0.pt", "checkpoints/step_000004.rank1.pt"]
+    assert (ckpt / "step_000005.rank0.pt").exists()
+    (ckpt / "step_000005.rank0.pt").unlink()
+    doomed = sorted(p.name for p in previous_run_files(run) if p.parent == ckpt)
+    assert doomed == ["latest.json", "step_000002.pt", "step_000002.rank0.pt", "step_000002.rank1.pt",
+                      "step_000003.pt", "step_000003.rank0.pt", "step_000003.rank1.pt"]
