@@ -270,9 +270,6 @@ class ShardedMaster:
             raise RLAlignError("the checkpoint's sharded state was written with other fp32 masters: resume with the "
                                "checkpoint's optim.master_weights and model.dtype")
 
-    def _comm(self):
-        return comm_device(self.group) if self.group.size > 1 else None
-
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of the sharded state this rank holds: its master ranges (not the views of fp32 weights) and their
         AdamW ``exp_avg`` / ``exp_avg_sq``."""
