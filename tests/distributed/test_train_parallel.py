@@ -1,8 +1,8 @@
 """`rlalign train` with parallel.tp / parallel.dp (spawned gloo processes): tp=2 trains to the same
-bits as tp=1, for the default model and for a Qwen3-MoE upcycled from it; a dp=2 run completes with one writer and zero mismatches,
-its ranks splitting the rollout into the one-process run's samples; parallel.shard=grads resumes it to the
-same bits. (DP determinism is tested at the gradient level in test_collectives_dp.py; a dp=2 run stopped and resumed was checked by hand
-to end with the bits of an uninterrupted one, 2026-11-30.)"""
+bits as tp=1, for the default model and for a Qwen3-MoE upcycled from it; a dp=2 run completes with one writer and
+zero mismatches, its ranks splitting the rollout into the one-process run's samples; parallel.shard=grads resumes it
+to the same bits. (DP determinism is tested at the gradient level in test_collectives_dp.py; a dp=2 run stopped
+and resumed was checked by hand to end with the bits of an uninterrupted one, 2026-11-30.)"""
 
 import json
 import os
