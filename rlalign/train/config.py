@@ -426,7 +426,7 @@ class ParallelSection:
             return "parallel.shard=grads splits the training state over the data-parallel ranks: set parallel.dp >= 2"
         refused = (
             (self.tp is not None, "parallel.tp"), (cfg.optim.offload, "optim.offload=true"),
-            (cfg.model.lora.rank > 0, "model.lora"), (cfg.rollout.async_steps > 0, "rollout.async_steps > 0"),
+            (cfg.rollout.async_steps > 0, "rollout.async_steps > 0"),
             (cfg.algo.advantage == "gae", "the PPO value model (algo.advantage=gae)"),
         )
         what = next((name for bad, name in refused if bad), None)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_rank
 from rlalign.distributed.launch import Group, split
 from rlalign.models import ForwardBatch
+from rlalign.models.lora import TARGETS, LoRASpec, apply_lora
 from rlalign.train import parallel as par
 from rlalign.train.master import MasterWeights, full_masters
 from rlalign.train.sharding import ShardedMaster, unsharded_state
@@ -18,15 +19,22 @@ from tests.distributed.workers import SHAPE, _family_model
 
 # a dense bf16 model with fp32 masters and a bf16 Qwen3-MoE (stacked experts: the norm's tensors are per expert,
 # across the stacked parameters); an fp32 model (no masters: the optimizer steps views of the weights) is the
-# default model of the `rlalign train` test (test_train_parallel.py)
-CASES = (("qwen3", "bfloat16"), ("qwen3_moe", "bfloat16"))
+# default model of the `rlalign train` test (test_train_parallel.py); the dense model with LoRA adapters (the base
+# frozen: only the adapters are trainable, so only they are sharded)
+CASES = (("qwen3", "bfloat16"), ("qwen3_moe", "bfloat16"), ("qwen3-lora", "bfloat16"))
 STEPS, RESUMED = 2, 1
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
 MAX_NORM = 0.05   # below the gradients' norm: the clip scales every step
 
 
 def _model(family: str, dtype: str):
-    return _family_model(family, dtype).train()
+    """The family's tiny model; "-lora": rank-4 adapters on every projection, the base frozen (only the adapters
+    are trainable, so only they are sharded)."""
+    base, _, lora = family.partition("-")
+    model = _family_model(base, dtype).train()
+    if lora:
+        apply_lora(model, LoRASpec(rank=4, alpha=8.0, targets=TARGETS), seed=1)
+    return model
 
 
 def _samples(vocab: int, step: int) -> list[list[int]]:

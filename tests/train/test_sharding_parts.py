@@ -93,7 +93,6 @@ def test_norm_from_per_tensor_parts_is_torchs_and_the_fixed_ones(tensors, seed):
     ([], "set parallel.dp >= 2"),
     (["parallel.dp=2", "parallel.tp=1"], "parallel.shard=grads with parallel.tp is not supported yet"),
     (["parallel.dp=2", "optim.offload=true"], "with optim.offload=true is not supported yet"),
-    (["parallel.dp=2", "model.lora.rank=4"], "with model.lora is not supported yet"),
     (["parallel.dp=2", "rollout.async_steps=1"], "with rollout.async_steps > 0 is not supported yet"),
     (["parallel.dp=2", "algo.advantage=gae"], "the PPO value model"),
 ])
@@ -105,6 +104,7 @@ def test_unsupported_combinations_are_refused_in_one_line(extra, match):
 
 def test_shard_values():
     assert load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=grads"]).parallel.shard == "grads"
+    assert load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=grads", "model.lora.rank=4"]).model.lora.rank
     assert load_config(TrainConfig, None, []).parallel.shard == "none"
     with pytest.raises(ConfigError, match="parallel.shard"):
         load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=optimizer"])
