@@ -80,21 +80,30 @@ def fixed_mean_std(x: torch.Tensor) -> tuple[float, float]:
     return mean, _round(math.sqrt(float(fixed_sum(centred * centred)) / (n - 1)), values)
 
 
+def square_sum(t: torch.Tensor) -> torch.Tensor:
+    """One tensor's part of :func:`global_norm`: the tree sum of its squares in fp32 (0-dim)."""
+    v = t.detach().reshape(-1).float()
+    return fixed_sum(v * v)
+
+
+def norm_of_square_sums(parts: list[torch.Tensor], device) -> torch.Tensor:
+    """:func:`global_norm` from its per-tensor parts (:func:`square_sum`, in the tensors' order): their tree sum in
+    fp32, the square root in double, one rounding to fp32, on ``device``."""
+    total = float(tree_sum(torch.stack([p.to(parts[0].device) for p in parts])))
+    root = math.sqrt(total) if total == total and total >= 0 else total   # nan stays nan; inf stays inf
+    return torch.tensor(root, dtype=torch.float64).to(torch.float32).to(device)
+
+
 def global_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all ``tensors`` taken as one vector, as a 0-dim fp32 tensor on the first tensor's device:
     per tensor (in the given order) the tree sum of its squares in fp32, then the tree sum of those partial
     sums in fp32, the square root in double, one rounding to fp32. ``nan``/``inf`` propagate as in
-    ``torch.nn.utils.get_total_norm``; 0 for no tensors."""
+    ``torch.nn.utils.get_total_norm``; 0 for no tensors. Split in two (:func:`square_sum` per tensor,
+    :func:`norm_of_square_sums`) so that ranks holding different tensors compute the same bits."""
     tensors = list(tensors)
     if not tensors:
         return torch.zeros(())
-    parts = []
-    for t in tensors:
-        v = t.detach().reshape(-1).float()
-        parts.append(fixed_sum(v * v))
-    total = float(tree_sum(torch.stack(parts)))
-    root = math.sqrt(total) if total == total and total >= 0 else total   # nan stays nan; inf stays inf
-    return torch.tensor(root, dtype=torch.float64).to(torch.float32).to(tensors[0].device)
+    return norm_of_square_sums([square_sum(t) for t in tensors], tensors[0].device)
 
 
-__all__ = ["tree_sum", "fixed_sum", "fixed_mean", "fixed_mean_std", "global_norm"]
+__all__ = ["tree_sum", "fixed_sum", "fixed_mean", "fixed_mean_std", "global_norm", "square_sum", "norm_of_square_sums"]

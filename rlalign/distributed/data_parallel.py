@@ -15,6 +15,7 @@ buffer (fp32 addition is not associative) -- docs/distributed.md.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import torch
@@ -100,4 +101,105 @@ def shard_for_rank(items: list, group: Group) -> list:
     return items[lo:hi]
 
 
-__all__ = ["all_reduce_gradients_", "DEFAULT_BUCKET_ELEMENTS", "sum_scalars", "shard_for_rank", "shard_range", "comm_device"]
+# ---- sharded training state (parallel.shard=grads) ------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FlatShards:
+    """The trainable parameters flattened one after another (row-major, in the given order) into one index space
+    of ``total`` elements, cut into ``ranks`` contiguous ranges by :func:`shard_range` (sizes differ by at most
+    one, the earlier ranks the larger). Rank r owns range r; a parameter may lie across several ranks' ranges.
+    A function of the sizes and the rank count alone: every rank computes the same cut."""
+    numels: tuple[int, ...]
+    ranks: int
+
+    @property
+    def offsets(self) -> list[int]:
+        out, at = [], 0
+        for n in self.numels:
+            out.append(at)
+            at += n
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    def range(self, rank: int) -> tuple[int, int]:
+        return shard_range(self.total, self.ranks, rank)
+
+    def segments(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """(rank, lo, hi): the non-empty parts of the global range [start, stop) by owning rank, in rank order."""
+        out = []
+        for r in range(self.ranks):
+            lo, hi = self.range(r)
+            lo, hi = max(lo, start), min(hi, stop)
+            if lo < hi:
+                out.append((r, lo, hi))
+        return out
+
+    def pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """(parameter index, lo, hi): rank ``rank``'s part of each parameter it owns elements of, in parameter
+        coordinates (flat, row-major), in parameter order."""
+        lo, hi = self.range(rank)
+        spans = [(i, max(lo, off) - off, min(hi, off + n) - off)
+                 for i, (off, n) in enumerate(zip(self.offsets, self.numels))]
+        return [(i, a, b) for i, a, b in spans if a < b]
+
+
+def _global(group: Group, rank: int) -> int:
+    return dist.get_global_rank(group.pg, rank)
+
+
+@torch.no_grad()
+def reduce_scatter_gradients(params: list, shards: FlatShards, group: Group,
+                             bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> list[torch.Tensor]:
+    """This rank's share of the sum of ``params``' gradients over ``group``: one fp32 tensor per piece of
+    ``shards.pieces(group.rank)``. Per element the bits of :func:`all_reduce_gradients_`'s sum before its rounding
+    (the fixed tree of the ranks' fp32 values in rank order, :func:`tree_reduce`): the buckets are the same
+    consecutive parameters, an all-to-all (uneven splits, bytes only) brings every rank's copy of this rank's
+    range of the bucket here, and only that range is merged. A missing gradient counts as zeros."""
+    params = list(params)
+    offsets, (lo, hi) = shards.offsets, shards.range(group.rank)
+    mine = torch.empty(hi - lo, dtype=torch.float32, device=params[0].device if params else None)
+    index = 0
+    for bucket in _buckets(params, bucket_elements):
+        start = offsets[index]
+        stop = start + sum(p.numel() for p in bucket)
+        index += len(bucket)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in bucket])
+        sends = [hi_r - lo_r for lo_r, hi_r in (_clip(shards.range(r), start, stop) for r in range(group.size))]
+        a, b = _clip((lo, hi), start, stop)
+        received = flat.new_empty((b - a) * group.size)
+        if group.size == 1:
+            received.copy_(flat)
+        else:
+            dist.all_to_all_single(received, flat, output_split_sizes=[b - a] * group.size, input_split_sizes=sends,
+                                   group=group.pg)
+        del flat
+        if b > a:
+            mine[a - lo:b - lo] = tree_reduce(list(received.view(group.size, b - a).unbind(0)))
+    out, at = [], 0
+    for i, a, b in shards.pieces(group.rank):
+        out.append(mine[at:at + b - a])
+        at += b - a
+    return out
+
+
+def _clip(span: tuple[int, int], start: int, stop: int) -> tuple[int, int]:
+    lo, hi = max(span[0], start), min(span[1], stop)
+    return (lo, hi) if lo < hi else (lo, lo)
+
+
+@torch.no_grad()
+def broadcast_segments_(flat: torch.Tensor, segments: list[tuple[int, int, int]], group: Group, base: int = 0) -> None:
+    """Every rank's ``flat`` ends with each segment's values from the rank that owns it: ``segments`` are (rank,
+    lo, hi) in a global index space, ``flat[lo - base:hi - base]`` is the part each one covers. One broadcast per
+    segment (bytes only, no arithmetic): an exact copy on every rank."""
+    if group.size == 1:
+        return
+    for r, lo, hi in segments:
+        dist.broadcast(flat[lo - base:hi - base], src=_global(group, r), group=group.pg)
+
+
+__all__ = ["all_reduce_gradients_", "DEFAULT_BUCKET_ELEMENTS", "sum_scalars", "shard_for_rank", "shard_range",
+           "comm_device", "FlatShards", "reduce_scatter_gradients", "broadcast_segments_"]

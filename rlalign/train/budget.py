@@ -33,6 +33,10 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, update.py,
     log-prob backward LM-head gradient (4 + b) V H: the fused log-prob's backward accumulates the LM
                                        head's weight gradient in fp32 over the whole vocabulary, then
                                        casts it (both live for a moment), every micro-batch
+    parallel.shard=grads               each of the parallel.dp ranks (N) holds ceil(P / N) of the masters and
+                                       AdamW state (and of the step's working set); the gradients stay P b
+                                       (each rank accumulates its micro-batches' full gradient before the
+                                       reduction); a save streams each rank's part (rlalign.train.sharding)
     checkpoint file                    masters + AdamW state (12 P; a weight with a master is stored only
                                        as the master), or weights + AdamW state (3 b P) without masters;
                                        streamed to disk (save_checkpoint): the host holds at most one
@@ -102,16 +106,19 @@ def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
     state_place = "host" if masters and o.offload else "device"
     rows = [BudgetRow("policy weights", "device", p * b, f"{p / 1e9:.3f}B parameters x {b} B"),
             BudgetRow("policy gradients", "device", p * b, "model dtype")]
-    chunk = min(largest, o.step_chunk_elements)
+    ranks = cfg.parallel.dp if cfg.parallel.shard == "grads" else 1   # rlalign.train.sharding: a 1/N range per rank
+    held = -(-p // ranks)
+    chunk = min(largest, held, o.step_chunk_elements)
     stepped = (f"one parameter and at most {_count(o.step_chunk_elements)} of its elements at a time "
                f"(optim.step_chunk_elements; the largest parameter has {_count(largest)})")
+    share = f"; this rank's 1/{ranks} (parallel.shard=grads)" if ranks > 1 else ""
     if masters:
-        rows += [BudgetRow("fp32 master weights", state_place, 4 * p, "optim.master_weights"),
-                 BudgetRow("AdamW m, v (fp32)", state_place, 8 * p),
+        rows += [BudgetRow("fp32 master weights", state_place, 4 * held, "optim.master_weights" + share),
+                 BudgetRow("AdamW m, v (fp32)", state_place, 8 * held, share.removeprefix("; ")),
                  BudgetRow("optimizer step working set", state_place, 12 * chunk,
                            f"{stepped}: fp32 gradient + 2 AdamW temporaries")]
     else:
-        rows += [BudgetRow("AdamW m, v", "device", 2 * b * p, "parameter dtype"),
+        rows += [BudgetRow("AdamW m, v", "device", 2 * b * held, "parameter dtype" + share),
                  BudgetRow("optimizer step working set", "device", 2 * b * chunk, f"{stepped}: 2 AdamW temporaries")]
     path = weights_path(cfg)
     rows.append(BudgetRow("rollout engine weights", "device", 0 if path.shared else p * b,
@@ -126,13 +133,17 @@ def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
                        f"3 fp32 [{DEFAULT_TOKEN_CHUNK}, {DEFAULT_VOCAB_CHUNK}] tiles"),
              BudgetRow("log-prob backward LM-head gradient", "device", (4 + b) * head,
                        f"fp32 accumulation over the vocabulary + its {b}-byte cast, in backward")]
-    return rows + _checkpoint_rows(cfg, p, largest, b, masters, state_place)
+    return rows + _checkpoint_rows(cfg, p, largest, b, masters, state_place, ranks > 1)
 
 
-def _checkpoint_rows(cfg, p: int, largest: int, b: int, masters: bool, state_place: str) -> list[BudgetRow]:
-    """What a save costs: the stream's host copy of one device tensor, and the files on disk."""
+def _checkpoint_rows(cfg, p: int, largest: int, b: int, masters: bool, state_place: str,
+                     sharded: bool = False) -> list[BudgetRow]:
+    """What a save costs: the stream's host copy of one device tensor (with sharding: the state gathered on the
+    writer), and the files on disk."""
     ckpt, what = (12 * p, "masters + AdamW state") if masters else (3 * b * p, "weights + AdamW state")
     copy = 0 if state_place == "host" else largest * (4 if masters else b)
+    if sharded:   # each rank streams its own part; the main file holds the model weights
+        ckpt, what = ckpt + (b * p if masters else 0), what + " in one part per rank, + the weights"
     keep = cfg.run.keep_checkpoints
     files = max(keep, 2)
     if not cfg.run.save_checkpoints:

@@ -25,6 +25,9 @@ from rlalign.algos.registry import (
 from rlalign.train.engines import ENGINES, INTEGRATIONS_HINT
 
 
+# parallel.shard: none, or grads (rlalign.train.sharding: ZeRO-2 style over the dp ranks)
+SHARD_MODES = ("none", "grads")
+
 # run.loggers: where metrics go (rlalign.train.run.trackers.TRACKERS has one entry per name)
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 
@@ -401,16 +404,33 @@ class RaySection:
 @dataclasses.dataclass
 class ParallelSection:
     """Trainer parallelism (docs/distributed.md); dp * tp processes (gloo on CPU, NCCL on GPU), spawned by
-    ``rlalign train parallel.dp=2`` or started by torchrun (WORLD_SIZE must equal dp * tp).
-    dp: int = 1                        # data-parallel trainer processes
-    the gradients. tp: the policy is sharded (rlalign.distributed.parallelize); None keeps the unsharded
-    model, 1/2/4/8 use the canonical partitions, and every tp gives the same bits as tp=1."""
+    ``rlalign train parallel.dp=2`` or started by torchrun (WORLD_SIZE must equal dp * tp). dp: each rank
+    back-propagates a share of the step's micro-batches and a deterministic all-reduce sums the gradients. tp: the
+    policy is sharded (rlalign.distributed.parallelize); None keeps the unsharded model, 1/2/4/8 use the canonical
+    partitions, and every tp gives the same bits as tp=1. shard: ``grads`` shards the fp32 masters, the AdamW state
+    and the reduced gradients over the dp ranks (rlalign.train.sharding), bit for bit the ``none`` run."""
     CHECKS: ClassVar[dict[str, Rule]] = {
         "dp": at_least(1),
         "tp": one_of(1, 2, 4, 8, optional=True),
+        "shard": one_of(*SHARD_MODES),
     }
     dp: int = 1                        # data-parallel trainer processes
     tp: int | None = None              # tensor-parallel degree (None: unsharded)
+    shard: str = "none"                # none | grads: masters, AdamW state and reduced gradients split over the dp ranks
+
+    def refusal(self, cfg) -> "str | None":
+        """What ``shard=grads`` cannot run with (``cfg``: the whole TrainConfig), in one line; None: nothing."""
+        if self.shard == "none":
+            return None
+        if self.dp < 2:
+            return "parallel.shard=grads splits the training state over the data-parallel ranks: set parallel.dp >= 2"
+        refused = (
+            (self.tp is not None, "parallel.tp"), (cfg.optim.offload, "optim.offload=true"),
+            (cfg.rollout.async_steps > 0, "rollout.async_steps > 0"),
+            (cfg.algo.advantage == "gae", "the PPO value model (algo.advantage=gae)"),
+        )
+        what = next((name for bad, name in refused if bad), None)
+        return None if what is None else f"parallel.shard=grads with {what} is not supported yet; use parallel.shard=none"
 
     @property
     def world_size(self) -> int:
@@ -443,6 +463,9 @@ class TrainConfig:
         lora = self.model.lora.conflict(self)
         if lora:
             return lora
+        shard = self.parallel.refusal(self)
+        if shard:
+            return shard
         if self.run.resume and self.run.overwrite:
             return "run.resume=true continues the run in run.dir and run.overwrite=true replaces it: choose one"
         unusual = self._unusual_value()

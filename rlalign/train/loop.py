@@ -40,7 +40,6 @@ from rlalign.train.config import TrainConfig
 from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
 from rlalign.train.export import save_run_policy
 from rlalign.train.layer_recompute import recompute_layers
-from rlalign.train.master import MasterWeights
 from rlalign.train.packing import TrainBatch
 from rlalign.train.run.config_file import refuse_reward_in_run_dir, reward_fingerprint, run_inputs, write_run_config
 from rlalign.train.run.directory import open_run_dir
@@ -50,6 +49,7 @@ from rlalign.train.run.trackers import Trackers
 from rlalign.train.samples import StepSamples
 from rlalign.train.sampling import Sampler
 from rlalign.train.setup import SetupError, build_task, load_policy
+from rlalign.train.sharding import training_master
 from rlalign.train.sources import rollout_source
 from rlalign.train.stall import StallWatch, segment_end
 from rlalign.train.stepstats import (policy_step_kl, rollout_stats, sample_stats, sampled_logprob_stats, step_costs,
@@ -107,9 +107,7 @@ class Trainer:
             if value_model:
                 raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
             self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
-        # low-precision weights train against fp32 masters (rlalign.train.master); fp32 ones are stepped as before
-        self.master = MasterWeights(self.policy, cfg.optim.master_weights, cfg.optim.offload,
-                                    cfg.optim.step_chunk_elements)
+        self.master = training_master(cfg, self.policy, self.dp)   # whole, or each dp rank's ranges (parallel.shard)
         self.weight_sync = WeightSync(self.engine, self.policy, path)
         self.update = PolicyUpdate(cfg, self.policy, self.master, self.dp, self.moe, value_model)
         self.state = TrainingState(cfg, self.policy, self.master, self.update, self.tp, reward_file)

@@ -78,7 +78,7 @@ class MasterWeights:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """One AdamW step of every parameter, one parameter at a time in the model's parameter order and,
-        within a parameter, ``chunk_elements`` elements at a time (:func:`_step_chunked`): the chunk's
+        within a parameter, ``chunk_elements`` elements at a time (:func:`step_chunked`): the chunk's
         gradient moved next to its master and widened to fp32 (exact), torch's AdamW arithmetic on the
         chunk's views of the master (or of the parameter itself, without a master) and of its AdamW state,
         then ``p[chunk] = m[chunk].to(p.dtype)``; a parameter's gradient is freed once its last chunk is widened.
@@ -91,7 +91,7 @@ class MasterWeights:
         and state alone and each element from its own values alone, so neither the order of the
         parameters nor the chunking enters any value (tests/train/test_master.py). Clip the gradients
         before (the global norm needs them all; clipping scales the model's gradients in place)."""
-        groups = _adamw_groups(optimizer, self.optim_params())
+        groups = adamw_groups(optimizer, self.optim_params())
         grads = []
         for _, p in self.named:   # set aside, so that each gradient can be freed as soon as its parameter is stepped
             grads.append(p.grad)
@@ -100,7 +100,7 @@ class MasterWeights:
             if grads[i] is None:
                 continue
             stepped = p if m is None else m
-            _step_chunked(optimizer.state[stepped], groups[id(stepped)], stepped, grads, i,
+            step_chunked(optimizer.state[stepped], groups[id(stepped)], stepped, grads, i,
                           None if m is None else p, self.chunk_elements, name)
         optimizer.step()   # no gradient is set: steps nothing, runs the optimizer's hooks (the lr schedule's count)
 
@@ -150,21 +150,27 @@ class MasterWeights:
         self.master_to_model()
 
     def _check_rounded(self, state, rounded: dict[str, str]) -> None:
-        if rounded and state is None:
-            raise RLAlignError("the checkpoint stores model weights only as fp32 masters but holds no masters: "
-                               "it is corrupt; restore it, or start the run afresh with run.overwrite=true")
-        here = {name: (p, m) for (name, p), m in zip(self.named, self.masters)}
-        for name, dtype in rounded.items():
-            p, m = here.get(name, (None, None))
-            if m is None:
-                raise RLAlignError(f"the checkpoint stores {name} only as its fp32 master, but this run has no master "
-                                   "for it: resume with the checkpoint's optim.master_weights / optim.offload")
-            if _dtype_name(p.dtype) != dtype:
-                raise RLAlignError(f"the checkpoint's {name} is the {dtype} rounding of its master, but the model holds "
-                                   f"{_dtype_name(p.dtype)}: resume with the checkpoint's model.dtype")
+        check_rounded({name: (p, m is not None) for (name, p), m in zip(self.named, self.masters)}, state, rounded)
 
 
-def _adamw_groups(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[int, dict]:
+def check_rounded(here: dict, state, rounded: dict[str, str]) -> None:
+    """A checkpoint's ``model_rounded`` (``rounded``: {name: dtype}) fits this run: ``here`` maps each trainable
+    parameter's name to (parameter, whether it has a master); each name must have a master here, of that dtype,
+    or its weight would be left unset. One line otherwise."""
+    if rounded and state is None:
+        raise RLAlignError("the checkpoint stores model weights only as fp32 masters but holds no masters: "
+                           "it is corrupt; restore it, or start the run afresh with run.overwrite=true")
+    for name, dtype in rounded.items():
+        p, has_master = here.get(name, (None, False))
+        if not has_master:
+            raise RLAlignError(f"the checkpoint stores {name} only as its fp32 master, but this run has no master "
+                               "for it: resume with the checkpoint's optim.master_weights / optim.offload")
+        if _dtype_name(p.dtype) != dtype:
+            raise RLAlignError(f"the checkpoint's {name} is the {dtype} rounding of its master, but the model holds "
+                               f"{_dtype_name(p.dtype)}: resume with the checkpoint's model.dtype")
+
+
+def adamw_groups(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[int, dict]:
     """id(parameter) -> its param group, after checking that the optimizer is the one :meth:`MasterWeights.step`
     reproduces (AdamW / Adam, single-tensor path) and that it steps ``params``."""
     if not isinstance(optimizer, torch.optim.Adam):
@@ -199,7 +205,7 @@ def _flat(t: torch.Tensor, what: str, name: str) -> torch.Tensor:
     return t.view(-1)
 
 
-def _step_chunked(state: dict, group: dict, stepped: torch.Tensor, grads: list, index: int,
+def step_chunked(state: dict, group: dict, stepped: torch.Tensor, grads: list, index: int,
                   model: "torch.Tensor | None", chunk: int, name: str) -> None:
     """One AdamW step of ``stepped`` (a master, or a parameter without one) with the gradient ``grads[index]``,
     ``chunk`` elements at a time; with ``model`` (the low-precision parameter of a master) each stepped chunk is
@@ -295,4 +301,4 @@ def full_masters(master: MasterWeights, model: torch.nn.Module) -> dict[str, tor
     return out
 
 
-__all__ = ["MasterWeights", "DEFAULT_STEP_CHUNK", "ROUNDED_KEY", "checkpoint_model_weights", "full_masters", "weights_to_store"]
+__all__ = ["MasterWeights", "check_rounded", "step_chunked", "adamw_groups", "DEFAULT_STEP_CHUNK", "ROUNDED_KEY", "checkpoint_model_weights", "full_masters", "weights_to_store"]

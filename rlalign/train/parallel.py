@@ -27,6 +27,7 @@ from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from rlalign import mklmode
 from rlalign.contract.errors import RLAlignError
@@ -34,7 +35,7 @@ from rlalign.distributed.launch import Group, init_from_env, split
 from rlalign.distributed.parallelize import full_state
 from rlalign.models.decoder import CausalLM
 from rlalign.models.layout import checkpoint_entries, checkpoint_split, stack_checkpoint_names
-from rlalign.reductions import global_norm
+from rlalign.reductions import norm_of_square_sums, square_sum
 from rlalign.train.master import ROUNDED_KEY
 from rlalign.train.run.checkpoint_files import own_optimizer_state
 
@@ -135,10 +136,37 @@ def clip_grad_norm_(policy, max_norm: float) -> torch.Tensor:
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The gradients' global L2 norm. CPU tensors in the cross-machine mode (``RLALIGN_CPU_CROSS_MACHINE=1``):
     rlalign.reductions.global_norm (a fixed pairwise order, the same bits on every x86 CPU whatever its vector
-    width); otherwise torch's get_total_norm (foreach=False)."""
-    if grads and all(g.device.type == "cpu" for g in grads) and mklmode.cross_machine():
-        return global_norm(grads)
-    return torch.nn.utils.get_total_norm(grads, foreach=False)
+    width); otherwise torch's get_total_norm (foreach=False). Equal, bit for bit, to
+    ``norm_from_parts([norm_part(g, mode) for g in grads], mode)`` with ``mode = norm_mode(grads)``: the form a
+    sharded run computes, each rank the parts of the tensors it holds (rlalign.train.sharding)."""
+    if not grads:
+        return torch.nn.utils.get_total_norm(grads, foreach=False)
+    mode = norm_mode(grads)
+    return norm_from_parts([norm_part(g, mode) for g in grads], mode)
+
+
+def norm_mode(grads: list[torch.Tensor]) -> str:
+    """"fixed" (rlalign.reductions' order: CPU tensors in the cross-machine mode) or "torch"."""
+    return "fixed" if all(g.device.type == "cpu" for g in grads) and mklmode.cross_machine() else "torch"
+
+
+def norm_part(grad: torch.Tensor, mode: str) -> torch.Tensor:
+    """One tensor's part of the global norm: its fp32 tree sum of squares ("fixed") or its own L2 norm in its
+    dtype ("torch": what torch's get_total_norm takes per tensor, foreach=False)."""
+    return square_sum(grad) if mode == "fixed" else torch.linalg.vector_norm(grad, 2.0)
+
+
+def norm_from_parts(parts: list[torch.Tensor], mode: str) -> torch.Tensor:
+    """The global norm from every tensor's :func:`norm_part`, in the tensors' order. "torch": get_total_norm's
+    combination -- the parts grouped by (device, dtype) by torch's own grouping (the order of its hash map, not
+    the list's: the parts have their tensors' devices and dtypes, so the groups come in the same order), stacked
+    on the first part's device, their L2 norm."""
+    if mode == "fixed":
+        return norm_of_square_sums(parts, parts[0].device)
+    grouped = _group_tensors_by_device_and_dtype([parts])
+    first = parts[0].device
+    ordered = [p.to(first) for ([group], _) in grouped.values() for p in group]
+    return torch.linalg.vector_norm(torch.stack(ordered), 2.0)
 
 
 def clip_params_(params, max_norm: float) -> torch.Tensor:
@@ -234,5 +262,5 @@ def unsharded_policy(policy):
 
 
 __all__ = ["needs_launch", "check_parallel_device", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
-           "load_policy_weights", "clip_grad_norm_", "clip_params_", "total_norm", "restack_run_state",
+           "load_policy_weights", "clip_grad_norm_", "clip_params_", "total_norm", "norm_mode", "norm_part", "norm_from_parts", "restack_run_state",
            "optimizer_state", "load_optimizer_state", "unsharded_policy"]

@@ -30,6 +30,7 @@ from rlalign.models.moe import record_routing
 from rlalign.train import parallel as par
 from rlalign.train.master import MasterWeights
 from rlalign.train.packing import MicroBatch, TrainBatch, logprobs
+from rlalign.train.sharding import ShardedMaster
 from rlalign.train.value import ValueModel
 
 
@@ -107,7 +108,7 @@ def needs_rescore(cfg, dp: Group) -> bool:
 class PolicyUpdate:
     """The policy's optimizer and learning rate (and the value model's, for PPO with GAE); :meth:`run` updates."""
 
-    def __init__(self, cfg, policy, master: MasterWeights, dp: Group, moe: bool, value_model: bool):
+    def __init__(self, cfg, policy, master: "MasterWeights | ShardedMaster", dp: Group, moe: bool, value_model: bool):
         self.cfg, self.policy, self.master, self.dp, self.moe = cfg, policy, master, dp, moe
         self.optimizer = torch.optim.AdamW(master.optim_params(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, foreach=False)
@@ -187,20 +188,31 @@ class PolicyUpdate:
 
     def _optimizer_step(self, stats: dict, completed_steps: int) -> torch.Tensor:
         """Sum gradients (and ``stats``, in place) over the data-parallel ranks, clip, step; the grad norm."""
+        if isinstance(self.master, ShardedMaster):   # parallel.shard=grads: each rank reduces, clips, steps its range
+            stats.update(sum_scalars(stats, self.dp))
+            self.master.reduce_gradients()
+            grad_norm = self.master.clip(self.cfg.optim.grad_clip)
+            self._check_finite(grad_norm, completed_steps)
+            self.master.step(self.optimizer)
+            return grad_norm
         if self.dp.size > 1:   # deterministic sum over the data-parallel ranks (rank order, fixed tree)
             all_reduce_gradients_(self.policy.parameters(), self.dp)
             if self.value is not None:
                 all_reduce_gradients_(self.value.parameters(), self.dp)
             stats.update(sum_scalars(stats, self.dp))
         grad_norm = par.clip_grad_norm_(self.policy, self.cfg.optim.grad_clip)
-        if not torch.isfinite(grad_norm):
-            raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {completed_steps}: lower optim.lr or check "
-                               "the rewards; the last checkpoint is intact")
+        self._check_finite(grad_norm, completed_steps)
         self.master.step(self.optimizer)   # parameter by parameter; a plain optimizer.step() without masters
         if self.value is not None:
             par.clip_params_(self.value.parameters(), self.cfg.optim.grad_clip)
             self.value_optimizer.step()
         return grad_norm
+
+    @staticmethod
+    def _check_finite(grad_norm: torch.Tensor, completed_steps: int) -> None:
+        if not torch.isfinite(grad_norm):
+            raise RLAlignError(f"gradient norm is {float(grad_norm)} at step {completed_steps}: lower optim.lr or check "
+                               "the rewards; the last checkpoint is intact")
 
 
 class _LossTerms:

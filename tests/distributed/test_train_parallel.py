@@ -1,16 +1,23 @@
 """`rlalign train` with parallel.tp / parallel.dp (spawned gloo processes): tp=2 trains to the same
-bits as tp=1, for the default model and for a Qwen3-MoE upcycled from it; a dp=2 run completes with one writer and zero mismatches,
-its ranks splitting the rollout into the one-process run's samples. (DP determinism is tested
-at the gradient level in test_collectives_dp.py; a dp=2 run stopped and resumed was checked by hand
-to end with the bits of an uninterrupted one, 2026-11-30.)"""
+bits as tp=1, for the default model and for a Qwen3-MoE upcycled from it; a dp=2 run completes with one writer and
+zero mismatches, its ranks splitting the rollout into the one-process run's samples; parallel.shard=grads resumes it
+to the same bits. (DP determinism is tested at the gradient level in test_collectives_dp.py; a dp=2 run stopped
+and resumed was checked by hand to end with the bits of an uninterrupted one, 2026-11-30.)"""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from safetensors.torch import load_file
+
+from rlalign.train.checkpointing import with_parts
+from tests.bitwise import assert_bitwise_equal
 
 # the CLI in a subprocess: one OpenMP thread, like the spawned ranks (and fast on a busy 2-core machine)
 ONE_THREAD = dict(os.environ, OMP_NUM_THREADS="1")
@@ -98,6 +105,62 @@ def test_dp2_ranks_split_the_rollout_and_train_on_the_one_process_samples(runs):
     evals = ("eval/accuracy", "eval/accuracy_greedy")   # step 0's eval, split over the ranks the same way
     dp2, tp1 = ({k: r[k] for k in evals} for run in ("dp2", "tp1") for r in _metrics(runs[run]) if r["step"] == 0)
     assert dp2 == tp1
+
+
+def _rewind(run: Path, step: int) -> None:
+    """The run directory as it was after checkpoint ``step``: later checkpoints gone, latest.json pointing at it."""
+    ckpt = run / "checkpoints"
+    manifest = json.loads((ckpt / "latest.json").read_text())
+    name = f"step_{step:06d}.pt"
+    for later in manifest["history"][manifest["history"].index(name) + 1:]:
+        (ckpt / later).unlink()
+    sha = manifest["sha256s"][name]
+    (ckpt / "latest.json").write_text(json.dumps({"step": step, "file": name, "sha256": sha, "history": [name],
+                                                  "bytes": (ckpt / name).stat().st_size, "sha256s": {name: sha}}))
+
+
+def _checkpoint(run: Path) -> dict:
+    manifest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    return torch.load(run / "checkpoints" / manifest["file"], weights_only=True)
+
+
+def test_dp2_sharded_resume_continues_the_unsharded_run_bitwise(runs, tmp_path):
+    """parallel.shard=grads (rlalign.train.sharding) resumes the unsharded dp=2 run's step-1 checkpoint and ends
+    with its bits: weights and metrics; its step-2 checkpoint (a main file + one part per rank), read as an
+    unsharded run reads it (any parallel.dp), is the unsharded run's; `rlalign export` makes the same model."""
+    run = tmp_path / "dp2shard"
+    shutil.copytree(runs["dp2"], run)
+    _rewind(run, 1)
+    _ok(_train(run, "parallel.dp=2", "parallel.shard=grads", "run.resume=true"))
+    assert _weights(run) == _weights(runs["dp2"])
+    assert _metrics(run) == _metrics(runs["dp2"])
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_000002*")) == [
+        "step_000002.pt", "step_000002.rank0.pt", "step_000002.rank1.pt"]
+    got, want = with_parts(run, _checkpoint(run), sharded=False), _checkpoint(runs["dp2"])
+    assert got["step"] == want["step"] == 2
+    for key in ("model", "optimizer", "schedule"):
+        assert_same_state(got[key], want[key], key)
+    exported = subprocess.run([sys.executable, "-m", "rlalign.cli.main", "export", str(run), str(tmp_path / "hf")],
+                              capture_output=True, text=True, timeout=300, env=ONE_THREAD)
+    _ok(exported)
+    assert_same_state(load_file(tmp_path / "hf" / "model.safetensors"),
+                      load_file(runs["dp2"] / "policy" / "model.safetensors"), "exported")
+
+
+def assert_same_state(got, want, where: str) -> None:
+    """Nested dicts / lists of tensors and plain values: the same keys, raw-bit equal tensors."""
+    if isinstance(want, torch.Tensor):
+        assert_bitwise_equal(got, want, where)
+    elif isinstance(want, dict):
+        assert set(got) == set(want), where
+        for k in want:
+            assert_same_state(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert_same_state(a, b, f"{where}[{k}]")
+    else:
+        assert got == want, where
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -17,6 +17,13 @@ sha256) in ``checkpoints/pending.json`` before renaming it there, so a kill betw
 ``latest.json`` leaves a file the next start can prove is ours (same sha256) and remove. A file in
 ``checkpoints/`` that no manifest names is never deleted.
 
+Parts (``parallel.shard=grads``, rlalign.train.sharding): a checkpoint may come with one part file per rank,
+``step_N.rankR.pt``, each rank's range of the sharded training state. Each rank streams its part to a temp file; the
+writer notes every part's name and sha256 in ``pending.json`` before any is renamed into place
+(:func:`note_pending_parts`); the main file then lists them and ``latest.json`` records them under ``parts`` (main
+file -> {part: sha256}). They are verified when read (:func:`load_part`), deleted with their main file, and a part a
+kill left renamed but unrecorded is proved by its sha256 and removed like an unrecorded checkpoint.
+
 Disk: a save writes the new checkpoint before deleting any the manifest still needs, so with
 ``run.keep_checkpoints=1`` two checkpoints exist during a save (a kill mid-write leaves the old one
 whole); with ``keep >= 2`` the oldest ones go first and a save needs no more than ``keep`` files.
@@ -40,6 +47,7 @@ from rlalign.models.atomic import atomic_write, atomic_write_with
 CHECKPOINT_KEEP = 2
 MANIFEST_FILE, PENDING_FILE = "latest.json", "pending.json"
 CHECKPOINT_NAME = re.compile(r"step_(\d{6,})\.pt")
+PART_NAME = re.compile(r"step_(\d{6,})\.rank(\d+)\.pt")
 
 
 class CheckpointCorrupt(RLAlignError):
@@ -60,8 +68,18 @@ def checkpoint_step(name: str) -> "int | None":
     return int(match.group(1)) if match else None
 
 
+def part_name(step: int, rank: int) -> str:
+    return f"step_{step:06d}.rank{rank}.pt"
+
+
+def part_step(name: str) -> "int | None":
+    """The step of a part file name (``step_000012.rank3.pt`` -> 12), None for any other name."""
+    match = PART_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = CHECKPOINT_KEEP,
-                    facts: "dict | None" = None) -> Path:
+                    facts: "dict | None" = None, parts: "dict[str, str] | None" = None) -> Path:
     """Write ``checkpoints/step_{step:06d}.pt`` (streamed, see the module doc) then point
     ``checkpoints/latest.json`` at it. ``facts``: small JSON data about the run that a start must read
     without loading a checkpoint (kept in the manifest under ``facts``).
@@ -70,7 +88,9 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int =
     sha256 in ``sha256s``); only those of earlier steps are ever deleted (all but the newest ``keep``;
     before the write, all but the newest ``max(keep - 1, 1)``), so files of another run are never
     touched and the newest recorded checkpoint is never deleted before its successor is recorded. An
-    existing file at the new checkpoint's name is never replaced (:class:`CheckpointRefused`).
+    existing file at the new checkpoint's name is never replaced (:class:`CheckpointRefused`). ``parts``: the
+    part files of this checkpoint already in place ({name: sha256}, :func:`save_part`), recorded with it and
+    deleted with it.
     """
     ckpt_dir = run_dir / "checkpoints"
     path = ckpt_dir / checkpoint_name(step)
@@ -83,20 +103,67 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int =
     # deleted, so a kill between the two leaves them recorded and the next save deletes them.
     earlier = [f for f in previous.get("history", []) if checkpoint_step(f) < step and (ckpt_dir / f).exists()]
     _delete(ckpt_dir, earlier[:-max(keep - 1, 1)])   # not needed even if this save is killed
+    old_parts = dict(previous.get("parts") or {})
+    _delete(ckpt_dir, earlier[:-max(keep - 1, 1)], old_parts)   # not needed even if this save is killed
     sha256, nbytes = atomic_write_with(path, lambda f: _stream_state(state, f),
-                                       before_rename=lambda result: _record_pending(ckpt_dir, path.name, result[0]))
+                                       before_rename=lambda result: _record_pending(ckpt_dir, path.name, result[0],
+                                                                                    parts))
     history = [f for f in earlier if (ckpt_dir / f).exists()] + [path.name]
+    all_parts = {f: old_parts[f] for f in history if f in old_parts} | ({path.name: dict(parts)} if parts else {})
     manifest = {"step": step, "file": path.name, "sha256": sha256, "bytes": nbytes, "history": history,
                 "sha256s": {f: sums[f] for f in history if f in sums} | {path.name: sha256},
-                **({"facts": facts} if facts else {})}
+                **({"parts": all_parts} if all_parts else {}), **({"facts": facts} if facts else {})}
     atomic_write(ckpt_dir / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
     (ckpt_dir / PENDING_FILE).unlink(missing_ok=True)
-    _delete(ckpt_dir, history[:-keep])
+    _delete(ckpt_dir, history[:-keep], all_parts)
     return path
 
 
-def _record_pending(ckpt_dir: Path, name: str, sha256: str) -> None:
-    atomic_write(ckpt_dir / PENDING_FILE, json.dumps({"file": name, "sha256": sha256}).encode())
+def note_pending_parts(run_dir: Path, parts: dict[str, str]) -> None:
+    """The writer's note, before any part is renamed into place: their names and sha256s (``pending.json``), so a
+    kill between their renames and ``latest.json`` leaves files the next start can prove are ours and remove."""
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(ckpt_dir / PENDING_FILE, json.dumps({"parts": parts}).encode())
+
+
+def part_in_the_way(run_dir: Path, step: int, ranks: int) -> "str | None":
+    """A file at the checkpoint or part names a save of ``step`` over ``ranks`` would write (never replaced): one
+    line naming it, or None."""
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    for path in [ckpt_dir / checkpoint_name(step)] + [ckpt_dir / part_name(step, r) for r in range(ranks)]:
+        if path.exists() or path.is_symlink():
+            return (f"{path} already exists and is not a checkpoint file this save may replace; move it out of "
+                    f"{ckpt_dir} and continue with run.resume=true (the last checkpoint is intact)")
+    return None
+
+
+def save_part(run_dir: Path, step: int, rank: int, state: dict[str, Any],
+              before_rename) -> tuple[str, str]:
+    """Rank ``rank``'s part of checkpoint ``step`` (streamed like a checkpoint); ``before_rename((name, sha256))``
+    runs once the temp file is durable, before it is renamed into place (every rank's save waits there for the
+    writer's :func:`note_pending_parts`). Returns (name, sha256)."""
+    path = Path(run_dir) / "checkpoints" / part_name(step, rank)
+    sha256, _ = atomic_write_with(path, lambda f: _stream_state(state, f),
+                                  before_rename=lambda result: before_rename((path.name, result[0])))
+    return path.name, sha256
+
+
+def load_part(run_dir: Path, name: str, sha256: str) -> dict[str, Any]:
+    """A part file a checkpoint lists, its sha256 checked, unpickled like a checkpoint (tensors mapped)."""
+    path = Path(run_dir) / "checkpoints" / name
+    if part_step(name) is None or path.is_symlink() or not path.is_file():
+        raise CheckpointCorrupt(f"the checkpoint lists {name}, which is missing or not a part file of "
+                                f"{path.parent}; restore it, or start the run afresh with run.overwrite=true")
+    if file_sha256(path) != sha256:
+        raise CheckpointCorrupt(f"checkpoint part {path} is corrupt (sha256 mismatch); restore it, or start the run "
+                                "afresh with run.overwrite=true")
+    return load_state(path, what="pieces")
+
+
+def _record_pending(ckpt_dir: Path, name: str, sha256: str, parts: "dict[str, str] | None" = None) -> None:
+    atomic_write(ckpt_dir / PENDING_FILE, json.dumps({"file": name, "sha256": sha256,
+                                                      **({"parts": parts} if parts else {})}).encode())
 
 
 def recorded_sha256s(manifest: "dict | None") -> dict[str, str]:
@@ -110,26 +177,32 @@ def recorded_sha256s(manifest: "dict | None") -> dict[str, str]:
 
 
 def unrecorded_pending(ckpt_dir: Path) -> list[Path]:
-    """What a save killed after renaming its checkpoint into place but before recording it leaves:
-    ``pending.json`` and the file it names, when that file is not recorded in ``latest.json`` and its
-    sha256 is the one the save noted (the file is provably the one the save wrote)."""
+    """What a save killed after renaming its checkpoint (or its parts) into place but before recording it leaves:
+    ``pending.json`` and the files it names, each when it is not recorded in ``latest.json`` and its sha256 is the
+    one the save noted (the file is provably the one the save wrote)."""
     pending_path = Path(ckpt_dir) / PENDING_FILE
     if not pending_path.is_file() or pending_path.is_symlink():
         return []
     try:
         pending = json.loads(pending_path.read_text(encoding="utf-8"))
-        name, sha256 = pending["file"], pending["sha256"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        noted = ({pending["file"]: pending["sha256"]} if "file" in pending else {}) | dict(pending.get("parts") or {})
+        if not all(isinstance(n, str) and isinstance(h, str) for n, h in noted.items()):
+            raise TypeError("bad names")
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return [pending_path]
     try:
         manifest = read_manifest(Path(ckpt_dir) / MANIFEST_FILE, missing_ok=True)
     except CheckpointCorrupt:
         return []   # what is recorded is unknown: touch nothing (the start names the manifest's problem)
     recorded = set((manifest or {}).get("history", [])) | ({manifest["file"]} if manifest else set())
-    file = Path(ckpt_dir) / str(name)
-    ours = (checkpoint_step(str(name)) is not None and name not in recorded and file.is_file()
-            and not file.is_symlink() and _has_sha256(file, sha256))
-    return [file, pending_path] if ours else [pending_path]
+    recorded |= {p for parts in ((manifest or {}).get("parts") or {}).values() for p in parts}
+    ours = []
+    for name, sha256 in noted.items():
+        file = Path(ckpt_dir) / name
+        if ((checkpoint_step(name) is not None or part_step(name) is not None) and name not in recorded
+                and file.is_file() and not file.is_symlink() and _has_sha256(file, sha256)):
+            ours.append(file)
+    return ours + [pending_path]
 
 
 _PROVEN: dict[tuple, bool] = {}
@@ -145,8 +218,12 @@ def _has_sha256(file: Path, sha256: str) -> bool:
     return _PROVEN[key]
 
 
-def _delete(folder: Path, names: list[str]) -> None:
+def _delete(folder: Path, names: list[str], parts: "dict | None" = None) -> None:
+    """Delete checkpoint files ``names`` and the parts ``parts`` records for them."""
     for name in names:
+        for part in (parts or {}).get(name, {}):
+            if part_step(part) is not None:
+                (folder / part).unlink(missing_ok=True)
         (folder / name).unlink(missing_ok=True)
 
 
@@ -205,6 +282,12 @@ def read_manifest(manifest_path: Path, missing_ok: bool = False) -> "dict | None
             raise ValueError("'history' or 'sha256s' names a file that is not a checkpoint of this folder")
         if not isinstance(manifest["sha256"], str):
             raise ValueError("bad 'sha256'")
+        parts = manifest.get("parts") or {}
+        if not isinstance(parts, dict) or not all(
+                checkpoint_step(main) is not None and isinstance(named, dict)
+                and all(isinstance(p, str) and part_step(p) == checkpoint_step(main) for p in named)
+                for main, named in parts.items()):
+            raise ValueError("'parts' names a file that is not a checkpoint part of this folder")
     except (ValueError, KeyError, AttributeError, TypeError, UnicodeDecodeError) as exc:
         raise CheckpointCorrupt(f"{manifest_path} is unreadable ({exc}); restore it, or start the run afresh "
                                 "with run.overwrite=true") from None
@@ -249,9 +332,10 @@ def file_sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def load_state(path: Path) -> dict[str, Any]:
+def load_state(path: Path, what: str = "step") -> dict[str, Any]:
     """Unpickle a checkpoint file with ``weights_only=True`` (plain data only, no code runs), its tensors
-    mapped from the file (copy-on-write: writing one changes memory, never the file)."""
+    mapped from the file (copy-on-write: writing one changes memory, never the file). ``what``: a key it must
+    hold (a part file: ``pieces``)."""
     try:
         state = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
     except pickle.UnpicklingError as exc:
@@ -261,7 +345,7 @@ def load_state(path: Path) -> dict[str, Any]:
     except (RuntimeError, EOFError, ValueError) as exc:
         raise CheckpointCorrupt(f"checkpoint {path} is not a readable checkpoint ({exc.__class__.__name__}); "
                                 "restore it, or start the run afresh with run.overwrite=true") from None
-    if not isinstance(state, dict) or "step" not in state:
+    if not isinstance(state, dict) or what not in state:
         raise CheckpointCorrupt(f"checkpoint {path} does not hold a training state")
     return state
 
@@ -278,6 +362,7 @@ def own_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 __all__ = ["CHECKPOINT_KEEP", "MANIFEST_FILE", "PENDING_FILE", "CheckpointCorrupt", "CheckpointRefused",
-           "checkpoint_name", "checkpoint_step", "file_sha256", "load_latest_checkpoint", "load_state",
+           "checkpoint_name", "checkpoint_step", "part_name", "part_step", "note_pending_parts", "part_in_the_way",
+           "save_part", "load_part", "file_sha256", "load_latest_checkpoint", "load_state",
            "own_optimizer_state", "read_manifest", "recorded_checkpoint_sha256", "recorded_sha256s",
            "save_checkpoint", "unrecorded_pending"]

@@ -45,7 +45,7 @@ from rlalign.models.checkpoint import is_model_folder_file
 from rlalign.models.ownership import OutputRefused, foreign_entries, open_own_file, refuse_overlap
 from rlalign.models.atomic import TEMP_SUFFIX
 from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, MANIFEST_FILE, PENDING_FILE, checkpoint_step,
-                                                read_manifest, recorded_sha256s, unrecorded_pending)
+                                                part_step, read_manifest, recorded_sha256s, unrecorded_pending)
 from rlalign.train.run.metrics import TENSORBOARD_EVENT_PREFIX, TENSORBOARD_FILES, WANDB_ID_FILE
 
 LOCK_NAME = ".lock"
@@ -192,7 +192,7 @@ def _refuse_overwriting_checkpoints(path: Path, after: int, upto: "int | None", 
         return
     leftover = {p.name for p in unrecorded_pending(ckpt_dir)}
     in_the_way = sorted(p.name for p in ckpt_dir.iterdir()
-                        if (step := checkpoint_step(p.name)) is not None and step > after
+                        if (step := _step_of_file(p.name)) is not None and step > after
                         and (upto is None or step <= upto) and p.name not in ours and p.name not in leftover)
     if in_the_way:
         shown = ", ".join(in_the_way[:5]) + (", ..." if len(in_the_way) > 5 else "")
@@ -200,6 +200,12 @@ def _refuse_overwriting_checkpoints(path: Path, after: int, upto: "int | None", 
                  else "that the run being replaced did not record")
         raise RunDirError(f"run.dir {path}: checkpoints/ holds {shown}, {whose}; this run would write over them: "
                           "move them out of checkpoints/ and start again (nothing was changed)")
+
+
+def _step_of_file(name: str) -> "int | None":
+    """The step of a checkpoint or checkpoint part file name, None for any other name."""
+    step = checkpoint_step(name)
+    return step if step is not None else part_step(name)
 
 
 def _prepare_fresh(path: Path, overwrite: bool, last_step: "int | None") -> None:
@@ -234,6 +240,7 @@ def previous_run_files(path: Path) -> list[Path]:
         except CheckpointCorrupt:
             manifest = None   # unreadable: it goes, the files it named count as foreign
         recorded = set((manifest or {}).get("history", [])) | set(recorded_sha256s(manifest))
+        recorded |= {p for parts in ((manifest or {}).get("parts") or {}).values() for p in parts}
         recorded |= {p.name for p in unrecorded_pending(ckpt_dir)} | {MANIFEST_FILE, PENDING_FILE}
         doomed += [ckpt_dir / name for name in sorted(recorded)
                    if (ckpt_dir / name).is_file() and not (ckpt_dir / name).is_symlink()]
@@ -259,7 +266,7 @@ def _is_leftover(p: Path) -> bool:
     temp = _TEMP_NAME.fullmatch(p.name)
     if temp:
         name = temp.group("name")
-        return p.is_file() and (name in _ATOMIC_FILES or checkpoint_step(name) is not None)
+        return p.is_file() and (name in _ATOMIC_FILES or _step_of_file(name) is not None)
     return p.is_dir() and _POLICY_LEFTOVER.fullmatch(p.name) is not None
 
 

@@ -1,0 +1,168 @@
+"""The parts the sharded training state (parallel.shard=grads, rlalign.train.sharding) rests on, in one process:
+the ranges cover every element once, AdamW stepped range by range at any offsets gives the whole step's bits, and
+the global gradient norm built from per-tensor parts is torch's (and the fixed-order one) bit for bit."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlalign.configlib import ConfigError, load_config
+from rlalign.distributed.data_parallel import FlatShards
+from rlalign.reductions import global_norm
+from rlalign.models.config import ModelConfig
+from rlalign.models.testing import tiny_hf_config
+from rlalign.train.budget import memory_budget
+from rlalign.train.config import TrainConfig
+from rlalign.train.master import adamw_groups, step_chunked
+from rlalign.train.parallel import norm_from_parts, norm_part, total_norm
+from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, load_part, note_pending_parts, part_in_the_way,
+                                                read_manifest, save_checkpoint, save_part)
+from rlalign.train.run.directory import open_run_dir, previous_run_files
+from tests.bitwise import assert_bitwise_equal
+
+
+@settings(max_examples=60, deadline=None)
+@given(numels=st.lists(st.integers(0, 40), min_size=1, max_size=8), ranks=st.integers(1, 9))
+def test_ranges_cover_every_element_once_in_order(numels, ranks):
+    """Degenerate sizes included: empty parameters, fewer elements than ranks (empty ranges)."""
+    shards = FlatShards(tuple(numels), ranks)
+    sizes = [hi - lo for lo, hi in (shards.range(r) for r in range(ranks))]
+    assert sum(sizes) == sum(numels) and max(sizes) - min(sizes) <= 1
+    seen = []
+    for r in range(ranks):
+        lo, hi = shards.range(r)
+        pieces = shards.pieces(r)
+        assert sum(b - a for _, a, b in pieces) == hi - lo
+        seen += [shards.offsets[i] + k for i, a, b in pieces for k in range(a, b)]
+        assert all(0 <= a < b <= numels[i] for i, a, b in pieces)
+    assert seen == list(range(sum(numels)))
+    for i, n in enumerate(numels):   # segments: a parameter's owners, in rank order, covering it
+        segs = shards.segments(shards.offsets[i], shards.offsets[i] + n)
+        assert sum(hi - lo for _, lo, hi in segs) == n and [r for r, _, _ in segs] == sorted({r for r, _, _ in segs})
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 300), cuts=st.lists(st.integers(0, 300), max_size=5), dtype=st.sampled_from(["bf16", "fp32"]),
+       steps=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_adamw_on_ranges_equals_the_whole_step(n, cuts, dtype, steps, seed):
+    """A master stepped in ranges cut at any offsets (not aligned to any vector width) has the bits of the whole
+    tensor's step, the rounded weight too: the elementwise claim the sharded step relies on."""
+    gen = torch.Generator().manual_seed(seed)
+    model_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    weight = (torch.randn(n, generator=gen) * 0.05).to(model_dtype)
+    grads = [(torch.randn(n, generator=gen) * 1e-2).to(model_dtype) for _ in range(steps)]
+    bounds = sorted({0, n, *(c % (n + 1) for c in cuts)})
+    spans = list(zip(bounds, bounds[1:]))
+
+    def run(ranges):
+        w = weight.clone()
+        masters = [w[a:b].float().clone() for a, b in ranges]
+        opt = torch.optim.AdamW(masters, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+        groups = adamw_groups(opt, masters)
+        for g in grads:
+            pieces = [g[a:b].clone() for a, b in ranges]
+            for k, (a, b) in enumerate(ranges):
+                step_chunked(opt.state[masters[k]], groups[id(masters[k])], masters[k], pieces, k, w[a:b], 7, "w")
+        return w, torch.cat(masters), torch.cat([opt.state[m]["exp_avg_sq"] for m in masters])
+
+    whole, ranged = run([(0, n)]), run(spans)
+    for a, b, what in zip(whole, ranged, ("weight", "master", "exp_avg_sq")):
+        assert_bitwise_equal(b, a, what)
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors=st.lists(st.tuples(st.integers(0, 500), st.sampled_from(list(_DTYPES)), st.floats(1e-3, 1e3)),
+                        min_size=1, max_size=10), seed=st.integers(0, 2**16))
+def test_norm_from_per_tensor_parts_is_torchs_and_the_fixed_ones(tensors, seed):
+    """Mixed dtypes (torch groups them by dtype in its own order), empty tensors, scales spanning 1e6."""
+    gen = torch.Generator().manual_seed(seed)
+    grads = [(torch.randn(n, generator=gen) * scale).to(_DTYPES[d]) for n, d, scale in tensors]
+    want = torch.nn.utils.get_total_norm(grads, foreach=False)
+    assert_bitwise_equal(total_norm(grads), want, "total_norm")
+    assert_bitwise_equal(norm_from_parts([norm_part(g, "torch") for g in grads], "torch"), want, "torch parts")
+    assert_bitwise_equal(norm_from_parts([norm_part(g, "fixed") for g in grads], "fixed"), global_norm(grads), "fixed")
+
+
+@pytest.mark.parametrize("extra, match", [
+    ([], "set parallel.dp >= 2"),
+    (["parallel.dp=2", "parallel.tp=1"], "parallel.shard=grads with parallel.tp is not supported yet"),
+    (["parallel.dp=2", "optim.offload=true"], "with optim.offload=true is not supported yet"),
+    (["parallel.dp=2", "rollout.async_steps=1"], "with rollout.async_steps > 0 is not supported yet"),
+    (["parallel.dp=2", "algo.advantage=gae"], "the PPO value model"),
+])
+def test_unsupported_combinations_are_refused_in_one_line(extra, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        load_config(TrainConfig, None, ["parallel.shard=grads", *extra])
+    assert "\n" not in str(info.value)
+
+
+def test_shard_values():
+    assert load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=grads"]).parallel.shard == "grads"
+    assert load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=grads", "model.lora.rank=4"]).model.lora.rank
+    assert load_config(TrainConfig, None, []).parallel.shard == "none"
+    with pytest.raises(ConfigError, match="parallel.shard"):
+        load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=optimizer"])
+
+
+def test_budget_divides_the_sharded_state_by_dp():
+    """rlalign.train.budget: with parallel.shard=grads the masters and AdamW rows are this rank's ceil(P / dp)."""
+    model = ModelConfig.from_hf_dict(tiny_hf_config("qwen3"))
+    rows = {}
+    for shard in ("none", "grads"):
+        cfg = load_config(TrainConfig, None, ["parallel.dp=4", f"parallel.shard={shard}", "model.dtype=bfloat16"])
+        rows[shard] = {r.component: r.nbytes for r in memory_budget(cfg, model)}
+    p = rows["none"]["fp32 master weights"] // 4
+    assert rows["grads"]["fp32 master weights"] == 4 * -(-p // 4)
+    assert rows["grads"]["AdamW m, v (fp32)"] == 8 * -(-p // 4) and rows["none"]["AdamW m, v (fp32)"] == 8 * p
+    assert rows["grads"]["policy gradients"] == rows["none"]["policy gradients"]
+    files = max(cfg.run.keep_checkpoints, 2)   # the main file also holds the bf16 weights (2 bytes each)
+    assert rows["grads"]["checkpoint files"] == rows["none"]["checkpoint files"] + files * 2 * p
+
+
+def _part(run: Path, step: int, rank: int) -> tuple[str, str]:
+    """A part file written as a sharded save writes one (pending noted before the rename)."""
+    noted = {}
+    name, sha = save_part(run, step, rank, {"pieces": [[0, rank, rank + 1]]}, lambda named: noted.update([named]))
+    assert noted == {name: sha}
+    return name, sha
+
+
+def test_checkpoint_parts_are_recorded_deleted_and_proved_like_checkpoints(tmp_path):
+    """A sharded checkpoint's parts (one per rank) are recorded in latest.json with their main file, deleted with
+    it (run.keep_checkpoints), removed by run.overwrite, and never replaced; parts a kill left renamed but
+    unrecorded are proved by pending.json's sha256 and removed at the next start, a foreign file never."""
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    for step in (1, 2, 3):
+        parts = dict(_part(run, step, r) for r in range(2))
+        note_pending_parts(run, parts)
+        save_checkpoint(run, step, {"step": step}, keep=2, parts=parts)
+    assert sorted(p.name for p in ckpt.glob("step_*")) == [
+        "step_000002.pt", "step_000002.rank0.pt", "step_000002.rank1.pt",
+        "step_000003.pt", "step_000003.rank0.pt", "step_000003.rank1.pt"]
+    manifest = read_manifest(ckpt / "latest.json")
+    assert sorted(manifest["parts"]) == ["step_000002.pt", "step_000003.pt"]
+    assert load_part(run, "step_000003.rank1.pt", manifest["parts"]["step_000003.pt"]["step_000003.rank1.pt"])["pieces"]
+    with pytest.raises(CheckpointCorrupt, match="sha256"):
+        load_part(run, "step_000003.rank1.pt", "0" * 64)
+    assert part_in_the_way(run, 3, 2) and part_in_the_way(run, 4, 2) is None
+    # killed after the parts of step 4 were renamed into place, before latest.json: proved and removed at start
+    parts = dict(_part(run, 4, r) for r in range(2))
+    note_pending_parts(run, parts)
+    (ckpt / "step_000005.rank0.pt").write_bytes(b"a user's file")   # named like a part, never noted: stays
+    (ckpt / ".step_000004.rank1.pt.abc123.tmp").write_bytes(b"half")
+    handle = open_run_dir(run, resume=True, overwrite=False, last_step=4)
+    handle.release()
+    assert sorted(handle.removed) == ["checkpoints/.step_000004.rank1.pt.abc123.tmp",
+                                      "checkpoints/step_000004.rank0.pt", "checkpoints/step_000004.rank1.pt"]
+    assert (ckpt / "step_000005.rank0.pt").exists()
+    (ckpt / "step_000005.rank0.pt").unlink()
+    doomed = sorted(p.name for p in previous_run_files(run) if p.parent == ckpt)
+    assert doomed == ["latest.json", "step_000002.pt", "step_000002.rank0.pt", "step_000002.rank1.pt",
+                      "step_000003.pt", "step_000003.rank0.pt", "step_000003.rank1.pt"]
