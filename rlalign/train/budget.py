@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -58,6 +59,7 @@ import torch
 
 from rlalign.contract.errors import RLAlignError
 from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
+from rlalign.models.checkpoint import read_config_json
 from rlalign.models.config import ModelConfig
 from rlalign.models.sizes import kv_bytes_per_token, parameter_sizes
 from rlalign.train.engines import PROMPT_TOKENS_ESTIMATE, step_kv_cache_bytes, weights_path
@@ -93,6 +95,10 @@ def activation_bytes_per_token(m: ModelConfig, b: int, checkpointing: bool) -> i
     if checkpointing:
         return m.num_layers * 2 * m.hidden_size * b + layer
     return m.num_layers * layer
+
+
+class BudgetError(RLAlignError):
+    """A run whose memory budget exceeds the machine (:func:`refuse_what_cannot_fit`)."""
 
 
 def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
@@ -190,6 +196,36 @@ def fit_line(rows: list[BudgetRow], capacity: int) -> tuple[bool, str]:
         return True, f"fits the device: {_size(need)} of {_size(capacity)}, {_size(spare)} spare ({spare / capacity:.1%})"
     return False, (f"does NOT fit the device: {_size(need)} of {_size(capacity)}, {_size(-spare)} over; lower "
                    "rollout.kv_cache_bytes, optim.micro_batch_tokens or optim.step_chunk_elements, or set optim.offload=true")
+
+
+def host_capacity() -> "int | None":
+    """The machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def refuse_what_cannot_fit(cfg, model_dir: Path) -> None:
+    """Before any weight is loaded: raise one line when the budget of ``cfg`` for the model in ``model_dir`` needs
+    more than the GPU's total memory, or more than the host's physical memory (the host rows, plus the device rows
+    when the model runs on the CPU). The budget takes every row as live at once (an upper bound), so
+    ``run.check_memory=false`` starts a run the bound refuses. Not checked: tensor-parallel runs (the budget counts
+    one process with the whole model) and other launchers or engines (their processes hold other parts)."""
+    if not cfg.run.check_memory or cfg.parallel.tp is not None or cfg.launcher != "local" \
+            or cfg.rollout.engine != "rlalign":
+        return
+    rows = memory_budget(cfg, ModelConfig.from_hf_dict(read_config_json(model_dir)[1]))
+    need = totals(rows)
+    on_cpu = not cfg.model.device.startswith("cuda")
+    limits = [("the GPU", need.get("device", 0), None if on_cpu else device_capacity(cfg)),
+              ("the host", need.get("host", 0) + (need.get("device", 0) if on_cpu else 0), host_capacity())]
+    for place, bytes_needed, capacity in limits:
+        if capacity is not None and bytes_needed > capacity:
+            raise BudgetError(f"this run's memory budget needs {_size(bytes_needed)} on {place}, which has "
+                              f"{_size(capacity)}: `python -m rlalign.train.budget CONFIG` prints the rows (lower "
+                              "optim.micro_batch_tokens or rollout.kv_cache_bytes, or set optim.offload=true, "
+                              "model.lora.rank or parallel.shard); run.check_memory=false starts it anyway")
 
 
 def device_capacity(cfg) -> "int | None":

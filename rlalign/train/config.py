@@ -353,6 +353,7 @@ class RunSection:
         "metric_names": checked_by_type("rlalign, verl or trl"),
         "keep_checkpoints": at_least(1),
         "save_checkpoints": checked_by_type("true or false"),
+        "check_memory": checked_by_type("true or false"),
         "max_minutes": greater_than(0, optional=True),
         "stop_at_step": at_least(1, optional=True),
         "stop_when_stalled": at_least(1, optional=True),
@@ -378,6 +379,7 @@ class RunSection:
     metric_names: Literal["rlalign", "verl", "trl"] = "rlalign"   # metric names in tensorboard / wandb
     keep_checkpoints: int = 2          # newest checkpoints kept in run.dir/checkpoints
     save_checkpoints: bool = True      # false: no checkpoint at all, not even the last (a state too large for the disk)
+    check_memory: bool = True          # refuse, before loading, a run whose memory budget exceeds the GPU or host (rlalign.train.budget)
     max_minutes: float | None = None   # stop (after a checkpoint) when exceeded
     stop_at_step: int | None = None    # stop (after a checkpoint) after this step; the lr schedule still spans run.steps
     stop_when_stalled: int | None = None   # end the run after N steps in a row with every advantage 0 (rlalign/train/stall.py)

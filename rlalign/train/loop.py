@@ -35,6 +35,7 @@ from rlalign.train import advantages, offpolicy
 from rlalign.train.adapters import adapt_policy, step_dropout
 from rlalign.train import parallel as par
 from rlalign.train.agreement import Agreement, MismatchError
+from rlalign.train.budget import refuse_what_cannot_fit
 from rlalign.train.checkpointing import TrainingState
 from rlalign.train.config import TrainConfig
 from rlalign.train.engines import WeightSync, build_rollout_engine, weights_path
@@ -48,7 +49,7 @@ from rlalign.train.run.metrics import MetricsWriter, NoMetrics
 from rlalign.train.run.trackers import Trackers
 from rlalign.train.samples import StepSamples
 from rlalign.train.sampling import Sampler
-from rlalign.train.setup import SetupError, build_task, load_policy
+from rlalign.train.setup import SetupError, build_task, load_policy, resolve_model_dir
 from rlalign.train.sharding import training_master
 from rlalign.train.sources import rollout_source
 from rlalign.train.stall import StallWatch, segment_end
@@ -89,6 +90,7 @@ class Trainer:
 
     def _build(self, cfg: TrainConfig) -> None:
         self.device = torch.device(cfg.model.device)
+        refuse_what_cannot_fit(cfg, resolve_model_dir(cfg.model.path))   # one line before any weight is loaded
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.lora = adapt_policy(self.policy, cfg)   # model.lora: adapters before the engine and optimizer see it
         self.moe = self.policy.config.ffn_kind == "moe"
