@@ -307,14 +307,8 @@ def parse_args(argv=None):
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    tiny = args.shape == "tiny"
-    # `is None`, not `or`: an explicit 0 is refused below, not replaced by the default
-    args.layers = (2 if tiny else 6) if args.layers is None else args.layers
-    args.tokens = (256 if tiny else 8192) if args.tokens is None else args.tokens
-    args.mean_seq = (48 if tiny else 1024) if args.mean_seq is None else args.mean_seq
-    if args.device is None:
-        import torch
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    from train_step import fill_shape_defaults
+    fill_shape_defaults(args)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:

@@ -375,14 +375,7 @@ def parse_args(argv=None):
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    tiny = args.shape == "tiny"
-    # `is None`, not `or`: an explicit 0 is refused below, not replaced by the default
-    args.layers = (2 if tiny else 6) if args.layers is None else args.layers
-    args.tokens = (256 if tiny else 8192) if args.tokens is None else args.tokens
-    args.mean_seq = (48 if tiny else 1024) if args.mean_seq is None else args.mean_seq
-    if args.device is None:
-        import torch
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    fill_shape_defaults(args)
     if args.peak_breakdown and args.device != "cuda":
         p.error("--peak-breakdown needs --device cuda (it replays the CUDA caching allocator's history)")
     for name in ("peak_tflops", "ceiling_tflops"):
@@ -396,6 +389,18 @@ def parse_args(argv=None):
     if bad or min(args.layers, args.tokens, args.mean_seq, args.iters) < 1 or args.warmup < 0:
         p.error(f"unknown variants {bad}" if bad else "--layers, --tokens, --mean-seq and --iters must be >= 1")
     return args
+
+
+def fill_shape_defaults(args) -> None:
+    """The defaults of --layers / --tokens / --mean-seq by --shape (tiny: 2 / 256 / 48, else 6 / 8192 / 1024) and of
+    --device (cuda when available). ``is None``, not ``or``: an explicit 0 is refused later, not replaced."""
+    tiny = args.shape == "tiny"
+    args.layers = (2 if tiny else 6) if args.layers is None else args.layers
+    args.tokens = (256 if tiny else 8192) if args.tokens is None else args.tokens
+    args.mean_seq = (48 if tiny else 1024) if args.mean_seq is None else args.mean_seq
+    if args.device is None:
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def main(argv=None) -> int:
