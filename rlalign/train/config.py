@@ -522,9 +522,6 @@ class TrainConfig:
                     "engine runs episodes from Python through rlalign.envs.run_episodes")
         if self.launcher != "local" or self.parallel.dp > 1:
             return "task.env runs with launcher=local and parallel.dp=1 (multi-turn rollouts are not sharded yet)"
-        if self.rollout.async_steps:
-            return ("task.env runs synchronously (rollout.async_steps=0): asynchronous steps do not record the "
-                    "weights versions of multi-turn episodes yet")
         return None
 
     def _unusual_value(self) -> "str | None":

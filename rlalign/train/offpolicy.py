@@ -94,7 +94,8 @@ def check_staleness(step: int, versions: torch.Tensor, bound: int) -> None:
 
 
 def staleness_record(step: int, versions: torch.Tensor) -> dict:
-    """``offpolicy/staleness_*``: versions between the trainer's (``step - 1``) and each completion token's."""
+    """``offpolicy/staleness_*``: versions between the trainer's (``step - 1``) and each sampled token's
+    (``versions``: those of the tokens the model sampled)."""
     stale = (step - 1 - versions).to(torch.float64)
     if not stale.numel():
         return {}
@@ -165,7 +166,8 @@ class BehaviourVerifier:
         compared = differ = unverified = 0
         first = None
         for version in torch.unique(versions).tolist():
-            on = (versions == version).to(recorded.device)
+            # the tokens the version sampled (a multi-turn episode's observation tokens carry no log-prob)
+            on = (versions == version).to(recorded.device) & batch.generated
             if version not in self.snapshots:
                 unverified += int(on.sum())
                 continue
