@@ -32,6 +32,7 @@ bit for bit (:meth:`~rlalign.train.sources.AsynchronousSource.state_dict`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -40,7 +41,8 @@ import torch
 from rlalign import algos
 from rlalign.contract.bits import differing
 from rlalign.contract.errors import RLAlignError
-from rlalign.train.agreement import MismatchError
+from rlalign.models.moe import record_routing
+from rlalign.train.agreement import MismatchError, kept_rows, rows_both_computed, whole_samples
 from rlalign.train.packing import TrainBatch
 from rlalign.train.parallel import policy_weights
 from rlalign.train.run.logs import LOGGER
@@ -63,7 +65,7 @@ def max_staleness(rollout) -> int:
     return rollout.async_steps if rollout.max_staleness is None else rollout.max_staleness
 
 
-def check_setup(cfg, moe: bool) -> None:
+def check_setup(cfg) -> None:
     """Refuse, in one line, what asynchronous steps and ``run.verify_behaviour`` do not support yet."""
     k = cfg.rollout.async_steps
     if cfg.run.verify_behaviour and cfg.parallel.world_size > 1:
@@ -74,7 +76,6 @@ def check_setup(cfg, moe: bool) -> None:
     blockers = [(cfg.launcher != "local", f"launcher={cfg.launcher}"),
                 (cfg.rollout.engine != "rlalign", f"rollout.engine={cfg.rollout.engine}"),
                 (cfg.parallel.world_size > 1, "parallel.dp/tp > 1"),
-                (moe, "a mixture-of-experts policy (its routing check compares fresh samples only)"),
                 (cfg.algo.advantage == "gae", "algo.advantage=gae (the value model's old values)")]
     for blocked, what in blockers:
         if blocked:
@@ -160,10 +161,13 @@ class BehaviourVerifier:
         for v in [v for v in self.snapshots if v < version]:
             del self.snapshots[v]
 
-    def check(self, step: int, versions: torch.Tensor, batch: TrainBatch) -> dict:
-        """Compare the step's recorded behaviour log-probs with a recompute under each recorded version."""
+    def check(self, step: int, versions: torch.Tensor, batch: TrainBatch, routing: bool = False) -> dict:
+        """Compare the step's recorded behaviour log-probs with a recompute under each recorded version, and with
+        ``routing`` (an MoE policy whose engine recorded its experts) the recorded routing of every sample with the
+        recompute's, row by row (``verify/routing_*``)."""
         recorded = batch.rollout_logprobs
         compared = differ = unverified = 0
+        routes = {"tokens": 0, "count": 0, "first": None}
         first = None
         for version in torch.unique(versions).tolist():
             # the tokens the version sampled (a multi-turn episode's observation tokens carry no log-prob)
@@ -172,19 +176,44 @@ class BehaviourVerifier:
                 unverified += int(on.sum())
                 continue
             self.model.load_state_dict(self.snapshots[version])
-            lp = batch.score(self.model, temperature=self.temperature, sampled=self.sampled)[0]
+            with record_routing(keep_logits=False) if routing else contextlib.nullcontext() as rows:
+                lp = batch.score(self.model, temperature=self.temperature, sampled=self.sampled)[0]
             bad = differing(lp, recorded) & on
             compared, differ = compared + int(on.sum()), differ + int(bad.sum())
             if first is None and bool(bad.any()):
                 first = (version, int(bad.nonzero()[0]))
+            if routing:
+                self._compare_routing(step, version, rows.expert_ids(), versions == version, batch, routes)
         if differ and self.strict:
-            msg = (f"step {step}: {differ} of {compared} behaviour log-probs differ from a trainer forward under the "
-                   f"weights version that sampled them (first: token {first[1]}, version {first[0]})")
-            if self.on_mismatch == "stop":
-                raise MismatchError(msg)
-            LOGGER.warning(f"MISMATCH {msg}")
-        return {"verify/behaviour_tokens": compared, "verify/behaviour_mismatch": differ,
-                "verify/unverified_tokens": unverified}
+            self._report(f"step {step}: {differ} of {compared} behaviour log-probs differ from a trainer forward under "
+                         f"the weights version that sampled them (first: token {first[1]}, version {first[0]})")
+        if routes["count"] and self.strict:
+            self._report(f"step {step}: {routes['count']} of {routes['tokens']} (token, sparse layer) routing choices "
+                         "differ from a trainer forward under the weights version that sampled them (first: version "
+                         f"{routes['first'][0]}, row {routes['first'][1]}, sparse layer {routes['first'][2]})")
+        record = {"verify/behaviour_tokens": compared, "verify/behaviour_mismatch": differ,
+                  "verify/unverified_tokens": unverified}
+        if routing:
+            record.update({"verify/routing_tokens": routes["tokens"], "verify/routing_mismatch": routes["count"]})
+        return record
+
+    @staticmethod
+    def _compare_routing(step: int, version: int, expert_ids: torch.Tensor, tokens: torch.Tensor, batch: TrainBatch,
+                         routes: dict) -> None:
+        """Add to ``routes`` the comparison of the samples ``version`` drew (``tokens``: bool over their completion
+        tokens) with the recompute's expert ids [rows of every sample, sparse layers, k]."""
+        ours, theirs, _ = rows_both_computed(step, *kept_rows(expert_ids, batch.samples,
+                                                              whole_samples(tokens, batch.samples)))
+        mism = algos.routing_mismatch(ours, theirs)
+        if routes["first"] is None and mism["first"] is not None:
+            routes["first"] = (version, *mism["first"])
+        routes["tokens"] += mism["tokens"]
+        routes["count"] += mism["count"]
+
+    def _report(self, msg: str) -> None:
+        if self.on_mismatch == "stop":
+            raise MismatchError(msg)
+        LOGGER.warning(f"MISMATCH {msg}")
 
 
 def behaviour_verifier(cfg, policy: torch.nn.Module) -> "BehaviourVerifier | None":
