@@ -12,11 +12,13 @@ from rlalign.algos._segments import seq_ids_from_lengths
 from rlalign.algos.advantages import (
     discounted_returns,
     expand_to_tokens,
+    expand_turns_to_tokens,
     gae_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
     token_rewards,
+    turn_groups,
     whiten,
 )
 from rlalign.algos.aggregate import MODES as AGGREGATION_MODES
@@ -48,6 +50,7 @@ from rlalign.algos.registry import (
     POLICY_LOSSES,
     AdvantageInputs,
     Algorithm,
+    TurnInputs,
     refused_setting,
 )
 from rlalign.algos.value import value_loss
@@ -55,9 +58,9 @@ from rlalign.algos.decoupled import behaviour_correction, decoupled_ppo_loss
 
 __all__ = [
     "ADVANTAGES", "AGGREGATION_MODES", "KL_ESTIMATORS", "KL_ESTIMATOR_REGISTRY", "MISMATCH_CORRECTIONS",
-    "POLICY_LOSSES", "AdvantageInputs", "Algorithm", "Correction", "PolicyLossOutput", "refused_setting", "value_loss",
+    "POLICY_LOSSES", "AdvantageInputs", "Algorithm", "TurnInputs", "Correction", "PolicyLossOutput", "refused_setting", "value_loss",
     "aggregate_loss", "batch_counts", "cispo_loss", "discounted_returns", "entropy_bonus",
-    "expand_to_tokens", "first_groups", "gae_advantages", "groups_to_draw", "grpo_advantages",
+    "expand_to_tokens", "expand_turns_to_tokens", "turn_groups", "first_groups", "gae_advantages", "groups_to_draw", "grpo_advantages",
     "gspo_loss", "informative_groups", "kl_estimate", "kl_k1", "kl_k2", "kl_k3", "kl_loss",
     "kl_reward_penalty", "logprob_mismatch_stats", "loss_weights", "overlong_filter",
     "ppo_clip_loss", "reinforce_pp_advantages", "rloo_advantages", "seq_ids_from_lengths",

@@ -94,6 +94,39 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-6) -> to
     return torch.where(mask & (denom > 0), out, torch.zeros_like(out))
 
 
+def turn_groups(group_ids: torch.Tensor, turn_counts: torch.Tensor) -> torch.Tensor:
+    """Per-turn baseline groups ``[M]`` (``M = sum(turn_counts)``, the turns sample by sample): turn ``t`` of a
+    sequence of prompt group ``g`` is in the group of every turn ``t`` of group ``g``'s sequences (the sequences of
+    a prompt that reached turn ``t``), numbered ``0..`` in order of (g, t)."""
+    S.check_flat("turn_groups", group_ids=group_ids, turn_counts=turn_counts)
+    if bool((turn_counts < 0).any()):
+        raise S.fail("turn_groups", "turn_counts must be >= 0")
+    turn_index = _turn_index(turn_counts)
+    width = int(turn_counts.max()) if turn_counts.numel() else 0
+    key = torch.repeat_interleave(group_ids, turn_counts) * max(width, 1) + turn_index
+    return torch.unique(key, return_inverse=True)[1]
+
+
+def _turn_index(turn_counts: torch.Tensor) -> torch.Tensor:
+    """``[M]``: each turn's index within its sequence (0, 1, ... per sequence)."""
+    starts = torch.cumsum(turn_counts, 0) - turn_counts
+    return torch.arange(int(turn_counts.sum()), dtype=torch.int64) - torch.repeat_interleave(starts, turn_counts)
+
+
+def expand_turns_to_tokens(turn_values: torch.Tensor, turn_counts: torch.Tensor, token_turns: torch.Tensor,
+                           seq_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-turn ``[M]`` -> per-token ``[T]``: token ``i`` gets the value of turn ``token_turns[i]`` of its sequence
+    ``seq_ids[i]`` (0 where mask is False)."""
+    fn = "expand_turns_to_tokens"
+    S.check_flat(fn, token_turns=token_turns, seq_ids=seq_ids, mask=mask)
+    S.check_ids(fn, seq_ids, turn_counts.shape[0])
+    if token_turns.numel() and bool(((token_turns < 0) | (token_turns >= turn_counts[seq_ids])).any()):
+        raise S.fail(fn, "a token's turn is outside its sequence's turns")
+    starts = torch.cumsum(turn_counts, 0) - turn_counts
+    out = turn_values[(starts[seq_ids] + token_turns).to(turn_values.device)]
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
 def _response_segments(seq_ids: torch.Tensor, mask: torch.Tensor, num_seqs: int | None, fn: str
                        ) -> S.Segments:
     """Layout of the masked-in tokens only: a sequence's trajectory skips masked-out tokens."""

@@ -85,11 +85,20 @@ class Registry:
 # ---- advantage estimators ---------------------------------------------------------------------------
 
 @dataclasses.dataclass
+class TurnInputs:
+    """Multi-turn episodes' turns: ``returns`` ``[M]`` each turn's return-to-go (sample by sample, ``M`` =
+    ``counts.sum()``), ``counts`` ``[N]`` each sequence's turns, ``token_turns`` ``[T]`` each token's turn."""
+    returns: torch.Tensor
+    counts: torch.Tensor
+    token_turns: torch.Tensor
+
+
+@dataclasses.dataclass
 class AdvantageInputs:
     """What every estimator receives: per-sequence ``rewards`` / ``group_ids`` ``[N]``, per-token
     ``seq_ids`` / ``mask`` ``[T]``; ``kl`` ``[T]`` (or None): the per-token KL to the reference folded
     into the reward with ``kl_coef``; ``values`` ``[T]``: the value model's old values (value_model
-    estimators only)."""
+    estimators only); ``turns``: multi-turn episodes' turns (or None), read by ``turn_advantage=turn``."""
     rewards: torch.Tensor
     group_ids: torch.Tensor
     seq_ids: torch.Tensor
@@ -97,6 +106,7 @@ class AdvantageInputs:
     kl: torch.Tensor | None = None
     kl_coef: float = 0.0
     values: torch.Tensor | None = None
+    turns: TurnInputs | None = None
 
 
 def _sequence_rewards(x: AdvantageInputs) -> torch.Tensor:
@@ -107,14 +117,31 @@ def _sequence_rewards(x: AdvantageInputs) -> torch.Tensor:
     return x.rewards - x.kl_coef * summed
 
 
+def _per_turn(x: AdvantageInputs, baseline: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``turn_advantage=turn``: every turn's return-to-go against the same turn of its prompt's other episodes
+    (``baseline(returns [M], groups [M]) -> [M]`` over :func:`~rlalign.algos.advantages.turn_groups`), each token
+    given its turn's advantage."""
+    if x.turns is None:
+        raise ValueError("rlalign.algos: turn_advantage=turn needs the episodes' turns (AdvantageInputs.turns)")
+    if x.kl is not None:
+        raise ValueError("rlalign.algos: turn_advantage=turn does not fold a KL penalty into the returns")
+    t = x.turns
+    adv = baseline(t.returns, A.turn_groups(x.group_ids, t.counts))
+    return A.expand_turns_to_tokens(adv, t.counts, t.token_turns, x.seq_ids, x.mask)
+
+
 def _group_normalised(scale_by_std: bool):
-    def estimate(x: AdvantageInputs):
+    def estimate(x: AdvantageInputs, *, turn_advantage: str):
+        if turn_advantage == "turn":
+            return _per_turn(x, lambda r, g: A.grpo_advantages(r, g, scale_by_std=scale_by_std)), None
         adv = A.grpo_advantages(_sequence_rewards(x), x.group_ids, scale_by_std=scale_by_std)
         return A.expand_to_tokens(adv, x.seq_ids, x.mask), None
     return estimate
 
 
-def _rloo(x: AdvantageInputs):
+def _rloo(x: AdvantageInputs, *, turn_advantage: str):
+    if turn_advantage == "turn":
+        return _per_turn(x, A.rloo_advantages), None
     return A.expand_to_tokens(A.rloo_advantages(_sequence_rewards(x), x.group_ids), x.seq_ids, x.mask), None
 
 
@@ -133,9 +160,12 @@ def _gae(x: AdvantageInputs, *, gamma: float, lam: float):
 
 
 ADVANTAGES = Registry("advantage", "advantage estimator")
-ADVANTAGES.register("grpo", _group_normalised(True))
-ADVANTAGES.register("dr_grpo", _group_normalised(False))
-ADVANTAGES.register("rloo", _rloo)
+# turn_advantage: episode (every token its episode's advantage) | turn (every turn its return-to-go's, against the
+# same turn index of the prompt's episodes; multi-turn episodes only, docs/agents.md)
+TURN_ADVANTAGE = {"turn_advantage": "episode"}
+ADVANTAGES.register("grpo", _group_normalised(True), knobs=TURN_ADVANTAGE)
+ADVANTAGES.register("dr_grpo", _group_normalised(False), knobs=TURN_ADVANTAGE)
+ADVANTAGES.register("rloo", _rloo, knobs=TURN_ADVANTAGE)
 ADVANTAGES.register("reinforce_pp", _reinforce_pp, knobs={"gamma": 1.0})
 ADVANTAGES.register("gae", _gae, knobs={"gamma": 1.0, "lam": 0.95}, uses=("value_lr", "value_clip"), value_model=True)
 
@@ -225,5 +255,5 @@ def refused_setting(settings: Mapping[str, Any], defaults: Mapping[str, Any]) ->
     return None
 
 
-__all__ = ["ADVANTAGES", "AdvantageInputs", "Algorithm", "KL_ESTIMATOR_REGISTRY", "MISMATCH_CORRECTIONS",
+__all__ = ["ADVANTAGES", "AdvantageInputs", "TurnInputs", "Algorithm", "KL_ESTIMATOR_REGISTRY", "MISMATCH_CORRECTIONS",
            "POLICY_LOSSES", "REGISTRIES", "REQUIRES", "Registry", "refused_setting"]

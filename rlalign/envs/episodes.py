@@ -53,16 +53,20 @@ class EpisodeLimits:
 class Episode:
     """One episode. ``tokens``: every id after the prompt, turns and observations in order; ``generated[i]``: the
     model sampled ``tokens[i]`` (False: an observation's); ``logprobs[i]``: the engine's log-prob of a generated
-    token (0.0 for an observation's, never compared); ``turn_rewards``: each turn's reward; ``final_reward``: the
-    env's at the end; ``finish_reason``: "done" (the env ended it), "max_turns" or "max_episode_tokens";
-    ``routing``: the MoE routing record of every fed row (the last turn's, which covers the whole episode), or
-    None."""
+    token (0.0 for an observation's, never compared); ``turns[i]``: the turn ``tokens[i]`` belongs to (an
+    observation's: the turn it answers); ``versions[i]``: the engine's weights version of the turn ``tokens[i]``
+    belongs to (the request that sampled it; an observation's: the turn it answers); ``turn_rewards``: each turn's
+    reward; ``final_reward``: the env's at the end; ``finish_reason``: "done" (the env ended it), "max_turns" or
+    "max_episode_tokens"; ``routing``: the MoE routing record of every fed row (the last turn's, which covers the
+    whole episode), or None."""
     prompt_index: int
     sample_index: int
     prompt_tokens: list[int]
     tokens: list[int] = dataclasses.field(default_factory=list)
     generated: list[bool] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    turns: list[int] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     final_reward: float = 0.0
     finish_reason: str | None = None
@@ -76,6 +80,11 @@ class Episode:
     def episode_return(self) -> float:
         """Every turn's reward plus the final reward."""
         return math.fsum(self.turn_rewards) + self.final_reward
+
+    def returns_to_go(self) -> list[float]:
+        """Per turn ``t``: the rewards of turns ``t, t + 1, ...`` plus the final reward (the same sum as
+        :attr:`episode_return`, so turn 0's is the episode's return, bit for bit)."""
+        return [math.fsum(self.turn_rewards[t:]) + self.final_reward for t in range(self.num_turns)]
 
     @property
     def truncated(self) -> bool:
@@ -181,6 +190,8 @@ def _take_turn(r: _Running, completion, tokenizer, limits: EpisodeLimits, turn: 
     ep.tokens += completion.tokens
     ep.generated += [True] * len(completion.tokens)
     ep.logprobs += completion.logprobs
+    ep.turns += [turn] * len(completion.tokens)
+    ep.versions += [completion.weights_version] * len(completion.tokens)
     ep.routing = completion.routing
     text = completion.text if completion.text is not None or tokenizer is None else tokenizer.decode(completion.tokens)
     result = _call(r.env, "step", Turn(text, tuple(completion.tokens), turn, completion.finish_reason))
@@ -195,6 +206,8 @@ def _take_turn(r: _Running, completion, tokenizer, limits: EpisodeLimits, turn: 
             ep.tokens += obs
             ep.generated += [False] * len(obs)
             ep.logprobs += [0.0] * len(obs)
+            ep.turns += [turn] * len(obs)
+            ep.versions += [completion.weights_version] * len(obs)
             return True
         reason = "max_episode_tokens"   # no room left for a model token after the observation
     ep.finish_reason = reason

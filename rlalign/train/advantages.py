@@ -36,9 +36,16 @@ def token_advantages(algo, samples: StepSamples, batch: TrainBatch, kl: torch.Te
     dev = batch.seq_ids.device
     old_values = value.old_values(batch) if estimator.value_model else None
     inputs = algos.AdvantageInputs(samples.reward_tensor(dev), samples.group_tensor(dev), batch.seq_ids, batch.mask,
-                                   kl=kl, kl_coef=algo.kl_coef, values=old_values)
+                                   kl=kl, kl_coef=algo.kl_coef, values=old_values, turns=turn_inputs(samples, dev))
     adv, returns = estimator.fn(inputs, **estimator.knob_values(dataclasses.asdict(algo)))
     return adv, ({"returns": returns, "old_values": old_values} if estimator.value_model else {})
+
+
+def turn_inputs(samples: StepSamples, device) -> "algos.TurnInputs | None":
+    """Multi-turn episodes' turns (each turn's return-to-go, turn counts, each token's turn), or None."""
+    if samples.turns is None:
+        return None
+    return algos.TurnInputs(samples.turn_returns.to(device), samples.turn_counts.to(device), samples.turns.to(device))
 
 
 def mismatch_correction(algo, old_lp: torch.Tensor | None, batch: TrainBatch) -> tuple[torch.Tensor | None, dict]:
@@ -54,4 +61,4 @@ def mismatch_correction(algo, old_lp: torch.Tensor | None, batch: TrainBatch) ->
     return weights, stats
 
 
-__all__ = ["kl_in_reward", "token_advantages", "mismatch_correction"]
+__all__ = ["kl_in_reward", "token_advantages", "turn_inputs", "mismatch_correction"]

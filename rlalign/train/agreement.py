@@ -5,6 +5,9 @@
 - **Routing** (:meth:`Agreement.check_routing`, MoE models): the experts the trainer's forward sent each row to
   against the engine's record (``Completion.routing``) on every row both computed, logged as ``moe/routing_*``;
   a (row, sparse layer) pair mismatches when the top-k expert sets differ (:func:`rlalign.algos.routing_mismatch`).
+  With samples generated ahead (``rollout.async_steps``) only the samples the trainer's current weights drew are
+  compared (:func:`whole_samples`): a stale sample's experts were chosen by older weights, and
+  ``run.verify_behaviour`` compares them under those (:class:`rlalign.train.offpolicy.BehaviourVerifier`).
 
 In the strict profile a mismatch of either kind is handled by ``run.on_mismatch``: ``stop`` raises
 :class:`MismatchError` (the checks run before any optimizer step of the step), ``warn`` logs it. In the native
@@ -51,10 +54,15 @@ class Agreement:
                          f"{record['mismatch/max_abs']:.3g}) in the strict profile; {LOCALIZE_HINT}")
         return record
 
-    def check_routing(self, step: int, trainer_ids: torch.Tensor | None, samples: StepSamples) -> dict:
+    def check_routing(self, step: int, trainer_ids: torch.Tensor | None, samples: StepSamples,
+                      keep: "torch.Tensor | None" = None) -> dict:
         """Compare the trainer's routing (expert ids [rows of the step's packed forwards, sparse layers, k]: the
-        samples in order, every token of each) with the rollout's on the rows both computed; the
-        ``moe/routing_*`` record."""
+        samples in order, every token of each) with the rollout's on the rows both computed, of every sample or of
+        those where the bool [N] ``keep`` is True; the ``moe/routing_*`` record."""
+        if keep is not None:
+            if not bool(keep.any()):
+                return {"moe/routing_tokens": 0, "moe/routing_mismatch": 0, "moe/routing_mismatch_frac": 0.0}
+            trainer_ids, samples = kept_rows(trainer_ids, samples, keep)
         ours, theirs, rows = rows_both_computed(step, trainer_ids, samples)
         mism = algos.routing_mismatch(ours, theirs)
         if mism["count"] and self.strict:
@@ -82,6 +90,25 @@ def mismatch_record(mism: dict) -> dict:
             "rollout_corr/kl_k3": float(mism["kl_k3"])}
 
 
+def whole_samples(tokens: "torch.Tensor | None", samples: StepSamples) -> "torch.Tensor | None":
+    """bool [N]: the samples every completion token of which is in the bool [sum of completion lengths] ``tokens``
+    (None: every sample)."""
+    if tokens is None:
+        return None
+    outside = (~tokens.cpu()).to(torch.int64)
+    per_sample = torch.zeros(len(samples), dtype=torch.int64).index_add_(
+        0, torch.repeat_interleave(torch.arange(len(samples)), samples.completion_lens), outside)
+    return per_sample == 0
+
+
+def kept_rows(trainer_ids: "torch.Tensor | None", samples: StepSamples, keep: torch.Tensor):
+    """(the trainer's routing rows of the samples where ``keep`` [N] is True, those samples)."""
+    if trainer_ids is None or trainer_ids.shape[0] != int(samples.sequence_lens.sum()):
+        return trainer_ids, samples   # rows_both_computed names what does not line up
+    rows = torch.repeat_interleave(keep.cpu(), samples.sequence_lens).to(trainer_ids.device)
+    return trainer_ids[rows], samples.select(keep)
+
+
 def rows_both_computed(step: int, trainer_ids: torch.Tensor | None, samples: StepSamples):
     """(trainer ids, rollout ids, rollout rows per sample) on the rows both sides computed: sample i's first
     ``routing_rows[i]`` tokens (all but the last sampled token, which the rollout never feeds) out of the
@@ -102,4 +129,4 @@ def rows_both_computed(step: int, trainer_ids: torch.Tensor | None, samples: Ste
     return trainer_ids.index_select(0, picked.to(trainer_ids.device)), theirs, count.tolist()
 
 
-__all__ = ["Agreement", "MismatchError", "mismatch_record", "rows_both_computed"]
+__all__ = ["Agreement", "MismatchError", "kept_rows", "mismatch_record", "rows_both_computed", "whole_samples"]

@@ -249,7 +249,7 @@ class AlgoSection:
     ``None`` for clip_low / clip_high: the chosen policy loss's own default (ppo_clip 0.2 / 0.28)."""
     CHECKS: ClassVar[dict[str, Rule]] = {
         **{k: checked_by_type("one of its listed names") for k in
-           ("advantage", "policy_loss", "loss_agg", "kl_estimator", "mismatch_correction")},
+           ("advantage", "policy_loss", "loss_agg", "kl_estimator", "mismatch_correction", "turn_advantage")},
         **{k: checked_by_type("true or false") for k in
            ("kl_in_reward", "dynamic_sampling", "overlong_filter")},
         "clip_low": within(0, 1, high_open=True, optional=True),
@@ -274,6 +274,7 @@ class AlgoSection:
         "router_aux_coef": usual(0, 1, (1.5, 100.0)),
     }
     advantage: Literal[ADVANTAGES.names()] = "grpo"       # advantage estimator (gae: PPO with a value model)
+    turn_advantage: Literal["episode", "turn"] = "episode"   # grpo, dr_grpo, rloo with task.env: per episode | per turn (return-to-go, docs/agents.md)
     policy_loss: Literal[POLICY_LOSSES.names()] = "ppo_clip"   # surrogate objective
     clip_low: float | None = None      # ratio clip below, 1 - clip_low (unset: the loss's own default)
     clip_high: float | None = None     # ratio clip above, 1 + clip_high (unset: the loss's default; ppo_clip 0.28, DAPO clip-higher)
@@ -457,6 +458,9 @@ class TrainConfig:
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
         if self.task.env is not None and self._env_refusal():
             return self._env_refusal()
+        turns = self._turn_advantage_problem()
+        if turns:
+            return turns
         if self.parallel.tp is not None and self.algo.advantage == "gae":
             return "parallel.tp does not support the PPO value model (algo.advantage=gae) yet"
         sampled = self._sampled_logprobs_problem()
@@ -499,6 +503,18 @@ class TrainConfig:
                     "outside the current policy's kept set (log-prob -inf)")
         return None
 
+    def _turn_advantage_problem(self) -> "str | None":
+        """``algo.turn_advantage=turn`` gives each turn of a multi-turn episode its return-to-go's advantage: it needs
+        episodes, and returns without a KL penalty folded in (the penalty is per episode)."""
+        if self.algo.turn_advantage != "turn":
+            return None
+        if self.task.env is None:
+            return "algo.turn_advantage=turn needs multi-turn episodes (task.env); one-turn samples have one turn each"
+        if self.algo.kl_in_reward:
+            return ("algo.turn_advantage=turn does not fold the KL penalty into the turns' returns yet; use "
+                    "algo.kl_in_reward=false (the penalty in the loss)")
+        return None
+
     def _env_refusal(self) -> "str | None":
         """Multi-turn episodes (task.env) run on rlalign's engine in one trainer process (docs/agents.md)."""
         if self.rollout.engine != "rlalign":
@@ -506,9 +522,6 @@ class TrainConfig:
                     "engine runs episodes from Python through rlalign.envs.run_episodes")
         if self.launcher != "local" or self.parallel.dp > 1:
             return "task.env runs with launcher=local and parallel.dp=1 (multi-turn rollouts are not sharded yet)"
-        if self.rollout.async_steps:
-            return ("task.env runs synchronously (rollout.async_steps=0): asynchronous steps do not record the "
-                    "weights versions of multi-turn episodes yet")
         return None
 
     def _unusual_value(self) -> "str | None":

@@ -34,7 +34,7 @@ from rlalign.models.moe import record_routing, sparse_layer_indices
 from rlalign.train import advantages, offpolicy
 from rlalign.train.adapters import adapt_policy, step_dropout
 from rlalign.train import parallel as par
-from rlalign.train.agreement import Agreement, MismatchError
+from rlalign.train.agreement import Agreement, MismatchError, whole_samples
 from rlalign.train.budget import refuse_what_cannot_fit
 from rlalign.train.checkpointing import TrainingState
 from rlalign.train.config import TrainConfig
@@ -97,7 +97,7 @@ class Trainer:
         if cfg.algo.router_aux_coef > 0 and not self.moe:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
-        offpolicy.check_setup(cfg, self.moe)
+        offpolicy.check_setup(cfg)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed, cfg.model.device)
         reward_file = reward_fingerprint(cfg.task.reward)   # recorded with every checkpoint
         # shared (the engine steps the policy's own tensors) or a copy synced each step: rlalign.train.engines
@@ -247,16 +247,17 @@ class Trainer:
             record.update(self._agreement(step, old["lp"], routing_ids, samples, batch))
         if self.verifier is not None:   # the engine's log-probs against the recorded version's trainer forward
             self.verifier.forget_before(offpolicy.behaviour_version(step, self.cfg.rollout.async_steps))
-            record.update(self.verifier.check(step, samples.versions, batch))
+            record.update(self.verifier.check(step, samples.versions, batch, routing=self.moe and samples.has_routing))
         return old
 
     def _agreement(self, step: int, old_lp: torch.Tensor, routing_ids: "torch.Tensor | None", samples: StepSamples,
                    batch: TrainBatch) -> dict:
         """The step's agreement checks, before any optimizer step: log-probs (of the tokens the source says the
         current weights sampled), and the routing (the forward's expert ids) where both sides recorded it."""
-        record = self.agreement.check_logprobs(step, old_lp, batch, self.source.fresh_mask(samples, step))
-        if self.moe and samples.has_routing:
-            record.update(self.agreement.check_routing(step, routing_ids, samples))
+        fresh = self.source.fresh_mask(samples, step)
+        record = self.agreement.check_logprobs(step, old_lp, batch, fresh)
+        if self.moe and samples.has_routing:   # the samples the current weights drew (all, synchronously)
+            record.update(self.agreement.check_routing(step, routing_ids, samples, whole_samples(fresh, samples)))
         return record
 
     def evaluate(self) -> dict:

@@ -4,8 +4,10 @@ An episode becomes one sample of :class:`~rlalign.train.samples.StepSamples`: it
 it (each model turn's sampled ids and each observation's inserted ids, exactly as the engine ran them) as the
 completion, with ``generated`` False on the observation tokens (masked out of the loss and out of the agreement
 check, which covers every model-generated token). Its reward is the episode's return (every turn's reward plus the
-final reward): advantages are per episode (GRPO normalises the returns of a prompt's episodes and gives every
-generated token of an episode its episode's advantage). ``truncated`` is True when the episode ran out of tokens
+final reward): by default advantages are per episode (GRPO normalises the returns of a prompt's episodes and gives
+every generated token of an episode its episode's advantage); the record also carries each token's turn and each
+turn's return-to-go, for per-turn advantages (``algo.turn_advantage=turn``, :mod:`rlalign.algos.advantages`), and
+each token's weights version (the engine's for that turn), for asynchronous steps (:mod:`rlalign.train.offpolicy`). ``truncated`` is True when the episode ran out of tokens
 (``task.max_episode_tokens``), so ``algo.overlong_filter`` drops those episodes.
 """
 
@@ -23,9 +25,13 @@ def limits_of(cfg) -> EpisodeLimits:
 
 
 def episode_samples(episodes: list[Episode]) -> StepSamples:
-    """The unscored record of ``episodes`` (one sample each, in order; observation tokens marked not generated)."""
+    """The unscored record of ``episodes`` (one sample each, in order; observation tokens marked not generated),
+    with every token's turn and weights version and every turn's return-to-go."""
     return StepSamples.of_records(episodes, truncated_by="max_episode_tokens",
-                                  generated=[g for e in episodes for g in e.generated])
+                                  generated=[g for e in episodes for g in e.generated],
+                                  versions=[v for e in episodes for v in e.versions],
+                                  turns=[t for e in episodes for t in e.turns],
+                                  turn_returns=[e.returns_to_go() for e in episodes])
 
 
 def episode_stats(episodes: list[Episode], forward_tokens: int) -> dict:

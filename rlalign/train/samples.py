@@ -23,6 +23,11 @@ length per sample:
 - ``versions`` int64 [sum of completion lengths]: the engine's weights version each completion token was sampled
   with (the behaviour policy's version; :mod:`rlalign.train.offpolicy` reads it), or None where a record lost it
   (the data-parallel all-gather does not carry it).
+- ``turns`` int64 [sum of completion lengths], ``turn_returns`` fp32 [sum of turn_counts] and ``turn_counts``
+  int64 [N], or all None (one-turn samples): for multi-turn episodes, the turn each completion token belongs to
+  (an observation's: the turn it answers), each turn's return-to-go (its reward, the later turns' and the final
+  reward: :meth:`rlalign.envs.episodes.Episode.returns_to_go`), sample by sample, and each sample's turn count --
+  what ``algo.turn_advantage=turn`` reads.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class StepSamples:
     group_ids: torch.Tensor | None = None
     generated: torch.Tensor | None = None
     versions: torch.Tensor | None = None
+    turns: torch.Tensor | None = None
+    turn_returns: torch.Tensor | None = None
+    turn_counts: torch.Tensor | None = None
 
     # ---- building -----------------------------------------------------------------------------------
 
@@ -60,10 +68,12 @@ class StepSamples:
 
     @classmethod
     def of_records(cls, records: Sequence, *, truncated_by: str, generated: "Sequence[bool] | None" = None,
-                   versions: "Sequence[int] | None" = None) -> "StepSamples":
+                   versions: "Sequence[int] | None" = None, turns: "Sequence[int] | None" = None,
+                   turn_returns: "Sequence[Sequence[float]] | None" = None) -> "StepSamples":
         """The one conversion of per-sample lists into tensors (unscored): ``records`` carry ``prompt_tokens``,
         ``tokens``, ``logprobs``, ``finish_reason`` (``truncated_by`` marks a cut one), ``prompt_index`` and
-        ``routing`` -- the engine's completions, or multi-turn episodes with their ``generated`` flags."""
+        ``routing`` -- the engine's completions, or multi-turn episodes with their ``generated`` flags, turns and
+        each sample's per-turn returns-to-go."""
         routes = [r.routing for r in records]
         routed = bool(routes) and all(r is not None for r in routes)
         return cls(
@@ -76,7 +86,12 @@ class StepSamples:
             routing=torch.cat(routes) if routed else None,
             routing_rows=torch.tensor([r.shape[0] if routed else 0 for r in routes], dtype=torch.int64),
             generated=None if generated is None else torch.tensor(generated, dtype=torch.bool),
-            versions=None if versions is None else torch.tensor(versions, dtype=torch.int64))
+            versions=None if versions is None else torch.tensor(versions, dtype=torch.int64),
+            turns=None if turns is None else torch.tensor(turns, dtype=torch.int64),
+            turn_returns=None if turn_returns is None else torch.tensor([g for r in turn_returns for g in r],
+                                                                        dtype=torch.float32),
+            turn_counts=None if turn_returns is None else torch.tensor([len(r) for r in turn_returns],
+                                                                       dtype=torch.int64))
 
     @classmethod
     def concat(cls, parts: Sequence["StepSamples"]) -> "StepSamples":
@@ -88,12 +103,14 @@ class StepSamples:
         scored = all(p.rewards is not None for p in filled)
         marked = any(p.generated is not None for p in filled)
         versioned = all(p.versions is not None for p in filled)
+        turned = all(p.turns is not None for p in filled)
         return cls(cat("tokens"), cat("prompt_lens"), cat("completion_lens"), cat("logprobs"), cat("truncated"),
                    cat("prompt_index"), cat("routing") if routed else None,
                    cat("routing_rows") if routed else torch.zeros(sum(len(p) for p in filled), dtype=torch.int64),
                    cat("rewards") if scored else None, cat("group_ids") if scored else None,
                    torch.cat([p.generated_mask() for p in filled]) if marked else None,
-                   cat("versions") if versioned else None)
+                   cat("versions") if versioned else None, *(
+                       (cat("turns"), cat("turn_returns"), cat("turn_counts")) if turned else (None, None, None)))
 
     def scored(self, rewards: Sequence[float], first_group: int) -> "StepSamples":
         """These samples with their rewards (fp32) and group ids (``first_group`` + the prompt's index)."""
@@ -111,7 +128,10 @@ class StepSamples:
                            None if self.routing is None else self.routing[per_token(self.routing_rows)],
                            self.routing_rows[keep], pick(self.rewards), pick(self.group_ids),
                            None if self.generated is None else self.generated[per_token(self.completion_lens)],
-                           None if self.versions is None else self.versions[per_token(self.completion_lens)])
+                           None if self.versions is None else self.versions[per_token(self.completion_lens)],
+                           None if self.turns is None else self.turns[per_token(self.completion_lens)],
+                           None if self.turns is None else self.turn_returns[per_token(self.turn_counts)],
+                           pick(self.turn_counts))
 
     # ---- reading ------------------------------------------------------------------------------------
 

@@ -171,7 +171,8 @@ class AsynchronousSource:
         """Decoupled PPO: the behaviour weights ``exp(prox - behav)``, bounded by ``algo.mismatch_correction``, and
         the samples' staleness."""
         weights, stats = offpolicy.behaviour_correction(algo, old_lp, batch)
-        return weights, {**stats, **offpolicy.staleness_record(step, samples.versions)}
+        sampled = samples.versions[samples.generated_mask()]   # not a multi-turn episode's observation tokens
+        return weights, {**stats, **offpolicy.staleness_record(step, sampled)}
 
     def state_dict(self) -> dict:
         """The samples generated ahead (after waiting for them): what a resume cannot regenerate."""

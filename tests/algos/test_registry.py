@@ -13,7 +13,10 @@ from rlalign.train.config import AlgoSection, TrainConfig
 
 D = torch.float64
 # a value other than the default for every knob (a knob added without one here fails the test below)
-OTHER = {"clip_low": 0.05, "clip_high": 0.9, "dual_clip": 1.5, "gamma": 0.5, "lam": 0.5, "mismatch_cap": 1.1}
+OTHER = {"clip_low": 0.05, "clip_high": 0.9, "dual_clip": 1.5, "gamma": 0.5, "lam": 0.5, "mismatch_cap": 1.1,
+         "turn_advantage": "turn"}
+# what a key needs besides its algorithm to be accepted (turn_advantage=turn: multi-turn episodes)
+NEEDS = {"turn_advantage": ["task.env=retry_arithmetic"]}
 
 
 def _token_inputs():
@@ -36,8 +39,12 @@ def _policy_loss(entry, knobs):
 def _advantage(entry, knobs):
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.9, 0.3])
     seq_ids = torch.arange(6).repeat_interleave(3)
+    # multi-turn episodes: sequence 0 takes 2 turns, sequence 3 takes 3 (turn 0's return-to-go is the reward)
+    turns = algos.TurnInputs(torch.tensor([1.0, 0.4, 0.0, 0.5, 0.2, 0.1, 0.6, 0.9, 0.3]),
+                             torch.tensor([2, 1, 1, 3, 1, 1]),
+                             torch.tensor([0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0, 0]))
     inputs = algos.AdvantageInputs(rewards, torch.tensor([0, 0, 0, 1, 1, 1]), seq_ids, torch.ones(18, dtype=torch.bool),
-                                   values=torch.linspace(-0.5, 0.5, 18))
+                                   values=torch.linspace(-0.5, 0.5, 18), turns=turns)
     adv, returns = entry.fn(inputs, **knobs)
     return adv if returns is None else torch.cat([adv, returns])
 
@@ -115,7 +122,7 @@ def test_the_same_key_is_accepted_where_it_applies_and_at_its_default(chooser, k
     readers = [r for r in REGISTRIES if key in r.all_keys()]
     enable = ([f"algo.{readers[0].key}={readers[0].readers_of(key)[0]}"] if readers else
               {"kl_estimator": ["algo.kl_coef=0.1"], "kl_in_reward": ["algo.kl_coef=0.1"],
-               "max_draw_rounds": ["algo.dynamic_sampling=true"]}[key])
+               "max_draw_rounds": ["algo.dynamic_sampling=true"]}[key]) + NEEDS.get(key, [])
     override = f"algo.{key}={'null' if value is None else str(value).lower()}"
     load_config(TrainConfig, None, enable + [override])
 

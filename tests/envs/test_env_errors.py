@@ -99,7 +99,11 @@ def test_load_env_from_names_modules_and_files(tmp_path, monkeypatch):
 @pytest.mark.parametrize("overrides, message", [
     (["task.env=retry_arithmetic", "task.reward=gsm8k"], "task.reward and rewards are not read with task.env"),
     (["task.env=retry_arithmetic", "parallel.dp=2"], "task.env runs with launcher=local and parallel.dp=1"),
-    (["task.env=retry_arithmetic", "rollout.async_steps=1"], r"task.env runs synchronously \(rollout.async_steps=0\)"),
+    (["algo.turn_advantage=turn"], r"algo.turn_advantage=turn needs multi-turn episodes \(task.env\)"),
+    (["task.env=retry_arithmetic", "algo.turn_advantage=turn", "algo.kl_coef=0.1", "algo.kl_in_reward=true"],
+     "algo.turn_advantage=turn does not fold the KL penalty into the turns' returns yet"),
+    (["task.env=retry_arithmetic", "algo.turn_advantage=turn", "algo.advantage=reinforce_pp"],
+     "turn_advantage='turn' has no effect with algo.advantage=reinforce_pp \\(only grpo, dr_grpo, rloo read it\\)"),
     (["task.env=retry_arithmetic", "task.max_turns=0"], "task.max_turns must be"),
     (["task.env=retry_arithmetic", "task.env_args=3"], "task.env_args must be a mapping"),
 ])

@@ -52,3 +52,45 @@ def test_router_aux_loss_changes_the_update_and_is_refused_on_dense_models(moe_m
                         + ["algo.router_aux_coef=0.1"])
     with pytest.raises(Exception, match="no mixture-of-experts layers"):
         run_training(dense)
+
+
+def test_async_steps_on_moe_verify_log_probs_and_routing_under_the_sampling_version(moe_model_dir, tmp_path):
+    """rollout.async_steps=1 on an MoE policy: the step's agreement check compares the routing of the samples the
+    current weights drew only (none once every sample is stale), and run.verify_behaviour recomputes every sample
+    under the version that drew it -- log-probs and experts, 0 differ -- and names a single changed expert."""
+    import torch
+
+    from rlalign.train import sources
+    from rlalign.train.agreement import MismatchError
+    from rlalign.train.loop import Trainer
+
+    extra = ["optim.lr=1e-3", "rollout.async_steps=1", "run.verify_behaviour=true", "run.on_mismatch=stop",
+             "run.save_checkpoints=false"]
+    records = read_metrics(run_training(load_config(TrainConfig, None,
+                                                    tiny_overrides(moe_model_dir, tmp_path / "run", steps=3) + extra)))
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["offpolicy/behaviour_version"] for r in steps] == [0, 0, 1]
+    assert steps[0]["moe/routing_tokens"] > 0 and [r["moe/routing_tokens"] for r in steps[1:]] == [0, 0]
+    for r in steps:
+        assert r["verify/behaviour_mismatch"] == 0 and r["verify/routing_mismatch"] == 0
+        assert r["verify/routing_tokens"] > 0 and r["moe/routing_mismatch"] == 0
+
+    trainer = Trainer(load_config(TrainConfig, None, tiny_overrides(moe_model_dir, tmp_path / "flip", steps=3) + extra))
+    trainer.resume_if_asked()
+    try:
+        trainer.train_step(1)
+        trainer.step = 1
+        trainer.source._wait_all()   # step 2's samples, drawn by version 0: one expert of one row changed
+        samples, stats, t = trainer.source._ready[2]
+        routing = samples.routing.clone()
+        row = routing[3, 0]
+        routing[3, 0, 0] = next(e for e in range(4) if e not in row.tolist())
+        trainer.source._ready[2] = (samples.__class__(**{**sources.samples_state(samples), "routing": routing}),
+                                      stats, t)
+        with pytest.raises(MismatchError, match="step 2: 1 of \\d+ \\(token, sparse layer\\) routing choices differ "
+                                                "from a trainer forward under the weights version that sampled them "
+                                                "\\(first: version 0, row 3, sparse layer 0\\)"):
+            trainer.train_step(2)
+    finally:
+        trainer.close()
+        trainer.run_lock.release()
