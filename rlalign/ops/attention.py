@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
-from rlalign.ops._dispatch import probe_failure, strict_impl, triton_available
+from rlalign.ops._dispatch import backend_name, probe_failure, strict_impl, triton_available
 from rlalign.ops.basic import check_rms_norm, check_rope, rms_norm, rope
 from rlalign.ops.torch_backend.elementwise import write_kv_rows
 
@@ -146,6 +146,32 @@ def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, stric
         chk.finite(op, "q", q)
 
 
+def _check_window_sinks(op: str, q: torch.Tensor, window, sinks, strict: bool) -> int | None:
+    """window: None or an int >= 1; sinks: None or a finite [Hq] float tensor on q's device. Implemented by the
+    strict profile on the torch backend only: the native profile, and the Triton (CUDA) kernels, refuse in one
+    line rather than ignore the window or the sinks. Returns the window as an int (or None)."""
+    if window is None and sinks is None:
+        return None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise fail(op, f"window must be an integer >= 1 (or None), got {window!r}")
+    if sinks is not None:
+        if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+            raise fail(op, f"sinks must be [Hq]=[{q.shape[1]}], got {tuple(sinks.shape)}")
+        if not sinks.is_floating_point():
+            raise fail(op, f"sinks must be floating point, got {sinks.dtype}")
+        chk.same_device(op, q, sinks)
+    if not strict:
+        raise fail(op, "sliding-window / sink attention has no native-profile implementation; use the strict "
+                       "profile")
+    backend = backend_name(q.device)
+    if backend != "torch":
+        raise fail(op, f"sliding-window / sink attention is not implemented by the {backend} backend's kernels "
+                       "(strict runs it on the torch backend: the CPU, or RLALIGN_BACKEND=torch)")
+    if sinks is not None:
+        chk.finite(op, "sinks", sinks)
+    return window
+
+
 def _checked_slots(op: str, slot_mapping: torch.Tensor, n_slots: int, device) -> torch.Tensor:
     lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
     if lo < 0 or hi >= n_slots:
@@ -196,40 +222,54 @@ def _check_k(k: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
 # ---- public ops ------------------------------------------------------------------------------------
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                     scale: float | None = None, profile=None) -> torch.Tensor:
+                     scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
+                     profile=None) -> torch.Tensor:
     """Causal self-attention over a packed batch -> [T, Hq, D] in q's dtype.
 
     q [T, Hq, D], k/v [T, Hkv, D] (GQA: query head h uses kv head h // (Hq // Hkv));
     sequence s is rows cu_seqlens[s]:cu_seqlens[s+1], its tokens at positions 0..len-1.
     out[t, h] = sum_{u <= t} softmax_u(scale * q[t, h] . k[u, h']) v[u, h'], scale = D ** -0.5
     by default. Differentiable (strict backward: flash-style recompute, deterministic).
+
+    ``window`` (int >= 1, sliding-window attention): token t sees only the keys u with t - window < u <= t.
+    ``sinks`` [Hq] (learned attention sinks, gpt-oss): one extra logit per query head in the softmax's
+    denominator, with no value: softmax_u = exp(s_u) / (sum_u' exp(s_u') + exp(sinks[h])); differentiable.
+    Both: strict profile on the torch backend only (see :func:`_check_window_sinks`).
     """
     strict = as_profile(profile) is not Profile.NATIVE
     _check_varlen(q, k, v, cu_seqlens, strict)
+    window = _check_window_sinks("attention_varlen", q, window, sinks, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not strict:
         return _native_varlen(q, k, v, cu_seqlens, scale)
-    return strict_impl("attention_varlen", q.device)(q, k, v, cu_seqlens, scale)
+    impl = strict_impl("attention_varlen", q.device)
+    if window is None and sinks is None:
+        return impl(q, k, v, cu_seqlens, scale)
+    return impl(q, k, v, cu_seqlens, scale, window=window, sinks=sinks)
 
 
 def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
-                    profile=None) -> torch.Tensor:
+                    window: int | None = None, sinks: torch.Tensor | None = None, profile=None) -> torch.Tensor:
     """Queries of S sequences against a paged KV cache (prefill chunks and decode) -> [T, Hq, D].
 
     k_cache/v_cache [num_pages, page_size, Hkv, D]; block_table [S, max_pages] page ids in order;
     seq_lens[s] = context length INCLUDING the new queries (whose K/V are already in the cache);
     queries of s are rows cu_seqlens_q[s]:cu_seqlens_q[s+1], the last n_s tokens of its context
-    (positions seq_lens[s]-n_s .. seq_lens[s]-1), causal. No autograd.
+    (positions seq_lens[s]-n_s .. seq_lens[s]-1), causal. No autograd. ``window`` / ``sinks``: as in
+    :func:`attention_varlen` (the same bits as the packed op for every query).
     """
     strict = as_profile(profile) is not Profile.NATIVE
     _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, strict)
+    window = _check_window_sinks("attention_paged", q, window, sinks, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():  # documented: no autograd (a q that requires grad gives a plain result)
         if not strict:
             return _native_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
-        return strict_impl("attention_paged", q.device)(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-                                                         scale)
+        impl = strict_impl("attention_paged", q.device)
+        if window is None and sinks is None:
+            return impl(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
+        return impl(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, window=window, sinks=sinks)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
