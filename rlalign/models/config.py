@@ -149,10 +149,7 @@ class ModelConfig:
         if heads % kv_heads:
             raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = d.get("head_dim") or (family.default_head_dim(d) if "head_dim" not in d else hidden // heads)
-        theta, scaling = _rope(d)
-        if scaling and scaling["rope_type"] == "yarn" and family.integrations:
-            # the integrations (transformers patch, vLLM plugin) build cos/sin without YaRN's attention factor
-            raise ModelConfigError(f"yarn rope scaling is not supported for {family.model_type} (only gpt_oss)")
+        theta, scaling = _rope(d, family)
         return cls(
             family=family.model_type,
             vocab_size=_required(d, "vocab_size"),
@@ -241,8 +238,10 @@ def _reject_unsupported(d: dict, family: architectures.Family) -> None:
         raise ModelConfigError(f"layer types {other_layers} are not supported (only 'full_attention')")
 
 
-def _rope(d: dict) -> tuple[float, dict | None]:
-    """(theta, scaling-or-None) from either config layout; only default and llama3 rope."""
+def _rope(d: dict, family: architectures.Family) -> tuple[float, dict | None]:
+    """(theta, scaling-or-None) from either config layout; default and llama3 rope, and yarn for the families the
+    integrations do not serve (gpt_oss: the transformers patch and the vLLM plugin build cos/sin without YaRN's
+    attention factor)."""
     params = d.get("rope_parameters")
     if params and any(isinstance(v, dict) for v in params.values()):
         raise ModelConfigError("per-layer-type rope_parameters are not supported")
@@ -251,6 +250,8 @@ def _rope(d: dict) -> tuple[float, dict | None]:
     if float(scaling.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ModelConfigError("partial_rotary_factor != 1 is not supported")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "yarn" and family.integrations:
+        raise ModelConfigError(f"rope scaling type 'yarn' is not supported for {family.model_type} (only gpt_oss)")
     if kind not in _ROPE_TYPES:
         raise ModelConfigError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
     if kind == "default":

@@ -96,7 +96,7 @@ def test_config_refusals(change, message):
 
 
 def test_yarn_and_windows_are_refused_for_other_families():
-    with pytest.raises(ModelConfigError, match="yarn rope scaling is not supported for qwen3"):
+    with pytest.raises(ModelConfigError, match="rope scaling type 'yarn' is not supported for qwen3"):
         ModelConfig.from_hf_dict(tiny_hf_config("qwen3", rope_scaling={
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
     with pytest.raises(ModelConfigError, match="layer types \\['sliding_attention'\\] are not supported"):
