@@ -107,3 +107,12 @@ def test_transformers_patch_refuses_gpt_oss():
     from rlalign.integrations.transformers import UnsupportedModelError, patch
     with pytest.raises(UnsupportedModelError, match="GptOssForCausalLM is not supported by the patch"):
         patch(_hf_model(4, layers=2))
+
+
+def test_tensor_parallelism_is_refused():
+    from rlalign.contract.errors import RLAlignError
+    from rlalign.distributed.parallelize import check_tp
+    config = ModelConfig.from_hf_dict(tiny_hf_config("gpt_oss"))
+    check_tp(config, 1)
+    with pytest.raises(RLAlignError, match="tp=2: tensor parallelism is not implemented for gpt_oss models"):
+        check_tp(config, 2)
