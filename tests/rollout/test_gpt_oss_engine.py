@@ -1,6 +1,6 @@
 """gpt-oss through the rollout engine: the engine's log-probs are the trainer's packed forward's, bit for bit,
 and tokens and log-probs do not depend on the engine's configuration (page size, chunked prefill, batch
-composition, prefix sharing) -- with sliding windows shorter than the sequences (window 3 and 8: decode steps
+composition, prefix sharing) -- fp32 and bf16, with sliding windows shorter than the sequences (3 and 8: decode steps
 whose window starts inside a page and inside a 64-position key block), sinks and the gpt-oss MoE."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from tests.rollout.test_engine_bitwise import (assert_matches_trainer, assert_sa
 SAMPLING = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
 
 
-@pytest.fixture(scope="module", params=[3, 8])
+@pytest.fixture(scope="module", params=[(3, "float32"), (8, "bfloat16")], ids=["window3-fp32", "window8-bf16"])
 def model(request):
-    return tiny_model("gpt_oss", seed=1, init_std=0.2, sliding_window=request.param)
+    window, dtype = request.param
+    return tiny_model("gpt_oss", seed=1, init_std=0.2, sliding_window=window, dtype=dtype)
 
 
 @pytest.fixture(scope="module")
