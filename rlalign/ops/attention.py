@@ -6,7 +6,8 @@ Strict: keys in blocks of ``ATTN_KV_BLOCK`` absolute positions, queries in tiles
 keys into splits of ``ATTN_KV_SPLIT`` absolute positions merged in order, see
 :mod:`rlalign.ops.triton_backend.attention`), so a token's output has the same bits in a packed
 training forward, a one-shot or chunked prefill and step-by-step decode, whatever the page layout,
-page size or the other sequences in the call.
+page size or the other sequences in the call. A sliding window and attention sinks (gpt-oss: ``window=`` /
+``sinks=``) keep that promise on the torch backend; the Triton kernels and the native profile refuse them.
 Native (the fast non-deterministic baseline), no guarantee: packed varlen runs the flash-attention
 varlen kernel (``aten._flash_attention_forward``/``_backward`` with cu_seqlens: no padding) on CUDA
 when it is available for the tensors, else one padded ``scaled_dot_product_attention`` call (with a

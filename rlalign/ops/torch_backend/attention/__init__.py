@@ -18,6 +18,10 @@ packed training forward, a one-shot or chunked prefill, and step-by-step decode:
       (m, l, acc) = where(row_pos >= 64 j, (m', l', acc'), (m, l, acc))
 
   A block a row cannot see at all leaves its state untouched (selected, not multiplied by 1).
+* Sliding window w (gpt-oss): the mask is also key_pos > row_pos - w, and ``sees`` also asks that the block
+  holds a key of the window; the blocks stay on the absolute grid. Sinks: after the last block the head's sink
+  logit s joins as one more step, m' = max(m, s), l' = l exp(m - m') + exp(s - m'), acc' = acc exp(m - m').
+  Both run the torch formulation only (:mod:`.formula`), for packed, prefill and decode alike.
 * out = acc / l + 0.0, rounded once to the input dtype. The ``+ 0.0`` maps -0.0 to +0.0 and
   changes nothing else: keys past a row's position but inside the block contribute 0 * V, whose
   sign of zero depends on whether V is a real row (packed forward) or a masked 0 (decode).
