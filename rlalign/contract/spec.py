@@ -122,7 +122,7 @@ CONTRACT: tuple[OpContract, ...] = (
         "as attention: the key blocks stay on the grid of absolute positions; a window of w keys is a mask (a query "
         "at position p sees keys p - w < pos <= p), so its first key may lie anywhere inside a block; the torch "
         "backend's formulation only (the compiled CPU kernels and the Triton kernels implement neither: the op "
-        "refuses on the Triton backend and in the native profile)",
+        "refuses on the Triton backend; the native profile runs one padded SDPA call with an explicit mask)",
         "as attention, with every block the window leaves without a visible key selected away (a query that saw no "
         "block yet starts from the fresh state at its first visible block); after the last block the head's sink "
         "logit s is folded in as one more step: m' = max(m, s), l' = l exp(m - m') + exp(s - m'), "

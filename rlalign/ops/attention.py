@@ -7,7 +7,8 @@ keys into splits of ``ATTN_KV_SPLIT`` absolute positions merged in order, see
 :mod:`rlalign.ops.triton_backend.attention`), so a token's output has the same bits in a packed
 training forward, a one-shot or chunked prefill and step-by-step decode, whatever the page layout,
 page size or the other sequences in the call. A sliding window and attention sinks (gpt-oss: ``window=`` /
-``sinks=``) keep that promise on the torch backend; the Triton kernels and the native profile refuse them.
+``sinks=``) keep that promise on the torch backend; the Triton kernels refuse them (native: one padded SDPA
+call with an explicit mask; its paged route on CUDA refuses).
 Native (the fast non-deterministic baseline), no guarantee: packed varlen runs the flash-attention
 varlen kernel (``aten._flash_attention_forward``/``_backward`` with cu_seqlens: no padding) on CUDA
 when it is available for the tensors, else one padded ``scaled_dot_product_attention`` call (with a
@@ -148,9 +149,9 @@ def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, stric
 
 
 def _check_window_sinks(op: str, q: torch.Tensor, window, sinks, strict: bool) -> int | None:
-    """window: None or an int >= 1; sinks: None or a finite [Hq] float tensor on q's device. Implemented by the
-    strict profile on the torch backend only: the native profile, and the Triton (CUDA) kernels, refuse in one
-    line rather than ignore the window or the sinks. Returns the window as an int (or None)."""
+    """window: None or an int >= 1; sinks: None or a finite [Hq] float tensor on q's device. Strict: the torch
+    backend only (the Triton kernels refuse in one line rather than ignore the window or the sinks). Native: one
+    padded SDPA call with an explicit mask (the paged route on CUDA refuses). Returns the window (or None)."""
     if window is None and sinks is None:
         return None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -162,8 +163,10 @@ def _check_window_sinks(op: str, q: torch.Tensor, window, sinks, strict: bool) -
             raise fail(op, f"sinks must be floating point, got {sinks.dtype}")
         chk.same_device(op, q, sinks)
     if not strict:
-        raise fail(op, "sliding-window / sink attention has no native-profile implementation; use the strict "
-                       "profile")
+        if op == "attention_paged" and q.is_cuda:
+            raise fail(op, "sliding-window / sink attention: the native profile's paged route on CUDA (the Triton "
+                           "paged kernel, decode graphs) implements neither; use the strict profile")
+        return window
     backend = backend_name(q.device)
     if backend != "torch":
         raise fail(op, f"sliding-window / sink attention is not implemented by the {backend} backend's kernels "
@@ -242,6 +245,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     window = _check_window_sinks("attention_varlen", q, window, sinks, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not strict:
+        if window is not None or sinks is not None:
+            return _native_varlen_window_sinks(q, k, v, cu_seqlens, scale, window, sinks)
         return _native_varlen(q, k, v, cu_seqlens, scale)
     impl = strict_impl("attention_varlen", q.device)
     if window is None and sinks is None:
@@ -266,6 +271,9 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():  # documented: no autograd (a q that requires grad gives a plain result)
         if not strict:
+            if window is not None or sinks is not None:
+                return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(),
+                                     scale, window, sinks)
             return _native_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
         impl = strict_impl("attention_paged", q.device)
         if window is None and sinks is None:
@@ -467,7 +475,48 @@ def _log_paged_fallback(reason: str) -> None:
     log.warning("native attention_paged: K/V gathered for SDPA instead of the paged kernel: %s", reason)
 
 
-def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[int], scale: float) -> torch.Tensor:
+def _native_varlen_window_sinks(q, k, v, cu_seqlens: torch.Tensor, scale: float, window, sinks) -> torch.Tensor:
+    """Native varlen attention with a window and/or sinks: the sequences right-padded to the longest for one
+    :func:`_sdpa_window_sinks` call (the flash varlen kernel takes neither); padded rows are dropped."""
+    cu = cu_seqlens.tolist()
+    if q.shape[0] == 0 or len(cu) < 2:
+        return q.new_empty(q.shape)
+    starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
+    dev, l_max = q.device, max(lens)
+    idx = torch.arange(l_max, device=dev).expand(len(lens), l_max)
+    valid = idx < torch.tensor(lens, device=dev).unsqueeze(1)
+    rows = torch.where(valid, torch.tensor(starts, device=dev).unsqueeze(1) + idx, 0)
+    qb, kb, vb = (t[rows].transpose(1, 2) for t in (q, k, v))                      # [S, H, L, D]
+    out = _sdpa_window_sinks(qb, kb, vb, idx, valid, valid, scale, window, sinks)
+    return out.transpose(1, 2)[valid]
+
+
+def _sdpa_window_sinks(qb, kb, vb, q_pos, valid_k, valid_q, scale: float, window, sinks) -> torch.Tensor:
+    """One SDPA call: qb [S, Hq, n, D] at positions q_pos [S, n] against kb/vb [S, Hkv, L, D] at positions
+    0..L-1 (valid_k [S, L]); a key is visible when valid, at or before the query and (``window``) after
+    q_pos - window. Sinks: one extra key and value of zeros whose additive mask entry is the head's sink logit,
+    so its score is exactly the sink (the gradient reaches the sinks through the mask). Padded query rows
+    (``~valid_q``) see every key (no NaN) and are dropped by the caller."""
+    k_pos = torch.arange(kb.shape[2], device=qb.device)
+    seen = valid_k.unsqueeze(1) & (k_pos <= q_pos.unsqueeze(2))                      # [S, n, L]
+    if window is not None:
+        seen = seen & (k_pos > q_pos.unsqueeze(2) - window)
+    seen = (seen | ~valid_q.unsqueeze(2)).unsqueeze(1)                               # [S, 1, n, L]
+    if sinks is None:
+        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=seen, scale=scale,
+                                              enable_gqa=qb.shape[1] != kb.shape[1])
+    s, hq, n, _ = qb.shape
+    zero = kb.new_zeros(s, kb.shape[1], 1, kb.shape[3])
+    kb, vb = torch.cat([kb, zero], 2), torch.cat([vb, zero], 2)
+    bias = torch.zeros(seen.shape, dtype=qb.dtype, device=qb.device).masked_fill(~seen, float("-inf"))
+    sink_col = sinks.to(qb.dtype).view(1, hq, 1, 1).expand(s, hq, n, 1)
+    mask = torch.cat([bias.expand(s, hq, n, bias.shape[-1]), sink_col], -1)
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                          enable_gqa=qb.shape[1] != kb.shape[1])
+
+
+def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[int], scale: float,
+                  window=None, sinks=None) -> torch.Tensor:
     """One padded SDPA call for every sequence (the vendor baseline, as batched engines do): each
     sequence's context is gathered from its pages into [S, Hq, L_max, D], its queries into
     [S, Hq, n_max, D]; the mask is bottom-right causal and hides padding. Padding and the batch
@@ -491,6 +540,8 @@ def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[in
     rows = torch.where(valid_q, cu_t[:-1].unsqueeze(1) + qi, 0)
     qb = q[rows].transpose(1, 2)                                                     # [S, Hq, n, D]
     q_pos = lens_t.unsqueeze(1) - n_q.unsqueeze(1) + qi                              # [S, n]
+    if window is not None or sinks is not None:
+        return _sdpa_window_sinks(qb, k, v, q_pos, valid_k, valid_q, scale, window, sinks).transpose(1, 2)[valid_q]
     mask = valid_k.unsqueeze(1) & (pos.unsqueeze(1) <= q_pos.unsqueeze(2))           # [S, n, L]
     mask = mask | ~valid_q.unsqueeze(2)  # padded query rows attend to everything (no NaN); dropped below
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask.unsqueeze(1), scale=scale,

@@ -3,8 +3,9 @@
 Bitwise (strict, CPU): a token's output is the same bits packed with other sequences, alone, in any chunked
 prefill and decoded step by step against a NaN-filled paged cache of any page size, for any window (1, inside a
 key block, across block boundaries, >= the length); the window's first key is masked inside the fixed grid of
-64-position key blocks. Accuracy: vs a float64 softmax with the window mask and the sink logit in the
-denominator; gradients (q, k, v, sinks) vs float64 autograd. Refusals: native profile, bad window / sinks.
+64-position key blocks. Accuracy (strict and native): vs a float64 softmax with the window mask and the sink
+logit in the denominator; gradients (q, k, v, sinks) vs float64 autograd. Refusals: bad window / sinks, the
+Triton backend (CUDA, not run here).
 """
 
 import pytest
@@ -121,6 +122,33 @@ def test_matches_float64_reference(dtype, window, with_sinks):
     assert_close_report(out, reference(q, k, v, lens, window, sinks), atol, 0, f"window {window}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, with_sinks", [(1, True), (7, False), (70, True), (None, True)])
+def test_native_matches_float64_reference_packed_and_paged(dtype, window, with_sinks):
+    """The native profile: one padded SDPA call with an explicit mask (sinks as a zero key whose mask entry is
+    the sink logit); no bitwise promise, the same accuracy."""
+    lens = [1, 40, 70]
+    seqs = [_seq(n, 4, 2, 32, dtype, 20 + i) for i, n in enumerate(lens)]
+    q, k, v, cu = _pack(seqs)
+    sinks = _sinks(4, 3, dtype) if with_sinks else None
+    ref = reference(q, k, v, lens, window, sinks)
+    atol = 1e-5 if dtype == torch.float32 else 1e-2
+    packed = ops.attention_varlen(q, k, v, cu, window=window, sinks=sinks, profile="native")
+    assert_close_report(packed, ref, atol, 0, "native packed")
+    cache = _PagedCache(lens, 16, 2, 32, dtype, 0)
+    cache.write(range(3), [0] * 3, [s[1] for s in seqs], [s[2] for s in seqs])
+    paged = cache.attend(range(3), [s[0] for s in seqs], lens, window=window, sinks=sinks, profile="native")
+    assert_close_report(paged, ref, atol, 0, "native paged prefill")
+    last = cache.attend(range(3), [s[0][-1:] for s in seqs], lens, window=window, sinks=sinks, profile="native")
+    assert_close_report(last, ref[cu[1:].long() - 1], atol, 0, "native paged decode")
+    if dtype == torch.float32 and sinks is not None:   # the sinks' gradient through the mask
+        leaf = sinks.clone().requires_grad_(True)
+        ops.attention_varlen(q, k, v, cu, window=window, sinks=leaf, profile="native").sum().backward()
+        ref_leaf = sinks.double().requires_grad_(True)
+        reference(q, k, v, lens, window, ref_leaf).sum().backward()
+        assert_close_report(leaf.grad, ref_leaf.grad, 1e-5, 1e-4, "native d sinks")
+
+
 @pytest.mark.parametrize("window", [1, 7, 64, 70, None])
 def test_gradients_match_float64_autograd(window):
     lens = [3, 70, 90]
@@ -143,7 +171,7 @@ def test_refusals():
                          (dict(window=2.0), "window must be an integer >= 1"),
                          (dict(sinks=torch.zeros(2)), r"sinks must be \[Hq\]=\[4\]"),
                          (dict(sinks=torch.tensor([0.0, float("nan"), 0, 0])), "sinks"),
-                         (dict(window=4, profile="native"), "no native-profile implementation")]:
+                         ]:
         with pytest.raises(ContractError, match=message):
             ops.attention_varlen(q, k, v, cu, **bad)
 
