@@ -118,6 +118,21 @@ CONTRACT: tuple[OpContract, ...] = (
         "how many programs a decode step spreads a sequence's key splits over",
     ),
     OpContract(
+        "attention: sliding window and sinks (gpt-oss)", "as attention",
+        "as attention: the key blocks stay on the grid of absolute positions; a window of w keys is a mask (a query "
+        "at position p sees keys p - w < pos <= p), so its first key may lie anywhere inside a block; the torch "
+        "backend's formulation only (the compiled CPU kernels and the Triton kernels implement neither: the op "
+        "refuses on the Triton backend; the native profile runs one padded SDPA call with an explicit mask)",
+        "as attention, with every block the window leaves without a visible key selected away (a query that saw no "
+        "block yet starts from the fresh state at its first visible block); after the last block the head's sink "
+        "logit s is folded in as one more step: m' = max(m, s), l' = l exp(m - m') + exp(s - m'), "
+        "acc' = acc exp(m - m') (the sink has no value)",
+        "as attention; the sink logits upcast to fp32",
+        "one rounding of acc' / l' to the input dtype",
+        "as attention",
+        "as attention (window and sinks included): packed == prefill == paged decode",
+    ),
+    OpContract(
         "logprob / entropy", "vocab (log-sum-exp, expected logit)",
         f"tokens in blocks of {TOKEN_BLOCK}, vocab in blocks of {VOCAB_BLOCK}; chunk sizes are multiples of these and only set memory",
         "per vocab block: max, tree sum of exp(z - max); blocks folded left to right with online rescaling",
@@ -163,6 +178,21 @@ CONTRACT: tuple[OpContract, ...] = (
         "p added left to right in rank order",
         "fp32 throughout", "routing weights stay fp32", "exp, max, IEEE add/div, stable sort",
         "number of tokens, token position, other tokens' routing",
+    ),
+    OpContract(
+        "moe_route_topk_softmax (gpt-oss router)", "the k chosen experts (softmax denominator)",
+        "whole row of E router logits (fp32: the strict linear on fp32 copies of the hidden row, router weight and "
+        "bias)",
+        "top-k by a stable descending sort of the logits (equal logits: the lower expert index first); "
+        "m = the first chosen logit (the largest), u = exp(l - m), balanced pairwise tree sum of u in rank order, "
+        "w = u / sum",
+        "fp32 throughout", "routing weights stay fp32", "exp, IEEE add/div, stable sort",
+        "number of tokens, token position, other tokens' routing",
+    ),
+    OpContract(
+        "clamped_swiglu (gpt-oss expert activation)", "none (elementwise)", "-", "-",
+        "fp32: g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * (g / (1 + exp(-(g * alpha))))",
+        "one rounding", "fp32 exp, min, max, add, div, mul", "everything: elementwise",
     ),
     OpContract(
         "moe_experts (expert SwiGLU FFNs)", "H (gate/up) and I (down) of each expert's projections",

@@ -645,10 +645,13 @@ def _check_supported(model: nn.Module, profile: Profile) -> ModelConfig:
     """The module's class picks the family (the registry's *ForCausalLM); its config must parse as that family."""
     name = type(model).__name__
     family = architectures.by_architecture(name)
+    if family is not None and family.architecture == name and not family.integrations:
+        raise UnsupportedModelError(f"rlalign.integrations.transformers.patch: {name} is not supported by the patch "
+                                    "yet; load the checkpoint with rlalign.models.load_model")
     if family is None or family.architecture != name:
         hint = " (patch the base model before wrapping it, e.g. with PEFT)" if hasattr(model, "base_model") else ""
         raise UnsupportedModelError(f"rlalign.integrations.transformers.patch: {name} is not supported; supported: "
-                                    f"{', '.join(architectures.architectures())}{hint}")
+                                    f"{', '.join(architectures.integration_architectures())}{hint}")
     d = model.config.to_dict()
     if d.get("model_type") != family.model_type:
         raise UnsupportedModelError(f"rlalign.integrations.transformers.patch: {name}: config model_type "

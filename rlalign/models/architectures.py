@@ -37,6 +37,8 @@ class Family:
     hf_keys: Callable[[Any], dict[str, Any]]
     default_head_dim: Callable[[dict], int] = lambda d: d["hidden_size"] // d["num_attention_heads"]
     backbone_architecture: str | None = None             # the headless *Model class name
+    windows: bool = False                                # its parser reads layer_types / sliding_window itself
+    integrations: bool = True                            # the transformers patch and the vLLM plugin serve it
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -64,6 +66,11 @@ def names() -> tuple[str, ...]:
 def architectures() -> tuple[str, ...]:
     """The ``*ForCausalLM`` class names of every registered family."""
     return tuple(f.architecture for f in _FAMILIES.values())
+
+
+def integration_architectures() -> tuple[str, ...]:
+    """The ``*ForCausalLM`` class names the transformers patch and the vLLM plugin serve (``Family.integrations``)."""
+    return tuple(f.architecture for f in _FAMILIES.values() if f.integrations)
 
 
 def by_architecture(architecture: str) -> Family | None:
@@ -136,6 +143,54 @@ def _qwen3_moe_features(d: dict) -> dict[str, Any]:
     return {"qkv_bias": False, "qk_norm": True, "ffn_kind": "moe", "ffn_options": options}
 
 
+# transformers' GptOssConfig defaults, for keys a config.json leaves out
+_GPT_OSS_DEFAULTS = {"num_local_experts": 128, "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                     "sliding_window": 128}
+_GPT_OSS_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gpt_oss_features(d: dict) -> dict[str, Any]:
+    """gpt-oss: q/k/v/o biases (attention_bias, default true), a sink logit per query head, sliding-window
+    layers alternating with full ones (``layer_types``; default: even layers sliding), every layer a MoE of
+    ``intermediate_size`` experts (rlalign.models.gpt_oss). Quantized (MXFP4) checkpoints are refused."""
+    if d.get("quantization_config"):
+        method = (d["quantization_config"] or {}).get("quant_method", "?")
+        raise ValueError(f"quantized checkpoints are not supported (quantization_config: {method}); use a "
+                         "bf16/fp32 (dequantized) checkpoint")
+    if d.get("num_experts") is not None and d.get("num_local_experts") is not None \
+            and d["num_experts"] != d["num_local_experts"]:
+        raise ValueError(f"num_experts={d['num_experts']} and num_local_experts={d['num_local_experts']} differ")
+    d = dict(d, num_local_experts=d.get("num_local_experts", d.get("num_experts")))
+    o = {k: (d[k] if d.get(k) is not None else v) for k, v in _GPT_OSS_DEFAULTS.items()}
+    n, k = int(o["num_local_experts"]), int(o["num_experts_per_tok"])
+    if n < 1 or not 1 <= k <= n:
+        raise ValueError(f"num_experts_per_tok={k} must be between 1 and num_local_experts={n}")
+    layers = int(d.get("num_hidden_layers") or 0)
+    types = d.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    other = sorted(set(types) - set(_GPT_OSS_LAYER_TYPES))
+    if other:
+        raise ValueError(f"layer types {other} are not supported (only {', '.join(_GPT_OSS_LAYER_TYPES)})")
+    bias = d.get("attention_bias")
+    bias = True if bias is None else bool(bias)
+    options = {"num_experts": n, "num_experts_per_tok": k, "swiglu_alpha": float(o["swiglu_alpha"]),
+               "swiglu_limit": float(o["swiglu_limit"])}
+    return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "attention_sinks": True,
+            "sliding_window": int(o["sliding_window"]), "layer_types": tuple(types), "ffn_kind": "gpt_oss_moe",
+            "ffn_options": options}
+
+
+def _gpt_oss_keys(cfg) -> dict[str, Any]:
+    o = cfg.ffn_options
+    return {"attention_bias": cfg.qkv_bias, "sliding_window": cfg.sliding_window,
+            "layer_types": list(cfg.layer_types), "num_local_experts": o["num_experts"],
+            "num_experts_per_tok": o["num_experts_per_tok"], "swiglu_alpha": o["swiglu_alpha"],
+            "swiglu_limit": o["swiglu_limit"]}
+
+
 register(Family("llama", "LlamaForCausalLM", _llama_features,
                 lambda cfg: {"attention_bias": False, "mlp_bias": False}, backbone_architecture="LlamaModel"))
 register(Family("qwen2", "Qwen2ForCausalLM", _qwen2_features, lambda cfg: {},
@@ -148,5 +203,9 @@ register(Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_features,
                 default_head_dim=lambda d: 128, backbone_architecture="Qwen3MoeModel"))
 
 
-__all__ = ["Family", "register", "get", "names", "architectures", "by_architecture", "dense_ffn", "MOE_KEYS",
+register(Family("gpt_oss", "GptOssForCausalLM", _gpt_oss_features, _gpt_oss_keys, default_head_dim=lambda d: 64,
+                backbone_architecture="GptOssModel", windows=True, integrations=False))
+
+
+__all__ = ["Family", "register", "get", "names", "architectures", "integration_architectures", "by_architecture", "dense_ffn", "MOE_KEYS",
            "UnknownArchitectureError"]

@@ -12,7 +12,7 @@ Per layer (stream dtype = parameter dtype):
     q,k,v = q_proj(x), k_proj(x), v_proj(x)              # biases only where config.qkv_bias
     q,k   = q_norm(q), k_norm(k)                         # only where config.qk_norm, over head_dim
     q,k   = rope(q, cos, sin), rope(k, cos, sin)          # paged: rope_write_kv (the norms too; writes k, v to the cache)
-    a     = attend(q, k, v)                              # causal, scale = head_dim ** -0.5
+    a     = attend(q, k, v)                              # causal, scale = head_dim ** -0.5 (a window, sinks: gpt-oss)
     h     = o_proj(a)                                    # canonical K partition
     x, r  = post_attention_layernorm(h, residual=r)
     h     = ffn(x)                                       # dense: down(silu_mul(gate(x), up(x)))
@@ -46,10 +46,10 @@ class PagedAttend:
         return ops.rope_write_kv(q, k, v, cos, sin, b.kv_cache.k[layer], b.kv_cache.v[layer], b.slot_mapping,
                                  qk_norm=qk_norm)
 
-    def __call__(self, q, k, v, layer: int, scale: float) -> torch.Tensor:
+    def __call__(self, q, k, v, layer: int, scale: float, **window_sinks) -> torch.Tensor:
         b = self.batch
         return ops.attention_paged(q, b.kv_cache.k[layer], b.kv_cache.v[layer], b.block_table, b.seq_lens,
-                                   b.cu_seqlens, scale=scale)
+                                   b.cu_seqlens, scale=scale, **window_sinks)
 
 
 def batch_attend(batch) -> Attend:
@@ -57,8 +57,8 @@ def batch_attend(batch) -> Attend:
     if batch.kv_cache is not None:
         return PagedAttend(batch)
 
-    def attend(q, k, v, layer: int, scale: float) -> torch.Tensor:
-        return ops.attention_varlen(q, k, v, batch.cu_seqlens, scale=scale)
+    def attend(q, k, v, layer: int, scale: float, **window_sinks) -> torch.Tensor:
+        return ops.attention_varlen(q, k, v, batch.cu_seqlens, scale=scale, **window_sinks)
     return attend
 
 
@@ -70,9 +70,12 @@ def rope_inv_freq(config) -> torch.Tensor:
 
 
 def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, *, layer: int,
-                    num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool) -> torch.Tensor:
+                    num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
+                    window: int | None = None) -> torch.Tensor:
     """o_proj(attend(rope(norm(q)), rope(norm(k)), v)) of rows ``x`` [T, hidden]; ``attn`` holds
-    q_proj/k_proj/v_proj/o_proj (and q_norm/k_norm when ``qk_norm``); head counts are rank-local."""
+    q_proj/k_proj/v_proj/o_proj (and q_norm/k_norm when ``qk_norm``); head counts are rank-local.
+    ``window``: the layer's sliding window; ``attn.sinks`` (when the module has one that is not None): the
+    per-head sink logits (gpt-oss); both are passed on to ``attend`` only when set."""
     t = x.shape[0]
     paged = isinstance(attend, PagedAttend)
     # one GEMM at decode sizes (same bits); paged, its outputs may be column views of one tensor (rope_write_kv
@@ -92,7 +95,9 @@ def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             _rebuildable_rope(attn.q_norm, q, q_in, cos, sin, "rope(q_norm(q))")
             _rebuildable_rope(attn.k_norm, k, k_in, cos, sin, "rope(k_norm(k))")
     tap(layer_tap(layer, "q"), q), tap(layer_tap(layer, "k"), k), tap(layer_tap(layer, "v"), v)
-    out = attend(q, k, v, layer, head_dim ** -0.5)
+    sinks = getattr(attn, "sinks", None)
+    extra = {**({"window": window} if window is not None else {}), **({"sinks": sinks} if sinks is not None else {})}
+    out = attend(q, k, v, layer, head_dim ** -0.5, **extra)
     out = tap(layer_tap(layer, "attn"), out.reshape(t, num_heads * head_dim))
     return tap(layer_tap(layer, "o_proj"), attn.o_proj(out))
 

@@ -3,7 +3,8 @@
 The family (``model_type``) is looked up in :mod:`rlalign.models.architectures`, which maps its
 config.json to the feature fields (``qkv_bias``, ``qk_norm``, ``ffn_kind``, ...) and back; the
 decoder reads only the features. Registered: ``llama`` (Llama 2/3, rope scaling ``llama3``),
-``qwen2`` (Qwen2/2.5: q/k/v bias), ``qwen3`` (dense Qwen3: q/k RMSNorm). Anything the decoder
+``qwen2`` (Qwen2/2.5: q/k/v bias), ``qwen3`` (dense Qwen3: q/k RMSNorm), ``qwen3_moe``, ``gpt_oss`` (sliding
+windows, attention sinks, YaRN rope, its MoE: rlalign.models.gpt_oss). Anything the decoder
 would silently compute differently from the reference implementation (MoE, sliding window, other
 rope scalings, extra biases, other activations, partial rotary) is refused with a
 :class:`ModelConfigError` naming the feature. Every config.json key this module (or a family) reads is
@@ -21,7 +22,7 @@ from typing import Any, Callable
 from rlalign.contract.errors import RLAlignError
 from rlalign.models import architectures
 
-_ROPE_TYPES = ("default", "llama3")
+_ROPE_TYPES = ("default", "llama3", "yarn")
 # Keys this module owns: parsed on the way in, written canonically on the way out.
 _OWNED_KEYS = {
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -66,7 +67,8 @@ KEY_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{k: _BOOL for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob")},
     **{k: _TEXT for k in ("model_type", "hidden_act", "torch_dtype", "dtype")},
     **{k: _TOKEN_ID for k in ("bos_token_id", "pad_token_id")},
-    **{k: _POSITIVE for k in ("rms_norm_eps", "rope_theta", "partial_rotary_factor")},
+    **{k: _POSITIVE for k in ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "swiglu_alpha", "swiglu_limit")},
+    "sliding_window": ("an integer >= 1", lambda x: _is_int(x, 1)),
     **{k: _MAPPING for k in ("rope_scaling", "rope_parameters")},
     "eos_token_id": ("a token id or a list of them", lambda x: _TOKEN_ID[1](x) or _list_of(_TOKEN_ID[1])(x)),
     "architectures": ("a list of strings", _list_of(lambda v: isinstance(v, str))),
@@ -110,8 +112,18 @@ class ModelConfig:
     # -- features (set by the family's entry in rlalign.models.architectures)
     qkv_bias: bool = False         # biases on q/k/v projections (never on o_proj)
     qk_norm: bool = False          # RMSNorm over head_dim applied to q and k, before rope
+    o_bias: bool = False           # a bias on o_proj (gpt-oss)
+    attention_sinks: bool = False  # a learned sink logit per query head (``self_attn.sinks``, gpt-oss)
+    sliding_window: int | None = None           # keys p - window < pos <= p on the "sliding_attention" layers
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" | "sliding_attention" (None: all full)
     ffn_kind: str = "dense"        # the FFN module kind (rlalign.models.ffn registry)
     ffn_options: dict = dataclasses.field(default_factory=dict)  # shape fields of non-dense FFN kinds
+
+    def attention_window(self, layer_index: int) -> int | None:
+        """The sliding window of layer ``layer_index``'s attention (None: full causal attention)."""
+        if self.layer_types is None or self.layer_types[layer_index] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -126,7 +138,7 @@ class ModelConfig:
         (:func:`check_key_types`)."""
         check_key_types(d)
         family = _family(d)
-        _reject_unsupported(d)
+        _reject_unsupported(d, family)
         try:
             features = family.features(d)
         except ValueError as exc:
@@ -137,7 +149,7 @@ class ModelConfig:
         if heads % kv_heads:
             raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = d.get("head_dim") or (family.default_head_dim(d) if "head_dim" not in d else hidden // heads)
-        theta, scaling = _rope(d)
+        theta, scaling = _rope(d, family)
         return cls(
             family=family.model_type,
             vocab_size=_required(d, "vocab_size"),
@@ -212,10 +224,13 @@ def _family(d: dict) -> architectures.Family:
     return family
 
 
-def _reject_unsupported(d: dict) -> None:
-    """Features no family implements (family-specific ones are refused by the family's parser)."""
+def _reject_unsupported(d: dict, family: architectures.Family) -> None:
+    """Features no family implements (family-specific ones are refused by the family's parser); sliding-window
+    layers only where the family parses them (``Family.windows``)."""
     if d.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
+    if family.windows:
+        return
     if d.get("use_sliding_window"):
         raise ModelConfigError("sliding-window attention is not supported (use_sliding_window=true)")
     other_layers = sorted({t for t in (d.get("layer_types") or []) if t != "full_attention"})
@@ -223,8 +238,10 @@ def _reject_unsupported(d: dict) -> None:
         raise ModelConfigError(f"layer types {other_layers} are not supported (only 'full_attention')")
 
 
-def _rope(d: dict) -> tuple[float, dict | None]:
-    """(theta, scaling-or-None) from either config layout; only default and llama3 rope."""
+def _rope(d: dict, family: architectures.Family) -> tuple[float, dict | None]:
+    """(theta, scaling-or-None) from either config layout; default and llama3 rope, and yarn for the families the
+    integrations do not serve (gpt_oss: the transformers patch and the vLLM plugin build cos/sin without YaRN's
+    attention factor)."""
     params = d.get("rope_parameters")
     if params and any(isinstance(v, dict) for v in params.values()):
         raise ModelConfigError("per-layer-type rope_parameters are not supported")
@@ -233,10 +250,14 @@ def _rope(d: dict) -> tuple[float, dict | None]:
     if float(scaling.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ModelConfigError("partial_rotary_factor != 1 is not supported")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "yarn" and family.integrations:
+        raise ModelConfigError(f"rope scaling type 'yarn' is not supported for {family.model_type} (only gpt_oss)")
     if kind not in _ROPE_TYPES:
         raise ModelConfigError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
     if kind == "default":
         return theta, None
+    if kind == "yarn":
+        return theta, _yarn(scaling)
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                if k not in scaling]
     if missing:
@@ -244,6 +265,24 @@ def _rope(d: dict) -> tuple[float, dict | None]:
     scaling.pop("type", None)
     scaling["rope_type"] = "llama3"
     return theta, scaling
+
+
+def _yarn(scaling: dict) -> dict:
+    """YaRN rope parameters (transformers' keys); factor and original_max_position_embeddings are required."""
+    missing = [k for k in ("factor", "original_max_position_embeddings") if scaling.get(k) is None]
+    if missing:
+        raise ModelConfigError(f"yarn rope scaling is missing {missing}")
+    known = {"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+             "attention_factor", "mscale", "mscale_all_dim"}
+    unknown = sorted(set(scaling) - known)
+    if unknown:
+        raise ModelConfigError(f"yarn rope scaling keys {unknown} are not supported")
+    for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"):
+        if scaling.get(key) is not None and not _is_number(scaling[key]):
+            raise ModelConfigError(f"rope scaling {key} must be a finite number > 0, got {scaling[key]!r}")
+    out = {k: v for k, v in scaling.items() if k != "type"}
+    out["rope_type"] = "yarn"
+    return out
 
 
 def _dtype_name(value) -> str:

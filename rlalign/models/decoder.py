@@ -1,4 +1,4 @@
-"""The decoder (Llama / Qwen2 / Qwen3 families), written only with ``rlalign.ops``.
+"""The decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss families), written only with ``rlalign.ops``.
 
 The math of a layer lives in :mod:`rlalign.models.blocks` (shared with the transformers patch);
 these modules hold the weights under Hugging Face's names and choose their parts from the
@@ -27,6 +27,7 @@ from rlalign.models.blocks import (Attend, attention_block, batch_attend, decode
 from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import build_ffn
 from rlalign.models import moe as _moe  # noqa: F401  (registers the "moe" FFN kind)
+from rlalign.models import gpt_oss as _gpt_oss  # noqa: F401  (registers the gpt_oss family and its FFN kind)
 from rlalign.models.layout import checkpoint_tensors
 from rlalign.models.modules import Embedding, Linear, RMSNorm, stack_rows
 from rlalign.models.taps import EMBED, note_batch, tap
@@ -41,7 +42,9 @@ class Attention(nn.Module):
         self.q_proj = Linear(h, cfg.num_heads * d, cfg.qkv_bias, dtype, device)
         self.k_proj = Linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, device)
         self.v_proj = Linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, device)
-        self.o_proj = Linear(cfg.num_heads * d, h, False, dtype, device, k_segments=spec.K_SEGMENTS)
+        self.o_proj = Linear(cfg.num_heads * d, h, cfg.o_bias, dtype, device, k_segments=spec.K_SEGMENTS)
+        self.window = cfg.attention_window(layer_index)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads, dtype=dtype, device=device)) if cfg.attention_sinks else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
@@ -56,7 +59,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         return attention_block(self, x, cos, sin, attend, layer=self.layer_index, num_heads=self.num_heads,
                                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                               qk_norm=self.q_norm is not None)
+                               qk_norm=self.q_norm is not None, window=self.window)
 
     def tp_plan(self) -> dict[str, sharding.ShardSpec]:
         plan = {"q_proj": sharding.COLUMN, "k_proj": sharding.COLUMN, "v_proj": sharding.COLUMN,
@@ -141,7 +144,8 @@ class CausalLM(nn.Module):
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] (stream dtype) for every new token of ``batch``."""
         note_batch(batch)
-        cos, sin = ops.rope_cos_sin(batch.positions, self._inv_freq_on(batch.positions.device))
+        cos, sin = ops.rope_cos_sin(batch.positions, self._inv_freq_on(batch.positions.device),
+                                    ops.rope_attention_scaling(self.config.rope_scaling))
         h, residual = tap(EMBED, self.model.embed_tokens(batch.input_ids)), None
         for layer in self.model.layers:
             h, residual = layer(h, residual, cos, sin, batch)

@@ -99,8 +99,15 @@ def record_routing(keep_logits: bool = True):
         _RECORD.current = previous
 
 
+def current_routing_record() -> RoutingRecord | None:
+    """The record open in this thread (:func:`record_routing`), None outside one: a sparse block adds to it."""
+    return getattr(_RECORD, "current", None)
+
+
 def sparse_layer_indices(cfg: ModelConfig) -> list[int]:
-    """The indices of a model's sparse (MoE) layers; empty for dense models."""
+    """The indices of a model's sparse (MoE) layers; empty for dense models (gpt-oss: every layer)."""
+    if cfg.ffn_kind == "gpt_oss_moe":
+        return list(range(cfg.num_layers))
     if cfg.ffn_kind != "moe":
         return []
     return [i for i in range(cfg.num_layers) if is_sparse_layer(cfg.ffn_options, i)]
@@ -118,7 +125,7 @@ def sparse_moe_block(x: torch.Tensor, router_w: torch.Tensor, expert_ffns: Exper
     logits = tap(layer_tap(layer, "router"), ops.router_logits(x, router_w))
     experts, weights = ops.moe_route(logits, top_k, normalize=normalize)
     tap(layer_tap(layer, "routing"), experts)
-    record = getattr(_RECORD, "current", None)
+    record = current_routing_record()
     if record is not None:
         record.add(layer, logits, experts)
     y = expert_ffns(x, experts)
@@ -210,6 +217,6 @@ def build_moe_layer_ffn(cfg: ModelConfig, layer_index: int, dtype, device) -> nn
     return MLP(cfg, layer_index, dtype, device)
 
 
-__all__ = ["is_sparse_layer", "sparse_layer_indices", "sparse_moe_block", "stacked_expert_ffns", "ExpertFFNs",
+__all__ = ["is_sparse_layer", "sparse_layer_indices", "current_routing_record", "sparse_moe_block", "stacked_expert_ffns", "ExpertFFNs",
            "SparseMoE", "StackedExperts", "expert_checkpoint_entries", "record_routing", "RoutingRecord"]
 

@@ -38,12 +38,22 @@ _BASE = dict(vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=128, 
              bos_token_id=None, pad_token_id=0, eos_token_id=2)
 
 
+# small family-specific keys (gpt_oss: 4 experts of 32, top-2; a sliding window of 8 on layer 0, full layer 1;
+# YaRN rope over an original context of 64)
+_FAMILY_BASE = {"gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"], rms_norm_eps=1e-5,
+                                rope_theta=150000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                                   "beta_slow": 1.0, "truncate": False,
+                                                                   "original_max_position_embeddings": 64})}
+
+
 def tiny_hf_config(family: str = "qwen3", **overrides) -> dict:
     """A small config.json dict of ``family`` (hidden 64, 2 layers, 4 heads / 2 kv heads, head_dim 16,
     vocab 320); ``overrides`` use Hugging Face key names."""
     if family not in architectures.names():
         raise ValueError(f"unknown family {family!r} (choose one of {', '.join(architectures.names())})")
     cfg = dict(_BASE, model_type=family, architectures=[architectures.get(family).architecture])
+    cfg.update(_FAMILY_BASE.get(family, {}))
     cfg.update(overrides)
     return cfg
 

@@ -2,7 +2,8 @@
 
 Functional API (the only way models and engines compute):
 
-    linear, linear_group, rms_norm, rope, rope_inv_freq, rope_cos_sin, silu_mul, embedding   (ops.basic)
+    linear, linear_group, rms_norm, rope, rope_inv_freq, rope_attention_scaling, rope_cos_sin, silu_mul,
+    embedding                                                                  (ops.basic)
     stacked_rows: the one tensor of weights laid back to back (what linear_group runs as one GEMM) (ops.stacking)
     attention_varlen, attention_paged, write_kv_cache, rope_write_kv           (ops.attention)
     logprob_entropy, lm_logits                                                 (ops.logprob)
@@ -11,6 +12,7 @@ Functional API (the only way models and engines compute):
     sample_and_score: a rollout's sampled token and its logprob, the one owner  (ops.sample_score)
     logprob_temperature: the temperature a sampled token is scored at           (ops.temperature)
     router_logits, moe_route, moe_experts, moe_combine                         (ops.moe)
+    moe_route_topk_softmax, clamped_swiglu: gpt-oss's router and expert activation (ops.moe)
 
 For CUDA-graph capture (the rollout engine's decode graphs): ``capturing_graph(**hints)`` (the ops record
 their deferred finiteness verdicts into the graph), ``requeue_deferred_checks(verdicts)`` after each replay,
@@ -29,7 +31,8 @@ Each op takes ``profile=`` (``"strict"`` | ``"native"`` | None for the current c
 from rlalign.ops._checks import (capturing_graph, check_policy, check_scope, flush as flush_deferred_checks,
                                  requeue as requeue_deferred_checks, static_decode, use_check_policy)
 from rlalign.ops._dispatch import backend_name
-from rlalign.ops.basic import embedding, linear, linear_group, rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_mul
+from rlalign.ops.basic import (embedding, linear, linear_group, rms_norm, rope, rope_attention_scaling, rope_cos_sin,
+                              rope_inv_freq, silu_mul)
 from rlalign.ops.stacking import stacked_rows
 from rlalign.ops.attention import attention_paged, attention_varlen, rope_write_kv, write_kv_cache
 from rlalign.ops.logprob import lm_logits, logprob_entropy
@@ -37,7 +40,7 @@ from rlalign.ops.sample import sample
 from rlalign.ops.sampled_logprob import SampledLogprobs, sampled_logprob
 from rlalign.ops.sample_score import sample_and_score
 from rlalign.ops.temperature import logprob_temperature
-from rlalign.ops.moe import moe_combine, moe_experts, moe_route, router_logits
+from rlalign.ops.moe import clamped_swiglu, moe_combine, moe_experts, moe_route, moe_route_topk_softmax, router_logits
 
 __all__ = [
     "linear", "linear_group", "stacked_rows", "rms_norm", "rope", "rope_inv_freq", "rope_cos_sin", "silu_mul",
@@ -46,5 +49,6 @@ __all__ = [
     "logprob_entropy", "lm_logits", "sample", "sampled_logprob", "SampledLogprobs", "sample_and_score", "logprob_temperature", "backend_name",
     "capturing_graph", "flush_deferred_checks", "requeue_deferred_checks", "static_decode",
     "check_policy", "use_check_policy", "check_scope",
-    "router_logits", "moe_route", "moe_experts", "moe_combine",
+    "router_logits", "moe_route", "moe_experts", "moe_combine", "moe_route_topk_softmax", "clamped_swiglu",
+    "rope_attention_scaling",
 ]

@@ -6,7 +6,9 @@ Strict: keys in blocks of ``ATTN_KV_BLOCK`` absolute positions, queries in tiles
 keys into splits of ``ATTN_KV_SPLIT`` absolute positions merged in order, see
 :mod:`rlalign.ops.triton_backend.attention`), so a token's output has the same bits in a packed
 training forward, a one-shot or chunked prefill and step-by-step decode, whatever the page layout,
-page size or the other sequences in the call.
+page size or the other sequences in the call. A sliding window and attention sinks (gpt-oss: ``window=`` /
+``sinks=``) keep that promise on the torch backend; the Triton kernels refuse them (native: one padded SDPA
+call with an explicit mask; its paged route on CUDA refuses).
 Native (the fast non-deterministic baseline), no guarantee: packed varlen runs the flash-attention
 varlen kernel (``aten._flash_attention_forward``/``_backward`` with cu_seqlens: no padding) on CUDA
 when it is available for the tensors, else one padded ``scaled_dot_product_attention`` call (with a
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
-from rlalign.ops._dispatch import probe_failure, strict_impl, triton_available
+from rlalign.ops._dispatch import backend_name, probe_failure, strict_impl, triton_available
 from rlalign.ops.basic import check_rms_norm, check_rope, rms_norm, rope
 from rlalign.ops.torch_backend.elementwise import write_kv_rows
 
@@ -146,6 +148,34 @@ def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, stric
         chk.finite(op, "q", q)
 
 
+def _check_window_sinks(op: str, q: torch.Tensor, window, sinks, strict: bool) -> int | None:
+    """window: None or an int >= 1; sinks: None or a finite [Hq] float tensor on q's device. Strict: the torch
+    backend only (the Triton kernels refuse in one line rather than ignore the window or the sinks). Native: one
+    padded SDPA call with an explicit mask (the paged route on CUDA refuses). Returns the window (or None)."""
+    if window is None and sinks is None:
+        return None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise fail(op, f"window must be an integer >= 1 (or None), got {window!r}")
+    if sinks is not None:
+        if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+            raise fail(op, f"sinks must be [Hq]=[{q.shape[1]}], got {tuple(sinks.shape)}")
+        if not sinks.is_floating_point():
+            raise fail(op, f"sinks must be floating point, got {sinks.dtype}")
+        chk.same_device(op, q, sinks)
+    if not strict:
+        if op == "attention_paged" and q.is_cuda:
+            raise fail(op, "sliding-window / sink attention: the native profile's paged route on CUDA (the Triton "
+                           "paged kernel, decode graphs) implements neither; use the strict profile")
+        return window
+    backend = backend_name(q.device)
+    if backend != "torch":
+        raise fail(op, f"sliding-window / sink attention is not implemented by the {backend} backend's kernels "
+                       "(strict runs it on the torch backend: the CPU, or RLALIGN_BACKEND=torch)")
+    if sinks is not None:
+        chk.finite(op, "sinks", sinks)
+    return window
+
+
 def _checked_slots(op: str, slot_mapping: torch.Tensor, n_slots: int, device) -> torch.Tensor:
     lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
     if lo < 0 or hi >= n_slots:
@@ -196,40 +226,59 @@ def _check_k(k: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
 # ---- public ops ------------------------------------------------------------------------------------
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                     scale: float | None = None, profile=None) -> torch.Tensor:
+                     scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
+                     profile=None) -> torch.Tensor:
     """Causal self-attention over a packed batch -> [T, Hq, D] in q's dtype.
 
     q [T, Hq, D], k/v [T, Hkv, D] (GQA: query head h uses kv head h // (Hq // Hkv));
     sequence s is rows cu_seqlens[s]:cu_seqlens[s+1], its tokens at positions 0..len-1.
     out[t, h] = sum_{u <= t} softmax_u(scale * q[t, h] . k[u, h']) v[u, h'], scale = D ** -0.5
     by default. Differentiable (strict backward: flash-style recompute, deterministic).
+
+    ``window`` (int >= 1, sliding-window attention): token t sees only the keys u with t - window < u <= t.
+    ``sinks`` [Hq] (learned attention sinks, gpt-oss): one extra logit per query head in the softmax's
+    denominator, with no value: softmax_u = exp(s_u) / (sum_u' exp(s_u') + exp(sinks[h])); differentiable.
+    Both: strict profile on the torch backend only (see :func:`_check_window_sinks`).
     """
     strict = as_profile(profile) is not Profile.NATIVE
     _check_varlen(q, k, v, cu_seqlens, strict)
+    window = _check_window_sinks("attention_varlen", q, window, sinks, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not strict:
+        if window is not None or sinks is not None:
+            return _native_varlen_window_sinks(q, k, v, cu_seqlens, scale, window, sinks)
         return _native_varlen(q, k, v, cu_seqlens, scale)
-    return strict_impl("attention_varlen", q.device)(q, k, v, cu_seqlens, scale)
+    impl = strict_impl("attention_varlen", q.device)
+    if window is None and sinks is None:
+        return impl(q, k, v, cu_seqlens, scale)
+    return impl(q, k, v, cu_seqlens, scale, window=window, sinks=sinks)
 
 
 def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
-                    profile=None) -> torch.Tensor:
+                    window: int | None = None, sinks: torch.Tensor | None = None, profile=None) -> torch.Tensor:
     """Queries of S sequences against a paged KV cache (prefill chunks and decode) -> [T, Hq, D].
 
     k_cache/v_cache [num_pages, page_size, Hkv, D]; block_table [S, max_pages] page ids in order;
     seq_lens[s] = context length INCLUDING the new queries (whose K/V are already in the cache);
     queries of s are rows cu_seqlens_q[s]:cu_seqlens_q[s+1], the last n_s tokens of its context
-    (positions seq_lens[s]-n_s .. seq_lens[s]-1), causal. No autograd.
+    (positions seq_lens[s]-n_s .. seq_lens[s]-1), causal. No autograd. ``window`` / ``sinks``: as in
+    :func:`attention_varlen` (the same bits as the packed op for every query).
     """
     strict = as_profile(profile) is not Profile.NATIVE
     _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, strict)
+    window = _check_window_sinks("attention_paged", q, window, sinks, strict)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():  # documented: no autograd (a q that requires grad gives a plain result)
         if not strict:
+            if window is not None or sinks is not None:
+                return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(),
+                                     scale, window, sinks)
             return _native_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
-        return strict_impl("attention_paged", q.device)(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-                                                         scale)
+        impl = strict_impl("attention_paged", q.device)
+        if window is None and sinks is None:
+            return impl(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
+        return impl(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, window=window, sinks=sinks)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -426,7 +475,48 @@ def _log_paged_fallback(reason: str) -> None:
     log.warning("native attention_paged: K/V gathered for SDPA instead of the paged kernel: %s", reason)
 
 
-def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[int], scale: float) -> torch.Tensor:
+def _native_varlen_window_sinks(q, k, v, cu_seqlens: torch.Tensor, scale: float, window, sinks) -> torch.Tensor:
+    """Native varlen attention with a window and/or sinks: the sequences right-padded to the longest for one
+    :func:`_sdpa_window_sinks` call (the flash varlen kernel takes neither); padded rows are dropped."""
+    cu = cu_seqlens.tolist()
+    if q.shape[0] == 0 or len(cu) < 2:
+        return q.new_empty(q.shape)
+    starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
+    dev, l_max = q.device, max(lens)
+    idx = torch.arange(l_max, device=dev).expand(len(lens), l_max)
+    valid = idx < torch.tensor(lens, device=dev).unsqueeze(1)
+    rows = torch.where(valid, torch.tensor(starts, device=dev).unsqueeze(1) + idx, 0)
+    qb, kb, vb = (t[rows].transpose(1, 2) for t in (q, k, v))                      # [S, H, L, D]
+    out = _sdpa_window_sinks(qb, kb, vb, idx, valid, valid, scale, window, sinks)
+    return out.transpose(1, 2)[valid]
+
+
+def _sdpa_window_sinks(qb, kb, vb, q_pos, valid_k, valid_q, scale: float, window, sinks) -> torch.Tensor:
+    """One SDPA call: qb [S, Hq, n, D] at positions q_pos [S, n] against kb/vb [S, Hkv, L, D] at positions
+    0..L-1 (valid_k [S, L]); a key is visible when valid, at or before the query and (``window``) after
+    q_pos - window. Sinks: one extra key and value of zeros whose additive mask entry is the head's sink logit,
+    so its score is exactly the sink (the gradient reaches the sinks through the mask). Padded query rows
+    (``~valid_q``) see every key (no NaN) and are dropped by the caller."""
+    k_pos = torch.arange(kb.shape[2], device=qb.device)
+    seen = valid_k.unsqueeze(1) & (k_pos <= q_pos.unsqueeze(2))                      # [S, n, L]
+    if window is not None:
+        seen = seen & (k_pos > q_pos.unsqueeze(2) - window)
+    seen = (seen | ~valid_q.unsqueeze(2)).unsqueeze(1)                               # [S, 1, n, L]
+    if sinks is None:
+        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=seen, scale=scale,
+                                              enable_gqa=qb.shape[1] != kb.shape[1])
+    s, hq, n, _ = qb.shape
+    zero = kb.new_zeros(s, kb.shape[1], 1, kb.shape[3])
+    kb, vb = torch.cat([kb, zero], 2), torch.cat([vb, zero], 2)
+    bias = torch.zeros(seen.shape, dtype=qb.dtype, device=qb.device).masked_fill(~seen, float("-inf"))
+    sink_col = sinks.to(qb.dtype).view(1, hq, 1, 1).expand(s, hq, n, 1)
+    mask = torch.cat([bias.expand(s, hq, n, bias.shape[-1]), sink_col], -1)
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                          enable_gqa=qb.shape[1] != kb.shape[1])
+
+
+def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[int], scale: float,
+                  window=None, sinks=None) -> torch.Tensor:
     """One padded SDPA call for every sequence (the vendor baseline, as batched engines do): each
     sequence's context is gathered from its pages into [S, Hq, L_max, D], its queries into
     [S, Hq, n_max, D]; the mask is bottom-right causal and hides padding. Padding and the batch
@@ -450,6 +540,8 @@ def _native_paged(q, k_cache, v_cache, block_table, lens: list[int], cu: list[in
     rows = torch.where(valid_q, cu_t[:-1].unsqueeze(1) + qi, 0)
     qb = q[rows].transpose(1, 2)                                                     # [S, Hq, n, D]
     q_pos = lens_t.unsqueeze(1) - n_q.unsqueeze(1) + qi                              # [S, n]
+    if window is not None or sinks is not None:
+        return _sdpa_window_sinks(qb, k, v, q_pos, valid_k, valid_q, scale, window, sinks).transpose(1, 2)[valid_q]
     mask = valid_k.unsqueeze(1) & (pos.unsqueeze(1) <= q_pos.unsqueeze(2))           # [S, n, L]
     mask = mask | ~valid_q.unsqueeze(2)  # padded query rows attend to everything (no NaN); dropped below
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask.unsqueeze(1), scale=scale,

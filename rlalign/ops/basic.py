@@ -112,8 +112,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"):
         return inv
+    if kind == "yarn":
+        return _yarn_inv_freq(inv, head_dim, float(theta), scaling)
     if kind != "llama3":
-        raise fail("rope", f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
+        raise fail("rope", f"rope scaling type {kind!r} is not supported (supported: default, llama3, yarn)")
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_ctx = float(scaling["original_max_position_embeddings"])
@@ -124,6 +126,45 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     mid = (1 - smooth) * scaled / factor + smooth * scaled
     is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_mid, mid, scaled)
+
+
+def _yarn_inv_freq(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (transformers' ``_compute_yarn_parameters``, in float64): the frequencies between the correction
+    dims of ``beta_fast`` / ``beta_slow`` rotations over the original context blend linearly from
+    extrapolation (inv) to interpolation (inv / factor); ``truncate`` (default true) rounds the range outward."""
+    factor = float(scaling["factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (inv / factor) * (1 - extrapolation) + inv * extrapolation
+
+
+def rope_attention_scaling(scaling: dict | None) -> float:
+    """The factor YaRN multiplies cos and sin by (transformers' ``attention_factor``); 1 for other ropes."""
+    scaling = scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):

@@ -32,14 +32,56 @@ from rlalign.ops._dispatch import probe_failure, strict_impl
 from rlalign.ops._registry import register
 from rlalign.ops.basic import linear, silu_mul
 from rlalign.ops.expert_ids import validate_expert_ids
+from rlalign.reductions import tree_sum
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, *, profile=None) -> torch.Tensor:
-    """Router logits [T, E] in fp32: the strict linear on fp32 copies of x [T, H] and weight [E, H].
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  profile=None) -> torch.Tensor:
+    """Router logits [T, E] in fp32: the strict linear on fp32 copies of x [T, H], weight [E, H] (and the
+    router's bias [E], gpt-oss: added in fp32 by the linear).
 
     bf16 inputs are upcast exactly, so a bf16 model's logits are its fp32 logits (transformers rounds
     them to bf16 before the softmax; we do not: a rounding there would only add ties to the top-k)."""
-    return linear(x.float(), weight.float(), profile=profile)
+    return linear(x.float(), weight.float(), None if bias is None else bias.float(), profile=profile)
+
+
+def moe_route_topk_softmax(logits: torch.Tensor, top_k: int, *, profile=None):
+    """gpt-oss's routing: the top-k of the fp32 router logits [T, E], then a softmax over the k chosen.
+
+    Returns ``(experts [T, k] int64 in rank order, weights [T, k] fp32)``. Strict, per token: a stable
+    descending sort of the logits (equal logits: the lower expert index first), the first k; m = the first
+    (the largest, exact), u_j = exp(l_j - m), s = balanced tree sum of u in rank order, w_j = u_j / s.
+    Differentiable (into the selected logits). Native: torch.topk and torch.softmax."""
+    chk.ndim("moe_route", "logits", logits, 2)
+    n_experts = logits.shape[1]
+    if not 1 <= top_k <= n_experts:
+        raise fail("moe_route", f"top_k={top_k} must be between 1 and the number of experts ({n_experts})")
+    if as_profile(profile) is Profile.NATIVE:
+        values, experts = torch.topk(logits, top_k, dim=-1)
+        return experts, torch.softmax(values, dim=-1, dtype=torch.float32)
+    if logits.dtype != torch.float32:
+        raise fail("moe_route", f"router logits must be float32 (got {logits.dtype}): use ops.router_logits")
+    chk.finite("moe_route", "logits", logits)
+    experts = torch.sort(logits.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    chosen = logits.gather(1, experts)
+    u = torch.exp(chosen - chosen[:, :1])
+    return experts, u / tree_sum(u).unsqueeze(-1)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, *, profile=None) -> torch.Tensor:
+    """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit).
+
+    Strict: elementwise in fp32 from exact upcasts, sigmoid written as g / (1 + exp(-(g * alpha))) (torch's
+    sigmoid is not position invariant on the CPU, contract: what the CPU backend relies on), one rounding to
+    the input dtype; differentiable (torch's elementwise autograd: clamp passes no gradient outside its range).
+    Native: the same formula (elementwise: nothing to gain from a vendor kernel)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise fail("clamped_swiglu", f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
+                                     "must have one shape and dtype")
+    g = gate.float().clamp(max=float(limit))
+    u = up.float().clamp(min=-float(limit), max=float(limit))
+    glu = g / (1.0 + torch.exp(-(g * float(alpha))))
+    return ((u + 1.0) * glu).to(gate.dtype)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, *, normalize: bool, profile=None):

@@ -93,7 +93,7 @@ class Trainer:
         refuse_what_cannot_fit(cfg, resolve_model_dir(cfg.model.path))   # one line before any weight is loaded
         self.policy, self.tokenizer, self.model_dir = load_policy(cfg.model)
         self.lora = adapt_policy(self.policy, cfg)   # model.lora: adapters before the engine and optimizer see it
-        self.moe = self.policy.config.ffn_kind == "moe"
+        self.moe = bool(sparse_layer_indices(self.policy.config))   # Qwen3-MoE and gpt-oss
         if cfg.algo.router_aux_coef > 0 and not self.moe:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")

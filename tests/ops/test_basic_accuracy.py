@@ -120,7 +120,7 @@ def test_embedding_is_exact_gather():
     (lambda: ops.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-6), "rms_norm: weight shape"),
     (lambda: ops.rms_norm(torch.tensor([[float("inf")] * 8]), torch.randn(8), 1e-6), "rms_norm: x contains NaN or inf"),
     (lambda: ops.rope(torch.randn(2, 1, 8), torch.randn(2, 4).double(), torch.randn(2, 4).double()), "rope: cos/sin tables must be float32"),
-    (lambda: ops.rope_inv_freq(64, 1e4, {"rope_type": "yarn"}), "rope scaling type 'yarn'"),
+    (lambda: ops.rope_inv_freq(64, 1e4, {"rope_type": "longrope"}), "rope scaling type 'longrope'"),
     (lambda: ops.silu_mul(torch.randn(2, 3), torch.randn(2, 4)), "silu_mul: gate"),
     (lambda: ops.embedding(torch.tensor([0, 7]), torch.randn(5, 2)), "embedding: token id 7"),
     (lambda: ops.embedding(torch.tensor([0.0]), torch.randn(5, 2)), "embedding: ids must be"),

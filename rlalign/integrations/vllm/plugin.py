@@ -13,8 +13,8 @@ from rlalign.integrations.vllm.errors import UnsupportedVLLMConfigError
 from rlalign.models import architectures as model_families
 
 ENV = "RLALIGN_VLLM"
-# The architectures the plugin serves: every family of rlalign's architecture registry.
-ARCHITECTURES = model_families.architectures()
+# The architectures the plugin serves: the families of rlalign's architecture registry it implements (gpt_oss: not yet).
+ARCHITECTURES = model_families.integration_architectures()
 MODEL_CLASS = "rlalign.integrations.vllm.model:RLAlignForCausalLM"
 
 

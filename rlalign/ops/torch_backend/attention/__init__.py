@@ -18,6 +18,10 @@ packed training forward, a one-shot or chunked prefill, and step-by-step decode:
       (m, l, acc) = where(row_pos >= 64 j, (m', l', acc'), (m, l, acc))
 
   A block a row cannot see at all leaves its state untouched (selected, not multiplied by 1).
+* Sliding window w (gpt-oss): the mask is also key_pos > row_pos - w, and ``sees`` also asks that the block
+  holds a key of the window; the blocks stay on the absolute grid. Sinks: after the last block the head's sink
+  logit s joins as one more step, m' = max(m, s), l' = l exp(m - m') + exp(s - m'), acc' = acc exp(m - m').
+  Both run the torch formulation only (:mod:`.formula`), for packed, prefill and decode alike.
 * out = acc / l + 0.0, rounded once to the input dtype. The ``+ 0.0`` maps -0.0 to +0.0 and
   changes nothing else: keys past a row's position but inside the block contribute 0 * V, whose
   sign of zero depends on whether V is a real row (packed forward) or a masked 0 (decode).
@@ -52,46 +56,50 @@ from rlalign.ops.torch_backend.attention import compiled, formula
 from rlalign.ops.torch_backend.attention.backward import varlen_backward
 
 
-def _varlen_forward(q, k, v, cu_seqlens, scale: float):
-    """Returns (out [T, Hq, D] in q.dtype, lse [T, Hq] fp32)."""
+def _varlen_forward(q, k, v, cu_seqlens, scale: float, window: int | None = None, sinks: torch.Tensor | None = None):
+    """Returns (out [T, Hq, D] in q.dtype, lse [T, Hq] fp32, sink-inclusive). A sliding window or sinks run the
+    torch formulation (the compiled kernels implement neither): the same route for packed, prefill and decode."""
     t, hq, d = q.shape
     if t == 0:
         return q.new_empty(q.shape), q.new_empty((0, hq), dtype=torch.float32)
-    if compiled.compiled_applies(q.device, d):
+    if window is None and sinks is None and compiled.compiled_applies(q.device, d):
         return compiled.varlen_compiled(q, k, v, cu_seqlens, scale)
-    return formula.varlen_formula(q, k, v, cu_seqlens, scale)
+    return formula.varlen_formula(q, k, v, cu_seqlens, scale, window, sinks)
 
 
 class _VarlenAttention(torch.autograd.Function):
-    """The varlen forward with its flash-style backward (:mod:`.backward`)."""
+    """The varlen forward with its flash-style backward (:mod:`.backward`); sinks get a gradient too."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
-        out, lse = _varlen_forward(q, k, v, cu_seqlens, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.scale = scale
+    def forward(ctx, q, k, v, cu_seqlens, scale, window, sinks):
+        out, lse = _varlen_forward(q, k, v, cu_seqlens, scale, window, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sinks)
+        ctx.scale, ctx.window = scale, window
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out.contiguous(), ctx.scale)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out.contiguous(), ctx.scale,
+                                             ctx.window, sinks)
+        return dq, dk, dv, None, None, None, dsinks
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Strict causal varlen attention (inputs validated by :func:`rlalign.ops.attention_varlen`)."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _VarlenAttention.apply(q, k, v, cu_seqlens, scale)
-    return _varlen_forward(q, k, v, cu_seqlens, scale)[0]
+    grads = [q, k, v] + ([sinks] if sinks is not None else [])
+    if torch.is_grad_enabled() and any(x.requires_grad for x in grads):
+        return _VarlenAttention.apply(q, k, v, cu_seqlens, scale, window, sinks)
+    return _varlen_forward(q, k, v, cu_seqlens, scale, window, sinks)[0]
 
 
 # ---- paged (rollout) --------------------------------------------------------------------------------
 
 def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Strict paged attention (inputs validated by :func:`rlalign.ops.attention_paged`).
 
     Non-finite K/V inside a context are detected on the way (score and accumulator checks) and
@@ -100,6 +108,8 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     t, hq, d = q.shape
     if t == 0:
         return q.new_empty(q.shape)
+    if window is not None or sinks is not None:
+        return formula.paged_formula(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, window, sinks)
     paged = compiled.paged_compiled if compiled.compiled_applies(q.device, d) else formula.paged_formula
     return paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
 

@@ -10,6 +10,7 @@ import torch
 
 from rlalign.ops.torch_backend.attention.formula import ext_rows
 from rlalign.ops.torch_backend.attention.plan import KV_BLOCK
+from rlalign.reductions import tree_sum
 
 # The varlen backward works on [groups, rows, 64] fp32 score tiles; groups are chunked so that
 # one such temporary holds about this many elements (memory only; fixed by the shapes).
@@ -32,7 +33,7 @@ def _length_buckets(length: torch.Tensor) -> list[torch.Tensor]:
     return [order[key[order] == b] for b in sorted(set(key.tolist())) if b >= 0]
 
 
-def _backward_bucket(seqs, start, length, src, grads, hq: int, hkv: int, scale: float):
+def _backward_bucket(seqs, start, length, src, grads, hq: int, hkv: int, scale: float, window: int | None):
     """Flash-style backward for sequences ``seqs`` (sorted by length, descending).
 
     Layout: group (sequence, kv head) x its rows (token-major, g heads each), padded to the
@@ -72,6 +73,8 @@ def _backward_bucket(seqs, start, length, src, grads, hq: int, hkv: int, scale: 
             kb, vb = kp[c, k0:k0 + KV_BLOCK], vp[c, k0:k0 + KV_BLOCK]
             s = torch.bmm(qs, kb.transpose(1, 2)) * scale
             visible = kpos[k0:k0 + KV_BLOCK] <= row_pos[c, r0:].unsqueeze(-1)
+            if window is not None:   # keys p - window < pos <= p (padding rows, p = -1, see none)
+                visible &= kpos[k0:k0 + KV_BLOCK] > row_pos[c, r0:].unsqueeze(-1) - window
             p = torch.where(visible, torch.exp(s - lse[c, r0:].unsqueeze(-1)), 0.0)
             dvp[c, k0:k0 + KV_BLOCK] = torch.bmm(p.transpose(1, 2), dos)
             ds = p * (torch.bmm(dos, vb.transpose(1, 2)) - delta[c, r0:].unsqueeze(-1))
@@ -83,7 +86,11 @@ def _backward_bucket(seqs, start, length, src, grads, hq: int, hkv: int, scale: 
     dv.index_copy_(0, k_idx.reshape(-1), dvp.reshape(-1, d))
 
 
-def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale: float):
+def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale: float, window: int | None = None,
+                    sinks: torch.Tensor | None = None):
+    """(dq, dk, dv, dsinks). ``lse`` is the sink-inclusive log-sum-exp, so the keys' probabilities are the
+    forward's; a sink is a key whose value is 0: d sink_h = -sum_t exp(sink_h - lse[t, h]) delta[t, h]
+    (summed over tokens by a balanced tree)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
@@ -96,7 +103,11 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale: float):
              k.new_zeros((t * hkv + 1, d), dtype=torch.float32),
              v.new_zeros((t * hkv + 1, d), dtype=torch.float32))
     for seqs in _length_buckets(length):
-        _backward_bucket(seqs, start, length, src, grads, hq, hkv, scale)
+        _backward_bucket(seqs, start, length, src, grads, hq, hkv, scale, window)
     dq, dk, dv = grads
+    dsinks = None
+    if sinks is not None:
+        p_sink = torch.exp(sinks.float().unsqueeze(0) - lse)                   # [T, Hq]
+        dsinks = (-tree_sum((p_sink * delta).t().contiguous())).to(sinks.dtype) if t else torch.zeros_like(sinks)
     return (dq[:-1].reshape(q.shape).to(q.dtype), dk[:-1].reshape(k.shape).to(k.dtype),
-            dv[:-1].reshape(v.shape).to(v.dtype))
+            dv[:-1].reshape(v.shape).to(v.dtype), dsinks)

@@ -60,7 +60,8 @@ def _gather(table: torch.Tensor, rows: torch.Tensor, inside: torch.Tensor | None
 
 
 def _online_softmax(plan: Plan, q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, scale: float,
-                    check_keys: bool, out_rows: torch.Tensor, lse_rows: torch.Tensor | None) -> bool:
+                    check_keys: bool, out_rows: torch.Tensor, lse_rows: torch.Tensor | None,
+                    sink_rows: torch.Tensor | None = None) -> bool:
     """Every key block over the plan's items, chunk by chunk (the formula of
     :mod:`rlalign.ops.torch_backend.attention`). Writes acc / l + 0.0 of rows < r into ``out_rows``
     [T * Hq + 1, D] (and m + log(l) into ``lse_rows``); the last row is the dump row of padding rows. With
@@ -75,6 +76,10 @@ def _online_softmax(plan: Plan, q_rows: torch.Tensor, k_rows: torch.Tensor, v_ro
     of zeros, which no check can see; their results are dropped. A non-finite key within a context
     makes the score sum non-finite (that check is on the full tiles), so it is reported either way.
     Rows < r are computed exactly as the formula says.
+
+    ``sink_rows`` [T * Hq + 1] fp32 (attention sinks: one extra logit per query head, no value): after the
+    last key block every row folds its sink in as one more online-softmax step, m' = max(m, sink),
+    l' = l exp(m - m') + exp(sink - m'), acc' = acc exp(m - m'); lse is then the sink-inclusive one.
     """
     d, dev = q_rows.shape[1], q_rows.device
     bad = torch.zeros((), dtype=torch.bool, device=dev)
@@ -104,8 +109,9 @@ def _online_softmax(plan: Plan, q_rows: torch.Tensor, k_rows: torch.Tensor, v_ro
                 s = torch.where(mask, s, float("-inf"))
             m_old, l_old = m[:c], l[:c]
             m_new = torch.maximum(m_old, s.amax(-1))
-            # Every real row sees block 0 and padding rows see every block, so a row that cannot see
-            # this block has a finite m and all-(-inf) scores: m_new = m, p = 0, alpha = 1 (no NaN).
+            # Without a window every real row sees block 0 and padding rows see every block, so a row that
+            # cannot see this block has a finite m and all-(-inf) scores: m_new = m, p = 0, alpha = 1 (no
+            # NaN). With a window a row may see no block yet (m = -inf): its NaNs are discarded by ``sees``.
             if r == Q_TILE:
                 p_full = scratch_buffer("p", (c, Q_TILE, KV_BLOCK), dev)
                 p = torch.exp_(torch.sub(s, m_new.unsqueeze(-1), out=p_full))
@@ -126,7 +132,8 @@ def _online_softmax(plan: Plan, q_rows: torch.Tensor, k_rows: torch.Tensor, v_ro
                 # rows that cannot see the block keep their state bits: selected, not multiplied by 1 + 0
                 m_new = torch.where(sees, m_new, m_old)
                 l_new = torch.where(sees, l_new, l_old)
-                acc_new[:, :r] = torch.where(sees.unsqueeze(-1), acc_new[:, :r], acc[:c, :r])
+                acc_old = acc[:c, :r] if acc is not None else 0.0   # block 0 (windows only): the fresh state
+                acc_new[:, :r] = torch.where(sees.unsqueeze(-1), acc_new[:, :r], acc_old)
             if c == n:
                 m, l, acc = m_new, l_new, acc_new
             else:
@@ -134,6 +141,8 @@ def _online_softmax(plan: Plan, q_rows: torch.Tensor, k_rows: torch.Tensor, v_ro
         if check_keys:
             # a non-finite value reaches the accumulator of its sequence's last row (it sees every key)
             bad |= ~torch.isfinite(acc.sum())
+        if sink_rows is not None:
+            m, l, acc = _fold_sinks(sink_rows.index_select(0, ch.dest).view(n, r), m, l, acc, r)
         res = torch.div(acc[:, :r], l.unsqueeze(-1))
         res += 0.0
         out_rows.index_copy_(0, ch.dest, res.reshape(-1, d))
@@ -142,13 +151,29 @@ def _online_softmax(plan: Plan, q_rows: torch.Tensor, k_rows: torch.Tensor, v_ro
     return check_keys and bool(bad)
 
 
+def _fold_sinks(sink: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, r: int):
+    """The sink as one more online-softmax step (a logit with a zero value): every real row has seen its own
+    key, so m is finite and so is m' = max(m, sink)."""
+    m_f = torch.maximum(m, sink)
+    alpha = torch.exp(m - m_f)
+    l = l * alpha + torch.exp(sink - m_f)
+    acc = acc.clone()
+    acc[:, :r] = acc[:, :r] * alpha.unsqueeze(-1)
+    return m_f, l, acc
+
+
+def sink_table(sinks: torch.Tensor, t: int) -> torch.Tensor:
+    """sinks [Hq] -> fp32 [T * Hq + 1]: row (token, head) gets sinks[head]; the dump row 0."""
+    return torch.cat([sinks.float().repeat(t), sinks.new_zeros(1, dtype=torch.float32)])
+
+
 def ext_rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] -> fp32 [T * H + 1, D], the extra last row all zeros (target of masked indices)."""
     d = x.shape[-1]
     return torch.cat([x.reshape(-1, d).float(), x.new_zeros((1, d), dtype=torch.float32)])
 
 
-def varlen_formula(q, k, v, cu_seqlens, scale: float):
+def varlen_formula(q, k, v, cu_seqlens, scale: float, window: int | None = None, sinks: torch.Tensor | None = None):
     t, hq, d = q.shape
     hkv = k.shape[1]
 
@@ -156,17 +181,19 @@ def varlen_formula(q, k, v, cu_seqlens, scale: float):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
         start, length = cu[:-1], cu[1:] - cu[:-1]
         return build_plan(hq, hkv, d, length, start, torch.zeros_like(start), t,
-                           packed_rows(start, length, hkv, t * hkv), zero_outside=False)
+                           packed_rows(start, length, hkv, t * hkv), zero_outside=False, window=window)
 
-    plan = chk.memo("torch_attention_varlen_plan", build, cu_seqlens, extra=(t, hq, hkv, d, q.device),
+    plan = chk.memo("torch_attention_varlen_plan", build, cu_seqlens, extra=(t, hq, hkv, d, q.device, window),
                     capturing=build)
     out = torch.empty((t * hq + 1, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((t * hq + 1,), dtype=torch.float32, device=q.device)
-    _online_softmax(plan, ext_rows(q), ext_rows(k), ext_rows(v), scale, False, out, lse)
+    sink_rows = None if sinks is None else sink_table(sinks, t)
+    _online_softmax(plan, ext_rows(q), ext_rows(k), ext_rows(v), scale, False, out, lse, sink_rows)
     return out[:t * hq].reshape(t, hq, d).to(q.dtype), lse[:t * hq].reshape(t, hq)
 
 
-def paged_formula(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float) -> torch.Tensor:
+def paged_formula(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     t, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
     dev = q.device
@@ -177,13 +204,15 @@ def paged_formula(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
         n_q = cu[1:] - cu[:-1]
         table = block_table.to(device=dev, dtype=torch.int64)
         return build_plan(hq, hkv, d, n_q, cu[:-1], ctx_len - n_q, t, paged_rows(table, ctx_len, page_size, hkv),
-                           zero_outside=True)
+                           zero_outside=True, window=window)
 
-    # one plan per forward: every layer gets the same index tensors
+    # one plan per forward: every layer (of one window) gets the same index tensors
     plan = chk.memo("torch_attention_paged_plan", build, block_table, seq_lens, cu_seqlens_q,
-                    extra=(t, hq, hkv, d, page_size, dev), capturing=build)
+                    extra=(t, hq, hkv, d, page_size, dev, window), capturing=build)
     q_rows = torch.cat([q.reshape(t * hq, d).float(), q.new_zeros((1, d), dtype=torch.float32)])
     out = torch.empty((t * hq + 1, d), dtype=torch.float32, device=dev)
-    if _online_softmax(plan, q_rows, k_cache.reshape(-1, d), v_cache.reshape(-1, d), scale, True, out, None):
+    sink_rows = None if sinks is None else sink_table(sinks, t)
+    if _online_softmax(plan, q_rows, k_cache.reshape(-1, d), v_cache.reshape(-1, d), scale, True, out, None,
+                       sink_rows):
         raise fail("attention_paged", NONFINITE_CACHE)
     return out[:t * hq].reshape(t, hq, d).to(q.dtype)

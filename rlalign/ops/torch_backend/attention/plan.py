@@ -63,6 +63,7 @@ class Plan:
     key_rows: object         # (seq [n], head [n], pos [64]) -> (rows [n, 64] into the key table, valid [n, 64])
     zero_outside: bool       # whether the table lacks a zero row for the slots outside the contexts
     chunks: list
+    window: int | None = None   # sliding window: a row at position p sees keys p - window < pos <= p
 
 
 def _tile_layout(hq: int, hkv: int, n_q: torch.Tensor, q_start: torch.Tensor, pos0: torch.Tensor, t: int):
@@ -94,7 +95,8 @@ def _tile_layout(hq: int, hkv: int, n_q: torch.Tensor, q_start: torch.Tensor, po
             valid.sum(1)[order], counts.tolist())
 
 
-def build_plan(hq: int, hkv: int, d: int, n_q, q_start, pos0, t: int, key_rows, zero_outside: bool) -> Plan:
+def build_plan(hq: int, hkv: int, d: int, n_q, q_start, pos0, t: int, key_rows, zero_outside: bool,
+               window: int | None = None) -> Plan:
     """The plan of one attention call (index tensors only: one per forward, shared by its layers).
     ``key_rows(seq, head, pos [64]) -> (rows [n, 64], valid [n, 64])`` addresses the key table; with
     ``zero_outside`` the slots outside the contexts get zeros by a second gather (paged: the cache may
@@ -107,7 +109,7 @@ def build_plan(hq: int, hkv: int, d: int, n_q, q_start, pos0, t: int, key_rows, 
     r_max = torch.stack([real[a:a + chunk].amax() for a in starts]).tolist()
     # lowest position of a real row per item, and per chunk prefix [:c] for each block
     lowest_item = row_pos.amin(1)
-    plan = Plan(seq, head, key_rows, zero_outside, [])
+    plan = Plan(seq, head, key_rows, zero_outside, [], window)
     keep = n * len(counts) * KV_BLOCK <= _PLAN_SLOTS
     for a, r in zip(starts, r_max):
         b = min(n, a + chunk)
@@ -146,9 +148,23 @@ def block_data(plan: Plan, ch: ChunkPlan, blk: BlockPlan):
         rows = torch.full_like(rows, inside.numel())
         rows[valid] = torch.arange(inside.numel(), device=rows.device)
     rp = ch.row_pos[:c]
+    if plan.window is not None:
+        return (rows, inside) + window_masks(rp, key_pos, plan.window)
     mask = (key_pos <= rp.unsqueeze(-1)) if blk.lowest < first + KV_BLOCK - 1 else None
     sees = (rp >= first) if blk.lowest < first else None
     return rows, inside, mask, sees
+
+
+def window_masks(row_pos: torch.Tensor, key_pos: torch.Tensor, window: int):
+    """(mask [c, r, 64], sees [c, r]) of a sliding window: a real row at position p sees the keys at
+    p - window < pos <= p (its first visible key lies anywhere in the fixed grid of 64-position blocks: the
+    window is a mask, the blocks stay where they are); sees = the block holds at least one of them. Padding
+    rows (position ``_PAD_POS``) see every key, as without a window (their scores stay finite)."""
+    pad = row_pos == _PAD_POS
+    low = torch.where(pad, 0, row_pos - (window - 1)).unsqueeze(-1)      # lowest visible key position
+    mask = (key_pos <= row_pos.unsqueeze(-1)) & (key_pos >= low)
+    sees = (row_pos >= key_pos[0]) & (low.squeeze(-1) <= key_pos[-1])
+    return mask, sees
 
 
 def packed_rows(start: torch.Tensor, length: torch.Tensor, hkv: int, zero_row: int):
