@@ -19,7 +19,8 @@ from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
-from rlalign.ops.torch_backend.sample import GAMMA, MASK64, filtering_rows, min_p_top_k, mix64_int, params_verdict
+from rlalign.ops.torch_backend.sample import (GAMMA, MASK64, filtering_rows, min_p_top_k, mix64_int, params_verdict,
+                                              row_key_int)
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -203,16 +204,19 @@ def _native_sample(logits, seeds, seq_ids, positions, temperature, top_k, top_p,
     filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
     if filtering_rows(filters) if static else bool(filters.any()):
         z = _native_filtered(z, top_k, top_p)
-    race = torch.empty_like(z).exponential_(generator=None if static else _seeded_generator(seeds))
+    race = torch.empty_like(z).exponential_(generator=None if static else _seeded_generator(seeds, seq_ids, positions))
     # z - log(E) in E's buffer; E = 0 (possible in fp32) would give +inf, and NaN on a masked (-inf) token
     race = race.clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_().add_(z)
     drawn = torch.argmax(race, dim=-1)
     return torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
 
 
-def _seeded_generator(seeds: torch.Tensor) -> torch.Generator:
+def _seeded_generator(seeds: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Generator:
+    """The eager native draw's generator, seeded by the first row's (seed, sequence, position) key: each decode
+    step of a sequence gets fresh noise (seeded by the request's seed alone, every step replayed the same noise
+    and a sequence repeated one token), and the same batch the same draw."""
     gen = torch.Generator(device=seeds.device)
-    gen.manual_seed(int(seeds[0]) & MASK64)
+    gen.manual_seed(row_key_int(int(seeds[0]), int(seq_ids[0]), int(positions[0])))
     return gen
 
 

@@ -395,6 +395,23 @@ def test_native_profile_is_the_vendor_path():
     assert_bitwise_equal(draw(logits, temperature=0.0, profile="native"), logits.argmax(-1))
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1), start=st.integers(0, 10**6), rows=st.integers(1, 4),
+       vocab=st.sampled_from([2, 7, 50, 1000]))
+def test_native_eager_draws_are_fresh_at_every_position(seed, start, rows, vocab):
+    """One sequence decoded step by step (uniform logits, so every draw is the noise's): the native eager draw
+    differs from position to position, as it does from sequence to sequence, and repeats for the same inputs. Seeded
+    by the request's seed alone, every step replayed the same noise and a sequence repeated one token."""
+    logits = torch.zeros(rows, vocab)
+    steps = [draw(logits, seed=seed, positions=start + i, profile="native") for i in range(24)]
+    first_rows = torch.stack([t[0] for t in steps])
+    assert len(set(first_rows.tolist())) > 1, f"24 positions drew one token: {first_rows.tolist()}"
+    assert_bitwise_equal(draw(logits, seed=seed, positions=start + 5, profile="native"), steps[5], "same inputs")
+    others = torch.stack([draw(logits, seed=seed, seq_ids=torch.arange(rows) + 100 + i, positions=start,
+                               profile="native")[0] for i in range(24)])
+    assert len(set(others.tolist())) > 1, f"24 sequences drew one token at one position: {others.tolist()}"
+
+
 @pytest.mark.cuda
 def test_cuda_row_token_is_batch_invariant(torch_backend_env):
     configs = [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=50, top_p=0.9),
