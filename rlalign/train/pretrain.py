@@ -69,6 +69,7 @@ class PretrainConfig:
     eval_every: int = 100
     eval_size: int = 200
     max_new_tokens: int = 6
+    device: str = "cpu"                # where the model trains (the random init is drawn on the CPU either way)
 
 
 def hf_config(cfg: PretrainConfig) -> dict:
@@ -158,7 +159,7 @@ def pretrain(cfg: PretrainConfig, log=print) -> Path:
     write_char_tokenizer(out)
     tokenizer = load_tokenizer(out)
     torch.manual_seed(cfg.seed)
-    model = CausalLM(ModelConfig.from_hf_dict(hf_config(cfg))).init_random_(seed=cfg.seed, std=0.05)
+    model = CausalLM(ModelConfig.from_hf_dict(hf_config(cfg)), device=cfg.device).init_random_(seed=cfg.seed, std=0.05)
     task = ArithmeticTask(seed=cfg.seed, min_digits=cfg.min_digits, max_digits=cfg.max_digits, eval_size=cfg.eval_size)
     corpus = HabitCorpus(task, tokenizer, cfg)
     update = SFTUpdate(model, optim_section(cfg), cfg.steps)
@@ -175,7 +176,10 @@ def pretrain(cfg: PretrainConfig, log=print) -> Path:
     model.eval()
     save_model(model, out)
     write_char_tokenizer(out)
-    meta = {"pretrain_config": dataclasses.asdict(cfg) | {"out": "rlalign/assets/default_model"},
+    config = dataclasses.asdict(cfg)
+    if out.resolve() == DEFAULT_OUT:   # the embedded model's record names its place in the repository, not this machine's
+        config["out"] = "rlalign/assets/default_model"
+    meta = {"pretrain_config": config,
             "final_loss": loss, "eval_accuracy": acc, "torch": torch.__version__}
     atomic_write(out / "pretrain.json", json.dumps(meta, indent=1).encode())
     log(f"saved {out} after {cfg.steps} steps (eval accuracy {acc})")
