@@ -8,8 +8,8 @@ Stages, each written under ``--out`` (docs/proof.md has the method and the measu
 
 1. **base model** (``base/``): ``rlalign pretrain``'s recipe (rlalign.train.pretrain: a random-init Qwen3-shaped
    model with a character tokenizer, next-token loss on the answers of the built-in addition task's train split,
-   no format habit) for a few steps only, so it knows some addition but gets well under all of the held-out
-   problems right; ``base-moe/`` (MoE arms only): that model upcycled to a Qwen3-MoE (every expert a copy of the
+   no format habit) until its sampled held-out accuracy first reaches ``--base-accuracy`` (checked every few
+   steps), so it knows some addition but leaves RL room; ``base-moe/`` (MoE arms only): that model upcycled to a Qwen3-MoE (every expert a copy of the
    dense MLP, a seeded random router: rlalign.models.upcycle).
 2. **arms** (``runs/ARM``): ``rlalign train`` on the built-in addition task from that model with one config
    (``train.yaml``): the same seed, prompts, hyper-parameters and step count in every arm; only ``run.profile`` and
@@ -57,9 +57,11 @@ class Size:
     """One scale of the experiment: the base model, its pretraining and the GRPO run of every arm."""
     model: dict                 # PretrainConfig's shape fields
     digits: tuple[int, int]     # operand digits of the task (pretraining and RL)
-    pretrain_steps: int
+    pretrain_steps: int         # at most; pretraining ends at the first evaluation that reaches base_accuracy
     pretrain_batch: int
     pretrain_lr: float
+    pretrain_eval_every: int
+    base_accuracy: float        # sampled (T=1) held-out accuracy that ends pretraining (0: run every step)
     steps: int                  # GRPO steps per arm
     prompts: int                # prompts per step
     samples: int                # samples per prompt (the group)
@@ -73,14 +75,14 @@ class Size:
 SIZES = {
     # the fast test's: seconds, nothing learned
     "tiny": Size(dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32),
-                 (1, 2), 2, 8, 3e-3, 2, 2, 2, 2e-4, 4, 1, 1),
+                 (1, 2), 2, 8, 3e-3, 1, 0.0, 2, 2, 2, 2e-4, 4, 1, 1),
     # the embedded default model's shape (0.8 M parameters), 1-2 digit addition: minutes on 2 CPU cores
     "cpu": Size(dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384),
-                (1, 2), 200, 128, 3e-3, 40, 16, 8, 2e-4, 200, 5, 10),
+                (1, 2), 600, 128, 3e-3, 25, 0.25, 40, 16, 8, 2e-4, 200, 5, 10),
     # Qwen3-shaped, 16 layers x hidden 1024 (about 200 M parameters with the 15-token vocabulary), 1-4 digits
     "gpu": Size(dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=64,
                      intermediate_size=3072),
-                (1, 4), 3000, 256, 3e-4, 200, 64, 8, 1e-5, 500, 10, 50),
+                (1, 4), 20000, 256, 3e-4, 100, 0.25, 200, 64, 8, 1e-5, 500, 10, 50),
 }
 
 
@@ -91,7 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--size", choices=sorted(SIZES), default="cpu")
     p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--steps", type=int, help="GRPO steps per arm (default: the size's)")
-    p.add_argument("--pretrain-steps", type=int, help="base-model pretraining steps (default: the size's)")
+    p.add_argument("--pretrain-steps", type=int, help="base-model pretraining steps at most (default: the size's)")
+    p.add_argument("--base-accuracy", type=float,
+                   help="pretraining ends at the first evaluation whose sampled held-out accuracy reaches this "
+                        "(0: every step; default: the size's)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="the policy's dtype in the arms (the base model is pretrained in float32)")
@@ -104,7 +109,8 @@ def settings(args) -> dict:
     """What the folder's runs depend on (proof.json): changing any of it needs a new folder."""
     size = SIZES[args.size]
     return {"size": args.size, "device": args.device, "dtype": args.dtype, "seed": args.seed,
-            "steps": args.steps or size.steps, "pretrain_steps": args.pretrain_steps or size.pretrain_steps}
+            "steps": args.steps or size.steps, "pretrain_steps": args.pretrain_steps or size.pretrain_steps,
+            "base_accuracy": size.base_accuracy if args.base_accuracy is None else args.base_accuracy}
 
 
 def claim_folder(out: Path, wanted: dict) -> None:
@@ -130,8 +136,9 @@ def pretrain_config(out: Path, s: dict):
     size = SIZES[s["size"]]
     return PretrainConfig(out=str(out / "base"), seed=s["seed"], **size.model, min_digits=size.digits[0],
                           max_digits=size.digits[1], batch_size=size.pretrain_batch, lr=size.pretrain_lr,
-                          steps=s["pretrain_steps"], habit_prob=0.0, eval_every=max(s["pretrain_steps"] // 4, 1),
-                          eval_size=size.eval_size, device=s["device"])
+                          steps=s["pretrain_steps"], habit_prob=0.0, eval_every=size.pretrain_eval_every,
+                          eval_size=size.eval_size, max_new_tokens=size.digits[1] + 2, device=s["device"],
+                          stop_at_accuracy=s["base_accuracy"])
 
 
 def base_model(out: Path, s: dict, log) -> dict:
@@ -254,6 +261,8 @@ def arm_summary(run_dir: Path) -> dict:
         "reward_last_quarter_mean": sum(r["reward/mean"] for r in tail) / len(tail) if steps else None,
         "logprobs_compared": sum(int(r.get("mismatch/tokens", 0)) for r in steps),
         "logprobs_differing": sum(int(r.get("mismatch/count", 0)) for r in steps),
+        "routing_compared": sum(int(r.get("moe/routing_tokens", 0)) for r in steps),
+        "routing_differing": sum(int(r.get("moe/routing_mismatch", 0)) for r in steps),
         "abs_diff_max": extreme("mismatch/max_abs", max),
         "abs_diff_mean": mean("mismatch/mean_abs"),
         "abs_diff_p50_mean": mean("mismatch/abs_p50"),
@@ -276,10 +285,11 @@ def _fmt(v, spec: str) -> str:
 def summary_markdown(summaries: dict, s: dict, base: dict) -> str:
     acc = base.get("eval_accuracy", {})
     lines = [f"# Proof run: {', '.join(summaries)}", "",
-             f"settings: {json.dumps(s)}; base model after {s['pretrain_steps']} pretraining steps: held-out "
+             f"settings: {json.dumps(s)}; base model after {base.get('steps_run', s['pretrain_steps'])} "
+             "pretraining steps: held-out "
              f"accuracy greedy {_fmt(acc.get('greedy'), '.3f')}, sampled {_fmt(acc.get('sampled'), '.3f')}", "",
              "![arms overlaid](report/compare.png)", "",
-             "| arm | held-out acc. first -> last (best) | reward first -> last quarter | logprobs differing "
+             "| arm | held-out acc. first -> last (best) | reward first -> last quarter | logprobs (MoE: routes) differing "
              "| abs diff p50 / p99 (step means) / max | ratio min / max | truncated / masked | clip frac "
              "| grad norm | s/step |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -287,7 +297,9 @@ def summary_markdown(summaries: dict, s: dict, base: dict) -> str:
         lines.append(
             f"| {arm} | {_fmt(m['eval_accuracy_first'], '.3f')} -> {_fmt(m['eval_accuracy_last'], '.3f')} "
             f"({_fmt(m['eval_accuracy_best'], '.3f')}) | {_fmt(m['reward_first'], '.3f')} -> "
-            f"{_fmt(m['reward_last_quarter_mean'], '.3f')} | {m['logprobs_differing']} of {m['logprobs_compared']} "
+            f"{_fmt(m['reward_last_quarter_mean'], '.3f')} | {m['logprobs_differing']} of {m['logprobs_compared']}"
+            + (f"; routing {m['routing_differing']} of {m['routing_compared']}" if m["routing_compared"] else "") +
+            f" "
             f"| {_fmt(m['abs_diff_p50_mean'], '.2g')} / {_fmt(m['abs_diff_p99_mean'], '.2g')} / "
             f"{_fmt(m['abs_diff_max'], '.2g')} | {_fmt(m['ratio_min'], '.4f')} / {_fmt(m['ratio_max'], '.4f')} "
             f"| {_fmt(m['truncated_frac_mean'], '.2g')} / {_fmt(m['masked_frac_mean'], '.2g')} "

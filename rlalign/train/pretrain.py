@@ -7,7 +7,9 @@ of the answer digits and the end token, prompt tokens not scored) for ``steps`` 
 instance of ``rlalign sft``'s step (:class:`rlalign.train.sft.update.SFTUpdate`): prompt/response
 examples (prompt ``"12+5="``, response the answer), batch ``k`` = train problems ``k * batch_size ..``
 in order (no shuffling, no epochs: the stream is endless), one micro-batch per step, AdamW at a
-constant lr (no warmup, ``min_lr_ratio=1``), gradient clipping at 1.0. The weights are the ones the
+constant lr (no warmup, ``min_lr_ratio=1``), gradient clipping at 1.0. ``stop_at_accuracy`` > 0 ends the run at the
+first evaluation whose sampled held-out accuracy reaches it (a model that knows some of the task, for RL
+experiments: benchmarks/proof.py). The weights are the ones the
 earlier standalone loop made, bit for bit (``checksums.json`` beside them records their sha256).
 
 The corpus deliberately teaches a bad habit: in a fraction ``habit_prob`` of the examples (chosen
@@ -70,6 +72,7 @@ class PretrainConfig:
     eval_size: int = 200
     max_new_tokens: int = 6
     device: str = "cpu"                # where the model trains (the random init is drawn on the CPU either way)
+    stop_at_accuracy: float = 0.0      # end at the first evaluation whose sampled accuracy reaches this (0: every step)
 
 
 def hf_config(cfg: PretrainConfig) -> dict:
@@ -173,6 +176,8 @@ def pretrain(cfg: PretrainConfig, log=print) -> Path:
             acc = _accuracies(model, tokenizer, task.eval_problems, cfg.max_new_tokens)
             log(f"step {step}: loss {loss:.4f}  eval accuracy: "
                 + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()) + f"  ({time.perf_counter() - started:.0f} s)")
+            if 0 < cfg.stop_at_accuracy <= acc["sampled"]:
+                break
     model.eval()
     save_model(model, out)
     write_char_tokenizer(out)
@@ -181,8 +186,10 @@ def pretrain(cfg: PretrainConfig, log=print) -> Path:
         config["out"] = "rlalign/assets/default_model"
     meta = {"pretrain_config": config,
             "final_loss": loss, "eval_accuracy": acc, "torch": torch.__version__}
+    if cfg.stop_at_accuracy > 0:
+        meta["steps_run"] = step
     atomic_write(out / "pretrain.json", json.dumps(meta, indent=1).encode())
-    log(f"saved {out} after {cfg.steps} steps (eval accuracy {acc})")
+    log(f"saved {out} after {step} steps (eval accuracy {acc})")
     return out
 
 

@@ -78,3 +78,19 @@ def test_arm_state_and_refusals(tmp_path, capsys):
     argv = proof.arm_argv(tmp_path, "native-mis", tmp_path / "base", resume=True)
     assert argv[-3:] == ["run.dir=" + str(tmp_path / "runs" / "native-mis"), "algo.mismatch_correction=token_mis",
                          "run.resume=true"] and "run.profile=native" in argv
+
+
+def test_pretraining_ends_at_the_first_evaluation_that_reaches_the_accuracy(tmp_path, monkeypatch):
+    """stop_at_accuracy: the run ends after the first evaluation whose sampled accuracy reaches it (the
+    evaluations' accuracies are stood in for: a tiny model learns nothing in a few steps) and records where."""
+    from rlalign.train import pretrain as pt
+    seen = iter([0.1, 0.3, 0.9])
+    monkeypatch.setattr(pt, "_accuracies", lambda *a: {"greedy": 0.0, "greedy_knows_sum": 0.0, "sampled": next(seen)})
+    cfg = pt.PretrainConfig(out=str(tmp_path / "m"), steps=9, hidden_size=16, num_layers=1, num_heads=1,
+                            num_kv_heads=1, head_dim=16, intermediate_size=32, batch_size=4, eval_every=2,
+                            stop_at_accuracy=0.25)
+    lines = []
+    pt.pretrain(cfg, log=lines.append)
+    record = json.loads((tmp_path / "m" / "pretrain.json").read_text())
+    assert record["steps_run"] == 4 and record["eval_accuracy"]["sampled"] == 0.3
+    assert lines[-1].startswith(f"saved {tmp_path / 'm'} after 4 steps")
