@@ -101,6 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="the policy's dtype in the arms (the base model is pretrained in float32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the base model, the task split and every arm")
+    p.add_argument("--minutes", type=float,
+                   help="time budget of this invocation: an arm running at the deadline stops after a checkpoint "
+                        "(run.max_minutes), later arms wait; the same command again continues (e.g. under a "
+                        "10-minute limit per command)")
     p.add_argument("--report-only", action="store_true", help="redraw the report of the arms already run")
     return p.parse_args(argv)
 
@@ -189,13 +193,16 @@ def train_config(s: dict) -> dict:
     }
 
 
-def arm_argv(out: Path, arm: str, model_path: Path, resume: bool) -> list[str]:
-    """``rlalign train``'s arguments for ``arm``: the shared train.yaml and the arm's own keys."""
+def arm_argv(out: Path, arm: str, model_path: Path, resume: bool, minutes: "float | None" = None) -> list[str]:
+    """``rlalign train``'s arguments for ``arm``: the shared train.yaml and the arm's own keys (``minutes``: the
+    run stops after a checkpoint once it has run that long, ``run.max_minutes``)."""
     _, profile, correction = ARMS[arm]
     argv = ["train", str(out / "train.yaml"), f"model.path={model_path}", f"run.profile={profile}",
             f"run.dir={out / 'runs' / arm}"]
     if correction != "none":
         argv.append(f"algo.mismatch_correction={correction}")
+    if minutes is not None:
+        argv.append(f"run.max_minutes={minutes:.2f}")
     return argv + (["run.resume=true"] if resume else ["run.overwrite=true"])
 
 
@@ -210,23 +217,25 @@ def arm_state(run_dir: Path, steps: int) -> str:
     return "resume" if ckpts.is_dir() and any(ckpts.iterdir()) else "fresh"
 
 
-def run_arm(out: Path, arm: str, s: dict, log) -> None:
+def run_arm(out: Path, arm: str, s: dict, log, minutes: "float | None" = None) -> bool:
     """``rlalign train`` for one arm, in this process (the CLI's own entry point: its checks, run directory,
-    per-run report), fresh, resumed from the arm's latest checkpoint, or skipped when finished."""
+    per-run report), fresh, resumed from the arm's latest checkpoint, or skipped when finished; whether the arm
+    has now run all its steps."""
     from rlalign.cli.main import main as rlalign_main
     model_path = moe_model(out, s, log) if ARMS[arm][0] == "moe" else out / "base"
     run_dir = out / "runs" / arm
     state = arm_state(run_dir, s["steps"])
     if state == "done":
         log(f"arm {arm}: kept {run_dir}")
-        return
-    argv = arm_argv(out, arm, model_path, resume=state == "resume")
+        return True
+    argv = arm_argv(out, arm, model_path, resume=state == "resume", minutes=minutes)
     log(f"arm {arm}: {'resuming' if state == 'resume' else 'running'}: rlalign {' '.join(argv)}")
     started = time.perf_counter()
     code = rlalign_main(argv)
     if code != 0:
         raise RLAlignError(f"arm {arm}: rlalign train exited {code} (its message is above)")
     log(f"arm {arm}: {time.perf_counter() - started:.0f} s")
+    return arm_state(run_dir, s["steps"]) == "done"
 
 
 # ---- stage 3: the report --------------------------------------------------------------------------------------
@@ -335,6 +344,7 @@ def main(argv=None) -> int:
         return 2
     s = settings(args)
     out = Path(args.out).resolve()
+    started = time.monotonic()
 
     def log(line):
         print(f"[proof {time.strftime('%H:%M:%S')}] {line}", flush=True)
@@ -342,6 +352,8 @@ def main(argv=None) -> int:
     try:
         if args.steps is not None and args.steps < 1 or args.pretrain_steps is not None and args.pretrain_steps < 1:
             raise RLAlignError("--steps and --pretrain-steps must be >= 1")
+        if args.minutes is not None and not args.minutes > 0:
+            raise RLAlignError(f"--minutes must be > 0, got {args.minutes}")
         claim_folder(out, s)
         if not args.report_only:
             log(f"base model: pretraining {s['pretrain_steps']} steps ({args.size} size, {args.device})")
@@ -350,13 +362,19 @@ def main(argv=None) -> int:
             import yaml
             (out / "train.yaml").write_text(yaml.safe_dump(train_config(s), sort_keys=False))
             for arm in arms:
-                run_arm(out, arm, s, log)
-        summaries = report(out, arms, s, log)
+                left = None if args.minutes is None else args.minutes - (time.monotonic() - started) / 60
+                if left is not None and left < 0.5 and arm_state(out / "runs" / arm, s["steps"]) != "done":
+                    log(f"time budget (--minutes {args.minutes:g}) used before arm {arm}: run the same command "
+                        "again to continue")
+                    break
+                if not run_arm(out, arm, s, log, left):
+                    log(f"arm {arm} stopped at its time budget: run the same command again to continue")
+                    break
+        report(out, arms, s, log)
     except RLAlignError as e:
         print(f"proof.py: error: {e}", file=sys.stderr)
         return 2
     print((out / "summary.md").read_text())
-    del summaries
     return 0
 
 

@@ -52,6 +52,9 @@ def test_two_arms_run_with_their_profile_and_are_overlaid(tmp_path, capsys):
     capsys.readouterr()
     assert proof.main(argv) == 0
     assert "arm strict: kept" in capsys.readouterr().out
+    assert proof.main(argv[:5] + ["strict,native-tis,native", "--steps", "1", "--minutes", "0.01"]) == 0
+    assert "time budget (--minutes 0.01) used before arm native" in capsys.readouterr().out
+    assert not (out / "runs" / "native").exists()
     assert proof.main(argv[:-1] + ["2"]) == 2
     assert "other settings (steps 1 -> 2)" in capsys.readouterr().err
 
