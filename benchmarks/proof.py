@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,7 +79,7 @@ SIZES = {
                  (1, 2), 2, 8, 3e-3, 1, 0.0, 2, 2, 2, 2e-4, 4, 1, 1),
     # the embedded default model's shape (0.8 M parameters), 1-2 digit addition: minutes on 2 CPU cores
     "cpu": Size(dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384),
-                (1, 2), 600, 128, 3e-3, 25, 0.25, 40, 16, 8, 2e-4, 200, 5, 10),
+                (1, 2), 600, 128, 3e-3, 25, 0.25, 100, 32, 8, 2e-4, 500, 10, 20),
     # Qwen3-shaped, 16 layers x hidden 1024 (about 200 M parameters with the 15-token vocabulary), 1-3 digits
     "gpu": Size(dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=64,
                      intermediate_size=3072),
@@ -112,9 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def settings(args) -> dict:
     """What the folder's runs depend on (proof.json): changing any of it needs a new folder."""
     size = SIZES[args.size]
-    return {"size": args.size, "device": args.device, "dtype": args.dtype, "seed": args.seed,
-            "steps": args.steps or size.steps, "pretrain_steps": args.pretrain_steps or size.pretrain_steps,
-            "base_accuracy": size.base_accuracy if args.base_accuracy is None else args.base_accuracy}
+    wanted = {"size": args.size, "device": args.device, "dtype": args.dtype, "seed": args.seed,
+              "steps": args.steps or size.steps, "pretrain_steps": args.pretrain_steps or size.pretrain_steps,
+              "base_accuracy": size.base_accuracy if args.base_accuracy is None else args.base_accuracy,
+              "size_values": dataclasses.asdict(size)}   # a size redefined in this file is another experiment
+    return json.loads(json.dumps(wanted))   # as proof.json holds it (tuples as lists)
 
 
 def claim_folder(out: Path, wanted: dict) -> None:
@@ -123,7 +126,8 @@ def claim_folder(out: Path, wanted: dict) -> None:
     if marker.is_file():
         found = json.loads(marker.read_text())
         if found != wanted:
-            diff = ", ".join(f"{k} {found.get(k)!r} -> {v!r}" for k, v in wanted.items() if found.get(k) != v)
+            diff = ", ".join(f"{k} {found.get(k)!r} -> {v!r}" if k != "size_values" else "the size's values"
+                             for k, v in wanted.items() if found.get(k) != v)
             raise RLAlignError(f"{out} holds an experiment with other settings ({diff}): use a new --out")
         return
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -284,6 +288,9 @@ def arm_summary(run_dir: Path) -> dict:
         "grad_norm_mean": mean("grad_norm"),
         "s_per_step": (sum(r.get("time/rollout_s", 0) + r.get("time/train_s", 0) for r in steps) / len(steps)
                        if steps else None),
+        # the median resists the stalls of a shared machine (another job's burst inflates a few steps)
+        "s_per_step_median": (statistics.median(r.get("time/rollout_s", 0) + r.get("time/train_s", 0) for r in steps)
+                              if steps else None),
     }
 
 
@@ -294,13 +301,13 @@ def _fmt(v, spec: str) -> str:
 def summary_markdown(summaries: dict, s: dict, base: dict) -> str:
     acc = base.get("eval_accuracy", {})
     lines = [f"# Proof run: {', '.join(summaries)}", "",
-             f"settings: {json.dumps(s)}; base model after {base.get('steps_run', s['pretrain_steps'])} "
-             "pretraining steps: held-out "
+             f"settings: {json.dumps({k: v for k, v in s.items() if k != 'size_values'})}; base model after "
+             f"{base.get('steps_run', s['pretrain_steps'])} pretraining steps: held-out "
              f"accuracy greedy {_fmt(acc.get('greedy'), '.3f')}, sampled {_fmt(acc.get('sampled'), '.3f')}", "",
              "![arms overlaid](report/compare.png)", "",
              "| arm | held-out acc. first -> last (best) | reward first -> last quarter | logprobs (MoE: routes) differing "
              "| abs diff p50 / p99 (step means) / max | ratio min / max | truncated / masked | clip frac "
-             "| grad norm | s/step |",
+             "| grad norm | s/step (median) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, m in summaries.items():
         lines.append(
@@ -313,7 +320,7 @@ def summary_markdown(summaries: dict, s: dict, base: dict) -> str:
             f"{_fmt(m['abs_diff_max'], '.2g')} | {_fmt(m['ratio_min'], '.4f')} / {_fmt(m['ratio_max'], '.4f')} "
             f"| {_fmt(m['truncated_frac_mean'], '.2g')} / {_fmt(m['masked_frac_mean'], '.2g')} "
             f"| {_fmt(m['clip_frac_mean'], '.4f')} | {_fmt(m['grad_norm_mean'], '.3f')} "
-            f"| {_fmt(m['s_per_step'], '.2f')} |")
+            f"| {_fmt(m['s_per_step'], '.2f')} ({_fmt(m['s_per_step_median'], '.2f')}) |")
     return "\n".join(lines) + "\n"
 
 
