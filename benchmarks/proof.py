@@ -169,7 +169,7 @@ def moe_model(out: Path, s: dict, log) -> Path:
     from rlalign.models.upcycle import upcycle
     from rlalign.train.pretrain import write_char_tokenizer
     target = out / "base-moe"
-    if (target / "config.json").is_file():
+    if (target / "tokenizer.json").is_file():   # written last
         return target
     dense, _ = load_model(out / "base")
     save_model(upcycle(dense, SIZES[s["size"]].experts, 2, seed=s["seed"]), target)
@@ -359,6 +359,8 @@ def main(argv=None) -> int:
     try:
         if args.steps is not None and args.steps < 1 or args.pretrain_steps is not None and args.pretrain_steps < 1:
             raise RLAlignError("--steps and --pretrain-steps must be >= 1")
+        if args.device != "cpu" and not args.device.startswith("cuda"):
+            raise RLAlignError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
         if args.minutes is not None and not args.minutes > 0:
             raise RLAlignError(f"--minutes must be > 0, got {args.minutes}")
         claim_folder(out, s)

@@ -73,6 +73,9 @@ def test_arm_state_and_refusals(tmp_path, capsys):
     argv = ["--out", str(tmp_path / "o"), "--size", "tiny"]
     assert proof.main(argv + ["--arms", "strict,bogus"]) == 2
     assert "unknown arm(s) bogus" in capsys.readouterr().err
+    assert proof.main(["--out", str(tmp_path / "d"), "--size", "tiny", "--device", "gpu"]) == 2
+    assert "--device must be cpu, cuda or cuda:N, got 'gpu'" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
