@@ -80,6 +80,11 @@ SIZES = {
     # the embedded default model's shape (0.8 M parameters), 1-2 digit addition: minutes on 2 CPU cores
     "cpu": Size(dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384),
                 (1, 2), 600, 128, 3e-3, 25, 0.25, 100, 32, 8, 2e-4, 500, 10, 20),
+    # the same model on 4-digit operands: 11-token prompts, where the native CPU kernels of rollout and trainer
+    # disagree (docs/proof.md)
+    "cpu-long": Size(dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                          intermediate_size=384),
+                     (4, 4), 1500, 128, 3e-3, 50, 0.25, 100, 32, 8, 2e-4, 500, 10, 20),
     # Qwen3-shaped, 16 layers x hidden 1024 (about 200 M parameters with the 15-token vocabulary), 1-3 digits
     "gpu": Size(dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=64,
                      intermediate_size=3072),
