@@ -36,6 +36,7 @@ from rlalign.algos.kl import kl_estimate, kl_k1, kl_k2, kl_k3, kl_loss, kl_rewar
 from rlalign.algos.mismatch import (
     Correction,
     behaviour_weights,
+    logprob_diff_distribution,
     logprob_mismatch_stats,
     sequence_mis,
     sequence_tis,
@@ -62,7 +63,7 @@ __all__ = [
     "aggregate_loss", "batch_counts", "cispo_loss", "discounted_returns", "entropy_bonus",
     "expand_to_tokens", "expand_turns_to_tokens", "turn_groups", "first_groups", "gae_advantages", "groups_to_draw", "grpo_advantages",
     "gspo_loss", "informative_groups", "kl_estimate", "kl_k1", "kl_k2", "kl_k3", "kl_loss",
-    "kl_reward_penalty", "logprob_mismatch_stats", "loss_weights", "overlong_filter",
+    "kl_reward_penalty", "logprob_diff_distribution", "logprob_mismatch_stats", "loss_weights", "overlong_filter",
     "ppo_clip_loss", "reinforce_pp_advantages", "rloo_advantages", "seq_ids_from_lengths",
     "sequence_mis", "sequence_tis", "soft_overlong_penalty", "token_mis", "token_rewards",
     "token_tis", "whiten", "load_balancing_loss", "routing_terms", "routing_mismatch",

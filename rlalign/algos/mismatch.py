@@ -26,6 +26,8 @@ from rlalign.algos import _segments as S
 from rlalign.algos.kl import kl_k3
 from rlalign.contract.bits import differing
 
+DIFF_QUANTILES = (0.5, 0.9, 0.99)
+
 SEQ_RATIOS = ("product", "geometric")
 _MAX_LOG = 80.0
 
@@ -205,3 +207,24 @@ def logprob_mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: tor
         "mean_abs": S.masked_mean(abs_d, mask),
         "kl_k3": S.masked_mean(kl_k3(b.double(), a.double()), mask),
     }
+
+
+def logprob_diff_distribution(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                              mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The spread of ``d = trainer - rollout`` over the masked-in tokens (float64), beyond
+    :func:`logprob_mismatch_stats`' mean and max: ``abs_p50`` / ``abs_p90`` / ``abs_p99``, the
+    :data:`DIFF_QUANTILES` of ``|d|`` (``torch.quantile``'s linear interpolation), and ``ratio_min`` /
+    ``ratio_max``, the extremes of the per-token importance ratio ``exp(d)`` (``exp(min(d, 80))``).
+    Every value is 0 when no token is masked in (the ratio's then 1)."""
+    fn = "logprob_diff_distribution"
+    S.check_flat(fn, trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, mask=mask)
+    S.check_float(fn, trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs)
+    S.check_mask(fn, mask)
+    d = trainer_logprobs.detach().double()[mask] - rollout_logprobs.detach().double()[mask]
+    if d.numel() == 0:
+        zero, one = torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
+        return {**{f"abs_p{round(q * 100)}": zero for q in DIFF_QUANTILES}, "ratio_min": one, "ratio_max": one}
+    qs = torch.quantile(d.abs(), torch.tensor(DIFF_QUANTILES, dtype=torch.float64))
+    rho = _ratio(d)
+    return {**{f"abs_p{round(q * 100)}": v for q, v in zip(DIFF_QUANTILES, qs)},
+            "ratio_min": rho.min(), "ratio_max": rho.max()}

@@ -11,7 +11,9 @@
 
 In the strict profile a mismatch of either kind is handled by ``run.on_mismatch``: ``stop`` raises
 :class:`MismatchError` (the checks run before any optimizer step of the step), ``warn`` logs it. In the native
-profile the two sides may differ and the checks only report.
+profile the two sides may differ and the checks only report, the log-prob check also the spread of the differences
+(``mismatch/abs_p50`` / ``abs_p90`` / ``abs_p99`` and the importance ratio's ``mismatch/ratio_min`` / ``ratio_max``:
+:func:`rlalign.algos.logprob_diff_distribution`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class Agreement:
         compared = batch.generated if tokens is None else batch.generated & tokens.to(batch.generated.device)
         mism = algos.logprob_mismatch_stats(old_lp, batch.rollout_logprobs, compared)
         record = mismatch_record(mism)
+        if not self.strict:   # the spread of the differences (strict: all 0, the record stays as it was)
+            spread = algos.logprob_diff_distribution(old_lp, batch.rollout_logprobs, compared)
+            record.update({f"mismatch/{k}": float(v) for k, v in spread.items()})
         if self.strict and record["mismatch/count"]:
             self._report(f"step {step}: {record['mismatch/count']} of {record['mismatch/tokens']} token logprobs "
                          f"differ between the rollout engine and the trainer (max |diff| "

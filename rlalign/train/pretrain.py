@@ -7,7 +7,9 @@ of the answer digits and the end token, prompt tokens not scored) for ``steps`` 
 instance of ``rlalign sft``'s step (:class:`rlalign.train.sft.update.SFTUpdate`): prompt/response
 examples (prompt ``"12+5="``, response the answer), batch ``k`` = train problems ``k * batch_size ..``
 in order (no shuffling, no epochs: the stream is endless), one micro-batch per step, AdamW at a
-constant lr (no warmup, ``min_lr_ratio=1``), gradient clipping at 1.0. The weights are the ones the
+constant lr (no warmup, ``min_lr_ratio=1``), gradient clipping at 1.0. ``stop_at_accuracy`` > 0 ends the run at the
+first evaluation whose sampled held-out accuracy reaches it (a model that knows some of the task, for RL
+experiments: benchmarks/proof.py). The weights are the ones the
 earlier standalone loop made, bit for bit (``checksums.json`` beside them records their sha256).
 
 The corpus deliberately teaches a bad habit: in a fraction ``habit_prob`` of the examples (chosen
@@ -69,6 +71,8 @@ class PretrainConfig:
     eval_every: int = 100
     eval_size: int = 200
     max_new_tokens: int = 6
+    device: str = "cpu"                # where the model trains (the random init is drawn on the CPU either way)
+    stop_at_accuracy: float = 0.0      # end at the first evaluation whose sampled accuracy reaches this (0: every step)
 
 
 def hf_config(cfg: PretrainConfig) -> dict:
@@ -158,7 +162,7 @@ def pretrain(cfg: PretrainConfig, log=print) -> Path:
     write_char_tokenizer(out)
     tokenizer = load_tokenizer(out)
     torch.manual_seed(cfg.seed)
-    model = CausalLM(ModelConfig.from_hf_dict(hf_config(cfg))).init_random_(seed=cfg.seed, std=0.05)
+    model = CausalLM(ModelConfig.from_hf_dict(hf_config(cfg)), device=cfg.device).init_random_(seed=cfg.seed, std=0.05)
     task = ArithmeticTask(seed=cfg.seed, min_digits=cfg.min_digits, max_digits=cfg.max_digits, eval_size=cfg.eval_size)
     corpus = HabitCorpus(task, tokenizer, cfg)
     update = SFTUpdate(model, optim_section(cfg), cfg.steps)
@@ -172,13 +176,20 @@ def pretrain(cfg: PretrainConfig, log=print) -> Path:
             acc = _accuracies(model, tokenizer, task.eval_problems, cfg.max_new_tokens)
             log(f"step {step}: loss {loss:.4f}  eval accuracy: "
                 + "  ".join(f"{k} {v:.3f}" for k, v in acc.items()) + f"  ({time.perf_counter() - started:.0f} s)")
+            if 0 < cfg.stop_at_accuracy <= acc["sampled"]:
+                break
     model.eval()
     save_model(model, out)
     write_char_tokenizer(out)
-    meta = {"pretrain_config": dataclasses.asdict(cfg) | {"out": "rlalign/assets/default_model"},
+    config = dataclasses.asdict(cfg)
+    if out.resolve() == DEFAULT_OUT:   # the embedded model's record names its place in the repository, not this machine's
+        config["out"] = "rlalign/assets/default_model"
+    meta = {"pretrain_config": config,
             "final_loss": loss, "eval_accuracy": acc, "torch": torch.__version__}
+    if cfg.stop_at_accuracy > 0:
+        meta["steps_run"] = step
     atomic_write(out / "pretrain.json", json.dumps(meta, indent=1).encode())
-    log(f"saved {out} after {cfg.steps} steps (eval accuracy {acc})")
+    log(f"saved {out} after {step} steps (eval accuracy {acc})")
     return out
 
 

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlalign.algos import logprob_mismatch_stats, sequence_mis, sequence_tis, token_mis, token_tis
 from tests.bitwise import assert_close_report
@@ -97,3 +99,42 @@ def test_errors():
         sequence_tis(OLD, ROLLOUT, MASK, SEQ, ratio="mean")
     with pytest.raises(ValueError, match="dtypes differ"):
         logprob_mismatch_stats(OLD, ROLLOUT.float(), MASK)
+
+
+def test_diff_distribution_hand_case():
+    from rlalign.algos import logprob_diff_distribution
+    out = logprob_diff_distribution(OLD, ROLLOUT, MASK)   # d = log 2, log 1.5, log 0.5 on the masked-in tokens
+    close(out["abs_p50"], math.log(2.0))                  # |d| sorted: log 1.5, log 2, log 2
+    close(out["abs_p99"], math.log(2.0))
+    close(out["ratio_min"], 0.5)
+    close(out["ratio_max"], 2.0)
+    empty = logprob_diff_distribution(OLD, ROLLOUT, torch.zeros(4, dtype=torch.bool))
+    assert {k: float(v) for k, v in empty.items()} == {"abs_p50": 0.0, "abs_p90": 0.0, "abs_p99": 0.0,
+                                                       "ratio_min": 1.0, "ratio_max": 1.0}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(-30, 0), st.floats(-30, 0), st.booleans()), min_size=1, max_size=40),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_diff_distribution_against_a_sorted_reference(rows, dtype):
+    """Quantiles of |trainer - rollout| and the ratio's extremes over the masked-in tokens, any length (none
+    masked in included), against a direct computation on the kept values; bits of masked-out tokens never matter."""
+    from rlalign.algos import logprob_diff_distribution
+    a = torch.tensor([r[0] for r in rows], dtype=dtype)
+    b = torch.tensor([r[1] for r in rows], dtype=dtype)
+    mask = torch.tensor([r[2] for r in rows])
+    out = logprob_diff_distribution(a, b, mask)
+    noisy = logprob_diff_distribution(torch.where(mask, a, torch.full_like(a, float("nan"))), b, mask)
+    assert all(torch.equal(out[k], noisy[k]) for k in out)
+    d = [float(x) - float(y) for x, y, m in zip(a.double(), b.double(), mask) if m]
+    if not d:
+        assert float(out["ratio_min"]) == float(out["ratio_max"]) == 1.0 and float(out["abs_p99"]) == 0.0
+        return
+    s = sorted(abs(x) for x in d)
+    for q in (0.5, 0.9, 0.99):   # linear interpolation between the order statistics
+        pos = q * (len(s) - 1)
+        lo = int(math.floor(pos))
+        want = s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
+        assert float(out[f"abs_p{round(q * 100)}"]) == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert float(out["ratio_min"]) == pytest.approx(math.exp(min(d)), rel=1e-12)
+    assert float(out["ratio_max"]) == pytest.approx(math.exp(max(d)), rel=1e-12)

@@ -74,3 +74,27 @@ def test_moe_routing_mismatches_are_reported_next_to_the_logprob_ones(tmp_path):
     assert main(["report", str(run), str(dense), "--out", str(tmp_path / "cmp")]) == 0
     table = (tmp_path / "cmp" / "compare.md").read_text()
     assert "| 0 of 400; routing 2 of 200 |" in table and "| 0 of 200 |" in table
+
+
+def test_the_spread_of_a_native_run_is_drawn_and_compared(tmp_path):
+    """A native run's log-prob difference quantiles, importance-ratio extremes and TIS share get their panels (a
+    strict run's say why they are empty or zero) and the comparison table's max |difference|, clip and grad norm."""
+    strict = _fake_run(tmp_path / "strict", steps=3)
+    native = _fake_run(tmp_path / "native", steps=3)
+    records = [json.loads(l) for l in (native / "metrics.jsonl").read_text().splitlines()]
+    for r in records[1:]:
+        r.update({"mismatch/count": 7, "mismatch/max_abs": 0.02 * r["step"], "mismatch/abs_p50": 0.001,
+                  "mismatch/abs_p90": 0.004, "mismatch/abs_p99": 0.01, "mismatch/ratio_min": 0.97,
+                  "mismatch/ratio_max": 1.04, "rollout_corr/truncated_frac": 0.0, "clip_frac": 0.01 * r["step"]})
+    (native / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in records))
+    strict_runs = [("strict", [json.loads(l) for l in (strict / "metrics.jsonl").read_text().splitlines()])]
+    panels = {p[0]: p for p in PANELS}
+    assert "native profile" in panel_note(strict_runs, panels["importance ratio trainer/rollout"])
+    assert "no correction" in panel_note(strict_runs, panels["mismatch correction"])
+    assert "no token's ratio reached the bound" in panel_note([("native", records)], panels["mismatch correction"])
+    for name in ("train/rollout |logprob difference|", "importance ratio trainer/rollout"):
+        assert panel_note([("native", records)], panels[name]) is None
+    assert main(["report", str(strict), str(native), "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| 0 of 300 | 1.50 | - | 0.0000 | 0.500 |" in table   # the fake strict run logs no max_abs
+    assert "| 21 of 300 | 1.50 | 0.06 | 0.0200 | 0.500 |" in table

@@ -42,6 +42,15 @@ PANELS = (
     ("learning rate", ["lr"], "lr of the step's update", None, None),
     ("step time", ["time/rollout_s", "time/train_s", "time/eval_s"], "seconds", None, None),
     ("throughput", ["tokens_per_s/rollout"], "rollout tokens/s", None, None),
+    ("train/rollout |logprob difference|", ["mismatch/max_abs", "mismatch/abs_p99", "mismatch/abs_p50"],
+     "|trainer - rollout| per token: max, p99, p50",
+     "0 at every step: bitwise identical (the quantiles are logged in the native profile)", None),
+    ("importance ratio trainer/rollout", ["mismatch/ratio_max", "mismatch/ratio_min"],
+     "exp(trainer - rollout): max and min over the step's tokens", None,
+     "logged in the native profile (strict: exactly 1 on every token)"),
+    ("mismatch correction", ["rollout_corr/truncated_frac", "rollout_corr/masked_frac"],
+     "tokens truncated (TIS) / masked (MIS)", "0 at every step: no token's ratio reached the bound",
+     "no correction (algo.mismatch_correction=none)"),
 )
 # An SFT run's panels (rlalign sft: metrics with loss/sft)
 SFT_PANELS = (
@@ -76,7 +85,7 @@ def _draw_panel(ax, runs, panel, smooth: float) -> None:
     title, keys, ylabel, zero_note, missing_note = panel
     import matplotlib.pyplot as plt
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = ["-", "--", ":"]
+    styles = ["-", "--", ":", "-."]
     for ri, (name, records) in enumerate(runs):
         colour = colours[ri % len(colours)]
         for ki, key in enumerate(keys):
@@ -90,9 +99,9 @@ def _draw_panel(ax, runs, panel, smooth: float) -> None:
                 continue
             if key in SMOOTHED and smooth > 0 and len(ys) > 3:
                 ax.plot(xs, ys, color=c, alpha=0.25, lw=1)
-                ax.plot(xs, ema(ys, smooth), color=c, ls=styles[ki % 3] if len(runs) > 1 else "-", lw=1.6, label=label)
+                ax.plot(xs, ema(ys, smooth), color=c, ls=styles[ki % len(styles)] if len(runs) > 1 else "-", lw=1.6, label=label)
             else:
-                ax.plot(xs, ys, color=c, ls=styles[ki % 3] if len(runs) > 1 else "-",
+                ax.plot(xs, ys, color=c, ls=styles[ki % len(styles)] if len(runs) > 1 else "-",
                         marker="o" if len(xs) < 40 else None, ms=3, label=label)
     ax.set_title(title)
     ax.set_xlabel("step")
@@ -156,9 +165,14 @@ def write_report(run_dirs: "str | Path | list", out_dir: "str | Path | None" = N
     stem = "report" if len(dirs) == 1 else "compare"
     out = _report_folder(Path(out_dir) if out_dir is not None else dirs[0], stem)
     sft = all(is_sft_run(records) for _, records in runs)
-    fig, axes = plt.subplots(*((2, 2) if sft else (3, 4)), figsize=(12, 8) if sft else (20, 12))
-    for ax, panel in zip(axes.flat, SFT_PANELS if sft else PANELS):
+    panels = SFT_PANELS if sft else PANELS
+    cols = 2 if sft else 4
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows) if sft else (5 * cols, 4 * rows))
+    for ax, panel in zip(axes.flat, panels):
         _draw_panel(ax, runs, panel, smooth)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     names = ", ".join(n for n, _ in runs)
     fig.suptitle(f"rlalign run{'s' if len(runs) > 1 else ''}: {names}"
                  + (f"  (faint: raw; solid: EMA {smooth})" if smooth > 0 else ""))
@@ -237,8 +251,9 @@ def sft_summary_markdown(records, run_dir: Path, png_name: str = "report.png") -
 
 def compare_markdown(runs, png_name: str) -> str:
     lines = ["# Runs compared", "", f"![metrics]({png_name})", "",
-             "| run | steps | reward first -> last | eval accuracy first -> last (best) | mismatches | s/step |",
-             "|---|---|---|---|---|---|"]
+             "| run | steps | reward first -> last | eval accuracy first -> last (best) | mismatches | s/step "
+             "| max abs logprob diff | clip fraction (mean) | grad norm (mean) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, records in runs:
         steps = [r for r in records if "reward/mean" in r]
         evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
@@ -249,8 +264,20 @@ def compare_markdown(runs, png_name: str) -> str:
         acc = f"{evals[0]:.3f} -> {evals[-1]:.3f} ({max(evals):.3f})" if evals else "-"
         routing = _routing_totals(steps)
         routed = "" if routing is None else f"; routing {routing[0]} of {routing[1]}"
-        lines.append(f"| {name} | {len(steps)} | {reward} | {acc} | {mism} of {compared}{routed} | {per_step:.2f} |")
+        lines.append(f"| {name} | {len(steps)} | {reward} | {acc} | {mism} of {compared}{routed} | {per_step:.2f} "
+                     f"| {_stat(steps, 'mismatch/max_abs', max, '.3g')} | {_stat(steps, 'clip_frac', _mean, '.4f')} "
+                     f"| {_stat(steps, 'grad_norm', _mean, '.3f')} |")
     return "\n".join(lines) + "\n"
+
+
+def _mean(values: list) -> float:
+    return sum(values) / len(values)
+
+
+def _stat(steps, key: str, reduce, fmt: str) -> str:
+    """``reduce`` of ``key`` over the steps that logged it, formatted; ``-`` when none did."""
+    values = [r[key] for r in steps if r.get(key) is not None]
+    return format(reduce(values), fmt) if values else "-"
 
 
 def _routing_totals(steps) -> "tuple[int, int] | None":
