@@ -34,9 +34,11 @@ Model FLOPs per step (the usual MFU convention: recomputation is not counted):
     6 * N * T + sum over layers and sequences of 6 * Hq * D * L^2
 with N the parameters of every matmul (the decoder's linears and the LM head; not the embedding,
 a gather) and the attention term causal (QK^T and PV, forward 2 * Hq * D * L^2, backward twice that).
-MFU is reported against ``--peak-tflops`` (default on CUDA: 989, the H200's dense bf16 spec) and
-against ``--ceiling-tflops`` (default 780: the best bf16 cuBLAS GEMM measured on the H200, the
-ceiling any kernel of ours can reach); the JSON names both.
+MFU is reported against ``--peak-tflops`` (default on CUDA: the card's dense bf16 datasheet figure,
+rlalign/bench/cards.py -- 989 on an H100 SXM or an H200; a card not listed there needs the flag) and against
+``--ceiling-tflops`` (default on an H200: 780, the best bf16 cuBLAS GEMM measured on it, the ceiling any kernel of
+ours can reach; no default on other cards, where none was measured); the JSON names the card, both figures and
+where each came from (``peak_source``: "spec" or "flag"; ``ceiling_source``: "measured" or "flag").
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 VARIANTS = ("strict", "strict_keep", "native", "transformers")
 DEFAULT_VARIANTS = ("strict", "native", "transformers")
-H200_DENSE_BF16_TFLOPS = 989.0
-H200_CUBLAS_CEILING_TFLOPS = 780.0
+# the best bf16 cuBLAS GEMM measured per card (rlalign.bench.cards product name): the second MFU reference
+MEASURED_CUBLAS_TFLOPS = {"H200 SXM": 780.0}
+CEILING_NOTE = "best bf16 cuBLAS GEMM measured on the H200 (docs/performance.md)"
 _QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu", attention_bias=False,
               rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, eos_token_id=2,
               pad_token_id=0, bos_token_id=1)
@@ -357,9 +360,10 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help=f"peak for MFU (default on CUDA {H200_DENSE_BF16_TFLOPS:g}: H200 dense bf16 spec; none on CPU)")
+                   help="peak for MFU (default on CUDA: the card's dense bf16 datasheet figure, rlalign/bench/cards.py; "
+                        "a card not listed there needs this flag; none on CPU)")
     p.add_argument("--ceiling-tflops", type=float, default=None,
-                   help=f"second MFU reference (default on CUDA {H200_CUBLAS_CEILING_TFLOPS:g}: measured cuBLAS bf16)")
+                   help="second MFU reference (default on an H200: 780, the measured cuBLAS bf16 ceiling; none elsewhere)")
     p.add_argument("--in-process", action="store_true", help="run the variants in this process (tests; peak "
                                                              "memory readings then overlap)")
     p.add_argument("--profile-kernels", action="store_true",
@@ -381,9 +385,11 @@ def parse_args(argv=None):
     for name in ("peak_tflops", "ceiling_tflops"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if args.device == "cuda":
-        args.peak_tflops = args.peak_tflops or H200_DENSE_BF16_TFLOPS
-        args.ceiling_tflops = args.ceiling_tflops or H200_CUBLAS_CEILING_TFLOPS
+    from rlalign.bench.cards import UnknownCardError
+    try:
+        _card_peaks(args)
+    except UnknownCardError as exc:
+        p.error(str(exc))
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad or min(args.layers, args.tokens, args.mean_seq, args.iters) < 1 or args.warmup < 0:
@@ -403,6 +409,24 @@ def fill_shape_defaults(args) -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _card_peaks(args) -> None:
+    """Fill args.card, args.peak_tflops / ceiling_tflops and their sources: a flag wins; on CUDA (not in a
+    variant's worker, which needs no peak) the card's datasheet figure and its measured cuBLAS ceiling
+    (rlalign.bench.cards; an unknown card without --peak-tflops raises UnknownCardError)."""
+    from rlalign.bench.cards import FLAG, card_spec, cuda_card, resolve_peaks
+    args.card = cuda_card() if args.device == "cuda" and not args.worker else None
+    peaks = resolve_peaks(args.card, None, args.peak_tflops, need=("peak_tflops",))
+    args.peak_tflops, args.peak_source, args.datasheet = peaks.peak_tflops, peaks.peak_tflops_source, peaks.datasheet
+    spec = card_spec(args.card) if args.card is not None else None
+    measured = MEASURED_CUBLAS_TFLOPS.get(spec.product) if spec is not None else None
+    if args.ceiling_tflops is not None:
+        args.ceiling_source = FLAG
+    elif measured is not None:
+        args.ceiling_tflops, args.ceiling_source = measured, "measured"
+    else:
+        args.ceiling_source = None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -418,8 +442,9 @@ def main(argv=None) -> int:
                                                                                     platform.machine()),
               "shape": {**{k: getattr(args, k) for k in ("shape", "layers", "dtype")}, "sequences": len(lens),
                         "tokens": sum(lens), "longest": max(lens)},
-              "flops": flops, "peak_tflops": args.peak_tflops, "peak_source": "H200 dense bf16 spec (or --peak-tflops)",
-              "ceiling_tflops": args.ceiling_tflops, "ceiling_source": "measured cuBLAS bf16 GEMM on the H200",
+              "flops": flops, "card": args.card, "peak_tflops": args.peak_tflops, "peak_source": args.peak_source,
+              "datasheet": args.datasheet, "ceiling_tflops": args.ceiling_tflops, "ceiling_source": args.ceiling_source,
+              "ceiling_note": CEILING_NOTE if args.ceiling_source == "measured" else None,
               "rows": rows, "ratios": _ratios(rows)}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -449,8 +474,9 @@ def _table(result) -> str:
         if "ms" not in r:
             lines.append(f"{r['variant']:>12}: FAILED ({r['error']})")
             continue
-        mfu = "" if r["mfu"] is None else (f"  MFU {100 * r['mfu']:.1f}% of {result['peak_tflops']:g} "
-                                           f"({100 * r['mfu_vs_cublas_ceiling']:.1f}% of {result['ceiling_tflops']:g})")
+        mfu = "" if r["mfu"] is None else f"  MFU {100 * r['mfu']:.1f}% of {result['peak_tflops']:g}"
+        if r["mfu_vs_cublas_ceiling"] is not None:
+            mfu += f" ({100 * r['mfu_vs_cublas_ceiling']:.1f}% of {result['ceiling_tflops']:g})"
         lines.append(f"{r['variant']:>12}: {r['ms']:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  peak {r['peak_gib']:7.2f}"
                      f" GiB  saved {1024 * r['saved_gib']:9.2f} MiB{mfu}  loss {r['loss']:.5f}")
         if "kernel_profile" in r:

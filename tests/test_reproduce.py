@@ -169,3 +169,19 @@ def test_main_runs_a_claim_end_to_end(monkeypatch, tmp_path, capsys):
 def test_unknown_claim_id_is_one_clear_line():
     with pytest.raises(SystemExit, match="unknown claim"):
         reproduce.select("no-such-claim", None)
+
+
+ROLLOUT_CLAIMS = [c for c in CLAIMS if c.command.startswith("rlalign bench rollout")]
+
+
+@pytest.mark.parametrize("claim", ROLLOUT_CLAIMS, ids=lambda c: c.id)
+def test_rollout_claims_name_the_peaks_their_recorded_output_used(claim, tmp_path):
+    """The benchmark's default peaks follow the card (rlalign/bench/cards.py): a published roofline fraction keeps
+    its meaning only if its command names the peaks its recorded output was computed with."""
+    (argv,) = reproduce.argv_steps(claim.command, tmp_path)
+    args = _parse_only(argv)
+    text = (ROOT / claim.recorded).read_text()
+    recorded = reproduce._json_tail(text)["workload"]
+    assert args.peak_gbps == recorded["peak_gbps"], f"{claim.id}: --peak-gbps {args.peak_gbps}, recorded {recorded}"
+    # outputs recorded before the per-op roofline existed have no peak_tflops: the CUDA default of then, 780
+    assert args.peak_tflops == recorded.get("peak_tflops", 780.0), f"{claim.id}: --peak-tflops {args.peak_tflops}"

@@ -2,7 +2,7 @@
 
     rlalign bench rollout [--device cpu|cuda] [--workload NAME] [--model DIR | --preset NAME] [--layers N]
                           [--prompts 64] [--samples 8] [--new-tokens 64] [--prompt-len 32:128]
-                          [--engines strict,native,transformers] [--peak-gbps 4300] [--peak-tflops 780]
+                          [--engines strict,native,transformers] [--peak-gbps GB/s] [--peak-tflops TFLOP/s]
                           [--verify] [--json]
 
 ``--workload`` names a preset (WORKLOADS: ``tiny`` for CI, ``0.6b-ctx512``, ``0.6b-ctx4096``, ``8b-ctx512``,
@@ -54,10 +54,12 @@ the device, and the row's ``overlap`` / ``overlapped_steps`` say whether and how
 the host's own work per step, overlapped or not; on the CPU the forward runs inside it),
 ``bytes_per_decode_step`` (weights + K/V read + K/V written, the minimum a step must move:
 :mod:`rlalign.bench.roofline`, from the model config and the step's actual context lengths),
-``achieved_gbps`` = bytes / wall, ``roofline_fraction`` = achieved / ``--peak-gbps`` (default 4300 on
-CUDA, the H200's HBM3e peak; none on the CPU unless given), ``forward_roofline_fraction`` the same
+``achieved_gbps`` = bytes / wall, ``roofline_fraction`` = achieved / ``--peak-gbps`` (default on CUDA: the
+card's datasheet HBM bandwidth, :mod:`rlalign.bench.cards`, e.g. 4800 on an H200, 3350 on an H100 SXM; a card
+not in that table needs the flag; none on the CPU unless given), ``forward_roofline_fraction`` the same
 against the forward's GPU time only; ``op_floor_ms``: the per-op roofline of a step (each op at the slower of
-its bandwidth and ``--peak-tflops`` ceilings, summed: :mod:`rlalign.bench.roofline`; at hundreds of rows the
+its bandwidth and ``--peak-tflops`` ceilings, default the card's dense BF16 datasheet figure, summed:
+:mod:`rlalign.bench.roofline`; at hundreds of rows the
 GEMMs are compute bound, so this floor is above bytes / bandwidth), ``op_roofline_fraction`` = floor / wall
 (``forward_op_roofline_fraction``: / forward GPU time); ``graph_finite_checks_per_step``: the finiteness
 checks captured in the replayed graphs (docs/gpu.md, "Finiteness checks": a run with ``RLALIGN_CHECKS=per-op``
@@ -86,6 +88,7 @@ from pathlib import Path
 import torch
 
 from rlalign.bench.args import positive_int, seed_int
+from rlalign.bench.cards import Peaks, cuda_card, resolve_peaks
 from rlalign.bench.roofline import (decode_step_bytes, decode_step_floor, kv_bytes_per_token, parameter_counts,
                                     step_shapes)
 from rlalign.bench.kernel_profile import KernelProfile
@@ -147,7 +150,7 @@ DEFAULTS = {
     "cpu": dict(prompts=64, samples=8, new_tokens=64, prompt_len="32:128", dtype="float32", repeat=3, warmup="full"),
     # transformers keeps a dense KV cache per sequence: its generate calls take 64 prompts (512 sequences) each
     "cuda": dict(prompts=256, samples=8, new_tokens=512, prompt_len="64:192", dtype="bfloat16", preset="qwen3-0.6b",
-                 hf_batch_prompts=64, repeat=1, warmup="short", peak_gbps=4300.0, peak_tflops=780.0),
+                 hf_batch_prompts=64, repeat=1, warmup="short"),
 }
 # the KV cache of a CUDA run is sized to the workload (plus this margin), not to 80% of the free memory:
 # the rest is left to activations, the sampler's [batch, vocab] buffers and the graphs' pool
@@ -175,10 +178,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", metavar="NAME", help=f"named workload: {', '.join(WORKLOADS)} (module docstring)")
     p.add_argument("--layers", type=positive_int, help="keep the first N decoder layers of the preset shape")
     p.add_argument("--peak-gbps", type=float,
-                   help="memory bandwidth peak for the roofline fraction (default 4300 on CUDA: H200 HBM3e)")
+                   help="memory bandwidth peak (GB/s) for the roofline fraction (default on CUDA: the card's datasheet "
+                        "HBM bandwidth, rlalign/bench/cards.py; a card not listed there needs this flag)")
     p.add_argument("--peak-tflops", type=float,
-                   help="matmul throughput ceiling for the per-op roofline (default 780 on CUDA: the H200's bf16 "
-                        "ceiling as cuBLAS reaches it; the 989 of the data sheet is reached by no GEMM)")
+                   help="matmul throughput ceiling for the per-op roofline (default on CUDA: the card's dense BF16 "
+                        "datasheet figure, e.g. 989 on an H100 SXM or H200; 780 is what cuBLAS reached on the H200)")
     p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: see --preset)")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="random-init model shape (default: the embedded default model if present on the CPU, else "
@@ -259,19 +263,20 @@ def run(args: argparse.Namespace) -> dict:
     if unknown:
         raise BenchError(f"unknown engines {sorted(unknown)} (choose from {ENGINES})")
     dtype = args.dtype or defaults["dtype"]
+    peaks = run_peaks(args)   # before any work: a card without spec figures and no flags stops here
     # a preset's checkpoint is written and read back once: in memory when the machine has a tmpfs (16.4 GB for 8B)
     shm = "/dev/shm" if args.device != "cpu" and os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(prefix="rlalign-bench-", dir=shm) as tmp:
         model_dir, model_name = _model_dir(args, defaults, dtype, Path(tmp))
         workload = _workload(args, defaults, model_dir)
-        rows = _measure(engines, model_dir, workload, args, dtype)
+        rows = _measure(engines, model_dir, workload, args, dtype, peaks)
     by_name = {r["profile"] if r["engine"] == "rlalign" else r["engine"]: r["tokens_per_s"] for r in rows}
     ratios = {f"{a}_vs_{b}": round(by_name[a] / by_name[b], 3)
               for a, b in (("strict", "native"), ("strict", "transformers"), ("native", "transformers"))
               if a in by_name and b in by_name}
     return {"name": "rollout", "rows": rows, "ratios": ratios,
             "workload": {"name": args.workload, "model": model_name, "dtype": dtype, "device": args.device,
-                         "peak_gbps": _peak_gbps(args), "peak_tflops": _peak_tflops(args),
+                         **peaks.as_json(),
                          "prompts": len(workload.prompts),
                          "samples": workload.samples, "new_tokens": workload.new_tokens,
                          "prompt_tokens": sum(len(p) for p in workload.prompts),
@@ -353,12 +358,11 @@ def _check_positive(args) -> None:
             raise BenchError(f"--{name.replace('_', '-')} must be > 0, got {value}")
 
 
-def _peak_gbps(args) -> float | None:
-    return args.peak_gbps or workload_defaults(args).get("peak_gbps")
-
-
-def _peak_tflops(args) -> float | None:
-    return args.peak_tflops or workload_defaults(args).get("peak_tflops")
+def run_peaks(args) -> Peaks:
+    """The peaks of this run: the flags, else on CUDA the card's spec figures (rlalign.bench.cards; an unknown
+    card without both flags raises its one line); on the CPU only the flags."""
+    card = cuda_card() if args.device == "cuda" else None
+    return resolve_peaks(card, args.peak_gbps, args.peak_tflops)
 
 
 def _overlap_setting(args, profile: str, model) -> str:
@@ -375,13 +379,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _measure(engines: list[str], model_dir: Path, workload: Workload, args, dtype: str) -> list[dict]:
+def _measure(engines: list[str], model_dir: Path, workload: Workload, args, dtype: str, peaks: Peaks) -> list[dict]:
     """Each engine set up and warmed up, then ``--repeat`` timed calls. On the CPU the engines are all
     kept and their calls interleaved (strict, native, transformers, strict, ...): a shared machine's
     slow phases then fall on every engine alike (unless their weights would take over a third of the
     memory). On CUDA one engine at a time (each takes most of the GPU's memory)."""
     make = lambda name: _TransformersRun(model_dir, workload, args, dtype) if name == "transformers" else \
-        _EngineRun(model_dir, workload, args, dtype, name)
+        _EngineRun(model_dir, workload, args, dtype, name, peaks)
     runs: dict[str, list[float]] = {name: [] for name in engines}
     rows = []
     if args.device == "cpu" and _fits_all_at_once(model_dir, len(engines)):
@@ -440,9 +444,9 @@ def max_model_len(args, workload: Workload, config) -> int | None:
 class _EngineRun:
     """The rlalign engine in one profile: set up and warmed up on creation; :meth:`timed` is one call."""
 
-    def __init__(self, model_dir: Path, workload: Workload, args, dtype: str, profile: str):
+    def __init__(self, model_dir: Path, workload: Workload, args, dtype: str, profile: str, peaks: Peaks):
 
-        self.args, self.workload, self.profile = args, workload, profile
+        self.args, self.workload, self.profile, self.peaks = args, workload, profile, peaks
         self.model, _ = load_model(model_dir, dtype=dtype, device=args.device)
         config = RolloutConfig(profile=profile, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
@@ -497,8 +501,8 @@ class _EngineRun:
                "graph_captures_timed": self.captures_timed,
                "overlap": self.engine.overlap, "overlapped_steps": stats["overlapped_steps"],
                "warmup_seconds": round(self.warmup, 2), "runs_seconds": [round(r, 3) for r in runs]}
-        row.update(decode_metrics(self.steps, self.model.config, self.model.dtype, _peak_gbps(self.args), self.counts,
-                                  _peak_tflops(self.args), self.shapes))
+        row.update(decode_metrics(self.steps, self.model.config, self.model.dtype, self.peaks.peak_gbps, self.counts,
+                                  self.peaks.peak_tflops, self.shapes))
         if getattr(self.args, "profile_kernels", False):
             # one more call after the measured ones (the profiler's overhead is in none of them), profiled from
             # its first decode step to its end: the decode steps' kernels, prefill left out
@@ -751,6 +755,9 @@ def print_table(result: dict) -> None:
     w = result["workload"]
     print(f"rollout benchmark: {w['model']}, {w['dtype']} on {w['device']}; {w['prompts']} prompts x {w['samples']} "
           f"samples x {w['new_tokens']} new tokens (prompt tokens {w['prompt_tokens']}, lengths {w['prompt_len']})")
+    if w.get("peak_gbps") or w.get("peak_tflops"):
+        print(f"peaks: {w['peak_gbps']} GB/s ({w['peak_gbps_source']}), {w['peak_tflops']} TFLOP/s "
+              f"({w['peak_tflops_source']}); card {w['card']}" + (f", {w['datasheet']}" if w.get("datasheet") else ""))
     print(f"{'engine':<14}{'profile':<9}{'tokens/s':>12}{'seconds':>10}{'tokens':>10}  notes")
     for r in result["rows"]:
         notes = {k: v for k, v in r.items() if k not in ("engine", "profile", "tokens_per_s", "seconds",

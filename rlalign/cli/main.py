@@ -6,7 +6,12 @@ import argparse
 import importlib
 import sys
 
-from rlalign import envvars, mklmode
+from rlalign import ompwait
+
+# before anything imports torch (mklmode does, below): libgomp reads its wait policy once, when torch loads it
+ompwait.apply()
+
+from rlalign import envvars, mklmode  # noqa: E402  (after the wait policy: see above)
 from rlalign.contract.errors import RLAlignError
 from rlalign.version import __version__
 

@@ -22,6 +22,9 @@ def test_bench_rollout_json_schema(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["name"] == "rollout" and result["workload"]["name"] == "tiny"
     assert result["workload"]["peak_gbps"] == 0.001 and result["workload"]["peak_tflops"] == 1e-6
+    # the CPU: no card; the figures are the flags' (tests/bench/test_cards.py: a card's spec figures on CUDA)
+    assert result["workload"]["card"] is None and result["workload"]["datasheet"] is None
+    assert result["workload"]["peak_gbps_source"] == result["workload"]["peak_tflops_source"] == "flag"
     rows = {(r["engine"], r["profile"]): r for r in result["rows"]}
     assert set(rows) == {("rlalign", "strict"), ("rlalign", "native"), ("transformers", "native")}
     assert all(r["tokens_per_s"] > 0 and r["generated_tokens"] == 3 * 2 * 4 for r in rows.values())

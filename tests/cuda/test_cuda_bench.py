@@ -7,18 +7,23 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from rlalign.bench.cards import card_spec
 from rlalign.cli.main import main
 
 pytestmark = pytest.mark.cuda
 
 
 def test_bench_rollout_cuda_reports_the_roofline(capsys):
+    spec = card_spec(torch.cuda.get_device_name())   # the card's datasheet figures (rlalign/bench/cards.py)
+    peaks = [] if spec is not None else ["--peak-gbps", "1000", "--peak-tflops", "100"]   # a card not in the table
     code = main(["bench", "rollout", "--device", "cuda", "--workload", "tiny", "--engines", "strict,native",
-                 "--warmup", "full", "--verify", "--json"])
+                 "--warmup", "full", "--verify", "--json", *peaks])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["workload"]["peak_gbps"] == 4300.0
+    if spec is not None:
+        assert result["workload"]["peak_gbps"] == spec.peak_gbps and result["workload"]["peak_gbps_source"] == "spec"
     for row in result["rows"]:
         assert row["decode_graphs"] == "graphs" and row["graph_steps"] > 0, row
         assert row["graph_captures_timed"] == 0, "a full warm-up leaves nothing to capture in the timed call"
