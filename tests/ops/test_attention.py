@@ -141,6 +141,24 @@ def test_decode_step_by_step_equals_packed(lens, page_size, hk, d, dtype, seed, 
     _decode_and_compare(lens, seqs, packed, _PagedCache(lens, page_size, hkv, d, dtype, seed), start)
 
 
+def prefill_in_chunks_and_compare(cache, seqs, lens, cu, packed, chunk) -> None:
+    """Fill ``cache`` in chunks of ``chunk(sequence, tokens left)`` tokens per step, every live sequence's chunk in
+    one call, each chunk's output bitwise the packed forward's rows."""
+    done = [0] * len(lens)
+    while any(done[s] < lens[s] for s in range(len(lens))):
+        live = [s for s in range(len(lens)) if done[s] < lens[s]]
+        sizes = [chunk(s, lens[s] - done[s]) for s in live]
+        cache.write(live, [done[s] for s in live], [seqs[s][1][done[s]:done[s] + n] for s, n in zip(live, sizes)],
+                    [seqs[s][2][done[s]:done[s] + n] for s, n in zip(live, sizes)])
+        out = cache.attend(live, [seqs[s][0][done[s]:done[s] + n] for s, n in zip(live, sizes)],
+                           [done[s] + n for s, n in zip(live, sizes)])
+        row = 0
+        for s, n in zip(live, sizes):
+            first = int(cu[s]) + done[s]
+            assert_bitwise_equal(out[row:row + n], packed[first:first + n], f"sequence {s} chunk at {done[s]}")
+            row, done[s] = row + n, done[s] + n
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_whole_sequences_token_by_token(page_size):
     lens = [150, 70]
@@ -159,19 +177,7 @@ def test_chunked_prefill_equals_packed(lens, page_size, hk, d, dtype, seed, data
     q, k, v, cu = _pack(seqs)
     packed = ops.attention_varlen(q, k, v, cu)
     cache = _PagedCache(lens, page_size, hkv, d, dtype, seed)
-    done = [0] * len(lens)
-    while any(done[s] < lens[s] for s in range(len(lens))):
-        live = [s for s in range(len(lens)) if done[s] < lens[s]]
-        sizes = [data.draw(st.integers(1, min(100, lens[s] - done[s]))) for s in live]
-        cache.write(live, [done[s] for s in live], [seqs[s][1][done[s]:done[s] + n] for s, n in zip(live, sizes)],
-                    [seqs[s][2][done[s]:done[s] + n] for s, n in zip(live, sizes)])
-        out = cache.attend(live, [seqs[s][0][done[s]:done[s] + n] for s, n in zip(live, sizes)],
-                           [done[s] + n for s, n in zip(live, sizes)])
-        row = 0
-        for s, n in zip(live, sizes):
-            first = int(cu[s]) + done[s]
-            assert_bitwise_equal(out[row:row + n], packed[first:first + n], f"sequence {s} chunk at {done[s]}")
-            row, done[s] = row + n, done[s] + n
+    prefill_in_chunks_and_compare(cache, seqs, lens, cu, packed, lambda s, left: data.draw(st.integers(1, min(100, left))))
     # one-shot prefill of every sequence at once against the full cache
     full = cache.attend(range(len(lens)), [s[0] for s in seqs], lens)
     assert_bitwise_equal(full, packed, "one-shot prefill")

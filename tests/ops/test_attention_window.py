@@ -15,7 +15,8 @@ from hypothesis import given, settings, strategies as st
 from rlalign import ops
 from rlalign.contract.errors import ContractError
 from tests.bitwise import assert_bitwise_equal, assert_close_report
-from tests.ops.test_attention import DTYPES, _PagedCache, _decode_and_compare, _pack, _seq
+from tests.references import causal_attention_float64
+from tests.ops.test_attention import DTYPES, _PagedCache, _decode_and_compare, _pack, _seq, prefill_in_chunks_and_compare
 
 SETTINGS = dict(max_examples=12, deadline=None)
 windows = st.one_of(st.integers(1, 3), st.integers(4, 140), st.just(10_000))
@@ -28,24 +29,7 @@ def _sinks(hq, seed, dtype=torch.float32):
 
 def reference(q, k, v, lens, window, sinks, scale=None):
     """float64: softmax over [visible keys' scores, sink] (the sink's probability dropped), GQA by repetition."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    outs, start, g = [], 0, q.shape[1] // k.shape[1]
-    for n in lens:
-        qs = q[start:start + n].double()
-        ks = k[start:start + n].double().repeat_interleave(g, 1)
-        vs = v[start:start + n].double().repeat_interleave(g, 1)
-        s = torch.einsum("thd,uhd->htu", qs, ks) * scale
-        pos = torch.arange(n)
-        seen = pos[None, :] <= pos[:, None]
-        if window is not None:
-            seen &= pos[None, :] > pos[:, None] - window
-        s = s.masked_fill(~seen, float("-inf"))
-        if sinks is not None:
-            s = torch.cat([s, sinks.double().view(-1, 1, 1).expand(-1, n, 1)], -1)
-        p = s.softmax(-1)[..., :n]
-        outs.append(torch.einsum("htu,uhd->thd", p, vs))
-        start += n
-    return torch.cat(outs)
+    return causal_attention_float64(q, k, v, lens, q.shape[-1] ** -0.5 if scale is None else scale, window, sinks)
 
 
 @settings(**SETTINGS)
@@ -80,19 +64,8 @@ def test_decode_and_chunked_prefill_equal_packed(lens, page_size, hk, window, wi
 
     start = [data.draw(st.integers(max(0, n - 20), n - 1)) for n in lens]
     _decode_and_compare(lens, seqs, packed, Cache(lens, page_size, hkv, 32, dtype, seed), start)
-    cache, done = Cache(lens, page_size, hkv, 32, dtype, seed + 1), [0] * len(lens)
-    while any(done[s] < lens[s] for s in range(len(lens))):
-        live = [s for s in range(len(lens)) if done[s] < lens[s]]
-        sizes = [data.draw(st.integers(1, min(80, lens[s] - done[s]))) for s in live]
-        cache.write(live, [done[s] for s in live], [seqs[s][1][done[s]:done[s] + n] for s, n in zip(live, sizes)],
-                    [seqs[s][2][done[s]:done[s] + n] for s, n in zip(live, sizes)])
-        out = cache.attend(live, [seqs[s][0][done[s]:done[s] + n] for s, n in zip(live, sizes)],
-                           [done[s] + n for s, n in zip(live, sizes)])
-        row = 0
-        for s, n in zip(live, sizes):
-            first = int(cu[s]) + done[s]
-            assert_bitwise_equal(out[row:row + n], packed[first:first + n], f"sequence {s} chunk at {done[s]}")
-            row, done[s] = row + n, done[s] + n
+    prefill_in_chunks_and_compare(Cache(lens, page_size, hkv, 32, dtype, seed + 1), seqs, lens, cu, packed,
+                                  lambda s, left: data.draw(st.integers(1, min(80, left))))
 
 
 def test_window_at_least_the_length_is_full_attention():
