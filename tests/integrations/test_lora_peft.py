@@ -22,6 +22,7 @@ peft = pytest.importorskip("peft")
 
 from rlalign.integrations.transformers import (  # noqa: E402
     UnsupportedModelError, from_pretrained, patch, token_logprobs)
+from rlalign.integrations.transformers_parity import padded_batch  # noqa: E402
 
 SEQS = [[5, 9, 33, 71, 2, 100, 17], [7, 8, 250], [44]]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -58,14 +59,6 @@ def _logits(model, seqs=SEQS):
         return model.logits(model.forward_hidden(ForwardBatch.packed(seqs)))
 
 
-def _padded(seqs):
-    width = max(map(len, seqs))
-    ids, mask = torch.zeros((len(seqs), width), dtype=torch.int64), torch.zeros((len(seqs), width), dtype=torch.int64)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
-    return ids, mask
-
-
 def test_peft_loads_our_adapter_and_computes_our_outputs(hf_checkpoints, tmp_path):
     path = hf_checkpoints[("qwen3", "float32", False)]
     ours = _ours(path, ALL)
@@ -73,7 +66,7 @@ def test_peft_loads_our_adapter_and_computes_our_outputs(hf_checkpoints, tmp_pat
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 3, 5.0)
     wrapped = peft.PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"))
-    ids, mask = _padded(SEQS)
+    ids, mask = padded_batch(SEQS, "cpu")
     with torch.no_grad():
         theirs = wrapped(input_ids=ids, attention_mask=mask).logits[mask.bool()]
         with wrapped.disable_adapter():
@@ -95,7 +88,7 @@ def test_we_load_an_adapter_peft_wrote(hf_checkpoints, tmp_path, targets):
     assert (spec.rank, spec.alpha, sorted(spec.targets)) == (2, 7.0, sorted(names))
     model, _ = load_model(path)
     load_adapter(model, tmp_path / "theirs")
-    ids, mask = _padded(SEQS)
+    ids, mask = padded_batch(SEQS, "cpu")
     with torch.no_grad():
         theirs = wrapped(input_ids=ids, attention_mask=mask).logits[mask.bool()]
     assert torch.allclose(_logits(model), theirs, atol=1e-4, rtol=1e-4)
@@ -118,7 +111,7 @@ def test_patched_peft_model_equals_rlalign_trainer_bitwise(hf_checkpoints, tmp_p
     keep[batch.cu_seqlens[1:].long() - 1] = False
     adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2)) * keep
     (-(lp * adv).sum()).backward()
-    ids, mask = _padded(SEQS)
+    ids, mask = padded_batch(SEQS, "cpu")
     out = token_logprobs(wrapped, ids, mask, temperature=0.8)
     assert_bitwise_equal(out.logprobs[mask.bool()][keep], lp.detach()[keep], f"{case} logprobs")
     adv_padded = torch.zeros(ids.shape)
@@ -137,7 +130,7 @@ def test_wrapping_a_patched_model_is_caught_and_repatching_fixes_it(hf_checkpoin
     one line; patch() on the wrapped model binds the new layers."""
     path = hf_checkpoints[("qwen3", "float32", False)]
     wrapped = peft.get_peft_model(from_pretrained(path), peft.LoraConfig(r=2, target_modules=ATTN))
-    ids, mask = _padded(SEQS)
+    ids, mask = padded_batch(SEQS, "cpu")
     with pytest.raises(UnsupportedModelError, match="layers.0.self_attn.q_proj was replaced after patch"):
         token_logprobs(wrapped, ids, mask)
     patch(wrapped)

@@ -7,6 +7,7 @@ import torch
 
 from rlalign import ops
 from rlalign.integrations.transformers import from_pretrained, token_logprobs
+from rlalign.integrations.transformers_parity import padded_batch
 from rlalign.models import load_model
 from rlalign.models.batch import ForwardBatch
 from rlalign.models.testing import make_tiny_checkpoint
@@ -22,14 +23,6 @@ def checkpoint(tmp_path_factory):
                                 norm_jitter=0.1)
 
 
-def padded(seqs):
-    width = max(map(len, seqs))
-    ids, mask = torch.zeros((len(seqs), width), dtype=torch.int64), torch.zeros((len(seqs), width), dtype=torch.int64)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
-    return ids, mask
-
-
 def test_patched_model_scores_the_engines_sampled_logprobs(checkpoint):
     rl, _ = load_model(checkpoint)
     hf = from_pretrained(checkpoint)
@@ -37,7 +30,7 @@ def test_patched_model_scores_the_engines_sampled_logprobs(checkpoint):
     completions = RolloutEngine(rl, RolloutConfig()).generate(
         prompts, SamplingParams(n=2, max_new_tokens=6, seed=4, logprobs="sampled", **SETTINGS))
     seqs = [c.prompt_tokens + c.tokens for c in completions]
-    ids, mask = padded(seqs)
+    ids, mask = padded_batch(seqs, "cpu")
     out = token_logprobs(hf, ids, mask, sampled=SETTINGS, with_entropy=True)
     assert bool((out.logprobs[out.mask] == float("-inf")).any())   # prompt tokens outside the kept set: -inf
     for i, c in enumerate(completions):
