@@ -62,7 +62,7 @@ from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 from rlalign.models.checkpoint import read_config_json
 from rlalign.models.config import ModelConfig
 from rlalign.models.sizes import kv_bytes_per_token, parameter_sizes
-from rlalign.train.engines import PROMPT_TOKENS_ESTIMATE, step_kv_cache_bytes, weights_path
+from rlalign.train.engines import PROMPT_TOKENS_ESTIMATE, kv_continuation, step_kv_cache_bytes, weights_path
 from rlalign.train.run.config_file import resolve_train_config
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -170,9 +170,8 @@ def _kv_row(cfg, m: ModelConfig, b: int) -> BudgetRow:
         return BudgetRow("KV cache (rollout)", "device", r.kv_cache_bytes,
                          f"rollout.kv_cache_bytes; {per_token / 1024:.0f} KiB per token")
     seqs = r.prompts_per_step * r.samples_per_prompt
-    continuation = cfg.task.max_episode_tokens if cfg.task.env else r.max_new_tokens
     return BudgetRow("KV cache (rollout)", "device", step_kv_cache_bytes(cfg, m, b),
-                     f"{seqs} sequences x ({PROMPT_TOKENS_ESTIMATE} + {continuation}) tokens x "
+                     f"{seqs} sequences x ({PROMPT_TOKENS_ESTIMATE} + {kv_continuation(cfg)}) tokens x "
                      f"{per_token / 1024:.0f} KiB (unset kv_cache_bytes: the engine's size on a GPU; 1 GiB on the CPU)")
 
 

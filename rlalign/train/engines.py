@@ -127,16 +127,22 @@ def step_kv_cache_bytes(cfg, model_config, elem_bytes: int) -> int:
     memory they need a step later. Longer prompts still run (fewer sequences at a time); a sequence larger than
     the whole cache is refused in one line by the engine."""
     r = cfg.rollout
-    continuation = cfg.task.max_episode_tokens if cfg.task.env else r.max_new_tokens
-    tokens = max(r.prompts_per_step * r.samples_per_prompt * (PROMPT_TOKENS_ESTIMATE + continuation), r.page_size)
+    tokens = max(r.prompts_per_step * r.samples_per_prompt * (PROMPT_TOKENS_ESTIMATE + kv_continuation(cfg)),
+                 r.page_size)
     return tokens * kv_bytes_per_token(model_config, elem_bytes)
+
+
+def kv_continuation(cfg) -> int:
+    """The most tokens a sequence of a step holds after its prompt: ``max_new_tokens``, or with ``task.env`` the
+    episode's ``max_episode_tokens`` (its turns and observations)."""
+    return cfg.task.max_episode_tokens if cfg.task.env else cfg.rollout.max_new_tokens
 
 
 def _engine_config(cfg, policy) -> RolloutConfig:
     r = cfg.rollout
-    kv_bytes = r.kv_cache_bytes
-    if kv_bytes is None and next(policy.parameters()).device.type == "cuda":
-        kv_bytes = step_kv_cache_bytes(cfg, policy.config, next(policy.parameters()).element_size())
+    kv_bytes, param = r.kv_cache_bytes, next(policy.parameters())
+    if kv_bytes is None and param.device.type == "cuda":
+        kv_bytes = step_kv_cache_bytes(cfg, policy.config, param.element_size())
     return RolloutConfig(profile=cfg.run.profile, page_size=r.page_size, max_num_seqs=r.max_num_seqs,
                          max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=kv_bytes,
                          decode_graphs=r.decode_graphs, overlap=r.overlap,
