@@ -216,7 +216,8 @@ def _seeded_generator(seeds: torch.Tensor, seq_ids: torch.Tensor, positions: tor
     step of a sequence gets fresh noise (seeded by the request's seed alone, every step replayed the same noise
     and a sequence repeated one token), and the same batch the same draw."""
     gen = torch.Generator(device=seeds.device)
-    gen.manual_seed(row_key_int(int(seeds[0]), int(seq_ids[0]), int(positions[0])))
+    seed, seq_id, position = torch.stack([seeds[0], seq_ids[0], positions[0]]).to(torch.int64).tolist()   # one read
+    gen.manual_seed(row_key_int(seed, seq_id, position))
     return gen
 
 
