@@ -118,6 +118,11 @@ def train_mismatches(text: str) -> tuple[float, ...]:
     return float(sum(m["mismatch/count"] for m in steps)), float(sum(m["mismatch/tokens"] for m in steps))
 
 
+def accuracy_and_mismatches(text: str) -> tuple[float, ...]:
+    """A run's metrics.jsonl: the first and last held-out accuracy, then :func:`train_mismatches`."""
+    return train_first_last("eval/accuracy", text) + train_mismatches(text)
+
+
 def train_verified(text: str) -> tuple[float, ...]:
     """An asynchronous run's metrics.jsonl with run.verify_behaviour: (behaviour log-probs that differ from their
     recompute under the recorded version's weights, summed over steps; behaviour log-probs compared)."""
@@ -236,13 +241,13 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("default-run", "README.md", "held-out accuracy **0.18 → 0.95**, **0 of 117,933** log-probs differ",
           (0.18, 0.95, 0, 117933), ("accuracy at step 0", "accuracy at step 120", "differing", "compared"),
           DEFAULT_TRAIN, "run/metrics.jsonl",
-          lambda text: train_first_last("eval/accuracy", text) + train_mismatches(text), "cpu", 1, DETERMINISTIC,
+          accuracy_and_mismatches, "cpu", 1, DETERMINISTIC,
           ROUNDED_2, f"{EVIDENCE}/default-run-cpu/metrics.jsonl",
           note="the embedded default: 120 GRPO steps, held-out accuracy and the log-prob agreement of every step"),
     Claim("multi-turn-cpu", "README.md", "held-out first-turn accuracy **0.155 → 0.355**, **0 of 81,116**",
           (0.155, 0.355, 0, 81116), ("accuracy at step 0", "accuracy at step 30", "differing", "compared"),
           MULTI_TURN_TRAIN, "run/metrics.jsonl",
-          lambda text: train_first_last("eval/accuracy", text) + train_mismatches(text), "cpu", 1, DETERMINISTIC,
+          accuracy_and_mismatches, "cpu", 1, DETERMINISTIC,
           EXACT, f"{EVIDENCE}/multi-turn-cpu/metrics.jsonl",
           note="retry arithmetic on the default model: 30 GRPO steps of up-to-3-turn episodes, every generated token"),
     Claim("async-cpu", "README.md", "accuracy **0.18 → 0.95** one step off-policy, **0 of 118,093**",
