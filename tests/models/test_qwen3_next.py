@@ -192,3 +192,23 @@ def test_native_profile_is_refused_in_one_line():
     with use_profile("native"), torch.no_grad(), pytest.raises(RLAlignError, match="native profile has no "
                                                                                "Gated-DeltaNet route"):
         model.forward_hidden(ForwardBatch.packed([[3, 4, 5]]))
+
+
+def test_gradients_match_transformers_float64_autograd(tmp_path):
+    """d(sum(w * logits)) by every weight of the model (the linear-attention layer's included: A_log, dt_bias, the
+    conv, the gated norm) against transformers' model in float64, over a sequence that crosses a chunk boundary."""
+    hf = _hf_model(["linear_attention", "full_attention"], seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    model, _ = load_model(tmp_path / "hf", dtype="float32")
+    ids = torch.randint(3, VOCAB, (C + 9,), generator=torch.Generator().manual_seed(5)).tolist()
+    w = torch.randn(len(ids), VOCAB, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    with use_profile("strict"):
+        h = model.forward_hidden(ForwardBatch.packed([ids]))
+        (h.double() @ model.lm_head_weight.double().T * w).sum().backward()
+    hf = hf.double()
+    (hf(torch.tensor([ids])).logits[0] * w).sum().backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        ref = theirs[name].grad
+        err = (p.grad.double() - ref).abs().max().item()
+        assert err <= 1e-4 * ref.abs().max().item(), f"{name}: max |diff| {err:.3g} vs {ref.abs().max().item():.3g}"
