@@ -11,8 +11,10 @@ Measured, each the median of ``--repeats`` runs, fp32, one sequence from a zero 
   also includes the l2 normalisation of q and k, which both references do inside);
 * forward + backward of the prefill (autograd of each formulation; the recurrent reference's backward through
   its T steps);
-* decode: the mean cost of one token at positions 0 .. C-1 of a chunk (ours recomputes the open chunk's rows up to
-  the token from the state at the chunk's start; the recurrent reference updates the state by one token).
+* decode: the mean cost of one token at positions 0 .. C-1 of a chunk (ours: the intra-chunk part over the open
+  chunk's rows up to the token from the state at the chunk's start, solving only the token's own UT row -- the
+  earlier rows' come back from the paged stores; the recurrent reference updates the state by one token; the chunked
+  reference has no decode path and re-runs the open chunk).
 
 Timings are wall clock on a shared machine: read them as orders of magnitude.
 """
@@ -49,7 +51,7 @@ def ours(q, k, v, g, beta, state=None):
     q_hat, k_hat = gd.l2_normalize(q) * d ** -0.5, gd.l2_normalize(k)
     valid = (torch.arange(-(-t // C) * C) < t).view(-1, 1, C)
     state = torch.zeros(1, h, d, v.shape[-1]) if state is None else state
-    out, _ = gd.delta_chunks(*(_chunked(x, t) for x in (q_hat, k_hat, v, g, beta)), valid, state)
+    out, *_ = gd.delta_chunks(*(_chunked(x, t) for x in (q_hat, k_hat, v, g, beta)), valid, state)
     return out.transpose(2, 3).reshape(-1, h, v.shape[-1])[:t]
 
 
@@ -116,7 +118,20 @@ def _decode_seconds(name: str, rule, h: int, d: int, repeats: int) -> float:
         return _median_seconds(step_all, repeats) / C
     if name.startswith("transformers chunked"):   # no decode path of its own: the open chunk again per token
         return _median_seconds(lambda: [rule(*(t[:i + 1] for t in x)) for i in range(C)], repeats) / C
-    return _median_seconds(lambda: [ours(*(t[:i + 1] for t in x)) for i in range(C)], repeats) / C
+    return _median_seconds(lambda: _ours_decode(*x), repeats) / C
+
+
+def _ours_decode(q, k, v, g, beta):
+    """The engine's decode steps over one chunk: token i from the state at the chunk's start, the chunk's rows
+    0..i and the Gamma and U of rows < i from the step before (``known``), as the paged stores hand them back."""
+    h, d = q.shape[1], q.shape[2]
+    q_hat, k_hat = gd.l2_normalize(q) * d ** -0.5, gd.l2_normalize(k)
+    inputs = [_chunked(t, C) for t in (q_hat, k_hat, v, g, beta)]
+    state, gamma, u = torch.zeros(1, h, d, v.shape[-1]), None, None
+    for i in range(C):
+        valid = (torch.arange(C) <= i).view(1, 1, C)
+        rows = [torch.where(valid.view(1, 1, 1, C, *([1] * (t.dim() - 4))), t, 0.0) for t in inputs]
+        _, _, gamma, u = gd.delta_chunks(*rows, valid, state, known=(i, gamma, u) if i else None)
 
 
 if __name__ == "__main__":

@@ -89,17 +89,32 @@ class GatedDeltaNet(nn.Module):
             flat_conv.index_copy_(0, plan.slots, mixed.detach())
             taps = _gather(flat_conv, plan.tap_rows)
         rows = self.delta_rows(gd.short_conv(taps, self.conv1d.weight.squeeze(1)), b, a)
-        if store is not None:
-            flat_rows = store.rows.view(-1, store.rows.shape[-1])
-            flat_rows.index_copy_(0, plan.slots, rows)
-            rows = flat_rows
         state0 = plan.initial_states(store, self.shape, rows)
-        out, states = gd.delta_chunks(*self._chunked(_gather(rows, plan.chunk_rows)), plan.valid, state0)
-        if store is not None:
-            plan.store_states(store, states)
+        if store is None:
+            out, _, _, _ = gd.delta_chunks(*self._chunked(_gather(rows, plan.chunk_rows)), plan.valid, state0)
+        else:
+            out = self._paged(store, plan, rows, state0)
         o = out.permute(0, 1, 3, 2, 4).reshape(-1, self.shape.num_v_heads, self.shape.v_head_dim)[plan.out_rows]
         normed = gd.gated_rms_norm(o, z, self.norm.weight, self.norm.eps, x.dtype)
         return tap(layer_tap(self.layer_index, "o_proj"), self.out_proj(normed.reshape(x.shape[0], -1)))
+
+    def _paged(self, store, plan: "_Plan", rows: torch.Tensor, state0: torch.Tensor) -> torch.Tensor:
+        """The rule through the sequences' stores: the new tokens' inputs written to their slots, every chunk row
+        read back from there with the earlier rows' Gamma and U (a decode step solves only its own row), the new
+        tokens' Gamma and U and the closed chunks' states written back."""
+        s, width = self.shape, self.shape.input_width
+        flat = store.rows.view(-1, store.rows.shape[-1])
+        flat[:, :width].index_copy_(0, plan.slots, rows)
+        gathered = _gather(flat, plan.chunk_rows)                      # [J, B, C, row_width]
+        j, bsz, c = gathered.shape[:3]
+        extra = gathered[..., width:].reshape(j, bsz, c, s.num_v_heads, -1)   # per value head: Gamma | U
+        gamma, u = extra[..., 0].permute(0, 1, 3, 2), extra[..., 1:].permute(0, 1, 3, 2, 4)
+        out, states, gamma, u = gd.delta_chunks(*self._chunked(gathered[..., :width]), plan.valid, state0,
+                                                known=(plan.known_rows, gamma, u))
+        plan.store_states(store, states)
+        done = torch.cat([gamma.permute(0, 1, 3, 2).unsqueeze(-1), u.permute(0, 1, 3, 2, 4)], dim=-1)
+        flat[:, width:].index_copy_(0, plan.slots, done.reshape(j * bsz * c, -1)[plan.out_rows])
+        return out
 
     def _chunked(self, rows: torch.Tensor):
         """[J, B, C, row_width] -> q, k [J, B, Hv, C, Dk] (repeated to the value heads), v [J, B, Hv, C, Dv],
@@ -180,6 +195,8 @@ class _Plan:
         j_of = new_pos // c - first[seq_of]
         self.out_rows = torch.from_numpy((j_of * bsz + seq_of) * c + new_pos % c)
         self.num_chunks, self.jmax, self.bsz = num_chunks, jmax, bsz
+        # rows of the (single) open chunk every sequence computed before: a decode step's Gamma and U come from there
+        self.known_rows = int((starts - first * c).min()) if self.paged and jmax == 1 and bsz else 0
 
     def _source(self, positions: np.ndarray, seq: np.ndarray | None = None) -> np.ndarray:
         """Source row of absolute ``positions`` of sequence ``seq`` (default: broadcast over dim -2 = b)."""

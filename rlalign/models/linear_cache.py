@@ -5,8 +5,9 @@ page bookkeeping (copy-on-write of forked samples, preemption, freeing, the pref
 
 * ``conv[page, offset]``  -- the token's conv1d input (the projection's q|k|v columns, model dtype): the conv of a
   new token reads the K-1 inputs before it back from here (exact per token);
-* ``rows[page, offset]``  -- the token's delta-rule inputs after the conv (q_hat | k_hat | v | g | beta, fp32): the
-  open chunk's rows, from which a decode step recomputes the intra-chunk part;
+* ``rows[page, offset]``  -- the token's delta-rule inputs after the conv (q_hat | k_hat | v | g | beta, fp32), then
+  its chunk-local cumulative gate and UT row (both independent of the state): the open chunk's rows, from which a
+  decode step recomputes the intra-chunk part (solving only its own UT row);
 * ``states[page, s]``     -- the recurrent state [Hv, Dk, Dv] fp32 after the chunk whose LAST token sits in this
   page (``s = (position % page_size) // C``): the state exists only at chunk boundaries (spec.GDN_CHUNK).
 
@@ -45,9 +46,15 @@ class LinearShape:
         return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
     @property
-    def row_width(self) -> int:
-        """fp32 values per token in ``rows``: q_hat, k_hat ([Hk, Dk] each), v [Hv, Dv], g, beta [Hv]."""
+    def input_width(self) -> int:
+        """fp32 values of a token's delta-rule inputs: q_hat, k_hat ([Hk, Dk] each), v [Hv, Dv], g, beta [Hv]."""
         return self.conv_dim + 2 * self.num_v_heads
+
+    @property
+    def row_width(self) -> int:
+        """fp32 values per token in ``rows``: its inputs, then per value head its chunk-local Gamma and UT row U [Dv + Dk]
+        (state-independent: a decode step reuses them, ops.gated_delta.delta_chunks' ``known``)."""
+        return self.input_width + self.num_v_heads * (1 + self.v_head_dim + self.k_head_dim)
 
 
 def linear_layers(config) -> tuple[int, ...]:

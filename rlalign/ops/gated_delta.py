@@ -80,11 +80,13 @@ def delta_inputs(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, b: torch.Ten
     return q_hat, k_hat, g, sigmoid(b.float())
 
 
-def _cumulative(g: torch.Tensor) -> torch.Tensor:
-    """Gamma_i = Gamma_{i-1} + g_i along dim -1, left to right (row i depends on g_0..g_i only)."""
-    out = [g[..., 0]]
-    for i in range(1, g.shape[-1]):
-        out.append(out[-1] + g[..., i])
+def _cumulative(g: torch.Tensor, first: int, rows: int, known: torch.Tensor | None) -> torch.Tensor:
+    """Gamma_i = Gamma_{i-1} + g_i along dim -1, left to right (row i depends on g_0..g_i only): rows < ``first``
+    from ``known`` (the same additions made before), rows first..rows-1 added here, later rows repeat the last."""
+    out = [known[..., i] for i in range(first)]
+    for i in range(first, rows):
+        out.append(g[..., 0] if i == 0 else out[-1] + g[..., i])
+    out += [out[-1]] * (g.shape[-1] - rows)
     return torch.stack(out, dim=-1)
 
 
@@ -93,17 +95,21 @@ def _dot_pairs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return tree_sum(x.unsqueeze(-2) * y.unsqueeze(-3))
 
 
-def _solve_unit_lower(a: torch.Tensor, rhs: torch.Tensor, rows: int) -> torch.Tensor:
-    """U with U_i = rhs_i - sum_{j<i} a_ij U_j (forward substitution of (I + strict-lower a) U = rhs), rows 0..rows-1
-    (the others zero); the sum over j < i is a tree of exactly i terms, so row i does not depend on later rows."""
-    done = [rhs[..., 0, :]]
-    for i in range(1, rows):
-        terms = a[..., i, :i].unsqueeze(-1) * torch.stack(done, dim=-2)    # [..., i, D]
+def _solve_unit_lower(a: torch.Tensor, rhs: torch.Tensor, first: int, rows: int,
+                      known: torch.Tensor | None) -> torch.Tensor:
+    """U with U_i = rhs_i - sum_{j<i} a_ij U_j (forward substitution of (I + strict-lower a) U = rhs). ``a`` holds
+    the rows first..rows-1 only ([..., rows - first, C]); U's rows < ``first`` come from ``known`` (this very
+    substitution, made before), rows >= ``rows`` are zero. The sum over j < i is a tree of exactly i terms, so row i
+    does not depend on later rows."""
+    done = [known[..., i, :] for i in range(first)]
+    for i in range(first, rows):
+        if i == 0:
+            done.append(rhs[..., 0, :])
+            continue
+        terms = a[..., i - first, :i].unsqueeze(-1) * torch.stack(done, dim=-2)    # [..., i, D]
         done.append(rhs[..., i, :] - tree_sum(terms.transpose(-1, -2)))
-    out = torch.stack(done, dim=-2)
-    if rows < rhs.shape[-2]:
-        out = torch.cat([out, rhs.new_zeros(rhs.shape[:-2] + (rhs.shape[-2] - rows, rhs.shape[-1]))], dim=-2)
-    return out
+    done += [rhs.new_zeros(rhs.shape[:-2] + rhs.shape[-1:])] * (rhs.shape[-2] - rows)
+    return torch.stack(done, dim=-2)
 
 
 def _contract_state(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -112,11 +118,14 @@ def _contract_state(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
 
 
 def delta_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 valid: torch.Tensor, state: torch.Tensor, *, profile=None):
+                 valid: torch.Tensor, state: torch.Tensor, *, known=None, profile=None):
     """The gated delta rule over J consecutive absolute chunks of B sequences, from their states at the first chunk's
     start. q, k [J, B, H, C, Dk] (q_hat, k_hat), v [J, B, H, C, Dv], g, beta [J, B, H, C], valid [J, B, C] (a prefix
-    of each chunk's rows; padded rows hold zeros), state [B, H, Dk, Dv] fp32.
-    -> (out [J, B, H, C, Dv], states [J, B, H, Dk, Dv]: the state after chunk j, meaningful where it is full).
+    of each chunk's rows; padded rows hold zeros), state [B, H, Dk, Dv] fp32. ``known``: None, or (first, gamma,
+    u) with rows < ``first`` of every chunk already computed (a decode step's earlier rows of its open chunk: their
+    Gamma [J, B, H, C] and U [J, B, H, C, Dv + Dk] as this op returned them); rows < first of ``out`` are then zero.
+    -> (out [J, B, H, C, Dv], states [J, B, H, Dk, Dv]: the state after chunk j, meaningful where it is full,
+    gamma, u: every row's Gamma and U, to be handed back as ``known``).
 
     Per chunk (rows i, j of the chunk; Gamma_i = g_0 + ... + g_i left to right; S the state at its start)::
 
@@ -128,26 +137,30 @@ def delta_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
     Every dot product is a tree over Dk; the sum over j <= i a tree over the chunk's C rows with the terms j > i set
     to +0 by a select (not a product), so row i's bits depend only on rows <= i of its chunk and on S: packed
-    training, any chunking of a prefill and one-token decode give the same bits. This is transformers'
-    ``torch_chunk_gated_delta_rule`` with its chunk boundaries at absolute positions (the math is the same)."""
+    training, any chunking of a prefill and one-token decode give the same bits (Gamma and U of a row are the same
+    bits whether computed here or handed back as ``known``). This is transformers' ``torch_chunk_gated_delta_rule``
+    with its chunk boundaries at absolute positions (the math is the same)."""
     _check("delta_chunks", profile, q, k, v, g, beta, state)
     c = q.shape[-2]
     if c != spec.GDN_CHUNK or valid.shape[-1] != c:
         raise fail("delta_chunks", f"chunks must have spec.GDN_CHUNK={spec.GDN_CHUNK} rows, got {c}")
-    rows = int(valid.sum(-1).max()) if valid.numel() else 0
-    gamma = _cumulative(g.float())                                     # [J, B, H, C]
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    strict_lower = causal.tril(-1)
-    diff = gamma.unsqueeze(-1) - gamma.unsqueeze(-2)                   # [.., i, j] = Gamma_i - Gamma_j
+    rows = max(int(valid.sum(-1).max()) if valid.numel() else 0, 1)
+    first, known_gamma, known_u = known if known is not None else (0, None, None)
+    first = min(first, rows - 1)
+    gamma = _cumulative(g.float(), first, rows, known_gamma)           # [J, B, H, C]
+    new = slice(first, rows)                                           # the rows computed here
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()[new]
+    strict_lower = causal.tril(first - 1)                             # j < i = first + row
+    diff = gamma[..., new].unsqueeze(-1) - gamma.unsqueeze(-2)         # [.., i, j] = Gamma_i - Gamma_j
     decay = torch.where(causal, torch.exp(torch.where(causal, diff, 0.0)), 0.0)
-    a = torch.where(strict_lower, beta.unsqueeze(-1) * _dot_pairs(k, k) * decay, 0.0)
-    intra = torch.where(causal, _dot_pairs(q, k) * decay, 0.0)
+    a = torch.where(strict_lower, beta[..., new].unsqueeze(-1) * _dot_pairs(k[..., new, :], k) * decay, 0.0)
+    intra = torch.where(causal, _dot_pairs(q[..., new, :], k) * decay, 0.0)
     eg = torch.exp(gamma).unsqueeze(-1)
     rhs = torch.cat([beta.unsqueeze(-1) * v, beta.unsqueeze(-1) * eg * k], dim=-1)
-    u = _solve_unit_lower(a, rhs, max(rows, 1))
+    u = _solve_unit_lower(a, rhs, first, rows, known_u)
     dv = v.shape[-1]
     u_v, u_k = u[..., :dv], u[..., dv:]
-    q_decayed = q * eg
+    q_decayed = (q * eg)[..., new, :]
     k_to_end = k * torch.exp(gamma[..., -1:] - gamma).unsqueeze(-1)    # k_j exp(Gamma_C-1 - Gamma_j)
     chunk_decay = torch.exp(gamma[..., -1]).unsqueeze(-1).unsqueeze(-1)
     outs, states = [], []
@@ -155,10 +168,16 @@ def delta_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         v_new = u_v[j] - _contract_state(u_k[j], state)               # [B, H, C, Dv]
         terms = torch.where(causal.unsqueeze(-1), intra[j].unsqueeze(-1) * v_new.unsqueeze(-3), 0.0)
         outs.append(_contract_state(q_decayed[j], state) + tree_sum(terms.transpose(-1, -2)))
-        update = k_to_end[j].unsqueeze(-1) * v_new.unsqueeze(-2)       # [B, H, C, Dk, Dv]
-        state = chunk_decay[j] * state + tree_sum(update.permute(0, 1, 3, 4, 2))
+        if rows == c:   # only a full chunk's state is ever read
+            update = k_to_end[j].unsqueeze(-1) * v_new.unsqueeze(-2)   # [B, H, C, Dk, Dv]
+            state = chunk_decay[j] * state + tree_sum(update.permute(0, 1, 3, 4, 2))
         states.append(state)
-    return torch.stack(outs), torch.stack(states)
+    out = torch.stack(outs)
+    pad = (first, c - rows)
+    if pad != (0, 0):
+        out = torch.cat([out.new_zeros(out.shape[:-2] + (first, dv)), out,
+                         out.new_zeros(out.shape[:-2] + (c - rows, dv))], dim=-2)
+    return out, torch.stack(states), gamma, u
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype, *,

@@ -32,7 +32,7 @@ def _rule(q, k, v, g, beta):
     q_hat = gd.l2_normalize(q) * q.shape[-1] ** -0.5
     k_hat = gd.l2_normalize(k)
     valid = (torch.arange(-(-t // C) * C) < t).view(-1, 1, C)
-    out, _ = gd.delta_chunks(_chunks(q_hat, t), _chunks(k_hat, t), _chunks(v, t), _chunks(g, t), _chunks(beta, t),
+    out, *_ = gd.delta_chunks(_chunks(q_hat, t), _chunks(k_hat, t), _chunks(v, t), _chunks(g, t), _chunks(beta, t),
                              valid, torch.zeros(1, h, q.shape[-1], v.shape[-1]))
     return out.transpose(2, 3).reshape(-1, h, v.shape[-1])[:t]
 
@@ -69,10 +69,11 @@ def test_gradients_match_float64_autograd_of_the_reference():
 
 
 @settings(max_examples=25, deadline=None)
-@given(rows=st.lists(st.integers(1, C), min_size=1, max_size=3), seed=st.integers(0, 2**16))
-def test_a_row_does_not_depend_on_later_rows_or_the_batch(rows, seed):
+@given(rows=st.lists(st.integers(1, C), min_size=1, max_size=3), seed=st.integers(0, 2**16), data=st.data())
+def test_a_row_does_not_depend_on_later_rows_or_the_batch(rows, seed, data):
     """Items with n valid rows (the rest padded with zeros) give rows < n the bits of the same chunk computed with
-    all C rows present, batched with other items or alone, from the same state."""
+    all C rows present, batched with other items or alone, from the same state -- and so do rows first..n-1 computed
+    from the earlier rows' Gamma and U handed back (``known``, a decode step's path)."""
     b, h, dk, dv = len(rows), 2, 4, 5
     gen = torch.Generator().manual_seed(seed)
     q, k = gd.l2_normalize(torch.randn(1, b, h, C, dk, generator=gen)), gd.l2_normalize(torch.randn(1, b, h, C, dk,
@@ -80,18 +81,23 @@ def test_a_row_does_not_depend_on_later_rows_or_the_batch(rows, seed):
     v, g, beta = torch.randn(1, b, h, C, dv, generator=gen), -torch.rand(1, b, h, C, generator=gen), \
         torch.rand(1, b, h, C, generator=gen)
     state = torch.randn(b, h, dk, dv, generator=gen)
-    full, _ = gd.delta_chunks(q, k, v, g, beta, torch.ones(1, b, C, dtype=torch.bool), state)
+    full, _, gamma, u = gd.delta_chunks(q, k, v, g, beta, torch.ones(1, b, C, dtype=torch.bool), state)
     valid = torch.arange(C).view(1, 1, C) < torch.tensor(rows).view(1, b, 1)
 
     def pad(x):
         mask = valid.view(1, b, 1, C, *([1] * (x.dim() - 4)))
         return torch.where(mask, x, 0.0)
 
-    part, _ = gd.delta_chunks(pad(q), pad(k), pad(v), pad(g), pad(beta), valid, state)
+    part, _, part_gamma, part_u = gd.delta_chunks(pad(q), pad(k), pad(v), pad(g), pad(beta), valid, state)
+    first = data.draw(st.integers(0, min(rows) - 1), label="first")
+    resumed, *_ = gd.delta_chunks(pad(q), pad(k), pad(v), pad(g), pad(beta), valid, state,
+                                  known=(first, part_gamma, part_u))
     for i, n in enumerate(rows):
         assert_bitwise_equal(part[0, i, :, :n], full[0, i, :, :n], f"item {i}, {n} rows vs all rows")
-        alone, _ = gd.delta_chunks(*(pad(x)[:, i:i + 1] for x in (q, k, v, g, beta)), valid[:, i:i + 1],
-                                   state[i:i + 1])
+        assert_bitwise_equal(part_u[0, i, :, :n], u[0, i, :, :n], f"item {i}: U rows")
+        assert_bitwise_equal(resumed[0, i, :, first:n], full[0, i, :, first:n], f"item {i}: rows from {first} on")
+        alone, *_ = gd.delta_chunks(*(pad(x)[:, i:i + 1] for x in (q, k, v, g, beta)), valid[:, i:i + 1],
+                                    state[i:i + 1])
         assert_bitwise_equal(alone[0, 0, :, :n], full[0, i, :, :n], f"item {i} alone vs batched")
 
 
