@@ -83,7 +83,7 @@ def delta_inputs(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, b: torch.Ten
 def _cumulative(g: torch.Tensor, first: int, rows: int, known: torch.Tensor | None) -> torch.Tensor:
     """Gamma_i = Gamma_{i-1} + g_i along dim -1, left to right (row i depends on g_0..g_i only): rows < ``first``
     from ``known`` (the same additions made before), rows first..rows-1 added here, later rows repeat the last."""
-    out = [known[..., i] for i in range(first)]
+    out = list(known[..., :first].unbind(-1)) if first else []
     for i in range(first, rows):
         out.append(g[..., 0] if i == 0 else out[-1] + g[..., i])
     out += [out[-1]] * (g.shape[-1] - rows)
@@ -101,7 +101,7 @@ def _solve_unit_lower(a: torch.Tensor, rhs: torch.Tensor, first: int, rows: int,
     the rows first..rows-1 only ([..., rows - first, C]); U's rows < ``first`` come from ``known`` (this very
     substitution, made before), rows >= ``rows`` are zero. The sum over j < i is a tree of exactly i terms, so row i
     does not depend on later rows."""
-    done = [known[..., i, :] for i in range(first)]
+    done = list(known[..., :first, :].unbind(-2)) if first else []
     for i in range(first, rows):
         if i == 0:
             done.append(rhs[..., 0, :])
