@@ -24,7 +24,7 @@ from torch import nn
 
 from rlalign.contract import spec
 from rlalign.contract.errors import RLAlignError
-from rlalign.models.linear_cache import LinearShape, states_per_page
+from rlalign.models.linear_cache import LinearShape
 from rlalign.models.modules import Linear
 from rlalign.models.taps import layer_tap, tap
 from rlalign.ops import gated_delta as gd
@@ -70,7 +70,7 @@ class GatedDeltaNet(nn.Module):
                 ba[..., r:].reshape(t, s.num_v_heads))
 
     def delta_rows(self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """fp32 [T, row_width]: q_hat | k_hat | v | g | beta of each token (linear_cache's ``rows`` layout)."""
+        """fp32 [T, input_width]: q_hat | k_hat | v | g | beta of each token (the head of linear_cache's ``rows``)."""
         s, t = self.shape, conv_out.shape[0]
         kd = s.num_k_heads * s.k_head_dim
         q = conv_out[:, :kd].view(t, s.num_k_heads, s.k_head_dim)
@@ -104,7 +104,7 @@ class GatedDeltaNet(nn.Module):
         tokens' Gamma and U and the closed chunks' states written back."""
         s, width = self.shape, self.shape.input_width
         flat = store.rows.view(-1, store.rows.shape[-1])
-        flat[:, :width].index_copy_(0, plan.slots, rows)
+        flat[:, :width].index_copy_(0, plan.slots, rows.detach())   # the stores hold values, never a graph
         gathered = _gather(flat, plan.chunk_rows)                      # [J, B, C, row_width]
         j, bsz, c = gathered.shape[:3]
         extra = gathered[..., width:].reshape(j, bsz, c, s.num_v_heads, -1)   # per value head: Gamma | U
@@ -113,11 +113,11 @@ class GatedDeltaNet(nn.Module):
                                                 known=(plan.known_rows, gamma, u))
         plan.store_states(store, states)
         done = torch.cat([gamma.permute(0, 1, 3, 2).unsqueeze(-1), u.permute(0, 1, 3, 2, 4)], dim=-1)
-        flat[:, width:].index_copy_(0, plan.slots, done.reshape(j * bsz * c, -1)[plan.out_rows])
+        flat[:, width:].index_copy_(0, plan.slots, done.reshape(j * bsz * c, -1)[plan.out_rows].detach())
         return out
 
     def _chunked(self, rows: torch.Tensor):
-        """[J, B, C, row_width] -> q, k [J, B, Hv, C, Dk] (repeated to the value heads), v [J, B, Hv, C, Dv],
+        """[J, B, C, input_width] -> q, k [J, B, Hv, C, Dk] (repeated to the value heads), v [J, B, Hv, C, Dv],
         g, beta [J, B, Hv, C]."""
         s = self.shape
         j, bsz, c = rows.shape[:3]
@@ -237,4 +237,4 @@ class _Plan:
         store.states[torch.from_numpy(page), torch.from_numpy(sub)] = states[torch.from_numpy(j), torch.from_numpy(b)]
 
 
-__all__ = ["GatedDeltaNet", "states_per_page"]
+__all__ = ["GatedDeltaNet"]

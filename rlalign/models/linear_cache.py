@@ -52,8 +52,8 @@ class LinearShape:
 
     @property
     def row_width(self) -> int:
-        """fp32 values per token in ``rows``: its inputs, then per value head its chunk-local Gamma and UT row U [Dv + Dk]
-        (state-independent: a decode step reuses them, ops.gated_delta.delta_chunks' ``known``)."""
+        """fp32 values per token in ``rows``: its inputs, then per value head its chunk-local Gamma and UT row U
+        [Dv + Dk] (state-independent: a decode step reuses them, ops.gated_delta.delta_chunks' ``known``)."""
         return self.input_width + self.num_v_heads * (1 + self.v_head_dim + self.k_head_dim)
 
 

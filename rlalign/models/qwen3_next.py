@@ -125,7 +125,8 @@ def _features(d: dict) -> dict[str, Any]:
         raise ValueError(f"layer types {other} are not supported (only {', '.join(_LAYER_TYPES)})")
     linear = {"num_k_heads": int(_option(d, "linear_num_key_heads")),
               "num_v_heads": int(_option(d, "linear_num_value_heads")),
-              "k_head_dim": int(_option(d, "linear_key_head_dim")), "v_head_dim": int(_option(d, "linear_value_head_dim")),
+              "k_head_dim": int(_option(d, "linear_key_head_dim")),
+              "v_head_dim": int(_option(d, "linear_value_head_dim")),
               "conv_kernel": int(_option(d, "linear_conv_kernel_dim"))}
     if min(linear.values()) < 1 or linear["num_v_heads"] % linear["num_k_heads"]:
         raise ValueError(f"linear_num_value_heads={linear['num_v_heads']} must be a multiple of "
