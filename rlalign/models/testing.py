@@ -44,7 +44,12 @@ _FAMILY_BASE = {"gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_e
                                 layer_types=["sliding_attention", "full_attention"], rms_norm_eps=1e-5,
                                 rope_theta=150000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                                    "beta_slow": 1.0, "truncate": False,
-                                                                   "original_max_position_embeddings": 64})}
+                                                                   "original_max_position_embeddings": 64}),
+               # qwen3_next: a Gated-DeltaNet layer (2 key heads, 4 value heads of 8, conv 4) then a gated full-attention
+               # layer (rope on half of each head); dense MLPs (no experts)
+               "qwen3_next": dict(num_experts=0, layer_types=["linear_attention", "full_attention"],
+                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                  linear_value_head_dim=8, linear_conv_kernel_dim=4, partial_rotary_factor=0.5)}
 
 
 def tiny_hf_config(family: str = "qwen3", **overrides) -> dict:
