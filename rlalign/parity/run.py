@@ -198,6 +198,9 @@ def run_parity(o: ParityOptions) -> ParityResult:
     rollout = build_rollout(o, model, model_dir)
     if o.replay:
         record = RolloutRecord.load(o.replay)
+        if "portable" in (record.profile, o.profile) and record.profile != o.profile:
+            raise ParityError(f"{o.replay} was recorded in the {record.profile} profile: score it with --profile "
+                              f"{record.profile} (only portable records compare across devices)")
     else:
         prompts = default_prompts(o.prompts, model_dir, config.vocab_size, o.seed)
         record = rollout.generate(prompts, n=o.samples, max_new_tokens=o.max_new_tokens, temperature=o.temperature,

@@ -1,0 +1,53 @@
+"""The portable profile end to end on the embedded default model: the rollout engine's logprobs equal the trainer's
+bit for bit (``rlalign parity --profile portable``), a recorded portable rollout replays bitwise, and what the
+profile does not cover refuses in one line. CPU vs CUDA: tests/cuda/test_cuda_portable.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlalign.configlib import ConfigError, load_config
+from rlalign.parity.run import ParityError, ParityOptions, run_parity
+from rlalign.rollout.config import RolloutConfig
+from rlalign.rollout.errors import RolloutConfigError
+from rlalign.train.config import TrainConfig
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9),
+                                      dict(temperature=0.0)])
+def test_rollout_equals_trainer_bitwise_on_the_default_model(sampling):
+    result = run_parity(ParityOptions(model="default", profile="portable", prompts=3, samples=2, max_new_tokens=10,
+                                      seed=3, **sampling))
+    assert result.ok and result.tokens.mismatches == 0 and result.tokens.tokens_compared > 0
+
+
+def test_portable_logprobs_are_close_to_strict_ones():
+    """The portable profile really runs (its bits differ from strict's) and computes the same distribution."""
+    runs = {p: run_parity(ParityOptions(model="default", profile=p, prompts=2, samples=1, max_new_tokens=8,
+                                        temperature=0.0)) for p in ("strict", "portable")}
+    strict, portable = (runs[p].record.sequences for p in ("strict", "portable"))
+    pairs = [(a, b) for s, p in zip(strict, portable) for a, b in zip(s.logprobs, p.logprobs)]
+    assert [s.tokens for s in strict] == [p.tokens for p in portable]   # greedy: the same tokens
+    assert max(abs(a - b) for a, b in pairs) < 1e-4
+    assert any(a != b for a, b in pairs)
+
+
+def test_a_recorded_portable_rollout_replays_bitwise_and_only_in_portable(tmp_path):
+    path = tmp_path / "rollout.jsonl"
+    first = run_parity(ParityOptions(model="default", profile="portable", prompts=2, samples=2, max_new_tokens=6,
+                                     temperature=0.8, record=str(path)))
+    again = run_parity(ParityOptions(model="default", profile="portable", replay=str(path)))
+    assert first.ok and again.ok and again.tokens.tokens_compared == first.tokens.tokens_compared
+    with pytest.raises(ParityError, match="recorded in the portable profile: score it with --profile portable"):
+        run_parity(ParityOptions(model="default", profile="strict", replay=str(path)))
+
+
+def test_what_the_profile_does_not_cover_refuses():
+    with pytest.raises(ConfigError, match="run.profile=portable covers rollout and scoring only"):
+        load_config(TrainConfig, None, ["run.profile=portable"])
+    from rlalign.models import load_model
+    from rlalign.parity.run import resolve_model_dir
+    from rlalign.rollout import RolloutEngine
+    model, _ = load_model(resolve_model_dir("default"))
+    with pytest.raises(RolloutConfigError, match="the portable profile decodes eagerly"):
+        RolloutEngine(model, RolloutConfig(profile="portable", decode_graphs="padded"))
