@@ -51,3 +51,26 @@ def test_what_the_profile_does_not_cover_refuses():
     model, _ = load_model(resolve_model_dir("default"))
     with pytest.raises(RolloutConfigError, match="the portable profile decodes eagerly"):
         RolloutEngine(model, RolloutConfig(profile="portable", decode_graphs="padded"))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3-bf16"])
+def test_rollout_equals_trainer_bitwise_across_dense_families(checkpoints, family):
+    result = run_parity(ParityOptions(model=str(checkpoints[family]), profile="portable", prompts=2, samples=2,
+                                      max_new_tokens=6, temperature=0.9, top_p=0.9))
+    assert result.ok and result.tokens.mismatches == 0 and result.tokens.tokens_compared > 0
+
+
+def test_a_mixture_of_experts_model_refuses(checkpoints):
+    from rlalign.contract.errors import ContractError
+    with pytest.raises(ContractError, match="not implemented in the portable profile"):
+        run_parity(ParityOptions(model=str(checkpoints["qwen3_moe"]), profile="portable", prompts=1, samples=1,
+                                 max_new_tokens=2))
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}])
+def test_llama3_rope(tmp_path, scaling):
+    from rlalign.models.testing import make_tiny_checkpoint
+    model = make_tiny_checkpoint(tmp_path / "m", family="llama", num_hidden_layers=2, rope_scaling=scaling)
+    result = run_parity(ParityOptions(model=str(model), profile="portable", prompts=2, samples=1, max_new_tokens=6))
+    assert result.ok and result.tokens.mismatches == 0
