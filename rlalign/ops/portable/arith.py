@@ -87,7 +87,8 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
         lo = (yd + down.double()) * 0.5
         fix = (y > 0) & torch.isfinite(y)
         y = torch.where(fix & (xd > hi * hi), up, torch.where(fix & (xd < lo * lo), down, y))
-    return y
+    # the library's NaN has device-specific bits (x86's default NaN is negative): one NaN constant instead
+    return torch.where((x < 0) | torch.isnan(x), float("nan"), y)
 
 
 def _horner(coeffs: tuple[float, ...], x: torch.Tensor) -> torch.Tensor:
