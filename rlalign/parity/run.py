@@ -174,6 +174,8 @@ def _check_options(o: ParityOptions) -> None:
     for side in (ROLLOUT_SIDES[o.rollout], TRAINER_SIDES[o.train]):
         if side.check is not None:
             side.check(o)
+    if o.profile == "portable" and (o.rollout, o.train) != ("rlalign", "rlalign"):
+        raise ParityError("--profile portable runs rlalign's own sides only: use --rollout rlalign --train rlalign")
     if o.tp and (o.train != "rlalign" or o.profile != "strict"):
         raise ParityError("--tp shards rlalign's training side in the strict profile: use --train rlalign --profile strict")
 
