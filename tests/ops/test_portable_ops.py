@@ -86,6 +86,7 @@ def test_matmul_nt_error_bound_and_row_independence(m, n, k, seed):
     ref = x.double() @ w.double().T
     bound = (int(np.ceil(np.log2(k))) + 1) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
     assert bool(((y.double() - ref).abs() <= bound).all())
+    assert_bitwise_equal(y, arith.dot(x.unsqueeze(1), w.unsqueeze(0)), "the tree over the last dim")
     for i in range(m):
         assert_bitwise_equal(arith.matmul_nt(x[i:i + 1], w), y[i:i + 1], f"row {i} alone")
     saved = arith.DEFAULT_CHUNK_ELEMS

@@ -22,7 +22,8 @@ runs each of them as its own kernel, so nothing is contracted into an FMA.
   rope tables, rounded once to fp32 by the caller.
 * :func:`dot` / :func:`matmul_nt` -- products by one elementwise multiply, summed over K by the balanced pairwise
   tree of :func:`rlalign.reductions.tree_sum` (order fixed by K alone; zero padding at the end leaves a sum's bits
-  unchanged), in chunks of rows / columns that bound memory and change no bit.
+  unchanged), in chunks of rows / columns that bound memory and change no bit. matmul_nt lays K first
+  (:func:`tree_sum_leading`: the same tree over the leading dim, so every level adds contiguous blocks).
 
 Measured accuracy against float64 (tests/test_portable_ops.py, docs/portable.md): exp <= 2 ulp, log <= 2 ulp
 over all fp32 inputs sampled; sqrt correctly rounded.
@@ -55,9 +56,9 @@ SIN_POLY = (1.58969099521155010221e-10, -2.50507602534068634195e-08, 2.755731370
 COS_POLY = (-1.13596475577881948265e-11, 2.08757232129817482790e-09, -2.75573143513906633035e-07,
             2.48015872894767294178e-05, -1.38888888888741095749e-03, 4.16666666666666019037e-02)
 
-# elements of one [rows, cols, K] product tensor in matmul_nt (memory only: no bit depends on it)
+# elements of one [K, rows, cols] product tensor in matmul_nt (memory and cache only: no bit depends on it)
 CHUNK_ELEMS = {"cuda": 1 << 27}
-DEFAULT_CHUNK_ELEMS = 1 << 22
+DEFAULT_CHUNK_ELEMS = 1 << 20
 
 
 def tensor_like(value: float, like: torch.Tensor) -> torch.Tensor:
@@ -176,10 +177,24 @@ def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return tree_sum(a * b)
 
 
+def tree_sum_leading(x: torch.Tensor) -> torch.Tensor:
+    """:func:`rlalign.reductions.tree_sum` over the leading dim instead of the last: the same pairs (2i, 2i+1) and
+    carries level by level, so the same bits as ``tree_sum(x.movedim(0, -1))`` (tested); each level adds
+    contiguous blocks."""
+    if x.shape[0] == 1:
+        return x[0].clone()
+    while x.shape[0] > 1:
+        n = x.shape[0]
+        even = n - n % 2
+        pairs = x[0:even:2] + x[1:even:2]
+        x = torch.cat([pairs, x[even:]], dim=0) if n % 2 else pairs
+    return x[0]
+
+
 def matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype: each entry is :func:`dot` of a row of x and a row of w.
-    Chunked over rows and columns (a [m, n, K] product tensor of at most CHUNK_ELEMS entries): no bit depends on
-    the chunks, every entry's operations are its own."""
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype: each entry is :func:`dot` of a row of x and a row of w (the
+    same products, the same tree, so the same bits). Chunked over rows and columns (a [K, m, n] product tensor of
+    at most CHUNK_ELEMS entries): no bit depends on the chunks, every entry's operations are its own."""
     m, k = x.shape
     n = w.shape[0]
     out = x.new_empty((m, n))
@@ -190,11 +205,12 @@ def matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     budget = CHUNK_ELEMS.get(x.device.type, DEFAULT_CHUNK_ELEMS)
     cols = max(1, min(n, budget // k))
     rows = max(1, min(m, budget // (k * cols)))
+    xt, wt = x.t().contiguous(), w.t().contiguous()
     for r in range(0, m, rows):
-        xr = x[r:r + rows].unsqueeze(1)
+        xr = xt[:, r:r + rows, None]
         for c in range(0, n, cols):
-            out[r:r + rows, c:c + cols] = dot(xr, w[c:c + cols].unsqueeze(0))
+            out[r:r + rows, c:c + cols] = tree_sum_leading(xr * wt[:, None, c:c + cols])
     return out
 
 
-__all__ = ["div", "sqrt", "exp", "log", "silu", "sin_cos64", "dot", "matmul_nt", "tensor_like"]
+__all__ = ["div", "sqrt", "exp", "log", "silu", "sin_cos64", "dot", "matmul_nt", "tree_sum_leading", "tensor_like"]
