@@ -76,3 +76,17 @@ def test_llama3_rope(tmp_path, scaling):
     model = make_tiny_checkpoint(tmp_path / "m", family="llama", num_hidden_layers=2, rope_scaling=scaling)
     result = run_parity(ParityOptions(model=str(model), profile="portable", prompts=2, samples=1, max_new_tokens=6))
     assert result.ok and result.tokens.mismatches == 0
+
+
+def test_the_command(capsys, tmp_path):
+    """``rlalign parity --model default --profile portable``: exit 0, zero mismatches; a replay in another profile:
+    one line, exit 2."""
+    import json
+    from rlalign.cli.main import main
+    record = tmp_path / "r.jsonl"
+    assert main(["parity", "--model", "default", "--profile", "portable", "--json", "--record", str(record)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["ok"] and summary["mismatches"] == 0 and summary["tokens_compared"] > 0
+    assert main(["parity", "--model", "default", "--replay", str(record)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "recorded in the portable profile" in err[0]
