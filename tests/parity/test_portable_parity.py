@@ -4,6 +4,8 @@ profile does not cover refuses in one line. CPU vs CUDA: tests/cuda/test_cuda_po
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from rlalign.configlib import ConfigError, load_config
@@ -90,3 +92,21 @@ def test_the_command(capsys, tmp_path):
     assert main(["parity", "--model", "default", "--replay", str(record)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "recorded in the portable profile" in err[0]
+
+
+def test_lora_adapters_rollout_equals_trainer():
+    """Unmerged LoRA runs on ops.linear and elementwise ops: its forward is portable too (B made non-zero)."""
+    import torch
+    from rlalign.models.lora import LoRASpec, apply_lora
+    from rlalign.models.testing import tiny_model
+    from rlalign.parity.sides import RLAlignRollout, RLAlignTrainer
+    model = tiny_model("qwen3", seed=1, num_hidden_layers=2)
+    apply_lora(model, LoRASpec(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "down_proj")), seed=2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.1)
+    record = RLAlignRollout(model, "portable").generate([[5, 6, 7], [8, 9]], n=2, max_new_tokens=5, temperature=0.9)
+    scored = RLAlignTrainer(model, "portable").score(record)
+    bits = [[struct.pack("<f", v) for v in s] for s in scored]
+    assert bits == [[struct.pack("<f", v) for v in s.logprobs] for s in record.sequences]
