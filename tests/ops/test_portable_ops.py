@@ -107,7 +107,7 @@ EXACT = {"amax", "max", "min", "maximum", "minimum", "argmax", "sort", "topk", "
          "bitwise_not", "bitwise_xor", "bitwise_and_", "bitwise_or_", "bitwise_xor_", "bitwise_right_shift",
          "bitwise_right_shift_", "__lshift__", "__rshift__", "floor_divide", "remainder", "nonzero", "_unique2",
          "_local_scalar_dense"}
-MOVES = {"_to_copy", "copy_", "clone", "cat", "stack", "gather", "index", "index_select", "index_copy_", "index_put_",
+MOVES = {"_to_copy", "copy_", "clone", "cat", "stack", "gather", "embedding", "index", "index_select", "index_copy_", "index_put_",
          "scatter_", "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "select", "slice",
          "unsqueeze", "squeeze", "detach", "alias", "lift_fresh", "empty", "empty_like", "new_empty", "zeros",
          "zeros_like", "ones", "ones_like", "full", "full_like", "new_ones", "new_zeros", "new_full", "arange", "scalar_tensor", "fill_", "zero_",

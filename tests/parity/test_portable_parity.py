@@ -110,3 +110,18 @@ def test_lora_adapters_rollout_equals_trainer():
     scored = RLAlignTrainer(model, "portable").score(record)
     bits = [[struct.pack("<f", v) for v in s] for s in scored]
     assert bits == [[struct.pack("<f", v) for v in s.logprobs] for s in record.sequences]
+
+
+def test_a_whole_rollout_and_its_scoring_use_only_portable_arithmetic():
+    """The census of tests/ops/test_portable_ops.py over the engine and the trainer end to end (every aten op the
+    model, the engine's bookkeeping, the sampler and the scorer call): nothing outside the ops leaks library math."""
+    from rlalign.models.testing import tiny_model
+    from rlalign.parity.sides import RLAlignRollout, RLAlignTrainer
+    from tests.ops.test_portable_ops import _Census
+    model = tiny_model("qwen3", seed=1, num_hidden_layers=2)
+    census = _Census()
+    with census:
+        record = RLAlignRollout(model, "portable").generate([[5, 6, 7], [8, 9]], n=2, max_new_tokens=5,
+                                                            temperature=0.9, top_k=5, top_p=0.9)
+        RLAlignTrainer(model, "portable").score(record)
+    assert not census.bad, f"library math or reductions in a portable rollout: {dict(census.bad)}"
