@@ -125,3 +125,24 @@ def test_a_whole_rollout_and_its_scoring_use_only_portable_arithmetic():
                                                             temperature=0.9, top_k=5, top_p=0.9)
         RLAlignTrainer(model, "portable").score(record)
     assert not census.bad, f"library math or reductions in a portable rollout: {dict(census.bad)}"
+
+
+@pytest.mark.parametrize("engine", [dict(page_size=1), dict(page_size=3, max_prefill_chunk=2),
+                                    dict(page_size=16, max_num_seqs=1), dict(page_size=5, enable_prefix_caching=False)])
+def test_engine_layouts_change_no_bit(engine):
+    """Page size, chunked prefill, how many sequences share a step, prefix caching: the same tokens and logprob bits
+    as the trainer's packed forward, and as the default engine."""
+    from rlalign.models.testing import tiny_model
+    from rlalign.parity.sides import RLAlignRollout, RLAlignTrainer
+    model = tiny_model("qwen3", seed=4, num_hidden_layers=2)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 12], [13]]
+    kwargs = dict(n=2, max_new_tokens=7, temperature=0.8, top_p=0.95, seed=5)
+    record = RLAlignRollout(model, "portable", engine).generate(prompts, **kwargs)
+    default = RLAlignRollout(model, "portable").generate(prompts, **kwargs)
+
+    def bits(seqs):
+        return [(s.tokens, [struct.pack("<f", v) for v in s.logprobs]) for s in seqs]
+
+    assert bits(record.sequences) == bits(default.sequences)
+    scored = RLAlignTrainer(model, "portable").score(record)
+    assert [[struct.pack("<f", v) for v in s] for s in scored] == [b for _, b in bits(record.sequences)]
