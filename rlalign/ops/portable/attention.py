@@ -35,60 +35,69 @@ def _refuse_window_sinks(op: str, window, sinks) -> None:
         raise fail(op, "sliding-window / sink attention is not implemented in the portable profile")
 
 
-def attend_rows(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of queries q [n, Hq, D] at positions q_pos [n] (int64) over one sequence's keys and
-    values k, v [L, Hkv, D] at positions 0..L-1 -> [n, Hq, D] in q's dtype (the module doc's formula)."""
+def attend_rows(q: torch.Tensor, q_pos: list[int], keys, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Causal attention of queries q [n, Hq, D] at positions ``q_pos`` (host ints) -> [n, Hq, D] in q's dtype (the
+    module doc's formula). ``keys(rows, u)`` gives, for the query rows ``rows`` (a slice) and key positions ``u``
+    [L], the index [m, L] of each key's row in k_rows / v_rows [N, Hkv, D] (any index where u > the row's position:
+    those keys are masked and zeroed). Rows are processed in chunks (memory only), every sequence of the call at
+    once, over the keys 0 .. the chunk's largest position (the tree's zero padding invariance: no bit changes)."""
     n, hq, d = q.shape
-    length, hkv = k.shape[0], k.shape[1]
+    hkv = k_rows.shape[1]
     out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
     heads = torch.arange(hq, device=q.device) // (hq // hkv)
-    kf = k.float().index_select(1, heads).permute(1, 0, 2)         # [Hq, L, D]
-    vf = v.float().index_select(1, heads).permute(1, 2, 0)         # [Hq, D, L]
-    key_pos = torch.arange(length, device=q.device)
+    pos = torch.tensor(q_pos, device=q.device)
     budget = CHUNK_ELEMS.get(q.device.type, DEFAULT_CHUNK_ELEMS)
-    rows = max(1, budget // max(1, hq * length * d))
-    for r in range(0, n, rows):
-        qf = q[r:r + rows].float()
-        seen = key_pos.unsqueeze(0) <= q_pos[r:r + rows].unsqueeze(1)               # [m, L]
-        s = arith.dot(qf.unsqueeze(2), kf.unsqueeze(0)) * float(scale)               # [m, Hq, L]
+    step = max(1, budget // max(1, hq * (max(q_pos) + 1) * d))
+    for r in range(0, n, step):
+        rows = slice(r, r + step)
+        u = torch.arange(max(q_pos[rows]) + 1, device=q.device)
+        seen = u.unsqueeze(0) <= pos[rows].unsqueeze(1)                                # [m, L]
+        index = torch.where(seen, keys(rows, u), 0)
+        zero = seen[:, :, None, None]
+        kf = torch.where(zero, k_rows[index].float(), 0.0).index_select(2, heads)      # [m, L, Hq, D]
+        vf = torch.where(zero, v_rows[index].float(), 0.0).index_select(2, heads)
+        s = arith.dot(q[rows].float().unsqueeze(2), kf.permute(0, 2, 1, 3)) * float(scale)   # [m, Hq, L]
         s = torch.where(seen.unsqueeze(1), s, float("-inf"))
         e = arith.exp(s - (s.amax(-1, keepdim=True) + 0.0))   # + 0.0: a max of -0.0 / +0.0 is +0.0
         e = torch.where(seen.unsqueeze(1), e, 0.0)
-        total = tree_sum(e)                                                           # [m, Hq]
-        acc = arith.dot(e.unsqueeze(2), vf.unsqueeze(0))                              # [m, Hq, D]
-        out[r:r + rows] = (arith.div(acc, total.unsqueeze(-1)) + 0.0).to(q.dtype)
+        total = tree_sum(e)                                                            # [m, Hq]
+        acc = arith.dot(e.unsqueeze(2), vf.permute(0, 2, 3, 1))                        # [m, Hq, D]
+        out[rows] = (arith.div(acc, total.unsqueeze(-1)) + 0.0).to(q.dtype)
     return out
 
 
 def attention_varlen(q, k, v, cu_seqlens, scale: float, window=None, sinks=None):
-    """ops.attention_varlen in the portable profile (forward only)."""
+    """ops.attention_varlen in the portable profile (forward only): token t of a sequence starting at row a sees
+    the rows a .. t."""
     _refuse_window_sinks("attention_varlen", window, sinks)
-    out = torch.empty_like(q)
     cu = cu_seqlens.tolist()
-    for s in range(len(cu) - 1):
-        a, b = cu[s], cu[s + 1]
-        if b > a:
-            pos = torch.arange(b - a, device=q.device)
-            out[a:b] = attend_rows(q[a:b], pos, k[a:b], v[a:b], scale)
-    return out
+    starts, q_pos = [], []
+    for a, b in zip(cu[:-1], cu[1:]):
+        starts += [a] * (b - a)
+        q_pos += range(b - a)
+    start = torch.tensor(starts, device=q.device, dtype=torch.int64)
+    return attend_rows(q, q_pos, lambda rows, u: start[rows].unsqueeze(1) + u, k, v, scale)
 
 
 def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, window=None, sinks=None):
-    """ops.attention_paged in the portable profile: each sequence's context gathered from its pages (exact
-    copies), its queries at the last positions of the context, then :func:`attend_rows`."""
+    """ops.attention_paged in the portable profile: the queries of sequence s are the last positions of its
+    context, whose key u lives in page block_table[s, u // page_size] at offset u % page_size."""
     _refuse_window_sinks("attention_paged", window, sinks)
     page = k_cache.shape[1]
-    out = torch.empty_like(q)
     lens, cu = seq_lens.tolist(), cu_seqlens_q.tolist()
+    seq_of_row, q_pos = [], []
     for s, length in enumerate(lens):
-        a, b = cu[s], cu[s + 1]
-        if b == a:
-            continue
-        pages = block_table[s, :-(-length // page)].long()
-        k = k_cache.index_select(0, pages).reshape(-1, *k_cache.shape[2:])[:length]
-        v = v_cache.index_select(0, pages).reshape(-1, *v_cache.shape[2:])[:length]
-        pos = torch.arange(length - (b - a), length, device=q.device)
-        out[a:b] = attend_rows(q[a:b], pos, k, v, scale)
-    return out
+        n = cu[s + 1] - cu[s]
+        seq_of_row += [s] * n
+        q_pos += range(length - n, length)
+    tables = block_table.long()[torch.tensor(seq_of_row, device=q.device, dtype=torch.int64)]   # [n, pages]
+
+    def keys(rows, u):
+        pages = tables[rows].gather(1, (u // page).clamp(max=tables.shape[1] - 1).expand(tables[rows].shape[0], -1))
+        return pages * page + u % page
+
+    flat = (-1, *k_cache.shape[2:])
+    return attend_rows(q, q_pos, keys, k_cache.reshape(flat), v_cache.reshape(flat), scale)
