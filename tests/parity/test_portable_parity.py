@@ -146,3 +146,13 @@ def test_engine_layouts_change_no_bit(engine):
     assert bits(record.sequences) == bits(default.sequences)
     scored = RLAlignTrainer(model, "portable").score(record)
     assert [[struct.pack("<f", v) for v in s] for s in scored] == [b for _, b in bits(record.sequences)]
+
+
+def test_a_linear_attention_model_refuses():
+    """Qwen3-Next's Gated-DeltaNet layers have no portable implementation: one line, no strict fallback."""
+    from rlalign.contract.errors import ContractError
+    from rlalign.models.testing import tiny_model
+    from rlalign.parity.sides import RLAlignRollout
+    model = tiny_model("qwen3_next", seed=2)
+    with pytest.raises(ContractError, match="not implemented in the portable profile"):
+        RLAlignRollout(model, "portable").generate([[5, 6, 7]], n=1, max_new_tokens=2)
