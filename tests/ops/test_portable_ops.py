@@ -215,6 +215,52 @@ def test_prefill_decode_and_packed_give_the_same_bits(lens, hkv, group, d, page,
                 assert_bitwise_equal(step, packed[a + t:a + t + 1], f"decode step {t} of sequence {s}")
 
 
+@FAST
+@given(lens=st.lists(st.integers(1, 17), min_size=1, max_size=3), hkv=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2]), d=st.sampled_from([2, 8, 32]), seed=st.integers(0, 2**31))
+def test_attention_accuracy(lens, hkv, group, d, seed):
+    """Against float64 causal softmax attention: |error| <= 1e-5 (|v| ~ 1)."""
+    g = _gen(seed)
+    total = sum(lens)
+    q = torch.randn(total, hkv * group, d, generator=g)
+    k, v = torch.randn(total, hkv, d, generator=g), torch.randn(total, hkv, d, generator=g)
+    cu = torch.tensor([0] + list(np.cumsum(lens)))
+    with use_profile("portable"):
+        out = ops.attention_varlen(q, k, v, cu)
+    for s, n in enumerate(lens):
+        a = int(cu[s])
+        qs, ks, vs = (x[a:a + n].double() for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+        scores = torch.einsum("thd,uhd->htu", qs, ks) * d ** -0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        ref = torch.einsum("htu,uhd->thd", scores.softmax(-1), vs)
+        assert float((out[a:a + n].double() - ref).abs().max()) <= 1e-5
+
+
+@FAST
+@given(t=st.integers(1, 4), h=st.integers(1, 70), seed=st.integers(0, 2**31))
+def test_dense_ops_accuracy(t, h, seed):
+    """rms_norm, silu_mul and rope against float64 (relative 1e-6 of the output scale)."""
+    g = _gen(seed)
+    x, w, up = torch.randn(t, h, generator=g), torch.randn(h, generator=g), torch.randn(t, h, generator=g)
+    with use_profile("portable"):
+        norm = ops.rms_norm(x, w, 1e-6)
+        silu = ops.silu_mul(x, up)
+        xr = torch.randn(t, 2, 2 * h, generator=g)
+        cos, sin = ops.rope_cos_sin(torch.arange(t) * 1000, ops.rope_inv_freq(2 * h, 10000.0))
+        rot = ops.rope(xr, cos, sin)
+    xd = x.double()
+    ref_norm = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert float((norm.double() - ref_norm).abs().max()) <= 1e-6 * (1 + float(ref_norm.abs().max()))
+    ref_silu = xd * torch.sigmoid(xd) * up.double()
+    assert float((silu.double() - ref_silu).abs().max()) <= 1e-6 * (1 + float(ref_silu.abs().max()))
+    angles = (torch.arange(t) * 1000).double()[:, None] * ops.rope_inv_freq(2 * h, 10000.0)[None, :]
+    c, s_ = torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+    x1, x2 = xr[..., :h].double(), xr[..., h:].double()
+    ref_rot = torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], -1)
+    assert float((rot.double() - ref_rot).abs().max()) <= 1e-6 * (1 + float(ref_rot.abs().max()))
+
+
 # ---- LM head and sampler --------------------------------------------------------------------------------
 
 @FAST
