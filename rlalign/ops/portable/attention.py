@@ -47,7 +47,7 @@ def attend_rows(q: torch.Tensor, q_pos: list[int], keys, k_rows: torch.Tensor, v
     out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    heads = torch.arange(hq, device=q.device) // (hq // hkv)
+    group = hq // hkv
     pos = torch.tensor(q_pos, device=q.device)
     budget = CHUNK_ELEMS.get(q.device.type, DEFAULT_CHUNK_ELEMS)
     step = max(1, budget // max(1, hq * (max(q_pos) + 1) * d))
@@ -55,16 +55,18 @@ def attend_rows(q: torch.Tensor, q_pos: list[int], keys, k_rows: torch.Tensor, v
         rows = slice(r, r + step)
         u = torch.arange(max(q_pos[rows]) + 1, device=q.device)
         seen = u.unsqueeze(0) <= pos[rows].unsqueeze(1)                                # [m, L]
-        index = torch.where(seen, keys(rows, u), 0)
-        zero = seen[:, :, None, None]
-        kf = torch.where(zero, k_rows[index].float(), 0.0).index_select(2, heads)      # [m, L, Hq, D]
-        vf = torch.where(zero, v_rows[index].float(), 0.0).index_select(2, heads)
-        s = arith.dot(q[rows].float().unsqueeze(2), kf.permute(0, 2, 1, 3)) * float(scale)   # [m, Hq, L]
+        index = torch.where(seen, keys(rows, u), 0)   # masked keys read row 0: their scores are masked below,
+        m, length = index.shape                          # their values zeroed (a cache row may hold anything)
+        kf = k_rows[index].float().permute(0, 2, 1, 3).unsqueeze(2)                    # [m, Hkv, 1, L, D]
+        vf = torch.where(seen[:, :, None, None], v_rows[index].float(), 0.0)
+        vf = vf.permute(0, 2, 3, 1).unsqueeze(2)                                       # [m, Hkv, 1, D, L]
+        qf = q[rows].float().view(m, hkv, group, 1, d)        # query head h = kv head h // group, in order
+        s = arith.dot(qf, kf).reshape(m, hq, length) * float(scale)                   # [m, Hq, L]
         s = torch.where(seen.unsqueeze(1), s, float("-inf"))
         e = arith.exp(s - (s.amax(-1, keepdim=True) + 0.0))   # + 0.0: a max of -0.0 / +0.0 is +0.0
         e = torch.where(seen.unsqueeze(1), e, 0.0)
         total = tree_sum(e)                                                            # [m, Hq]
-        acc = arith.dot(e.unsqueeze(2), vf.permute(0, 2, 3, 1))                        # [m, Hq, D]
+        acc = arith.dot(e.view(m, hkv, group, 1, length), vf).reshape(m, hq, d)        # [m, Hq, D]
         out[rows] = (arith.div(acc, total.unsqueeze(-1)) + 0.0).to(q.dtype)
     return out
 
