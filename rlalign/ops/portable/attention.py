@@ -4,7 +4,7 @@ Per query row (token t at absolute position p of its sequence, query head h, kv 
 keys u = 0 .. L-1 of the sequence's context (L >= p + 1; keys past p are masked):
 
     s_u  = tree_sum_d(q[d] * k_u[d]) * scale          (fp32, scale rounded to fp32; masked: -inf)
-    m    = max_u s_u
+    m    = max_u s_u + 0.0
     e_u  = exp(s_u - m)  (arith.exp; masked: +0)
     l    = tree_sum_u(e_u)
     a[d] = tree_sum_u(e_u * v_u[d])                   (masked or padded keys: e_u = 0, v_u finite)
@@ -14,6 +14,8 @@ Why prefill == decode == packed: the tree over u is indexed by absolute key posi
 pairwise tree gives the same bits when zeros are appended at the end (every node sums the same key positions
 plus zeros), so the context length L a call happens to use (the whole packed sequence, the paged context) does
 not matter; the max is exact. ``+ 0.0`` maps a -0.0 (from 0 * negative v) to +0.0, the only other freedom.
+So one call handles every sequence at once: each query row gathers its own context's key rows (packed: from its
+sequence's start; paged: through the block table) up to the largest position of its chunk of rows.
 Sliding windows and sinks are refused (gpt-oss is outside the portable profile).
 """
 
@@ -25,7 +27,7 @@ from rlalign.contract.errors import fail
 from rlalign.ops.portable import arith
 from rlalign.reductions import tree_sum
 
-# elements of one [rows, Hq, L, D] product tensor (memory only)
+# elements of one [rows, Hq, L, D] product tensor (memory only: no bit depends on it)
 CHUNK_ELEMS = {"cuda": 1 << 27}
 DEFAULT_CHUNK_ELEMS = 1 << 22
 
