@@ -7,9 +7,9 @@ runs each of them as its own kernel, so nothing is contracted into an FMA.
 * :func:`div` -- IEEE division; the divisor is made a tensor of ndim >= 1 on the operand's device (for a CPU
   scalar divisor torch's CUDA kernel multiplies by a rounded reciprocal instead: other bits).
 * :func:`sqrt` -- the correctly rounded fp32 square root, whatever the library's: torch's CPU ``sqrt`` runs
-  MKL's vector math, which is NOT correctly rounded (measured: about 17% of random fp32 inputs, and float64
-  inputs too, are off by one ulp). So a guess (torch's float64 sqrt rounded to fp32, within one fp32 ulp) is
-  corrected exactly: for a candidate y the midpoints to its neighbours, (y + next(y)) / 2, have 25 significant
+  MKL's vector math, which is NOT correctly rounded (measured: 17% of random positive fp32 inputs one ulp off,
+  1.3% of float64 results). So a guess (torch's float64 sqrt rounded to fp32, within one fp32 ulp) is corrected
+  exactly: for a candidate y the midpoints to its neighbours, (y + next(y)) / 2, have 25 significant
   bits, their squares 50, so in float64 the midpoints and their squares are exact and comparing them with x
   (exact in float64) decides the correctly rounded root without any rounding. Two correction steps; the result
   is the unique correctly rounded value, so it does not depend on the guess.
