@@ -1,7 +1,7 @@
 """``rlalign generate``: sample completions from a local checkpoint, with per-token logprobs.
 
     rlalign generate --model DIR --prompt TEXT [--prompt TEXT ...] [--n N] [--max-new-tokens L]
-                     [--temperature T] [--top-p P] [--top-k K] [--seed S] [--profile strict|native]
+                     [--temperature T] [--top-p P] [--top-k K] [--seed S] [--profile strict|native|portable]
                      [--chat] [--dtype float32|bfloat16] [--device cpu|cuda] [--json]
 
 Same seed -> same tokens and logprobs whatever --n, the number of prompts or their order
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1.0 = off)")
     parser.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="top-k sampling (default 0 = off)")
     parser.add_argument("--seed", type=seed_int, default=0, metavar="S", help="default 0")
-    parser.add_argument("--profile", choices=("strict", "native"), default="strict", help="default strict")
+    parser.add_argument("--profile", choices=("strict", "native", "portable"), default="strict", help="default strict")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                         help="compute dtype (default: the checkpoint's torch_dtype)")

@@ -4,6 +4,9 @@
             (unsupported dtype, shape, device) raises :class:`ContractError`, never falls back.
 ``native``  vendor kernels (cuBLAS / MKL / SDPA), no invariance promise. The baseline for
             benchmarks, and for users who correct the mismatch with importance sampling.
+``portable`` strict's promises, and the same bits on the CPU and on a CUDA GPU: every op built from
+            correctly rounded IEEE operations in one fixed order (rlalign/ops/portable, docs/portable.md).
+            Forward only (rollout and scoring), dense models; anything else raises. Slow: an audit mode.
 
 Selection, most specific first: the ``profile=`` argument of an op call, then the innermost
 ``use_profile(...)`` context, then the process default (``strict``). Engines take a ``profile``
@@ -20,6 +23,7 @@ import enum
 class Profile(str, enum.Enum):
     STRICT = "strict"
     NATIVE = "native"
+    PORTABLE = "portable"
 
 
 _current: contextvars.ContextVar[Profile] = contextvars.ContextVar("rlalign_profile", default=Profile.STRICT)
@@ -42,7 +46,7 @@ def current_profile() -> Profile:
 
 @contextlib.contextmanager
 def use_profile(profile: "str | Profile"):
-    """Run the enclosed ops under ``profile`` (``"strict"`` or ``"native"``)."""
+    """Run the enclosed ops under ``profile`` (``"strict"``, ``"native"`` or ``"portable"``)."""
     token = _current.set(as_profile(profile))
     try:
         yield

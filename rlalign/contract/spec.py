@@ -339,6 +339,14 @@ def render_markdown() -> str:
         "sampler is an exponential race over the tempered, top-k/top-p-filtered logits whose noise comes",
         "from the device's default generator inside decode graphs. Its bits may depend on the batch.",
         "",
+        "## What the portable profile promises",
+        "",
+        "Strict's promises, and the same bits on the CPU and on a CUDA GPU: every op is built only from",
+        "operations IEEE 754 rounds correctly, one per torch kernel (elementwise `+ - * /`, comparisons,",
+        "max, integer ops, copies), with fixed pairwise trees for every sum and its own exp / log / sqrt /",
+        "sin / cos. Forward only (rollout and scoring), dense decoders; anything else raises. An audit",
+        "mode, tens of times slower than strict: [docs/portable.md](portable.md).",
+        "",
     ]
     return "\n".join(lines)
 

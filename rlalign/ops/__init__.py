@@ -24,8 +24,9 @@ Where strict forwards look for NaN/inf (docs/gpu.md, "Finiteness checks"): ``che
 (``"per-op"`` on the CPU, ``"boundary"`` on GPUs; env ``RLALIGN_CHECKS``), ``use_check_policy(policy)``
 to force one, ``check_scope(label)`` to name the part of a forward (``layers.3``) in per-op messages.
 
-Each op takes ``profile=`` (``"strict"`` | ``"native"`` | None for the current context, see
-:func:`rlalign.contract.use_profile`).
+Each op takes ``profile=`` (``"strict"`` | ``"native"`` | ``"portable"`` | None for the current context, see
+:func:`rlalign.contract.use_profile`); ``portable`` runs :mod:`rlalign.ops.portable` (the same bits on the CPU and
+on CUDA, forward only) or refuses.
 """
 
 from rlalign.ops._checks import (capturing_graph, check_policy, check_scope, flush as flush_deferred_checks,

@@ -12,8 +12,10 @@ from typing import Callable
 
 import torch
 
+from rlalign.ops.portable.registry import refusal  # (also fills IMPLEMENTATIONS with the portable profile's ops)
 import rlalign.ops.torch_backend.registry  # noqa: F401  (fills IMPLEMENTATIONS with the torch backend's ops)
 from rlalign import envvars
+from rlalign.contract.profiles import Profile, as_profile
 from rlalign.contract.errors import fail
 from rlalign.ops._registry import IMPLEMENTATIONS, disabled_ops
 from rlalign.ops.torch_backend import clib
@@ -61,8 +63,11 @@ def probe_failure(what: str, exc: BaseException) -> str:
     return f"{what} ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"
 
 
-def strict_impl(op: str, device: torch.device) -> Callable:
+def strict_impl(op: str, device: torch.device, profile=None) -> Callable:
     """The strict implementation of ``op`` for ``device``; raises if the selected backend has none.
+
+    In the portable profile (``profile``, or the current one when None): the ``portable`` implementation, the
+    same on every device (rlalign/ops/portable), or a one-line refusal when the op has none.
 
     No fallback across backends: the torch backend on CUDA rests on cuBLAS properties that do not
     hold on an H200 (a bmm item's bits change with the batch count; a GEMM column's with N -- both
@@ -71,7 +76,16 @@ def strict_impl(op: str, device: torch.device) -> Callable:
     ``RLALIGN_TRITON_DISABLE=op1,op2`` sends the named ops there (explicit opt-ins, for debugging).
     Resolved once per (op, device type, environment): this runs on every op call.
     """
+    if as_profile(profile) is Profile.PORTABLE:
+        return _portable_impl(op)
     return _resolve_impl(op, device.type, *_env())
+
+
+def _portable_impl(op: str) -> Callable:
+    fn = IMPLEMENTATIONS.get((op, "portable"))
+    if fn is None:
+        raise refusal(op)
+    return fn
 
 
 @functools.lru_cache(maxsize=None)

@@ -248,7 +248,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         if window is not None or sinks is not None:
             return _native_varlen_window_sinks(q, k, v, cu_seqlens, scale, window, sinks)
         return _native_varlen(q, k, v, cu_seqlens, scale)
-    impl = strict_impl("attention_varlen", q.device)
+    impl = strict_impl("attention_varlen", q.device, profile)
     if window is None and sinks is None:
         return impl(q, k, v, cu_seqlens, scale)
     return impl(q, k, v, cu_seqlens, scale, window=window, sinks=sinks)
@@ -275,7 +275,7 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(),
                                      scale, window, sinks)
             return _native_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
-        impl = strict_impl("attention_paged", q.device)
+        impl = strict_impl("attention_paged", q.device, profile)
         if window is None and sinks is None:
             return impl(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
         return impl(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, window=window, sinks=sinks)
@@ -333,7 +333,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     if slot_mapping.numel() == 0:   # no token: nothing to normalise, rotate or write
         return q.detach().clone(), k.detach().clone()
     slots = _cache_slots(op, k_cache, slot_mapping)
-    return strict_impl(op, q.device)(q, k, v, cos, sin, k_cache, v_cache, slots, _check_k, qk_norm=qk_norm)
+    return strict_impl(op, q.device, profile)(q, k, v, cos, sin, k_cache, v_cache, slots, _check_k, qk_norm=qk_norm)
 
 
 def _check_qk_norm(q: torch.Tensor, k: torch.Tensor, qk_norm) -> None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
+from rlalign.ops.portable import dense as portable_dense
 from rlalign.contract.errors import fail
 
 
@@ -29,7 +30,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     _check_linear(x, weight, bias)
     chk.finite("linear", "x", x)
-    return strict_impl("linear", x.device)(x, weight, bias, k_segments)
+    return strict_impl("linear", x.device, profile)(x, weight, bias, k_segments)
 
 
 def linear_group(x: torch.Tensor, weights, biases=None, *, views: bool = False,
@@ -53,7 +54,7 @@ def linear_group(x: torch.Tensor, weights, biases=None, *, views: bool = False,
     for w, b in zip(weights, biases):
         _check_linear(x, w, b)
     chk.finite("linear", "x", x)
-    return strict_impl("linear_group", x.device)(x, weights, biases, views)
+    return strict_impl("linear_group", x.device, profile)(x, weights, biases, views)
 
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -90,7 +91,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
         return out if residual is None else (out, x)
     tensors = (x, weight) if residual is None else (x, weight, residual)
     check_rms_norm(x, weight, *tensors[2:])
-    impl = strict_impl("rms_norm", x.device)
+    impl = strict_impl("rms_norm", x.device, profile)
     if residual is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         # the backend adds the residual itself (h = x + residual rounded once to x.dtype; the Triton kernel in the
         # norm's own launch), then normalises h; h is checked as x is below
@@ -167,8 +168,11 @@ def rope_attention_scaling(scaling: dict | None) -> float:
     return mscale(factor)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
-    """cos/sin tables [T, D/2] for absolute ``positions``: computed in float64, stored fp32."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0, *, profile=None):
+    """cos/sin tables [T, D/2] for absolute ``positions``: computed in float64, stored fp32. Portable profile:
+    sin / cos by its own float64 polynomials (rlalign.ops.portable.dense.rope_tables), the same on every device."""
+    if as_profile(profile) is Profile.PORTABLE:
+        return portable_dense.rope_tables(positions, inv_freq, attention_scaling)
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(device=positions.device, dtype=torch.float64)
     return ((torch.cos(angles) * attention_scaling).float(), (torch.sin(angles) * attention_scaling).float())
 
@@ -190,7 +194,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, profile=None)
     strict = as_profile(profile) is not Profile.NATIVE
     check_rope("rope", x, cos, sin, strict)
     if strict:
-        return strict_impl("rope", x.device)(x, cos, sin)
+        return strict_impl("rope", x.device, profile)(x, cos, sin)
     half = x.shape[-1] // 2
     c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
@@ -204,7 +208,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, profile=None) -> torch.Ten
     if as_profile(profile) is Profile.NATIVE:
         return F.silu(gate) * up
     chk.dtype_ok("silu_mul", gate, up)
-    return strict_impl("silu_mul", gate.device)(gate, up)
+    return strict_impl("silu_mul", gate.device, profile)(gate, up)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, *, profile=None) -> torch.Tensor:

@@ -32,6 +32,8 @@ from rlalign.reductions import tree_sum
 def _check(op: str, profile, *tensors: torch.Tensor) -> None:
     if as_profile(profile) is Profile.NATIVE:
         raise fail(op, "the native profile has no Gated-DeltaNet route; use the strict profile")
+    if as_profile(profile) is Profile.PORTABLE:
+        raise fail(op, "Gated-DeltaNet layers are not implemented in the portable profile (docs/portable.md)")
     for t in tensors:
         if t.device.type != "cpu":
             raise fail(op, f"Gated-DeltaNet layers run on the CPU only (got a tensor on {t.device}); no CUDA/Triton "

@@ -64,7 +64,7 @@ def logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     check_strict_inputs(op, hidden, weight, targets)
     tokens = _round_chunk(op, "token_chunk", token_chunk, DEFAULT_TOKEN_CHUNK, spec.TOKEN_BLOCK)
     vocab = _round_chunk(op, "vocab_chunk", vocab_chunk, DEFAULT_VOCAB_CHUNK, spec.VOCAB_BLOCK)
-    impl = strict_impl(op, hidden.device)
+    impl = strict_impl(op, hidden.device, profile)
     return impl(hidden, weight, targets, temperature, tokens, vocab, bool(with_entropy))
 
 
@@ -83,7 +83,7 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float 
         logits = _mm_fp32(hidden, weight.t())
         return logits if temperature == 1.0 else logits / temperature
     check_strict_inputs(op, hidden, weight)
-    return strict_impl(op, hidden.device)(hidden, weight, temperature, DEFAULT_VOCAB_CHUNK)
+    return strict_impl(op, hidden.device, profile)(hidden, weight, temperature, DEFAULT_VOCAB_CHUNK)
 
 
 # ---- native baseline ---------------------------------------------------------------------------

@@ -42,6 +42,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     bf16 inputs are upcast exactly, so a bf16 model's logits are its fp32 logits (transformers rounds
     them to bf16 before the softmax; we do not: a rounding there would only add ties to the top-k)."""
+    _refuse_portable("router_logits", profile)
     return linear(x.float(), weight.float(), None if bias is None else bias.float(), profile=profile)
 
 
@@ -52,6 +53,7 @@ def moe_route_topk_softmax(logits: torch.Tensor, top_k: int, *, profile=None):
     descending sort of the logits (equal logits: the lower expert index first), the first k; m = the first
     (the largest, exact), u_j = exp(l_j - m), s = balanced tree sum of u in rank order, w_j = u_j / s.
     Differentiable (into the selected logits). Native: torch.topk and torch.softmax."""
+    _refuse_portable("moe_route", profile)
     chk.ndim("moe_route", "logits", logits, 2)
     n_experts = logits.shape[1]
     if not 1 <= top_k <= n_experts:
@@ -68,6 +70,12 @@ def moe_route_topk_softmax(logits: torch.Tensor, top_k: int, *, profile=None):
     return experts, u / tree_sum(u).unsqueeze(-1)
 
 
+def _refuse_portable(op: str, profile) -> None:
+    """Mixture-of-experts ops have no portable implementation: one line, never a fallback."""
+    if as_profile(profile) is Profile.PORTABLE:
+        raise fail(op, "mixture-of-experts layers are not implemented in the portable profile (docs/portable.md)")
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, *, profile=None) -> torch.Tensor:
     """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit).
 
@@ -75,6 +83,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     sigmoid is not position invariant on the CPU, contract: what the CPU backend relies on), one rounding to
     the input dtype; differentiable (torch's elementwise autograd: clamp passes no gradient outside its range).
     Native: the same formula (elementwise: nothing to gain from a vendor kernel)."""
+    _refuse_portable("clamped_swiglu", profile)
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise fail("clamped_swiglu", f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                                      "must have one shape and dtype")
@@ -108,7 +117,7 @@ def moe_route(logits: torch.Tensor, top_k: int, *, normalize: bool, profile=None
     if logits.dtype != torch.float32:
         raise fail("moe_route", f"router logits must be float32 (got {logits.dtype}): use ops.router_logits")
     chk.finite("moe_route", "logits", logits)
-    return strict_impl("moe_route", logits.device)(logits, top_k, normalize)
+    return strict_impl("moe_route", logits.device, profile)(logits, top_k, normalize)
 
 
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.Tensor], up_w: Sequence[torch.Tensor],
@@ -137,7 +146,7 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.T
     if as_profile(profile) is Profile.NATIVE:
         return sorted_experts(x, experts, gate_w, up_w, down_w, down_segments, profile=profile)
     chk.finite("moe_experts", "x", x)
-    return strict_impl("moe_experts", x.device)(x, experts, gate_w, up_w, down_w, down_segments)
+    return strict_impl("moe_experts", x.device, profile)(x, experts, gate_w, up_w, down_w, down_segments)
 
 
 @register("moe_experts", "torch")

@@ -18,6 +18,7 @@ from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
+from rlalign.ops.portable import sample as portable_sample
 from rlalign.ops.temperature import divide_by_temperature, temperature_divisor
 from rlalign.ops.torch_backend.sample import (GAMMA, MASK64, filtering_rows, min_p_top_k, mix64_int, params_verdict,
                                               row_key_int)
@@ -88,14 +89,14 @@ def sample(logits: torch.Tensor, *, seeds, seq_ids, positions, temperature=1.0, 
     if not static:
         check_values(*params)
     if not _is_off(min_p):   # the default (a Python 0) changes nothing: not even one more pass over the logits
-        params = (*params[:4], _min_p_top_k(logits, params[3], params[4], min_p, static), params[5])
+        params = (*params[:4], _min_p_top_k(logits, params[3], params[4], min_p, static, as_profile(profile)), params[5])
     elif native:   # (strict: the implementation checks them on the device, e.g. in the Triton sample kernel)
         params_verdict(*params[3:])
     if native:
         return _native_sample(logits, *params, static=static)
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    return strict_impl("sample", logits.device)(logits, *params)
+    return strict_impl("sample", logits.device, profile)(logits, *params)
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def check_min_p(min_p: torch.Tensor) -> None:
         raise fail("sample", f"min_p must be in [0, 1] (0 = off), got {_first_bad(min_p, bad)}")
 
 
-def _min_p_top_k(logits, temperature, top_k, min_p, static: bool) -> torch.Tensor:
+def _min_p_top_k(logits, temperature, top_k, min_p, static: bool, profile: Profile) -> torch.Tensor:
     """The rows' top_k tightened by ``min_p`` (checked here; a device verdict in the static form), from the very z
     the sampler draws from (the temperature rule, greedy rows / 1)."""
     min_p = per_row("min_p", min_p, logits.shape[0], logits.device, integer=False)
@@ -182,6 +183,8 @@ def _min_p_top_k(logits, temperature, top_k, min_p, static: bool) -> torch.Tenso
                      ((min_p >= 0) & (min_p <= 1)).all())
     else:
         check_min_p(min_p)
+    if profile is Profile.PORTABLE:
+        return portable_sample.min_p_top_k(logits, temperature, top_k, min_p)
     z = divide_by_temperature(logits, temperature_divisor(temperature, logits.device))
     return torch.where(temperature == 0, top_k, min_p_top_k(z, top_k, min_p))
 

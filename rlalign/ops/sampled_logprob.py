@@ -71,6 +71,8 @@ def sampled_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     hidden [T, H], weight [V, H] (the LM head), targets int [T]; temperature (0 = greedy), top_k (0 = off), top_p
     (1 = off), min_p (0 = off): a number or a [T] tensor each, the values ``ops.sample`` takes. Differentiable with
     respect to hidden and weight through ``logprob`` and ``entropy``."""
+    if as_profile(profile) is Profile.PORTABLE:
+        raise fail(OP, "sampled log-probs are not implemented in the portable profile (docs/portable.md)")
     if as_profile(profile) is Profile.NATIVE:
         raise fail(OP, "sampled log-probs need the strict profile (the native sampler's kept set breaks ties at the "
                        "cut by its sort, so a drawn token may lie outside the scored set)")

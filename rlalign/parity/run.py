@@ -174,6 +174,8 @@ def _check_options(o: ParityOptions) -> None:
     for side in (ROLLOUT_SIDES[o.rollout], TRAINER_SIDES[o.train]):
         if side.check is not None:
             side.check(o)
+    if o.profile == "portable" and (o.rollout, o.train) != ("rlalign", "rlalign"):
+        raise ParityError("--profile portable runs rlalign's own sides only: use --rollout rlalign --train rlalign")
     if o.tp and (o.train != "rlalign" or o.profile != "strict"):
         raise ParityError("--tp shards rlalign's training side in the strict profile: use --train rlalign --profile strict")
 
@@ -198,6 +200,9 @@ def run_parity(o: ParityOptions) -> ParityResult:
     rollout = build_rollout(o, model, model_dir)
     if o.replay:
         record = RolloutRecord.load(o.replay)
+        if "portable" in (record.profile, o.profile) and record.profile != o.profile:
+            raise ParityError(f"{o.replay} was recorded in the {record.profile} profile: score it with --profile "
+                              f"{record.profile} (only portable records compare across devices)")
     else:
         prompts = default_prompts(o.prompts, model_dir, config.vocab_size, o.seed)
         record = rollout.generate(prompts, n=o.samples, max_new_tokens=o.max_new_tokens, temperature=o.temperature,

@@ -26,7 +26,8 @@ OVERLAP_MODES = ("auto", "on", "off")
 class RolloutConfig:
     """Engine configuration.
 
-    profile: ``"strict"`` (bitwise agreement with the trainer) or ``"native"`` (vendor kernels);
+    profile: ``"strict"`` (bitwise agreement with the trainer), ``"native"`` (vendor kernels) or ``"portable"``
+        (strict's agreement, the same bits on the CPU and on a CUDA GPU; eager, slow: docs/portable.md);
         the engine enters :func:`rlalign.contract.use_profile` around its forwards and sampling.
     page_size: tokens per KV page (block).
     max_num_seqs: most sequences running at once (the decode batch).

@@ -64,6 +64,11 @@ def decode_graph_mode(config: RolloutConfig, model) -> str | None:
     if setting == "on" and not gpu:
         raise RolloutConfigError(f"decode_graphs='on' needs a CUDA model (got device {device}); "
                                  "use 'auto' or 'off'")
+    if config.profile == "portable":   # the portable ops run eagerly (host reads, Python loops): no capture
+        if setting in ("on", "padded"):
+            raise RolloutConfigError(f"decode_graphs={setting!r}: the portable profile decodes eagerly; use 'auto' "
+                                     "or 'off'")
+        return None
     if setting == "padded":
         return "padded"
     eager_experts = gpu and config.profile == "native" and native_experts_read_host(model)

@@ -340,7 +340,7 @@ class RunSection:
         "dir": non_empty("a directory path", optional=True),
         "steps": at_least(1),
         "seed": within(0, 2**63 - 1),
-        "profile": checked_by_type("strict or native"),
+        "profile": checked_by_type("strict, native or portable"),
         "on_mismatch": checked_by_type("warn or stop"),
         "eval_every": at_least(1),
         "eval_samples": at_least(1),
@@ -364,7 +364,8 @@ class RunSection:
     dir: str | None = None             # default: runs/<timestamp>
     steps: int = 120                   # optimizer steps of the run
     seed: int = 0                      # seed of the data order and the sampling
-    profile: Literal["strict", "native"] = "strict"   # strict: bit-identical logprobs; native: vendor kernels
+    profile: Literal["strict", "native", "portable"] = "strict"   # strict: bit-identical logprobs; native: vendor kernels;
+    # portable: strict across CPU and GPU (rollout and scoring only: training refuses it, docs/portable.md)
     on_mismatch: Literal["warn", "stop"] = "warn"     # strict profile: what a train/rollout mismatch does
     eval_every: int = 10               # held-out eval every N steps (and at the last)
     eval_samples: int = 2              # samples per held-out problem for eval/accuracy (at the rollout temperature)
@@ -454,6 +455,9 @@ class TrainConfig:
     parallel: ParallelSection = dataclasses.field(default_factory=ParallelSection)
 
     def validate(self):
+        if self.run.profile == "portable":
+            return ("run.profile=portable covers rollout and scoring only (rlalign parity / rlalign generate "
+                    "--profile portable): it has no backward, so training refuses it; use run.profile=strict")
         if self.parallel.world_size > 1 and self.launcher != "local":
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
         if self.task.env is not None and self._env_refusal():

@@ -152,20 +152,21 @@ def _ordered_prefix(z: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Te
     return vals, ids, (vals > vals[:, -1:]).sum(-1)
 
 
-def _nucleus(z, vals, ids, in_k, k_on, top_p):
-    """Top-p in sorted order: (keep flags, inclusive int64 prefix sums, limit); see module doc."""
+def _nucleus(z, vals, ids, in_k, k_on, top_p, exp=torch.exp):
+    """Top-p in sorted order: (keep flags, inclusive int64 prefix sums, limit); see module doc. ``exp``: the
+    elementwise exp (the portable profile passes its own)."""
     m = vals[:, :1]
     in_k_by_id = torch.zeros_like(z, dtype=torch.bool).scatter_(1, ids, in_k) | ~k_on[:, None]
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
-    norm = tree_sum(torch.where(in_k_by_id, torch.exp(z - m), zero)).unsqueeze(-1)
-    p = torch.where(in_k, torch.exp(vals - m), zero) / norm
+    norm = tree_sum(torch.where(in_k_by_id, exp(z - m), zero)).unsqueeze(-1)
+    p = torch.where(in_k, exp(vals - m), zero) / norm
     q = (p * 2.0 ** NUCLEUS_BITS).to(torch.int64)
     cum = torch.cumsum(q, dim=-1)
     limit = torch.ceil(top_p.double() * 2.0 ** NUCLEUS_BITS).to(torch.int64).unsqueeze(-1)
     return (cum - q) < limit, cum, limit
 
 
-def _keep_sorted(z, vals, ids, n_exact, k, top_p):
+def _keep_sorted(z, vals, ids, n_exact, k, top_p, exp=torch.exp):
     """Keep flags in sorted order [R, C], and per row whether they are exact (see _ordered_prefix).
 
     A top-k row is exact when its k tokens lie in the exact part; a top-p-only row when the
@@ -177,7 +178,7 @@ def _keep_sorted(z, vals, ids, n_exact, k, top_p):
     in_k = ~k_on[:, None] | (rank < k[:, None])
     if not bool(p_on.any()):
         return in_k, k <= n_exact
-    in_p, cum, limit = _nucleus(z, vals, ids, in_k, k_on, top_p)
+    in_p, cum, limit = _nucleus(z, vals, ids, in_k, k_on, top_p, exp)
     reached = ((cum >= limit) & (rank < n_exact[:, None])).any(-1)
     keep = in_k & (~p_on[:, None] | in_p)
     exact = torch.where(k_on, k <= n_exact, reached | (n_exact == z.shape[1]))
@@ -198,7 +199,8 @@ def _candidate_counts(k: torch.Tensor, vocab: int, first: int | None) -> list[in
     return counts + [vocab]
 
 
-def keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
+def keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, candidates: int | None = None,
+              exp=torch.exp) -> torch.Tensor:
     """[R, V] bool: tokens kept by top-k then top-p (k: int64 [R], 0 = off; top_p: fp32 [R]).
 
     Fast path: order only the largest candidates of each row; rows whose cut is not decided
@@ -215,7 +217,7 @@ def keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, candidates:
     for count in _candidate_counts(k, z.shape[1], candidates):
         zt = z[todo]
         vals, ids, n_exact = _ordered_prefix(zt, count)
-        keep_sorted, exact = _keep_sorted(zt, vals, ids, n_exact, k[todo], top_p[todo])
+        keep_sorted, exact = _keep_sorted(zt, vals, ids, n_exact, k[todo], top_p[todo], exp)
         keep[todo] = torch.zeros_like(zt, dtype=torch.bool).scatter_(1, ids, keep_sorted)
         todo = todo[~exact]
         if todo.numel() == 0:
@@ -223,7 +225,7 @@ def keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, candidates:
     return keep
 
 
-def static_keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def static_keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, exp=torch.exp) -> torch.Tensor:
     """:func:`keep_mask` with static shapes and no host read (for CUDA-graph capture): every row is
     ordered by a full stable sort (the candidate count keep_mask ends with, exact for every row) and
     every row's nucleus is evaluated; a row with top_p = 1 keeps its top-k set and a row without
@@ -234,12 +236,12 @@ def static_keep_mask(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
     rank = torch.arange(vals.shape[1], device=z.device)
     k_on, p_on = k > 0, top_p < 1
     in_k = ~k_on[:, None] | (rank < k[:, None])
-    in_p, _, _ = _nucleus(z, vals, ids, in_k, k_on, top_p)
+    in_p, _, _ = _nucleus(z, vals, ids, in_k, k_on, top_p, exp)
     keep_sorted = in_k & (~p_on[:, None] | in_p)
     return torch.zeros_like(z, dtype=torch.bool).scatter_(1, ids, keep_sorted)
 
 
-def min_p_top_k(z: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def min_p_top_k(z: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor, exp=torch.exp) -> torch.Tensor:
     """top_k tightened by min-p (vLLM's rule: keep the tokens whose probability is >= min_p x the row's largest;
     0 = off), as int64 [R], so that min-p is a prefix of the order like top-k and every sampler (both backends,
     the static form) and the scorer keep the same set.
@@ -250,7 +252,7 @@ def min_p_top_k(z: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor) -> to
     exp(0) = 1 >= min_p, so c >= 1; a count, not the set {exp >= min_p} itself, so the kept set is a prefix of
     the order by definition. Rows with min_p == 0 keep ``top_k`` unchanged."""
     vocab = z.shape[1]
-    count = (torch.exp(z - z.amax(-1, keepdim=True)) >= min_p.unsqueeze(-1)).sum(-1)
+    count = (exp(z - z.amax(-1, keepdim=True)) >= min_p.unsqueeze(-1)).sum(-1)
     k = torch.minimum(torch.where((top_k == 0) | (top_k >= vocab), vocab, top_k), count)
     return torch.where(min_p > 0, torch.where(k >= vocab, 0, k), top_k)
 
