@@ -207,5 +207,8 @@ register(Family("gpt_oss", "GptOssForCausalLM", _gpt_oss_features, _gpt_oss_keys
                 backbone_architecture="GptOssModel", windows=True, integrations=False))
 
 
+# families registered by a module of their own (imported here so that every config parse sees them)
+from rlalign.models import deepseek_v3_family as _deepseek_v3_family  # noqa: E402,F401
+
 __all__ = ["Family", "register", "get", "names", "architectures", "integration_architectures", "by_architecture", "dense_ffn", "MOE_KEYS",
            "UnknownArchitectureError"]

@@ -63,10 +63,10 @@ def batch_attend(batch) -> Attend:
 
 
 def rope_inv_freq(config) -> torch.Tensor:
-    """float64 inverse frequencies of ``config``'s rope, on the CPU whatever the default device (a model
+    """float64 inverse frequencies of ``config``'s rope (over ``rope_head_dim`` where only part of a head rotates), on the CPU whatever the default device (a model
     built under a meta-device context must still get real tables; callers copy them to the batch's device)."""
     with torch.device("cpu"):
-        return ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        return ops.rope_inv_freq(config.rope_head_dim or config.head_dim, config.rope_theta, config.rope_scaling)
 
 
 def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, *, layer: int,

@@ -74,6 +74,12 @@ KEY_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "architectures": ("a list of strings", _list_of(lambda v: isinstance(v, str))),
     "layer_types": ("a list of strings", _list_of(lambda v: isinstance(v, str))),
     "mlp_only_layers": ("a list of layer indices (integers >= 0)", _list_of(lambda v: _is_int(v, 0))),
+    # DeepSeek-V3 (rlalign.models.deepseek_v3_family); q_lora_rank null means no q low-rank path
+    **{k: _SIZE for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                          "n_group", "topk_group", "moe_layer_freq")},
+    **{k: _COUNT for k in ("first_k_dense_replace", "num_nextn_predict_layers")},
+    "routed_scaling_factor": _POSITIVE,
+    "rope_interleave": _BOOL,
 }
 
 
@@ -118,6 +124,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None  # per layer "full_attention" | "sliding_attention" (None: all full)
     ffn_kind: str = "dense"        # the FFN module kind (rlalign.models.ffn registry)
     ffn_options: dict = dataclasses.field(default_factory=dict)  # shape fields of non-dense FFN kinds
+    attention_kind: str = "mha"    # the attention module kind (rlalign.models.attention_kinds registry)
+    attention_options: dict = dataclasses.field(default_factory=dict)  # shape fields of other attention kinds
+    rope_head_dim: int | None = None   # rotated dims per head when only part of it is rotated (MLA); None: head_dim
 
     def attention_window(self, layer_index: int) -> int | None:
         """The sliding window of layer ``layer_index``'s attention (None: full causal attention)."""
@@ -145,10 +154,12 @@ class ModelConfig:
             raise ModelConfigError(str(exc)) from None
         heads = _required(d, "num_attention_heads")
         hidden = _required(d, "hidden_size")
-        kv_heads = d.get("num_key_value_heads") or heads
+        # a family whose heads are not config.json's head_dim / num_key_value_heads (MLA) sets them in its features
+        kv_heads = features.pop("num_kv_heads", None) or d.get("num_key_value_heads") or heads
         if heads % kv_heads:
             raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        head_dim = d.get("head_dim") or (family.default_head_dim(d) if "head_dim" not in d else hidden // heads)
+        head_dim = features.pop("head_dim", None) or d.get("head_dim") or (
+            family.default_head_dim(d) if "head_dim" not in d else hidden // heads)
         theta, scaling = _rope(d, family)
         return cls(
             family=family.model_type,

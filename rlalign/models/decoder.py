@@ -1,4 +1,4 @@
-"""The decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss families), written only with ``rlalign.ops``.
+"""The decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss / DeepSeek-V3 families), written only with ``rlalign.ops``.
 
 The math of a layer lives in :mod:`rlalign.models.blocks` (shared with the transformers patch);
 these modules hold the weights under Hugging Face's names and choose their parts from the
@@ -24,15 +24,18 @@ from rlalign.contract import sharding
 from rlalign.models.batch import ForwardBatch
 from rlalign.models.blocks import (Attend, attention_block, batch_attend, decoder_layer_block, final_norm_block,
                                    rope_inv_freq)
+from rlalign.models.attention_kinds import build_attention, register_attention
 from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import build_ffn
 from rlalign.models import moe as _moe  # noqa: F401  (registers the "moe" FFN kind)
 from rlalign.models import gpt_oss as _gpt_oss  # noqa: F401  (registers the gpt_oss family and its FFN kind)
+from rlalign.models import deepseek_v3 as _deepseek_v3  # noqa: F401  (registers the "mla" attention and its FFN kind)
 from rlalign.models.layout import checkpoint_tensors
 from rlalign.models.modules import Embedding, Linear, RMSNorm, stack_rows
 from rlalign.models.taps import EMBED, note_batch, tap
 
 
+@register_attention("mha")
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int, dtype, device):
         super().__init__()
@@ -79,7 +82,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, layer_index, dtype, device)
+        self.self_attn = build_attention(cfg, layer_index, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = build_ffn(cfg, layer_index, dtype, device)
 
