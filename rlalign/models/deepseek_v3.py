@@ -147,11 +147,11 @@ class DeepseekRouter(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """``.to()`` / ``.bfloat16()`` move the bias but keep it fp32 (transformers keeps it in fp32 too)."""
-        bias = self.e_score_correction_bias
+        bias = self.e_score_correction_bias.data   # the tensor, not the Parameter (whose .data _apply rebinds)
         out = super()._apply(fn, recurse)
         moved = self.e_score_correction_bias
         if moved.dtype != torch.float32:
-            moved.data = bias.data.to(device=moved.device)
+            moved.data = bias.to(device=moved.device)
         return out
 
 

@@ -1,0 +1,62 @@
+"""DeepSeek-V3 through the rollout engine: the engine's log-probs are the trainer's packed forward's, bit for bit, and
+tokens and log-probs do not depend on the engine's configuration (page size, chunked prefill, batch composition,
+prefix sharing) -- fp32 and bf16, MLA with and without a low-rank q (the expanded K and zero-padded V in the paged
+cache), interleaved and plain rope, a dense layer then routed + shared experts with group-limited routing; the
+routing the engine records is the trainer's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rlalign.contract import use_profile
+from rlalign.models import ForwardBatch
+from rlalign.models.moe import record_routing
+from rlalign.models.testing import tiny_model
+from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from tests.rollout.test_engine_bitwise import (assert_matches_trainer, assert_same_completions, make_prompts,
+                                               random_config)
+
+SAMPLING = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
+VARIANTS = {"qlora-interleaved-fp32": ("float32", dict()),
+            "q_proj-plain-rope-4groups-bf16": ("bfloat16", dict(q_lora_rank=None, rope_interleave=False, n_group=4,
+                                                                topk_group=2, num_experts_per_tok=3))}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def model(request):
+    dtype, overrides = VARIANTS[request.param]
+    return tiny_model("deepseek_v3", seed=1, init_std=0.2, dtype=dtype, **overrides)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(7, count=4)
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    return RolloutEngine(model, RolloutConfig(num_pages=256, record_routing=True)).generate(prompts, SAMPLING)
+
+
+def test_engine_logprobs_and_routing_equal_the_trainers(model, reference):
+    assert_matches_trainer(model, reference, SAMPLING.logprob_temperature)
+    seqs = [c.prompt_tokens + c.tokens for c in reference]
+    with use_profile("strict"), torch.no_grad(), record_routing(keep_logits=False) as record:
+        model.forward_hidden(ForwardBatch.packed(seqs))
+    trainer = record.expert_ids()
+    start = 0
+    for c, s in zip(reference, seqs):
+        # the engine records the experts of every token it ran (the last sampled token is never run)
+        assert torch.equal(c.routing.to(trainer.dtype), trainer[start:start + len(s) - 1]), c.prompt_index
+        start += len(s)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_completions_do_not_depend_on_the_engine_configuration(model, prompts, reference, seed):
+    rng = random.Random(seed)
+    config = random_config(rng, max(len(p) for p in prompts) + SAMPLING.max_new_tokens)
+    got = RolloutEngine(model, config).generate(prompts, SAMPLING)
+    assert_same_completions(got, reference)
