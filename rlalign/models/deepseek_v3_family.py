@@ -1,4 +1,5 @@
-"""The ``deepseek_v3`` family's config.json parser (``DeepseekV3ForCausalLM``): its entry in the architecture registry.
+"""The ``deepseek_v3`` family's config.json parser (``DeepseekV3ForCausalLM``; registered by
+rlalign.models.architectures, which imports it: no import back).
 
 Maps transformers' ``DeepseekV3Config`` keys (defaults for keys a config.json leaves out are transformers') to the
 decoder's features: ``attention_kind="mla"`` (multi-head latent attention, rlalign.models.deepseek_v3) with its shape
@@ -18,8 +19,6 @@ groups of fewer than 2 experts, more experts per token than the kept groups hold
 from __future__ import annotations
 
 from typing import Any
-
-from rlalign.models.architectures import Family, register
 
 # transformers' DeepseekV3Config defaults, for keys a config.json leaves out (or sets to null, except q_lora_rank,
 # whose null means "no low-rank q")
@@ -112,8 +111,4 @@ def hf_keys(cfg) -> dict[str, Any]:
                                  "first_k_dense_replace")}}
 
 
-FAMILY = register(Family("deepseek_v3", "DeepseekV3ForCausalLM", features, hf_keys,
-                         default_head_dim=lambda d: int(d.get("qk_rope_head_dim") or 64),
-                         backbone_architecture="DeepseekV3Model", integrations=False))
-
-__all__ = ["FAMILY", "features", "hf_keys", "ROPE_TYPES"]
+__all__ = ["features", "hf_keys", "ROPE_TYPES"]
