@@ -4,7 +4,8 @@ The family (``model_type``) is looked up in :mod:`rlalign.models.architectures`,
 config.json to the feature fields (``qkv_bias``, ``qk_norm``, ``ffn_kind``, ...) and back; the
 decoder reads only the features. Registered: ``llama`` (Llama 2/3, rope scaling ``llama3``),
 ``qwen2`` (Qwen2/2.5: q/k/v bias), ``qwen3`` (dense Qwen3: q/k RMSNorm), ``qwen3_moe``, ``gpt_oss`` (sliding
-windows, attention sinks, YaRN rope, its MoE: rlalign.models.gpt_oss). Anything the decoder
+windows, attention sinks, YaRN rope, its MoE: rlalign.models.gpt_oss), ``deepseek_v3`` (multi-head latent
+attention, grouped sigmoid routing with shared experts: rlalign.models.deepseek_v3_family / deepseek_v3). Anything the decoder
 would silently compute differently from the reference implementation (MoE, sliding window, other
 rope scalings, extra biases, other activations, partial rotary) is refused with a
 :class:`ModelConfigError` naming the feature. Every config.json key this module (or a family) reads is
