@@ -25,6 +25,8 @@ FAMILIES = {
     # layer 0 sparse (8 experts, top-2), layer 1 dense
     "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1]),
+    # MLA (expanded K, zero-padded V in the cache), layer 0 dense, layer 1 routed (4 groups, 2 kept) + shared
+    "deepseek_v3": dict(n_group=4, topk_group=2, num_experts_per_tok=3),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # 66 crosses the 64-position attention block boundary; 1 is a single-token sequence.
