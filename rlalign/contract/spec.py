@@ -190,7 +190,8 @@ CONTRACT: tuple[OpContract, ...] = (
         "number of tokens, token position, other tokens' routing",
     ),
     OpContract(
-        "moe_route_grouped_sigmoid (DeepSeek-V3 router)", "each group's two largest; the k chosen scores (renormaliser)",
+        "moe_route_grouped_sigmoid (DeepSeek-V3 router)",
+        "each group's two largest; the k chosen scores (renormaliser)",
         "whole row of E router logits (fp32: the strict linear on fp32 copies of the hidden row and router weight), "
         "E / n_group experts per group",
         "score = 1 / (1 + exp(-l)); choice = score + e_score_correction_bias (fp32); group score = its largest "

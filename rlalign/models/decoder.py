@@ -1,4 +1,4 @@
-"""The decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss / DeepSeek-V3 families), written only with ``rlalign.ops``.
+"""The decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss / DeepSeek-V3), written only with ``rlalign.ops``.
 
 The math of a layer lives in :mod:`rlalign.models.blocks` (shared with the transformers patch);
 these modules hold the weights under Hugging Face's names and choose their parts from the

@@ -55,7 +55,8 @@ from rlalign.models.modules import Linear, RMSNorm
 from rlalign.models.moe import StackedExperts, current_routing_record
 from rlalign.models.taps import layer_tap, tap
 
-LATENT_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps, not rms_norm_eps
+# q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
 
 
 def softmax_scale(cfg: ModelConfig) -> float:

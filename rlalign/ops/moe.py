@@ -87,13 +87,15 @@ def moe_route_grouped_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: i
     chk.ndim("moe_route", "logits", logits, 2)
     n_experts = logits.shape[1]
     if bias.shape != (n_experts,) or not bias.is_floating_point():
-        raise fail("moe_route", f"bias must be a floating [E]=[{n_experts}] tensor, got {tuple(bias.shape)} {bias.dtype}")
+        raise fail("moe_route", f"bias must be a floating [E]=[{n_experts}] tensor, got {tuple(bias.shape)} "
+                                f"{bias.dtype}")
     if n_group < 1 or n_experts % n_group or n_experts // n_group < 2 or not 1 <= topk_group <= n_group:
         raise fail("moe_route", f"{n_experts} experts do not split into n_group={n_group} groups of >= 2 with "
                                 f"topk_group={topk_group} of them kept")
     size = n_experts // n_group
     if not 1 <= top_k <= topk_group * size:
-        raise fail("moe_route", f"top_k={top_k} must be between 1 and the {topk_group * size} experts of the kept groups")
+        raise fail("moe_route", f"top_k={top_k} must be between 1 and the {topk_group * size} experts of the kept "
+                                "groups")
     if as_profile(profile) is Profile.NATIVE:
         return _native_grouped_sigmoid(logits, bias, top_k, n_group, topk_group, normalize, scaling)
     if logits.dtype != torch.float32:

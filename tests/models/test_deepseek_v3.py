@@ -86,7 +86,8 @@ def test_save_is_transformers_file_and_loads_back_in_transformers(tmp_path):
     hf = hf_deepseek(3, q_lora_rank=None, rope_interleave=False).float()
     hf.save_pretrained(tmp_path / "hf")
     model, _ = load_model(tmp_path / "hf", dtype="float32")
-    assert isinstance(model.model.layers[0].self_attn, MLAttention) and model.model.layers[0].self_attn.q_proj is not None
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn, MLAttention) and attn.q_proj is not None and attn.q_a_proj is None
     save_model(model, tmp_path / "ours")
     theirs, ours = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
     assert sorted(theirs) == sorted(ours)
