@@ -44,6 +44,9 @@ TOKEN_BLOCK = ROW_BLOCK
 DEFAULT_TOKEN_CHUNK = 1024
 DEFAULT_VOCAB_CHUNK = 8192
 # RMSNorm epsilon is the model's; the reduction is a balanced tree over the hidden dim.
+# Gated-DeltaNet (Qwen3-Next's linear-attention layers): the recurrence runs in chunks of this many tokens aligned
+# to absolute positions 0, C, 2C, ...; its state exists only at these boundaries (training, prefill and decode alike).
+GDN_CHUNK = 64
 
 STRICT_DTYPES = ("float32", "bfloat16")
 
@@ -225,6 +228,27 @@ CONTRACT: tuple[OpContract, ...] = (
         "acc = y_0 w_0, then acc = acc + y_j w_j left to right (separate multiply and add, no FMA)",
         "fp32 (expert outputs upcast exactly, fp32 weights)", "one rounding of the sum to the model dtype",
         "fp32 mul, add", "rank order of the experts, everything the experts are invariant to",
+    ),
+    OpContract(
+        "short_conv (Gated-DeltaNet causal conv1d)", "the K taps of a channel (the token and the K-1 before it)",
+        "the whole kernel; taps before the sequence's start are zeros (the engine reads the K-1 previous inputs back "
+        "from its paged per-token store: exact)",
+        "balanced pairwise tree sum of the K products", "fp32", "kept fp32 (SiLU as x / (1 + exp(-x)))",
+        "fp32 mul, add, exp, div", "number of tokens, token position, how the sequence was cut",
+    ),
+    OpContract(
+        "delta_chunks (gated delta rule)", "Dk (every dot product) and the rows of a chunk",
+        "chunks of GDN_CHUNK = 64 tokens at absolute positions 0, C, 2C, ...; the recurrent state exists only at "
+        "chunk boundaries: S_j+1 = exp(G_C-1) S_j + sum_i (k_i exp(G_C-1 - G_i)) (x) v'_i; a token reads the state at "
+        "its chunk's start plus the intra-chunk part over the chunk's rows <= itself (forward substitution of the UT "
+        "system row by row, rows i > t selected to +0 in each sum over the chunk)",
+        "balanced pairwise tree sums (over Dk, over the C rows of the chunk, over j < i in the substitution); the "
+        "cumulative gate G_i = G_i-1 + g_i left to right",
+        "fp32 throughout (q, k l2-normalised by a tree sum and 1/sqrt; g = -exp(A_log) log(1 + exp(a + dt_bias)); "
+        "beta = 1 / (1 + exp(-b)))",
+        "the output stays fp32 until the gated RMSNorm rounds once to the model dtype",
+        "fp32 mul, add, sub, div, exp, log, sqrt, where",
+        "how the sequence was cut: packed training == any chunked prefill == one-token decode; the batch",
     ),
     OpContract(
         "collectives", "ranks", "fixed rank order", "all-reduce as all-gather then the same fixed tree on every rank",

@@ -40,6 +40,7 @@ class Family:
     backbone_architecture: str | None = None             # the headless *Model class name
     windows: bool = False                                # its parser reads layer_types / sliding_window itself
     integrations: bool = True                            # the transformers patch and the vLLM plugin serve it
+    partial_rotary: bool = False                         # its parser reads partial_rotary_factor itself
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -16,6 +16,8 @@ from typing import Sequence
 
 import torch
 
+from rlalign.models.linear_cache import linear_caches, linear_layers
+
 
 class KVCache:
     """Per-layer paged K/V storage: ``k[layer]``, ``v[layer]`` are [num_pages, page_size, Hkv, D].
@@ -30,11 +32,21 @@ class KVCache:
         self.num_pages = num_pages
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.linear = {}   # {layer: LinearLayerCache} of the linear-attention layers (rlalign.models.linear_cache)
 
     @classmethod
     def for_model(cls, config, num_pages: int, page_size: int, dtype: torch.dtype,
                   device: str | torch.device = "cpu") -> "KVCache":
-        return cls(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, dtype, device)
+        cache = cls(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, dtype, device)
+        for i in linear_layers(config):   # a linear-attention layer keeps no K/V: its stores instead
+            cache.k[i] = cache.k[i].new_zeros((num_pages, page_size, 0, config.head_dim))
+            cache.v[i] = cache.v[i].new_zeros((num_pages, page_size, 0, config.head_dim))
+        cache.linear = linear_caches(config, num_pages, page_size, dtype, device)
+        return cache
+
+    def paged_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by page (dim 0): what a copy-on-write copies from page to page."""
+        return [*self.k, *self.v, *(t for c in self.linear.values() for t in c.paged_tensors())]
 
     @property
     def num_layers(self) -> int:

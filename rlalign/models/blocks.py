@@ -67,7 +67,7 @@ def rope_inv_freq(config) -> torch.Tensor:
     on the CPU whatever the default device (a model built under a meta-device context must still get real tables;
     callers copy them to the batch's device)."""
     with torch.device("cpu"):
-        return ops.rope_inv_freq(config.rope_head_dim or config.head_dim, config.rope_theta, config.rope_scaling)
+        return ops.rope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling)
 
 
 def attention_block(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, *, layer: int,

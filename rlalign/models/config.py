@@ -5,8 +5,8 @@ config.json to the feature fields (``qkv_bias``, ``qk_norm``, ``ffn_kind``, ...)
 decoder reads only the features. Registered: ``llama`` (Llama 2/3, rope scaling ``llama3``),
 ``qwen2`` (Qwen2/2.5: q/k/v bias), ``qwen3`` (dense Qwen3: q/k RMSNorm), ``qwen3_moe``, ``gpt_oss`` (sliding
 windows, attention sinks, YaRN rope, its MoE: rlalign.models.gpt_oss), ``deepseek_v3`` (multi-head latent
-attention, grouped sigmoid routing with shared experts: rlalign.models.deepseek_v3_family / deepseek_v3). Anything the decoder
-would silently compute differently from the reference implementation (MoE, sliding window, other
+attention, grouped sigmoid routing with shared experts: rlalign.models.deepseek_v3_family / deepseek_v3), and the
+families registered elsewhere in rlalign.models. Anything the decoder would silently compute differently from the reference implementation (MoE, sliding window, other
 rope scalings, extra biases, other activations, partial rotary) is refused with a
 :class:`ModelConfigError` naming the feature. Every config.json key this module (or a family) reads is
 type-checked first (:data:`KEY_RULES`): a string ``hidden_size``, a negative size, a float where an
@@ -61,10 +61,12 @@ _MAPPING = ("a mapping", lambda x: isinstance(x, dict))
 KEY_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{k: _SIZE for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                           "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
-                          "decoder_sparse_step")},
+                          "decoder_sparse_step", "linear_conv_kernel_dim", "linear_key_head_dim",
+                          "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                          "full_attention_interval")},
     # no decoder layer (embedding, final norm, head) is a degenerate but valid model
     **{k: _COUNT for k in ("num_hidden_layers", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
-                           "shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")},
+                           "shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts", "mtp_num_hidden_layers")},
     **{k: _BOOL for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob")},
     **{k: _TEXT for k in ("model_type", "hidden_act", "torch_dtype", "dtype")},
     **{k: _TOKEN_ID for k in ("bos_token_id", "pad_token_id")},
@@ -125,9 +127,19 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None  # per layer "full_attention" | "sliding_attention" (None: all full)
     ffn_kind: str = "dense"        # the FFN module kind (rlalign.models.ffn registry)
     ffn_options: dict = dataclasses.field(default_factory=dict)  # shape fields of non-dense FFN kinds
+    zero_centred_norms: bool = False   # RMSNorm weights w scale by (1 + w) (Qwen3-Next)
+    attention_gate: bool = False       # q_proj also gives a per-head output gate: o_proj(a * sigmoid(gate)) (Qwen3-Next)
+    partial_rotary_factor: float = 1.0   # rope on the first head_dim * factor dims of each head
+    linear_attention: dict = dataclasses.field(default_factory=dict)  # Gated-DeltaNet shape ("linear_attention" layers)
     attention_kind: str = "mha"    # the attention module kind (rlalign.models.attention_kinds registry)
     attention_options: dict = dataclasses.field(default_factory=dict)  # shape fields of other attention kinds
-    rope_head_dim: int | None = None   # rotated dims per head when only part of it is rotated (MLA); None: head_dim
+    rope_head_dim: int | None = None   # rotated dims of each head where MLA rotates only its last ones
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dims of each head the rope rotates: the leading head_dim * partial_rotary_factor, or MLA's
+        rope_head_dim (qk_rope_head_dim, the last dims of its K head)."""
+        return self.rope_head_dim or int(self.head_dim * self.partial_rotary_factor)
 
     def attention_window(self, layer_index: int) -> int | None:
         """The sliding window of layer ``layer_index``'s attention (None: full causal attention)."""
@@ -259,7 +271,8 @@ def _rope(d: dict, family: architectures.Family) -> tuple[float, dict | None]:
         raise ModelConfigError("per-layer-type rope_parameters are not supported")
     scaling = dict(d.get("rope_scaling") or params or {})
     theta = float(scaling.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
-    if float(scaling.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+    partial = float(scaling.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0 and not family.partial_rotary:
         raise ModelConfigError("partial_rotary_factor != 1 is not supported")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "yarn" and family.integrations:

@@ -1,4 +1,4 @@
-"""The decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss / DeepSeek-V3), written only with ``rlalign.ops``.
+"""The decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss / Qwen3-Next / DeepSeek-V3), written with ``rlalign.ops``.
 
 The math of a layer lives in :mod:`rlalign.models.blocks` (shared with the transformers patch);
 these modules hold the weights under Hugging Face's names and choose their parts from the
@@ -30,6 +30,8 @@ from rlalign.models.ffn import build_ffn
 from rlalign.models import moe as _moe  # noqa: F401  (registers the "moe" FFN kind)
 from rlalign.models import gpt_oss as _gpt_oss  # noqa: F401  (registers the gpt_oss family and its FFN kind)
 from rlalign.models import deepseek_v3 as _deepseek_v3  # noqa: F401  (registers the "mla" attention and its FFN kind)
+from rlalign.models.gated_deltanet import GatedDeltaNet
+from rlalign.models.qwen3_next import GatedAttention, ZeroCentredRMSNorm   # (also registers the qwen3_next family)
 from rlalign.models.layout import checkpoint_tensors
 from rlalign.models.modules import Embedding, Linear, RMSNorm, stack_rows
 from rlalign.models.taps import EMBED, note_batch, tap
@@ -77,18 +79,33 @@ class Attention(nn.Module):
         self.num_kv_heads //= tp
 
 
+def norm_kind(cfg: ModelConfig) -> type[RMSNorm]:
+    """The model's RMSNorm module (zero-centred weights: Qwen3-Next)."""
+    return ZeroCentredRMSNorm if cfg.zero_centred_norms else RMSNorm
+
+
 class DecoderLayer(nn.Module):
+    """The token mixer is ``self_attn`` (:class:`Attention`, or Qwen3-Next's :class:`GatedAttention` where
+    ``attention_gate``) or, on a "linear_attention" layer, ``linear_attn`` (:class:`GatedDeltaNet`)."""
+
     def __init__(self, cfg: ModelConfig, layer_index: int, dtype, device):
         super().__init__()
         self.layer_index = layer_index
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = build_attention(cfg, layer_index, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        norm = norm_kind(cfg)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if cfg.layer_types is not None and cfg.layer_types[layer_index] == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, layer_index, dtype, device)
+        else:
+            self.self_attn = (GatedAttention(cfg, layer_index, dtype, device) if cfg.attention_gate
+                              else build_attention(cfg, layer_index, dtype, device))
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = build_ffn(cfg, layer_index, dtype, device)
 
     def forward(self, h, residual, cos, sin, batch: ForwardBatch):
         """(h, residual) -> (FFN output, residual stream before the FFN); residual None on layer 0.
         (The batch is an argument so that hooks on the layer see each forward's rows.)"""
+        if hasattr(self, "linear_attn"):
+            return decoder_layer_block(self, h, residual, lambda x: self.linear_attn(x, batch), self.layer_index)
         attend = batch_attend(batch)
         return decoder_layer_block(self, h, residual, lambda x: self.self_attn(x, cos, sin, attend), self.layer_index)
 
@@ -98,7 +115,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = norm_kind(cfg)(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
 class CausalLM(nn.Module):

@@ -163,6 +163,9 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> nn.Module:
         raise LoRAError("the model already holds LoRA adapters")
     if getattr(model, "tp_group", None) is not None:
         raise LoRAError("model.lora with parallel.tp is not supported yet; use parallel.tp=1 (or parallel.dp)")
+    if model.config.linear_attention:
+        raise LoRAError(f"model.lora is not supported for {model.config.family} models yet (linear-attention layers); "
+                        "train the full model (remove model.lora)")
     gen = torch.Generator().manual_seed(seed)
     model.requires_grad_(False)
     for index, layer in enumerate(model.model.layers):

@@ -14,6 +14,7 @@ import torch
 
 from rlalign.models.config import ModelConfig
 from rlalign.models.decoder import CausalLM
+from rlalign.models.linear_cache import linear_layers
 
 
 # the input embedding table's parameter name (a tied LM head is this parameter)
@@ -38,7 +39,8 @@ def embedding_size(config: ModelConfig) -> int:
 
 def kv_bytes_per_token(config: ModelConfig, element_size: int) -> int:
     """Bytes of K and V one token occupies in the cache, over all layers (``element_size``: bytes per value)."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
+    attention_layers = config.num_layers - len(linear_layers(config))   # linear-attention layers keep no K/V
+    return 2 * attention_layers * config.num_kv_heads * config.head_dim * element_size
 
 
 __all__ = ["INPUT_TABLE", "parameter_shapes", "parameter_sizes", "embedding_size", "kv_bytes_per_token"]

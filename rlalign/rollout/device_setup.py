@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from rlalign.models.linear_cache import linear_page_bytes
 from rlalign.models.moe import StackedExperts, sparse_layer_indices
 from rlalign.models.sizes import kv_bytes_per_token
 from rlalign.ops.attention import native_paged_kernel_unavailable
@@ -26,9 +27,10 @@ from rlalign.rollout.routing import RoutingStore
 
 
 def page_bytes(model, page_size: int) -> int:
-    """Bytes of one KV page of ``page_size`` tokens (K and V of every layer, in the model's dtype)."""
+    """Bytes of one KV page of ``page_size`` tokens (K and V of every layer, in the model's dtype; the
+    linear-attention layers' stores, rlalign.models.linear_cache)."""
     elem = torch.empty((), dtype=model.dtype).element_size()
-    return page_size * kv_bytes_per_token(model.config, elem)
+    return page_size * kv_bytes_per_token(model.config, elem) + linear_page_bytes(model.config, page_size, elem)
 
 
 def num_pages(config: RolloutConfig, model, max_model_len: int) -> int:

@@ -189,12 +189,12 @@ class ModelRunner:
     # ---- the forward -------------------------------------------------------------------------------
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: the K/V (and routing rows) of each (src page, dst page)."""
+        """Copy-on-write: the K/V (linear-attention stores, routing rows) of each (src page, dst page)."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
-        for cache in (*self.kv_cache.k, *self.kv_cache.v):
+        for cache in self.kv_cache.paged_tensors():
             cache.index_copy_(0, dst, cache.index_select(0, src))
         if self.routing is not None:
             self.routing.copy_pages(copies)

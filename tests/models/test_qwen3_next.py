@@ -1,0 +1,214 @@
+"""Qwen3-Next: config, weights and logits against transformers' Qwen3NextForCausalLM; the bitwise chunking contract
+of its Gated-DeltaNet layers (packed == any chunked prefill / decode through the paged cache); refusals.
+
+A tiny random-init ``Qwen3NextForCausalLM`` written by transformers itself (linear-attention layers with 2 value
+heads per key head, gated full attention with partial rope, zero-centred norms drawn non-zero, A_log and dt_bias
+drawn) loads in rlalign and gives transformers' fp32 logits within 1e-5 x |z|max (float64 reference: the
+transformers model cast to float64, its pure-torch chunked rule); rlalign's save is byte-for-byte transformers'
+tensors and loads back in transformers with the same logits.
+"""
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from safetensors.torch import load_file
+
+from rlalign.contract import spec, use_profile
+from rlalign.models import ForwardBatch, KVCache, load_model, save_model
+from rlalign.models.batch import contiguous_block_tables
+from rlalign.models.config import ModelConfig, ModelConfigError
+from rlalign.models.testing import tiny_hf_config, tiny_model
+from tests.bitwise import assert_bitwise_equal
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320
+C = spec.GDN_CHUNK
+
+
+def _hf_model(layer_types, seed: int = 0):
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=layer_types, num_experts=0,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4, max_position_embeddings=256, pad_token_id=0, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextForCausalLM._from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():   # zero-centred norms start at 0 and the gated norm at 1: draw them so that they count
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("A_log") or name.endswith("dt_bias"):
+                p.uniform_(-1.0, 1.0)
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    with use_profile("strict"), torch.no_grad():
+        h = model.forward_hidden(ForwardBatch.packed([ids]))
+    return h.double() @ model.lm_head_weight.double().T
+
+
+@pytest.mark.parametrize("layer_types", [
+    ["linear_attention", "full_attention"],
+    ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    ["full_attention", "linear_attention"],
+], ids=["LF", "LLLF", "FL"])
+def test_logits_match_transformers(tmp_path, layer_types):
+    hf = _hf_model(layer_types)
+    hf.save_pretrained(tmp_path / "hf")
+    model, config = load_model(tmp_path / "hf", dtype="float32")
+    assert config.layer_types == tuple(layer_types) and config.rotary_dim == 8
+    ids = torch.randint(3, VOCAB, (C + 37,), generator=torch.Generator().manual_seed(len(layer_types))).tolist()
+    with torch.no_grad():
+        ref = hf.double()(torch.tensor([ids])).logits[0]
+    got = _logits(model, ids)
+    err = (got - ref).abs().max().item()
+    assert err <= 1e-5 * ref.abs().max().item(), f"max |diff| {err:.3g} vs |z|max {ref.abs().max().item():.3g}"
+
+
+def test_save_is_transformers_file_and_loads_back_in_transformers(tmp_path):
+    hf = _hf_model(["linear_attention", "full_attention"])
+    hf.save_pretrained(tmp_path / "hf")
+    model, _ = load_model(tmp_path / "hf", dtype="float32")
+    save_model(model, tmp_path / "ours")
+    theirs, ours = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
+    assert sorted(theirs) == sorted(ours)
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name].view(torch.uint8), t.view(torch.uint8)), name
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_next" and config["linear_num_value_heads"] == 4
+    back = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    assert back.config.layer_types == hf.config.layer_types
+    assert back.config.rope_parameters["partial_rotary_factor"] == 0.5
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, hf(ids).logits)
+
+
+def test_config_round_trip_keeps_every_feature():
+    config = ModelConfig.from_hf_dict(tiny_hf_config("qwen3_next"))
+    again = ModelConfig.from_hf_dict(config.to_hf_dict())
+    assert again == config
+    assert config.linear_attention == {"num_k_heads": 2, "num_v_heads": 4, "k_head_dim": 8, "v_head_dim": 8,
+                                       "conv_kernel": 4}
+    assert config.zero_centred_norms and config.attention_gate and config.partial_rotary_factor == 0.5
+
+
+# ---- the chunking contract: packed == chunked prefill == decode, bit for bit -------------------------------------
+
+_MODEL = {}
+
+
+def _bitwise_model(dtype: str):
+    if dtype not in _MODEL:
+        _MODEL[dtype] = tiny_model("qwen3_next", seed=2, init_std=0.2, dtype=dtype,
+                                   layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                   num_hidden_layers=3)
+    return _MODEL[dtype]
+
+
+_LENGTHS = st.one_of(st.sampled_from([1, C - 1, C, C + 1, 2 * C]), st.integers(1, 2 * C + 5))
+
+
+@settings(max_examples=12, deadline=None)
+@given(lengths=st.lists(_LENGTHS, min_size=1, max_size=3), cut_seed=st.integers(0, 2**16),
+       page_size=st.sampled_from([1, 5, 16, 64, 128]), dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_packed_equals_any_chunked_prefill_and_decode(lengths, cut_seed, page_size, dtype):
+    """Each sequence is fed to the paged cache in random pieces (one-token decode steps, prefill chunks across and
+    ending on chunk boundaries, several sequences per forward); every hidden row equals the packed forward's."""
+    model = _bitwise_model(dtype)
+    rng = random.Random(cut_seed)
+    seqs = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+    with use_profile("strict"), torch.no_grad():
+        packed = model.forward_hidden(ForwardBatch.packed(seqs))
+        tables = contiguous_block_tables(lengths, page_size)
+        cache = KVCache.for_model(model.config, sum(len(t) for t in tables), page_size, model.dtype)
+        done, pieces = [0] * len(seqs), [[] for _ in seqs]
+        while any(d < n for d, n in zip(done, lengths)):
+            live = [i for i, n in enumerate(lengths) if done[i] < n and rng.random() < 0.8] or \
+                [next(i for i, n in enumerate(lengths) if done[i] < n)]
+            new = [seqs[i][done[i]:done[i] + rng.choice([1, 1, 2, C - done[i] % C, C + 3, 40])] for i in live]
+            hidden = model.forward_hidden(ForwardBatch.extend(new, [done[i] for i in live], cache,
+                                                              [tables[i] for i in live]))
+            offset = 0
+            for i, chunk in zip(live, new):
+                pieces[i].append(hidden[offset:offset + len(chunk)])
+                offset += len(chunk)
+                done[i] += len(chunk)
+    assert_bitwise_equal(torch.cat([torch.cat(p) for p in pieces]), packed, "paged pieces vs packed")
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_experts=4), "sparse mixture-of-experts layers \\[0, 1\\] are not supported"),
+    (dict(num_experts=4, mlp_only_layers=[0]), "sparse mixture-of-experts layers \\[1\\]"),
+    (dict(mtp_num_hidden_layers=1), "multi-token-prediction \\(MTP\\) layers are not supported"),
+    (dict(layer_types=["linear_attention", "sliding_attention"]), "layer types \\['sliding_attention'\\]"),
+    (dict(layer_types=["full_attention"]), "layer_types has 1 entries for 2 layers"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"),
+    (dict(partial_rotary_factor=0.1), "partial_rotary_factor=0.1 gives 1 rotary dims"),
+    (dict(attention_bias=True), "attention_bias=true is not supported for qwen3_next"),
+    (dict(linear_conv_kernel_dim=0), "linear_conv_kernel_dim must be an integer >= 1"),
+])
+def test_config_refusals(change, message):
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_hf_dict(tiny_hf_config("qwen3_next", **change))
+
+
+def test_dense_when_mlp_only_layers_cover_every_layer():
+    config = ModelConfig.from_hf_dict(tiny_hf_config("qwen3_next", num_experts=8, mlp_only_layers=[0, 1]))
+    assert config.ffn_kind == "dense"
+
+
+def test_partial_rotary_is_refused_for_other_families():
+    with pytest.raises(ModelConfigError, match="partial_rotary_factor != 1 is not supported"):
+        ModelConfig.from_hf_dict(tiny_hf_config("qwen3", partial_rotary_factor=0.5))
+
+
+def test_transformers_patch_and_tensor_parallelism_are_refused():
+    from rlalign.contract.errors import RLAlignError
+    from rlalign.distributed.parallelize import check_tp
+    from rlalign.integrations.transformers import UnsupportedModelError, patch
+    with pytest.raises(UnsupportedModelError, match="Qwen3NextForCausalLM is not supported by the patch"):
+        patch(_hf_model(["linear_attention", "full_attention"]))
+    config = ModelConfig.from_hf_dict(tiny_hf_config("qwen3_next"))
+    check_tp(config, 1)
+    with pytest.raises(RLAlignError, match="tp=2: tensor parallelism is not implemented for qwen3_next models"):
+        check_tp(config, 2)
+
+
+def test_native_profile_is_refused_in_one_line():
+    from rlalign.contract.errors import RLAlignError
+    model = _bitwise_model("float32")
+    with use_profile("native"), torch.no_grad(), pytest.raises(RLAlignError, match="native profile has no "
+                                                                               "Gated-DeltaNet route"):
+        model.forward_hidden(ForwardBatch.packed([[3, 4, 5]]))
+
+
+def test_gradients_match_transformers_float64_autograd(tmp_path):
+    """d(sum(w * logits)) by every weight of the model (the linear-attention layer's included: A_log, dt_bias, the
+    conv, the gated norm) against transformers' model in float64, over a sequence that crosses a chunk boundary."""
+    hf = _hf_model(["linear_attention", "full_attention"], seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    model, _ = load_model(tmp_path / "hf", dtype="float32")
+    ids = torch.randint(3, VOCAB, (C + 9,), generator=torch.Generator().manual_seed(5)).tolist()
+    w = torch.randn(len(ids), VOCAB, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    with use_profile("strict"):
+        h = model.forward_hidden(ForwardBatch.packed([ids]))
+        (h.double() @ model.lm_head_weight.double().T * w).sum().backward()
+    hf = hf.double()
+    (hf(torch.tensor([ids])).logits[0] * w).sum().backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        ref = theirs[name].grad
+        err = (p.grad.double() - ref).abs().max().item()
+        assert err <= 1e-4 * ref.abs().max().item(), f"{name}: max |diff| {err:.3g} vs {ref.abs().max().item():.3g}"
