@@ -193,6 +193,20 @@ CONTRACT: tuple[OpContract, ...] = (
         "number of tokens, token position, other tokens' routing",
     ),
     OpContract(
+        "moe_route_grouped_sigmoid (DeepSeek-V3 router)",
+        "each group's two largest; the k chosen scores (renormaliser)",
+        "whole row of E router logits (fp32: the strict linear on fp32 copies of the hidden row and router weight), "
+        "E / n_group experts per group",
+        "score = 1 / (1 + exp(-l)); choice = score + e_score_correction_bias (fp32); group score = its largest "
+        "choice + its second largest (stable descending sort); the topk_group groups of a stable descending sort "
+        "of the group scores kept (equal: the lower group first), the others' choices set to -inf; top-k by a stable "
+        "descending sort of the choices (equal: the lower expert index first); weights = the chosen unbiased scores, "
+        "normalised by (their sum left to right in rank order + 1e-20) where norm_topk_prob, times "
+        "routed_scaling_factor",
+        "fp32 throughout", "routing weights stay fp32", "exp, IEEE add/div/mul, stable sort",
+        "number of tokens, token position, other tokens' routing",
+    ),
+    OpContract(
         "clamped_swiglu (gpt-oss expert activation)", "none (elementwise)", "-", "-",
         "fp32: g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * (g / (1 + exp(-(g * alpha))))",
         "one rounding", "fp32 exp, min, max, add, div, mul", "everything: elementwise",

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Callable
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.models import deepseek_v3_family   # its config.json parser (a module of its own: MLA and its MoE)
 
 # Config keys that describe a mixture-of-experts FFN; a dense family refuses any of them.
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -207,6 +208,10 @@ register(Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_features,
 register(Family("gpt_oss", "GptOssForCausalLM", _gpt_oss_features, _gpt_oss_keys, default_head_dim=lambda d: 64,
                 backbone_architecture="GptOssModel", windows=True, integrations=False))
 
+
+register(Family("deepseek_v3", "DeepseekV3ForCausalLM", deepseek_v3_family.features, deepseek_v3_family.hf_keys,
+                default_head_dim=lambda d: int(d.get("qk_rope_head_dim") or 64),
+                backbone_architecture="DeepseekV3Model", integrations=False))
 
 __all__ = ["Family", "register", "get", "names", "architectures", "integration_architectures", "by_architecture", "dense_ffn", "MOE_KEYS",
            "UnknownArchitectureError"]

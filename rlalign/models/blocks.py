@@ -63,8 +63,9 @@ def batch_attend(batch) -> Attend:
 
 
 def rope_inv_freq(config) -> torch.Tensor:
-    """float64 inverse frequencies of ``config``'s rope, on the CPU whatever the default device (a model
-    built under a meta-device context must still get real tables; callers copy them to the batch's device)."""
+    """float64 inverse frequencies of ``config``'s rope (over ``rope_head_dim`` where only part of a head rotates, MLA),
+    on the CPU whatever the default device (a model built under a meta-device context must still get real tables;
+    callers copy them to the batch's device)."""
     with torch.device("cpu"):
         return ops.rope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling)
 

@@ -4,8 +4,9 @@ The family (``model_type``) is looked up in :mod:`rlalign.models.architectures`,
 config.json to the feature fields (``qkv_bias``, ``qk_norm``, ``ffn_kind``, ...) and back; the
 decoder reads only the features. Registered: ``llama`` (Llama 2/3, rope scaling ``llama3``),
 ``qwen2`` (Qwen2/2.5: q/k/v bias), ``qwen3`` (dense Qwen3: q/k RMSNorm), ``qwen3_moe``, ``gpt_oss`` (sliding
-windows, attention sinks, YaRN rope, its MoE: rlalign.models.gpt_oss). Anything the decoder
-would silently compute differently from the reference implementation (MoE, sliding window, other
+windows, attention sinks, YaRN rope, its MoE: rlalign.models.gpt_oss), ``deepseek_v3`` (multi-head latent
+attention, grouped sigmoid routing with shared experts: rlalign.models.deepseek_v3_family / deepseek_v3), and the
+families registered elsewhere in rlalign.models. Anything the decoder would silently compute differently from the reference implementation (MoE, sliding window, other
 rope scalings, extra biases, other activations, partial rotary) is refused with a
 :class:`ModelConfigError` naming the feature. Every config.json key this module (or a family) reads is
 type-checked first (:data:`KEY_RULES`): a string ``hidden_size``, a negative size, a float where an
@@ -76,6 +77,12 @@ KEY_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "architectures": ("a list of strings", _list_of(lambda v: isinstance(v, str))),
     "layer_types": ("a list of strings", _list_of(lambda v: isinstance(v, str))),
     "mlp_only_layers": ("a list of layer indices (integers >= 0)", _list_of(lambda v: _is_int(v, 0))),
+    # DeepSeek-V3 (rlalign.models.deepseek_v3_family); q_lora_rank null means no q low-rank path
+    **{k: _SIZE for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                          "n_group", "topk_group", "moe_layer_freq")},
+    **{k: _COUNT for k in ("first_k_dense_replace", "num_nextn_predict_layers")},
+    "routed_scaling_factor": _POSITIVE,
+    "rope_interleave": _BOOL,
 }
 
 
@@ -124,11 +131,15 @@ class ModelConfig:
     attention_gate: bool = False       # q_proj also gives a per-head output gate: o_proj(a * sigmoid(gate)) (Qwen3-Next)
     partial_rotary_factor: float = 1.0   # rope on the first head_dim * factor dims of each head
     linear_attention: dict = dataclasses.field(default_factory=dict)  # Gated-DeltaNet shape ("linear_attention" layers)
+    attention_kind: str = "mha"    # the attention module kind (rlalign.models.attention_kinds registry)
+    attention_options: dict = dataclasses.field(default_factory=dict)  # shape fields of other attention kinds
+    rope_head_dim: int | None = None   # rotated dims of each head where MLA rotates only its last ones
 
     @property
     def rotary_dim(self) -> int:
-        """How many leading dims of each head the rope rotates."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        """How many dims of each head the rope rotates: the leading head_dim * partial_rotary_factor, or MLA's
+        rope_head_dim (qk_rope_head_dim, the last dims of its K head)."""
+        return self.rope_head_dim or int(self.head_dim * self.partial_rotary_factor)
 
     def attention_window(self, layer_index: int) -> int | None:
         """The sliding window of layer ``layer_index``'s attention (None: full causal attention)."""
@@ -156,10 +167,12 @@ class ModelConfig:
             raise ModelConfigError(str(exc)) from None
         heads = _required(d, "num_attention_heads")
         hidden = _required(d, "hidden_size")
-        kv_heads = d.get("num_key_value_heads") or heads
+        # a family whose heads are not config.json's head_dim / num_key_value_heads (MLA) sets them in its features
+        kv_heads = features.pop("num_kv_heads", None) or d.get("num_key_value_heads") or heads
         if heads % kv_heads:
             raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        head_dim = d.get("head_dim") or (family.default_head_dim(d) if "head_dim" not in d else hidden // heads)
+        head_dim = features.pop("head_dim", None) or d.get("head_dim") or (
+            family.default_head_dim(d) if "head_dim" not in d else hidden // heads)
         theta, scaling = _rope(d, family)
         return cls(
             family=family.model_type,

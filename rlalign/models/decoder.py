@@ -1,4 +1,4 @@
-"""The decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss / Qwen3-Next families), written only with ``rlalign.ops``.
+"""The decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss / Qwen3-Next / DeepSeek-V3), written with ``rlalign.ops``.
 
 The math of a layer lives in :mod:`rlalign.models.blocks` (shared with the transformers patch);
 these modules hold the weights under Hugging Face's names and choose their parts from the
@@ -24,10 +24,12 @@ from rlalign.contract import sharding
 from rlalign.models.batch import ForwardBatch
 from rlalign.models.blocks import (Attend, attention_block, batch_attend, decoder_layer_block, final_norm_block,
                                    rope_inv_freq)
+from rlalign.models.attention_kinds import build_attention, register_attention
 from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import build_ffn
 from rlalign.models import moe as _moe  # noqa: F401  (registers the "moe" FFN kind)
 from rlalign.models import gpt_oss as _gpt_oss  # noqa: F401  (registers the gpt_oss family and its FFN kind)
+from rlalign.models import deepseek_v3 as _deepseek_v3  # noqa: F401  (registers the "mla" attention and its FFN kind)
 from rlalign.models.gated_deltanet import GatedDeltaNet
 from rlalign.models.qwen3_next import GatedAttention, ZeroCentredRMSNorm   # (also registers the qwen3_next family)
 from rlalign.models.layout import checkpoint_tensors
@@ -35,6 +37,7 @@ from rlalign.models.modules import Embedding, Linear, RMSNorm, stack_rows
 from rlalign.models.taps import EMBED, note_batch, tap
 
 
+@register_attention("mha")
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int, dtype, device):
         super().__init__()
@@ -93,7 +96,8 @@ class DecoderLayer(nn.Module):
         if cfg.layer_types is not None and cfg.layer_types[layer_index] == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, layer_index, dtype, device)
         else:
-            self.self_attn = (GatedAttention if cfg.attention_gate else Attention)(cfg, layer_index, dtype, device)
+            self.self_attn = (GatedAttention(cfg, layer_index, dtype, device) if cfg.attention_gate
+                              else build_attention(cfg, layer_index, dtype, device))
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = build_ffn(cfg, layer_index, dtype, device)
 

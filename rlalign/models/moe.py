@@ -108,6 +108,8 @@ def sparse_layer_indices(cfg: ModelConfig) -> list[int]:
     """The indices of a model's sparse (MoE) layers; empty for dense models (gpt-oss: every layer)."""
     if cfg.ffn_kind == "gpt_oss_moe":
         return list(range(cfg.num_layers))
+    if cfg.ffn_kind == "deepseek_moe":   # DeepSeek-V3: dense layers first, then every layer sparse
+        return list(range(cfg.ffn_options["first_k_dense_replace"], cfg.num_layers))
     if cfg.ffn_kind != "moe":
         return []
     return [i for i in range(cfg.num_layers) if is_sparse_layer(cfg.ffn_options, i)]

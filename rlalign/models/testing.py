@@ -39,7 +39,7 @@ _BASE = dict(vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=128, 
 
 
 # small family-specific keys (gpt_oss: 4 experts of 32, top-2; a sliding window of 8 on layer 0, full layer 1;
-# YaRN rope over an original context of 64)
+# YaRN rope over an original context of 64; qwen3_next, deepseek_v3: below)
 _FAMILY_BASE = {"gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                                 layer_types=["sliding_attention", "full_attention"], rms_norm_eps=1e-5,
                                 rope_theta=150000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
@@ -49,7 +49,14 @@ _FAMILY_BASE = {"gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_e
                # layer (rope on half of each head); dense MLPs (no experts)
                "qwen3_next": dict(num_experts=0, layer_types=["linear_attention", "full_attention"],
                                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                  linear_value_head_dim=8, linear_conv_kernel_dim=4, partial_rotary_factor=0.5)}
+                                  linear_value_head_dim=8, linear_conv_kernel_dim=4, partial_rotary_factor=0.5),
+               # deepseek_v3: MLA with a low-rank q (24), latent 16, K heads 16 + 8 rotated, V heads 12; layer 0
+               # dense, layer 1 routed (8 experts in 2 groups, 1 group kept, top-2) + one shared expert
+               "deepseek_v3": dict(num_key_value_heads=4, head_dim=8, intermediate_size=96, moe_intermediate_size=32,
+                                   n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                   first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                                   q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                   v_head_dim=12, rope_interleave=True)}
 
 
 def tiny_hf_config(family: str = "qwen3", **overrides) -> dict:

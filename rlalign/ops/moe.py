@@ -76,6 +76,74 @@ def _refuse_portable(op: str, profile) -> None:
         raise fail(op, "mixture-of-experts layers are not implemented in the portable profile (docs/portable.md)")
 
 
+def moe_route_grouped_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, *, n_group: int, topk_group: int,
+                              normalize: bool, scaling: float, profile=None):
+    """DeepSeek-V3's routing (transformers' ``DeepseekV3TopkRouter``) of the fp32 router logits [T, E].
+
+    scores = sigmoid(logits); choice = scores + ``bias`` (``e_score_correction_bias`` [E], used for the choice
+    only); the E experts split into ``n_group`` groups of E / n_group, a group's score = the sum of its two largest
+    choice values; the ``topk_group`` best groups are kept, the top-k experts of their choice values chosen;
+    weights = the chosen experts' unbiased scores, with ``normalize`` divided by (their sum + 1e-20), times
+    ``scaling`` (routed_scaling_factor). Returns ``(experts [T, k] int64 in rank order, weights [T, k] fp32)``.
+
+    Strict, per token (rlalign.contract.spec, row ``moe_route_grouped_sigmoid``): sigmoid as 1 / (1 + exp(-l))
+    (torch's sigmoid is not position invariant on the CPU; exp is), the group's two largest by a stable
+    descending sort added largest first, groups and experts chosen by stable descending sorts (equal values:
+    the lower group / expert index first), the weights' sum added left to right in rank order. Differentiable into
+    the logits through the chosen scores (the choice itself and the bias are not). Native: transformers' formula
+    (torch.topk, sigmoid, sum)."""
+    _refuse_portable("moe_route", profile)
+    chk.ndim("moe_route", "logits", logits, 2)
+    n_experts = logits.shape[1]
+    if bias.shape != (n_experts,) or not bias.is_floating_point():
+        raise fail("moe_route", f"bias must be a floating [E]=[{n_experts}] tensor, got {tuple(bias.shape)} "
+                                f"{bias.dtype}")
+    if n_group < 1 or n_experts % n_group or n_experts // n_group < 2 or not 1 <= topk_group <= n_group:
+        raise fail("moe_route", f"{n_experts} experts do not split into n_group={n_group} groups of >= 2 with "
+                                f"topk_group={topk_group} of them kept")
+    size = n_experts // n_group
+    if not 1 <= top_k <= topk_group * size:
+        raise fail("moe_route", f"top_k={top_k} must be between 1 and the {topk_group * size} experts of the kept "
+                                "groups")
+    if as_profile(profile) is Profile.NATIVE:
+        return _native_grouped_sigmoid(logits, bias, top_k, n_group, topk_group, normalize, scaling)
+    if logits.dtype != torch.float32:
+        raise fail("moe_route", f"router logits must be float32 (got {logits.dtype}): use ops.router_logits")
+    chk.finite("moe_route", "logits", logits)
+    scores = 1.0 / (1.0 + torch.exp(-logits))
+    choice = scores.detach() + bias.detach().float()
+    tokens = choice.shape[0]
+    top2 = torch.sort(choice.view(tokens, n_group, size), dim=-1, descending=True, stable=True).values
+    group_scores = top2[..., 0] + top2[..., 1]
+    kept = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+    keep = torch.zeros((tokens, n_group), dtype=torch.bool, device=logits.device).scatter_(1, kept, True)
+    masked = choice.masked_fill(~keep.repeat_interleave(size, dim=1), float("-inf"))
+    experts = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, experts)
+    if normalize:
+        total = weights[:, 0]
+        for j in range(1, top_k):
+            total = total + weights[:, j]
+        weights = weights / (total + 1e-20).unsqueeze(-1)
+    return experts, weights * float(scaling)
+
+
+def _native_grouped_sigmoid(logits, bias, top_k, n_group, topk_group, normalize, scaling):
+    """transformers' DeepseekV3TopkRouter arithmetic on the fp32 logits (no invariance promise)."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    tokens, size = choice.shape[0], choice.shape[1] // n_group
+    group_scores = choice.view(tokens, n_group, size).topk(2, dim=-1)[0].sum(dim=-1)
+    kept = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores).scatter_(1, kept, 1).bool()
+    masked = choice.masked_fill(~keep.repeat_interleave(size, dim=1), float("-inf"))
+    experts = torch.topk(masked, k=top_k, dim=-1)[1]
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, weights * float(scaling)
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, *, profile=None) -> torch.Tensor:
     """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit).
 

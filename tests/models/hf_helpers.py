@@ -20,7 +20,8 @@ def hf_model(family: str, seed: int = 0, **overrides):
     model_type = cfg_dict.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **cfg_dict)
     config._attn_implementation = "eager"
-    extra = {"experts_implementation": "eager"} if "moe" in model_type else {}   # float64: no grouped_mm
+    sparse = "moe" in model_type or model_type == "deepseek_v3"
+    extra = {"experts_implementation": "eager"} if sparse else {}   # float64: no grouped_mm
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", **extra)
     model = model.to(torch.float64).eval()
     gen = torch.Generator().manual_seed(seed)

@@ -26,12 +26,15 @@ FAMILIES = {
     "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1]),
 }
+# the three paths also run these (not the LoRA / recompute tests, which reuse FAMILIES: MLA has no q/k/v_proj);
+# deepseek_v3: MLA (expanded K, zero-padded V in the cache), layer 0 dense, layer 1 routed (4 groups, 2 kept) + shared
+PATH_FAMILIES = {**FAMILIES, "deepseek_v3": dict(n_group=4, topk_group=2, num_experts_per_tok=3)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # 66 crosses the 64-position attention block boundary; 1 is a single-token sequence.
 LENGTHS = (9, 66, 1, 23)
 
 
-@pytest.fixture(scope="module", params=[(f, d) for f in FAMILIES for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(f, d) for f in PATH_FAMILIES for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
 def setup(request):
     family, dtype = request.param
     return make_setup(family, DTYPES[dtype], "cpu")
@@ -40,7 +43,7 @@ def setup(request):
 def make_setup(family, dtype, device, **overrides):
     """(model, sequences, packed reference hidden rows per sequence)."""
     model = tiny_model(family, seed=3, dtype=dtype, init_std=0.15, norm_jitter=0.2, device=device,
-                       **{**FAMILIES[family], **overrides})
+                       **{**PATH_FAMILIES[family], **overrides})
     gen = torch.Generator().manual_seed(11)
     seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in LENGTHS]
     with torch.no_grad():
