@@ -104,6 +104,8 @@ def _sharing_blocker(cfg) -> "str | None":
         return f"rollout.engine={cfg.rollout.engine} keeps its weights in its own format"
     if cfg.parallel.tp is not None:
         return "parallel.tp shards the policy, and the engine needs the unsharded weights"
+    if getattr(cfg.parallel, "shard", "none") == "params":
+        return "parallel.shard=params keeps only each rank's range of the policy's weights between uses"
     return None
 
 
