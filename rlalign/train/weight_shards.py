@@ -22,6 +22,8 @@ Lifecycle (:meth:`ShardedWeights.install`):
   forward hook puts a gradient hook on the layer's outputs that gathers the layer again before its backward runs.
   The layer's backward (and, with ``optim.activation_checkpointing``, its recomputed forward) reads the re-gathered
   bytes through the same storages; the gather writes through the flat buffer, so no parameter's version counter moves.
+- ranks with fewer micro-batches in a mini-batch than others run :meth:`ShardedWeights.idle_passes` for the
+  missing ones: the gathers are collectives, and every rank must join each one in the same order.
 - ``outer``: gathered when the embedding runs (a forward pre-hook) and kept until the next :meth:`release_all` (the
   optimizer step's gradient reduction, a whole-model gather for the rollout engine or a checkpoint): for a step's
   forwards and backwards (the LM head is read outside a module call, after the layers).
@@ -128,6 +130,17 @@ class ShardedWeights:
     def release_all(self) -> None:
         """Every unit back to this rank's ranges (after the last backward of a step, or a whole-model read)."""
         self.release(self.all_runs())
+
+    def idle_passes(self, count: int) -> None:
+        """The gathers of ``count`` forward + backward passes without computing anything: a rank with fewer
+        micro-batches than another (its share of a mini-batch is shorter) joins the collectives of their extra
+        passes, in their order (``outer`` once, each layer for its forward, each layer from the last for its
+        backward), so every rank's gathers pair up."""
+        for _ in range(count):
+            self.gather(self.outer)
+            for unit in self.units + self.units[::-1]:
+                self.gather(unit)
+                self.release(unit)
 
     def held_bytes(self) -> int:
         """Bytes of weights this rank holds now: its ranges plus every buffer currently gathered."""

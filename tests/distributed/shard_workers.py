@@ -42,15 +42,22 @@ def _model(family: str, dtype: str):
 
 def _samples(vocab: int, step: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(50 + step)
-    return [torch.randint(3, min(vocab, 320), (n,), generator=gen).tolist() for n in (9, 21, 5, 14, 30, 11, 7, 16)]
+    return [torch.randint(3, min(vocab, 320), (n,), generator=gen).tolist() for n in (9, 21, 5, 14, 30, 11, 7, 16, 12)]
 
 
 def _backward(model, group: Group, step: int) -> None:
-    """This rank's share of the step's samples, one micro-batch per sample, accumulated in .grad."""
-    for seq in shard_for_rank(_samples(model.config.vocab_size, step), group):
+    """This rank's share of the step's samples, one micro-batch per sample, accumulated in .grad (9 samples: the
+    ranks' shares differ in length; with the weights sharded a shorter share joins the extra passes' gathers, as
+    rlalign.train.update does)."""
+    samples = _samples(model.config.vocab_size, step)
+    mine = shard_for_rank(samples, group)
+    for seq in mine:
         targets = torch.tensor(seq[1:] + [0])
         lp, ent = model.logprobs(ForwardBatch.packed([seq]), targets, with_entropy=True)
         (-(lp.sum() + 0.1 * ent.sum()) / 100.0).backward()
+    weights = par.weight_shards(model)
+    if weights is not None:
+        weights.idle_passes(-(-len(samples) // group.size) - len(mine))
 
 
 class _Plain:
