@@ -37,9 +37,10 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, update.py,
                                        AdamW state (and of the step's working set); the gradients stay P b
                                        (each rank accumulates its micro-batches' full gradient before the
                                        reduction); a save streams each rank's part (rlalign.train.sharding)
-    parallel.shard=params              and the weights: ceil(P / N) b per rank, plus the units gathered whole
-                                       in a step (rlalign.train.weight_shards): embeddings, final norm and LM
-                                       head, and at most two decoder layers (the largest counted twice)
+    parallel.shard=params              and the weights: ceil(P / N) b per rank, plus what is gathered whole
+                                       (rlalign.train.weight_shards): with the engine reading the policy's
+                                       tensors, the whole weights during each rollout; in the update the
+                                       embeddings, final norm and LM head, and at most two decoder layers
     checkpoint file                    masters + AdamW state (12 P; a weight with a master is stored only
                                        as the master), or weights + AdamW state (3 b P) without masters;
                                        streamed to disk (save_checkpoint): the host holds at most one
@@ -118,11 +119,17 @@ def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
     held = -(-p // ranks)
     if cfg.parallel.shard == "params":   # rlalign.train.weight_shards: the weights in ranges, units gathered
         layer, outer = _gathered_units(model_config)
+        units = (outer + 2 * layer) * b
         rows = [BudgetRow("policy weights", "device", held * b,
-                          f"{p / 1e9:.3f}B parameters x {b} B; this rank's 1/{ranks} (parallel.shard=params)"),
-                BudgetRow("gathered weights", "device", (outer + 2 * layer) * b,
-                          "parallel.shard=params: embeddings, final norm and LM head for the step + two decoder "
-                          "layers")]
+                          f"{p / 1e9:.3f}B parameters x {b} B; this rank's 1/{ranks} (parallel.shard=params)")]
+        if weights_path(cfg).shared:   # the engine reads them in place: gathered whole for each rollout
+            rows.append(BudgetRow("gathered weights", "device", max((p - held) * b, units),
+                                  "the rest of the weights, whole during each rollout (gradients and activations "
+                                  f"are not live then); in the update {_size(units)}: embeddings, final norm and "
+                                  "LM head + two decoder layers"))
+        else:
+            rows.append(BudgetRow("gathered weights", "device", units, "embeddings, final norm and LM head for the "
+                                  "step + two decoder layers (parallel.shard=params)"))
     else:
         rows = [BudgetRow("policy weights", "device", p * b, f"{p / 1e9:.3f}B parameters x {b} B")]
     rows.append(BudgetRow("policy gradients", "device", p * b, "model dtype"))

@@ -441,8 +441,8 @@ class ParallelSection:
         if self.shard == "params":   # the weights exist whole only per layer, inside the step
             refused += (
                 (cfg.model.lora.rank > 0, "model.lora (the frozen base is not sharded: use parallel.shard=grads)"),
-                (cfg.rollout.share_weights is True, "rollout.share_weights=true (the rollout engine keeps a whole "
-                                                     "copy of the weights)"),
+                (cfg.rollout.decode_graphs == "on", "rollout.decode_graphs=on (each rollout gathers the weights "
+                                                     "into new storage; a CUDA graph holds the old addresses)"),
                 (cfg.run.verify_behaviour, "run.verify_behaviour"),
             )
         what = next((name for bad, name in refused if bad), None)

@@ -198,7 +198,8 @@ class Trainer:
         the update; the engine's weights pushed; the step's record."""
         cfg, t0 = self.cfg, time.perf_counter()
         with use_profile(cfg.run.profile):
-            samples, sampling_stats = self.source.next_step(step)   # generated ahead: the wait is time/rollout_s
+            with self._rollout_weights():
+                samples, sampling_stats = self.source.next_step(step)   # generated ahead: the wait is time/rollout_s
             t_rollout, t1 = time.perf_counter() - t0, time.perf_counter()
             batch, record = self.train_batch(samples), {"step": step}
             old = self._old_policy(step, samples, batch, record)
@@ -263,7 +264,14 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out accuracy (:meth:`rlalign.train.sampling.Sampler.evaluate`), by the trainer's current weights."""
         self.source.quiesce(self.step)
-        return self.sampler.evaluate()
+        with self._rollout_weights():
+            return self.sampler.evaluate()
+
+    def _rollout_weights(self):
+        """Where the engine reads the policy's own tensors and parallel.shard=params keeps them in ranges: the whole
+        weights gathered in place for the rollout and released after it (rlalign.train.weight_shards)."""
+        shards = par.weight_shards(self.policy)
+        return shards.whole() if shards is not None and self.weight_sync.shared else contextlib.nullcontext()
 
 
 def run_training(cfg: TrainConfig, console=None) -> Path:

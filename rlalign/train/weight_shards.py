@@ -34,6 +34,7 @@ time (the layer running; in backward also the one below it, gathered before the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -130,6 +131,16 @@ class ShardedWeights:
     def release_all(self) -> None:
         """Every unit back to this rank's ranges (after the last backward of a step, or a whole-model read)."""
         self.release(self.all_runs())
+
+    @contextlib.contextmanager
+    def whole(self):
+        """Every unit gathered in place for the block (the rollout engine reads the policy's own tensors), all
+        released after it. Collective."""
+        self.gather(self.all_runs())
+        try:
+            yield
+        finally:
+            self.release_all()
 
     def idle_passes(self, count: int) -> None:
         """The gathers of ``count`` forward + backward passes without computing anything: a rank with fewer

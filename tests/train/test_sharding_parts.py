@@ -21,7 +21,7 @@ from rlalign.models.sizes import parameter_shapes
 from rlalign.models.testing import tiny_hf_config
 from rlalign.train.budget import memory_budget
 from rlalign.train.config import TrainConfig
-from rlalign.train.engines import weights_path
+from rlalign.train.engines import _engine_config, weights_path
 from rlalign.train.layer_recompute import recompute_layers
 from rlalign.train.master import adamw_groups, step_chunked
 from rlalign.train.parallel import norm_from_parts, norm_part, policy_weights, total_norm
@@ -117,7 +117,7 @@ def test_unsupported_combinations_are_refused_in_one_line(extra, match):
     (["parallel.dp=2", "rollout.async_steps=1"], "parallel.shard=params with rollout.async_steps > 0"),
     (["parallel.dp=2", "algo.advantage=gae"], "parallel.shard=params with the PPO value model"),
     (["parallel.dp=2", "model.lora.rank=4"], "parallel.shard=params with model.lora"),
-    (["parallel.dp=2", "rollout.share_weights=true"], "parallel.shard=params with rollout.share_weights=true"),
+    (["parallel.dp=2", "rollout.decode_graphs=on"], "parallel.shard=params with rollout.decode_graphs=on"),
     (["parallel.dp=2", "run.verify_behaviour=true"], "parallel.shard=params with run.verify_behaviour"),
 ])
 def test_sharded_weights_refuse_what_they_cannot_run_with_in_one_line(extra, match):
@@ -126,10 +126,22 @@ def test_sharded_weights_refuse_what_they_cannot_run_with_in_one_line(extra, mat
     assert "\n" not in str(info.value)
 
 
-def test_sharded_weights_give_the_engine_a_copy():
+def test_sharded_weights_share_the_policys_tensors_with_the_engine_regathered():
+    """The engine reads the policy's own tensors, gathered whole for each rollout (their storage moves: no address
+    check, no CUDA-graph decode); rollout.share_weights=false keeps a copy synced from the gathered weights."""
     cfg = load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=params"])
     path = weights_path(cfg)
-    assert not path.shared and "parallel.shard=params" in path.reason
+    assert path.shared and path.regathered and "gathered whole" in path.describe()
+    assert _engine_config(cfg, _tiny_policy()).decode_graphs == "off"
+    copy = weights_path(load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=params",
+                                                        "rollout.share_weights=false"]))
+    assert not copy.shared and not copy.regathered
+    assert not weights_path(load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=grads"])).regathered
+
+
+def _tiny_policy():
+    from rlalign.models.testing import tiny_model
+    return tiny_model("qwen3", seed=0)
 
 
 def test_shard_values():
@@ -158,7 +170,8 @@ def test_budget_divides_the_sharded_state_by_dp():
 @pytest.mark.parametrize("dp", [2, 3, 4, 8])
 def test_budget_divides_the_weights_by_dp_with_sharded_weights(dp):
     """parallel.shard=params: the policy weights row is this rank's ceil(P / dp) x 2 B, plus a row of what is
-    gathered whole (everything outside the decoder layers and two of the largest layer); the rest as shard=grads."""
+    gathered whole (the rest of the weights for a rollout on the shared tensors; with the engine's own copy, everything
+    outside the decoder layers and two of the largest layer); the rest as shard=grads."""
     model = ModelConfig.from_hf_dict(tiny_hf_config("qwen3"))
     rows = {}
     for shard in ("grads", "params"):
@@ -168,8 +181,13 @@ def test_budget_divides_the_weights_by_dp_with_sharded_weights(dp):
     assert rows["params"]["policy weights"] == 2 * -(-p // dp)
     layer = sum(math.prod(shape) for name, shape in parameter_shapes(model) if name.startswith("model.layers.0."))
     outer = sum(math.prod(shape) for name, shape in parameter_shapes(model) if not name.startswith("model.layers."))
-    assert rows["params"]["gathered weights"] == 2 * (outer + 2 * layer)
-    assert rows["params"]["rollout engine weights"] == 2 * p   # the engine's whole copy
+    # the engine reads the policy's tensors: the rest of the weights gathered whole for each rollout
+    assert rows["params"]["gathered weights"] == max(2 * (p - -(-p // dp)), 2 * (outer + 2 * layer))
+    assert rows["params"]["rollout engine weights"] == 0
+    cfg = load_config(TrainConfig, None, [f"parallel.dp={dp}", "parallel.shard=params", "model.dtype=bfloat16",
+                                          "rollout.share_weights=false"])
+    copied = {r.component: r.nbytes for r in memory_budget(cfg, model)}
+    assert copied["gathered weights"] == 2 * (outer + 2 * layer) and copied["rollout engine weights"] == 2 * p
     for key in ("fp32 master weights", "AdamW m, v (fp32)", "policy gradients", "checkpoint files"):
         assert rows["params"][key] == rows["grads"][key], key
 
