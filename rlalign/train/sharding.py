@@ -6,7 +6,9 @@ parameter order, flattened one after another; rank r owns the r-th of ``parallel
 differ by at most one element). For its range alone a rank holds the fp32 masters (or, without a master, works
 on a view of the weight itself), AdamW's ``exp_avg`` / ``exp_avg_sq`` and, between the gradient reduction and the
 optimizer step, the reduced gradient. Every rank keeps the full low-precision weights (the forward, the rollout
-engine and the reference model read them).
+engine and the reference model read them) -- except with ``parallel.shard=params``, where it keeps its range of them
+(``local``) and :class:`~rlalign.train.weight_shards.ShardedWeights` gathers them where they are used; the step then
+rounds each master range into that range and nothing is broadcast.
 
 One optimizer step (:meth:`ShardedMaster.reduce_gradients`, :meth:`clip`, :meth:`step`), and why each part has
 the unsharded bits:
