@@ -185,7 +185,7 @@ class PolicyUpdate:
             if self.value is not None:
                 terms.value_backward(self.value, mb, inputs.value_targets, mask, stats)
             loss.backward()
-        weights = getattr(self.master, "weights", None)   # parallel.shard=params: the layers' gathers are collectives
+        weights = par.weight_shards(self.policy)   # parallel.shard=params: the layers' gathers are collectives
         if weights is not None:
             weights.idle_passes(-(-len(mini) // self.dp.size) - len(mine))
         return stats, seen
