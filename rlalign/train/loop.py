@@ -109,6 +109,8 @@ class Trainer:
             if value_model:
                 raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
             self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
+        if cfg.optim.activation_checkpointing:   # before the master: parallel.shard=params hooks the layers it finds
+            recompute_layers(self.policy)
         self.master = training_master(cfg, self.policy, self.dp)   # whole, or each dp rank's ranges (parallel.shard)
         self.weight_sync = WeightSync(self.engine, self.policy, path)
         self.update = PolicyUpdate(cfg, self.policy, self.master, self.dp, self.moe, value_model)
@@ -120,8 +122,6 @@ class Trainer:
         self.verifier = offpolicy.behaviour_verifier(cfg, self.policy)   # run.verify_behaviour
         self.step = 0
         self.trackers, self.config_path = None, self.run_dir / "config.yaml"
-        if cfg.optim.activation_checkpointing:
-            recompute_layers(self.policy)
 
     # ---- the run's files and state ---------------------------------------------------------------------
 

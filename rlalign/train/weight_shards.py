@@ -79,29 +79,30 @@ class ShardedWeights:
         self.units = [self._runs(unit) for unit in in_layers]
         self.outer = self._runs([i for i in range(len(named)) if i not in taken])
         self.layers, self.embed = layers, model.model.embed_tokens
+        self.hooked: list[torch.nn.Module] = []
         self.release_all()
 
     def _runs(self, indices: list[int]) -> list[_Run]:
         """``indices``' parameters as runs of consecutive indices and one dtype, each made a view of one buffer."""
-        offsets, runs = self.shards.offsets, []
+        groups: list[list[int]] = []
+        for i in indices:
+            if groups and groups[-1][-1] == i - 1 and self.named[groups[-1][-1]][1].dtype == self.named[i][1].dtype:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return [self._run(group) for group in groups]
+
+    @torch.no_grad()
+    def _run(self, indices: list[int]) -> _Run:
+        offsets, first = self.shards.offsets, self.named[indices[0]][1]
+        start, stop = offsets[indices[0]], offsets[indices[-1]] + self.named[indices[-1]][1].numel()
+        flat = torch.empty(stop - start, dtype=first.dtype, device=first.device)
         for i in indices:
             p = self.named[i][1]
-            if runs and runs[-1].indices[-1] == i - 1 and runs[-1].flat.dtype == p.dtype:
-                runs[-1].indices.append(i)
-                runs[-1].stop = offsets[i] + p.numel()
-            else:
-                runs.append(_Run([i], offsets[i], offsets[i] + p.numel(), p))
-        with torch.no_grad():
-            for run in runs:
-                first = self.named[run.indices[0]][1]
-                flat = torch.empty(run.stop - run.start, dtype=first.dtype, device=first.device)
-                for i in run.indices:
-                    p = self.named[i][1]
-                    view = flat[self.shards.offsets[i] - run.start:][:p.numel()]
-                    view.copy_(p.detach().reshape(-1))
-                    p.data = view.view(p.shape)   # the Parameter object stays: its name, grad and optimizer state
-                run.flat = flat
-        return runs
+            view = flat[offsets[i] - start:offsets[i] - start + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view(p.shape)   # the Parameter object stays: its name, grad and optimizer state
+        return _Run(indices, start, stop, flat)
 
     # ---- gathers and releases --------------------------------------------------------------------------------
 
@@ -192,7 +193,16 @@ class ShardedWeights:
         for unit, layer in zip(self.units, self.layers):
             layer.register_forward_pre_hook(functools.partial(self._before_layer, unit))
             layer.register_forward_hook(functools.partial(self._after_layer, unit))
-        self.embed.register_forward_pre_hook(lambda module, args: self.gather(self.outer))
+        self.hooked = list(self.layers)
+        self.embed.register_forward_pre_hook(self._before_embedding)
+
+    def _before_embedding(self, module, args) -> None:
+        """A forward starts: the layers must still be the hooked modules (a layer swapped in later, e.g. by
+        activation checkpointing's wrapper, would run on released weights), then ``outer`` gathered."""
+        if any(a is not b for a, b in zip(self.layers, self.hooked)):
+            raise RLAlignError("parallel.shard=params: a decoder layer was replaced after its weights were sharded; "
+                               "wrap the layers (activation checkpointing) before the training state is built")
+        self.gather(self.outer)
 
     def _before_layer(self, unit: list[_Run], module, args):
         self.gather(unit)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlalign.configlib import ConfigError, load_config
+from rlalign.contract.errors import RLAlignError
 from rlalign.distributed.data_parallel import FlatShards
 from rlalign.distributed.launch import Group
 from rlalign.reductions import global_norm
@@ -267,3 +268,17 @@ def test_checkpoint_parts_are_recorded_deleted_and_proved_like_checkpoints(tmp_p
     doomed = sorted(p.name for p in previous_run_files(run) if p.parent == ckpt)
     assert doomed == ["latest.json", "step_000002.pt", "step_000002.rank0.pt", "step_000002.rank1.pt",
                       "step_000003.pt", "step_000003.rank0.pt", "step_000003.rank1.pt"]
+
+
+def test_a_layer_replaced_after_the_weights_were_sharded_is_refused_in_one_line():
+    """The hooks sit on the layers found when the weights were sharded; a layer swapped in later would run on
+    released weights: the next forward refuses it instead."""
+    from rlalign.models.batch import ForwardBatch
+    from tests.distributed.shard_workers import _model
+
+    model = _model("qwen3", "bfloat16")
+    ShardedMaster(model, Group.single(), enabled=True, shard_params=True)
+    recompute_layers(model)
+    with pytest.raises(RLAlignError, match="a decoder layer was replaced after its weights were sharded") as info:
+        model.forward_hidden(ForwardBatch.packed([[3, 4, 5]]))
+    assert "\n" not in str(info.value)
