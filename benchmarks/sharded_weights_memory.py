@@ -17,7 +17,8 @@ Each of ``--dp`` spawned processes builds the same randomly initialised bf16 dec
 
 No rollout engine or reference model is built (a trainer with ``parallel.shard=params`` adds the engine's whole copy).
 
-    python benchmarks/sharded_weights_memory.py [--dp 2] [--layers 16] [--hidden 512] [--vocab 4096] [--json]
+    python benchmarks/sharded_weights_memory.py [--dp 2] [--layers 16] [--hidden 512] [--vocab 4096]
+                                                [--modes none,grads,params] [--json]
 """
 
 from __future__ import annotations
@@ -106,9 +107,9 @@ def _rank(world: Group, mode: str, layers: int, hidden: int, vocab: int, tokens:
             "rss_before": rss_before, "rss_peak": rss_peak}
 
 
-def measure(dp: int, layers: int, hidden: int, vocab: int, tokens: int, micro: int) -> dict:
+def measure(dp: int, layers: int, hidden: int, vocab: int, tokens: int, micro: int, modes=MODES) -> dict:
     out = {}
-    for mode in MODES:
+    for mode in modes:
         ranks = spawn(_rank, dp, mode, layers, hidden, vocab, tokens, micro)
         out[mode] = {key: max(r[key] for r in ranks) for key in ranks[0]}
     params = sum(p.numel() for p in _model(layers, hidden, vocab).parameters())
@@ -124,12 +125,16 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--modes", default=",".join(MODES), help="parallel.shard values to run (comma-separated)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     # every allocation above 64 KiB mapped on its own and unmapped when freed: glibc's adaptive threshold would
     # otherwise keep freed weights and gradients in the heap, and the resident set would not show what was released
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    result = measure(args.dp, args.layers, args.hidden, args.vocab, args.tokens, args.micro)
+    modes = tuple(args.modes.split(","))
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes: a comma-separated subset of {', '.join(MODES)}")
+    result = measure(args.dp, args.layers, args.hidden, args.vocab, args.tokens, args.micro, modes)
     if args.json:
         print(json.dumps(result, indent=1))
         return
