@@ -159,6 +159,9 @@ class Trainer:
         weights are gathered once, and only where something reads them."""
         weights = functools.cache(lambda: par.policy_weights(self.policy))
         self.weight_sync.push(weights, version=version)
+        shards = par.weight_shards(self.policy)
+        if shards is not None:   # parallel.shard=params: ranges only between steps (run.policy_kl's pass gathered some)
+            shards.release_all()
         if self.verifier is not None:
             self.verifier.remember(version, weights())
 
