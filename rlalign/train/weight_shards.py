@@ -25,8 +25,12 @@ Lifecycle (:meth:`ShardedWeights.install`):
 - ranks with fewer micro-batches in a mini-batch than others run :meth:`ShardedWeights.idle_passes` for the
   missing ones: the gathers are collectives, and every rank must join each one in the same order.
 - ``outer``: gathered when the embedding runs (a forward pre-hook) and kept until the next :meth:`release_all` (the
-  optimizer step's gradient reduction, a whole-model gather for the rollout engine or a checkpoint): for a step's
-  forwards and backwards (the LM head is read outside a module call, after the layers).
+  optimizer step's gradient reduction, the trainer's weights push after a step, :meth:`whole` or
+  :meth:`full_weights`): for a step's forwards and backwards (the LM head is read outside a module call, after the
+  layers).
+- the rollout: :meth:`whole` gathers every unit in place for the engine, which reads the policy's own tensors, and
+  releases them after it; readers that take the weights away (an engine copy, a checkpoint, the exported policy) get
+  :meth:`full_weights`, new tensors assembled one parameter at a time.
 
 So between layers a rank holds its 1/dp of the weights, ``outer`` whole during a step, and one or two layers whole at a
 time (the layer running; in backward also the one below it, gathered before the one above releases).
@@ -94,6 +98,8 @@ class ShardedWeights:
 
     @torch.no_grad()
     def _run(self, indices: list[int]) -> _Run:
+        """One flat buffer holding consecutive parameters ``indices`` (their values copied in), each rebound to its
+        slice of it."""
         offsets, first = self.shards.offsets, self.named[indices[0]][1]
         start, stop = offsets[indices[0]], offsets[indices[-1]] + self.named[indices[-1]][1].numel()
         flat = torch.empty(stop - start, dtype=first.dtype, device=first.device)

@@ -19,7 +19,8 @@ from rlalign.distributed.launch import Group
 from rlalign.reductions import global_norm
 from rlalign.models.config import ModelConfig
 from rlalign.models.sizes import parameter_shapes
-from rlalign.models.testing import tiny_hf_config
+from rlalign.models.batch import ForwardBatch
+from rlalign.models.testing import tiny_hf_config, tiny_model
 from rlalign.train.budget import memory_budget
 from rlalign.train.config import TrainConfig
 from rlalign.train.engines import _engine_config, weights_path
@@ -31,6 +32,7 @@ from rlalign.train.run.checkpoint_files import (CheckpointCorrupt, load_part, no
 from rlalign.train.run.directory import open_run_dir, previous_run_files
 from rlalign.train.sharding import ShardedMaster
 from tests.bitwise import assert_bitwise_equal
+from tests.distributed.shard_workers import ADAMW, MAX_NORM, _backward, _model
 
 
 @settings(max_examples=60, deadline=None)
@@ -133,16 +135,11 @@ def test_sharded_weights_share_the_policys_tensors_with_the_engine_regathered():
     cfg = load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=params"])
     path = weights_path(cfg)
     assert path.shared and path.regathered and "gathered whole" in path.describe()
-    assert _engine_config(cfg, _tiny_policy()).decode_graphs == "off"
+    assert _engine_config(cfg, tiny_model("qwen3", seed=0)).decode_graphs == "off"
     copy = weights_path(load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=params",
                                                         "rollout.share_weights=false"]))
     assert not copy.shared and not copy.regathered
     assert not weights_path(load_config(TrainConfig, None, ["parallel.dp=2", "parallel.shard=grads"])).regathered
-
-
-def _tiny_policy():
-    from rlalign.models.testing import tiny_model
-    return tiny_model("qwen3", seed=0)
 
 
 def test_shard_values():
@@ -199,7 +196,6 @@ def test_sharded_weights_in_one_process_step_like_the_grads_sharded_state(recomp
     hooks, release after forward, gather again for backward (with optim.activation_checkpointing: for the
     recomputed forward too), the embeddings and head for the step -- gives the bits of parallel.shard=grads, and
     between steps no decoder layer, embedding or head is held whole."""
-    from tests.distributed.shard_workers import ADAMW, MAX_NORM, _backward, _model
 
     def run(shard_params: bool):
         model = _model("qwen3", "bfloat16")
@@ -273,8 +269,6 @@ def test_checkpoint_parts_are_recorded_deleted_and_proved_like_checkpoints(tmp_p
 def test_a_layer_replaced_after_the_weights_were_sharded_is_refused_in_one_line():
     """The hooks sit on the layers found when the weights were sharded; a layer swapped in later would run on
     released weights: the next forward refuses it instead."""
-    from rlalign.models.batch import ForwardBatch
-    from tests.distributed.shard_workers import _model
 
     model = _model("qwen3", "bfloat16")
     ShardedMaster(model, Group.single(), enabled=True, shard_params=True)
@@ -296,8 +290,6 @@ def test_sharded_weights_lifecycle_over_families_and_shapes(family, dtype, layer
     """One process, one step over ``lengths`` micro-batches (single tokens included): untied heads, qkv biases (the
     stacked q/k/v no longer adjacent), MoE layers, fp32 weights without masters (the optimizer steps the rank's own
     weight range) and bf16 with masters -- parallel.shard=params gives parallel.shard=grads' bits."""
-    from rlalign.models.batch import ForwardBatch
-    from rlalign.models.testing import tiny_model
 
     def run(shard_params: bool):
         model = tiny_model(family, seed=5, dtype=dtype, init_std=0.1, num_hidden_layers=layers, hidden_size=32,
