@@ -37,6 +37,10 @@ dtype. What each component holds, as the trainer (rlalign.train.loop, update.py,
                                        AdamW state (and of the step's working set); the gradients stay P b
                                        (each rank accumulates its micro-batches' full gradient before the
                                        reduction); a save streams each rank's part (rlalign.train.sharding)
+    parallel.shard=params              and the weights: ceil(P / N) b per rank, plus what is gathered whole
+                                       (rlalign.train.weight_shards): with the engine reading the policy's
+                                       tensors, the whole weights during each rollout; in the update the
+                                       embeddings, final norm and LM head, and at most two decoder layers
     checkpoint file                    masters + AdamW state (12 P; a weight with a master is stored only
                                        as the master), or weights + AdamW state (3 b P) without masters;
                                        streamed to disk (save_checkpoint): the host holds at most one
@@ -51,6 +55,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -61,7 +66,7 @@ from rlalign.contract.errors import RLAlignError
 from rlalign.contract.spec import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
 from rlalign.models.checkpoint import read_config_json
 from rlalign.models.config import ModelConfig
-from rlalign.models.sizes import kv_bytes_per_token, parameter_sizes
+from rlalign.models.sizes import kv_bytes_per_token, parameter_shapes, parameter_sizes
 from rlalign.train.engines import PROMPT_TOKENS_ESTIMATE, kv_continuation, step_kv_cache_bytes, weights_path
 from rlalign.train.run.config_file import resolve_train_config
 
@@ -110,14 +115,28 @@ def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
     o = cfg.optim
     masters = o.master_weights and (b != 4 or o.offload)
     state_place = "host" if masters and o.offload else "device"
-    rows = [BudgetRow("policy weights", "device", p * b, f"{p / 1e9:.3f}B parameters x {b} B"),
-            BudgetRow("policy gradients", "device", p * b, "model dtype")]
-    ranks = cfg.parallel.dp if cfg.parallel.shard == "grads" else 1   # rlalign.train.sharding: a 1/N range per rank
+    ranks = cfg.parallel.dp if cfg.parallel.shard in ("grads", "params") else 1   # a 1/N range per rank
     held = -(-p // ranks)
+    if cfg.parallel.shard == "params":   # rlalign.train.weight_shards: the weights in ranges, units gathered
+        layer, outer = _gathered_units(model_config)
+        units = (outer + 2 * layer) * b
+        rows = [BudgetRow("policy weights", "device", held * b,
+                          f"{p / 1e9:.3f}B parameters x {b} B; this rank's 1/{ranks} (parallel.shard=params)")]
+        if weights_path(cfg).shared:   # the engine reads them in place: gathered whole for each rollout
+            rows.append(BudgetRow("gathered weights", "device", max((p - held) * b, units),
+                                  "the rest of the weights, whole during each rollout (gradients and activations "
+                                  f"are not live then); in the update {_size(units)}: embeddings, final norm and "
+                                  "LM head + two decoder layers"))
+        else:
+            rows.append(BudgetRow("gathered weights", "device", units, "embeddings, final norm and LM head for the "
+                                  "step + two decoder layers (parallel.shard=params)"))
+    else:
+        rows = [BudgetRow("policy weights", "device", p * b, f"{p / 1e9:.3f}B parameters x {b} B")]
+    rows.append(BudgetRow("policy gradients", "device", p * b, "model dtype"))
     chunk = min(largest, held, o.step_chunk_elements)
     stepped = (f"one parameter and at most {_count(o.step_chunk_elements)} of its elements at a time "
                f"(optim.step_chunk_elements; the largest parameter has {_count(largest)})")
-    share = f"; this rank's 1/{ranks} (parallel.shard=grads)" if ranks > 1 else ""
+    share = f"; this rank's 1/{ranks} (parallel.shard={cfg.parallel.shard})" if ranks > 1 else ""
     if masters:
         rows += [BudgetRow("fp32 master weights", state_place, 4 * held, "optim.master_weights" + share),
                  BudgetRow("AdamW m, v (fp32)", state_place, 8 * held, share.removeprefix("; ")),
@@ -140,6 +159,19 @@ def memory_budget(cfg, model_config: ModelConfig) -> list[BudgetRow]:
              BudgetRow("log-prob backward LM-head gradient", "device", (4 + b) * head,
                        f"fp32 accumulation over the vocabulary + its {b}-byte cast, in backward")]
     return rows + _checkpoint_rows(cfg, p, largest, b, masters, state_place, ranks > 1)
+
+
+def _gathered_units(model_config: ModelConfig) -> tuple[int, int]:
+    """(elements of the largest decoder layer, elements outside the decoder layers): what parallel.shard=params
+    gathers whole per layer and for the step."""
+    layers, outer = {}, 0
+    for name, shape in parameter_shapes(model_config):
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            layers[index] = layers.get(index, 0) + math.prod(shape)
+        else:
+            outer += math.prod(shape)
+    return max(layers.values(), default=0), outer
 
 
 def _checkpoint_rows(cfg, p: int, largest: int, b: int, masters: bool, state_place: str,

@@ -25,8 +25,9 @@ from rlalign.algos.registry import (
 from rlalign.train.engines import ENGINES, INTEGRATIONS_HINT
 
 
-# parallel.shard: none, or grads (rlalign.train.sharding: ZeRO-2 style over the dp ranks)
-SHARD_MODES = ("none", "grads")
+# parallel.shard: none, grads (rlalign.train.sharding: ZeRO-2 style over the dp ranks) or params (the weights too:
+# rlalign.train.weight_shards, ZeRO-3 style)
+SHARD_MODES = ("none", "grads", "params")
 
 # run.loggers: where metrics go (rlalign.train.run.trackers.TRACKERS has one entry per name)
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -412,7 +413,9 @@ class ParallelSection:
     back-propagates a share of the step's micro-batches and a deterministic all-reduce sums the gradients. tp: the
     policy is sharded (rlalign.distributed.parallelize); None keeps the unsharded model, 1/2/4/8 use the canonical
     partitions, and every tp gives the same bits as tp=1. shard: ``grads`` shards the fp32 masters, the AdamW state
-    and the reduced gradients over the dp ranks (rlalign.train.sharding), bit for bit the ``none`` run."""
+    and the reduced gradients over the dp ranks (rlalign.train.sharding), ``params`` the training weights too (each
+    decoder layer gathered for its forward and backward: rlalign.train.weight_shards); both bit for bit the ``none``
+    run."""
     CHECKS: ClassVar[dict[str, Rule]] = {
         "dp": at_least(1),
         "tp": one_of(1, 2, 4, 8, optional=True),
@@ -421,20 +424,31 @@ class ParallelSection:
     dp: int = 1                        # data-parallel trainer processes
     tp: int | None = None              # tensor-parallel degree (None: unsharded)
     shard: str = "none"                # none | grads: masters, AdamW state and reduced gradients split over the dp ranks
+                                       # | params: and the training weights (gathered per decoder layer when used)
 
     def refusal(self, cfg) -> "str | None":
-        """What ``shard=grads`` cannot run with (``cfg``: the whole TrainConfig), in one line; None: nothing."""
+        """What ``shard=grads`` / ``shard=params`` cannot run with (``cfg``: the whole TrainConfig), in one line; None:
+        nothing."""
         if self.shard == "none":
             return None
         if self.dp < 2:
-            return "parallel.shard=grads splits the training state over the data-parallel ranks: set parallel.dp >= 2"
+            return (f"parallel.shard={self.shard} splits the training state over the data-parallel ranks: set "
+                    "parallel.dp >= 2")
         refused = (
             (self.tp is not None, "parallel.tp"), (cfg.optim.offload, "optim.offload=true"),
             (cfg.rollout.async_steps > 0, "rollout.async_steps > 0"),
             (cfg.algo.advantage == "gae", "the PPO value model (algo.advantage=gae)"),
         )
+        if self.shard == "params":   # the weights exist whole only per layer, inside the step
+            refused += (
+                (cfg.model.lora.rank > 0, "model.lora (the frozen base is not sharded: use parallel.shard=grads)"),
+                (cfg.rollout.decode_graphs == "on", "rollout.decode_graphs=on (each rollout gathers the weights "
+                                                     "into new storage; a CUDA graph holds the old addresses)"),
+                (cfg.run.verify_behaviour, "run.verify_behaviour"),
+            )
         what = next((name for bad, name in refused if bad), None)
-        return None if what is None else f"parallel.shard=grads with {what} is not supported yet; use parallel.shard=none"
+        return (None if what is None else
+                f"parallel.shard={self.shard} with {what} is not supported yet; use parallel.shard=none")
 
     @property
     def world_size(self) -> int:

@@ -72,10 +72,15 @@ class WeightsPath:
     tensors) or a copy synced after every optimizer step; ``reason`` says why, for the log."""
     shared: bool
     reason: str
+    # parallel.shard=params: the shared tensors are released after each rollout and gathered whole again for the
+    # next one (rlalign.train.weight_shards), so their storage moves: no address check, no CUDA-graph decode
+    regathered: bool = False
 
     def describe(self) -> str:
         how = ("shares the policy's weight tensors (no copy, no per-step sync)" if self.shared
                else "holds its own copy of the weights, synced after each optimizer step")
+        if self.regathered:
+            how += ", gathered whole from the ranks' ranges for each rollout and released after it"
         return f"the rollout engine {how}: {self.reason}"
 
 
@@ -87,7 +92,8 @@ def weights_path(cfg) -> WeightsPath:
         return WeightsPath(False, "rollout.share_weights=false")
     blocker = _sharing_blocker(cfg)
     if blocker is None:
-        return WeightsPath(True, "rlalign's engine in the trainer's process, same device and dtype")
+        return WeightsPath(True, "rlalign's engine in the trainer's process, same device and dtype",
+                           regathered=getattr(cfg.parallel, "shard", "none") == "params")
     if setting is True:
         raise WeightsSharingError(f"rollout.share_weights=true, but {blocker}; leave rollout.share_weights unset "
                                   "(it copies there) or set it to false")
@@ -143,9 +149,11 @@ def _engine_config(cfg, policy) -> RolloutConfig:
     kv_bytes, param = r.kv_cache_bytes, next(policy.parameters())
     if kv_bytes is None and param.device.type == "cuda":
         kv_bytes = step_kv_cache_bytes(cfg, policy.config, param.element_size())
+    # a CUDA graph holds the weights' addresses; parallel.shard=params re-gathers them into new storage each rollout
+    graphs = "off" if getattr(cfg.parallel, "shard", "none") == "params" else r.decode_graphs
     return RolloutConfig(profile=cfg.run.profile, page_size=r.page_size, max_num_seqs=r.max_num_seqs,
                          max_num_batched_tokens=r.max_num_batched_tokens, kv_cache_bytes=kv_bytes,
-                         decode_graphs=r.decode_graphs, overlap=r.overlap,
+                         decode_graphs=graphs, overlap=r.overlap,
                          record_routing=r.record_routing and bool(sparse_layer_indices(policy.config)))
 
 
@@ -183,7 +191,8 @@ class WeightSync:
             foreign = [name for name, p in named if engine_params.get(name) is not p]
             if foreign or len(engine_params) != len(named):
                 raise WeightsSharingError(f"the rollout engine does not hold the policy's tensor {(foreign or ['?'])[0]}")
-            self._addresses = [(name, p, p.data_ptr()) for name, p in named]
+            if not path.regathered:   # re-gathered storage moves by design (no CUDA graphs then: _engine_config)
+                self._addresses = [(name, p, p.data_ptr()) for name, p in named]
 
     @property
     def shared(self) -> bool:

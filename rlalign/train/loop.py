@@ -109,6 +109,8 @@ class Trainer:
             if value_model:
                 raise SetupError("parallel.tp does not support the PPO value model (algo.advantage=gae) yet")
             self.policy = parallelize(self.policy, self.tp)   # the engine and ref keep unsharded copies
+        if cfg.optim.activation_checkpointing:   # before the master: parallel.shard=params hooks the layers it finds
+            recompute_layers(self.policy)
         self.master = training_master(cfg, self.policy, self.dp)   # whole, or each dp rank's ranges (parallel.shard)
         self.weight_sync = WeightSync(self.engine, self.policy, path)
         self.update = PolicyUpdate(cfg, self.policy, self.master, self.dp, self.moe, value_model)
@@ -120,8 +122,6 @@ class Trainer:
         self.verifier = offpolicy.behaviour_verifier(cfg, self.policy)   # run.verify_behaviour
         self.step = 0
         self.trackers, self.config_path = None, self.run_dir / "config.yaml"
-        if cfg.optim.activation_checkpointing:
-            recompute_layers(self.policy)
 
     # ---- the run's files and state ---------------------------------------------------------------------
 
@@ -159,6 +159,9 @@ class Trainer:
         weights are gathered once, and only where something reads them."""
         weights = functools.cache(lambda: par.policy_weights(self.policy))
         self.weight_sync.push(weights, version=version)
+        shards = par.weight_shards(self.policy)
+        if shards is not None:   # parallel.shard=params: ranges only between steps (run.policy_kl's pass gathered some)
+            shards.release_all()
         if self.verifier is not None:
             self.verifier.remember(version, weights())
 
@@ -198,7 +201,8 @@ class Trainer:
         the update; the engine's weights pushed; the step's record."""
         cfg, t0 = self.cfg, time.perf_counter()
         with use_profile(cfg.run.profile):
-            samples, sampling_stats = self.source.next_step(step)   # generated ahead: the wait is time/rollout_s
+            with self._rollout_weights():
+                samples, sampling_stats = self.source.next_step(step)   # generated ahead: the wait is time/rollout_s
             t_rollout, t1 = time.perf_counter() - t0, time.perf_counter()
             batch, record = self.train_batch(samples), {"step": step}
             old = self._old_policy(step, samples, batch, record)
@@ -263,7 +267,14 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out accuracy (:meth:`rlalign.train.sampling.Sampler.evaluate`), by the trainer's current weights."""
         self.source.quiesce(self.step)
-        return self.sampler.evaluate()
+        with self._rollout_weights():
+            return self.sampler.evaluate()
+
+    def _rollout_weights(self):
+        """Where the engine reads the policy's own tensors and parallel.shard=params keeps them in ranges: the whole
+        weights gathered in place for the rollout and released after it (rlalign.train.weight_shards)."""
+        shards = par.weight_shards(self.policy)
+        return shards.whole() if shards is not None and self.weight_sync.shared else contextlib.nullcontext()
 
 
 def run_training(cfg: TrainConfig, console=None) -> Path:

@@ -89,9 +89,19 @@ def parallelized(policy) -> bool:
     return getattr(policy, "tp_group", None) is not None
 
 
+def weight_shards(policy):
+    """The policy's :class:`~rlalign.train.weight_shards.ShardedWeights` with ``parallel.shard=params``, else None."""
+    return policy.__dict__.get("weight_shards")
+
+
 def policy_weights(policy) -> dict[str, torch.Tensor]:
-    """The full (unsharded) weights by name: what the rollout engine and checkpoints take."""
-    return full_state(policy) if parallelized(policy) else policy.state_dict()
+    """The full (unsharded) weights by name: what the rollout engine and checkpoints take (with
+    ``parallel.shard=params`` gathered from every rank's ranges into new tensors: a collective)."""
+    if parallelized(policy):
+        return full_state(policy)
+    state = policy.state_dict()
+    shards = weight_shards(policy)
+    return state if shards is None else {**state, **shards.full_weights()}
 
 
 @torch.no_grad()
@@ -105,6 +115,12 @@ def load_policy_weights(policy, weights: dict[str, torch.Tensor], absent: Collec
     if missing or extra:
         what = f"lack {missing[0]}" if missing else f"hold {extra[0]}, which the policy does not have"
         raise RLAlignError(f"the checkpoint's model weights {what}: it was written for another model")
+    shards = weight_shards(policy)
+    if shards is not None:   # parallel.shard=params: each rank copies its ranges; anything else (buffers) as is
+        shards.load_weights(weights)
+        sharded = {name for name, _ in shards.named}
+        policy.load_state_dict({k: v for k, v in weights.items() if k not in sharded}, strict=False)
+        return
     if not parallelized(policy):
         policy.load_state_dict(weights, strict=False)
         return
@@ -253,14 +269,15 @@ def load_optimizer_state(optimizer, stored, tp: Group | None) -> None:
 
 
 def unsharded_policy(policy):
-    """The policy as an ordinary CausalLM (a new one with the gathered weights under TP)."""
-    if not parallelized(policy):
+    """The policy as an ordinary CausalLM (a new one with the gathered weights under TP or parallel.shard=params; a
+    collective there)."""
+    if not parallelized(policy) and weight_shards(policy) is None:
         return policy
     model = CausalLM(policy.config, dtype=policy.dtype, device=policy.device)
-    model.load_state_dict(full_state(policy))
+    model.load_state_dict(policy_weights(policy))
     return model
 
 
-__all__ = ["needs_launch", "check_parallel_device", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
+__all__ = ["weight_shards", "needs_launch", "check_parallel_device", "parallel_groups", "is_writer", "shared_run_dir", "policy_weights",
            "load_policy_weights", "clip_grad_norm_", "clip_params_", "total_norm", "norm_mode", "norm_part", "norm_from_parts", "restack_run_state",
            "optimizer_state", "load_optimizer_state", "unsharded_policy"]

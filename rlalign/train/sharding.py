@@ -6,7 +6,9 @@ parameter order, flattened one after another; rank r owns the r-th of ``parallel
 differ by at most one element). For its range alone a rank holds the fp32 masters (or, without a master, works
 on a view of the weight itself), AdamW's ``exp_avg`` / ``exp_avg_sq`` and, between the gradient reduction and the
 optimizer step, the reduced gradient. Every rank keeps the full low-precision weights (the forward, the rollout
-engine and the reference model read them).
+engine and the reference model read them) -- except with ``parallel.shard=params``, where it keeps its range of them
+(``local``) and :class:`~rlalign.train.weight_shards.ShardedWeights` gathers them where they are used; the step then
+rounds each master range into that range and nothing is broadcast.
 
 One optimizer step (:meth:`ShardedMaster.reduce_gradients`, :meth:`clip`, :meth:`step`), and why each part has
 the unsharded bits:
@@ -45,14 +47,17 @@ from rlalign.distributed.launch import Group
 from rlalign.models.layout import checkpoint_entries
 from rlalign.train import parallel as par
 from rlalign.train.master import DEFAULT_STEP_CHUNK, MasterWeights, adamw_groups, check_rounded, step_chunked
+from rlalign.train.weight_shards import ShardedWeights
 
 
 def training_master(cfg, policy: torch.nn.Module, group) -> "MasterWeights | ShardedMaster":
-    """The optimizer-state owner of a run: each dp rank's ranges with ``parallel.shard=grads``, else the whole
-    state (fp32 masters for low-precision weights, rlalign.train.master)."""
+    """The optimizer-state owner of a run: each dp rank's ranges with ``parallel.shard=grads`` (and of the weights
+    themselves with ``parallel.shard=params``: rlalign.train.weight_shards), else the whole state (fp32 masters for
+    low-precision weights, rlalign.train.master)."""
     o = cfg.optim
-    if cfg.parallel.shard == "grads":
-        return ShardedMaster(policy, group, o.master_weights, o.step_chunk_elements)
+    if cfg.parallel.shard in ("grads", "params"):
+        return ShardedMaster(policy, group, o.master_weights, o.step_chunk_elements,
+                             shard_params=cfg.parallel.shard == "params")
     return MasterWeights(policy, o.master_weights, o.offload, o.step_chunk_elements)
 
 
@@ -61,7 +66,8 @@ class ShardedMaster:
     :class:`~rlalign.train.master.MasterWeights` the trainer uses, plus the gradient reduction and the clip."""
 
     def __init__(self, model: torch.nn.Module, group: Group, enabled: bool = True,
-                 chunk_elements: int = DEFAULT_STEP_CHUNK, bucket_elements: int = DEFAULT_BUCKET_ELEMENTS):
+                 chunk_elements: int = DEFAULT_STEP_CHUNK, bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
+                 shard_params: bool = False):
         self.model, self.group = model, group
         self.chunk_elements, self.bucket_elements = chunk_elements, bucket_elements
         self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -72,16 +78,31 @@ class ShardedMaster:
         self.shards = FlatShards(tuple(p.numel() for _, p in self.named), group.size)
         self.pieces = self.shards.pieces(group.rank)   # (parameter index, lo, hi) in parameter coordinates
         with torch.no_grad():
-            # a master range is an fp32 copy; without a master the optimizer steps a view of the weight itself
-            self.stepped = [self._weight(i)[a:b].float().clone() if self.has_master[i] else self._weight(i)[a:b]
-                            for i, a, b in self.pieces]
+            # parallel.shard=params: this rank's ranges of the weights, the only copy it keeps between uses
+            self.local = [self._weight(i)[a:b].clone() for i, a, b in self.pieces] if shard_params else None
+            # a master range is an fp32 copy; without a master the optimizer steps (a view of) the weight itself
+            self.stepped = [self._range_weight(k).float().clone() if self.has_master[i] else self._range_weight(k)
+                            for k, (i, _, _) in enumerate(self.pieces)]
         self.grads: list[torch.Tensor | None] = [None] * len(self.pieces)
         self.units = self._units()
+        self.weights = None
+        if shard_params:   # the parameters become views of per-layer buffers, released until used
+            self.weights = ShardedWeights(model, self.named, self.shards, self.local, group)
+            self.weights.install()
+            model.__dict__["weight_shards"] = self.weights   # rlalign.train.parallel's whole-weight readers
 
     # ---- layout ---------------------------------------------------------------------------------------------
 
     def _weight(self, i: int) -> torch.Tensor:
         return self.named[i][1].detach().view(-1)
+
+    def _range_weight(self, k: int) -> torch.Tensor:
+        """The weight elements of piece k: this rank's own copy with parallel.shard=params, else a view of the
+        (whole) parameter."""
+        if self.local is not None:
+            return self.local[k]
+        i, a, b = self.pieces[k]
+        return self._weight(i)[a:b]
 
     def _units(self) -> list[tuple[int, int, int, tuple]]:
         """The gradient norm's tensors (the checkpoint's, in checkpoint order): (parameter index, lo, hi in the
@@ -115,6 +136,8 @@ class ShardedMaster:
     def reduce_gradients(self) -> None:
         """This rank's range of the gradients summed over the data-parallel ranks, each rounded once to its
         parameter's dtype; the model's gradients are freed."""
+        if self.weights is not None:   # the step's backwards are done: the embeddings and head go back to ranges
+            self.weights.release_all()
         params = [p for _, p in self.named]
         summed = reduce_scatter_gradients(params, self.shards, self.group, self.bucket_elements)
         self.grads = [s.to(params[i].dtype) for s, (i, _, _) in zip(summed, self.pieces)]
@@ -192,7 +215,7 @@ class ShardedMaster:
             if grads[k] is None:
                 continue
             stepped = self.stepped[k]
-            model = self._weight(i)[a:b] if self.has_master[i] else None
+            model = self._range_weight(k) if self.has_master[i] else None
             step_chunked(optimizer.state[stepped], groups[id(stepped)], stepped, grads, k, model,
                          self.chunk_elements, self.named[i][0])
         optimizer.step()   # no gradient is set: steps nothing, runs the optimizer's hooks (the lr schedule's count)
@@ -200,7 +223,11 @@ class ShardedMaster:
 
     @torch.no_grad()
     def gather_weights(self) -> None:
-        """Every rank's ranges of the weights broadcast from their owners (exact copies)."""
+        """Every rank's ranges of the weights broadcast from their owners (exact copies); with parallel.shard=params
+        the weights stay in ranges (gathered per layer when used): any gathered unit is released."""
+        if self.weights is not None:
+            self.weights.release_all()
+            return
         offsets = self.shards.offsets
         for i, (_, p) in enumerate(self.named):
             segments = self.shards.segments(offsets[i], offsets[i] + p.numel())
@@ -247,7 +274,7 @@ class ShardedMaster:
                 raise RLAlignError(f"the checkpoint's parts hold different step counts for {self.named[i][0]}: corrupt")
             if self.has_master[i]:
                 self._fill(self.stepped[k], a, sources, "master")
-                self._weight(i)[a:b].copy_(self.stepped[k].to(self.named[i][1].dtype))
+                self._range_weight(k).copy_(self.stepped[k].to(self.named[i][1].dtype))
             step = steps.pop()
             if step is not None:
                 moments = {key: torch.empty_like(self.stepped[k]) for key in ("exp_avg", "exp_avg_sq")}
@@ -282,7 +309,8 @@ class ShardedMaster:
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of the sharded state this rank holds: its master ranges (not the views of fp32 weights) and their
         AdamW ``exp_avg`` / ``exp_avg_sq``."""
-        total = sum(t.numel() * t.element_size() for t in self.stepped if t._base is None)
+        weights = {id(t) for t in self.local or ()}   # without masters the stepped ranges are the weights
+        total = sum(t.numel() * t.element_size() for t in self.stepped if t._base is None and id(t) not in weights)
         for t in self.stepped:
             for key in ("exp_avg", "exp_avg_sq"):
                 v = optimizer.state.get(t, {}).get(key)
@@ -299,12 +327,12 @@ class ShardedMaster:
                 continue
             name, p = self.named[i]
             if state is None:
-                self.stepped[k].copy_(self._weight(i)[a:b].float())
+                self.stepped[k].copy_(self._range_weight(k).float())
                 continue
             if name not in state:
                 raise RLAlignError(f"the checkpoint's master weights lack {name}: it was written by another model")
             self.stepped[k].copy_(state[name].reshape(-1)[a:b].to(self.stepped[k].device))
-            self._weight(i)[a:b].copy_(self.stepped[k].to(p.dtype))
+            self._range_weight(k).copy_(self.stepped[k].to(p.dtype))
         self.gather_weights()
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, stored) -> None:

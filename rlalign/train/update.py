@@ -165,7 +165,8 @@ class PolicyUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         if self.value is not None:
             self.value_optimizer.zero_grad(set_to_none=True)
-        for mb in shard_for_rank(mini, self.dp):
+        mine = shard_for_rank(mini, self.dp)
+        for mb in mine:
             sl, mask = mb.tokens, batch.mask[mb.tokens]
             with record_routing() as routing:
                 lp, ent = logprobs(self.policy, mb, temperature=self.cfg.rollout.logprob_temperature,
@@ -184,6 +185,9 @@ class PolicyUpdate:
             if self.value is not None:
                 terms.value_backward(self.value, mb, inputs.value_targets, mask, stats)
             loss.backward()
+        weights = par.weight_shards(self.policy)   # parallel.shard=params: the layers' gathers are collectives
+        if weights is not None:
+            weights.idle_passes(-(-len(mini) // self.dp.size) - len(mine))
         return stats, seen
 
     def _optimizer_step(self, stats: dict, completed_steps: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Run inside spawned gloo processes (importable by the children): the sharded training state
-(rlalign.train.sharding) against the unsharded data-parallel step, on the same weights and samples."""
+(rlalign.train.sharding; with the weights sharded too, rlalign.train.weight_shards) against the unsharded
+data-parallel step, on the same weights and samples."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from tests.distributed.workers import SHAPE, _family_model
 # default model of the `rlalign train` test (test_train_parallel.py); the dense model with LoRA adapters (the base
 # frozen: only the adapters are trainable, so only they are sharded)
 CASES = (("qwen3", "bfloat16"), ("qwen3_moe", "bfloat16"), ("qwen3-lora", "bfloat16"))
+# parallel.shard=params (the weights sharded, each decoder layer gathered when used): full fine-tuning only
+PARAMS_CASES = (("qwen3", "bfloat16"), ("qwen3_moe", "bfloat16"))
 STEPS, RESUMED = 2, 1
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
 MAX_NORM = 0.05   # below the gradients' norm: the clip scales every step
@@ -39,15 +42,22 @@ def _model(family: str, dtype: str):
 
 def _samples(vocab: int, step: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(50 + step)
-    return [torch.randint(3, min(vocab, 320), (n,), generator=gen).tolist() for n in (9, 21, 5, 14, 30, 11, 7, 16)]
+    return [torch.randint(3, min(vocab, 320), (n,), generator=gen).tolist() for n in (9, 21, 5, 14, 30, 11, 7, 16, 12)]
 
 
 def _backward(model, group: Group, step: int) -> None:
-    """This rank's share of the step's samples, one micro-batch per sample, accumulated in .grad."""
-    for seq in shard_for_rank(_samples(model.config.vocab_size, step), group):
+    """This rank's share of the step's samples, one micro-batch per sample, accumulated in .grad (9 samples: the
+    ranks' shares differ in length; with the weights sharded a shorter share joins the extra passes' gathers, as
+    rlalign.train.update does)."""
+    samples = _samples(model.config.vocab_size, step)
+    mine = shard_for_rank(samples, group)
+    for seq in mine:
         targets = torch.tensor(seq[1:] + [0])
         lp, ent = model.logprobs(ForwardBatch.packed([seq]), targets, with_entropy=True)
         (-(lp.sum() + 0.1 * ent.sum()) / 100.0).backward()
+    weights = par.weight_shards(model)
+    if weights is not None:
+        weights.idle_passes(-(-len(samples) // group.size) - len(mine))
 
 
 class _Plain:
@@ -76,9 +86,12 @@ class _Plain:
 
 
 class _Sharded(_Plain):
+    shard_params = False
+
     def __init__(self, model, group: Group, bucket_elements: int = 1 << 28):
         self.model, self.group = model, group
-        self.master = ShardedMaster(model, group, enabled=True, bucket_elements=bucket_elements)
+        self.master = ShardedMaster(model, group, enabled=True, bucket_elements=bucket_elements,
+                                    shard_params=self.shard_params)
         self.optimizer = torch.optim.AdamW(self.master.optim_params(), **ADAMW)
 
     def step(self, step: int) -> torch.Tensor:
@@ -106,8 +119,31 @@ class _Sharded(_Plain):
             self.master.load_optimizer_state(self.optimizer, state["optimizer"])
 
 
+class _ShardedParams(_Sharded):
+    """parallel.shard=params: the weights in ranges too; records the bytes of weights this rank holds -- the most
+    after any layer's gather (``held_peak``) and between steps (``held_between_steps``)."""
+    shard_params = True
+
+    def __init__(self, model, group: Group, bucket_elements: int = 1 << 28):
+        super().__init__(model, group, bucket_elements)
+        weights, self.held_peak = self.master.weights, 0
+        gather = weights.gather
+
+        def measured(runs):
+            gather(runs)
+            self.held_peak = max(self.held_peak, weights.held_bytes())
+
+        weights.gather = measured
+
+    def step(self, step: int) -> torch.Tensor:
+        norm = super().step(step)
+        self.held_between_steps = self.master.weights.held_bytes()
+        return norm
+
+
 def _weights(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    whole = par.policy_weights(model)   # gathered from the ranks' ranges with parallel.shard=params
+    return {n: whole[n].detach().clone() for n, _ in model.named_parameters()}
 
 
 def _run(kind, base, group: Group, steps, start: int = 0, state: "dict | None" = None, **kw) -> dict:
@@ -117,6 +153,9 @@ def _run(kind, base, group: Group, steps, start: int = 0, state: "dict | None" =
         trainer.load(state)
     norms = [trainer.step(start + s) for s in range(steps)]
     out = {"norms": norms, "weights": _weights(trainer.model), **trainer.state()}
+    if isinstance(trainer, _ShardedParams):
+        out.update(held_peak=trainer.held_peak, held_between_steps=trainer.held_between_steps,
+                   weight_bytes=sum(p.numel() * p.element_size() for p in trainer.model.parameters()))
     if isinstance(trainer, _Sharded):
         out["state_bytes"] = trainer.master.state_bytes(trainer.optimizer)
     else:
@@ -141,6 +180,16 @@ def shard_suite(world: Group) -> dict:
         dp2 = res[("sharded", 2)]
         res[("resumed-plain", 4)] = _run(_Plain, base, world, RESUMED, STEPS, state_for_resume(dp2, parts=False))
         res[("resumed-sharded", 4)] = _run(_Sharded, base, world, RESUMED, STEPS, state_for_resume(dp2, parts=True))
+        if (family, dtype) in PARAMS_CASES:
+            for dp, group in {2: pair, 4: world}.items():
+                res[("params", dp)] = _run(_ShardedParams, base, group, STEPS,
+                                           bucket_elements=1000 if dp == 2 else 1 << 28)
+            # the dp=2 params run's parts and weights at dp=4, with the weights sharded and not
+            params2 = res[("params", 2)]
+            res[("resumed-params", 4)] = _run(_ShardedParams, base, world, RESUMED, STEPS,
+                                              state_for_resume(params2, parts=True))
+            res[("resumed-params-plain", 4)] = _run(_Plain, base, world, RESUMED, STEPS,
+                                                    state_for_resume(params2, parts=False))
         for run in res.values():
             run.pop("parts", None)
     return out

@@ -62,3 +62,34 @@ def test_optimizer_state_per_rank_is_a_1_over_n_share(ranks):
             held = [r[case][("sharded", dp)]["state_bytes"] for r in (ranks[:dp] if dp == 2 else ranks)]
             assert sum(held) == full, (case, dp, held, full)
             assert max(held) - min(held) <= 12, (case, dp, held)
+
+
+@pytest.mark.parametrize("case", shard_workers.PARAMS_CASES, ids=["-".join(c) for c in shard_workers.PARAMS_CASES])
+def test_sharded_weights_steps_equal_the_grads_sharded_and_unsharded_steps_bitwise(ranks, case):
+    """parallel.shard=params (each decoder layer gathered for its forward and again for its backward, several
+    micro-batches per rank) == parallel.shard=grads == the unsharded run, at dp = 2 and 4: every weight, master,
+    AdamW moment and grad norm; and its dp=2 state resumed at dp=4, weights sharded and not."""
+    for rank, r in enumerate(ranks):
+        res = r[case]
+        for dp in (2, 4):
+            _assert_state_equal(res[("params", dp)], res[("sharded", dp)], f"rank {rank} dp={dp} params vs grads")
+            _assert_state_equal(res[("params", dp)], res[("plain", dp)], f"rank {rank} dp={dp} params vs none")
+        _assert_state_equal(res[("resumed-params", 4)], res[("resumed-plain", 4)], f"rank {rank} resumed dp=4")
+        _assert_state_equal(res[("resumed-params-plain", 4)], res[("resumed-plain", 4)],
+                            f"rank {rank} params parts resumed unsharded at dp=4")
+
+
+def test_sharded_weights_per_rank_are_a_1_over_n_share_between_steps(ranks):
+    """Bytes of weights a rank holds: its 1/dp range between steps (the ranges sum to the whole weights); during
+    the step at most the embeddings/head/final norm and two decoder layers more (measured after every gather)."""
+    for case in shard_workers.PARAMS_CASES:
+        for dp in (2, 4):
+            runs = [r[case][("params", dp)] for r in (ranks[:dp] if dp == 2 else ranks)]
+            whole = runs[0]["weight_bytes"]
+            held = [run["held_between_steps"] for run in runs]
+            assert sum(held) == whole and max(held) - min(held) <= 2, (case, dp, held, whole)
+            model = shard_workers._model(*case)
+            layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers)
+            outer = whole - sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+            for run in runs:   # (a tiny model: its tied embedding is most of its weights)
+                assert max(held) + outer <= run["held_peak"] <= max(held) + outer + 2 * layer, (case, dp, run["held_peak"])

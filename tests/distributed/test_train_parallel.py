@@ -1,7 +1,7 @@
 """`rlalign train` with parallel.tp / parallel.dp (spawned gloo processes): tp=2 trains to the same
 bits as tp=1, for the default model and for a Qwen3-MoE upcycled from it; a dp=2 run completes with one writer and
-zero mismatches, its ranks splitting the rollout into the one-process run's samples; parallel.shard=grads resumes it
-to the same bits. (DP determinism is tested at the gradient level in test_collectives_dp.py; a dp=2 run stopped
+zero mismatches, its ranks splitting the rollout into the one-process run's samples; parallel.shard=grads and
+parallel.shard=params resume it to the same bits. (DP determinism is tested at the gradient level in test_collectives_dp.py; a dp=2 run stopped
 and resumed was checked by hand to end with the bits of an uninterrupted one, 2026-11-30.)"""
 
 import json
@@ -124,14 +124,17 @@ def _checkpoint(run: Path) -> dict:
     return torch.load(run / "checkpoints" / manifest["file"], weights_only=True)
 
 
-def test_dp2_sharded_resume_continues_the_unsharded_run_bitwise(runs, tmp_path):
-    """parallel.shard=grads (rlalign.train.sharding) resumes the unsharded dp=2 run's step-1 checkpoint and ends
-    with its bits: weights and metrics; its step-2 checkpoint (a main file + one part per rank), read as an
-    unsharded run reads it (any parallel.dp), is the unsharded run's; `rlalign export` makes the same model."""
+@pytest.mark.parametrize("shard", ["grads", "params"])
+def test_dp2_sharded_resume_continues_the_unsharded_run_bitwise(runs, tmp_path, shard):
+    """parallel.shard=grads (rlalign.train.sharding) and parallel.shard=params (the weights too, gathered per
+    decoder layer: rlalign.train.weight_shards; the rollout engine on a whole copy) resume the unsharded dp=2 run's
+    step-1 checkpoint and end with its bits: weights and metrics; the step-2 checkpoint (a main file with the whole
+    weights + one part per rank), read as an unsharded run reads it (any parallel.dp), is the unsharded run's;
+    `rlalign export` makes the same model."""
     run = tmp_path / "dp2shard"
     shutil.copytree(runs["dp2"], run)
     _rewind(run, 1)
-    _ok(_train(run, "parallel.dp=2", "parallel.shard=grads", "run.resume=true"))
+    _ok(_train(run, "parallel.dp=2", f"parallel.shard={shard}", "run.resume=true"))
     assert _weights(run) == _weights(runs["dp2"])
     assert _metrics(run) == _metrics(runs["dp2"])
     assert sorted(p.name for p in (run / "checkpoints").glob("step_000002*")) == [
