@@ -191,6 +191,16 @@ def train_mismatches_and_peak(text: str) -> tuple[float, ...]:
     return train_mismatches(text) + (peak / 1024.0,)
 
 
+def portable_cross_device(text: str) -> tuple[float, ...]:
+    """``benchmarks/portable_check.py``: (log-probs that differ when a rollout recorded on one device is scored on the
+    other, both directions summed; log-probs compared in each direction; sequences whose tokens differ between the
+    two devices' recordings)."""
+    d = _json_tail(text)["cross_device"]
+    gpu_on_cpu, cpu_on_gpu = d["recorded_cuda_scored_cpu"], d["recorded_cpu_scored_cuda"]
+    return (float(gpu_on_cpu["mismatches"] + cpu_on_gpu["mismatches"]), float(gpu_on_cpu["tokens"]),
+            float(d["records_cpu_vs_cuda"]["token_sequences_differing"]))
+
+
 def doctor_checks(text: str) -> tuple[float, ...]:
     """``rlalign doctor --json``: (checks that hold, checks run)."""
     d = _json_tail(text)
@@ -226,6 +236,9 @@ MOE_H200 = ("python scripts/make_moe_model.py {out}/moe --shape qwen3-30b-a3b --
             "run.checkpoint_every=50 run.keep_checkpoints=1 run.progress=false")
 TP2 = "python scripts/gpu_tp.py --tp 2 --out {out}"
 DOCTOR_CUDA = "rlalign doctor --device cuda --json"
+MULTI_TURN_GPU = ("python scripts/shaped_model.py qwen3-0.6b {out}/m06 --tokenizer default --device cpu && rlalign train "
+                  "configs/multi-turn-gpu.yaml model.path={out}/m06 run.dir={out}/run run.progress=false")
+PORTABLE_CHECK = "python benchmarks/portable_check.py"
 LORA_TARGETS = "model.lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 LORA_8B = ("python scripts/make_qwen3_8b.py {out}/q8b --lm-head-std 0 && python benchmarks/async_steps.py --config "
            "configs/qwen3-8b-h200-device.yaml --set model.path={out}/q8b run.save_checkpoints=false model.lora.rank=16 "
@@ -300,6 +313,16 @@ CLAIMS: tuple[Claim, ...] = (
           ("differing", "compared", "peak GiB"), OFFLOAD_8B, "run/metrics.jsonl", train_mismatches_and_peak, "cuda", 1,
           DETERMINISTIC, Check("abs", 0.05), f"{EVIDENCE}/offload-8b-h100/metrics.jsonl",
           note="full fine-tuning of the Qwen3-8B shape, fp32 masters and AdamW state in host memory, 5 steps"),
+    Claim("h100-multi-turn", "README.md", "**0 of 253,575** generated-token log-probs differ", (0, 253575),
+          ("differing", "compared"), MULTI_TURN_GPU, "run/metrics.jsonl", train_mismatches, "cuda", 1, DETERMINISTIC,
+          EXACT, f"{EVIDENCE}/multi-turn-h100/metrics.jsonl",
+          note="configs/multi-turn-gpu.yaml: the Qwen3-0.6B body, random-init, 30 GRPO steps of up-to-3-turn episodes, "
+               "CUDA-graph decode"),
+    Claim("h100-portable", "README.md", "**0 of 192** log-probs differ in either direction", (0, 192, 0),
+          ("differing", "compared", "sequences with other tokens"), PORTABLE_CHECK, "stdout", portable_cross_device,
+          "cuda", 1, DETERMINISTIC, EXACT, f"{EVIDENCE}/portable-h100/portable.json",
+          note="the portable profile: a seeded rollout of a 4-layer Qwen3-shaped fp32 model recorded on the GPU and scored "
+               "on the CPU, and the reverse"),
     Claim("h100-doctor", "README.md", "**13 of 13** invariances hold", (13, 13), ("holding", "checked"), DOCTOR_CUDA,
           "stdout", doctor_checks, "cuda", 1, DETERMINISTIC, EXACT, f"{EVIDENCE}/h100-doctor/doctor-2026-12-07.json",
           note="rlalign doctor on an H100 80GB: every op's invariances and the model's three paths per family and dtype"),

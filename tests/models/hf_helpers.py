@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
+from safetensors.torch import load_file
 
+from rlalign.contract import use_profile
+from rlalign.models import ForwardBatch
 from rlalign.models.testing import tiny_hf_config
 
 
@@ -65,3 +68,24 @@ def hf_padded_logits(model, seqs: list[list[int]], side: str = "right") -> list[
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     return [logits[i, :len(s)] if side == "right" else logits[i, width - len(s):] for i, s in enumerate(seqs)]
+
+
+def assert_same_weight_file(theirs_dir, ours_dir) -> None:
+    """The two folders' model.safetensors hold the same tensor names, dtypes and bytes."""
+    theirs, ours = load_file(theirs_dir / "model.safetensors"), load_file(ours_dir / "model.safetensors")
+    assert sorted(theirs) == sorted(ours)
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def assert_within_reference(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
+    """max |got - ref| <= rel x |ref|max (the families' fp32-vs-float64 logits tolerance)."""
+    err = (got - ref).abs().max().item()
+    assert err <= rel * ref.abs().max().item(), f"max |diff| {err:.3g} vs |z|max {ref.abs().max().item():.3g}"
+
+
+def strict_logits64(model, ids: list[int]) -> torch.Tensor:
+    """rlalign's strict packed forward of one sequence, its final hidden states times the LM head in float64."""
+    with use_profile("strict"), torch.no_grad():
+        h = model.forward_hidden(ForwardBatch.packed([ids]))
+    return h.double() @ model.lm_head_weight.double().T

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from rlalign.models.deepseek_v3 import DeepseekMoE, MLAttention
 from rlalign.models.testing import tiny_hf_config, tiny_model
 from rlalign.contract import use_profile
 from tests.bitwise import assert_bitwise_equal, assert_close_report
-from tests.models.hf_helpers import hf_model, hf_padded_logits, round_weights_
+from tests.models.hf_helpers import assert_same_weight_file, hf_model, hf_padded_logits, round_weights_
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,10 +88,7 @@ def test_save_is_transformers_file_and_loads_back_in_transformers(tmp_path):
     attn = model.model.layers[0].self_attn
     assert isinstance(attn, MLAttention) and attn.q_proj is not None and attn.q_a_proj is None
     save_model(model, tmp_path / "ours")
-    theirs, ours = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
-    assert sorted(theirs) == sorted(ours)
-    for name, t in theirs.items():
-        assert ours[name].dtype == t.dtype and torch.equal(ours[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert_same_weight_file(tmp_path / "hf", tmp_path / "ours")
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["q_lora_rank"] is None and config["head_dim"] == 8
     assert ModelConfig.from_hf_dict(config) == model.config

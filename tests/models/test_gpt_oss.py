@@ -11,12 +11,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from rlalign.contract import use_profile
-from rlalign.models import ForwardBatch, load_model, save_model
+from rlalign.models import load_model, save_model
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.testing import tiny_hf_config
+from tests.models.hf_helpers import assert_same_weight_file, assert_within_reference, strict_logits64
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,12 +40,6 @@ def _hf_model(window: int, layers: int = 3, bias: bool = True, seed: int = 0):
     return model
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    with use_profile("strict"), torch.no_grad():
-        h = model.forward_hidden(ForwardBatch.packed([ids]))
-    return h.double() @ model.lm_head_weight.double().T
-
-
 @pytest.mark.parametrize("window, bias", [(5, True), (70, False)])
 def test_logits_match_transformers(tmp_path, window, bias):
     hf = _hf_model(window, bias=bias)
@@ -57,9 +50,8 @@ def test_logits_match_transformers(tmp_path, window, bias):
     ids = torch.randint(3, VOCAB, (90,), generator=torch.Generator().manual_seed(window)).tolist()
     with torch.no_grad():
         ref = hf.double()(torch.tensor([ids])).logits[0]
-    got = _logits(model, ids)
-    err = (got - ref).abs().max().item()
-    assert err <= 1e-5 * ref.abs().max().item(), f"max |diff| {err:.3g} vs |z|max {ref.abs().max().item():.3g}"
+    got = strict_logits64(model, ids)
+    assert_within_reference(got, ref)
 
 
 def test_save_is_transformers_file_and_loads_back_in_transformers(tmp_path):
@@ -67,10 +59,7 @@ def test_save_is_transformers_file_and_loads_back_in_transformers(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     model, _ = load_model(tmp_path / "hf", dtype="float32")
     save_model(model, tmp_path / "ours")
-    theirs, ours = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
-    assert sorted(theirs) == sorted(ours)
-    for name, t in theirs.items():
-        assert ours[name].dtype == t.dtype and torch.equal(ours[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert_same_weight_file(tmp_path / "hf", tmp_path / "ours")
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert config["model_type"] == "gpt_oss" and config["sliding_window"] == 6
     back = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32,

@@ -14,13 +14,13 @@ import random
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from safetensors.torch import load_file
 
 from rlalign.contract import spec, use_profile
 from rlalign.models import ForwardBatch, KVCache, load_model, save_model
 from rlalign.models.batch import contiguous_block_tables
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.testing import tiny_hf_config, tiny_model
+from tests.models.hf_helpers import assert_same_weight_file, assert_within_reference, strict_logits64
 from tests.bitwise import assert_bitwise_equal
 
 transformers = pytest.importorskip("transformers")
@@ -49,12 +49,6 @@ def _hf_model(layer_types, seed: int = 0):
     return model
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    with use_profile("strict"), torch.no_grad():
-        h = model.forward_hidden(ForwardBatch.packed([ids]))
-    return h.double() @ model.lm_head_weight.double().T
-
-
 @pytest.mark.parametrize("layer_types", [
     ["linear_attention", "full_attention"],
     ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
@@ -68,9 +62,8 @@ def test_logits_match_transformers(tmp_path, layer_types):
     ids = torch.randint(3, VOCAB, (C + 37,), generator=torch.Generator().manual_seed(len(layer_types))).tolist()
     with torch.no_grad():
         ref = hf.double()(torch.tensor([ids])).logits[0]
-    got = _logits(model, ids)
-    err = (got - ref).abs().max().item()
-    assert err <= 1e-5 * ref.abs().max().item(), f"max |diff| {err:.3g} vs |z|max {ref.abs().max().item():.3g}"
+    got = strict_logits64(model, ids)
+    assert_within_reference(got, ref)
 
 
 def test_save_is_transformers_file_and_loads_back_in_transformers(tmp_path):
@@ -78,10 +71,7 @@ def test_save_is_transformers_file_and_loads_back_in_transformers(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     model, _ = load_model(tmp_path / "hf", dtype="float32")
     save_model(model, tmp_path / "ours")
-    theirs, ours = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
-    assert sorted(theirs) == sorted(ours)
-    for name, t in theirs.items():
-        assert ours[name].dtype == t.dtype and torch.equal(ours[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert_same_weight_file(tmp_path / "hf", tmp_path / "ours")
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert config["model_type"] == "qwen3_next" and config["linear_num_value_heads"] == 4
     back = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32,

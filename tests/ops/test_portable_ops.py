@@ -191,16 +191,20 @@ def _paged(k_rows, v_rows, page: int, order: list[int]):
     return kc, vc, torch.tensor([order + [n_pages - 1]])
 
 
+def _packed_qkv(lens, hkv, group, d, seed):
+    """Random packed q [T, hkv * group, d], k and v [T, hkv, d] of sequences ``lens`` and their cu_seqlens."""
+    g, total = _gen(seed), sum(lens)
+    q = torch.randn(total, hkv * group, d, generator=g)
+    k, v = torch.randn(total, hkv, d, generator=g), torch.randn(total, hkv, d, generator=g)
+    return q, k, v, torch.tensor([0] + list(np.cumsum(lens)))
+
+
 @FAST
 @given(lens=st.lists(st.integers(1, 19), min_size=1, max_size=3), hkv=st.sampled_from([1, 2]),
        group=st.sampled_from([1, 3]), d=st.sampled_from([2, 6, 16]), page=st.sampled_from([1, 4, 16]),
        seed=st.integers(0, 2**31))
 def test_prefill_decode_and_packed_give_the_same_bits(lens, hkv, group, d, page, seed):
-    g = _gen(seed)
-    total = sum(lens)
-    q = torch.randn(total, hkv * group, d, generator=g)
-    k, v = torch.randn(total, hkv, d, generator=g), torch.randn(total, hkv, d, generator=g)
-    cu = torch.tensor([0] + list(np.cumsum(lens)))
+    q, k, v, cu = _packed_qkv(lens, hkv, group, d, seed)
     with use_profile("portable"):
         packed = ops.attention_varlen(q, k, v, cu)
         for s, n in enumerate(lens):
@@ -220,11 +224,7 @@ def test_prefill_decode_and_packed_give_the_same_bits(lens, hkv, group, d, page,
        group=st.sampled_from([1, 2]), d=st.sampled_from([2, 8, 32]), seed=st.integers(0, 2**31))
 def test_attention_accuracy(lens, hkv, group, d, seed):
     """Against float64 causal softmax attention: |error| <= 1e-5 (|v| ~ 1)."""
-    g = _gen(seed)
-    total = sum(lens)
-    q = torch.randn(total, hkv * group, d, generator=g)
-    k, v = torch.randn(total, hkv, d, generator=g), torch.randn(total, hkv, d, generator=g)
-    cu = torch.tensor([0] + list(np.cumsum(lens)))
+    q, k, v, cu = _packed_qkv(lens, hkv, group, d, seed)
     with use_profile("portable"):
         out = ops.attention_varlen(q, k, v, cu)
     for s, n in enumerate(lens):
