@@ -16,8 +16,9 @@ not. FFN (``ffn_kind="moe"`` when a layer is sparse, else "dense"): a sparse lay
 ``norm_topk_prob``) plus a shared expert MLP of ``shared_expert_intermediate_size`` scaled by
 sigmoid(``shared_expert_gate``(x)) (rlalign.models.moe.SharedExpertMoE); the others the dense SiLU MLP of
 ``intermediate_size``. Not served: the transformers patch and
-the vLLM plugin (``Family.integrations=False``), tensor parallelism, MTP layers, the native profile and GPUs for
-the linear-attention layers (refused in one line by their ops).
+the vLLM plugin (``Family.integrations=False``), tensor parallelism, the native profile and GPUs for the
+linear-attention layers (refused in one line by their ops). Multi-token-prediction layers (``mtp_num_hidden_layers``,
+the ``mtp.*`` tensors): kept in config.json, their weights ignored on load as transformers ignores them.
 """
 
 from __future__ import annotations
@@ -102,16 +103,17 @@ def _partial_rotary_factor(d: dict) -> float:
 
 
 def _features(d: dict) -> dict[str, Any]:
-    """Qwen3-Next's features; refuses (ValueError, one line) MTP layers, biases, sliding windows."""
+    """Qwen3-Next's features; refuses (ValueError, one line) biases, sliding windows, DeepSeek's MTP key."""
     if d.get("attention_bias"):
         raise ValueError("attention_bias=true is not supported for qwen3_next")
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
     if d.get("use_sliding_window"):
         raise ValueError("sliding-window attention is not supported (use_sliding_window=true)")
-    if d.get("mtp_num_hidden_layers") or d.get("num_nextn_predict_layers"):
-        raise ValueError("qwen3_next: multi-token-prediction (MTP) layers are not supported; set "
-                         "mtp_num_hidden_layers=0 (and drop the mtp.* tensors)")
+    if d.get("num_nextn_predict_layers"):   # Qwen3-Next's MTP key is mtp_num_hidden_layers (its mtp.* tensors are
+        # ignored on load, as transformers ignores them: rlalign.models.checkpoint)
+        raise ValueError("qwen3_next: num_nextn_predict_layers is not a Qwen3-Next key (its multi-token-prediction "
+                         "layers are mtp_num_hidden_layers)")
     layers = int(d.get("num_hidden_layers") or 0)
     types = d.get("layer_types")
     if types is None:

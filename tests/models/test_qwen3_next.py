@@ -222,7 +222,7 @@ def test_packed_equals_any_chunked_prefill_and_decode(lengths, cut_seed, page_si
     (dict(num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=0),
      "shared_expert_intermediate_size=0 must be >= 1"),
     (dict(num_local_experts=4), "qwen3_next reads num_experts, not num_local_experts"),
-    (dict(mtp_num_hidden_layers=1), "multi-token-prediction \\(MTP\\) layers are not supported"),
+    (dict(num_nextn_predict_layers=1), "num_nextn_predict_layers is not a Qwen3-Next key"),
     (dict(layer_types=["linear_attention", "sliding_attention"]), "layer types \\['sliding_attention'\\]"),
     (dict(layer_types=["full_attention"]), "layer_types has 1 entries for 2 layers"),
     (dict(linear_num_value_heads=3), "linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"),
@@ -290,3 +290,33 @@ def test_gradients_match_transformers_float64_autograd(tmp_path, moe):
         ref = theirs[name]
         err = (p.grad.double() - ref).abs().max().item()
         assert err <= 1e-4 * ref.abs().max().item(), f"{name}: max |diff| {err:.3g} vs {ref.abs().max().item():.3g}"
+
+
+def test_transformers_default_config_is_the_sparse_model():
+    """Qwen3NextConfig()'s own config.json (the 80B-A3B shape: 48 layers, every 4th full attention, 512 experts,
+    top-10, shared expert 512) parses to sparse layers everywhere; nothing is built."""
+    from rlalign.models.moe import sparse_layer_indices
+    config = ModelConfig.from_hf_dict(transformers.Qwen3NextConfig().to_dict())
+    assert config.ffn_kind == "moe" and sparse_layer_indices(config) == list(range(48))
+    assert config.ffn_options["num_experts"] == 512 and config.ffn_options["num_experts_per_tok"] == 10
+    assert config.layer_types.count("full_attention") == 12 and config.rotary_dim == 64
+
+
+def test_multi_token_prediction_tensors_are_ignored_on_load(tmp_path):
+    """mtp.* tensors (mtp_num_hidden_layers > 0) are ignored, as transformers ignores
+    them; without the key they are unexpected tensors."""
+    from safetensors.torch import load_file, save_file
+    from rlalign.models.checkpoint import CheckpointError
+    model = tiny_model("qwen3_next_moe", seed=1)
+    path = save_model(model, tmp_path / "m", checksums=False)
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({"mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.mlp.gate.weight": torch.zeros(8, 64)})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, mtp_num_hidden_layers=1)))
+    again, _ = load_model(path)
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert_bitwise_equal(a, b, name)
+    (path / "config.json").write_text(json.dumps(dict(config, mtp_num_hidden_layers=0)))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'mtp.fc.weight'"):
+        load_model(path)
