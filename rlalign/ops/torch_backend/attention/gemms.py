@@ -5,8 +5,9 @@ Per key block the formulation computes, per item, q.k ([Q_TILE, D] x [D, KV_BLOC
 ([Q_TILE, KV_BLOCK] x [KV_BLOCK, D]). A query's bits are the same in a packed forward, a chunked prefill and
 decode only if a row of an item gets bits that depend on that row alone: not on its position in the tile,
 the other rows (zero padding included), the batch count or the item's index. The library does not give that
-for every D -- MKL (AVX-512, this build) rounds p.v of odd rows of a tile otherwise than even rows for
-D in 5..7 and 9..11, and the single-item p.v at D = 1 otherwise than an item of a batch (measured) -- so it
+for every D -- MKL (torch 2.13, 2-core AMD EPYC) rounds p.v of odd rows of a tile otherwise than even rows
+for D in 5..7 and 9..11 (the op takes even D: 6 and 10), and a single item's p.v at D = 1 otherwise than an
+item of a batch (measured) -- so it
 is checked per (shape, layout, thread count) at first use (:func:`items_hold`); the shapes that fail run
 :func:`rlalign.ops.torch_backend.primitives.compiled_gemm` per item (each output element one fp32 FMA chain
 over k in increasing order from 0: row invariant by construction). Where that kernel is not built the op
