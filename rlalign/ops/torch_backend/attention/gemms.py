@@ -7,11 +7,15 @@ decode only if a row of an item gets bits that depend on that row alone: not on 
 the other rows (zero padding included), the batch count or the item's index. The library does not give that
 for every D -- MKL (torch 2.13, 2-core AMD EPYC) rounds p.v of odd rows of a tile otherwise than even rows
 for D in 5..7 and 9..11 (the op takes even D: 6 and 10), and a single item's p.v at D = 1 otherwise than an
-item of a batch (measured) -- so it
-is checked per (shape, layout, thread count) at first use (:func:`items_hold`); the shapes that fail run
-:func:`rlalign.ops.torch_backend.primitives.compiled_gemm` per item (each output element one fp32 FMA chain
-over k in increasing order from 0: row invariant by construction). Where that kernel is not built the op
-raises (fail closed). The shapes that pass keep the library's bmm, so their bits do not change.
+item of a batch (measured) -- so it is checked per (shape, layout, thread count) at first use
+(:func:`items_hold`); the shapes that fail run :func:`rlalign.ops.torch_backend.primitives.compiled_gemm`
+per item (each output element one fp32 FMA chain over k in increasing order from 0: row invariant by
+construction). Where that kernel is not built the op raises (fail closed). The shapes that pass keep the
+library's bmm, so their bits do not change.
+
+The backward (:mod:`.backward`) promises determinism run to run only, not packing invariance, and issues
+its GEMMs directly: at D = 6 and 10 a sequence's dq differs alone and packed next to a longer sequence of
+its length bucket (the same narrow-N rounding; measured), at 16 to 64 it did not.
 """
 
 from __future__ import annotations
