@@ -71,6 +71,25 @@ def test_bmm_check_covers_exactly_the_shapes_the_backend_tiles(monkeypatch):
     assert not holds and "no shape left to check" in detail
 
 
+
+def test_attention_tile_check_names_the_routed_widths_and_needs_the_kernels_for_them(monkeypatch):
+    """A width whose library GEMM fails gemms.items_hold runs the compiled row kernel: named, not re-checked; without
+    the kernels strict raises there, so the check does not hold. The widths kept on the library are re-checked."""
+    import torch
+    from rlalign.ops.torch_backend import clib
+    from rlalign.ops.torch_backend.attention import gemms
+    monkeypatch.setattr(gemms, "items_hold", lambda m, k, n, transpose_b, threads: n != 6)
+    monkeypatch.setattr(gemms, "items_hold_on", lambda *shape: True)   # the re-check is planted last
+    holds, detail = doctor.library.attention_tile_rows(torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert holds and detail == "compiled row kernel: p.v D=6", detail
+    monkeypatch.setattr(clib, "library", lambda: None)
+    holds, detail = doctor.library.attention_tile_rows(torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert not holds and detail.endswith("(strict raises there): p.v D=6"), detail
+    monkeypatch.setattr(gemms, "items_hold_on", lambda *shape: False)
+    monkeypatch.setattr(gemms, "items_hold", lambda *shape: True)
+    holds, detail = doctor.library.attention_tile_rows(torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert not holds and detail.startswith("q.k D=2:"), detail
+
 def test_three_paths_check_names_the_path_that_differs(monkeypatch):
     """The model check catches a paged path one ulp off the packed forward (here: planted in the paged attention's
     output) and names the family, dtype, path and sequence; unplanted it holds."""

@@ -276,7 +276,11 @@ def cpu_backend_assumptions() -> tuple[str, ...]:
         "(so vocab chunks and tensor-parallel column shards agree).",
         f"A batched fp32 GEMM of fixed per-item shapes ({ATTN_Q_TILE} x D) x (D x {ATTN_KV_BLOCK}) and "
         f"({ATTN_Q_TILE} x {ATTN_KV_BLOCK}) x ({ATTN_KV_BLOCK} x D) gives each item the same bits whatever the batch count "
-        "and the item's index.",
+        "and the item's index, and each row of an item the same bits wherever it sits in the tile and whatever "
+        "the other rows hold (zero padding included) -- not for every D (MKL breaks it for the second shape at "
+        "narrow D, e.g. 6 and 10), so it is checked per (shape, thread count) at first use; the shapes that fail "
+        "run the compiled GEMM kernel per item instead (row invariant by construction), or the op raises where "
+        "the kernels are not built.",
         f"A batched fp32 GEMM (torch.bmm) whose items have the fixed shape ({ROW_BLOCK} x K) x (K x N) gives each "
         "item the same bits as that GEMM issued alone (torch.mm), whatever the batch count, the item's index "
         "and whether the items share one (broadcast) weight matrix: the linear op issues its row blocks "

@@ -10,7 +10,7 @@ from rlalign.contract import spec
 from rlalign.contract.bits import bits_equal
 from rlalign.doctor.base import Check, randn as _randn
 from rlalign.ops.torch_backend import clib, elementwise, norm, primitives
-from rlalign.ops.torch_backend.attention import compiled as compiled_attention
+from rlalign.ops.torch_backend.attention import compiled as compiled_attention, gemms as attention_gemms
 
 def gemm_row_position(device, gen):
     for k, n in ((64, 64), (256, 768), (1024, 1024), (128, 1024)):
@@ -54,6 +54,30 @@ def bmm_item_invariance(device, gen):
                 if not bits_equal(torch.bmm(a, bb)[i], ref):
                     return False, f"D={d}: item differs at batch count {count}"
     return True
+
+
+# head widths the attention tile check covers (the op takes even widths; MKL's narrow-N edge kernels sit below 16)
+ATTENTION_WIDTHS = tuple(range(2, 17, 2)) + (24, 32, 48, 64, 80, 96, 128, 192, 256)
+
+
+def attention_tile_rows(device, gen):
+    """The attention formulation's per-item GEMMs, q.k ([16, D] x [D, 64], keys given transposed) and p.v
+    ([16, 64] x [64, D]), give each row of a tile bits of its own (rows permuted, among other rows, zero-padded;
+    an item alone or in a batch) at every width the backend keeps on the library (``gemms.items_hold``): checked
+    again on fresh inputs. The widths whose library GEMM fails run the compiled row kernel (named); without
+    the kernels those widths raise, and the check does not hold."""
+    q, b, threads = spec.ATTN_Q_TILE, spec.ATTN_KV_BLOCK, torch.get_num_threads()
+    routed = []
+    for d in ATTENTION_WIDTHS:
+        for name, shape in (("q.k", (q, d, b, True)), ("p.v", (q, b, d, False))):
+            if not attention_gemms.items_hold(*shape, threads):
+                routed.append(f"{name} D={d}")
+            elif not attention_gemms.items_hold_on(*shape, gen):
+                return False, f"{name} D={d}: a row's bits depend on its place in the tile (fresh inputs)"
+    if routed and clib.library() is None:
+        return False, ("not row invariant in the library and the compiled kernels are not built (strict raises "
+                       "there): " + ", ".join(routed))
+    return True, ("compiled row kernel: " + ", ".join(routed)) if routed else ""
 
 
 def bmm_equals_mm(device, gen):
@@ -142,6 +166,8 @@ CHECKS: tuple[Check, ...] = (
     Check("bmm (library)", "item independent of batch count and index", bmm_item_invariance, torch_backend_only=True),
     Check("bmm (library)", f"item == mm of its {spec.ROW_BLOCK}-row block (shared or own weight)", bmm_equals_mm,
           devices=("cpu",), torch_backend_only=True),
+    Check("bmm (library)", f"attention: a row's bits independent of its place in the {spec.ATTN_Q_TILE}-row tile",
+          attention_tile_rows, devices=("cpu",), torch_backend_only=True),
     Check("exp/log/sqrt (library)", "vector body == tail == single element", elementwise_position,
           torch_backend_only=True),
     Check("CPU kernels (compiled)", "== the torch formulation, bit for bit", compiled_kernels, devices=("cpu",),

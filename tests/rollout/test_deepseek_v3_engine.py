@@ -67,13 +67,10 @@ def test_completions_do_not_depend_on_the_engine_configuration(model, prompts, r
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_random_shapes_and_engines_match_the_trainer(data, seed):
     """Random MLA / routing shapes (odd V heads, q_proj or the low-rank q, plain or interleaved rope, dense-only or
-    sparse layers), random prompt lengths and engine configurations: the engine's log-probs are the trainer's.
-
-    K head widths (nope + rope) 8, 12, 20, 24: at widths 6 and 10 without grouped queries (MLA has none) the strict
-    CPU attention's torch formulation is not row-position invariant on this machine's BLAS (its p @ v GEMM rounds
-    odd rows of a tile otherwise: docs/models.md, DeepSeek-V3, "Known issue") -- an attention-op issue that a qwen3
-    model with num_key_value_heads == num_attention_heads and head_dim 10 shows as well."""
-    nope, rope = data.draw(st.sampled_from([4, 16])), data.draw(st.sampled_from([4, 8]))
+    sparse layers), random prompt lengths and engine configurations: the engine's log-probs are the trainer's. K head
+    widths (nope + rope) 4 to 24, 6 and 10 among them (without grouped queries, as MLA has none, the strict CPU
+    attention's library GEMM is not row invariant there on some machines: the op routes it, tests/ops)."""
+    nope, rope = 2 * data.draw(st.integers(1, 8)), data.draw(st.sampled_from([2, 4, 8]))
     n_group, size = data.draw(st.integers(1, 3)), data.draw(st.integers(2, 3))
     topk_group = data.draw(st.integers(1, n_group))
     layers = data.draw(st.integers(1, 3))

@@ -29,7 +29,9 @@ packed training forward, a one-shot or chunked prefill, and step-by-step decode:
 What is left to the libraries (a bmm of fixed per-item shapes gives an item the same bits whatever
 its index, the row's position in the tile and the other rows; exp is position invariant) is listed
 in :func:`rlalign.contract.spec.cpu_backend_assumptions` and checked by ``rlalign doctor``. On the
-CPU the bmm batch count may vary too (MKL, checked); on GPUs every bmm is padded to one fixed
+CPU the bmm batch count may vary too (MKL, checked); the row invariance of the bmm is checked per
+shape and thread count before first use, and the shapes where the library breaks it (p @ v at narrow
+D) run the compiled row kernel per item (:mod:`.gemms`). On GPUs every bmm is padded to one fixed
 batch count, because cuBLAS chooses kernels by batch count.
 
 This package's entry points (:func:`attention_varlen`, :func:`attention_paged`) pick the route; the rooms:
@@ -37,6 +39,8 @@ This package's entry points (:func:`attention_varlen`, :func:`attention_paged`) 
 * :mod:`.formula` -- the formula above with torch ops (the reference; GPUs and the CPU);
 * :mod:`.compiled` -- the same arithmetic row by row in csrc/attention.c (CPU), used for a head_dim only
   after reproducing the formulation's bits on it;
+* :mod:`.gemms` -- the formulation's batched GEMMs on the CPU: the library's bmm where it is row invariant
+  for the shape here (checked), else the compiled row kernel per item;
 * :mod:`.plan` -- speed only (no bit depends on it): the index work of a call (tiles, their order, key
   rows, masks), a plan built once per forward from the batch's index tensors (``chk.memo``: every layer
   passes the same ones);

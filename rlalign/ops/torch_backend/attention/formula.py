@@ -12,6 +12,7 @@ import torch
 
 from rlalign.contract.errors import fail
 from rlalign.ops import _checks as chk
+from rlalign.ops.torch_backend.attention.gemms import item_gemm
 from rlalign.ops.torch_backend.attention.plan import (GPU_BATCH, KV_BLOCK, Q_TILE, Plan, block_data, build_plan,
                                                       packed_rows, paged_rows)
 from rlalign.ops.torch_backend.attention.scratch import scratch_buffer
@@ -28,13 +29,13 @@ def _pad_batch(x: torch.Tensor) -> torch.Tensor:
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, transpose_b: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 a @ b (or a @ b^T) per item; on GPUs issued as one bmm of exactly GPU_BATCH items
-    (``out`` unused there)."""
+    (``out`` unused there); on the CPU the library's bmm where its items are row invariant for this shape
+    here, else the compiled kernel per item (:mod:`.gemms`)."""
     n = a.shape[0]
     if a.device.type != "cpu":
         a, b = _pad_batch(a), _pad_batch(b)
         return torch.bmm(a, b.transpose(1, 2) if transpose_b else b)[:n]
-    b = b.transpose(1, 2) if transpose_b else b
-    return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
+    return item_gemm(a, b, transpose_b, out)
 
 
 def _gather(table: torch.Tensor, rows: torch.Tensor, inside: torch.Tensor | None, name: str,
