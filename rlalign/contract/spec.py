@@ -207,6 +207,13 @@ CONTRACT: tuple[OpContract, ...] = (
         "number of tokens, token position, other tokens' routing",
     ),
     OpContract(
+        "shared_expert_gate (Qwen3-Next's gated shared expert)", "none (elementwise; the gate's logit is the strict "
+        "linear of the hidden row with the [1, H] gate weight)", "-", "-",
+        "fp32: shared * (1 / (1 + exp(-l))), l the row's gate logit; added to the routed experts' combine in the "
+        "model dtype (one rounding of the sum)",
+        "one rounding of the product", "fp32 exp, add, div, mul", "everything: elementwise",
+    ),
+    OpContract(
         "clamped_swiglu (gpt-oss expert activation)", "none (elementwise)", "-", "-",
         "fp32: g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * (g / (1 + exp(-(g * alpha))))",
         "one rounding", "fp32 exp, min, max, add, div, mul", "everything: elementwise",

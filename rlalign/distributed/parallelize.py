@@ -41,10 +41,11 @@ def check_tp(config, tp: int, model=None) -> None:
     if tp not in SUPPORTED_TP:
         raise RLAlignError(f"tp={tp} is not supported (choose one of {', '.join(map(str, SUPPORTED_TP))})")
     if tp > 1 and (config.attention_sinks or config.o_bias or config.ffn_kind not in ("dense", "moe")
-                   or config.linear_attention or config.attention_gate):
+                   or config.linear_attention or config.attention_gate
+                   or config.ffn_options.get("shared_expert_intermediate_size")):
         raise RLAlignError(f"tp={tp}: tensor parallelism is not implemented for {config.family} models (attention "
-                           f"sinks, an o_proj bias, gated or linear attention or its FFN kind {config.ffn_kind!r} have no "
-                           "shard plan); use tp=1")
+                           f"sinks, an o_proj bias, gated or linear attention, shared experts or its FFN kind "
+                           f"{config.ffn_kind!r} have no shard plan); use tp=1")
     sizes = [("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads)]
     if config.ffn_options.get("num_experts") and "moe_intermediate_size" in config.ffn_options:
         sizes.append(("moe_intermediate_size", config.ffn_options["moe_intermediate_size"]))

@@ -4,7 +4,8 @@ Loading checks every tensor: a missing, unexpected or wrongly shaped tensor, a c
 missing config raises :class:`CheckpointError` with one line naming the tensor and the file.
 Tolerated extras, as in transformers: ``lm_head.weight`` when embeddings are tied, the
 ``rotary_emb.inv_freq`` buffers some old checkpoints carry (rope tables are always recomputed), and the
-multi-token-prediction layers of a config's ``num_nextn_predict_layers`` (DeepSeek-V3; not run, not saved).
+multi-token-prediction layers of a config's ``num_nextn_predict_layers`` (DeepSeek-V3) or ``mtp_num_hidden_layers``
+(Qwen3-Next's ``mtp.*`` tensors) -- not run, not saved.
 Weights must be floating point (an integer-typed tensor is refused, not cast). :func:`save_model`
 also writes ``checksums.json`` (sha256 of every safetensors file); when it is present, loading
 verifies it first, so flipped bytes in tensor data (which the safetensors format cannot see) are
@@ -156,8 +157,11 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _prediction_layer(name: str, config: ModelConfig) -> bool:
-    """A tensor of the ``num_nextn_predict_layers`` multi-token-prediction layers DeepSeek-V3 checkpoints store after
-    the last decoder layer: ignored, as transformers ignores them (the decoder does not run them)."""
+    """A tensor of the multi-token-prediction layers: DeepSeek-V3's ``num_nextn_predict_layers`` stored after the
+    last decoder layer, Qwen3-Next's ``mtp.*`` (``mtp_num_hidden_layers`` > 0): ignored, as transformers ignores them
+    (the decoder does not run them)."""
+    if config.extra.get("mtp_num_hidden_layers") and name.startswith("mtp."):
+        return True
     extra = config.extra.get("num_nextn_predict_layers") or 0
     found = _LAYER.match(name) if extra else None
     return found is not None and config.num_layers <= int(found.group(1)) < config.num_layers + extra

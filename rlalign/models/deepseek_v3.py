@@ -38,7 +38,6 @@ distributed layer's plan check), multi-token-prediction layers (their weights ar
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -52,7 +51,7 @@ from rlalign.models.blocks import PagedAttend
 from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import MLP, register_ffn
 from rlalign.models.modules import Linear, RMSNorm
-from rlalign.models.moe import StackedExperts, current_routing_record
+from rlalign.models.moe import StackedExperts, add_shared_expert, current_routing_record, shared_expert_mlp
 from rlalign.models.taps import layer_tap, tap
 
 # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps, not rms_norm_eps
@@ -166,8 +165,8 @@ class DeepseekMoE(nn.Module):
         self.layer_index, self.options = layer_index, o
         self.gate = DeepseekRouter(o["num_experts"], cfg.hidden_size, dtype, device)
         self.experts = StackedExperts(o["num_experts"], cfg.hidden_size, o["moe_intermediate_size"], dtype, device)
-        shared = dataclasses.replace(cfg, intermediate_size=o["moe_intermediate_size"] * o["n_shared_experts"])
-        self.shared_experts = MLP(shared, layer_index, dtype, device)
+        self.shared_experts = shared_expert_mlp(cfg, layer_index, o["moe_intermediate_size"] * o["n_shared_experts"],
+                                                dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         refuse_cuda(x)
@@ -181,7 +180,7 @@ class DeepseekMoE(nn.Module):
         if record is not None:
             record.add(layer, logits, experts)
         routed = ops.moe_combine(self.experts(x, experts), weights, experts)
-        return routed + self.shared_experts(x)
+        return add_shared_expert(routed, x, self.shared_experts)
 
 
 @register_ffn("deepseek_moe")

@@ -7,6 +7,14 @@ Per token x (rows [T, hidden]; the exact arithmetic of each step is the contract
     y[t, j]      = down_e(silu(gate_proj_e(x_t)) * up_proj_e(x_t)),  e = experts[t, j]
     out          = moe_combine(y, w, experts)                     fixed order by expert index, fp32
 
+With ``shared_expert_intermediate_size`` in the options (Qwen3-Next; Hugging Face's ``Qwen3NextSparseMoeBlock``) a
+sparse layer also has a gated shared expert (:class:`SharedExpertMoE`)::
+
+    out          = moe_combine(...) + shared_expert_gate(shared_expert(x), x @ shared_expert_gate.weight^T)
+                   shared_expert: the dense SwiGLU MLP of shared_expert_intermediate_size, gate weight [1, hidden]
+
+(:func:`add_shared_expert`, which DeepSeek-V3's ungated shared experts use too: one rounding of the sum).
+
 Which layers are sparse (Qwen3-MoE's rule): layer i is sparse when i is not in ``mlp_only_layers`` and
 ``(i + 1) % decoder_sparse_step == 0``; the others are the dense FFN of ``intermediate_size``.
 
@@ -21,6 +29,7 @@ stacked expert tensors, and tensor parallelism (the ``EXPERTS`` plan of :class:`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Callable, Sequence
 
@@ -211,14 +220,52 @@ class SparseMoE(nn.Module):
         return {"experts": sharding.EXPERTS}
 
 
+# ---- shared experts (a dense MLP beside the routed experts) -------------------------------------------------
+
+def shared_expert_mlp(cfg: ModelConfig, layer_index: int, intermediate: int, dtype, device) -> MLP:
+    """The dense SwiGLU MLP of width ``intermediate`` that a sparse layer runs on every token beside its routed
+    experts (DeepSeek-V3's ``shared_experts``, Qwen3-Next's ``shared_expert``)."""
+    return MLP(dataclasses.replace(cfg, intermediate_size=intermediate), layer_index, dtype, device)
+
+
+def add_shared_expert(routed: torch.Tensor, x: torch.Tensor, shared: nn.Module,
+                      gate: nn.Module | None = None) -> torch.Tensor:
+    """routed + shared(x) (DeepSeek-V3), or with ``gate`` (a [1, hidden] linear) routed +
+    ops.shared_expert_gate(shared(x), gate(x)) (Qwen3-Next): one rounding of the sum in the model dtype, as
+    transformers adds the two."""
+    out = shared(x)
+    if gate is not None:
+        out = ops.shared_expert_gate(out, gate(x))
+    return routed + out
+
+
+class SharedExpertMoE(SparseMoE):
+    """:class:`SparseMoE` plus a gated shared expert: ``shared_expert`` (:func:`shared_expert_mlp` of
+    ``shared_expert_intermediate_size``) scaled per token by sigmoid(``shared_expert_gate``(x)), a [1, hidden]
+    linear (Qwen3-Next's sparse block). Tensor parallelism is refused for it (rlalign.distributed.parallelize.check_tp:
+    the shared expert has no shard plan)."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int, dtype, device):
+        super().__init__(cfg, layer_index, dtype, device)
+        width = cfg.ffn_options["shared_expert_intermediate_size"]
+        self.shared_expert = shared_expert_mlp(cfg, layer_index, width, dtype, device)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return add_shared_expert(super().forward(x), x, self.shared_expert, self.shared_expert_gate)
+
+
 @register_ffn("moe")
 def build_moe_layer_ffn(cfg: ModelConfig, layer_index: int, dtype, device) -> nn.Module:
-    """The sparse block on Qwen3-MoE's sparse layers, the dense FFN (``intermediate_size``) elsewhere."""
-    if is_sparse_layer(cfg.ffn_options, layer_index):
-        return SparseMoE(cfg, layer_index, dtype, device)
-    return MLP(cfg, layer_index, dtype, device)
+    """The sparse block on the sparse layers (with a gated shared expert where the options give its width:
+    Qwen3-Next), the dense FFN (``intermediate_size``) elsewhere."""
+    if not is_sparse_layer(cfg.ffn_options, layer_index):
+        return MLP(cfg, layer_index, dtype, device)
+    if cfg.ffn_options.get("shared_expert_intermediate_size"):
+        return SharedExpertMoE(cfg, layer_index, dtype, device)
+    return SparseMoE(cfg, layer_index, dtype, device)
 
 
 __all__ = ["is_sparse_layer", "sparse_layer_indices", "current_routing_record", "sparse_moe_block", "stacked_expert_ffns", "ExpertFFNs",
-           "SparseMoE", "StackedExperts", "expert_checkpoint_entries", "record_routing", "RoutingRecord"]
+           "SparseMoE", "SharedExpertMoE", "StackedExperts", "shared_expert_mlp", "add_shared_expert", "expert_checkpoint_entries", "record_routing", "RoutingRecord"]
 

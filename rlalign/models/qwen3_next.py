@@ -11,9 +11,14 @@ A hybrid decoder: ``layer_types`` says per layer "linear_attention" (Gated-Delta
     h      = o_proj(a * sigmoid(gate))            the gate product in fp32, rounded once
 
 Every other RMSNorm of the model (input/post-attention, final) is zero-centred too; the linear layers' gated norm is
-not. FFN: the dense SiLU MLP on every layer; sparse (MoE) layers are refused. Not served: the transformers patch and
-the vLLM plugin (``Family.integrations=False``), tensor parallelism, MTP layers, the native profile and GPUs for
-the linear-attention layers (refused in one line by their ops).
+not. FFN (``ffn_kind="moe"`` when a layer is sparse, else "dense"): a sparse layer (i not in ``mlp_only_layers`` and
+``(i + 1) % decoder_sparse_step == 0``, num_experts > 0) is Qwen3-MoE's routed experts (softmax top-k,
+``norm_topk_prob``) plus a shared expert MLP of ``shared_expert_intermediate_size`` scaled by
+sigmoid(``shared_expert_gate``(x)) (rlalign.models.moe.SharedExpertMoE); the others the dense SiLU MLP of
+``intermediate_size``. Not served: the transformers patch and
+the vLLM plugin (``Family.integrations=False``), tensor parallelism, the native profile and GPUs for the
+linear-attention layers (refused in one line by their ops). Multi-token-prediction layers (``mtp_num_hidden_layers``,
+the ``mtp.*`` tensors): kept in config.json, their weights ignored on load as transformers ignores them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 
 from rlalign import ops
 from rlalign.contract import spec
-from rlalign.models import architectures
+from rlalign.models import architectures, moe
 from rlalign.models.blocks import PagedAttend
 from rlalign.models.modules import Linear, RMSNorm
 from rlalign.models.taps import layer_tap, tap
@@ -33,8 +38,9 @@ from rlalign.ops import gated_delta as gd
 _LAYER_TYPES = ("linear_attention", "full_attention")
 # transformers' Qwen3NextConfig defaults, for keys a config.json leaves out
 _DEFAULTS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-             "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 512, "decoder_sparse_step": 1,
-             "full_attention_interval": 4, "partial_rotary_factor": 0.25}
+             "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+             "partial_rotary_factor": 0.25, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+             "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1, "norm_topk_prob": True}
 
 
 class ZeroCentredRMSNorm(RMSNorm):
@@ -97,23 +103,18 @@ def _partial_rotary_factor(d: dict) -> float:
 
 
 def _features(d: dict) -> dict[str, Any]:
-    """Qwen3-Next's features; refuses (ValueError, one line) sparse MoE layers, MTP layers, biases, sliding windows."""
+    """Qwen3-Next's features; refuses (ValueError, one line) biases, sliding windows, DeepSeek's MTP key."""
     if d.get("attention_bias"):
         raise ValueError("attention_bias=true is not supported for qwen3_next")
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
     if d.get("use_sliding_window"):
         raise ValueError("sliding-window attention is not supported (use_sliding_window=true)")
-    if d.get("mtp_num_hidden_layers") or d.get("num_nextn_predict_layers"):
-        raise ValueError("qwen3_next: multi-token-prediction (MTP) layers are not supported; set "
-                         "mtp_num_hidden_layers=0 (and drop the mtp.* tensors)")
+    if d.get("num_nextn_predict_layers"):   # Qwen3-Next's MTP key is mtp_num_hidden_layers (its mtp.* tensors are
+        # ignored on load, as transformers ignores them: rlalign.models.checkpoint)
+        raise ValueError("qwen3_next: num_nextn_predict_layers is not a Qwen3-Next key (its multi-token-prediction "
+                         "layers are mtp_num_hidden_layers)")
     layers = int(d.get("num_hidden_layers") or 0)
-    experts, step = int(_option(d, "num_experts")), int(_option(d, "decoder_sparse_step"))
-    dense_only = set(d.get("mlp_only_layers") or [])
-    sparse = [i for i in range(layers) if i not in dense_only and experts > 0 and (i + 1) % step == 0]
-    if sparse:
-        raise ValueError(f"qwen3_next: sparse mixture-of-experts layers {sparse} are not supported yet (dense MLP "
-                         "layers only: num_experts=0 or mlp_only_layers covering every layer)")
     types = d.get("layer_types")
     if types is None:
         every = int(_option(d, "full_attention_interval"))
@@ -137,14 +138,35 @@ def _features(d: dict) -> dict[str, Any]:
     if not 0 < factor <= 1 or rot < 2 or rot % 2:
         raise ValueError(f"partial_rotary_factor={factor} gives {rot} rotary dims of head_dim={head_dim}; "
                          "they must be even and >= 2")
-    return {"qkv_bias": False, "qk_norm": True, "ffn_kind": "dense", "ffn_options": {}, "layer_types": tuple(types),
+    return {"qkv_bias": False, "qk_norm": True, **_ffn(d, layers), "layer_types": tuple(types),
             "zero_centred_norms": True, "attention_gate": True, "partial_rotary_factor": factor,
             "linear_attention": linear}
 
 
+def _ffn(d: dict, layers: int) -> dict[str, Any]:
+    """ffn_kind "moe" with the sparse block's options (a gated shared expert on every sparse layer) when some layer
+    is sparse (rlalign.models.moe.is_sparse_layer: transformers' rule), else the dense MLP on every layer."""
+    if d.get("num_local_experts") is not None:
+        raise ValueError("qwen3_next reads num_experts, not num_local_experts (transformers' Qwen3NextConfig has no "
+                         "such key); write num_experts")
+    o = {k: int(_option(d, k)) for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                         "shared_expert_intermediate_size", "decoder_sparse_step")}
+    o["norm_topk_prob"] = bool(_option(d, "norm_topk_prob"))
+    o["mlp_only_layers"] = [int(i) for i in d.get("mlp_only_layers") or []]
+    if not any(moe.is_sparse_layer(o, i) for i in range(layers)):
+        return {"ffn_kind": "dense", "ffn_options": {}}
+    n, k = o["num_experts"], o["num_experts_per_tok"]
+    if not 1 <= k <= n:
+        raise ValueError(f"num_experts_per_tok={k} must be between 1 and num_experts={n}")
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if o[key] < 1:
+            raise ValueError(f"{key}={o[key]} must be >= 1 on a qwen3_next model with sparse layers")
+    return {"ffn_kind": "moe", "ffn_options": o}
+
+
 def _hf_keys(cfg) -> dict[str, Any]:
     o = cfg.linear_attention
-    return {"attention_bias": False, "layer_types": list(cfg.layer_types),
+    return {**cfg.ffn_options, "attention_bias": False, "layer_types": list(cfg.layer_types),
             "partial_rotary_factor": cfg.partial_rotary_factor, "linear_num_key_heads": o["num_k_heads"],
             "linear_num_value_heads": o["num_v_heads"], "linear_key_head_dim": o["k_head_dim"],
             "linear_value_head_dim": o["v_head_dim"], "linear_conv_kernel_dim": o["conv_kernel"]}

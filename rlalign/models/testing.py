@@ -1,6 +1,7 @@
 """Tiny local checkpoints for tests: a random-init model plus a real tokenizer, nothing downloaded.
 
-``make_tiny_checkpoint(dir, family="qwen3", **hf_config_overrides)`` writes a Hugging Face
+``make_tiny_checkpoint(dir, family="qwen3", **hf_config_overrides)`` (``family`` also a variant of :data:`VARIANTS`,
+e.g. ``"qwen3_next_moe"``: Qwen3-Next with sparse layers) writes a Hugging Face
 format directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a
 ChatML chat template, generation_config.json) that ``load_model``/``load_tokenizer``, the CLI
 and transformers all read. The tokenizer is a byte-level BPE trained here on a fixed synthetic
@@ -59,13 +60,22 @@ _FAMILY_BASE = {"gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_e
                                    v_head_dim=12, rope_interleave=True)}
 
 
+# variants: a family's tiny config with more keys (name -> (family, keys)). qwen3_next_moe: both layers sparse
+# (8 experts of 32, top-2, renormalised) with a gated shared expert of 48
+VARIANTS = {"qwen3_next_moe": ("qwen3_next", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=48, norm_topk_prob=True,
+                                                  decoder_sparse_step=1, mlp_only_layers=[]))}
+
+
 def tiny_hf_config(family: str = "qwen3", **overrides) -> dict:
     """A small config.json dict of ``family`` (hidden 64, 2 layers, 4 heads / 2 kv heads, head_dim 16,
-    vocab 320); ``overrides`` use Hugging Face key names."""
+    vocab 320) or of a variant (:data:`VARIANTS`); ``overrides`` use Hugging Face key names."""
+    family, variant = VARIANTS.get(family, (family, {}))
     if family not in architectures.names():
-        raise ValueError(f"unknown family {family!r} (choose one of {', '.join(architectures.names())})")
+        raise ValueError(f"unknown family {family!r} (choose one of {', '.join(architectures.names() + tuple(VARIANTS))})")
     cfg = dict(_BASE, model_type=family, architectures=[architectures.get(family).architecture])
     cfg.update(_FAMILY_BASE.get(family, {}))
+    cfg.update(variant)
     cfg.update(overrides)
     return cfg
 
@@ -109,7 +119,7 @@ def make_tiny_reward_model(directory: str | os.PathLike, family: str = "qwen3", 
     tensors = {n: p.detach().contiguous() for n, p in model.named_parameters() if n.startswith("model.")}
     save_file({**tensors, "score.weight": score}, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_hf_dict()
-    config.update(architectures=[architectures.get(family).architecture.removesuffix("ForCausalLM")
+    config.update(architectures=[architectures.get(config["model_type"]).architecture.removesuffix("ForCausalLM")
                                  + "ForSequenceClassification"], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_tiny_tokenizer(path)
@@ -159,5 +169,5 @@ def _tiny_tokenizer_json() -> str:
     return tok.to_str(pretty=True)
 
 
-__all__ = ["make_tiny_checkpoint", "make_tiny_reward_model", "tiny_model", "tiny_hf_config", "write_tiny_tokenizer", "synthetic_corpus",
+__all__ = ["make_tiny_checkpoint", "make_tiny_reward_model", "tiny_model", "tiny_hf_config", "VARIANTS", "write_tiny_tokenizer", "synthetic_corpus",
            "SPECIAL_TOKENS", "EOS_TOKEN", "PAD_TOKEN", "CHAT_TEMPLATE"]

@@ -14,6 +14,7 @@ Functional API (the only way models and engines compute):
     router_logits, moe_route, moe_experts, moe_combine                         (ops.moe)
     moe_route_topk_softmax, clamped_swiglu: gpt-oss's router and expert activation (ops.moe)
     moe_route_grouped_sigmoid: DeepSeek-V3's router (sigmoid, group-limited, bias for the choice)  (ops.moe)
+    shared_expert_gate: a shared expert's output times sigmoid of its gate's logit (Qwen3-Next)     (ops.moe)
 
 For CUDA-graph capture (the rollout engine's decode graphs): ``capturing_graph(**hints)`` (the ops record
 their deferred finiteness verdicts into the graph), ``requeue_deferred_checks(verdicts)`` after each replay,
@@ -43,7 +44,7 @@ from rlalign.ops.sampled_logprob import SampledLogprobs, sampled_logprob
 from rlalign.ops.sample_score import sample_and_score
 from rlalign.ops.temperature import logprob_temperature
 from rlalign.ops.moe import (clamped_swiglu, moe_combine, moe_experts, moe_route, moe_route_grouped_sigmoid,
-                             moe_route_topk_softmax, router_logits)
+                             moe_route_topk_softmax, router_logits, shared_expert_gate)
 
 __all__ = [
     "linear", "linear_group", "stacked_rows", "rms_norm", "rope", "rope_inv_freq", "rope_cos_sin", "silu_mul",
@@ -53,6 +54,6 @@ __all__ = [
     "capturing_graph", "flush_deferred_checks", "requeue_deferred_checks", "static_decode",
     "check_policy", "use_check_policy", "check_scope",
     "router_logits", "moe_route", "moe_experts", "moe_combine", "moe_route_topk_softmax", "clamped_swiglu",
-    "moe_route_grouped_sigmoid",
+    "moe_route_grouped_sigmoid", "shared_expert_gate",
     "rope_attention_scaling",
 ]

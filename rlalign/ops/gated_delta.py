@@ -42,6 +42,8 @@ def _check(op: str, profile, *tensors: torch.Tensor) -> None:
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)): the strict sigmoid, position invariant (torch.sigmoid is not on the CPU); the one owner,
+    also DeepSeek-V3's router scores and the shared-expert gate (rlalign.ops.moe)."""
     return 1.0 / (1.0 + torch.exp(-x))
 
 

@@ -32,6 +32,7 @@ from rlalign.ops._dispatch import probe_failure, strict_impl
 from rlalign.ops._registry import register
 from rlalign.ops.basic import linear, silu_mul
 from rlalign.ops.expert_ids import validate_expert_ids
+from rlalign.ops.gated_delta import sigmoid
 from rlalign.reductions import tree_sum
 
 
@@ -110,7 +111,7 @@ def moe_route_grouped_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: i
     if logits.dtype != torch.float32:
         raise fail("moe_route", f"router logits must be float32 (got {logits.dtype}): use ops.router_logits")
     chk.finite("moe_route", "logits", logits)
-    scores = 1.0 / (1.0 + torch.exp(-logits))
+    scores = sigmoid(logits)
     choice = scores.detach() + bias.detach().float()
     tokens = choice.shape[0]
     top2 = torch.sort(choice.view(tokens, n_group, size), dim=-1, descending=True, stable=True).values
@@ -142,6 +143,24 @@ def _native_grouped_sigmoid(logits, bias, top_k, n_group, topk_group, normalize,
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return experts, weights * float(scaling)
+
+
+def shared_expert_gate(shared: torch.Tensor, gate_logits: torch.Tensor, *, profile=None) -> torch.Tensor:
+    """A sparse layer's gated shared expert (Qwen3-Next's ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``):
+    shared [T, H] (the shared expert's output, model dtype) times sigmoid(gate_logits [T, 1]) per row.
+
+    Strict: fp32 from exact upcasts, sigmoid as 1 / (1 + exp(-l)) (rlalign.ops.gated_delta.sigmoid: torch's sigmoid
+    is not position invariant on the CPU; exp is), one rounding of the product to shared's dtype; elementwise, so a
+    row's bits depend on its own inputs only. transformers rounds sigmoid(l) to the model dtype before the product
+    (in bf16: one more rounding; the same in fp32 up to it). Native: torch.sigmoid, the same product."""
+    _refuse_portable("shared_expert_gate", profile)
+    chk.ndim("shared_expert_gate", "shared", shared, 2)
+    if gate_logits.shape != (shared.shape[0], 1):
+        raise fail("shared_expert_gate", f"gate_logits must be [T, 1] = [{shared.shape[0]}, 1], got "
+                                         f"{tuple(gate_logits.shape)}")
+    g = gate_logits.float()
+    scale = torch.sigmoid(g) if as_profile(profile) is Profile.NATIVE else sigmoid(g)
+    return (shared.float() * scale).to(shared.dtype)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, *, profile=None) -> torch.Tensor:

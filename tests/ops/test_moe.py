@@ -290,3 +290,34 @@ def test_stacked_and_listed_weights_cannot_mix():
         ops.moe_experts(_rand(4, 32), torch.zeros(4, 1, dtype=torch.long), gate, list(up.unbind(0)), down)
     with pytest.raises(ContractError, match=r"want \[E, I, H\], \[E, I, H\], \[E, H, I\]"):
         ops.moe_experts(_rand(4, 32), torch.zeros(4, 1, dtype=torch.long), gate, up, down.transpose(1, 2))
+
+
+# ---- the gated shared expert (Qwen3-Next) --------------------------------------------------------------------
+
+@settings(**SETTINGS)
+@given(tokens=st.integers(0, 70), hidden=st.sampled_from([1, 3, 8, 17, 64]), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_shared_expert_gate_row_is_batch_invariant(tokens, hidden, dtype, seed, data):
+    """Each row's bits are its own (the gate written 1 / (1 + exp(-l)): torch's CPU sigmoid differs between its
+    vector body and its scalar tail), whatever the rows around it; the value is float64's within a few fp32 roundings
+    (exp, add, div, mul) and the one rounding to the dtype."""
+    shared, logits = _rand(tokens, hidden, dtype=dtype, seed=seed), _rand(tokens, 1, dtype=dtype, seed=seed + 1,
+                                                                              scale=4.0)
+    out = ops.shared_expert_gate(shared, logits, profile="strict")
+    assert out.dtype == dtype and out.shape == shared.shape
+    if tokens:
+        i = data.draw(st.integers(0, tokens - 1))
+        assert_bitwise_equal(ops.shared_expert_gate(shared[i:i + 1], logits[i:i + 1], profile="strict"), out[i:i + 1],
+                             f"row {i} alone")
+        perm = torch.randperm(tokens, generator=torch.Generator().manual_seed(seed))
+        assert_bitwise_equal(ops.shared_expert_gate(shared[perm], logits[perm], profile="strict"), out[perm], "permuted")
+    ref = shared.double() * torch.sigmoid(logits.double())
+    rtol = torch.finfo(dtype).eps / 2 + 4 * torch.finfo(torch.float32).eps
+    assert_close_report(out.double(), ref, atol=0.0, rtol=rtol, what="vs float64")
+
+
+def test_shared_expert_gate_refusals():
+    with pytest.raises(ContractError, match="gate_logits must be \\[T, 1\\] = \\[3, 1\\], got \\(3, 2\\)"):
+        ops.shared_expert_gate(torch.ones(3, 4), torch.ones(3, 2))
+    with pytest.raises(ContractError, match="not implemented in the portable profile"):
+        ops.shared_expert_gate(torch.ones(3, 4), torch.ones(3, 1), profile="portable")

@@ -2,15 +2,19 @@
 trainer's packed forward's, bit for bit, and tokens and log-probs do not depend on the engine's configuration --
 page sizes that split the 64-token chunks or hold several of them, chunked prefill ending inside and on chunk
 boundaries, prefix sharing of samples (copy-on-write of the linear-attention stores), the prefix cache and
-preemption (a KV budget of the minimum). Prompts of 1, C-1, C and C+6 tokens; completions cross the boundaries."""
+preemption (a KV budget of the minimum). Prompts of 1, C-1, C and C+6 tokens; completions cross the boundaries.
+Sparse layers (fp32 and bf16): the routing the engine records is the trainer's too."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
-from rlalign.contract import spec
+from rlalign.contract import spec, use_profile
+from rlalign.models import ForwardBatch
+from rlalign.models.moe import record_routing
 from rlalign.models.testing import tiny_model
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from rlalign.rollout.block_manager import pages_for
@@ -51,3 +55,30 @@ def test_completions_do_not_depend_on_the_engine_configuration(model, prompts, r
                            num_pages=pages_for(longest, page_size) + spare)
     got = RolloutEngine(model, config).generate(prompts, SAMPLING)
     assert_same_completions(got, reference)
+
+
+# ---- sparse layers (routed experts + the gated shared expert) ----------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sparse_engine_logprobs_and_routing_equal_the_trainers(prompts, dtype):
+    """The engine's log-probs and the routing it records are the trainer's packed forward's, bit for bit, and do not
+    depend on the engine's configuration (small pages, chunked prefill ending inside a chunk, no sharing)."""
+    model = tiny_model("qwen3_next_moe", seed=2, init_std=0.2, dtype=dtype, mlp_only_layers=[1])
+    reference = RolloutEngine(model, RolloutConfig(num_pages=256, record_routing=True)).generate(prompts, SAMPLING)
+    assert_matches_trainer(model, reference, SAMPLING.logprob_temperature)
+    seqs = [c.prompt_tokens + c.tokens for c in reference]
+    with use_profile("strict"), torch.no_grad(), record_routing(keep_logits=False) as record:
+        model.forward_hidden(ForwardBatch.packed(seqs))
+    trainer, start = record.expert_ids(), 0
+    assert record.layer_indices == [0] and trainer.shape[1:] == (1, 2)
+    for c, s in zip(reference, seqs):
+        # the engine records the experts of every token it ran (the last sampled token is never run)
+        assert torch.equal(c.routing.to(trainer.dtype), trainer[start:start + len(s) - 1]), c.prompt_index
+        start += len(s)
+    longest = max(len(p) for p in prompts) + SAMPLING.max_new_tokens
+    config = RolloutConfig(page_size=5, max_num_seqs=3, max_num_batched_tokens=48, max_prefill_chunk=23,
+                           share_prefix=False, num_pages=pages_for(longest, 5) * 3, record_routing=True)
+    got = RolloutEngine(model, config).generate(prompts, SAMPLING)
+    assert_same_completions(got, reference)
+    for a, b in zip(got, reference):
+        assert torch.equal(a.routing, b.routing), a.prompt_index

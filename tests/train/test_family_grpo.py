@@ -5,7 +5,8 @@ frozen ones bit-identical.
 - gpt-oss: sliding windows shorter than the sequences (prompt and completion ~20 characters), sinks, its MoE;
 - DeepSeek-V3: MLA with a low-rank q, a dense layer then a routed + shared expert layer with group-limited sigmoid
   routing and a non-zero score-correction bias (fp32, never trained);
-- Qwen3-Next: Gated-DeltaNet + gated attention."""
+- Qwen3-Next: Gated-DeltaNet + gated attention; with sparse layers after both (routed experts and the
+  sigmoid-gated shared expert, whose [1, hidden] gate must train)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ FAMILIES = {
                     ("model.layers.1.mlp.gate.e_score_correction_bias",)),
     "qwen3_next": ({}, False, tuple(f"model.layers.0.linear_attn.{n}" for n in
                                     ("A_log", "dt_bias", "conv1d.weight", "in_proj_qkvz.weight", "norm.weight")), ()),
+    "qwen3_next_moe": ({}, True, tuple(f"model.layers.{i}.mlp.{n}" for i in (0, 1) for n in
+                                       ("shared_expert_gate.weight", "gate.weight", "shared_expert.down_proj.weight",
+                                        "experts.0.up_proj.weight")), ()),
 }
 
 
