@@ -321,5 +321,26 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _Embedding.apply(ids, weight)
 
 
+
+
+
+class _Exp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = arith.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y, ) = ctx.saved_tensors
+        return grad * y
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """arith.exp of fp32 ``x``, differentiable (d exp(x) = exp(x) dx: one multiply by the forward's result)."""
+    return _Exp.apply(x)
+
+
 __all__ = ["linear", "linear_group", "rms_norm", "rope", "silu_mul", "attention_varlen", "logprob_entropy",
-           "embedding", "embedding_grad"]
+           "embedding", "embedding_grad", "exp"]
