@@ -366,7 +366,7 @@ class RunSection:
     steps: int = 120                   # optimizer steps of the run
     seed: int = 0                      # seed of the data order and the sampling
     profile: Literal["strict", "native", "portable"] = "strict"   # strict: bit-identical logprobs; native: vendor kernels;
-    # portable: strict across CPU and GPU (rollout and scoring only: training refuses it, docs/portable.md)
+    # portable: strict across CPU and GPU (dense full fine-tuning on one process; an audit mode, docs/portable.md)
     on_mismatch: Literal["warn", "stop"] = "warn"     # strict profile: what a train/rollout mismatch does
     eval_every: int = 10               # held-out eval every N steps (and at the last)
     eval_samples: int = 2              # samples per held-out problem for eval/accuracy (at the rollout temperature)
