@@ -120,3 +120,23 @@ def test_unsupported_combinations_refuse_in_one_line(tmp_path, override, named):
     with pytest.raises(ConfigError, match=f"run.profile=portable does not train with .*{named}") as err:
         load_config(TrainConfig, None, [f"run.dir={tmp_path}", "run.profile=portable", override])
     assert "\n" not in str(err.value)
+
+
+def test_scalar_and_vector_cpu_kernels_give_the_same_portable_run(arithmetic_model_dir, tmp_path):
+    """The CPU's stand-in for another device: torch's scalar kernels (``ATEN_CPU_CAPABILITY=default``, no SIMD, so
+    no vector FMA contraction or reordering) in a subprocess, MKL's instructions pinned to AVX2, one thread, vs this
+    process's own kernels: the same metrics and weights (strict's may not: tests/train/test_across_machines.py)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from benchmarks.run_fingerprint import fingerprint
+    root = Path(__file__).resolve().parents[2]
+    here = run_training(_portable(arithmetic_model_dir, tmp_path / "here"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MKL_", "ATEN_", "OMP_"))}
+    env.update(PYTHONPATH=str(root), ATEN_CPU_CAPABILITY="default", MKL_ENABLE_INSTRUCTIONS="AVX2", OMP_NUM_THREADS="1")
+    overrides = tiny_overrides(arithmetic_model_dir, tmp_path / "scalar", steps=2, dense_reward=True)
+    done = subprocess.run([sys.executable, "-m", "rlalign.cli.main", "train", *overrides, "run.profile=portable"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert fingerprint(tmp_path / "scalar", 2) == fingerprint(here, 2)
