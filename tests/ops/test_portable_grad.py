@@ -102,3 +102,25 @@ def test_differentiable_forwards_keep_the_forward_bits(with_entropy):
     for a, b in zip(plain, tracked):
         if a is not None:
             assert_bitwise_equal(a, b.detach())
+
+
+@FAST
+@given(n=st.integers(1, 9), hkv=st.integers(1, 2), group=st.integers(1, 3), budget=st.integers(1, 200),
+       seed=st.integers(0, 2**31))
+def test_attention_backward_chunks_change_no_bit(n, hkv, group, budget, seed):
+    """The attention backward's row and key chunks (memory only) against one chunk: the same bits."""
+    from rlalign.ops.portable import attention
+    g = torch.Generator().manual_seed(seed)
+    q, o, do = (torch.randn(n, hkv * group, 4, generator=g) for _ in range(3))
+    k, v = torch.randn(n, hkv, 4, generator=g), torch.randn(n, hkv, 4, generator=g)
+    whole = grad._sequence_attention_grads(q, k, v, o, do, 0.5)
+    saved = dict(attention.CHUNK_ELEMS), attention.DEFAULT_CHUNK_ELEMS
+    try:
+        attention.CHUNK_ELEMS.clear()
+        attention.DEFAULT_CHUNK_ELEMS = budget
+        chunked = grad._sequence_attention_grads(q, k, v, o, do, 0.5)
+    finally:
+        attention.CHUNK_ELEMS.update(saved[0])
+        attention.DEFAULT_CHUNK_ELEMS = saved[1]
+    for a, b in zip(whole, chunked):
+        assert_bitwise_equal(a, b)

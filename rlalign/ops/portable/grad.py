@@ -184,29 +184,42 @@ def silu_mul(gate, up):
 
 
 def _sequence_attention_grads(q, k, v, o, do, scale: float):
-    """(dq, dk, dv) fp32 of one sequence: q, o, do [L, Hq, D], k, v [L, Hkv, D] (fp32); see the module doc."""
+    """(dq, dk, dv) fp32 of one sequence: q, o, do [L, Hq, D], k, v [L, Hkv, D] (fp32); see the module doc. Query
+    rows, then keys, in chunks of at most attention.CHUNK_ELEMS products (memory only: every value's operations
+    are its own, so no bit depends on the chunks)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     qg, dog, og = (t.view(n, hkv, group, d) for t in (q, do, o))
-    kt = k.permute(1, 0, 2).unsqueeze(1)                        # [Hkv, 1, L, D]
-    vt = v.permute(1, 0, 2).unsqueeze(1)
-    seen = (torch.arange(n, device=q.device).unsqueeze(0) <= torch.arange(n, device=q.device).unsqueeze(1))
-    seen = seen[:, None, None, :]                               # [L(query), 1, 1, L(key)]
-    s = arith.dot(qg.unsqueeze(3), kt) * float(scale)          # [L, Hkv, G, L]
-    s = torch.where(seen, s, float("-inf"))
-    e = arith.exp(s - (s.amax(-1, keepdim=True) + 0.0))
-    e = torch.where(seen, e, 0.0)
-    p = arith.div(e, tree_sum(e).unsqueeze(-1))
-    dp = arith.dot(dog.unsqueeze(3), vt)                        # [L, Hkv, G, L]
-    big_d = arith.dot(dog, og).unsqueeze(-1)                    # [L, Hkv, G, 1]
-    ds = torch.where(seen, (p * (dp - big_d)) * float(scale), 0.0)
-    dq = arith.dot(ds.unsqueeze(3), k.permute(1, 2, 0).unsqueeze(1))          # [L, Hkv, G, 1, L] x [Hkv, 1, D, L]
+    kt, vt = k.permute(1, 0, 2).unsqueeze(1), v.permute(1, 0, 2).unsqueeze(1)          # [Hkv, 1, L, D]
+    kd = k.permute(1, 2, 0).unsqueeze(1)                                               # [Hkv, 1, D, L]
+    step = max(1, attention.CHUNK_ELEMS.get(q.device.type, attention.DEFAULT_CHUNK_ELEMS) // max(1, hq * n * d))
+    keys = torch.arange(n, device=q.device)
+    p = torch.empty((n, hkv, group, n), dtype=torch.float32, device=q.device)
+    ds = torch.empty_like(p)
+    dq = torch.empty((n, hkv, group, d), dtype=torch.float32, device=q.device)
+    for r in range(0, n, step):
+        rows = slice(r, r + step)
+        seen = (keys.unsqueeze(0) <= keys[rows].unsqueeze(1))[:, None, None, :]     # [m, 1, 1, L(key)]
+        s = arith.dot(qg[rows].unsqueeze(3), kt) * float(scale)                        # [m, Hkv, G, L]
+        s = torch.where(seen, s, float("-inf"))
+        e = torch.where(seen, arith.exp(s - (s.amax(-1, keepdim=True) + 0.0)), 0.0)
+        p[rows] = arith.div(e, tree_sum(e).unsqueeze(-1))
+        dp = arith.dot(dog[rows].unsqueeze(3), vt)                                     # [m, Hkv, G, L]
+        big_d = arith.dot(dog[rows], og[rows]).unsqueeze(-1)                           # [m, Hkv, G, 1]
+        ds[rows] = torch.where(seen, (p[rows] * (dp - big_d)) * float(scale), 0.0)
+        dq[rows] = arith.dot(ds[rows].unsqueeze(3), kd)                                # [m, Hkv, G, D]
     # dk, dv: one tree per key over (group head, query), in that order
-    per_key = (lambda t: t.permute(3, 1, 2, 0).reshape(n, hkv, 1, group * n))  # [L(key), Hkv, 1, G * L(query)]
-    rows = (lambda t: t.permute(1, 3, 2, 0).reshape(1, hkv, d, group * n))     # [1, Hkv, D, G * L(query)]
-    dk = arith.dot(per_key(ds), rows(qg))
-    dv = arith.dot(per_key(p), rows(dog))
+    per_key = (lambda t: t.permute(3, 1, 2, 0).reshape(n, hkv, 1, group * n))        # [L(key), Hkv, 1, G * L(query)]
+    q_rows = qg.permute(1, 3, 2, 0).reshape(1, hkv, d, group * n)                     # [1, Hkv, D, G * L(query)]
+    do_rows = dog.permute(1, 3, 2, 0).reshape(1, hkv, d, group * n)
+    ds_keys, p_keys = per_key(ds), per_key(p)
+    dk = torch.empty((n, hkv, d), dtype=torch.float32, device=q.device)
+    dv = torch.empty_like(dk)
+    for u in range(0, n, step):
+        cols = slice(u, u + step)
+        dk[cols] = arith.dot(ds_keys[cols], q_rows)
+        dv[cols] = arith.dot(p_keys[cols], do_rows)
     return dq.reshape(n, hq, d), dk, dv
 
 
