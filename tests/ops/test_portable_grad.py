@@ -124,3 +124,26 @@ def test_attention_backward_chunks_change_no_bit(n, hkv, group, budget, seed):
         attention.DEFAULT_CHUNK_ELEMS = saved[1]
     for a, b in zip(whole, chunked):
         assert_bitwise_equal(a, b)
+
+
+@FAST
+@given(t=st.integers(1, 7), vocab=st.integers(2, 13), budget=st.integers(1, 60), entropy=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_head_backward_chunks_change_no_bit(t, vocab, budget, entropy, seed):
+    """The head backward's token and vocab chunks (memory only) against the whole [tokens, vocab] at once."""
+    from rlalign.ops.portable import logprob
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(t, 5, generator=g), torch.randn(vocab, 5, generator=g)
+    targets, g_lp = torch.randint(0, vocab, (t, ), generator=g), torch.randn(t, generator=g)
+    g_ent = torch.randn(t, generator=g) if entropy else None
+    whole = grad._head_grads(h, w, targets, 0.7, g_lp, g_ent, True, True)
+    saved = dict(logprob.CHUNK_ELEMS), logprob.DEFAULT_CHUNK_ELEMS
+    try:
+        logprob.CHUNK_ELEMS.clear()
+        logprob.DEFAULT_CHUNK_ELEMS = budget
+        chunked = grad._head_grads(h, w, targets, 0.7, g_lp, g_ent, True, True)
+    finally:
+        logprob.CHUNK_ELEMS.update(saved[0])
+        logprob.DEFAULT_CHUNK_ELEMS = saved[1]
+    for a, b in zip(whole, chunked):
+        assert_bitwise_equal(a, b)

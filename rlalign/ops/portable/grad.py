@@ -264,36 +264,81 @@ class _LogprobEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         hidden, weight, targets = ctx.saved_tensors
-        g_lp = grads[0]
-        g_ent = grads[1] if ctx.with_entropy else None
-        dlogits = _dlogits(hidden, weight, targets, ctx.temperature, g_lp, g_ent)
-        dh = dw = None
-        if ctx.needs_input_grad[0]:
-            dh = arith.matmul_nt(dlogits, weight.float().t().contiguous()).to(hidden.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = arith.matmul_nt(dlogits.t().contiguous(), hidden.float().t().contiguous()).to(weight.dtype)
-        return dh, dw, None, None, None
+        return (*_head_grads(hidden, weight, targets, ctx.temperature, grads[0], grads[1] if ctx.with_entropy else None,
+                             ctx.needs_input_grad[0], ctx.needs_input_grad[1]), None, None, None)
 
 
-def _dlogits(hidden, weight, targets, temperature, g_lp, g_ent) -> torch.Tensor:
-    """dL/dlogits [S, V] fp32 (see the module doc), the forward's z, max, exp and trees recomputed."""
-    z = logprob.scaled_logits(hidden, weight, temperature)
-    m = z.amax(-1, keepdim=True) + 0.0
-    e = arith.exp(z - m)
-    s = tree_sum(e).unsqueeze(-1)
-    lse = m + arith.log(s)
-    p = arith.exp(z - lse)
+def _head_grads(hidden, weight, targets, temperature, g_lp, g_ent, need_dh: bool, need_dw: bool):
+    """(dh, dW) of the head (the module doc's formulas). The logit gradient is built in token chunks for dh and in
+    vocab chunks (every token) for dW, each chunk's logits recomputed -- at once when [tokens, vocab] fits
+    logprob.CHUNK_ELEMS. Memory only: every entry's operations are its own, so no bit depends on the chunks."""
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    lse, mu = _row_stats(hidden, weight, temperature, g_ent is not None)
     g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().unsqueeze(-1)
-    q = g_lp if g_ent is None else g_lp + g_ent.float().unsqueeze(-1) * (z - arith.div(tree_sum(e * z).unsqueeze(-1), s))
+    g_ent = None if g_ent is None else g_ent.float().unsqueeze(-1)
+    targets = targets.long().unsqueeze(1)
+    wt, ht = weight.float().t().contiguous(), hidden.float().t().contiguous()
+    budget = logprob.CHUNK_ELEMS.get(hidden.device.type, logprob.DEFAULT_CHUNK_ELEMS)
+    dh = dw = None
+    if tokens * vocab <= budget:
+        dz = _dlogits(logprob.scaled_logits(hidden, weight, temperature), lse, mu, targets, 0, g_lp, g_ent,
+                      temperature)
+        dh = arith.matmul_nt(dz, wt) if need_dh else None
+        dw = arith.matmul_nt(dz.t().contiguous(), ht) if need_dw else None
+    else:
+        if need_dh:
+            dh = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+            step = max(1, budget // vocab)
+            for r in range(0, tokens, step):
+                rows = slice(r, r + step)
+                z = logprob.scaled_logits(hidden[rows], weight, temperature)
+                dh[rows] = arith.matmul_nt(_dlogits(z, lse[rows], None if mu is None else mu[rows], targets[rows], 0,
+                                                    g_lp[rows], None if g_ent is None else g_ent[rows], temperature),
+                                           wt)
+        if need_dw:
+            dw = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+            step = max(1, budget // max(1, tokens))
+            for c in range(0, vocab, step):
+                cols = slice(c, c + step)
+                z = logprob.scaled_logits(hidden, weight[cols], temperature)
+                dz = _dlogits(z, lse, mu, targets, c, g_lp, g_ent, temperature)
+                dw[cols] = arith.matmul_nt(dz.t().contiguous(), ht)
+    return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype))
+
+
+def _row_stats(hidden, weight, temperature, with_mean: bool):
+    """Per token (in token chunks, as the forward): lse = m + log(tree_sum(e)) [T, 1] and, ``with_mean``,
+    mu = tree_sum(e z) / tree_sum(e) [T, 1] (the entropy's mean logit), e = exp(z - m)."""
+    tokens = hidden.shape[0]
+    lse = torch.empty((tokens, 1), dtype=torch.float32, device=hidden.device)
+    mu = torch.empty_like(lse) if with_mean else None
+    budget = logprob.CHUNK_ELEMS.get(hidden.device.type, logprob.DEFAULT_CHUNK_ELEMS)
+    step = max(1, budget // max(1, weight.shape[0]))
+    for r in range(0, tokens, step):
+        z = logprob.scaled_logits(hidden[r:r + step], weight, temperature)
+        m = z.amax(-1, keepdim=True) + 0.0
+        e = arith.exp(z - m)
+        s = tree_sum(e).unsqueeze(-1)
+        lse[r:r + step] = m + arith.log(s)
+        if with_mean:
+            mu[r:r + step] = arith.div(tree_sum(e * z).unsqueeze(-1), s)
+    return lse, mu
+
+
+def _dlogits(z, lse, mu, targets, v0: int, g_lp, g_ent, temperature) -> torch.Tensor:
+    """dL/dlogits fp32 of logits z [S, Vc] (vocab columns v0 ..): p = exp(z - lse), q = g_lp (+ g_ent (z - mu)),
+    dz = [target] g_lp - p q, divided by the temperature."""
+    p = arith.exp(z - lse)
+    q = g_lp if g_ent is None else g_lp + g_ent * (z - mu)
     pq = p * q
-    is_target = torch.arange(z.shape[1], device=z.device).unsqueeze(0) == targets.long().unsqueeze(1)
+    is_target = torch.arange(v0, v0 + z.shape[1], device=z.device).unsqueeze(0) == targets
     dz = torch.where(is_target, g_lp - pq, -pq)
     return dz if float(temperature) == 1.0 else arith.div(dz, float(temperature))
 
 
 def logprob_entropy(hidden, weight, targets, temperature, token_chunk=None, vocab_chunk=None, with_entropy=True):
-    """ops.logprob_entropy in the portable profile, differentiable (chunk sizes change nothing). The backward holds
-    the [tokens, vocab] logit gradient at once: the tree over tokens of dW is one tree over the call's tokens."""
+    """ops.logprob_entropy in the portable profile, differentiable (chunk sizes change nothing; dW's tree runs over
+    the call's tokens)."""
     out = _LogprobEntropy.apply(hidden, weight, targets, float(temperature), bool(with_entropy))
     return out if with_entropy else (out, None)
 
