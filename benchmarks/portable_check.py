@@ -11,6 +11,11 @@ Builds a small seeded Qwen3-shaped fp32 checkpoint (rlalign.models.testing; noth
 Prints one JSON object (and writes it to --out when given). Without CUDA it runs the CPU half (and says so).
 
     python benchmarks/portable_check.py [--out FILE] [--layers 4] [--hidden 256] [--new-tokens 24]
+    python benchmarks/portable_check.py --train-steps 3 [--out FILE]
+
+``--train-steps N`` checks training instead: the embedded default run (``rlalign train run.profile=portable``, fp32)
+stopped after N steps on the CPU and on CUDA; the two runs' fingerprints (benchmarks/run_fingerprint.py: every
+logged value but timings and memory, and the final weights) must be equal.
 
 Budget: well under 4 minutes on one H100 with 16 CPU cores at the defaults.
 """
@@ -143,6 +148,31 @@ def op_checks(args, devices: list[str], profiles: tuple[str, ...]) -> dict:
     return out
 
 
+def train_run(run_dir: Path, device: str, steps: int) -> tuple[dict, float]:
+    """The default run in the portable profile on ``device``, stopped after ``steps`` steps: (fingerprint, seconds)."""
+    from benchmarks.run_fingerprint import fingerprint
+    from rlalign.configlib import load_config
+    from rlalign.train.config import TrainConfig
+    from rlalign.train.loop import run_training
+    cfg = load_config(TrainConfig, None, [f"run.dir={run_dir}", "run.profile=portable", f"run.stop_at_step={steps}",
+                                          "run.progress=false", f"model.device={device}"])
+    start = time.perf_counter()
+    run_training(cfg)
+    return fingerprint(run_dir, steps), time.perf_counter() - start
+
+
+def train_check(steps: int, devices: list[str]) -> dict:
+    """``--train-steps``: the default portable run's first ``steps`` steps on each device, fingerprints compared."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for device in devices:
+            fp, seconds = train_run(Path(tmp) / f"train-{device}", device, steps)
+            out[device] = {**fp, "seconds": round(seconds, 1)}
+    if "cuda" in out:
+        out["cpu_equals_cuda"] = all(out["cpu"][k] == out["cuda"][k] for k in ("metrics_sha256", "weights_sha256"))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
@@ -157,7 +187,11 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-strict", action="store_true", help="skip the strict timings (no Triton compilation)")
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="check training instead: the default portable run's first N steps, CPU vs CUDA fingerprints")
     args = p.parse_args(argv)
+    if args.train_steps > 0:
+        return _report_training(args)
     profiles = ("portable", ) if args.no_strict else ("portable", "strict")
     torch.manual_seed(args.seed)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -204,6 +238,19 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0 if ok else 1
+
+
+def _report_training(args) -> int:
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    report = {"devices": devices, "cpu_threads": torch.get_num_threads(),
+              "gpu": torch.cuda.get_device_name() if "cuda" in devices else None,
+              "train": train_check(args.train_steps, devices)}
+    report["ok"] = report["train"].get("cpu_equals_cuda", True)
+    text = json.dumps(report, sort_keys=True)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from rlalign import envvars
+from rlalign.contract.profiles import Profile, current_profile
 
 VARIABLE = "MKL_CBWR"
 PINNED = "COMPATIBLE"
@@ -44,6 +45,13 @@ _BRANCHES = {0: "OFF", 1: "OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE
 def cross_machine() -> bool:
     """Whether strict CPU runs take the cross-machine arithmetic (``RLALIGN_CPU_CROSS_MACHINE=1``)."""
     return envvars.read("RLALIGN_CPU_CROSS_MACHINE")
+
+
+def fixed_reductions() -> bool:
+    """Whether the gradient norm and the logged statistics take :mod:`rlalign.reductions`' fixed order: strict CPU
+    runs in the cross-machine mode, and every run in the ``portable`` profile (on every device: its CPU and GPU
+    runs must agree bit for bit)."""
+    return cross_machine() or current_profile() is Profile.PORTABLE
 
 
 def pin() -> None:
@@ -88,4 +96,4 @@ def status() -> tuple[bool, str]:
                    f"on this machine only (set {VARIABLE}={PINNED} in the environment before the process starts)")
 
 
-__all__ = ["PINNED", "VARIABLE", "branch", "cross_machine", "pin", "status"]
+__all__ = ["PINNED", "VARIABLE", "branch", "cross_machine", "fixed_reductions", "pin", "status"]

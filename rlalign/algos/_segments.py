@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from rlalign.algos import _portable as P
 from rlalign.reductions import tree_sum
 
 
@@ -151,7 +152,7 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over ``mask``; 0.0 when nothing is selected."""
     count = mask.sum()
-    return masked_sum(values, mask) / count.clamp(min=1).to(values.dtype)
+    return P.div(masked_sum(values, mask), count.clamp(min=1).to(values.dtype))
 
 
 def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -172,11 +173,12 @@ def masked_std(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     """(mean, unbiased std) over ``mask``: std = sqrt(sum (x - mean)^2 / (n - 1)); std = 0 for n <= 1."""
     mean = masked_mean(values, mask)
     n = mask.sum().to(values.dtype)
-    sq = masked_sum((values - mean) ** 2, mask)
-    var = torch.where(n > 1, sq / (n - 1).clamp(min=1), torch.zeros_like(sq))
-    return mean, torch.sqrt(var)
+    centred = values - mean
+    sq = masked_sum(centred * centred, mask)   # one multiply: the bits of ** 2
+    var = torch.where(n > 1, P.div(sq, (n - 1).clamp(min=1)), torch.zeros_like(sq))
+    return mean, P.sqrt(var)
 
 
 def frac(condition: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Fraction of the selected elements where ``condition`` holds (0.0 when none selected)."""
-    return (condition & mask).sum().double() / mask.sum().clamp(min=1).double()
+    return P.div((condition & mask).sum().double(), mask.sum().clamp(min=1).double())

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from rlalign.algos import _portable as P
 from rlalign.algos import _segments as S
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -69,15 +70,15 @@ def loss_weights(mask: torch.Tensor, seq_ids: torch.Tensor, mode: str, *, num_to
         raise S.fail(fn, f"global normaliser must be > 0, got num_tokens={n_tok}, num_seqs={n_seq}")
     w = torch.ones(mask.shape[0], dtype=torch.float64, device=mask.device)
     if mode == "token-mean":
-        w = w / n_tok
+        w = P.div(w, n_tok)
     elif mode == "seq-mean-token-sum":
-        w = w / n_seq
+        w = P.div(w, n_seq)
     elif mode == "seq-mean-token-sum-norm":
-        w = w / (float(max_len) * n_seq)
+        w = P.div(w, float(max_len) * n_seq)
     else:
         seg = S.segments(seq_ids[mask], S.check_ids(fn, seq_ids, None))
         lengths = seg.counts[seq_ids].clamp(min=1).double()
-        w = w / (lengths * n_seq)
+        w = P.div(w, lengths * n_seq)
     return torch.where(mask, w, torch.zeros_like(w)).to(dtype)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from rlalign.algos import _portable as P
 from rlalign.algos import _segments as S
 
 
@@ -33,7 +34,7 @@ def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """``k3 = exp(ref_logprobs - logprobs) - (ref_logprobs - logprobs) - 1``."""
     log_r = ref_logprobs - logprobs
-    return torch.exp(log_r) - log_r - 1.0
+    return P.exp(log_r) - log_r - 1.0
 
 
 ESTIMATOR_FUNCTIONS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}   # name -> fn(logprobs, ref_logprobs)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlalign.algos import _portable as P
 from rlalign.algos import _segments as S
 from rlalign.algos.kl import kl_k3
 
@@ -87,7 +88,7 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     if clip_c is not None and clip_c <= 1.0:
         raise S.fail(fn, f"clip_c must be > 1 (dual-clip bound), got {clip_c}")
     adv = advantages.detach()
-    ratio = torch.exp((logprobs - old_logprobs.detach()).clamp(-max_log_ratio, max_log_ratio))
+    ratio = P.exp((logprobs - old_logprobs.detach()).clamp(-max_log_ratio, max_log_ratio))
     loss, pg1, pg2 = _clipped_surrogate(ratio, adv, clip_low, clip_high)
     dual = torch.zeros_like(mask)
     if clip_c is not None:

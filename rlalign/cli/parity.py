@@ -36,7 +36,7 @@ def register(subparsers) -> None:
     p.add_argument("--samples", type=positive_int, default=2, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=positive_int, default=16)
     p.add_argument("--profile", default="strict", choices=["strict", "native", "portable"],
-                   help="portable: the same bits on the CPU and on a CUDA GPU (forward only, slow; docs/portable.md)")
+                   help="portable: the same bits on the CPU and on a CUDA GPU (slow; docs/portable.md)")
     p.add_argument("--localize", action="store_true", help="on a mismatch, find the first op/layer/token that differs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--report", metavar="DIR", help="write parity.json, parity.md and logprob_diff_hist.png here")

@@ -6,7 +6,8 @@
             benchmarks, and for users who correct the mismatch with importance sampling.
 ``portable`` strict's promises, and the same bits on the CPU and on a CUDA GPU: every op built from
             correctly rounded IEEE operations in one fixed order (rlalign/ops/portable, docs/portable.md).
-            Forward only (rollout and scoring), dense models; anything else raises. Slow: an audit mode.
+            Rollout, scoring and training of dense models (its own backward and a fixed-order optimizer
+            step); anything else raises. Slow: an audit mode.
 
 Selection, most specific first: the ``profile=`` argument of an op call, then the innermost
 ``use_profile(...)`` context, then the process default (``strict``). Engines take a ``profile``
@@ -42,6 +43,11 @@ def as_profile(value: "str | Profile | None") -> Profile:
 
 def current_profile() -> Profile:
     return _current.get()
+
+
+def bitwise(value: "str | Profile | None") -> bool:
+    """Whether ``value`` promises rollout == trainer bit for bit (``strict`` and ``portable``; not ``native``)."""
+    return as_profile(value) is not Profile.NATIVE
 
 
 @contextlib.contextmanager

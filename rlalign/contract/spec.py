@@ -369,8 +369,9 @@ def render_markdown() -> str:
         "Strict's promises, and the same bits on the CPU and on a CUDA GPU: every op is built only from",
         "operations IEEE 754 rounds correctly, one per torch kernel (elementwise `+ - * /`, comparisons,",
         "max, integer ops, copies), with fixed pairwise trees for every sum and its own exp / log / sqrt /",
-        "sin / cos. Forward only (rollout and scoring), dense decoders; anything else raises. An audit",
-        "mode, tens of times slower than strict: [docs/portable.md](portable.md).",
+        "sin / cos. Rollout, scoring and training (its own backward, a fixed-order gradient norm and",
+        "AdamW) of dense decoders; anything else raises. An audit mode, tens of times slower than strict:",
+        "[docs/portable.md](portable.md).",
         "",
     ]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
 from rlalign.ops._dispatch import strict_impl
 from rlalign.ops.portable import dense as portable_dense
+from rlalign.ops.portable import grad as portable_grad
 from rlalign.contract.errors import fail
 
 
@@ -212,12 +213,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, profile=None) -> torch.Ten
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, *, profile=None) -> torch.Tensor:
-    """Row gather (exact in every profile). Out-of-range ids raise naming the id."""
+    """Row gather (exact in every profile). Out-of-range ids raise naming the id. Portable profile with a
+    gradient: the weight's gradient by rlalign.ops.portable.grad.embedding_grad (fixed order, every device)."""
     chk.index_dtype("embedding", "ids", ids)
     if ids.numel():
         # a host sync: like the other index validations, skipped while a CUDA graph is captured
         # (its caller checks the ids) -- chk.memo
         chk.memo("embedding_ids", lambda: _check_ids(ids, weight.shape[0]), ids, extra=(weight.shape[0],))
+    if as_profile(profile) is Profile.PORTABLE and torch.is_grad_enabled() and weight.requires_grad:
+        return portable_grad.embedding(ids, weight)   # a fixed-order backward (F.embedding's is atomic on CUDA)
     return F.embedding(ids, weight)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from rlalign import algos
 from rlalign.contract.errors import RLAlignError
+from rlalign.contract.profiles import bitwise
 from rlalign.train.packing import TrainBatch
 from rlalign.train.run.logs import LOGGER
 from rlalign.train.samples import StepSamples
@@ -37,7 +38,7 @@ class Agreement:
     """The checks of one run: its profile and ``run.on_mismatch``, and the model's sparse layers (for messages)."""
 
     def __init__(self, profile: str, on_mismatch: str, sparse_layers: list[int]):
-        self.strict = profile == "strict"
+        self.strict = bitwise(profile)
         self.on_mismatch = on_mismatch
         self.sparse_layers = sparse_layers
 

@@ -366,7 +366,7 @@ class RunSection:
     steps: int = 120                   # optimizer steps of the run
     seed: int = 0                      # seed of the data order and the sampling
     profile: Literal["strict", "native", "portable"] = "strict"   # strict: bit-identical logprobs; native: vendor kernels;
-    # portable: strict across CPU and GPU (rollout and scoring only: training refuses it, docs/portable.md)
+    # portable: strict across CPU and GPU (dense full fine-tuning on one process; an audit mode, docs/portable.md)
     on_mismatch: Literal["warn", "stop"] = "warn"     # strict profile: what a train/rollout mismatch does
     eval_every: int = 10               # held-out eval every N steps (and at the last)
     eval_samples: int = 2              # samples per held-out problem for eval/accuracy (at the rollout temperature)
@@ -469,9 +469,9 @@ class TrainConfig:
     parallel: ParallelSection = dataclasses.field(default_factory=ParallelSection)
 
     def validate(self):
-        if self.run.profile == "portable":
-            return ("run.profile=portable covers rollout and scoring only (rlalign parity / rlalign generate "
-                    "--profile portable): it has no backward, so training refuses it; use run.profile=strict")
+        portable = self._portable_refusal()
+        if portable:
+            return portable
         if self.parallel.world_size > 1 and self.launcher != "local":
             return f"parallel.dp/tp > 1 run with launcher=local (got launcher={self.launcher})"
         if self.task.env is not None and self._env_refusal():
@@ -503,6 +503,25 @@ class TrainConfig:
             return (f"algo.advantage={self.algo.advantage} compares the samples of a prompt: with "
                     "rollout.samples_per_prompt=1 every advantage is 0 and training does nothing; use >= 2")
 
+
+    def _portable_refusal(self) -> "str | None":
+        """``run.profile=portable`` trains dense decoders, full fine-tuning, on one process (docs/portable.md): one line
+        for each combination its backward or its fixed-order step does not cover."""
+        if self.run.profile != "portable":
+            return None
+        unsupported = [(self.model.lora.rank > 0, "model.lora (LoRA training)"),
+                       (self.parallel.world_size > 1, "parallel.dp / parallel.tp"),
+                       (self.launcher != "local", f"launcher={self.launcher}"),
+                       (self.optim.offload, "optim.offload=true"),
+                       (self.optim.activation_checkpointing, "optim.activation_checkpointing=true"),
+                       (self.algo.advantage == "gae", "algo.advantage=gae (the value model)"),
+                       (self.rollout.engine != "rlalign", f"rollout.engine={self.rollout.engine}"),
+                       (self.rollout.async_steps > 0, "rollout.async_steps > 0")]
+        for bad, what in unsupported:
+            if bad:
+                return (f"run.profile=portable does not train with {what}: it covers full fine-tuning of dense "
+                        "decoders on one process (docs/portable.md); use run.profile=strict")
+        return None
 
     def _sampled_logprobs_problem(self) -> "str | None":
         """``rollout.logprobs=sampled`` recomputes the engine's kept set from the policy's full logits rows, bit for

@@ -228,11 +228,12 @@ class Trainer:
         t_train = time.perf_counter() - t1
         self.source.push_weights(step)
         lens, rewards = batch.completion_lens, samples.reward_tensor()
-        record.update({**sample_stats(rewards, samples.truncated, lens, old["ent"]), **sampling_stats,
-                       **step_costs(t_rollout, t_train, int(lens.sum()), self.device, self.engine.weights_version,
-                                    self.weight_sync.copy_bytes), **update, **corr_stats,
-                       **rollout_stats(rewards, samples.group_tensor(), lens),
-                       **token_stats(token_adv, batch.mask, old["lp"], ref_lp)})
+        with use_profile(cfg.run.profile):   # the logged statistics' reductions (the portable profile's fixed order)
+            record.update({**sample_stats(rewards, samples.truncated, lens, old["ent"]), **sampling_stats,
+                           **step_costs(t_rollout, t_train, int(lens.sum()), self.device, self.engine.weights_version,
+                                        self.weight_sync.copy_bytes), **update, **corr_stats,
+                           **rollout_stats(rewards, samples.group_tensor(), lens),
+                           **token_stats(token_adv, batch.mask, old["lp"], ref_lp)})
         return record
 
     def _old_policy(self, step: int, samples: StepSamples, batch: TrainBatch, record: dict) -> dict:

@@ -42,10 +42,14 @@ copy is ``m.to(p.dtype)`` by construction, so it is derived on load with the sam
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.optim.adam import adam as adam_arithmetic
 
 from rlalign.contract.errors import RLAlignError
+from rlalign.contract.profiles import Profile, current_profile
+from rlalign.ops.portable import arith
 from rlalign.distributed.collectives import gather_ranks_varlen
 
 ROUNDED_KEY = "model_rounded"   # a checkpoint's {name: dtype} of the model weights it stores only as masters
@@ -230,15 +234,45 @@ def step_chunked(state: dict, group: dict, stepped: torch.Tensor, grads: list, i
         if part.stop == n:
             grad_flat = None   # every chunk widened: free the low-precision gradient before the last chunk's step
         step = state["step"].clone()
-        adam_arithmetic([flat[part]], [g], [exp_avg[part]], [exp_avg_sq[part]], [], [step], foreach=False,
-                        capturable=False, differentiable=False, fused=None, has_complex=stepped.is_complex(),
-                        decoupled_weight_decay=group.get("decoupled_weight_decay", False), amsgrad=False,
-                        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                        eps=group["eps"], maximize=group["maximize"])
+        if current_profile() is Profile.PORTABLE:
+            portable_adamw_(flat[part], g, exp_avg[part], exp_avg_sq[part], step, group)
+        else:
+            adam_arithmetic([flat[part]], [g], [exp_avg[part]], [exp_avg_sq[part]], [], [step], foreach=False,
+                            capturable=False, differentiable=False, fused=None, has_complex=stepped.is_complex(),
+                            decoupled_weight_decay=group.get("decoupled_weight_decay", False), amsgrad=False,
+                            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                            eps=group["eps"], maximize=group["maximize"])
         del g
         if model_flat is not None:   # round to nearest even on the master's device, then move
             model_flat[part].copy_(flat[part].to(model.dtype))
     state["step"].copy_(step)
+
+
+def portable_adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+                    group: dict) -> None:
+    """One AdamW step (torch's AdamW formula, decoupled weight decay) of fp32 ``p`` in place, in the portable
+    profile's arithmetic: every tensor operation one correctly rounded elementwise op (no lerp / addcmul / addcdiv,
+    which a GPU kernel may contract into FMAs), scalars in Python floats (IEEE double) each rounded once to fp32 where
+    they meet a tensor, divisions by tensors, the square root correctly rounded (rlalign.ops.portable.arith). The
+    same bits on the CPU and a CUDA GPU; ``step`` (a host scalar) is incremented. With t the new step:
+
+        p = p * (1 - lr wd);  m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
+        p = p - (m / (sqrt(v) / sqrt(1 - b2^t) + eps)) * (lr / (1 - b1^t))
+    """
+    beta1, beta2 = group["betas"]
+    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    if group["maximize"] or group.get("amsgrad"):
+        raise RLAlignError("the portable profile's AdamW steps without maximize / amsgrad")
+    step += 1
+    t = float(step)
+    if wd != 0.0:
+        p.mul_(1.0 - lr * wd)
+    m.mul_(beta1)
+    m.add_(g * (1.0 - beta1))
+    v.mul_(beta2)
+    v.add_((g * g) * (1.0 - beta2))
+    denom = arith.div(arith.sqrt(v), math.sqrt(1.0 - beta2 ** t)) + eps
+    p.sub_(arith.div(m, denom) * (lr / (1.0 - beta1 ** t)))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

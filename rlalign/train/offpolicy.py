@@ -43,6 +43,7 @@ import torch
 from rlalign import algos
 from rlalign.contract.bits import differing
 from rlalign.contract.errors import RLAlignError
+from rlalign.contract.profiles import bitwise
 from rlalign.models.moe import record_routing
 from rlalign.train.agreement import MismatchError, kept_rows, rows_both_computed, whole_samples
 from rlalign.train.packing import TrainBatch
@@ -222,7 +223,7 @@ def behaviour_verifier(cfg, policy: torch.nn.Module) -> "BehaviourVerifier | Non
     """``run.verify_behaviour``'s verifier, holding version 0 (the policy's full weights now), or None."""
     if not cfg.run.verify_behaviour:
         return None
-    verifier = BehaviourVerifier(policy, cfg.rollout.logprob_temperature, cfg.run.profile == "strict",
+    verifier = BehaviourVerifier(policy, cfg.rollout.logprob_temperature, bitwise(cfg.run.profile),
                                  cfg.run.on_mismatch, sampled=cfg.rollout.sampled_scoring)
     verifier.remember(0, policy_weights(policy))
     return verifier

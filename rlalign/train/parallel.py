@@ -31,6 +31,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from rlalign import mklmode
 from rlalign.contract.errors import RLAlignError
+from rlalign.contract.profiles import Profile, current_profile
 from rlalign.distributed.launch import Group, init_from_env, split
 from rlalign.distributed.parallelize import full_state
 from rlalign.models.decoder import CausalLM
@@ -145,7 +146,7 @@ def clip_grad_norm_(policy, max_norm: float) -> torch.Tensor:
     else:
         grads = {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}
     total = total_norm([g for _, g in checkpoint_split(policy, grads)])
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    clip_with_norm_(params, max_norm, total)
     return total
 
 
@@ -162,7 +163,10 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def norm_mode(grads: list[torch.Tensor]) -> str:
-    """"fixed" (rlalign.reductions' order: CPU tensors in the cross-machine mode) or "torch"."""
+    """"fixed" (rlalign.reductions' order: CPU tensors in the cross-machine mode, any tensors in the portable
+    profile) or "torch"."""
+    if current_profile() is Profile.PORTABLE:
+        return "fixed"   # on every device
     return "fixed" if all(g.device.type == "cpu" for g in grads) and mklmode.cross_machine() else "torch"
 
 
@@ -189,8 +193,21 @@ def clip_params_(params, max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_ over ``params`` (in their order) with :func:`total_norm`; the norm."""
     params = [p for p in params if p.grad is not None]
     total = total_norm([p.grad for p in params])
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    clip_with_norm_(params, max_norm, total)
     return total
+
+
+def clip_with_norm_(params, max_norm: float, total: torch.Tensor) -> None:
+    """Scale the gradients by min(1, max_norm / (total + 1e-6)): torch's clip_grads_with_norm_ (foreach=False); in
+    the portable profile the factor in Python floats (IEEE double), rounded once to fp32, one elementwise multiply
+    per gradient (torch's divides by a 0-dim tensor: a reciprocal multiply on CUDA)."""
+    if current_profile() is not Profile.PORTABLE:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+        return
+    factor = min(max_norm / (float(total) + 1e-6), 1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(torch.full((1, ), factor, dtype=torch.float32, device=p.grad.device).to(p.grad.dtype))
 
 
 def restack_run_state(policy, state: dict) -> dict:

@@ -19,14 +19,14 @@ from rlalign.reductions import fixed_mean, fixed_mean_std
 
 def _mean(x: torch.Tensor) -> float:
     """The mean of every element (nan for none, as torch's)."""
-    return (fixed_mean(x) if x.numel() else float("nan")) if mklmode.cross_machine() else float(x.mean())
+    return (fixed_mean(x) if x.numel() else float("nan")) if mklmode.fixed_reductions() else float(x.mean())
 
 
 def _std(x: torch.Tensor) -> float:
     """The unbiased std of every element; 0.0 for fewer than two."""
     if x.numel() < 2:
         return 0.0
-    return fixed_mean_std(x)[1] if mklmode.cross_machine() else float(x.std())
+    return fixed_mean_std(x)[1] if mklmode.fixed_reductions() else float(x.std())
 
 
 def sample_stats(rewards: torch.Tensor, truncated: torch.Tensor, lens: torch.Tensor,

@@ -24,6 +24,7 @@ import torch
 
 from rlalign import algos
 from rlalign.contract.errors import RLAlignError
+from rlalign.contract.profiles import bitwise
 from rlalign.distributed.data_parallel import all_reduce_gradients_, shard_for_rank, sum_scalars
 from rlalign.distributed.launch import Group
 from rlalign.models.moe import record_routing
@@ -102,7 +103,7 @@ def needs_rescore(cfg, dp: Group) -> bool:
     (later mini-batches run after an optimizer step) and with ``parallel.dp > 1`` (each rank
     forwards only its share)."""
     a = cfg.algo
-    return cfg.run.profile != "strict" or a.mismatch_correction != "none" or a.mini_batches > 1 or dp.size > 1
+    return not bitwise(cfg.run.profile) or a.mismatch_correction != "none" or a.mini_batches > 1 or dp.size > 1
 
 
 class PolicyUpdate:

@@ -106,11 +106,13 @@ EXACT = {"amax", "max", "min", "maximum", "minimum", "argmax", "sort", "topk", "
          "ge", "isnan", "isinf", "isposinf", "isneginf", "isfinite", "any", "all", "bitwise_and", "bitwise_or",
          "bitwise_not", "bitwise_xor", "bitwise_and_", "bitwise_or_", "bitwise_xor_", "bitwise_right_shift",
          "bitwise_right_shift_", "__lshift__", "__rshift__", "floor_divide", "remainder", "nonzero", "_unique2",
+         "unique_consecutive",
          "_local_scalar_dense"}
 MOVES = {"_to_copy", "copy_", "clone", "cat", "stack", "gather", "embedding", "index", "index_select", "index_copy_", "index_put_",
          "scatter_", "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "select", "slice",
          "unsqueeze", "squeeze", "detach", "alias", "lift_fresh", "empty", "empty_like", "new_empty", "zeros",
          "zeros_like", "ones", "ones_like", "full", "full_like", "new_ones", "new_zeros", "new_full", "arange", "scalar_tensor", "fill_", "zero_",
+         "repeat_interleave", "slice_backward", "select_backward", "new_empty_strided", "_unsafe_index_put", "index_put", "_index_put_impl_",
          "masked_fill", "contiguous", "split", "unbind", "as_strided"}
 INTEGER_ONLY = {"sum", "cumsum"}   # exact on integers and bools; a float sum would be a library reduction
 FLOAT64_ONLY = {"sqrt"}            # arith.sqrt's guess, corrected exactly
@@ -310,7 +312,7 @@ def test_unimplemented_ops_refuse_in_one_line():
             ops.sampled_logprob(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), top_k=2)
         w = torch.randn(3, 4, requires_grad=True)
         with pytest.raises(ContractError, match="backward pass .* not implemented in the portable profile"):
-            ops.linear(torch.randn(2, 4), w)
+            ops.lm_logits(torch.randn(2, 4, requires_grad=True), w)
         with pytest.raises(ContractError, match="sliding-window"):
             ops.attention_varlen(torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4),
                                  torch.tensor([0, 3]), window=2)

@@ -47,8 +47,8 @@ def test_a_recorded_portable_rollout_replays_bitwise_and_only_in_portable(tmp_pa
 def test_what_the_profile_does_not_cover_refuses():
     with pytest.raises(ParityError, match="--profile portable runs rlalign's own sides only"):
         run_parity(ParityOptions(model="default", profile="portable", train="transformers"))
-    with pytest.raises(ConfigError, match="run.profile=portable covers rollout and scoring only"):
-        load_config(TrainConfig, None, ["run.profile=portable"])
+    with pytest.raises(ConfigError, match="run.profile=portable does not train with model.lora"):
+        load_config(TrainConfig, None, ["run.profile=portable", "model.lora.rank=4"])
     from rlalign.models import load_model
     from rlalign.parity.run import resolve_model_dir
     from rlalign.rollout import RolloutEngine

@@ -9,5 +9,5 @@ this package's own polynomials (:mod:`.arith`). No GEMM, no library reduction ov
 
 Rooms: :mod:`.arith` (the primitives), :mod:`.dense` (linear, rms_norm, rope, silu_mul), :mod:`.attention`
 (packed and paged attention), :mod:`.logprob` (LM head, log-prob, entropy), :mod:`.sample` (the sampler),
-:mod:`.registry` (registers them as the ``portable`` backend of :mod:`rlalign.ops._registry`). docs/portable.md.
+:mod:`.grad` (the training ops as autograd Functions with a backward in the same arithmetic), :mod:`.registry` (registers them as the ``portable`` backend of :mod:`rlalign.ops._registry`). docs/portable.md.
 """

@@ -1,6 +1,8 @@
-"""Registers the portable profile's implementations as backend ``portable`` (forward only) and owns its refusal.
+"""Registers the portable profile's implementations as backend ``portable`` and owns its refusal.
 
-Every registered op refuses autograd (one line: the portable profile has no backward); an op with no portable
+The ops a training step runs (linear, linear_group, rms_norm, rope, silu_mul, attention_varlen, logprob_entropy)
+are differentiable with a portable backward (:mod:`.grad`); the rollout-only ops (paged attention, the fused
+rope + cache write, lm_logits, sample) refuse autograd with one line; an op with no portable
 implementation (MoE, tensor-parallel shards, sampled log-probs, ...) fails closed in
 :func:`rlalign.ops._dispatch.strict_impl` -- never a fallback to the strict or native implementation.
 """
@@ -13,7 +15,7 @@ import torch
 
 from rlalign.contract.errors import fail
 from rlalign.ops._registry import register
-from rlalign.ops.portable import attention, dense, logprob, sample
+from rlalign.ops.portable import attention, dense, grad, logprob, sample
 
 BACKEND = "portable"
 
@@ -33,9 +35,10 @@ def _forward_only(op: str, fn):
     return run
 
 
-for _op, _fn in (("linear", dense.linear), ("linear_group", dense.linear_group), ("rms_norm", dense.rms_norm),
-                 ("rope", dense.rope), ("silu_mul", dense.silu_mul), ("rope_write_kv", dense.rope_write_kv),
-                 ("attention_varlen", attention.attention_varlen), ("attention_paged", attention.attention_paged),
-                 ("logprob_entropy", logprob.logprob_entropy), ("lm_logits", logprob.lm_logits),
-                 ("sample", sample.sample)):
+for _op, _fn in (("linear", grad.linear), ("linear_group", grad.linear_group), ("rms_norm", grad.rms_norm),
+                 ("rope", grad.rope), ("silu_mul", grad.silu_mul), ("attention_varlen", grad.attention_varlen),
+                 ("logprob_entropy", grad.logprob_entropy)):
+    register(_op, BACKEND)(_fn)
+for _op, _fn in (("rope_write_kv", dense.rope_write_kv), ("attention_paged", attention.attention_paged),
+                 ("lm_logits", logprob.lm_logits), ("sample", sample.sample)):
     register(_op, BACKEND)(_forward_only(_op, _fn))
