@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from rlalign.ops.portable import arith
-from rlalign.ops.torch_backend.elementwise import write_kv_rows
+from rlalign.ops.torch_backend.elementwise import compose_rope_write_kv
 from rlalign.reductions import tree_sum
 
 
@@ -70,9 +70,4 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm=None):
     """ops.rope_write_kv: (q / k rms_norm first with ``qk_norm``) rope of q and k, the K check, the cache rows."""
-    if qk_norm is not None:
-        q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
-    check_k(k, None)
-    write_kv_rows(k, v, k_cache, v_cache, slots)
-    return q, k
+    return compose_rope_write_kv(rms_norm, rope, q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm)

@@ -65,9 +65,15 @@ def rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm=N
     """ops.rope_write_kv on the torch backend: (with ``qk_norm`` = (q weight, k weight, eps): rms_norm of q
     and of k first) rope of q and of k, ``check_k(rope(k), None)`` (the op's K check, before anything is
     written, as write_kv_cache does), then the rows to their slots."""
+    return compose_rope_write_kv(rms_norm, rope, q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm)
+
+
+def compose_rope_write_kv(norm_fn, rope_fn, q, k, v, cos, sin, k_cache, v_cache, slots, check_k, qk_norm=None):
+    """The order of rope_write_kv, for a profile's own ``norm_fn`` / ``rope_fn``: the q/k norms, rope, the K
+    check before anything is written, then the rows to their slots (a copy: the same in every profile)."""
     if qk_norm is not None:
-        q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k = norm_fn(q, qk_norm[0], qk_norm[2]), norm_fn(k, qk_norm[1], qk_norm[2])
+    q, k = rope_fn(q, cos, sin), rope_fn(k, cos, sin)
     check_k(k, None)
     write_kv_rows(k, v, k_cache, v_cache, slots)
     return q, k
