@@ -56,7 +56,7 @@ import torch
 
 from rlalign.ops._registry import register
 # the compiled route and the formulation are looked up at each call (the tests swap in instrumented versions)
-from rlalign.ops.torch_backend.attention import compiled, formula
+from rlalign.ops.torch_backend.attention import compiled, compiled_backward, formula
 from rlalign.ops.torch_backend.attention.backward import varlen_backward
 
 
@@ -86,7 +86,7 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
         dq, dk, dv, dsinks = varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out.contiguous(), ctx.scale,
-                                             ctx.window, sinks)
+                                             ctx.window, sinks, bucket_route=compiled_backward.bucket_compiled)
         return dq, dk, dv, None, None, None, dsinks
 
 
