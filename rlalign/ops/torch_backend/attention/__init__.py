@@ -47,7 +47,10 @@ This package's entry points (:func:`attention_varlen`, :func:`attention_paged`) 
 * :mod:`.scratch` -- on the CPU the big temporaries are per-thread scratch buffers;
 * :mod:`.backward` -- the varlen backward (:class:`_VarlenAttention`) recomputes probabilities flash-style
   from the saved log-sum-exp; it is deterministic run to run (fixed-shape GEMMs, no atomics, no
-  index_add) but, like dW of a linear, not invariant to how sequences are packed.
+  index_add) but, like dW of a linear, not invariant to how sequences are packed;
+* :mod:`.compiled_backward` -- the backward's length buckets row by row in csrc/attention.c (CPU), for the
+  buckets whose GEMM shapes the kernel reproduces, after a bit-for-bit self-check per head_dim, GQA group and
+  thread count; the other buckets run :mod:`.backward`'s formulation.
 """
 
 from __future__ import annotations
