@@ -24,7 +24,7 @@ import torch
 from rlalign.contract.bits import bits_equal
 from rlalign.ops.torch_backend import clib
 from rlalign.ops.torch_backend.attention.backward import varlen_backward
-from rlalign.ops.torch_backend.attention.compiled import _CLayout
+from rlalign.ops.torch_backend.attention.compiled import CLayout
 from rlalign.ops.torch_backend.attention.plan import KV_BLOCK
 from rlalign.ops.torch_backend.attention.scratch import scratch_buffer
 
@@ -62,7 +62,7 @@ def _run_bucket(seqs, start, length, src, grads, hq: int, hkv: int, scale: float
     qf, kf, vf, dof, lse_f, delta_f = src
     dq, dk, dv = grads
     st, ln = start[seqs], length[seqs]
-    lay = _CLayout.of(st, ln, torch.zeros_like(st), ln, key_start=st)
+    lay = CLayout.of(st, ln, torch.zeros_like(st), ln, key_start=st)
     layout = ctypes.byref(lay.struct(kf, vf, hq, hkv, qf.shape[1]))
     threads = torch.get_num_threads()
     p = scratch_buffer("bwd_p", (qf.shape[0], KV_BLOCK), qf.device)
