@@ -1,7 +1,8 @@
 """Benchmark: the compiled CPU kernels vs the torch formulation they replace, same run, same bits.
 
 Shapes of the embedded default model's decode step (512 sequences, hidden 128, 4/2 heads of 32,
-intermediate 384, contexts of 8-48 keys), and one sequence (the few-rows GEMM). For each case: the
+intermediate 384, contexts of 8-48 keys), one sequence (the few-rows GEMM) and a training step's packed
+attention backward. For each case: the
 median of 7 timings (each a loop of calls) of the compiled path and of the formulation, their ratio,
 and whether their outputs have the same bits (they must: the script exits 1 otherwise).
 
@@ -27,6 +28,8 @@ import torch  # noqa: E402
 
 from rlalign.contract.bits import bits_equal  # noqa: E402
 from rlalign.ops.torch_backend.attention import compiled as attention_compiled, formula as attention_formula  # noqa: E402
+from rlalign.ops.torch_backend.attention import compiled_backward  # noqa: E402
+from rlalign.ops.torch_backend.attention.backward import varlen_backward  # noqa: E402
 from rlalign.ops.torch_backend import clib, elementwise, linear, norm, primitives  # noqa: E402
 
 
@@ -53,6 +56,21 @@ def _decode_attention_case(gen):
     return q, kc, vc, table, ctx.int(), cu, d ** -0.5
 
 
+def _varlen_backward_case(gen):
+    """A training step's packed batch of the default run: 256 sequences of 6-15 tokens, 4/2 heads of 32."""
+    lens = torch.randint(6, 16, (256,), generator=gen).tolist()
+    t, hq, hkv, d = sum(lens), 4, 2, 32
+    q, dout, out = (torch.randn(t, hq, d, generator=gen) for _ in range(3))
+    k, v = (torch.randn(t, hkv, d, generator=gen) for _ in range(2))
+    lse = torch.randn(t, hq, generator=gen) + 3.0
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return q, k, v, out, lse, cu, dout, d ** -0.5
+
+
+def _grads(result) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for g in result[:3]])
+
+
 def cases(gen):
     x, x_mlp = torch.randn(512, 128, generator=gen), torch.randn(512, 384, generator=gen)
     w_o, w_down, w_up = torch.randn(128, 128, generator=gen), torch.randn(128, 384, generator=gen), \
@@ -64,7 +82,11 @@ def cases(gen):
     gate, up = torch.randn(512, 384, generator=gen), torch.randn(512, 384, generator=gen)
     paged = _decode_attention_case(gen)
     partials = torch.randn(8, 512, 128, generator=gen)
+    bwd = _varlen_backward_case(gen)
     return [
+        ("attention varlen backward, 256 seqs of 6-15 tokens",
+         lambda: _grads(varlen_backward(*bwd, bucket_route=compiled_backward.bucket_compiled)),
+         lambda: _grads(varlen_backward(*bwd)), 10),
         ("attention_paged decode, 512 seqs x 4 heads, ctx 8-48", lambda: attention_compiled.paged_compiled(*paged),
          lambda: attention_formula.paged_formula(*paged), 20),
         ("linear o_proj 512x128 -> 128, 8 K segments", lambda: linear.linear_fp32(x, w_o, 8),

@@ -94,6 +94,11 @@ def _load() -> ctypes.CDLL | None:
     lib.rl_attn_update.restype = None
     lib.rl_attn_finish.argtypes = [layout_p, f32_p, f32_p, f32_p, i64]
     lib.rl_attn_finish.restype = ctypes.c_int
+    lib.rl_attn_bwd_args.argtypes = [layout_p, f32_p, f32_p, ctypes.c_float, i64, f32_p, i64]
+    lib.rl_attn_bwd_args.restype = None
+    lib.rl_attn_bwd_grads.argtypes = [layout_p, f32_p, f32_p, f32_p, f32_p, ctypes.c_float, i64, f32_p, f32_p, f32_p,
+                                      i64]
+    lib.rl_attn_bwd_grads.restype = None
     lib.rl_rms_norm_stats.argtypes = [f32_p, i64, i64, ctypes.c_float, i64, f32_p, i64]
     lib.rl_rms_norm_stats.restype = None
     lib.rl_rms_norm_apply.argtypes = [f32_p, f32_p, f32_p, i64, i64, i64, f32_p, i64]

@@ -47,7 +47,10 @@ This package's entry points (:func:`attention_varlen`, :func:`attention_paged`) 
 * :mod:`.scratch` -- on the CPU the big temporaries are per-thread scratch buffers;
 * :mod:`.backward` -- the varlen backward (:class:`_VarlenAttention`) recomputes probabilities flash-style
   from the saved log-sum-exp; it is deterministic run to run (fixed-shape GEMMs, no atomics, no
-  index_add) but, like dW of a linear, not invariant to how sequences are packed.
+  index_add) but, like dW of a linear, not invariant to how sequences are packed;
+* :mod:`.compiled_backward` -- the backward's length buckets row by row in csrc/attention.c (CPU), for the
+  buckets whose GEMM shapes the kernel reproduces, after a bit-for-bit self-check per head_dim, GQA group and
+  thread count; the other buckets run :mod:`.backward`'s formulation.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import torch
 
 from rlalign.ops._registry import register
 # the compiled route and the formulation are looked up at each call (the tests swap in instrumented versions)
-from rlalign.ops.torch_backend.attention import compiled, formula
+from rlalign.ops.torch_backend.attention import compiled, compiled_backward, formula
 from rlalign.ops.torch_backend.attention.backward import varlen_backward
 
 
@@ -86,7 +89,7 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
         dq, dk, dv, dsinks = varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out.contiguous(), ctx.scale,
-                                             ctx.window, sinks)
+                                             ctx.window, sinks, bucket_route=compiled_backward.bucket_compiled)
         return dq, dk, dv, None, None, None, dsinks
 
 

@@ -87,10 +87,14 @@ def _backward_bucket(seqs, start, length, src, grads, hq: int, hkv: int, scale: 
 
 
 def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale: float, window: int | None = None,
-                    sinks: torch.Tensor | None = None):
+                    sinks: torch.Tensor | None = None, bucket_route=None):
     """(dq, dk, dv, dsinks). ``lse`` is the sink-inclusive log-sum-exp, so the keys' probabilities are the
     forward's; a sink is a key whose value is 0: d sink_h = -sum_t exp(sink_h - lse[t, h]) delta[t, h]
-    (summed over tokens by a balanced tree)."""
+    (summed over tokens by a balanced tree).
+
+    ``bucket_route(seqs, start, length, src, grads, hq, hkv, scale, window) -> bool``, when given, may compute
+    a length bucket itself with exactly :func:`_backward_bucket`'s bits (the compiled kernel,
+    :mod:`.compiled_backward`); a bucket it declines (False) runs :func:`_backward_bucket`."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
@@ -103,6 +107,8 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale: float, windo
              k.new_zeros((t * hkv + 1, d), dtype=torch.float32),
              v.new_zeros((t * hkv + 1, d), dtype=torch.float32))
     for seqs in _length_buckets(length):
+        if bucket_route is not None and bucket_route(seqs, start, length, src, grads, hq, hkv, scale, window):
+            continue
         _backward_bucket(seqs, start, length, src, grads, hq, hkv, scale, window)
     dq, dk, dv = grads
     dsinks = None

@@ -68,7 +68,7 @@ def compiled_agrees(d: int, gen: torch.Generator, lens: list[int], n_new: list[i
 
 
 @dataclasses.dataclass
-class _CLayout:
+class CLayout:
     """Per-sequence index arrays of one call (int64, contiguous; kept alive here for the C side)."""
     seqs: torch.Tensor                 # [4, S]: first query row, query count, first query position, context length
     block_table: torch.Tensor | None   # paged: [S, max_pages] page ids
@@ -77,13 +77,13 @@ class _CLayout:
     n_blocks: int                      # key blocks the call visits (64 positions each)
 
     @staticmethod
-    def of(q_start, n_q, pos0, ctx_len, *, block_table=None, page_size: int = 1, key_start=None) -> "_CLayout":
+    def of(q_start, n_q, pos0, ctx_len, *, block_table=None, page_size: int = 1, key_start=None) -> "CLayout":
         seqs = torch.stack([q_start, n_q, pos0, ctx_len]).contiguous()
         last = torch.where(n_q > 0, pos0 + n_q - 1, -1)
         n_blocks = int(last.max()) // KV_BLOCK + 1 if last.numel() else 0
         if key_start is not None:
             key_start = key_start.contiguous()
-        return _CLayout(seqs, block_table, page_size, key_start, max(n_blocks, 0))
+        return CLayout(seqs, block_table, page_size, key_start, max(n_blocks, 0))
 
     def struct(self, k: torch.Tensor, v: torch.Tensor, hq: int, hkv: int, d: int) -> clib.Layout:
         seqs, ptr = self.seqs, self.seqs.data_ptr()
@@ -96,7 +96,7 @@ class _CLayout:
                            seqs.shape[1], hq, hkv, d)
 
 
-def _c_online_softmax(lay: _CLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hq: int, hkv: int,
+def _c_online_softmax(lay: CLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hq: int, hkv: int,
                       scale: float):
     """The formula of :mod:`rlalign.ops.torch_backend.attention` for every query row of the call, by
     csrc/attention.c, with torch's exp applied between its two per-block halves (the same exp as the torch
@@ -137,7 +137,7 @@ def varlen_compiled(q, k, v, cu_seqlens, scale: float):
     def layout():
         cu = cu_seqlens.to(dtype=torch.int64)
         start, length = cu[:-1], cu[1:] - cu[:-1]
-        return _CLayout.of(start, length, torch.zeros_like(start), length, key_start=start)
+        return CLayout.of(start, length, torch.zeros_like(start), length, key_start=start)
 
     lay = chk.memo("torch_attention_varlen_c_layout", layout, cu_seqlens, extra=(t,))
     out, m, l, _ = _c_online_softmax(lay, q, k, v, q.shape[1], k.shape[1], scale)
@@ -151,7 +151,7 @@ def paged_compiled(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     def layout():
         cu = cu_seqlens_q.to(dtype=torch.int64)
         n_q, ctx_len = cu[1:] - cu[:-1], seq_lens.to(dtype=torch.int64)
-        return _CLayout.of(cu[:-1], n_q, ctx_len - n_q, ctx_len,
+        return CLayout.of(cu[:-1], n_q, ctx_len - n_q, ctx_len,
                            block_table=block_table.to(dtype=torch.int64).contiguous(), page_size=page_size)
 
     lay = chk.memo("torch_attention_paged_c_layout", layout, block_table, seq_lens, cu_seqlens_q,

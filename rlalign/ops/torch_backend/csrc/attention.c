@@ -327,3 +327,168 @@ int rl_attn_finish(const layout *L, const float *acc, const float *l, float *out
     task T = {.L = L, .acc = (float *)acc, .l = (float *)l, .out = out};
     return parallel(&T, finish_range, threads);
 }
+
+/* ---- the varlen backward (rlalign.ops.torch_backend.attention.backward, _backward_bucket), row by row ----
+ *
+ * Bits. Per key block j and (sequence, kv head), for the rows at positions >= 64 j (token-major, g heads
+ * each), the same IEEE operations as the formulation's padded bmm + elementwise steps:
+ *   s_i = (q . k_i) * scale;  arg_i = s_i - lse           (rl_attn_bwd_args; the caller applies torch's exp)
+ *   p_i = exp(arg_i) if key position <= row position else 0
+ *   ds_i = p_i * ((do . v_i) - delta)
+ *   dq  = 0 + (sum_i ds_i k_i) * scale  (block 0),  dq + (sum_i ds_i k_i) * scale  (later blocks)
+ *   dv_i = sum_rows p_i do;   dk_i = (sum_rows ds_i q) * scale
+ * Every dot product / sum is an fp32 FMA chain in increasing order from +0 (over d, over the block's keys,
+ * over the block's rows in order): what the library's bmm computes for these shapes (rows of a block
+ * 12 .. 192; the caller routes other buckets to the formulation and checks every shape it routes here
+ * against the formulation before first use). Terms the formulation multiplies out but that cannot change
+ * a bit are skipped: the padding rows and padding keys of a bucket (exact zeros: each product is +-0, and
+ * a chain that starts from +0 never holds -0, so adding +-0 changes nothing). */
+
+typedef struct {
+    const layout *L;
+    int64_t j;
+    float scale;
+    const float *q, *dout, *lse, *delta, *p;
+    float *arg, *dq, *dk, *dv;
+} bwd_task;
+
+/* block j, phase 1: arg[row][i] = (q . k_i) * scale - lse[row] for the visible keys, 0 for the others */
+static void bwd_args_range(bwd_task *T, int64_t s0, int64_t s1) {
+    const layout *L = T->L;
+    const int64_t d = L->d, g = L->hq / L->hkv, j = T->j, first = j * KB;
+    float kt[MAX_D * KB], buf[KB * MAX_D];
+    const float *rows[KB];
+    memset(kt, 0, sizeof kt);
+    for (int64_t s = s0; s < s1; s++) {
+        int64_t t0, nk;
+        if (!block_span(L, s, j, &t0, &nk)) continue;
+        for (int64_t h = 0; h < L->hkv; h++) {
+            block_rows(L, L->k, s, h, first, nk, buf, rows);
+            for (int64_t i = 0; i < nk; i++)
+                for (int64_t x = 0; x < d; x++) kt[x * KB + i] = rows[i][x];
+            for (int64_t i = nk; i < KB; i++)
+                for (int64_t x = 0; x < d; x++) kt[x * KB + i] = 0.0f;
+            for (int64_t t = t0; t < L->n_q[s]; t++) {
+                const int64_t seen = t - first + 1 < KB ? t - first + 1 : KB;
+                for (int64_t e = 0; e < g; e++) {
+                    const int64_t row = (L->q_start[s] + t) * L->hq + h * g + e;
+                    float sc[KB];
+                    SPECIALISE_D(d, score_row(T->q + row * d, kt, D_, sc));
+                    float *ar = T->arg + row * KB;
+                    const float lr = T->lse[row];
+                    for (int64_t i = 0; i < seen; i++) {
+                        const float si = sc[i] * T->scale;
+                        ar[i] = si - lr;
+                    }
+                    for (int64_t i = seen; i < KB; i++) ar[i] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
+/* block j, phase 2 (after the caller's p = exp(arg)): ds, dq, dk, dv of the block */
+static void bwd_grads_range(bwd_task *T, int64_t s0, int64_t s1) {
+    const layout *L = T->L;
+    const int64_t d = L->d, g = L->hq / L->hkv, j = T->j, first = j * KB;
+    float vt[MAX_D * KB], kbuf[KB * MAX_D], vbuf[KB * MAX_D];
+    float dka[KB * MAX_D], dva[KB * MAX_D];
+    const float *krows[KB], *vrows[KB];
+    memset(vt, 0, sizeof vt);
+    for (int64_t s = s0; s < s1; s++) {
+        int64_t t0, nk;
+        if (!block_span(L, s, j, &t0, &nk)) continue;
+        for (int64_t h = 0; h < L->hkv; h++) {
+            block_rows(L, L->k, s, h, first, nk, kbuf, krows);
+            block_rows(L, L->v, s, h, first, nk, vbuf, vrows);
+            for (int64_t i = 0; i < nk; i++)
+                for (int64_t x = 0; x < d; x++) vt[x * KB + i] = vrows[i][x];
+            for (int64_t i = nk; i < KB; i++)
+                for (int64_t x = 0; x < d; x++) vt[x * KB + i] = 0.0f;
+            memset(dka, 0, (size_t)(nk * d) * sizeof(float));
+            memset(dva, 0, (size_t)(nk * d) * sizeof(float));
+            for (int64_t t = t0; t < L->n_q[s]; t++) {
+                const int64_t seen = t - first + 1 < KB ? t - first + 1 : KB;
+                for (int64_t e = 0; e < g; e++) {
+                    const int64_t row = (L->q_start[s] + t) * L->hq + h * g + e;
+                    const float *dor = T->dout + row * d, *qr = T->q + row * d, *pr = T->p + row * KB;
+                    float dov[KB], p[KB], ds[KB];
+                    SPECIALISE_D(d, score_row(dor, vt, D_, dov));
+                    const float dl = T->delta[row];
+                    for (int64_t i = 0; i < nk; i++) {
+                        p[i] = i < seen ? pr[i] : 0.0f;
+                        const float diff = dov[i] - dl;
+                        ds[i] = p[i] * diff;
+                    }
+                    /* dq: one chain over the block's keys */
+                    float acc[MAX_D];
+                    for (int64_t x = 0; x < d; x++) acc[x] = 0.0f;
+                    for (int64_t i = 0; i < nk; i++) {
+                        const float di = ds[i], *kr = krows[i];
+                        for (int64_t x = 0; x < d; x++) acc[x] = fmaf(di, kr[x], acc[x]);
+                    }
+                    float *dqr = T->dq + row * d;
+                    for (int64_t x = 0; x < d; x++) {
+                        const float tx = acc[x] * T->scale;
+                        dqr[x] = (j == 0 ? 0.0f : dqr[x]) + tx;
+                    }
+                    /* dk, dv: chains over the rows, this row next */
+                    for (int64_t i = 0; i < nk; i++) {
+                        const float pi = p[i], di = ds[i];
+                        float *dvr = dva + i * d, *dkr = dka + i * d;
+                        for (int64_t x = 0; x < d; x++) dvr[x] = fmaf(pi, dor[x], dvr[x]);
+                        for (int64_t x = 0; x < d; x++) dkr[x] = fmaf(di, qr[x], dkr[x]);
+                    }
+                }
+            }
+            for (int64_t i = 0; i < nk; i++) {
+                const int64_t key = (L->key_start[s] + first + i) * L->hkv + h;
+                for (int64_t x = 0; x < d; x++) {
+                    T->dv[key * d + x] = dva[i * d + x];
+                    T->dk[key * d + x] = dka[i * d + x] * T->scale;
+                }
+            }
+        }
+    }
+}
+
+/* the sequences in contiguous ranges of about equal work, on torch's OpenMP pool (see parallel) */
+static void bwd_parallel(bwd_task *T, void (*body)(bwd_task *, int64_t, int64_t), int64_t threads) {
+    const layout *L = T->L;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    double total = 0.0;
+    for (int64_t s = 0; s < L->n_seq; s++) total += (double)L->n_q[s] * (double)(L->n_q[s] + KB);
+    if (threads <= 1 || L->n_seq < 2 || total < PARALLEL_MIN_WORK) {
+        body(T, 0, L->n_seq);
+        return;
+    }
+    int64_t bounds[MAX_THREADS + 1];
+    double acc = 0.0;
+    int64_t s = 0;
+    bounds[0] = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        const double goal = total * (double)(t + 1) / (double)threads;
+        while (s < L->n_seq && (t == threads - 1 || acc < goal)) {
+            acc += (double)L->n_q[s] * (double)(L->n_q[s] + KB);
+            s++;
+        }
+        bounds[t + 1] = s;
+    }
+    #pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int64_t t = 0; t < threads; t++) body(T, bounds[t], bounds[t + 1]);
+}
+
+/* Block j, phase 1 (see bwd_args_range): arg [T * hq][64]. */
+void rl_attn_bwd_args(const layout *L, const float *q, const float *lse, float scale, int64_t j, float *arg,
+                      int64_t threads) {
+    bwd_task T = {.L = L, .j = j, .scale = scale, .q = q, .lse = lse, .arg = arg};
+    bwd_parallel(&T, bwd_args_range, threads);
+}
+
+/* Block j, phase 2 (see bwd_grads_range), after p = exp(arg): dq rows accumulate, dk/dv rows are written. */
+void rl_attn_bwd_grads(const layout *L, const float *q, const float *dout, const float *delta, const float *p,
+                       float scale, int64_t j, float *dq, float *dk, float *dv, int64_t threads) {
+    bwd_task T = {.L = L, .j = j, .scale = scale, .q = q, .dout = dout, .delta = delta, .p = p,
+                  .dq = dq, .dk = dk, .dv = dv};
+    bwd_parallel(&T, bwd_grads_range, threads);
+}
