@@ -79,6 +79,19 @@ static void block_rows(const layout *L, const void *table, int64_t s, int64_t h,
     }
 }
 
+/* The block's n key (or value) rows of (sequence s, kv head h) transposed into out[x * KB + i] = row_i[x]
+ * (block_rows' rows; copies only); with zero_tail the columns n .. KB - 1 are set to 0. */
+static void transposed_block(const layout *L, const void *table, int64_t s, int64_t h, int64_t first, int64_t n,
+                             float *buf, const float **rows, float *out, int zero_tail) {
+    const int64_t d = L->d;
+    block_rows(L, table, s, h, first, n, buf, rows);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t x = 0; x < d; x++) out[x * KB + i] = rows[i][x];
+    if (zero_tail)
+        for (int64_t i = n; i < KB; i++)
+            for (int64_t x = 0; x < d; x++) out[x * KB + i] = 0.0f;
+}
+
 /* The work of block j for sequence s: query tokens t0 .. nq - 1 see it (position >= 64 j), and keys
  * first .. first + nk - 1 are the ones any of them sees (all inside the context: a query's position
  * is below its context length). Returns 0 when no query of s sees the block. */
@@ -165,9 +178,7 @@ static void scores_range(task *T, int64_t s0, int64_t s1) {
         if (!block_span(L, s, j, &t0, &nk)) continue;
         prefetch_block(L, L->k, s + PREFETCH_AHEAD, j);
         for (int64_t h = 0; h < L->hkv; h++) {
-            block_rows(L, L->k, s, h, first, nk, buf, rows);
-            for (int64_t i = 0; i < nk; i++)           /* transposed: kt[x][i] = k_i[x] */
-                for (int64_t x = 0; x < d; x++) kt[x * KB + i] = rows[i][x];
+            transposed_block(L, L->k, s, h, first, nk, buf, rows, kt, 0);   /* kt[x][i] = k_i[x] */
             for (int64_t t = t0; t < L->n_q[s]; t++) {
                 const int64_t pos = L->pos0[s] + t;
                 const int64_t seen = pos - first + 1 < KB ? pos - first + 1 : KB;   /* keys <= pos */
@@ -358,16 +369,11 @@ static void bwd_args_range(bwd_task *T, int64_t s0, int64_t s1) {
     const int64_t d = L->d, g = L->hq / L->hkv, j = T->j, first = j * KB;
     float kt[MAX_D * KB], buf[KB * MAX_D];
     const float *rows[KB];
-    memset(kt, 0, sizeof kt);
     for (int64_t s = s0; s < s1; s++) {
         int64_t t0, nk;
         if (!block_span(L, s, j, &t0, &nk)) continue;
         for (int64_t h = 0; h < L->hkv; h++) {
-            block_rows(L, L->k, s, h, first, nk, buf, rows);
-            for (int64_t i = 0; i < nk; i++)
-                for (int64_t x = 0; x < d; x++) kt[x * KB + i] = rows[i][x];
-            for (int64_t i = nk; i < KB; i++)
-                for (int64_t x = 0; x < d; x++) kt[x * KB + i] = 0.0f;
+            transposed_block(L, L->k, s, h, first, nk, buf, rows, kt, 1);
             for (int64_t t = t0; t < L->n_q[s]; t++) {
                 const int64_t seen = t - first + 1 < KB ? t - first + 1 : KB;
                 for (int64_t e = 0; e < g; e++) {
@@ -394,17 +400,12 @@ static void bwd_grads_range(bwd_task *T, int64_t s0, int64_t s1) {
     float vt[MAX_D * KB], kbuf[KB * MAX_D], vbuf[KB * MAX_D];
     float dka[KB * MAX_D], dva[KB * MAX_D];
     const float *krows[KB], *vrows[KB];
-    memset(vt, 0, sizeof vt);
     for (int64_t s = s0; s < s1; s++) {
         int64_t t0, nk;
         if (!block_span(L, s, j, &t0, &nk)) continue;
         for (int64_t h = 0; h < L->hkv; h++) {
             block_rows(L, L->k, s, h, first, nk, kbuf, krows);
-            block_rows(L, L->v, s, h, first, nk, vbuf, vrows);
-            for (int64_t i = 0; i < nk; i++)
-                for (int64_t x = 0; x < d; x++) vt[x * KB + i] = vrows[i][x];
-            for (int64_t i = nk; i < KB; i++)
-                for (int64_t x = 0; x < d; x++) vt[x * KB + i] = 0.0f;
+            transposed_block(L, L->v, s, h, first, nk, vbuf, vrows, vt, 1);
             memset(dka, 0, (size_t)(nk * d) * sizeof(float));
             memset(dva, 0, (size_t)(nk * d) * sizeof(float));
             for (int64_t t = t0; t < L->n_q[s]; t++) {
