@@ -75,6 +75,12 @@ def random_config(rng: random.Random, longest: int) -> RolloutConfig:
         num_pages=rng.choice([minimal, minimal + 2, minimal + 6, 10 * minimal]))
 
 
+
+def assert_random_engine_config_agrees(model, prompts, reference, sampling: SamplingParams, seed: int) -> None:
+    """A seeded random engine configuration (:func:`random_config`) generates ``reference`` bit for bit."""
+    config = random_config(random.Random(seed), max(len(p) for p in prompts) + sampling.max_new_tokens)
+    assert_same_completions(RolloutEngine(model, config).generate(prompts, sampling), reference)
+
 SAMPLINGS = {
     "t1": SamplingParams(n=3, temperature=1.0, max_new_tokens=MAX_NEW, seed=11, stop_token_ids=STOPS),
     "t07_topk_topp": SamplingParams(n=2, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=MAX_NEW, seed=5,

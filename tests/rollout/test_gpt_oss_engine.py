@@ -5,14 +5,12 @@ whose window starts inside a page and inside a 64-position key block), sinks and
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from rlalign.models.testing import tiny_model
 from rlalign.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from tests.rollout.test_engine_bitwise import (assert_matches_trainer, assert_same_completions, make_prompts,
-                                               random_config)
+from tests.rollout.test_engine_bitwise import assert_matches_trainer, assert_random_engine_config_agrees, make_prompts
 
 SAMPLING = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
 
@@ -40,7 +38,4 @@ def test_engine_logprobs_equal_the_trainers(model, reference):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_completions_do_not_depend_on_the_engine_configuration(model, prompts, reference, seed):
-    rng = random.Random(seed)
-    config = random_config(rng, max(len(p) for p in prompts) + SAMPLING.max_new_tokens)
-    got = RolloutEngine(model, config).generate(prompts, SAMPLING)
-    assert_same_completions(got, reference)
+    assert_random_engine_config_agrees(model, prompts, reference, SAMPLING, seed)
