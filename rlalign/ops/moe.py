@@ -207,6 +207,34 @@ def moe_route(logits: torch.Tensor, top_k: int, *, normalize: bool, profile=None
     return strict_impl("moe_route", logits.device, profile)(logits, top_k, normalize)
 
 
+def moe_route_replay(logits: torch.Tensor, experts: torch.Tensor, *, normalize: bool, profile=None) -> torch.Tensor:
+    """The gate weights [T, k] fp32 of GIVEN experts [T, k] (a recorded routing replayed: R3), from the current
+    fp32 router logits [T, E]: the same formula as :func:`moe_route`'s native weights with the top-k choice
+    replaced by ``experts``::
+
+        p = softmax(logits)                 over all E experts, fp32
+        w[t, j] = p[t, experts[t, j]]       (normalize: divided by sum_j w[t, j])
+
+    Differentiable into the logits (the router keeps its gradient: through the chosen probabilities and, by the
+    softmax, every logit). With ``experts`` = ``moe_route``'s own native choice the weights are its bits (the
+    same softmax, gathered instead of taken by topk). Native only: in the strict profile the trainer's routing
+    already equals the engine's bit for bit, so there is nothing to replay (one line, never a fallback)."""
+    if as_profile(profile) is not Profile.NATIVE:
+        raise fail("moe_route_replay", "routing replay runs in the native profile only: in the strict profile the "
+                   "trainer's expert choices equal the rollout engine's bit for bit")
+    chk.ndim("moe_route_replay", "logits", logits, 2)
+    chk.ndim("moe_route_replay", "experts", experts, 2)
+    if experts.shape[0] != logits.shape[0] or not 1 <= experts.shape[1] <= logits.shape[1]:
+        raise fail("moe_route_replay", f"experts {tuple(experts.shape)} do not fit logits {tuple(logits.shape)} "
+                   "(want [T, k], 1 <= k <= E)")
+    experts = experts.to(device=logits.device, dtype=torch.int64)
+    validate_expert_ids(experts.reshape(-1), logits.shape[1])
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, experts)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
+
+
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.Tensor], up_w: Sequence[torch.Tensor],
                 down_w: Sequence[torch.Tensor], *, down_segments: int | None = None, profile=None) -> torch.Tensor:
     """Each token's k experts applied to it: y [T, k, H] (x's dtype), y[t, j] = FFN_{experts[t, j]}(x[t]).
