@@ -97,10 +97,11 @@ class Trainer:
         if cfg.algo.router_aux_coef > 0 and not self.moe:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
-        if cfg.algo.routing_replay and self.policy.config.ffn_kind != "moe":
+        if cfg.algo.routing_replay and not (self.moe and self.policy.config.ffn_kind == "moe"):
+            kind = self.policy.config.ffn_kind if self.moe else "dense"
             raise SetupError(f"algo.routing_replay=true replays the rollout's expert choices in Qwen3-MoE-style sparse "
-                             f"layers; this model's FFN kind is {self.policy.config.ffn_kind!r} (dense models have "
-                             "nothing to replay; gpt-oss and DeepSeek-V3 routers are not covered yet): remove it")
+                             f"layers; this model's FFN kind is {kind!r} (dense models have nothing to replay; "
+                             "gpt-oss and DeepSeek-V3 routers are not covered yet): remove it")
         offpolicy.check_setup(cfg)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed, cfg.model.device)
         reward_file = reward_fingerprint(cfg.task.reward)   # recorded with every checkpoint
