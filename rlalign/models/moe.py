@@ -139,7 +139,16 @@ class RoutingReplay:
     """The expert choices a forward replays: ``experts`` [rows of the forward, sparse layers, k] (any integer
     dtype; sparse layers in increasing layer index, :func:`sparse_layer_indices`' order), ``replayed`` bool
     [rows] (False: the row routes freshly, its ``experts`` entry unread) and ``layers``, the sparse layers'
-    indices along ``experts``' second dimension."""
+    indices along ``experts``' second dimension.
+
+    What a replayed row x computes in sparse layer L, with current router logits l = router_logits(x) (fp32 [E])
+    and recorded experts e_1..e_k (the rollout's top-k, rank order)::
+
+        w_j = softmax(l)[e_j]                    (normalize: w_j / sum_j w_j)
+        out = moe_combine(FFN_{e_j}(x), w_j)     as without replay
+
+    The expert set is a constant of the step (the rollout's choice); gradients flow into the router through w
+    and into the chosen experts through FFN. A fresh row is the unreplayed block, bit for bit."""
     experts: torch.Tensor
     replayed: torch.Tensor
     layers: tuple[int, ...]

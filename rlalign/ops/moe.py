@@ -11,7 +11,8 @@ Why this is bitwise by construction: every piece is a per-token function. The ro
 are row-wise elementwise/tree arithmetic; the expert FFN runs each expert's rows through the strict
 linear, whose per-row result does not depend on how many rows share the call or where they sit, so
 a token's expert output is the same whether 1 or 10,000 tokens chose that expert, and in whatever
-order. Routing is then identical in any two engines that see the same hidden row: no routing replay.
+order. Routing is then identical in any two engines that see the same hidden row: no routing replay. The native
+profile may replay a recorded routing instead (:func:`moe_route_replay`: the gate weights of given experts).
 
 Native (no promise): the same dispatch, then, outside autograd, three grouped GEMMs (``torch._grouped_mm``,
 no host read: capturable in a decode graph) where torch takes the weights, else one linear per projection
