@@ -14,15 +14,19 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from rlalign.configlib import ConfigError, load_config
+from rlalign.contract.errors import RLAlignError
 from rlalign.models import moe
 from rlalign.rollout.engine import RolloutEngine
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import run_training
+from rlalign.train.packing import TrainBatch
 from rlalign.train.run.metrics import read_metrics
+from rlalign.train.samples import StepSamples
 from tests.train.conftest import tiny_overrides
-from tests.train.test_moe_routing import EXPERTS, PLANT_LAYER, PLANT_ROW, SAMPLES, compared_pairs, moe_arith_dir  # noqa: F401
+from tests.train.test_moe_routing import EXPERTS, PLANT_LAYER, PLANT_ROW, SAMPLES, TOP_K, compared_pairs, moe_arith_dir  # noqa: F401
 
 REPLAY = ["run.profile=native", "algo.routing_replay=true"]
 
@@ -94,3 +98,42 @@ def test_a_model_without_qwen3_moe_sparse_layers_is_refused(arithmetic_model_dir
     cfg = load_config(TrainConfig, None, tiny_overrides(arithmetic_model_dir, tmp_path / "dense", steps=1) + REPLAY)
     with pytest.raises(Exception, match="algo.routing_replay=true replays .* FFN kind is 'dense'"):
         run_training(cfg)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 4)), min_size=1, max_size=5),
+       max_tokens=st.integers(1, 12), mini_batches=st.integers(1, 3))
+def test_each_micro_batch_carries_the_record_of_its_rows(shapes, max_tokens, mini_batches):
+    """TrainBatch(replay_routing=True): in every micro-batch, row j of sample i is replayed iff j < routing_rows[i]
+    (every token the engine fed: the prompt and the completion but its last token; a completion of one token
+    replays its prompt only), with the record's experts of that row."""
+    n, layers = len(shapes), 2
+    prompt_lens = torch.tensor([p for p, _ in shapes])
+    completion_lens = torch.tensor([c for _, c in shapes])
+    rows = prompt_lens + completion_lens - 1
+    routing = torch.arange(int(rows.sum()) * layers * TOP_K, dtype=torch.int64).reshape(-1, layers, TOP_K)
+    samples = StepSamples(tokens=torch.arange(int((prompt_lens + completion_lens).sum())), prompt_lens=prompt_lens,
+                          completion_lens=completion_lens, logprobs=torch.zeros(int(completion_lens.sum())),
+                          truncated=torch.zeros(n, dtype=torch.bool), prompt_index=torch.arange(n),
+                          routing=routing.to(torch.int16), routing_rows=rows)
+    batch = TrainBatch.build(samples, max_tokens=max_tokens, mini_batches=mini_batches, replay_routing=True)
+    record = iter(routing.split(rows.tolist()))
+    for mb in batch.micro_batches:
+        experts, replayed = mb.replay
+        offset = 0
+        for i in mb.samples:
+            length = int(prompt_lens[i] + completion_lens[i])
+            want = torch.arange(length) < rows[i]
+            assert torch.equal(replayed[offset:offset + length], want)
+            assert torch.equal(experts[offset:offset + int(rows[i])], next(record))
+            offset += length
+        assert offset == experts.shape[0] == mb.forward.input_ids.shape[0]
+    assert TrainBatch.build(samples, max_tokens=max_tokens).micro_batches[0].replay is None
+
+
+def test_replay_without_a_record_is_one_line():
+    samples = StepSamples(tokens=torch.arange(3), prompt_lens=torch.tensor([2]), completion_lens=torch.tensor([1]),
+                          logprobs=torch.zeros(1), truncated=torch.zeros(1, dtype=torch.bool),
+                          prompt_index=torch.arange(1), routing=None, routing_rows=torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(RLAlignError, match="algo.routing_replay=true: the rollout engine recorded no expert choices"):
+        TrainBatch.build(samples, max_tokens=8, replay_routing=True)
