@@ -192,6 +192,7 @@ class RolloutSection:
         "share_weights": checked_by_type("true, false or null"),
         "async_steps": at_least(0),
         "max_staleness": at_least(0, optional=True),
+        "partial_tokens": at_least(0),
     }
     GUARDS: ClassVar[dict[str, Rule]] = {"temperature": usual(0, 10, (11.0, 1e9), low_open=True)}
     prompts_per_step: int = 32         # prompts (groups) per optimizer step
@@ -214,8 +215,15 @@ class RolloutSection:
     share_weights: bool | None = None  # the engine reads the policy's own tensors (no copy); None: where possible
     async_steps: int = 0               # generate up to k steps ahead while the trainer trains (docs/async.md); 0: synchronous
     max_staleness: int | None = None   # most weight versions a sample may lag the trainer (None: async_steps)
+    partial_tokens: int = 0            # async: each sample's tokens after the first N sampled by the next version (0: off)
 
     def validate(self):
+        if self.partial_tokens and not self.async_steps:
+            return (f"partial_tokens={self.partial_tokens} cuts the samples generated ahead at a weight update: it "
+                    "needs async_steps >= 1 (docs/async.md)")
+        if self.partial_tokens >= self.max_new_tokens:
+            return (f"partial_tokens={self.partial_tokens} cuts no sample (max_new_tokens={self.max_new_tokens}): "
+                    "set it below max_new_tokens, or 0 for whole rollouts")
         if self.max_staleness is not None and self.async_steps > self.max_staleness:
             return (f"async_steps={self.async_steps} would train on samples {self.async_steps} versions old, more "
                     f"than max_staleness={self.max_staleness}: lower async_steps or raise max_staleness")

@@ -63,6 +63,22 @@ def behaviour_version(step: int, async_steps: int) -> int:
     return max(0, step - 1 - async_steps)
 
 
+def switch_version(step: int, async_steps: int) -> "int | None":
+    """Partial rollouts (``rollout.partial_tokens``): the version the generation of step ``step`` switches to after
+    each sample's first ``partial_tokens`` tokens -- ``step - async_steps``, the trainer's weights after step
+    ``step - async_steps`` -- or None for the steps ``<= async_steps`` (generated before any update they could wait
+    for: a step's samples must exist before it trains)."""
+    return step - async_steps if step > async_steps else None
+
+
+def check_partial(engine) -> None:
+    """Refuse, in one line, an engine that cannot switch weights under samples in flight."""
+    if getattr(engine, "routing", None) is not None:
+        raise SetupError("rollout.partial_tokens does not support an engine that records MoE routing yet (a sample's "
+                         "rows would mix two versions' routing); set rollout.record_routing=false or "
+                         "rollout.partial_tokens=0")
+
+
 def max_staleness(rollout) -> int:
     """``rollout.max_staleness``, or ``rollout.async_steps`` when unset."""
     return rollout.async_steps if rollout.max_staleness is None else rollout.max_staleness
@@ -83,6 +99,9 @@ def check_setup(cfg) -> None:
     for blocked, what in blockers:
         if blocked:
             raise SetupError(f"rollout.async_steps={k} does not support {what} yet; run with rollout.async_steps=0")
+    if cfg.rollout.partial_tokens and cfg.task.env is not None:
+        raise SetupError(f"rollout.partial_tokens={cfg.rollout.partial_tokens} does not support task.env (multi-turn "
+                         "episodes) yet; set rollout.partial_tokens=0")
 
 
 def check_staleness(step: int, versions: torch.Tensor, bound: int) -> None:
@@ -230,4 +249,5 @@ def behaviour_verifier(cfg, policy: torch.nn.Module) -> "BehaviourVerifier | Non
 
 
 __all__ = ["BehaviourVerifier", "StalenessError", "SNAPSHOTS_KEY", "behaviour_correction", "behaviour_verifier",
-           "behaviour_version", "check_setup", "check_staleness", "fresh_mask", "max_staleness", "staleness_record"]
+           "behaviour_version", "check_partial", "check_setup", "check_staleness", "fresh_mask", "max_staleness",
+           "staleness_record", "switch_version"]
