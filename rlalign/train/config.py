@@ -275,6 +275,8 @@ class AlgoSection:
         "lam": within(0, 1),
         "value_lr": greater_than(0),
         "value_clip": greater_than(0, optional=True),
+        "vtrace_rho_cap": greater_than(0),
+        "vtrace_c_cap": greater_than(0),
     }
     GUARDS: ClassVar[dict[str, Rule]] = {
         "value_lr": usual(0, 1, (2.0, 1e9), low_open=True),
@@ -305,6 +307,8 @@ class AlgoSection:
     lam: float = 0.95                  # gae: lambda
     value_lr: float = 1e-3             # gae: AdamW lr of the value model
     value_clip: float | None = 0.2     # gae: PPO2 value clipping around the old values
+    vtrace_rho_cap: float = 1.0        # gae with rollout.async_steps > 0: V-trace's rho truncation (value targets)
+    vtrace_c_cap: float = 1.0          # gae with rollout.async_steps > 0: V-trace's trace truncation c
 
     def validate(self):
         defaults = {f.name: f.default for f in dataclasses.fields(AlgoSection)}

@@ -218,7 +218,8 @@ class Trainer:
             ref_lp = batch.score(self.ref, temperature=temp)[0] if self.ref is not None else None
             kl_reward = advantages.kl_in_reward(cfg.algo, old["lp"], ref_lp, batch)
             token_adv, value_targets = advantages.token_advantages(cfg.algo, samples, batch, kl_reward,
-                                                                   self.update.value)
+                                                                   self.update.value,
+                                                                   self.source.log_ratio(old["lp"], batch))
             is_weights, corr_stats = self.source.correction(cfg.algo, old["lp"], batch, step, samples)
 
             def first_pass(lp, ent, routing_ids):   # strict, no rescore: the first update pass's forward is the old policy's

@@ -94,8 +94,7 @@ def check_setup(cfg) -> None:
         return
     blockers = [(cfg.launcher != "local", f"launcher={cfg.launcher}"),
                 (cfg.rollout.engine != "rlalign", f"rollout.engine={cfg.rollout.engine}"),
-                (cfg.parallel.world_size > 1, "parallel.dp/tp > 1"),
-                (cfg.algo.advantage == "gae", "algo.advantage=gae (the value model's old values)")]
+                (cfg.parallel.world_size > 1, "parallel.dp/tp > 1")]
     for blocked, what in blockers:
         if blocked:
             raise SetupError(f"rollout.async_steps={k} does not support {what} yet; run with rollout.async_steps=0")
@@ -137,6 +136,12 @@ def behaviour_correction(algo, prox_lp: torch.Tensor, batch: TrainBatch) -> tupl
     weights = corr.weights if corr.weights is not None else corr.mask.to(torch.float32)
     stats = {f"offpolicy/{k.replace('ratio', 'weight')}": float(v) for k, v in corr.stats.items()}
     return weights, stats
+
+
+def log_ratio(prox_lp: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """fp32 [T] ``prox - behav`` per token: what V-trace's truncated importance weights of ``algo.advantage=gae``
+    are built from (:func:`rlalign.algos.vtrace_gae`); exactly 0 on a token the proximal weights sampled."""
+    return prox_lp.detach() - batch.rollout_logprobs.to(prox_lp.device)
 
 
 def fresh_mask(versions: torch.Tensor, trainer_version: int) -> torch.Tensor:
@@ -249,5 +254,5 @@ def behaviour_verifier(cfg, policy: torch.nn.Module) -> "BehaviourVerifier | Non
 
 
 __all__ = ["BehaviourVerifier", "StalenessError", "SNAPSHOTS_KEY", "behaviour_correction", "behaviour_verifier",
-           "behaviour_version", "check_partial", "check_setup", "check_staleness", "fresh_mask", "max_staleness",
+           "behaviour_version", "check_partial", "check_setup", "check_staleness", "fresh_mask", "log_ratio", "max_staleness",
            "staleness_record", "switch_version"]

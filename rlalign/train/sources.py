@@ -55,6 +55,9 @@ class RolloutSource(Protocol):
                    samples: StepSamples) -> tuple["torch.Tensor | None", dict]:
         """(per-token importance weights of the policy loss or None, their record)."""
 
+    def log_ratio(self, old_lp: "torch.Tensor | None", batch: TrainBatch) -> "torch.Tensor | None":
+        """Per token ``prox - behav`` for samples of an older policy (the value targets' V-trace), None: on policy."""
+
     def engine_version(self) -> int:
         """The weights version logged as ``weights_version``: the engine's after the step (a function of the step)."""
 
@@ -94,6 +97,10 @@ class SynchronousSource:
     def correction(self, algo, old_lp, batch, step, samples):
         """``algo.mismatch_correction``'s TIS / MIS weights of the trainer's old log-probs against the rollout's."""
         return advantages.mismatch_correction(algo, old_lp, batch)
+
+    def log_ratio(self, old_lp, batch) -> None:
+        """On policy: GAE's own targets."""
+        return None
 
     def state_dict(self) -> dict:
         return {}
@@ -222,6 +229,10 @@ class AsynchronousSource:
         weights, stats = offpolicy.behaviour_correction(algo, old_lp, batch)
         sampled = samples.versions[samples.generated_mask()]   # not a multi-turn episode's observation tokens
         return weights, {**stats, **offpolicy.staleness_record(step, sampled)}
+
+    def log_ratio(self, old_lp, batch) -> torch.Tensor:
+        """The exact ``prox - behav`` of every token (``old_lp``: the proximal forward)."""
+        return offpolicy.log_ratio(old_lp, batch)
 
     def state_dict(self) -> dict:
         """The samples generated ahead (after waiting for them): what a resume cannot regenerate."""
