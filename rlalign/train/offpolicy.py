@@ -10,9 +10,12 @@ so a sample is ``min(t - 1, k)`` versions stale. ``k = 0`` is the synchronous ru
 :class:`~rlalign.train.sources.SynchronousSource`). With ``k > 0`` (:class:`~rlalign.train.sources.AsynchronousSource`)
 at the start of step ``t`` the engine is set to the trainer's current weights (version ``t - 1``)
 and generation of step ``t + k`` starts in a worker thread, overlapping step ``t``'s training; steps ``t .. t + k - 1``
-were generated earlier, in step order, so the data stream and every seed are consumed in the synchronous order. A
-request never mixes versions (the engine refuses a weight update with requests in flight): every token of a sample
-has its sample's version, recorded per token (``StepSamples.versions``); rollouts are not cut at a weight update.
+were generated earlier, in step order, so the data stream and every seed are consumed in the synchronous order.
+Every token's version is recorded (``StepSamples.versions``). By default a request never mixes versions (the engine
+refuses a weight update with requests in flight); with ``rollout.partial_tokens=N`` (partial rollouts) the generation
+of step ``s > k`` samples each sample's first ``N`` tokens with ``behaviour_version(s)`` and the rest with
+:func:`switch_version` ``(s) = s - k``, the engine recomputing the samples' K/V under the new weights at the cut
+(:meth:`rlalign.rollout.RolloutEngine.plan_weight_update`): a function of the config and the tokens, not of timing.
 
 The engine holds its own copy of the weights (:func:`rlalign.train.engines.weights_path` refuses sharing): it
 samples from an older version than the trainer steps. Cost: one copy of the policy's weights
@@ -21,7 +24,8 @@ samples from an older version than the trainer steps. Cost: one copy of the poli
 **The off-policy correction is exact** (:mod:`rlalign.algos.decoupled`): the proximal log-probs are a trainer
 forward of the step's samples under version ``t - 1`` before any optimizer step, the behaviour log-probs are the
 engine's recorded ones, and the decoupled PPO loss weighs each token by ``exp(prox - behav)`` (bounded by
-``algo.mismatch_correction``'s TIS / MIS when set). ``rollout.max_staleness`` bounds the staleness: a sample older
+``algo.mismatch_correction``'s TIS / MIS when set); ``algo.advantage=gae`` builds V-trace value targets from the
+same exact ``prox - behav`` (:func:`log_ratio`, :func:`rlalign.algos.vtrace_gae`). ``rollout.max_staleness`` bounds the staleness: a sample older
 than it stops the run (:func:`check_staleness`). ``run.verify_behaviour`` recomputes the behaviour log-probs with
 the recorded version's weights (a trainer forward) and compares the bits with the engine's (:class:`BehaviourVerifier`):
 every token the model sampled (a multi-turn episode's observation tokens have no log-prob) and, for an MoE policy,

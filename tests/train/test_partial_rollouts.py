@@ -3,6 +3,8 @@ sample's first N tokens with version ``s - 1 - k`` and the rest with ``s - k``; 
 log-prob equals the trainer's forward under its own version's weights (``run.verify_behaviour``: 0 differ); the cut is
 a function of the config and the tokens (two runs give the same bits); with the mode off nothing changes."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from rlalign.configlib import ConfigError, load_config
@@ -11,6 +13,7 @@ from rlalign.train import offpolicy
 from rlalign.train.config import TrainConfig
 from rlalign.train.loop import Trainer, run_training
 from rlalign.train.run.metrics import read_metrics
+from rlalign.train.setup import SetupError
 from tests.train.conftest import tiny_overrides
 
 PARTIAL = ("rollout.async_steps=1", "rollout.partial_tokens=2", "rollout.max_new_tokens=5", "rollout.ignore_eos=true",
@@ -31,6 +34,9 @@ def test_switch_schedule_and_config_rules():
         load_config(TrainConfig, None, ["rollout.async_steps=1", "rollout.partial_tokens=6"])
     with pytest.raises(ConfigError, match="rollout.partial_tokens"):
         load_config(TrainConfig, None, ["rollout.partial_tokens=-1"])
+    with pytest.raises(SetupError, match="rollout.partial_tokens does not support an engine that records MoE routing"):
+        offpolicy.check_partial(SimpleNamespace(routing=object()))
+    offpolicy.check_partial(SimpleNamespace(routing=None))
 
 
 def test_k1_partial_rollouts_verify_every_token_under_its_version(arithmetic_model_dir, tmp_path):
