@@ -1,7 +1,7 @@
 """Partial rollouts in asynchronous steps (``rollout.partial_tokens``): the generation of step ``s > k`` samples each
 sample's first N tokens with version ``s - 1 - k`` and the rest with ``s - k``; every token's recorded behaviour
 log-prob equals the trainer's forward under its own version's weights (``run.verify_behaviour``: 0 differ); the cut is
-a function of the config and the tokens (two runs give the same bits); with the mode off nothing changes."""
+a function of the config and the tokens (two runs, one of them resumed, give the same bits)."""
 
 from types import SimpleNamespace
 
@@ -42,10 +42,13 @@ def test_switch_schedule_and_config_rules():
 def test_k1_partial_rollouts_verify_every_token_under_its_version(arithmetic_model_dir, tmp_path):
     """3 steps at k = 1 with each sample cut after 2 of its 5 tokens: from step 2 on every sample spans versions
     s - 2 and s - 1 (its last 3 tokens sampled by the trainer's current weights, so the agreement check compares them
-    too); 0 behaviour log-probs differ, none unverified; a second run gives the same bits."""
+    too); 0 behaviour log-probs differ, none unverified; a second run, stopped after step 2 and resumed (its
+    checkpoint holds step 3's samples, cut at version 2), gives the same bits."""
     first, second = tmp_path / "a", tmp_path / "b"
     run_training(_cfg(arithmetic_model_dir, first, 3, *PARTIAL))
-    run_training(_cfg(arithmetic_model_dir, second, 3, *PARTIAL))
+    run_training(_cfg(arithmetic_model_dir, second, 3, *PARTIAL, "run.stop_at_step=2"))
+    assert len(read_metrics(second)) == 3
+    run_training(_cfg(arithmetic_model_dir, second, 3, *PARTIAL, "run.resume=true"))
     assert metric_differences(first, second) == [] and weight_differences(first, second) == []
     records = read_metrics(first)[1:]
     tokens = [4 * 4 * 5] * 3
