@@ -351,7 +351,7 @@ class Scheduler:
         while self.running:
             self._preempt(len(self.running) - 1, [])
         for seq in self.parked:
-            seq.block_table.clear()   # freed when it was parked (or by the step that ran meanwhile)
+            self.blocks.free(seq.block_table)   # empty already, unless a step in flight held them (completed by now)
             seq.num_computed = seq.num_registered_pages = 0
             seq.status = SeqStatus.WAITING
         self.waiting.extend(self.parked)
