@@ -51,7 +51,9 @@ class Completion:
 
     def versions(self) -> list[int]:
         """The weights version of each token."""
-        return list(self.token_versions) if self.token_versions is not None else [self.weights_version] * len(self.tokens)
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.weights_version] * len(self.tokens)
 
 
 __all__ = ["Completion"]

@@ -215,7 +215,7 @@ class RolloutSection:
     share_weights: bool | None = None  # the engine reads the policy's own tensors (no copy); None: where possible
     async_steps: int = 0               # generate up to k steps ahead while the trainer trains (docs/async.md); 0: synchronous
     max_staleness: int | None = None   # most weight versions a sample may lag the trainer (None: async_steps)
-    partial_tokens: int = 0            # async: each sample's tokens after the first N sampled by the next version (0: off)
+    partial_tokens: int = 0            # async: a sample's tokens after its first N sampled by the next version (0: off)
 
     def validate(self):
         if self.partial_tokens and not self.async_steps:

@@ -188,7 +188,7 @@ class AsynchronousSource:
         ``step + k``; their sampling stats and ``time/rollout_generate_s`` (time/rollout_s is the wait for them)."""
         while self._next <= step + self.k:
             s = self._next
-            if not self.partial:   # partial rollouts: the worker updates the engine (each generation ends at the next one's version)
+            if not self.partial:   # partial rollouts: the worker updates the engine (each draw ends at the next's version)
                 self._engine_at(offpolicy.behaviour_version(s, self.k), step - 1)
             self._pending[s] = self._pool.submit(self._generate, s)
             self._next += 1

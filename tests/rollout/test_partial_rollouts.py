@@ -59,7 +59,8 @@ def test_a_planned_update_cuts_every_sample_at_its_own_token_count(old, new, see
     got = runs[0]
     assert_same_completions(runs[1], got)
     for c in got:
-        assert c.weights_version == 0 and c.versions() == [0] * min(after, len(c.tokens)) + [5] * (len(c.tokens) - after)
+        assert c.weights_version == 0
+        assert c.versions() == [0] * min(after, len(c.tokens)) + [5] * (len(c.tokens) - after)
         assert (c.token_versions is None) == (len(c.tokens) <= after)
     assert_each_token_is_its_versions(got, {0: old, 5: new})
     same = RolloutEngine(tiny_model("qwen3", seed=3, init_std=0.1), config)
