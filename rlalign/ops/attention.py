@@ -7,8 +7,9 @@ keys into splits of ``ATTN_KV_SPLIT`` absolute positions merged in order, see
 :mod:`rlalign.ops.triton_backend.attention`), so a token's output has the same bits in a packed
 training forward, a one-shot or chunked prefill and step-by-step decode, whatever the page layout,
 page size or the other sequences in the call. A sliding window and attention sinks (gpt-oss: ``window=`` /
-``sinks=``) keep that promise on the torch backend; the Triton kernels refuse them (native: one padded SDPA
-call with an explicit mask; its paged route on CUDA refuses).
+``sinks=``) keep that promise on both backends (the Triton backend's paged calls then take its
+one-program-per-item launch). Native: packed varlen is one padded SDPA call with an explicit mask; paged on
+CUDA is the Triton paged kernel with the window and the sinks where it runs, else the SDPA gather.
 Native (the fast non-deterministic baseline), no guarantee: packed varlen runs the flash-attention
 varlen kernel (``aten._flash_attention_forward``/``_backward`` with cu_seqlens: no padding) on CUDA
 when it is available for the tensors, else one padded ``scaled_dot_product_attention`` call (with a
@@ -150,8 +151,9 @@ def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, stric
 
 def _check_window_sinks(op: str, q: torch.Tensor, window, sinks, strict: bool) -> int | None:
     """window: None or an int >= 1; sinks: None or a finite [Hq] float tensor on q's device. Strict: the torch
-    backend only (the Triton kernels refuse in one line rather than ignore the window or the sinks). Native: one
-    padded SDPA call with an explicit mask (the paged route on CUDA refuses). Returns the window (or None)."""
+    and the Triton backends (another backend refuses in one line rather than ignore the window or the sinks).
+    Native: packed, one padded SDPA call with an explicit mask; paged, :func:`_native_paged_window_sinks`.
+    Returns the window (or None)."""
     if window is None and sinks is None:
         return None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -163,12 +165,9 @@ def _check_window_sinks(op: str, q: torch.Tensor, window, sinks, strict: bool) -
             raise fail(op, f"sinks must be floating point, got {sinks.dtype}")
         chk.same_device(op, q, sinks)
     if not strict:
-        if op == "attention_paged" and q.is_cuda:
-            raise fail(op, "sliding-window / sink attention: the native profile's paged route on CUDA (the Triton "
-                           "paged kernel, decode graphs) implements neither; use the strict profile")
         return window
     backend = backend_name(q.device)
-    if backend != "torch":
+    if backend not in ("torch", "triton"):
         raise fail(op, f"sliding-window / sink attention is not implemented by the {backend} backend's kernels "
                        "(strict runs it on the torch backend: the CPU, or RLALIGN_BACKEND=torch)")
     if sinks is not None:
@@ -238,7 +237,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     ``window`` (int >= 1, sliding-window attention): token t sees only the keys u with t - window < u <= t.
     ``sinks`` [Hq] (learned attention sinks, gpt-oss): one extra logit per query head in the softmax's
     denominator, with no value: softmax_u = exp(s_u) / (sum_u' exp(s_u') + exp(sinks[h])); differentiable.
-    Both: strict profile on the torch backend only (see :func:`_check_window_sinks`).
+    Both: strict profile on the torch and the Triton backends (see :func:`_check_window_sinks`).
     """
     strict = as_profile(profile) is not Profile.NATIVE
     _check_varlen(q, k, v, cu_seqlens, strict)
@@ -272,8 +271,8 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     with torch.no_grad():  # documented: no autograd (a q that requires grad gives a plain result)
         if not strict:
             if window is not None or sinks is not None:
-                return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(),
-                                     scale, window, sinks)
+                return _native_paged_window_sinks(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
+                                                  window, sinks)
             return _native_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
         impl = strict_impl("attention_paged", q.device, profile)
         if window is None and sinks is None:
@@ -468,6 +467,26 @@ def _native_paged_kernel(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_
     the kernel (flash-decoding). Unlike the strict op there is no finiteness check of the output."""
     from rlalign.ops.triton_backend.attention import paged_forward   # lazy: Triton is optional
     return paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
+
+
+def _native_paged_window_sinks(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, window,
+                               sinks) -> torch.Tensor:
+    """Native paged attention with a window and/or sinks: the Triton backend's paged kernel (its
+    one-program-per-item launch, the only one that takes them) where it runs
+    (:func:`native_paged_kernel_unavailable`), else one padded SDPA call over the gathered contexts, which reads
+    the lengths on the host -- refused inside a decode graph (``chk.decode_step``), where no host read can run."""
+    reason = native_paged_kernel_unavailable(q)
+    if reason is None:
+        from rlalign.ops.triton_backend.attention import paged_forward   # lazy: Triton is optional
+        return paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, window=window,
+                             sinks=sinks)
+    if chk.decode_step():
+        raise fail("attention_paged", f"sliding-window / sink attention in a captured decode step needs the Triton "
+                                      f"paged kernel ({reason}); use the strict profile or no decode graphs")
+    if q.is_cuda:
+        _log_paged_fallback(reason)
+    return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(), scale, window,
+                         sinks)
 
 
 @functools.lru_cache(maxsize=None)

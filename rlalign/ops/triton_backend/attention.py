@@ -124,6 +124,26 @@ class BackwardLaunch:
 # program per SM; the dQ kernel 181 registers, no spills.)
 BWD_LAUNCH = BackwardLaunch(dq_tile=(128, 8, 2), dkdv_keys=128, heavy_first=True)
 
+# Head widths padded past WIDE_HEAD (DP = 256: DeepSeek-V3's 192-wide MLA heads) do not fit an sm_90 block's 227 KiB of
+# shared memory on the default prefill tile (3 stages: 256 KiB) or backward launch (256 KiB); these fit (sm_90a
+# compiles without a GPU, Triton's ptxas, D = 192 bf16: forward 192 KiB, 960 B spilled; dQ 192 KiB, 8 B; dK/dV 193 KiB,
+# 160 B). The forward tile differs from PREFILL_TILE in its pipeline depth only (same rows, warps along rows: the same
+# bits per row). Chosen by the head width alone (prefill_tile, backward_launch); not timed on a GPU.
+WIDE_HEAD = 128
+WIDE_PREFILL_TILE = (128, 8, 2)
+WIDE_BWD_LAUNCH = BackwardLaunch(dq_tile=(128, 8, 1), dkdv_keys=64, dkdv_rows=64, dkdv_warps=8, dkdv_stages=2,
+                                 heavy_first=True)
+
+
+def prefill_tile(d: int) -> tuple[int, int, int]:
+    """The forward's prefill / training tile for head width d: PREFILL_TILE, or WIDE_PREFILL_TILE past WIDE_HEAD."""
+    return WIDE_PREFILL_TILE if _dpad(d) > WIDE_HEAD else PREFILL_TILE
+
+
+def backward_launch(d: int) -> BackwardLaunch:
+    """The backward's launch for head width d: BWD_LAUNCH, or WIDE_BWD_LAUNCH past WIDE_HEAD."""
+    return WIDE_BWD_LAUNCH if _dpad(d) > WIDE_HEAD else BWD_LAUNCH
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
@@ -1042,7 +1062,7 @@ def _paged_meta(block_table, seq_lens, cu_seqlens_q, device):
 def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None, window=None, sinks=None):
     """``RLALIGN_TRITON_ATTN_TILE="BM,warps,stages"`` forces one tile for prefill and decode alike.
     ``window`` / ``sinks``: as rlalign.ops.attention_varlen (lse then sink-inclusive)."""
-    tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE") or PREFILL_TILE
+    tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE") or prefill_tile(q.shape[-1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu, lens, zeros, max_len = _varlen_meta(cu_seqlens, q.device)
     return _forward(q, k, v, cu, zeros, lens, None, 1, scale, False, tile, store_lse, max_len, window=window,
@@ -1090,7 +1110,7 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
         raise fail("attention_paged", f"the streamed launch needs caches with contiguous heads and rows; got strides "
                                       f"{tuple(k_cache.stride())} / {tuple(v_cache.stride())}")
     launch = launch or (STREAM_DECODE if stream else SPLIT_DECODE if split_programs else ITEM_DECODE)
-    tile = forced or (launch.tile if decode_tile else PREFILL_TILE)
+    tile = forced or (launch.tile if decode_tile else prefill_tile(d))
     if stream:
         return _stream_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile, launch)
     out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, page_size, scale, True, tile, False,
@@ -1102,7 +1122,7 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=None, l
     """dq, dk, dv of the packed causal forward (``lse``: its base-2 lse). ``launch`` (default BWD_LAUNCH);
     ``tile`` overrides its dq_tile, dkdv_rows and dkdv_stages (tests). ``window``: the kernels' WINDOW variant.
     With ``sinks`` (``lse`` then sink-inclusive) -> (dq, dk, dv, dsinks): :func:`sink_grad`."""
-    launch = launch or BWD_LAUNCH
+    launch = launch or backward_launch(q.shape[-1])
     if tile is not None:
         launch = dataclasses.replace(launch, dq_tile=tuple(tile), dkdv_rows=tile[0], dkdv_stages=tile[2])
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
@@ -1191,7 +1211,7 @@ def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sc
 
 
 __all__ = ["attention_varlen", "attention_paged", "varlen_forward", "paged_forward", "varlen_backward",
-           "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK", "DecodeLaunch", "BackwardLaunch", "BWD_LAUNCH",
+           "PREFILL_TILE", "DECODE_TILE", "WIDE_PREFILL_TILE", "WIDE_BWD_LAUNCH", "prefill_tile", "backward_launch", "KV_BLOCK", "DecodeLaunch", "BackwardLaunch", "BWD_LAUNCH",
            "ITEM_DECODE", "SPLIT_DECODE", "STREAM_DECODE",
            "decode_items", "decode_launch", "use_split_programs", "use_stream", "stream_work_bytes",
            "arrival_counters"]
