@@ -48,9 +48,21 @@ partials round-trip memory exactly, and the merge is elementwise (its layout can
 so Hopper issues the same ``wgmma`` shapes per row and ``rowsum`` reduces each row in the same
 order (per-thread, then within the 4 lanes that share a row) for prefill and decode tiles alike.
 
+Sliding window and sinks (gpt-oss; the definition is the torch backend's, docs/contract.md): with a window w a row
+at pos sees the keys pos - w < kp <= pos and ``sees`` a block or a split when it holds one of them; the blocks stay
+on the absolute grid. A tile walks from the first block its first row's window reaches (:func:`_window_walk`: the
+blocks before hold no key any row of it sees, so visiting them would change no bit) with the splits' boundaries
+and merges where they are. After the last split the head's sink logit joins as one more online-softmax step
+(:func:`_fold_sink`), so lse2 is sink-inclusive. Both are constexpr variants (WINDOW, HAS_SINKS) of the
+one-program-per-item launch only -- paged calls with either take it whatever the batch -- and compile away
+otherwise (the plain kernels' instructions are unchanged). Head widths are padded to a power of two (masked
+loads and stores); past 128 padded columns the prefill / training tile and the backward launch are the wide ones
+(:func:`prefill_tile`, :func:`backward_launch`: shared memory), a choice of the head width alone.
+
 Backward (varlen only, deterministic: no atomic adds of values): dQ by a kernel per query tile walking key
 blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order. Both
-recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them. The launch
+recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them (with a window, both walk only
+the key blocks / query rows the window connects; the sinks' gradient is :func:`sink_grad`). The launch
 (:class:`BackwardLaunch`) is a speed choice of ours -- tiles, keys per program, grid order -- but not a
 bit-neutral one in general: the training forward's bits are
 the contract, the backward's only have to be deterministic (run to run, per sequence) and accurate.
