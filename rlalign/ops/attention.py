@@ -474,14 +474,14 @@ def _native_paged_window_sinks(q, k_cache, v_cache, block_table, seq_lens, cu_se
     """Native paged attention with a window and/or sinks: the Triton backend's paged kernel (its
     one-program-per-item launch, the only one that takes them) where it runs
     (:func:`native_paged_kernel_unavailable`), else one padded SDPA call over the gathered contexts, which reads
-    the lengths on the host -- refused inside a decode graph (``chk.decode_step``), where no host read can run."""
+    the lengths on the host -- refused while a CUDA graph is captured, where no host read can run."""
     reason = native_paged_kernel_unavailable(q)
     if reason is None:
         from rlalign.ops.triton_backend.attention import paged_forward   # lazy: Triton is optional
         return paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, window=window,
                              sinks=sinks)
-    if chk.decode_step():
-        raise fail("attention_paged", f"sliding-window / sink attention in a captured decode step needs the Triton "
+    if chk.is_capturing():
+        raise fail("attention_paged", f"sliding-window / sink attention in a captured CUDA graph needs the Triton "
                                       f"paged kernel ({reason}); use the strict profile or no decode graphs")
     if q.is_cuda:
         _log_paged_fallback(reason)
