@@ -148,12 +148,14 @@ WIDE_BWD_LAUNCH = BackwardLaunch(dq_tile=(128, 8, 1), dkdv_keys=64, dkdv_rows=64
 
 
 def prefill_tile(d: int) -> tuple[int, int, int]:
-    """The forward's prefill / training tile for head width d: PREFILL_TILE, or WIDE_PREFILL_TILE past WIDE_HEAD."""
+    """The forward's prefill / training tile for head width d (the wider of K's and V's): PREFILL_TILE, or
+    WIDE_PREFILL_TILE past WIDE_HEAD."""
     return WIDE_PREFILL_TILE if _dpad(d) > WIDE_HEAD else PREFILL_TILE
 
 
 def backward_launch(d: int) -> BackwardLaunch:
-    """The backward's launch for head width d: BWD_LAUNCH, or WIDE_BWD_LAUNCH past WIDE_HEAD."""
+    """The backward's launch for head width d (the wider of K's and V's): BWD_LAUNCH, or WIDE_BWD_LAUNCH past
+    WIDE_HEAD."""
     return WIDE_BWD_LAUNCH if _dpad(d) > WIDE_HEAD else BWD_LAUNCH
 
 
@@ -270,16 +272,16 @@ def _dot(a, b, acc, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
 
 
 @triton.jit
-def _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol,
-                 stride_kr, stride_kh, stride_bt, D: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr,
-                 PAGED: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr, window=0,
-                 WINDOW: tl.constexpr = False):
+def _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol, dcolv,
+                 stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, D: tl.constexpr, DV: tl.constexpr,
+                 BN: tl.constexpr, PS: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr,
+                 window=0, WINDOW: tl.constexpr = False):
     """One step of the online softmax: key block j (absolute positions j*BN .. j*BN+BN-1)."""
     kp = j * BN + tl.arange(0, BN)
     k_ok = kp < kv_len
     kv_rows = _kv_rows(s, kp, k_ok, q_start, bt_ptr, stride_bt, PS, PAGED)
-    return _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, stride_kr, stride_kh, D, BN,
-                       SPLIT, ROWWISE, window, WINDOW)
+    return _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, dcolv, stride_kr, stride_kh,
+                       stride_vr, stride_vh, D, DV, BN, SPLIT, ROWWISE, window, WINDOW)
 
 
 @triton.jit
@@ -296,16 +298,17 @@ def _window_sees(pos, first, last, window):
 
 
 @triton.jit
-def _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, stride_kr, stride_kh,
-                D: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr, window=0,
-                WINDOW: tl.constexpr = False):
+def _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, dcolv, stride_kr, stride_kh,
+                stride_vr, stride_vh, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                ROWWISE: tl.constexpr, window=0, WINDOW: tl.constexpr = False):
     """_visit_block's step on key block j whose cache rows are ``kv_rows`` (``k_ok``: the keys inside the
     context; the others load as exact zeros and are masked by position). WINDOW: a row at pos sees only the
     keys pos - window < kp <= pos, and ``sees`` the block when it holds one of them (a row that saw no block
-    yet, m = -inf, leaves an unseen block as every row does: m_used = 0, p = 0, alpha = 1)."""
+    yet, m = -inf, leaves an unseen block as every row does: m_used = 0, p = 0, alpha = 1). K's rows are D
+    wide (columns ``dcol``), V's DV (``dcolv``, the accumulator's)."""
     kp = j * BN + tl.arange(0, BN)
     k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-    v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+    v = _load_rows(V, kv_rows, h, k_ok, dcolv, stride_vr, stride_vh, DV)
     sc = _dot(q, tl.trans(k), tl.zeros((q.shape[0], BN), tl.float32), SPLIT, ROWWISE) * qk_scale2
     if WINDOW:
         sc = tl.where((kp[None, :] <= pos[:, None]) & _in_window(kp, pos, window), sc, float("-inf"))
@@ -386,7 +389,8 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
                     BN: tl.constexpr, PS: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
                     SPLIT: tl.constexpr, SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr, ROWWISE: tl.constexpr,
                     FUSED_MERGE: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 16, UNROLL: tl.constexpr = 4,
-                    SINKS=None, window=0, WINDOW: tl.constexpr = False, HAS_SINKS: tl.constexpr = False):
+                    SINKS=None, window=0, WINDOW: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
+                    stride_vr=0, stride_vh=0, DV: tl.constexpr = 0, DPV: tl.constexpr = 0):
     """PARTIAL=False: one program per (tile, sequence, kv head) walks every key split of its rows and
     merges them in order (output, lse). PARTIAL=True: ``split_progs`` = P programs per (tile, sequence,
     kv head); program p walks splits p, p + P, p + 2P, ... of its rows (each from a fresh state) and
@@ -397,7 +401,8 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
     them only by the table width), the work does.
 
     WINDOW / HAS_SINKS (the one-program-per-item launch only, PARTIAL=False): :func:`_window_walk` and
-    :func:`_fold_sink`; both compile away when False."""
+    :func:`_fold_sink`; both compile away when False. Q and K rows are D wide (DP padded columns), V rows, the
+    accumulator, the partials and O's rows DV wide (DPV): the launcher passes DV = D for equal widths."""
     TPT: tl.constexpr = BM // G
     BPS: tl.constexpr = SPLIT_KEYS // BN               # key blocks per split
     if PARTIAL:
@@ -428,13 +433,20 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
     q = tl.load(Q + q_offs, mask=row_ok[:, None] & (dcol[None, :] < D), other=0.0)
     hq_total = stride_qt // stride_qh                  # q is [T, Hq, D] contiguous
     part_row = q_rows * hq_total + head
+    if DV == D:   # one head width: V addressed as K (the launchers pass contiguous q/k/v, or caches, of one shape)
+        dcolv = dcol
+        stride_vr = stride_kr
+        stride_vh = stride_kh
+    else:
+        dcolv = tl.arange(0, DPV)
 
-    m, l, acc, M, L, ACC = _fresh_state(BM, DP)
+    m, l, acc, M, L, ACC = _fresh_state(BM, DPV)
     if WINDOW:
         tl.static_assert(not PARTIAL, "a sliding window runs the one-program-per-item launch only")
         M, L, ACC = _window_walk(q, pos, m, l, acc, M, L, ACC, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol,
-                                 stride_kr, stride_kh, stride_bt, tl.load(pos0_ptr + s) + tile * TPT, n_blocks,
-                                 window, D, BN, PS, PAGED, SPLIT, ROWWISE, SPLIT_KEYS)
+                                 dcolv, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+                                 tl.load(pos0_ptr + s) + tile * TPT, n_blocks, window, D, DV, BN, PS, PAGED, SPLIT,
+                                 ROWWISE, SPLIT_KEYS)
     else:
         for i in range(n_iter):
             sp = sp_first + (i // BPS) * P
@@ -447,37 +459,37 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
                 # C7514/C7515: the wgmma pipeline is serialised); here alpha depends on the reset, which keeps
                 # this before the P.V MMA is issued.
                 if PARTIAL:
-                    _store_partial(PM, PL, PACC, sp - P, part_rows, part_row, row_ok, m, l, acc, dcol, D)
+                    _store_partial(PM, PL, PACC, sp - P, part_rows, part_row, row_ok, m, l, acc, dcolv, DV)
                 else:
                     M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (sp - P) * SPLIT_KEYS)
                 m = tl.full((BM,), float("-inf"), tl.float32)
                 l = tl.zeros((BM,), tl.float32)
             m, l, acc = _visit_block(sp * BPS + i % BPS, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr,
-                                     qk_scale2, dcol, stride_kr, stride_kh, stride_bt, D, BN, PS, PAGED, SPLIT,
-                                     ROWWISE)
+                                     qk_scale2, dcol, dcolv, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+                                     D, DV, BN, PS, PAGED, SPLIT, ROWWISE)
         sp_last = sp_first + (my_splits - 1) * P
         if PARTIAL:
-            _store_partial(PM, PL, PACC, sp_last, part_rows, part_row, row_ok, m, l, acc, dcol, D)
+            _store_partial(PM, PL, PACC, sp_last, part_rows, part_row, row_ok, m, l, acc, dcolv, DV)
             if FUSED_MERGE:
                 _merge_if_last(PM, PL, PACC, O, ARRIVED, part_rows, tl.minimum(P, n_sp), n_sp, tile, s, h, q_start,
-                               n_q, tl.load(pos0_ptr + s), hq_total, stride_ot, stride_oh, G, D, DP, BM, SPLIT_KEYS,
+                               n_q, tl.load(pos0_ptr + s), hq_total, stride_ot, stride_oh, G, DV, DPV, BM, SPLIT_KEYS,
                                FOLD_ROWS, UNROLL)
         else:
             M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= sp_last * SPLIT_KEYS)
     if not PARTIAL:
         if HAS_SINKS:
             M, L, ACC = _fold_sink(M, L, ACC, tl.load(SINKS + head, mask=row_ok, other=0.0) * 1.4426950408889634)
-        _store_out(O, q_rows, head, row_ok, _finish(L, ACC), dcol, stride_ot, stride_oh, D)
+        _store_out(O, q_rows, head, row_ok, _finish(L, ACC), dcolv, stride_ot, stride_oh, DV)
         if STORE_LSE:
             # LSE is [T, Hq] fp32, base 2 (with sinks: sink-inclusive)
             tl.store(LSE + q_rows * hq_total + head, M + tl.log2(tl.where(L > 0, L, 1.0)), mask=row_ok)
 
 
 @triton.jit
-def _window_walk(q, pos, m, l, acc, M, L, ACC, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol, stride_kr,
-                 stride_kh, stride_bt, first_pos, n_blocks, window, D: tl.constexpr, BN: tl.constexpr,
-                 PS: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr,
-                 SPLIT_KEYS: tl.constexpr):
+def _window_walk(q, pos, m, l, acc, M, L, ACC, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol, dcolv,
+                 stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, first_pos, n_blocks, window, D: tl.constexpr,
+                 DV: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+                 ROWWISE: tl.constexpr, SPLIT_KEYS: tl.constexpr):
     """The sliding-window walk of one item (rows at ``pos``, the first at ``first_pos``) from fresh states
     -> its merged total (M, L, ACC): key blocks from the first one the tile's first row's window reaches
     (the blocks before it hold no key any row of the tile sees: visiting them would leave every row's state
@@ -495,8 +507,9 @@ def _window_walk(q, pos, m, l, acc, M, L, ACC, s, h, q_start, kv_len, K, V, bt_p
                                      _window_sees(pos, sp * SPLIT_KEYS, sp * SPLIT_KEYS + SPLIT_KEYS - 1, window))
             m = tl.full(m.shape, float("-inf"), tl.float32)
             l = tl.zeros(l.shape, tl.float32)
-        m, l, acc = _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol,
-                                 stride_kr, stride_kh, stride_bt, D, BN, PS, PAGED, SPLIT, ROWWISE, window, True)
+        m, l, acc = _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol, dcolv,
+                                 stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, D, DV, BN, PS, PAGED, SPLIT,
+                                 ROWWISE, window, True)
     sp = (n_blocks - 1) // BPS
     return _merge_split(M, L, ACC, m, l, acc,
                         _window_sees(pos, sp * SPLIT_KEYS, sp * SPLIT_KEYS + SPLIT_KEYS - 1, window))
@@ -683,8 +696,8 @@ def attn_stream_kernel(Q, K, V, O, INFO, Q_ROWS, KV_ROWS, BOUNDS, qk_scale2, G: 
             l = tl.zeros((BM,), tl.float32)
         if (flags & FIRST_BLOCK) != 0:        # a new item: the fresh state (acc restarts through alpha = 0)
             m, l, acc_unused, M, L, ACC = _fresh_state(BM, DP)
-        m, l, acc = _visit_rows(j, q, pos, m, l, acc, kv_rows, kv_rows >= 0, 0, K, V, qk_scale2, dcol, D, 0, D, BN,
-                                SPLIT, ROWWISE)
+        m, l, acc = _visit_rows(j, q, pos, m, l, acc, kv_rows, kv_rows >= 0, 0, K, V, qk_scale2, dcol, dcol, D, 0, D, 0,
+                                D, D, BN, SPLIT, ROWWISE)
         if (flags & LAST_BLOCK) != 0:
             M_end, L_end, ACC_end = _merge_split(M, L, ACC, m, l, acc, pos >= (j // BPS) * SPLIT_KEYS)
             tl.store(O + q_rows[:, None] * D + dcol[None, :], _finish(L_end, ACC_end).to(O.dtype.element_ty),
@@ -707,12 +720,14 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, qk_scale2, scale,
                        stride_qt, stride_qh, stride_kr, stride_kh,
                        G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, SPLIT: tl.constexpr, GRID_HEAVY_FIRST: tl.constexpr = False,
-                       window=0, WINDOW: tl.constexpr = False):
+                       window=0, WINDOW: tl.constexpr = False, stride_vr=0, stride_vh=0, stride_dot=0, stride_doh=0,
+                       DV: tl.constexpr = 0, DPV: tl.constexpr = 0):
     """dQ of one query tile (BM rows: BM / G tokens x the G query heads of kv head h, token-major):
     dQ = scale * sum over the BN-key blocks the tile reaches, in increasing order, of dS @ K, with
     dS = P * (dO V^T - delta) and P = exp2(Q K^T * c - lse2) recomputed (0 where the key is after the row;
     WINDOW: also where it is at or before pos - window, and the blocks before the tile's first row's window
-    are skipped). With sinks, lse2 is the sink-inclusive one, so P is the forward's.
+    are skipped). With sinks, lse2 is the sink-inclusive one, so P is the forward's. V and dO rows are DV wide
+    (DPV padded columns, dO's strides stride_dot / stride_doh).
     Work: the tile's last token / BN blocks, so heavy programs are the LATE tiles."""
     TPT: tl.constexpr = BM // G
     wi, s, h = _bwd_program(GRID_HEAVY_FIRST)
@@ -736,7 +751,15 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, qk_scale2, scale,
     offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
     msk = row_ok[:, None] & (dcol[None, :] < D)
     q = tl.load(Q + offs, mask=msk, other=0.0)
-    do = tl.load(DO + offs, mask=msk, other=0.0)
+    if DV == D:   # one head width: dO addressed as Q, V as K (contiguous tensors of one shape)
+        dcolv = dcol
+        stride_vr = stride_kr
+        stride_vh = stride_kh
+        do = tl.load(DO + offs, mask=msk, other=0.0)
+    else:
+        dcolv = tl.arange(0, DPV)
+        do = tl.load(DO + q_rows[:, None] * stride_dot + head[:, None] * stride_doh + dcolv[None, :],
+                     mask=row_ok[:, None] & (dcolv[None, :] < DV), other=0.0)
     hq_total = stride_qt // stride_qh
     lse2 = tl.load(LSE + q_rows * hq_total + head, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + q_rows * hq_total + head, mask=row_ok, other=0.0)
@@ -750,7 +773,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, qk_scale2, scale,
         k_ok = kp < n
         kv_rows = (q_start + kp).to(tl.int64)
         k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-        v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+        v = _load_rows(V, kv_rows, h, k_ok, dcolv, stride_vr, stride_vh, DV)
         sc = mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), SPLIT) * qk_scale2
         vis = kp[None, :] <= pos[:, None]
         if WINDOW:
@@ -767,17 +790,19 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, qk_scale2, scale,
 
 
 @triton.jit(do_not_specialize=["window"])
-def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale,
+def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVO, cu_q, qk_scale2, scale,
                          stride_qt, stride_qh, stride_kr, stride_kh,
                          G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BMQ: tl.constexpr,
                          BN: tl.constexpr, SPLIT: tl.constexpr, GRID_HEAVY_FIRST: tl.constexpr = False,
-                         window=0, WINDOW: tl.constexpr = False):
+                         window=0, WINDOW: tl.constexpr = False, stride_vr=0, stride_vh=0, stride_dot=0,
+                         stride_doh=0, DV: tl.constexpr = 0, DPV: tl.constexpr = 0):
     """dK, dV of one block of BN keys of kv head h: dV = sum P^T dO, dK = scale * sum dS^T Q over the query
     rows (token-major, the G heads of kv head h each) that can see the block, in increasing row order, BMQ
     rows at a time. Work: (tokens - block start) rows, so heavy programs are the EARLY key blocks; the
     default grid runs each (sequence, kv head)'s blocks last-first (light first), GRID_HEAVY_FIRST
     first-first over the whole batch. WINDOW: only the rows whose window reaches the block (row_ok keeps
-    masking the sequence's end; the visibility also asks kp > tok - window)."""
+    masking the sequence's end; the visibility also asks kp > tok - window). V, dV and dO rows are DV wide
+    (DPV padded columns; dV is stored with V's strides)."""
     wi, s, h = _bwd_program(GRID_HEAVY_FIRST)
     j = wi
     q_start = tl.load(cu_q + s)
@@ -787,11 +812,17 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale
     kp = j * BN + tl.arange(0, BN)
     k_ok = kp < n
     dcol = tl.arange(0, DP)
+    if DV == D:   # one head width: dO addressed as Q, V and dV as K (contiguous tensors of one shape)
+        dcolv = dcol
+        stride_vr = stride_kr
+        stride_vh = stride_kh
+    else:
+        dcolv = tl.arange(0, DPV)
     kv_rows = (q_start + kp).to(tl.int64)
     k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-    v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+    v = _load_rows(V, kv_rows, h, k_ok, dcolv, stride_vr, stride_vh, DV)
     dk = tl.zeros((BN, DP), tl.float32)
-    dv = tl.zeros((BN, DP), tl.float32)
+    dv = tl.zeros((BN, DPV), tl.float32)
     hq_total = stride_qt // stride_qh
     first_row = j * BN * G
     end_row = n * G
@@ -806,7 +837,11 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale
         offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
         msk = row_ok[:, None] & (dcol[None, :] < D)
         q = tl.load(Q + offs, mask=msk, other=0.0)
-        do = tl.load(DO + offs, mask=msk, other=0.0)
+        if DV == D:
+            do = tl.load(DO + offs, mask=msk, other=0.0)
+        else:
+            do = tl.load(DO + q_rows[:, None] * stride_dot + head[:, None] * stride_doh + dcolv[None, :],
+                         mask=row_ok[:, None] & (dcolv[None, :] < DV), other=0.0)
         lse2 = tl.load(LSE + q_rows * hq_total + head, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + q_rows * hq_total + head, mask=row_ok, other=0.0)
         st = mma(k, tl.trans(q), tl.zeros((BN, BMQ), tl.float32), SPLIT) * qk_scale2
@@ -826,7 +861,10 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale
     offs = kv_rows[:, None] * stride_kr + h * stride_kh + dcol[None, :]
     msk = k_ok[:, None] & (dcol[None, :] < D)
     tl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=msk)
-    tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=msk)
+    if DV != D:
+        offs = kv_rows[:, None] * stride_vr + h * stride_vh + dcolv[None, :]
+        msk = k_ok[:, None] & (dcolv[None, :] < DV)
+    tl.store(DVO + offs, dv.to(DVO.dtype.element_ty), mask=msk)
 
 
 # ---- launchers -------------------------------------------------------------------------------------
@@ -844,7 +882,7 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
     ``progs_per_item`` forces the programs per item (tests). ``window`` / ``sinks`` [Hq]: the kernel's WINDOW
     and HAS_SINKS variants, on the one-program-per-item launch only."""
     t, hq, d = q.shape
-    hkv = k_src.shape[-2]
+    hkv, dv = k_src.shape[-2], v_src.shape[-1]
     g = hq // hkv
     bm, warps, stages = tile
     if g > bm:
@@ -852,7 +890,7 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
                    f"{g} query heads per kv head exceed the tile of {bm} rows")
     if split_programs and (window is not None or sinks is not None):
         raise fail("attention_paged", "sliding-window / sink attention runs the one-program-per-item launch only")
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if dv == d else q.new_empty((t, hq, dv))
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device) if store_lse else out
     n_seq = cu_q.shape[0] - 1
     tiles = triton.cdiv(max_q_tokens, bm // g)
@@ -866,13 +904,13 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
     progs = progs_per_item or _even_programs(
         n_splits, triton.cdiv(launch.programs_per_sm * device_sms(q), tiles * n_seq * hkv))
     progs = min(n_splits, progs) if split_programs else 1
-    dp = _dpad(d)
+    dp, dpv = _dpad(d), _dpad(dv)
     if split_programs:
         if n_splits * t * hq >= 2 ** 31:
             raise fail("attention_paged", f"{n_splits} key splits x {t * hq} rows of partials exceed int32 indexing")
         pm = torch.empty((n_splits, t * hq), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
-        pacc = torch.empty((n_splits, t * hq, dp), dtype=torch.float32, device=q.device)
+        pacc = torch.empty((n_splits, t * hq, dpv), dtype=torch.float32, device=q.device)
     else:
         pm = pl = pacc = out   # not read
     fused = split_programs and launch.fused_merge
@@ -889,10 +927,12 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged, STORE_LSE=store_lse, SPLIT=split_for(q.dtype),
         SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), FUSED_MERGE=fused,
         FOLD_ROWS=launch.fold_rows if fused else 16, UNROLL=launch.merge_unroll if fused else 4, num_stages=stages,
+        stride_vr=v_src.stride(-3), stride_vh=v_src.stride(-2), DV=dv, DPV=dpv,
         **meta, **_register_cap(launch, tile), **extra)
     if split_programs and not fused:
-        # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
-        meta["num_warps"] = launch.merge_warps
+        # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit; its
+        # rows are the output's (DV wide)
+        meta.update(num_warps=launch.merge_warps, D=dv, DP=dpv)
         attn_merge_kernel[(tiles, n_seq, hkv)](pm, pl, pacc, out, cu_q, pos0, t * hq, out.stride(0), out.stride(1),
                                                hq, SPLIT_KEYS=KV_SPLIT, UNROLL=launch.merge_unroll, num_stages=1,
                                                **meta)
@@ -1074,7 +1114,7 @@ def _paged_meta(block_table, seq_lens, cu_seqlens_q, device):
 def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None, window=None, sinks=None):
     """``RLALIGN_TRITON_ATTN_TILE="BM,warps,stages"`` forces one tile for prefill and decode alike.
     ``window`` / ``sinks``: as rlalign.ops.attention_varlen (lse then sink-inclusive)."""
-    tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE") or prefill_tile(q.shape[-1])
+    tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE") or prefill_tile(max(q.shape[-1], v.shape[-1]))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu, lens, zeros, max_len = _varlen_meta(cu_seqlens, q.device)
     return _forward(q, k, v, cu, zeros, lens, None, 1, scale, False, tile, store_lse, max_len, window=window,
@@ -1105,7 +1145,7 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     tile_rows = forced[0] if forced else DECODE_TILE[0]
     elements = max(q.numel(), k_cache.numel(), v_cache.numel())
     auto = decode_launch(max_q, cu.shape[0] - 1, t, hq, hkv, d, table_keys, elements, device_sms(q),
-                         stream_layout_ok(k_cache, v_cache), tile_rows)
+                         stream_layout_ok(k_cache, v_cache) and v_cache.shape[-1] == d, tile_rows)
     if split_programs is None:
         split_programs = auto == "split" and not stream
     if stream is None:
@@ -1118,11 +1158,14 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     if stream and elements >= 2 ** 31:
         raise fail("attention_paged", f"the streamed launch indexes q and the caches in int32: {elements} elements "
                                       "in q or a cache are too many for it")
+    if stream and v_cache.shape[-1] != d:
+        raise fail("attention_paged", f"the streamed launch takes K and V of one head width; got {d} and "
+                                      f"{v_cache.shape[-1]}")
     if stream and not stream_layout_ok(k_cache, v_cache):
         raise fail("attention_paged", f"the streamed launch needs caches with contiguous heads and rows; got strides "
                                       f"{tuple(k_cache.stride())} / {tuple(v_cache.stride())}")
     launch = launch or (STREAM_DECODE if stream else SPLIT_DECODE if split_programs else ITEM_DECODE)
-    tile = forced or (launch.tile if decode_tile else prefill_tile(d))
+    tile = forced or (launch.tile if decode_tile else prefill_tile(max(d, v_cache.shape[-1])))
     if stream:
         return _stream_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile, launch)
     out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, page_size, scale, True, tile, False,
@@ -1134,12 +1177,12 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=None, l
     """dq, dk, dv of the packed causal forward (``lse``: its base-2 lse). ``launch`` (default BWD_LAUNCH);
     ``tile`` overrides its dq_tile, dkdv_rows and dkdv_stages (tests). ``window``: the kernels' WINDOW variant.
     With ``sinks`` (``lse`` then sink-inclusive) -> (dq, dk, dv, dsinks): :func:`sink_grad`."""
-    launch = launch or backward_launch(q.shape[-1])
+    launch = launch or backward_launch(max(q.shape[-1], v.shape[-1]))
     if tile is not None:
         launch = dataclasses.replace(launch, dq_tile=tuple(tile), dkdv_rows=tile[0], dkdv_stages=tile[2])
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     t, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, d_v = k.shape[1], v.shape[-1]
     g = hq // hkv
     cu, _, _, max_len = _varlen_meta(cu_seqlens, q.device)
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()   # [T, Hq]
@@ -1153,7 +1196,9 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=None, l
                                        f"{min(bm, launch.dkdv_rows)} rows")
     n_seq = cu.shape[0] - 1
     args = (q, k, v, grad_out, lse, delta)
-    common = dict(G=g, D=d, DP=_dpad(d), SPLIT=split_for(q.dtype), GRID_HEAVY_FIRST=launch.heavy_first)
+    common = dict(G=g, D=d, DP=_dpad(d), SPLIT=split_for(q.dtype), GRID_HEAVY_FIRST=launch.heavy_first,
+                  stride_vr=v.stride(0), stride_vh=v.stride(1), stride_dot=grad_out.stride(0),
+                  stride_doh=grad_out.stride(1), DV=d_v, DPV=_dpad(d_v))
     if window is not None:   # absent, the kernels' defaults: the plain causal variants
         common.update(window=int(window), WINDOW=True)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
