@@ -3,8 +3,8 @@
 Op level (strict): a query's output has the same bits packed, alone, in one paged prefill of the batch, in a
 chunked prefill and in batched step-by-step decode (pages shuffled in a NaN-filled cache of 16 / 64 slots), for
 windows of 1, inside a 64-key block, across blocks and around the 256-key split, with and without sinks, GQA 8/2,
-head widths 64 (gpt-oss), 24 (not a power of two) and 192 (DeepSeek-V3's 128 + 64: the wide launches), bf16 and
-fp32; accurate vs float64. The backward: dq, dk, dv, dsinks vs float64 autograd, deterministic run to run and per
+head widths 64 (gpt-oss), 24 (not a power of two) and 192 (DeepSeek-V3's 128 + 64: the wide launches), V heads of
+their own width (192 / 128: DeepSeek-V3's; 24 / 40), bf16 and fp32; accurate vs float64. The backward: dq, dk, dv, dsinks vs float64 autograd, deterministic run to run and per
 sequence. Native paged with a window / sinks runs the Triton paged kernel: accurate vs float64.
 
 Model level: the gpt-oss and DeepSeek-V3 test models' three paths (packed, prefill, decode, random schedules) give
@@ -41,9 +41,10 @@ def _i32(values):
     return torch.tensor(values, dtype=torch.int32, device="cuda")
 
 
-def _batch(d, dtype, seed, lens=LENS):
+def _batch(d, dtype, seed, lens=LENS, dv=None):
     t = sum(lens)
-    q, k, v = (rand(t, h, d, dtype=dtype, seed=seed + i) for i, h in enumerate((HQ, HKV, HKV)))
+    q, k = (rand(t, h, d, dtype=dtype, seed=seed + i) for i, h in enumerate((HQ, HKV)))
+    v = rand(t, HKV, dv or d, dtype=dtype, seed=seed + 2)
     return q, k, v, _i32([0] + torch.tensor(lens).cumsum(0).tolist())
 
 
@@ -58,7 +59,7 @@ def _cache(k, v, lens, page_size, seed):
     perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
     table = torch.zeros((len(lens), max(pages) + 1), dtype=torch.int32)
     kc = torch.full((total, page_size, HKV, k.shape[-1]), float("nan"), dtype=k.dtype, device="cuda")
-    vc = kc.clone()
+    vc = torch.full((total, page_size, HKV, v.shape[-1]), float("nan"), dtype=v.dtype, device="cuda")
     start, used = 0, 0
     for s, n in enumerate(lens):
         ids = perm[used:used + pages[s]]
@@ -72,13 +73,13 @@ def _cache(k, v, lens, page_size, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("d", [64, 24, 192])
+@pytest.mark.parametrize("d, dv", [(64, 64), (24, 24), (192, 192), (192, 128), (24, 40)])
 @pytest.mark.parametrize("window, with_sinks", CASES)
-def test_every_path_gives_the_packed_bits(triton_backend, d, dtype, window, with_sinks):
-    q, k, v, cu = _batch(d, dtype, seed=d)
+def test_every_path_gives_the_packed_bits(triton_backend, d, dv, dtype, window, with_sinks):
+    q, k, v, cu = _batch(d, dtype, seed=d, dv=dv)
     sinks = _sinks(7) if with_sinks else None
     kw = dict(window=window, sinks=sinks)
-    what = f"d {d} {dtype} window {window} sinks {with_sinks}"
+    what = f"d {d}/{dv} {dtype} window {window} sinks {with_sinks}"
     packed = ops.attention_varlen(q, k, v, cu, **kw)
     err = rel_err(packed, causal_attention_float64(q, k, v, list(LENS), d ** -0.5, window, sinks))
     assert err < TOL[dtype], f"{what}: relative error {err:.3g} vs float64"
@@ -104,18 +105,18 @@ def test_every_path_gives_the_packed_bits(triton_backend, d, dtype, window, with
             assert_bitwise_equal(out, packed[rows], f"{what}: batched decode at {pos} (page {page_size})")
 
 
-@pytest.mark.parametrize("d", [64, 192])
+@pytest.mark.parametrize("d, dv", [(64, 64), (192, 128), (24, 40)])
 @pytest.mark.parametrize("window, with_sinks", [(1, True), (60, True), (100, False), (None, True)])
-def test_backward_accurate_deterministic_and_per_sequence(triton_backend, d, window, with_sinks):
+def test_backward_accurate_deterministic_and_per_sequence(triton_backend, d, dv, window, with_sinks):
     """fp32 (bf16 rounds p and dS before the products: the accuracy bound would say little): dq, dk, dv, dsinks
     vs float64 autograd; the same bits run to run; sequence 0 packed first and again last gets the same bits."""
     lens = list(LENS) + [LENS[1]]
-    q, k, v, cu = _batch(d, torch.float32, seed=3, lens=lens)
+    q, k, v, cu = _batch(d, torch.float32, seed=3, lens=lens, dv=dv)
     n0, t = LENS[1], sum(lens)
     a = LENS[0]
     for x in (q, k, v):
         x[t - n0:] = x[a:a + n0]
-    go = rand(*q.shape, dtype=torch.float32, seed=9)
+    go = rand(*q.shape[:2], dv, dtype=torch.float32, seed=9)
     go[t - n0:] = go[a:a + n0]
     sinks = _sinks(5) if with_sinks else None
 

@@ -723,6 +723,14 @@ def _sm90_worker() -> None:
     attempt("attention varlen, head 192", lambda: A.varlen_forward(q192, k192, k192, cu, 0.1, store_lse=True))
     attempt("attention backward, head 192",
             lambda: A.varlen_backward(q192, k192, k192, q192, torch.empty(4096, 32), cu, q192, 0.1))
+    # ... and its 128-wide V heads (MLA: K 192, V 128)
+    v128 = torch.empty(4096, 8, 128, dtype=bf)
+    attempt("attention varlen, K 192 / V 128", lambda: A.varlen_forward(q192, k192, v128, cu, 0.1, store_lse=True))
+    attempt("attention backward, K 192 / V 128",
+            lambda: A.varlen_backward(q192, k192, v128, q, torch.empty(4096, 32), cu, q, 0.1))
+    cache192, cache128 = torch.empty(64, 64, 8, 192, dtype=bf), torch.empty(64, 64, 8, 128, dtype=bf)
+    attempt("attention decode, K 192 / V 128",
+            lambda: A.paged_forward(q192[:1], cache192, cache128, table, ctx, one, 0.1, split_programs=False))
     h, lm = torch.empty(256, 4096, dtype=bf), torch.empty(151936, 4096, dtype=bf)
     tgt, zeros = torch.zeros(256, dtype=torch.int64), torch.zeros(256)
     attempt("logprob forward", lambda: L.forward_stats(h, lm, tgt, 1.0, True))

@@ -57,7 +57,10 @@ and merges where they are. After the last split the head's sink logit joins as o
 one-program-per-item launch only -- paged calls with either take it whatever the batch -- and compile away
 otherwise (the plain kernels' instructions are unchanged). Head widths are padded to a power of two (masked
 loads and stores); past 128 padded columns the prefill / training tile and the backward launch are the wide ones
-(:func:`prefill_tile`, :func:`backward_launch`: shared memory), a choice of the head width alone.
+(:func:`prefill_tile`, :func:`backward_launch`: shared memory), a choice of the head widths alone. V's heads may
+have a width DV of their own (multi-head latent attention): the accumulator, the split partials, the output, dO
+and dV are DV wide (DPV padded columns); with DV == D the kernels address V as K (the instructions of the
+one-width kernels). The streamed decode launch takes one width only (paged calls with two take another launch).
 
 Backward (varlen only, deterministic: no atomic adds of values): dQ by a kernel per query tile walking key
 blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order. Both
