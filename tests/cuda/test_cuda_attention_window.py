@@ -34,7 +34,8 @@ HQ, HKV = 8, 2
 LENS = (1, 70, 300, 9)                    # 300: past the 256-key split
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}   # ||out - ref|| / ||ref|| vs float64 (fp32: bf16x3 dots)
-CASES = [(1, True), (5, False), (60, True), (64, True), (200, True), (None, True), (10_000, False)]
+# windows of 1, inside a block, across a block (ending past 256: the split), none (sinks only), past the length
+CASES = [(1, True), (5, False), (60, True), (None, True), (10_000, False)]
 
 
 def _i32(values):
@@ -73,7 +74,7 @@ def _cache(k, v, lens, page_size, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("d, dv", [(64, 64), (24, 24), (192, 192), (192, 128), (24, 40)])
+@pytest.mark.parametrize("d, dv", [(64, 64), (192, 192), (192, 128), (24, 40)])
 @pytest.mark.parametrize("window, with_sinks", CASES)
 def test_every_path_gives_the_packed_bits(triton_backend, d, dv, dtype, window, with_sinks):
     q, k, v, cu = _batch(d, dtype, seed=d, dv=dv)
