@@ -22,8 +22,7 @@ On CUDA the per-token ops above are the same torch formulas (elementwise IEEE op
 not depend on where it sits in the tensor on the GPU either; no cuBLAS, no library reduction in the forward), and
 :func:`delta_chunks` runs the Triton backend's chunk kernel (``triton_backend.gated_delta``: one program per
 (sequence, value head) walking its chunks in order) -- its bits are not the CPU formula's, but the same for a row
-however its sequence was cut. Its backward recomputes the chunk formula below on the GPU under autograd (the same
-math; elementwise ops, tree sums and torch's fixed-shape CUDA reductions: deterministic run to run).
+however its sequence was cut; its backward is the backend's Triton kernel too (deterministic run to run).
 """
 
 from __future__ import annotations
@@ -138,46 +137,40 @@ def delta_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
     CPU: :func:`chunk_formula`. CUDA: the Triton chunk kernel (module docstring), the same results except that it
     recomputes a decode step's earlier rows from their stored inputs instead of reading ``known`` (the same bits:
-    a row's bits depend only on the rows before it) and returns gamma and u only when ``known`` is given (the engine
-    stores them; training does not read them)."""
+    a row's bits depend only on the rows before it), returns gamma and u only when ``known`` is given (the engine
+    stores them; training does not read them) and leaves ``states`` of a chunk that is not full at the state before
+    it (the formula's is meaningless there; neither is ever read)."""
     _check("delta_chunks", profile, q, k, v, g, beta, state)
     if q.device.type == "cpu":
         return chunk_formula(q, k, v, g, beta, valid, state, known=known)
-    kernel = strict_impl("delta_chunks", q.device, profile)
-    inputs = (q, k, v, g, beta, state)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        out, states = _KernelWithFormulaGrad.apply(kernel, q, k, v, g, beta, valid, state)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state)):
+        out, states = _KernelRule.apply(q, k, v, g, beta, valid, state)
         return out, states, None, None
-    out, states, gamma, u = kernel(q, k, v, g, beta, valid, state, store_states=True, store_u=known is not None)
+    out, states, gamma, u = strict_impl("delta_chunks", q.device, profile)(
+        q, k, v, g, beta, valid, state, store_states=True, store_u=known is not None)
     if known is not None and known[0]:   # the op's contract: rows < first are the caller's, left zero here
         out[..., :min(known[0], q.shape[-2]), :] = 0.0
     return out, states, gamma, u
 
 
-class _KernelWithFormulaGrad(torch.autograd.Function):
-    """Forward: the CUDA kernel's bits. Backward: the gradient of :func:`chunk_formula` at the same inputs (the same
-    function; the formula's fp32 roundings), by autograd on the GPU -- every op in it is elementwise, a tree sum or a
-    torch reduction of a fixed shape, so the gradients are deterministic run to run."""
+class _KernelRule(torch.autograd.Function):
+    """The CUDA rule with its Triton backward (``triton_backend.gated_delta``: per (sequence, head) the chunks in
+    reverse, each chunk's forward recomputed from the state the forward saved at its start, the gradients of its
+    products written out; deterministic run to run)."""
 
     @staticmethod
-    def forward(ctx, kernel, q, k, v, g, beta, valid, state):
-        out, states, _, _ = kernel(q, k, v, g, beta, valid, state, store_states=True, store_u=False)
-        ctx.save_for_backward(q, k, v, g, beta, valid, state)
+    def forward(ctx, q, k, v, g, beta, valid, state):
+        out, states, _, _ = strict_impl("delta_chunks", q.device)(q, k, v, g, beta, valid, state, store_states=True,
+                                                                  store_u=False)
+        ctx.save_for_backward(q, k, v, g, beta, valid, state, states)
         return out, states
 
     @staticmethod
     def backward(ctx, d_out, d_states):
-        q, k, v, g, beta, valid, state = ctx.saved_tensors
-        wanted = [i for i, t in enumerate((q, k, v, g, beta, valid, state)) if ctx.needs_input_grad[i + 1]]
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(i in wanted) for i, t in enumerate((q, k, v, g, beta, valid, state))]
-            out, states, _, _ = chunk_formula(*leaves)
-            grads = torch.autograd.grad((out, states), [leaves[i] for i in wanted], (d_out, d_states),
-                                        allow_unused=True)
-        result = [None] * 7
-        for i, grad in zip(wanted, grads):
-            result[i] = grad
-        return (None, *result)
+        q, k, v, g, beta, valid, state, states = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dstate = strict_impl("delta_chunks_backward", q.device)(
+            q, k, v, g, beta, valid, state, states, d_out, d_states)
+        return dq, dk, dv, dg, dbeta, None, dstate
 
 
 def chunk_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

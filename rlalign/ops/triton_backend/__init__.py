@@ -58,6 +58,7 @@ IMPLEMENTATIONS = {
     "moe_experts": moe.experts,          # the dispatch kernel + the grouped FFN (ops.moe_experts, strict)
     "moe_combine": combine.combine,
     "delta_chunks": gated_delta.delta_chunks_forward,   # Gated-DeltaNet's chunked rule (ops.gated_delta)
+    "delta_chunks_backward": gated_delta.delta_chunks_backward,
     **shard.IMPLEMENTATIONS,   # tensor-parallel shard entries (rlalign.ops.shard)
 }
 DISABLED = disabled_ops(envvars.read("RLALIGN_TRITON_DISABLE"))

@@ -18,9 +18,11 @@ every chunk runs the same compiled kernel on tiles of one shape (C rows, Dk and 
 the model), whatever the number of chunks, sequences or valid rows; the integer arguments that vary with the batch
 are not specialised on (``do_not_specialize``) and every pointer is a fresh contiguous tensor, so the binary and its
 register layouts are the same for every call. In that binary row i of each result reads rows <= i only: the cumsum
-is a prefix scan; T's row i is written from A's row i and T's rows < i (later rows are still +0); every dot sums
-over a fixed K in a fixed order (``input_precision="ieee"``: fp32 FMA chains, no tf32), and the terms of rows past i
-are products with an exact +0 coefficient (the causal masks are selects). So a decode step, which recomputes its
+is a prefix scan; T's row i is written from A's row i and T's rows < i (later rows are still +0); every product
+is the backend's one matrix primitive (``_common.mma``: fp32 operands split bf16x3, fp32 accumulation, wgmma on
+Hopper -- an output element's sum over K does not depend on the tile's other rows, the property every strict GEMM
+here rests on, docs/design/tile-shapes.md), and the terms of rows past i are products with an exact +0
+coefficient (the causal masks are selects). So a decode step, which recomputes its
 open chunk from the rows stored so far, gives its row the bits the full chunk gave it -- up to the sign of an output
 that is exactly zero (a +0 coefficient times a negative later value is -0; it only matters when every other term is
 -0 too). The state moves only at full chunks, from all C rows: the same bits whichever call closed the chunk.
@@ -34,13 +36,34 @@ import triton.language as tl
 
 from rlalign.contract import spec
 from rlalign.contract.errors import fail
+from rlalign.ops.triton_backend._common import mma, split_for
 
-IEEE = "ieee"   # fp32 dots as fp32 FMA chains: no tf32 rounding of the operands
+
+
+@triton.jit
+def _dot(a, b, SPLIT: tl.constexpr):
+    """a @ b in fp32 by the backend's one matrix primitive (``_common.mma``: fp32 operands split bf16x3 on the GPU,
+    an exact fp32 dot under the interpreter)."""
+    return mma(a, b, tl.zeros((a.shape[0], b.shape[1]), dtype=tl.float32), SPLIT)
+
+
+@triton.jit
+def _unit_lower_inverse(a, C: tl.constexpr):
+    """(I + a)^-1 of a strictly lower-triangular [C, C] tile, row by row: T_i = e_i - sum_j a_ij T_j (the rows
+    j >= i of T still +0, a_i's entries there +0), so row i depends on a's rows <= i only."""
+    rows = tl.arange(0, C)
+    t = tl.zeros((C, C), dtype=tl.float32)
+    for i in range(C):
+        here = rows[:, None] == i
+        a_i = tl.sum(tl.where(here, a, 0.0), 0)                       # a's row i (one non-zero term per column)
+        t_i = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, 0)
+        t = tl.where(here, t_i[None, :], t)
+    return t
 
 
 @triton.jit
 def _chunk_terms(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, S, DK: tl.constexpr, DV: tl.constexpr,
-                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr):
     """One chunk (``item`` = its flat (j, b, h) index, ``n`` valid rows) from the state S [BK, BV] at its start:
     (o [C, BV], the state after it (S when n < C), Gamma [C], Uv [C, BV], W [C, BK])."""
     rows = tl.arange(0, C)
@@ -59,33 +82,27 @@ def _chunk_terms(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, S, DK: tl.constexpr
     causal = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
     decay = tl.where(causal, tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
-    kk = tl.dot(k, tl.trans(k), input_precision=IEEE)
-    a = tl.where(strict, beta[:, None] * kk * decay, 0.0)
-    # T = (I + A)^-1 row by row: T_i = e_i - sum_j A_ij T_j, the rows j >= i of T still +0 (a_i's too)
-    t = tl.zeros((C, C), dtype=tl.float32)
-    for i in range(C):
-        here = rows[:, None] == i
-        a_i = tl.sum(tl.where(here, a, 0.0), 0)                       # A's row i (one non-zero term per column)
-        t_i = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, 0)
-        t = tl.where(here, t_i[None, :], t)
+    kk = _dot(k, tl.trans(k), SPLIT)
+    t = _unit_lower_inverse(tl.where(strict, beta[:, None] * kk * decay, 0.0), C)
 
     eg = tl.exp(gamma)
-    uv = tl.dot(t, v * beta[:, None], input_precision=IEEE)
-    w = tl.dot(t, k * (beta * eg)[:, None], input_precision=IEEE)
-    v_new = uv - tl.dot(w, S, input_precision=IEEE)
-    qk = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=IEEE) * decay, 0.0)
-    o = tl.dot(q * eg[:, None], S, input_precision=IEEE) + tl.dot(qk, v_new, input_precision=IEEE)
+    uv = _dot(t, v * beta[:, None], SPLIT)
+    w = _dot(t, k * (beta * eg)[:, None], SPLIT)
+    v_new = uv - _dot(w, S, SPLIT)
+    qk = tl.where(causal, _dot(q, tl.trans(k), SPLIT) * decay, 0.0)
+    o = _dot(q * eg[:, None], S, SPLIT) + _dot(qk, v_new, SPLIT)
 
     last = tl.sum(tl.where(rows == C - 1, gamma, 0.0), 0)              # Gamma_C-1 (exact: one non-zero term)
     k_end = k * tl.exp(last - gamma)[:, None]
-    moved = tl.exp(last) * S + tl.dot(tl.trans(k_end), v_new, input_precision=IEEE)
+    moved = tl.exp(last) * S + _dot(tl.trans(k_end), v_new, SPLIT)
     return o, tl.where(n == C, moved, S), gamma, uv, w
 
 
 @triton.jit(do_not_specialize=["J", "B"])
 def delta_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, n_ptr, s0_ptr, o_ptr, states_ptr, gamma_ptr, u_ptr,
                      J, B, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, STORE_STATES: tl.constexpr, STORE_U: tl.constexpr):
+                     BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, STORE_STATES: tl.constexpr,
+                     STORE_U: tl.constexpr):
     """Program (b, h): chunks j = 0 .. J-1 of sequence b, head h, in order (module docstring)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -98,7 +115,8 @@ def delta_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, n_ptr, s0_ptr, o_ptr, st
     for j in range(J):
         item = (j * B + b) * H + h
         n = tl.load(n_ptr + j * B + b)
-        o, S, gamma, uv, w = _chunk_terms(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, S, DK, DV, C, BK, BV)
+        o, S, gamma, uv, w = _chunk_terms(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, S, DK, DV, C, BK, BV,
+                                                 SPLIT)
         rmask = rows < n
         tl.store(o_ptr + (item * C + rows[:, None]) * DV + cv[None, :], o,
                  mask=rmask[:, None] & (cv < DV)[None, :])
@@ -109,6 +127,141 @@ def delta_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, n_ptr, s0_ptr, o_ptr, st
             u_row = (item * C + rows[:, None]) * (DV + DK)
             tl.store(u_ptr + u_row + cv[None, :], uv, mask=rmask[:, None] & (cv < DV)[None, :])
             tl.store(u_ptr + u_row + DV + ck[None, :], w, mask=rmask[:, None] & (ck < DK)[None, :])
+
+
+@triton.jit(do_not_specialize=["J", "B"])
+def delta_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, n_ptr, s0_ptr, states_ptr, do_ptr, dstates_ptr,
+                     dq_ptr, dk_ptr, dv_ptr, dg_ptr, db_ptr, ds0_ptr,
+                     J, B, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (b, h): the gradients of chunks j = J-1 .. 0 of sequence b, head h, in that order, the state's
+    gradient carried from each chunk to the one before. Each chunk's forward quantities are recomputed from its
+    inputs and the state at its start (the forward's ``states`` of the chunk before, or the initial state);
+    the gradient of every product is written out by hand (the formula: module docstring):
+
+        dv' = P^T do + [full] K_end dS_out          dP = where(j <= i, do v'^T, 0)
+        dS  = [full] exp(Gamma_C-1) dS_out + [not full] dS_out + (q exp(Gamma))^T do - W^T dv'
+        dT  = dv' (beta v)^T - (dv' S^T) (beta exp(Gamma) k)^T      dA = where(j < i, -T^T dT T^T, 0)
+        dGamma from exp(Gamma) q, exp(Gamma) k, exp(Gamma_i - Gamma_j), exp(Gamma_C-1 - Gamma); dg = reverse
+        cumsum of dGamma.
+
+    Every sum is a dot or tl.sum of a fixed tile shape in one binary: deterministic run to run."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.arange(0, C)
+    ck = tl.arange(0, BK)
+    cv = tl.arange(0, BV)
+    smask = (ck < DK)[:, None] & (cv < DV)[None, :]
+    s_off = ck[:, None] * DV + cv[None, :]
+    causal = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    dS = tl.zeros((BK, BV), dtype=tl.float32)
+    for jj in range(J):
+        j = J - 1 - jj
+        item = (j * B + b) * H + h
+        n = tl.load(n_ptr + j * B + b)
+        full = n == C
+        rmask = rows < n
+        kmask = rmask[:, None] & (ck < DK)[None, :]
+        vmask = rmask[:, None] & (cv < DV)[None, :]
+        if j == 0:
+            S = tl.load(s0_ptr + (b * H + h) * DK * DV + s_off, mask=smask, other=0.0)
+        else:
+            S = tl.load(states_ptr + ((j - 1) * B + b) * H * DK * DV + h * DK * DV + s_off, mask=smask, other=0.0)
+        dS = dS + tl.load(dstates_ptr + item * DK * DV + s_off, mask=smask, other=0.0)   # dS_out
+        q = tl.load(q_ptr + (item * C + rows[:, None]) * DK + ck[None, :], mask=kmask, other=0.0)
+        k = tl.load(k_ptr + (item * C + rows[:, None]) * DK + ck[None, :], mask=kmask, other=0.0)
+        v = tl.load(v_ptr + (item * C + rows[:, None]) * DV + cv[None, :], mask=vmask, other=0.0)
+        do = tl.load(do_ptr + (item * C + rows[:, None]) * DV + cv[None, :], mask=vmask, other=0.0)
+        g = tl.load(g_ptr + item * C + rows, mask=rmask, other=0.0)
+        beta = tl.load(b_ptr + item * C + rows, mask=rmask, other=0.0)
+
+        # the forward, recomputed
+        gamma = tl.cumsum(g, 0)
+        decay = tl.where(causal, tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+        kk = _dot(k, tl.trans(k), SPLIT)
+        t = _unit_lower_inverse(tl.where(strict, beta[:, None] * kk * decay, 0.0), C)
+        eg = tl.exp(gamma)
+        vb = v * beta[:, None]
+        kb = k * (beta * eg)[:, None]
+        w = _dot(t, kb, SPLIT)
+        v_new = _dot(t, vb, SPLIT) - _dot(w, S, SPLIT)
+        qk = _dot(q, tl.trans(k), SPLIT)
+        p = tl.where(causal, qk * decay, 0.0)
+        qd = q * eg[:, None]
+        last = tl.sum(tl.where(rows == C - 1, gamma, 0.0), 0)
+        e_end = tl.exp(last - gamma)
+        k_end = k * e_end[:, None]
+
+        # S_out = exp(Gamma_C-1) S + K_end^T v' (a full chunk), else S
+        d_end = _dot(v_new, tl.trans(dS), SPLIT)                       # dK_end [C, BK]
+        r_end = tl.sum(d_end * k_end, 1)
+        d_last = tl.exp(last) * tl.sum(tl.sum(S * dS, 1), 0) + tl.sum(r_end, 0)
+        dv_new = tl.where(full, _dot(k_end, dS, SPLIT), 0.0)
+        dk = tl.where(full, d_end * e_end[:, None], 0.0)
+        d_gamma = tl.where(full, -r_end, 0.0) + tl.where(full & (rows == C - 1), d_last, 0.0)
+        dS_in = tl.where(full, tl.exp(last) * dS, dS)
+
+        # o = qd S + p v'
+        d_qd = _dot(do, tl.trans(S), SPLIT)                             # [C, BK]
+        dS_in += _dot(tl.trans(qd), do, SPLIT)
+        dq = d_qd * eg[:, None]
+        d_gamma += tl.sum(d_qd * qd, 1)
+        dp = tl.where(causal, _dot(do, tl.trans(v_new), SPLIT), 0.0)
+        dv_new += _dot(tl.trans(p), do, SPLIT)
+
+        # v' = T vb - W S
+        d_w = -_dot(dv_new, tl.trans(S), SPLIT)                        # [C, BK]
+        dS_in -= _dot(tl.trans(w), dv_new, SPLIT)
+        d_t = _dot(dv_new, tl.trans(vb), SPLIT) + _dot(d_w, tl.trans(kb), SPLIT)
+        d_vb = _dot(tl.trans(t), dv_new, SPLIT)
+        d_kb = _dot(tl.trans(t), d_w, SPLIT)
+        d_a = tl.where(strict, -_dot(tl.trans(t), _dot(d_t, tl.trans(t), SPLIT),
+                                         SPLIT), 0.0)
+
+        # vb = beta v, kb = beta exp(Gamma) k
+        dv = d_vb * beta[:, None]
+        d_beta = tl.sum(d_vb * v, 1)
+        s_kb = tl.sum(d_kb * k, 1)
+        dk += d_kb * (beta * eg)[:, None]
+        d_beta += eg * s_kb
+        d_gamma += beta * eg * s_kb
+
+        # p = (q k^T) decay, a = beta_i (k k^T) decay (masked)
+        dm = dp * decay
+        dq += _dot(dm, k, SPLIT)
+        dk += _dot(tl.trans(dm), q, SPLIT)
+        d_kk = d_a * beta[:, None] * decay
+        dk += _dot(d_kk, k, SPLIT) + _dot(tl.trans(d_kk), k, SPLIT)
+        d_beta += tl.sum(d_a * kk * decay, 1)
+        d_x = tl.where(causal, (dp * qk + d_a * beta[:, None] * kk) * decay, 0.0)        # d(Gamma_i - Gamma_j)
+        d_gamma += tl.sum(d_x, 1) - tl.sum(d_x, 0)
+        d_gamma = tl.where(rmask, d_gamma, 0.0)
+        dg = tl.cumsum(d_gamma, 0, reverse=True)                                         # Gamma = cumsum(g)
+
+        tl.store(dq_ptr + (item * C + rows[:, None]) * DK + ck[None, :], dq, mask=kmask)
+        tl.store(dk_ptr + (item * C + rows[:, None]) * DK + ck[None, :], dk, mask=kmask)
+        tl.store(dv_ptr + (item * C + rows[:, None]) * DV + cv[None, :], dv, mask=vmask)
+        tl.store(dg_ptr + item * C + rows, dg, mask=rmask)
+        tl.store(db_ptr + item * C + rows, d_beta, mask=rmask)
+        dS = dS_in
+    tl.store(ds0_ptr + (b * H + h) * DK * DV + s_off, dS, mask=smask)
+
+
+def delta_chunks_backward(q, k, v, g, beta, valid, state, states, d_out, d_states):
+    """Gradients (dq, dk, dv, dg, dbeta, dstate) of :func:`delta_chunks_forward`'s (out, states) given theirs;
+    ``states`` is that forward's (the state after every chunk). Rows past a chunk's valid prefix get zeros."""
+    j, bsz, h, c, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v, g, beta, state, states, d_out, d_states = (
+        _fresh(x) for x in (q, k, v, g, beta, state, states, d_out, d_states))
+    counts = valid.to(device=q.device).sum(-1, dtype=torch.int32).contiguous()
+    grads = [torch.zeros_like(x) for x in (q, k, v, g, beta, state)]
+    if j * bsz * h:
+        delta_bwd_kernel[(bsz, h)](q, k, v, g, beta, counts, state, states, d_out, d_states, *grads, j, bsz, H=h,
+                                   DK=dk, DV=dv, C=c, BK=_block(dk), BV=_block(dv), SPLIT=split_for(torch.float32),
+                                   num_warps=4)
+    return tuple(grads)
 
 
 def _block(d: int) -> int:
@@ -142,9 +295,9 @@ def delta_chunks_forward(q, k, v, g, beta, valid, state, *, store_states: bool, 
     dummy = out
     delta_fwd_kernel[(bsz, h)](q, k, v, g, beta, counts, state, out, dummy if states is None else states,
                                dummy if gamma is None else gamma, dummy if u is None else u, j, bsz, H=h, DK=dk, DV=dv,
-                               C=c, BK=_block(dk), BV=_block(dv), STORE_STATES=store_states, STORE_U=store_u,
-                               num_warps=4)
+                               C=c, BK=_block(dk), BV=_block(dv), SPLIT=split_for(torch.float32),
+                               STORE_STATES=store_states, STORE_U=store_u, num_warps=4)
     return out, states, gamma, u
 
 
-__all__ = ["delta_chunks_forward", "delta_fwd_kernel"]
+__all__ = ["delta_chunks_backward", "delta_chunks_forward", "delta_bwd_kernel", "delta_fwd_kernel"]
