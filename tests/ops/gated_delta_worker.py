@@ -13,8 +13,8 @@ stand-in sm_90 driver installed, before triton is imported).
 * the backward: the gradients of every input (q, k, v, g, beta and the initial state) against float64 autograd of
   that recurrent rule within 1e-4 x the largest gradient, bitwise the same on a second run.
 
-``--sm90``: both kernels compiled for sm_90a at the tiny test shape and at Qwen3-Next's (Dk = Dv = 128); prints
-ptxas's report per kernel."""
+``--sm90 [DK DV ...]``: both kernels compiled for sm_90a at the tiny test shape (and the shapes given, e.g. Qwen3-Next's
+128 128); prints ptxas's report per kernel."""
 
 from __future__ import annotations
 
@@ -190,13 +190,16 @@ def run(examples: int) -> dict:
 
 
 def sm90() -> dict:
-    """Both kernels compiled for sm_90a at Dk x Dv = 8 x 12 and 128 x 128: name, constexprs, ptxas's report."""
+    """Both kernels compiled for sm_90a at Dk x Dv = 8 x 12 (and at each further ``DK DV`` pair on the command line,
+    e.g. ``--sm90 128 128``: Qwen3-Next's, minutes of ptxas): name, constexprs, shared memory, ptxas's report."""
+    import sys
     import torch
     from tests.sm90 import activate_fake_sm90, compile_only_launches, ptxas_report
     activate_fake_sm90()
     compiled = compile_only_launches()
     from rlalign.ops.triton_backend import gated_delta as G
-    for dk, dv in ((DK, DV), (128, 128)):
+    extra = [int(a) for a in sys.argv[2:]]
+    for dk, dv in ((DK, DV), *zip(extra[::2], extra[1::2])):
         q, v, g = torch.zeros(2, 1, 2, C, dk), torch.zeros(2, 1, 2, C, dv), torch.zeros(2, 1, 2, C)
         valid, s, states = torch.ones(2, 1, C, dtype=torch.bool), torch.zeros(1, 2, dk, dv), torch.zeros(2, 1, 2, dk, dv)
         G.delta_chunks_forward(q, q, v, g, g, valid, s, store_states=True, store_u=True)

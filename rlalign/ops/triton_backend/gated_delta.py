@@ -260,8 +260,14 @@ def delta_chunks_backward(q, k, v, g, beta, valid, state, states, d_out, d_state
     if j * bsz * h:
         delta_bwd_kernel[(bsz, h)](q, k, v, g, beta, counts, state, states, d_out, d_states, *grads, j, bsz, H=h,
                                    DK=dk, DV=dv, C=c, BK=_block(dk), BV=_block(dv), SPLIT=split_for(torch.float32),
-                                   num_warps=4)
+                                   num_warps=_warps(dk, dv))
     return tuple(grads)
+
+
+def _warps(dk: int, dv: int) -> int:
+    """Warps per program: 8 from a 64 x 128 state tile on (the register tiles of Qwen3-Next's 128 x 128 heads), else
+    4. A function of the head shape only, as every launch parameter here: one binary per model."""
+    return 8 if _block(dk) * _block(dv) >= 64 * 128 else 4
 
 
 def _block(d: int) -> int:
@@ -296,7 +302,7 @@ def delta_chunks_forward(q, k, v, g, beta, valid, state, *, store_states: bool, 
     delta_fwd_kernel[(bsz, h)](q, k, v, g, beta, counts, state, out, dummy if states is None else states,
                                dummy if gamma is None else gamma, dummy if u is None else u, j, bsz, H=h, DK=dk, DV=dv,
                                C=c, BK=_block(dk), BV=_block(dv), SPLIT=split_for(torch.float32),
-                               STORE_STATES=store_states, STORE_U=store_u, num_warps=4)
+                               STORE_STATES=store_states, STORE_U=store_u, num_warps=_warps(dk, dv))
     return out, states, gamma, u
 
 
