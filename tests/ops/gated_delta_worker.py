@@ -60,8 +60,9 @@ class Scanner:
     """Runs pieces [start, end) of sequences through the forward kernel, keeping each sequence's state after every
     chunk it closed (what the engine's pages keep)."""
 
-    def __init__(self, forward):
+    def __init__(self, forward, engine: bool = True):
         self.forward = forward
+        self.engine = engine    # the engine's calls also ask for Gamma and U; training's do not
         self.closed = {}    # (sequence id, chunk index) -> state after it
 
     def run(self, pieces):
@@ -72,7 +73,7 @@ class Scanner:
         (q, k, v, g, beta), valid = scan_inputs(seqs, starts, ends)
         state = torch.stack([self.closed[(sid, s // C - 1)] if s >= C else torch.zeros(H, DK, DV)
                              for sid, _, s, _ in pieces])
-        out, states, _, _ = self.forward(q, k, v, g, beta, valid, state, store_states=True, store_u=True)
+        out, states, _, _ = self.forward(q, k, v, g, beta, valid, state, store_states=True, store_u=self.engine)
         results = []
         for b, (sid, _, s, e) in enumerate(pieces):
             f = s // C
@@ -110,13 +111,13 @@ def check_paths(forward, lengths, cuts, seed) -> int:
     first cut at ``cuts`` into prefill pieces; its tail decoded one token at a time (the last few tokens, crossing
     a chunk boundary where it has one). Returns the number of comparisons."""
     seqs = [sequence(n, seed + i) for i, n in enumerate(lengths)]
-    alone = [Scanner(forward).run([(0, s, 0, n)])[0] for s, n in zip(seqs, lengths)]
+    alone = [Scanner(forward, engine=False).run([(0, s, 0, n)])[0] for s, n in zip(seqs, lengths)]
     for i, s in enumerate(seqs):
         ref = recurrent64(*s)
         err = float((alone[i].double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
         if not err <= FWD_TOL:
             raise AssertionError(f"length {lengths[i]}: {err:.2e} from the float64 recurrent rule")
-    packed = Scanner(forward).run([(i, s, 0, n) for i, (s, n) in enumerate(zip(seqs, lengths))])
+    packed = Scanner(forward, engine=False).run([(i, s, 0, n) for i, (s, n) in enumerate(zip(seqs, lengths))])
     for i in range(len(seqs)):
         bits_equal(packed[i], alone[i], f"sequence {i} of {lengths}: packed (at {i}) vs alone")
     count = len(seqs)

@@ -16,8 +16,9 @@ The formula is ``ops.gated_delta.delta_chunks``' (chunks of C = spec.GDN_CHUNK r
 Why a row's bits do not depend on how its sequence was cut (packed training == any chunked prefill == decode):
 every chunk runs the same compiled kernel on tiles of one shape (C rows, Dk and Dv padded to powers of two fixed by
 the model), whatever the number of chunks, sequences or valid rows; the integer arguments that vary with the batch
-are not specialised on (``do_not_specialize``) and every pointer is a fresh contiguous tensor, so the binary and its
-register layouts are the same for every call. In that binary row i of each result reads rows <= i only: the cumsum
+or the caller (chunk and sequence counts, what is stored) are not specialised on (``do_not_specialize``) and every
+pointer is a fresh contiguous tensor, so the binary and its register layouts -- which fix the order of each
+``tl.sum`` and scan -- are the same for every call. In that binary row i of each result reads rows <= i only: the cumsum
 is a prefix scan; T's row i is written from A's row i and T's rows < i (later rows are still +0); every product
 is the backend's one matrix primitive (``_common.mma``: fp32 operands split bf16x3, fp32 accumulation, wgmma on
 Hopper -- an output element's sum over K does not depend on the tile's other rows, the property every strict GEMM
@@ -98,12 +99,13 @@ def _chunk_terms(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, S, DK: tl.constexpr
     return o, tl.where(n == C, moved, S), gamma, uv, w
 
 
-@triton.jit(do_not_specialize=["J", "B"])
+@triton.jit(do_not_specialize=["J", "B", "store_states", "store_u"])
 def delta_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, n_ptr, s0_ptr, o_ptr, states_ptr, gamma_ptr, u_ptr,
-                     J, B, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, STORE_STATES: tl.constexpr,
-                     STORE_U: tl.constexpr):
-    """Program (b, h): chunks j = 0 .. J-1 of sequence b, head h, in order (module docstring)."""
+                     J, B, store_states, store_u, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (b, h): chunks j = 0 .. J-1 of sequence b, head h, in order (module docstring). ``store_states`` and
+    ``store_u`` are run-time flags, not constexprs: training (no Gamma / U) and the engine (both) run one binary,
+    so the same register layouts and reduction orders."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     rows = tl.arange(0, C)
@@ -120,9 +122,9 @@ def delta_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, n_ptr, s0_ptr, o_ptr, st
         rmask = rows < n
         tl.store(o_ptr + (item * C + rows[:, None]) * DV + cv[None, :], o,
                  mask=rmask[:, None] & (cv < DV)[None, :])
-        if STORE_STATES:
+        if store_states != 0:
             tl.store(states_ptr + item * DK * DV + s_off, S, mask=smask)
-        if STORE_U:   # per row: Gamma, then U = [Uv | W] (ops.gated_delta.delta_chunks' ``gamma``, ``u``)
+        if store_u != 0:   # per row: Gamma, then U = [Uv | W] (ops.gated_delta.delta_chunks' ``gamma``, ``u``)
             tl.store(gamma_ptr + item * C + rows, gamma, mask=rmask)
             u_row = (item * C + rows[:, None]) * (DV + DK)
             tl.store(u_ptr + u_row + cv[None, :], uv, mask=rmask[:, None] & (cv < DV)[None, :])
@@ -265,9 +267,9 @@ def delta_chunks_backward(q, k, v, g, beta, valid, state, states, d_out, d_state
 
 
 def _warps(dk: int, dv: int) -> int:
-    """Warps per program: 8 from a 64 x 128 state tile on (the register tiles of Qwen3-Next's 128 x 128 heads), else
-    4. A function of the head shape only, as every launch parameter here: one binary per model."""
-    return 8 if _block(dk) * _block(dv) >= 64 * 128 else 4
+    """Warps per program: 8 (two warpgroups; the C x C tiles alone take 16 registers a thread, and the kernels hold
+    about ten). A function of the head shape only, as every launch parameter here: one binary per model."""
+    return 8
 
 
 def _block(d: int) -> int:
@@ -300,9 +302,9 @@ def delta_chunks_forward(q, k, v, g, beta, valid, state, *, store_states: bool, 
         return out, states, gamma, u
     dummy = out
     delta_fwd_kernel[(bsz, h)](q, k, v, g, beta, counts, state, out, dummy if states is None else states,
-                               dummy if gamma is None else gamma, dummy if u is None else u, j, bsz, H=h, DK=dk, DV=dv,
-                               C=c, BK=_block(dk), BV=_block(dv), SPLIT=split_for(torch.float32),
-                               STORE_STATES=store_states, STORE_U=store_u, num_warps=_warps(dk, dv))
+                               dummy if gamma is None else gamma, dummy if u is None else u, j, bsz, int(store_states),
+                               int(store_u), H=h, DK=dk, DV=dv, C=c, BK=_block(dk), BV=_block(dv),
+                               SPLIT=split_for(torch.float32), num_warps=_warps(dk, dv))
     return out, states, gamma, u
 
 
