@@ -93,3 +93,14 @@ def test_grpo_on_cuda_has_zero_mismatches(triton_backend, family, tmp_path):
     after = load_file(next(run_dir.glob("**/policy/model.safetensors")))
     for name in trained:
         assert not torch.equal(before[name], after[name]), f"{name} did not train"
+
+
+def test_engine_decodes_linear_attention_eagerly_on_cuda(triton_backend):
+    """Gated-DeltaNet layers plan each step on the host: no decode graphs ('auto'), 'on' refused in one line."""
+    from rlalign.rollout.config import RolloutConfig
+    from rlalign.rollout.device_setup import decode_graph_mode
+    from rlalign.rollout.errors import RolloutConfigError
+    model = _model(False, "bfloat16")
+    assert decode_graph_mode(RolloutConfig(decode_graphs="auto"), model) is None
+    with pytest.raises(RolloutConfigError, match="cannot capture a model with linear-attention"):
+        decode_graph_mode(RolloutConfig(decode_graphs="on"), model)
