@@ -13,6 +13,10 @@ stand-in sm_90 driver installed, before triton is imported).
 * the backward: the gradients of every input (q, k, v, g, beta and the initial state) against float64 autograd of
   that recurrent rule within 1e-4 x the largest gradient, bitwise the same on a second run.
 
+``--interpret model`` (not run by the CI: ~30 s): the tiny Qwen3-Next models (dense and sparse, fp32) with their rule
+routed to these kernels -- packed == random prefill pieces and decode steps through the paged cache, hidden rows bit
+for bit; the parameters' gradients twice (bitwise equal) and within 1e-4 of the CPU formula's.
+
 ``--sm90 [DK DV ...]``: both kernels compiled for sm_90a at the tiny test shape (and the shapes given, e.g. Qwen3-Next's
 128 128); prints ptxas's report per kernel."""
 
@@ -190,6 +194,38 @@ def run(examples: int) -> dict:
             "gradient_errors": check_gradients(delta_chunks_forward, delta_chunks_backward)}
 
 
+def route_rule_to_kernels() -> None:
+    """Make ``ops.gated_delta.delta_chunks`` take its CUDA branch (the kernels) for CPU tensors in this process."""
+    import inspect
+    import rlalign.ops.gated_delta as gd
+    from rlalign.ops.triton_backend.gated_delta import delta_chunks_backward, delta_chunks_forward
+    kernels = {"delta_chunks": delta_chunks_forward, "delta_chunks_backward": delta_chunks_backward}
+    gd.strict_impl = lambda op, device, profile=None: kernels[op]
+    source = inspect.getsource(gd.delta_chunks)
+    assert 'if q.device.type == "cpu":' in source
+    exec(compile(source.replace('if q.device.type == "cpu":', "if False:"), gd.__file__, "exec"), gd.__dict__)
+
+
+def model_paths() -> dict:
+    """``--interpret model`` (module docstring)."""
+    import torch
+    from tests.cuda.test_cuda_qwen3_next import _model, _packed_grads
+    from tests.models.test_qwen3_next import check_random_pieces
+    seqs = [list(range(3, 3 + C + 7)), [5, 9, 11]]
+    reference = _packed_grads(_model(False, "float32", "cpu"), seqs)     # the CPU formula's
+    route_rule_to_kernels()
+    check_random_pieces(_model(False, "float32", "cpu"), [C + 3, 5], 1, 16)
+    check_random_pieces(_model(True, "float32", "cpu"), [C + 1, 2], 2, 5)
+    first, second = (_packed_grads(_model(False, "float32", "cpu"), seqs) for _ in range(2))
+    worst = 0.0
+    for name, g in first.items():
+        bits_equal(second[name], g, f"{name}: second backward")
+        worst = max(worst, float((g - reference[name]).abs().max() / reference[name].abs().max().clamp(min=1e-30)))
+    if not worst <= GRAD_TOL:
+        raise AssertionError(f"model gradients {worst:.2e} from the CPU formula's")
+    return {"model_gradient_error": worst}
+
+
 def sm90() -> dict:
     """Both kernels compiled for sm_90a at Dk x Dv = 8 x 12 (and at each further ``DK DV`` pair on the command line,
     e.g. ``--sm90 128 128``: Qwen3-Next's, minutes of ptxas): name, constexprs, shared memory, ptxas's report."""
@@ -212,4 +248,4 @@ def sm90() -> dict:
 
 if __name__ == "__main__":
     from tests.workers import worker_main
-    worker_main(sm90, lambda args: run(int(args[0])))
+    worker_main(sm90, lambda args: model_paths() if args[0] == "model" else run(int(args[0])))
