@@ -243,7 +243,8 @@ def op_delta_chunks(device, gen):
     c, h, d = spec.GDN_CHUNK, 2, 16
     seqs = []
     for n in (70, 1):
-        q, k = gd.l2_normalize(_randn(gen, n, h, d, device=device)), gd.l2_normalize(_randn(gen, n, h, d, device=device))
+        q = gd.l2_normalize(_randn(gen, n, h, d, device=device))
+        k = gd.l2_normalize(_randn(gen, n, h, d, device=device))
         seqs.append([q * d ** -0.5, k, _randn(gen, n, h, d, device=device),
                      -0.5 * _randn(gen, n, h, device=device).abs(), _randn(gen, n, h, device=device).sigmoid()])
 

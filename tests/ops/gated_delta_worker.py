@@ -70,7 +70,8 @@ class Scanner:
         self.closed = {}    # (sequence id, chunk index) -> state after it
 
     def run(self, pieces):
-        """pieces: [(sequence id, inputs, start, end)] -> the outputs of positions [start, end) per piece, [n, H, Dv]."""
+        """pieces: [(sequence id, inputs, start, end)] -> per piece the outputs of positions [start, end)
+        ([n, H, Dv])."""
         import torch
         seqs = [p[1] for p in pieces]
         starts, ends = [p[2] for p in pieces], [p[3] for p in pieces]
@@ -238,7 +239,8 @@ def sm90() -> dict:
     extra = [int(a) for a in sys.argv[2:]]
     for dk, dv in ((DK, DV), *zip(extra[::2], extra[1::2])):
         q, v, g = torch.zeros(2, 1, 2, C, dk), torch.zeros(2, 1, 2, C, dv), torch.zeros(2, 1, 2, C)
-        valid, s, states = torch.ones(2, 1, C, dtype=torch.bool), torch.zeros(1, 2, dk, dv), torch.zeros(2, 1, 2, dk, dv)
+        valid, s = torch.ones(2, 1, C, dtype=torch.bool), torch.zeros(1, 2, dk, dv)
+        states = torch.zeros(2, 1, 2, dk, dv)
         G.delta_chunks_forward(q, q, v, g, g, valid, s, store_states=True, store_u=True)
         G.delta_chunks_backward(q, q, v, g, g, valid, s, states, v, states)
     return {"kernels": [{"kernel": c.name, "args": {k: str(v) for k, v in c.kwargs.items()},
