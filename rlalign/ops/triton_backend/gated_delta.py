@@ -113,9 +113,9 @@ def delta_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, n_ptr, s0_ptr, o_ptr, st
     cv = tl.arange(0, BV)
     smask = (ck < DK)[:, None] & (cv < DV)[None, :]
     s_off = ck[:, None] * DV + cv[None, :]
-    S = tl.load(s0_ptr + (b * H + h) * DK * DV + s_off, mask=smask, other=0.0)
+    S = tl.load(s0_ptr + (b * H + h).to(tl.int64) * DK * DV + s_off, mask=smask, other=0.0)
     for j in range(J):
-        item = (j * B + b) * H + h
+        item = (j * B + b).to(tl.int64) * H + h   # int64: offsets past 2**31 elements at long packed batches
         n = tl.load(n_ptr + j * B + b)
         o, S, gamma, uv, w = _chunk_terms(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, S, DK, DV, C, BK, BV,
                                                  SPLIT)
@@ -160,16 +160,17 @@ def delta_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, n_ptr, s0_ptr, states_pt
     dS = tl.zeros((BK, BV), dtype=tl.float32)
     for jj in range(J):
         j = J - 1 - jj
-        item = (j * B + b) * H + h
+        item = (j * B + b).to(tl.int64) * H + h   # int64: offsets past 2**31 elements at long packed batches
         n = tl.load(n_ptr + j * B + b)
         full = n == C
         rmask = rows < n
         kmask = rmask[:, None] & (ck < DK)[None, :]
         vmask = rmask[:, None] & (cv < DV)[None, :]
         if j == 0:
-            S = tl.load(s0_ptr + (b * H + h) * DK * DV + s_off, mask=smask, other=0.0)
+            S = tl.load(s0_ptr + (b * H + h).to(tl.int64) * DK * DV + s_off, mask=smask, other=0.0)
         else:
-            S = tl.load(states_ptr + ((j - 1) * B + b) * H * DK * DV + h * DK * DV + s_off, mask=smask, other=0.0)
+            before = ((j - 1) * B + b).to(tl.int64) * H + h                    # the chunk before's item
+            S = tl.load(states_ptr + before * DK * DV + s_off, mask=smask, other=0.0)
         dS = dS + tl.load(dstates_ptr + item * DK * DV + s_off, mask=smask, other=0.0)   # dS_out
         q = tl.load(q_ptr + (item * C + rows[:, None]) * DK + ck[None, :], mask=kmask, other=0.0)
         k = tl.load(k_ptr + (item * C + rows[:, None]) * DK + ck[None, :], mask=kmask, other=0.0)
@@ -247,7 +248,7 @@ def delta_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, n_ptr, s0_ptr, states_pt
         tl.store(dg_ptr + item * C + rows, dg, mask=rmask)
         tl.store(db_ptr + item * C + rows, d_beta, mask=rmask)
         dS = dS_in
-    tl.store(ds0_ptr + (b * H + h) * DK * DV + s_off, dS, mask=smask)
+    tl.store(ds0_ptr + (b * H + h).to(tl.int64) * DK * DV + s_off, dS, mask=smask)
 
 
 def delta_chunks_backward(q, k, v, g, beta, valid, state, states, d_out, d_states):
