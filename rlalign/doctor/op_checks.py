@@ -262,7 +262,8 @@ def op_delta_chunks(device, gen):
         pos = torch.tensor([s // c * c for _, s, _, _ in items]).view(1, -1, 1) + torch.arange(j * c).view(j, 1, c)
         valid = pos < torch.tensor([e for _, _, e, _ in items]).view(1, -1, 1)
         state = torch.stack([st for *_, st in items])
-        out, states, _, _ = gd.delta_chunks(*parts, valid, state, profile="strict")
+        # known = no rows computed before: the engine's call, which returns the states after the chunks
+        out, states, _, _ = gd.delta_chunks(*parts, valid, state, known=(0, None, None), profile="strict")
         rows = [out[:, b].transpose(1, 2).reshape(-1, h, d)[s - s // c * c:e - s // c * c]
                 for b, (_, s, e, _) in enumerate(items)]
         return rows, states

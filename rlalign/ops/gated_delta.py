@@ -137,17 +137,19 @@ def delta_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
     CPU: :func:`chunk_formula`. CUDA: the Triton chunk kernel (module docstring), the same results except that it
     recomputes a decode step's earlier rows from their stored inputs instead of reading ``known`` (the same bits:
-    a row's bits depend only on the rows before it), returns gamma and u only when ``known`` is given (the engine
-    stores them; training does not read them) and leaves ``states`` of a chunk that is not full at the state before
-    it (the formula's is meaningless there; neither is ever read)."""
+    a row's bits depend only on the rows before it), returns states, gamma and u only when ``known`` is given (the
+    engine stores them) or gradients are recorded (states only: the backward reads them), None otherwise, and leaves
+    ``states`` of a chunk that is not full at the state before it (the formula's is meaningless there; neither is
+    ever read)."""
     _check("delta_chunks", profile, q, k, v, g, beta, state)
     if q.device.type == "cpu":
         return chunk_formula(q, k, v, g, beta, valid, state, known=known)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state)):
         out, states = _KernelRule.apply(q, k, v, g, beta, valid, state)
         return out, states, None, None
+    engine = known is not None   # the engine's paged path stores the states, Gamma and U; a packed forward needs none
     out, states, gamma, u = strict_impl("delta_chunks", q.device, profile)(
-        q, k, v, g, beta, valid, state, store_states=True, store_u=known is not None)
+        q, k, v, g, beta, valid, state, store_states=engine, store_u=engine)
     if known is not None and known[0]:   # the op's contract: rows < first are the caller's, left zero here
         out[..., :min(known[0], q.shape[-2]), :] = 0.0
     return out, states, gamma, u
