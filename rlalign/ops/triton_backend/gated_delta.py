@@ -40,7 +40,6 @@ from rlalign.contract.errors import fail
 from rlalign.ops.triton_backend._common import mma, split_for
 
 
-
 @triton.jit
 def _dot(a, b, SPLIT: tl.constexpr):
     """a @ b in fp32 by the backend's one matrix primitive (``_common.mma``: fp32 operands split bf16x3 on the GPU,
