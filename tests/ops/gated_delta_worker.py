@@ -209,7 +209,6 @@ def route_rule_to_kernels() -> None:
 
 def model_paths() -> dict:
     """``--interpret model`` (module docstring)."""
-    import torch
     from tests.cuda.test_cuda_qwen3_next import _model, _packed_grads
     from tests.models.test_qwen3_next import check_random_pieces
     seqs = [list(range(3, 3 + C + 7)), [5, 9, 11]]
