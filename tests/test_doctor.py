@@ -12,7 +12,8 @@ def test_doctor_json_is_green_on_this_machine():
     report = json.loads(out.stdout)
     assert out.returncode == 0, [c for c in report["checks"] if not c["holds"]]
     assert report["ok"] is True and report["device"] == "cpu"
-    assert {c["op"] for c in report["checks"]} >= {"linear", "rms_norm", "attention", "logprob/entropy", "sample", "model"}
+    assert {c["op"] for c in report["checks"]} >= {"linear", "rms_norm", "attention", "logprob/entropy", "sample", "model",
+                                                "delta_chunks"}
     assert all(set(c) >= {"op", "invariance", "holds"} for c in report["checks"])
     assert report["environment"]["torch"]
     assert {c["op"] for c in report["checks"]} >= {"MKL (library)", "across machines"}

@@ -37,7 +37,7 @@ PATTERNS = {
     "removed notes": re.compile(r"docs/LOG\.md|\bRESULTS\.md"),
     "removed raw output": re.compile(
         r"(?<![\w/.])bench/"                           # the top-level bench/ folder (now benchmarks/)
-        r"|benchmarks/gpu_(?!(?:attention|linear|logprob|moe)\.py\b|\*\.py)"   # dated GPU output folders
+        r"|benchmarks/gpu_(?!(?:attention|gated_delta|linear|logprob|moe)\.py\b|\*\.py)"   # dated GPU output folders
         r"|benchmarks/runs/"),
     "removed device scripts": re.compile(
         r"\b(?:gpu_(?:headline|moe|check|suite|verify|multi|common|e2e|learn_sweep|perf|rollout|stages)"

@@ -124,12 +124,17 @@ CONTRACT: tuple[OpContract, ...] = (
         "attention: sliding window and sinks (gpt-oss)", "as attention",
         "as attention: the key blocks stay on the grid of absolute positions; a window of w keys is a mask (a query "
         "at position p sees keys p - w < pos <= p), so its first key may lie anywhere inside a block; the torch "
-        "backend's formulation only (the compiled CPU kernels and the Triton kernels implement neither: the op "
-        "refuses on the Triton backend; the native profile runs one padded SDPA call with an explicit mask)",
+        "backend's formulation (the compiled CPU kernels implement neither) and the Triton kernels (their "
+        "one-program-per-item launch: a tile starts at the first block its first row's window reaches -- the blocks "
+        "before it hold no key any of its rows sees -- and the key splits stay where they are, each merged into the "
+        "rows that see a key of it); the native profile runs one padded SDPA call with an explicit mask (packed) or "
+        "the Triton paged kernel (paged, on CUDA)",
         "as attention, with every block the window leaves without a visible key selected away (a query that saw no "
         "block yet starts from the fresh state at its first visible block); after the last block the head's sink "
         "logit s is folded in as one more step: m' = max(m, s), l' = l exp(m - m') + exp(s - m'), "
-        "acc' = acc exp(m - m') (the sink has no value)",
+        "acc' = acc exp(m - m') (the sink has no value; the Triton kernels fold it after the last split's merge, "
+        "base 2, the l' sum one explicit fma); the backward's sink gradient -sum_t exp(s - lse_t) delta_t sums the "
+        "tokens by the fixed pairwise tree (both backends)",
         "as attention; the sink logits upcast to fp32",
         "one rounding of acc' / l' to the input dtype",
         "as attention",

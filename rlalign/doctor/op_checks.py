@@ -9,6 +9,7 @@ from rlalign import ops
 from rlalign.contract import spec
 from rlalign.contract.bits import bits_equal
 from rlalign.doctor.base import Check, randn as _randn
+from rlalign.ops import gated_delta as gd
 from rlalign.ops.torch_backend import linear as torch_linear, primitives
 
 def op_linear_batch(device, gen):
@@ -236,6 +237,51 @@ def op_sampled_logprob(device, gen):
     return True
 
 
+def op_delta_chunks(device, gen):
+    """Gated-DeltaNet's rule: a 70-token sequence packed with a 1-token one == alone == cut into a prefill of 61 tokens
+    and 9 one-token decode steps across the chunk boundary (each from the state its chunk starts from)."""
+    c, h, d = spec.GDN_CHUNK, 2, 16
+    seqs = []
+    for n in (70, 1):
+        q = gd.l2_normalize(_randn(gen, n, h, d, device=device))
+        k = gd.l2_normalize(_randn(gen, n, h, d, device=device))
+        seqs.append([q * d ** -0.5, k, _randn(gen, n, h, d, device=device),
+                     -0.5 * _randn(gen, n, h, device=device).abs(), _randn(gen, n, h, device=device).sigmoid()])
+
+    def scan(items):
+        """items [(inputs, start, end, state at chunk start // C)] -> (out rows [start, end) each, states)."""
+        j = max((e - 1) // c - s // c + 1 for _, s, e, _ in items)
+        parts = []
+        for x in range(5):
+            rows = []
+            for inputs, s, e, _ in items:
+                r = inputs[x][s // c * c:e]
+                rows.append(torch.cat([r, r.new_zeros((j * c - r.shape[0],) + tuple(r.shape[1:]))]).view(
+                    j, c, *r.shape[1:]).transpose(1, 2))
+            parts.append(torch.stack(rows, dim=1))
+        pos = torch.tensor([s // c * c for _, s, _, _ in items]).view(1, -1, 1) + torch.arange(j * c).view(j, 1, c)
+        valid = pos < torch.tensor([e for _, _, e, _ in items]).view(1, -1, 1)
+        state = torch.stack([st for *_, st in items])
+        # known = no rows computed before: the engine's call, which returns the states after the chunks
+        out, states, _, _ = gd.delta_chunks(*parts, valid, state, known=(0, None, None), profile="strict")
+        rows = [out[:, b].transpose(1, 2).reshape(-1, h, d)[s - s // c * c:e - s // c * c]
+                for b, (_, s, e, _) in enumerate(items)]
+        return rows, states
+
+    zero = torch.zeros(h, d, d, device=device)
+    with torch.no_grad():
+        (packed, single), _ = scan([(seqs[0], 0, 70, zero), (seqs[1], 0, 1, zero)])
+        (alone,), states = scan([(seqs[0], 0, 70, zero)])
+        if not (bits_equal(packed, alone) and bits_equal(single, scan([(seqs[1], 0, 1, zero)])[0][0])):
+            return False, "a sequence packed with another differs from the sequence alone"
+        pieces = [scan([(seqs[0], 0, 61, zero)])[0][0]]
+        for t in range(61, 70):
+            pieces.append(scan([(seqs[0], t, t + 1, zero if t < c else states[0, 0])])[0][0])
+        if not bits_equal(torch.cat(pieces), alone):
+            return False, "prefill + decode steps differ from the sequence in one call"
+    return True
+
+
 CHECKS: tuple[Check, ...] = (
     Check("linear", "batch size 1..512 (bf16, fp32)", op_linear_batch),
     Check("linear", "narrow N (1-9) and odd K, with/without K partition: batch size, row order (bf16, fp32)",
@@ -252,4 +298,6 @@ CHECKS: tuple[Check, ...] = (
     Check("sample", "token independent of batch", op_sample_batch),
     Check("sampled_logprob", "engine == trainer (kept set and bits), token alone == in batch, token chunks",
           op_sampled_logprob),
+    Check("delta_chunks", "Gated-DeltaNet: packed == alone == prefill + decode across a chunk boundary",
+          op_delta_chunks),
 )

@@ -83,11 +83,11 @@ class GatedDeltaNet(nn.Module):
         plan = _Plan(batch, self.shape.conv_kernel)
         store = None if batch.kv_cache is None else batch.kv_cache.linear[self.layer_index]
         if store is None:
-            taps = _gather(mixed, plan.tap_rows)
+            taps = _gather_taps(mixed, plan.tap_rows)
         else:
             flat_conv = store.conv.view(-1, store.conv.shape[-1])
             flat_conv.index_copy_(0, plan.slots, mixed.detach())
-            taps = _gather(flat_conv, plan.tap_rows)
+            taps = _gather_taps(flat_conv, plan.tap_rows)
         rows = self.delta_rows(gd.short_conv(taps, self.conv1d.weight.squeeze(1)), b, a)
         state0 = plan.initial_states(store, self.shape, rows)
         if store is None:
@@ -145,11 +145,19 @@ class _GatedNormWeight(nn.Module):
 
 
 def _gather(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """source rows at ``index`` (any shape; -1: a zero row), differentiable in ``source``."""
-    flat = index.reshape(-1)
+    """source rows at ``index`` (any shape, on any device; -1: a zero row), differentiable in ``source``. The
+    backward adds the gradients of rows picked twice in an order CUDA does not fix (atomics): call it with indices
+    that pick a row at most once, or only -1 twice (those gradients are exact zeros)."""
+    flat = index.reshape(-1).to(source.device)
     picked = source.index_select(0, flat.clamp(min=0))
     picked = torch.where((flat >= 0).unsqueeze(-1), picked, torch.zeros((), dtype=source.dtype))
     return picked.view(*index.shape, source.shape[-1])
+
+
+def _gather_taps(source: torch.Tensor, tap_rows: torch.Tensor) -> torch.Tensor:
+    """[T, K, D]: the conv taps of every token, one gather per tap (a source row is tap t of at most one token), so
+    the backward sums a row's K tap gradients in autograd's fixed order, not by atomics (deterministic on CUDA)."""
+    return torch.stack([_gather(source, tap_rows[:, t]) for t in range(tap_rows.shape[1])], dim=1)
 
 
 class _Plan:
@@ -217,7 +225,7 @@ class _Plan:
         end = self.first_chunk * spec.GDN_CHUNK - 1            # the last token of the chunk before
         page, sub = self._state_slot(np.arange(self.bsz), end)
         saved = store.states[torch.from_numpy(page), torch.from_numpy(sub)]
-        return torch.where(torch.from_numpy(self.first_chunk > 0).view(-1, 1, 1, 1), saved, zeros)
+        return torch.where(torch.from_numpy(self.first_chunk > 0).view(-1, 1, 1, 1).to(zeros.device), saved, zeros)
 
     def _state_slot(self, seq: np.ndarray, end: np.ndarray):
         ps = self.page_size

@@ -16,8 +16,8 @@ not. FFN (``ffn_kind="moe"`` when a layer is sparse, else "dense"): a sparse lay
 ``norm_topk_prob``) plus a shared expert MLP of ``shared_expert_intermediate_size`` scaled by
 sigmoid(``shared_expert_gate``(x)) (rlalign.models.moe.SharedExpertMoE); the others the dense SiLU MLP of
 ``intermediate_size``. Not served: the transformers patch and
-the vLLM plugin (``Family.integrations=False``), tensor parallelism, the native profile and GPUs for the
-linear-attention layers (refused in one line by their ops). Multi-token-prediction layers (``mtp_num_hidden_layers``,
+the vLLM plugin (``Family.integrations=False``), tensor parallelism, the native profile for the linear-attention
+layers (refused in one line by their ops); on CUDA the rule runs the Triton backend's chunk kernel. Multi-token-prediction layers (``mtp_num_hidden_layers``,
 the ``mtp.*`` tensors): kept in config.json, their weights ignored on load as transformers ignores them.
 """
 

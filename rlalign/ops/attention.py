@@ -7,8 +7,9 @@ keys into splits of ``ATTN_KV_SPLIT`` absolute positions merged in order, see
 :mod:`rlalign.ops.triton_backend.attention`), so a token's output has the same bits in a packed
 training forward, a one-shot or chunked prefill and step-by-step decode, whatever the page layout,
 page size or the other sequences in the call. A sliding window and attention sinks (gpt-oss: ``window=`` /
-``sinks=``) keep that promise on the torch backend; the Triton kernels refuse them (native: one padded SDPA
-call with an explicit mask; its paged route on CUDA refuses).
+``sinks=``) keep that promise on both backends (the Triton backend's paged calls then take its
+one-program-per-item launch). Native: packed varlen is one padded SDPA call with an explicit mask; paged on
+CUDA is the Triton paged kernel with the window and the sinks where it runs, else the SDPA gather.
 Native (the fast non-deterministic baseline), no guarantee: packed varlen runs the flash-attention
 varlen kernel (``aten._flash_attention_forward``/``_backward`` with cu_seqlens: no padding) on CUDA
 when it is available for the tensors, else one padded ``scaled_dot_product_attention`` call (with a
@@ -77,12 +78,19 @@ def _check_cu(op: str, name: str, cu: torch.Tensor, total: int) -> list[int]:
     return vals
 
 
+def _check_value_width(op: str, dv: int) -> None:
+    if dv == 0:
+        raise fail(op, "v's head_dim must be > 0")
+
+
 def _check_varlen(q, k, v, cu_seqlens, strict: bool) -> None:
     op = "attention_varlen"
     for name, t in (("q", q), ("k", k), ("v", v)):
         chk.ndim(op, name, t, 3)
-    if k.shape != v.shape:
-        raise fail(op, f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape [T, Hkv, D]")
+    if k.shape[:2] != v.shape[:2]:
+        raise fail(op, f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, Hkv, D] and [T, Hkv, Dv] with the "
+                       "same T and Hkv")
+    _check_value_width(op, v.shape[2])
     if q.shape[0] != k.shape[0]:
         raise fail(op, f"q has {q.shape[0]} tokens but k/v have {k.shape[0]}")
     _check_heads(op, q, k.shape[1], k.shape[2])
@@ -126,9 +134,11 @@ def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, stric
     op = "attention_paged"
     chk.ndim(op, "q", q, 3)
     chk.ndim(op, "k_cache", k_cache, 4)
-    if k_cache.shape != v_cache.shape:
-        raise fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same "
-                       "shape [num_pages, page_size, Hkv, D]")
+    chk.ndim(op, "v_cache", v_cache, 4)
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be "
+                       "[num_pages, page_size, Hkv, D] and [num_pages, page_size, Hkv, Dv] with the same first three")
+    _check_value_width(op, v_cache.shape[3])
     num_pages, page_size, hkv, d = k_cache.shape
     if page_size == 0:
         raise fail(op, "page_size must be > 0")
@@ -150,8 +160,9 @@ def _check_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, stric
 
 def _check_window_sinks(op: str, q: torch.Tensor, window, sinks, strict: bool) -> int | None:
     """window: None or an int >= 1; sinks: None or a finite [Hq] float tensor on q's device. Strict: the torch
-    backend only (the Triton kernels refuse in one line rather than ignore the window or the sinks). Native: one
-    padded SDPA call with an explicit mask (the paged route on CUDA refuses). Returns the window (or None)."""
+    and the Triton backends (another backend refuses in one line rather than ignore the window or the sinks).
+    Native: packed, one padded SDPA call with an explicit mask; paged, :func:`_native_paged_window_sinks`.
+    Returns the window (or None)."""
     if window is None and sinks is None:
         return None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -163,12 +174,9 @@ def _check_window_sinks(op: str, q: torch.Tensor, window, sinks, strict: bool) -
             raise fail(op, f"sinks must be floating point, got {sinks.dtype}")
         chk.same_device(op, q, sinks)
     if not strict:
-        if op == "attention_paged" and q.is_cuda:
-            raise fail(op, "sliding-window / sink attention: the native profile's paged route on CUDA (the Triton "
-                           "paged kernel, decode graphs) implements neither; use the strict profile")
         return window
     backend = backend_name(q.device)
-    if backend != "torch":
+    if backend not in ("torch", "triton"):
         raise fail(op, f"sliding-window / sink attention is not implemented by the {backend} backend's kernels "
                        "(strict runs it on the torch backend: the CPU, or RLALIGN_BACKEND=torch)")
     if sinks is not None:
@@ -186,17 +194,21 @@ def _checked_slots(op: str, slot_mapping: torch.Tensor, n_slots: int, device) ->
     return slots
 
 
-def _check_write(op: str, k, v, k_cache, v_cache, slot_mapping) -> None:
-    """A KV-cache write's argument checks (write_kv_cache's and rope_write_kv's)."""
+def _check_write(op: str, k, v, k_cache, v_cache, slot_mapping, one_width: bool = True) -> None:
+    """A KV-cache write's argument checks (write_kv_cache's and rope_write_kv's). ``one_width``: v's head width
+    must be k's (rope_write_kv); otherwise V (and v_cache) may have a head width Dv of its own."""
     for name, t in (("k", k), ("v", v)):
         chk.ndim(op, name, t, 3)
     chk.ndim(op, "k_cache", k_cache, 4)
-    if k.shape != v.shape or k_cache.shape != v_cache.shape:
+    chk.ndim(op, "v_cache", v_cache, 4)
+    same = (k.shape == v.shape and k_cache.shape == v_cache.shape if one_width
+            else k.shape[:2] == v.shape[:2] and k_cache.shape[:3] == v_cache.shape[:3])
+    if not same:
         raise fail(op, f"k {tuple(k.shape)} / v {tuple(v.shape)} and k_cache {tuple(k_cache.shape)} / "
                        f"v_cache {tuple(v_cache.shape)} must match pairwise")
-    if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
-        raise fail(op, f"k/v [T, Hkv, D]={tuple(k.shape)} do not match the cache's [.., .., Hkv, D]="
-                       f"{tuple(k_cache.shape)}")
+    if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]) or tuple(v.shape[1:]) != tuple(v_cache.shape[2:]):
+        raise fail(op, f"k/v [T, Hkv, D]={tuple(k.shape)} / {tuple(v.shape)} do not match the caches' "
+                       f"[.., .., Hkv, D]={tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise fail(op, f"k/v dtype {k.dtype} differs from the cache dtype {k_cache.dtype} (the copy must be exact)")
     chk.same_device(op, k, v, k_cache, v_cache)
@@ -228,9 +240,10 @@ def _check_k(k: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                      scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
                      profile=None) -> torch.Tensor:
-    """Causal self-attention over a packed batch -> [T, Hq, D] in q's dtype.
+    """Causal self-attention over a packed batch -> [T, Hq, Dv] in q's dtype.
 
-    q [T, Hq, D], k/v [T, Hkv, D] (GQA: query head h uses kv head h // (Hq // Hkv));
+    q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] (GQA: query head h uses kv head h // (Hq // Hkv); Dv: V's head
+    width, D by default -- MLA's differs; the portable profile takes Dv = D only);
     sequence s is rows cu_seqlens[s]:cu_seqlens[s+1], its tokens at positions 0..len-1.
     out[t, h] = sum_{u <= t} softmax_u(scale * q[t, h] . k[u, h']) v[u, h'], scale = D ** -0.5
     by default. Differentiable (strict backward: flash-style recompute, deterministic).
@@ -238,7 +251,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     ``window`` (int >= 1, sliding-window attention): token t sees only the keys u with t - window < u <= t.
     ``sinks`` [Hq] (learned attention sinks, gpt-oss): one extra logit per query head in the softmax's
     denominator, with no value: softmax_u = exp(s_u) / (sum_u' exp(s_u') + exp(sinks[h])); differentiable.
-    Both: strict profile on the torch backend only (see :func:`_check_window_sinks`).
+    Both: strict profile on the torch and the Triton backends (see :func:`_check_window_sinks`).
     """
     strict = as_profile(profile) is not Profile.NATIVE
     _check_varlen(q, k, v, cu_seqlens, strict)
@@ -257,9 +270,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
                     window: int | None = None, sinks: torch.Tensor | None = None, profile=None) -> torch.Tensor:
-    """Queries of S sequences against a paged KV cache (prefill chunks and decode) -> [T, Hq, D].
+    """Queries of S sequences against a paged KV cache (prefill chunks and decode) -> [T, Hq, Dv].
 
-    k_cache/v_cache [num_pages, page_size, Hkv, D]; block_table [S, max_pages] page ids in order;
+    k_cache [num_pages, page_size, Hkv, D], v_cache [num_pages, page_size, Hkv, Dv]; block_table [S, max_pages] page ids in order;
     seq_lens[s] = context length INCLUDING the new queries (whose K/V are already in the cache);
     queries of s are rows cu_seqlens_q[s]:cu_seqlens_q[s+1], the last n_s tokens of its context
     (positions seq_lens[s]-n_s .. seq_lens[s]-1), causal. No autograd. ``window`` / ``sinks``: as in
@@ -272,8 +285,8 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     with torch.no_grad():  # documented: no autograd (a q that requires grad gives a plain result)
         if not strict:
             if window is not None or sinks is not None:
-                return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(),
-                                     scale, window, sinks)
+                return _native_paged_window_sinks(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
+                                                  window, sinks)
             return _native_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
         impl = strict_impl("attention_paged", q.device, profile)
         if window is None and sinks is None:
@@ -283,14 +296,14 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, *, profile=None) -> None:
-    """In place: token t's k/v [Hkv, D] go to page slot_mapping[t] // page_size, offset
+    """In place: token t's k [Hkv, D] / v [Hkv, Dv] go to page slot_mapping[t] // page_size, offset
     slot_mapping[t] % page_size. An exact copy in every profile (dtypes must match).
 
     Strict refuses a non-finite k (under every check policy): a key with an inf element can get a
     -inf score, which softmax turns into an exact 0 weight -- the value would vanish instead of
     reaching the output where the per-step check looks (docs/gpu.md, "Finiteness checks")."""
     op = "write_kv_cache"
-    _check_write(op, k, v, k_cache, v_cache, slot_mapping)
+    _check_write(op, k, v, k_cache, v_cache, slot_mapping, one_width=False)
     if slot_mapping.numel() == 0:
         return
     if as_profile(profile) is not Profile.NATIVE:
@@ -351,7 +364,7 @@ def _native_varlen(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Ten
     cu = cu_seqlens.tolist()
     if q.shape[0] == 0 or len(cu) < 2:
         return q.new_empty(q.shape)
-    reason = flash_varlen_unavailable(q, k)
+    reason = flash_varlen_unavailable(q, k, v)
     if reason is None:
         lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         cu_dev = cu_seqlens.to(device=q.device, dtype=torch.int32)
@@ -360,8 +373,10 @@ def _native_varlen(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Ten
     return _padded_sdpa_varlen(q, k, v, cu, scale)
 
 
-def flash_varlen_unavailable(q: torch.Tensor, k: torch.Tensor) -> str | None:
+def flash_varlen_unavailable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> str | None:
     """Why the flash varlen kernel cannot run on these tensors (None: it can). Native profile only."""
+    if v is not None and v.shape[-1] != q.shape[-1]:
+        return f"V's head_dim {v.shape[-1]} differs from Q/K's {q.shape[-1]} (the flash entry point takes one)"
     if not q.is_cuda:
         return f"tensors on {q.device.type}, the flash varlen kernel is CUDA-only"
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -470,6 +485,26 @@ def _native_paged_kernel(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_
     return paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale)
 
 
+def _native_paged_window_sinks(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, window,
+                               sinks) -> torch.Tensor:
+    """Native paged attention with a window and/or sinks: the Triton backend's paged kernel (its
+    one-program-per-item launch, the only one that takes them) where it runs
+    (:func:`native_paged_kernel_unavailable`), else one padded SDPA call over the gathered contexts, which reads
+    the lengths on the host -- refused while a CUDA graph is captured, where no host read can run."""
+    reason = native_paged_kernel_unavailable(q)
+    if reason is None:
+        from rlalign.ops.triton_backend.attention import paged_forward   # lazy: Triton is optional
+        return paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, window=window,
+                             sinks=sinks)
+    if chk.is_capturing():
+        raise fail("attention_paged", f"sliding-window / sink attention in a captured CUDA graph needs the Triton "
+                                      f"paged kernel ({reason}); use the strict profile or no decode graphs")
+    if q.is_cuda:
+        _log_paged_fallback(reason)
+    return _native_paged(q, k_cache, v_cache, block_table, seq_lens.tolist(), cu_seqlens_q.tolist(), scale, window,
+                         sinks)
+
+
 @functools.lru_cache(maxsize=None)
 def _log_paged_fallback(reason: str) -> None:
     log.warning("native attention_paged: K/V gathered for SDPA instead of the paged kernel: %s", reason)
@@ -506,8 +541,8 @@ def _sdpa_window_sinks(qb, kb, vb, q_pos, valid_k, valid_q, scale: float, window
         return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=seen, scale=scale,
                                               enable_gqa=qb.shape[1] != kb.shape[1])
     s, hq, n, _ = qb.shape
-    zero = kb.new_zeros(s, kb.shape[1], 1, kb.shape[3])
-    kb, vb = torch.cat([kb, zero], 2), torch.cat([vb, zero], 2)
+    kb = torch.cat([kb, kb.new_zeros(s, kb.shape[1], 1, kb.shape[3])], 2)
+    vb = torch.cat([vb, vb.new_zeros(s, vb.shape[1], 1, vb.shape[3])], 2)
     bias = torch.zeros(seen.shape, dtype=qb.dtype, device=qb.device).masked_fill(~seen, float("-inf"))
     sink_col = sinks.to(qb.dtype).view(1, hq, 1, 1).expand(s, hq, n, 1)
     mask = torch.cat([bias.expand(s, hq, n, bias.shape[-1]), sink_col], -1)
@@ -576,7 +611,7 @@ def _native_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale: floa
     # so no causal mask; only the length mask), which every SDPA backend takes with a mask
     out = F.scaled_dot_product_attention(q.view(n_seq, hkv, group, d), k, v, attn_mask=valid[:, None, None, :],
                                          scale=scale)
-    return out.reshape(n_seq, hkv * group, d)
+    return out.reshape(n_seq, hkv * group, v_cache.shape[3])
 
 
 __all__ = ["attention_varlen", "attention_paged", "write_kv_cache", "rope_write_kv"]

@@ -1,4 +1,5 @@
-"""Gated-DeltaNet ops (Qwen3-Next's linear-attention layers), strict on the CPU, in fixed-order fp32 formulas.
+"""Gated-DeltaNet ops (Qwen3-Next's linear-attention layers), strict on the CPU and on CUDA, in fixed-order fp32
+formulas.
 
 Everything is written with elementwise IEEE ops, ``exp`` / ``log`` / ``sqrt`` (position invariant,
 spec.cpu_backend_assumptions) and :func:`rlalign.reductions.tree_sum` over a dimension whose length is fixed by the
@@ -14,8 +15,14 @@ position in it or how many rows follow it. Differentiable torch ops throughout: 
 * :func:`gated_rms_norm` -- RMSNorm(o) * w * silu(z), rounded once.
 
 sigmoid(x) is written 1 / (1 + exp(-x)) (torch.sigmoid's scalar tail differs from its vector body), softplus(x)
-as log(1 + exp(x)) (x for x > 20, torch's threshold). Only the strict profile on the CPU runs these; the native
-profile and other devices are refused in one line (no vendor kernel is wired for them).
+as log(1 + exp(x)) (x for x > 20, torch's threshold). Only the strict profile runs these; the native and portable
+profiles and devices other than the CPU and CUDA are refused in one line (no vendor kernel is wired for them).
+
+On CUDA the per-token ops above are the same torch formulas (elementwise IEEE ops and tree sums: a value's bits do
+not depend on where it sits in the tensor on the GPU either; no cuBLAS, no library reduction in the forward), and
+:func:`delta_chunks` runs the Triton backend's chunk kernel (``triton_backend.gated_delta``: one program per
+(sequence, value head) walking its chunks in order) -- its bits are not the CPU formula's, but the same for a row
+however its sequence was cut; its backward is the backend's Triton kernel too (deterministic run to run).
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from rlalign.contract import spec
 from rlalign.contract.errors import fail
 from rlalign.contract.profiles import Profile, as_profile
 from rlalign.ops import _checks as chk
+from rlalign.ops._dispatch import strict_impl
 from rlalign.reductions import tree_sum
+
+DEVICES = ("cpu", "cuda")
 
 
 def _check(op: str, profile, *tensors: torch.Tensor) -> None:
@@ -35,9 +45,9 @@ def _check(op: str, profile, *tensors: torch.Tensor) -> None:
     if as_profile(profile) is Profile.PORTABLE:
         raise fail(op, "Gated-DeltaNet layers are not implemented in the portable profile (docs/portable.md)")
     for t in tensors:
-        if t.device.type != "cpu":
-            raise fail(op, f"Gated-DeltaNet layers run on the CPU only (got a tensor on {t.device}); no CUDA/Triton "
-                           "kernel implements them")
+        if t.device.type not in DEVICES:
+            raise fail(op, f"Gated-DeltaNet layers run on the CPU or CUDA (got a tensor on {t.device})")
+    chk.same_device(op, *tensors)
     chk.dtype_ok(op, *tensors)
 
 
@@ -123,6 +133,50 @@ def _contract_state(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
 
 def delta_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  valid: torch.Tensor, state: torch.Tensor, *, known=None, profile=None):
+    """The gated delta rule over J consecutive absolute chunks (arguments and results: :func:`chunk_formula`).
+
+    CPU: :func:`chunk_formula`. CUDA: the Triton chunk kernel (module docstring), the same results except that it
+    recomputes a decode step's earlier rows from their stored inputs instead of reading ``known`` (the same bits:
+    a row's bits depend only on the rows before it), returns states, gamma and u only when ``known`` is given (the
+    engine stores them) or gradients are recorded (states only: the backward reads them), None otherwise, and leaves
+    ``states`` of a chunk that is not full at the state before it (the formula's is meaningless there; neither is
+    ever read)."""
+    _check("delta_chunks", profile, q, k, v, g, beta, state)
+    if q.device.type == "cpu":
+        return chunk_formula(q, k, v, g, beta, valid, state, known=known)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state)):
+        out, states = _KernelRule.apply(q, k, v, g, beta, valid, state)
+        return out, states, None, None
+    engine = known is not None   # the engine's paged path stores the states, Gamma and U; a packed forward needs none
+    out, states, gamma, u = strict_impl("delta_chunks", q.device, profile)(
+        q, k, v, g, beta, valid, state, store_states=engine, store_u=engine)
+    if known is not None and known[0]:   # the op's contract: rows < first are the caller's, left zero here
+        out[..., :min(known[0], q.shape[-2]), :] = 0.0
+    return out, states, gamma, u
+
+
+class _KernelRule(torch.autograd.Function):
+    """The CUDA rule with its Triton backward (``triton_backend.gated_delta``: per (sequence, head) the chunks in
+    reverse, each chunk's forward recomputed from the state the forward saved at its start, the gradients of its
+    products written out; deterministic run to run)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, valid, state):
+        out, states, _, _ = strict_impl("delta_chunks", q.device)(q, k, v, g, beta, valid, state, store_states=True,
+                                                                  store_u=False)
+        ctx.save_for_backward(q, k, v, g, beta, valid, state, states)
+        return out, states
+
+    @staticmethod
+    def backward(ctx, d_out, d_states):
+        q, k, v, g, beta, valid, state, states = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dstate = strict_impl("delta_chunks_backward", q.device)(
+            q, k, v, g, beta, valid, state, states, d_out, d_states)
+        return dq, dk, dv, dg, dbeta, None, dstate
+
+
+def chunk_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  valid: torch.Tensor, state: torch.Tensor, *, known=None):
     """The gated delta rule over J consecutive absolute chunks of B sequences, from their states at the first chunk's
     start. q, k [J, B, H, C, Dk] (q_hat, k_hat), v [J, B, H, C, Dv], g, beta [J, B, H, C], valid [J, B, C] (a prefix
     of each chunk's rows; padded rows hold zeros), state [B, H, Dk, Dv] fp32. ``known``: None, or (first, gamma,
@@ -144,7 +198,6 @@ def delta_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     training, any chunking of a prefill and one-token decode give the same bits (Gamma and U of a row are the same
     bits whether computed here or handed back as ``known``). This is transformers' ``torch_chunk_gated_delta_rule``
     with its chunk boundaries at absolute positions (the math is the same)."""
-    _check("delta_chunks", profile, q, k, v, g, beta, state)
     c = q.shape[-2]
     if c != spec.GDN_CHUNK or valid.shape[-1] != c:
         raise fail("delta_chunks", f"chunks must have spec.GDN_CHUNK={spec.GDN_CHUNK} rows, got {c}")

@@ -71,6 +71,12 @@ def decode_graph_mode(config: RolloutConfig, model) -> str | None:
         return None
     if setting == "padded":
         return "padded"
+    if gpu and model.config.linear_attention:
+        # a Gated-DeltaNet layer plans each step's chunks on the host (rlalign.models.gated_deltanet): not capturable
+        if setting == "on":
+            raise RolloutConfigError("decode_graphs='on' cannot capture a model with linear-attention "
+                                     "(Gated-DeltaNet) layers: they plan each step on the host; use 'auto' or 'off'")
+        return None
     eager_experts = gpu and config.profile == "native" and native_experts_read_host(model)
     if eager_experts:
         # the native MoE experts fall back to the per-expert loop, which reads the experts' loads on the

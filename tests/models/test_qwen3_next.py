@@ -192,20 +192,26 @@ _LENGTHS = st.one_of(st.sampled_from([1, C - 1, C, C + 1, 2 * C]), st.integers(1
 def test_packed_equals_any_chunked_prefill_and_decode(lengths, cut_seed, page_size, dtype):
     """Each sequence is fed to the paged cache in random pieces (one-token decode steps, prefill chunks across and
     ending on chunk boundaries, several sequences per forward); every hidden row equals the packed forward's."""
-    model = _bitwise_model(dtype)
+    check_random_pieces(_bitwise_model(dtype), lengths, cut_seed, page_size)
+
+
+def check_random_pieces(model, lengths, cut_seed: int, page_size: int) -> None:
+    """The packed forward of random sequences of ``lengths`` vs feeding them to a paged cache in random pieces on
+    the model's device (also tests/cuda/test_cuda_qwen3_next.py): hidden rows bit for bit."""
     rng = random.Random(cut_seed)
+    device = model.device
     seqs = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
     with use_profile("strict"), torch.no_grad():
-        packed = model.forward_hidden(ForwardBatch.packed(seqs))
+        packed = model.forward_hidden(ForwardBatch.packed(seqs, device))
         tables = contiguous_block_tables(lengths, page_size)
-        cache = KVCache.for_model(model.config, sum(len(t) for t in tables), page_size, model.dtype)
+        cache = KVCache.for_model(model.config, sum(len(t) for t in tables), page_size, model.dtype, device)
         done, pieces = [0] * len(seqs), [[] for _ in seqs]
         while any(d < n for d, n in zip(done, lengths)):
             live = [i for i, n in enumerate(lengths) if done[i] < n and rng.random() < 0.8] or \
                 [next(i for i, n in enumerate(lengths) if done[i] < n)]
             new = [seqs[i][done[i]:done[i] + rng.choice([1, 1, 2, C - done[i] % C, C + 3, 40])] for i in live]
             hidden = model.forward_hidden(ForwardBatch.extend(new, [done[i] for i in live], cache,
-                                                              [tables[i] for i in live]))
+                                                              [tables[i] for i in live], device=device))
             offset = 0
             for i, chunk in zip(live, new):
                 pieces[i].append(hidden[offset:offset + len(chunk)])

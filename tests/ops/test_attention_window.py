@@ -4,8 +4,9 @@ Bitwise (strict, CPU): a token's output is the same bits packed with other seque
 prefill and decoded step by step against a NaN-filled paged cache of any page size, for any window (1, inside a
 key block, across block boundaries, >= the length); the window's first key is masked inside the fixed grid of
 64-position key blocks. Accuracy (strict and native): vs a float64 softmax with the window mask and the sink
-logit in the denominator; gradients (q, k, v, sinks) vs float64 autograd. Refusals: bad window / sinks, the
-Triton backend (CUDA, not run here).
+logit in the denominator; gradients (q, k, v, sinks) vs float64 autograd. Refusals: bad window / sinks. The
+Triton backend's kernels: tests/ops/test_attention_window_interpret.py (CPU interpreter) and
+tests/cuda/test_cuda_attention_window.py.
 """
 
 import pytest
@@ -147,11 +148,3 @@ def test_refusals():
                          ]:
         with pytest.raises(ContractError, match=message):
             ops.attention_varlen(q, k, v, cu, **bad)
-
-
-@pytest.mark.cuda
-def test_triton_backend_refuses_windows_and_sinks():
-    """On CUDA the strict Triton kernels implement neither: one line, never a silently ignored window."""
-    q, k, v = (x.cuda() for x in _seq(5, 4, 2, 32, torch.bfloat16, 0))
-    with pytest.raises(ContractError, match="not implemented by the triton backend"):
-        ops.attention_varlen(q, k, v, torch.tensor([0, 5], device="cuda"), window=4)

@@ -115,7 +115,7 @@ def test_refusals_are_one_line():
     x = torch.zeros(2, 4, 3)
     with use_profile("native"), pytest.raises(RLAlignError, match="native profile has no Gated-DeltaNet route"):
         gd.short_conv(x, torch.zeros(3, 4))
-    with pytest.raises(RLAlignError, match="run on the CPU only"):
+    with pytest.raises(RLAlignError, match="run on the CPU or CUDA"):
         gd.short_conv(x.to("meta"), torch.zeros(3, 4, device="meta"))
     with pytest.raises(RLAlignError, match=f"chunks must have spec.GDN_CHUNK={C} rows"):
         z = torch.zeros(1, 1, 1, 8, 2)

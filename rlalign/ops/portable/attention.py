@@ -32,9 +32,12 @@ CHUNK_ELEMS = {"cuda": 1 << 27}
 DEFAULT_CHUNK_ELEMS = 1 << 22
 
 
-def _refuse_window_sinks(op: str, window, sinks) -> None:
+def _refuse_window_sinks(op: str, window, sinks, q=None, v=None) -> None:
     if window is not None or sinks is not None:
         raise fail(op, "sliding-window / sink attention is not implemented in the portable profile")
+    if v is not None and v.shape[-1] != q.shape[-1]:
+        raise fail(op, f"V's head_dim {v.shape[-1]} differs from Q/K's {q.shape[-1]}: not implemented in the "
+                       "portable profile")
 
 
 def attend_rows(q: torch.Tensor, q_pos: list[int], keys, k_rows: torch.Tensor, v_rows: torch.Tensor,
@@ -76,7 +79,7 @@ def attend_rows(q: torch.Tensor, q_pos: list[int], keys, k_rows: torch.Tensor, v
 def attention_varlen(q, k, v, cu_seqlens, scale: float, window=None, sinks=None):
     """ops.attention_varlen in the portable profile (forward only): token t of a sequence starting at row a sees
     the rows a .. t."""
-    _refuse_window_sinks("attention_varlen", window, sinks)
+    _refuse_window_sinks("attention_varlen", window, sinks, q, v)
     cu = cu_seqlens.tolist()
     starts, q_pos = [], []
     for a, b in zip(cu[:-1], cu[1:]):
@@ -89,7 +92,7 @@ def attention_varlen(q, k, v, cu_seqlens, scale: float, window=None, sinks=None)
 def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale: float, window=None, sinks=None):
     """ops.attention_paged in the portable profile: the queries of sequence s are the last positions of its
     context, whose key u lives in page block_table[s, u // page_size] at offset u % page_size."""
-    _refuse_window_sinks("attention_paged", window, sinks)
+    _refuse_window_sinks("attention_paged", window, sinks, q, v_cache)
     page = k_cache.shape[1]
     lens, cu = seq_lens.tolist(), cu_seqlens_q.tolist()
     seq_of_row, q_pos = [], []

@@ -11,7 +11,8 @@ and the other way round).
 
 Kernels: :mod:`.gemm` (linear, LM head GEMMs), :mod:`.attention`, :mod:`.logprob`,
 :mod:`.elementwise` (rms_norm, rope, silu_mul, rope_write_kv), :mod:`.sample`, :mod:`.grouped` (the MoE experts'
-grouped GEMMs, :mod:`.moe`), :mod:`.route` and :mod:`.combine` (MoE routing and combine). docs/design/tile-shapes.md
+grouped GEMMs, :mod:`.moe`), :mod:`.route` and :mod:`.combine` (MoE routing and combine), :mod:`.gated_delta` (Gated-DeltaNet's chunked
+rule). docs/design/tile-shapes.md
 says what was verified on the H200 and which tile shapes are bitwise interchangeable.
 """
 
@@ -34,7 +35,8 @@ if not torch.cuda.is_available() and not _INTERPRET:
 
 from rlalign import envvars  # noqa: E402
 from rlalign.ops._registry import disabled_ops, register  # noqa: E402
-from rlalign.ops.triton_backend import attention, combine, elementwise, linear, logprob, moe, route, sample, shard  # noqa: E402
+from rlalign.ops.triton_backend import (attention, combine, elementwise, gated_delta, linear, logprob, moe,  # noqa: E402
+                                        route, sample, shard)
 
 IMPLEMENTATIONS = {
     "linear": linear.linear,
@@ -55,6 +57,8 @@ IMPLEMENTATIONS = {
     "moe_expert_ffn": moe.expert_ffn,
     "moe_experts": moe.experts,          # the dispatch kernel + the grouped FFN (ops.moe_experts, strict)
     "moe_combine": combine.combine,
+    "delta_chunks": gated_delta.delta_chunks_forward,   # Gated-DeltaNet's chunked rule (ops.gated_delta)
+    "delta_chunks_backward": gated_delta.delta_chunks_backward,
     **shard.IMPLEMENTATIONS,   # tensor-parallel shard entries (rlalign.ops.shard)
 }
 DISABLED = disabled_ops(envvars.read("RLALIGN_TRITON_DISABLE"))

@@ -48,9 +48,24 @@ partials round-trip memory exactly, and the merge is elementwise (its layout can
 so Hopper issues the same ``wgmma`` shapes per row and ``rowsum`` reduces each row in the same
 order (per-thread, then within the 4 lanes that share a row) for prefill and decode tiles alike.
 
+Sliding window and sinks (gpt-oss; the definition is the torch backend's, docs/contract.md): with a window w a row
+at pos sees the keys pos - w < kp <= pos and ``sees`` a block or a split when it holds one of them; the blocks stay
+on the absolute grid. A tile walks from the first block its first row's window reaches (:func:`_window_walk`: the
+blocks before hold no key any row of it sees, so visiting them would change no bit) with the splits' boundaries
+and merges where they are. After the last split the head's sink logit joins as one more online-softmax step
+(:func:`_fold_sink`), so lse2 is sink-inclusive. Both are constexpr variants (WINDOW, HAS_SINKS) of the
+one-program-per-item launch only -- paged calls with either take it whatever the batch -- and compile away
+otherwise (the plain kernels' instructions are unchanged). Head widths are padded to a power of two (masked
+loads and stores); past 128 padded columns the prefill / training tile and the backward launch are the wide ones
+(:func:`prefill_tile`, :func:`backward_launch`: shared memory), a choice of the head widths alone. V's heads may
+have a width DV of their own (multi-head latent attention): the accumulator, the split partials, the output, dO
+and dV are DV wide (DPV padded columns); with DV == D the kernels address V as K (the instructions of the
+one-width kernels). The streamed decode launch takes one width only (paged calls with two take another launch).
+
 Backward (varlen only, deterministic: no atomic adds of values): dQ by a kernel per query tile walking key
 blocks in order; dK, dV by a kernel per 64-key block walking the query rows in order. Both
-recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them. The launch
+recompute p = exp2(s - lse2) from the merged lse, so the splits do not enter them (with a window, both walk only
+the key blocks / query rows the window connects; the sinks' gradient is :func:`sink_grad`). The launch
 (:class:`BackwardLaunch`) is a speed choice of ours -- tiles, keys per program, grid order -- but not a
 bit-neutral one in general: the training forward's bits are
 the contract, the backward's only have to be deterministic (run to run, per sequence) and accurate.
@@ -68,6 +83,7 @@ from rlalign.contract import spec
 from rlalign.contract.errors import fail
 from rlalign.ops import _checks as chk
 from rlalign.ops.triton_backend._common import arrival_counters, device_sms, forced_tile, is_interpreter, mma, split_for
+from rlalign.reductions import tree_sum
 
 KV_BLOCK = spec.ATTN_KV_BLOCK
 KV_SPLIT = spec.ATTN_KV_SPLIT
@@ -122,6 +138,28 @@ class BackwardLaunch:
 # "Launch tables". (sm_90a, benchmarks/attn_bwd_sm90_cpu.py: its dK/dV kernel holds 255 registers and spills 100 B, one
 # program per SM; the dQ kernel 181 registers, no spills.)
 BWD_LAUNCH = BackwardLaunch(dq_tile=(128, 8, 2), dkdv_keys=128, heavy_first=True)
+
+# Head widths padded past WIDE_HEAD (DP = 256: DeepSeek-V3's 192-wide MLA heads) do not fit an sm_90 block's 227 KiB of
+# shared memory on the default prefill tile (3 stages: 256 KiB) or backward launch (256 KiB); these fit (sm_90a
+# compiles without a GPU, Triton's ptxas, D = 192 bf16: forward 192 KiB, 960 B spilled; dQ 192 KiB, 8 B; dK/dV 193 KiB,
+# 160 B). The forward tile differs from PREFILL_TILE in its pipeline depth only (same rows, warps along rows: the same
+# bits per row). Chosen by the head width alone (prefill_tile, backward_launch); not timed on a GPU.
+WIDE_HEAD = 128
+WIDE_PREFILL_TILE = (128, 8, 2)
+WIDE_BWD_LAUNCH = BackwardLaunch(dq_tile=(128, 8, 1), dkdv_keys=64, dkdv_rows=64, dkdv_warps=8, dkdv_stages=2,
+                                 heavy_first=True)
+
+
+def prefill_tile(d: int) -> tuple[int, int, int]:
+    """The forward's prefill / training tile for head width d (the wider of K's and V's): PREFILL_TILE, or
+    WIDE_PREFILL_TILE past WIDE_HEAD."""
+    return WIDE_PREFILL_TILE if _dpad(d) > WIDE_HEAD else PREFILL_TILE
+
+
+def backward_launch(d: int) -> BackwardLaunch:
+    """The backward's launch for head width d (the wider of K's and V's): BWD_LAUNCH, or WIDE_BWD_LAUNCH past
+    WIDE_HEAD."""
+    return WIDE_BWD_LAUNCH if _dpad(d) > WIDE_HEAD else BWD_LAUNCH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,28 +275,50 @@ def _dot(a, b, acc, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
 
 
 @triton.jit
-def _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol,
-                 stride_kr, stride_kh, stride_bt, D: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr,
-                 PAGED: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
+def _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol, dcolv,
+                 stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, D: tl.constexpr, DV: tl.constexpr,
+                 BN: tl.constexpr, PS: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr,
+                 window=0, WINDOW: tl.constexpr = False):
     """One step of the online softmax: key block j (absolute positions j*BN .. j*BN+BN-1)."""
     kp = j * BN + tl.arange(0, BN)
     k_ok = kp < kv_len
     kv_rows = _kv_rows(s, kp, k_ok, q_start, bt_ptr, stride_bt, PS, PAGED)
-    return _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, stride_kr, stride_kh, D, BN,
-                       SPLIT, ROWWISE)
+    return _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, dcolv, stride_kr, stride_kh,
+                       stride_vr, stride_vh, D, DV, BN, SPLIT, ROWWISE, window, WINDOW)
 
 
 @triton.jit
-def _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, stride_kr, stride_kh,
-                D: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, ROWWISE: tl.constexpr):
+def _in_window(kp, pos, window):
+    """[rows, keys]: key position kp[j] is inside the sliding window of the row at pos[i] from below
+    (pos - window < kp; the causal bound kp <= pos is the caller's)."""
+    return kp[None, :] > pos[:, None] - window
+
+
+@triton.jit
+def _window_sees(pos, first, last, window):
+    """Rows at ``pos`` whose window (pos - window, pos] holds a key of the positions first..last."""
+    return (pos >= first) & (pos - window < last)
+
+
+@triton.jit
+def _visit_rows(j, q, pos, m, l, acc, kv_rows, k_ok, h, K, V, qk_scale2, dcol, dcolv, stride_kr, stride_kh,
+                stride_vr, stride_vh, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                ROWWISE: tl.constexpr, window=0, WINDOW: tl.constexpr = False):
     """_visit_block's step on key block j whose cache rows are ``kv_rows`` (``k_ok``: the keys inside the
-    context; the others load as exact zeros and are masked by position)."""
+    context; the others load as exact zeros and are masked by position). WINDOW: a row at pos sees only the
+    keys pos - window < kp <= pos, and ``sees`` the block when it holds one of them (a row that saw no block
+    yet, m = -inf, leaves an unseen block as every row does: m_used = 0, p = 0, alpha = 1). K's rows are D
+    wide (columns ``dcol``), V's DV (``dcolv``, the accumulator's)."""
     kp = j * BN + tl.arange(0, BN)
     k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-    v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+    v = _load_rows(V, kv_rows, h, k_ok, dcolv, stride_vr, stride_vh, DV)
     sc = _dot(q, tl.trans(k), tl.zeros((q.shape[0], BN), tl.float32), SPLIT, ROWWISE) * qk_scale2
-    sc = tl.where(kp[None, :] <= pos[:, None], sc, float("-inf"))
-    sees = pos >= j * BN
+    if WINDOW:
+        sc = tl.where((kp[None, :] <= pos[:, None]) & _in_window(kp, pos, window), sc, float("-inf"))
+        sees = _window_sees(pos, j * BN, j * BN + BN - 1, window)
+    else:
+        sc = tl.where(kp[None, :] <= pos[:, None], sc, float("-inf"))
+        sees = pos >= j * BN
     m_new = tl.maximum(m, tl.max(sc, 1))
     m_used = tl.where(sees, m_new, 0.0)
     p = tl.exp2(sc - m_used[:, None])             # exactly 0 on every column of a row that sees nothing
@@ -325,13 +385,15 @@ def _finish(L, ACC):
 
 # split_progs and part_rows are not specialised (Triton compiles a variant for an int equal to 1 or divisible
 # by 16): a decode graph's warm-up call and its capture must use one compiled kernel.
-@triton.jit(do_not_specialize=["split_progs", "part_rows"])
+@triton.jit(do_not_specialize=["split_progs", "part_rows", "window"])
 def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvlen_ptr, bt_ptr, qk_scale2,
                     split_progs, part_rows, stride_qt, stride_qh, stride_kr, stride_kh, stride_ot, stride_oh,
                     stride_bt, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, PS: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
                     SPLIT: tl.constexpr, SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr, ROWWISE: tl.constexpr,
-                    FUSED_MERGE: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 16, UNROLL: tl.constexpr = 4):
+                    FUSED_MERGE: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 16, UNROLL: tl.constexpr = 4,
+                    SINKS=None, window=0, WINDOW: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
+                    stride_vr=0, stride_vh=0, DV: tl.constexpr = 0, DPV: tl.constexpr = 0):
     """PARTIAL=False: one program per (tile, sequence, kv head) walks every key split of its rows and
     merges them in order (output, lse). PARTIAL=True: ``split_progs`` = P programs per (tile, sequence,
     kv head); program p walks splits p, p + P, p + 2P, ... of its rows (each from a fresh state) and
@@ -339,7 +401,11 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
     attn_merge_kernel folds them with the same _fold_partials, or (FUSED_MERGE) the item's last program to
     finish does, FOLD_ROWS rows at a time (:func:`_merge_if_last`; ARRIVED: the item's arrival counters,
     zero at launch and left zero). The grid does not depend on the contexts (a decode graph's capture bounds
-    them only by the table width), the work does."""
+    them only by the table width), the work does.
+
+    WINDOW / HAS_SINKS (the one-program-per-item launch only, PARTIAL=False): :func:`_window_walk` and
+    :func:`_fold_sink`; both compile away when False. Q and K rows are D wide (DP padded columns), V rows, the
+    accumulator, the partials and O's rows DV wide (DPV): the launcher passes DV = D for equal widths."""
     TPT: tl.constexpr = BM // G
     BPS: tl.constexpr = SPLIT_KEYS // BN               # key blocks per split
     if PARTIAL:
@@ -370,39 +436,97 @@ def attn_fwd_kernel(Q, K, V, O, LSE, PM, PL, PACC, ARRIVED, cu_q, pos0_ptr, kvle
     q = tl.load(Q + q_offs, mask=row_ok[:, None] & (dcol[None, :] < D), other=0.0)
     hq_total = stride_qt // stride_qh                  # q is [T, Hq, D] contiguous
     part_row = q_rows * hq_total + head
-
-    m, l, acc, M, L, ACC = _fresh_state(BM, DP)
-    for i in range(n_iter):
-        sp = sp_first + (i // BPS) * P
-        if (i % BPS == 0) & (i > 0):
-            # Split sp - P ended: merge (or store) its partial, restart m = -inf, l = 0. Split sp's first
-            # block then has alpha = exp2(-inf - m') = 0 for every row that sees it, so acc * alpha restarts
-            # acc from 0 inside the MMA's accumulator input; a row that does not see the block sees nothing
-            # of the split, and its stale acc is never merged. Resetting acc itself, or merging after the
-            # block's MMA, puts non-wgmma instructions on the accumulator while the MMA is in flight (ptxas
-            # C7514/C7515: the wgmma pipeline is serialised); here alpha depends on the reset, which keeps
-            # this before the P.V MMA is issued.
-            if PARTIAL:
-                _store_partial(PM, PL, PACC, sp - P, part_rows, part_row, row_ok, m, l, acc, dcol, D)
-            else:
-                M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (sp - P) * SPLIT_KEYS)
-            m = tl.full((BM,), float("-inf"), tl.float32)
-            l = tl.zeros((BM,), tl.float32)
-        m, l, acc = _visit_block(sp * BPS + i % BPS, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr,
-                                 qk_scale2, dcol, stride_kr, stride_kh, stride_bt, D, BN, PS, PAGED, SPLIT, ROWWISE)
-    sp_last = sp_first + (my_splits - 1) * P
-    if PARTIAL:
-        _store_partial(PM, PL, PACC, sp_last, part_rows, part_row, row_ok, m, l, acc, dcol, D)
-        if FUSED_MERGE:
-            _merge_if_last(PM, PL, PACC, O, ARRIVED, part_rows, tl.minimum(P, n_sp), n_sp, tile, s, h, q_start,
-                           n_q, tl.load(pos0_ptr + s), hq_total, stride_ot, stride_oh, G, D, DP, BM, SPLIT_KEYS,
-                           FOLD_ROWS, UNROLL)
+    if DV == D:   # one head width: V addressed as K (the launchers pass contiguous q/k/v, or caches, of one shape)
+        dcolv = dcol
+        stride_vr = stride_kr
+        stride_vh = stride_kh
     else:
-        M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= sp_last * SPLIT_KEYS)
-        _store_out(O, q_rows, head, row_ok, _finish(L, ACC), dcol, stride_ot, stride_oh, D)
+        dcolv = tl.arange(0, DPV)
+
+    m, l, acc, M, L, ACC = _fresh_state(BM, DPV)
+    if WINDOW:
+        tl.static_assert(not PARTIAL, "a sliding window runs the one-program-per-item launch only")
+        M, L, ACC = _window_walk(q, pos, m, l, acc, M, L, ACC, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol,
+                                 dcolv, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+                                 tl.load(pos0_ptr + s) + tile * TPT, n_blocks, window, D, DV, BN, PS, PAGED, SPLIT,
+                                 ROWWISE, SPLIT_KEYS)
+    else:
+        for i in range(n_iter):
+            sp = sp_first + (i // BPS) * P
+            if (i % BPS == 0) & (i > 0):
+                # Split sp - P ended: merge (or store) its partial, restart m = -inf, l = 0. Split sp's first
+                # block then has alpha = exp2(-inf - m') = 0 for every row that sees it, so acc * alpha restarts
+                # acc from 0 inside the MMA's accumulator input; a row that does not see the block sees nothing
+                # of the split, and its stale acc is never merged. Resetting acc itself, or merging after the
+                # block's MMA, puts non-wgmma instructions on the accumulator while the MMA is in flight (ptxas
+                # C7514/C7515: the wgmma pipeline is serialised); here alpha depends on the reset, which keeps
+                # this before the P.V MMA is issued.
+                if PARTIAL:
+                    _store_partial(PM, PL, PACC, sp - P, part_rows, part_row, row_ok, m, l, acc, dcolv, DV)
+                else:
+                    M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= (sp - P) * SPLIT_KEYS)
+                m = tl.full((BM,), float("-inf"), tl.float32)
+                l = tl.zeros((BM,), tl.float32)
+            m, l, acc = _visit_block(sp * BPS + i % BPS, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr,
+                                     qk_scale2, dcol, dcolv, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+                                     D, DV, BN, PS, PAGED, SPLIT, ROWWISE)
+        sp_last = sp_first + (my_splits - 1) * P
+        if PARTIAL:
+            _store_partial(PM, PL, PACC, sp_last, part_rows, part_row, row_ok, m, l, acc, dcolv, DV)
+            if FUSED_MERGE:
+                _merge_if_last(PM, PL, PACC, O, ARRIVED, part_rows, tl.minimum(P, n_sp), n_sp, tile, s, h, q_start,
+                               n_q, tl.load(pos0_ptr + s), hq_total, stride_ot, stride_oh, G, DV, DPV, BM, SPLIT_KEYS,
+                               FOLD_ROWS, UNROLL)
+        else:
+            M, L, ACC = _merge_split(M, L, ACC, m, l, acc, pos >= sp_last * SPLIT_KEYS)
+    if not PARTIAL:
+        if HAS_SINKS:
+            M, L, ACC = _fold_sink(M, L, ACC, tl.load(SINKS + head, mask=row_ok, other=0.0) * 1.4426950408889634)
+        _store_out(O, q_rows, head, row_ok, _finish(L, ACC), dcolv, stride_ot, stride_oh, DV)
         if STORE_LSE:
-            # LSE is [T, Hq] fp32, base 2
+            # LSE is [T, Hq] fp32, base 2 (with sinks: sink-inclusive)
             tl.store(LSE + q_rows * hq_total + head, M + tl.log2(tl.where(L > 0, L, 1.0)), mask=row_ok)
+
+
+@triton.jit
+def _window_walk(q, pos, m, l, acc, M, L, ACC, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol, dcolv,
+                 stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, first_pos, n_blocks, window, D: tl.constexpr,
+                 DV: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+                 ROWWISE: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+    """The sliding-window walk of one item (rows at ``pos``, the first at ``first_pos``) from fresh states
+    -> its merged total (M, L, ACC): key blocks from the first one the tile's first row's window reaches
+    (the blocks before it hold no key any row of the tile sees: visiting them would leave every row's state
+    as it is) to block n_blocks - 1, on the absolute grid, in order, with the split boundaries of the
+    windowless walk: a split ends at a multiple of SPLIT_KEYS and is merged (_merge_split) into the rows that
+    see a key of it; m and l restart, acc restarts through alpha = 0 at each row's first seen block (a stale
+    acc of an earlier split is finite, so acc * 0 is a zero). A row's arithmetic is thus a function of its
+    own window: the same bits whatever tile, chunk or launch it is in."""
+    BPS: tl.constexpr = SPLIT_KEYS // BN
+    first = tl.maximum(first_pos - window + 1, 0) // BN
+    for j in range(first, n_blocks):
+        if (j % BPS == 0) & (j > first):
+            sp = j // BPS - 1
+            M, L, ACC = _merge_split(M, L, ACC, m, l, acc,
+                                     _window_sees(pos, sp * SPLIT_KEYS, sp * SPLIT_KEYS + SPLIT_KEYS - 1, window))
+            m = tl.full(m.shape, float("-inf"), tl.float32)
+            l = tl.zeros(l.shape, tl.float32)
+        m, l, acc = _visit_block(j, q, pos, m, l, acc, s, h, q_start, kv_len, K, V, bt_ptr, qk_scale2, dcol, dcolv,
+                                 stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, D, DV, BN, PS, PAGED, SPLIT,
+                                 ROWWISE, window, True)
+    sp = (n_blocks - 1) // BPS
+    return _merge_split(M, L, ACC, m, l, acc,
+                        _window_sees(pos, sp * SPLIT_KEYS, sp * SPLIT_KEYS + SPLIT_KEYS - 1, window))
+
+
+@triton.jit
+def _fold_sink(M, L, ACC, sink2):
+    """The head's sink logit (base 2: sink * log2(e)) folded into the merged total as one more online-softmax
+    step of a key whose value is 0 -- the torch formulation's definition: M' = max(M, sink2),
+    L' = fma(L, a, exp2(sink2 - M')), ACC' = ACC a, a = exp2(M - M') (the fma explicit, as in _merge_split).
+    Every real row has seen its own key, so M and M' are finite; padding rows (M = -inf) get L' = 1."""
+    m_f = tl.maximum(M, sink2)
+    a = tl.exp2(M - m_f)
+    return m_f, tl.fma(L, a, tl.exp2(sink2 - m_f)), ACC * a[:, None]
 
 
 @triton.jit
@@ -575,8 +699,8 @@ def attn_stream_kernel(Q, K, V, O, INFO, Q_ROWS, KV_ROWS, BOUNDS, qk_scale2, G: 
             l = tl.zeros((BM,), tl.float32)
         if (flags & FIRST_BLOCK) != 0:        # a new item: the fresh state (acc restarts through alpha = 0)
             m, l, acc_unused, M, L, ACC = _fresh_state(BM, DP)
-        m, l, acc = _visit_rows(j, q, pos, m, l, acc, kv_rows, kv_rows >= 0, 0, K, V, qk_scale2, dcol, D, 0, D, BN,
-                                SPLIT, ROWWISE)
+        m, l, acc = _visit_rows(j, q, pos, m, l, acc, kv_rows, kv_rows >= 0, 0, K, V, qk_scale2, dcol, dcol, D, 0, D, 0,
+                                D, D, BN, SPLIT, ROWWISE)
         if (flags & LAST_BLOCK) != 0:
             M_end, L_end, ACC_end = _merge_split(M, L, ACC, m, l, acc, pos >= (j // BPS) * SPLIT_KEYS)
             tl.store(O + q_rows[:, None] * D + dcol[None, :], _finish(L_end, ACC_end).to(O.dtype.element_ty),
@@ -594,14 +718,19 @@ def _bwd_program(GRID_HEAVY_FIRST: tl.constexpr):
         return tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, qk_scale2, scale,
                        stride_qt, stride_qh, stride_kr, stride_kh,
                        G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, SPLIT: tl.constexpr, GRID_HEAVY_FIRST: tl.constexpr = False):
+                       BN: tl.constexpr, SPLIT: tl.constexpr, GRID_HEAVY_FIRST: tl.constexpr = False,
+                       window=0, WINDOW: tl.constexpr = False, stride_vr=0, stride_vh=0, stride_dot=0, stride_doh=0,
+                       DV: tl.constexpr = 0, DPV: tl.constexpr = 0):
     """dQ of one query tile (BM rows: BM / G tokens x the G query heads of kv head h, token-major):
     dQ = scale * sum over the BN-key blocks the tile reaches, in increasing order, of dS @ K, with
-    dS = P * (dO V^T - delta) and P = exp2(Q K^T * c - lse2) recomputed (0 where the key is after the row).
+    dS = P * (dO V^T - delta) and P = exp2(Q K^T * c - lse2) recomputed (0 where the key is after the row;
+    WINDOW: also where it is at or before pos - window, and the blocks before the tile's first row's window
+    are skipped). With sinks, lse2 is the sink-inclusive one, so P is the forward's. V and dO rows are DV wide
+    (DPV padded columns, dO's strides stride_dot / stride_doh).
     Work: the tile's last token / BN blocks, so heavy programs are the LATE tiles."""
     TPT: tl.constexpr = BM // G
     wi, s, h = _bwd_program(GRID_HEAVY_FIRST)
@@ -625,20 +754,33 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, qk_scale2, scale,
     offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
     msk = row_ok[:, None] & (dcol[None, :] < D)
     q = tl.load(Q + offs, mask=msk, other=0.0)
-    do = tl.load(DO + offs, mask=msk, other=0.0)
+    if DV == D:   # one head width: dO addressed as Q, V as K (contiguous tensors of one shape)
+        dcolv = dcol
+        stride_vr = stride_kr
+        stride_vh = stride_kh
+        do = tl.load(DO + offs, mask=msk, other=0.0)
+    else:
+        dcolv = tl.arange(0, DPV)
+        do = tl.load(DO + q_rows[:, None] * stride_dot + head[:, None] * stride_doh + dcolv[None, :],
+                     mask=row_ok[:, None] & (dcolv[None, :] < DV), other=0.0)
     hq_total = stride_qt // stride_qh
     lse2 = tl.load(LSE + q_rows * hq_total + head, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + q_rows * hq_total + head, mask=row_ok, other=0.0)
     dq = tl.zeros((BM, DP), tl.float32)
     last_pos = tl.minimum(n, (tile + 1) * TPT) - 1
-    for j in range(last_pos // BN + 1):
+    first_block = 0
+    if WINDOW:
+        first_block = tl.maximum(tile * TPT - window + 1, 0) // BN
+    for j in range(first_block, last_pos // BN + 1):
         kp = j * BN + tl.arange(0, BN)
         k_ok = kp < n
         kv_rows = (q_start + kp).to(tl.int64)
         k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-        v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+        v = _load_rows(V, kv_rows, h, k_ok, dcolv, stride_vr, stride_vh, DV)
         sc = mma(q, tl.trans(k), tl.zeros((BM, BN), tl.float32), SPLIT) * qk_scale2
         vis = kp[None, :] <= pos[:, None]
+        if WINDOW:
+            vis = vis & _in_window(kp, pos, window)
         p = tl.where(vis, tl.exp2(sc - lse2[:, None]), 0.0)
         dp = mma(do, tl.trans(v), tl.zeros((BM, BN), tl.float32), SPLIT)
         ds = p * (dp - delta[:, None])
@@ -650,16 +792,20 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, cu_q, qk_scale2, scale,
     tl.store(DQ + offs, dq.to(DQ.dtype.element_ty), mask=msk)
 
 
-@triton.jit
-def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale,
+@triton.jit(do_not_specialize=["window"])
+def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVO, cu_q, qk_scale2, scale,
                          stride_qt, stride_qh, stride_kr, stride_kh,
                          G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BMQ: tl.constexpr,
-                         BN: tl.constexpr, SPLIT: tl.constexpr, GRID_HEAVY_FIRST: tl.constexpr = False):
+                         BN: tl.constexpr, SPLIT: tl.constexpr, GRID_HEAVY_FIRST: tl.constexpr = False,
+                         window=0, WINDOW: tl.constexpr = False, stride_vr=0, stride_vh=0, stride_dot=0,
+                         stride_doh=0, DV: tl.constexpr = 0, DPV: tl.constexpr = 0):
     """dK, dV of one block of BN keys of kv head h: dV = sum P^T dO, dK = scale * sum dS^T Q over the query
     rows (token-major, the G heads of kv head h each) that can see the block, in increasing row order, BMQ
     rows at a time. Work: (tokens - block start) rows, so heavy programs are the EARLY key blocks; the
     default grid runs each (sequence, kv head)'s blocks last-first (light first), GRID_HEAVY_FIRST
-    first-first over the whole batch."""
+    first-first over the whole batch. WINDOW: only the rows whose window reaches the block (row_ok keeps
+    masking the sequence's end; the visibility also asks kp > tok - window). V, dV and dO rows are DV wide
+    (DPV padded columns; dV is stored with V's strides)."""
     wi, s, h = _bwd_program(GRID_HEAVY_FIRST)
     j = wi
     q_start = tl.load(cu_q + s)
@@ -669,14 +815,23 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale
     kp = j * BN + tl.arange(0, BN)
     k_ok = kp < n
     dcol = tl.arange(0, DP)
+    if DV == D:   # one head width: dO addressed as Q, V and dV as K (contiguous tensors of one shape)
+        dcolv = dcol
+        stride_vr = stride_kr
+        stride_vh = stride_kh
+    else:
+        dcolv = tl.arange(0, DPV)
     kv_rows = (q_start + kp).to(tl.int64)
     k = _load_rows(K, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
-    v = _load_rows(V, kv_rows, h, k_ok, dcol, stride_kr, stride_kh, D)
+    v = _load_rows(V, kv_rows, h, k_ok, dcolv, stride_vr, stride_vh, DV)
     dk = tl.zeros((BN, DP), tl.float32)
-    dv = tl.zeros((BN, DP), tl.float32)
+    dv = tl.zeros((BN, DPV), tl.float32)
     hq_total = stride_qt // stride_qh
     first_row = j * BN * G
-    for i in range(tl.cdiv(n * G - first_row, BMQ)):
+    end_row = n * G
+    if WINDOW:   # the last token whose window reaches the block's last key: j * BN + BN - 2 + window
+        end_row = tl.minimum(n, j * BN + BN - 1 + window) * G
+    for i in range(tl.cdiv(end_row - first_row, BMQ)):
         r = first_row + i * BMQ + tl.arange(0, BMQ)
         tok = r // G
         head = h * G + r % G
@@ -685,11 +840,17 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale
         offs = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dcol[None, :]
         msk = row_ok[:, None] & (dcol[None, :] < D)
         q = tl.load(Q + offs, mask=msk, other=0.0)
-        do = tl.load(DO + offs, mask=msk, other=0.0)
+        if DV == D:
+            do = tl.load(DO + offs, mask=msk, other=0.0)
+        else:
+            do = tl.load(DO + q_rows[:, None] * stride_dot + head[:, None] * stride_doh + dcolv[None, :],
+                         mask=row_ok[:, None] & (dcolv[None, :] < DV), other=0.0)
         lse2 = tl.load(LSE + q_rows * hq_total + head, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + q_rows * hq_total + head, mask=row_ok, other=0.0)
         st = mma(k, tl.trans(q), tl.zeros((BN, BMQ), tl.float32), SPLIT) * qk_scale2
         vis = (kp[:, None] <= tok[None, :]) & row_ok[None, :]
+        if WINDOW:
+            vis = vis & (kp[:, None] > tok[None, :] - window)
         pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
         dpt = mma(v, tl.trans(do), tl.zeros((BN, BMQ), tl.float32), SPLIT)
         dst = pt * (dpt - delta[None, :])
@@ -703,7 +864,10 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, qk_scale2, scale
     offs = kv_rows[:, None] * stride_kr + h * stride_kh + dcol[None, :]
     msk = k_ok[:, None] & (dcol[None, :] < D)
     tl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=msk)
-    tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=msk)
+    if DV != D:
+        offs = kv_rows[:, None] * stride_vr + h * stride_vh + dcolv[None, :]
+        msk = k_ok[:, None] & (dcolv[None, :] < DV)
+    tl.store(DVO + offs, dv.to(DVO.dtype.element_ty), mask=msk)
 
 
 # ---- launchers -------------------------------------------------------------------------------------
@@ -713,19 +877,23 @@ def _dpad(d: int) -> int:
 
 
 def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale, paged, tile, store_lse,
-             max_q_tokens, max_context=0, split_programs=False, progs_per_item=None, launch=SPLIT_DECODE):
+             max_q_tokens, max_context=0, split_programs=False, progs_per_item=None, launch=SPLIT_DECODE,
+             window=None, sinks=None):
     """Launch the forward. ``split_programs``: about ``launch.programs_per_sm`` x SMs programs share the
     items' key splits (and a merge kernel folds them) instead of one program per item walking every split
     -- the same bits, more programs; ``max_context`` (an upper bound of the contexts) sizes the partials;
-    ``progs_per_item`` forces the programs per item (tests)."""
+    ``progs_per_item`` forces the programs per item (tests). ``window`` / ``sinks`` [Hq]: the kernel's WINDOW
+    and HAS_SINKS variants, on the one-program-per-item launch only."""
     t, hq, d = q.shape
-    hkv = k_src.shape[-2]
+    hkv, dv = k_src.shape[-2], v_src.shape[-1]
     g = hq // hkv
     bm, warps, stages = tile
     if g > bm:
         raise fail("attention_paged" if paged else "attention_varlen",
                    f"{g} query heads per kv head exceed the tile of {bm} rows")
-    out = torch.empty_like(q)
+    if split_programs and (window is not None or sinks is not None):
+        raise fail("attention_paged", "sliding-window / sink attention runs the one-program-per-item launch only")
+    out = torch.empty_like(q) if dv == d else q.new_empty((t, hq, dv))
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device) if store_lse else out
     n_seq = cu_q.shape[0] - 1
     tiles = triton.cdiv(max_q_tokens, bm // g)
@@ -739,18 +907,22 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
     progs = progs_per_item or _even_programs(
         n_splits, triton.cdiv(launch.programs_per_sm * device_sms(q), tiles * n_seq * hkv))
     progs = min(n_splits, progs) if split_programs else 1
-    dp = _dpad(d)
+    dp, dpv = _dpad(d), _dpad(dv)
     if split_programs:
         if n_splits * t * hq >= 2 ** 31:
             raise fail("attention_paged", f"{n_splits} key splits x {t * hq} rows of partials exceed int32 indexing")
         pm = torch.empty((n_splits, t * hq), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
-        pacc = torch.empty((n_splits, t * hq, dp), dtype=torch.float32, device=q.device)
+        pacc = torch.empty((n_splits, t * hq, dpv), dtype=torch.float32, device=q.device)
     else:
         pm = pl = pacc = out   # not read
     fused = split_programs and launch.fused_merge
     arrived = arrival_counters(q.device, tiles * n_seq * hkv) if fused else out   # not read unless fused
     meta = dict(G=g, D=d, DP=dp, BM=bm, num_warps=warps)
+    # only a window / sinks pass these (absent, the kernel's defaults: the variant of the plain causal walk)
+    extra = {} if window is None else dict(window=int(window), WINDOW=True)
+    if sinks is not None:
+        extra.update(SINKS=sinks.detach().to(device=q.device, dtype=torch.float32).contiguous(), HAS_SINKS=True)
     attn_fwd_kernel[(tiles * progs, n_seq, hkv)](
         q, k_src, v_src, out, lse, pm, pl, pacc, arrived, cu_q, pos0, kv_len, bt, scale * LOG2E, progs, t * hq,
         q.stride(0), q.stride(1), k_src.stride(-3), k_src.stride(-2), out.stride(0), out.stride(1),
@@ -758,10 +930,12 @@ def _forward(q, k_src, v_src, cu_q, pos0, kv_len, block_table, page_size, scale,
         BN=KV_BLOCK, PS=page_size if paged else 1, PAGED=paged, STORE_LSE=store_lse, SPLIT=split_for(q.dtype),
         SPLIT_KEYS=KV_SPLIT, PARTIAL=split_programs, ROWWISE=is_interpreter(), FUSED_MERGE=fused,
         FOLD_ROWS=launch.fold_rows if fused else 16, UNROLL=launch.merge_unroll if fused else 4, num_stages=stages,
-        **meta, **_register_cap(launch, tile))
+        stride_vr=v_src.stride(-3), stride_vh=v_src.stride(-2), DV=dv, DPV=dpv,
+        **meta, **_register_cap(launch, tile), **extra)
     if split_programs and not fused:
-        # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit
-        meta["num_warps"] = launch.merge_warps
+        # elementwise only (no dot, no row reduction): its layout, hence its warps, cannot change a bit; its
+        # rows are the output's (DV wide)
+        meta.update(num_warps=launch.merge_warps, D=dv, DP=dpv)
         attn_merge_kernel[(tiles, n_seq, hkv)](pm, pl, pacc, out, cu_q, pos0, t * hq, out.stride(0), out.stride(1),
                                                hq, SPLIT_KEYS=KV_SPLIT, UNROLL=launch.merge_unroll, num_stages=1,
                                                **meta)
@@ -940,20 +1114,28 @@ def _paged_meta(block_table, seq_lens, cu_seqlens_q, device):
     return chk.memo("paged_meta", build, block_table, seq_lens, cu_seqlens_q, extra=(device,), capturing=captured)
 
 
-def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None):
-    """``RLALIGN_TRITON_ATTN_TILE="BM,warps,stages"`` forces one tile for prefill and decode alike."""
-    tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE") or PREFILL_TILE
+def varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False, tile=None, window=None, sinks=None):
+    """``RLALIGN_TRITON_ATTN_TILE="BM,warps,stages"`` forces one tile for prefill and decode alike.
+    ``window`` / ``sinks``: as rlalign.ops.attention_varlen (lse then sink-inclusive)."""
+    tile = tile or forced_tile("RLALIGN_TRITON_ATTN_TILE") or prefill_tile(max(q.shape[-1], v.shape[-1]))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu, lens, zeros, max_len = _varlen_meta(cu_seqlens, q.device)
-    return _forward(q, k, v, cu, zeros, lens, None, 1, scale, False, tile, store_lse, max_len)
+    return _forward(q, k, v, cu, zeros, lens, None, 1, scale, False, tile, store_lse, max_len, window=window,
+                    sinks=sinks)
 
 
 def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile=None, split_programs=None,
-                  progs_per_item=None, launch=None, stream=None):
+                  progs_per_item=None, launch=None, stream=None, window=None, sinks=None):
     """``split_programs`` / ``stream``: None picks by the batch's shape (:func:`decode_launch`); True forces the
     split-program launch or the streamed one, False rules it out (tests, benchmarks); ``launch`` replaces that
     launch's DecodeLaunch (benchmarks), ``progs_per_item`` forces how many programs share an item's splits. Every
-    choice gives the same bits."""
+    choice gives the same bits. ``window`` / ``sinks`` (rlalign.ops.attention_paged): the one-program-per-item
+    launch, always (a choice of the arguments alone; the split and streamed launches implement neither)."""
+    if window is not None or sinks is not None:
+        if split_programs or stream:
+            raise fail("attention_paged", "sliding-window / sink attention runs the one-program-per-item launch only "
+                                          "(split_programs / stream must not be True)")
+        split_programs, stream = False, False
     q = q.contiguous()
     cu, kv_len, pos0, bt, max_q, max_kv = _paged_meta(block_table, seq_lens, cu_seqlens_q, q.device)
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -966,7 +1148,7 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     tile_rows = forced[0] if forced else DECODE_TILE[0]
     elements = max(q.numel(), k_cache.numel(), v_cache.numel())
     auto = decode_launch(max_q, cu.shape[0] - 1, t, hq, hkv, d, table_keys, elements, device_sms(q),
-                         stream_layout_ok(k_cache, v_cache), tile_rows)
+                         stream_layout_ok(k_cache, v_cache) and v_cache.shape[-1] == d, tile_rows)
     if split_programs is None:
         split_programs = auto == "split" and not stream
     if stream is None:
@@ -979,40 +1161,49 @@ def paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scal
     if stream and elements >= 2 ** 31:
         raise fail("attention_paged", f"the streamed launch indexes q and the caches in int32: {elements} elements "
                                       "in q or a cache are too many for it")
+    if stream and v_cache.shape[-1] != d:
+        raise fail("attention_paged", f"the streamed launch takes K and V of one head width; got {d} and "
+                                      f"{v_cache.shape[-1]}")
     if stream and not stream_layout_ok(k_cache, v_cache):
         raise fail("attention_paged", f"the streamed launch needs caches with contiguous heads and rows; got strides "
                                       f"{tuple(k_cache.stride())} / {tuple(v_cache.stride())}")
     launch = launch or (STREAM_DECODE if stream else SPLIT_DECODE if split_programs else ITEM_DECODE)
-    tile = forced or (launch.tile if decode_tile else PREFILL_TILE)
+    tile = forced or (launch.tile if decode_tile else prefill_tile(max(d, v_cache.shape[-1])))
     if stream:
         return _stream_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, tile, launch)
     out, _ = _forward(q, k_cache, v_cache, cu, pos0, kv_len, bt, page_size, scale, True, tile, False,
-                      max_q, max_kv, split_programs, progs_per_item, launch)
+                      max_q, max_kv, split_programs, progs_per_item, launch, window, sinks)
     return out
 
 
-def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=None, launch=None):
+def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=None, launch=None, window=None, sinks=None):
     """dq, dk, dv of the packed causal forward (``lse``: its base-2 lse). ``launch`` (default BWD_LAUNCH);
-    ``tile`` overrides its dq_tile, dkdv_rows and dkdv_stages (tests)."""
-    launch = launch or BWD_LAUNCH
+    ``tile`` overrides its dq_tile, dkdv_rows and dkdv_stages (tests). ``window``: the kernels' WINDOW variant.
+    With ``sinks`` (``lse`` then sink-inclusive) -> (dq, dk, dv, dsinks): :func:`sink_grad`."""
+    launch = launch or backward_launch(max(q.shape[-1], v.shape[-1]))
     if tile is not None:
         launch = dataclasses.replace(launch, dq_tile=tuple(tile), dkdv_rows=tile[0], dkdv_stages=tile[2])
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     t, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, d_v = k.shape[1], v.shape[-1]
     g = hq // hkv
     cu, _, _, max_len = _varlen_meta(cu_seqlens, q.device)
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()   # [T, Hq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grads = (dq, dk, dv) if sinks is None else (dq, dk, dv, sink_grad(sinks, lse, delta))
     if t == 0 or max_len == 0:
-        return dq, dk, dv
+        return grads
     bm, warps, stages = launch.dq_tile
     if g > bm or g > launch.dkdv_rows:
         raise fail("attention_varlen", f"{g} query heads per kv head exceed the backward tile of "
                                        f"{min(bm, launch.dkdv_rows)} rows")
     n_seq = cu.shape[0] - 1
     args = (q, k, v, grad_out, lse, delta)
-    common = dict(G=g, D=d, DP=_dpad(d), SPLIT=split_for(q.dtype), GRID_HEAVY_FIRST=launch.heavy_first)
+    common = dict(G=g, D=d, DP=_dpad(d), SPLIT=split_for(q.dtype), GRID_HEAVY_FIRST=launch.heavy_first,
+                  stride_vr=v.stride(0), stride_vh=v.stride(1), stride_dot=grad_out.stride(0),
+                  stride_doh=grad_out.stride(1), DV=d_v, DPV=_dpad(d_v))
+    if window is not None:   # absent, the kernels' defaults: the plain causal variants
+        common.update(window=int(window), WINDOW=True)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
     attn_bwd_dq_kernel[_bwd_grid(triton.cdiv(max_len, bm // g), n_seq, hkv, launch.heavy_first)](
         *args, dq, cu, scale * LOG2E, scale, *strides, BM=bm, BN=launch.dq_keys, num_warps=warps, num_stages=stages,
@@ -1021,7 +1212,18 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, scale, tile=None, l
     attn_bwd_dkdv_kernel[_bwd_grid(triton.cdiv(max_len, launch.dkdv_keys), n_seq, hkv, launch.heavy_first)](
         *args, dk, dv, cu, scale * LOG2E, scale, *strides, BMQ=launch.dkdv_rows, BN=launch.dkdv_keys,
         num_warps=launch.dkdv_warps, num_stages=launch.dkdv_stages, **common)
-    return dq, dk, dv
+    return grads
+
+
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks [Hq] in sinks' dtype: a sink is a key of value 0 whose probability in row (t, h) is
+    p = exp2(sinks[h] log2(e) - lse[t, h]) (``lse``: the sink-inclusive base-2 one), so its score gradient is
+    p (0 - delta[t, h]), summed over the tokens by rlalign.reductions.tree_sum (a fixed order: a function of T
+    only, as the torch backend's)."""
+    if lse.shape[0] == 0:
+        return torch.zeros_like(sinks)
+    p_sink = torch.exp2(sinks.detach().float().unsqueeze(0) * LOG2E - lse)          # [T, Hq]
+    return (-tree_sum((p_sink * delta).t().contiguous())).to(sinks.dtype)
 
 
 def _bwd_grid(work: int, n_seq: int, hkv: int, heavy_first: bool) -> tuple[int, int, int]:
@@ -1034,31 +1236,34 @@ def _bwd_grid(work: int, n_seq: int, hkv: int, heavy_first: bool) -> tuple[int, 
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
-        out, lse = varlen_forward(q, k, v, cu_seqlens, scale, store_lse=True)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.scale = scale
+    def forward(ctx, q, k, v, cu_seqlens, scale, window=None, sinks=None):
+        out, lse = varlen_forward(q, k, v, cu_seqlens, scale, store_lse=True, window=window, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sinks)
+        ctx.scale, ctx.window = scale, window
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, ctx.scale)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
+        grads = varlen_backward(q, k, v, out, lse, cu_seqlens, grad_out, ctx.scale, window=ctx.window, sinks=sinks)
+        return (*grads[:3], None, None, None, grads[3] if sinks is not None else None)
 
 
-def attention_varlen(q, k, v, cu_seqlens, scale):
-    """Validated inputs (rlalign.ops.attention_varlen)."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _VarlenAttention.apply(q, k, v, cu_seqlens, float(scale))
-    return varlen_forward(q, k, v, cu_seqlens, float(scale))[0]
+def attention_varlen(q, k, v, cu_seqlens, scale, window=None, sinks=None):
+    """Validated inputs (rlalign.ops.attention_varlen); ``window`` / ``sinks`` as there (sinks get a gradient)."""
+    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in leaves):
+        return _VarlenAttention.apply(q, k, v, cu_seqlens, float(scale), window, sinks)
+    return varlen_forward(q, k, v, cu_seqlens, float(scale), window=window, sinks=sinks)[0]
 
 
-def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale):
+def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, window=None, sinks=None):
     """Validated inputs (rlalign.ops.attention_paged). Non-finite K/V inside a context make the
     output non-finite, which is detected here and raised (the cache outside contexts is never read
     into the math)."""
-    out = paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, float(scale))
+    out = paged_forward(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, float(scale), window=window,
+                        sinks=sinks)
     # deferred to the next sync point (chk.flush, called by the logprob ops): no host wait per layer
     chk.finite("attention_paged", "out", out, "k_cache/v_cache contain NaN or inf within a sequence's context "
                                               "(or the scores overflow fp32)")
@@ -1066,7 +1271,7 @@ def attention_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sc
 
 
 __all__ = ["attention_varlen", "attention_paged", "varlen_forward", "paged_forward", "varlen_backward",
-           "PREFILL_TILE", "DECODE_TILE", "KV_BLOCK", "DecodeLaunch", "BackwardLaunch", "BWD_LAUNCH",
+           "PREFILL_TILE", "DECODE_TILE", "WIDE_PREFILL_TILE", "WIDE_BWD_LAUNCH", "prefill_tile", "backward_launch", "KV_BLOCK", "DecodeLaunch", "BackwardLaunch", "BWD_LAUNCH",
            "ITEM_DECODE", "SPLIT_DECODE", "STREAM_DECODE",
            "decode_items", "decode_launch", "use_split_programs", "use_stream", "stream_work_bytes",
            "arrival_counters"]

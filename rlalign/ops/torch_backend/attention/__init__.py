@@ -93,9 +93,23 @@ class _VarlenAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, dsinks
 
 
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x with zero head columns appended up to ``width`` (x itself when already that wide)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Strict causal varlen attention (inputs validated by :func:`rlalign.ops.attention_varlen`)."""
+    """Strict causal varlen attention (inputs validated by :func:`rlalign.ops.attention_varlen`).
+
+    V of another head width than Q and K: the narrower side gets zero columns up to the wider (zero q.k
+    products and zero output columns, dropped; the same padding in every path, so the paths still agree bit for
+    bit), through autograd."""
+    if v.shape[-1] != q.shape[-1]:
+        width = max(q.shape[-1], v.shape[-1])
+        out = attention_varlen(_widen(q, width), _widen(k, width), _widen(v, width), cu_seqlens, scale, window,
+                               sinks)
+        return out[..., :v.shape[-1]].contiguous()
     grads = [q, k, v] + ([sinks] if sinks is not None else [])
     if torch.is_grad_enabled() and any(x.requires_grad for x in grads):
         return _VarlenAttention.apply(q, k, v, cu_seqlens, scale, window, sinks)
@@ -110,8 +124,15 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Strict paged attention (inputs validated by :func:`rlalign.ops.attention_paged`).
 
     Non-finite K/V inside a context are detected on the way (score and accumulator checks) and
-    raise; the rest of the cache is never read into the math (masked to exact zeros).
+    raise; the rest of the cache is never read into the math (masked to exact zeros). A v_cache of another head
+    width than k_cache: widened as :func:`attention_varlen` does (a padded copy of the narrower cache per call:
+    the reference's route, not a fast one).
     """
+    if v_cache.shape[-1] != q.shape[-1]:
+        width = max(q.shape[-1], v_cache.shape[-1])
+        out = attention_paged(_widen(q, width), _widen(k_cache, width), _widen(v_cache, width), block_table,
+                              seq_lens, cu_seqlens_q, scale, window, sinks)
+        return out[..., :v_cache.shape[-1]].contiguous()
     t, hq, d = q.shape
     if t == 0:
         return q.new_empty(q.shape)
