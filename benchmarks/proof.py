@@ -12,9 +12,10 @@ Stages, each written under ``--out`` (docs/proof.md has the method and the measu
    steps), so it knows some addition but leaves RL room; ``base-moe/`` (MoE arms only): that model upcycled to a Qwen3-MoE (every expert a copy of the
    dense MLP, a seeded random router: rlalign.models.upcycle).
 2. **arms** (``runs/ARM``): ``rlalign train`` on the built-in addition task from that model with one config
-   (``train.yaml``): the same seed, prompts, hyper-parameters and step count in every arm; only ``run.profile`` and
-   ``algo.mismatch_correction`` differ (:data:`ARMS`). ``native`` uses the vendor kernels, whose rollout and
-   trainer log-probs differ (the native profile only reports the difference; nothing stops the run).
+   (``train.yaml``): the same seed, prompts, hyper-parameters and step count in every arm; only ``run.profile``,
+   ``algo.mismatch_correction`` and ``algo.routing_replay`` differ (:data:`ARMS`). ``native`` uses the vendor
+   kernels, whose rollout and trainer log-probs differ (the native profile only reports the difference; nothing
+   stops the run); ``moe-native-replay`` has the trainer reuse the rollout's recorded experts (R3).
 3. **report**: ``rlalign report`` of the arms overlaid (``report/compare.png``, ``report/compare.md``) and a
    per-arm summary (``summary.md``, ``summary.json``).
 
@@ -40,15 +41,16 @@ if str(ROOT) not in sys.path:   # run as a file from anywhere: this tree's rlali
 
 from rlalign.contract.errors import RLAlignError  # noqa: E402
 
-# arm -> (model: dense | moe, run.profile, algo.mismatch_correction)
+# arm -> (model: dense | moe, run.profile, algo.mismatch_correction, algo.routing_replay)
 ARMS = {
-    "strict": ("dense", "strict", "none"),
-    "native": ("dense", "native", "none"),
-    "native-tis": ("dense", "native", "token_tis"),
-    "native-mis": ("dense", "native", "token_mis"),
-    "moe-strict": ("moe", "strict", "none"),
-    "moe-native": ("moe", "native", "none"),
-    "moe-native-tis": ("moe", "native", "token_tis"),
+    "strict": ("dense", "strict", "none", False),
+    "native": ("dense", "native", "none", False),
+    "native-tis": ("dense", "native", "token_tis", False),
+    "native-mis": ("dense", "native", "token_mis", False),
+    "moe-strict": ("moe", "strict", "none", False),
+    "moe-native": ("moe", "native", "none", False),
+    "moe-native-tis": ("moe", "native", "token_tis", False),
+    "moe-native-replay": ("moe", "native", "none", True),
 }
 DEFAULT_ARMS = "strict,native,native-tis"
 
@@ -187,7 +189,7 @@ def moe_model(out: Path, s: dict, log) -> Path:
 
 def train_config(s: dict) -> dict:
     """The one GRPO config every arm runs (the arms add model.path, run.profile, algo.mismatch_correction,
-    run.dir). The embedded default run's algorithm: GRPO advantages, PPO-clip, token-mean, no KL."""
+    algo.routing_replay, run.dir). The embedded default run's algorithm: GRPO advantages, PPO-clip, token-mean, no KL."""
     size = SIZES[s["size"]]
     return {
         "model": {"device": s["device"], "dtype": s["dtype"]},
@@ -205,11 +207,13 @@ def train_config(s: dict) -> dict:
 def arm_argv(out: Path, arm: str, model_path: Path, resume: bool, minutes: "float | None" = None) -> list[str]:
     """``rlalign train``'s arguments for ``arm``: the shared train.yaml and the arm's own keys (``minutes``: the
     run stops after a checkpoint once it has run that long, ``run.max_minutes``)."""
-    _, profile, correction = ARMS[arm]
+    _, profile, correction, replay = ARMS[arm]
     argv = ["train", str(out / "train.yaml"), f"model.path={model_path}", f"run.profile={profile}",
             f"run.dir={out / 'runs' / arm}"]
     if correction != "none":
         argv.append(f"algo.mismatch_correction={correction}")
+    if replay:
+        argv.append("algo.routing_replay=true")
     if minutes is not None:
         argv.append(f"run.max_minutes={minutes:.2f}")
     return argv + (["run.resume=true"] if resume else ["run.overwrite=true"])
@@ -281,6 +285,10 @@ def arm_summary(run_dir: Path) -> dict:
         "logprobs_differing": sum(int(r.get("mismatch/count", 0)) for r in steps),
         "routing_compared": sum(int(r.get("moe/routing_tokens", 0)) for r in steps),
         "routing_differing": sum(int(r.get("moe/routing_mismatch", 0)) for r in steps),
+        # routing replay: the (token, layer) pairs taken from the rollout, and those the trainer's router would
+        # have chosen otherwise (the routing mismatch the replay removed)
+        "routing_replayed": sum(int(r.get("moe/routing_replayed", 0)) for r in steps),
+        "routing_overridden": sum(int(r.get("moe/routing_overridden", 0)) for r in steps),
         "abs_diff_max": extreme("mismatch/max_abs", max),
         "abs_diff_mean": mean("mismatch/mean_abs"),
         "abs_diff_p50_mean": mean("mismatch/abs_p50"),
@@ -319,7 +327,8 @@ def summary_markdown(summaries: dict, s: dict, base: dict) -> str:
             f"| {arm} | {_fmt(m['eval_accuracy_first'], '.3f')} -> {_fmt(m['eval_accuracy_last'], '.3f')} "
             f"({_fmt(m['eval_accuracy_best'], '.3f')}) | {_fmt(m['reward_first'], '.3f')} -> "
             f"{_fmt(m['reward_last_quarter_mean'], '.3f')} | {m['logprobs_differing']} of {m['logprobs_compared']}"
-            + (f"; routing {m['routing_differing']} of {m['routing_compared']}" if m["routing_compared"] else "") +
+            + (f"; routing {m['routing_differing']} of {m['routing_compared']}" if m["routing_compared"] else "")
+            + (f" (replayed; {m['routing_overridden']} overridden)" if m.get("routing_replayed") else "") +
             f" "
             f"| {_fmt(m['abs_diff_p50_mean'], '.2g')} / {_fmt(m['abs_diff_p99_mean'], '.2g')} / "
             f"{_fmt(m['abs_diff_max'], '.2g')} | {_fmt(m['ratio_min'], '.4f')} / {_fmt(m['ratio_max'], '.4f')} "

@@ -70,27 +70,46 @@ class RoutingRecord:
         self.keep_logits = keep_logits
         self.parent = parent
         self.layers: dict[int, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
+        self.router_choice: dict[int, list[torch.Tensor]] = {}   # under a replay: the router's own top-k
 
-    def add(self, layer: int, logits: torch.Tensor, experts: torch.Tensor) -> None:
+    def add(self, layer: int, logits: torch.Tensor, experts: torch.Tensor,
+            router_choice: torch.Tensor | None = None) -> None:
+        """One forward's routing of ``layer``: the experts it used and, under a routing replay, the experts the
+        router itself would have chosen (``router_choice``, [T, k])."""
         if self.parent is not None:
-            self.parent.add(layer, logits, experts)
+            self.parent.add(layer, logits, experts, router_choice)
         if not self.keep_logits:
             logits, experts = None, experts.to(torch.int16)
+            router_choice = None if router_choice is None else router_choice.to(torch.int16)
         self.layers.setdefault(layer, []).append((logits, experts))
+        if router_choice is not None:
+            self.router_choice.setdefault(layer, []).append(router_choice)
 
     def expert_ids(self) -> torch.Tensor | None:
         """The recorded expert ids as one tensor [rows, sparse layers, k] (int16 with ``keep_logits=False``):
         sparse layers in increasing layer index, rows of the recorded forwards concatenated in the order they
         ran. None when no sparse layer ran. Every sparse layer sees every row, so the rows line up."""
-        if not self.layers:
+        return _stacked({layer: [experts for _, experts in runs] for layer, runs in self.layers.items()})
+
+    def router_choice_ids(self) -> torch.Tensor | None:
+        """Under a routing replay (every recorded forward ran inside :func:`replay_routing`): the experts each
+        router would have chosen itself, laid out as :meth:`expert_ids`; None otherwise."""
+        if not self.router_choice or sorted(self.router_choice) != sorted(self.layers) or any(
+                len(self.router_choice[layer]) != len(self.layers[layer]) for layer in self.layers):
             return None
-        return torch.stack([torch.cat([experts for _, experts in self.layers[layer]])
-                            for layer in sorted(self.layers)], dim=1)
+        return _stacked(self.router_choice)
 
     @property
     def layer_indices(self) -> list[int]:
         """The sparse layers' indices, in the order of :meth:`expert_ids`' second dimension."""
         return sorted(self.layers)
+
+
+def _stacked(per_layer: dict[int, list[torch.Tensor]]) -> torch.Tensor | None:
+    """[rows, sparse layers, k]: each layer's forwards' rows concatenated, layers in increasing index."""
+    if not per_layer:
+        return None
+    return torch.stack([torch.cat(per_layer[layer]) for layer in sorted(per_layer)], dim=1)
 
 
 _RECORD = threading.local()
@@ -113,6 +132,65 @@ def current_routing_record() -> RoutingRecord | None:
     return getattr(_RECORD, "current", None)
 
 
+# ---- routing replay (R3: the trainer reuses the rollout's expert choices) -----------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RoutingReplay:
+    """The expert choices a forward replays: ``experts`` [rows of the forward, sparse layers, k] (any integer
+    dtype; sparse layers in increasing layer index, :func:`sparse_layer_indices`' order), ``replayed`` bool
+    [rows] (False: the row routes freshly, its ``experts`` entry unread) and ``layers``, the sparse layers'
+    indices along ``experts``' second dimension.
+
+    What a replayed row x computes in sparse layer L, with current router logits l = router_logits(x) (fp32 [E])
+    and recorded experts e_1..e_k (the rollout's top-k, rank order)::
+
+        w_j = softmax(l)[e_j]                    (normalize: w_j / sum_j w_j)
+        out = moe_combine(FFN_{e_j}(x), w_j)     as without replay
+
+    The expert set is a constant of the step (the rollout's choice); gradients flow into the router through w
+    and into the chosen experts through FFN. A fresh row is the unreplayed block, bit for bit."""
+    experts: torch.Tensor
+    replayed: torch.Tensor
+    layers: tuple[int, ...]
+
+    def route(self, logits: torch.Tensor, layer: int, top_k: int, normalize: bool):
+        """(experts [T, k] int64, gate weights [T, k] fp32, the router's own choice [T, k]) of sparse layer
+        ``layer`` from its router logits [T, E]: the recorded experts on the replayed rows, the router's top-k on
+        the others; the weights of whichever experts are used recomputed from ``logits``
+        (:func:`rlalign.ops.moe_route_replay`), so the router keeps its gradient."""
+        if layer not in self.layers:
+            raise ValueError(f"routing replay: sparse layer {layer} is not in the replayed record's layers "
+                             f"{list(self.layers)}")
+        recorded = self.experts[:, self.layers.index(layer)]
+        if recorded.shape != (logits.shape[0], top_k):
+            raise ValueError(f"routing replay: the record holds {tuple(recorded.shape)} experts for layer {layer}, "
+                             f"the forward {logits.shape[0]} rows x top-{top_k}")
+        own, _ = ops.moe_route(logits.detach(), top_k, normalize=normalize)
+        recorded = recorded.to(device=own.device, dtype=own.dtype)
+        experts = torch.where(self.replayed.to(own.device).unsqueeze(1), recorded, own)
+        return experts, ops.moe_route_replay(logits, experts, normalize=normalize), own
+
+
+_REPLAY = threading.local()
+
+
+@contextlib.contextmanager
+def replay_routing(replay: RoutingReplay | None):
+    """Every sparse block (:func:`sparse_moe_block`) of the forwards -- and the backward's recomputed forwards --
+    run in this thread while the context is open routes by ``replay`` (None: freshly, as outside)."""
+    previous = getattr(_REPLAY, "current", None)
+    _REPLAY.current = replay
+    try:
+        yield replay
+    finally:
+        _REPLAY.current = previous
+
+
+def current_routing_replay() -> RoutingReplay | None:
+    """The replay open in this thread (:func:`replay_routing`), None outside one."""
+    return getattr(_REPLAY, "current", None)
+
+
 def sparse_layer_indices(cfg: ModelConfig) -> list[int]:
     """The indices of a model's sparse (MoE) layers; empty for dense models (gpt-oss: every layer)."""
     if cfg.ffn_kind == "gpt_oss_moe":
@@ -129,16 +207,21 @@ def sparse_layer_indices(cfg: ModelConfig) -> list[int]:
 def sparse_moe_block(x: torch.Tensor, router_w: torch.Tensor, expert_ffns: ExpertFFNs, *, top_k: int,
                      normalize: bool, layer: int) -> torch.Tensor:
     """The sparse FFN of rows ``x`` [T, hidden] (see the module docstring); taps ``router`` and ``routing``.
+    Inside :func:`replay_routing` the experts come from the replayed record (:meth:`RoutingReplay.route`).
 
     ``expert_ffns(x, experts)`` -> y [T, k, hidden] applies each token's k experts: :func:`stacked_expert_ffns`
     over the full weights, or the tensor-parallel experts :func:`rlalign.distributed.parallelize.parallelize`
     installs (the same bits: the router and the combine are replicated, only the experts' FFNs are sharded)."""
     logits = tap(layer_tap(layer, "router"), ops.router_logits(x, router_w))
-    experts, weights = ops.moe_route(logits, top_k, normalize=normalize)
+    replay, own = current_routing_replay(), None
+    if replay is None:
+        experts, weights = ops.moe_route(logits, top_k, normalize=normalize)
+    else:   # routing replay: the recorded experts, weights from the current logits (RoutingReplay.route)
+        experts, weights, own = replay.route(logits, layer, top_k, normalize)
     tap(layer_tap(layer, "routing"), experts)
     record = current_routing_record()
     if record is not None:
-        record.add(layer, logits, experts)
+        record.add(layer, logits, experts, own)
     y = expert_ffns(x, experts)
     return ops.moe_combine(y, weights, experts)
 
@@ -267,5 +350,6 @@ def build_moe_layer_ffn(cfg: ModelConfig, layer_index: int, dtype, device) -> nn
 
 
 __all__ = ["is_sparse_layer", "sparse_layer_indices", "current_routing_record", "sparse_moe_block", "stacked_expert_ffns", "ExpertFFNs",
-           "SparseMoE", "SharedExpertMoE", "StackedExperts", "shared_expert_mlp", "add_shared_expert", "expert_checkpoint_entries", "record_routing", "RoutingRecord"]
+           "SparseMoE", "SharedExpertMoE", "StackedExperts", "shared_expert_mlp", "add_shared_expert", "expert_checkpoint_entries", "record_routing", "RoutingRecord",
+           "RoutingReplay", "replay_routing", "current_routing_replay"]
 

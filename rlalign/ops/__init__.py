@@ -12,6 +12,7 @@ Functional API (the only way models and engines compute):
     sample_and_score: a rollout's sampled token and its logprob, the one owner  (ops.sample_score)
     logprob_temperature: the temperature a sampled token is scored at           (ops.temperature)
     router_logits, moe_route, moe_experts, moe_combine                         (ops.moe)
+    moe_route_replay: the gate weights of recorded experts (routing replay, native)          (ops.moe)
     moe_route_topk_softmax, clamped_swiglu: gpt-oss's router and expert activation (ops.moe)
     moe_route_grouped_sigmoid: DeepSeek-V3's router (sigmoid, group-limited, bias for the choice)  (ops.moe)
     shared_expert_gate: a shared expert's output times sigmoid of its gate's logit (Qwen3-Next)     (ops.moe)
@@ -44,7 +45,7 @@ from rlalign.ops.sampled_logprob import SampledLogprobs, sampled_logprob
 from rlalign.ops.sample_score import sample_and_score
 from rlalign.ops.temperature import logprob_temperature
 from rlalign.ops.moe import (clamped_swiglu, moe_combine, moe_experts, moe_route, moe_route_grouped_sigmoid,
-                             moe_route_topk_softmax, router_logits, shared_expert_gate)
+                             moe_route_replay, moe_route_topk_softmax, router_logits, shared_expert_gate)
 
 __all__ = [
     "linear", "linear_group", "stacked_rows", "rms_norm", "rope", "rope_inv_freq", "rope_cos_sin", "silu_mul",
@@ -54,6 +55,6 @@ __all__ = [
     "capturing_graph", "flush_deferred_checks", "requeue_deferred_checks", "static_decode",
     "check_policy", "use_check_policy", "check_scope",
     "router_logits", "moe_route", "moe_experts", "moe_combine", "moe_route_topk_softmax", "clamped_swiglu",
-    "moe_route_grouped_sigmoid", "shared_expert_gate",
+    "moe_route_grouped_sigmoid", "shared_expert_gate", "moe_route_replay",
     "rope_attention_scaling",
 ]

@@ -11,7 +11,8 @@ Why this is bitwise by construction: every piece is a per-token function. The ro
 are row-wise elementwise/tree arithmetic; the expert FFN runs each expert's rows through the strict
 linear, whose per-row result does not depend on how many rows share the call or where they sit, so
 a token's expert output is the same whether 1 or 10,000 tokens chose that expert, and in whatever
-order. Routing is then identical in any two engines that see the same hidden row: no routing replay.
+order. Routing is then identical in any two engines that see the same hidden row: no routing replay. The native
+profile may replay a recorded routing instead (:func:`moe_route_replay`: the gate weights of given experts).
 
 Native (no promise): the same dispatch, then, outside autograd, three grouped GEMMs (``torch._grouped_mm``,
 no host read: capturable in a decode graph) where torch takes the weights, else one linear per projection
@@ -205,6 +206,34 @@ def moe_route(logits: torch.Tensor, top_k: int, *, normalize: bool, profile=None
         raise fail("moe_route", f"router logits must be float32 (got {logits.dtype}): use ops.router_logits")
     chk.finite("moe_route", "logits", logits)
     return strict_impl("moe_route", logits.device, profile)(logits, top_k, normalize)
+
+
+def moe_route_replay(logits: torch.Tensor, experts: torch.Tensor, *, normalize: bool, profile=None) -> torch.Tensor:
+    """The gate weights [T, k] fp32 of GIVEN experts [T, k] (a recorded routing replayed: R3), from the current
+    fp32 router logits [T, E]: the same formula as :func:`moe_route`'s native weights with the top-k choice
+    replaced by ``experts``::
+
+        p = softmax(logits)                 over all E experts, fp32
+        w[t, j] = p[t, experts[t, j]]       (normalize: divided by sum_j w[t, j])
+
+    Differentiable into the logits (the router keeps its gradient: through the chosen probabilities and, by the
+    softmax, every logit). With ``experts`` = ``moe_route``'s own native choice the weights are its bits (the
+    same softmax, gathered instead of taken by topk). Native only: in the strict profile the trainer's routing
+    already equals the engine's bit for bit, so there is nothing to replay (one line, never a fallback)."""
+    if as_profile(profile) is not Profile.NATIVE:
+        raise fail("moe_route_replay", "routing replay runs in the native profile only: in the strict profile the "
+                   "trainer's expert choices equal the rollout engine's bit for bit")
+    chk.ndim("moe_route_replay", "logits", logits, 2)
+    chk.ndim("moe_route_replay", "experts", experts, 2)
+    if experts.shape[0] != logits.shape[0] or not 1 <= experts.shape[1] <= logits.shape[1]:
+        raise fail("moe_route_replay", f"experts {tuple(experts.shape)} do not fit logits {tuple(logits.shape)} "
+                   "(want [T, k], 1 <= k <= E)")
+    experts = experts.to(device=logits.device, dtype=torch.int64)
+    validate_expert_ids(experts.reshape(-1), logits.shape[1])
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, experts)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
 
 
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, gate_w: Sequence[torch.Tensor], up_w: Sequence[torch.Tensor],

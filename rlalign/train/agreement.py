@@ -5,6 +5,8 @@
 - **Routing** (:meth:`Agreement.check_routing`, MoE models): the experts the trainer's forward sent each row to
   against the engine's record (``Completion.routing``) on every row both computed, logged as ``moe/routing_*``;
   a (row, sparse layer) pair mismatches when the top-k expert sets differ (:func:`rlalign.algos.routing_mismatch`).
+  Under ``algo.routing_replay`` (native) the trainer routes those rows by the engine's record, so the count is 0 by
+  construction, and ``moe/routing_overridden`` counts where the trainer's own router would have chosen otherwise.
   With samples generated ahead (``rollout.async_steps``) only the samples the trainer's current weights drew are
   compared (:func:`whole_samples`): a stale sample's experts were chosen by older weights, and
   ``run.verify_behaviour`` compares them under those (:class:`rlalign.train.offpolicy.BehaviourVerifier`).
@@ -61,16 +63,28 @@ class Agreement:
         return record
 
     def check_routing(self, step: int, trainer_ids: torch.Tensor | None, samples: StepSamples,
-                      keep: "torch.Tensor | None" = None) -> dict:
+                      keep: "torch.Tensor | None" = None, router_choice: "torch.Tensor | None" = None) -> dict:
         """Compare the trainer's routing (expert ids [rows of the step's packed forwards, sparse layers, k]: the
         samples in order, every token of each) with the rollout's on the rows both computed, of every sample or of
-        those where the bool [N] ``keep`` is True; the ``moe/routing_*`` record."""
+        those where the bool [N] ``keep`` is True; the ``moe/routing_*`` record.
+
+        Under a routing replay (``algo.routing_replay``) the trainer used the rollout's experts on exactly the rows
+        both computed, so ``moe/routing_mismatch`` is 0 by construction; ``router_choice`` (the routers' own top-k,
+        laid out as ``trainer_ids``) then gives ``moe/routing_replayed`` (the (token, layer) pairs replayed) and
+        ``moe/routing_overridden`` (those where the trainer's router would have chosen other experts: the
+        mismatch the replay removed)."""
         if keep is not None:
             if not bool(keep.any()):
-                return {"moe/routing_tokens": 0, "moe/routing_mismatch": 0, "moe/routing_mismatch_frac": 0.0}
+                return {"moe/routing_tokens": 0, "moe/routing_mismatch": 0, "moe/routing_mismatch_frac": 0.0,
+                        **({} if router_choice is None else
+                           {"moe/routing_replayed": 0, "moe/routing_overridden": 0,
+                            "moe/routing_overridden_frac": 0.0})}
+            if router_choice is not None:
+                router_choice, _ = kept_rows(router_choice, samples, keep)
             trainer_ids, samples = kept_rows(trainer_ids, samples, keep)
         ours, theirs, rows = rows_both_computed(step, trainer_ids, samples)
         mism = algos.routing_mismatch(ours, theirs)
+        replay = {} if router_choice is None else self._replay_record(step, router_choice, samples)
         if mism["count"] and self.strict:
             row, layer = mism["first"]
             sample = int(torch.searchsorted(torch.tensor(rows).cumsum(0), row, right=True))
@@ -80,7 +94,16 @@ class Agreement:
                 f"{row - sum(rows[:sample])}, layer {self.sparse_layers[layer]}: rollout experts "
                 f"{sorted(theirs[row, layer].tolist())}, trainer {sorted(ours[row, layer].tolist())}; {LOCALIZE_HINT}")
         return {"moe/routing_tokens": mism["tokens"], "moe/routing_mismatch": mism["count"],
-                "moe/routing_mismatch_frac": mism["count"] / max(mism["tokens"], 1)}
+                "moe/routing_mismatch_frac": mism["count"] / max(mism["tokens"], 1), **replay}
+
+    @staticmethod
+    def _replay_record(step: int, router_choice: torch.Tensor, samples: StepSamples) -> dict:
+        """``moe/routing_replayed`` / ``moe/routing_overridden(_frac)`` of a replayed forward
+        (:meth:`check_routing`): the routers' own choice against the rollout's on the rows both computed."""
+        own, theirs, _ = rows_both_computed(step, router_choice, samples)
+        overridden = algos.routing_mismatch(own, theirs)
+        return {"moe/routing_replayed": overridden["tokens"], "moe/routing_overridden": overridden["count"],
+                "moe/routing_overridden_frac": overridden["count"] / max(overridden["tokens"], 1)}
 
     def _report(self, msg: str) -> None:
         """``run.on_mismatch``: stop raises MismatchError (before any optimizer step of the step), warn logs."""

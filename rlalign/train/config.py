@@ -260,7 +260,7 @@ class AlgoSection:
         **{k: checked_by_type("one of its listed names") for k in
            ("advantage", "policy_loss", "loss_agg", "kl_estimator", "mismatch_correction", "turn_advantage")},
         **{k: checked_by_type("true or false") for k in
-           ("kl_in_reward", "dynamic_sampling", "overlong_filter")},
+           ("kl_in_reward", "dynamic_sampling", "overlong_filter", "routing_replay")},
         "clip_low": within(0, 1, high_open=True, optional=True),
         "clip_high": at_least(0, optional=True, what="a finite number"),
         "dual_clip": greater_than(1, optional=True),
@@ -296,6 +296,7 @@ class AlgoSection:
     kl_in_reward: bool = False         # fold the KL penalty into the reward instead of the loss
     entropy_coef: float = 0.0          # entropy bonus weight
     router_aux_coef: float = 0.0       # MoE models: weight of the routers' load-balancing loss (Qwen3-MoE formula)
+    routing_replay: bool = False       # MoE, native: the trainer reuses the rollout's recorded experts (R3; docs/proof.md)
     dynamic_sampling: bool = False     # DAPO: drop zero-variance groups, draw more
     max_draw_rounds: int = 3           # dynamic_sampling: most draws per step
     overlong_filter: bool = False      # mask truncated completions
@@ -496,6 +497,9 @@ class TrainConfig:
         sampled = self._sampled_logprobs_problem()
         if sampled:
             return sampled
+        replay = self._routing_replay_problem()
+        if replay:
+            return replay
         lora = self.model.lora.conflict(self)
         if lora:
             return lora
@@ -551,6 +555,27 @@ class TrainConfig:
             return ("rollout.logprobs=sampled needs rollout.async_steps=0: a sample drawn by older weights may lie "
                     "outside the current policy's kept set (log-prob -inf)")
         return None
+
+    def _routing_replay_problem(self) -> "str | None":
+        """``algo.routing_replay`` (rlalign.models.moe.RoutingReplay): the native profile's trainer forwards route by
+        the expert choices rlalign's engine recorded, carried to one local trainer process (the model's kind is
+        checked when it loads: Qwen3-MoE-style sparse layers)."""
+        if not self.algo.routing_replay:
+            return None
+        if self.run.profile != "native":
+            return (f"algo.routing_replay=true needs run.profile=native: in the {self.run.profile} profile the "
+                    "trainer's expert choices already equal the rollout engine's bit for bit; remove it")
+        unsupported = [(self.rollout.engine != "rlalign", f"rollout.engine={self.rollout.engine} (it records no "
+                        "expert choices)"),
+                       (not self.rollout.record_routing, "rollout.record_routing=false (nothing recorded to replay)"),
+                       (self.parallel.world_size > 1, "parallel.dp / parallel.tp"),
+                       (self.launcher != "local", f"launcher={self.launcher}"),
+                       (self.rollout.async_steps > 0, "rollout.async_steps > 0"),
+                       (self.task.env is not None, "task.env (multi-turn episodes)")]
+        what = next((name for bad, name in unsupported if bad), None)
+        return (None if what is None else
+                f"algo.routing_replay=true with {what} is not supported yet; use one local trainer process on "
+                "rollout.engine=rlalign with rollout.record_routing=true")
 
     def _turn_advantage_problem(self) -> "str | None":
         """``algo.turn_advantage=turn`` gives each turn of a multi-turn episode its return-to-go's advantage: it needs

@@ -97,6 +97,11 @@ class Trainer:
         if cfg.algo.router_aux_coef > 0 and not self.moe:
             raise SetupError(f"algo.router_aux_coef={cfg.algo.router_aux_coef} has no effect: the model has no "
                              "mixture-of-experts layers; remove algo.router_aux_coef")
+        if cfg.algo.routing_replay and not (self.moe and self.policy.config.ffn_kind == "moe"):
+            kind = self.policy.config.ffn_kind if self.moe else "dense"
+            raise SetupError(f"algo.routing_replay=true replays the rollout's expert choices in Qwen3-MoE-style sparse "
+                             f"layers; this model's FFN kind is {kind!r} (dense models have nothing to replay; "
+                             "gpt-oss and DeepSeek-V3 routers are not covered yet): remove it")
         offpolicy.check_setup(cfg)
         self.task = build_task(cfg.task, self.tokenizer, cfg.run.seed, cfg.model.device)
         reward_file = reward_fingerprint(cfg.task.reward)   # recorded with every checkpoint
@@ -198,7 +203,7 @@ class Trainer:
         """The step's :class:`TrainBatch` (layout, mask, rollout log-probs), built once."""
         cfg = self.cfg
         batch = TrainBatch.build(samples, max_tokens=cfg.optim.micro_batch_tokens, mini_batches=cfg.algo.mini_batches,
-                                 device=self.policy.device)
+                                 device=self.policy.device, replay_routing=cfg.algo.routing_replay)
         if cfg.algo.overlong_filter:
             truncated = samples.truncated.to(batch.mask.device)
             batch = batch.with_mask(algos.overlong_filter(batch.mask, batch.seq_ids, truncated))
@@ -233,7 +238,7 @@ class Trainer:
                                          keep_routing=self.moe and samples.has_routing)
             if cfg.run.policy_kl:   # the updated policy on the samples its predecessor drew
                 update["kl/policy_step"] = policy_step_kl(
-                    old["lp"], batch.score(self.policy, temperature=temp, sampled=scoring)[0], batch.mask)
+                    old["lp"], batch.score(self.policy, temperature=temp, sampled=scoring, replay=True)[0], batch.mask)
         t_train = time.perf_counter() - t1
         self.source.push_weights(step)
         lens, rewards = batch.completion_lens, samples.reward_tensor()
@@ -256,22 +261,26 @@ class Trainer:
         if self.needs_rescore():
             compare_routing = self.moe and samples.has_routing
             with record_routing(keep_logits=False) if compare_routing else contextlib.nullcontext() as routing:
-                old["lp"], old["ent"] = batch.score(self.policy, temperature=temp, with_entropy=True, sampled=scoring)
+                old["lp"], old["ent"] = batch.score(self.policy, temperature=temp, with_entropy=True, sampled=scoring,
+                                                    replay=True)
             routing_ids = routing.expert_ids() if compare_routing else None
-            record.update(self._agreement(step, old["lp"], routing_ids, samples, batch))
+            router_choice = routing.router_choice_ids() if compare_routing else None
+            record.update(self._agreement(step, old["lp"], routing_ids, samples, batch, router_choice))
         if self.verifier is not None:   # the engine's log-probs against the recorded version's trainer forward
             self.verifier.forget_before(offpolicy.behaviour_version(step, self.cfg.rollout.async_steps))
             record.update(self.verifier.check(step, samples.versions, batch, routing=self.moe and samples.has_routing))
         return old
 
     def _agreement(self, step: int, old_lp: torch.Tensor, routing_ids: "torch.Tensor | None", samples: StepSamples,
-                   batch: TrainBatch) -> dict:
+                   batch: TrainBatch, router_choice: "torch.Tensor | None" = None) -> dict:
         """The step's agreement checks, before any optimizer step: log-probs (of the tokens the source says the
-        current weights sampled), and the routing (the forward's expert ids) where both sides recorded it."""
+        current weights sampled), and the routing (the forward's expert ids; under algo.routing_replay also the
+        routers' own choice, ``router_choice``) where both sides recorded it."""
         fresh = self.source.fresh_mask(samples, step)
         record = self.agreement.check_logprobs(step, old_lp, batch, fresh)
         if self.moe and samples.has_routing:   # the samples the current weights drew (all, synchronously)
-            record.update(self.agreement.check_routing(step, routing_ids, samples, whole_samples(fresh, samples)))
+            record.update(self.agreement.check_routing(step, routing_ids, samples, whole_samples(fresh, samples),
+                                                       router_choice))
         return record
 
     def evaluate(self) -> dict:

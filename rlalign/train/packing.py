@@ -11,13 +11,16 @@ the [tokens, vocab] logits are never built. The step's :class:`TrainBatch` is la
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Sequence
 
 import torch
 
 from rlalign import ops
+from rlalign.contract.errors import RLAlignError
 from rlalign.models.batch import ForwardBatch
+from rlalign.models.moe import RoutingReplay, replay_routing, sparse_layer_indices
 from rlalign.train.samples import StepSamples
 
 
@@ -72,13 +75,16 @@ def score_completions(model, samples: Sequence[tuple[Sequence[int], int]], *, te
 class MicroBatch:
     """Consecutive samples packed into one forward. ``tokens`` slices the step's flat per-token tensors
     (completion tokens, sample by sample); ``seq_ids`` are the tokens' sample indices local to this
-    micro-batch (0 = ``samples.start``); ``rows`` / ``targets`` are :func:`scored_rows` of the pack."""
+    micro-batch (0 = ``samples.start``); ``rows`` / ``targets`` are :func:`scored_rows` of the pack.
+    ``replay`` (``algo.routing_replay``): the rollout's expert choices of the pack's rows as (expert ids
+    [rows, sparse layers, k], bool [rows] replayed), :func:`replay_plan`; None: the pack routes freshly."""
     samples: range
     tokens: slice
     forward: ForwardBatch
     rows: torch.Tensor
     targets: torch.Tensor
     seq_ids: torch.Tensor
+    replay: "tuple[torch.Tensor, torch.Tensor] | None" = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +99,9 @@ class TrainBatch:
     weighs) starts as ``generated``, and the agreement check compares every ``generated`` token. ``mini_batches[m]`` are the
     micro-batches of mini-batch m (one optimizer step each): the samples cut into ``mini_batches``
     consecutive runs of equal size (sizes differ by at most one; none empty, so fewer when there are fewer
-    samples), each cut into micro-batches of at most ``max_tokens`` tokens by :func:`micro_batches`.
+    samples), each cut into micro-batches of at most ``max_tokens`` tokens by :func:`micro_batches`. With
+    ``replay_routing`` every micro-batch carries the rollout's recorded expert choices of its rows
+    (:attr:`MicroBatch.replay`), which the policy's forwards replay (:func:`replaying`).
     """
     samples: StepSamples
     seq_ids: torch.Tensor
@@ -103,16 +111,20 @@ class TrainBatch:
     generated: torch.Tensor
 
     @classmethod
-    def build(cls, samples: StepSamples, *, max_tokens: int, mini_batches: int = 1, device="cpu") -> "TrainBatch":
+    def build(cls, samples: StepSamples, *, max_tokens: int, mini_batches: int = 1, device="cpu",
+              replay_routing: bool = False) -> "TrainBatch":
         if not len(samples):
             raise ValueError("TrainBatch.build: no samples")
+        if replay_routing and not samples.has_routing:
+            raise RLAlignError("algo.routing_replay=true: the rollout engine recorded no expert choices for this "
+                               "step's samples (rollout.record_routing=true on rollout.engine=rlalign records them)")
         if mini_batches < 1:
             raise ValueError(f"TrainBatch.build: mini_batches must be >= 1, got {mini_batches}")
         if samples.logprobs.shape[0] != int(samples.completion_lens.sum()):
             raise ValueError("TrainBatch.build: each sample needs one rollout logprob per completion token")
         lens = samples.completion_lens
         seq_ids = torch.repeat_interleave(torch.arange(len(samples)), lens).to(device)
-        layout = _Layout(samples, device)
+        layout = _Layout(samples, device, replay_routing)
         count = min(mini_batches, len(samples))
         edges = [i * len(samples) // count for i in range(count + 1)]
         seq_lens = samples.sequence_lens.tolist()
@@ -140,11 +152,15 @@ class TrainBatch:
         return dataclasses.replace(self, mask=mask)
 
     @torch.no_grad()
-    def score(self, model, *, temperature: float, with_entropy: bool = False, sampled: dict | None = None):
+    def score(self, model, *, temperature: float, with_entropy: bool = False, sampled: dict | None = None,
+              replay: bool = False):
         """No-grad (logprobs, entropies | None) of every completion token ``[T]``, micro-batch by micro-batch
-        (``sampled``: :func:`logprobs`)."""
-        parts = [logprobs(model, mb, temperature=temperature, with_entropy=with_entropy, sampled=sampled)
-                 for mb in self.micro_batches]
+        (``sampled``: :func:`logprobs`); ``replay``: routing by the micro-batches' replayed expert choices
+        (:func:`replaying`; the policy's forwards, never the reference model's)."""
+        parts = []
+        for mb in self.micro_batches:
+            with replaying(model, mb) if replay else contextlib.nullcontext():
+                parts.append(logprobs(model, mb, temperature=temperature, with_entropy=with_entropy, sampled=sampled))
         return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
 
     @torch.no_grad()
@@ -160,10 +176,11 @@ class TrainBatch:
 class _Layout:
     """Where each sample's tokens and completion tokens start in the step's flat tensors; cuts micro-batches."""
 
-    def __init__(self, samples: StepSamples, device):
-        self.samples, self.device = samples, device
+    def __init__(self, samples: StepSamples, device, replay_routing: bool = False):
+        self.samples, self.device, self.replay_routing = samples, device, replay_routing
         self.token_starts = _starts(samples.sequence_lens)         # in samples.tokens
         self.completion_starts = _starts(samples.completion_lens)   # in the per-token tensors [T]
+        self.routing_starts = _starts(samples.routing_rows)         # in samples.routing
 
     def micro_batch(self, picked: range) -> MicroBatch:
         """The packed forward of samples ``picked`` and the rows / targets of their completion tokens."""
@@ -180,14 +197,41 @@ class _Layout:
         rows = torch.repeat_interleave(first_row, completion_lens) + within
         forward = ForwardBatch(ids.to(self.device), positions.to(self.device),
                                _starts(seq_lens).to(torch.int32).to(self.device))
+        replay = self.replay_plan(picked, positions) if self.replay_routing else None
         return MicroBatch(picked, slice(int(self.completion_starts[lo]), int(self.completion_starts[hi])), forward,
                           rows.to(self.device), ids[rows + 1].to(self.device),
-                          torch.repeat_interleave(torch.arange(len(picked)), completion_lens).to(self.device))
+                          torch.repeat_interleave(torch.arange(len(picked)), completion_lens).to(self.device), replay)
+
+    def replay_plan(self, picked: range, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids int64 [rows, sparse layers, k], replayed bool [rows]) of the pack of samples ``picked``
+        (``positions``: each row's position in its sample): sample i's first ``routing_rows[i]`` rows -- the
+        tokens the engine fed through the model, every prompt token and every completion token but the last --
+        take its recorded experts; the rest (each sample's last token, whose output scores nothing) route
+        freshly (their ids here are 0, unread)."""
+        s, lo, hi = self.samples, picked.start, picked.stop
+        sample = torch.repeat_interleave(torch.arange(lo, hi), s.sequence_lens[lo:hi])
+        replayed = positions < s.routing_rows[sample]
+        source = torch.where(replayed, self.routing_starts[sample] + positions, 0)
+        if s.routing.shape[0] == 0:   # nothing recorded: every row routes freshly
+            experts = torch.zeros((len(positions), *s.routing.shape[1:]), dtype=torch.int64)
+        else:
+            experts = s.routing.index_select(0, source).to(torch.int64)
+        return experts.to(self.device), replayed.to(self.device)
 
 
 def _starts(lens: torch.Tensor) -> torch.Tensor:
     """int64 [n + 1]: 0, then the running sums of ``lens``."""
     return torch.cat([torch.zeros(1, dtype=torch.int64), lens.to(torch.int64).cumsum(0)])
+
+
+def replaying(model, mb: MicroBatch):
+    """The context in which ``model``'s forwards on ``mb`` -- and a backward's recomputed layers -- route by
+    ``mb``'s replayed expert choices (:func:`rlalign.models.moe.replay_routing`); a no-op for a micro-batch
+    without them."""
+    if mb.replay is None:
+        return contextlib.nullcontext()
+    experts, replayed = mb.replay
+    return replay_routing(RoutingReplay(experts, replayed, tuple(sparse_layer_indices(model.config))))
 
 
 def logprobs(model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False, sampled: dict | None = None):

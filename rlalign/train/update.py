@@ -30,7 +30,7 @@ from rlalign.distributed.launch import Group
 from rlalign.models.moe import record_routing
 from rlalign.train import parallel as par
 from rlalign.train.master import MasterWeights
-from rlalign.train.packing import MicroBatch, TrainBatch, logprobs
+from rlalign.train.packing import MicroBatch, TrainBatch, logprobs, replaying
 from rlalign.train.sharding import ShardedMaster
 from rlalign.train.value import ValueModel
 
@@ -168,28 +168,36 @@ class PolicyUpdate:
             self.value_optimizer.zero_grad(set_to_none=True)
         mine = shard_for_rank(mini, self.dp)
         for mb in mine:
-            sl, mask = mb.tokens, batch.mask[mb.tokens]
-            with record_routing() as routing:
-                lp, ent = logprobs(self.policy, mb, temperature=self.cfg.rollout.logprob_temperature,
-                                   with_entropy=a.entropy_coef > 0 or inputs.old_lp is None,
-                                   sampled=self.cfg.rollout.sampled_scoring)
-            if inputs.old_lp is None:
-                seen.append((lp.detach(), ent.detach(), routing.expert_ids() if keep_routing else None))
-            old = lp.detach() if inputs.old_lp is None else inputs.old_lp[sl]
-            loss = terms.policy(lp, old, inputs, mb, mask, stats)
-            if inputs.ref_lp is not None:
-                loss = loss + terms.kl(lp, inputs.ref_lp[sl], mb, mask, stats)
-            if a.entropy_coef > 0:
-                loss = loss - a.entropy_coef * terms.aggregate(ent, mask, mb)
-            if self.moe:
-                loss = terms.router(loss, routing, len(lp) / max(span.stop - span.start, 1), stats)
-            if self.value is not None:
-                terms.value_backward(self.value, mb, inputs.value_targets, mask, stats)
-            loss.backward()
+            with replaying(self.policy, mb):   # algo.routing_replay: forward and backward (its recomputed layers)
+                self._micro_step(mb, batch, inputs, terms, stats, seen, keep_routing, span)
         weights = par.weight_shards(self.policy)   # parallel.shard=params: the layers' gathers are collectives
         if weights is not None:
             weights.idle_passes(-(-len(mini) // self.dp.size) - len(mine))
         return stats, seen
+
+    def _micro_step(self, mb: MicroBatch, batch: TrainBatch, inputs: UpdateInputs, terms: "_LossTerms", stats: dict,
+                    seen: list, keep_routing: bool, span: slice) -> None:
+        """Forward and backward of one micro-batch's loss terms into the gradients; ``stats`` and ``seen`` as
+        :meth:`_accumulate`."""
+        a = self.cfg.algo
+        sl, mask = mb.tokens, batch.mask[mb.tokens]
+        with record_routing() as routing:
+            lp, ent = logprobs(self.policy, mb, temperature=self.cfg.rollout.logprob_temperature,
+                               with_entropy=a.entropy_coef > 0 or inputs.old_lp is None,
+                               sampled=self.cfg.rollout.sampled_scoring)
+        if inputs.old_lp is None:
+            seen.append((lp.detach(), ent.detach(), routing.expert_ids() if keep_routing else None))
+        old = lp.detach() if inputs.old_lp is None else inputs.old_lp[sl]
+        loss = terms.policy(lp, old, inputs, mb, mask, stats)
+        if inputs.ref_lp is not None:
+            loss = loss + terms.kl(lp, inputs.ref_lp[sl], mb, mask, stats)
+        if a.entropy_coef > 0:
+            loss = loss - a.entropy_coef * terms.aggregate(ent, mask, mb)
+        if self.moe:
+            loss = terms.router(loss, routing, len(lp) / max(span.stop - span.start, 1), stats)
+        if self.value is not None:
+            terms.value_backward(self.value, mb, inputs.value_targets, mask, stats)
+        loss.backward()
 
     def _optimizer_step(self, stats: dict, completed_steps: int) -> torch.Tensor:
         """Sum gradients (and ``stats``, in place) over the data-parallel ranks, clip, step; the grad norm."""

@@ -100,3 +100,12 @@ def test_pretraining_ends_at_the_first_evaluation_that_reaches_the_accuracy(tmp_
     record = json.loads((tmp_path / "m" / "pretrain.json").read_text())
     assert record["steps_run"] == 4 and record["eval_accuracy"]["sampled"] == 0.3
     assert lines[-1].startswith(f"saved {tmp_path / 'm'} after 4 steps")
+
+
+def test_the_replay_arm_is_native_moe_with_routing_replay_and_no_correction(tmp_path):
+    argv = proof.arm_argv(tmp_path, "moe-native-replay", tmp_path / "base-moe", resume=False)
+    assert "run.profile=native" in argv and "algo.routing_replay=true" in argv
+    assert not any(a.startswith("algo.mismatch_correction") for a in argv)
+    assert proof.ARMS["moe-native-replay"][0] == "moe"
+    assert all("algo.routing_replay=true" not in proof.arm_argv(tmp_path, arm, tmp_path, resume=False)
+               for arm in proof.ARMS if arm != "moe-native-replay")
