@@ -50,6 +50,7 @@ from rlalign.models.attention_kinds import register_attention
 from rlalign.models.blocks import PagedAttend
 from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import MLP, register_ffn
+from rlalign.models.latent_cache import context_plan, gather_cached, write_latent
 from rlalign.models.modules import Linear, RMSNorm
 from rlalign.models.moe import StackedExperts, add_shared_expert, current_routing_record, shared_expert_mlp
 from rlalign.models.taps import layer_tap, tap
@@ -116,24 +117,52 @@ class MLAttention(nn.Module):
 def mla_block(attn: MLAttention, x: torch.Tensor, cos, sin, attend) -> torch.Tensor:
     """o_proj(attention) of rows ``x`` [T, hidden] (module docstring); taps q, k, v (v unpadded), attn."""
     t, heads, layer = x.shape[0], attn.num_heads, attn.layer_index
-    qk = attn.nope + attn.rope_dim
     q = attn.q_proj(x) if attn.q_proj is not None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
-    q = q.view(t, heads, qk)
+    q = q.view(t, heads, attn.nope + attn.rope_dim)
     compressed = attn.kv_a_proj_with_mqa(x)
     latent = attn.kv_a_layernorm(compressed[:, :attn.latent].contiguous())
-    kv = attn.kv_b_proj(latent).view(t, heads, attn.nope + attn.v_dim)
     k_rot = attn.rotate(compressed[:, attn.latent:].reshape(t, 1, attn.rope_dim), cos, sin)
     q = torch.cat([q[..., :attn.nope], attn.rotate(q[..., attn.nope:], cos, sin)], dim=-1)
-    k = torch.cat([kv[..., :attn.nope], k_rot.expand(t, heads, attn.rope_dim)], dim=-1)
-    v = kv[..., attn.nope:]
-    tap(layer_tap(layer, "q"), q), tap(layer_tap(layer, "k"), k), tap(layer_tap(layer, "v"), v)
-    v = torch.nn.functional.pad(v, (0, qk - attn.v_dim))   # zero columns up to K's width (exact)
-    if isinstance(attend, PagedAttend):
-        b = attend.batch
-        ops.write_kv_cache(k, v, b.kv_cache.k[layer], b.kv_cache.v[layer], b.slot_mapping)
-    out = attend(q, k, v, layer, attn.scale)[..., :attn.v_dim]
-    out = tap(layer_tap(layer, "attn"), out.reshape(t, heads * attn.v_dim))
+    k, v = expand_kv(attn, latent, k_rot)
+    tap(layer_tap(layer, "q"), q), tap(layer_tap(layer, "k"), k), tap(layer_tap(layer, "v"), v[..., :attn.v_dim])
+    if isinstance(attend, PagedAttend) and layer in attend.batch.kv_cache.latent:
+        out = latent_paged_attention(attn, q, k, v, torch.cat([latent, k_rot.view(t, attn.rope_dim)], dim=1),
+                                     attend.batch)
+    else:
+        if isinstance(attend, PagedAttend):   # the expanded cache: this call's K and padded V
+            b = attend.batch
+            ops.write_kv_cache(k, v, b.kv_cache.k[layer], b.kv_cache.v[layer], b.slot_mapping)
+        out = attend(q, k, v, layer, attn.scale)
+    out = tap(layer_tap(layer, "attn"), out[..., :attn.v_dim].reshape(t, heads * attn.v_dim))
     return tap(layer_tap(layer, "o_proj"), attn.o_proj(out))
+
+
+def expand_kv(attn: MLAttention, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K [N, H, D], V zero-padded to D [N, H, D]) of N tokens from their normed latent [N, kv_lora_rank] and
+    roped shared rotary key [N, 1, dr]: the one expansion every path runs (packed, and the paged call's new and
+    re-expanded tokens alike). kv_b_proj is the strict linear: a token's row has the same bits whatever the rows
+    beside it."""
+    n, heads, qk = latent.shape[0], attn.num_heads, attn.nope + attn.rope_dim
+    kv = attn.kv_b_proj(latent).view(n, heads, attn.nope + attn.v_dim)
+    k = torch.cat([kv[..., :attn.nope], k_rot.expand(n, heads, attn.rope_dim)], dim=-1)
+    v = torch.nn.functional.pad(kv[..., attn.nope:], (0, qk - attn.v_dim))   # zero columns up to K's width (exact)
+    return k, v
+
+
+def latent_paged_attention(attn: MLAttention, q, k, v, rows: torch.Tensor, batch) -> torch.Tensor:
+    """Paged attention with the latent cache (rlalign.models.latent_cache): the new tokens' latent ``rows`` [T,
+    kv_lora_rank + dr] are cached; the earlier tokens' rows are read back and re-expanded (:func:`expand_kv`);
+    their K/V and the new tokens' ``k``, ``v`` are written to scratch pages the attention then reads."""
+    cache = batch.kv_cache.latent[attn.layer_index]
+    write_latent(cache, rows, batch.slot_mapping)
+    plan = context_plan(batch)
+    earlier = gather_cached(cache, plan)
+    k_old, v_old = expand_kv(attn, earlier[:, :attn.latent], earlier[:, attn.latent:].view(-1, 1, attn.rope_dim))
+    scratch = (plan.num_pages, batch.kv_cache.page_size, attn.num_heads, attn.nope + attn.rope_dim)
+    k_pages, v_pages = q.new_zeros(scratch), q.new_zeros(scratch)
+    ops.write_kv_cache(torch.cat([k_old, k]), torch.cat([v_old, v]), k_pages, v_pages, plan.slots)
+    return ops.attention_paged(q, k_pages, v_pages, plan.block_table, batch.seq_lens, batch.cu_seqlens,
+                               scale=attn.scale)
 
 
 class DeepseekRouter(nn.Module):
@@ -191,4 +220,5 @@ def build_deepseek_ffn(cfg: ModelConfig, layer_index: int, dtype, device) -> nn.
     return DeepseekMoE(cfg, layer_index, dtype, device)
 
 
-__all__ = ["MLAttention", "mla_block", "DeepseekMoE", "DeepseekRouter", "build_deepseek_ffn", "softmax_scale"]
+__all__ = ["MLAttention", "mla_block", "expand_kv", "latent_paged_attention", "DeepseekMoE", "DeepseekRouter",
+           "build_deepseek_ffn", "softmax_scale"]
