@@ -8,7 +8,7 @@ through kv_b_proj at every call; the expanded form reads them back).
 Measured, per context length L: ``--batch`` sequences are prefilled to L - 1 tokens in each form, then one decode step
 (one token per sequence at position L - 1) is timed, the median of ``--repeats`` runs of the model's forward
 (``CausalLM.forward_hidden`` on a paged ``ForwardBatch``, strict profile; the same cache pages each run: the step
-rewrites the same slots). The two forms' hidden rows are checked equal bit for bit before timing. The model: the
+rewrites the same slots; the two forms' runs interleaved). The two forms' hidden rows are checked equal bit for bit before timing. The model: the
 tiny DeepSeek-V3 of rlalign.models.testing scaled by the options (every layer dense unless ``--moe``). Timings are wall
 clock on a shared machine: read them as ratios.
 """
@@ -63,14 +63,17 @@ def prefilled(model, form: str, batch: int, context: int, page_size: int):
     return step
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()   # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def median_ms(runs: dict, repeats: int) -> dict[str, float]:
+    """{name: median milliseconds of runs[name]()}, the runs interleaved (A, B, A, B, ...) so that a shared
+    machine's load drifts over both alike; one warm-up each."""
+    times = {name: [] for name in runs}
+    for r in range(repeats + 1):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(1e3 * (time.perf_counter() - t0))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -109,8 +112,8 @@ def main() -> None:
             if not bits.bits_equal(hidden[LATENT], hidden[EXPANDED]):
                 raise SystemExit(f"context {context}: the two cache forms gave different bits")
             # a fresh copy of the batch per run, as the engine builds one per step (its per-forward plan included)
-            ms = {form: 1e3 * median_seconds(lambda s=step: model.forward_hidden(dataclasses.replace(s)), args.repeats)
-                  for form, step in steps.items()}
+            ms = median_ms({form: (lambda s=step: model.forward_hidden(dataclasses.replace(s)))
+                            for form, step in steps.items()}, args.repeats)
             print(f"{context:8d} {ms[EXPANDED]:12.2f} {ms[LATENT]:10.2f} {ms[LATENT] / ms[EXPANDED]:16.2f}")
 
 

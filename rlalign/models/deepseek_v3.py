@@ -14,12 +14,22 @@ D = dn + dr)::
                  mscale(factor, mscale_all_dim) ** 2 with yarn rope)        [H, D]; the first dv columns kept
     out        = o_proj(a[:, :dv])
 
-V is padded with D - dv zero columns so that K and V share the head width the strict attention ops and the paged
-KV cache take (exact: a zero column's output is a sum of exact zeros; the other columns' bits do not change with
-the width in rollout vs trainer, which see the same width). The KV cache therefore holds the expanded per-head K
-and padded V (H x D each per token and layer), one form for packed training, chunked prefill and paged decode:
-the existing attention contract makes them agree bit for bit. A compressed latent cache (kv_lora_rank + dr per
-token and layer, with the absorbed decode form) is not implemented.
+V is padded with D - dv zero columns so that K and V share the head width the strict attention ops take (exact: a
+zero column's output is a sum of exact zeros; the other columns' bits do not change with the width in rollout vs
+trainer, which see the same width). The expansion (kv_b_proj, the K and padded V) is one function,
+:func:`expand_kv`, that every path runs.
+
+The paged KV cache holds per token and layer the compressed latent ``[latent | k_rot]`` (kv_lora_rank + dr values;
+rlalign.models.latent_cache, the default) or, with ``mla_cache="expanded"``, the expanded K and padded V (2 x H x D).
+With the latent cache each paged call re-expands its sequences' earlier tokens from their cached rows with
+:func:`expand_kv` -- "one form for both, compressed storage": the attention sees the expanded form's keys and values
+bit for bit, so packed training, chunked prefill and paged decode agree as with the expanded cache, at the cost of
+kv_b_proj over the whole earlier context at every call.
+
+Not the absorbed form (W_UK folded into the query, scores and outputs computed in the latent space): it reorders
+the arithmetic -- q_nope . (W_UK c) rounded per head as K, versus (q_nope W_UK) . c, a different reduction over
+different rounded intermediates -- so its bits are not the expanded form's and prefill (expanded) would not equal
+decode (absorbed). It would have to be the one form of every path, the trainer's included, to keep the contract.
 
 MoE (layers >= first_k_dense_replace; the others are the dense MLP of intermediate_size)::
 
@@ -50,7 +60,7 @@ from rlalign.models.attention_kinds import register_attention
 from rlalign.models.blocks import PagedAttend
 from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import MLP, register_ffn
-from rlalign.models.latent_cache import context_plan, gather_cached, write_latent
+from rlalign.models.latent_cache import context_plan, scratch_rows, write_latent
 from rlalign.models.modules import Linear, RMSNorm
 from rlalign.models.moe import StackedExperts, add_shared_expert, current_routing_record, shared_expert_mlp
 from rlalign.models.taps import layer_tap, tap
@@ -151,16 +161,16 @@ def expand_kv(attn: MLAttention, latent: torch.Tensor, k_rot: torch.Tensor) -> t
 
 def latent_paged_attention(attn: MLAttention, q, k, v, rows: torch.Tensor, batch) -> torch.Tensor:
     """Paged attention with the latent cache (rlalign.models.latent_cache): the new tokens' latent ``rows`` [T,
-    kv_lora_rank + dr] are cached; the earlier tokens' rows are read back and re-expanded (:func:`expand_kv`);
-    their K/V and the new tokens' ``k``, ``v`` are written to scratch pages the attention then reads."""
+    kv_lora_rank + dr] are cached; the earlier tokens' rows are read back onto scratch pages and re-expanded there
+    (:func:`expand_kv`), the new tokens' ``k``, ``v`` written beside them; the attention reads the scratch pages."""
     cache = batch.kv_cache.latent[attn.layer_index]
     write_latent(cache, rows, batch.slot_mapping)
     plan = context_plan(batch)
-    earlier = gather_cached(cache, plan)
-    k_old, v_old = expand_kv(attn, earlier[:, :attn.latent], earlier[:, attn.latent:].view(-1, 1, attn.rope_dim))
-    scratch = (plan.num_pages, batch.kv_cache.page_size, attn.num_heads, attn.nope + attn.rope_dim)
-    k_pages, v_pages = q.new_zeros(scratch), q.new_zeros(scratch)
-    ops.write_kv_cache(torch.cat([k_old, k]), torch.cat([v_old, v]), k_pages, v_pages, plan.slots)
+    earlier = scratch_rows(cache, plan)
+    k_pages, v_pages = expand_kv(attn, earlier[:, :attn.latent], earlier[:, attn.latent:].view(-1, 1, attn.rope_dim))
+    shape = (plan.num_pages, batch.kv_cache.page_size, attn.num_heads, attn.nope + attn.rope_dim)
+    k_pages, v_pages = k_pages.view(shape), v_pages.view(shape)
+    ops.write_kv_cache(k, v, k_pages, v_pages, plan.new_local)
     return ops.attention_paged(q, k_pages, v_pages, plan.block_table, batch.seq_lens, batch.cu_seqlens,
                                scale=attn.scale)
 

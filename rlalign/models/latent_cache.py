@@ -7,12 +7,14 @@ expanded form computes from them (rlalign.models.deepseek_v3), so the cache lose
 (a prefill chunk or a decode step) the layer
 
 1. copies the new tokens' rows into the cache (an exact copy, at ``slot_mapping``);
-2. gathers its sequences' earlier tokens' rows (positions below each sequence's chunk start; nothing else: the
-   stale rows past a context never reach an op) and re-expands them with the expanded form's ops (``kv_b_proj`` is
-   the strict linear, whose row bits do not depend on how many rows share the call: docs/contract.md, "linear");
-3. writes those keys and values and the new tokens' (computed in the call, as the expanded form does) into a
-   scratch paged K/V of the call's own pages (``ops.write_kv_cache``: the strict key check of the expanded form), one
-   local page per page of each sequence's context, in position order;
+2. lays its sequences' earlier tokens' rows (positions below each sequence's chunk start; zeros elsewhere: the
+   stale rows past a context never reach an op) on scratch pages of its own, one per page of each sequence's
+   context, in position order, and re-expands them there with the expanded form's ops (``kv_b_proj`` is the strict
+   linear, whose row bits do not depend on how many rows share the call: docs/contract.md, "linear") -- the
+   expansion, viewed as pages, is the scratch K/V;
+3. writes the new tokens' K and V (computed in the call, as the expanded form does) into their scratch slots with
+   ``ops.write_kv_cache``, the expanded form's write and its strict key check (an earlier token's key was checked
+   when it was new: its re-expansion has the same bits);
 4. runs ``ops.attention_paged`` over the scratch pages.
 
 Every key and value the attention reads then has the expanded cache's bits, on the same absolute positions (the
@@ -74,17 +76,18 @@ def write_latent(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Te
 
 @dataclasses.dataclass(frozen=True)
 class ContextPlan:
-    """Where a paged batch's keys go in the scratch K/V of one attention call (the same for every layer).
+    """Where a paged batch's tokens sit in the scratch pages of one attention call (the same for every layer).
 
     ``num_pages``: scratch pages (sum over sequences of ceil(seq_len / page_size)); ``block_table`` [S, P] int32:
     sequence i's scratch pages in position order (unused entries 0); ``cached_slots`` [N] int64: the cache slots of
-    the sequences' earlier tokens (positions below their chunk starts), ``slots`` [N + T] int64: their scratch slots,
-    then the new tokens' (the batch's row order)."""
+    the sequences' earlier tokens (positions below their chunk starts), ``cached_local`` [N] int64: their scratch
+    slots; ``new_local`` [T] int64: the new tokens' scratch slots (the batch's row order)."""
 
     num_pages: int
     block_table: torch.Tensor
     cached_slots: torch.Tensor
-    slots: torch.Tensor
+    cached_local: torch.Tensor
+    new_local: torch.Tensor
 
 
 def context_plan(batch) -> ContextPlan:
@@ -104,24 +107,26 @@ def _build_plan(batch) -> ContextPlan:
     starts = seq_lens - counts                                   # tokens of each sequence already in the cache
     pages = (seq_lens + ps - 1) // ps
     first_page = torch.cumsum(pages, 0) - pages                  # each sequence's first scratch page
-    width = int(pages.max())
-    cols = torch.arange(width, device=dev)
+    cols = torch.arange(int(pages.max()), device=dev)
     table = torch.where(cols[None, :] < pages[:, None], first_page[:, None] + cols[None, :], 0).to(torch.int32)
     seqs = torch.arange(len(seq_lens), device=dev)
-    # earlier tokens: sequence s's positions 0 .. starts[s]-1, in sequence order
+    # earlier tokens: sequence s's positions 0 .. starts[s]-1, in sequence order; position p of sequence s sits at
+    # scratch slot first_page[s] * ps + p (its pages are consecutive there)
     owner = torch.repeat_interleave(seqs, starts)
     first_row = torch.cumsum(starts, 0) - starts
     pos = torch.arange(int(starts.sum()), device=dev) - torch.repeat_interleave(first_row, starts)
     cached = batch.block_table.to(torch.int64)[owner, pos // ps] * ps + pos % ps
-    new_owner = torch.repeat_interleave(seqs, counts)
-    slots = torch.cat([first_page[owner] * ps + pos, first_page[new_owner] * ps + batch.positions.to(torch.int64)])
-    return ContextPlan(int(pages.sum()), table, cached, slots)
+    new_local = first_page[torch.repeat_interleave(seqs, counts)] * ps + batch.positions.to(torch.int64)
+    return ContextPlan(int(pages.sum()), table, cached, first_page[owner] * ps + pos, new_local)
 
 
-def gather_cached(cache: torch.Tensor, plan: ContextPlan) -> torch.Tensor:
-    """[N, width]: the cached rows of the batch's earlier tokens (:class:`ContextPlan` order)."""
-    return cache.view(-1, cache.shape[-1]).index_select(0, plan.cached_slots.to(cache.device))
+def scratch_rows(cache: torch.Tensor, plan: ContextPlan) -> torch.Tensor:
+    """[num_pages * page_size, width]: the cached rows of the batch's earlier tokens at their scratch slots, zeros
+    elsewhere (the new tokens' slots and past each context's end: stale cache rows are never read)."""
+    rows = cache.view(-1, cache.shape[-1])
+    out = rows.new_zeros((plan.num_pages * cache.shape[1], rows.shape[1]))
+    return out.index_copy_(0, plan.cached_local, rows.index_select(0, plan.cached_slots))
 
 
 __all__ = ["MLA", "LATENT", "EXPANDED", "MLA_CACHE_FORMS", "ContextPlan", "check_form", "context_plan",
-           "gather_cached", "latent_caches", "latent_layers", "latent_width", "write_latent"]
+           "scratch_rows", "latent_caches", "latent_layers", "latent_width", "write_latent"]

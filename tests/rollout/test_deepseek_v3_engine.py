@@ -1,7 +1,7 @@
 """DeepSeek-V3 through the rollout engine: the engine's log-probs are the trainer's packed forward's, bit for bit, and
 tokens and log-probs do not depend on the engine's configuration (page size, chunked prefill, batch composition,
-prefix sharing) -- fp32 and bf16, MLA with and without a low-rank q (the expanded K and zero-padded V in the paged
-cache), interleaved and plain rope, a dense layer then routed + shared experts with group-limited routing; the
+prefix sharing, the cached form: the compressed latent or the expanded K and zero-padded V) -- fp32 and bf16, MLA with
+and without a low-rank q, interleaved and plain rope, a dense layer then routed + shared experts with group-limited routing; the
 routing the engine records is the trainer's."""
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ def test_engine_logprobs_and_routing_equal_the_trainers(model, reference):
 @pytest.mark.parametrize("seed", range(3))
 def test_completions_do_not_depend_on_the_engine_configuration(model, prompts, reference, seed):
     assert_random_engine_config_agrees(model, prompts, reference, SAMPLING, seed)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_expanded_cache_gives_the_latent_caches_completions(model, prompts, reference, seed):
+    """The reference ran with the default latent cache; a random configuration with the expanded one agrees."""
+    assert_random_engine_config_agrees(model, prompts, reference, SAMPLING, 10 + seed, mla_cache="expanded")
 
 
 @settings(max_examples=6, deadline=None)
