@@ -8,9 +8,9 @@ through kv_b_proj at every call; the expanded form reads them back).
 Measured, per context length L: ``--batch`` sequences are prefilled to L - 1 tokens in each form, then one decode step
 (one token per sequence at position L - 1) is timed, the median of ``--repeats`` runs of the model's forward
 (``CausalLM.forward_hidden`` on a paged ``ForwardBatch``, strict profile; the same cache pages each run: the step
-rewrites the same slots; the two forms' runs interleaved). The two forms' hidden rows are checked equal bit for bit before timing. The model: the
-tiny DeepSeek-V3 of rlalign.models.testing scaled by the options (every layer dense unless ``--moe``). Timings are wall
-clock on a shared machine: read them as ratios.
+rewrites the same slots; the two forms' runs interleaved). The two forms' hidden rows are checked equal bit for bit
+before timing. The model: the tiny DeepSeek-V3 of rlalign.models.testing scaled by the options (every layer dense
+unless ``--moe``). Timings are wall clock on a shared machine: read them as ratios.
 """
 
 from __future__ import annotations
