@@ -60,10 +60,12 @@ def test_completions_do_not_depend_on_the_engine_configuration(model, prompts, r
     assert_random_engine_config_agrees(model, prompts, reference, SAMPLING, seed)
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_the_expanded_cache_gives_the_latent_caches_completions(model, prompts, reference, seed):
-    """The reference ran with the default latent cache; a random configuration with the expanded one agrees."""
-    assert_random_engine_config_agrees(model, prompts, reference, SAMPLING, 10 + seed, mla_cache="expanded")
+@pytest.mark.parametrize("seed,settings", [(10, dict(mla_cache="expanded")), (11, dict(mla_cache="expanded")),
+                                           (12, dict(decode_graphs="padded", overlap="on"))])
+def test_the_cache_form_and_the_static_decode_batches_change_nothing(model, prompts, reference, seed, settings):
+    """The reference ran with the default latent cache; random configurations with the expanded cache, or with the
+    latent one under the decode graphs' padded static batches (eagerly) and overlapped steps, agree."""
+    assert_random_engine_config_agrees(model, prompts, reference, SAMPLING, seed, **settings)
 
 
 @settings(max_examples=6, deadline=None)
