@@ -91,7 +91,8 @@ class ContextPlan:
 
 
 def context_plan(batch) -> ContextPlan:
-    """The :class:`ContextPlan` of a paged ForwardBatch, built once per forward (kept on the batch)."""
+    """The :class:`ContextPlan` of a paged ForwardBatch, built once per forward and kept on the batch (a batch
+    describes one forward: the engine and the decode graphs' padded runs build a new one per step)."""
     plan = batch.__dict__.get("latent_context_plan")
     if plan is None:
         plan = _build_plan(batch)
