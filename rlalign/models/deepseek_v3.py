@@ -160,17 +160,17 @@ def expand_kv(attn: MLAttention, latent: torch.Tensor, k_rot: torch.Tensor) -> t
 
 
 def latent_paged_attention(attn: MLAttention, q, k, v, rows: torch.Tensor, batch) -> torch.Tensor:
-    """Paged attention with the latent cache (rlalign.models.latent_cache): the new tokens' latent ``rows`` [T,
-    kv_lora_rank + dr] are cached; the earlier tokens' rows are read back onto scratch pages and re-expanded there
-    (:func:`expand_kv`), the new tokens' ``k``, ``v`` written beside them; the attention reads the scratch pages."""
+    """Paged attention with the latent cache (rlalign.models.latent_cache): the earlier tokens' rows are read back
+    onto scratch pages and re-expanded there (:func:`expand_kv`), the new tokens' ``k``, ``v`` written beside them,
+    their latent ``rows`` [T, kv_lora_rank + dr] cached; the attention reads the scratch pages."""
     cache = batch.kv_cache.latent[attn.layer_index]
-    write_latent(cache, rows, batch.slot_mapping)
     plan = context_plan(batch)
     earlier = scratch_rows(cache, plan)
     k_pages, v_pages = expand_kv(attn, earlier[:, :attn.latent], earlier[:, attn.latent:].view(-1, 1, attn.rope_dim))
     shape = (plan.num_pages, batch.kv_cache.page_size, attn.num_heads, attn.nope + attn.rope_dim)
     k_pages, v_pages = k_pages.view(shape), v_pages.view(shape)
-    ops.write_kv_cache(k, v, k_pages, v_pages, plan.new_local)
+    ops.write_kv_cache(k, v, k_pages, v_pages, plan.new_local)   # its key check first: a refused row is not cached
+    write_latent(cache, rows, batch.slot_mapping)
     return ops.attention_paged(q, k_pages, v_pages, plan.block_table, batch.seq_lens, batch.cu_seqlens,
                                scale=attn.scale)
 

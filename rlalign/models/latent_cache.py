@@ -6,20 +6,21 @@ latent after ``kv_a_layernorm`` (what ``kv_b_proj`` reads) and the roped shared 
 expanded form computes from them (rlalign.models.deepseek_v3), so the cache loses nothing. At a paged attention call
 (a prefill chunk or a decode step) the layer
 
-1. copies the new tokens' rows into the cache (an exact copy, at ``slot_mapping``);
-2. lays its sequences' earlier tokens' rows (positions below each sequence's chunk start; zeros elsewhere: the
+1. lays its sequences' earlier tokens' rows (positions below each sequence's chunk start; zeros elsewhere: the
    stale rows past a context never reach an op) on scratch pages of its own, one per page of each sequence's
    context, in position order, and re-expands them there with the expanded form's ops (``kv_b_proj`` is the strict
    linear, whose row bits do not depend on how many rows share the call: docs/contract.md, "linear") -- the
    expansion, viewed as pages, is the scratch K/V;
-3. writes the new tokens' K and V (computed in the call, as the expanded form does) into their scratch slots with
+2. writes the new tokens' K and V (computed in the call, as the expanded form does) into their scratch slots with
    ``ops.write_kv_cache``, the expanded form's write and its strict key check (an earlier token's key was checked
    when it was new: its re-expansion has the same bits);
+3. copies the new tokens' rows into the cache (an exact copy, at ``slot_mapping``; after the key check, so a refused
+   token is not cached);
 4. runs ``ops.attention_paged`` over the scratch pages.
 
 Every key and value the attention reads then has the expanded cache's bits, on the same absolute positions (the
 attention contract: paged storage changes where keys live, not the order they are visited), so packed training,
-chunked prefill and decode keep agreeing bit for bit. The cost: step 2 recomputes ``kv_b_proj`` over the whole
+chunked prefill and decode keep agreeing bit for bit. The cost: step 1 recomputes ``kv_b_proj`` over the whole
 earlier context at every call (measured: docs/models.md, benchmarks/mla_cache_cpu.py). The page bookkeeping
 (copy-on-write of forked samples, preemption, the prefix cache) covers the latent pages unchanged: a page's rows
 are a function of the token prefix, as the expanded K/V were.

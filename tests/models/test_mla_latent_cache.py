@@ -11,6 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from rlalign import ops
+from rlalign.contract import use_profile
+from rlalign.contract.errors import ContractError
 from rlalign.models import ForwardBatch, KVCache
 from rlalign.models.deepseek_v3 import expand_kv
 from rlalign.models.latent_cache import context_plan, latent_width
@@ -121,3 +124,16 @@ def test_engine_mla_cache_setting():
     assert expanded == 8 * cfg.num_layers * 2 * cfg.num_heads * cfg.head_dim * 4
     with pytest.raises(RolloutConfigError, match="mla_cache must be one of"):
         RolloutConfig(mla_cache="absorbed")
+
+
+def test_a_non_finite_key_is_refused_before_its_latent_is_cached():
+    """The new tokens' keys go through write_kv_cache's strict check (at the boundary policy, the only site before
+    the attention): a NaN key raises and the latent cache stays as it was."""
+    model = tiny_model("deepseek_v3", seed=0)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight[-1] = 3e38   # the last rotary column overflows
+    cache = KVCache.for_model(model.config, 4, 4, model.dtype)
+    with use_profile("strict"), ops.use_check_policy("boundary"), torch.no_grad():
+        with pytest.raises(ContractError, match="write_kv_cache: k contains NaN or inf"):
+            model.forward_hidden(ForwardBatch.prefill([[5, 6, 7]], cache, [[1]]))
+    assert not cache.latent[0].any()
