@@ -201,6 +201,14 @@ def portable_cross_device(text: str) -> tuple[float, ...]:
             float(d["records_cpu_vs_cuda"]["token_sequences_differing"]))
 
 
+def portable_train_equal(text: str) -> tuple[float, ...]:
+    """``benchmarks/portable_check.py --train-steps N``: (steps, fingerprints equal on the CPU and the GPU of the
+    two compared: the metrics records' and the final weights' sha256)."""
+    d = _json_tail(text)["train"]
+    equal = sum(d["cpu"][k] == d["cuda"][k] for k in ("metrics_sha256", "weights_sha256"))
+    return float(d["cpu"]["steps"]), float(equal), 2.0
+
+
 def doctor_checks(text: str) -> tuple[float, ...]:
     """``rlalign doctor --json``: (checks that hold, checks run)."""
     d = _json_tail(text)
@@ -323,6 +331,11 @@ CLAIMS: tuple[Claim, ...] = (
           "cuda", 1, DETERMINISTIC, EXACT, f"{EVIDENCE}/portable-h100/portable.json",
           note="the portable profile: a seeded rollout of a 4-layer Qwen3-shaped fp32 model recorded on the GPU and scored "
                "on the CPU, and the reverse"),
+    Claim("h100-portable-train", "README.md", "its first **3** training steps: **2 of 2** fingerprints equal",
+          (3, 2, 2), ("steps", "fingerprints equal", "fingerprints"), f"{PORTABLE_CHECK} --train-steps 3", "stdout",
+          portable_train_equal, "cuda", 1, DETERMINISTIC, EXACT, f"{EVIDENCE}/portable-h100/portable-train.json",
+          note="the portable profile trains: the embedded default run (fp32) on the CPU and on the GPU, the sha256 of "
+               "every logged value but timings and memory, and of the final weights"),
     Claim("h100-doctor", "README.md", "**13 of 13** invariances hold", (13, 13), ("holding", "checked"), DOCTOR_CUDA,
           "stdout", doctor_checks, "cuda", 1, DETERMINISTIC, EXACT, f"{EVIDENCE}/h100-doctor/doctor-2026-12-07.json",
           note="rlalign doctor on an H100 80GB: every op's invariances and the model's three paths per family and dtype"),

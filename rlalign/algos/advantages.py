@@ -235,3 +235,56 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, seq_ids: torch.T
     adv = _reverse_discounted_sum(delta, gamma * lam)
     adv_flat, ret_flat = S.from_padded(adv, seg), S.from_padded(adv + v, seg)
     return _scatter_masked(adv_flat, mask), _scatter_masked(ret_flat, mask)
+
+
+@torch.no_grad()
+def vtrace_gae(rewards: torch.Tensor, values: torch.Tensor, log_ratio: torch.Tensor, seq_ids: torch.Tensor,
+               mask: torch.Tensor, *, gamma: float = 1.0, lam: float = 1.0, rho_cap: float = 1.0,
+               c_cap: float = 1.0, num_seqs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE on samples of an older (behaviour) policy, with V-trace value targets (Espeholt et al., 2018): per-token
+    (advantages, value targets), each ``[T]``.
+
+    ``log_ratio`` ``[T]`` is ``log pi_prox(a_t) - log pi_behav(a_t)`` per token (the exact difference of the
+    proximal and behaviour log-probs). Within each sequence, over its masked-in tokens t = 0..L-1 (masked-out
+    tokens skipped, as if absent), with ``V_L = 0`` (no bootstrap, as :func:`gae_advantages`)::
+
+        ratio_t = exp(log_ratio_t),   rho_t = min(rho_cap, ratio_t),   c_t = min(c_cap, ratio_t)
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        v_t - V_t = rho_t * delta_t + gamma * lam * c_t * (v_{t+1} - V_{t+1}),   v_L - V_L = 0     (value targets)
+        A_t       = delta_t + gamma * lam * c_{t+1} * A_{t+1},                   A_L = 0           (advantages)
+
+    ``v`` is V-trace's target (its lambda form: traces ``lam * c``) for the value of the proximal policy; the
+    advantage of (s_t, a_t) corrects the later actions with the truncated traces ``c_{t+1} .. c_j``, not a_t itself
+    (the decoupled policy loss weighs token t by its own ratio). Masked-out tokens get 0. Where every ratio is 1
+    (the behaviour policy is the proximal one) both are :func:`gae_advantages`'s, bit for bit: ``rho * delta`` and
+    ``(gamma * lam) * c`` are then exact copies of ``delta`` and ``gamma * lam``.
+    """
+    fn = "vtrace_gae"
+    S.check_flat(fn, rewards=rewards, values=values, log_ratio=log_ratio, mask=mask)
+    S.check_float(fn, rewards=rewards, values=values, log_ratio=log_ratio)
+    if not (rho_cap > 0 and c_cap > 0):
+        raise S.fail(fn, f"rho_cap and c_cap must be > 0, got {rho_cap} and {c_cap}")
+    seg = _response_segments(seq_ids, mask, num_seqs, fn)
+    r = S.to_padded(rewards[mask], seg, 0.0)
+    v = S.to_padded(values[mask].to(r.dtype), seg, 0.0)
+    ratio = S.to_padded(log_ratio[mask].to(r.dtype), seg, 0.0).exp()   # padding: ratio 1, multiplying a zero carry
+    rho, c = ratio.clamp(max=rho_cap), ratio.clamp(max=c_cap)
+    v_next = torch.cat([v[:, 1:], v.new_zeros(v.shape[0], 1)], dim=1)
+    delta = r + gamma * v_next - v
+    trace = (gamma * lam) * c
+    trace_next = torch.cat([trace[:, 1:], trace.new_full((trace.shape[0], 1), gamma * lam)], dim=1)
+    target_gap = _reverse_traced_sum(rho * delta, trace)
+    adv = _reverse_traced_sum(delta, trace_next)
+    adv_flat, ret_flat = S.from_padded(adv, seg), S.from_padded(target_gap + v, seg)
+    return _scatter_masked(adv_flat, mask), _scatter_masked(ret_flat, mask)
+
+
+def _reverse_traced_sum(x: torch.Tensor, discount: torch.Tensor) -> torch.Tensor:
+    """``out[:, t] = x[:, t] + discount[:, t] * out[:, t + 1]`` over ``[N, L]``, with ``out[:, L] = 0``
+    (:func:`_reverse_discounted_sum` with a per-element discount)."""
+    cols = []
+    carry = x.new_zeros(x.shape[0])
+    for t in range(x.shape[1] - 1, -1, -1):
+        carry = x[:, t] + discount[:, t] * carry
+        cols.append(carry)
+    return torch.stack(cols[::-1], dim=1) if cols else x.clone()

@@ -16,7 +16,9 @@ that makes the samples of an older version an unbiased estimate under the proxim
 engine's exact log-prob (bit for bit the trainer's forward under that version's weights, checkable with
 ``run.verify_behaviour``), so ``w`` is exact, not an estimate of a mismatch. ``w`` may be bounded the usual ways
 (:func:`behaviour_correction`): truncated at a cap (TIS) or masked outside ``[low, high]`` (MIS; AReaL's
-``behav_imp_weight_cap`` masks above the cap), per token or per sequence.
+``behav_imp_weight_cap`` masks above the cap), per token or per sequence. Every quantity is per token, so a sample
+whose tokens several versions sampled (partial rollouts, ``rollout.partial_tokens``) needs nothing more: each token's
+``behav`` is its own version's.
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def logprob_diff_distribution(trainer_logprobs: torch.Tensor, rollout_logprobs: 
     if d.numel() == 0:
         zero, one = torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
         return {**{f"abs_p{round(q * 100)}": zero for q in DIFF_QUANTILES}, "ratio_min": one, "ratio_max": one}
-    qs = torch.quantile(d.abs(), torch.tensor(DIFF_QUANTILES, dtype=torch.float64))
+    qs = torch.quantile(d.abs(), torch.tensor(DIFF_QUANTILES, dtype=torch.float64, device=d.device))
     rho = _ratio(d)
     return {**{f"abs_p{round(q * 100)}": v for q, v in zip(DIFF_QUANTILES, qs)},
             "ratio_min": rho.min(), "ratio_max": rho.max()}

@@ -98,7 +98,9 @@ class AdvantageInputs:
     """What every estimator receives: per-sequence ``rewards`` / ``group_ids`` ``[N]``, per-token
     ``seq_ids`` / ``mask`` ``[T]``; ``kl`` ``[T]`` (or None): the per-token KL to the reference folded
     into the reward with ``kl_coef``; ``values`` ``[T]``: the value model's old values (value_model
-    estimators only); ``turns``: multi-turn episodes' turns (or None), read by ``turn_advantage=turn``."""
+    estimators only); ``turns``: multi-turn episodes' turns (or None), read by ``turn_advantage=turn``;
+    ``log_ratio`` ``[T]`` (or None: the samples are the proximal policy's own): ``prox - behav`` per token for
+    samples of an older policy (asynchronous steps), read by ``gae`` (V-trace targets)."""
     rewards: torch.Tensor
     group_ids: torch.Tensor
     seq_ids: torch.Tensor
@@ -107,6 +109,7 @@ class AdvantageInputs:
     kl_coef: float = 0.0
     values: torch.Tensor | None = None
     turns: TurnInputs | None = None
+    log_ratio: torch.Tensor | None = None
 
 
 def _sequence_rewards(x: AdvantageInputs) -> torch.Tensor:
@@ -151,11 +154,17 @@ def _reinforce_pp(x: AdvantageInputs, *, gamma: float):
     return adv, None
 
 
-def _gae(x: AdvantageInputs, *, gamma: float, lam: float):
+def _gae(x: AdvantageInputs, *, gamma: float, lam: float, vtrace_rho_cap: float, vtrace_c_cap: float):
+    """GAE (:func:`~rlalign.algos.advantages.gae_advantages`); on samples of an older policy (``log_ratio``) its
+    off-policy form with V-trace value targets (:func:`~rlalign.algos.advantages.vtrace_gae`). Advantages whitened."""
     if x.values is None:
         raise ValueError("rlalign.algos: the gae estimator needs the value model's old values (AdvantageInputs.values)")
     token_r = A.token_rewards(x.rewards, x.seq_ids, x.mask, kl=x.kl, kl_coef=x.kl_coef if x.kl is not None else 0.0)
-    adv, returns = A.gae_advantages(token_r, x.values, x.seq_ids, x.mask, gamma=gamma, lam=lam)
+    if x.log_ratio is None:
+        adv, returns = A.gae_advantages(token_r, x.values, x.seq_ids, x.mask, gamma=gamma, lam=lam)
+    else:
+        adv, returns = A.vtrace_gae(token_r, x.values, x.log_ratio, x.seq_ids, x.mask, gamma=gamma, lam=lam,
+                                    rho_cap=vtrace_rho_cap, c_cap=vtrace_c_cap)
     return A.whiten(adv, x.mask), returns
 
 
@@ -167,7 +176,9 @@ ADVANTAGES.register("grpo", _group_normalised(True), knobs=TURN_ADVANTAGE)
 ADVANTAGES.register("dr_grpo", _group_normalised(False), knobs=TURN_ADVANTAGE)
 ADVANTAGES.register("rloo", _rloo, knobs=TURN_ADVANTAGE)
 ADVANTAGES.register("reinforce_pp", _reinforce_pp, knobs={"gamma": 1.0})
-ADVANTAGES.register("gae", _gae, knobs={"gamma": 1.0, "lam": 0.95}, uses=("value_lr", "value_clip"), value_model=True)
+# vtrace_rho_cap / vtrace_c_cap: V-trace's truncation of the importance ratios (read with rollout.async_steps > 0)
+ADVANTAGES.register("gae", _gae, knobs={"gamma": 1.0, "lam": 0.95, "vtrace_rho_cap": 1.0, "vtrace_c_cap": 1.0},
+                    uses=("value_lr", "value_clip"), value_model=True)
 
 
 # ---- policy losses ------------------------------------------------------------------------------------

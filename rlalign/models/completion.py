@@ -16,8 +16,10 @@ class Completion:
     under softmax(logits / T) at the request's logprob temperature, fp32 values (exact as Python floats).
     finish_reason: "stop" (stop token or string), "length" (max_new_tokens or max_model_len) or "abort".
     stop_reason: the stop token id or stop string that ended it (None otherwise).
-    weights_version: the engine's weights version every token of the request was sampled with (0 for the
-    simple loop, which has no weight updates).
+    weights_version: the engine's weights version the sample's tokens were sampled with (0 for the simple loop,
+    which has no weight updates); with a weight update during the sample (partial rollouts:
+    :meth:`rlalign.rollout.RolloutEngine.plan_weight_update`) the version of its first token, and
+    ``token_versions`` the version of each token.
     seed: the sample's random stream key (``ops.derive_seed`` of the request seed, prompt and sample index).
     prompt / text: the prompt as text when it was given as text, and the decoded completion when a
     tokenizer was at hand (else None).
@@ -45,6 +47,13 @@ class Completion:
     text: str | None = None
     num_preemptions: int = 0
     routing: torch.Tensor | None = None
+    token_versions: list[int] | None = None   # per token, only when several weights versions sampled the sample
+
+    def versions(self) -> list[int]:
+        """The weights version of each token."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.weights_version] * len(self.tokens)
 
 
 __all__ = ["Completion"]

@@ -31,7 +31,7 @@ import contextlib
 import gc
 import itertools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -101,6 +101,9 @@ class RolloutEngine:
         self.counters = dict(steps=0, forward_tokens=0, sampled_tokens=0, compute_seconds=0.0, graph_steps=0,
                              overlapped_steps=0)
         self.last_forward: dict | None = None
+        self._planned_update: tuple[int, Callable] | None = None   # plan_weight_update's, for the next generate()
+        self._pause_at: int | None = None    # completion tokens at which a sample parks (a planned update pending)
+        self._held_outputs: list[StepOutput] = []   # a step completed by update_weights, returned by the next step()
 
     # ---- the device side (the runner's) -----------------------------------------------------------
 
@@ -203,8 +206,9 @@ class RolloutEngine:
         Completes one step: the one in flight (overlap), else a newly scheduled one. Before reading its
         results back, the next decode step is launched when it can be planned without them
         (:meth:`_launch_continuation`); otherwise the pipeline drains and the next call runs serially."""
+        held, self._held_outputs = self._held_outputs, []
         if self._inflight is None and not self.requests:
-            return []
+            return held
         launched, self._inflight = self._inflight, None
         if launched is None:
             launched = self._launch_scheduled()
@@ -215,7 +219,7 @@ class RolloutEngine:
             self._abandon(launched)   # e.g. a failed verdict: abort_all() then ends its sequences
             raise
         self._drain_if_dead()
-        return outputs
+        return held + outputs if held else outputs
 
     def _launch_scheduled(self) -> LaunchedStep:
         """Schedule a step and queue it on the device (:meth:`ModelRunner.launch`)."""
@@ -319,7 +323,24 @@ class RolloutEngine:
         finished = [seqs[i] for i in ended]
         self._finish(finished)
         outputs += [self._finished_output(seq, seq.tokens[-1], seq.logprobs[-1]) for seq in finished]
+        if self._pause_at is not None:
+            self._park_at_pause(seqs, positions + 1 - table.num_prompt[slots], ended)
         return outputs
+
+    def _park_at_pause(self, seqs: list[Sequence], num_output: np.ndarray, ended: list[int]) -> None:
+        """Park the sequences that have just sampled their ``_pause_at``-th completion token and did not end: out of
+        the queues, pages freed (one step late while a step that has their rows is in flight, as :meth:`_finish`)."""
+        reached = set((num_output == self._pause_at).nonzero()[0].tolist()) - set(ended)
+        if not reached:
+            return
+        parked = [seqs[i] for i in sorted(reached)]
+        inflight = self._inflight
+        slots = [seq.slot for seq in parked if seq.slot is not None]
+        self.scheduler.park(parked, free_pages=inflight is None)
+        if inflight is not None:
+            if slots:
+                inflight.mark_dead(slots)
+            inflight.release.extend(parked)
 
     def _finish(self, seqs: list[Sequence]) -> None:
         """Free the sequences' pages and slots; with record_routing, first gather their computed rows'
@@ -365,43 +386,96 @@ class RolloutEngine:
         if len(indices) != len(prompts):
             raise RequestError(f"got {len(prompts)} prompts but {len(indices)} prompt_indices")
         done: dict[tuple[str, int], Completion] = {}
+        planned, self._planned_update = self._planned_update, None
         try:
             ids = [self.add_request(p, sampling, prompt_index=i) for p, i in zip(prompts, indices)]
+            self._pause_at = None if planned is None else planned[0]
             with collector_paused():
                 while self.has_unfinished():
+                    if planned is not None and self.scheduler.only_parked():
+                        self._update_planned(planned)   # every unfinished sample has its first after_tokens
+                        planned = None
                     with torch.no_grad():
                         outputs = self._step(emit_unfinished=False)
                     for out in outputs:
                         if out.completion is not None:
                             done[(out.request_id, out.sample_index)] = out.completion
+            if planned is not None:   # every sample ended within after_tokens: the update lands now
+                self._update_planned(planned)
         except BaseException:
+            self._pause_at = None
             self.abort_all()
             raise
         return [done[(rid, j)] for rid in ids for j in range(sampling.n)]
+
+    def plan_weight_update(self, after_tokens: int, fetch: Callable[[], tuple]) -> None:
+        """Update the weights in the middle of the next :meth:`generate` (partial rollouts spanning a weight update).
+
+        Every sample of that call samples its first ``after_tokens`` completion tokens with the weights the engine
+        holds now, then waits, parked (its K/V pages freed), until every unfinished sample of the call has them (or
+        has ended); then ``fetch()`` gives ``(weights, version)`` (it may block until the new weights exist),
+        :meth:`update_weights` takes them with ``in_flight="recompute"``, and the samples continue: their K/V
+        recomputed by a prefill under the new weights, their tokens from ``after_tokens`` on sampled by ``version``
+        (``Completion.token_versions``). Where a sample is cut depends only on its own tokens (never on batching,
+        scheduling or timing), and each token's logprob is a prefill / decode under one version's weights over its
+        whole prefix: a trainer forward with that version's weights gives its bits. If every sample ends within
+        ``after_tokens`` tokens, the update lands when the call returns."""
+        if after_tokens < 1:
+            raise RequestError(f"plan_weight_update: after_tokens must be >= 1, got {after_tokens}")
+        if self.routing is not None:
+            raise RolloutError("plan_weight_update does not support record_routing yet (a sample's rows would mix the "
+                               "routing of two weights versions)")
+        self._planned_update = (int(after_tokens), fetch)
+
+    def _update_planned(self, planned: tuple[int, Callable]) -> None:
+        self._pause_at = None
+        weights, version = planned[1]()
+        self.update_weights(weights, version=version, in_flight="recompute")
 
     # ---- weights -------------------------------------------------------------------------------
 
     @torch.no_grad()
     def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-                       version: int | None = None) -> int:
+                       version: int | None = None, in_flight: str = "refuse") -> int:
         """Copy new values into the model's parameters in place (cast to their dtype/device); returns the new
         weights version (``version``, default the old one + 1). All or some parameters may be given, by
-        their Hugging Face names. Refused while requests are in flight (a request never mixes versions):
-        finish them or :meth:`abort_all` first. The prefix cache is emptied (its K/V belong to the old weights).
+        their Hugging Face names. The prefix cache is emptied (its K/V belong to the old weights).
+
+        With requests in flight: ``in_flight="refuse"`` (default) refuses (a request never mixes versions: finish
+        them or :meth:`abort_all` first); ``in_flight="recompute"`` lets them continue under the new weights: a
+        step still in flight is completed first (its outputs come with the next :meth:`step`), every sequence's
+        K/V pages are dropped and recomputed by a prefill under the new weights, and its tokens from here on
+        record the new version (``Completion.token_versions``).
         """
-        if self.requests:
+        if in_flight not in ("refuse", "recompute"):
+            raise RequestError(f"update_weights: in_flight must be 'refuse' or 'recompute', got {in_flight!r}")
+        if self.requests and in_flight == "refuse":
             raise WeightsUpdateError(
                 f"cannot update weights with {len(self.requests)} requests in flight (ids "
                 f"{sorted(self.requests.ids())[:5]}): one request never mixes weight versions; run step() until "
-                "has_unfinished() is False, or abort_all(), then update")
+                "has_unfinished() is False, or abort_all(), then update (or pass in_flight='recompute')")
         if self._inflight is not None:
-            raise RolloutError("internal: a decode step is in flight with no request in flight")
+            if not self.requests:
+                raise RolloutError("internal: a decode step is in flight with no request in flight")
+            self._settle()
+        self.scheduler.restart_all()   # before the prefix cache is emptied: no page of the old K/V stays referenced
         self._weights_broken = True  # until every tensor is in
         copy_weights(self.model, weights)
         self._weights_broken = False
         self.blocks.reset_prefix_cache()
         self.weights_version = self.weights_version + 1 if version is None else int(version)
+        self.requests.switch_version(self.weights_version)
         return self.weights_version
+
+    def _settle(self) -> None:
+        """Complete the step in flight (its outputs held for the next :meth:`step`)."""
+        launched, self._inflight = self._inflight, None
+        try:
+            self._held_outputs += self._complete(launched, emit_unfinished=True)
+        except BaseException:
+            self._abandon(launched)
+            raise
+        self._drain_if_dead()
 
     # ---- introspection -------------------------------------------------------------------------
 

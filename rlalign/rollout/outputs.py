@@ -36,7 +36,7 @@ def completion_of(seq: Sequence, tokenizer) -> Completion:
     return Completion(
         request_id=request.request_id, prompt_index=request.prompt_index, sample_index=seq.sample_index,
         prompt_tokens=request.prompt_tokens, tokens=seq.output_tokens, logprobs=list(seq.logprobs),
-        finish_reason=seq.finish_reason, weights_version=request.weights_version, seed=seq.seed,
+        finish_reason=seq.finish_reason, weights_version=seq.version_marks[0][1], seed=seq.seed,
         stop_reason=seq.stop_reason, prompt=request.prompt_text,
         text=tokenizer.decode(seq.output_tokens) if tokenizer is not None else None,
-        num_preemptions=seq.num_preemptions, routing=seq.routing)
+        num_preemptions=seq.num_preemptions, routing=seq.routing, token_versions=seq.token_versions())

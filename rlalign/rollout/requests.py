@@ -20,7 +20,7 @@ from rlalign.models.generate import prompt_key
 from rlalign.ops.sample import derive_seed
 from rlalign.rollout.config import SamplingParams
 from rlalign.rollout.errors import RequestError, WeightsUpdateError
-from rlalign.rollout.sequence import Request, Sequence
+from rlalign.rollout.sequence import Request, Sequence, SeqStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,17 @@ class RequestsInFlight:
             stale = next(r for r in self.by_id.values() if r.weights_version != version)
             raise WeightsUpdateError(f"request {stale.request_id!r} started with weights version "
                                      f"{stale.weights_version} but the engine now has {version}")
+
+    def switch_version(self, version: int) -> None:
+        """Every request in flight continues under weights ``version`` (a weight update mid-generation): each
+        unfinished sample records the switch (:meth:`Sequence.switch_version`)."""
+        for request in self.by_id.values():
+            self._count_settings(request, -1)
+            request.weights_version = version
+            self._count_settings(request, +1)
+            for seq in request.seqs:
+                if seq.status is not SeqStatus.FINISHED:
+                    seq.switch_version(version)
 
     def _count_settings(self, request: Request, change: int) -> None:
         """A request enters (+1) or leaves (-1) the requests in flight; the shared view is recomputed when

@@ -84,6 +84,7 @@ class Scheduler:
         self.running_slots = np.zeros(0, np.int64)   # running[i].slot, kept aligned with running
         self.slots = SlotTable(capacity=config.max_num_seqs)
         self.num_preemptions = 0
+        self.parked: list[Sequence] = []   # held until a weight update restarts them (:meth:`park`)
         self._watermark = int(config.admission_watermark * block_manager.num_pages)
         self._leaders: set[Sequence] = set()   # running group leaders that may still have forks pending
 
@@ -332,7 +333,31 @@ class Scheduler:
         occupied = self._occupied()
         return occupied > 0 and occupied + 1 + _pending_forks(self.waiting[0]) > self.config.max_num_seqs
 
-    def finish(self, seqs: list[Sequence], free_pages: bool = True) -> None:
+    def park(self, seqs: list[Sequence], free_pages: bool = True) -> None:
+        """Hold running sequences out of the queues until :meth:`restart_all` (a weight update mid-generation):
+        their pages freed (their K/V belong to the weights that computed them) and their slots given back, as
+        :meth:`finish` does; they are not finished."""
+        self.finish(seqs, free_pages, status=SeqStatus.PARKED)
+        self.parked.extend(seqs)
+
+    def only_parked(self) -> bool:
+        """Whether every unfinished sequence is parked (none running or waiting)."""
+        return bool(self.parked) and not self.running and not self.waiting
+
+    def restart_all(self) -> None:
+        """Every sequence to be recomputed from its first token: the running ones preempted (pages freed), the
+        parked ones queued again, in that order before those already waiting (a weight update with requests in
+        flight: no K/V of the old weights is kept)."""
+        while self.running:
+            self._preempt(len(self.running) - 1, [])
+        for seq in self.parked:
+            self.blocks.free(seq.block_table)   # empty already, unless a step in flight held them (completed by now)
+            seq.num_computed = seq.num_registered_pages = 0
+            seq.status = SeqStatus.WAITING
+        self.waiting.extend(self.parked)
+        self.parked = []
+
+    def finish(self, seqs: list[Sequence], free_pages: bool = True, status: SeqStatus = SeqStatus.FINISHED) -> None:
         """Free the pages of finished (or aborted) sequences and drop them from the queues (their slots
         given back). ``free_pages=False``: a step in flight still writes their K/V; :meth:`free_pages`
         once it has run."""
@@ -348,7 +373,7 @@ class Scheduler:
             else:
                 queued = True
             self._leaders.discard(seq)
-            seq.status = SeqStatus.FINISHED
+            seq.status = status
         if gone_slots:
             gone = np.zeros(self.slots.capacity, bool)
             gone[gone_slots] = True
@@ -359,6 +384,8 @@ class Scheduler:
             gone = set(map(id, seqs))
             if any(id(s) in gone for s in self.waiting):
                 self.waiting = collections.deque(s for s in self.waiting if id(s) not in gone)
+            if self.parked:
+                self.parked = [s for s in self.parked if id(s) not in gone]
 
     def free_pages(self, seqs: list[Sequence]) -> None:
         """The pages of finished sequences that :meth:`finish` kept (``free_pages=False``)."""

@@ -29,6 +29,7 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"        # queued (new, or preempted: its pages were freed, recomputed on return)
     RUNNING = "running"        # holds pages, scheduled every step while the budget allows
     FORK_PENDING = "fork_pending"  # a sample waiting for its group leader's prompt prefill
+    PARKED = "parked"          # held (no pages) until a weight update restarts it (partial rollouts)
     FINISHED = "finished"
 
 
@@ -58,7 +59,7 @@ class Sequence:
 
     __slots__ = ("request", "sample_index", "seed", "_tokens", "num_prompt_tokens", "_num_computed", "block_table",
                  "_logprobs", "status", "finish_reason", "stop_reason", "num_preemptions", "_num_registered_pages",
-                 "routing", "_digests", "slot", "slot_table")
+                 "routing", "_digests", "slot", "slot_table", "version_marks")
 
     def __init__(self, request: "Request", sample_index: int, seed: int, prompt_tokens: list[int]):
         self.request = request
@@ -78,6 +79,8 @@ class Sequence:
         self._digests: list[bytes] = []
         self.slot: int | None = None    # its row in slot_table while it runs (SlotTable.assign / release)
         self.slot_table = None
+        # (first completion token index, weights version) of each version that sampled it, in order
+        self.version_marks: list[tuple[int, int]] = [(0, request.weights_version)]
 
     # ---- the per-step state: the slot's while it runs, else these fields ------------------------
 
@@ -115,6 +118,19 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def switch_version(self, version: int) -> None:
+        """Its tokens from now on are sampled by weights ``version`` (a weight update with the sample in flight)."""
+        if self.version_marks[-1][0] == self.num_output_tokens:   # no token sampled by the version it replaces
+            self.version_marks.pop()
+        self.version_marks.append((self.num_output_tokens, version))
+
+    def token_versions(self) -> list[int] | None:
+        """The weights version of each completion token when more than one version sampled them, else None."""
+        if len(self.version_marks) == 1:
+            return None
+        ends = [start for start, _ in self.version_marks[1:]] + [self.num_output_tokens]
+        return [v for (start, v), end in zip(self.version_marks, ends) for _ in range(start, end)]
 
     def page_digests(self, page_size: int, count: int) -> list[bytes]:
         """Digests of the first ``count`` full pages of tokens: d_i = blake2b-128(d_{i-1} || int64 tokens of page i),

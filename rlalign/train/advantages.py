@@ -29,14 +29,17 @@ def kl_in_reward(algo, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None,
 
 
 def token_advantages(algo, samples: StepSamples, batch: TrainBatch, kl: torch.Tensor | None,
-                     value: ValueModel | None) -> tuple[torch.Tensor, dict]:
+                     value: ValueModel | None, log_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Per-token advantages [T] by ``algo.advantage`` and, for estimators with a value model, the value targets
-    (``returns``, ``old_values``). ``kl`` (per token, or None) is the KL penalty folded into the reward."""
+    (``returns``, ``old_values``). ``kl`` (per token, or None) is the KL penalty folded into the reward;
+    ``log_ratio`` (per token, or None for on-policy samples) the proximal minus behaviour log-probs of samples
+    generated ahead (``gae``: V-trace targets)."""
     estimator = algos.ADVANTAGES[algo.advantage]
     dev = batch.seq_ids.device
     old_values = value.old_values(batch) if estimator.value_model else None
     inputs = algos.AdvantageInputs(samples.reward_tensor(dev), samples.group_tensor(dev), batch.seq_ids, batch.mask,
-                                   kl=kl, kl_coef=algo.kl_coef, values=old_values, turns=turn_inputs(samples, dev))
+                                   kl=kl, kl_coef=algo.kl_coef, values=old_values, turns=turn_inputs(samples, dev),
+                                   log_ratio=log_ratio if estimator.value_model else None)
     adv, returns = estimator.fn(inputs, **estimator.knob_values(dataclasses.asdict(algo)))
     return adv, ({"returns": returns, "old_values": old_values} if estimator.value_model else {})
 

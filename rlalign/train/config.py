@@ -192,6 +192,7 @@ class RolloutSection:
         "share_weights": checked_by_type("true, false or null"),
         "async_steps": at_least(0),
         "max_staleness": at_least(0, optional=True),
+        "partial_tokens": at_least(0),
     }
     GUARDS: ClassVar[dict[str, Rule]] = {"temperature": usual(0, 10, (11.0, 1e9), low_open=True)}
     prompts_per_step: int = 32         # prompts (groups) per optimizer step
@@ -214,8 +215,15 @@ class RolloutSection:
     share_weights: bool | None = None  # the engine reads the policy's own tensors (no copy); None: where possible
     async_steps: int = 0               # generate up to k steps ahead while the trainer trains (docs/async.md); 0: synchronous
     max_staleness: int | None = None   # most weight versions a sample may lag the trainer (None: async_steps)
+    partial_tokens: int = 0            # async: a sample's tokens after its first N sampled by the next version (0: off)
 
     def validate(self):
+        if self.partial_tokens and not self.async_steps:
+            return (f"partial_tokens={self.partial_tokens} cuts the samples generated ahead at a weight update: it "
+                    "needs async_steps >= 1 (docs/async.md)")
+        if self.partial_tokens >= self.max_new_tokens:
+            return (f"partial_tokens={self.partial_tokens} cuts no sample (max_new_tokens={self.max_new_tokens}): "
+                    "set it below max_new_tokens, or 0 for whole rollouts")
         if self.max_staleness is not None and self.async_steps > self.max_staleness:
             return (f"async_steps={self.async_steps} would train on samples {self.async_steps} versions old, more "
                     f"than max_staleness={self.max_staleness}: lower async_steps or raise max_staleness")
@@ -267,6 +275,8 @@ class AlgoSection:
         "lam": within(0, 1),
         "value_lr": greater_than(0),
         "value_clip": greater_than(0, optional=True),
+        "vtrace_rho_cap": greater_than(0),
+        "vtrace_c_cap": greater_than(0),
     }
     GUARDS: ClassVar[dict[str, Rule]] = {
         "value_lr": usual(0, 1, (2.0, 1e9), low_open=True),
@@ -297,6 +307,8 @@ class AlgoSection:
     lam: float = 0.95                  # gae: lambda
     value_lr: float = 1e-3             # gae: AdamW lr of the value model
     value_clip: float | None = 0.2     # gae: PPO2 value clipping around the old values
+    vtrace_rho_cap: float = 1.0        # gae with rollout.async_steps > 0: V-trace's rho truncation (value targets)
+    vtrace_c_cap: float = 1.0          # gae with rollout.async_steps > 0: V-trace's trace truncation c
 
     def validate(self):
         defaults = {f.name: f.default for f in dataclasses.fields(AlgoSection)}

@@ -118,7 +118,7 @@ class Trainer:
         self.sampler = Sampler(cfg, self.task, self.tokenizer, self.engine, self.dp)
         self.agreement = Agreement(cfg.run.profile, cfg.run.on_mismatch, sparse_layer_indices(self.policy.config))
         # where the steps' samples come from, chosen once: drawn at each step, or generated ahead (async_steps > 0)
-        self.source = rollout_source(cfg, self.sampler, self.engine, self._push)
+        self.source = rollout_source(cfg, self.sampler, self.engine, self._push, self._snapshot)
         self.verifier = offpolicy.behaviour_verifier(cfg, self.policy)   # run.verify_behaviour
         self.step = 0
         self.trackers, self.config_path = None, self.run_dir / "config.yaml"
@@ -165,6 +165,14 @@ class Trainer:
         if self.verifier is not None:
             self.verifier.remember(version, weights())
 
+    def _snapshot(self, version: int) -> dict:
+        """A copy of the policy's full weights, ``version`` (and the verifier's snapshot of them): what the rollout
+        worker switches to with partial rollouts (rlalign.train.sources)."""
+        weights = {name: t.detach().clone() for name, t in par.policy_weights(self.policy).items()}
+        if self.verifier is not None:
+            self.verifier.remember(version, weights)
+        return weights
+
     def save(self) -> None:
         extra = self.source.state_dict()   # first: waiting for the samples generated ahead settles the data position
         if self.verifier is not None:   # the versions that sampled them, for run.verify_behaviour after a resume
@@ -210,7 +218,8 @@ class Trainer:
             ref_lp = batch.score(self.ref, temperature=temp)[0] if self.ref is not None else None
             kl_reward = advantages.kl_in_reward(cfg.algo, old["lp"], ref_lp, batch)
             token_adv, value_targets = advantages.token_advantages(cfg.algo, samples, batch, kl_reward,
-                                                                   self.update.value)
+                                                                   self.update.value,
+                                                                   self.source.log_ratio(old["lp"], batch))
             is_weights, corr_stats = self.source.correction(cfg.algo, old["lp"], batch, step, samples)
 
             def first_pass(lp, ent, routing_ids):   # strict, no rescore: the first update pass's forward is the old policy's
@@ -230,7 +239,7 @@ class Trainer:
         lens, rewards = batch.completion_lens, samples.reward_tensor()
         with use_profile(cfg.run.profile):   # the logged statistics' reductions (the portable profile's fixed order)
             record.update({**sample_stats(rewards, samples.truncated, lens, old["ent"]), **sampling_stats,
-                           **step_costs(t_rollout, t_train, int(lens.sum()), self.device, self.engine.weights_version,
+                           **step_costs(t_rollout, t_train, int(lens.sum()), self.device, self.source.engine_version(),
                                         self.weight_sync.copy_bytes), **update, **corr_stats,
                            **rollout_stats(rewards, samples.group_tensor(), lens),
                            **token_stats(token_adv, batch.mask, old["lp"], ref_lp)})

@@ -64,7 +64,7 @@ class StepSamples:
     def of_completions(cls, completions: Sequence[Completion]) -> "StepSamples":
         """The record of the engine's ``completions`` (unscored), with the weights version of every token."""
         return cls.of_records(completions, truncated_by="length",
-                              versions=[c.weights_version for c in completions for _ in c.tokens])
+                              versions=[v for c in completions for v in c.versions()])
 
     @classmethod
     def of_records(cls, records: Sequence, *, truncated_by: str, generated: "Sequence[bool] | None" = None,

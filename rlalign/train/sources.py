@@ -17,6 +17,7 @@ their own, which tokens the agreement check compares, and the importance weights
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Protocol
@@ -54,6 +55,12 @@ class RolloutSource(Protocol):
                    samples: StepSamples) -> tuple["torch.Tensor | None", dict]:
         """(per-token importance weights of the policy loss or None, their record)."""
 
+    def log_ratio(self, old_lp: "torch.Tensor | None", batch: TrainBatch) -> "torch.Tensor | None":
+        """Per token ``prox - behav`` for samples of an older policy (the value targets' V-trace), None: on policy."""
+
+    def engine_version(self) -> int:
+        """The weights version logged as ``weights_version``: the engine's after the step (a function of the step)."""
+
     def state_dict(self) -> dict:
         """What a checkpoint must keep for a resume (entries of the checkpoint)."""
 
@@ -81,12 +88,19 @@ class SynchronousSource:
     def quiesce(self, version: int) -> None:
         """The engine already holds the trainer's weights (pushed after each step)."""
 
+    def engine_version(self) -> int:
+        return self.sampler.engine.weights_version
+
     def fresh_mask(self, samples: StepSamples, step: int) -> None:
         return None
 
     def correction(self, algo, old_lp, batch, step, samples):
         """``algo.mismatch_correction``'s TIS / MIS weights of the trainer's old log-probs against the rollout's."""
         return advantages.mismatch_correction(algo, old_lp, batch)
+
+    def log_ratio(self, old_lp, batch) -> None:
+        """On policy: GAE's own targets."""
+        return None
 
     def state_dict(self) -> dict:
         return {}
@@ -109,25 +123,53 @@ class AsynchronousSource:
     ``push(version)``: put the trainer's current weights into the engine as ``version`` (a copy); called only while
     no generation runs. The proximal log-probs are a trainer forward before the update (``on_policy`` False), the
     agreement check covers the tokens the current weights sampled, the loss weighs each token by the exact
-    ``exp(prox - behav)`` bounded by ``algo.mismatch_correction``."""
+    ``exp(prox - behav)`` bounded by ``algo.mismatch_correction``.
+
+    With ``rollout.partial_tokens=N`` (partial rollouts, :func:`rlalign.train.offpolicy.switch_version`) the
+    generation of step ``s > k`` switches to version ``s - k`` after each sample's first ``N`` tokens: the worker
+    thread waits for that version (published by :meth:`push_weights` after step ``s - k``'s update, as
+    ``snapshot(version)``, a copy of the trainer's weights) and the engine takes it with the samples in flight
+    (:meth:`rlalign.rollout.RolloutEngine.plan_weight_update`); the engine is then updated only in the worker."""
 
     on_policy = False
 
-    def __init__(self, cfg, sampler: Sampler, engine, push: Callable[[int], None]):
+    def __init__(self, cfg, sampler: Sampler, engine, push: Callable[[int], None],
+                 snapshot: "Callable[[int], dict] | None" = None):
         self.k, self.profile = cfg.rollout.async_steps, cfg.run.profile
         self.bound = offpolicy.max_staleness(cfg.rollout)
-        self.sampler, self.engine, self.push = sampler, engine, push
+        self.sampler, self.engine, self.push, self.snapshot = sampler, engine, push, snapshot
+        self.partial = getattr(cfg.rollout, "partial_tokens", 0)
+        if self.partial:
+            offpolicy.check_partial(engine)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlalign-rollout")
         self._pending: dict[int, Future] = {}
         self._ready: dict[int, tuple] = {}
         self._next = 1   # the next step whose generation starts
+        self._published: dict[int, dict] = {}   # partial: versions the worker switches to, not yet taken
+        self._mailbox = threading.Condition()
+        self._closed = False
 
     def _generate(self, step: int) -> tuple[StepSamples, dict, float]:
         """In the worker thread: the step's samples (DAPO's redraws included), scored; its generation time."""
         started = time.perf_counter()
+        switch = offpolicy.switch_version(step, self.k) if self.partial else None
+        if switch is not None:
+            if self.engine.weights_version != offpolicy.behaviour_version(step, self.k):
+                raise RuntimeError(f"internal: step {step}'s generation starts at weights version "
+                                   f"{self.engine.weights_version}, not {offpolicy.behaviour_version(step, self.k)}")
+            self.engine.plan_weight_update(self.partial, lambda: (self._take(switch), switch))
         with use_profile(self.profile):
             samples, stats = self.sampler.draw_step(step)
         return samples, stats, time.perf_counter() - started
+
+    def _take(self, version: int) -> dict:
+        """In the worker thread: the weights of ``version`` once the trainer has published them."""
+        with self._mailbox:
+            while version not in self._published and not self._closed:
+                self._mailbox.wait()
+            if self._closed:
+                raise RLAlignError(f"the run stopped before weights version {version} existed")
+            return self._published.pop(version)
 
     def _wait_all(self) -> None:
         for step in sorted(self._pending):
@@ -146,7 +188,8 @@ class AsynchronousSource:
         ``step + k``; their sampling stats and ``time/rollout_generate_s`` (time/rollout_s is the wait for them)."""
         while self._next <= step + self.k:
             s = self._next
-            self._engine_at(offpolicy.behaviour_version(s, self.k), step - 1)
+            if not self.partial:   # partial rollouts: the worker updates the engine (each draw ends at the next's version)
+                self._engine_at(offpolicy.behaviour_version(s, self.k), step - 1)
             self._pending[s] = self._pool.submit(self._generate, s)
             self._next += 1
         if step in self._pending:
@@ -156,7 +199,20 @@ class AsynchronousSource:
         return samples, {**stats, "time/rollout_generate_s": generate_s}
 
     def push_weights(self, version: int) -> None:
-        """Nothing now: the engine is updated when the next generation starts (:meth:`_engine_at`)."""
+        """Nothing now (the engine is updated when the next generation starts: :meth:`_engine_at`), or, with partial
+        rollouts, ``version`` published for the generation that switches to it (step ``version + k``'s)."""
+        if self.partial:
+            weights = self.snapshot(version)
+            with self._mailbox:
+                self._published[version] = weights
+                self._mailbox.notify_all()
+
+    def engine_version(self) -> int:
+        """The engine's version after the step; with partial rollouts (the worker switches it at a time of its own)
+        the version the newest generation started with, the value the engine holds at that point without them."""
+        if not self.partial:
+            return self.engine.weights_version
+        return offpolicy.behaviour_version(self._next - 1, self.k)
 
     def quiesce(self, version: int) -> None:
         """Wait for the generations in flight; the engine then holds the trainer's weights (``version``)."""
@@ -173,6 +229,10 @@ class AsynchronousSource:
         weights, stats = offpolicy.behaviour_correction(algo, old_lp, batch)
         sampled = samples.versions[samples.generated_mask()]   # not a multi-turn episode's observation tokens
         return weights, {**stats, **offpolicy.staleness_record(step, sampled)}
+
+    def log_ratio(self, old_lp, batch) -> torch.Tensor:
+        """The exact ``prox - behav`` of every token (``old_lp``: the proximal forward)."""
+        return offpolicy.log_ratio(old_lp, batch)
 
     def state_dict(self) -> dict:
         """The samples generated ahead (after waiting for them): what a resume cannot regenerate."""
@@ -194,13 +254,18 @@ class AsynchronousSource:
         self._next = state["next_step"]
 
     def close(self) -> None:
+        with self._mailbox:   # a generation waiting for weights that will not come: it ends (aborted)
+            self._closed = True
+            self._mailbox.notify_all()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def rollout_source(cfg, sampler: Sampler, engine, push: Callable[[int], None]) -> RolloutSource:
-    """The run's source of samples: generated ahead with ``rollout.async_steps > 0``, else drawn at each step."""
+def rollout_source(cfg, sampler: Sampler, engine, push: Callable[[int], None],
+                   snapshot: "Callable[[int], dict] | None" = None) -> RolloutSource:
+    """The run's source of samples: generated ahead with ``rollout.async_steps > 0``, else drawn at each step.
+    ``snapshot(version)``: a copy of the trainer's weights (partial rollouts hand it to the worker thread)."""
     if cfg.rollout.async_steps:
-        return AsynchronousSource(cfg, sampler, engine, push)
+        return AsynchronousSource(cfg, sampler, engine, push, snapshot)
     return SynchronousSource(sampler, push)
 
 

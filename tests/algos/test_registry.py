@@ -14,7 +14,7 @@ from rlalign.train.config import AlgoSection, TrainConfig
 D = torch.float64
 # a value other than the default for every knob (a knob added without one here fails the test below)
 OTHER = {"clip_low": 0.05, "clip_high": 0.9, "dual_clip": 1.5, "gamma": 0.5, "lam": 0.5, "mismatch_cap": 1.1,
-         "turn_advantage": "turn"}
+         "turn_advantage": "turn", "vtrace_rho_cap": 0.5, "vtrace_c_cap": 0.5}
 # what a key needs besides its algorithm to be accepted (turn_advantage=turn: multi-turn episodes)
 NEEDS = {"turn_advantage": ["task.env=retry_arithmetic"]}
 
@@ -44,7 +44,8 @@ def _advantage(entry, knobs):
                              torch.tensor([2, 1, 1, 3, 1, 1]),
                              torch.tensor([0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0, 0]))
     inputs = algos.AdvantageInputs(rewards, torch.tensor([0, 0, 0, 1, 1, 1]), seq_ids, torch.ones(18, dtype=torch.bool),
-                                   values=torch.linspace(-0.5, 0.5, 18), turns=turns)
+                                   values=torch.linspace(-0.5, 0.5, 18), turns=turns,
+                                   log_ratio=torch.linspace(-1.0, 1.0, 18))   # gae: an older policy's samples
     adv, returns = entry.fn(inputs, **knobs)
     return adv if returns is None else torch.cat([adv, returns])
 

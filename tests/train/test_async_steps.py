@@ -215,5 +215,6 @@ def test_unsupported_settings_are_refused_in_one_line(arithmetic_model_dir, tmp_
     with pytest.raises(WeightsSharingError, match="rollout.async_steps=1 samples from an older weights version"):
         weights_path(cfg)
     assert not weights_path(_cfg(arithmetic_model_dir, tmp_path / "r", 2, "rollout.async_steps=1")).shared
-    with pytest.raises(Exception, match="rollout.async_steps=1 does not support algo.advantage=gae"):
-        Trainer(_cfg(arithmetic_model_dir, tmp_path / "g", 2, "rollout.async_steps=1", "algo.advantage=gae"))
+    with pytest.raises(Exception, match="rollout.partial_tokens=2 does not support task.env"):
+        Trainer(_cfg(arithmetic_model_dir, tmp_path / "g", 2, "rollout.async_steps=1", "rollout.partial_tokens=2",
+                     "task.env=retry_arithmetic", "task.reward=builtin"))

@@ -31,11 +31,21 @@ except ImportError:  # pragma: no cover - older Triton: the pointer path is used
 BLOCK_K = 64  # the one K step of every strict GEMM (see docs/design/tile-shapes.md)
 
 
+# Launch choices (persistent grids, decode splits, which GEMM schedule) read the ARCHITECTURE's reference SM count,
+# never the card's: a decode split changes the reduction order over key blocks, so a count read from the card would
+# give an H100 PCIe (114 SMs) other bits than an H100 SXM or an H200 (132). A grid sized for 132 programs per wave
+# on a card with fewer SMs runs in more waves, with the same tiles and the same bits.
+REFERENCE_SMS = {(9, 0): 132}   # Hopper: H100 SXM / PCIe / NVL, H200, GH200
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
+    """The SM count launch choices assume on this device: the architecture's reference count (``REFERENCE_SMS``);
+    outside the table, the card's own (no cross-card promise there); under the interpreter, 4."""
     if not torch.cuda.is_available():
         return 4  # the interpreter: any small number
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    props = torch.cuda.get_device_properties(device_index)
+    return REFERENCE_SMS.get((props.major, props.minor), props.multi_processor_count)
 
 
 def device_sms(t: torch.Tensor) -> int:
