@@ -68,11 +68,12 @@ def latent_caches(config, num_pages: int, page_size: int, dtype: torch.dtype, de
 
 def write_latent(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """In place: row t of ``rows`` [T, width] to slot ``slot_mapping[t]`` (page * page_size + offset) of ``cache``;
-    an exact copy (the dtypes must match)."""
+    an exact copy (the dtypes must match) of the values (the cache never holds an autograd graph)."""
     if rows.dtype != cache.dtype or rows.shape[-1] != cache.shape[-1]:
         raise ValueError(f"latent rows {tuple(rows.shape)} {rows.dtype} do not fit the latent cache "
                          f"{tuple(cache.shape)} {cache.dtype}")
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping.to(device=cache.device, dtype=torch.int64), rows)
+    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping.to(device=cache.device, dtype=torch.int64),
+                                                rows.detach())
 
 
 @dataclasses.dataclass(frozen=True)
