@@ -64,6 +64,13 @@ def prefilled(model, form: str, batch: int, context: int, page_size: int):
     return step
 
 
+def fresh(batch: ForwardBatch) -> ForwardBatch:
+    """A new batch of copied index tensors, as the engine builds one per step: the ops' per-tensor argument checks
+    (remembered by tensor) and the latent cache's per-forward plan run again, as they do in a real decode step."""
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).clone()
+                                         for f in dataclasses.fields(batch) if f.name != "kv_cache"})
+
+
 def median_ms(runs: dict, repeats: int, clock=time.process_time) -> dict[str, float]:
     """{name: median milliseconds of runs[name]()} by ``clock`` (default: this process's CPU time, which other
     processes' load on a shared machine disturbs less than the wall clock), the runs interleaved (A, B, A, B, ...)
@@ -116,9 +123,8 @@ def main() -> None:
             hidden = {form: model.forward_hidden(step) for form, step in steps.items()}
             if not bits.bits_equal(hidden[LATENT], hidden[EXPANDED]):
                 raise SystemExit(f"context {context}: the two cache forms gave different bits")
-            # a fresh copy of the batch per run, as the engine builds one per step (its per-forward plan included)
-            ms = median_ms({form: (lambda s=step: model.forward_hidden(dataclasses.replace(s)))
-                            for form, step in steps.items()}, args.repeats, time.perf_counter if args.wall else clock)
+            ms = median_ms({form: (lambda s=step: model.forward_hidden(fresh(s))) for form, step in steps.items()},
+                           args.repeats, time.perf_counter if args.wall else clock)
             print(f"{context:8d} {ms[EXPANDED]:12.2f} {ms[LATENT]:10.2f} {ms[LATENT] / ms[EXPANDED]:16.2f}")
 
 
