@@ -41,7 +41,7 @@ def check_tp(config, tp: int, model=None) -> None:
     if tp not in SUPPORTED_TP:
         raise RLAlignError(f"tp={tp} is not supported (choose one of {', '.join(map(str, SUPPORTED_TP))})")
     if tp > 1 and (config.attention_sinks or config.o_bias or config.ffn_kind not in ("dense", "moe")
-                   or config.linear_attention or config.attention_gate
+                   or config.linear_attention or config.attention_kind == "gated"
                    or config.ffn_options.get("shared_expert_intermediate_size")):
         raise RLAlignError(f"tp={tp}: tensor parallelism is not implemented for {config.family} models (attention "
                            f"sinks, an o_proj bias, gated or linear attention, shared experts or its FFN kind "

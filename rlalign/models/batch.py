@@ -16,13 +16,16 @@ from typing import Sequence
 
 import torch
 
-from rlalign.models.linear_cache import linear_caches, linear_layers
+from rlalign.models.latent_cache import LATENT, latent_caches
+from rlalign.models.linear_cache import linear_caches
 
 
 class KVCache:
     """Per-layer paged K/V storage: ``k[layer]``, ``v[layer]`` are [num_pages, page_size, Hkv, D].
 
-    Zero-initialised, so pages never written hold finite values.
+    Zero-initialised, so pages never written hold finite values. A layer that keeps another per-token store instead
+    (a linear-attention layer: ``linear[layer]``; a multi-head-latent-attention layer: ``latent[layer]``, its
+    compressed latent rows, rlalign.models.latent_cache) has zero-width K/V.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -33,20 +36,35 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.linear = {}   # {layer: LinearLayerCache} of the linear-attention layers (rlalign.models.linear_cache)
+        self.latent = {}   # {layer: [num_pages, page_size, width]} of the latent MLA layers (models.latent_cache)
 
     @classmethod
     def for_model(cls, config, num_pages: int, page_size: int, dtype: torch.dtype,
-                  device: str | torch.device = "cpu") -> "KVCache":
+                  device: str | torch.device = "cpu", *, mla_cache: str = LATENT) -> "KVCache":
+        """The cache of ``config``'s layers. ``mla_cache`` (multi-head latent attention only): ``"latent"`` (the
+        default: a token's compressed latent per layer) or ``"expanded"`` (its per-head K and zero-padded V, 2 x
+        heads x (qk_nope + qk_rope) values; no re-expansion per call) -- the same bits either way."""
         cache = cls(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, dtype, device)
-        for i in linear_layers(config):   # a linear-attention layer keeps no K/V: its stores instead
+        cache.linear = linear_caches(config, num_pages, page_size, dtype, device)
+        cache.latent = latent_caches(config, num_pages, page_size, dtype, device, mla_cache)
+        for i in (*cache.linear, *cache.latent):   # these layers keep no K/V: their own stores instead
             cache.k[i] = cache.k[i].new_zeros((num_pages, page_size, 0, config.head_dim))
             cache.v[i] = cache.v[i].new_zeros((num_pages, page_size, 0, config.head_dim))
-        cache.linear = linear_caches(config, num_pages, page_size, dtype, device)
         return cache
 
     def paged_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by page (dim 0): what a copy-on-write copies from page to page."""
-        return [*self.k, *self.v, *(t for c in self.linear.values() for t in c.paged_tensors())]
+        return [*self.k, *self.v, *self.latent.values(), *(t for c in self.linear.values() for t in c.paged_tensors())]
+
+    def slot_values(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """[len(slots), values]: what layer ``layer`` keeps for the tokens at ``slots`` (page * page_size +
+        offset) -- its K and V, or its latent row."""
+        if layer in self.latent:
+            store = self.latent[layer]
+            return store.reshape(-1, store.shape[-1]).index_select(0, slots)
+        k, v = self.k[layer], self.v[layer]
+        shape = (k.shape[0] * k.shape[1], k.shape[2] * k.shape[3])   # explicit: a zero-width layer's too
+        return torch.cat([k.reshape(shape).index_select(0, slots), v.reshape(shape).index_select(0, slots)], dim=1)
 
     @property
     def num_layers(self) -> int:

@@ -52,14 +52,20 @@ class PagedAttend:
                                    b.cu_seqlens, scale=scale, **window_sinks)
 
 
-def batch_attend(batch) -> Attend:
-    """Attention over a ForwardBatch: packed varlen, or (a :class:`PagedAttend`) its paged KV cache."""
-    if batch.kv_cache is not None:
-        return PagedAttend(batch)
+class PackedAttend:
+    """Attention over a packed ForwardBatch (``ops.attention_varlen``: whole sequences, no cache)."""
 
-    def attend(q, k, v, layer: int, scale: float, **window_sinks) -> torch.Tensor:
-        return ops.attention_varlen(q, k, v, batch.cu_seqlens, scale=scale, **window_sinks)
-    return attend
+    def __init__(self, batch):
+        self.batch = batch
+
+    def __call__(self, q, k, v, layer: int, scale: float, **window_sinks) -> torch.Tensor:
+        return ops.attention_varlen(q, k, v, self.batch.cu_seqlens, scale=scale, **window_sinks)
+
+
+def batch_attend(batch) -> PackedAttend | PagedAttend:
+    """Attention over a ForwardBatch: packed varlen, or its paged KV cache; ``.batch`` is the batch (what a token
+    mixer that keeps other per-sequence state, Gated-DeltaNet, reads)."""
+    return PagedAttend(batch) if batch.kv_cache is not None else PackedAttend(batch)
 
 
 def rope_inv_freq(config) -> torch.Tensor:
@@ -168,4 +174,4 @@ def final_norm_block(norm, h: torch.Tensor, residual: torch.Tensor | None) -> to
     return tap(FINAL_NORM, norm(h, residual)[0])
 
 
-__all__ = ["Attend", "PagedAttend", "batch_attend", "rope_inv_freq", "attention_block", "dense_ffn_block", "decoder_layer_block", "final_norm_block"]
+__all__ = ["Attend", "PackedAttend", "PagedAttend", "batch_attend", "rope_inv_freq", "attention_block", "dense_ffn_block", "decoder_layer_block", "final_norm_block"]

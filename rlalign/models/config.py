@@ -128,10 +128,10 @@ class ModelConfig:
     ffn_kind: str = "dense"        # the FFN module kind (rlalign.models.ffn registry)
     ffn_options: dict = dataclasses.field(default_factory=dict)  # shape fields of non-dense FFN kinds
     zero_centred_norms: bool = False   # RMSNorm weights w scale by (1 + w) (Qwen3-Next)
-    attention_gate: bool = False       # q_proj also gives a per-head output gate: o_proj(a * sigmoid(gate)) (Qwen3-Next)
     partial_rotary_factor: float = 1.0   # rope on the first head_dim * factor dims of each head
     linear_attention: dict = dataclasses.field(default_factory=dict)  # Gated-DeltaNet shape ("linear_attention" layers)
-    attention_kind: str = "mha"    # the attention module kind (rlalign.models.attention_kinds registry)
+    attention_kind: str = "mha"    # the attention module kind (rlalign.models.attention_kinds registry: "mha",
+                                   # "mla" DeepSeek-V3, "gated" Qwen3-Next's output-gated attention)
     attention_options: dict = dataclasses.field(default_factory=dict)  # shape fields of other attention kinds
     rope_head_dim: int | None = None   # rotated dims of each head where MLA rotates only its last ones
 

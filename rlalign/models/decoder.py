@@ -30,8 +30,8 @@ from rlalign.models.ffn import build_ffn
 from rlalign.models import moe as _moe  # noqa: F401  (registers the "moe" FFN kind)
 from rlalign.models import gpt_oss as _gpt_oss  # noqa: F401  (registers the gpt_oss family and its FFN kind)
 from rlalign.models import deepseek_v3 as _deepseek_v3  # noqa: F401  (registers the "mla" attention and its FFN kind)
-from rlalign.models.gated_deltanet import GatedDeltaNet
-from rlalign.models.qwen3_next import GatedAttention, ZeroCentredRMSNorm   # (also registers the qwen3_next family)
+from rlalign.models import gated_deltanet as _gated_deltanet  # noqa: F401  (registers the "linear" attention kind)
+from rlalign.models.qwen3_next import ZeroCentredRMSNorm   # (also registers the qwen3_next family, "gated" attention)
 from rlalign.models.layout import checkpoint_tensors
 from rlalign.models.modules import Embedding, Linear, RMSNorm, stack_rows
 from rlalign.models.taps import EMBED, note_batch, tap
@@ -85,29 +85,25 @@ def norm_kind(cfg: ModelConfig) -> type[RMSNorm]:
 
 
 class DecoderLayer(nn.Module):
-    """The token mixer is ``self_attn`` (:class:`Attention`, or Qwen3-Next's :class:`GatedAttention` where
-    ``attention_gate``) or, on a "linear_attention" layer, ``linear_attn`` (:class:`GatedDeltaNet`)."""
+    """The token mixer is the layer's attention kind (rlalign.models.attention_kinds), under its checkpoint name:
+    ``self_attn`` (:class:`Attention`, DeepSeek-V3's MLA, Qwen3-Next's gated attention) or, on a "linear_attention"
+    layer, ``linear_attn`` (Qwen3-Next's Gated-DeltaNet)."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int, dtype, device):
         super().__init__()
         self.layer_index = layer_index
         norm = norm_kind(cfg)
         self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        if cfg.layer_types is not None and cfg.layer_types[layer_index] == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg, layer_index, dtype, device)
-        else:
-            self.self_attn = (GatedAttention(cfg, layer_index, dtype, device) if cfg.attention_gate
-                              else build_attention(cfg, layer_index, dtype, device))
+        self.mixer_name, mixer = build_attention(cfg, layer_index, dtype, device)
+        self.add_module(self.mixer_name, mixer)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = build_ffn(cfg, layer_index, dtype, device)
 
     def forward(self, h, residual, cos, sin, batch: ForwardBatch):
         """(h, residual) -> (FFN output, residual stream before the FFN); residual None on layer 0.
         (The batch is an argument so that hooks on the layer see each forward's rows.)"""
-        if hasattr(self, "linear_attn"):
-            return decoder_layer_block(self, h, residual, lambda x: self.linear_attn(x, batch), self.layer_index)
-        attend = batch_attend(batch)
-        return decoder_layer_block(self, h, residual, lambda x: self.self_attn(x, cos, sin, attend), self.layer_index)
+        mixer, attend = getattr(self, self.mixer_name), batch_attend(batch)
+        return decoder_layer_block(self, h, residual, lambda x: mixer(x, cos, sin, attend), self.layer_index)
 
 
 class Backbone(nn.Module):

@@ -14,12 +14,22 @@ D = dn + dr)::
                  mscale(factor, mscale_all_dim) ** 2 with yarn rope)        [H, D]; the first dv columns kept
     out        = o_proj(a[:, :dv])
 
-V is padded with D - dv zero columns so that K and V share the head width the strict attention ops and the paged
-KV cache take (exact: a zero column's output is a sum of exact zeros; the other columns' bits do not change with
-the width in rollout vs trainer, which see the same width). The KV cache therefore holds the expanded per-head K
-and padded V (H x D each per token and layer), one form for packed training, chunked prefill and paged decode:
-the existing attention contract makes them agree bit for bit. A compressed latent cache (kv_lora_rank + dr per
-token and layer, with the absorbed decode form) is not implemented.
+V is padded with D - dv zero columns so that K and V share the head width the strict attention ops take (exact: a
+zero column's output is a sum of exact zeros; the other columns' bits do not change with the width in rollout vs
+trainer, which see the same width). The expansion (kv_b_proj, the K and padded V) is one function,
+:func:`expand_kv`, that every path runs.
+
+The paged KV cache holds per token and layer the compressed latent ``[latent | k_rot]`` (kv_lora_rank + dr values;
+rlalign.models.latent_cache, the default) or, with ``mla_cache="expanded"``, the expanded K and padded V (2 x H x D).
+With the latent cache each paged call re-expands its sequences' earlier tokens from their cached rows with
+:func:`expand_kv` -- "one form for both, compressed storage": the attention sees the expanded form's keys and values
+bit for bit, so packed training, chunked prefill and paged decode agree as with the expanded cache, at the cost of
+kv_b_proj over the whole earlier context at every call.
+
+Not the absorbed form (W_UK folded into the query, scores and outputs computed in the latent space): it reorders
+the arithmetic -- q_nope . (W_UK c) rounded per head as K, versus (q_nope W_UK) . c, a different reduction over
+different rounded intermediates -- so its bits are not the expanded form's and prefill (expanded) would not equal
+decode (absorbed). It would have to be the one form of every path, the trainer's included, to keep the contract.
 
 MoE (layers >= first_k_dense_replace; the others are the dense MLP of intermediate_size)::
 
@@ -50,6 +60,7 @@ from rlalign.models.attention_kinds import register_attention
 from rlalign.models.blocks import PagedAttend
 from rlalign.models.config import ModelConfig
 from rlalign.models.ffn import MLP, register_ffn
+from rlalign.models.latent_cache import context_plan, scratch_rows, write_latent
 from rlalign.models.modules import Linear, RMSNorm
 from rlalign.models.moe import StackedExperts, add_shared_expert, current_routing_record, shared_expert_mlp
 from rlalign.models.taps import layer_tap, tap
@@ -116,24 +127,52 @@ class MLAttention(nn.Module):
 def mla_block(attn: MLAttention, x: torch.Tensor, cos, sin, attend) -> torch.Tensor:
     """o_proj(attention) of rows ``x`` [T, hidden] (module docstring); taps q, k, v (v unpadded), attn."""
     t, heads, layer = x.shape[0], attn.num_heads, attn.layer_index
-    qk = attn.nope + attn.rope_dim
     q = attn.q_proj(x) if attn.q_proj is not None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
-    q = q.view(t, heads, qk)
+    q = q.view(t, heads, attn.nope + attn.rope_dim)
     compressed = attn.kv_a_proj_with_mqa(x)
     latent = attn.kv_a_layernorm(compressed[:, :attn.latent].contiguous())
-    kv = attn.kv_b_proj(latent).view(t, heads, attn.nope + attn.v_dim)
     k_rot = attn.rotate(compressed[:, attn.latent:].reshape(t, 1, attn.rope_dim), cos, sin)
     q = torch.cat([q[..., :attn.nope], attn.rotate(q[..., attn.nope:], cos, sin)], dim=-1)
-    k = torch.cat([kv[..., :attn.nope], k_rot.expand(t, heads, attn.rope_dim)], dim=-1)
-    v = kv[..., attn.nope:]
-    tap(layer_tap(layer, "q"), q), tap(layer_tap(layer, "k"), k), tap(layer_tap(layer, "v"), v)
-    v = torch.nn.functional.pad(v, (0, qk - attn.v_dim))   # zero columns up to K's width (exact)
-    if isinstance(attend, PagedAttend):
-        b = attend.batch
-        ops.write_kv_cache(k, v, b.kv_cache.k[layer], b.kv_cache.v[layer], b.slot_mapping)
-    out = attend(q, k, v, layer, attn.scale)[..., :attn.v_dim]
-    out = tap(layer_tap(layer, "attn"), out.reshape(t, heads * attn.v_dim))
+    k, v = expand_kv(attn, latent, k_rot)
+    tap(layer_tap(layer, "q"), q), tap(layer_tap(layer, "k"), k), tap(layer_tap(layer, "v"), v[..., :attn.v_dim])
+    if isinstance(attend, PagedAttend) and layer in attend.batch.kv_cache.latent:
+        out = latent_paged_attention(attn, q, k, v, torch.cat([latent, k_rot.view(t, attn.rope_dim)], dim=1),
+                                     attend.batch)
+    else:
+        if isinstance(attend, PagedAttend):   # the expanded cache: this call's K and padded V
+            b = attend.batch
+            ops.write_kv_cache(k, v, b.kv_cache.k[layer], b.kv_cache.v[layer], b.slot_mapping)
+        out = attend(q, k, v, layer, attn.scale)
+    out = tap(layer_tap(layer, "attn"), out[..., :attn.v_dim].reshape(t, heads * attn.v_dim))
     return tap(layer_tap(layer, "o_proj"), attn.o_proj(out))
+
+
+def expand_kv(attn: MLAttention, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K [N, H, D], V zero-padded to D [N, H, D]) of N tokens from their normed latent [N, kv_lora_rank] and
+    roped shared rotary key [N, 1, dr]: the one expansion every path runs (packed, and the paged call's new and
+    re-expanded tokens alike). kv_b_proj is the strict linear: a token's row has the same bits whatever the rows
+    beside it."""
+    n, heads, qk = latent.shape[0], attn.num_heads, attn.nope + attn.rope_dim
+    kv = attn.kv_b_proj(latent).view(n, heads, attn.nope + attn.v_dim)
+    k = torch.cat([kv[..., :attn.nope], k_rot.expand(n, heads, attn.rope_dim)], dim=-1)
+    v = torch.nn.functional.pad(kv[..., attn.nope:], (0, qk - attn.v_dim))   # zero columns up to K's width (exact)
+    return k, v
+
+
+def latent_paged_attention(attn: MLAttention, q, k, v, rows: torch.Tensor, batch) -> torch.Tensor:
+    """Paged attention with the latent cache (rlalign.models.latent_cache): the earlier tokens' rows are read back
+    onto scratch pages and re-expanded there (:func:`expand_kv`), the new tokens' ``k``, ``v`` written beside them,
+    their latent ``rows`` [T, kv_lora_rank + dr] cached; the attention reads the scratch pages."""
+    cache = batch.kv_cache.latent[attn.layer_index]
+    plan = context_plan(batch)
+    earlier = scratch_rows(cache, plan)
+    k_pages, v_pages = expand_kv(attn, earlier[:, :attn.latent], earlier[:, attn.latent:].view(-1, 1, attn.rope_dim))
+    shape = (plan.num_pages, batch.kv_cache.page_size, attn.num_heads, attn.nope + attn.rope_dim)
+    k_pages, v_pages = k_pages.view(shape), v_pages.view(shape)
+    ops.write_kv_cache(k, v, k_pages, v_pages, plan.new_local)   # its key check first: a refused row is not cached
+    write_latent(cache, rows, batch.slot_mapping)
+    return ops.attention_paged(q, k_pages, v_pages, plan.block_table, batch.seq_lens, batch.cu_seqlens,
+                               scale=attn.scale)
 
 
 class DeepseekRouter(nn.Module):
@@ -191,4 +230,5 @@ def build_deepseek_ffn(cfg: ModelConfig, layer_index: int, dtype, device) -> nn.
     return DeepseekMoE(cfg, layer_index, dtype, device)
 
 
-__all__ = ["MLAttention", "mla_block", "DeepseekMoE", "DeepseekRouter", "build_deepseek_ffn", "softmax_scale"]
+__all__ = ["MLAttention", "mla_block", "expand_kv", "latent_paged_attention", "DeepseekMoE", "DeepseekRouter",
+           "build_deepseek_ffn", "softmax_scale"]

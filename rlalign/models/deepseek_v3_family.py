@@ -3,8 +3,9 @@ rlalign.models.architectures, which imports it: no import back).
 
 Maps transformers' ``DeepseekV3Config`` keys (defaults for keys a config.json leaves out are transformers') to the
 decoder's features: ``attention_kind="mla"`` (multi-head latent attention, rlalign.models.deepseek_v3) with its shape
-in ``attention_options``; ``head_dim`` = qk_nope_head_dim + qk_rope_head_dim (the K head, what the KV cache holds per
-head: V is padded to it), ``num_kv_heads`` = num_attention_heads (MLA expands K and V per query head),
+in ``attention_options``; ``head_dim`` = qk_nope_head_dim + qk_rope_head_dim (the K head, what the attention ops take
+per head: V is padded to it; the KV cache holds the compressed latent, rlalign.models.latent_cache),
+``num_kv_heads`` = num_attention_heads (MLA expands K and V per query head),
 ``rope_head_dim`` = qk_rope_head_dim; ``ffn_kind="deepseek_moe"`` (dense layers first, then routed + shared experts
 with DeepSeek's grouped sigmoid routing) with its shape in ``ffn_options``.
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from rlalign.contract import spec
 from rlalign.contract.errors import RLAlignError
+from rlalign.models.attention_kinds import register_attention
 from rlalign.models.linear_cache import LinearShape
 from rlalign.models.modules import Linear
 from rlalign.models.taps import layer_tap, tap
@@ -38,8 +39,10 @@ class _Conv(nn.Module):
         self.weight = nn.Parameter(torch.empty((channels, 1, kernel), dtype=dtype, device=device))
 
 
+@register_attention("linear", module_name="linear_attn")
 class GatedDeltaNet(nn.Module):
-    """The layer's weights under Hugging Face's names (module docstring); forward(x [T, hidden], batch)."""
+    """The layer's weights under Hugging Face's names (module docstring); forward(x [T, hidden], cos, sin, attend):
+    the attention kinds' call (rlalign.models.attention_kinds), the rope tables unused, ``attend.batch`` the batch."""
 
     def __init__(self, cfg, layer_index: int, dtype, device):
         super().__init__()
@@ -78,7 +81,8 @@ class GatedDeltaNet(nn.Module):
         q_hat, k_hat, g, beta = gd.delta_inputs(q, k, a, b, self.A_log, self.dt_bias)
         return torch.cat([q_hat.reshape(t, -1), k_hat.reshape(t, -1), conv_out[:, 2 * kd:], g, beta], dim=-1)
 
-    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        batch = attend.batch
         mixed, z, b, a = self.split(x)
         plan = _Plan(batch, self.shape.conv_kernel)
         store = None if batch.kv_cache is None else batch.kv_cache.linear[self.layer_index]

@@ -30,6 +30,7 @@ import torch
 from rlalign import ops
 from rlalign.contract import spec
 from rlalign.models import architectures, moe
+from rlalign.models.attention_kinds import register_attention
 from rlalign.models.blocks import PagedAttend
 from rlalign.models.modules import Linear, RMSNorm
 from rlalign.models.taps import layer_tap, tap
@@ -51,6 +52,7 @@ class ZeroCentredRMSNorm(RMSNorm):
         return ops.rms_norm(x, 1.0 + self.weight, self.eps, residual=residual)
 
 
+@register_attention("gated")
 class GatedAttention(torch.nn.Module):
     """Qwen3-Next's full-attention layer (module docstring), weights under Hugging Face's names."""
 
@@ -139,7 +141,7 @@ def _features(d: dict) -> dict[str, Any]:
         raise ValueError(f"partial_rotary_factor={factor} gives {rot} rotary dims of head_dim={head_dim}; "
                          "they must be even and >= 2")
     return {"qkv_bias": False, "qk_norm": True, **_ffn(d, layers), "layer_types": tuple(types),
-            "zero_centred_norms": True, "attention_gate": True, "partial_rotary_factor": factor,
+            "zero_centred_norms": True, "attention_kind": "gated", "partial_rotary_factor": factor,
             "linear_attention": linear}
 
 

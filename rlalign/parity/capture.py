@@ -350,14 +350,11 @@ def capture(names: Iterable[str] | None = None, *, positions: Iterable[int] | No
 
 
 def _slot_fingerprints(kv_cache, slots: list[int]) -> list[bytes]:
-    """blake2b-128 of the raw bytes of the last layer's K and V at each slot."""
+    """blake2b-128 of the raw bytes of what the last layer caches at each slot (its K and V, or its latent row)."""
     if not slots or not kv_cache.k:
         return [b"none"] * len(slots)
-    k, v = kv_cache.k[-1], kv_cache.v[-1]
-    n = k.shape[0] * k.shape[1]
-    idx = torch.tensor(slots, dtype=torch.int64, device=k.device)
-    rows = torch.cat([bit_view(k.reshape(n, -1).index_select(0, idx)), bit_view(v.reshape(n, -1).index_select(0, idx))],
-                     dim=1).cpu().numpy()
+    idx = torch.tensor(slots, dtype=torch.int64, device=kv_cache.k[-1].device)
+    rows = bit_view(kv_cache.slot_values(kv_cache.num_layers - 1, idx)).cpu().numpy()
     return [hashlib.blake2b(r.tobytes(), digest_size=16).digest() for r in rows]
 
 

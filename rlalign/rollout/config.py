@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 from rlalign.contract.profiles import as_profile
+from rlalign.models.latent_cache import MLA_CACHE_FORMS
 from rlalign.ops import temperature as temperature_rule
 from rlalign.rollout.errors import RequestError, RolloutConfigError
 
@@ -55,6 +56,11 @@ class RolloutConfig:
     record_routing: for a mixture-of-experts model, record the experts each fed row was routed to and
         return them as ``Completion.routing`` (:mod:`rlalign.rollout.routing`; the trainer's routing-agreement
         metric). Off by default (a dense model refuses it); training turns it on for MoE models.
+    mla_cache: what a multi-head-latent-attention model (DeepSeek-V3) caches per token and layer: ``"latent"``
+        (the default: its compressed latent, kv_lora_rank + qk_rope_head_dim values, re-expanded to per-head K/V at
+        every call) or ``"expanded"`` (the per-head K and zero-padded V: 2 x heads x (qk_nope + qk_rope) values,
+        85x the latent's bytes at DeepSeek-V3's shape, no re-expansion). The same bits either way
+        (rlalign.models.latent_cache; docs/models.md); other models ignore it.
     """
 
     profile: str = "strict"
@@ -73,12 +79,15 @@ class RolloutConfig:
     decode_graph_max_batch: int = 1024
     overlap: str = "auto"
     record_routing: bool = False
+    mla_cache: str = "latent"
 
     def __post_init__(self) -> None:
         self.profile = as_profile(self.profile).value
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise RolloutConfigError(f"RolloutConfig.decode_graphs must be one of {DECODE_GRAPH_MODES}, "
                                      f"got {self.decode_graphs!r}")
+        if self.mla_cache not in MLA_CACHE_FORMS:
+            raise RolloutConfigError(f"RolloutConfig.mla_cache must be one of {MLA_CACHE_FORMS}, got {self.mla_cache!r}")
         if self.overlap not in OVERLAP_MODES:
             raise RolloutConfigError(f"RolloutConfig.overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "decode_graph_max_batch"):

@@ -26,11 +26,13 @@ from rlalign.rollout.errors import KVCacheTooSmallError, RolloutConfigError
 from rlalign.rollout.routing import RoutingStore
 
 
-def page_bytes(model, page_size: int) -> int:
-    """Bytes of one KV page of ``page_size`` tokens (K and V of every layer, in the model's dtype; the
-    linear-attention layers' stores, rlalign.models.linear_cache)."""
+def page_bytes(model, page_size: int, mla_cache: str = "latent") -> int:
+    """Bytes of one KV page of ``page_size`` tokens (K and V of every layer, in the model's dtype, or the latent rows
+    of a multi-head-latent-attention model's ``mla_cache="latent"``; the linear-attention layers' stores,
+    rlalign.models.linear_cache)."""
     elem = torch.empty((), dtype=model.dtype).element_size()
-    return page_size * kv_bytes_per_token(model.config, elem) + linear_page_bytes(model.config, page_size, elem)
+    return (page_size * kv_bytes_per_token(model.config, elem, mla_cache)
+            + linear_page_bytes(model.config, page_size, elem))
 
 
 def num_pages(config: RolloutConfig, model, max_model_len: int) -> int:
@@ -47,7 +49,7 @@ def num_pages(config: RolloutConfig, model, max_model_len: int) -> int:
         budget = int(free * config.gpu_memory_fraction)
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
-    per_page = page_bytes(model, config.page_size)
+    per_page = page_bytes(model, config.page_size, config.mla_cache)
     pages = min(budget // per_page, config.max_num_seqs * pages_for(max_model_len, config.page_size))
     if pages < 1:
         raise KVCacheTooSmallError(f"a KV budget of {budget} bytes holds no page of {config.page_size} tokens "

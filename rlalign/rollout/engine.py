@@ -125,7 +125,7 @@ class RolloutEngine:
 
     @property
     def bytes_per_page(self) -> int:
-        return page_bytes(self.model, self.page_size)
+        return page_bytes(self.model, self.page_size, self.config.mla_cache)
 
     # ---- requests ------------------------------------------------------------------------------
 

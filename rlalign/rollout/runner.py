@@ -66,7 +66,8 @@ class ModelRunner:
         graph_batch = min(config.decode_graph_max_batch, config.max_num_seqs)
         scratch = pages_for(graph_batch, self.page_size) if graph_mode else 0
         # scratch pages (for the graphs' padding rows) lie past the block manager's pages
-        self.kv_cache = KVCache.for_model(model.config, num_pages + scratch, self.page_size, model.dtype, self.device)
+        self.kv_cache = KVCache.for_model(model.config, num_pages + scratch, self.page_size, model.dtype, self.device,
+                                          mla_cache=config.mla_cache)
         self.routing = routing_store(config, model, num_pages)
         # both profiles sample inside the graphs (the native sampler's static form reads nothing on the host)
         self.decode_graphs = None if not graph_mode else DecodeGraphs(

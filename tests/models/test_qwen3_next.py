@@ -18,7 +18,10 @@ from hypothesis import given, settings, strategies as st
 
 from rlalign.contract import spec, use_profile
 from rlalign.models import ForwardBatch, KVCache, load_model, save_model
+from rlalign.models.attention_kinds import build_attention, layer_attention_kind
 from rlalign.models.batch import contiguous_block_tables
+from rlalign.models.gated_deltanet import GatedDeltaNet
+from rlalign.models.qwen3_next import GatedAttention
 from rlalign.models.config import ModelConfig, ModelConfigError
 from rlalign.models.testing import tiny_hf_config, tiny_model
 from tests.models.hf_helpers import assert_same_weight_file, assert_within_reference, strict_logits64
@@ -150,7 +153,7 @@ def test_config_round_trip_keeps_every_feature():
     assert again == config
     assert config.linear_attention == {"num_k_heads": 2, "num_v_heads": 4, "k_head_dim": 8, "v_head_dim": 8,
                                        "conv_kernel": 4}
-    assert config.zero_centred_norms and config.attention_gate and config.partial_rotary_factor == 0.5
+    assert config.zero_centred_norms and config.attention_kind == "gated" and config.partial_rotary_factor == 0.5
     assert config.ffn_kind == "dense"
 
 
@@ -326,3 +329,16 @@ def test_multi_token_prediction_tensors_are_ignored_on_load(tmp_path):
     (path / "config.json").write_text(json.dumps(dict(config, mtp_num_hidden_layers=0)))
     with pytest.raises(CheckpointError, match="unexpected tensor 'mtp.fc.weight'"):
         load_model(path)
+
+
+def test_each_layer_asks_the_attention_kind_registry():
+    """Qwen3-Next's layers come from the registry: "linear" (Gated-DeltaNet, under ``linear_attn``) on the
+    linear-attention layers, "gated" (under ``self_attn``) on the full-attention ones; an unknown kind is one line."""
+    model = tiny_model("qwen3_next")
+    config = model.config
+    assert [layer_attention_kind(config, i) for i in range(config.num_layers)] == ["linear", "gated"]
+    linear, full = model.model.layers
+    assert linear.mixer_name == "linear_attn" and isinstance(linear.linear_attn, GatedDeltaNet)
+    assert full.mixer_name == "self_attn" and isinstance(full.self_attn, GatedAttention)
+    with pytest.raises(ModelConfigError, match="attention kind 'absorbed' is not implemented"):
+        build_attention(dataclasses.replace(config, attention_kind="absorbed"), 1, torch.float32, "meta")

@@ -77,10 +77,11 @@ def check_same(model, seqs, ref, got, what):
 
 
 @torch.no_grad()
-def run_schedule(model, seqs, steps, page_size, rng, spare_pages=3):
+def run_schedule(model, seqs, steps, page_size, rng, spare_pages=3, mla_cache="latent", cache_out=None):
     """Feed ``seqs`` through a paged cache: each step is [(seq index, new tokens)], in batch order.
     Pages are a random permutation of the cache (plus spare pages never used). Returns per-sequence
-    hidden rows, and per-sequence (logprob, entropy) computed step by step as an engine would."""
+    hidden rows, and per-sequence (logprob, entropy) computed step by step as an engine would.
+    ``mla_cache``: KVCache.for_model's; ``cache_out``: a list that gets (the cache, the block tables)."""
     need = [pages_needed(len(s), page_size) for s in seqs]
     perm = list(range(sum(need) + spare_pages))
     rng.shuffle(perm)
@@ -88,7 +89,9 @@ def run_schedule(model, seqs, steps, page_size, rng, spare_pages=3):
     for n in need:
         tables.append(perm[at:at + n])
         at += n
-    cache = KVCache.for_model(model.config, len(perm), page_size, model.dtype, model.device)
+    cache = KVCache.for_model(model.config, len(perm), page_size, model.dtype, model.device, mla_cache=mla_cache)
+    if cache_out is not None:
+        cache_out.append((cache, tables))
     done = [0] * len(seqs)
     rows = [[] for _ in seqs]
     step_lp = [[] for _ in seqs]
@@ -136,8 +139,8 @@ def decode_schedule(seqs, decode_tokens=6):
     return steps
 
 
-def check_paged(model, seqs, ref, steps, page_size, rng, what):
-    got, step_lp = run_schedule(model, seqs, steps, page_size, rng)
+def check_paged(model, seqs, ref, steps, page_size, rng, what, **schedule):
+    got, step_lp = run_schedule(model, seqs, steps, page_size, rng, **schedule)
     check_same(model, seqs, ref, got, what)
     targets = [t for s in seqs for t in targets_of(s, 0, len(s))]
     lp_r, ent_r = lp_ent(model, torch.cat(ref), targets)

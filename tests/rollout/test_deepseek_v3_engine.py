@@ -1,7 +1,7 @@
 """DeepSeek-V3 through the rollout engine: the engine's log-probs are the trainer's packed forward's, bit for bit, and
 tokens and log-probs do not depend on the engine's configuration (page size, chunked prefill, batch composition,
-prefix sharing) -- fp32 and bf16, MLA with and without a low-rank q (the expanded K and zero-padded V in the paged
-cache), interleaved and plain rope, a dense layer then routed + shared experts with group-limited routing; the
+prefix sharing, the cached form: the compressed latent or the expanded K and zero-padded V) -- fp32 and bf16, MLA with
+and without a low-rank q, interleaved and plain rope, a dense layer then routed + shared experts with group-limited routing; the
 routing the engine records is the trainer's."""
 
 from __future__ import annotations
@@ -58,6 +58,14 @@ def test_engine_logprobs_and_routing_equal_the_trainers(model, reference):
 @pytest.mark.parametrize("seed", range(3))
 def test_completions_do_not_depend_on_the_engine_configuration(model, prompts, reference, seed):
     assert_random_engine_config_agrees(model, prompts, reference, SAMPLING, seed)
+
+
+@pytest.mark.parametrize("seed,settings", [(10, dict(mla_cache="expanded")), (11, dict(mla_cache="expanded")),
+                                           (12, dict(decode_graphs="padded", overlap="on"))])
+def test_the_cache_form_and_the_static_decode_batches_change_nothing(model, prompts, reference, seed, settings):
+    """The reference ran with the default latent cache; random configurations with the expanded cache, or with the
+    latent one under the decode graphs' padded static batches (eagerly) and overlapped steps, agree."""
+    assert_random_engine_config_agrees(model, prompts, reference, SAMPLING, seed, **settings)
 
 
 @settings(max_examples=6, deadline=None)

@@ -8,6 +8,7 @@ requests enter and which subset of the prompts is generated.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -76,9 +77,12 @@ def random_config(rng: random.Random, longest: int) -> RolloutConfig:
 
 
 
-def assert_random_engine_config_agrees(model, prompts, reference, sampling: SamplingParams, seed: int) -> None:
-    """A seeded random engine configuration (:func:`random_config`) generates ``reference`` bit for bit."""
+def assert_random_engine_config_agrees(model, prompts, reference, sampling: SamplingParams, seed: int,
+                                       **settings) -> None:
+    """A seeded random engine configuration (:func:`random_config`, with ``settings`` on top) generates ``reference``
+    bit for bit."""
     config = random_config(random.Random(seed), max(len(p) for p in prompts) + sampling.max_new_tokens)
+    config = dataclasses.replace(config, **settings)
     assert_same_completions(RolloutEngine(model, config).generate(prompts, sampling), reference)
 
 SAMPLINGS = {
