@@ -42,8 +42,10 @@ False, read detached, kept fp32 when the model is cast): the checkpoint, the eng
 carry it like any weight, the optimizer never sees it. The routed experts are the Qwen3-MoE stacked experts
 (checkpoint names ``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers saves).
 
-Not here: CUDA (refused in one line: not run on a GPU), tensor parallelism (no ``tp_plan``: refused by the
-distributed layer's plan check), multi-token-prediction layers (their weights are ignored on load).
+On CUDA the same ops run on the Triton backend (the strict attention takes K heads of 192 and V heads of 128);
+with the latent cache the engine decodes eagerly (the scratch pages are planned on the host per call).
+
+Not here: tensor parallelism (no ``tp_plan``: refused by the distributed layer's plan check), multi-token-prediction layers (their weights are ignored on load).
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ from torch import nn
 
 from rlalign import ops
 from rlalign.contract import spec
-from rlalign.contract.errors import RLAlignError
 from rlalign.models.attention_kinds import register_attention
 from rlalign.models.blocks import PagedAttend
 from rlalign.models.config import ModelConfig
@@ -80,12 +81,6 @@ def softmax_scale(cfg: ModelConfig) -> float:
         m = 1.0 if factor <= 1 else 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0
         scale = scale * m * m
     return scale
-
-
-def refuse_cuda(x: torch.Tensor) -> None:
-    if x.device.type != "cpu":
-        raise RLAlignError(f"deepseek_v3 runs on the CPU only (device {x.device}: its attention and routing have not "
-                           "been run on a GPU); use model.device=cpu")
 
 
 @register_attention("mla")
@@ -114,7 +109,6 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
-        refuse_cuda(x)
         return mla_block(self, x, cos, sin, attend)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -208,7 +202,6 @@ class DeepseekMoE(nn.Module):
                                                 dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        refuse_cuda(x)
         o, layer = self.options, self.layer_index
         logits = tap(layer_tap(layer, "router"), ops.router_logits(x, self.gate.weight))
         experts, weights = ops.moe_route_grouped_sigmoid(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from rlalign.models.latent_cache import latent_layers
 from rlalign.models.linear_cache import linear_page_bytes
 from rlalign.models.moe import StackedExperts, sparse_layer_indices
 from rlalign.models.sizes import kv_bytes_per_token
@@ -78,6 +79,13 @@ def decode_graph_mode(config: RolloutConfig, model) -> str | None:
         if setting == "on":
             raise RolloutConfigError("decode_graphs='on' cannot capture a model with linear-attention "
                                      "(Gated-DeltaNet) layers: they plan each step on the host; use 'auto' or 'off'")
+        return None
+    if gpu and latent_layers(model.config, config.mla_cache):
+        # the latent cache's re-expansion plans its scratch pages on the host per call (rlalign.models.latent_cache)
+        if setting == "on":
+            raise RolloutConfigError("decode_graphs='on' cannot capture multi-head latent attention with "
+                                     "mla_cache='latent' (its scratch pages are planned on the host per step); use "
+                                     "'auto', 'off' or mla_cache='expanded'")
         return None
     eager_experts = gpu and config.profile == "native" and native_experts_read_host(model)
     if eager_experts:

@@ -9,8 +9,7 @@ sequence. Native paged with a window / sinks runs the Triton paged kernel: accur
 
 Model level: the gpt-oss and DeepSeek-V3 test models' three paths (packed, prefill, decode, random schedules) give
 the same bits on CUDA, bf16 and fp32 (DeepSeek-V3 also at its real 192 / 128 head widths), and a gpt-oss training
-step's gradients (sinks included) are deterministic. DeepSeek-V3 fails while rlalign/models/deepseek_v3.py refuses
-CUDA (``refuse_cuda``): that refusal, not the attention, is what these tests then report.
+step's gradients (sinks included) are deterministic.
 """
 
 from __future__ import annotations
@@ -219,3 +218,17 @@ def test_model_training_gradients_are_deterministic(name):
         assert_bitwise_equal(again[n], g, f"{n}: gradient run to run")
     sinks = [n for n in first if n.endswith("sinks")]
     assert (name != "gpt_oss") or (sinks and all(bool(first[n].abs().sum() > 0) for n in sinks)), sinks
+
+
+def test_engine_decodes_the_latent_cache_eagerly_on_cuda():
+    """DeepSeek-V3's latent cache plans its scratch pages on the host: no decode graphs ('auto'), 'on' refused in one
+    line; the expanded cache captures as the other families do."""
+    from rlalign.rollout.config import RolloutConfig
+    from rlalign.rollout.device_setup import decode_graph_mode
+    from rlalign.rollout.errors import RolloutConfigError
+    family, keys = MODELS["deepseek_v3"]
+    model = tiny_model(family, seed=1, dtype=torch.bfloat16, device="cuda", **keys)
+    assert decode_graph_mode(RolloutConfig(decode_graphs="auto"), model) is None
+    with pytest.raises(RolloutConfigError, match="cannot capture multi-head latent attention"):
+        decode_graph_mode(RolloutConfig(decode_graphs="on"), model)
+    assert decode_graph_mode(RolloutConfig(decode_graphs="auto", mla_cache="expanded"), model) == "graphs"
