@@ -41,8 +41,11 @@ def tile_mm(a: torch.Tensor, w: torch.Tensor, row_block: int = spec.ROW_BLOCK) -
     m = a.shape[0]
     if m == 0:
         return a.new_zeros((0, w.shape[0]))
-    if a.device.type == "cpu" and not tiles_hold(a.shape[1], w.shape[0], torch.get_num_threads()):
-        return kernel_rows(a, w, 1)
+    if a.device.type == "cpu":
+        if not tiles_hold(a.shape[1], w.shape[0], torch.get_num_threads()):
+            return kernel_rows(a, w, 1)
+        if a.dtype == w.dtype == torch.float32 and kernel_preferred(a.shape[1], w.shape[0], 1):
+            return compiled_gemm(a, w, 1)
     return _tile_mm(a, w, row_block)
 
 
@@ -148,14 +151,14 @@ def kernel_rows(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
 def linear_route(k: int, n: int, parts: int) -> str:
     """How the strict CPU linear computes a (K, N, parts) shape at the current thread count:
 
-    ``"kernel"``  every row by csrc/gemm.c: its bits are the tiles' (:func:`gemm_matches`; the K partition
-                  runs faster there), or the tiles are not row invariant here (:func:`tiles_hold`)
+    ``"kernel"``  every row by csrc/gemm.c: its bits are the tiles' and it is the faster path
+                  (:func:`kernel_preferred`), or the tiles are not row invariant here (:func:`tiles_hold`)
     ``"tiles"``   64-row library tiles (row invariance checked for this shape), a few trailing rows by the
                   kernel when its bits are the tiles'
     Raises when neither is possible (tiles not invariant and no kernel)."""
     threads = torch.get_num_threads()
     kernel = clib.library() is not None and parts <= 64
-    if parts > 1 and kernel and gemm_matches(k, n, parts, threads):
+    if kernel_preferred(k, n, parts):
         return "kernel"
     if tiles_hold(k // parts, n, threads):
         return "tiles"
@@ -163,6 +166,16 @@ def linear_route(k: int, n: int, parts: int) -> str:
         return "kernel"
     kernel_rows(torch.empty(0, k), torch.empty(n, k), parts)   # raises the fail-closed error
     raise AssertionError("unreachable")
+
+
+def kernel_preferred(k: int, n: int, parts: int) -> bool:
+    """Whether csrc/gemm.c computes every row of a (K, N, parts) fp32 linear here, its bits being the 64-row
+    tiles' (:func:`gemm_matches`, at this thread count): for the canonical K partition (8 narrow segment GEMMs
+    and a merge pass on MKL), and for every shape under MKL's COMPATIBLE branch (the cross-machine mode), whose
+    GEMM runs at about half the speed of its native branches and of this kernel (docs/cpu.md, "Across
+    machines")."""
+    return (parts <= 64 and (parts > 1 or clib.compatible()) and clib.library() is not None
+            and gemm_matches(k, n, parts, torch.get_num_threads()))
 
 
 @functools.lru_cache(maxsize=None)
