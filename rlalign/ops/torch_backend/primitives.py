@@ -245,6 +245,42 @@ def gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
     return bits_equal(compiled_gemm(a, w, parts), tile)
 
 
+# The token counts at which :func:`weight_grad_matches` compares the kernel with the library: no cut, one, several
+# (MKL COMPATIBLE cuts its chains every 112 k), and the largest count the kernel route takes (a micro-batch of the
+# default 4,096 tokens fits). One token is the library's alone: torch's mm of K = 1 keeps a product's -0, a chain
+# from +0 does not.
+WEIGHT_GRAD_TOKENS = (2, 113, 500, 4099)
+
+
+def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The linear's weight gradient ``g^T @ x`` (g [T, N], x [T, K] fp32 -> [N, K]): one fp32 GEMM over the T
+    tokens, deterministic run to run (not invariant to how tokens are split into micro-batches). Under MKL's
+    COMPATIBLE branch, whose GEMM runs at about half the speed of this kernel, csrc/gemm.c computes it where it
+    gives the library's bits for (N, K) at this thread count (:func:`weight_grad_matches`) and T is at most the
+    largest count checked (and at least 2); everywhere else the library."""
+    t, n, k = g.shape[0], g.shape[1], x.shape[1]
+    if (g.device.type == "cpu" and g.dtype == x.dtype == torch.float32
+            and WEIGHT_GRAD_TOKENS[0] <= t <= WEIGHT_GRAD_TOKENS[-1]
+            and clib.compatible() and clib.library() is not None
+            and weight_grad_matches(n, k, torch.get_num_threads())):
+        return compiled_gemm(g.t().contiguous(), x.t(), 1)
+    return g.t() @ x
+
+
+@functools.lru_cache(maxsize=None)
+def weight_grad_matches(n: int, k: int, threads: int) -> bool:
+    """Whether the kernel gives the library's ``g^T @ x`` bits for an [N, K] weight at this thread count: random
+    operands of each of :data:`WEIGHT_GRAD_TOKENS` tokens, every bit compared. The library picks its kernel by
+    shape: measured (MKL COMPATIBLE, 1 and 2 threads), N = 15 matches up to 113 tokens and not from 500 on,
+    N in 64, 128, 256, 384 at every count from 1 to 6,000 tried."""
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    for t in WEIGHT_GRAD_TOKENS:
+        g, x = torch.randn(t, n, generator=gen), torch.randn(t, k, generator=gen)
+        if not bits_equal(compiled_gemm(g.t().contiguous(), x.t(), 1), g.t() @ x):
+            return False
+    return True
+
+
 def tree_merge(parts) -> torch.Tensor:
     """Merge partials by the fixed balanced binary tree ((p0+p1)+(p2+p3))+...
 

@@ -18,7 +18,11 @@
 #endif
 
 #define NV 16         /* output columns per block (two 8-wide vectors) */
-#define RB 4          /* rows per block */
+#if defined(__AVX512VL__)
+#define RB 8          /* rows per block: 16 accumulators, in the 32 vector registers of AVX-512 */
+#else
+#define RB 4          /* rows per block: 8 accumulators, in the 16 vector registers of AVX2 */
+#endif
 #define MAX_PARTS 64
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -29,42 +33,33 @@
 #endif
 #endif
 
-/* the chains over k0 .. k1 - 1 for RB rows x NV columns into acc: kept in 8 vector registers (with AVX2 + FMA;
- * VMAC rounds each lane exactly as MAC does) */
-static inline __attribute__((always_inline)) void chains(const float *x0, const float *x1, const float *x2,
-                                                         const float *x3, int64_t k0, int64_t k1, const float *wt,
-                                                         int64_t n, float acc[RB][NV]) {
+/* the chains over k0 .. k1 - 1 for RB rows x NV columns into acc: kept in 2 RB vector registers (with AVX2 + FMA;
+ * VMAC rounds each lane exactly as MAC does). The block's size changes the speed only: every lane is one
+ * output element's chain, in k order. */
+static inline __attribute__((always_inline)) void chains(const float *const xr[RB], int64_t k0, int64_t k1,
+                                                         const float *wt, int64_t n, float acc[RB][NV]) {
 #if defined(__AVX2__) && defined(__FMA__)
-    __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
-           a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
-           a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
+    __m256 a[RB][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int64_t kk = k0; kk < k1; kk++) {
         const float *wr = wt + kk * n;
         const __m256 w0 = _mm256_loadu_ps(wr), w1 = _mm256_loadu_ps(wr + 8);
-        __m256 v = _mm256_broadcast_ss(x0 + kk);
-        a00 = VMAC(v, w0, a00);
-        a01 = VMAC(v, w1, a01);
-        v = _mm256_broadcast_ss(x1 + kk);
-        a10 = VMAC(v, w0, a10);
-        a11 = VMAC(v, w1, a11);
-        v = _mm256_broadcast_ss(x2 + kk);
-        a20 = VMAC(v, w0, a20);
-        a21 = VMAC(v, w1, a21);
-        v = _mm256_broadcast_ss(x3 + kk);
-        a30 = VMAC(v, w0, a30);
-        a31 = VMAC(v, w1, a31);
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; r++) {
+            const __m256 v = _mm256_broadcast_ss(xr[r] + kk);
+            a[r][0] = VMAC(v, w0, a[r][0]);
+            a[r][1] = VMAC(v, w1, a[r][1]);
+        }
     }
-    _mm256_storeu_ps(acc[0], a00), _mm256_storeu_ps(acc[0] + 8, a01);
-    _mm256_storeu_ps(acc[1], a10), _mm256_storeu_ps(acc[1] + 8, a11);
-    _mm256_storeu_ps(acc[2], a20), _mm256_storeu_ps(acc[2] + 8, a21);
-    _mm256_storeu_ps(acc[3], a30), _mm256_storeu_ps(acc[3] + 8, a31);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++) _mm256_storeu_ps(acc[r], a[r][0]), _mm256_storeu_ps(acc[r] + 8, a[r][1]);
 #else
-    const float *xs[RB] = {x0, x1, x2, x3};
     for (int r = 0; r < RB; r++)
         for (int i = 0; i < NV; i++) acc[r][i] = 0.0f;
     for (int64_t kk = k0; kk < k1; kk++)
         for (int r = 0; r < RB; r++)
-            for (int i = 0; i < NV; i++) acc[r][i] = MAC(xs[r][kk], wt[kk * n + i], acc[r][i]);
+            for (int i = 0; i < NV; i++) acc[r][i] = MAC(xr[r][kk], wt[kk * n + i], acc[r][i]);
 #endif
 }
 
@@ -73,13 +68,13 @@ static inline __attribute__((always_inline)) void seg_chains(const float *const 
                                                              const float *wt, int64_t n, float acc[RB][NV]) {
     const int64_t blocks = CHAIN_BLOCK ? (k1 - k0 + CHAIN_BLOCK - 1) / CHAIN_BLOCK : 1;
     if (blocks <= 1) {
-        chains(xr[0], xr[1], xr[2], xr[3], k0, k1, wt, n, acc);
+        chains(xr, k0, k1, wt, n, acc);
         return;
     }
     float blk[RB][NV];
-    chains(xr[0], xr[1], xr[2], xr[3], k0 + (blocks - 1) * CHAIN_BLOCK, k1, wt, n, acc);   /* the last block */
+    chains(xr, k0 + (blocks - 1) * CHAIN_BLOCK, k1, wt, n, acc);   /* the last block */
     for (int64_t b = 0; b + 1 < blocks; b++) {
-        chains(xr[0], xr[1], xr[2], xr[3], k0 + b * CHAIN_BLOCK, k0 + (b + 1) * CHAIN_BLOCK, wt, n, blk);
+        chains(xr, k0 + b * CHAIN_BLOCK, k0 + (b + 1) * CHAIN_BLOCK, wt, n, blk);
         for (int r = 0; r < RB; r++)
             for (int i = 0; i < NV; i++) acc[r][i] = acc[r][i] + blk[r][i];   /* (P_last + P0) + P1 + ... */
     }
