@@ -136,8 +136,9 @@ def kernel_rows(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
     """The unrounded fp32 linear of every row of a [M, K] with w [N, K] (``parts`` K segments, tree-merged)
     by csrc/gemm.c, whatever its bits are next to the library's tile: the route for the shapes whose
     tile is not row invariant here (:func:`tiles_hold` False). Invariant by construction: each output
-    element is, per segment, one fp32 FMA chain over k in increasing order from 0, then the canonical
-    tree; no operation of a row reads another row. Raises (fail closed) when the kernel cannot run."""
+    element is, per segment, one fp32 chain over k in increasing order from 0 (FMA steps; under MKL
+    COMPATIBLE multiply-then-add, cut every 112 k: csrc/common.h), then the canonical tree; no operation
+    of a row reads another row. Raises (fail closed) when the kernel cannot run."""
     k, n = a.shape[1], w.shape[0]
     if a.dtype != torch.float32 or w.dtype != torch.float32 or parts > 64 or clib.library() is None:
         reason = ("the compiled CPU kernels are not available (no C compiler, or RLALIGN_CPU_KERNELS=0)"
@@ -234,7 +235,7 @@ def compiled_gemm(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
-    """Whether the kernel's FMA chains are the library's 64-row tile for this shape at this thread count
+    """Whether the kernel's chains are the library's 64-row tile for this shape at this thread count
     (they are for the shapes measured, MKL on AVX2 and AVX-512, but the library may order some shapes
     otherwise, and with many threads may split K): random rows through both, every bit compared. Rows
     of one batch may take either path (a tail of few rows, the rest in blocks), so this equality is

@@ -2,8 +2,9 @@
 
 The formulation (:func:`.backward._backward_bucket`) runs, per key block, five padded bmm per bucket and
 the elementwise steps between them; rl_attn_bwd_args / rl_attn_bwd_grads run the same IEEE operations
-row by row (each dot product an fp32 FMA chain in increasing order from +0; torch's exp applied between
-the two, as in the formulation), without the padding, the gathers and the per-block Python work.
+row by row (each dot product an fp32 FMA chain -- multiply-then-add under MKL COMPATIBLE -- in increasing
+order from +0; torch's exp applied between the two, as in the formulation), without the padding, the gathers
+and the per-block Python work.
 
 That chain is what MKL's bmm computes for the bucket's GEMMs only where a block's row count (the M of
 q k^T, dO v^T, ds k and the K of p^T dO, ds^T q) is 12 to 192 -- measured (torch 2.13, 2-core AMD EPYC,
@@ -95,7 +96,8 @@ def bwd_matches(d: int, g: int, threads: int) -> bool:
 def bwd_agrees(d: int, g: int, gen: torch.Generator) -> bool:
     """Both routes of :func:`.backward.varlen_backward` on random fp32 inputs (2 kv heads, group g) whose buckets
     the kernel takes: lengths 1 up to the longest that fits, and where it fits (g <= 2; g = 1 under MKL's
-    COMPATIBLE branch) a bucket whose sequences cross a key block. False also when the kernel took no bucket (nothing was checked)."""
+    COMPATIBLE branch) a bucket whose sequences cross a key block. False also when the kernel took no bucket
+    (nothing was checked)."""
     low, high = block_rows()
     top = min(30, high // g)
     if g * top < low:
