@@ -18,7 +18,9 @@ process runs (``rlalign doctor`` prints it). A user who set ``MKL_CBWR`` to anot
 
 The mode also selects the fixed-order reductions (:mod:`rlalign.reductions`) for the gradient norm and the
 logged statistics (:func:`cross_machine`). Off by default for now: it changes the bits of every CPU run (the
-recorded default run's among them) and costs speed (docs/cpu.md, "Across machines").
+recorded default run's among them), and one library assumption that CPU tensor parallelism relies on is open in it
+(docs/cpu.md, "Across machines"). Its speed is the default's: the compiled CPU kernels are built to the pinned
+branch's GEMM arithmetic (:mod:`rlalign.ops.torch_backend.clib`).
 """
 
 from __future__ import annotations

@@ -26,13 +26,16 @@ from pathlib import Path
 
 import torch
 
-from rlalign import envvars
+from rlalign import envvars, mklmode
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("attention.c", "norm.c", "elementwise.c", "gemm.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "common.h",)
 # -ffp-contract=off: no fused multiply-add but the explicit fmaf calls (each a*b+c rounded as written);
 # no -ffast-math: no reassociation, so vectorised loops keep every row's order of operations.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC", "-shared")
+# Under MKL's COMPATIBLE branch (the cross-machine mode) the kernels are built to that branch's GEMM arithmetic
+# (csrc/common.h, MAC and CHAIN_BLOCK): multiply-then-add chains cut into blocks of 112, not FMA chains.
+COMPATIBLE_FLAGS = ("-DRL_MKL_COMPATIBLE",)
 # Threads: OpenMP, whose runtime (libgomp.so.1) resolves to the copy torch has loaded, so the kernels run
 # on torch's own thread pool. Without OpenMP support the pragmas are ignored (one thread, the same bits).
 OPENMP = ("-fopenmp",)
@@ -77,9 +80,18 @@ def library() -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=1)
+def compatible() -> bool:
+    """Whether the kernels reproduce MKL's COMPATIBLE branch (it runs in this process: the cross-machine mode pins
+    it, see :mod:`rlalign.mklmode`) rather than its native branches' FMA chains. Pins first, as the mode asks:
+    querying the branch starts MKL."""
+    mklmode.pin()
+    return mklmode.branch() == mklmode.PINNED
+
+
+@functools.lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | None:
     try:
-        path = _build()
+        path = _build(COMPATIBLE_FLAGS if compatible() else ())
     except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
         warnings.warn(f"rlalign: the CPU strict kernels could not be built ({e}); strict attention on the CPU "
                       "runs its torch formulation (the same bits, slower). Install a C compiler (cc/gcc) "
@@ -132,11 +144,12 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _build() -> Path:
+def _build(defines: tuple[str, ...] = ()) -> Path:
     cc = _compiler()
+    flags = FLAGS + defines
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256()
-    for part in [*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(FLAGS + OPENMP).encode(), version.encode(),
+    for part in [*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(flags + OPENMP).encode(), version.encode(),
                  _cpu_id().encode(), platform.machine().encode()]:
         digest.update(part)
     cache = envvars.read("RLALIGN_CACHE_DIR")
@@ -148,7 +161,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         for extra in (OPENMP, ()):
-            result = subprocess.run([cc, *FLAGS, *extra, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+            result = subprocess.run([cc, *flags, *extra, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
                                     text=True)
             if not result.returncode:
                 break
@@ -161,4 +174,4 @@ def _build() -> Path:
     return target
 
 
-__all__ = ["Layout", "MAX_HEAD_DIM", "MAX_NORM_SIZE", "enabled", "for_tensors", "library"]
+__all__ = ["Layout", "MAX_HEAD_DIM", "MAX_NORM_SIZE", "compatible", "enabled", "for_tensors", "library"]

@@ -7,7 +7,7 @@ import torch
 from rlalign.contract import spec
 from rlalign.contract.spec import ROW_BLOCK
 from rlalign.ops.torch_backend.primitives import (SMALL_ROWS, compiled_rows, kernel_rows, linear_route, tile_mm,
-                                                  tile_mm_segments, tree_merge)
+                                                  tile_mm_segments, tree_merge, weight_grad)
 
 
 def segment_count(k: int, segments: int) -> int:
@@ -74,7 +74,7 @@ class _StrictLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # dW = dY^T @ X reduces over tokens: one fp32 GEMM, deterministic run to run for a
             # given shape (not invariant to how tokens are split into micro-batches).
-            grad_w = (g.t() @ x2d.float()).to(w.dtype)
+            grad_w = weight_grad(g, x2d.float()).to(w.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(w.dtype)
         return grad_x, grad_w, grad_b, None

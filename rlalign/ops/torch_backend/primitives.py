@@ -41,8 +41,11 @@ def tile_mm(a: torch.Tensor, w: torch.Tensor, row_block: int = spec.ROW_BLOCK) -
     m = a.shape[0]
     if m == 0:
         return a.new_zeros((0, w.shape[0]))
-    if a.device.type == "cpu" and not tiles_hold(a.shape[1], w.shape[0], torch.get_num_threads()):
-        return kernel_rows(a, w, 1)
+    if a.device.type == "cpu":
+        if not tiles_hold(a.shape[1], w.shape[0], torch.get_num_threads()):
+            return kernel_rows(a, w, 1)
+        if a.dtype == w.dtype == torch.float32 and kernel_preferred(a.shape[1], w.shape[0], 1):
+            return compiled_gemm(a, w, 1)
     return _tile_mm(a, w, row_block)
 
 
@@ -133,8 +136,9 @@ def kernel_rows(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
     """The unrounded fp32 linear of every row of a [M, K] with w [N, K] (``parts`` K segments, tree-merged)
     by csrc/gemm.c, whatever its bits are next to the library's tile: the route for the shapes whose
     tile is not row invariant here (:func:`tiles_hold` False). Invariant by construction: each output
-    element is, per segment, one fp32 FMA chain over k in increasing order from 0, then the canonical
-    tree; no operation of a row reads another row. Raises (fail closed) when the kernel cannot run."""
+    element is, per segment, one fp32 chain over k in increasing order from 0 (FMA steps; under MKL
+    COMPATIBLE multiply-then-add, cut every 112 k: csrc/common.h), then the canonical tree; no operation
+    of a row reads another row. Raises (fail closed) when the kernel cannot run."""
     k, n = a.shape[1], w.shape[0]
     if a.dtype != torch.float32 or w.dtype != torch.float32 or parts > 64 or clib.library() is None:
         reason = ("the compiled CPU kernels are not available (no C compiler, or RLALIGN_CPU_KERNELS=0)"
@@ -148,14 +152,14 @@ def kernel_rows(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
 def linear_route(k: int, n: int, parts: int) -> str:
     """How the strict CPU linear computes a (K, N, parts) shape at the current thread count:
 
-    ``"kernel"``  every row by csrc/gemm.c: its bits are the tiles' (:func:`gemm_matches`; the K partition
-                  runs faster there), or the tiles are not row invariant here (:func:`tiles_hold`)
+    ``"kernel"``  every row by csrc/gemm.c: its bits are the tiles' and it is the faster path
+                  (:func:`kernel_preferred`), or the tiles are not row invariant here (:func:`tiles_hold`)
     ``"tiles"``   64-row library tiles (row invariance checked for this shape), a few trailing rows by the
                   kernel when its bits are the tiles'
     Raises when neither is possible (tiles not invariant and no kernel)."""
     threads = torch.get_num_threads()
     kernel = clib.library() is not None and parts <= 64
-    if parts > 1 and kernel and gemm_matches(k, n, parts, threads):
+    if kernel_preferred(k, n, parts):
         return "kernel"
     if tiles_hold(k // parts, n, threads):
         return "tiles"
@@ -163,6 +167,16 @@ def linear_route(k: int, n: int, parts: int) -> str:
         return "kernel"
     kernel_rows(torch.empty(0, k), torch.empty(n, k), parts)   # raises the fail-closed error
     raise AssertionError("unreachable")
+
+
+def kernel_preferred(k: int, n: int, parts: int) -> bool:
+    """Whether csrc/gemm.c computes every row of a (K, N, parts) fp32 linear here, its bits being the 64-row
+    tiles' (:func:`gemm_matches`, at this thread count): for the canonical K partition (8 narrow segment GEMMs
+    and a merge pass on MKL), and for every shape under MKL's COMPATIBLE branch (the cross-machine mode), whose
+    GEMM runs at about half the speed of its native branches and of this kernel (docs/cpu.md, "Across
+    machines")."""
+    return (parts <= 64 and (parts > 1 or clib.compatible()) and clib.library() is not None
+            and gemm_matches(k, n, parts, torch.get_num_threads()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,7 +235,7 @@ def compiled_gemm(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
-    """Whether the kernel's FMA chains are the library's 64-row tile for this shape at this thread count
+    """Whether the kernel's chains are the library's 64-row tile for this shape at this thread count
     (they are for the shapes measured, MKL on AVX2 and AVX-512, but the library may order some shapes
     otherwise, and with many threads may split K): random rows through both, every bit compared. Rows
     of one batch may take either path (a tail of few rows, the rest in blocks), so this equality is
@@ -230,6 +244,42 @@ def gemm_matches(k: int, n: int, parts: int, threads: int) -> bool:
     a, w = torch.randn(SMALL_ROWS, k, generator=gen), torch.randn(n, k, generator=gen)
     tile = _tile_mm(a, w) if parts == 1 else tree_merge(tile_mm_segments(a, w, parts))
     return bits_equal(compiled_gemm(a, w, parts), tile)
+
+
+# The token counts at which :func:`weight_grad_matches` compares the kernel with the library: no cut, one, several
+# (MKL COMPATIBLE cuts its chains every 112 k), and the largest count the kernel route takes (a micro-batch of the
+# default 4,096 tokens fits). One token is the library's alone: torch's mm of K = 1 keeps a product's -0, a chain
+# from +0 does not.
+WEIGHT_GRAD_TOKENS = (2, 113, 500, 4099)
+
+
+def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The linear's weight gradient ``g^T @ x`` (g [T, N], x [T, K] fp32 -> [N, K]): one fp32 GEMM over the T
+    tokens, deterministic run to run (not invariant to how tokens are split into micro-batches). Under MKL's
+    COMPATIBLE branch, whose GEMM runs at about half the speed of this kernel, csrc/gemm.c computes it where it
+    gives the library's bits for (N, K) at this thread count (:func:`weight_grad_matches`) and T is at most the
+    largest count checked (and at least 2); everywhere else the library."""
+    t, n, k = g.shape[0], g.shape[1], x.shape[1]
+    if (g.device.type == "cpu" and g.dtype == x.dtype == torch.float32
+            and WEIGHT_GRAD_TOKENS[0] <= t <= WEIGHT_GRAD_TOKENS[-1]
+            and clib.compatible() and clib.library() is not None
+            and weight_grad_matches(n, k, torch.get_num_threads())):
+        return compiled_gemm(g.t().contiguous(), x.t(), 1)
+    return g.t() @ x
+
+
+@functools.lru_cache(maxsize=None)
+def weight_grad_matches(n: int, k: int, threads: int) -> bool:
+    """Whether the kernel gives the library's ``g^T @ x`` bits for an [N, K] weight at this thread count: random
+    operands of each of :data:`WEIGHT_GRAD_TOKENS` tokens, every bit compared. The library picks its kernel by
+    shape: measured (MKL COMPATIBLE, 1 and 2 threads), N = 15 matches up to 113 tokens and not from 500 on,
+    N in 64, 128, 256, 384 at every count from 1 to 6,000 tried."""
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    for t in WEIGHT_GRAD_TOKENS:
+        g, x = torch.randn(t, n, generator=gen), torch.randn(t, k, generator=gen)
+        if not bits_equal(compiled_gemm(g.t().contiguous(), x.t(), 1), g.t() @ x):
+            return False
+    return True
 
 
 def tree_merge(parts) -> torch.Tensor:

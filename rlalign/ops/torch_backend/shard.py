@@ -12,6 +12,7 @@ import torch
 from rlalign.contract import spec
 from rlalign.ops._registry import register
 from rlalign.ops.torch_backend.linear import linear_fp32
+from rlalign.ops.torch_backend.primitives import weight_grad
 from rlalign.ops.temperature import temperature_divisor
 from rlalign.ops.torch_backend.logprob import FoldState, block_stats, grad_scaled_logits, index_chunks, scaled_logits
 
@@ -27,7 +28,7 @@ def linear_partial(x, w, segments):
 @register("linear_weight_grad", "torch")
 def linear_weight_grad(grad_out, x, out_dtype):
     # exactly _StrictLinear.backward's dW: one fp32 GEMM over the rows
-    return (grad_out.float().t() @ x.float()).to(out_dtype)
+    return weight_grad(grad_out.float(), x.float()).to(out_dtype)
 
 
 @register("logprob_shard_stats", "torch")

@@ -34,12 +34,12 @@ def compiled_applies(device: torch.device, d: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def compiled_matches(d: int, threads: int) -> bool:
-    """The kernels compute q.k and p.v as increasing-order FMA chains, which is what the library's
-    fixed-shape GEMM tiles of the formulation compute for the head dims seen (MKL, AVX2: 16 to 128) --
-    but not for every one (d = 8: p.v is ordered otherwise; d = 256: q.k is split). So before the first
-    use for a head_dim, both paths run a paged call (decode, prefill chunks, contexts of 1 to 3 key
-    blocks) and a packed one on random inputs; the kernels are used only if every bit agrees. Per
-    thread count too: the library's tiles may depend on it."""
+    """The kernels compute q.k and p.v as increasing-order FMA chains (multiply-then-add under MKL COMPATIBLE), which
+    is what the library's fixed-shape GEMM tiles of the formulation compute for the head dims seen (MKL, AVX2: 16
+    to 128) -- but not for every one (d = 8: p.v is ordered otherwise; d = 256: q.k is split). So before the first
+    use for a head_dim, both paths run a paged call (decode, prefill chunks, contexts of 1 to 3 key blocks) and a
+    packed one on random inputs; the kernels are used only if every bit agrees. Per thread count too: the
+    library's tiles may depend on it."""
     return compiled_agrees(d, torch.Generator().manual_seed(1000 + d), [1, 70, 150, 9, 64], [1, 6, 1, 9, 2])
 
 

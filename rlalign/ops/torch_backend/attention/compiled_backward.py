@@ -2,13 +2,17 @@
 
 The formulation (:func:`.backward._backward_bucket`) runs, per key block, five padded bmm per bucket and
 the elementwise steps between them; rl_attn_bwd_args / rl_attn_bwd_grads run the same IEEE operations
-row by row (each dot product an fp32 FMA chain in increasing order from +0; torch's exp applied between
-the two, as in the formulation), without the padding, the gathers and the per-block Python work.
+row by row (each dot product an fp32 FMA chain -- multiply-then-add under MKL COMPATIBLE -- in increasing
+order from +0; torch's exp applied between the two, as in the formulation), without the padding, the gathers
+and the per-block Python work.
 
 That chain is what MKL's bmm computes for the bucket's GEMMs only where a block's row count (the M of
 q k^T, dO v^T, ds k and the K of p^T dO, ds^T q) is 12 to 192 -- measured (torch 2.13, 2-core AMD EPYC,
 AVX2): fewer rows take other kernels (1 to 3 rows always, 5 to 11 in a batch of one item), more than 192
-split the K chain into blocks. So a bucket runs here only when every one of its blocks is in that range
+split the K chain into blocks. Under MKL's COMPATIBLE branch (the cross-machine mode; the kernel is then built to
+its multiply-then-add chains, csrc/common.h) a chain is cut every 112 rows, and the kernel's chains are not cut;
+buckets of fewer than 12 rows a block differ there too (measured, GQA group 2: 4 to 10 rows): 12 to 112 there.
+So a bucket runs here only when every one of its blocks is in that range
 (:func:`bucket_shapes_fit`), and only after the kernel reproduced the formulation bit for bit on random
 inputs for this head_dim, GQA group and thread count (:func:`bwd_matches`); every other bucket, and every
 call where the check failed, runs the formulation -- the same bits either way.
@@ -28,14 +32,23 @@ from rlalign.ops.torch_backend.attention.compiled import CLayout
 from rlalign.ops.torch_backend.attention.plan import KV_BLOCK
 from rlalign.ops.torch_backend.attention.scratch import scratch_buffer
 
-# a block's row count for which the kernel's chains are the library's (see the module docstring)
+# a block's row count for which the kernel's chains are the library's (see the module docstring): MKL's native
+# branches, its COMPATIBLE branch
 MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 12, 192
+COMPATIBLE_BLOCK_ROWS = (12, 112)
+
+
+def block_rows() -> tuple[int, int]:
+    """The (fewest, most) rows of a key block that the kernel takes with the library MKL runs in this process."""
+    return COMPATIBLE_BLOCK_ROWS if clib.compatible() else (MIN_BLOCK_ROWS, MAX_BLOCK_ROWS)
 
 
 def bucket_shapes_fit(longest: int, g: int) -> bool:
-    """Whether every key block of a bucket padded to ``longest`` tokens has 12 to 192 rows (g per token)."""
+    """Whether every key block of a bucket padded to ``longest`` tokens has a row count (g per token) in
+    :func:`block_rows`' range."""
+    low, high = block_rows()
     n_blocks = (longest + KV_BLOCK - 1) // KV_BLOCK
-    return all(MIN_BLOCK_ROWS <= g * (longest - j * KV_BLOCK) <= MAX_BLOCK_ROWS for j in range(n_blocks))
+    return all(low <= g * (longest - j * KV_BLOCK) <= high for j in range(n_blocks))
 
 
 def bucket_compiled(seqs, start, length, src, grads, hq: int, hkv: int, scale: float, window) -> bool:
@@ -50,7 +63,7 @@ def bucket_compiled(seqs, start, length, src, grads, hq: int, hkv: int, scale: f
 
 
 def _fits(seqs, length, src, hq: int, hkv: int, window) -> bool:
-    """The kernel's scope: CPU, no sliding window, head_dim <= 256, every block 12 to 192 rows."""
+    """The kernel's scope: CPU, no sliding window, head_dim <= 256, every block's rows in :func:`block_rows`."""
     qf = src[0]
     return (window is None and qf.device.type == "cpu" and qf.shape[1] <= clib.MAX_HEAD_DIM
             and bucket_shapes_fit(int(length[seqs[0]]), hq // hkv))
@@ -82,13 +95,15 @@ def bwd_matches(d: int, g: int, threads: int) -> bool:
 
 def bwd_agrees(d: int, g: int, gen: torch.Generator) -> bool:
     """Both routes of :func:`.backward.varlen_backward` on random fp32 inputs (2 kv heads, group g) whose buckets
-    the kernel takes: lengths 1 up to the longest that fits, and for g <= 2 a bucket whose sequences cross a
-    key block. False also when the kernel took no bucket (nothing was checked)."""
-    top = min(30, MAX_BLOCK_ROWS // g)
-    if g * top < MIN_BLOCK_ROWS:
+    the kernel takes: lengths 1 up to the longest that fits, and where it fits (g <= 2; g = 1 under MKL's
+    COMPATIBLE branch) a bucket whose sequences cross a key block. False also when the kernel took no bucket
+    (nothing was checked)."""
+    low, high = block_rows()
+    top = min(30, high // g)
+    if g * top < low:
         return False
     lens = [1, top, 3, max(1, top // 2), top - 1, 1]
-    if g <= 2:
+    if bucket_shapes_fit(80, g):   # the native branches' g <= 2; g = 1 under COMPATIBLE
         lens += [80, 70, 64, 65, 2]
     hkv = 2
     hq = g * hkv

@@ -9,7 +9,7 @@ for every D -- MKL (torch 2.13, 2-core AMD EPYC) rounds p.v of odd rows of a til
 for D in 5..7 and 9..11 (the op takes even D: 6 and 10), and a single item's p.v at D = 1 otherwise than an
 item of a batch (measured) -- so it is checked per (shape, layout, thread count) at first use
 (:func:`items_hold`); the shapes that fail run :func:`rlalign.ops.torch_backend.primitives.compiled_gemm`
-per item (each output element one fp32 FMA chain over k in increasing order from 0: row invariant by
+per item (each output element one fp32 chain over k in increasing order from 0, csrc/common.h: row invariant by
 construction). Where that kernel is not built the op raises (fail closed). The shapes that pass keep the
 library's bmm, so their bits do not change.
 

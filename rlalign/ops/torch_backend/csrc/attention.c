@@ -3,13 +3,15 @@
  *
  * Bits. A query row's result is made of the same IEEE operations, in the same order, as in the
  * torch formulation:
- *   - q.k and p.v are fp32 FMA chains over d (resp. over the 64 keys of the block) in increasing
+ *   - q.k and p.v are fp32 chains (MAC, common.h: FMA steps, or under MKL's COMPATIBLE branch
+ *     multiply-then-add steps) over d (resp. over the 64 keys of the block) in increasing
  *     order, starting from 0: what the fixed-shape fp32 GEMM tiles of the torch formulation compute
  *     on this library (checked by `rlalign doctor` and the tests, which compare the two paths with
- *     torch.equal);
+ *     torch.equal; these chains are not cut into CHAIN_BLOCKs, so under COMPATIBLE a head_dim past
+ *     CHAIN_BLOCK fails the check and runs the formulation);
  *   - the row sum of p is the balanced pairwise tree of 64 leaves; every other step is one
  *     correctly rounded fp32 operation (compiled with -ffp-contract=off: no fused multiply-add
- *     other than the explicit fmaf);
+ *     other than the explicit fmaf of MAC);
  *   - exp is not computed here: the caller applies torch's exp between rl_attn_scores and
  *     rl_attn_update, so it is the very function the torch formulation uses.
  * Terms the torch formulation multiplies out but that cannot change a bit are skipped: a key past
@@ -111,7 +113,7 @@ static inline __attribute__((always_inline)) void score_row(const float *qr, con
     for (int i = 0; i < KB; i++) v[i] = 0.0f;
     for (int64_t x = 0; x < d; x++) {
         const float qx = qr[x], *kr = kt + x * KB;
-        for (int i = 0; i < KB; i++) v[i] = fmaf(qx, kr[i], v[i]);
+        for (int i = 0; i < KB; i++) v[i] = MAC(qx, kr[i], v[i]);
     }
     memcpy(sc, v, sizeof v);
 }
@@ -123,7 +125,7 @@ static inline __attribute__((always_inline)) void pv_row(const float *pr, const 
     for (int64_t x = 0; x < d; x++) pv[x] = 0.0f;
     for (int64_t i = 0; i < seen; i++) {
         const float pi = pr[i], *vr = rows[i];
-        for (int64_t x = 0; x < d; x++) pv[x] = fmaf(pi, vr[x], pv[x]);
+        for (int64_t x = 0; x < d; x++) pv[x] = MAC(pi, vr[x], pv[x]);
     }
 }
 
@@ -348,9 +350,10 @@ int rl_attn_finish(const layout *L, const float *acc, const float *l, float *out
  *   ds_i = p_i * ((do . v_i) - delta)
  *   dq  = 0 + (sum_i ds_i k_i) * scale  (block 0),  dq + (sum_i ds_i k_i) * scale  (later blocks)
  *   dv_i = sum_rows p_i do;   dk_i = (sum_rows ds_i q) * scale
- * Every dot product / sum is an fp32 FMA chain in increasing order from +0 (over d, over the block's keys,
- * over the block's rows in order): what the library's bmm computes for these shapes (rows of a block
- * 12 .. 192; the caller routes other buckets to the formulation and checks every shape it routes here
+ * Every dot product / sum is an fp32 chain of MAC steps (common.h) in increasing order from +0 (over d, over
+ * the block's keys, over the block's rows in order), never cut into CHAIN_BLOCKs: what the library's bmm
+ * computes for these shapes (rows of a block 12 .. 192 on MKL's native branches, 1 .. CHAIN_BLOCK on its
+ * COMPATIBLE branch; the caller routes other buckets to the formulation and checks every shape it routes here
  * against the formulation before first use). Terms the formulation multiplies out but that cannot change
  * a bit are skipped: the padding rows and padding keys of a bucket (exact zeros: each product is +-0, and
  * a chain that starts from +0 never holds -0, so adding +-0 changes nothing). */
@@ -426,7 +429,7 @@ static void bwd_grads_range(bwd_task *T, int64_t s0, int64_t s1) {
                     for (int64_t x = 0; x < d; x++) acc[x] = 0.0f;
                     for (int64_t i = 0; i < nk; i++) {
                         const float di = ds[i], *kr = krows[i];
-                        for (int64_t x = 0; x < d; x++) acc[x] = fmaf(di, kr[x], acc[x]);
+                        for (int64_t x = 0; x < d; x++) acc[x] = MAC(di, kr[x], acc[x]);
                     }
                     float *dqr = T->dq + row * d;
                     for (int64_t x = 0; x < d; x++) {
@@ -437,8 +440,8 @@ static void bwd_grads_range(bwd_task *T, int64_t s0, int64_t s1) {
                     for (int64_t i = 0; i < nk; i++) {
                         const float pi = p[i], di = ds[i];
                         float *dvr = dva + i * d, *dkr = dka + i * d;
-                        for (int64_t x = 0; x < d; x++) dvr[x] = fmaf(pi, dor[x], dvr[x]);
-                        for (int64_t x = 0; x < d; x++) dkr[x] = fmaf(di, qr[x], dkr[x]);
+                        for (int64_t x = 0; x < d; x++) dvr[x] = MAC(pi, dor[x], dvr[x]);
+                        for (int64_t x = 0; x < d; x++) dkr[x] = MAC(di, qr[x], dkr[x]);
                     }
                 }
             }
