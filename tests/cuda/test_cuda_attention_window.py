@@ -14,7 +14,6 @@ step's gradients (sinks included) are deterministic.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -184,15 +183,7 @@ def model_setup(request):
 @torch.no_grad()
 def test_model_three_paths_cuda(model_setup):
     from tests.models import test_three_paths as three
-    model, seqs, ref = model_setup
-    three.test_packed_compositions(model_setup)
-    three.check_paged(model, seqs, ref, [[(i, len(s)) for i, s in enumerate(seqs)]], 16, random.Random(0),
-                      "cuda one-shot prefill")
-    three.check_paged(model, seqs, ref, three.decode_schedule(seqs), 8, random.Random(1), "cuda decode")
-    for seed, page_size in [(3, 1), (4, 16), (5, 64)]:
-        rng = random.Random(seed)
-        three.check_paged(model, seqs, ref, three.random_schedule(seqs, rng), page_size, rng,
-                          f"cuda random schedule (seed {seed}, page_size {page_size})")
+    three.check_every_path(model_setup, "cuda")
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])

@@ -4,7 +4,6 @@ Skipped without CUDA."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -26,15 +25,7 @@ def cuda_setup(request):
 
 @torch.no_grad()
 def test_three_paths_cuda(cuda_setup):
-    model, seqs, ref = cuda_setup
-    three.test_packed_compositions(cuda_setup)
-    three.check_paged(model, seqs, ref, [[(i, len(s)) for i, s in enumerate(seqs)]], 16, random.Random(0),
-                      "cuda one-shot prefill")
-    three.check_paged(model, seqs, ref, three.decode_schedule(seqs), 8, random.Random(1), "cuda decode")
-    for seed, page_size in [(3, 1), (4, 16), (5, 64)]:
-        rng = random.Random(seed)
-        three.check_paged(model, seqs, ref, three.random_schedule(seqs, rng), page_size, rng,
-                          f"cuda random schedule (seed {seed}, page_size {page_size})")
+    three.check_every_path(cuda_setup, "cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

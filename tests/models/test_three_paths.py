@@ -151,6 +151,20 @@ def check_paged(model, seqs, ref, steps, page_size, rng, what, **schedule):
 
 
 @torch.no_grad()
+def check_every_path(setup, label: str) -> None:
+    """Packed compositions, one-shot prefill, prefill + decode and random schedules at page sizes 1 / 16 / 64 all give
+    ``setup``'s packed reference bits (the device tiers run this on their own models)."""
+    model, seqs, ref = setup
+    test_packed_compositions(setup)
+    check_paged(model, seqs, ref, [[(i, len(s)) for i, s in enumerate(seqs)]], 16, random.Random(0),
+                f"{label} one-shot prefill")
+    check_paged(model, seqs, ref, decode_schedule(seqs), 8, random.Random(1), f"{label} decode")
+    for seed, page_size in [(3, 1), (4, 16), (5, 64)]:
+        rng = random.Random(seed)
+        check_paged(model, seqs, ref, random_schedule(seqs, rng), page_size, rng,
+                    f"{label} random schedule (seed {seed}, page_size {page_size})")
+
+
 def test_packed_compositions(setup):
     model, seqs, ref = setup
     dev = model.device

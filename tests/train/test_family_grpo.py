@@ -37,16 +37,17 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_grpo_has_zero_mismatches_and_trains_the_family_weights(family, tmp_path):
+def assert_family_trains(family: str, tmp_path, device: str = "cpu") -> None:
+    """Two strict GRPO steps of the family's tiny checkpoint on ``device``: 0 log-prob (and routing) mismatches, the
+    family's own weights trained, its frozen ones bit-identical."""
     overrides, routes, trained, frozen = FAMILIES[family]
     model = tiny_model(family, seed=0, init_std=0.1, vocab_size=len(VOCAB), pad_token_id=None, eos_token_id=None,
                        **overrides)
     model_dir = save_model(model, tmp_path / "model")
     write_char_tokenizer(model_dir)   # the arithmetic task's character tokenizer: the dense reward is often earned
     run_dir = tmp_path / "run"
-    cfg = load_config(TrainConfig, None, tiny_overrides(model_dir, run_dir, steps=2, dense_reward=True))
-    steps = [r for r in read_metrics(run_training(cfg)) if "reward/mean" in r]
+    keys = tiny_overrides(model_dir, run_dir, steps=2, dense_reward=True) + [f"model.device={device}"]
+    steps = [r for r in read_metrics(run_training(load_config(TrainConfig, None, keys))) if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["mismatch/count"] == 0 and r["mismatch/tokens"] > 0 for r in steps)
     if routes:
@@ -58,3 +59,8 @@ def test_grpo_has_zero_mismatches_and_trains_the_family_weights(family, tmp_path
     for name in frozen:
         assert before[name].dtype == after[name].dtype == torch.float32 and before[name].abs().max() > 0
         assert torch.equal(before[name].view(torch.int32), after[name].view(torch.int32)), f"{name} changed"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_grpo_has_zero_mismatches_and_trains_the_family_weights(family, tmp_path):
+    assert_family_trains(family, tmp_path)
