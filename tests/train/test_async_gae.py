@@ -7,26 +7,12 @@ import math
 
 import torch
 
-from rlalign.configlib import load_config
 from rlalign.train import sources
-from rlalign.train.config import TrainConfig
-from rlalign.train.loop import Trainer, run_training
+from rlalign.train.loop import run_training
 from rlalign.train.run.metrics import read_metrics
-from tests.train.conftest import tiny_overrides
+from tests.train.test_async_steps import VOLATILE, _cfg, _trainer
 
 GAE = ("algo.advantage=gae", "algo.value_lr=0.05")
-VOLATILE = ("time/", "tokens_per_s/", "memory/")
-
-
-def _cfg(model_dir, run_dir, steps, *extra):
-    return load_config(TrainConfig, None, tiny_overrides(model_dir, run_dir, steps=steps, dense_reward=True) + [
-        "optim.warmup_steps=1", *extra])
-
-
-def _trainer(model_dir, run_dir, *extra):
-    trainer = Trainer(_cfg(model_dir, run_dir, 4, *extra))
-    trainer.resume_if_asked()
-    return trainer
 
 
 def test_k1_gae_verifies_the_behaviour_log_probs_and_trains(arithmetic_model_dir, tmp_path):
