@@ -11,6 +11,7 @@ from rlalign.contract.bits import bits_equal
 from rlalign.doctor.base import Check, randn as _randn
 from rlalign.ops.torch_backend import clib, elementwise, norm, primitives
 from rlalign.ops.torch_backend.attention import compiled as compiled_attention, gemms as attention_gemms
+from rlalign.ops.torch_backend.linear import linear_fp32
 
 def gemm_row_position(device, gen):
     for k, n in ((64, 64), (256, 768), (1024, 1024), (128, 1024)):
@@ -53,7 +54,6 @@ _COLUMN_CASES = ((2 * spec.VOCAB_BLOCK, 0), (3 * spec.VOCAB_BLOCK, spec.VOCAB_BL
 def _strict_linear_columns(gen):
     """The strict CPU linear (forward with and without the canonical K partition, dX, weight gradient) and the LM
     head's vocab-block GEMM: the same columns at every N and offset, narrow slices (N = 15, 8, 1) included."""
-    from rlalign.ops.torch_backend.linear import linear_fp32
     k, width = 256, spec.VOCAB_BLOCK
     a = torch.randn(spec.ROW_BLOCK + 3, k, generator=gen)
     w = torch.randn(width, k, generator=gen)

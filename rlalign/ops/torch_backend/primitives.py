@@ -138,8 +138,7 @@ SMALL_ROWS = 8
 
 def kernel_defines() -> bool:
     """Whether csrc/gemm.c is the definition of every strict CPU linear GEMM -- forward, dX, weight gradient, the LM
-    head's vocab blocks -- whatever the shape: the cross-machine mode (``RLALIGN_CPU_CROSS_MACHINE``, on by
-    default). No strict GEMM then runs the library's tiles, whose remainder columns (the last N % 16 of a call,
+    head's vocab blocks -- whatever the shape: the cross-machine mode (``RLALIGN_CPU_CROSS_MACHINE=1``). No strict GEMM then runs the library's tiles, whose remainder columns (the last N % 16 of a call,
     N < 16) MKL's COMPATIBLE branch orders otherwise, so a column's bits would depend on the call's N and the
     column's offset (tensor parallelism computes N / tp columns). The kernel's columns depend on their own
     inputs only (no column reads another; the 16-column blocks and the tail run the same chain per element).
@@ -159,9 +158,9 @@ def kernel_rows(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
         reason = ("the compiled CPU kernels are not available (no C compiler, or RLALIGN_CPU_KERNELS=0)"
                   if clib.library() is None else f"unsupported operands ({a.dtype}, {parts} segments)")
         if kernel_defines():
-            raise fail("linear", f"the cross-machine mode (RLALIGN_CPU_CROSS_MACHINE=1, the default) computes every "
+            raise fail("linear", f"the cross-machine mode (RLALIGN_CPU_CROSS_MACHINE=1) computes every "
                                  f"strict CPU linear with the compiled kernels and {reason}: install a C compiler "
-                                 "(cc/gcc) and unset RLALIGN_CPU_KERNELS, or set RLALIGN_CPU_CROSS_MACHINE=0 (bits "
+                                 "(cc/gcc) and unset RLALIGN_CPU_KERNELS, or unset RLALIGN_CPU_CROSS_MACHINE (bits "
                                  "reproduce on this machine only), or use profile='native'")
         raise fail("linear", f"the BLAS tile for K={k}, N={n} ({parts} K segments) is not row invariant on this "
                              f"machine and {reason}: install a C compiler (cc/gcc) and unset RLALIGN_CPU_KERNELS, "
