@@ -119,7 +119,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "same bits, slower; docs/cpu.md", "1", "0 (off) or 1 (on, the default)", _switch(("1",), ("0",)),
            ("yes", "2", "off")),
     EnvVar("RLALIGN_CPU_CROSS_MACHINE", "strict CPU runs with the same bits on every x86-64 CPU with AVX2: MKL pinned "
-           "to its COMPATIBLE branch and fixed-order reductions; docs/cpu.md", "0",
+           "to its COMPATIBLE branch, the compiled kernels as the strict linear and fixed-order reductions; docs/cpu.md", "0",
            "0 (off, the default) or 1 (on)", _switch(("1",), ("0",)), ("yes", "2", "on")),
     EnvVar("RLALIGN_CACHE_DIR", "where the compiled CPU kernels are cached", "~/.cache/rlalign",
            "an absolute directory path (~ expanded; created when missing)", _directory, ("relative/dir", "/dev/null")),

@@ -17,10 +17,11 @@ process runs (``rlalign doctor`` prints it). A user who set ``MKL_CBWR`` to anot
 :func:`status` reports the branch as not machine-independent).
 
 The mode also selects the fixed-order reductions (:mod:`rlalign.reductions`) for the gradient norm and the
-logged statistics (:func:`cross_machine`). Off by default for now: it changes the bits of every CPU run (the
-recorded default run's among them), and one library assumption that CPU tensor parallelism relies on is open in it
-(docs/cpu.md, "Across machines"). Its speed is the default's: the compiled CPU kernels are built to the pinned
-branch's GEMM arithmetic (:mod:`rlalign.ops.torch_backend.clib`).
+logged statistics (:func:`cross_machine`), and makes the compiled GEMM kernel, built to the pinned branch's
+arithmetic (:mod:`rlalign.ops.torch_backend.clib`), the definition of every strict CPU linear shape
+(``primitives.kernel_defines``: a column's bits then do not depend on the call's width, which CPU tensor
+parallelism relies on). Its speed is the default's. Off by default for now: it changes the bits of every CPU run
+(the recorded runs') and the test suite run in the mode does not pass yet (docs/cpu.md, "Across machines").
 """
 
 from __future__ import annotations

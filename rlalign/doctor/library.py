@@ -11,6 +11,7 @@ from rlalign.contract.bits import bits_equal
 from rlalign.doctor.base import Check, randn as _randn
 from rlalign.ops.torch_backend import clib, elementwise, norm, primitives
 from rlalign.ops.torch_backend.attention import compiled as compiled_attention, gemms as attention_gemms
+from rlalign.ops.torch_backend.linear import linear_fp32
 
 def gemm_row_position(device, gen):
     for k, n in ((64, 64), (256, 768), (1024, 1024), (128, 1024)):
@@ -29,16 +30,46 @@ def gemm_row_position(device, gen):
 
 
 def gemm_column_invariance(device, gen):
+    """A column's bits do not depend on the call's N or the column's offset (a column-parallel rank computes N / tp
+    columns). In the cross-machine mode on the CPU the strict linear's own GEMM is checked, the compiled kernel
+    that defines every shape there (the library's tiles run no strict GEMM); elsewhere the library's ``mm``."""
+    if device.type == "cpu" and primitives.kernel_defines():
+        return _strict_linear_columns(gen)
     k = 256
     a = _randn(gen, spec.ROW_BLOCK, k, device=device)
     w = _randn(gen, spec.VOCAB_BLOCK, k, device=device)
     ref = torch.mm(a, w.t())
-    for n, off in ((2 * spec.VOCAB_BLOCK, 0), (3 * spec.VOCAB_BLOCK, spec.VOCAB_BLOCK), (spec.VOCAB_BLOCK + 37, 37)):
+    for n, off in _COLUMN_CASES:
         big = _randn(gen, n, k, device=device)
         big[off:off + spec.VOCAB_BLOCK] = w
         if not bits_equal(torch.mm(a, big.t())[:, off:off + spec.VOCAB_BLOCK], ref):
             return False, f"columns differ when N={n}, offset {off}"
     return True
+
+
+# (N, offset) of the column checks: wide and narrow calls, offsets and widths off the 16-column blocks
+_COLUMN_CASES = ((2 * spec.VOCAB_BLOCK, 0), (3 * spec.VOCAB_BLOCK, spec.VOCAB_BLOCK), (spec.VOCAB_BLOCK + 37, 37))
+
+
+def _strict_linear_columns(gen):
+    """The strict CPU linear (forward with and without the canonical K partition, dX, weight gradient) and the LM
+    head's vocab-block GEMM: the same columns at every N and offset, narrow slices (N = 15, 8, 1) included."""
+    k, width = 256, spec.VOCAB_BLOCK
+    a = torch.randn(spec.ROW_BLOCK + 3, k, generator=gen)
+    w = torch.randn(width, k, generator=gen)
+    g = torch.randn(a.shape[0], width, generator=gen)
+    ref = {"forward": linear_fp32(a, w, None), "forward, 8 K segments": linear_fp32(a, w, spec.K_SEGMENTS),
+           "LM head block": primitives.tile_mm(a, w), "weight gradient": primitives.weight_grad(g, a).t()}
+    for n, off in _COLUMN_CASES + ((15, 3), (8, 0), (1, 0)):
+        big, gb = torch.randn(n, k, generator=gen), torch.randn(a.shape[0], n, generator=gen)
+        cols = slice(off, off + min(width, n - off))
+        big[cols], gb[:, cols] = w[:cols.stop - cols.start], g[:, :cols.stop - cols.start]
+        got = {"forward": linear_fp32(a, big, None), "forward, 8 K segments": linear_fp32(a, big, spec.K_SEGMENTS),
+               "LM head block": primitives.tile_mm(a, big), "weight gradient": primitives.weight_grad(gb, a).t()}
+        for name, out in got.items():
+            if not bits_equal(out[:, cols], ref[name][:, :cols.stop - cols.start]):
+                return False, f"strict linear ({name}): columns differ when N={n}, offset {off}"
+    return True, "the strict linear's compiled kernel (the cross-machine mode's definition); the library's tiles run no strict GEMM"
 
 
 def bmm_item_invariance(device, gen):
@@ -152,7 +183,7 @@ def compiled_kernels(device, gen):
     for k, n, p in ((128, 384, 1), (384, 128, 8), (512, 96, 4)):
         if primitives.gemm_matches(k, n, p, threads):
             a, wk = _randn(gen, 70, k, device=device), _randn(gen, n, k, device=device)
-            tile = primitives.tile_mm(a, wk) if p == 1 else primitives.tree_merge(primitives.tile_mm_segments(a, wk, p))
+            tile = primitives._tile_mm(a, wk) if p == 1 else primitives.tree_merge(primitives.tile_mm_segments(a, wk, p))
             pairs += ((f"linear rows ({k}x{n}, {p} segments)", primitives.compiled_gemm(a, wk, p), tile),)
     for name, got, want in pairs:
         if got is None or not bits_equal(got, want):

@@ -17,7 +17,7 @@ from rlalign import ops
 from rlalign.contract import spec
 from rlalign.ops.torch_backend.attention import plan as attention_plan, scratch as attention_scratch
 from rlalign.ops.torch_backend.linear import linear_fp32, segment_count
-from rlalign.ops.torch_backend.primitives import pad_rows, tile_mm
+from rlalign.ops.torch_backend.primitives import compiled_gemm, kernel_defines, pad_rows, tile_mm
 from rlalign.reductions import tree_sum
 from tests.bitwise import assert_bitwise_equal
 
@@ -56,6 +56,11 @@ def test_tile_mm_and_segments_equal_one_mm_per_block(m, k, n):
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen)
+    if kernel_defines():   # the cross-machine mode: the compiled kernel is every shape's definition, no MKL tile
+        assert_same_bits(tile_mm(x, w), compiled_gemm(x, w, 1))
+        for ks in (2, 8):
+            assert_same_bits(linear_fp32(x, w, ks), compiled_gemm(x, w, segment_count(k, ks)))
+        return
     assert_same_bits(tile_mm(x, w), _tile_mm_plain(x, w)[:m])
     assert_same_bits(tile_mm(x, w.t().contiguous().t()), _tile_mm_plain(x, w)[:m])  # w given transposed
     for ks in (2, 8):

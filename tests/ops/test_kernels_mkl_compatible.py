@@ -30,13 +30,13 @@ def test_kernels_equal_mkl_compatible_in_a_child_process():
     if not torch.backends.mkl.is_available():
         pytest.skip("torch has no MKL")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MKL_", "PYTEST_"))}
-    env.update(MKL_CBWR="COMPATIBLE", RLALIGN_TEST_MKL_CHILD="1", PYTHONPATH=str(ROOT))
+    env.update(MKL_CBWR="COMPATIBLE", RLALIGN_TEST_MKL_CHILD="1", PYTHONPATH=str(ROOT), RLALIGN_CPU_CROSS_MACHINE="1")
     done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-p",
                            "no:randomly", "-n", "0", "-x"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     last = done.stdout.strip().splitlines()[-1]
-    assert "6 passed" in last and "failed" not in last, done.stdout[-2000:]   # the child's tests all ran
+    assert "8 passed" in last and "failed" not in last, done.stdout[-2000:]   # the child's tests all ran
 
 
 @child_only
@@ -118,3 +118,49 @@ def test_linear_takes_the_kernel_route_and_keeps_its_bits():
             x = torch.randn(m, k, generator=gen)
             tiles = P._tile_mm(x, w) if p == 1 else P.tree_merge(P.tile_mm_segments(x, w, p))
             assert_same_bits(linear_fp32(x, w, ks), tiles, f"linear m={m} k={k} n={n} segments={p}")
+
+
+@child_only
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 70), n=st.integers(1, 24), tp=st.sampled_from([1, 2, 4, 8]), k=st.integers(1, 300),
+       segments=st.sampled_from([None, 8]), seed=st.integers(0, 2 ** 31 - 1))
+def test_mode_linear_is_the_kernel_for_every_shape_and_rank(m, n, tp, k, segments, seed):
+    """In the cross-machine mode csrc/gemm.c defines the strict linear at every width: forward, dX and weight
+    gradient are the kernel's bits, and a column-parallel rank's N / tp columns (widths and offsets off the
+    16-column blocks included) equal TP = 1's -- MKL COMPATIBLE's remainder columns are never used."""
+    from rlalign import ops
+    from rlalign.ops.torch_backend import primitives as P
+    from rlalign.ops.torch_backend.linear import segment_count
+    k = k * 8 if segments else k
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, requires_grad=True)
+    w = torch.randn(n * tp, k, generator=gen, requires_grad=True)
+    g = torch.randn(m, n * tp, generator=gen)
+    out = ops.linear(x, w, k_segments=segments, profile="strict")
+    out.backward(g)
+    p = segment_count(k, segments) if segments else 1
+    assert_same_bits(out.detach(), P.compiled_gemm(x.detach(), w.detach(), p), f"forward m={m} n={n * tp} k={k}")
+    assert_same_bits(x.grad, P.compiled_gemm(g, w.detach().t(), 1), f"dX m={m} n={n * tp} k={k}")
+    assert_same_bits(w.grad, P.compiled_gemm(g.t(), x.detach().t(), 1), f"dW m={m} n={n * tp} k={k}")
+    for r in range(tp):
+        cols = slice(r * n, (r + 1) * n)
+        rank = ops.linear(x.detach(), w.detach()[cols], k_segments=segments, profile="strict")
+        assert_same_bits(rank, out.detach()[:, cols], f"rank {r} of tp={tp}, n={n} k={k}")
+        assert_same_bits(P.weight_grad(g[:, cols], x.detach()), w.grad[cols], f"dW rank {r} of tp={tp}")
+
+
+@child_only
+def test_mode_without_the_kernels_refuses_the_linear_in_one_line(monkeypatch):
+    """Fail closed: in the cross-machine mode a strict CPU linear with no compiled kernels raises one line."""
+    from rlalign import ops
+    from rlalign.contract.errors import RLAlignError
+    from rlalign.ops._dispatch import refresh_env
+    monkeypatch.setenv("RLALIGN_CPU_KERNELS", "0")
+    refresh_env()
+    try:
+        with pytest.raises(RLAlignError) as caught:
+            ops.linear(torch.randn(3, 32), torch.randn(15, 32), profile="strict")
+    finally:
+        monkeypatch.delenv("RLALIGN_CPU_KERNELS")
+        refresh_env()
+    assert "RLALIGN_CPU_CROSS_MACHINE" in str(caught.value) and "\n" not in str(caught.value)

@@ -19,6 +19,7 @@ from rlalign.models.testing import make_tiny_checkpoint, tiny_model, write_tiny_
 from rlalign.models.tokenizer import load_tokenizer
 from rlalign.train.layer_recompute import RecomputedLayer
 from rlalign.train.packing import score_completions, scored_rows
+from rlalign.train.parallel import clip_params_, norm_mode
 from rlalign.train.pretrain import HabitCorpus, PretrainConfig, hf_config, pretrain
 from rlalign.train.run.metrics import read_metrics
 from rlalign.train.sft.config import DataSection, SFTConfig
@@ -280,7 +281,11 @@ def test_pretrain_on_the_sft_step_equals_its_standalone_loop(tmp_path):
         lp, _ = score_completions(old, [(list(e.tokens), len(e.tokens) - e.num_scored) for e in batch])
         opt.zero_grad(set_to_none=True)
         (-lp.mean()).backward()
-        torch.nn.utils.clip_grad_norm_(old.parameters(), 1.0, foreach=False)
+        params = list(old.parameters())
+        if norm_mode([p.grad for p in params]) == "fixed":   # the cross-machine mode: the fixed-order norm clips
+            clip_params_(params, 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False)
         opt.step()
     for (name, a), b in zip(old.named_parameters(), new.parameters()):
         assert_bitwise_equal(a, b, name)

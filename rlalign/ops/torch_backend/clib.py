@@ -91,10 +91,14 @@ def compatible() -> bool:
 @functools.lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | None:
     try:
-        path = _build(COMPATIBLE_FLAGS if compatible() else ())
+        # the cross-machine mode's linear is defined by the COMPATIBLE build whatever branch MKL runs (primitives.
+        # kernel_defines); the kernels whose bits must be MKL's are checked against it before they run
+        path = _build(COMPATIBLE_FLAGS if mklmode.cross_machine() or compatible() else ())
     except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+        mode = (" and, in the cross-machine mode (RLALIGN_CPU_CROSS_MACHINE=1), the strict linear refuses to run"
+                if mklmode.cross_machine() else "")
         warnings.warn(f"rlalign: the CPU strict kernels could not be built ({e}); strict attention on the CPU "
-                      "runs its torch formulation (the same bits, slower). Install a C compiler (cc/gcc) "
+                      f"runs its torch formulation (the same bits, slower){mode}. Install a C compiler (cc/gcc) "
                       "or set RLALIGN_CPU_KERNELS=0 to silence this.", RuntimeWarning, stacklevel=3)
         return None
     lib = ctypes.CDLL(str(path))

@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from rlalign import mklmode
 from rlalign.contract import spec
 from rlalign.contract.bits import bits_equal
 from rlalign.contract.errors import fail
@@ -36,12 +37,15 @@ def tile_mm(a: torch.Tensor, w: torch.Tensor, row_block: int = spec.ROW_BLOCK) -
     (row_block x K) x (K x N) whatever M is, so its bits cannot depend on M or on the other rows --
     on the CPU only for a (K, N) whose library tile passed :func:`tiles_hold` on this machine. For
     any other shape (narrow N, odd K: MKL's tile then depends on the row's position and the batch)
-    every row runs the compiled kernel, invariant by construction (:func:`kernel_rows`).
+    every row runs the compiled kernel, invariant by construction (:func:`kernel_rows`); in the
+    cross-machine mode every shape does (:func:`kernel_defines`).
     """
     m = a.shape[0]
     if m == 0:
         return a.new_zeros((0, w.shape[0]))
     if a.device.type == "cpu":
+        if kernel_defines():
+            return kernel_rows(a, w, 1)
         if not tiles_hold(a.shape[1], w.shape[0], torch.get_num_threads()):
             return kernel_rows(a, w, 1)
         if a.dtype == w.dtype == torch.float32 and kernel_preferred(a.shape[1], w.shape[0], 1):
@@ -132,6 +136,16 @@ def _segment_items(w: torch.Tensor, parts: int, t: int) -> torch.Tensor:
 SMALL_ROWS = 8
 
 
+def kernel_defines() -> bool:
+    """Whether csrc/gemm.c is the definition of every strict CPU linear GEMM -- forward, dX, weight gradient, the LM
+    head's vocab blocks -- whatever the shape: the cross-machine mode (``RLALIGN_CPU_CROSS_MACHINE=1``). No strict GEMM then runs the library's tiles, whose remainder columns (the last N % 16 of a call,
+    N < 16) MKL's COMPATIBLE branch orders otherwise, so a column's bits would depend on the call's N and the
+    column's offset (tensor parallelism computes N / tp columns). The kernel's columns depend on their own
+    inputs only (no column reads another; the 16-column blocks and the tail run the same chain per element).
+    Without the kernels the strict linear raises in the mode (:func:`kernel_rows`)."""
+    return mklmode.cross_machine()
+
+
 def kernel_rows(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
     """The unrounded fp32 linear of every row of a [M, K] with w [N, K] (``parts`` K segments, tree-merged)
     by csrc/gemm.c, whatever its bits are next to the library's tile: the route for the shapes whose
@@ -143,6 +157,11 @@ def kernel_rows(a: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
     if a.dtype != torch.float32 or w.dtype != torch.float32 or parts > 64 or clib.library() is None:
         reason = ("the compiled CPU kernels are not available (no C compiler, or RLALIGN_CPU_KERNELS=0)"
                   if clib.library() is None else f"unsupported operands ({a.dtype}, {parts} segments)")
+        if kernel_defines():
+            raise fail("linear", f"the cross-machine mode (RLALIGN_CPU_CROSS_MACHINE=1) computes every "
+                                 f"strict CPU linear with the compiled kernels and {reason}: install a C compiler "
+                                 "(cc/gcc) and unset RLALIGN_CPU_KERNELS, or unset RLALIGN_CPU_CROSS_MACHINE (bits "
+                                 "reproduce on this machine only), or use profile='native'")
         raise fail("linear", f"the BLAS tile for K={k}, N={n} ({parts} K segments) is not row invariant on this "
                              f"machine and {reason}: install a C compiler (cc/gcc) and unset RLALIGN_CPU_KERNELS, "
                              "or use profile='native'")
@@ -159,6 +178,10 @@ def linear_route(k: int, n: int, parts: int) -> str:
     Raises when neither is possible (tiles not invariant and no kernel)."""
     threads = torch.get_num_threads()
     kernel = clib.library() is not None and parts <= 64
+    if kernel_defines():
+        if not kernel:
+            kernel_rows(torch.empty(0, k), torch.empty(n, k), parts)   # raises the fail-closed error
+        return "kernel"
     if kernel_preferred(k, n, parts):
         return "kernel"
     if tiles_hold(k // parts, n, threads):
@@ -255,11 +278,13 @@ WEIGHT_GRAD_TOKENS = (2, 113, 500, 4099)
 
 def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The linear's weight gradient ``g^T @ x`` (g [T, N], x [T, K] fp32 -> [N, K]): one fp32 GEMM over the T
-    tokens, deterministic run to run (not invariant to how tokens are split into micro-batches). Under MKL's
-    COMPATIBLE branch, whose GEMM runs at about half the speed of this kernel, csrc/gemm.c computes it where it
+    tokens, deterministic run to run (not invariant to how tokens are split into micro-batches). In the
+    cross-machine mode csrc/gemm.c for every shape (:func:`kernel_defines`). Under MKL's COMPATIBLE branch otherwise, whose GEMM runs at about half the speed of this kernel, csrc/gemm.c computes it where it
     gives the library's bits for (N, K) at this thread count (:func:`weight_grad_matches`) and T is at most the
     largest count checked (and at least 2); everywhere else the library."""
     t, n, k = g.shape[0], g.shape[1], x.shape[1]
+    if g.device.type == "cpu" and kernel_defines():   # the definition in the cross-machine mode, every T
+        return kernel_rows(g.t(), x.t(), 1)
     if (g.device.type == "cpu" and g.dtype == x.dtype == torch.float32
             and WEIGHT_GRAD_TOKENS[0] <= t <= WEIGHT_GRAD_TOKENS[-1]
             and clib.compatible() and clib.library() is not None
