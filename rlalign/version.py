@@ -1,3 +1,3 @@
 """rlalign's version (a leaf module, so that any layer can record it without importing the package facade)."""
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
