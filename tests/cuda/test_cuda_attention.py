@@ -59,7 +59,7 @@ def _paged_cache(k, v, lens, page_size, seed):
     width = max(pages) + 1
     table = torch.zeros((len(lens), width), dtype=torch.int32)
     kc = torch.full((total, page_size, HKV, k.shape[-1]), float("nan"), dtype=k.dtype, device="cuda")
-    vc = kc.clone()
+    vc = torch.full((total, page_size, HKV, v.shape[-1]), float("nan"), dtype=v.dtype, device="cuda")
     start, used = 0, 0
     for s, n in enumerate(lens):
         ids = perm[used:used + pages[s]]

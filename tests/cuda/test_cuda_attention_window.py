@@ -24,6 +24,7 @@ from rlalign.models import ForwardBatch
 from rlalign.models.testing import tiny_model
 from tests.bitwise import assert_bitwise_equal
 from tests.cuda.conftest import rand, rel_err
+from tests.cuda.test_cuda_attention import _paged_cache
 from tests.references import causal_attention_float64
 
 pytestmark = pytest.mark.cuda
@@ -51,26 +52,6 @@ def _sinks(seed):
     return rand(HQ, dtype=torch.float32, seed=seed, scale=2.0)
 
 
-def _cache(k, v, lens, page_size, seed):
-    """A NaN-filled cache holding every sequence's K/V in shuffled pages -> (k_cache, v_cache, table)."""
-    pages = [-(-n // page_size) for n in lens]
-    total = sum(pages) + 5
-    perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
-    table = torch.zeros((len(lens), max(pages) + 1), dtype=torch.int32)
-    kc = torch.full((total, page_size, HKV, k.shape[-1]), float("nan"), dtype=k.dtype, device="cuda")
-    vc = torch.full((total, page_size, HKV, v.shape[-1]), float("nan"), dtype=v.dtype, device="cuda")
-    start, used = 0, 0
-    for s, n in enumerate(lens):
-        ids = perm[used:used + pages[s]]
-        used += pages[s]
-        table[s, :len(ids)] = torch.tensor(ids)
-        pos = torch.arange(n)
-        slot = (torch.tensor(ids)[pos // page_size] * page_size + pos % page_size).cuda()
-        ops.write_kv_cache(k[start:start + n], v[start:start + n], kc, vc, slot)
-        start += n
-    return kc, vc, table.cuda()
-
-
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("d, dv", [(64, 64), (192, 192), (192, 128), (24, 40)])
 @pytest.mark.parametrize("window, with_sinks", CASES)
@@ -88,7 +69,7 @@ def test_every_path_gives_the_packed_bits(triton_backend, d, dv, dtype, window, 
         assert_bitwise_equal(ops.attention_varlen(q[r], k[r], v[r], _i32([0, n]), **kw), packed[r],
                              f"{what}: sequence {s} alone")
     for page_size in (16, 64):
-        kc, vc, table = _cache(k, v, LENS, page_size, seed=page_size + d)
+        kc, vc, table = _paged_cache(k, v, LENS, page_size, seed=page_size + d)
         assert_bitwise_equal(ops.attention_paged(q, kc, vc, table, _i32(list(LENS)), cu, **kw), packed,
                              f"{what}: one paged prefill (page {page_size})")
         s, n, s0 = 2, LENS[2], starts[2]
@@ -140,7 +121,7 @@ def test_backward_accurate_deterministic_and_per_sequence(triton_backend, d, dv,
 def test_native_paged_runs_the_triton_kernel_with_window_and_sinks(triton_backend, dtype):
     q, k, v, cu = _batch(64, dtype, seed=30)
     sinks = _sinks(1)
-    kc, vc, table = _cache(k, v, LENS, 16, seed=1)
+    kc, vc, table = _paged_cache(k, v, LENS, 16, seed=1)
     ref = causal_attention_float64(q, k, v, list(LENS), 64 ** -0.5, 20, sinks)
     out = ops.attention_paged(q, kc, vc, table, _i32(list(LENS)), cu, window=20, sinks=sinks, profile="native")
     assert rel_err(out, ref) < TOL[dtype]
@@ -149,7 +130,7 @@ def test_native_paged_runs_the_triton_kernel_with_window_and_sinks(triton_backen
 def test_split_and_streamed_launches_refuse_a_window(triton_backend):
     from rlalign.ops.triton_backend import attention as A
     q, k, v, cu = _batch(64, torch.bfloat16, seed=4)
-    kc, vc, table = _cache(k, v, LENS, 16, seed=2)
+    kc, vc, table = _paged_cache(k, v, LENS, 16, seed=2)
     for launch in (dict(split_programs=True), dict(stream=True)):
         with pytest.raises(ContractError, match="one-program-per-item launch only"):
             A.paged_forward(q[:4], kc, vc, table, _i32(list(LENS)), _i32([0, 1, 2, 3, 4]), 0.1, window=8, **launch)
