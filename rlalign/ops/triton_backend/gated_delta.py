@@ -62,10 +62,10 @@ def _unit_lower_inverse(a, C: tl.constexpr):
 
 
 @triton.jit
-def _chunk_terms(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, S, DK: tl.constexpr, DV: tl.constexpr,
-                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr):
-    """One chunk (``item`` = its flat (j, b, h) index, ``n`` valid rows) from the state S [BK, BV] at its start:
-    (o [C, BV], the state after it (S when n < C), Gamma [C], Uv [C, BV], W [C, BK])."""
+def _chunk_rows(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr):
+    """The chunk's rows (``item`` its flat (j, b, h) index, ``n`` valid rows; zeros past them): q, k [C, BK],
+    v [C, BV], g, beta [C]. The forward and the backward's recompute load through this one function."""
     rows = tl.arange(0, C)
     ck = tl.arange(0, BK)
     cv = tl.arange(0, BV)
@@ -77,6 +77,16 @@ def _chunk_terms(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, S, DK: tl.constexpr
     v = tl.load(v_ptr + (item * C + rows[:, None]) * DV + cv[None, :], mask=vmask, other=0.0)
     g = tl.load(g_ptr + item * C + rows, mask=rmask, other=0.0)
     beta = tl.load(b_ptr + item * C + rows, mask=rmask, other=0.0)
+    return q, k, v, g, beta
+
+
+@triton.jit
+def _chunk_terms(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, S, DK: tl.constexpr, DV: tl.constexpr,
+                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr):
+    """One chunk (``item`` = its flat (j, b, h) index, ``n`` valid rows) from the state S [BK, BV] at its start:
+    (o [C, BV], the state after it (S when n < C), Gamma [C], Uv [C, BV], W [C, BK])."""
+    rows = tl.arange(0, C)
+    q, k, v, g, beta = _chunk_rows(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, DK, DV, C, BK, BV)
 
     gamma = tl.cumsum(g, 0)
     causal = rows[:, None] >= rows[None, :]
@@ -171,12 +181,8 @@ def delta_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, n_ptr, s0_ptr, states_pt
             before = ((j - 1) * B + b).to(tl.int64) * H + h                    # the chunk before's item
             S = tl.load(states_ptr + before * DK * DV + s_off, mask=smask, other=0.0)
         dS = dS + tl.load(dstates_ptr + item * DK * DV + s_off, mask=smask, other=0.0)   # dS_out
-        q = tl.load(q_ptr + (item * C + rows[:, None]) * DK + ck[None, :], mask=kmask, other=0.0)
-        k = tl.load(k_ptr + (item * C + rows[:, None]) * DK + ck[None, :], mask=kmask, other=0.0)
-        v = tl.load(v_ptr + (item * C + rows[:, None]) * DV + cv[None, :], mask=vmask, other=0.0)
+        q, k, v, g, beta = _chunk_rows(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, item, n, DK, DV, C, BK, BV)
         do = tl.load(do_ptr + (item * C + rows[:, None]) * DV + cv[None, :], mask=vmask, other=0.0)
-        g = tl.load(g_ptr + item * C + rows, mask=rmask, other=0.0)
-        beta = tl.load(b_ptr + item * C + rows, mask=rmask, other=0.0)
 
         # the forward, recomputed
         gamma = tl.cumsum(g, 0)
