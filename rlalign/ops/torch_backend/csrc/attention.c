@@ -286,28 +286,42 @@ static void finish_range(task *T, int64_t s0, int64_t s1) {
  * the OpenMP threads -- torch's own pool: the library links libgomp.so.1, which resolves to the copy
  * torch already loaded. A row's arithmetic does not depend on which thread runs it. */
 
-static int parallel(task *T, void (*body)(task *, int64_t, int64_t), int64_t threads) {
-    const layout *L = T->L;
+/* A sequence's work: its rows x the keys they visit (the forward's start at pos0, the backward's at 0). */
+static double seq_work(const layout *L, int64_t s, int with_context) {
+    return (double)L->n_q[s] * (double)((with_context ? L->pos0[s] : 0) + L->n_q[s] + KB);
+}
+
+/* Cut the sequences into contiguous ranges of about equal work, bounds[0..threads]; returns the number of threads
+ * to run (1: run everything on the caller's thread). */
+static int64_t split_work(const layout *L, int64_t threads, int with_context, int64_t *bounds) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     double total = 0.0;
-    for (int64_t s = 0; s < L->n_seq; s++) total += (double)L->n_q[s] * (double)(L->pos0[s] + L->n_q[s] + KB);
-    if (threads <= 1 || L->n_seq < 2 || total < PARALLEL_MIN_WORK) {
-        T->bad = 0;
-        body(T, 0, L->n_seq);
-        return T->bad;
-    }
-    int64_t bounds[MAX_THREADS + 1];
-    task local[MAX_THREADS];
+    for (int64_t s = 0; s < L->n_seq; s++) total += seq_work(L, s, with_context);
+    if (threads <= 1 || L->n_seq < 2 || total < PARALLEL_MIN_WORK) return 1;
     double acc = 0.0;
     int64_t s = 0;
     bounds[0] = 0;
     for (int64_t t = 0; t < threads; t++) {
         const double goal = total * (double)(t + 1) / (double)threads;
         while (s < L->n_seq && (t == threads - 1 || acc < goal)) {
-            acc += (double)L->n_q[s] * (double)(L->pos0[s] + L->n_q[s] + KB);
+            acc += seq_work(L, s, with_context);
             s++;
         }
         bounds[t + 1] = s;
+    }
+    return threads;
+}
+
+static int parallel(task *T, void (*body)(task *, int64_t, int64_t), int64_t threads) {
+    int64_t bounds[MAX_THREADS + 1];
+    threads = split_work(T->L, threads, 1, bounds);
+    if (threads == 1) {
+        T->bad = 0;
+        body(T, 0, T->L->n_seq);
+        return T->bad;
+    }
+    task local[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) {
         local[t] = *T;
         local[t].bad = 0;
     }
@@ -458,25 +472,11 @@ static void bwd_grads_range(bwd_task *T, int64_t s0, int64_t s1) {
 
 /* the sequences in contiguous ranges of about equal work, on torch's OpenMP pool (see parallel) */
 static void bwd_parallel(bwd_task *T, void (*body)(bwd_task *, int64_t, int64_t), int64_t threads) {
-    const layout *L = T->L;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    double total = 0.0;
-    for (int64_t s = 0; s < L->n_seq; s++) total += (double)L->n_q[s] * (double)(L->n_q[s] + KB);
-    if (threads <= 1 || L->n_seq < 2 || total < PARALLEL_MIN_WORK) {
-        body(T, 0, L->n_seq);
-        return;
-    }
     int64_t bounds[MAX_THREADS + 1];
-    double acc = 0.0;
-    int64_t s = 0;
-    bounds[0] = 0;
-    for (int64_t t = 0; t < threads; t++) {
-        const double goal = total * (double)(t + 1) / (double)threads;
-        while (s < L->n_seq && (t == threads - 1 || acc < goal)) {
-            acc += (double)L->n_q[s] * (double)(L->n_q[s] + KB);
-            s++;
-        }
-        bounds[t + 1] = s;
+    threads = split_work(T->L, threads, 0, bounds);
+    if (threads == 1) {
+        body(T, 0, T->L->n_seq);
+        return;
     }
     #pragma omp parallel for schedule(static, 1) num_threads(threads)
     for (int64_t t = 0; t < threads; t++) body(T, bounds[t], bounds[t + 1]);
