@@ -7,10 +7,9 @@ import math
 
 import torch
 
-from rlalign.train import sources
 from rlalign.train.loop import run_training
 from rlalign.train.run.metrics import read_metrics
-from tests.train.test_async_steps import VOLATILE, _cfg, _trainer
+from tests.train.test_async_steps import VOLATILE, _cfg, sync_and_k0_async
 
 GAE = ("algo.advantage=gae", "algo.value_lr=0.05")
 
@@ -29,9 +28,7 @@ def test_k1_gae_verifies_the_behaviour_log_probs_and_trains(arithmetic_model_dir
 def test_async_gae_without_lookahead_is_the_synchronous_gae_run_bit_for_bit(arithmetic_model_dir, tmp_path):
     """k = 0 through the asynchronous source: prox == behav bit for bit, so every V-trace ratio is exactly 1 and the
     value targets, value loss and advantages are the synchronous GAE run's."""
-    sync = _trainer(arithmetic_model_dir, tmp_path / "sync", *GAE)
-    piped = _trainer(arithmetic_model_dir, tmp_path / "piped", *GAE, "rollout.share_weights=false")
-    piped.source = sources.AsynchronousSource(piped.cfg, piped.sampler, piped.engine, piped._push)
+    sync, piped = sync_and_k0_async(arithmetic_model_dir, tmp_path, *GAE)
     try:
         value_moved = 0
         for step in (1, 2, 3):

@@ -41,6 +41,15 @@ def _trainer(model_dir, run_dir, *extra):
     return trainer
 
 
+def sync_and_k0_async(model_dir, tmp_path, *extra):
+    """Two trainers of one config: the synchronous source (shared engine) and the asynchronous source with k = 0
+    (an engine copy drawing in the worker thread)."""
+    sync = _trainer(model_dir, tmp_path / "sync", *extra)
+    piped = _trainer(model_dir, tmp_path / "piped", *extra, "rollout.share_weights=false")
+    piped.source = sources.AsynchronousSource(piped.cfg, piped.sampler, piped.engine, piped._push)
+    return sync, piped
+
+
 def _finish(trainer):
     trainer.close()
     trainer.run_lock.release()
@@ -126,9 +135,7 @@ def test_async_machinery_without_lookahead_equals_the_synchronous_run(arithmetic
     """The asynchronous source with k = 0 (each step's samples drawn in the worker thread by the trainer's current
     weights, an engine copy, the decoupled weights, which are exactly 1) against the synchronous source (shared
     engine): every metric both log and every weight, bit for bit."""
-    sync = _trainer(arithmetic_model_dir, tmp_path / "sync")
-    piped = _trainer(arithmetic_model_dir, tmp_path / "piped", "rollout.share_weights=false")
-    piped.source = sources.AsynchronousSource(piped.cfg, piped.sampler, piped.engine, piped._push)
+    sync, piped = sync_and_k0_async(arithmetic_model_dir, tmp_path)
     try:
         updated = 0
         for step in (1, 2, 3):
